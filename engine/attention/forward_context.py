@@ -1,0 +1,55 @@
+"""The per-step forward context: set once around a forward pass, read only by attention.
+
+Non-nestable by design: a forward pass sees exactly one batch's metadata.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Flattened varlen batch; sequences ordered decodes first. Shapes use B sequences, T tokens."""
+
+    query_start_loc: torch.Tensor   # [B+1] int32, token offsets of each sequence
+    seq_lens: torch.Tensor          # [B] int32, KV length including this step's tokens
+    block_tables: torch.Tensor      # [B, max_blocks] int32
+    slot_mapping: torch.Tensor      # [T] int64, block_id * block_size + offset
+    num_decodes: int                # leading sequences with exactly one new token
+    max_query_len: int
+    max_seq_len: int
+    # Host copies for the reference backend's python loops (avoid device syncs there).
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    attn_metadata: AttentionMetadata
+    kv_caches: list[torch.Tensor]   # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
+
+
+_current: ForwardContext | None = None
+
+
+@contextlib.contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[None]:
+    global _current
+    if _current is not None:
+        raise RuntimeError("forward contexts do not nest")
+    _current = ctx
+    try:
+        yield
+    finally:
+        _current = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("attention called outside a forward context")
+    return _current

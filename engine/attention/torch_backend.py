@@ -1,0 +1,90 @@
+"""Reference attention over the paged KV cache in plain torch (CPU and any device).
+
+Writes this step's K/V into the cache, then attends per sequence over the gathered blocks.
+Decodes are batched (padded gather + mask); prefills loop over sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.forward_context import AttentionMetadata
+
+
+def write_kv_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """key/value: [T, Hkv, D] → kv_cache [2, num_blocks, block_size, Hkv, D] at slot_mapping."""
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    flat[0].index_copy_(0, slot_mapping, key.to(flat.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(flat.dtype))
+
+
+def _gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    # -> k, v: [seq_len, Hkv, D]
+    block_size = kv_cache.shape[2]
+    n = -(-seq_len // block_size)
+    kv = kv_cache[:, block_ids[:n].long()]  # [2, n, bs, Hkv, D]
+    kv = kv.reshape(2, n * block_size, *kv_cache.shape[3:])[:, :seq_len]
+    return kv[0], kv[1]
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                md: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, Hkv, D] (this step's tokens) → out [T, H, D]."""
+        write_kv_torch(k, v, kv_cache, md.slot_mapping)
+        out = torch.empty_like(q)
+        nd = md.num_decodes
+        if nd > 0:
+            out[:nd] = self._decode(q[:nd], kv_cache, md, nd, scale)
+        qsl, sl = md.query_start_loc_cpu, md.seq_lens_cpu
+        for b in range(nd, len(sl)):
+            s, e = qsl[b], qsl[b + 1]
+            kb, vb = _gather_kv(kv_cache, md.block_tables[b], sl[b])
+            out[s:e] = _causal_attention(q[s:e], kb, vb, scale)
+        return out
+
+    @staticmethod
+    def _decode(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, nd: int,
+                scale: float) -> torch.Tensor:
+        # q: [B, H, D]; one query per sequence at the last position.
+        block_size = kv_cache.shape[2]
+        max_len = max(md.seq_lens_cpu[:nd])
+        n = -(-max_len // block_size)
+        tables = md.block_tables[:nd, :n].long()                   # [B, n]
+        kv = kv_cache[:, tables]                                   # [2, B, n, bs, Hkv, D]
+        kv = kv.reshape(2, nd, n * block_size, *kv_cache.shape[3:])
+        k, v = kv[0], kv[1]                                        # [B, L, Hkv, D]
+        hq, hkv = q.shape[1], k.shape[2]
+        pos = torch.arange(n * block_size, device=q.device)
+        mask = pos[None, :] < md.seq_lens[:nd, None]               # [B, L]
+        qf = q.float().view(nd, hkv, hq // hkv, -1)                # [B, Hkv, G, D]
+        scores = torch.einsum("bkgd,blkd->bkgl", qf, k.float()) * scale
+        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.einsum("bkgl,blkd->bkgd", probs, v.float())
+        return o.reshape(nd, hq, -1).to(q.dtype)
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+                      ) -> torch.Tensor:
+    """q: [Lq, H, D] at the last Lq of Lk positions; k/v: [Lk, Hkv, D] → [Lq, H, D]."""
+    lq, lk = q.shape[0], k.shape[0]
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq != hkv:
+        k = k.repeat_interleave(hq // hkv, dim=1)
+        v = v.repeat_interleave(hq // hkv, dim=1)
+    qpos = torch.arange(lk - lq, lk, device=q.device)
+    mask = torch.arange(lk, device=q.device)[None, :] <= qpos[:, None]  # [Lq, Lk]
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1).float(), k.transpose(0, 1).float(), v.transpose(0, 1).float(),
+        attn_mask=mask, scale=scale)
+    return o.transpose(0, 1).to(q.dtype)

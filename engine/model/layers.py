@@ -1,0 +1,105 @@
+"""Building blocks: RMSNorm, rotary embedding (plain / linear / llama3 scaling), SiLU-and-mul.
+
+Each op has a torch path (the reference, bit-compatible with Hugging Face's Llama) and, where
+`use_triton` is set, a fused Triton kernel from `engine.kernels`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.config import ConfigError
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, use_triton: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.use_triton = use_triton
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, D]. With `residual`: returns (norm(x + residual), x + residual)."""
+        if self.use_triton:
+            from engine.kernels import rms_norm
+            return rms_norm(x, self.weight, self.eps, residual=residual)
+        if residual is not None:
+            x = x + residual
+            residual = x
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * h.to(dtype)
+        return out if residual is None else (out, residual)
+
+
+def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [D/2] and the position scale factor, as Hugging Face computes them."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if scaling is None or rope_type == "default":
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"]), 1.0
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling["low_freq_factor"])
+        high = float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    raise ConfigError(f"rope_scaling type {rope_type!r} is not supported; supported: default, "
+                      "linear, llama3")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style RoPE (rotate halves) with a precomputed cos/sin cache [max_pos, D]."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float,
+                 scaling: dict[str, Any] | None, use_triton: bool = False) -> None:
+        super().__init__()
+        inv_freq, _ = _inv_freq(head_dim, theta, scaling)
+        t = torch.arange(max_position, dtype=torch.int64).float()
+        freqs = torch.outer(t, inv_freq)                      # [max_pos, D/2]
+        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [max_pos, D]: cos | sin
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+        self.head_dim = head_dim
+        self.use_triton = use_triton
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T]; q: [T, H, D]; k: [T, Hkv, D]."""
+        if self.use_triton:
+            from engine.kernels import rotary_embedding
+            rotary_embedding(positions, q, k, self.cos_sin_cache)
+            return q, k
+        cos_sin = self.cos_sin_cache[positions]
+        half = self.head_dim // 2
+        cos = torch.cat([cos_sin[:, :half]] * 2, dim=-1)[:, None, :].to(q.dtype)
+        sin = torch.cat([cos_sin[:, half:]] * 2, dim=-1)[:, None, :].to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def silu_and_mul(x: torch.Tensor, use_triton: bool = False) -> torch.Tensor:
+    """x: [T, 2I] → silu(x[:, :I]) * x[:, I:]: [T, I]."""
+    if use_triton:
+        from engine.kernels import silu_and_mul as fused
+        return fused(x)
+    gate, up = x.chunk(2, dim=-1)
+    return nn.functional.silu(gate) * up

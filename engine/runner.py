@@ -1,0 +1,245 @@
+"""Model runner: owns the model, the physical KV cache, and one step's input tensors.
+
+    execute(scheduler_output) = prepare inputs (one place) → forward → logits of sampling rows
+                                → sample
+
+The KV cache is a single tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`
+so that a block (`kv_cache[:, :, block_id]`) can be read or written in one copy for transfer.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.forward_context import AttentionMetadata, ForwardContext, forward_context
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.model.llama import AttentionBackend, LlamaForCausalLM
+from engine.sampler import Sampler
+from engine.scheduler import SampledToken, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerResult:
+    """What the runner found at start-up (never written back into the config)."""
+
+    device: str
+    dtype: torch.dtype
+    num_blocks: int
+    block_bytes: int
+    attention_backend: str
+    cuda_graphs: bool
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, default: torch.dtype, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # bf16/fp16 matmuls are slow or inexact on CPUs
+    return default if default != torch.float32 else torch.bfloat16
+
+
+def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "triton":
+        from engine.attention.triton_backend import TritonAttentionBackend
+        return TritonAttentionBackend()
+    raise ConfigError(f"attention_backend must be torch, triton or auto, got {name!r}")
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
+                 weights: object, dummy_seed: int | None, default_dtype: torch.dtype) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = resolve_device(config.runner.device)
+        self.dtype = resolve_dtype(config.load.dtype, default_dtype, self.device)
+        self.block_size = config.cache.block_size
+        self.max_model_len = max_model_len
+        self.backend = make_attention_backend(config.runner.attention_backend, self.device)
+        use_triton = self.backend.name == "triton"
+        with torch.device(self.device):
+            model = LlamaForCausalLM(model_config, self.backend, max_model_len, use_triton)
+        self.model = model.to(self.dtype)
+        # RoPE tables stay in fp32 whatever the model dtype.
+        for m in self.model.modules():
+            if hasattr(m, "cos_sin_cache"):
+                m.cos_sin_cache = m.cos_sin_cache.float()
+        if weights is not None:
+            self.model.load_weights(weights())  # type: ignore[operator]
+        else:
+            self.model.init_dummy_weights(dummy_seed or 0)
+        self.model.eval()
+        self.sampler = Sampler()
+        cfg = model_config
+        self.kv_shape_per_block = (cfg.num_hidden_layers, 2, self.block_size,
+                                   cfg.num_key_value_heads, cfg.head_dim)
+        self.block_bytes = (2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads
+                            * cfg.head_dim * torch.finfo(self.dtype).bits // 8)
+        num_blocks = self._num_kv_blocks()
+        self.kv_cache = torch.zeros(cfg.num_hidden_layers, 2, num_blocks, self.block_size,
+                                    cfg.num_key_value_heads, cfg.head_dim,
+                                    dtype=self.dtype, device=self.device)
+        self.kv_caches = list(self.kv_cache.unbind(0))
+        self.graphs = None
+        if self.device.type == "cuda" and not config.runner.enforce_eager:
+            from engine.cuda_graphs import CudaGraphRunner
+            self.graphs = CudaGraphRunner(self)
+            self.graphs.capture()
+        self.result = RunnerResult(str(self.device), self.dtype, num_blocks, self.block_bytes,
+                                   self.backend.name, self.graphs is not None)
+
+    # ---- sizing ----------------------------------------------------------------------------
+
+    def _num_kv_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_gpu_blocks is not None:
+            return cache.num_gpu_blocks
+        if self.device.type != "cuda":
+            n = cache.cpu_kv_cache_bytes // self.block_bytes
+            # No point holding more than every sequence at full length.
+            cap = self.config.scheduler.max_num_seqs * (-(-self.max_model_len // self.block_size)) + 1
+            return max(1, min(n, cap))
+        return self._profile_gpu_blocks()
+
+    @torch.inference_mode()
+    def _profile_gpu_blocks(self) -> int:
+        """Free memory after a worst-case forward (max batched tokens) bounds the KV cache."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        n = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        pos = torch.arange(n, device=self.device)
+        scratch = torch.zeros(self.model_config.num_hidden_layers, 2, -(-n // self.block_size) + 1,
+                              *self.kv_shape_per_block[2:], dtype=self.dtype, device=self.device)
+        md = self._metadata_for_profile(n)
+        with forward_context(ForwardContext(md, list(scratch.unbind(0)))):
+            h = self.model(ids, pos)
+            self.model.compute_logits(h[-min(n, self.config.scheduler.max_num_seqs):])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        del scratch, h
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        # Headroom for CUDA graphs' pools and the allocator's fragmentation.
+        reserve = 2 << 30 if not self.config.runner.enforce_eager else 512 << 20
+        budget = int(total * self.config.cache.gpu_memory_utilization) - peak - reserve
+        if budget < self.block_bytes * 16:
+            raise ConfigError("not enough GPU memory for the KV cache; lower max_num_batched_tokens "
+                              "or raise gpu_memory_utilization")
+        return budget // self.block_bytes
+
+    def _metadata_for_profile(self, n: int) -> AttentionMetadata:
+        nb = -(-n // self.block_size)
+        dev = self.device
+        return AttentionMetadata(
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+            block_tables=torch.arange(nb, dtype=torch.int32, device=dev)[None],
+            slot_mapping=torch.arange(n, dtype=torch.long, device=dev),
+            num_decodes=0, max_query_len=n, max_seq_len=n,
+            query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                      list[int]]:
+        """Flatten the scheduled requests into the step's tensors (the only place that does).
+
+        Returns (input_ids [T], positions [T], metadata, logit row index per sampling request)."""
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        logit_rows: list[int] = []
+        num_decodes = 0
+        max_blocks = 1
+        for s in out.scheduled:
+            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+            ids.extend(s.request.all_token_ids[start:end])
+            pos.extend(range(start, end))
+            table = s.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            qsl.append(qsl[-1] + s.num_new_tokens)
+            seq_lens.append(end)
+            max_blocks = max(max_blocks, len(table))
+            if s.num_new_tokens == 1:
+                num_decodes += 1
+            if s.sample:
+                logit_rows.append(qsl[-1] - 1)
+        tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in out.scheduled]
+        dev = self.device
+
+        def t(x: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
+
+        md = AttentionMetadata(
+            query_start_loc=t(qsl, torch.int32), seq_lens=t(seq_lens, torch.int32),
+            block_tables=t(tables, torch.int32), slot_mapping=t(slots, torch.long),
+            num_decodes=num_decodes, max_query_len=max(s.num_new_tokens for s in out.scheduled),
+            max_seq_len=max(seq_lens), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
+        return t(ids, torch.long), t(pos, torch.long), md, logit_rows
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        if out.is_empty:
+            return {}
+        input_ids, positions, md, logit_rows = self.prepare(out)
+        if self.graphs is not None and out.is_pure_decode and self.graphs.can_run(len(out.scheduled)):
+            hidden = self.graphs.run(input_ids, positions, md)
+        else:
+            with forward_context(ForwardContext(md, self.kv_caches)):
+                hidden = self.model(input_ids, positions)
+        sampling_reqs = [s.request for s in out.scheduled if s.sample]
+        if not sampling_reqs:
+            return {}
+        logits = self.model.compute_logits(hidden[logit_rows])
+        tokens, logprobs = self.sampler(logits, sampling_reqs)
+        return {r.request_id: SampledToken(tok, lp)
+                for r, tok, lp in zip(sampling_reqs, tokens, logprobs, strict=True)}
+
+    @torch.inference_mode()
+    def logits_for(self, out: SchedulerOutput) -> torch.Tensor:
+        """Forward one scheduled step and return the logits of every token (tests/oracles)."""
+        input_ids, positions, md, _ = self.prepare(out)
+        with forward_context(ForwardContext(md, self.kv_caches)):
+            hidden = self.model(input_ids, positions)
+        return self.model.compute_logits(hidden)
+
+    # ---- KV blocks for transfer ------------------------------------------------------------
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """→ CPU tensor [n, num_layers, 2, block_size, Hkv, D] (a copy)."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        blocks = self.kv_cache.index_select(2, idx).permute(2, 0, 1, 3, 4, 5)
+        return blocks.to("cpu").contiguous()
+
+    def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """blocks: [n, num_layers, 2, block_size, Hkv, D] → kv_cache at block_ids."""
+        expected = (len(block_ids), *self.kv_shape_per_block)
+        if tuple(blocks.shape) != expected:
+            raise ValueError(f"KV blocks have shape {tuple(blocks.shape)}, expected {expected}")
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        src = blocks.to(self.device, self.dtype, non_blocking=True).permute(1, 2, 0, 3, 4, 5)
+        self.kv_cache.index_copy_(2, idx, src)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+

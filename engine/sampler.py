@@ -1,0 +1,125 @@
+"""Sampling from float32 logits: penalties, greedy, temperature, top-k, top-p, min-p, per-request
+seeds, and top-n logprobs (from the raw model distribution, as vLLM reports them).
+
+Seeded requests draw from their own generator, so a request's samples do not depend on what it
+is batched with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.request import Request, TokenLogprob
+from engine.sampling_params import SamplingParams
+
+
+def apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    """Repetition penalty (HF semantics, over prompt + output) and presence/frequency penalties
+    (OpenAI semantics, over output tokens). logits: [N, V], modified in place and returned."""
+    vocab = logits.shape[1]
+    for i, req in enumerate(reqs):
+        sp = req.sampling_params
+        if not sp.has_penalties:
+            continue
+        row = logits[i]
+        if sp.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long, device=row.device)
+            seen = seen[seen < vocab]
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / sp.repetition_penalty,
+                                    vals * sp.repetition_penalty)
+        if sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0:
+            out = torch.tensor(req.output_token_ids, dtype=torch.long, device=row.device)
+            out = out[out < vocab]
+            counts = torch.zeros(vocab, dtype=row.dtype, device=row.device)
+            counts.index_add_(0, out, torch.ones_like(out, dtype=row.dtype))
+            row -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(row.dtype)
+    return logits
+
+
+def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p on rows that sample randomly → probabilities [N, V]."""
+    dev = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32)
+    logits = logits / temps[:, None]
+    top_k = [p.top_k for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_logits, _ = logits.sort(dim=-1, descending=True)
+        if any(k > 0 for k in top_k):
+            ks = torch.tensor([k if k > 0 else logits.shape[1] for k in top_k], device=dev)
+            kth = sorted_logits.gather(1, (ks.clamp(max=logits.shape[1]) - 1)[:, None])
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+            sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+        if any(p < 1.0 for p in top_p):
+            ps = torch.tensor(top_p, device=dev, dtype=torch.float32)
+            sorted_probs = sorted_logits.softmax(dim=-1)
+            # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            cutoff_idx = (mass_before < ps[:, None]).sum(dim=-1, keepdim=True) - 1
+            cutoff = sorted_logits.gather(1, cutoff_idx.clamp(min=0))
+            logits = logits.masked_fill(logits < cutoff, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    min_p = [p.min_p for p in params]
+    if any(m > 0 for m in min_p):
+        mp = torch.tensor(min_p, device=dev, dtype=torch.float32)
+        thresh = probs.max(dim=-1, keepdim=True).values * mp[:, None]
+        probs = probs.masked_fill(probs < thresh, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def _draw(probs: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    """Exponential-race sampling (argmax p/q, q ~ Exp(1)) with per-request generators."""
+    q = torch.empty_like(probs)
+    for i, req in enumerate(reqs):
+        seed = req.sampling_params.seed
+        if seed is None:
+            q[i].exponential_()
+            continue
+        if req.generator is None:
+            req.generator = torch.Generator(device=probs.device).manual_seed(seed)
+        assert isinstance(req.generator, torch.Generator)
+        q[i].exponential_(generator=req.generator)
+    return (probs / q).argmax(dim=-1)
+
+
+def _logprobs(raw_logits: torch.Tensor, tokens: torch.Tensor, reqs: Sequence[Request]
+              ) -> list[TokenLogprob | None]:
+    want = [r.sampling_params.logprobs for r in reqs]
+    if all(w is None for w in want):
+        return [None] * len(reqs)
+    logp = raw_logits.log_softmax(dim=-1)
+    chosen = logp.gather(1, tokens[:, None]).squeeze(1).tolist()
+    max_n = max(w or 0 for w in want)
+    top_vals, top_ids = (logp.topk(max_n, dim=-1) if max_n > 0 else (None, None))
+    out: list[TokenLogprob | None] = []
+    tok_list = tokens.tolist()
+    for i, w in enumerate(want):
+        if w is None:
+            out.append(None)
+            continue
+        top: list[tuple[int, float]] = []
+        if w > 0 and top_vals is not None and top_ids is not None:
+            top = list(zip(top_ids[i, :w].tolist(), top_vals[i, :w].tolist(), strict=True))
+        out.append(TokenLogprob(tok_list[i], chosen[i], top))
+    return out
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, reqs: Sequence[Request]
+                 ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """logits: [N, V] float32, one row per request → (token ids, logprobs)."""
+        raw = logits
+        if any(r.sampling_params.has_penalties for r in reqs):
+            logits = apply_penalties(logits.clone(), reqs)
+        greedy = [r.sampling_params.greedy for r in reqs]
+        tokens = logits.argmax(dim=-1)
+        if not all(greedy):
+            idx = [i for i, g in enumerate(greedy) if not g]
+            sub = [reqs[i] for i in idx]
+            probs = _filter(logits[idx], [r.sampling_params for r in sub])
+            tokens[idx] = _draw(probs, sub)
+        return tokens.tolist(), _logprobs(raw, tokens, reqs)
