@@ -15,7 +15,8 @@ Any failure on the client (gRPC status, deadline, malformed fragments, a block t
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import AsyncExitStack, aclosing
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -244,7 +245,7 @@ async def pull_blocks(
     num_blocks_expected: int,
     timeout_s: float,
     num_tokens_expected: int | None = None,
-) -> AsyncIterator[tuple[int, DecodedBlock]]:
+) -> AsyncGenerator[tuple[int, DecodedBlock], None]:
     """Pull a lease's blocks, yielding (index, verified block) as each one completes.
 
     target: "host:port" (a channel is opened and closed here) or an open grpc.aio channel.
@@ -258,21 +259,20 @@ async def pull_blocks(
             num_blocks_for(num_tokens_expected, spec.block_size) != num_blocks_expected):
         raise ValueError(f"{num_tokens_expected} tokens do not fill {num_blocks_expected} "
                          f"blocks of {spec.block_size}")
-    if isinstance(target, str):
-        async with grpc.aio.insecure_channel(target, options=channel_options(MAX_FRAGMENT_BYTES)
-                                             ) as channel:
-            async for item in _pull(channel, request_id, spec, num_blocks_expected, timeout_s,
-                                    num_tokens_expected):
-                yield item
-    else:
-        async for item in _pull(target, request_id, spec, num_blocks_expected, timeout_s,
-                                num_tokens_expected):
+    async with AsyncExitStack() as stack:
+        channel = target
+        if isinstance(target, str):
+            channel = await stack.enter_async_context(
+                grpc.aio.insecure_channel(target, options=channel_options(MAX_FRAGMENT_BYTES)))
+        items = await stack.enter_async_context(aclosing(
+            _pull(channel, request_id, spec, num_blocks_expected, timeout_s, num_tokens_expected)))
+        async for item in items:
             yield item
 
 
 async def _pull(channel: grpc.aio.Channel, request_id: str, spec: BlockSpec, num_blocks: int,
                 timeout_s: float, num_tokens_expected: int | None,
-                ) -> AsyncIterator[tuple[int, DecodedBlock]]:
+                ) -> AsyncGenerator[tuple[int, DecodedBlock], None]:
     stub = kv_transfer_pb2_grpc.KvTransferStub(channel)
     request = kv_transfer_pb2.PullBlocksRequest(request_id=request_id,
                                                 fingerprint=spec.fingerprint)
@@ -302,9 +302,10 @@ async def pull_all(
 ) -> list[DecodedBlock]:
     """All blocks in order, or KvTransferError: never a partial list."""
     blocks: list[DecodedBlock] = []
-    async for _, block in pull_blocks(target, request_id, spec, num_blocks_expected, timeout_s,
-                                      num_tokens_expected):
-        blocks.append(block)
+    async with aclosing(pull_blocks(target, request_id, spec, num_blocks_expected, timeout_s,
+                                    num_tokens_expected)) as items:
+        async for _, block in items:
+            blocks.append(block)
     return blocks
 
 

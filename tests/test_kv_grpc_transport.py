@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 from collections.abc import AsyncIterator, Sequence
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from kv_transfer.block_source import CacheBlockSource
+from kv_transfer.connector import GrpcPullConnector, KvHandle, LoadResult
 from kv_transfer.grpc_transport import (
     KvTransferError,
     KvTransferServicer,
@@ -19,7 +21,7 @@ from kv_transfer.grpc_transport import (
     pull_blocks,
     release,
 )
-from kv_transfer.lease import Lease, LeaseTable
+from kv_transfer.lease import Lease, LeaseError, LeaseTable
 from kv_transfer.wire import BlockSpec, DecodedBlock, encode_block
 from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
@@ -188,6 +190,27 @@ async def test_expired_lease_is_not_found(worker: Worker) -> None:
     assert len(worker.leases) == 0
 
 
+def test_lease_table_rules() -> None:
+    clock = FakeClock()
+    table = LeaseTable(clock=clock)
+    lease = table.grant("r", [1, 2], [HASHES[0]], 6, deadline_monotonic=clock() + 1)
+    with pytest.raises(LeaseError, match="already holds"):
+        table.grant("r", [3], [], 1, clock() + 1)
+    with pytest.raises(LeaseError, match="hashes"):
+        table.grant("s", [3], HASHES, 4, clock() + 1)
+    assert table.get("r") == lease and table.expire() == []
+    clock.now += 1
+    assert table.get("r") is None and "r" in table  # expired but not yet collected
+    assert table.release("r") == lease and table.release("r") is None
+
+
+async def test_release_of_an_expired_lease_frees_but_answers_false(worker: Worker) -> None:
+    lease = worker.grant()
+    worker.clock.now = lease.deadline_monotonic + 1
+    assert await release(worker.address, "req-1") is False
+    assert worker.released == [lease]
+
+
 class GatedSource(CacheBlockSource):
     """Serves the first block, then blocks reading the second until `gate` is set."""
 
@@ -291,3 +314,57 @@ async def test_malformed_fragment_streams_are_rejected(case: str) -> None:
         assert info.value.reason == reason
     finally:
         await server.stop(None)
+
+
+class DictSink:
+    """A decode worker's local cache: [L, 2, num_blocks, bs, Hkv, D], written block by block."""
+
+    def __init__(self, spec: BlockSpec) -> None:
+        self.cache = torch.zeros(spec.num_layers, 2, NUM_CACHE_BLOCKS, spec.block_size,
+                                 spec.num_kv_heads, spec.head_dim, dtype=spec.dtype)
+
+    def write_block(self, block_id: int, tensor: torch.Tensor) -> None:
+        self.cache[:, :, block_id] = tensor
+
+
+def handle_for(worker: Worker, request_id: str = "req-1") -> KvHandle:
+    spec = worker.source.spec
+    return KvHandle(worker.address, request_id, NUM_TOKENS, len(BLOCK_IDS), spec.fingerprint,
+                    spec.block_size, tuple(HASHES))
+
+
+async def test_connector_pulls_into_local_blocks_and_releases(worker: Worker) -> None:
+    lease = worker.grant()
+    spec = worker.source.spec
+    sink = DictSink(spec)
+    connector = GrpcPullConnector(spec, sink, asyncio.get_running_loop(), timeout_s=TIMEOUT_S)
+    local_ids = [0, 1, 4]
+    handle = KvHandle.from_proto(handle_for(worker).to_proto())  # survives the proto round trip
+    # The engine thread starts the load; the transfer runs on this loop.
+    await asyncio.to_thread(connector.start_load_kv, "local-1", handle, local_ids)
+    assert await connector.wait_for_load("local-1") == LoadResult("local-1", True)
+    for local_id, remote_id in zip(local_ids, BLOCK_IDS, strict=True):
+        assert torch.equal(sink.cache[:, :, local_id].view(torch.uint8),
+                           worker.source._kv_cache[:, :, remote_id].view(torch.uint8))
+    assert worker.released == [lease]
+    assert connector.get_finished_loads() == [LoadResult("local-1", True)]
+    assert connector.get_finished_loads() == []
+
+
+async def test_connector_reports_failures_instead_of_raising(worker: Worker) -> None:
+    spec = worker.source.spec
+    connector = GrpcPullConnector(spec, DictSink(spec), asyncio.get_running_loop(),
+                                  timeout_s=TIMEOUT_S)
+    connector.start_load_kv("a", handle_for(worker, "unknown"), [0, 1, 2])
+    assert await connector.wait_for_load("a") == LoadResult("a", False, "not_found")
+    foreign = dataclasses.replace(handle_for(worker), fingerprint=bytes(32))
+    connector.start_load_kv("b", foreign, [0, 1, 2])
+    assert await connector.wait_for_load("b") == LoadResult("b", False, "spec_mismatch")
+    connector.start_load_kv("c", handle_for(worker), [0, 1])  # wrong number of local blocks
+    assert (await connector.wait_for_load("c")).reason == "spec_mismatch"
+    assert {r.request_id for r in connector.get_finished_loads()} == {"a", "b", "c"}
+
+
+def test_kv_handle_validation_names_the_field() -> None:
+    with pytest.raises(ValueError, match="num_blocks"):
+        KvHandle("h:1", "r", num_tokens=10, num_blocks=2, fingerprint=FP, block_size=4).validate()
