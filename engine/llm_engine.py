@@ -50,6 +50,7 @@ class LLMEngine:
         self.chat_template = source.chat_template
         self.tokenizer: Tokenizer | None = None
         tok_path = config.load.tokenizer or source.tokenizer_source
+        self.tokenizer_source = tok_path  # the gateway loads the same tokenizer from here
         if tok_path:
             self.tokenizer = Tokenizer.from_file(tok_path)
         self.max_model_len = config.scheduler.max_model_len or cfg.max_position_embeddings

@@ -101,10 +101,13 @@ class Scheduler:
         req = self.requests.get(request_id)
         if req is None:
             return None
+        if req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            # A transfer is writing into its blocks: keep them until finish_kv_load frees them,
+            # or they could be handed to another request and overwritten.
+            req.status = status
+            return req
         if req in self.running:
             self.running.remove(req)
-        elif req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-            self.loading.pop(request_id, None)
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
@@ -115,7 +118,10 @@ class Scheduler:
         """Decode role: the KV pull for `request_id` ended. On failure the prompt is recomputed."""
         req = self.loading.pop(request_id, None)
         if req is None:
-            return  # aborted meanwhile
+            return
+        if req.status.finished:  # aborted while the transfer ran
+            self._free(req)
+            return
         assert req.remote_kv is not None
         if ok:
             req.num_computed_tokens = req.remote_kv.num_tokens

@@ -1,0 +1,92 @@
+"""`splitserve.v1.Decode`: a thin async servicer around one engine (decode or colocated role)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from engine.async_engine import EngineDeadError, KvLoadAbort
+from engine.llm_engine import EngineInputError
+from engine.request import RemoteKv
+from engine.sampling_params import SamplingParamsError
+from protos.splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from serving.common import EngineBound
+from serving.convert import (
+    InvalidRequest,
+    check_prompt,
+    check_request_id,
+    finish_reason,
+    logprob_to_proto,
+    sampling_from_proto,
+)
+from serving.kv import RemoteKvHandle
+
+KV_PULL_TIMEOUT_S = 30.0
+
+
+class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
+    async def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+                     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        aengine = await self.engine_or_abort(context)
+        try:
+            rid = check_request_id(request.request_id)
+            ids = check_prompt(list(request.prompt_token_ids))
+            params = sampling_from_proto(request.sampling)
+            given = list(request.output_token_ids)
+            if params.max_tokens is not None and len(given) >= params.max_tokens:
+                raise InvalidRequest(f"output_token_ids already has {len(given)} tokens; "
+                                     f"sampling.max_tokens is {params.max_tokens}")
+            remote = self._remote_kv(request, len(ids), context)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        n_out = len(given)
+        try:
+            async for out in aengine.generate(rid, ids, params, output_token_ids=given,
+                                              remote_kv=remote):
+                n_out += len(out.new_token_ids)
+                yield decode_pb2.DecodeResponse(chunk=decode_pb2.DecodeChunk(
+                    token_ids=out.new_token_ids,
+                    logprobs=[logprob_to_proto(lp) for lp in out.new_logprobs]))
+                if out.finished:
+                    recomputed = remote is None or (
+                        isinstance(remote.handle, RemoteKvHandle) and remote.handle.failed)
+                    yield decode_pb2.DecodeResponse(complete=decode_pb2.DecodeComplete(
+                        finish_reason=finish_reason(out), num_output_tokens=n_out,
+                        kv_recomputed=recomputed and request.HasField("kv_handle")))
+        except KvLoadAbort as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except (EngineInputError, SamplingParamsError, ValueError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineDeadError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
+    def _remote_kv(self, request: decode_pb2.DecodeRequest, num_prompt: int,
+                   context: grpc.aio.ServicerContext) -> RemoteKv | None:
+        if not request.HasField("kv_handle"):
+            return None
+        h = request.kv_handle
+        assert self.aengine is not None
+        eng = self.aengine.engine
+        problem = None
+        if h.fingerprint != eng.fingerprint:
+            problem = "kv_handle.fingerprint does not match this worker's model"
+        elif h.block_size != eng.config.cache.block_size:
+            problem = f"kv_handle.block_size {h.block_size} != {eng.config.cache.block_size}"
+        elif h.num_tokens != num_prompt:
+            problem = f"kv_handle.num_tokens {h.num_tokens} != prompt length {num_prompt}"
+        elif not h.worker_address or not h.request_id:
+            problem = "kv_handle needs worker_address and request_id"
+        if problem is not None:
+            if request.kv_failure_policy == decode_pb2.KV_FAILURE_POLICY_FAIL:
+                raise InvalidRequest(problem)
+            return None  # recompute locally
+        remaining = context.time_remaining()
+        timeout = min(KV_PULL_TIMEOUT_S, remaining) if remaining is not None else KV_PULL_TIMEOUT_S
+        return RemoteKv(num_prompt, RemoteKvHandle(h, request.kv_failure_policy, timeout))
+
+    async def GetLoad(self, request: common_pb2.LoadRequest,
+                      context: grpc.aio.ServicerContext) -> common_pb2.LoadReport:
+        assert self.aengine is None or self.aengine.engine is not None
+        role = self.aengine.engine.config.scheduler.role if self.aengine else "decode"
+        return self.load_report(role)
