@@ -56,11 +56,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     procs: dict[str, subprocess.Popen[bytes]] = {}
     stopping = False
 
-    def stop_all(*_: object) -> None:
+    def stop_all() -> None:
         nonlocal stopping
         if stopping:
             return
         stopping = True
+        # A second signal must not interrupt the orderly stop below.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         for name in ("gateway", "decode", "prefill"):
             p = procs.get(name)
             if p is not None and p.poll() is None:
@@ -70,7 +73,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 except subprocess.TimeoutExpired:
                     p.kill()
 
-    signal.signal(signal.SIGTERM, lambda *_: (stop_all(), sys.exit(0)))
+    def on_sigterm(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     prefill_addr = f"127.0.0.1:{args.prefill_port}"
     decode_addr = f"127.0.0.1:{args.decode_port}"
     try:
