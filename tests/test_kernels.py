@@ -1,0 +1,465 @@
+"""Triton kernels vs their torch references vs independent naive loops (TRITON_INTERPRET=1, CPU).
+
+Shapes are tiny because the interpreter is slow. Every attention check uses fresh random inputs,
+shuffled block tables whose unused entries point at real (wrong) blocks, NaN-poisoned outputs,
+variable lengths and prefix hits; decode forces split-K with several split counts.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+# The interpreter must be on when the kernel modules are imported (Triton decides at decoration
+# time). Restore the variable afterwards so other test modules don't see a "GPU"; the autouse
+# fixture below turns it on again for the tests of this module only.
+_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
+try:
+    pytest.importorskip("triton", reason="Triton is not installed")
+    from engine import kernels as K
+    from engine.kernels import decode_attention as decode_mod
+    from engine.kernels import reference as R
+    from engine.kernels._checks import KernelInputError
+finally:
+    if _PREVIOUS_INTERPRET is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = _PREVIOUS_INTERPRET
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if type(decode_mod._decode_split_kernel).__name__ != "InterpretedFunction":
+        # Another module imported the kernels with the interpreter off; they would need a GPU.
+        pytest.skip("kernels were compiled for a GPU before this module set TRITON_INTERPRET")
+    yield
+
+
+_TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def assert_close_for(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """Compare in float64 with an absolute/relative tolerance suited to the kernel dtype."""
+    tol = _TOLERANCE[dtype]
+    torch.testing.assert_close(got.double(), want.double(), atol=tol, rtol=tol)
+
+
+# ----------------------------------------------------------------------------- paged batches
+
+
+@dataclass
+class PagedBatch:
+    """A random varlen batch whose KV lives in shuffled cache blocks."""
+
+    q: torch.Tensor  # [T, H, D]
+    kv_cache: torch.Tensor  # [2, NB, BS, Hkv, D]
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    q_lens: list[int]
+    seq_lens_list: list[int]
+
+
+def make_batch(
+    q_lens: list[int],
+    seq_lens: list[int],
+    *,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    block_size: int = 4,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> PagedBatch:
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = [-(-n // block_size) for n in seq_lens]
+    max_blocks = max(per_seq) + 2  # spare columns: the kernels must never read them
+    num_blocks = sum(per_seq) + 3  # a few blocks nobody owns
+    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    # Unused table entries hold real block ids (wrong ones), so reading them corrupts results.
+    block_tables = torch.randint(0, num_blocks, (len(seq_lens), max_blocks), generator=gen,
+                                 dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(per_seq):
+        block_tables[b, :n] = perm[used:used + n]
+        used += n
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim,
+                           generator=gen).to(dtype)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], num_heads, head_dim, generator=gen).to(dtype)
+    return PagedBatch(
+        q=q,
+        kv_cache=kv_cache,
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        q_lens=list(q_lens),
+        seq_lens_list=list(seq_lens),
+    )
+
+
+def naive_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
+    """Independent oracle: walk every position through the block table by hand, one query row
+    and head at a time, with an explicit causal mask and torch.softmax (float64)."""
+    q, kv_cache = batch.q, batch.kv_cache
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = q.shape[1] // num_kv_heads
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    start = 0
+    for b, (q_len, seq_len) in enumerate(zip(batch.q_lens, batch.seq_lens_list, strict=True)):
+        keys = torch.stack([kv_cache[0, int(batch.block_tables[b, p // block_size]),
+                                     p % block_size] for p in range(seq_len)]).double()
+        values = torch.stack([kv_cache[1, int(batch.block_tables[b, p // block_size]),
+                                       p % block_size] for p in range(seq_len)]).double()
+        for i in range(q_len):
+            position = seq_len - q_len + i
+            mask = torch.tensor([p <= position for p in range(seq_len)])
+            for h in range(q.shape[1]):
+                scores = keys[:, h // group] @ q[start + i, h].double() * scale  # [seq_len]
+                scores = scores.masked_fill(~mask, float("-inf"))
+                out[start + i, h] = torch.softmax(scores, dim=0) @ values[:, h // group]
+        start += q_len
+    return out
+
+
+def decode_batch(seq_lens: list[int], **kwargs: object) -> PagedBatch:
+    return make_batch([1] * len(seq_lens), seq_lens, **kwargs)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- references
+
+
+@pytest.mark.parametrize(
+    ("q_lens", "seq_lens", "block_size"),
+    [
+        ([7, 1, 12], [7, 20, 30], 4),  # fresh prefill, a decode row, a prefix hit
+        ([1, 1, 1], [1, 9, 33], 16),  # pure decode
+        ([5], [5], 16),
+    ],
+)
+def test_reference_attention_matches_naive(
+    q_lens: list[int], seq_lens: list[int], block_size: int
+) -> None:
+    batch = make_batch(q_lens, seq_lens, block_size=block_size, seed=len(q_lens) + block_size)
+    want = naive_attention(batch, 0.17)
+    got = R.paged_attention_ref(batch.q, batch.kv_cache, batch.query_start_loc, batch.seq_lens,
+                                batch.block_tables, 0.17)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_reference_decode_matches_naive() -> None:
+    batch = decode_batch([3, 17, 26], block_size=4, seed=5)
+    got = R.paged_decode_attention_ref(batch.q, batch.kv_cache, batch.block_tables,
+                                       batch.seq_lens, 0.3)
+    torch.testing.assert_close(got.double(), naive_attention(batch, 0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_reference_elementwise_match_naive() -> None:
+    gen = torch.Generator().manual_seed(1)
+    x, res, w = (torch.randn(3, 16, generator=gen) for _ in range(3))
+    normed, new_res = R.rms_norm_ref(x, w[0], 1e-6, res)  # type: ignore[misc]
+    s = x + res
+    for r in range(3):
+        rms = (sum(float(v) ** 2 for v in s[r]) / 16 + 1e-6) ** 0.5
+        torch.testing.assert_close(normed[r], s[r] / rms * w[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(new_res, s)
+    y = torch.randn(2, 8, generator=gen)
+    want = torch.stack([torch.tensor([float(a) / (1 + torch.exp(-a).item()) * float(b)
+                                      for a, b in zip(row[:4], row[4:], strict=True)])
+                        for row in y])
+    torch.testing.assert_close(R.silu_and_mul_ref(y), want, atol=1e-6, rtol=1e-6)
+    # RoPE: neox rotation of one head by angle theta equals a 2-D rotation of each pair.
+    q = torch.randn(1, 1, 4, generator=gen)
+    k = q.clone()
+    theta = torch.tensor([[0.3, 1.1]])
+    cache = torch.cat([theta.cos(), theta.sin()], dim=1)  # [1, 4]
+    q_rot = q.clone()
+    R.rotary_embedding_ref(torch.tensor([0]), q_rot, k, cache, is_neox=True)
+    for i in range(2):
+        c, s_ = theta[0, i].cos(), theta[0, i].sin()
+        x1, x2 = q[0, 0, i], q[0, 0, i + 2]
+        torch.testing.assert_close(q_rot[0, 0, i], x1 * c - x2 * s_)
+        torch.testing.assert_close(q_rot[0, 0, i + 2], x2 * c + x1 * s_)
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+@pytest.mark.parametrize(
+    ("dtype", "num_splits", "block_size", "head_dim", "heads"),
+    [
+        (torch.float32, None, 4, 32, (4, 2)),
+        (torch.float32, 1, 16, 16, (4, 4)),
+        (torch.float32, 3, 4, 32, (4, 2)),
+        (torch.float32, 8, 4, 32, (6, 2)),  # group of 3: padded rows in the dot
+        (torch.float16, 2, 16, 32, (4, 2)),
+        (torch.bfloat16, 5, 4, 32, (4, 1)),
+    ],
+)
+def test_decode_matches_reference_and_naive(
+    dtype: torch.dtype, num_splits: int | None, block_size: int, head_dim: int,
+    heads: tuple[int, int],
+) -> None:
+    num_heads, num_kv_heads = heads
+    batch = decode_batch([1, 19, 40], num_heads=num_heads, num_kv_heads=num_kv_heads,
+                         head_dim=head_dim, block_size=block_size, dtype=dtype,
+                         seed=block_size * 7 + (num_splits or 0))
+    out = torch.full_like(batch.q, float("nan"))
+    got = K.paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens,
+                                   0.25, out=out, num_splits=num_splits)
+    assert got is out
+    assert torch.isfinite(out).all(), "some output elements were never written"
+    ref = R.paged_decode_attention_ref(batch.q, batch.kv_cache, batch.block_tables,
+                                       batch.seq_lens, 0.25)
+    assert_close_for(out.float(), ref.float(), dtype)
+    assert_close_for(out.double(), naive_attention(batch, 0.25), dtype)
+
+
+def test_decode_split_k_is_independent_of_split_count() -> None:
+    batch = decode_batch([2, 17, 33], block_size=4, seed=11)
+    outs = [K.paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables,
+                                     batch.seq_lens, 0.2, num_splits=n) for n in (1, 2, 4, 16)]
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], atol=1e-5, rtol=1e-5)
+
+
+def test_decode_zero_length_sequence_gives_zeros() -> None:
+    # CUDA-graph padding rows have seq_len 0: the output must be finite (zeros), not NaN.
+    batch = decode_batch([5, 9], block_size=4, seed=3)
+    seq_lens = torch.tensor([0, 9], dtype=torch.int32)
+    for n in (1, 3):
+        out = K.paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables, seq_lens,
+                                       0.2, num_splits=n)
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+        assert torch.isfinite(out).all()
+
+
+def test_decode_accepts_strided_query_view() -> None:
+    batch = decode_batch([6, 13], block_size=4, seed=4)
+    padded = torch.randn(2, batch.q.shape[1] * batch.q.shape[2] + 8)
+    q_view = padded[:, :batch.q[0].numel()].view_as(batch.q)
+    q_view.copy_(batch.q)
+    out = K.paged_decode_attention(q_view, batch.kv_cache, batch.block_tables, batch.seq_lens,
+                                   0.2, num_splits=2)
+    ref = R.paged_decode_attention_ref(batch.q, batch.kv_cache, batch.block_tables,
+                                       batch.seq_lens, 0.2)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_choose_num_splits_depends_only_on_host_ints() -> None:
+    choose = K.choose_num_splits
+    assert choose(256, 8, 8192, 132) == 1  # batch alone fills the GPU
+    assert choose(1, 8, 8192, 132) > 8  # long single sequence: split it
+    assert choose(1, 8, 100, 132) == 1  # too short to split
+    assert 1 <= choose(1, 1, 10**6, 132) <= decode_mod.MAX_SPLITS
+
+
+# ----------------------------------------------------------------------------- prefill
+
+
+@pytest.mark.parametrize(
+    ("q_lens", "prefixes", "dtype", "block_size", "heads"),
+    [
+        ([20], [0], torch.float32, 4, (4, 2)),  # fresh prompt, two query tiles
+        ([7, 1, 16, 1], [0, 23, 9, 0], torch.float32, 4, (4, 2)),  # prefix hits + decodes
+        ([17, 5], [16, 35], torch.float16, 16, (4, 4)),  # chunked prefill, MHA
+        ([9, 1, 3], [3, 12, 30], torch.bfloat16, 4, (4, 1)),  # MQA
+    ],
+)
+def test_prefill_matches_reference_and_naive(
+    q_lens: list[int], prefixes: list[int], dtype: torch.dtype, block_size: int,
+    heads: tuple[int, int],
+) -> None:
+    seq_lens = [p + n for p, n in zip(prefixes, q_lens, strict=True)]
+    batch = make_batch(q_lens, seq_lens, num_heads=heads[0], num_kv_heads=heads[1],
+                       block_size=block_size, dtype=dtype, seed=sum(q_lens) + block_size)
+    out = torch.full_like(batch.q, float("nan"))
+    K.paged_prefill_attention(batch.q, batch.kv_cache, batch.query_start_loc, batch.seq_lens,
+                              batch.block_tables, 0.18, max(q_lens), out=out)
+    assert torch.isfinite(out).all(), "some output elements were never written"
+    ref = R.paged_attention_ref(batch.q, batch.kv_cache, batch.query_start_loc, batch.seq_lens,
+                                batch.block_tables, 0.18)
+    assert_close_for(out.float(), ref.float(), dtype)
+    assert_close_for(out.double(), naive_attention(batch, 0.18), dtype)
+
+
+def test_prefill_decode_rows_agree_with_decode_kernel() -> None:
+    batch = decode_batch([4, 21, 37], block_size=4, seed=8)
+    prefill = K.paged_prefill_attention(batch.q, batch.kv_cache, batch.query_start_loc,
+                                        batch.seq_lens, batch.block_tables, 0.2, 1)
+    decode = K.paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables,
+                                      batch.seq_lens, 0.2, num_splits=3)
+    torch.testing.assert_close(prefill, decode, atol=2e-5, rtol=2e-5)
+
+
+# ----------------------------------------------------------------------------- elementwise
+
+
+def test_write_kv_matches_reference_and_skips_padding() -> None:
+    gen = torch.Generator().manual_seed(2)
+    kv_cache = torch.randn(2, 6, 4, 2, 16, generator=gen)
+    before = kv_cache.clone()
+    fused = torch.randn(5, 3 * 32 + 4, generator=gen)  # a padded token stride, like a QKV view
+    key = fused[:, :32].view(5, 2, 16)
+    value = fused[:, 32:64].view(5, 2, 16)
+    slot_mapping = torch.tensor([22, -1, 0, 7, 23], dtype=torch.int64)
+    want = kv_cache.clone()
+    R.write_kv_ref(key, value, want, slot_mapping)
+    K.write_kv(key, value, kv_cache, slot_mapping)
+    assert torch.equal(kv_cache, want)
+    # Independent check: each written slot holds its token, everything else is unchanged.
+    written = {22: 0, 0: 2, 7: 3, 23: 4}
+    for slot in range(24):
+        block, offset = divmod(slot, 4)
+        src = written.get(slot)
+        exp_k = key[src] if src is not None else before[0, block, offset]
+        exp_v = value[src] if src is not None else before[1, block, offset]
+        assert torch.equal(kv_cache[0, block, offset], exp_k)
+        assert torch.equal(kv_cache[1, block, offset], exp_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference(dtype: torch.dtype, with_residual: bool) -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 48, generator=gen).to(dtype)  # hidden not a power of two
+    w = torch.randn(48, generator=gen).to(dtype)
+    res = torch.randn(2, 3, 48, generator=gen).to(dtype) if with_residual else None
+    x_before = x.clone()
+    got = K.rms_norm(x, w, 1e-5, res)
+    want = R.rms_norm_ref(x, w, 1e-5, res)
+    if with_residual:
+        assert isinstance(got, tuple) and isinstance(want, tuple)
+        assert_close_for(got[0], want[0], dtype)
+        assert_close_for(got[1], want[1], dtype)
+        assert res is not None
+        # (the interpreter's bf16 rounding may differ from torch's by one ulp)
+        assert_close_for(got[1], (x.float() + res.float()).to(dtype), dtype)
+    else:
+        assert isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor)
+        assert_close_for(got, want, dtype)
+    assert torch.equal(x, x_before), "inputs must not be mutated"
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("pos_dtype", [torch.int32, torch.int64])
+def test_rotary_matches_reference(is_neox: bool, pos_dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(4)
+    num_tokens, num_heads, num_kv_heads, head_dim = 5, 3, 1, 16
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    q = qkv[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim:(num_heads + 1) * head_dim].view(num_tokens, 1, head_dim)
+    v_before = qkv[:, (num_heads + 1) * head_dim:].clone()
+    positions = torch.tensor([0, 7, 3, 19, 7], dtype=pos_dtype)
+    cache = torch.randn(20, head_dim, generator=gen)
+    q_ref, k_ref = q.clone(), k.clone()
+    R.rotary_embedding_ref(positions, q_ref, k_ref, cache, is_neox=is_neox)
+    K.rotary_embedding(positions, q, k, cache, is_neox=is_neox)
+    torch.testing.assert_close(q, q_ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(k, k_ref, atol=1e-6, rtol=1e-6)
+    assert torch.equal(qkv[:, (num_heads + 1) * head_dim:], v_before), "V must be untouched"
+
+
+def test_silu_and_mul_matches_reference() -> None:
+    gen = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.float16):
+        x = torch.randn(3, 2 * 1100, generator=gen).to(dtype)  # spans two program blocks
+        assert_close_for(K.silu_and_mul(x), R.silu_and_mul_ref(x), dtype)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _decode_args() -> dict[str, object]:
+    batch = decode_batch([3, 5], block_size=4, seed=9)
+    return {"q": batch.q, "kv_cache": batch.kv_cache, "block_tables": batch.block_tables,
+            "seq_lens": batch.seq_lens, "scale": 0.2}
+
+
+@pytest.mark.parametrize(
+    ("field", "bad", "message"),
+    [
+        ("q", lambda a: a["q"].half(), "dtype"),
+        ("q", lambda a: a["q"][:, :3], "num_heads"),
+        ("q", lambda a: a["q"].transpose(1, 2).contiguous().transpose(1, 2), "dense"),
+        ("kv_cache", lambda a: a["kv_cache"].transpose(2, 3), "contiguous"),
+        ("kv_cache", lambda a: a["kv_cache"][..., :24].contiguous(), "head_dim"),
+        ("block_tables", lambda a: a["block_tables"].long(), "block_tables"),
+        ("seq_lens", lambda a: a["seq_lens"][:1], "seq_lens"),
+        ("scale", lambda a: -1.0, "scale"),
+        ("num_splits", lambda a: 0, "num_splits"),
+        ("out", lambda a: torch.empty(2, 4, 32, dtype=torch.float16), "out"),
+    ],
+)
+def test_decode_rejects_bad_input(field: str, bad: object, message: str) -> None:
+    args = _decode_args()
+    args[field] = bad(args)  # type: ignore[operator]
+    with pytest.raises(KernelInputError, match=message):
+        K.paged_decode_attention(**args)  # type: ignore[arg-type]
+
+
+def test_prefill_rejects_bad_input() -> None:
+    batch = make_batch([3, 2], [3, 6], block_size=4)
+    args = (batch.q, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables,
+            0.2)
+    with pytest.raises(KernelInputError, match="max_query_len"):
+        K.paged_prefill_attention(*args, 0)
+    with pytest.raises(KernelInputError, match="query_start_loc"):
+        K.paged_prefill_attention(batch.q, batch.kv_cache, batch.query_start_loc[:2],
+                                  batch.seq_lens, batch.block_tables, 0.2, 3)
+    with pytest.raises(KernelInputError, match="num_heads"):
+        K.paged_prefill_attention(batch.q[:, :3], *args[1:], 3)
+
+
+def test_elementwise_reject_bad_input() -> None:
+    x = torch.randn(4, 8)
+    with pytest.raises(KernelInputError, match="residual"):
+        K.rms_norm(x, torch.ones(8), 1e-6, torch.randn(4, 8).double())
+    with pytest.raises(KernelInputError, match="weight"):
+        K.rms_norm(x, torch.ones(7), 1e-6)
+    with pytest.raises(KernelInputError, match="contiguous"):
+        K.rms_norm(x.t(), torch.ones(4), 1e-6)
+    with pytest.raises(KernelInputError, match="even"):
+        K.silu_and_mul(torch.randn(2, 7))
+    with pytest.raises(KernelInputError, match="cos_sin_cache"):
+        K.rotary_embedding(torch.zeros(2, dtype=torch.int64), torch.randn(2, 2, 16),
+                           torch.randn(2, 1, 16), torch.randn(10, 8))
+    cache = torch.zeros(2, 3, 4, 1, 16)
+    with pytest.raises(KernelInputError, match="slot_mapping"):
+        K.write_kv(torch.randn(2, 1, 16), torch.randn(2, 1, 16), cache,
+                   torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(KernelInputError, match="dtype"):
+        K.write_kv(torch.randn(2, 1, 16).half(), torch.randn(2, 1, 16).half(), cache,
+                   torch.zeros(2, dtype=torch.int64))
+
+
+def test_cpu_tensors_without_interpreter_are_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(KernelInputError, match="CUDA"):
+        K.silu_and_mul(torch.randn(2, 8))
+
+
+def test_triton_available_under_interpreter() -> None:
+    assert K.triton_available()
+
+
+def test_package_imports_without_triton() -> None:
+    code = ("import sys; sys.modules['triton'] = None; import engine.kernels as k; "
+            "assert not k.triton_available(); print('ok')")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
