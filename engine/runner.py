@@ -203,15 +203,18 @@ class ModelRunner:
         if out.is_empty:
             return {}
         input_ids, positions, md, logit_rows = self.prepare(out)
-        if self.graphs is not None and out.is_pure_decode and self.graphs.can_run(len(out.scheduled)):
-            hidden = self.graphs.run(input_ids, positions, md)
+        sampling_reqs = [s.request for s in out.scheduled if s.sample]
+        if (self.graphs is not None and out.is_pure_decode
+                and len(sampling_reqs) == len(out.scheduled)
+                and self.graphs.can_run(len(out.scheduled))):
+            # Every decode samples, so the graph's logits rows are the sampling rows.
+            logits = self.graphs.run(input_ids, positions, md)
         else:
             with forward_context(ForwardContext(md, self.kv_caches)):
                 hidden = self.model(input_ids, positions)
-        sampling_reqs = [s.request for s in out.scheduled if s.sample]
-        if not sampling_reqs:
-            return {}
-        logits = self.model.compute_logits(hidden[logit_rows])
+            if not sampling_reqs:
+                return {}
+            logits = self.model.compute_logits(hidden[logit_rows])
         tokens, logprobs = self.sampler(logits, sampling_reqs)
         return {r.request_id: SampledToken(tok, lp)
                 for r, tok, lp in zip(sampling_reqs, tokens, logprobs, strict=True)}

@@ -1,0 +1,40 @@
+"""Triton attention over the paged KV cache (GPU; CPU only under TRITON_INTERPRET=1).
+
+One step: write this step's K/V into the blocks, then split-K decode attention for the leading
+single-token sequences and varlen causal prefill attention for the rest. No host syncs, so a
+pure-decode step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.forward_context import AttentionMetadata
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def __init__(self) -> None:
+        from engine import kernels
+
+        self._k = kernels
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                md: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, Hkv, D] → out [T, H, D]. Sequences are ordered decodes first."""
+        kern = self._k
+        kern.write_kv(k, v, kv_cache, md.slot_mapping)
+        out = torch.empty((q.shape[0], q.shape[1], q.shape[2]), dtype=q.dtype, device=q.device)
+        nd = md.num_decodes
+        num_seqs = md.seq_lens.shape[0]
+        if nd > 0:
+            kern.paged_decode_attention(q[:nd], kv_cache, md.block_tables[:nd], md.seq_lens[:nd],
+                                        scale, out=out[:nd], max_seq_len=md.max_seq_len)
+        if nd < num_seqs:
+            # Decodes hold exactly one token each, so prefill tokens start at offset nd.
+            qsl = md.query_start_loc[nd:] - nd if nd else md.query_start_loc
+            kern.paged_prefill_attention(q[nd:], kv_cache, qsl, md.seq_lens[nd:],
+                                         md.block_tables[nd:], scale, md.max_query_len,
+                                         out=out[nd:])
+        return out
