@@ -77,6 +77,12 @@ class ModelConfig:
         eos = d.get("eos_token_id")
         eos_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         rs = d.get("rope_scaling")
+        rope_theta = d.get("rope_theta", 10000.0)
+        rp = d.get("rope_parameters")  # transformers >= 5 keeps theta and scaling here
+        if isinstance(rp, dict):
+            rope_theta = rp.get("rope_theta", rope_theta)
+            if rp.get("rope_type", "default") != "default":
+                rs = {k: v for k, v in rp.items() if k != "rope_theta"}
         rope_scaling = tuple(sorted(rs.items())) if isinstance(rs, dict) else None
         is_qwen2 = arch == "Qwen2ForCausalLM"
         cfg = cls(
@@ -89,7 +95,7 @@ class ModelConfig:
             num_key_value_heads=n_kv,
             head_dim=head_dim,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(d.get("rope_theta", 10000.0)),
+            rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),

@@ -179,7 +179,9 @@ class LLMEngine:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
                 req.stop_reason = res.stop_matched
         if req.is_finished:
-            self._detoks.pop(req.request_id, None)
+            detok = self._detoks.pop(req.request_id, None)
+            if detok is not None and not detok.finished:
+                text += detok.finish().text_delta  # flush text held back for stop strings
         return StepOutput(
             request_id=req.request_id, new_token_ids=[token], new_logprobs=lp,
             finished=req.is_finished, finish_reason=req.status.finish_reason,
