@@ -1,0 +1,47 @@
+"""What the REST and gRPC front ends share: config, tokenizer, router, orchestrator, metrics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from gateway.config import GatewayConfig
+from gateway.metrics import GatewayMetrics
+from gateway.orchestrator import Orchestrator
+from gateway.preprocess import Preprocessor
+from gateway.router import Router, WorkerPool
+from gateway.tokenization import TokenizerLike
+
+
+@dataclass(slots=True)
+class GatewayState:
+    """One gateway's live objects. `draining` flips on shutdown (health reports 503)."""
+
+    config: GatewayConfig
+    tokenizer: TokenizerLike
+    router: Router
+    orchestrator: Orchestrator
+    preprocessor: Preprocessor
+    metrics: GatewayMetrics
+    created: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False
+
+    @classmethod
+    def build(cls, config: GatewayConfig, tokenizer: TokenizerLike) -> GatewayState:
+        """Wire the parts together (no I/O: call `router.start()` inside the loop)."""
+        def pool(role: str, addresses: tuple[str, ...]) -> WorkerPool:
+            return WorkerPool(role, addresses, poll_interval_s=config.load_poll_interval_s,  # type: ignore[arg-type]
+                              poll_timeout_s=config.load_poll_timeout_s)
+
+        router = Router(None if config.colocated else pool("prefill", config.prefill_addresses),
+                        pool("decode", config.decode_addresses))
+        metrics = GatewayMetrics()
+        vocab_size = getattr(tokenizer, "vocab_size", None)
+        return cls(config=config, tokenizer=tokenizer, router=router,
+                   orchestrator=Orchestrator(config, router, tokenizer, metrics),
+                   preprocessor=Preprocessor(config, tokenizer, vocab_size), metrics=metrics)
+
+    @property
+    def healthy(self) -> bool:
+        """Serving: not draining and at least one decode worker answered its last poll."""
+        return not self.draining and self.router.decode.num_healthy > 0
