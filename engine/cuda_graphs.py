@@ -49,6 +49,7 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool: object = None
+        self.num_replays = 0
 
     def _metadata(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -106,4 +107,5 @@ class CudaGraphRunner:
             self.input_ids[n:b].zero_()
             self.positions[n:b].zero_()
         self.graphs[b].replay()
+        self.num_replays += 1
         return self.logits[b][:n]
