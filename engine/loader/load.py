@@ -10,7 +10,6 @@ import torch
 
 from engine.config import LoadConfig, ModelConfig
 from engine.loader.errors import ModelLoadError
-from engine.loader.gguf_file import load_gguf
 from engine.loader.hf import generation_config, load_hf_dir, merged_eos, read_config_dict
 from engine.loader.presets import PRESETS, preset_config
 from engine.loader.source import ModelSource, dtype_from_name
@@ -102,6 +101,8 @@ def load_model_source(load: LoadConfig) -> ModelSource:
     tokenizer = _tokenizer_path(load.tokenizer)
     is_gguf = os.path.isfile(path) and (path.endswith(".gguf") or load.load_format == "gguf")
     if is_gguf:
+        from engine.loader.gguf_file import load_gguf  # the gguf package is optional
+
         source = load_gguf(path, weights_id(path))
         return source if tokenizer is None else _with_tokenizer(source, tokenizer)
     if load.load_format == "gguf":
