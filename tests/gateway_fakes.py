@@ -9,6 +9,7 @@ the gateway real. Everything runs in one background thread's event loop so synch
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import threading
 from collections.abc import Coroutine
@@ -85,6 +86,7 @@ class FakeWorker(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeService
     released: list[str] = field(default_factory=list)
     cancelled: threading.Event = field(default_factory=threading.Event)
     server: grpc.aio.Server | None = None
+    num_running: int = 0                # what GetLoad reports
 
     async def start(self) -> None:
         self.server = grpc.aio.server()
@@ -100,7 +102,7 @@ class FakeWorker(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeService
             await self.server.stop(0)
 
     async def GetLoad(self, request: Any, context: Any) -> common_pb2.LoadReport:
-        return common_pb2.LoadReport(num_running=0, role=self.role)
+        return common_pb2.LoadReport(num_running=self.num_running, role=self.role)
 
     async def Prefill(self, request: Any, context: Any) -> prefill_pb2.PrefillResponse:
         self.prefill_requests.append(request)
@@ -175,6 +177,9 @@ class Harness:
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float = 20.0) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def run_background(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def __enter__(self) -> Harness:
         self._thread.start()

@@ -151,3 +151,29 @@ def test_gateway_does_not_import_torch() -> None:
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     root = Path(__file__).resolve().parents[1]
     assert subprocess.run([sys.executable, "-c", code], cwd=root, check=False).returncode == 0
+
+
+def test_router_least_loaded_round_robin_and_exclusion(script_ids: list[int]) -> None:
+    from gateway.router import WorkerPool
+
+    with Harness(Script(list(script_ids)), num_decode=3) as h:
+        busy, idle_a, idle_b = h.decode
+        busy.num_running = 5
+
+        async def picks() -> list[str]:
+            pool = WorkerPool("decode", [w.address for w in h.decode], poll_interval_s=60)
+            await pool.start()
+            try:
+                chosen = [pool.pick().address for _ in range(4)]
+                # Picks since the last poll count as load, so the idle two share the work.
+                pool.mark_failed(idle_a.address)
+                chosen.append(pool.pick().address)
+                chosen.append(pool.pick(exclude=[idle_b.address]).address)
+                return chosen
+            finally:
+                await pool.close()
+
+        chosen = h.run(picks())
+        assert sorted(chosen[:4]) == sorted([idle_a.address, idle_b.address] * 2)
+        assert chosen[4] == idle_b.address   # idle_a is excluded after a failure
+        assert chosen[5] == busy.address     # the only healthy one left

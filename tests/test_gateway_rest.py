@@ -357,3 +357,20 @@ def test_api_key(script_ids: list[int]) -> None:
             bad.models.list()
         good = OpenAI(base_url=h.base_url + "/v1", api_key="sekret", max_retries=0)
         assert good.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2).choices
+
+
+def test_graceful_shutdown_drains_in_flight_stream(script_ids: list[int]) -> None:
+    with Harness(Script(list(script_ids), token_delay_s=0.02), shutdown_grace_s=5.0) as h:
+        assert h.gateway is not None
+        with httpx.stream("POST", h.base_url + CMPL, timeout=20, json={
+                "model": MODEL_NAME, "prompt": "x", "max_tokens": 15, "stream": True}) as r:
+            lines = r.iter_lines()
+            first = next(lines)
+            stopping = h.run_background(h.gateway.stop())
+            rest = [first, *lines]
+        stopping.result(20)
+        events = [line[6:] for line in rest if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+        assert text == _text(script_ids[:15])
+        assert h.gateway.state is not None and not h.gateway.state.healthy
