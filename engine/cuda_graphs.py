@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,7 +48,7 @@ class CudaGraphRunner:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        self.pool: object = None
+        self.pool: Any = None
         self.num_replays = 0
 
     def _metadata(self, b: int) -> AttentionMetadata:

@@ -12,7 +12,7 @@ from protos.splitserve.v1 import common_pb2
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_REQUEST_ID_CHARS = 256
 
-FINISH_REASONS = {
+FINISH_REASONS: dict[str | None, common_pb2.FinishReason.ValueType] = {
     "stop": common_pb2.FINISH_REASON_STOP,
     "length": common_pb2.FINISH_REASON_LENGTH,
     "abort": common_pb2.FINISH_REASON_ABORT,
@@ -67,7 +67,7 @@ def logprob_to_proto(lp: TokenLogprob) -> common_pb2.TokenLogprob:
         top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
 
 
-def finish_reason(out: StepOutput) -> int:
+def finish_reason(out: StepOutput) -> common_pb2.FinishReason.ValueType:
     return FINISH_REASONS.get(out.finish_reason, common_pb2.FINISH_REASON_UNSPECIFIED)
 
 

@@ -65,6 +65,8 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tu
 class RotaryEmbedding(nn.Module):
     """Neox-style RoPE (rotate halves) with a precomputed cos/sin cache [max_pos, D]."""
 
+    cos_sin_cache: torch.Tensor
+
     def __init__(self, head_dim: int, max_position: int, theta: float,
                  scaling: dict[str, Any] | None, use_triton: bool = False) -> None:
         super().__init__()

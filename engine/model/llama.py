@@ -8,11 +8,12 @@ step's metadata and KV cache from the forward context. QKV and gate/up projectio
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from engine.attention.forward_context import get_forward_context
+from engine.attention.forward_context import AttentionMetadata, get_forward_context
 from engine.config import ModelConfig
 from engine.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 
@@ -21,14 +22,14 @@ class MissingWeightsError(ValueError):
     """A checkpoint lacks parameters the model needs (names listed) or has unknown ones."""
 
 
-class AttentionBackend:
-    """What a backend provides; see engine/attention/torch_backend.py."""
+class AttentionBackend(Protocol):
+    """What a backend provides (engine/attention/{torch,triton}_backend.py): write this step's
+    K/V into the paged cache, then attend. Mutates `kv_cache` only."""
 
     name: str
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                md: object, scale: float) -> torch.Tensor:  # pragma: no cover - interface
-        raise NotImplementedError
+                md: AttentionMetadata, scale: float) -> torch.Tensor: ...
 
 
 class LlamaAttention(nn.Module):
