@@ -21,6 +21,8 @@ import numpy as np
 from bench.metrics import RequestRecord
 from bench.workloads import BenchRequest, random_requests
 
+WARMUP_SEED_OFFSET = 1_000_003
+
 
 class OfflineBenchError(RuntimeError):
     """The engine did not provide what the benchmark needs; the message says what."""
@@ -143,12 +145,16 @@ def step_itls(records: list[RequestRecord]) -> tuple[list[float], str]:
 
 def run_latency(llm: Any, batch_size: int, input_len: int, output_len: int, vocab_size: int,
                 seed: int = 0, warmup: bool = True) -> LatencyResult:
-    """B requests of I input / O output tokens at once (after a short warm-up of the same B, I)."""
+    """B requests of I input / O output tokens at once (after a short warm-up of the same B, I).
+
+    Callers measuring several runs must use distinct seeds: equal prompts hit the prefix cache.
+    """
     requests = random_requests(batch_size, input_len, output_len, vocab_size, seed=seed)
     if warmup:
-        # Other prompts than the measured ones, so the prefix cache cannot shorten their prefill.
+        # Other prompts than the measured ones (a seed no caller uses for measured runs), so
+        # the prefix cache cannot shorten their prefill.
         generate(llm, random_requests(batch_size, input_len, min(output_len, 4), vocab_size,
-                                      seed=seed + 1))
+                                      seed=seed + WARMUP_SEED_OFFSET))
     records, duration = run_throughput(llm, requests)
     gaps, source = step_itls(records)
     gaps_ms = np.asarray(gaps, dtype=np.float64) * 1000.0

@@ -16,7 +16,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def git_info(repo_root: Path = REPO_ROOT) -> dict[str, Any]:
-    """{"commit": sha or None, "dirty": bool or None} — None when git is unavailable."""
+    """{"commit": sha or None, "dirty": bool or None}.
+
+    Where the tree is a copy without git history (e.g. on the accelerator machine), the commit
+    comes from $SPLITSERVE_COMMIT if set, and `dirty` is None (unknown).
+    """
     def git(*args: str) -> str | None:
         try:
             out = subprocess.run(["git", *args], cwd=repo_root, capture_output=True, text=True,
@@ -26,6 +30,8 @@ def git_info(repo_root: Path = REPO_ROOT) -> dict[str, Any]:
         return out.stdout.strip()
 
     commit = git("rev-parse", "HEAD")
+    if not commit:
+        return {"commit": os.environ.get("SPLITSERVE_COMMIT") or None, "dirty": None}
     status = git("status", "--porcelain", "--untracked-files=no")
     return {"commit": commit, "dirty": bool(status) if status is not None else None}
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The H200 benchmark run (DESIGN.md §7), from the repo root on the accelerator machine:
-#   OUT=/some/dir bash bench/run_h200.sh
+#   OUT=/some/dir [SPLITSERVE_COMMIT=<sha>] bash bench/run_h200.sh
+# (SPLITSERVE_COMMIT names the commit when the tree there is a copy without git history.)
 # Each step is guarded (a failure does not stop the next) and time-limited; the whole run fits
 # in ~9 minutes. Results land in "$OUT": kernels.json, suite.json (written after every suite
 # step), h200_llama-3.1-8b.json (the summary), and one log per step.

@@ -331,6 +331,15 @@ def test_results_json_fields(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("sub/*.tmp"))
 
 
+def test_git_info_without_history_uses_env(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench.results import git_info
+
+    monkeypatch.setenv("SPLITSERVE_COMMIT", "abc123")
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    assert git_info(tmp_path) == {"commit": "abc123", "dirty": None}
+
+
 # ---------------------------------------------------------------- offline records
 
 
