@@ -43,6 +43,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default=_default(RunnerConfig, "attention_backend"),
                    choices=["auto", "torch", "triton"])
     g.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+    g.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch intra-op threads when running on the CPU")
 
 
 def engine_config_from_args(args: argparse.Namespace, role: str = "colocated") -> EngineConfig:
@@ -62,5 +64,5 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "colocated") -
                                   max_model_len=args.max_model_len, role=role,  # type: ignore[arg-type]
                                   kv_lease_ms=args.kv_lease_ms),
         runner=RunnerConfig(device=args.device, attention_backend=args.attention_backend,
-                            enforce_eager=args.enforce_eager),
+                            enforce_eager=args.enforce_eager, cpu_threads=args.cpu_threads),
     )

@@ -197,6 +197,10 @@ class RunnerConfig:
     enforce_eager: bool = False             # True: no CUDA graphs
     cuda_graph_max_batch: int = 256
     quantization: Literal["none", "fp8", "int8"] = "none"
+    # Intra-op threads on the CPU; None keeps torch's default. Several engines (or an engine and
+    # its tests) on one small machine must split the cores, or spinning thread pools oversubscribe
+    # them and small ops get ~100x slower.
+    cpu_threads: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

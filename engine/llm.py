@@ -41,6 +41,7 @@ class LLM:
         attention_backend: str = "auto",
         enforce_eager: bool = False,
         quantization: str = "none",
+        cpu_threads: int | None = None,
     ) -> None:
         config = EngineConfig(
             load=LoadConfig(model=model, load_format=load_format, dtype=dtype, seed=seed,  # type: ignore[arg-type]
@@ -55,7 +56,8 @@ class LLM:
                                       enable_chunked_prefill=enable_chunked_prefill,
                                       max_model_len=max_model_len),
             runner=RunnerConfig(device=device, attention_backend=attention_backend,  # type: ignore[arg-type]
-                                enforce_eager=enforce_eager, quantization=quantization),  # type: ignore[arg-type]
+                                enforce_eager=enforce_eager, quantization=quantization,
+                                cpu_threads=cpu_threads),  # type: ignore[arg-type]
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()

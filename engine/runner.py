@@ -69,6 +69,8 @@ class ModelRunner:
         self.config = config
         self.model_config = model_config
         self.device = resolve_device(config.runner.device)
+        if self.device.type == "cpu" and config.runner.cpu_threads:
+            torch.set_num_threads(config.runner.cpu_threads)
         self.dtype = resolve_dtype(config.load.dtype, default_dtype, self.device)
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len

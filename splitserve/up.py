@@ -77,6 +77,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    if "--cpu-threads" not in engine_args:
+        # Two engines share this machine: on the CPU each gets half of the cores.
+        engine_args = [*engine_args, "--cpu-threads", str(max(1, (os.cpu_count() or 2) // 2))]
     prefill_addr = f"127.0.0.1:{args.prefill_port}"
     decode_addr = f"127.0.0.1:{args.decode_port}"
     try:

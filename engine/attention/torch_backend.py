@@ -61,18 +61,18 @@ class TorchAttentionBackend:
         n = -(-max_len // block_size)
         tables = md.block_tables[:nd, :n].long()                   # [B, n]
         kv = kv_cache[:, tables]                                   # [2, B, n, bs, Hkv, D]
-        kv = kv.reshape(2, nd, n * block_size, *kv_cache.shape[3:])
-        k, v = kv[0], kv[1]                                        # [B, L, Hkv, D]
-        hq, hkv = q.shape[1], k.shape[2]
+        kv = kv.reshape(2, nd, n * block_size, *kv_cache.shape[3:]).transpose(2, 3)
+        hq, hkv = q.shape[1], kv.shape[2]
+        k, v = kv[0], kv[1]                                        # [B, Hkv, L, D]
+        if hq != hkv:
+            k = k.repeat_interleave(hq // hkv, dim=1)
+            v = v.repeat_interleave(hq // hkv, dim=1)
         pos = torch.arange(n * block_size, device=q.device)
-        mask = pos[None, :] < md.seq_lens[:nd, None]               # [B, L]
-        qf = q.float().view(nd, hkv, hq // hkv, -1)                # [B, Hkv, G, D]
-        scores = torch.einsum("bkgd,blkd->bkgl", qf, k.float()) * scale
-        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        o = torch.einsum("bkgl,blkd->bkgd", probs, v.float())
-        return o.reshape(nd, hq, -1).to(q.dtype)
-
+        mask = (pos[None, :] < md.seq_lens[:nd, None])[:, None, None, :]  # [B, 1, 1, L]
+        dt = torch.float32 if q.dtype != torch.float32 else q.dtype
+        o = F.scaled_dot_product_attention(q[:, :, None].to(dt), k.to(dt), v.to(dt),
+                                           attn_mask=mask, scale=scale)  # [B, H, 1, D]
+        return o[:, :, 0].to(q.dtype)
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
                       ) -> torch.Tensor:
