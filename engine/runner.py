@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.attention.forward_context import AttentionMetadata, ForwardContext, forward_context
@@ -164,41 +165,57 @@ class ModelRunner:
                                                       list[int]]:
         """Flatten the scheduled requests into the step's tensors (the only place that does).
 
+        Host data is laid out in two pinned buffers (int64: ids | positions | slots; int32:
+        query_start_loc | seq_lens | block_tables) and moved with two async copies.
         Returns (input_ids [T], positions [T], metadata, logit row index per sampling request)."""
         bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
+        sched = out.scheduled
+        num_seqs = len(sched)
+        num_tokens = out.num_batched_tokens or sum(s.num_new_tokens for s in sched)
+        max_blocks = max(len(s.block_ids) for s in sched)
+        pin = self.device.type == "cuda"
+        big = torch.empty(3 * num_tokens, dtype=torch.int64, pin_memory=pin)
+        small = torch.zeros(2 * num_seqs + 1 + num_seqs * max_blocks, dtype=torch.int32,
+                            pin_memory=pin)
+        b64, b32 = big.numpy(), small.numpy()
+        ids, pos, slots = b64[:num_tokens], b64[num_tokens:2 * num_tokens], b64[2 * num_tokens:]
+        qsl, seq_lens = b32[:num_seqs + 1], b32[num_seqs + 1:2 * num_seqs + 1]
+        tables = b32[2 * num_seqs + 1:].reshape(num_seqs, max_blocks)
         logit_rows: list[int] = []
         num_decodes = 0
-        max_blocks = 1
-        for s in out.scheduled:
-            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
-            ids.extend(s.request.all_token_ids[start:end])
-            pos.extend(range(start, end))
+        o = 0
+        for i, s in enumerate(sched):
+            start, n = s.num_computed_tokens, s.num_new_tokens
+            end = start + n
             table = s.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            qsl.append(qsl[-1] + s.num_new_tokens)
-            seq_lens.append(end)
-            max_blocks = max(max_blocks, len(table))
-            if s.num_new_tokens == 1:
+            tables[i, :len(table)] = table
+            if n == 1:  # decode: scalar path, no per-row numpy temporaries
+                ids[o] = s.request.all_token_ids[start]
+                pos[o] = start
+                slots[o] = table[start // bs] * bs + start % bs
                 num_decodes += 1
+            else:
+                p = np.arange(start, end)
+                ids[o:o + n] = s.request.all_token_ids[start:end]
+                pos[o:o + n] = p
+                slots[o:o + n] = tables[i, p // bs].astype(np.int64) * bs + p % bs
+            o += n
+            qsl[i + 1] = o
+            seq_lens[i] = end
             if s.sample:
-                logit_rows.append(qsl[-1] - 1)
-        tables = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in out.scheduled]
+                logit_rows.append(o - 1)
+        qsl[0] = 0
         dev = self.device
-
-        def t(x: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
-
+        big_d = big.to(dev, non_blocking=True)
+        small_d = small.to(dev, non_blocking=True)
+        seq_lens_cpu = seq_lens.tolist()
         md = AttentionMetadata(
-            query_start_loc=t(qsl, torch.int32), seq_lens=t(seq_lens, torch.int32),
-            block_tables=t(tables, torch.int32), slot_mapping=t(slots, torch.long),
-            num_decodes=num_decodes, max_query_len=max(s.num_new_tokens for s in out.scheduled),
-            max_seq_len=max(seq_lens), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
-        return t(ids, torch.long), t(pos, torch.long), md, logit_rows
+            query_start_loc=small_d[:num_seqs + 1], seq_lens=small_d[num_seqs + 1:2 * num_seqs + 1],
+            block_tables=small_d[2 * num_seqs + 1:].view(num_seqs, max_blocks),
+            slot_mapping=big_d[2 * num_tokens:], num_decodes=num_decodes,
+            max_query_len=max(s.num_new_tokens for s in sched), max_seq_len=max(seq_lens_cpu),
+            query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens_cpu)
+        return big_d[:num_tokens], big_d[num_tokens:2 * num_tokens], md, logit_rows
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
