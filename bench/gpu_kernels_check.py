@@ -242,7 +242,24 @@ class Checker:
         result["ms"] = timings[str(splits)]
         result["kv_bytes"] = kv_bytes
         result["gb_per_s"] = kv_bytes / (result["ms"] * 1e-3) / 1e9
+        if self.device.type == "cuda":  # as the runner will call it: no launch overhead
+            graph_ms = self.graph_ms(lambda: paged_decode_attention(
+                q, kv_cache, block_tables, seq_lens, scale, out=out, max_seq_len=context))
+            result["graph_ms"] = graph_ms
+            result["graph_gb_per_s"] = kv_bytes / (graph_ms * 1e-3) / 1e9
         return result
+
+    def graph_ms(self, fn: Callable[[], object]) -> float:
+        """Median replay time of `fn` captured in a CUDA graph (warmed up on a side stream)."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return self.timer(graph.replay)
 
     def decode_forced_splits(self) -> dict[str, Any]:
         """Split-K with many splits on uneven lengths (every path through the reduce)."""

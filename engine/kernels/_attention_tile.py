@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels._checks import interpret_mode
+from engine.kernels._tl import reduce_max, reduce_sum
 
 LOG2E = 1.4426950408889634
 
@@ -73,10 +74,10 @@ def attend_kv_tile(
         s = tl.where(in_bounds[None, :], s, float("-inf"))
     # Every caller guarantees each real row sees >= 1 position in its first tile, so m_new is
     # finite for real rows from then on and exp2(-inf - m_new) = 0 for masked entries.
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_new = tl.maximum(m_i, reduce_max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    l_i = l_i * alpha + reduce_sum(p, 1)
     if BOUNDS_MASK:
         v = tl.load(v_head_ptr + kv_off, mask=in_bounds[:, None], other=0.0)
     else:

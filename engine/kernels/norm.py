@@ -15,6 +15,7 @@ from engine.kernels._checks import (
     check_tensor,
     next_power_of_2,
 )
+from engine.kernels._tl import reduce_sum
 
 
 @triton.jit
@@ -38,7 +39,7 @@ def _rms_norm_kernel(
         x += tl.load(residual_ptr + row * N + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(new_residual_ptr + row * N + offs, x.to(new_residual_ptr.dtype.element_ty),
                  mask=mask)
-    variance = tl.sum(x * x, axis=0) / N
+    variance = reduce_sum(x * x, 0) / N
     rstd = 1.0 / tl.sqrt(variance + eps)
     # Round to the activation dtype before the weight multiply, as HF LlamaRMSNorm does.
     normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
