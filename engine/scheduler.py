@@ -229,7 +229,7 @@ class Scheduler:
         self.waiting.popleft()
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.loading[req.request_id] = req
-        out.kv_loads.append(KvLoad(req, self.kv.block_ids(req.request_id), n))
+        out.kv_loads.append(KvLoad(req, list(self.kv.block_ids(req.request_id)), n))
         return True
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:

@@ -23,6 +23,8 @@ class KVCacheManager:
         self.root = root
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.req_to_blocks: dict[str, list[Block]] = {}
+        # The same lists as block ids, kept in step: the runner reads them every step.
+        self._req_to_ids: dict[str, list[int]] = {}
         # How many leading blocks of each request are registered in the hash map.
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up
@@ -42,7 +44,8 @@ class KVCacheManager:
         return self.pool.usage()
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+        """The request's block ids in order. A live list owned by the manager: read, don't keep."""
+        return self._req_to_ids.get(request_id, [])
 
     def update_hashes(self, req: Request) -> list[bytes]:
         """Extend `req.block_hashes` to cover all full blocks of its tokens (mutates req)."""
@@ -107,6 +110,9 @@ class KVCacheManager:
         blocks = self.req_to_blocks.setdefault(req.request_id, [])
         blocks.extend(computed)
         blocks.extend(new_blocks)
+        ids = self._req_to_ids.setdefault(req.request_id, [])
+        ids.extend(b.block_id for b in computed)
+        ids.extend(b.block_id for b in new_blocks)
         self._num_cached_blocks.setdefault(req.request_id, 0)
         if computed:
             self._num_cached_blocks[req.request_id] = max(
@@ -138,12 +144,14 @@ class KVCacheManager:
 
     def free_by_id(self, request_id: str) -> None:
         blocks = self.req_to_blocks.pop(request_id, [])
+        self._req_to_ids.pop(request_id, None)
         self._num_cached_blocks.pop(request_id, None)
         self.pool.free_blocks(list(reversed(blocks)))
 
     def transfer_to_lease(self, request_id: str, lease_id: str) -> list[int]:
         """Re-key a finished request's blocks under a lease id (prefill role); keeps references."""
         blocks = self.req_to_blocks.pop(request_id, [])
+        self._req_to_ids[lease_id] = self._req_to_ids.pop(request_id, [])
         self._num_cached_blocks.pop(request_id, None)
         self.req_to_blocks[lease_id] = blocks
         self._num_cached_blocks[lease_id] = len(blocks)
@@ -155,6 +163,9 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         """Pool invariants, plus: references held by requests == sum of ref counts."""
         self.pool.check_integrity()
+        for rid, blocks in self.req_to_blocks.items():
+            if self._req_to_ids.get(rid) != [b.block_id for b in blocks]:
+                raise AssertionError(f"block id list of {rid} is out of step with its blocks")
         refs: dict[int, int] = {}
         for blocks in self.req_to_blocks.values():
             for b in blocks:
