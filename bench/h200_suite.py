@@ -60,8 +60,11 @@ class SuiteSizes:
     conc_input_len: int = 512
     conc_output_len: int = 128
     max_model_len: int = 8192
-    max_num_seqs: int = 256
+    # 384 sequences of up to 2000 tokens fit the KV cache at 0.92 utilization (131 KB/token in
+    # bf16), so random 1000x1000 decodes at a larger batch without preemption.
+    max_num_seqs: int = 384
     max_num_batched_tokens: int = 8192
+    gpu_memory_utilization: float = 0.92
 
     @classmethod
     def small(cls, model: str) -> SuiteSizes:
@@ -109,7 +112,8 @@ class EngineHolder:
             settings = offline.EngineSettings(
                 model=s.model, dtype="bfloat16", max_model_len=s.max_model_len,
                 enforce_eager=enforce_eager, max_num_seqs=s.max_num_seqs,
-                max_num_batched_tokens=s.max_num_batched_tokens)
+                max_num_batched_tokens=s.max_num_batched_tokens,
+                gpu_memory_utilization=s.gpu_memory_utilization)
             self._llm = offline.build_llm(settings)
             self._eager = enforce_eager
         return self._llm
@@ -153,7 +157,12 @@ def _throughput(holder: EngineHolder, vocab: int, n: int, i: int, o: int) -> dic
     requests = random_requests(n, i, o, vocab, seed=7)
     records, duration = offline.run_throughput(llm, requests)
     metrics = compute_metrics(records, duration, percentiles=(50.0, 99.0))
-    return {"num_prompts": n, "input_len": i, "output_len": o, **metrics.to_dict()}
+    engine = getattr(llm, "engine", None)
+    extra = {} if engine is None else {
+        "num_preemptions_total": engine.scheduler.num_preemptions,
+        "num_kv_blocks": engine.kv.num_blocks,
+        "cuda_graph_replays_total": getattr(engine.runner.graphs, "num_replays", None)}
+    return {"num_prompts": n, "input_len": i, "output_len": o, **metrics.to_dict(), **extra}
 
 
 def _hf(holder: EngineHolder, s: SuiteSizes) -> dict[str, Any]:

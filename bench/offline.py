@@ -39,6 +39,7 @@ class EngineSettings:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     attention_backend: str = "auto"
+    gpu_memory_utilization: float = 0.85
 
     def llm_kwargs(self) -> dict[str, Any]:
         kwargs = asdict(self)

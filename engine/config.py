@@ -195,7 +195,7 @@ class RunnerConfig:
     device: str = "auto"                    # "auto": cuda if available else cpu
     attention_backend: AttentionBackendName = "auto"
     enforce_eager: bool = False             # True: no CUDA graphs
-    cuda_graph_max_batch: int = 256
+    cuda_graph_max_batch: int = 512
     quantization: Literal["none", "fp8", "int8"] = "none"
     # Intra-op threads on the CPU; None keeps torch's default. Several engines (or an engine and
     # its tests) on one small machine must split the cores, or spinning thread pools oversubscribe

@@ -47,7 +47,10 @@ class CudaGraphRunner:
         self.block_tables = torch.zeros((n, self.max_blocks), dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        # One logits buffer shared by every bucket (a per-bucket output would cost
+        # vocab x sum(buckets) floats: gigabytes for a 128k vocabulary).
+        self.logits_buf = torch.empty((n, runner.model_config.vocab_size), dtype=runner.dtype,
+                                      device=dev)
         self.pool: Any = None
         self.num_replays = 0
 
@@ -58,11 +61,11 @@ class CudaGraphRunner:
             num_decodes=b, max_query_len=1, max_seq_len=self.runner.max_model_len,
             query_start_loc_cpu=list(range(b + 1)), seq_lens_cpu=[1] * b)
 
-    def _forward(self, b: int) -> torch.Tensor:
+    def _forward(self, b: int) -> None:
         r = self.runner
         with forward_context(ForwardContext(self._metadata(b), r.kv_caches)):
             hidden = r.model(self.input_ids[:b], self.positions[:b])
-        return r.model.compute_logits(hidden)
+        torch.mm(hidden, r.model.lm_head_weight.t(), out=self.logits_buf[:b])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -76,7 +79,7 @@ class CudaGraphRunner:
                 torch.cuda.synchronize()
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self.pool, stream=stream):
-                    self.logits[b] = self._forward(b)
+                    self._forward(b)
                 if self.pool is None:
                     self.pool = g.pool()
                 self.graphs[b] = g
@@ -91,8 +94,7 @@ class CudaGraphRunner:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
             ) -> torch.Tensor:
-        """Replay for `n` decodes; returns their logits [n, vocab] (a view of a static buffer,
-        valid until the next replay)."""
+        """Replay for `n` decodes; returns their float32 logits [n, vocab]."""
         n = input_ids.shape[0]
         b = self.buckets[bisect.bisect_left(self.buckets, n)]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
@@ -108,4 +110,4 @@ class CudaGraphRunner:
             self.positions[n:b].zero_()
         self.graphs[b].replay()
         self.num_replays += 1
-        return self.logits[b][:n]
+        return self.logits_buf[:n].float()

@@ -56,8 +56,9 @@ class LLM:
                                       enable_chunked_prefill=enable_chunked_prefill,
                                       max_model_len=max_model_len),
             runner=RunnerConfig(device=device, attention_backend=attention_backend,  # type: ignore[arg-type]
-                                enforce_eager=enforce_eager, quantization=quantization,
-                                cpu_threads=cpu_threads),  # type: ignore[arg-type]
+                                enforce_eager=enforce_eager,
+                                quantization=quantization,  # type: ignore[arg-type]
+                                cpu_threads=cpu_threads),
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()

@@ -43,6 +43,14 @@ class LLMEngine:
         from engine.loader import load_model_source
 
         config.cache.validate()
+        # Quantized weights and KV are planned (DESIGN.md §5) but not built yet: refuse them
+        # rather than silently serving bf16.
+        if config.runner.quantization != "none":
+            raise ConfigError(f"quantization {config.runner.quantization!r} is not implemented "
+                              "yet; use 'none'")
+        if config.cache.kv_cache_dtype != "auto":
+            raise ConfigError(f"kv_cache_dtype {config.cache.kv_cache_dtype!r} is not implemented "
+                              "yet; use 'auto'")
         self.config = config
         source = load_model_source(config.load)
         cfg = source.config

@@ -119,10 +119,13 @@ class LlamaForCausalLM(nn.Module):
         out, _ = self.norm(h, residual)  # type: ignore[misc]
         return out
 
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] → float32 logits [N, vocab]."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return torch.nn.functional.linear(hidden, self.lm_head_weight).float()
 
     # ---- weights ---------------------------------------------------------------------------
 
