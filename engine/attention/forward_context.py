@@ -1,11 +1,14 @@
 """The per-step forward context: set once around a forward pass, read only by attention.
 
-Non-nestable by design: a forward pass sees exactly one batch's metadata.
+Non-nestable by design: a forward pass sees exactly one batch's metadata. The context is per
+thread: every engine runs its steps on its own thread, and several engines may share a process
+(tests, the colocated CLI), so one engine's forward pass must never see another's batch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -34,22 +37,26 @@ class ForwardContext:
     kv_caches: list[torch.Tensor]   # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
 
 
-_current: ForwardContext | None = None
+class _Local(threading.local):
+    current: ForwardContext | None = None
+
+
+_local = _Local()
 
 
 @contextlib.contextmanager
 def forward_context(ctx: ForwardContext) -> Iterator[None]:
-    global _current
-    if _current is not None:
+    if _local.current is not None:
         raise RuntimeError("forward contexts do not nest")
-    _current = ctx
+    _local.current = ctx
     try:
         yield
     finally:
-        _current = None
+        _local.current = None
 
 
 def get_forward_context() -> ForwardContext:
-    if _current is None:
+    ctx = _local.current
+    if ctx is None:
         raise RuntimeError("attention called outside a forward context")
-    return _current
+    return ctx
