@@ -140,15 +140,26 @@ class _LazyKvServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         return await self._inner.Release(request, context)
 
 
-async def run_until_signal(stop: Callable[[], object], grace_s: float = 10.0) -> None:
-    """Block until SIGINT/SIGTERM, then call `stop` (an async function)."""
+async def run_until_signal(stop: Callable[[], object], grace_s: float = 10.0,
+                           watch: asyncio.Future[None] | None = None) -> None:
+    """Block until SIGINT/SIGTERM, then call `stop` (an async function). If `watch` (the engine
+    load) fails first, stop and re-raise: a worker that cannot load must exit, not linger
+    NOT_SERVING until its orchestrator's start-up window runs out."""
     loop = asyncio.get_running_loop()
     done = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, done.set)
-    await done.wait()
+    waiter = asyncio.ensure_future(done.wait())
+    pending = {waiter} | ({watch} if watch is not None else set())
+    finished, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+    failed = watch is not None and watch in finished and watch.exception() is not None
+    if watch is not None and watch in finished and not failed:
+        await waiter  # loaded fine: keep serving until a signal
     logger.info("shutting down (grace %.0fs)", grace_s)
     result = stop()
     if asyncio.iscoroutine(result):
         await result
+    if failed:
+        assert watch is not None
+        raise RuntimeError("engine failed to load") from watch.exception()
 

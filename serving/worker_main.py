@@ -37,7 +37,7 @@ async def _serve_worker(args: argparse.Namespace) -> None:
     config = engine_config_from_args(args, role=args.role)
     port = args.port if args.port is not None else {"prefill": 50061, "decode": 50062}[args.role]
     handle = await start_worker(config, args.host, port, advertise_address=args.advertise)
-    await run_until_signal(handle.stop)
+    await run_until_signal(handle.stop, watch=handle.load_task)
 
 
 async def _serve_colocated(argv: list[str], args: argparse.Namespace) -> None:
@@ -82,8 +82,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.role == "colocated":
-        asyncio.run(_serve_colocated(argv, args))
-    else:
-        asyncio.run(_serve_worker(args))
+    try:
+        if args.role == "colocated":
+            asyncio.run(_serve_colocated(argv, args))
+        else:
+            asyncio.run(_serve_worker(args))
+    except RuntimeError as e:
+        logger.error("%s: %s", e, e.__cause__)
+        return 1
     return 0
