@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -20,12 +21,16 @@ from serving.convert import (
     logprob_to_proto,
     sampling_from_proto,
 )
-from serving.kv import RemoteKvHandle
+from serving.kv import RemoteKvHandle, release_unpulled
 
 KV_PULL_TIMEOUT_S = 30.0
 
 
 class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
+    def __init__(self) -> None:
+        super().__init__()
+        self._releases: set[asyncio.Task[None]] = set()  # keeps fire-and-forget tasks alive
+
     async def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         aengine = await self.engine_or_abort(context)
@@ -60,6 +65,18 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineDeadError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        finally:
+            # Cancelled (client gone) or failed before the KV load began: the prefill worker
+            # would otherwise hold the lease (and its blocks) until it expires.
+            if remote is not None and isinstance(remote.handle, RemoteKvHandle):
+                self._release_unpulled(remote.handle)
+
+    def _release_unpulled(self, handle: RemoteKvHandle) -> None:
+        if handle.started:
+            return
+        task = asyncio.ensure_future(release_unpulled(handle))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     def _remote_kv(self, request: decode_pb2.DecodeRequest, num_prompt: int,
                    context: grpc.aio.ServicerContext) -> RemoteKv | None:
@@ -87,6 +104,5 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
 
     async def GetLoad(self, request: common_pb2.LoadRequest,
                       context: grpc.aio.ServicerContext) -> common_pb2.LoadReport:
-        assert self.aengine is None or self.aengine.engine is not None
-        role = self.aengine.engine.config.scheduler.role if self.aengine else "decode"
-        return self.load_report(role)
+        aengine = await self.engine_or_abort(context)  # UNAVAILABLE while loading
+        return self.load_report(aengine.engine.config.scheduler.role)

@@ -59,6 +59,8 @@ class GatewayConfig:
         if self.kv_failure_policy not in ("recompute", "fail"):
             raise GatewayConfigError(
                 f"kv_failure_policy must be 'recompute' or 'fail', got {self.kv_failure_policy!r}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise GatewayConfigError("api_key must not be empty (omit it to disable auth)")
         if self.decode_retries < 0:
             raise GatewayConfigError(f"decode_retries must be >= 0, got {self.decode_retries}")
 

@@ -43,5 +43,9 @@ class GatewayState:
 
     @property
     def healthy(self) -> bool:
-        """Serving: not draining and at least one decode worker answered its last poll."""
-        return not self.draining and self.router.decode.num_healthy > 0
+        """Serving: not draining, and at least one decode worker (and, disaggregated, one prefill
+        worker) answered its last load poll — workers refuse polls until their model is loaded."""
+        if self.draining or self.router.decode.num_healthy == 0:
+            return False
+        prefill = self.router.prefill
+        return self.config.colocated or (prefill is not None and prefill.num_healthy > 0)

@@ -46,9 +46,10 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
         except EngineDeadError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except asyncio.CancelledError:
-            # Cancelled after the lease was granted: nobody will pull it.
-            if last is not None and last.kv_held:
-                aengine.submit(aengine.engine.release_lease, rid)
+            # Nobody will pull this KV. The lease may exist even when its output never reached
+            # us (granted on the engine thread just before the cancel); the abort queued by
+            # `generate` runs first, so releasing after it leaves no lease either way.
+            aengine.submit(aengine.engine.release_lease, rid)
             raise
         if last is None:
             await context.abort(grpc.StatusCode.INTERNAL, "engine returned no output")
@@ -77,4 +78,5 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
 
     async def GetLoad(self, request: common_pb2.LoadRequest,
                       context: grpc.aio.ServicerContext) -> common_pb2.LoadReport:
+        await self.engine_or_abort(context)  # UNAVAILABLE while loading: routers skip us
         return self.load_report("prefill")
