@@ -183,12 +183,16 @@ class Orchestrator:
         request = prefill_pb2.PrefillRequest(
             request_id=f"{job.request_id}-{index}", prompt_token_ids=job.prompt_token_ids,
             sampling=sampling)
+        pool = self._router.prefill
+        hashes = pool.prompt_hashes(job.prompt_token_ids)
         tried: list[str] = []
         while True:
-            worker = self._router.prefill.pick(exclude=tried)
+            worker = pool.pick_for_prefix(hashes, exclude=tried)
             try:
-                return await self._router.prefill_stub(worker).Prefill(
+                response = await self._router.prefill_stub(worker).Prefill(
                     request, timeout=self._remaining(job))
+                pool.prefix_index.record(worker.address, response.kv_handle.block_hashes)
+                return response
             except grpc.aio.AioRpcError as err:
                 if err.code() != grpc.StatusCode.UNAVAILABLE or tried:
                     raise GatewayError.from_rpc(err, "prefill") from None

@@ -22,6 +22,7 @@ from typing import Literal
 import grpc
 
 from gateway.errors import GatewayError
+from gateway.prefix_index import PrefixIndex, prompt_block_hashes
 from protos.splitserve.v1 import (
     common_pb2,
     decode_pb2_grpc,
@@ -57,6 +58,8 @@ class WorkerPool:
         self._poll_interval_s = poll_interval_s
         self._poll_timeout_s = poll_timeout_s
         self._rr = 0
+        self.prefix_index = PrefixIndex()
+        self.max_imbalance = 4  # pending requests a prefix hit may cost in load balance
         self._task: asyncio.Task[None] | None = None
         self._listeners: list[Callable[[], None]] = []
 
@@ -120,16 +123,34 @@ class WorkerPool:
         worker.picks_since_poll += 1
         return worker
 
+    def prompt_hashes(self, prompt_token_ids: Sequence[int]) -> list[bytes]:
+        """Block hashes of a prompt under the pool's KV layout (from the workers' load reports)."""
+        for w in self.workers:
+            if w.healthy and w.load.block_size:
+                return prompt_block_hashes(prompt_token_ids, w.load.fingerprint, w.load.block_size)
+        return []
+
     def pick_for_prefix(self, block_hashes: Sequence[bytes], exclude: Sequence[str] = ()) -> Worker:
-        """Prefix-aware routing hook: today load-only (the hashes are not yet indexed)."""
-        del block_hashes
-        return self.pick(exclude)
+        """Longest cached prefix first, unless that worker is busier than the least-loaded one
+        by more than `max_imbalance` pending requests; then least loaded."""
+        candidates = [w for w in self.workers if w.healthy and w.address not in exclude]
+        if not block_hashes or len(candidates) < 2:
+            return self.pick(exclude)
+        best = max(candidates, key=lambda w: self.prefix_index.match(w.address, block_hashes))
+        if self.prefix_index.match(best.address, block_hashes) == 0:
+            return self.pick(exclude)
+        least = min(w.routing_key()[0] for w in candidates)
+        if best.routing_key()[0] - least > self.max_imbalance:
+            return self.pick(exclude)
+        best.picks_since_poll += 1
+        return best
 
     def mark_failed(self, address: str) -> None:
         """Exclude a worker after a failed call; the next successful poll brings it back."""
         for w in self.workers:
             if w.address == address:
                 w.healthy = False
+        self.prefix_index.forget(address)  # it may come back restarted, its cache empty
 
 
 class Router:
