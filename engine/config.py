@@ -43,6 +43,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2-style q/k/v bias
     mlp_bias: bool = False
+    # Mistral v0.1-style sliding-window attention; only exact while contexts fit the window.
+    sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Identity of the weights (path + size + mtime, or "dummy:<seed>"); part of the fingerprint.
@@ -101,6 +103,8 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", is_qwen2)),
             mlp_bias=bool(d.get("mlp_bias", False)),
+            sliding_window=(int(d["sliding_window"]) if d.get("sliding_window")
+                            and d.get("use_sliding_window", True) else None),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             weights_id=weights_id,

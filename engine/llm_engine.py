@@ -66,6 +66,11 @@ class LLMEngine:
             raise ConfigError(
                 f"max_model_len ({self.max_model_len}) exceeds the model's "
                 f"max_position_embeddings ({cfg.max_position_embeddings})")
+        window = cfg.sliding_window
+        if window is not None and self.max_model_len > window:
+            raise ConfigError(
+                f"the model uses sliding-window attention (window {window}), which is not "
+                f"implemented; set max_model_len <= {window} so full attention is exact")
         self.eos_token_ids = self._eos_ids(source.generation_config)
         self.runner = ModelRunner(config, cfg, self.max_model_len, source.weights,
                                   source.dummy_seed, source.default_dtype)
