@@ -74,6 +74,7 @@ class RemoteKvHandle:
     policy: int                 # decode_pb2.KvFailurePolicy
     timeout_s: float
     failed: bool = False        # set when the pull failed (the request was recomputed)
+    started: bool = False       # set when the loader began pulling (it then releases the lease)
 
 
 class GrpcKvLoader:
@@ -87,6 +88,7 @@ class GrpcKvLoader:
         remote = load.request.remote_kv
         assert remote is not None and isinstance(remote.handle, RemoteKvHandle)
         h = remote.handle
+        h.started = True
         try:
             blocks = await pull_all(h.handle.worker_address, h.handle.request_id, self._spec,
                                     len(load.block_ids), h.timeout_s, load.num_tokens)
@@ -105,3 +107,14 @@ class GrpcKvLoader:
             logger.info("release of %s failed: %s", h.handle.request_id, e)
         return True
 
+
+
+async def release_unpulled(h: RemoteKvHandle) -> None:
+    """Drop the prefill lease of a request that ended before its KV load began (cancelled or
+    failed while waiting for blocks): nobody else would release it before the lease expires."""
+    if h.started:
+        return
+    try:
+        await release(h.handle.worker_address, h.handle.request_id, timeout_s=5.0)
+    except KvTransferError as e:  # the lease will expire on its own
+        logger.info("release of unpulled %s failed: %s", h.handle.request_id, e)
