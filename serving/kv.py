@@ -12,7 +12,8 @@ import torch
 from engine.async_engine import AsyncEngine, KvLoadAbort
 from engine.llm_engine import LLMEngine
 from engine.scheduler import KvLoad
-from kv_transfer.grpc_transport import KvTransferError, LeaseView, pull_all, release
+from kv_transfer.connector import GrpcPullConnector, KvHandle, LoadResult
+from kv_transfer.grpc_transport import KvTransferError, LeaseView, release
 from kv_transfer.wire import BlockSpec
 from protos.splitserve.v1 import common_pb2, decode_pb2
 
@@ -56,9 +57,13 @@ class EngineBlockSource:
         return await asyncio.to_thread(lambda: runner.read_blocks([block_id])[0])
 
     def release(self, request_id: str) -> bool:
-        known = request_id in self._engine.scheduler.leases
+        lease = self._engine.scheduler.leases.get(request_id)
+        if lease is None or lease.deadline <= _monotonic():
+            return False
+        # Hide it from lookups at once; the engine thread frees the blocks between steps.
+        lease.deadline = 0.0
         self._aengine.submit(self._engine.release_lease, request_id)
-        return known
+        return True
 
 
 def _monotonic() -> float:
@@ -77,36 +82,62 @@ class RemoteKvHandle:
     started: bool = False       # set when the loader began pulling (it then releases the lease)
 
 
-class GrpcKvLoader:
-    """Decode role: fills the blocks a KvLoad names from the prefill worker, all or nothing."""
+class RunnerSink:
+    """`kv_transfer.connector.KvBlockSink` writing into an engine's KV cache. The blocks were
+    allocated for this load and are not visible to any other request until the load succeeds."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        self._engine = engine
+        self._runner = engine.runner
+
+    def write_block(self, block_id: int, tensor: torch.Tensor) -> None:
+        self._runner.write_blocks([block_id], tensor.unsqueeze(0))
+
+
+class GrpcKvLoader:
+    """Decode role: the engine's KV loader over `kv_transfer`'s GrpcPullConnector.
+
+    The scheduler allocates blocks for a request's remote KV and emits a KvLoad; this fills them
+    from the prefill worker (the connector releases the lease after a full pull) and reports
+    success. On failure, policy `recompute` returns False (the engine recomputes the prompt) and
+    policy `fail` raises KvLoadAbort (the request fails with UNAVAILABLE)."""
+
+    def __init__(self, engine: LLMEngine, timeout_s: float = 30.0) -> None:
         self._spec = block_spec(engine)
+        self._sink = RunnerSink(engine)
+        self._timeout_s = timeout_s
+        self._connector: GrpcPullConnector | None = None
+
+    def _get_connector(self) -> GrpcPullConnector:
+        if self._connector is None:  # needs the running loop
+            self._connector = GrpcPullConnector(self._spec, self._sink, asyncio.get_running_loop(),
+                                                timeout_s=self._timeout_s)
+        return self._connector
 
     async def __call__(self, load: KvLoad) -> bool:
         remote = load.request.remote_kv
         assert remote is not None and isinstance(remote.handle, RemoteKvHandle)
         h = remote.handle
         h.started = True
+        rid = load.request.request_id
+        connector = self._get_connector()
         try:
-            blocks = await pull_all(h.handle.worker_address, h.handle.request_id, self._spec,
-                                    len(load.block_ids), h.timeout_s, load.num_tokens)
-        except KvTransferError as e:
-            logger.warning("KV pull for %s failed (%s): %s", load.request.request_id, e.reason, e)
-            h.failed = True
-            if h.policy == decode_pb2.KV_FAILURE_POLICY_FAIL:
-                raise KvLoadAbort(f"KV transfer from {h.handle.worker_address} failed: {e}") from e
-            return False
-        stacked = torch.stack([b.tensor for b in blocks])
-        runner = self._engine.runner
-        await asyncio.to_thread(runner.write_blocks, load.block_ids, stacked)
-        try:
-            await release(h.handle.worker_address, h.handle.request_id, timeout_s=5.0)
-        except KvTransferError as e:  # the lease will expire on its own
-            logger.info("release of %s failed: %s", h.handle.request_id, e)
-        return True
-
+            handle = KvHandle.from_proto(h.handle)
+        except ValueError as e:
+            result = LoadResult(rid, False, f"bad handle: {e}")
+        else:
+            connector.start_load_kv(rid, handle, load.block_ids)
+            try:
+                result = await connector.wait_for_load(rid)
+            finally:
+                connector.cancel_load(rid)
+                connector.get_finished_loads()  # drop the connector's record of this load
+        if result.ok:
+            return True
+        logger.warning("KV pull for %s failed: %s", rid, result.reason)
+        h.failed = True
+        if h.policy == decode_pb2.KV_FAILURE_POLICY_FAIL:
+            raise KvLoadAbort(f"KV transfer from {h.handle.worker_address} failed: {result.reason}")
+        return False
 
 
 async def release_unpulled(h: RemoteKvHandle) -> None:
