@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 import grpc
 
 from engine.async_engine import EngineDeadError, KvLoadAbort
-from engine.llm_engine import EngineInputError
+from engine.kv.hashing import compute_block_hashes
+from engine.llm_engine import EngineInputError, LLMEngine
 from engine.request import RemoteKv
 from engine.sampling_params import SamplingParamsError
 from protos.splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
@@ -42,7 +43,7 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
             if params.max_tokens is not None and len(given) >= params.max_tokens:
                 raise InvalidRequest(f"output_token_ids already has {len(given)} tokens; "
                                      f"sampling.max_tokens is {params.max_tokens}")
-            remote = self._remote_kv(request, len(ids), context)
+            remote = self._remote_kv(request, ids, context)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         n_out = len(given)
@@ -66,43 +67,54 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
         except EngineDeadError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         finally:
-            # Cancelled (client gone) or failed before the KV load began: the prefill worker
-            # would otherwise hold the lease (and its blocks) until it expires.
+            # Cancelled (client gone) before the KV load began, or the pull failed (partial or
+            # corrupt KV, recomputed): the prefill worker would otherwise hold the lease (and
+            # its blocks) until it expires.
             if remote is not None and isinstance(remote.handle, RemoteKvHandle):
                 self._release_unpulled(remote.handle)
 
     def _release_unpulled(self, handle: RemoteKvHandle) -> None:
-        if handle.started:
+        """Release the prefill lease unless a whole pull took it (the loader releases then)."""
+        if handle.started and not handle.failed:
             return
         task = asyncio.ensure_future(release_unpulled(handle))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
-    def _remote_kv(self, request: decode_pb2.DecodeRequest, num_prompt: int,
+    def _remote_kv(self, request: decode_pb2.DecodeRequest, ids: list[int],
                    context: grpc.aio.ServicerContext) -> RemoteKv | None:
         if not request.HasField("kv_handle"):
             return None
-        h = request.kv_handle
         assert self.aengine is not None
-        eng = self.aengine.engine
-        problem = None
-        if h.fingerprint != eng.fingerprint:
-            problem = "kv_handle.fingerprint does not match this worker's model"
-        elif h.block_size != eng.config.cache.block_size:
-            problem = f"kv_handle.block_size {h.block_size} != {eng.config.cache.block_size}"
-        elif h.num_tokens != num_prompt:
-            problem = f"kv_handle.num_tokens {h.num_tokens} != prompt length {num_prompt}"
-        elif not h.worker_address or not h.request_id:
-            problem = "kv_handle needs worker_address and request_id"
+        problem = _handle_problem(request.kv_handle, ids, self.aengine.engine)
         if problem is not None:
             if request.kv_failure_policy == decode_pb2.KV_FAILURE_POLICY_FAIL:
                 raise InvalidRequest(problem)
             return None  # recompute locally
         remaining = context.time_remaining()
         timeout = min(KV_PULL_TIMEOUT_S, remaining) if remaining is not None else KV_PULL_TIMEOUT_S
-        return RemoteKv(num_prompt, RemoteKvHandle(h, request.kv_failure_policy, timeout))
+        return RemoteKv(len(ids), RemoteKvHandle(request.kv_handle, request.kv_failure_policy,
+                                                 timeout))
 
     async def GetLoad(self, request: common_pb2.LoadRequest,
                       context: grpc.aio.ServicerContext) -> common_pb2.LoadReport:
         aengine = await self.engine_or_abort(context)  # UNAVAILABLE while loading
         return self.load_report(aengine.engine.config.scheduler.role)
+
+
+def _handle_problem(h: common_pb2.KvHandle, ids: list[int], eng: LLMEngine) -> str | None:
+    """Why the KV a handle names cannot be this prompt's, or None. The full blocks' chained
+    hashes (rooted in the fingerprint) must equal this prompt's: a handle of another prompt of
+    the same length would otherwise be decoded from silently."""
+    block_size = eng.config.cache.block_size
+    if h.fingerprint != eng.fingerprint:
+        return "kv_handle.fingerprint does not match this worker's model"
+    if h.block_size != block_size:
+        return f"kv_handle.block_size {h.block_size} != {block_size}"
+    if h.num_tokens != len(ids):
+        return f"kv_handle.num_tokens {h.num_tokens} != prompt length {len(ids)}"
+    if not h.worker_address or not h.request_id:
+        return "kv_handle needs worker_address and request_id"
+    if list(h.block_hashes) != compute_block_hashes(eng.kv.root, ids, block_size):
+        return "kv_handle.block_hashes do not match the prompt's blocks (KV of another prompt)"
+    return None

@@ -108,7 +108,7 @@ class KvConnectorScheduler(ABC):
 @dataclass(frozen=True, slots=True)
 class LoadResult:
     """Outcome of one KV load. reason: a KvTransferError reason, "spec_mismatch",
-    "scales_mismatch", "sink_error" or "cancelled" when ok is False."""
+    "scales_mismatch", "hash_mismatch", "sink_error" or "cancelled" when ok is False."""
 
     request_id: str
     ok: bool
@@ -207,6 +207,10 @@ class GrpcPullConnector(KvConnectorWorker):
                                                         not torch.equal(block.scales,
                                                                         self._kv_scales)):
                         return LoadResult(request_id, False, "scales_mismatch")
+                    if not _hash_matches(handle, index, block.block_hash):
+                        # The lease holds other tokens than the handle names (the lease id was
+                        # reused, or a mix-up upstream): never use them as this prompt's KV.
+                        return LoadResult(request_id, False, "hash_mismatch")
                     self._sink.write_block(block_ids[index], block.tensor)
         except KvTransferError as exc:
             log.warning("KV load %s failed: %s", request_id, exc)
@@ -256,3 +260,8 @@ class GrpcPullConnector(KvConnectorWorker):
                 block_hashes: Sequence[bytes]) -> None:
         """Nothing to push: in the pull model the prefill worker keeps the blocks under a lease
         and its KvTransfer servicer serves them."""
+
+
+def _hash_matches(handle: KvHandle, index: int, block_hash: bytes | None) -> bool:
+    """A full block the handle names by hash must arrive under that hash."""
+    return index >= len(handle.block_hashes) or block_hash == handle.block_hashes[index]

@@ -141,10 +141,8 @@ class GrpcKvLoader:
 
 
 async def release_unpulled(h: RemoteKvHandle) -> None:
-    """Drop the prefill lease of a request that ended before its KV load began (cancelled or
-    failed while waiting for blocks): nobody else would release it before the lease expires."""
-    if h.started:
-        return
+    """Drop the prefill lease of a request that will never pull it whole (it ended before its
+    load began, or the pull failed): nobody else would release it before the lease expires."""
     try:
         await release(h.handle.worker_address, h.handle.request_id, timeout_s=5.0)
     except KvTransferError as e:  # the lease will expire on its own
