@@ -39,6 +39,25 @@ def apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tens
     return logits
 
 
+def _needs_min_tokens_mask(req: Request) -> bool:
+    return req.num_output_tokens < req.sampling_params.min_tokens
+
+
+def mask_min_tokens(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    """Before `min_tokens` outputs exist, EOS (unless ignore_eos) and stop_token_ids cannot be
+    sampled (vLLM / HF `min_new_tokens` semantics). logits: [N, V], modified in place."""
+    vocab = logits.shape[1]
+    for i, req in enumerate(reqs):
+        if not _needs_min_tokens_mask(req):
+            continue
+        sp = req.sampling_params
+        banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(req.eos_token_ids))
+        ids = [t for t in banned if 0 <= t < vocab]
+        if ids:
+            logits[i, ids] = float("-inf")
+    return logits
+
+
 def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p on rows that sample randomly → probabilities [N, V]."""
     dev = logits.device
@@ -115,6 +134,8 @@ class Sampler:
         raw = logits
         if any(r.sampling_params.has_penalties for r in reqs):
             logits = apply_penalties(logits.clone(), reqs)
+        if any(_needs_min_tokens_mask(r) for r in reqs):
+            logits = mask_min_tokens(logits.clone() if logits is raw else logits, reqs)
         greedy = [r.sampling_params.greedy for r in reqs]
         tokens = logits.argmax(dim=-1)
         if not all(greedy):

@@ -124,7 +124,12 @@ class Scheduler:
             return
         assert req.remote_kv is not None
         if ok:
-            req.num_computed_tokens = req.remote_kv.num_tokens
+            # Sampling needs the last known token computed here: if the remote KV covers every
+            # token (no first token was passed along), recompute the last one.
+            req.num_computed_tokens = min(req.remote_kv.num_tokens, req.num_tokens - 1)
+            # The KV is local now: a later preemption recomputes here instead of pulling again
+            # from a lease that the completed pull has already released.
+            req.remote_kv = None
             req.num_cached_tokens = max(req.num_cached_tokens, 0)
             self.kv.cache_computed(req, req.num_computed_tokens)
             req.status = RequestStatus.RUNNING
