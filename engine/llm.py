@@ -132,9 +132,14 @@ class LLM:
             if len(params) != len(plist):
                 raise EngineInputError(
                     f"got {len(params)} sampling params for {len(plist)} prompts")
+        # Tokenize and validate every prompt before queueing any: a bad one must not leave the
+        # others queued in the engine.
+        tokenized = [self._tokenize(prompt) for prompt in plist]
+        for (_, ids), sp in zip(tokenized, params, strict=True):
+            sp.validate()
+            self.engine.validate(ids, sp)
         items = []
-        for prompt, sp in zip(plist, params, strict=True):
-            text, ids = self._tokenize(prompt)
+        for (text, ids), sp in zip(tokenized, params, strict=True):
             rid = str(next(self._ids))
             for i in range(sp.n):
                 child = sp if sp.n == 1 else dataclasses.replace(
@@ -170,6 +175,8 @@ class LLM:
             yield steps
 
     def _accumulate(self, s: StepOutput) -> None:
+        if ":" not in s.request_id:
+            return  # a request added to the engine directly, not through this LLM
         rid, idx = s.request_id.rsplit(":", 1)
         out = self._outputs.get(rid)
         if out is None:

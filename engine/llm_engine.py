@@ -78,6 +78,13 @@ class LLMEngine:
             {**cfg.to_hf_dict(), "weights_id": cfg.weights_id},
             dtype=str(self.runner.dtype), kv_cache_dtype=config.cache.kv_cache_dtype,
             block_size=config.cache.block_size)
+        capacity = self.runner.result.num_blocks * config.cache.block_size
+        if capacity < self.max_model_len:
+            # One sequence must always fit the whole cache, or it could never be scheduled.
+            logger.warning("KV cache holds %d tokens; lowering max_model_len from %d to that",
+                           capacity, self.max_model_len)
+            self.max_model_len = capacity
+            self.runner.max_model_len = capacity
         self.kv = KVCacheManager(self.runner.result.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching,
                                  root_hash(self.fingerprint, config.cache.tenant_salt))
@@ -114,7 +121,7 @@ class LLMEngine:
         if not prompt_token_ids:
             raise EngineInputError("prompt must not be empty")
         vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in prompt_token_ids if type(t) is not int or not 0 <= t < vocab]
         if bad:
             raise EngineInputError(f"prompt_token_ids contains ids outside [0, {vocab}): {bad[:5]}")
         n = len(prompt_token_ids) + num_output_tokens

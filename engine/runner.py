@@ -18,6 +18,7 @@ import torch
 from engine.attention.forward_context import AttentionMetadata, ForwardContext, forward_context
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.model.layers import RotaryEmbedding
 from engine.model.llama import AttentionBackend, LlamaForCausalLM
 from engine.sampler import Sampler
 from engine.scheduler import SampledToken, SchedulerOutput
@@ -82,8 +83,8 @@ class ModelRunner:
         self.model = model.to(self.dtype)
         # RoPE tables stay in fp32 whatever the model dtype.
         for m in self.model.modules():
-            if hasattr(m, "cos_sin_cache"):
-                m.cos_sin_cache = m.cos_sin_cache.float()
+            if isinstance(m, RotaryEmbedding):
+                m.rebuild_fp32()
         if weights is not None:
             self.model.load_weights(weights())  # type: ignore[operator]
         else:

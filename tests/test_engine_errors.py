@@ -64,12 +64,10 @@ def test_prompt_longer_than_max_model_len(llm: LLM) -> None:
     assert not llm.engine.scheduler.requests
 
 
-BOOL_BUG = ("engine/llm_engine.py LLMEngine.validate: `isinstance(t, int)` accepts bools as "
-            "token ids; use `type(t) is int`")
 
 
 @pytest.mark.parametrize("bad", [
-    [1, 384], [1, -1], pytest.param([True, 2], marks=pytest.mark.xfail(reason=BOOL_BUG)),
+    [1, 384], [1, -1], [True, 2],
 ], ids=["vocab", "negative", "bool"])
 def test_token_ids_out_of_vocab(llm: LLM, bad: list[int]) -> None:
     try:
@@ -120,3 +118,23 @@ def test_corrupt_safetensors_fails_at_load(tiny_model_dirs: dict[str, Path], tmp
     with pytest.raises(ModelLoadError, match=r"model\.safetensors") as e:
         LLM(model=str(model_dir), dtype="float32", device="cpu")
     assert "corrupt or truncated" in str(e.value)
+
+
+def test_max_model_len_capped_to_kv_capacity(tiny_model_dirs: dict[str, Path]) -> None:
+    """A sequence larger than the whole KV cache could never be scheduled: the engine lowers
+    max_model_len to the cache's capacity and refuses longer prompts up front."""
+    small = tiny_llm(tiny_model_dirs["llama"], num_gpu_blocks=3, max_model_len=64)
+    assert small.engine.max_model_len == 3 * small.engine.config.cache.block_size
+    with pytest.raises(EngineInputError, match="max_model_len"):
+        small.generate({"prompt_token_ids": list(range(1, 13))}, greedy(2))
+    out = small.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0,
+                                                                          max_tokens=100))
+    assert out[0].outputs[0].finish_reason == "length"
+    assert len(out[0].outputs[0].token_ids) == small.engine.max_model_len - 3
+
+
+def test_bad_prompt_in_a_batch_queues_nothing(llm: LLM) -> None:
+    with pytest.raises(EngineInputError):
+        llm.generate([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": []}], greedy(2))
+    assert not llm.engine.scheduler.requests
+    assert llm.generate({"prompt_token_ids": [1, 2]}, greedy(2))[0].outputs[0].token_ids

@@ -70,13 +70,21 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float,
                  scaling: dict[str, Any] | None, use_triton: bool = False) -> None:
         super().__init__()
+        self._args = (head_dim, max_position, theta, scaling)
+        self.register_buffer("cos_sin_cache", self._table(), persistent=False)
+        self.head_dim = head_dim
+        self.use_triton = use_triton
+
+    def _table(self, device: torch.device | None = None) -> torch.Tensor:
+        head_dim, max_position, theta, scaling = self._args
         inv_freq, _ = _inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_position, dtype=torch.int64).float()
         freqs = torch.outer(t, inv_freq)                      # [max_pos, D/2]
-        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [max_pos, D]: cos | sin
-        self.register_buffer("cos_sin_cache", cache, persistent=False)
-        self.head_dim = head_dim
-        self.use_triton = use_triton
+        return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)  # [max_pos, D]: cos | sin
+
+    def rebuild_fp32(self) -> None:
+        """Recompute the table in float32 (after `model.to(bf16)` rounded it)."""
+        self.cos_sin_cache = self._table(self.cos_sin_cache.device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
