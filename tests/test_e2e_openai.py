@@ -35,17 +35,16 @@ def test_models_lists_the_served_model(client: OpenAI) -> None:
 
 def test_chat_greedy_names_paris(client: OpenAI, tokenizer: Tokenizer) -> None:
     resp = client.chat.completions.create(model=MODEL_NAME, messages=CAPITAL_QUESTION,
-                                          temperature=0, max_tokens=16)
+                                          temperature=0, max_tokens=16, logprobs=True)
     answer = resp.choices[0].message.content or ""
     assert "Paris" in answer, answer
     assert resp.choices[0].finish_reason in ("stop", "length")
     assert resp.usage is not None
-    assert resp.usage.prompt_tokens == len(_chat_prompt_ids(tokenizer, [{"role": "user", "content": QUESTION}]))
-    # The answer's own tokens: re-encoding the text gives the count unless EOS ended it
-    # (EOS is a token but adds no text), so allow exactly that one extra token.
-    n_text = len(tokenizer.encode(answer, add_special_tokens=False))
-    extra = 1 if resp.choices[0].finish_reason == "stop" else 0
-    assert resp.usage.completion_tokens == n_text + extra
+    assert resp.usage.prompt_tokens == len(_chat_prompt_ids(tokenizer, [
+        {"role": "user", "content": QUESTION}]))
+    # One logprobs entry per generated token (EOS included): usage counts exactly those.
+    assert resp.choices[0].logprobs is not None and resp.choices[0].logprobs.content is not None
+    assert resp.usage.completion_tokens == len(resp.choices[0].logprobs.content)
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
 
 
@@ -103,3 +102,27 @@ def test_completion_token_id_prompt(client: OpenAI, tokenizer: Tokenizer) -> Non
     by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, temperature=0, max_tokens=8)
     assert by_ids.choices[0].text == by_text.choices[0].text
     assert by_ids.usage is not None and by_ids.usage.prompt_tokens == len(ids)
+
+
+def test_n_greedy_completions_agree(client: OpenAI) -> None:
+    resp = client.completions.create(model=MODEL_NAME, prompt="My favourite fruit is", n=2,
+                                     temperature=0, max_tokens=8, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in resp.choices) == [0, 1]
+    assert resp.choices[0].text == resp.choices[1].text
+    assert resp.usage is not None and resp.usage.completion_tokens == 16
+
+
+def test_stop_string_mid_decode_cancels_the_rest(client: OpenAI, disagg_stack: Stack) -> None:
+    prompt = "List the days of the week: Monday, Tuesday,"
+    full = client.completions.create(model=MODEL_NAME, prompt=prompt, temperature=0,
+                                     max_tokens=16, extra_body={"ignore_eos": True})
+    text = full.choices[0].text
+    words = [w for w in text.split() if len(w) > 3]
+    assert len(words) >= 2, text
+    stop = words[1]  # a word that comes after the first decode steps
+    cut = client.completions.create(model=MODEL_NAME, prompt=prompt, temperature=0,
+                                    max_tokens=16, stop=[stop], extra_body={"ignore_eos": True})
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[:text.index(stop)]
+    assert cut.usage is not None and cut.usage.completion_tokens < 16
+    disagg_stack.wait_idle()  # the decode call was cancelled at the stop string: KV freed
