@@ -6,6 +6,7 @@ single source of the shapes.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,10 @@ class ModelSpecError(ValueError):
 
 
 def load_presets() -> dict[str, dict[str, Any]]:
+    """Deep copies: consumers such as `transformers.LlamaConfig(**d)` mutate nested dicts."""
     from engine.loader.presets import PRESETS  # torch-free: name -> HF config dict
 
-    return dict(PRESETS)
+    return copy.deepcopy(PRESETS)
 
 
 def preset_config(model: str) -> dict[str, Any]:
@@ -30,7 +32,7 @@ def preset_config(model: str) -> dict[str, Any]:
         raise ModelSpecError(
             f"--model {model!r}: unknown preset; known: {', '.join(sorted(presets))}"
         )
-    return dict(presets[name])
+    return presets[name]
 
 
 def vocab_size_for(model: str) -> int:
