@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from engine.async_engine import EngineDeadError, KvLoadAbort
-from engine.kv.hashing import compute_block_hashes
+from engine.kv.hashing import compute_block_hashes, prompt_hash
 from engine.llm_engine import EngineInputError, LLMEngine
 from engine.request import RemoteKv
 from engine.sampling_params import SamplingParamsError
@@ -104,8 +104,9 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
 
 def _handle_problem(h: common_pb2.KvHandle, ids: list[int], eng: LLMEngine) -> str | None:
     """Why the KV a handle names cannot be this prompt's, or None. The full blocks' chained
-    hashes (rooted in the fingerprint) must equal this prompt's: a handle of another prompt of
-    the same length would otherwise be decoded from silently."""
+    hashes (rooted in the fingerprint) must equal this prompt's, and so must the prompt hash,
+    which also covers the partial last block: a handle of another prompt of the same length
+    would otherwise be decoded from silently."""
     block_size = eng.config.cache.block_size
     if h.fingerprint != eng.fingerprint:
         return "kv_handle.fingerprint does not match this worker's model"
@@ -117,4 +118,7 @@ def _handle_problem(h: common_pb2.KvHandle, ids: list[int], eng: LLMEngine) -> s
         return "kv_handle needs worker_address and request_id"
     if list(h.block_hashes) != compute_block_hashes(eng.kv.root, ids, block_size):
         return "kv_handle.block_hashes do not match the prompt's blocks (KV of another prompt)"
+    if h.prompt_hash != prompt_hash(eng.fingerprint, ids):
+        return ("kv_handle.prompt_hash does not match this prompt (KV of another prompt, or a "
+                "handle without prompt_hash)")
     return None

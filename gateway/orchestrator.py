@@ -13,6 +13,11 @@ For each of the n completions of a job, concurrently:
 In colocated mode there is no prefill pool: decode gets the prompt alone and computes it.
 Cancelling the consumer of `Orchestrator.generate` cancels every downstream call, so workers
 free their KV. Python gRPC does not propagate deadlines: each call gets the time remaining.
+
+The prefill lease is the gateway's to drop whenever no decode worker will pull it: decode
+cancelled or failed (possibly before its call reached a worker), a resume without the handle,
+a decode worker that recomputed instead of pulling. `KvTransfer.Release` is idempotent, so
+releasing a lease a decode worker already pulled (and released) is harmless.
 """
 
 from __future__ import annotations
@@ -94,6 +99,7 @@ class _Completion:
     detok: DetokenizerLike
     output_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
+    kv_handle: common_pb2.KvHandle | None = None   # prefill lease not yet handed off or dropped
     stop_reason: str | None = None
     last_emit: float | None = None
 
@@ -155,20 +161,25 @@ class Orchestrator:
             self._tokenizer, job.prompt_token_ids, skip_special_tokens=job.skip_special_tokens,
             stop=job.stop, include_stop_str_in_output=job.include_stop_str_in_output))
         sampling = _seeded(job.sampling, index)
-        kv_handle: common_pb2.KvHandle | None = None
         finish: str | None = None
         if not self._config.colocated:
             prefill = await self._prefill(job, index, sampling)
             state.num_cached_tokens = prefill.num_cached_tokens
-            kv_handle = prefill.kv_handle if prefill.HasField("kv_handle") else None
+            state.kv_handle = prefill.kv_handle if prefill.HasField("kv_handle") else None
             logprobs = [prefill.logprob] if prefill.HasField("logprob") else []
             finish = self._accept(job, state, [prefill.first_token_id], logprobs, queue)
             finish = finish or _FINISH_NAMES.get(prefill.finish_reason)
             if finish is not None:
                 # Decode will never pull this KV: free the lease now rather than at expiry.
-                self._release_in_background(kv_handle)
+                self._drop_kv_handle(state)
         if finish is None:
-            finish = await self._decode(job, state, sampling, kv_handle, queue)
+            try:
+                finish = await self._decode(job, state, sampling, queue)
+            except BaseException:
+                # Cancelled (client gone) or failed, maybe before the Decode call reached a
+                # worker: no decode worker may ever pull (or release) the lease.
+                self._drop_kv_handle(state)
+                raise
         if state.stop_reason is None:
             # EOS / stop token / length: release text held back for a possible stop string.
             tail = state.detok.finish().text_delta
@@ -193,6 +204,13 @@ class Orchestrator:
                     request, timeout=self._remaining(job))
                 pool.prefix_index.record(worker.address, response.kv_handle.block_hashes)
                 return response
+            except asyncio.CancelledError:
+                # The worker may have granted the lease and sent a response we will never read
+                # (its handler was no longer cancellable). A prefill worker serves KvTransfer on
+                # its own address; releasing a lease that does not exist is a no-op.
+                self._release_in_background(common_pb2.KvHandle(
+                    worker_address=worker.address, request_id=request.request_id))
+                raise
             except grpc.aio.AioRpcError as err:
                 if err.code() != grpc.StatusCode.UNAVAILABLE or tried:
                     raise GatewayError.from_rpc(err, "prefill") from None
@@ -200,14 +218,14 @@ class Orchestrator:
                 tried.append(worker.address)
 
     async def _decode(self, job: GenerationJob, state: _Completion,
-                      sampling: common_pb2.SamplingParams, kv_handle: common_pb2.KvHandle | None,
+                      sampling: common_pb2.SamplingParams,
                       queue: asyncio.Queue[Event | BaseException | None]) -> str:
         """Stream decode tokens until finished; resume elsewhere if the worker dies."""
         tried: list[str] = []
         while True:
             worker = self._router.decode.pick(exclude=tried)
             try:
-                return await self._decode_on(worker, job, state, sampling, kv_handle, queue)
+                return await self._decode_on(worker, job, state, sampling, queue)
             except grpc.aio.AioRpcError as err:
                 if (err.code() != grpc.StatusCode.UNAVAILABLE
                         or len(tried) >= self._config.decode_retries):
@@ -218,11 +236,12 @@ class Orchestrator:
                 self._router.decode.mark_failed(worker.address)
                 self._metrics.decode_resumes.inc()
                 tried.append(worker.address)
-                kv_handle = None  # the new worker recomputes prompt + tokens sent so far
+                # The new worker recomputes prompt + tokens sent so far: nobody will pull the
+                # lease (the failed worker may have; releasing again is harmless).
+                self._drop_kv_handle(state)
 
     async def _decode_on(self, worker: Worker, job: GenerationJob, state: _Completion,
                          sampling: common_pb2.SamplingParams,
-                         kv_handle: common_pb2.KvHandle | None,
                          queue: asyncio.Queue[Event | BaseException | None]) -> str:
         request = decode_pb2.DecodeRequest(
             request_id=f"{job.request_id}-{state.index}", prompt_token_ids=job.prompt_token_ids,
@@ -230,8 +249,8 @@ class Orchestrator:
             kv_failure_policy=(decode_pb2.KV_FAILURE_POLICY_FAIL
                                if self._config.kv_failure_policy == "fail"
                                else decode_pb2.KV_FAILURE_POLICY_RECOMPUTE))
-        if kv_handle is not None:
-            request.kv_handle.CopyFrom(kv_handle)
+        if state.kv_handle is not None:
+            request.kv_handle.CopyFrom(state.kv_handle)
         call = self._router.decode_stub(worker).Decode(request, timeout=self._remaining(job))
         try:
             async for response in call:
@@ -242,6 +261,10 @@ class Orchestrator:
                     if stop is not None:
                         return stop  # `finally` cancels the call: the worker frees the KV
                 elif kind == "complete":
+                    if response.complete.kv_recomputed:
+                        # The worker refused the handle (it does not release what it judged
+                        # not to be this prompt's) or its pull failed: the lease is unused.
+                        self._drop_kv_handle(state)
                     return _FINISH_NAMES.get(response.complete.finish_reason, "stop")
                 elif kind == "error":
                     raise GatewayError(status_code_from_int(response.error.code),
@@ -290,6 +313,11 @@ class Orchestrator:
             raise GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                f"request exceeded its {self._config.request_timeout_s}s deadline")
         return remaining
+
+    def _drop_kv_handle(self, state: _Completion) -> None:
+        """Release the completion's prefill lease (if any) and forget the handle."""
+        self._release_in_background(state.kv_handle)
+        state.kv_handle = None
 
     def _release_in_background(self, kv_handle: common_pb2.KvHandle | None) -> None:
         """Best-effort `KvTransfer.Release` of a lease decode will never pull (expiry is the backstop)."""

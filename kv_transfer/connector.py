@@ -27,6 +27,7 @@ from typing import Protocol
 
 import torch
 
+from engine.kv.hashing import HASH_BYTES
 from kv_transfer.grpc_transport import KvTransferError, num_blocks_for, pull_blocks, release
 from kv_transfer.wire import BlockSpec
 from protos.splitserve.v1 import common_pb2
@@ -46,13 +47,14 @@ class KvHandle:
     block_size: int
     block_hashes: tuple[bytes, ...] = ()   # hashes of the full blocks
     lease_deadline_unix_ms: int = 0
+    prompt_hash: bytes = b""     # engine.kv.hashing.prompt_hash of the whole prompt (b"": unset)
 
     @classmethod
     def from_proto(cls, msg: common_pb2.KvHandle) -> KvHandle:
         """Raises ValueError naming the field when the handle is not self-consistent."""
         handle = cls(msg.worker_address, msg.request_id, msg.num_tokens, msg.num_blocks,
                      bytes(msg.fingerprint), msg.block_size, tuple(msg.block_hashes),
-                     msg.lease_deadline_unix_ms)
+                     msg.lease_deadline_unix_ms, bytes(msg.prompt_hash))
         handle.validate()
         return handle
 
@@ -61,7 +63,8 @@ class KvHandle:
             worker_address=self.worker_address, request_id=self.request_id,
             block_hashes=list(self.block_hashes), num_tokens=self.num_tokens,
             num_blocks=self.num_blocks, lease_deadline_unix_ms=self.lease_deadline_unix_ms,
-            fingerprint=self.fingerprint, block_size=self.block_size)
+            fingerprint=self.fingerprint, block_size=self.block_size,
+            prompt_hash=self.prompt_hash)
 
     def validate(self) -> None:
         if not self.worker_address or not self.request_id:
@@ -74,6 +77,9 @@ class KvHandle:
                              f"{num_blocks_for(self.num_tokens, self.block_size)}")
         if len(self.block_hashes) > self.num_tokens // self.block_size:
             raise ValueError("KvHandle.block_hashes has more entries than full blocks")
+        if self.prompt_hash and len(self.prompt_hash) != HASH_BYTES:
+            raise ValueError(f"KvHandle.prompt_hash has {len(self.prompt_hash)} bytes; it must be "
+                             f"empty or {HASH_BYTES} (SHA-256)")
 
 
 class ConnectorRequest(Protocol):

@@ -8,6 +8,7 @@ import time
 import grpc
 
 from engine.async_engine import EngineDeadError
+from engine.kv.hashing import prompt_hash
 from engine.llm_engine import EngineInputError
 from engine.outputs import StepOutput
 from engine.sampling_params import SamplingParamsError
@@ -54,9 +55,10 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
         if last is None:
             await context.abort(grpc.StatusCode.INTERNAL, "engine returned no output")
         assert last is not None
-        return self._response(rid, last, request.lease_ms)
+        return self._response(rid, ids, last, request.lease_ms)
 
-    def _response(self, rid: str, out: StepOutput, lease_ms: int) -> prefill_pb2.PrefillResponse:
+    def _response(self, rid: str, ids: list[int], out: StepOutput,
+                  lease_ms: int) -> prefill_pb2.PrefillResponse:
         assert self.aengine is not None
         eng = self.aengine.engine
         resp = prefill_pb2.PrefillResponse(
@@ -73,7 +75,9 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
                 worker_address=self.kv_address, request_id=rid, block_hashes=lease.block_hashes,
                 num_tokens=lease.num_tokens, num_blocks=len(lease.block_ids),
                 lease_deadline_unix_ms=int((time.time() + remaining) * 1000),
-                fingerprint=eng.fingerprint, block_size=eng.config.cache.block_size))
+                fingerprint=eng.fingerprint, block_size=eng.config.cache.block_size,
+                # Binds the handle to the exact prompt, partial last block included.
+                prompt_hash=prompt_hash(eng.fingerprint, ids)))
         return resp
 
     async def GetLoad(self, request: common_pb2.LoadRequest,

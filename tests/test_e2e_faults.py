@@ -4,12 +4,14 @@ released lease or a foreign fingerprint never lets decode use missing KV (recomp
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import httpx
@@ -20,6 +22,7 @@ pytest.register_assert_rewrite("e2e_stack")  # before the import below: its asse
 from e2e_stack import (  # noqa: E402
     BLOCK_SIZE,
     HOST,
+    IDLE_TIMEOUT_S,
     MAX_MODEL_LEN,
     MODEL_NAME,
     ORACLE_MAX_TOKENS,
@@ -601,20 +604,22 @@ def test_gateway_without_a_live_prefill_worker_answers_503(loop_thread: LoopThre
     disagg_stack.wait_idle()
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: neither KvHandle nor the wire header carries a "
-                   "hash of the partial last block, so decode cannot tell a handle of a prompt "
-                   "that differs only there (fix: a prompt hash in KvHandle, checked by decode)")
-def test_handle_differing_only_in_the_partial_block_is_recomputed(
+def test_handle_differing_only_in_the_partial_block_is_recomputed_or_invalid(
         disagg_stack: Stack, colocated_stack: Stack, prompts: list[list[int]]) -> None:
+    """Block hashes cover full blocks only; the handle's prompt_hash covers the partial last
+    block too, so decode refuses KV of a prompt that differs only there."""
     _, prompt = _long_prompt(prompts)
     assert len(prompt) % BLOCK_SIZE, "the prompt must end in a partial block"
     other = [*prompt[:-1], (prompt[-1] + 1) % 1000 + 10]
     want = generate(colocated_stack.grpc_target, other, ORACLE_MAX_TOKENS).token_ids
     with _worker_channel(disagg_stack, "prefill") as ch:
         resp = _prefill(ch, prompt)
+        assert len(resp.kv_handle.prompt_hash) == 32
         resp.first_token_id = want[0]
         try:
             out = _decode(disagg_stack, other, resp, RECOMPUTE)
+            with pytest.raises(grpc.RpcError) as info:
+                _decode(disagg_stack, other, resp, FAIL)
         finally:
             kv_transfer_pb2_grpc.KvTransferStub(ch).Release(
                 kv_transfer_pb2.ReleaseRequest(request_id=resp.kv_handle.request_id),
@@ -622,3 +627,149 @@ def test_handle_differing_only_in_the_partial_block_is_recomputed(
     disagg_stack.wait_idle()
     assert out.complete.kv_recomputed
     assert out.token_ids == want
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert "prompt_hash" in str(info.value.details())  # type: ignore[attr-defined]
+
+
+# ---- the gateway drops prefill leases no decode worker will pull ---------------------------------
+
+@dataclass
+class _FrontState:
+    """Shared by the `_DecodeFront`s of one test: what they saw and did."""
+
+    calls: int = 0
+    failed: int = 0
+    forwarded: int = 0
+    with_handle: list[bool] = field(default_factory=list)   # per forwarded call: had a kv_handle
+    recomputed: list[bool] = field(default_factory=list)    # per completed call: kv_recomputed
+
+
+class _DecodeFront(decode_pb2_grpc.DecodeServicer):
+    """A Decode peer in front of the real decode worker; GetLoad is forwarded, so the gateway
+    routes to it. Decode by mode: "stall" never answers (a call that never reaches a worker),
+    "fail_once" fails the first call of all fronts sharing `state` with UNAVAILABLE before it
+    reaches the worker (the worker died) and forwards later ones, "forge" forwards with the
+    handle's prompt_hash zeroed (the worker must refuse the handle and recompute)."""
+
+    def __init__(self, upstream: str, mode: str, state: _FrontState) -> None:
+        self.upstream = upstream
+        self.mode = mode
+        self.state = state
+
+    async def GetLoad(self, request, context):  # type: ignore[no-untyped-def]
+        async with grpc.aio.insecure_channel(self.upstream) as channel:
+            return await decode_pb2_grpc.DecodeStub(channel).GetLoad(request, timeout=5)
+
+    async def Decode(self, request, context):  # type: ignore[no-untyped-def]
+        self.state.calls += 1
+        if self.mode == "stall":
+            await asyncio.Event().wait()  # until the gateway cancels the call
+        if self.mode == "fail_once" and not self.state.failed:
+            self.state.failed += 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode front: worker died")
+        if self.mode == "forge":
+            request.kv_handle.prompt_hash = bytes(32)
+        self.state.forwarded += 1
+        self.state.with_handle.append(request.HasField("kv_handle"))
+        async with grpc.aio.insecure_channel(self.upstream) as channel:
+            async for response in decode_pb2_grpc.DecodeStub(channel).Decode(
+                    request, timeout=RPC_TIMEOUT_S):
+                if response.WhichOneof("response") == "complete":
+                    self.state.recomputed.append(response.complete.kv_recomputed)
+                yield response
+
+
+@contextlib.contextmanager
+def _gateway_via_fronts(loop_thread: LoopThread, stack: Stack, modes: list[str]
+                        ) -> Iterator[tuple[GatewayServer, _FrontState]]:
+    """A gateway on the stack's prefill worker whose decode pool is one `_DecodeFront` per mode,
+    all in front of the stack's decode worker."""
+    upstream = f"{HOST}:{stack.workers['decode'].port}"
+    state = _FrontState()
+    servers: list[grpc.aio.Server] = []
+
+    async def start() -> list[str]:
+        addresses = []
+        for mode in modes:
+            server = grpc.aio.server()
+            decode_pb2_grpc.add_DecodeServicer_to_server(_DecodeFront(upstream, mode, state), server)
+            addresses.append(f"{HOST}:{server.add_insecure_port(f'{HOST}:0')}")
+            await server.start()
+            servers.append(server)
+        return addresses
+
+    fronts = loop_thread.run(start(), 30)
+    config = GatewayConfig(prefill_addresses=(f"{HOST}:{stack.workers['prefill'].port}",),
+                           decode_addresses=tuple(fronts), served_model_name=MODEL_NAME,
+                           max_model_len=MAX_MODEL_LEN, max_prompt_tokens=MAX_MODEL_LEN,
+                           load_poll_interval_s=0.5, shutdown_grace_s=1.0)
+    gateway = GatewayServer(config, rest_host=HOST, rest_port=0, grpc_host=HOST, grpc_port=0,
+                            tokenizer=stack.tokenizer)
+    loop_thread.run(gateway.start(), 60)
+    try:
+        yield gateway, state
+    finally:
+        loop_thread.run(gateway.stop(), 60)
+        for server in servers:
+            loop_thread.run(server.stop(0), 30)
+
+
+def _num_prefill_leases(stack: Stack) -> int:
+    aengine = stack.workers["prefill"].aengine
+    assert aengine is not None
+    return len(aengine.engine.scheduler.leases)  # racy read of a dict size: polling only
+
+
+def test_disconnect_before_decode_reaches_a_worker_releases_the_lease(
+        loop_thread: LoopThread, disagg_stack: Stack) -> None:
+    """The client hangs up after the first token while the Decode call is still on its way (no
+    decode worker ever sees it): only the gateway can release the prefill lease."""
+    disagg_stack.wait_idle()
+    with _gateway_via_fronts(loop_thread, disagg_stack, ["stall"]) as (gateway, state):
+        body = {"model": MODEL_NAME, "prompt": "Tell me about the sea.", "temperature": 0,
+                "max_tokens": LONG_MAX_TOKENS, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=HTTP_TIMEOUT) as client, client.stream(
+                "POST", f"http://{HOST}:{gateway.rest_port}/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            first = next(line for line in resp.iter_lines() if line.startswith("data: "))
+            assert "[DONE]" not in first
+            _wait_until(lambda: state.calls == 1, "the Decode call at the front")
+            assert _num_prefill_leases(disagg_stack) == 1  # held for a pull that never comes
+        _wait_until(lambda: _num_prefill_leases(disagg_stack) == 0, "the prefill lease's release",
+                    IDLE_TIMEOUT_S)
+    assert state.forwarded == 0
+    disagg_stack.wait_idle()
+
+
+def test_decode_retry_releases_the_dropped_handle(loop_thread: LoopThread, disagg_stack: Stack,
+                                                  prompts: list[list[int]],
+                                                  oracle: list[Generated]) -> None:
+    """A decode worker fails before pulling; the resume elsewhere recomputes without the handle,
+    so the gateway releases the lease it dropped."""
+    disagg_stack.wait_idle()
+    index, prompt = _long_prompt(prompts)
+    with _gateway_via_fronts(loop_thread, disagg_stack, ["fail_once", "fail_once"]) as (
+            gateway, state):
+        out = generate(f"{HOST}:{gateway.grpc_port}", prompt, ORACLE_MAX_TOKENS)
+        _wait_until(lambda: _num_prefill_leases(disagg_stack) == 0, "the prefill lease's release",
+                    IDLE_TIMEOUT_S)
+    assert (state.calls, state.failed, state.forwarded) == (2, 1, 1)
+    assert state.with_handle == [False]  # the resume recomputed prompt + first token
+    assert out.token_ids == oracle[index].token_ids
+    disagg_stack.wait_idle()
+
+
+def test_handle_refused_by_decode_is_released_by_the_gateway(
+        loop_thread: LoopThread, disagg_stack: Stack, prompts: list[list[int]],
+        oracle: list[Generated]) -> None:
+    """Decode refuses a handle that is not the prompt's (here: a wrong prompt_hash) and does not
+    release a lease it judged foreign; the gateway, which owns the lease, does."""
+    disagg_stack.wait_idle()
+    index, prompt = _long_prompt(prompts)
+    with _gateway_via_fronts(loop_thread, disagg_stack, ["forge"]) as (gateway, state):
+        out = generate(f"{HOST}:{gateway.grpc_port}", prompt, ORACLE_MAX_TOKENS)
+        _wait_until(lambda: _num_prefill_leases(disagg_stack) == 0, "the prefill lease's release",
+                    IDLE_TIMEOUT_S)
+    assert state.with_handle == [True] and state.recomputed == [True]
+    assert out.token_ids == oracle[index].token_ids
+    disagg_stack.wait_idle()

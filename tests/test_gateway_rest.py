@@ -10,6 +10,7 @@ import json
 import socket
 from collections.abc import Iterator
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -309,6 +310,10 @@ def test_client_disconnect_cancels_decode(script_ids: list[int]) -> None:
                       + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
             h.run(_wait_for(lambda: len(h.decode[0].decode_requests) == 2))
         assert h.decode[0].cancelled.wait(10), "non-stream disconnect did not cancel decode"
+        # Both prefill leases were released by the gateway, not left to expire.
+        ids = {req.request_id for req in h.prefill[0].prefill_requests}
+        assert len(ids) == 2
+        h.run(_wait_for(lambda: ids <= set(h.prefill[0].released)))
 
 
 def test_dead_decode_worker_resumes_without_duplicates(script_ids: list[int]) -> None:
@@ -326,10 +331,22 @@ def test_dead_decode_worker_resumes_without_duplicates(script_ids: list[int]) ->
         assert list(reqs[1].output_token_ids) == script_ids[:4]
         served = [w for w in h.decode if w.decode_requests]
         assert len(served) == 2, "the resume went to the other decode worker"
+        # The resume dropped the handle, so the gateway released its lease.
+        rid = h.prefill[0].prefill_requests[-1].request_id
+        h.run(_wait_for(lambda: h.prefill[0].released == [rid]))
+
+
+def test_failed_decode_releases_the_prefill_lease(script_ids: list[int]) -> None:
+    """A decode error (not retried) ends the request: nobody would ever pull the lease."""
+    with Harness(Script(list(script_ids), decode_error=grpc.StatusCode.INTERNAL)) as h:
+        _error(_post(h, CMPL, {"model": MODEL_NAME, "prompt": "x", "max_tokens": 5}), 500, "decode")
+        assert len(h.decode[0].decode_requests) == 1
+        rid = h.prefill[0].prefill_requests[-1].request_id
+        h.run(_wait_for(lambda: h.prefill[0].released == [rid]))
 
 
 def test_worker_errors_map_to_http(script_ids: list[int]) -> None:
-    with Harness(Script(list(script_ids), prefill_error=__import__("grpc").StatusCode.RESOURCE_EXHAUSTED)) as h:
+    with Harness(Script(list(script_ids), prefill_error=grpc.StatusCode.RESOURCE_EXHAUSTED)) as h:
         _error(_post(h, CMPL, {"model": MODEL_NAME, "prompt": "x"}), 429, "prefill")
         client = OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.RateLimitError):

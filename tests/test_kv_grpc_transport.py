@@ -11,6 +11,7 @@ import grpc
 import pytest
 import torch
 
+from engine.kv.hashing import prompt_hash
 from kv_transfer.block_source import CacheBlockSource
 from kv_transfer.connector import GrpcPullConnector, KvHandle, LoadResult
 from kv_transfer.grpc_transport import (
@@ -330,7 +331,8 @@ class DictSink:
 def handle_for(worker: Worker, request_id: str = "req-1") -> KvHandle:
     spec = worker.source.spec
     return KvHandle(worker.address, request_id, NUM_TOKENS, len(BLOCK_IDS), spec.fingerprint,
-                    spec.block_size, tuple(HASHES))
+                    spec.block_size, tuple(HASHES),
+                    prompt_hash=prompt_hash(spec.fingerprint, list(range(NUM_TOKENS))))
 
 
 async def test_connector_pulls_into_local_blocks_and_releases(worker: Worker) -> None:
@@ -340,6 +342,7 @@ async def test_connector_pulls_into_local_blocks_and_releases(worker: Worker) ->
     connector = GrpcPullConnector(spec, sink, asyncio.get_running_loop(), timeout_s=TIMEOUT_S)
     local_ids = [0, 1, 4]
     handle = KvHandle.from_proto(handle_for(worker).to_proto())  # survives the proto round trip
+    assert handle == handle_for(worker) and len(handle.prompt_hash) == 32
     # The engine thread starts the load; the transfer runs on this loop.
     await asyncio.to_thread(connector.start_load_kv, "local-1", handle, local_ids)
     assert await connector.wait_for_load("local-1") == LoadResult("local-1", True)
@@ -368,3 +371,15 @@ async def test_connector_reports_failures_instead_of_raising(worker: Worker) -> 
 def test_kv_handle_validation_names_the_field() -> None:
     with pytest.raises(ValueError, match="num_blocks"):
         KvHandle("h:1", "r", num_tokens=10, num_blocks=2, fingerprint=FP, block_size=4).validate()
+    with pytest.raises(ValueError, match="prompt_hash"):
+        KvHandle("h:1", "r", num_tokens=10, num_blocks=3, fingerprint=FP, block_size=4,
+                 prompt_hash=b"short").validate()
+
+
+def test_prompt_hash_covers_every_token_and_the_fingerprint() -> None:
+    ids = list(range(100, 137))  # 2 full blocks of 16 + a partial one of 5
+    want = hashlib.sha256(FP + b"".join(t.to_bytes(4, "little") for t in ids)).digest()
+    assert prompt_hash(FP, ids) == want
+    assert prompt_hash(FP, [*ids[:-1], ids[-1] + 1]) != want  # only the partial block differs
+    assert prompt_hash(FP, ids[:-1]) != want
+    assert prompt_hash(bytes(len(FP)), ids) != want

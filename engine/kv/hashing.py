@@ -5,7 +5,8 @@
     root   = H("splitserve-root" ‖ model fingerprint ‖ tenant salt)
 
 H is SHA-256, so the same key names a block on the GPU, in the CPU tier, in Redis and in the
-router, across processes and machines. Only full blocks are hashed.
+router, across processes and machines. Only full blocks are hashed; `prompt_hash` covers a
+whole prompt, its partial last block included, so a KV handle names exactly one prompt.
 """
 
 from __future__ import annotations
@@ -75,3 +76,15 @@ def compute_block_hashes(
         parent = block_hash(parent, token_ids[i * block_size:(i + 1) * block_size])
         hashes.append(parent)
     return hashes
+
+
+def prompt_hash(fingerprint: bytes, token_ids: Sequence[int]) -> bytes:
+    """SHA-256 over the model fingerprint and ALL prompt token ids (little-endian uint32).
+
+    Block hashes cover full blocks only; this binds a KV handle to the exact prompt, so a
+    decode worker can refuse KV of a prompt that differs only in its partial last block.
+    """
+    # The fingerprint is fixed-size (HASH_BYTES), so fingerprint ‖ ids is unambiguous.
+    h = hashlib.sha256(fingerprint)
+    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    return h.digest()
