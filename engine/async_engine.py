@@ -172,16 +172,19 @@ class AsyncEngine:
 
     def _run(self) -> None:
         eng = self.engine
+        checked = False  # integrity is checked once per idle period (it is O(num_blocks))
         try:
             while not self._stopped.is_set():
                 self._drain_commands()
                 if not eng.has_unfinished_requests():
-                    if self._idle_check and not eng.scheduler.loading:
+                    if self._idle_check and not checked:
                         eng.scheduler.check_integrity()
+                        checked = True
                     self._wake.wait(timeout=0.05 if eng.scheduler.leases else 1.0)
                     self._wake.clear()
                     eng.scheduler.expire_leases()
                     continue
+                checked = False
                 try:
                     outputs = eng.step()
                 except Exception as e:
