@@ -40,6 +40,7 @@ class Worker:
     address: str
     channel: grpc.aio.Channel
     healthy: bool = False
+    reported: bool = False      # answered at least one poll (`load` is a real report)
     load: common_pb2.LoadReport = field(default_factory=common_pb2.LoadReport)
     picks_since_poll: int = 0   # requests sent since the last load report (not yet in it)
 
@@ -77,7 +78,8 @@ class WorkerPool:
         await asyncio.gather(*(w.channel.close() for w in self.workers))
 
     def add_listener(self, callback: Callable[[], None]) -> None:
-        """`callback()` runs after every poll round (e.g. to update the gRPC health status)."""
+        """`callback()` runs after every poll round (e.g. to update the gRPC health status or
+        the per-worker metrics)."""
         self._listeners.append(callback)
 
     # -- polling ---------------------------------------------------------------------------
@@ -104,6 +106,7 @@ class WorkerPool:
         worker.load = report
         worker.picks_since_poll = 0
         worker.healthy = True
+        worker.reported = True
 
     # -- picking ---------------------------------------------------------------------------
     @property

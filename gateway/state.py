@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -36,6 +37,9 @@ class GatewayState:
         router = Router(None if config.colocated else pool("prefill", config.prefill_addresses),
                         pool("decode", config.decode_addresses))
         metrics = GatewayMetrics()
+        for p in (router.prefill, router.decode):
+            if p is not None:
+                p.add_listener(functools.partial(_observe_pool, metrics, p))
         vocab_size = getattr(tokenizer, "vocab_size", None)
         return cls(config=config, tokenizer=tokenizer, router=router,
                    orchestrator=Orchestrator(config, router, tokenizer, metrics),
@@ -49,3 +53,8 @@ class GatewayState:
             return False
         prefill = self.router.prefill
         return self.config.colocated or (prefill is not None and prefill.num_healthy > 0)
+
+
+def _observe_pool(metrics: GatewayMetrics, pool: WorkerPool) -> None:
+    """Listener of a pool's poll rounds: mirror its workers' load reports into the metrics."""
+    metrics.observe_workers(pool.role, pool.workers)

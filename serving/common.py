@@ -31,4 +31,6 @@ class EngineBound:
         return common_pb2.LoadReport(
             num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage,
             num_free_blocks=s.num_free_blocks, block_size=eng.config.cache.block_size,
-            fingerprint=eng.fingerprint, role=role)
+            fingerprint=eng.fingerprint, role=role,
+            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions, num_leases=s.num_leases, num_blocks=s.num_blocks)

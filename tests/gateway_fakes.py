@@ -87,6 +87,9 @@ class FakeWorker(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeService
     cancelled: threading.Event = field(default_factory=threading.Event)
     server: grpc.aio.Server | None = None
     num_running: int = 0                # what GetLoad reports
+    # More of what GetLoad reports (KV usage, prefix-cache totals, ...); num_running and role
+    # above override its fields of the same name.
+    report: common_pb2.LoadReport = field(default_factory=common_pb2.LoadReport)
 
     async def start(self) -> None:
         self.server = grpc.aio.server()
@@ -102,7 +105,10 @@ class FakeWorker(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeService
             await self.server.stop(0)
 
     async def GetLoad(self, request: Any, context: Any) -> common_pb2.LoadReport:
-        return common_pb2.LoadReport(num_running=self.num_running, role=self.role)
+        report = common_pb2.LoadReport()
+        report.CopyFrom(self.report)
+        report.num_running, report.role = self.num_running, self.role
+        return report
 
     async def Prefill(self, request: Any, context: Any) -> prefill_pb2.PrefillResponse:
         self.prefill_requests.append(request)

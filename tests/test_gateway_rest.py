@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import grpc
 import httpx
@@ -17,6 +18,9 @@ import pytest
 from gateway_fakes import MODEL_NAME, Harness, Script, smollm2_tokenizer
 from openai import OpenAI
 from openai.types.chat import ChatCompletionMessageParam
+from prometheus_client.parser import text_string_to_metric_families
+
+from protos.splitserve.v1 import common_pb2
 
 TEXT = " Paris is the capital of France. It is known for the Eiffel Tower and its museums."
 
@@ -187,6 +191,90 @@ def test_models_health_metrics(gw: Harness, client: OpenAI) -> None:
                  "splitserve:prompt_tokens_total", "splitserve:generation_tokens_total",
                  "splitserve:request_success_total"):
         assert name in text
+
+
+# -- per-worker metrics (mirrored from the workers' load reports) --------------------------------
+Series = dict[tuple[str, str, str], float]  # (sample name, role, worker) -> value
+WORKER_GAUGES = ("splitserve:kv_cache_usage_perc", "splitserve:num_requests_running",
+                 "splitserve:num_requests_waiting", "splitserve:kv_leases")
+WORKER_COUNTERS = ("splitserve:prefix_cache_queries", "splitserve:prefix_cache_hits",
+                   "splitserve:num_preemptions")
+
+
+def _scrape(h: Harness) -> tuple[dict[str, str], Series]:
+    """GET /metrics and parse it (the parser raises on an invalid exposition): the type of
+    every family, and every sample labelled by worker."""
+    r = httpx.get(h.base_url + "/metrics", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    types: dict[str, str] = {}
+    series: Series = {}
+    for family in text_string_to_metric_families(r.text):
+        types[family.name] = family.type
+        for sample in family.samples:
+            if "worker" in sample.labels:
+                assert set(sample.labels) == {"role", "worker"}, sample
+                series[(sample.name, sample.labels["role"], sample.labels["worker"])] = sample.value
+    return types, series
+
+
+def _scrape_until(h: Harness, predicate: Callable[[Series], bool], what: str) -> Series:
+    """Scrape until `predicate` holds (the router polls every 0.2 s); bounded."""
+    deadline = time.monotonic() + 10
+    while True:
+        series = _scrape(h)[1]
+        if predicate(series):
+            return series
+        if time.monotonic() > deadline:
+            raise AssertionError(f"/metrics never showed {what}: {series}")
+        time.sleep(0.05)
+
+
+def test_worker_load_reports_are_exported(script_ids: list[int]) -> None:
+    h = Harness(Script(list(script_ids)), num_decode=2)
+    pre, dec, gone = h.prefill[0], h.decode[0], h.decode[1]
+    pre.num_running = 4
+    pre.report = common_pb2.LoadReport(
+        kv_cache_usage=0.375, num_waiting=3, prefix_cache_queries=96, prefix_cache_hits=32,
+        num_leases=2, num_blocks=64, num_free_blocks=40)
+    dec.report = common_pb2.LoadReport(kv_cache_usage=0.5, num_preemptions=7)
+    with h:
+        types, series = _scrape(h)
+        p, d, g = ("prefill", pre.address), ("decode", dec.address), ("decode", gone.address)
+        expected = {
+            ("splitserve:kv_cache_usage_perc", *p): 0.375,
+            ("splitserve:num_requests_running", *p): 4,
+            ("splitserve:num_requests_waiting", *p): 3,
+            ("splitserve:kv_leases", *p): 2,
+            ("splitserve:prefix_cache_queries_total", *p): 96,
+            ("splitserve:prefix_cache_hits_total", *p): 32,
+            ("splitserve:num_preemptions_total", *p): 0,
+            ("splitserve:worker_healthy", *p): 1,
+            ("splitserve:kv_cache_usage_perc", *d): 0.5,
+            ("splitserve:num_preemptions_total", *d): 7,
+            ("splitserve:worker_healthy", *d): 1,
+            ("splitserve:kv_cache_usage_perc", *g): 0,
+            ("splitserve:worker_healthy", *g): 1,
+        }
+        assert {k: series.get(k) for k in expected} == expected
+        assert all(types[n] == "gauge" for n in (*WORKER_GAUGES, "splitserve:worker_healthy"))
+        assert all(types[n] == "counter" for n in WORKER_COUNTERS)
+        # The gateway's own in-flight gauge keeps its own, unlabelled name.
+        assert types["splitserve:gateway_requests_in_flight"] == "gauge"
+
+        # Counters mirror the workers' cumulative totals: the next poll brings the new ones.
+        pre.report = common_pb2.LoadReport(prefix_cache_queries=160, prefix_cache_hits=80)
+        series = _scrape_until(
+            h, lambda s: s.get(("splitserve:prefix_cache_queries_total", *p)) == 160,
+            "the prefill worker's new prefix-cache total")
+        assert series[("splitserve:prefix_cache_hits_total", *p)] == 80
+
+        # A worker that stops answering: unhealthy, its stale gauges dropped, counters kept.
+        h.run(gone.stop())
+        series = _scrape_until(h, lambda s: s.get(("splitserve:worker_healthy", *g)) == 0,
+                               "the stopped decode worker as unhealthy")
+        assert all((n, *g) not in series for n in WORKER_GAUGES)
+        assert all(series[(n + "_total", *g)] == 0 for n in WORKER_COUNTERS)
+        assert series[("splitserve:worker_healthy", *d)] == 1
 
 
 # -- bad input ------------------------------------------------------------------------------------

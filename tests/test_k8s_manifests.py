@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 import yaml
 
+from gateway.metrics import GatewayMetrics
+
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
 BASE = K8S / "base"
@@ -523,21 +525,18 @@ def test_servicemonitor_targets_gateway_service() -> None:
 
 
 # -- tests: dashboard -------------------------------------------------------------------------
-_SUFFIXES = {"Counter": ("_total", "_created"), "Gauge": ("",),
-             "Histogram": ("_bucket", "_sum", "_count", "_created"),
-             "Summary": ("", "_sum", "_count", "_created")}
+_SUFFIXES = {"counter": ("_total", "_created"), "gauge": ("",),
+             "histogram": ("_bucket", "_sum", "_count", "_created"),
+             "summary": ("", "_sum", "_count", "_created")}
 
 
 def exported_series() -> set[str]:
-    """Series names the gateway exports, read from gateway/metrics.py's text."""
-    text = (ROOT / "gateway" / "metrics.py").read_text()
-    found = re.findall(r'\b(Counter|Gauge|Histogram|Summary)\(\s*"(splitserve:[A-Za-z0-9_:]+)"', text)
-    assert found, "gateway/metrics.py: no splitserve: metrics found"
-    series: set[str] = set()
-    for kind, base in found:
-        stem = base.removesuffix("_total") if kind == "Counter" else base
-        series |= {stem + s for s in _SUFFIXES[kind]}
-    return series
+    """Series names the gateway exports, read from a live `GatewayMetrics` registry: its own
+    metrics and the per-worker families of its custom collector (present with no worker yet)."""
+    families = [m for m in GatewayMetrics().registry.collect()
+                if m.name.startswith("splitserve:")]
+    assert families, "gateway/metrics.py: no splitserve: metrics found"
+    return {m.name + s for m in families for s in _SUFFIXES[m.type]}
 
 
 def dashboard_exprs(dash: Obj) -> Iterator[str]:
@@ -571,8 +570,15 @@ def test_dashboard_has_required_panels() -> None:
         assert f"splitserve:{metric}" in joined, metric
     for q in ("0.5", "0.99"):
         assert f"histogram_quantile({q}, sum by (le) (rate(splitserve:time_to_first_token" in joined
-    titles = {p["title"] for p in dash["panels"]}
-    assert "KV cache usage" in titles
+    panels = {p["title"]: p for p in dash["panels"]}
+    kv_exprs = [t["expr"] for t in panels["KV cache usage"]["targets"]]
+    assert any("splitserve:kv_cache_usage_perc" in e for e in kv_exprs), kv_exprs
+    # Hit rate is a ratio of rates (hits / queries), per worker; both counters must be used.
+    assert re.search(r"rate\(splitserve:prefix_cache_hits_total[^/]+/.*"
+                     r"rate\(splitserve:prefix_cache_queries_total", joined), "prefix-cache hit rate"
+    for metric in ("num_requests_running", "num_requests_waiting"):
+        assert re.search(rf"by \(role, worker\) \(splitserve:{metric}\b", joined), metric
+    assert all(p["type"] != "text" for p in dash["panels"]), "placeholder panel left"
 
 
 def test_dashboard_configmap_is_generated_from_the_json() -> None:

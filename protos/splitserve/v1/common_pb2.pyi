@@ -268,6 +268,11 @@ class LoadReport(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     FINGERPRINT_FIELD_NUMBER: _builtins.int
     ROLE_FIELD_NUMBER: _builtins.int
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _builtins.int
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _builtins.int
+    NUM_PREEMPTIONS_FIELD_NUMBER: _builtins.int
+    NUM_LEASES_FIELD_NUMBER: _builtins.int
+    NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     num_running: _builtins.int
     num_waiting: _builtins.int
     kv_cache_usage: _builtins.float
@@ -276,6 +281,17 @@ class LoadReport(_message.Message):
     block_size: _builtins.int
     fingerprint: _builtins.bytes
     role: _builtins.str
+    prefix_cache_queries: _builtins.int
+    """Cumulative since the worker started (a restart resets them, as Prometheus counters may):
+    prompt tokens looked up in the prefix cache
+    """
+    prefix_cache_hits: _builtins.int
+    """of those, tokens found cached"""
+    num_preemptions: _builtins.int
+    num_leases: _builtins.int
+    """prefill KV leases held (waiting for a decode pull)"""
+    num_blocks: _builtins.int
+    """KV blocks in total (num_free_blocks is of these)"""
     def __init__(
         self,
         *,
@@ -286,10 +302,15 @@ class LoadReport(_message.Message):
         block_size: _builtins.int = ...,
         fingerprint: _builtins.bytes = ...,
         role: _builtins.str = ...,
+        prefix_cache_queries: _builtins.int = ...,
+        prefix_cache_hits: _builtins.int = ...,
+        num_preemptions: _builtins.int = ...,
+        num_leases: _builtins.int = ...,
+        num_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "fingerprint", b"fingerprint", "kv_cache_usage", b"kv_cache_usage", "num_free_blocks", b"num_free_blocks", "num_running", b"num_running", "num_waiting", b"num_waiting", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "fingerprint", b"fingerprint", "kv_cache_usage", b"kv_cache_usage", "num_blocks", b"num_blocks", "num_free_blocks", b"num_free_blocks", "num_leases", b"num_leases", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
