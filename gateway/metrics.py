@@ -151,8 +151,6 @@ class GatewayMetrics:
         self.num_requests_in_flight = Gauge(
             "splitserve:gateway_requests_in_flight", "Requests in flight in the gateway.",
             registry=r)
-        # Alias kept for the orchestrator, which counts its in-flight requests through it.
-        self.num_requests_running = self.num_requests_in_flight
         self.time_to_first_token = Histogram(
             "splitserve:time_to_first_token_seconds", "Time to the first token.",
             buckets=_LATENCY_BUCKETS, registry=r)

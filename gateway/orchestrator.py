@@ -122,7 +122,7 @@ class Orchestrator:
         """
         queue: asyncio.Queue[Event | BaseException | None] = asyncio.Queue()
         tasks = [asyncio.create_task(self._run_guarded(job, i, queue)) for i in range(job.n)]
-        self._metrics.num_requests_running.inc()
+        self._metrics.num_requests_in_flight.inc()
         try:
             remaining = job.n
             while remaining:
@@ -134,7 +134,7 @@ class Orchestrator:
                 else:
                     yield item
         finally:
-            self._metrics.num_requests_running.dec()
+            self._metrics.num_requests_in_flight.dec()
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
