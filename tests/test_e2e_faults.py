@@ -731,10 +731,14 @@ def test_disconnect_before_decode_reaches_a_worker_releases_the_lease(
         with httpx.Client(timeout=HTTP_TIMEOUT) as client, client.stream(
                 "POST", f"http://{HOST}:{gateway.rest_port}/v1/completions", json=body) as resp:
             assert resp.status_code == 200
-            first = next(line for line in resp.iter_lines() if line.startswith("data: "))
+            # Keep the line iterator referenced: a dropped httpx iterator closes the stream,
+            # which the gateway (rightly) sees as a disconnect before the check below.
+            lines = resp.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
             assert "[DONE]" not in first
             _wait_until(lambda: state.calls == 1, "the Decode call at the front")
             assert _num_prefill_leases(disagg_stack) == 1  # held for a pull that never comes
+            del lines  # now hang up
         _wait_until(lambda: _num_prefill_leases(disagg_stack) == 0, "the prefill lease's release",
                     IDLE_TIMEOUT_S)
     assert state.forwarded == 0
