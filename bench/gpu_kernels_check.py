@@ -88,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup-ms", type=int, default=25, help="do_bench warm-up (ms)")
     parser.add_argument("--rep-ms", type=int, default=100, help="do_bench repetition time (ms)")
     parser.add_argument("--only", default="",
-                        help="comma-separated subset of: decode,prefill,elementwise,graph")
+                        help="comma-separated subset of: decode,prefill,elementwise,graph,fp8")
     return parser.parse_args(argv)
 
 
@@ -123,6 +123,12 @@ def errors(out: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
         "rel_err": diff.norm().item() / ref_norm if ref_norm > 0 else diff.norm().item(),
         "all_finite": bool(torch.isfinite(o).all().item()),
     }
+
+
+# fp8 KV checks: K stored divided by 0.5, V by 0.25; the reference reads the same fp8 values, so
+# only the kernel's arithmetic (bf16 dots, online softmax) differs from it.
+FP8_SCALES = (0.5, 0.25)
+FP8_TOLERANCE = 3e-2
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -469,6 +475,110 @@ class Checker:
         return self.timed(result, lambda: write_kv(key, value, kv_cache, slot_mapping),
                           lambda: write_kv_ref(key, value, kv_ref, slot_mapping), moved)
 
+    # -- fp8 KV cache ---------------------------------------------------------------------
+
+    def fp8_cache(self, num_blocks: int) -> torch.Tensor:
+        """A float8_e4m3fn cache holding N(0, 1) K/V quantized with FP8_SCALES (K, V)."""
+        from engine.kernels.reference import quantize_fp8_ref
+
+        cache = make_cache(num_blocks, self.s, torch.float32, self.device, self.gen)
+        return torch.stack([quantize_fp8_ref(cache[i], FP8_SCALES[i]) for i in range(2)])
+
+    def write_kv_fp8(self) -> dict[str, Any]:
+        from engine.kernels import write_kv
+        from engine.kernels.reference import write_kv_ref
+
+        s, t = self.s, self.s.elementwise_tokens
+        num_blocks = 2 * math.ceil(t / s.block_size) + 1
+        kv_cache = self.fp8_cache(num_blocks)
+        kv_ref = kv_cache.clone()
+        slots = torch.randperm(num_blocks * s.block_size, generator=self.cpu_gen)[:t]
+        slots[::7] = -1
+        slot_mapping = slots.to(torch.int64).to(self.device)
+        key = self.randn(t, s.num_kv_heads, s.head_dim) * 300  # some saturate at 448 * 0.5
+        value = self.randn(t, s.num_kv_heads, s.head_dim)
+        ks, vs = (torch.tensor(x, device=self.device) for x in FP8_SCALES)  # tensors: no sync
+        write_kv(key, value, kv_cache, slot_mapping, ks, vs)
+        write_kv_ref(key, value, kv_ref, slot_mapping, *FP8_SCALES)
+        exact = bool(torch.equal(kv_cache.view(torch.uint8), kv_ref.view(torch.uint8)))
+        result = {"tokens": t, **errors(kv_cache.float(), kv_ref.float()), "exact": exact}
+        result["ok"] = exact
+        moved = 2 * key.numel() * key.element_size() + 2 * key.numel()
+        return self.timed(result, lambda: write_kv(key, value, kv_cache, slot_mapping, ks, vs),
+                          lambda: write_kv_ref(key, value, kv_ref, slot_mapping, *FP8_SCALES),
+                          moved)
+
+    def decode_fp8(self, batch: int, context: int) -> dict[str, Any]:
+        """fp8 cache, q in the run dtype, scales as device tensors (as a captured graph would
+        see them); reference = the torch reference over the dequantized cache."""
+        from engine.kernels import choose_num_splits, paged_decode_attention
+        from engine.kernels.reference import paged_decode_attention_ref
+
+        s = self.s
+        lens = [context] * batch
+        block_tables, num_blocks = shuffled_block_tables(lens, s.block_size, self.device,
+                                                         self.cpu_gen)
+        kv_cache = self.fp8_cache(num_blocks)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=self.device)
+        q = self.randn(batch, s.num_heads, s.head_dim)
+        scale = s.head_dim ** -0.5
+        ks, vs = (torch.tensor(x, device=self.device) for x in FP8_SCALES)
+        out = torch.full_like(q, float("nan"))
+
+        def call() -> None:
+            paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, out=out,
+                                   max_seq_len=context, k_scale=ks, v_scale=vs)
+
+        call()
+        ref = paged_decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale,
+                                         *FP8_SCALES)
+        result = {"batch": batch, "context": context, "q_dtype": str(self.dtype),
+                  "num_splits": choose_num_splits(batch, s.num_kv_heads, context,
+                                                  _num_sms(self.device)), **errors(out, ref)}
+        result["ok"] = bool(result["all_finite"] and result["rel_err"] < FP8_TOLERANCE)
+        kv_bytes = batch * context * s.num_kv_heads * s.head_dim * 2  # one byte per element
+        result.update({"ms": self.timer(call), "kv_bytes": kv_bytes})
+        result["gb_per_s"] = kv_bytes / (result["ms"] * 1e-3) / 1e9
+        if self.device.type == "cuda":
+            graph_ms = self.graph_ms(call)
+            result["graph_ms"] = graph_ms
+            result["graph_gb_per_s"] = kv_bytes / (graph_ms * 1e-3) / 1e9
+        return result
+
+    def prefill_fp8(self, q_lens: list[int], prefixes: list[int]) -> dict[str, Any]:
+        from engine.kernels import paged_prefill_attention
+        from engine.kernels.reference import paged_attention_ref
+
+        s = self.s
+        lens = [p + n for p, n in zip(prefixes, q_lens, strict=True)]
+        block_tables, num_blocks = shuffled_block_tables(lens, s.block_size, self.device,
+                                                         self.cpu_gen)
+        kv_cache = self.fp8_cache(num_blocks)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=self.device)
+        starts = [0]
+        for n in q_lens:
+            starts.append(starts[-1] + n)
+        qsl = torch.tensor(starts, dtype=torch.int32, device=self.device)
+        q = self.randn(starts[-1], s.num_heads, s.head_dim)
+        scale = s.head_dim ** -0.5
+        out = torch.full_like(q, float("nan"))
+
+        def call() -> None:
+            paged_prefill_attention(q, kv_cache, qsl, seq_lens, block_tables, scale,
+                                    max(q_lens), out=out, k_scale=FP8_SCALES[0],
+                                    v_scale=FP8_SCALES[1])
+
+        call()
+        ref = paged_attention_ref(q, kv_cache, qsl, seq_lens, block_tables, scale, *FP8_SCALES)
+        result = {"q_lens": q_lens, "prefixes": prefixes, **errors(out, ref)}
+        result["ok"] = bool(result["all_finite"] and result["rel_err"] < FP8_TOLERANCE)
+        del ref
+        ms = self.timer(call)
+        visible = sum(n * p + n * (n + 1) // 2 for p, n in zip(prefixes, q_lens, strict=True))
+        flops = 4.0 * s.num_heads * s.head_dim * visible
+        result.update({"ms": ms, "tflop_per_s": flops / (ms * 1e-3) / 1e12})
+        return result
+
     def timed(self, result: dict[str, Any], fn: Callable[[], object],
               ref_fn: Callable[[], object], moved_bytes: int) -> dict[str, Any]:
         ms, ref_ms = self.timer(fn), self.timer(ref_fn)
@@ -542,6 +652,16 @@ def run_all(checker: Checker, only: set[str]) -> None:
                     lambda: checker.prefill([s.prefill_len], [0], sdpa=True))
         checker.run("prefill_varlen_prefix", lambda: checker.prefill(
             list(s.varlen_q_lens), list(s.varlen_prefixes), sdpa=False))
+    if want("fp8"):
+        checker.run("write_kv_fp8", checker.write_kv_fp8)
+        for context in s.decode_contexts:
+
+            def one_fp8(c: int = context) -> dict[str, Any]:
+                return checker.decode_fp8(s.decode_batches[-1], c)
+
+            checker.run(f"decode_fp8_b{s.decode_batches[-1]}_ctx{context}", one_fp8)
+        checker.run("prefill_fp8_varlen_prefix", lambda: checker.prefill_fp8(
+            list(s.varlen_q_lens), list(s.varlen_prefixes)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -558,7 +678,7 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda")
         shapes = REAL
     only = {p.strip() for p in args.only.split(",") if p.strip()}
-    unknown = only - {"decode", "prefill", "elementwise", "graph"}
+    unknown = only - {"decode", "prefill", "elementwise", "graph", "fp8"}
     if unknown:
         print(f"--only: unknown parts {sorted(unknown)}", file=sys.stderr)
         return 2

@@ -79,8 +79,11 @@ class SuiteSizes:
 STEP_LIMITS_S: dict[str, float] = {
     "latency_eager": 120, "latency_graphs": 150, "ttft_4096": 60,
     "throughput_random": 180, "concurrent_128": 60, "hf_baseline_128": 120,
+    "throughput_random_fp8": 180,
 }
-STEPS = tuple(STEP_LIMITS_S)
+# Run only when named in --steps (not part of the default run).
+OPTIONAL_STEPS = ("throughput_random_fp8",)
+STEPS = tuple(name for name in STEP_LIMITS_S if name not in OPTIONAL_STEPS)
 
 
 @contextmanager
@@ -103,19 +106,20 @@ class EngineHolder:
     def __init__(self, sizes: SuiteSizes) -> None:
         self._sizes = sizes
         self._llm: Any = None
-        self._eager: bool | None = None
+        self._key: tuple[bool, str] | None = None
 
-    def get(self, enforce_eager: bool) -> Any:
-        if self._llm is None or self._eager != enforce_eager:
+    def get(self, enforce_eager: bool, kv_cache_dtype: str = "auto") -> Any:
+        key = (enforce_eager, kv_cache_dtype)
+        if self._llm is None or self._key != key:
             self.release()
             s = self._sizes
             settings = offline.EngineSettings(
                 model=s.model, dtype="bfloat16", max_model_len=s.max_model_len,
                 enforce_eager=enforce_eager, max_num_seqs=s.max_num_seqs,
                 max_num_batched_tokens=s.max_num_batched_tokens,
-                gpu_memory_utilization=s.gpu_memory_utilization)
+                gpu_memory_utilization=s.gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype)
             self._llm = offline.build_llm(settings)
-            self._eager = enforce_eager
+            self._key = key
         return self._llm
 
     def release(self) -> None:
@@ -124,7 +128,7 @@ class EngineHolder:
             shutdown = getattr(self._llm, "shutdown", None)
             if callable(shutdown):
                 shutdown()
-        self._llm, self._eager = None, None
+        self._llm, self._key = None, None
         gc.collect()
         try:
             import torch
@@ -152,8 +156,9 @@ def _ttft(holder: EngineHolder, s: SuiteSizes, vocab: int) -> dict[str, Any]:
             "median_ttft_ms": statistics.median(ttfts)}
 
 
-def _throughput(holder: EngineHolder, vocab: int, n: int, i: int, o: int) -> dict[str, Any]:
-    llm = holder.get(enforce_eager=False)
+def _throughput(holder: EngineHolder, vocab: int, n: int, i: int, o: int,
+                kv_cache_dtype: str = "auto") -> dict[str, Any]:
+    llm = holder.get(enforce_eager=False, kv_cache_dtype=kv_cache_dtype)
     requests = random_requests(n, i, o, vocab, seed=7)
     records, duration = offline.run_throughput(llm, requests)
     metrics = compute_metrics(records, duration, percentiles=(50.0, 99.0))
@@ -162,7 +167,8 @@ def _throughput(holder: EngineHolder, vocab: int, n: int, i: int, o: int) -> dic
         "num_preemptions_total": engine.scheduler.num_preemptions,
         "num_kv_blocks": engine.kv.num_blocks,
         "cuda_graph_replays_total": getattr(engine.runner.graphs, "num_replays", None)}
-    return {"num_prompts": n, "input_len": i, "output_len": o, **metrics.to_dict(), **extra}
+    return {"num_prompts": n, "input_len": i, "output_len": o, "kv_cache_dtype": kv_cache_dtype,
+            **metrics.to_dict(), **extra}
 
 
 def _hf(holder: EngineHolder, s: SuiteSizes) -> dict[str, Any]:
@@ -192,6 +198,9 @@ def build_steps(holder: EngineHolder, s: SuiteSizes) -> dict[str, Callable[[], d
         "concurrent_128": lambda: _throughput(holder, vocab, s.conc_num_prompts,
                                               s.conc_input_len, s.conc_output_len),
         "hf_baseline_128": lambda: _hf(holder, s),
+        "throughput_random_fp8": lambda: _throughput(holder, vocab, s.tput_num_prompts,
+                                                     s.tput_input_len, s.tput_output_len,
+                                                     kv_cache_dtype="fp8"),
     }
 
 
@@ -229,13 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", required=True)
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--small", action="store_true", help="tiny shapes (smoke test)")
-    p.add_argument("--steps", default=",".join(STEPS), help=f"comma list from {STEPS}")
+    p.add_argument("--steps", default=",".join(STEPS),
+                   help=f"comma list from {STEPS}, or the optional {OPTIONAL_STEPS}")
     p.add_argument("--limit-scale", type=float, default=1.0, help="multiply every step limit")
     args = p.parse_args(argv)
     steps = tuple(x for x in args.steps.split(",") if x)
     unknown = [x for x in steps if x not in STEP_LIMITS_S]
     if unknown:
-        p.error(f"--steps: unknown {unknown}; allowed: {', '.join(STEPS)}")
+        p.error(f"--steps: unknown {unknown}; allowed: {', '.join(STEP_LIMITS_S)}")
     sizes = SuiteSizes.small(args.model) if args.small else SuiteSizes(model=args.model)
     doc = run_suite(Path(args.out_dir), sizes, steps, args.limit_scale)
     return 0 if all(e["ok"] for e in doc["steps"].values()) else 1

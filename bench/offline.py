@@ -40,6 +40,7 @@ class EngineSettings:
     max_num_batched_tokens: int = 8192
     attention_backend: str = "auto"
     gpu_memory_utilization: float = 0.85
+    kv_cache_dtype: str = "auto"  # "fp8": float8 e4m3 KV cache (half the bytes of bf16)
 
     def llm_kwargs(self) -> dict[str, Any]:
         kwargs = asdict(self)

@@ -34,6 +34,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float,
                    default=_default(CacheConfig, "gpu_memory_utilization"))
     g.add_argument("--cpu-kv-cache-gb", type=float, default=None)
+    g.add_argument("--kv-cache-dtype", default=_default(CacheConfig, "kv_cache_dtype"),
+                   choices=["auto", "fp8", "int8"],
+                   help="KV cache storage: auto = model dtype, fp8 = float8 e4m3 with per-layer "
+                        "scales (int8 is not implemented)")
     g.add_argument("--max-num-seqs", type=int, default=_default(SchedulerConfig, "max_num_seqs"))
     g.add_argument("--max-num-batched-tokens", type=int,
                    default=_default(SchedulerConfig, "max_num_batched_tokens"))
@@ -57,7 +61,8 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "colocated") -
         cache=CacheConfig(block_size=args.block_size,
                           enable_prefix_caching=not args.no_prefix_caching,
                           num_gpu_blocks=args.num_gpu_blocks,
-                          gpu_memory_utilization=args.gpu_memory_utilization, **cache_kwargs),
+                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          kv_cache_dtype=args.kv_cache_dtype, **cache_kwargs),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=not args.no_chunked_prefill,

@@ -170,6 +170,8 @@ class CacheConfig:
     num_gpu_blocks: int | None = None   # None: sized by memory profiling
     gpu_memory_utilization: float = 0.85
     cpu_kv_cache_bytes: int = 2 << 30   # KV budget when running on the CPU
+    # "fp8": float8 e4m3 storage with per-layer K/V scales (half the bytes of bf16); "int8" is
+    # reserved and refused by the engine.
     kv_cache_dtype: KvCacheDtype = "auto"
     tenant_salt: str = ""
 
@@ -178,6 +180,9 @@ class CacheConfig:
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
+        if self.kv_cache_dtype not in ("auto", "fp8", "int8"):
+            raise ConfigError(f"kv_cache_dtype must be 'auto' (the model dtype) or 'fp8' "
+                              f"(float8 e4m3), got {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True, slots=True)

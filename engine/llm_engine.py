@@ -43,14 +43,14 @@ class LLMEngine:
         from engine.loader import load_model_source
 
         config.cache.validate()
-        # Quantized weights and KV are planned (DESIGN.md §5) but not built yet: refuse them
-        # rather than silently serving bf16.
+        # Quantized weights and int8 KV are planned (DESIGN.md §5) but not built yet: refuse them
+        # rather than silently serving bf16. fp8 KV is built.
         if config.runner.quantization != "none":
             raise ConfigError(f"quantization {config.runner.quantization!r} is not implemented "
                               "yet; use 'none'")
-        if config.cache.kv_cache_dtype != "auto":
+        if config.cache.kv_cache_dtype not in ("auto", "fp8"):
             raise ConfigError(f"kv_cache_dtype {config.cache.kv_cache_dtype!r} is not implemented "
-                              "yet; use 'auto'")
+                              "yet; use 'auto' or 'fp8'")
         self.config = config
         source = load_model_source(config.load)
         cfg = source.config

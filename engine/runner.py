@@ -5,6 +5,8 @@
 
 The KV cache is a single tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`
 so that a block (`kv_cache[:, :, block_id]`) can be read or written in one copy for transfer.
+With `kv_cache_dtype="fp8"` it is float8_e4m3fn holding K/V divided by per-layer scales
+(`kv_scales [num_layers, 2]` float32, 1.0 without calibration; see engine/attention/kv_quant.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,13 @@ import numpy as np
 import torch
 
 from engine.attention.forward_context import AttentionMetadata, ForwardContext, forward_context
+from engine.attention.kv_quant import (
+    KvScaleTable,
+    default_kv_scales,
+    dequantize_fp8,
+    kv_storage_dtype,
+    quantize_fp8,
+)
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.model.layers import RotaryEmbedding
@@ -35,6 +44,7 @@ class RunnerResult:
     device: str
     dtype: torch.dtype
     num_blocks: int
+    kv_dtype: torch.dtype
     block_bytes: int
     attention_backend: str
     cuda_graphs: bool
@@ -54,14 +64,15 @@ def resolve_dtype(name: str, default: torch.dtype, device: torch.device) -> torc
     return default if default != torch.float32 else torch.bfloat16
 
 
-def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+def make_attention_backend(name: str, device: torch.device,
+                           kv_scales: KvScaleTable | None = None) -> AttentionBackend:
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
-        return TorchAttentionBackend()
+        return TorchAttentionBackend(kv_scales)
     if name == "triton":
         from engine.attention.triton_backend import TritonAttentionBackend
-        return TritonAttentionBackend()
+        return TritonAttentionBackend(kv_scales)
     raise ConfigError(f"attention_backend must be torch, triton or auto, got {name!r}")
 
 
@@ -74,9 +85,17 @@ class ModelRunner:
         if self.device.type == "cpu" and config.runner.cpu_threads:
             torch.set_num_threads(config.runner.cpu_threads)
         self.dtype = resolve_dtype(config.load.dtype, default_dtype, self.device)
+        try:
+            self.kv_dtype = kv_storage_dtype(config.cache.kv_cache_dtype, self.dtype)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        # [num_layers, 2] float32 on the CPU: (K, V) scale per layer; the wire sends these.
+        self.kv_scales = default_kv_scales(model_config.num_hidden_layers)
+        self._kv_scale_table = KvScaleTable()
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
-        self.backend = make_attention_backend(config.runner.attention_backend, self.device)
+        self.backend = make_attention_backend(config.runner.attention_backend, self.device,
+                                              self._kv_scale_table)
         use_triton = self.backend.name == "triton"
         with torch.device(self.device):
             model = LlamaForCausalLM(model_config, self.backend, max_model_len, use_triton)
@@ -95,19 +114,20 @@ class ModelRunner:
         self.kv_shape_per_block = (cfg.num_hidden_layers, 2, self.block_size,
                                    cfg.num_key_value_heads, cfg.head_dim)
         self.block_bytes = (2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads
-                            * cfg.head_dim * torch.finfo(self.dtype).bits // 8)
+                            * cfg.head_dim * self.kv_dtype.itemsize)
         num_blocks = self._num_kv_blocks()
         self.kv_cache = torch.zeros(cfg.num_hidden_layers, 2, num_blocks, self.block_size,
                                     cfg.num_key_value_heads, cfg.head_dim,
-                                    dtype=self.dtype, device=self.device)
+                                    dtype=self.kv_dtype, device=self.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
+        self._kv_scale_table.bind(self.kv_caches, self.kv_scales)
         self.graphs = None
         if self.device.type == "cuda" and not config.runner.enforce_eager:
             from engine.cuda_graphs import CudaGraphRunner
             self.graphs = CudaGraphRunner(self)
             self.graphs.capture()
-        self.result = RunnerResult(str(self.device), self.dtype, num_blocks, self.block_bytes,
-                                   self.backend.name, self.graphs is not None)
+        self.result = RunnerResult(str(self.device), self.dtype, num_blocks, self.kv_dtype,
+                                   self.block_bytes, self.backend.name, self.graphs is not None)
 
     # ---- sizing ----------------------------------------------------------------------------
 
@@ -131,7 +151,8 @@ class ModelRunner:
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device)
         scratch = torch.zeros(self.model_config.num_hidden_layers, 2, -(-n // self.block_size) + 1,
-                              *self.kv_shape_per_block[2:], dtype=self.dtype, device=self.device)
+                              *self.kv_shape_per_block[2:], dtype=self.kv_dtype,
+                              device=self.device)
         md = self._metadata_for_profile(n)
         with forward_context(ForwardContext(md, list(scratch.unbind(0)))):
             h = self.model(ids, pos)
@@ -249,20 +270,55 @@ class ModelRunner:
 
     # ---- KV blocks for transfer ------------------------------------------------------------
 
+    @property
+    def kv_is_quantized(self) -> bool:
+        """True for a 1-byte (fp8) cache, whose blocks travel with `kv_scales`."""
+        return self.kv_dtype.itemsize == 1
+
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """→ CPU tensor [n, num_layers, 2, block_size, Hkv, D] (a copy)."""
+        """→ CPU tensor [n, num_layers, 2, block_size, Hkv, D] in the cache dtype (a copy; fp8
+        blocks are the stored values: multiply by `kv_scales` [L, 2] to get K/V)."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        if self.kv_is_quantized:  # index_select has no fp8 kernel on the CPU: move the bytes
+            raw = self.kv_cache.view(torch.uint8).index_select(2, idx).permute(2, 0, 1, 3, 4, 5)
+            return raw.to("cpu").contiguous().view(self.kv_dtype)
         blocks = self.kv_cache.index_select(2, idx).permute(2, 0, 1, 3, 4, 5)
         return blocks.to("cpu").contiguous()
 
-    def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
-        """blocks: [n, num_layers, 2, block_size, Hkv, D] → kv_cache at block_ids."""
+    def write_blocks(self, block_ids: list[int], blocks: torch.Tensor,
+                     scales: torch.Tensor | None = None) -> None:
+        """blocks: [n, num_layers, 2, block_size, Hkv, D] → kv_cache at block_ids.
+
+        fp8 cache: fp8 blocks are stored values under `scales` ([L, 2]; None = this runner's
+        `kv_scales`) and are re-quantized when those differ from ours; float blocks are real
+        K/V values, quantized with our scales (saturating at ±448 * scale)."""
         expected = (len(block_ids), *self.kv_shape_per_block)
         if tuple(blocks.shape) != expected:
             raise ValueError(f"KV blocks have shape {tuple(blocks.shape)}, expected {expected}")
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        src = blocks.to(self.device, self.dtype, non_blocking=True).permute(1, 2, 0, 3, 4, 5)
-        self.kv_cache.index_copy_(2, idx, src)
+        if self.kv_is_quantized:
+            raw = self._quantize_blocks(blocks, scales).to(self.device, non_blocking=True)
+            self.kv_cache.view(torch.uint8).index_copy_(2, idx, raw.permute(1, 2, 0, 3, 4, 5))
+        else:
+            if scales is not None:
+                raise ValueError(f"scales are only for fp8 KV caches, this one is {self.kv_dtype}")
+            src = blocks.to(self.device, self.dtype, non_blocking=True).permute(1, 2, 0, 3, 4, 5)
+            self.kv_cache.index_copy_(2, idx, src)
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
 
+
+    def _quantize_blocks(self, blocks: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+        """blocks [n, L, 2, bs, Hkv, D] → the uint8 bytes of fp8 values under `kv_scales`."""
+        ours = self.kv_scales.view(1, -1, 2, 1, 1, 1)  # broadcast over [n, L, 2, bs, Hkv, D]
+        if blocks.dtype == self.kv_dtype:
+            if scales is None or torch.equal(scales.float().cpu(), self.kv_scales):
+                return blocks.contiguous().view(torch.uint8)
+            if tuple(scales.shape) != tuple(self.kv_scales.shape):
+                raise ValueError(f"KV scales have shape {tuple(scales.shape)}, expected "
+                                 f"{tuple(self.kv_scales.shape)}")
+            values = dequantize_fp8(blocks.cpu(), scales.float().cpu().view(1, -1, 2, 1, 1, 1))
+            return quantize_fp8(values, ours).view(torch.uint8)
+        if scales is not None:
+            raise ValueError(f"scales come with fp8 blocks, not with {blocks.dtype} ones")
+        return quantize_fp8(blocks.cpu(), ours).view(torch.uint8)

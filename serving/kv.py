@@ -21,11 +21,20 @@ logger = logging.getLogger(__name__)
 
 
 def block_spec(engine: LLMEngine) -> BlockSpec:
+    """The engine's KV block on the wire: the cache dtype (fp8 for a quantized cache, whose
+    blocks then carry `kv_scales(engine)`)."""
     cfg = engine.model_config
     return BlockSpec(fingerprint=engine.fingerprint, num_layers=cfg.num_hidden_layers,
                      block_size=engine.config.cache.block_size,
                      num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                     dtype=engine.runner.dtype)
+                     dtype=engine.runner.kv_dtype)
+
+
+def kv_scales(engine: LLMEngine) -> torch.Tensor | None:
+    """Per-layer K/V scales `[num_layers, 2]` float32 sent with (and required of) every block
+    of a 1-byte KV cache; None for a cache in the model dtype."""
+    runner = engine.runner
+    return runner.kv_scales if runner.kv_is_quantized else None
 
 
 class EngineBlockSource:
@@ -103,6 +112,7 @@ class GrpcKvLoader:
 
     def __init__(self, engine: LLMEngine, timeout_s: float = 30.0) -> None:
         self._spec = block_spec(engine)
+        self._kv_scales = kv_scales(engine)
         self._sink = RunnerSink(engine)
         self._timeout_s = timeout_s
         self._connector: GrpcPullConnector | None = None
@@ -110,7 +120,8 @@ class GrpcKvLoader:
     def _get_connector(self) -> GrpcPullConnector:
         if self._connector is None:  # needs the running loop
             self._connector = GrpcPullConnector(self._spec, self._sink, asyncio.get_running_loop(),
-                                                timeout_s=self._timeout_s)
+                                                timeout_s=self._timeout_s,
+                                                kv_scales=self._kv_scales)
         return self._connector
 
     async def __call__(self, load: KvLoad) -> bool:

@@ -92,7 +92,7 @@ async def start_worker(config: EngineConfig, host: str, port: int,
     logger.info("%s worker listening on %s:%d", role, host, bound)
 
     async def load() -> None:
-        from serving.kv import EngineBlockSource, GrpcKvLoader
+        from serving.kv import EngineBlockSource, GrpcKvLoader, kv_scales
 
         factory = engine_factory or (lambda c: LLMEngine(c, detokenize=False))
         try:
@@ -106,7 +106,8 @@ async def start_worker(config: EngineConfig, host: str, port: int,
         prefill.bind(aengine)
         decode.bind(aengine)
         if role == "prefill":
-            kv_servicer.bind(KvTransferServicer(EngineBlockSource(aengine)))
+            kv_servicer.bind(KvTransferServicer(EngineBlockSource(aengine),
+                                                kv_scales=kv_scales(engine)))
         for name in ["", *services]:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         assert handle.ready is not None

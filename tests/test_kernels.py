@@ -463,3 +463,96 @@ def test_package_imports_without_triton() -> None:
                           text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+# ----------------------------------------------------------------------------- fp8 KV cache
+
+FP8 = torch.float8_e4m3fn
+
+
+def _fp8_scales(kind: str) -> tuple[object, object]:
+    if kind == "none":
+        return None, None
+    if kind == "float":
+        return 0.05, 2.0
+    return torch.tensor(0.05), torch.tensor([2.0])  # read by the kernel through a pointer
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scales", ["none", "float", "tensor"])
+def test_write_kv_fp8_matches_reference_bitwise(src_dtype: torch.dtype, scales: str) -> None:
+    """Quantize on store: x / scale, saturated at +-448, rounded to nearest even e4m3 (log-spread
+    magnitudes cover subnormals, carries into the next binade, and saturation)."""
+    gen = torch.Generator().manual_seed(5)
+    magnitude = torch.exp2(torch.empty(24, 2, 16).uniform_(-14, 12, generator=gen))
+    sign = torch.where(torch.rand(24, 2, 16, generator=gen) < 0.5, -1.0, 1.0)
+    key = (magnitude * sign).to(src_dtype)
+    value = torch.randn(24, 2, 16, generator=gen).to(src_dtype) * 3
+    slot_mapping = torch.randperm(24, generator=gen)
+    slot_mapping[5] = -1
+    k_scale, v_scale = _fp8_scales(scales)
+    got = torch.zeros(2, 6, 4, 2, 16, dtype=FP8)
+    want = got.clone()
+    K.write_kv(key, value, got, slot_mapping, k_scale, v_scale)  # type: ignore[arg-type]
+    R.write_kv_ref(key, value, want, slot_mapping, k_scale, v_scale)  # type: ignore[arg-type]
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert got.float().abs().max() == 448.0
+
+
+def _fp8_batch(q_lens: list[int], seq_lens: list[int], q_dtype: torch.dtype) -> PagedBatch:
+    batch = make_batch(q_lens, seq_lens, seed=11)
+    batch.q = batch.q.to(q_dtype)
+    batch.kv_cache = (batch.kv_cache * 4).to(FP8)
+    return batch
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scales", ["none", "float", "tensor"])
+def test_decode_fp8_matches_dequantized_reference(q_dtype: torch.dtype, scales: str) -> None:
+    batch = _fp8_batch([1, 1, 1], [5, 17, 30], q_dtype)
+    k_scale, v_scale = _fp8_scales(scales)
+    want = R.paged_decode_attention_ref(batch.q, batch.kv_cache, batch.block_tables,
+                                        batch.seq_lens, 0.3, k_scale, v_scale)  # type: ignore[arg-type]
+    for splits in (1, 3):
+        got = K.paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables,
+                                       batch.seq_lens, 0.3, num_splits=splits,
+                                       k_scale=k_scale, v_scale=v_scale)  # type: ignore[arg-type]
+        assert got.dtype == q_dtype
+        assert_close_for(got, want, q_dtype)
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scales", ["float", "tensor"])
+def test_prefill_fp8_matches_dequantized_reference(q_dtype: torch.dtype, scales: str) -> None:
+    batch = _fp8_batch([7, 1, 12], [7, 20, 30], q_dtype)
+    k_scale, v_scale = _fp8_scales(scales)
+    want = R.paged_attention_ref(batch.q, batch.kv_cache, batch.query_start_loc, batch.seq_lens,
+                                 batch.block_tables, 0.3, k_scale, v_scale)  # type: ignore[arg-type]
+    got = K.paged_prefill_attention(batch.q, batch.kv_cache, batch.query_start_loc,
+                                    batch.seq_lens, batch.block_tables, 0.3, 12,
+                                    k_scale=k_scale, v_scale=v_scale)  # type: ignore[arg-type]
+    assert_close_for(got, want, q_dtype)
+    # The scale is applied: without it the output differs.
+    plain = K.paged_prefill_attention(batch.q, batch.kv_cache, batch.query_start_loc,
+                                      batch.seq_lens, batch.block_tables, 0.3, 12)
+    assert not torch.allclose(plain.float(), got.float(), atol=0.1)
+
+
+def test_fp8_inputs_are_validated() -> None:
+    batch = _fp8_batch([1, 1], [3, 5], torch.float32)
+    args = (batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, 0.2)
+    with pytest.raises(KernelInputError, match=r"q has dtype torch\.float64"):
+        K.paged_decode_attention(batch.q.double(), *args[1:])
+    with pytest.raises(KernelInputError, match="k_scale must be a float32 tensor of one element"):
+        K.paged_decode_attention(*args, k_scale=torch.ones(2), v_scale=torch.ones(1))
+    with pytest.raises(KernelInputError, match="v_scale must be positive"):
+        K.paged_decode_attention(*args, k_scale=1.0, v_scale=0.0)
+    with pytest.raises(KernelInputError, match="both be floats or both be tensors"):
+        K.paged_decode_attention(*args, k_scale=1.0, v_scale=torch.ones(1))
+    plain = make_batch([1, 1], [3, 5])  # float32 cache: q must match it, and no scales
+    with pytest.raises(KernelInputError, match="only an fp8 kv_cache takes another dtype"):
+        K.paged_decode_attention(plain.q.half(), plain.kv_cache, plain.block_tables,
+                                 plain.seq_lens, 0.2)
+    with pytest.raises(KernelInputError, match="k_scale is only allowed with an fp8 kv_cache"):
+        K.write_kv(plain.q[:, :2], plain.q[:, :2], plain.kv_cache,
+                   torch.tensor([0, 1]), k_scale=0.5, v_scale=0.5)

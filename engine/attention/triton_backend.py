@@ -2,7 +2,8 @@
 
 One step: write this step's K/V into the blocks, then split-K decode attention for the leading
 single-token sequences and varlen causal prefill attention for the rest. No host syncs, so a
-pure-decode step can be captured in a CUDA graph.
+pure-decode step can be captured in a CUDA graph. An fp8 cache passes the layer's K/V scales
+to the kernels as Python floats (constant per engine, so baked into captured graphs).
 """
 
 from __future__ import annotations
@@ -10,31 +11,40 @@ from __future__ import annotations
 import torch
 
 from engine.attention.forward_context import AttentionMetadata
+from engine.attention.kv_quant import KvScaleTable, is_fp8
 
 
 class TritonAttentionBackend:
+    """GPU backend. kv_scales: per-layer K/V scales of an fp8 cache (bound by the runner)."""
+
     name = "triton"
 
-    def __init__(self) -> None:
+    def __init__(self, kv_scales: KvScaleTable | None = None) -> None:
         from engine import kernels
 
         self._k = kernels
+        self.kv_scales = kv_scales if kv_scales is not None else KvScaleTable()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hkv, D] → out [T, H, D]. Sequences are ordered decodes first."""
         kern = self._k
-        kern.write_kv(k, v, kv_cache, md.slot_mapping)
+        ks: float | None = None
+        vs: float | None = None
+        if is_fp8(kv_cache):
+            ks, vs = self.kv_scales.lookup(kv_cache)
+        kern.write_kv(k, v, kv_cache, md.slot_mapping, ks, vs)
         out = torch.empty((q.shape[0], q.shape[1], q.shape[2]), dtype=q.dtype, device=q.device)
         nd = md.num_decodes
         num_seqs = md.seq_lens.shape[0]
         if nd > 0:
             kern.paged_decode_attention(q[:nd], kv_cache, md.block_tables[:nd], md.seq_lens[:nd],
-                                        scale, out=out[:nd], max_seq_len=md.max_seq_len)
+                                        scale, out=out[:nd], max_seq_len=md.max_seq_len,
+                                        k_scale=ks, v_scale=vs)
         if nd < num_seqs:
             # Decodes hold exactly one token each, so prefill tokens start at offset nd.
             qsl = md.query_start_loc[nd:] - nd if nd else md.query_start_loc
             kern.paged_prefill_attention(q[nd:], kv_cache, qsl, md.seq_lens[nd:],
                                          md.block_tables[nd:], scale, md.max_query_len,
-                                         out=out[nd:])
+                                         out=out[nd:], k_scale=ks, v_scale=vs)
         return out

@@ -10,6 +10,10 @@ through the block table (so the tile size is independent of the cache block size
 Online softmax in the log2 domain (FlashAttention-2): scores are multiplied by
 `qk_scale = scale * log2(e)` and exponentiated with exp2; `m_i` is the running row max,
 `l_i` the running row sum, `acc` the unnormalised output, all float32.
+
+An fp8 cache's tiles are converted to q's dtype after the load (exact: every e4m3 value is a
+bf16/fp16/fp32 value); the callers fold the K scale into `qk_scale` and multiply the output by
+the V scale, so the tile step itself never sees a scale.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ def attend_kv_tile(
     acc,  # [M, HEAD_DIM] float32
     l_i,  # [M] float32
     m_i,  # [M] float32
-    q,  # [M, HEAD_DIM] in the cache dtype
+    q,  # [M, HEAD_DIM] in q's dtype (the cache dtype, unless the cache is fp8)
     q_pos,  # [M] int32: KV position of each query row (only read when CAUSAL)
     n0,  # first KV position of this tile
     kv_limit,  # positions >= kv_limit are masked (only read when BOUNDS_MASK)
@@ -61,6 +65,7 @@ def attend_kv_tile(
         k = tl.load(k_head_ptr + kv_off, mask=in_bounds[:, None], other=0.0)
     else:
         k = tl.load(k_head_ptr + kv_off)
+    k = k.to(q.dtype)  # fp8 cache -> q's dtype; a no-op when they match
     if UPCAST_DOT:
         q = q.to(tl.float32)
         k = k.to(tl.float32)
@@ -82,6 +87,7 @@ def attend_kv_tile(
         v = tl.load(v_head_ptr + kv_off, mask=in_bounds[:, None], other=0.0)
     else:
         v = tl.load(v_head_ptr + kv_off)
+    v = v.to(q.dtype)
     if UPCAST_DOT:
         v = v.to(tl.float32)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)

@@ -14,6 +14,10 @@ from collections.abc import Sequence
 import torch
 
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+# KV caches may also be fp8 e4m3 (values stored divided by a per-layer scale, see `check_kv_scale`).
+FP8_KV_DTYPE = torch.float8_e4m3fn
+KV_CACHE_DTYPES: tuple[torch.dtype, ...] = (*FLOAT_DTYPES, FP8_KV_DTYPE)
+FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn: quantized values saturate here
 INDEX_DTYPES_32: tuple[torch.dtype, ...] = (torch.int32,)
 POSITION_DTYPES: tuple[torch.dtype, ...] = (torch.int32, torch.int64)
 
@@ -138,7 +142,7 @@ def check_kv_cache(kv_cache: object) -> tuple[int, int, int, int]:
 
     Returns `(num_blocks, block_size, num_kv_heads, head_dim)`.
     """
-    cache = check_tensor("kv_cache", kv_cache, 5, FLOAT_DTYPES)
+    cache = check_tensor("kv_cache", kv_cache, 5, KV_CACHE_DTYPES)
     if cache.shape[0] != 2:
         raise KernelInputError(
             "kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim] "
@@ -170,3 +174,55 @@ def check_out(
     if o.device != device:
         raise KernelInputError(f"out is on {o.device}, inputs are on {device}")
     return o
+
+
+def check_matches_cache(name: str, t: torch.Tensor, cache_dtype: torch.dtype) -> None:
+    """`t` (q, key or value) must have the cache's dtype, unless the cache is fp8: then any of
+    fp32/fp16/bf16 (the kernel converts on store / load)."""
+    if cache_dtype == FP8_KV_DTYPE:
+        if t.dtype not in FLOAT_DTYPES:
+            allowed = ", ".join(str(d) for d in FLOAT_DTYPES)
+            raise KernelInputError(
+                f"{name} has dtype {t.dtype}; with an fp8 kv_cache allowed: {allowed}"
+            )
+    elif t.dtype != cache_dtype:
+        raise KernelInputError(
+            f"{name} has dtype {t.dtype} but kv_cache has {cache_dtype}; they must match "
+            "(only an fp8 kv_cache takes another dtype)"
+        )
+
+
+KvScale = float | torch.Tensor
+
+
+def check_kv_scale(
+    name: str, scale: object, cache_dtype: torch.dtype, device: torch.device
+) -> KvScale:
+    """Check a K or V cache scale: None (= 1.0), a positive finite Python float, or a float32
+    tensor of one element on the cache's device (read by the kernel: no host sync, so a CUDA
+    graph replays whatever value it holds). Only an fp8 cache takes a scale other than None.
+
+    Returns the float or the tensor (the tensor is not read on the host)."""
+    if scale is None:
+        return 1.0
+    if cache_dtype != FP8_KV_DTYPE:
+        raise KernelInputError(
+            f"{name} is only allowed with an fp8 kv_cache (got a {cache_dtype} cache); pass None"
+        )
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1 or scale.dtype != torch.float32:
+            raise KernelInputError(
+                f"{name} must be a float32 tensor of one element, got {scale.dtype} of shape "
+                f"{tuple(scale.shape)}"
+            )
+        if scale.device != device:
+            raise KernelInputError(f"{name} is on {scale.device}, kv_cache is on {device}")
+        return scale
+    if isinstance(scale, bool) or not isinstance(scale, int | float):
+        raise KernelInputError(
+            f"{name} must be a Python float or a one-element tensor, got {type(scale).__name__}"
+        )
+    value = float(scale)
+    if not (value > 0.0 and value < float("inf")):
+        raise KernelInputError(f"{name} must be positive and finite, got {value}")
+    return value

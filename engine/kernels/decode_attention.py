@@ -16,6 +16,9 @@ partial results per split::
 and pass 2 (one program per `(sequence, head)`) rescales the splits to a common max and
 divides. An empty split (or `seq_len == 0`) has max -inf and weight 0; a sequence with
 `seq_len == 0` (CUDA-graph padding) gets a zero output.
+
+An fp8 cache holds K/V divided by per-layer scales: the K scale is folded into `qk_scale` and
+each split's `acc` is multiplied by the V scale (softmax weights are unaffected by either).
 """
 
 from __future__ import annotations
@@ -29,12 +32,17 @@ import triton.language as tl
 
 from engine.kernels._attention_tile import LOG2E, attend_kv_tile, dot_precision, upcast_dots
 from engine.kernels._checks import (
+    FLOAT_DTYPES,
+    FP8_KV_DTYPE,
     INDEX_DTYPES_32,
     KernelInputError,
+    KvScale,
     check_devices,
     check_gqa,
     check_inner_dense,
     check_kv_cache,
+    check_kv_scale,
+    check_matches_cache,
     check_out,
     check_positive_int,
     check_scale,
@@ -43,7 +51,7 @@ from engine.kernels._checks import (
     interpret_mode,
     next_power_of_2,
 )
-from engine.kernels._tl import ceil_div, reduce_max, reduce_sum
+from engine.kernels._tl import ceil_div, load_scale, reduce_max, reduce_sum
 
 # Measured on an H200 (Llama-3.1-8B shapes, CUDA graphs): splits of 64 positions still pay off
 # for a lone 1k sequence; 32 splits cover a lone 8k one.
@@ -64,6 +72,8 @@ def _decode_split_kernel(
     mid_m_ptr,  # [B, H, S] float32
     mid_l_ptr,  # [B, H, S] float32
     qk_scale,
+    k_scale,  # fp8 cache: float32 scalar or pointer to one (SCALE_IS_PTR)
+    v_scale,
     num_heads,
     num_splits,
     stride_q_b,
@@ -79,6 +89,8 @@ def _decode_split_kernel(
     DIRECT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    SCALE_IS_PTR: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -94,6 +106,8 @@ def _decode_split_kernel(
     g_mask = g < GROUP
     q_off = seq.to(tl.int64) * stride_q_b + heads[:, None] * stride_q_h + dims[None, :]
     q = tl.load(q_ptr + q_off, mask=g_mask[:, None], other=0.0)  # [BLOCK_G, D]
+    if KV_FP8:
+        qk_scale = qk_scale * load_scale(k_scale, SCALE_IS_PTR)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_G], 0.0, tl.float32)
@@ -107,6 +121,8 @@ def _decode_split_kernel(
             stride_cache_block, stride_cache_tok, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
             True, False, DOT_PRECISION, UPCAST_DOT,
         )
+    if KV_FP8:
+        acc = acc * load_scale(v_scale, SCALE_IS_PTR)
 
     row = seq.to(tl.int64) * num_heads + heads  # [BLOCK_G] index into [B, H]
     if DIRECT:
@@ -211,11 +227,16 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     max_seq_len: int | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged KV; returns `out [B, H, D]`.
 
-    q: `[B, H, D]` (dense in its last two dims), dtype = kv_cache dtype.
+    q: `[B, H, D]` (dense in its last two dims), dtype = kv_cache dtype (fp32/fp16/bf16 when the
+    cache is fp8).
     kv_cache: `[2, NB, BS, Hkv, D]` contiguous, already holding this step's K/V.
+    k_scale/v_scale: fp8 cache only (None = 1.0): the stored values times these are K and V;
+    Python floats or one-element float32 tensors on the cache's device.
     block_tables: `[B, max_blocks]` int32; seq_lens: `[B]` int32 (KV length incl. this token).
     out: optional contiguous `[B, H, D]` buffer in q's dtype (written entirely, returned).
     num_splits: force the split count; by default chosen from `max_seq_len` (a host int bound
@@ -223,7 +244,8 @@ def paged_decode_attention(
     Mutates only `out`. No host syncs: CUDA-graph capturable for fixed shapes and bounds.
     """
     _, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache)
-    q = check_tensor("q", q, 3, (kv_cache.dtype,))
+    q = check_tensor("q", q, 3, FLOAT_DTYPES)
+    check_matches_cache("q", q, kv_cache.dtype)
     batch, num_heads = q.shape[0], q.shape[1]
     check_shape("q", q, (batch, num_heads, head_dim))
     check_inner_dense("q", q, 2)
@@ -252,7 +274,11 @@ def paged_decode_attention(
     num_splits = check_positive_int("num_splits", num_splits)
     if batch == 0:
         return out
-    _launch(q, kv_cache, block_tables, seq_lens, qk_scale, out, num_splits)
+    kv_scales = (check_kv_scale("k_scale", k_scale, kv_cache.dtype, kv_cache.device),
+                 check_kv_scale("v_scale", v_scale, kv_cache.dtype, kv_cache.device))
+    if isinstance(kv_scales[0], torch.Tensor) != isinstance(kv_scales[1], torch.Tensor):
+        raise KernelInputError("k_scale and v_scale must both be floats or both be tensors")
+    _launch(q, kv_cache, block_tables, seq_lens, qk_scale, out, num_splits, kv_scales)
     return out
 
 
@@ -264,6 +290,7 @@ def _launch(
     qk_scale: float,
     out: torch.Tensor,
     num_splits: int,
+    kv_scales: tuple[KvScale, KvScale],
 ) -> None:
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -280,7 +307,7 @@ def _launch(
     tiles = choose_decode_tiles(head_dim)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, mid_acc, mid_m, mid_l,
-        qk_scale, num_heads, num_splits,
+        qk_scale, kv_scales[0], kv_scales[1], num_heads, num_splits,
         q.stride(0), q.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1),
         GROUP=group,
@@ -291,6 +318,8 @@ def _launch(
         DIRECT=direct,
         DOT_PRECISION=dot_precision(q.dtype),
         UPCAST_DOT=upcast_dots(q.dtype),
+        KV_FP8=kv_cache.dtype == FP8_KV_DTYPE,
+        SCALE_IS_PTR=isinstance(kv_scales[0], torch.Tensor),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

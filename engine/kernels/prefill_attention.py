@@ -9,6 +9,9 @@ The KV loop has two phases: tiles entirely at or below the tile's first query po
 mask; the remaining tiles up to the last row's position (the diagonal) are masked. Tiles past the
 diagonal are never visited (causal early stop). Query tiles are launched last-first because the
 late tiles of a sequence carry the most work.
+
+An fp8 cache holds K/V divided by per-layer scales: the K scale is folded into `qk_scale` and
+the normalised output is multiplied by the V scale.
 """
 
 from __future__ import annotations
@@ -21,12 +24,16 @@ import triton.language as tl
 
 from engine.kernels._attention_tile import LOG2E, attend_kv_tile, dot_precision, upcast_dots
 from engine.kernels._checks import (
+    FLOAT_DTYPES,
+    FP8_KV_DTYPE,
     INDEX_DTYPES_32,
     KernelInputError,
     check_devices,
     check_gqa,
     check_inner_dense,
     check_kv_cache,
+    check_kv_scale,
+    check_matches_cache,
     check_out,
     check_positive_int,
     check_scale,
@@ -35,6 +42,7 @@ from engine.kernels._checks import (
     interpret_mode,
     next_power_of_2,
 )
+from engine.kernels._tl import load_scale
 
 
 @triton.jit
@@ -47,6 +55,8 @@ def _prefill_kernel(
     seq_lens_ptr,  # [B] int32
     block_tables_ptr,  # [B, max_blocks] int32
     qk_scale,
+    k_scale,  # fp8 cache: float32 scalar or pointer to one (SCALE_IS_PTR)
+    v_scale,
     num_m_tiles,
     stride_q_t,
     stride_q_h,
@@ -61,6 +71,8 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    SCALE_IS_PTR: tl.constexpr,
 ):
     m_tile = num_m_tiles - 1 - tl.program_id(0)  # heaviest (last) tiles first
     head = tl.program_id(1)
@@ -80,6 +92,8 @@ def _prefill_kernel(
     q_off = tokens[:, None] * stride_q_t + head * stride_q_h + dims[None, :]
     q = tl.load(q_ptr + q_off, mask=row_mask[:, None], other=0.0)  # [BLOCK_M, D]
     q_pos = ctx_len + rows
+    if KV_FP8:
+        qk_scale = qk_scale * load_scale(k_scale, SCALE_IS_PTR)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
@@ -107,6 +121,8 @@ def _prefill_kernel(
         )
 
     o = acc / l_i[:, None]  # every real row saw >= 1 position, so l_i > 0 there
+    if KV_FP8:
+        o = o * load_scale(v_scale, SCALE_IS_PTR)
     out_off = tokens[:, None] * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + dims[None, :]
     tl.store(out_ptr + out_off, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
@@ -150,6 +166,8 @@ def paged_prefill_attention(
     scale: float,
     max_query_len: int,
     out: torch.Tensor | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of `q [T, H, D]` over paged KV; returns `out [T, H, D]`.
 
@@ -157,10 +175,13 @@ def paged_prefill_attention(
     seq_lens: `[B]` int32 (KV length incl. these queries, whose K/V are already in the cache);
     block_tables: `[B, max_blocks]` int32; max_query_len: a host int >= every q_len (tokens of a
     longer sequence past it are left unwritten). Rows with q_len = 1 (decodes) may be mixed in.
+    q's dtype is the cache's, or fp32/fp16/bf16 for an fp8 cache, whose values times
+    k_scale/v_scale (None = 1.0; Python floats or one-element float32 tensors) are K and V.
     Mutates only `out`. No host syncs.
     """
     _, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache)
-    q = check_tensor("q", q, 3, (kv_cache.dtype,))
+    q = check_tensor("q", q, 3, FLOAT_DTYPES)
+    check_matches_cache("q", q, kv_cache.dtype)
     num_tokens, num_heads = q.shape[0], q.shape[1]
     check_shape("q", q, (num_tokens, num_heads, head_dim))
     check_inner_dense("q", q, 2)
@@ -188,6 +209,10 @@ def paged_prefill_attention(
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     else:
         out = check_out(out, (num_tokens, num_heads, head_dim), q.dtype, q.device)
+    ks = check_kv_scale("k_scale", k_scale, kv_cache.dtype, kv_cache.device)
+    vs = check_kv_scale("v_scale", v_scale, kv_cache.dtype, kv_cache.device)
+    if isinstance(ks, torch.Tensor) != isinstance(vs, torch.Tensor):
+        raise KernelInputError("k_scale and v_scale must both be floats or both be tensors")
     if num_tokens == 0 or batch == 0:
         return out
     tiles = choose_prefill_tiles(head_dim, max_query_len)
@@ -195,7 +220,7 @@ def paged_prefill_attention(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _prefill_kernel[(num_m_tiles, num_heads, batch)](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
-        qk_scale, num_m_tiles,
+        qk_scale, ks, vs, num_m_tiles,
         q.stride(0), q.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1),
         NUM_HEADS=num_heads,
@@ -206,6 +231,8 @@ def paged_prefill_attention(
         BLOCK_N=tiles.block_n,
         DOT_PRECISION=dot_precision(q.dtype),
         UPCAST_DOT=upcast_dots(q.dtype),
+        KV_FP8=kv_cache.dtype == FP8_KV_DTYPE,
+        SCALE_IS_PTR=isinstance(ks, torch.Tensor),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

@@ -3,6 +3,10 @@
 These are written for clarity, not speed: the attention references loop over sequences on the
 host (reading `seq_lens` with `.tolist()`), so they are not CUDA-graph capturable. All math is
 done in float32 and cast back to the input dtype, as the kernels do. They run on any device.
+
+fp8 (e4m3) caches: `write_kv_ref` stores `clamp(x * (1 / scale), -448, 448)` rounded to fp8 and
+the attention references read `stored * scale`, with one K and one V scale (floats or one-element
+tensors, read on the host here).
 """
 
 from __future__ import annotations
@@ -10,21 +14,54 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+FP8_E4M3_MAX = 448.0
+
+
+def _scale_value(scale: float | torch.Tensor | None) -> float:
+    return 1.0 if scale is None else float(scale)
+
+
+def quantize_fp8_ref(x: torch.Tensor, scale: float | torch.Tensor | None) -> torch.Tensor:
+    """`x / scale`, saturated to +-448, rounded to float8_e4m3fn (computed in float32)."""
+    y = x.float() * (1.0 / _scale_value(scale))
+    return y.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def dequantize_kv_ref(kv_cache: torch.Tensor, k_scale: float | torch.Tensor | None,
+                      v_scale: float | torch.Tensor | None) -> torch.Tensor:
+    """A cache `[2, NB, BS, Hkv, D]` in float32 with fp8 values multiplied by their scales
+    (other dtypes are only upcast)."""
+    out = kv_cache.float()
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        out[0] *= _scale_value(k_scale)
+        out[1] *= _scale_value(v_scale)
+    return out
+
 
 def write_kv_ref(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
 ) -> None:
     """Scatter `key`/`value` `[T, Hkv, D]` into `kv_cache` `[2, NB, BS, Hkv, D]` in place.
 
-    Slot `s` is block `s // BS`, offset `s % BS`; slots < 0 are skipped.
+    Slot `s` is block `s // BS`, offset `s % BS`; slots < 0 are skipped. An fp8 cache stores
+    the values quantized with k_scale / v_scale.
     """
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     flat_k = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [NB * BS, Hkv, D]
     flat_v = kv_cache[1].view(-1, num_kv_heads, head_dim)
-    flat_k[slots] = key[valid].to(kv_cache.dtype)
-    flat_v[slots] = value[valid].to(kv_cache.dtype)
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        flat_k[slots] = quantize_fp8_ref(key[valid], k_scale)
+        flat_v[slots] = quantize_fp8_ref(value[valid], v_scale)
+    else:
+        flat_k[slots] = key[valid].to(kv_cache.dtype)
+        flat_v[slots] = value[valid].to(kv_cache.dtype)
 
 
 def gather_kv_ref(
@@ -46,12 +83,17 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention over a paged cache; returns `[T, H, D]` in q's dtype.
 
     Query token `i` of sequence `b` sits at KV position `seq_len_b - q_len_b + i` and attends to
-    KV positions `<=` it. A sequence with `seq_len == 0` yields zeros.
+    KV positions `<=` it. A sequence with `seq_len == 0` yields zeros. An fp8 cache is
+    dequantized with k_scale / v_scale first.
     """
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        kv_cache = dequantize_kv_ref(kv_cache, k_scale, v_scale)
     group = q.shape[1] // kv_cache.shape[3]
     out = torch.zeros_like(q)
     starts = query_start_loc.tolist()
@@ -80,11 +122,14 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention: one query token per sequence (`q: [B, H, D]`) at position seq_len-1."""
     batch = q.shape[0]
     query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
-    return paged_attention_ref(q, kv_cache, query_start_loc, seq_lens, block_tables, scale)
+    return paged_attention_ref(q, kv_cache, query_start_loc, seq_lens, block_tables, scale,
+                               k_scale, v_scale)
 
 
 def rms_norm_ref(
