@@ -44,11 +44,14 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--num-tokens", type=int, default=32)
     p.add_argument("--tol", type=float, default=0.05)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="both engines use it: checks the Triton fp8 path against the torch one")
     args = p.parse_args()
     rng = random.Random(0)
     lens = [5, 17, 100, 333, 1000, 1500, 2047, 40]
     common = dict(model=args.model, dtype="bfloat16", max_model_len=4096,
-                  max_num_batched_tokens=4096, gpu_memory_utilization=0.4, seed=1)
+                  max_num_batched_tokens=4096, gpu_memory_utilization=0.4, seed=1,
+                  kv_cache_dtype=args.kv_cache_dtype)
     t = time.perf_counter()
     fast = LLM(**common, attention_backend="triton", enforce_eager=False)  # type: ignore[arg-type]
     load_s = time.perf_counter() - t
@@ -75,7 +78,7 @@ def main() -> int:
                      "tokens": len(gen), "max_gap": float(gap.max()),
                      "within_tol": bool((gap <= args.tol * top.abs().clamp(min=1)).all())})
     ok = all(r["within_tol"] for r in rows)
-    doc = {"model": args.model, "load_s": load_s, "graph_replays": replays, "ok": ok,
+    doc = {"model": args.model, "kv_cache_dtype": args.kv_cache_dtype, "load_s": load_s, "graph_replays": replays, "ok": ok,
            "rows": rows, "gpu": torch.cuda.get_device_name()}
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=2)
