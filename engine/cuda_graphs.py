@@ -63,7 +63,7 @@ class CudaGraphRunner:
 
     def _forward(self, b: int) -> None:
         r = self.runner
-        with forward_context(ForwardContext(self._metadata(b), r.kv_caches)):
+        with forward_context(ForwardContext(self._metadata(b), r.kv_caches, r.kv_scale_values)):
             hidden = r.model(self.input_ids[:b], self.positions[:b])
         torch.mm(hidden, r.model.lm_head_weight.t(), out=self.logits_buf[:b])
 

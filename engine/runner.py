@@ -19,9 +19,9 @@ import torch
 
 from engine.attention.forward_context import AttentionMetadata, ForwardContext, forward_context
 from engine.attention.kv_quant import (
-    KvScaleTable,
     default_kv_scales,
     dequantize_fp8,
+    is_fp8_dtype,
     kv_storage_dtype,
     quantize_fp8,
 )
@@ -64,15 +64,14 @@ def resolve_dtype(name: str, default: torch.dtype, device: torch.device) -> torc
     return default if default != torch.float32 else torch.bfloat16
 
 
-def make_attention_backend(name: str, device: torch.device,
-                           kv_scales: KvScaleTable | None = None) -> AttentionBackend:
+def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
-        return TorchAttentionBackend(kv_scales)
+        return TorchAttentionBackend()
     if name == "triton":
         from engine.attention.triton_backend import TritonAttentionBackend
-        return TritonAttentionBackend(kv_scales)
+        return TritonAttentionBackend()
     raise ConfigError(f"attention_backend must be torch, triton or auto, got {name!r}")
 
 
@@ -91,11 +90,12 @@ class ModelRunner:
             raise ConfigError(str(e)) from None
         # [num_layers, 2] float32 on the CPU: (K, V) scale per layer; the wire sends these.
         self.kv_scales = default_kv_scales(model_config.num_hidden_layers)
-        self._kv_scale_table = KvScaleTable()
+        # The same as floats for the forward context (None: unquantized cache).
+        self.kv_scale_values: list[tuple[float, float]] | None = (
+            [(k, v) for k, v in self.kv_scales.tolist()] if is_fp8_dtype(self.kv_dtype) else None)
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
-        self.backend = make_attention_backend(config.runner.attention_backend, self.device,
-                                              self._kv_scale_table)
+        self.backend = make_attention_backend(config.runner.attention_backend, self.device)
         use_triton = self.backend.name == "triton"
         with torch.device(self.device):
             model = LlamaForCausalLM(model_config, self.backend, max_model_len, use_triton)
@@ -120,7 +120,6 @@ class ModelRunner:
                                     cfg.num_key_value_heads, cfg.head_dim,
                                     dtype=self.kv_dtype, device=self.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
-        self._kv_scale_table.bind(self.kv_caches, self.kv_scales)
         self.graphs = None
         if self.device.type == "cuda" and not config.runner.enforce_eager:
             from engine.cuda_graphs import CudaGraphRunner
@@ -154,7 +153,7 @@ class ModelRunner:
                               *self.kv_shape_per_block[2:], dtype=self.kv_dtype,
                               device=self.device)
         md = self._metadata_for_profile(n)
-        with forward_context(ForwardContext(md, list(scratch.unbind(0)))):
+        with forward_context(ForwardContext(md, list(scratch.unbind(0)), self.kv_scale_values)):
             h = self.model(ids, pos)
             self.model.compute_logits(h[-min(n, self.config.scheduler.max_num_seqs):])
         torch.cuda.synchronize()
@@ -251,7 +250,7 @@ class ModelRunner:
             # Every decode samples, so the graph's logits rows are the sampling rows.
             logits = self.graphs.run(input_ids, positions, md)
         else:
-            with forward_context(ForwardContext(md, self.kv_caches)):
+            with forward_context(ForwardContext(md, self.kv_caches, self.kv_scale_values)):
                 hidden = self.model(input_ids, positions)
             if not sampling_reqs:
                 return {}
@@ -264,7 +263,7 @@ class ModelRunner:
     def logits_for(self, out: SchedulerOutput) -> torch.Tensor:
         """Forward one scheduled step and return the logits of every token (tests/oracles)."""
         input_ids, positions, md, _ = self.prepare(out)
-        with forward_context(ForwardContext(md, self.kv_caches)):
+        with forward_context(ForwardContext(md, self.kv_caches, self.kv_scale_values)):
             hidden = self.model(input_ids, positions)
         return self.model.compute_logits(hidden)
 

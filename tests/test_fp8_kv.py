@@ -18,7 +18,7 @@ import torch
 from conftest import greedy, run_to_end, tiny_llm
 
 from engine.attention.forward_context import AttentionMetadata
-from engine.attention.kv_quant import FP8_E4M3_MAX, KvScaleTable, quantize_fp8
+from engine.attention.kv_quant import FP8_E4M3_MAX, quantize_fp8
 from engine.attention.torch_backend import TorchAttentionBackend, write_kv_torch
 from engine.cli_args import add_engine_args, engine_config_from_args
 from engine.config import (
@@ -126,9 +126,8 @@ def test_torch_backend_fp8_matches_dequantized_reference() -> None:
     cache = R.quantize_fp8_ref(prior, 1.0)
     cache[0] = R.quantize_fp8_ref(prior[0], 0.02)
     cache[1] = R.quantize_fp8_ref(prior[1], 0.01)
-    table = KvScaleTable()
-    table.bind([cache], scales)
-    out = TorchAttentionBackend(table).forward(q, k, v, cache, md, 0.25)
+    out = TorchAttentionBackend().forward(q, k, v, cache, md, 0.25,
+                                          tuple(scales[0].tolist()))  # type: ignore[arg-type]
     want = R.paged_attention_ref(q, cache, md.query_start_loc, md.seq_lens, tables, 0.25,
                                  0.02, 0.01)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)

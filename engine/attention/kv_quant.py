@@ -24,7 +24,11 @@ def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dty
 
 
 def is_fp8(t: torch.Tensor) -> bool:
-    return t.dtype == FP8_KV_DTYPE
+    return is_fp8_dtype(t.dtype)
+
+
+def is_fp8_dtype(dtype: torch.dtype) -> bool:
+    return dtype == FP8_KV_DTYPE
 
 
 def quantize_fp8(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
@@ -45,29 +49,3 @@ def dequantize_fp8(x: torch.Tensor, scale: float | torch.Tensor,
 def default_kv_scales(num_layers: int) -> torch.Tensor:
     """Uncalibrated scales: `[num_layers, 2]` float32 ones (CPU)."""
     return torch.ones(num_layers, 2, dtype=torch.float32)
-
-
-class KvScaleTable:
-    """Per-layer (k_scale, v_scale) floats, looked up by a layer's cache tensor.
-
-    The model calls a backend with one layer's cache `kv_cache[l]` but not its index, so the
-    runner binds each layer view's `data_ptr()` to its scales once the cache exists. A cache that
-    was never bound (the memory-profiling scratch cache) reads with scale 1.0.
-    """
-
-    def __init__(self) -> None:
-        self._by_ptr: dict[int, tuple[float, float]] = {}
-
-    def bind(self, layer_caches: list[torch.Tensor], scales: torch.Tensor) -> None:
-        """layer_caches: per layer `[2, NB, BS, Hkv, D]`; scales: `[num_layers, 2]` float32."""
-        if tuple(scales.shape) != (len(layer_caches), 2):
-            raise ValueError(f"kv scales must be [{len(layer_caches)}, 2], got "
-                             f"{tuple(scales.shape)}")
-        values = scales.detach().float().cpu().tolist()
-        for cache, (k, v) in zip(layer_caches, values, strict=True):
-            if not (k > 0.0 and v > 0.0 and k < float("inf") and v < float("inf")):
-                raise ValueError(f"kv scales must be positive and finite, got {k}, {v}")
-            self._by_ptr[cache.data_ptr()] = (float(k), float(v))
-
-    def lookup(self, kv_cache: torch.Tensor) -> tuple[float, float]:
-        return self._by_ptr.get(kv_cache.data_ptr(), (1.0, 1.0))

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.forward_context import AttentionMetadata
-from engine.attention.kv_quant import KvScaleTable, dequantize_fp8, is_fp8, quantize_fp8
+from engine.attention.kv_quant import dequantize_fp8, is_fp8, quantize_fp8
 
 
 def write_kv_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -49,18 +49,16 @@ def _gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int,
 
 
 class TorchAttentionBackend:
-    """Reference backend. kv_scales: per-layer K/V scales of an fp8 cache (bound by the
-    runner); None or an unbound cache reads with scale 1.0."""
+    """Reference backend; an fp8 cache is quantized on write and dequantized on read with the
+    layer's `kv_scale` (k_scale, v_scale)."""
 
     name = "torch"
 
-    def __init__(self, kv_scales: KvScaleTable | None = None) -> None:
-        self.kv_scales = kv_scales if kv_scales is not None else KvScaleTable()
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                md: AttentionMetadata, scale: float) -> torch.Tensor:
+                md: AttentionMetadata, scale: float,
+                kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hkv, D] (this step's tokens) → out [T, H, D]."""
-        scales = self.kv_scales.lookup(kv_cache) if is_fp8(kv_cache) else (1.0, 1.0)
+        scales = kv_scale if is_fp8(kv_cache) else (1.0, 1.0)
         write_kv_torch(k, v, kv_cache, md.slot_mapping, *scales)
         out = torch.empty_like(q)
         nd = md.num_decodes

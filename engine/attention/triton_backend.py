@@ -11,28 +11,28 @@ from __future__ import annotations
 import torch
 
 from engine.attention.forward_context import AttentionMetadata
-from engine.attention.kv_quant import KvScaleTable, is_fp8
+from engine.attention.kv_quant import is_fp8
 
 
 class TritonAttentionBackend:
-    """GPU backend. kv_scales: per-layer K/V scales of an fp8 cache (bound by the runner)."""
+    """GPU backend; an fp8 cache uses the layer's `kv_scale` (k_scale, v_scale)."""
 
     name = "triton"
 
-    def __init__(self, kv_scales: KvScaleTable | None = None) -> None:
+    def __init__(self) -> None:
         from engine import kernels
 
         self._k = kernels
-        self.kv_scales = kv_scales if kv_scales is not None else KvScaleTable()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                md: AttentionMetadata, scale: float) -> torch.Tensor:
+                md: AttentionMetadata, scale: float,
+                kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hkv, D] → out [T, H, D]. Sequences are ordered decodes first."""
         kern = self._k
         ks: float | None = None
         vs: float | None = None
         if is_fp8(kv_cache):
-            ks, vs = self.kv_scales.lookup(kv_cache)
+            ks, vs = kv_scale
         kern.write_kv(k, v, kv_cache, md.slot_mapping, ks, vs)
         out = torch.empty((q.shape[0], q.shape[1], q.shape[2]), dtype=q.dtype, device=q.device)
         nd = md.num_decodes

@@ -29,7 +29,8 @@ class AttentionBackend(Protocol):
     name: str
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                md: AttentionMetadata, scale: float) -> torch.Tensor: ...
+                md: AttentionMetadata, scale: float,
+                kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor: ...
 
 
 class LlamaAttention(nn.Module):
@@ -58,8 +59,9 @@ class LlamaAttention(nn.Module):
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rope(positions, q, k)
+        kv_scale = ctx.kv_scales[self.layer_idx] if ctx.kv_scales is not None else (1.0, 1.0)
         o = self.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata,
-                                 self.scale)
+                                 self.scale, kv_scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
