@@ -73,10 +73,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 except subprocess.TimeoutExpired:
                     p.kill()
 
-    def on_sigterm(*_: object) -> None:
+    def on_signal(*_: object) -> None:
+        # Ignore repeats at once: a second signal must not interrupt the orderly stop (a
+        # `timeout` or a process manager often sends SIGTERM to the whole group).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     if "--cpu-threads" not in engine_args:
         # Two engines share this machine: on the CPU each gets half of the cores.
         engine_args = [*engine_args, "--cpu-threads", str(max(1, (os.cpu_count() or 2) // 2))]
