@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from engine.sampling_params import SamplingParams
 
 
-class RequestStatus(enum.Enum):
+class RequestStatus(enum.IntEnum):  # IntEnum: C-level hashing on the per-step hot path
     WAITING = enum.auto()
     WAITING_FOR_REMOTE_KV = enum.auto()  # decode role: blocks allocated, KV being pulled
     RUNNING = enum.auto()
@@ -26,15 +26,16 @@ class RequestStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        return {
-            RequestStatus.FINISHED_STOPPED: "stop",
-            RequestStatus.FINISHED_LENGTH: "length",
-            RequestStatus.FINISHED_ABORTED: "abort",
-        }.get(self)
+        return _FINISH_REASONS.get(self)
 
 
-_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-             RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_PREFILL}
+_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                       RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_PREFILL})
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
 
 
 @dataclass(slots=True)

@@ -95,6 +95,14 @@ class KVCacheManager:
         will be full after this step in the prefix cache (`cache=False` defers that, for KV that
         arrives from elsewhere: see `cache_computed`). Returns the newly allocated blocks.
         """
+        if num_new_tokens == 1 and not new_computed_blocks:
+            # Decode fast path: the token usually fits the last held block.
+            ids = self._req_to_ids.get(req.request_id)
+            if ids is not None and req.num_computed_tokens < len(ids) * self.block_size:
+                total = req.num_computed_tokens + 1
+                if cache and total % self.block_size == 0:
+                    self._cache_full_blocks(req, total)
+                return []
         computed = new_computed_blocks or []
         held = self.req_to_blocks.get(req.request_id, [])
         num_computed = req.num_computed_tokens + len(computed) * self.block_size
