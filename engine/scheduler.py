@@ -29,11 +29,14 @@ class ScheduledRequest:
 
 @dataclass(slots=True)
 class KvLoad:
-    """Decode role: fill `block_ids` with the KV of the first `num_tokens` prompt tokens."""
+    """Decode role: the request's first `num_tokens` prompt tokens have KV elsewhere; fill
+    `block_ids` with that KV's blocks `first_block`, `first_block + 1`, ... (the blocks before
+    `first_block` were found in this engine's own prefix cache and need no transfer)."""
 
     request: Request
     block_ids: list[int]
     num_tokens: int
+    first_block: int = 0
 
 
 @dataclass(slots=True)
@@ -229,12 +232,21 @@ class Scheduler:
     def _start_kv_load(self, req: Request, out: SchedulerOutput) -> bool:
         assert req.remote_kv is not None
         n = req.remote_kv.num_tokens
-        if self.kv.allocate_slots(req, n, cache=False) is None:
+        # Blocks this engine already caches need no transfer: pull only the rest. The last full
+        # block is always pulled: its chained hash, checked on arrival, proves the lease holds
+        # this prompt's tokens up to it (a partial block carries no hash of its own).
+        hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+        hits = hits[: max(0, n // self.block_size - 1)]
+        num_hit_tokens = len(hits) * self.block_size
+        if self.kv.allocate_slots(req, n - num_hit_tokens, hits, cache=False) is None:
             return False
         self.waiting.popleft()
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit_tokens
+        ids = self.kv.block_ids(req.request_id)
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.loading[req.request_id] = req
-        out.kv_loads.append(KvLoad(req, list(self.kv.block_ids(req.request_id)), n))
+        out.kv_loads.append(KvLoad(req, list(ids[len(hits):]), n, first_block=len(hits)))
         return True
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:

@@ -126,8 +126,10 @@ class KvConnectorWorker(ABC):
     thread starts loads and polls results while transfers run on an event loop."""
 
     @abstractmethod
-    def start_load_kv(self, request_id: str, handle: KvHandle, block_ids: Sequence[int]) -> None:
-        """Begin filling local `block_ids` (prompt order) with the KV `handle` names; returns at
+    def start_load_kv(self, request_id: str, handle: KvHandle, block_ids: Sequence[int],
+                      first_block: int = 0) -> None:
+        """Begin filling local `block_ids` (prompt order, the handle's blocks from `first_block`
+        on: the earlier ones are already held locally) with the KV `handle` names; returns at
         once. Bad handles are reported through get_finished_loads, not raised."""
 
     @abstractmethod
@@ -175,37 +177,43 @@ class GrpcPullConnector(KvConnectorWorker):
         self._futures: dict[str, concurrent.futures.Future[LoadResult]] = {}
         self._finished: list[LoadResult] = []
 
-    def start_load_kv(self, request_id: str, handle: KvHandle, block_ids: Sequence[int]) -> None:
+    def start_load_kv(self, request_id: str, handle: KvHandle, block_ids: Sequence[int],
+                      first_block: int = 0) -> None:
         with self._lock:
             if request_id in self._futures:
                 raise ValueError(f"a KV load for request {request_id!r} is already in flight")
-        problem = self._check_handle(handle, block_ids)
-        coro = self._fail(request_id, problem) if problem else self._load(request_id, handle,
-                                                                          list(block_ids))
+        problem = self._check_handle(handle, block_ids, first_block)
+        coro = self._fail(request_id, problem) if problem else self._load(
+            request_id, handle, list(block_ids), first_block)
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         with self._lock:
             self._futures[request_id] = future
         future.add_done_callback(lambda f: self._on_done(request_id, f))
 
-    def _check_handle(self, handle: KvHandle, block_ids: Sequence[int]) -> str | None:
+    def _check_handle(self, handle: KvHandle, block_ids: Sequence[int],
+                      first_block: int = 0) -> str | None:
         try:
             handle.validate()
         except ValueError as exc:
             return str(exc)
         if handle.fingerprint != self._spec.fingerprint or handle.block_size != self._spec.block_size:
             return "handle fingerprint/block_size differ from the local spec"
-        if len(block_ids) != handle.num_blocks:
-            return f"{len(block_ids)} local blocks for a handle of {handle.num_blocks}"
+        if not 0 <= first_block < handle.num_blocks:
+            return f"first_block {first_block} outside the handle's {handle.num_blocks} blocks"
+        if len(block_ids) != handle.num_blocks - first_block:
+            return (f"{len(block_ids)} local blocks for blocks {first_block}.."
+                    f"{handle.num_blocks - 1} of the handle")
         return None
 
     async def _fail(self, request_id: str, problem: str) -> LoadResult:
         log.warning("KV load %s refused: %s", request_id, problem)
         return LoadResult(request_id, False, "spec_mismatch")
 
-    async def _load(self, request_id: str, handle: KvHandle, block_ids: list[int]) -> LoadResult:
+    async def _load(self, request_id: str, handle: KvHandle, block_ids: list[int],
+                    first_block: int = 0) -> LoadResult:
         blocks = pull_blocks(handle.worker_address, handle.request_id, self._spec,
                              handle.num_blocks, self._timeout_s,
-                             num_tokens_expected=handle.num_tokens)
+                             num_tokens_expected=handle.num_tokens, first_block=first_block)
         try:
             async with aclosing(blocks):
                 async for index, block in blocks:
@@ -217,7 +225,7 @@ class GrpcPullConnector(KvConnectorWorker):
                         # The lease holds other tokens than the handle names (the lease id was
                         # reused, or a mix-up upstream): never use them as this prompt's KV.
                         return LoadResult(request_id, False, "hash_mismatch")
-                    self._sink.write_block(block_ids[index], block.tensor)
+                    self._sink.write_block(block_ids[index - first_block], block.tensor)
         except KvTransferError as exc:
             log.warning("KV load %s failed: %s", request_id, exc)
             return LoadResult(request_id, False, exc.reason)

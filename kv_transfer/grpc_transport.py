@@ -111,8 +111,13 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"no live KV lease for request {request.request_id!r}")
             return  # abort() raises; never reached
-        for index, block_id in enumerate(lease.block_ids):
-            data = await self._encode(spec, lease, index, block_id)
+        first = request.first_block
+        if first >= len(lease.block_ids):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"first_block {first} is past the lease's "
+                                f"{len(lease.block_ids)} blocks")
+        for index in range(first, len(lease.block_ids)):
+            data = await self._encode(spec, lease, index, lease.block_ids[index])
             for offset in range(0, len(data), self._fragment_bytes):
                 yield kv_transfer_pb2.KvFragment(
                     block_index=index, offset=offset, total_bytes=len(data),
@@ -183,11 +188,11 @@ def _rpc_failure(err: grpc.aio.AioRpcError) -> KvTransferError:
 class _Reassembler:
     """Rebuilds blocks from fragments; checks order, offsets and sizes before copying."""
 
-    def __init__(self, spec: BlockSpec, num_blocks_expected: int) -> None:
+    def __init__(self, spec: BlockSpec, num_blocks_expected: int, first_block: int = 0) -> None:
         self._spec = spec
         self._expected_bytes = spec.encoded_nbytes
         self._num_blocks = num_blocks_expected
-        self.index = 0          # block being received
+        self.index = first_block  # block being received
         self._buf = bytearray()
         self._filled = 0
 
@@ -245,8 +250,12 @@ async def pull_blocks(
     num_blocks_expected: int,
     timeout_s: float,
     num_tokens_expected: int | None = None,
+    first_block: int = 0,
 ) -> AsyncGenerator[tuple[int, DecodedBlock], None]:
     """Pull a lease's blocks, yielding (index, verified block) as each one completes.
+
+    num_blocks_expected: blocks in the whole lease; first_block: pull from this index on (the
+    caller already holds the earlier ones); indices stay the lease's.
 
     target: "host:port" (a channel is opened and closed here) or an open grpc.aio channel.
     timeout_s: deadline of the whole pull. Raises KvTransferError on any failure, possibly after
@@ -255,6 +264,8 @@ async def pull_blocks(
     """
     if num_blocks_expected <= 0:
         raise ValueError(f"num_blocks_expected must be >= 1, got {num_blocks_expected}")
+    if not 0 <= first_block < num_blocks_expected:
+        raise ValueError(f"first_block must be in [0, {num_blocks_expected}), got {first_block}")
     if num_tokens_expected is not None and (
             num_blocks_for(num_tokens_expected, spec.block_size) != num_blocks_expected):
         raise ValueError(f"{num_tokens_expected} tokens do not fill {num_blocks_expected} "
@@ -265,19 +276,21 @@ async def pull_blocks(
             channel = await stack.enter_async_context(
                 grpc.aio.insecure_channel(target, options=channel_options(MAX_FRAGMENT_BYTES)))
         items = await stack.enter_async_context(aclosing(
-            _pull(channel, request_id, spec, num_blocks_expected, timeout_s, num_tokens_expected)))
+            _pull(channel, request_id, spec, num_blocks_expected, timeout_s, num_tokens_expected,
+                  first_block)))
         async for item in items:
             yield item
 
 
 async def _pull(channel: grpc.aio.Channel, request_id: str, spec: BlockSpec, num_blocks: int,
-                timeout_s: float, num_tokens_expected: int | None,
+                timeout_s: float, num_tokens_expected: int | None, first_block: int = 0,
                 ) -> AsyncGenerator[tuple[int, DecodedBlock], None]:
     stub = kv_transfer_pb2_grpc.KvTransferStub(channel)
     request = kv_transfer_pb2.PullBlocksRequest(request_id=request_id,
-                                                fingerprint=spec.fingerprint)
+                                                fingerprint=spec.fingerprint,
+                                                first_block=first_block)
     call = stub.PullBlocks(request, timeout=timeout_s)
-    reassembler = _Reassembler(spec, num_blocks)
+    reassembler = _Reassembler(spec, num_blocks, first_block)
     try:
         async for frag in call:
             block = reassembler.feed(frag)

@@ -116,6 +116,8 @@ class GrpcKvLoader:
         self._sink = RunnerSink(engine)
         self._timeout_s = timeout_s
         self._connector: GrpcPullConnector | None = None
+        self.blocks_pulled = 0   # transferred from prefill workers
+        self.blocks_reused = 0   # found in this engine's prefix cache instead
 
     def _get_connector(self) -> GrpcPullConnector:
         if self._connector is None:  # needs the running loop
@@ -136,7 +138,9 @@ class GrpcKvLoader:
         except ValueError as e:
             result = LoadResult(rid, False, f"bad handle: {e}")
         else:
-            connector.start_load_kv(rid, handle, load.block_ids)
+            connector.start_load_kv(rid, handle, load.block_ids, load.first_block)
+            self.blocks_pulled += len(load.block_ids)
+            self.blocks_reused += load.first_block
             try:
                 result = await connector.wait_for_load(rid)
             finally:

@@ -508,20 +508,24 @@ def faulty_proxies(loop_thread: LoopThread, disagg_stack: Stack) -> Iterator[dic
 
 
 @pytest.mark.parametrize("mode", ["truncate", "corrupt"])
-def test_partial_or_corrupt_kv_is_recomputed_or_fails(disagg_stack: Stack, prompts: list[list[int]],
-                                                      oracle: list[Generated], mode: str,
+def test_partial_or_corrupt_kv_is_recomputed_or_fails(disagg_stack: Stack, colocated_stack: Stack,
+                                                      prompts: list[list[int]], mode: str,
                                                       faulty_proxies: dict[str, str]) -> None:
-    index, prompt = _long_prompt(prompts)
+    _, long = _long_prompt(prompts)
+    # A prompt no other test used: the decode worker must not hold any of its blocks in its own
+    # prefix cache, or it would pull only the tail and never see the damaged block 1.
+    prompt = [(long[0] + 7 + len(mode)) % 1000 + 10, *long[1:]]
+    want = generate(colocated_stack.grpc_target, prompt, ORACLE_MAX_TOKENS).token_ids
     with _worker_channel(disagg_stack, "prefill") as ch:
         first, second = _prefill(ch, prompt), _prefill(ch, prompt)
     for resp in (first, second):
         resp.kv_handle.worker_address = faulty_proxies[mode]
-    out = _decode(disagg_stack, prompt, first, RECOMPUTE)
-    assert out.complete.kv_recomputed
-    assert out.token_ids == oracle[index].token_ids
-    with pytest.raises(grpc.RpcError) as info:
+    with pytest.raises(grpc.RpcError) as info:  # fail first: recompute would cache the prompt
         _decode(disagg_stack, prompt, second, FAIL)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+    out = _decode(disagg_stack, prompt, first, RECOMPUTE)
+    assert out.complete.kv_recomputed
+    assert out.token_ids == want
     # Neither lease was pulled whole: decode still drops them (no wait for their expiry).
     disagg_stack.wait_idle()
 

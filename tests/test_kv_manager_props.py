@@ -232,7 +232,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         super().__init__()
         self.ids = itertools.count()
         self.shadow = ShadowKv()
-        self.pending_loads: list[tuple[str, list[int], int]] = []
+        self.pending_loads: list[tuple[str, list[int], int, int]] = []
         self.lease_tokens: dict[str, list[int]] = {}
         self.sched: Scheduler
 
@@ -267,7 +267,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         out = self.sched.schedule()
         self._check_output(out)
         for load in out.kv_loads:
-            self.pending_loads.append((load.request.request_id, load.block_ids, load.num_tokens))
+            self.pending_loads.append((load.request.request_id, load.block_ids, load.num_tokens,
+                                       load.first_block))
         for s in out.scheduled:
             self.shadow.write(s.block_ids, s.request.all_token_ids, s.num_computed_tokens,
                               s.num_computed_tokens + s.num_new_tokens)
@@ -301,12 +302,15 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.pending_loads)
     @rule(i=st.integers(0, 100), ok=st.booleans())
     def finish_load(self, i: int, ok: bool) -> None:
-        rid, block_ids, n = self.pending_loads.pop(i % len(self.pending_loads))
+        rid, block_ids, n, first = self.pending_loads.pop(i % len(self.pending_loads))
         req = self.sched.loading[rid]  # held (even if aborted) until the load is reported
-        assert self.kv.block_ids(rid)[:len(block_ids)] == block_ids
+        table = list(self.kv.block_ids(rid))
+        # Blocks before `first` came from the local prefix cache; the load fills the rest.
+        assert table[first:first + len(block_ids)] == block_ids
+        assert first * BS <= n
         aborted = req.status.finished
-        # The transport fills the blocks; a failed pull may leave anything there.
-        self.shadow.write(block_ids, req.prompt_token_ids if ok else [GARBAGE] * n, 0, n)
+        # The transport fills its blocks; a failed pull may leave anything there.
+        self.shadow.write(table, req.prompt_token_ids if ok else [GARBAGE] * n, first * BS, n)
         self.sched.finish_kv_load(rid, ok)
         assert rid not in self.sched.loading
         if aborted:

@@ -22,18 +22,22 @@ class PullBlocksRequest(_message.Message):
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     FINGERPRINT_FIELD_NUMBER: _builtins.int
+    FIRST_BLOCK_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     fingerprint: _builtins.bytes
     """the puller's model fingerprint; a mismatch is refused"""
+    first_block: _builtins.int
+    """stream blocks from this index: the puller already holds the"""
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
         fingerprint: _builtins.bytes = ...,
+        first_block: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fingerprint", b"fingerprint", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fingerprint", b"fingerprint", "first_block", b"first_block", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
