@@ -312,11 +312,12 @@ async def pull_all(
     num_blocks_expected: int,
     timeout_s: float,
     num_tokens_expected: int | None = None,
+    first_block: int = 0,
 ) -> list[DecodedBlock]:
-    """All blocks in order, or KvTransferError: never a partial list."""
+    """All blocks in order (from `first_block`), or KvTransferError: never a partial list."""
     blocks: list[DecodedBlock] = []
     async with aclosing(pull_blocks(target, request_id, spec, num_blocks_expected, timeout_s,
-                                    num_tokens_expected)) as items:
+                                    num_tokens_expected, first_block)) as items:
         async for _, block in items:
             blocks.append(block)
     return blocks

@@ -112,6 +112,32 @@ async def test_pull_all_blocks_bitwise(worker: Worker) -> None:
     assert_blocks_match(worker, blocks)
 
 
+async def test_pull_from_first_block_streams_only_the_tail(worker: Worker) -> None:
+    """A puller holding the first blocks in its own prefix cache asks for the rest; indices
+    stay the lease's, and a first_block past the lease is refused."""
+    worker.grant()
+    tail = [item async for item in pull_blocks(worker.address, "req-1", worker.source.spec,
+                                               len(BLOCK_IDS), TIMEOUT_S,
+                                               num_tokens_expected=NUM_TOKENS, first_block=1)]
+    assert [index for index, _ in tail] == [1, 2]
+    cache = worker.source._kv_cache
+    for index, block in tail:
+        assert torch.equal(block.tensor.view(torch.uint8),
+                           cache[:, :, BLOCK_IDS[index]].view(torch.uint8))
+    assert tail[0][1].block_hash == HASHES[1] and tail[1][1].block_hash is None
+    with pytest.raises(ValueError, match="first_block"):
+        await pull_all(worker.address, "req-1", worker.source.spec, len(BLOCK_IDS), TIMEOUT_S,
+                       first_block=len(BLOCK_IDS))
+    async with grpc.aio.insecure_channel(worker.address) as channel:  # a raw request past the end
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in kv_transfer_pb2_grpc.KvTransferStub(channel).PullBlocks(
+                    kv_transfer_pb2.PullBlocksRequest(request_id="req-1",
+                                                      fingerprint=worker.source.spec.fingerprint,
+                                                      first_block=len(BLOCK_IDS))):
+                pass
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 async def test_fragments_smaller_than_a_block_over_an_open_channel() -> None:
     spec = make_spec(torch.float32)
     assert spec.encoded_nbytes > 3 * 500  # every block spans several fragments
