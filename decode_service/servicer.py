@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, SpanKind
 
 from engine.async_engine import EngineDeadError, KvLoadAbort
 from engine.kv.hashing import compute_block_hashes, prompt_hash
@@ -13,6 +16,7 @@ from engine.llm_engine import EngineInputError, LLMEngine
 from engine.request import RemoteKv
 from engine.sampling_params import SamplingParamsError
 from protos.splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from serving import tracing
 from serving.common import EngineBound
 from serving.convert import (
     InvalidRequest,
@@ -34,6 +38,20 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
 
     async def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        # A server span under the gateway's `decode` span (W3C traceparent in the metadata);
+        # never made current (this is an async generator), passed on to the KV pull instead.
+        with tracing.traced_span("splitserve.decode",
+                                 parent=tracing.extract_context(context.invocation_metadata()),
+                                 kind=SpanKind.SERVER, passthrough=(grpc.aio.AbortError,),
+                                 attributes=_decode_attributes(request)) as span:
+            # aclosing: closing this generator runs the inner one's cleanup (engine abort,
+            # lease release) now rather than at garbage collection.
+            async with contextlib.aclosing(self._decode(request, context, span)) as responses:
+                async for response in responses:
+                    yield response
+
+    async def _decode(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext,
+                      span: Span) -> AsyncGenerator[decode_pb2.DecodeResponse, None]:
         aengine = await self.engine_or_abort(context)
         try:
             rid = check_request_id(request.request_id)
@@ -43,9 +61,9 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
             if params.max_tokens is not None and len(given) >= params.max_tokens:
                 raise InvalidRequest(f"output_token_ids already has {len(given)} tokens; "
                                      f"sampling.max_tokens is {params.max_tokens}")
-            remote = self._remote_kv(request, ids, context)
+            remote = self._remote_kv(request, ids, context, tracing.span_context(span))
         except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await _abort(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         n_out = len(given)
         try:
             async for out in aengine.generate(rid, ids, params, output_token_ids=given,
@@ -57,15 +75,19 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
                 if out.finished:
                     recomputed = remote is None or (
                         isinstance(remote.handle, RemoteKvHandle) and remote.handle.failed)
+                    span.set_attribute("splitserve.output_tokens", n_out)
+                    span.set_attribute("splitserve.cached_tokens", out.num_cached_tokens)
+                    span.set_attribute("splitserve.kv_recomputed",
+                                       recomputed and request.HasField("kv_handle"))
                     yield decode_pb2.DecodeResponse(complete=decode_pb2.DecodeComplete(
                         finish_reason=finish_reason(out), num_output_tokens=n_out,
                         kv_recomputed=recomputed and request.HasField("kv_handle")))
         except KvLoadAbort as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            await _abort(context, span, grpc.StatusCode.UNAVAILABLE, str(e))
         except (EngineInputError, SamplingParamsError, ValueError) as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await _abort(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineDeadError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            await _abort(context, span, grpc.StatusCode.UNAVAILABLE, str(e))
         finally:
             # Cancelled (client gone) before the KV load began, or the pull failed (partial or
             # corrupt KV, recomputed): the prefill worker would otherwise hold the lease (and
@@ -82,7 +104,8 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
         task.add_done_callback(self._releases.discard)
 
     def _remote_kv(self, request: decode_pb2.DecodeRequest, ids: list[int],
-                   context: grpc.aio.ServicerContext) -> RemoteKv | None:
+                   context: grpc.aio.ServicerContext,
+                   trace_parent: Context | None = None) -> RemoteKv | None:
         if not request.HasField("kv_handle"):
             return None
         assert self.aengine is not None
@@ -94,12 +117,26 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
         remaining = context.time_remaining()
         timeout = min(KV_PULL_TIMEOUT_S, remaining) if remaining is not None else KV_PULL_TIMEOUT_S
         return RemoteKv(len(ids), RemoteKvHandle(request.kv_handle, request.kv_failure_policy,
-                                                 timeout))
+                                                 timeout, trace_parent=trace_parent))
 
     async def GetLoad(self, request: common_pb2.LoadRequest,
                       context: grpc.aio.ServicerContext) -> common_pb2.LoadReport:
         aengine = await self.engine_or_abort(context)  # UNAVAILABLE while loading
         return self.load_report(aengine.engine.config.scheduler.role)
+
+
+def _decode_attributes(request: decode_pb2.DecodeRequest) -> dict[str, int | str | bool]:
+    return {"splitserve.request_id": request.request_id,
+            "splitserve.prompt_tokens": len(request.prompt_token_ids),
+            "splitserve.resumed_tokens": len(request.output_token_ids),
+            "splitserve.kv_handle": request.HasField("kv_handle")}
+
+
+async def _abort(context: grpc.aio.ServicerContext, span: Span, code: grpc.StatusCode,
+                 message: str) -> None:
+    """Record the failure on the request's span, then end the RPC with `code`."""
+    tracing.record_error(span, f"{code.name}: {message}")
+    await context.abort(code, message)
 
 
 def _handle_problem(h: common_pb2.KvHandle, ids: list[int], eng: LLMEngine) -> str | None:

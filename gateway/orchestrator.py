@@ -30,6 +30,9 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, SpanKind
+from opentelemetry.util.types import AttributeValue
 
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, status_code_from_int
@@ -37,6 +40,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.router import Router, Worker
 from gateway.tokenization import DetokenizerLike, TokenizerLike, make_detokenizer
 from protos.splitserve.v1 import common_pb2, decode_pb2, kv_transfer_pb2, prefill_pb2
+from serving import tracing
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +104,7 @@ class _Completion:
     output_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     kv_handle: common_pb2.KvHandle | None = None   # prefill lease not yet handed off or dropped
+    trace_parent: Context | None = None           # the request's `gen_ai.generate` span
     stop_reason: str | None = None
     last_emit: float | None = None
 
@@ -121,28 +126,52 @@ class Orchestrator:
         Closing or cancelling the iterator cancels the downstream gRPC calls.
         """
         queue: asyncio.Queue[Event | BaseException | None] = asyncio.Queue()
-        tasks = [asyncio.create_task(self._run_guarded(job, i, queue)) for i in range(job.n)]
-        self._metrics.num_requests_in_flight.inc()
-        try:
-            remaining = job.n
-            while remaining:
-                item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
-        finally:
-            self._metrics.num_requests_in_flight.dec()
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        # One GenAI client span per request; completions' prefill/decode spans are its
+        # children (passed explicitly: the completions run in their own tasks).
+        with tracing.traced_span("gen_ai.generate", parent=None, kind=SpanKind.CLIENT,
+                                 attributes=self._request_attributes(job)) as span:
+            parent = tracing.span_context(span)
+            tasks = [asyncio.create_task(self._run_guarded(job, i, queue, parent))
+                     for i in range(job.n)]
+            self._metrics.num_requests_in_flight.inc()
+            finished: list[Finished] = []
+            try:
+                remaining = job.n
+                while remaining:
+                    item = await queue.get()
+                    if item is None:
+                        remaining -= 1
+                    elif isinstance(item, BaseException):
+                        raise item
+                    else:
+                        if isinstance(item, Finished):
+                            finished.append(item)
+                        yield item
+            finally:
+                _record_usage(span, job, finished)
+                self._metrics.num_requests_in_flight.dec()
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _request_attributes(self, job: GenerationJob) -> dict[str, AttributeValue]:
+        """GenAI semantic-convention request attributes of the `gen_ai.generate` span."""
+        attrs: dict[str, AttributeValue] = {
+            "gen_ai.operation.name": "text_completion",
+            "gen_ai.request.model": self._config.served_model_name,
+            "gen_ai.request.max_tokens": job.sampling.max_tokens,
+            "gen_ai.request.temperature": job.sampling.temperature,
+            "splitserve.request_id": job.request_id,
+        }
+        if job.n != 1:
+            attrs["gen_ai.request.choice.count"] = job.n
+        return attrs
 
     async def _run_guarded(self, job: GenerationJob, index: int,
-                           queue: asyncio.Queue[Event | BaseException | None]) -> None:
+                           queue: asyncio.Queue[Event | BaseException | None],
+                           trace_parent: Context | None = None) -> None:
         try:
-            await self._run_completion(job, index, queue)
+            await self._run_completion(job, index, queue, trace_parent)
             queue.put_nowait(None)
         except GatewayError as err:
             self._metrics.request_failure.labels(code=err.code.name).inc()
@@ -156,14 +185,16 @@ class Orchestrator:
 
     # -- one completion --------------------------------------------------------------------
     async def _run_completion(self, job: GenerationJob, index: int,
-                              queue: asyncio.Queue[Event | BaseException | None]) -> None:
+                              queue: asyncio.Queue[Event | BaseException | None],
+                              trace_parent: Context | None = None) -> None:
         state = _Completion(index, make_detokenizer(
             self._tokenizer, job.prompt_token_ids, skip_special_tokens=job.skip_special_tokens,
-            stop=job.stop, include_stop_str_in_output=job.include_stop_str_in_output))
+            stop=job.stop, include_stop_str_in_output=job.include_stop_str_in_output),
+            trace_parent=trace_parent)
         sampling = _seeded(job.sampling, index)
         finish: str | None = None
         if not self._config.colocated:
-            prefill = await self._prefill(job, index, sampling)
+            prefill = await self._traced_prefill(job, state, sampling)
             state.num_cached_tokens = prefill.num_cached_tokens
             state.kv_handle = prefill.kv_handle if prefill.HasField("kv_handle") else None
             logprobs = [prefill.logprob] if prefill.HasField("logprob") else []
@@ -174,7 +205,7 @@ class Orchestrator:
                 self._drop_kv_handle(state)
         if finish is None:
             try:
-                finish = await self._decode(job, state, sampling, queue)
+                finish = await self._traced_decode(job, state, sampling, queue)
             except BaseException:
                 # Cancelled (client gone) or failed, maybe before the Decode call reached a
                 # worker: no decode worker may ever pull (or release) the lease.
@@ -187,8 +218,29 @@ class Orchestrator:
                 queue.put_nowait(TokenDelta(state.index, [], tail, []))
         self._finish(job, state, finish, queue)
 
-    async def _prefill(self, job: GenerationJob, index: int,
-                       sampling: common_pb2.SamplingParams) -> prefill_pb2.PrefillResponse:
+    async def _traced_prefill(self, job: GenerationJob, state: _Completion,
+                              sampling: common_pb2.SamplingParams) -> prefill_pb2.PrefillResponse:
+        with tracing.traced_span("prefill", parent=state.trace_parent, kind=SpanKind.CLIENT,
+                                 attributes={"splitserve.completion_index": state.index}) as span:
+            response = await self._prefill(job, state.index, sampling,
+                                           tracing.inject_metadata(tracing.span_context(span)))
+            span.set_attribute("splitserve.cached_tokens", response.num_cached_tokens)
+            span.set_attribute("splitserve.kv_handle", response.HasField("kv_handle"))
+            return response
+
+    async def _traced_decode(self, job: GenerationJob, state: _Completion,
+                             sampling: common_pb2.SamplingParams,
+                             queue: asyncio.Queue[Event | BaseException | None]) -> str:
+        with tracing.traced_span("decode", parent=state.trace_parent, kind=SpanKind.CLIENT,
+                                 attributes={"splitserve.completion_index": state.index}) as span:
+            finish = await self._decode(job, state, sampling, queue,
+                                        tracing.inject_metadata(tracing.span_context(span)))
+            span.set_attribute("splitserve.output_tokens", len(state.output_ids))
+            return finish
+
+    async def _prefill(self, job: GenerationJob, index: int, sampling: common_pb2.SamplingParams,
+                       metadata: tuple[tuple[str, str], ...] = ()
+                       ) -> prefill_pb2.PrefillResponse:
         """Prefill on the best worker; an UNAVAILABLE worker is retried once on another."""
         assert self._router.prefill is not None  # not colocated
         request = prefill_pb2.PrefillRequest(
@@ -201,7 +253,7 @@ class Orchestrator:
             worker = pool.pick_for_prefix(hashes, exclude=tried)
             try:
                 response = await self._router.prefill_stub(worker).Prefill(
-                    request, timeout=self._remaining(job))
+                    request, timeout=self._remaining(job), metadata=metadata)
                 pool.prefix_index.record(worker.address, response.kv_handle.block_hashes)
                 return response
             except asyncio.CancelledError:
@@ -219,13 +271,14 @@ class Orchestrator:
 
     async def _decode(self, job: GenerationJob, state: _Completion,
                       sampling: common_pb2.SamplingParams,
-                      queue: asyncio.Queue[Event | BaseException | None]) -> str:
+                      queue: asyncio.Queue[Event | BaseException | None],
+                      metadata: tuple[tuple[str, str], ...] = ()) -> str:
         """Stream decode tokens until finished; resume elsewhere if the worker dies."""
         tried: list[str] = []
         while True:
             worker = self._router.decode.pick(exclude=tried)
             try:
-                return await self._decode_on(worker, job, state, sampling, queue)
+                return await self._decode_on(worker, job, state, sampling, queue, metadata)
             except grpc.aio.AioRpcError as err:
                 if (err.code() != grpc.StatusCode.UNAVAILABLE
                         or len(tried) >= self._config.decode_retries):
@@ -242,7 +295,8 @@ class Orchestrator:
 
     async def _decode_on(self, worker: Worker, job: GenerationJob, state: _Completion,
                          sampling: common_pb2.SamplingParams,
-                         queue: asyncio.Queue[Event | BaseException | None]) -> str:
+                         queue: asyncio.Queue[Event | BaseException | None],
+                         metadata: tuple[tuple[str, str], ...] = ()) -> str:
         request = decode_pb2.DecodeRequest(
             request_id=f"{job.request_id}-{state.index}", prompt_token_ids=job.prompt_token_ids,
             output_token_ids=state.output_ids, sampling=sampling,
@@ -251,7 +305,8 @@ class Orchestrator:
                                else decode_pb2.KV_FAILURE_POLICY_RECOMPUTE))
         if state.kv_handle is not None:
             request.kv_handle.CopyFrom(state.kv_handle)
-        call = self._router.decode_stub(worker).Decode(request, timeout=self._remaining(job))
+        call = self._router.decode_stub(worker).Decode(request, timeout=self._remaining(job),
+                                                       metadata=metadata)
         try:
             async for response in call:
                 kind = response.WhichOneof("response")
@@ -346,6 +401,15 @@ def _seeded(sampling: common_pb2.SamplingParams, index: int) -> common_pb2.Sampl
     copy.CopyFrom(sampling)
     copy.seed = (sampling.seed + index) % (1 << 64)
     return copy
+
+
+def _record_usage(span: Span, job: GenerationJob, finished: Sequence[Finished]) -> None:
+    """GenAI semantic-convention usage/response attributes of a request's span."""
+    span.set_attribute("gen_ai.usage.input_tokens", len(job.prompt_token_ids))
+    span.set_attribute("gen_ai.usage.output_tokens", sum(f.num_output_tokens for f in finished))
+    if finished:
+        by_index = sorted(finished, key=lambda f: f.index)
+        span.set_attribute("gen_ai.response.finish_reasons", [f.finish_reason for f in by_index])
 
 
 def usage_totals(finished: Sequence[Finished]) -> tuple[int, int, int]:

@@ -21,6 +21,7 @@ from gateway.grpc_server import GrpcFrontend
 from gateway.openai_api import build_app
 from gateway.state import GatewayState
 from gateway.tokenization import TokenizerLike, load_tokenizer
+from serving.tracing import setup_tracing
 
 log = logging.getLogger(__name__)
 
@@ -158,5 +159,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = config_from_args(args)
     except GatewayConfigError as err:
         parser.error(str(err))
+    setup_tracing("splitserve-gateway")  # a no-op unless OTEL_EXPORTER_OTLP_ENDPOINT is set
     asyncio.run(serve_gateway(config, args.host, args.port, args.grpc_port))
     return 0

@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import grpc
+from opentelemetry.trace import Span, SpanKind
 
 from engine.async_engine import EngineDeadError
 from engine.kv.hashing import prompt_hash
@@ -13,6 +14,7 @@ from engine.llm_engine import EngineInputError
 from engine.outputs import StepOutput
 from engine.sampling_params import SamplingParamsError
 from protos.splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from serving import tracing
 from serving.common import EngineBound
 from serving.convert import (
     InvalidRequest,
@@ -31,21 +33,36 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
+        # A server span under the gateway's `prefill` span (W3C traceparent in the metadata).
+        with tracing.traced_span("splitserve.prefill",
+                                 parent=tracing.extract_context(context.invocation_metadata()),
+                                 kind=SpanKind.SERVER, passthrough=(grpc.aio.AbortError,),
+                                 attributes={"splitserve.request_id": request.request_id,
+                                             "splitserve.prompt_tokens":
+                                                 len(request.prompt_token_ids)}) as span:
+            response = await self._prefill(request, context, span)
+            span.set_attribute("splitserve.cached_tokens", response.num_cached_tokens)
+            span.set_attribute("splitserve.kv_handle", response.HasField("kv_handle"))
+            return response
+
+    async def _prefill(self, request: prefill_pb2.PrefillRequest,
+                       context: grpc.aio.ServicerContext, span: Span
+                       ) -> prefill_pb2.PrefillResponse:
         aengine = await self.engine_or_abort(context)
         try:
             rid = check_request_id(request.request_id)
             ids = check_prompt(list(request.prompt_token_ids))
             params = sampling_from_proto(request.sampling)
         except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await _abort(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         last: StepOutput | None = None
         try:
             async for out in aengine.generate(rid, ids, params):
                 last = out
         except (InvalidRequest, EngineInputError, SamplingParamsError, ValueError) as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await _abort(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineDeadError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            await _abort(context, span, grpc.StatusCode.UNAVAILABLE, str(e))
         except asyncio.CancelledError:
             # Nobody will pull this KV. The lease may exist even when its output never reached
             # us (granted on the engine thread just before the cancel); the abort queued by
@@ -53,7 +70,7 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
             aengine.submit(aengine.engine.release_lease, rid)
             raise
         if last is None:
-            await context.abort(grpc.StatusCode.INTERNAL, "engine returned no output")
+            await _abort(context, span, grpc.StatusCode.INTERNAL, "engine returned no output")
         assert last is not None
         return self._response(rid, ids, last, request.lease_ms)
 
@@ -84,3 +101,10 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
                       context: grpc.aio.ServicerContext) -> common_pb2.LoadReport:
         await self.engine_or_abort(context)  # UNAVAILABLE while loading: routers skip us
         return self.load_report("prefill")
+
+
+async def _abort(context: grpc.aio.ServicerContext, span: Span, code: grpc.StatusCode,
+                 message: str) -> None:
+    """Record the failure on the request's span, then end the RPC with `code`."""
+    tracing.record_error(span, f"{code.name}: {message}")
+    await context.abort(code, message)

@@ -8,6 +8,8 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from opentelemetry.context import Context
+from opentelemetry.trace import SpanKind
 
 from engine.async_engine import AsyncEngine, KvLoadAbort
 from engine.llm_engine import LLMEngine
@@ -16,6 +18,7 @@ from kv_transfer.connector import GrpcPullConnector, KvHandle, LoadResult
 from kv_transfer.grpc_transport import KvTransferError, LeaseView, release
 from kv_transfer.wire import BlockSpec
 from protos.splitserve.v1 import common_pb2, decode_pb2
+from serving import tracing
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +92,7 @@ class RemoteKvHandle:
     timeout_s: float
     failed: bool = False        # set when the pull failed (the request was recomputed)
     started: bool = False       # set when the loader began pulling (it then releases the lease)
+    trace_parent: Context | None = None  # the decode request's span: parent of the KV pull's
 
 
 class RunnerSink:
@@ -131,6 +135,26 @@ class GrpcKvLoader:
         assert remote is not None and isinstance(remote.handle, RemoteKvHandle)
         h = remote.handle
         h.started = True
+        # Runs on the engine's loop, not in the decode RPC's task: the parent comes explicitly.
+        with tracing.traced_span("splitserve.kv_pull", parent=h.trace_parent,
+                                 kind=SpanKind.CLIENT, attributes={
+                                     "splitserve.kv.source": h.handle.worker_address,
+                                     "splitserve.kv.blocks_pulled": len(load.block_ids),
+                                     "splitserve.kv.blocks_reused": load.first_block,
+                                 }) as span:
+            result = await self._pull(load, h)
+            span.set_attribute("splitserve.kv.ok", result.ok)
+            if result.ok:
+                return True
+            tracing.record_error(span, f"KV pull failed: {result.reason}")
+        logger.warning("KV pull for %s failed: %s", result.request_id, result.reason)
+        h.failed = True
+        if h.policy == decode_pb2.KV_FAILURE_POLICY_FAIL:
+            raise KvLoadAbort(f"KV transfer from {h.handle.worker_address} failed: {result.reason}")
+        return False
+
+    async def _pull(self, load: KvLoad, h: RemoteKvHandle) -> LoadResult:
+        """Fill the load's blocks from the prefill worker; the outcome, failure included."""
         rid = load.request.request_id
         connector = self._get_connector()
         try:
@@ -146,13 +170,7 @@ class GrpcKvLoader:
             finally:
                 connector.cancel_load(rid)
                 connector.get_finished_loads()  # drop the connector's record of this load
-        if result.ok:
-            return True
-        logger.warning("KV pull for %s failed: %s", rid, result.reason)
-        h.failed = True
-        if h.policy == decode_pb2.KV_FAILURE_POLICY_FAIL:
-            raise KvLoadAbort(f"KV transfer from {h.handle.worker_address} failed: {result.reason}")
-        return False
+        return result
 
 
 async def release_unpulled(h: RemoteKvHandle) -> None:

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Sequence
 
 from engine.cli_args import add_engine_args, engine_config_from_args
+from serving.tracing import setup_tracing
 
 logger = logging.getLogger("splitserve.serve")
 
@@ -82,6 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_tracing(f"splitserve-{args.role}")  # a no-op unless OTEL_EXPORTER_OTLP_ENDPOINT is set
     try:
         if args.role == "colocated":
             asyncio.run(_serve_colocated(argv, args))
