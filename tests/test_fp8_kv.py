@@ -16,6 +16,8 @@ import grpc
 import pytest
 import torch
 from conftest import greedy, run_to_end, tiny_llm
+from fake_block_source import CacheBlockSource
+from fake_lease import LeaseTable
 
 from engine.attention.forward_context import AttentionMetadata
 from engine.attention.kv_quant import FP8_E4M3_MAX, quantize_fp8
@@ -34,10 +36,8 @@ from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.request import RemoteKv, RequestStatus
 from engine.sampling_params import SamplingParams
-from kv_transfer.block_source import CacheBlockSource
 from kv_transfer.connector import GrpcPullConnector, KvHandle, LoadResult
 from kv_transfer.grpc_transport import KvTransferServicer, channel_options
-from kv_transfer.lease import LeaseTable
 from kv_transfer.wire import decode_block, encode_block
 from protos.splitserve.v1 import kv_transfer_pb2_grpc
 from serving.kv import RunnerSink, block_spec, kv_scales

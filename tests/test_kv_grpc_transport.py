@@ -10,9 +10,10 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 import pytest
 import torch
+from fake_block_source import CacheBlockSource
+from fake_lease import Lease, LeaseError, LeaseTable
 
 from engine.kv.hashing import prompt_hash
-from kv_transfer.block_source import CacheBlockSource
 from kv_transfer.connector import GrpcPullConnector, KvHandle, LoadResult
 from kv_transfer.grpc_transport import (
     KvTransferError,
@@ -22,7 +23,6 @@ from kv_transfer.grpc_transport import (
     pull_blocks,
     release,
 )
-from kv_transfer.lease import Lease, LeaseError, LeaseTable
 from kv_transfer.wire import BlockSpec, DecodedBlock, encode_block
 from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 

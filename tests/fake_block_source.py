@@ -1,7 +1,6 @@
-"""`CacheBlockSource`: a `KvBlockSource` over one engine KV cache tensor and a `LeaseTable`.
-
-The prefill service grants leases in the table when a request finishes prefill and hands this
-source to `KvTransferServicer`; `on_release` is the engine's hook that frees the blocks.
+"""Test fake: `CacheBlockSource`, a `KvBlockSource` over a bare KV cache tensor and a
+`LeaseTable` (tests/fake_lease.py), so the transport is tested without an engine. The services
+use the engine's own leases instead (serving/kv.py `EngineBlockSource`).
 """
 
 from __future__ import annotations
@@ -10,9 +9,9 @@ import asyncio
 from collections.abc import Callable
 
 import torch
+from fake_lease import Lease, LeaseTable
 
 from kv_transfer.grpc_transport import LeaseView
-from kv_transfer.lease import Lease, LeaseTable
 from kv_transfer.wire import BlockSpec
 
 

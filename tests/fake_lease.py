@@ -1,4 +1,5 @@
-"""Leases: KV blocks a prefill worker holds for a decode worker to pull (DESIGN.md §3).
+"""Test fake: a stand-alone lease table for transport tests (the engine's scheduler holds the
+real leases). Leases: KV blocks a prefill worker holds for a decode worker to pull.
 
 Pure Python, no torch. The table only records which blocks a request's lease covers and until
 when; freeing blocks in the engine is the caller's job (it gets the Lease back from `release`
