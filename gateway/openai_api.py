@@ -71,13 +71,9 @@ def build_app(state: GatewayState) -> FastAPI:
         req = parse_request(CompletionRequest, body)
         _check_model(req.model, state)
         job = await _completion_job(req, state)
-        state.metrics.requests_received.labels(api="completions").inc()
-        state.metrics.prompt_tokens.inc(len(job.prompt_token_ids))
         view = _View("cmpl", "text_completion", state, job, req.include_usage,
                      req.continuous_usage, chat=False, num_top=req.logprobs or 0)
-        if req.stream:
-            return await _stream(view, request)
-        return JSONResponse(await _complete(view, request))
+        return await _respond(view, request, "completions", req.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -85,15 +81,20 @@ def build_app(state: GatewayState) -> FastAPI:
         req = parse_request(ChatCompletionRequest, body)
         _check_model(req.model, state)
         job = await _chat_job(req, state)
-        state.metrics.requests_received.labels(api="chat").inc()
-        state.metrics.prompt_tokens.inc(len(job.prompt_token_ids))
         view = _View("chatcmpl", "chat.completion", state, job, req.include_usage,
                      req.continuous_usage, chat=True, num_top=req.top_logprobs or 0)
-        if req.stream:
-            return await _stream(view, request)
-        return JSONResponse(await _complete(view, request))
+        return await _respond(view, request, "chat", req.stream)
 
     return app
+
+
+async def _respond(view: _View, request: Request, api: str, stream: bool) -> Response:
+    """Count the accepted request, then answer it as SSE or as one JSON body."""
+    view.state.metrics.requests_received.labels(api=api).inc()
+    view.state.metrics.prompt_tokens.inc(len(view.job.prompt_token_ids))
+    if stream:
+        return await _stream(view, request)
+    return JSONResponse(await _complete(view, request))
 
 
 # -- request reading ----------------------------------------------------------------------------
