@@ -93,13 +93,12 @@ class AsyncEngine:
         """Stream a request's step outputs. Validation errors raise before anything is queued.
         Cancelling the consumer (or closing the generator) aborts the request and frees its KV."""
         self._check_alive()
-        params.validate()
-        self.engine.validate(prompt_token_ids, params, len(output_token_ids or []))
+        self.engine.check_request(prompt_token_ids, params, output_token_ids, remote_kv)
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight")
         q: asyncio.Queue[StepOutput | _Failure] = asyncio.Queue()
         self._queues[request_id] = q
-        self._submit(self.engine.add_request, (request_id, prompt_token_ids, params),
+        self._submit(self.engine.enqueue, (request_id, prompt_token_ids, params),
                      kwargs={"output_token_ids": output_token_ids, "remote_kv": remote_kv})
         finished = False
         try:

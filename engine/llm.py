@@ -136,15 +136,14 @@ class LLM:
         # others queued in the engine.
         tokenized = [self._tokenize(prompt) for prompt in plist]
         for (_, ids), sp in zip(tokenized, params, strict=True):
-            sp.validate()
-            self.engine.validate(ids, sp)
+            self.engine.check_request(ids, sp)
         items = []
         for (text, ids), sp in zip(tokenized, params, strict=True):
             rid = str(next(self._ids))
             for i in range(sp.n):
                 child = sp if sp.n == 1 else dataclasses.replace(
                     sp, n=1, seed=None if sp.seed is None else sp.seed + i)
-                self.engine.add_request(f"{rid}:{i}", ids, child)
+                self.engine.enqueue(f"{rid}:{i}", ids, child)
             items.append((rid, RequestOutput(rid, text, ids, [
                 CompletionOutput(i, "", [], [] if sp.logprobs is not None else None, None)
                 for i in range(sp.n)], finished=False)))

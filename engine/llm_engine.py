@@ -134,11 +134,25 @@ class LLMEngine:
                     *, output_token_ids: list[int] | None = None, remote_kv: RemoteKv | None = None,
                     arrival_time: float | None = None) -> Request:
         """Queue a request. Raises EngineInputError / SamplingParamsError on bad input."""
+        self.check_request(prompt_token_ids, params, output_token_ids, remote_kv)
+        return self.enqueue(request_id, prompt_token_ids, params, output_token_ids=output_token_ids,
+                            remote_kv=remote_kv, arrival_time=arrival_time)
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                      output_token_ids: list[int] | None = None,
+                      remote_kv: RemoteKv | None = None) -> None:
+        """Every check `add_request` makes; reads config only, so any thread may call it."""
         params.validate()
         self.validate(prompt_token_ids, params, len(output_token_ids or []))
         if remote_kv is not None and remote_kv.num_tokens != len(prompt_token_ids):
             raise EngineInputError(
                 f"remote KV covers {remote_kv.num_tokens} tokens, prompt has {len(prompt_token_ids)}")
+
+    def enqueue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                *, output_token_ids: list[int] | None = None, remote_kv: RemoteKv | None = None,
+                arrival_time: float | None = None) -> Request:
+        """Queue a request that passed `check_request` (callers validate off the engine thread,
+        so the step loop does not scan the prompt twice)."""
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, self.max_model_len,
                       output_token_ids=output_token_ids, remote_kv=remote_kv,
                       arrival_time=arrival_time)
