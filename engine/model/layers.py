@@ -1,4 +1,5 @@
-"""Building blocks: RMSNorm, rotary embedding (plain / linear / llama3 scaling), SiLU-and-mul.
+"""Building blocks: linear layers, RMSNorm, rotary embedding (plain / linear / llama3 scaling),
+SiLU-and-mul.
 
 Each op has a torch path (the reference, bit-compatible with Hugging Face's Llama) and, where
 `use_triton` is set, a fused Triton kernel from `engine.kernels`.
@@ -13,6 +14,24 @@ import torch
 from torch import nn
 
 from engine.config import ConfigError
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` whose one-row inputs (batch-1 decode) run through the Triton GEMV when
+    `use_triton` is set: at one row the layer is a pure weight stream, and the GEMV reads the
+    weight ~10% faster than cuBLAS's split-K kernels on an H200 (engine/kernels/gemv.py). The
+    weight layout and `load_weights` are unchanged."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 use_triton: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.use_triton = use_triton
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_triton and x.dim() == 2 and x.shape[0] == 1:
+            from engine.kernels.gemv import gemv
+            return gemv(x, self.weight, self.bias)
+        return nn.functional.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
