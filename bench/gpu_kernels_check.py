@@ -88,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup-ms", type=int, default=25, help="do_bench warm-up (ms)")
     parser.add_argument("--rep-ms", type=int, default=100, help="do_bench repetition time (ms)")
     parser.add_argument("--only", default="",
-                        help="comma-separated subset of: decode,prefill,elementwise,graph,fp8")
+                        help="comma-separated subset of: decode,prefill,elementwise,graph,gemv,fp8")
     return parser.parse_args(argv)
 
 
@@ -475,6 +475,26 @@ class Checker:
         return self.timed(result, lambda: write_kv(key, value, kv_cache, slot_mapping),
                           lambda: write_kv_ref(key, value, kv_ref, slot_mapping), moved)
 
+    # -- batch-1 GEMV ---------------------------------------------------------------------
+
+    def gemv(self, n: int, k: int, gated: bool) -> dict[str, Any]:
+        """One-row matmul (fused with SiLU-and-mul when `gated`) vs torch in float32; timed
+        against cuBLAS on the same bf16 operands (one weight: L2-resident for small ones)."""
+        from engine.kernels.gemv import gemv, gemv_silu_and_mul
+
+        x, w = self.randn(1, k), self.randn(2 * n if gated else n, k) * 0.02
+        full = x.float() @ w.float().T
+        if gated:
+            want = torch.nn.functional.silu(full[:, :n]) * full[:, n:]
+            got = gemv_silu_and_mul(x, w)
+        else:
+            want, got = full, gemv(x, w)
+        result = verdict({"n": n, "k": k, "gated": gated, **errors(got, want.to(self.dtype))},
+                         self.dtype)
+        fn = (lambda: gemv_silu_and_mul(x, w)) if gated else (lambda: gemv(x, w))
+        return self.timed(result, fn, lambda: torch.nn.functional.linear(x, w),
+                          w.numel() * w.element_size())
+
     # -- fp8 KV cache ---------------------------------------------------------------------
 
     def fp8_cache(self, num_blocks: int) -> torch.Tensor:
@@ -652,6 +672,12 @@ def run_all(checker: Checker, only: set[str]) -> None:
                     lambda: checker.prefill([s.prefill_len], [0], sdpa=True))
         checker.run("prefill_varlen_prefix", lambda: checker.prefill(
             list(s.varlen_q_lens), list(s.varlen_prefixes), sdpa=False))
+    if want("gemv"):
+        q_out = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+        checker.run("gemv_qkv", lambda: checker.gemv(q_out, s.hidden, gated=False))
+        checker.run("gemv_o", lambda: checker.gemv(s.hidden, s.num_heads * s.head_dim, False))
+        checker.run("gemv_gate_up_silu", lambda: checker.gemv(s.intermediate, s.hidden, True))
+        checker.run("gemv_down", lambda: checker.gemv(s.hidden, s.intermediate, gated=False))
     if want("fp8"):
         checker.run("write_kv_fp8", checker.write_kv_fp8)
         for context in s.decode_contexts:
@@ -678,7 +704,7 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda")
         shapes = REAL
     only = {p.strip() for p in args.only.split(",") if p.strip()}
-    unknown = only - {"decode", "prefill", "elementwise", "graph", "fp8"}
+    unknown = only - {"decode", "prefill", "elementwise", "graph", "gemv", "fp8"}
     if unknown:
         print(f"--only: unknown parts {sorted(unknown)}", file=sys.stderr)
         return 2
