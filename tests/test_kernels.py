@@ -267,6 +267,104 @@ def test_choose_num_splits_depends_only_on_host_ints() -> None:
     assert 1 <= choose(1, 1, 10**6, 132) <= decode_mod.MAX_SPLITS
 
 
+# Last-arriver reduction: with num_splits > 1 the last split program of each (sequence, kv_head)
+# combines the partials in the same launch and resets its counter for the next launch.
+
+
+def _gqa4_batch(seq_lens: list[int], dtype: torch.dtype, seed: int) -> PagedBatch:
+    return decode_batch(seq_lens, num_heads=8, num_kv_heads=2, head_dim=16, block_size=4,
+                        dtype=dtype, seed=seed)
+
+
+def _decode_twice(batch: PagedBatch, num_splits: int, **scales: object) -> list[torch.Tensor]:
+    """Two launches in a row on the same `out` (NaN-poisoned before each) and counters."""
+    out = torch.empty_like(batch.q)
+    results = []
+    for _ in range(2):
+        out.fill_(float("nan"))
+        K.paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens,
+                                 0.3, out=out, num_splits=num_splits, **scales)  # type: ignore[arg-type]
+        results.append(out.clone())
+    return results
+
+
+def _assert_counters_reset(device: torch.device) -> None:
+    assert not decode_mod._split_counters[device].any(), "a split counter was left non-zero"
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_last_split_reduces_in_one_launch(
+    num_splits: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(decode_mod, "_decode_reduce_kernel", None)  # a second launch would fail
+    # Padding rows (0), lengths shorter than the split count (empty splits), several KV tiles
+    # per split, and empty trailing splits (37 positions in 8 splits of 16).
+    batch = _gqa4_batch([0, 2, 37], dtype, seed=num_splits)
+    want = R.paged_decode_attention_ref(batch.q, batch.kv_cache, batch.block_tables,
+                                        batch.seq_lens, 0.3)
+    for got in _decode_twice(batch, num_splits):
+        assert torch.isfinite(got).all(), "some output elements were never written"
+        assert torch.equal(got[0], torch.zeros_like(got[0]))
+        assert_close_for(got.float(), want.float(), dtype)
+    _assert_counters_reset(batch.q.device)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+def test_decode_fp8_last_split_reduces_in_one_launch(num_splits: int) -> None:
+    batch = _gqa4_batch([0, 2, 37], torch.float32, seed=20 + num_splits)
+    batch.kv_cache = (batch.kv_cache * 4).to(torch.float8_e4m3fn)
+    k_scale, v_scale = torch.tensor(0.05), torch.tensor([2.0])  # per split: acc * v_scale
+    want = R.paged_decode_attention_ref(batch.q, batch.kv_cache, batch.block_tables,
+                                        batch.seq_lens, 0.3, k_scale, v_scale)
+    for got in _decode_twice(batch, num_splits, k_scale=k_scale, v_scale=v_scale):
+        assert_close_for(got, want, torch.float32)
+    _assert_counters_reset(batch.q.device)
+
+
+def test_decode_output_is_written_by_the_last_arriving_split_only() -> None:
+    # A counter that does not start at zero shifts who is "last": with it at num_splits no
+    # program sees num_splits - 1, so that (sequence, kv_head) group is never written. This is
+    # why every launch must leave the counters at zero.
+    batch = _gqa4_batch([9, 30], torch.float32, seed=6)
+    want = R.paged_decode_attention_ref(batch.q, batch.kv_cache, batch.block_tables,
+                                        batch.seq_lens, 0.3)
+    counters = decode_mod.split_counters(batch.q.device, 4)
+    counters[3] = 3  # sequence 1, kv_head 1
+    try:
+        out = torch.full_like(batch.q, float("nan"))
+        K.paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens,
+                                 0.3, out=out, num_splits=3)
+        assert torch.isnan(out[1, 4:]).all()
+        assert_close_for(out[0], want[0], torch.float32)
+        assert_close_for(out[1, :4], want[1, :4], torch.float32)
+        assert int(counters[3]) == 6 and int(counters[:3].abs().sum()) == 0
+    finally:
+        counters.zero_()
+
+
+def test_decode_two_launch_baseline_matches_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(decode_mod, "_TWO_LAUNCHES", True)  # the A/B benchmark's old path
+    batch = _gqa4_batch([0, 2, 37], torch.float32, seed=4)
+    want = R.paged_decode_attention_ref(batch.q, batch.kv_cache, batch.block_tables,
+                                        batch.seq_lens, 0.3)
+    got = K.paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens,
+                                   0.3, num_splits=3)
+    assert_close_for(got, want, torch.float32)
+
+
+def test_split_counters_grow_and_keep_replaced_buffers_alive() -> None:
+    device = torch.device("cpu")
+    first = decode_mod.split_counters(device, 1)
+    assert first.dtype == torch.int32 and first.numel() >= decode_mod.MIN_SPLIT_COUNTERS
+    assert decode_mod.split_counters(device, first.numel()) is first
+    bigger = decode_mod.split_counters(device, first.numel() + 1)
+    assert bigger.numel() > first.numel() and not bigger.any()
+    # A CUDA graph captured before the growth still points at the old buffer.
+    assert any(t is first for t in decode_mod._retired_counters)
+    assert decode_mod.split_counters(device, 1) is bigger  # never shrinks
+
+
 # ----------------------------------------------------------------------------- prefill
 
 

@@ -1,21 +1,30 @@
-"""Triton paged decode attention: one query token per sequence, split-K (flash-decoding).
+"""Triton paged decode attention: one query token per sequence, split-K (flash-decoding), one
+kernel launch.
 
-Pass 1 runs one program per `(sequence, kv_head, split)`. It takes all `GROUP = H / Hkv` query
-heads that share the KV head as one `[BLOCK_G, D]` matrix (padded to 16 rows for `tl.dot`), so
-each K/V tile is read once per group, and walks its split's slice of the sequence. A split's
-slice is `ceil(ceil(seq_len / num_splits) / BLOCK_N) * BLOCK_N` positions, computed on the device
-from `seq_lens`, so every sequence uses all splits and the host never reads `seq_lens`.
+One program per `(sequence, kv_head, split)`. It takes all `GROUP = H / Hkv` query heads that
+share the KV head as one `[BLOCK_G, D]` matrix (padded to 16 rows for `tl.dot`), so each K/V
+tile is read once per group, and walks its split's slice of the sequence. A split's slice is
+`ceil(ceil(seq_len / num_splits) / BLOCK_N) * BLOCK_N` positions, computed on the device from
+`seq_lens`, so every sequence uses all splits and the host never reads `seq_lens`.
 
-With `num_splits == 1` pass 1 normalises and writes the output directly. Otherwise it writes
-partial results per split::
+With `num_splits == 1` the program normalises and writes the output directly. Otherwise it
+writes partial results per split::
 
     mid_m   [B, H, S]     running max of scaled scores (log2 domain)
     mid_l   [B, H, S]     sum of exp2(score - max)
     mid_acc [B, H, S, D]  unnormalised sum of p * V (float32)
 
-and pass 2 (one program per `(sequence, head)`) rescales the splits to a common max and
-divides. An empty split (or `seq_len == 0`) has max -inf and weight 0; a sequence with
-`seq_len == 0` (CUDA-graph padding) gets a zero output.
+and the *last arriver reduces* (as split-K GEMMs do with a semaphore): each program increments
+a per-`(sequence, kv_head)` int32 counter with acquire-release semantics after its partial
+stores, and the program that sees `num_splits - 1` rescales all splits of its GROUP heads to a
+common max, divides, writes `out`, and resets the counter to 0. So no second launch and no
+memset: the counters are zero before and after every launch, which is what lets a CUDA graph
+replay the kernel as one node. An empty split (or `seq_len == 0`) has max -inf and weight 0; a
+sequence with `seq_len == 0` (CUDA-graph padding) gets a zero output.
+
+The counters live in one cached zeroed buffer per device (`split_counters`), shared by all
+launches: launches in stream order are fine (each leaves it zeroed), concurrent launches on
+different streams are not supported (the engine runs one stream).
 
 An fp8 cache holds K/V divided by per-layer scales: the K scale is folded into `qk_scale` and
 each split's `acc` is multiplied by the V scale (softmax weights are unaffected by either).
@@ -58,6 +67,16 @@ from engine.kernels._tl import ceil_div, load_scale, reduce_max, reduce_sum
 MIN_TOKENS_PER_SPLIT = 64
 MAX_SPLITS = 32
 DEFAULT_NUM_SMS = 132  # H100/H200 SXM
+# Elements of the `[rows, splits, D]` float32 tile the last split combines per step: 32 registers
+# a thread at 4 warps, small next to the split loop's own (the kernel's register count is the
+# maximum of both).
+COMBINE_TILE_ELEMENTS = 4096
+# Split counters allocated at first use: 16 KiB covers B * Hkv up to 4096, which no split
+# batch reaches (`choose_num_splits` stops splitting at 2 programs per SM).
+MIN_SPLIT_COUNTERS = 4096
+# A/B baseline only (bench): write partials and reduce them in a second launch, as before the
+# last-arriver reduction. Never set in the engine.
+_TWO_LAUNCHES = False
 
 
 @triton.jit
@@ -67,10 +86,11 @@ def _decode_split_kernel(
     v_cache_ptr,  # [NB, BS, Hkv, D]
     block_tables_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32
-    out_ptr,  # [B, H, D] contiguous (written when DIRECT)
+    out_ptr,  # [B, H, D] contiguous (written when DIRECT, or by the last split to arrive)
     mid_acc_ptr,  # [B, H, S, D] float32 (written unless DIRECT)
     mid_m_ptr,  # [B, H, S] float32
     mid_l_ptr,  # [B, H, S] float32
+    counters_ptr,  # [>= B * Hkv] int32, zero on entry and on exit (read unless DIRECT)
     qk_scale,
     k_scale,  # fp8 cache: float32 scalar or pointer to one (SCALE_IS_PTR)
     v_scale,
@@ -87,6 +107,10 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr,
+    LAST_REDUCES: tl.constexpr,  # False: leave the partials to `_decode_reduce_kernel`
+    BLOCK_R: tl.constexpr,  # GROUP rounded up to a power of two (rows of the final combine)
+    CHUNK_S: tl.constexpr,  # splits combined per step of the final combine
+    M_CHUNK: tl.constexpr,  # splits per step when finding their common max
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     KV_FP8: tl.constexpr,
@@ -124,7 +148,8 @@ def _decode_split_kernel(
     if KV_FP8:
         acc = acc * load_scale(v_scale, SCALE_IS_PTR)
 
-    row = seq.to(tl.int64) * num_heads + heads  # [BLOCK_G] index into [B, H]
+    first_row = seq.to(tl.int64) * num_heads + kv_head * GROUP  # index into [B, H]
+    row = first_row + g  # [BLOCK_G]
     if DIRECT:
         # l_i == 0 only for seq_len == 0, where acc == 0 too: the output is zeros.
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -135,6 +160,69 @@ def _decode_split_kernel(
         tl.store(mid_m_ptr + mid, m_i, mask=g_mask)
         tl.store(mid_l_ptr + mid, l_i, mask=g_mask)
         tl.store(mid_acc_ptr + mid[:, None] * HEAD_DIM + dims[None, :], acc, mask=g_mask[:, None])
+        if LAST_REDUCES:
+            counter_ptr = counters_ptr + seq * tl.num_programs(1) + kv_head
+            # All threads' partial stores happen before the (one-thread) release below.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:  # every other split's partials are visible now
+                _combine_splits(mid_acc_ptr, mid_m_ptr, mid_l_ptr, out_ptr, first_row,
+                                num_splits, GROUP, HEAD_DIM, BLOCK_R, CHUNK_S, M_CHUNK)
+                # Nobody else touches this counter in this launch (all have arrived); the
+                # next launch on the stream starts after this store.
+                tl.store(counter_ptr, 0)
+
+
+@triton.jit
+def _combine_splits(
+    mid_acc_ptr,  # [B, H, S, D] float32
+    mid_m_ptr,  # [B, H, S]
+    mid_l_ptr,  # [B, H, S]
+    out_ptr,  # [B, H, D]
+    first_row,  # index into [B, H] of the group's first head
+    num_splits,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    CHUNK_S: tl.constexpr,
+    M_CHUNK: tl.constexpr,
+):
+    """Rescale the splits of GROUP heads to a common max, sum, divide, store to `out`.
+
+    Same arithmetic as `_decode_reduce_kernel`, taking CHUNK_S splits per step so the
+    `[BLOCK_R, CHUNK_S, D]` tile stays a few registers per thread. Loads are `.cg` (L2, not
+    L1): the partials were written by other programs, possibly on other SMs.
+    """
+    r = tl.arange(0, BLOCK_R)
+    r_mask = r < GROUP
+    rows = first_row + r  # [BLOCK_R]
+    dims = tl.arange(0, HEAD_DIM)
+    m_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for s0 in range(0, num_splits, M_CHUNK):
+        splits = s0 + tl.arange(0, M_CHUNK)
+        mask = r_mask[:, None] & (splits < num_splits)[None, :]
+        m = tl.load(mid_m_ptr + rows[:, None] * num_splits + splits[None, :], mask=mask,
+                    other=float("-inf"), cache_modifier=".cg")
+        m_max = tl.maximum(m_max, reduce_max(m, 1))
+    # Empty splits (m = -inf) weigh exp2(-inf) = 0; when all are empty (seq_len == 0) m_max is
+    # -inf too, so subtract 0 instead to avoid -inf - -inf = NaN.
+    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
+    total = tl.full([BLOCK_R], 0.0, tl.float32)
+    o = tl.full([BLOCK_R, HEAD_DIM], 0.0, tl.float32)
+    for s0 in range(0, num_splits, CHUNK_S):
+        splits = s0 + tl.arange(0, CHUNK_S)
+        mask = r_mask[:, None] & (splits < num_splits)[None, :]  # [BLOCK_R, CHUNK_S]
+        mid = rows[:, None] * num_splits + splits[None, :]
+        m = tl.load(mid_m_ptr + mid, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(mid_l_ptr + mid, mask=mask, other=0.0, cache_modifier=".cg")
+        w = tl.exp2(m - m_max[:, None])  # [BLOCK_R, CHUNK_S]
+        total += reduce_sum(w * l_s, 1)
+        acc = tl.load(mid_acc_ptr + mid[:, :, None] * HEAD_DIM + dims[None, None, :],
+                      mask=mask[:, :, None], other=0.0, cache_modifier=".cg")
+        o += reduce_sum(acc * w[:, :, None], 1)  # [BLOCK_R, D]
+    o = o / tl.where(total > 0.0, total, 1.0)[:, None]  # total == 0 only when o == 0
+    tl.store(out_ptr + rows[:, None] * HEAD_DIM + dims[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=r_mask[:, None])
 
 
 @triton.jit
@@ -148,6 +236,7 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
+    """The former second launch, kept only as the A/B baseline (`_TWO_LAUNCHES`)."""
     row = tl.program_id(0).to(tl.int64) * num_heads + tl.program_id(1)  # index into [B, H]
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, HEAD_DIM)
@@ -166,6 +255,39 @@ def _decode_reduce_kernel(
     o = reduce_sum(acc * w[:, None], 0)  # [D]
     o = o / tl.where(total > 0.0, total, 1.0)  # total == 0 only when o == 0 (seq_len == 0)
     tl.store(out_ptr + row * HEAD_DIM + dims, o.to(out_ptr.dtype.element_ty))
+
+
+# device -> the counter buffer in use. Buffers it replaced stay alive in `_retired_counters`:
+# a CUDA graph captured earlier still points at them (and they are still all zeros).
+_split_counters: dict[torch.device, torch.Tensor] = {}
+_retired_counters: list[torch.Tensor] = []
+
+
+def split_counters(device: torch.device, size: int) -> torch.Tensor:
+    """The zeroed int32 counters (at least `size`) the split programs of one launch arrive on.
+
+    Cached per device and shared by every launch: each launch leaves them zero again, so
+    stream-ordered launches (and CUDA-graph replays) need no memset. Not safe for concurrent
+    launches on different streams. Grows (never shrinks) to the largest `B * Hkv` seen by
+    allocating a new buffer, which must not happen during CUDA-graph capture (the zero fill
+    would not run before eager use): warm up at the largest batch before capturing, as the
+    engine does.
+    """
+    counters = _split_counters.get(device)
+    if counters is not None and counters.numel() >= size:
+        return counters
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise KernelInputError(
+            f"paged_decode_attention needs {size} split counters but has "
+            f"{0 if counters is None else counters.numel()} while a CUDA graph is being "
+            "captured; run it once at this batch size before capturing (warm-up)"
+        )
+    if counters is not None:
+        _retired_counters.append(counters)
+    counters = torch.zeros(max(MIN_SPLIT_COUNTERS, next_power_of_2(size)), dtype=torch.int32,
+                           device=device)
+    _split_counters[device] = counters
+    return counters
 
 
 @functools.lru_cache(maxsize=8)
@@ -218,6 +340,17 @@ def choose_decode_tiles(head_dim: int) -> DecodeTiles:
     return DecodeTiles(32, 4, 2)
 
 
+def combine_tiles(group: int, head_dim: int, num_splits: int) -> tuple[int, int, int]:
+    """`(BLOCK_R, CHUNK_S, M_CHUNK)` of the last split's combine: the group's rows rounded up
+    to a power of two, and the splits taken per step for the `[BLOCK_R, CHUNK_S, D]` partials
+    (within `COMBINE_TILE_ELEMENTS`) and for their max. No wider than the splits (masked lanes
+    still cost work); `choose_num_splits` yields few distinct powers of two, so few variants."""
+    block_r = next_power_of_2(group)
+    m_chunk = min(next_power_of_2(num_splits), next_power_of_2(MAX_SPLITS))
+    chunk_s = max(1, min(m_chunk, COMBINE_TILE_ELEMENTS // (block_r * head_dim)))
+    return block_r, chunk_s, m_chunk
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -241,7 +374,10 @@ def paged_decode_attention(
     out: optional contiguous `[B, H, D]` buffer in q's dtype (written entirely, returned).
     num_splits: force the split count; by default chosen from `max_seq_len` (a host int bound
     on `seq_lens`, default `max_blocks * BS`) and the batch size to fill the GPU.
-    Mutates only `out`. No host syncs: CUDA-graph capturable for fixed shapes and bounds.
+    Mutates only `out` (and the cached split counters, which every launch leaves at zero, so
+    launches must not overlap on different streams). No host syncs: CUDA-graph capturable for
+    fixed shapes and bounds (a `B * Hkv` above `MIN_SPLIT_COUNTERS` must first run once
+    outside the capture, to grow the counters).
     """
     _, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache)
     q = check_tensor("q", q, 3, FLOAT_DTYPES)
@@ -296,26 +432,34 @@ def _launch(
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
     direct = num_splits == 1
-    if direct:  # pass 1 writes `out`; the partial buffers are never touched
+    two_launches = _TWO_LAUNCHES and not direct
+    if direct:  # the kernel writes `out`; the partial buffers and counters are never touched
         mid_acc = mid_m = mid_l = out
+        counters = seq_lens
     else:
         mid_acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32,
                               device=q.device)
         mid_m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
         mid_l = torch.empty_like(mid_m)
+        counters = seq_lens if two_launches else split_counters(q.device, batch * num_kv_heads)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     tiles = choose_decode_tiles(head_dim)
+    block_r, chunk_s, m_chunk = combine_tiles(group, head_dim, num_splits)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, mid_acc, mid_m, mid_l,
+        q, k_cache, v_cache, block_tables, seq_lens, out, mid_acc, mid_m, mid_l, counters,
         qk_scale, kv_scales[0], kv_scales[1], num_heads, num_splits,
         q.stride(0), q.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1),
         GROUP=group,
-        BLOCK_G=max(16, next_power_of_2(group)),
+        BLOCK_G=max(16, block_r),
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
         BLOCK_N=tiles.block_n,
         DIRECT=direct,
+        LAST_REDUCES=not two_launches,
+        BLOCK_R=block_r,
+        CHUNK_S=chunk_s,
+        M_CHUNK=m_chunk,
         DOT_PRECISION=dot_precision(q.dtype),
         UPCAST_DOT=upcast_dots(q.dtype),
         KV_FP8=kv_cache.dtype == FP8_KV_DTYPE,
@@ -323,7 +467,7 @@ def _launch(
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
-    if not direct:
+    if two_launches:
         _decode_reduce_kernel[(batch, num_heads)](
             mid_acc, mid_m, mid_l, out, num_heads, num_splits,
             HEAD_DIM=head_dim,
