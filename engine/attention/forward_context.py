@@ -31,6 +31,16 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
 
 
+@dataclass(frozen=True, slots=True)
+class RopeInputs:
+    """What a backend that fuses RoPE into its KV write (`fuses_rope`) needs to rotate q and k:
+    the model passes this instead of rotating them itself."""
+
+    positions: torch.Tensor         # [T] int32/int64, each token's position
+    cos_sin_cache: torch.Tensor     # [max_pos, D] float32: cos in [0, D/2), sin in [D/2, D)
+    is_neox: bool                   # pairs (x[i], x[i + D/2]); False: (x[2i], x[2i+1])
+
+
 @dataclass(slots=True)
 class ForwardContext:
     attn_metadata: AttentionMetadata

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention.forward_context import AttentionMetadata
+from engine.attention.forward_context import AttentionMetadata, RopeInputs
 from engine.attention.kv_quant import dequantize_fp8, is_fp8, quantize_fp8
 
 
@@ -50,14 +50,21 @@ def _gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int,
 
 class TorchAttentionBackend:
     """Reference backend; an fp8 cache is quantized on write and dequantized on read with the
-    layer's `kv_scale` (k_scale, v_scale)."""
+    layer's `kv_scale` (k_scale, v_scale). Does not fuse RoPE: q and k arrive rotated."""
 
     name = "torch"
+    fuses_rope = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float,
-                kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
-        """q: [T, H, D], k/v: [T, Hkv, D] (this step's tokens) → out [T, H, D]."""
+                kv_scale: tuple[float, float] = (1.0, 1.0), *,
+                rope: RopeInputs | None = None) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, Hkv, D] (this step's tokens, already rotated) → out [T, H, D].
+
+        `rope` must be None (`fuses_rope` is False: the model rotates with its torch path)."""
+        if rope is not None:
+            raise ValueError("the torch attention backend does not fuse RoPE (fuses_rope is "
+                             "False): rotate q and k before calling it and pass rope=None")
         scales = kv_scale if is_fp8(kv_cache) else (1.0, 1.0)
         write_kv_torch(k, v, kv_cache, md.slot_mapping, *scales)
         out = torch.empty_like(q)

@@ -1,23 +1,26 @@
 """Triton attention over the paged KV cache (GPU; CPU only under TRITON_INTERPRET=1).
 
-One step: write this step's K/V into the blocks, then split-K decode attention for the leading
-single-token sequences and varlen causal prefill attention for the rest. No host syncs, so a
-pure-decode step can be captured in a CUDA graph. An fp8 cache passes the layer's K/V scales
-to the kernels as Python floats (constant per engine, so baked into captured graphs).
+One step: rotate q and k (RoPE) and write this step's K/V into the blocks in one fused kernel,
+then split-K decode attention for the leading single-token sequences and varlen causal prefill
+attention for the rest. No host syncs, so a pure-decode step can be captured in a CUDA graph.
+An fp8 cache passes the layer's K/V scales to the kernels as Python floats (constant per engine,
+so baked into captured graphs).
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.attention.forward_context import AttentionMetadata
+from engine.attention.forward_context import AttentionMetadata, RopeInputs
 from engine.attention.kv_quant import is_fp8
 
 
 class TritonAttentionBackend:
-    """GPU backend; an fp8 cache uses the layer's `kv_scale` (k_scale, v_scale)."""
+    """GPU backend; an fp8 cache uses the layer's `kv_scale` (k_scale, v_scale). Fuses RoPE
+    into the KV write: given `rope`, it rotates q and k (in place) itself."""
 
     name = "triton"
+    fuses_rope = True
 
     def __init__(self) -> None:
         from engine import kernels
@@ -26,14 +29,21 @@ class TritonAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float,
-                kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
-        """q: [T, H, D], k/v: [T, Hkv, D] → out [T, H, D]. Sequences are ordered decodes first."""
+                kv_scale: tuple[float, float] = (1.0, 1.0), *,
+                rope: RopeInputs | None = None) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, Hkv, D] → out [T, H, D]. Sequences are ordered decodes first.
+
+        With `rope`, q and k arrive unrotated and are rotated in place; without, already rotated."""
         kern = self._k
         ks: float | None = None
         vs: float | None = None
         if is_fp8(kv_cache):
             ks, vs = kv_scale
-        kern.write_kv(k, v, kv_cache, md.slot_mapping, ks, vs)
+        if rope is None:
+            kern.write_kv(k, v, kv_cache, md.slot_mapping, ks, vs)
+        else:
+            kern.rotary_and_write_kv(rope.positions, q, k, v, rope.cos_sin_cache, kv_cache,
+                                     md.slot_mapping, ks, vs, is_neox=rope.is_neox)
         out = torch.empty((q.shape[0], q.shape[1], q.shape[2]), dtype=q.dtype, device=q.device)
         nd = md.num_decodes
         num_seqs = md.seq_lens.shape[0]

@@ -11,6 +11,8 @@ Check `triton_available()` before calling a kernel.
                             max_query_len, out=None)                 -> out [T, H, D]
     rms_norm(x, weight, eps, residual=None)          -> normed | (normed, new_residual)
     rotary_embedding(positions, q, k, cos_sin_cache, is_neox=True)   -> None (in place)
+    rotary_and_write_kv(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping,
+                        k_scale=None, v_scale=None, is_neox=True)   -> None (rotary, then write_kv)
     silu_and_mul(x)                                                  -> [T, I]
 """
 
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
     from engine.kernels.kv_write import write_kv
     from engine.kernels.norm import rms_norm
     from engine.kernels.prefill_attention import paged_prefill_attention
+    from engine.kernels.rope_kv_write import rotary_and_write_kv
     from engine.kernels.rotary import rotary_embedding
 
 # public name -> module that defines it (module names differ from function names so importing a
@@ -39,6 +42,7 @@ _LAZY: dict[str, str] = {
     "paged_prefill_attention": "engine.kernels.prefill_attention",
     "rms_norm": "engine.kernels.norm",
     "rotary_embedding": "engine.kernels.rotary",
+    "rotary_and_write_kv": "engine.kernels.rope_kv_write",
     "silu_and_mul": "engine.kernels.activation",
 }
 
@@ -48,6 +52,7 @@ __all__ = [
     "paged_decode_attention",
     "paged_prefill_attention",
     "rms_norm",
+    "rotary_and_write_kv",
     "rotary_embedding",
     "silu_and_mul",
     "triton_available",

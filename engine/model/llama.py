@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from engine.attention.forward_context import AttentionMetadata, get_forward_context
+from engine.attention.forward_context import AttentionMetadata, RopeInputs, get_forward_context
 from engine.config import ModelConfig
 from engine.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 
@@ -24,13 +24,18 @@ class MissingWeightsError(ValueError):
 
 class AttentionBackend(Protocol):
     """What a backend provides (engine/attention/{torch,triton}_backend.py): write this step's
-    K/V into the paged cache, then attend. Mutates `kv_cache` only."""
+    K/V into the paged cache, then attend. Mutates `kv_cache` only, and q and k when given `rope`.
+
+    A backend with `fuses_rope` rotates q and k itself (fused with its KV write): the model then
+    passes `rope` and unrotated q, k. Otherwise q and k arrive rotated and `rope` is None."""
 
     name: str
+    fuses_rope: bool
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float,
-                kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor: ...
+                kv_scale: tuple[float, float] = (1.0, 1.0), *,
+                rope: RopeInputs | None = None) -> torch.Tensor: ...
 
 
 class LlamaAttention(nn.Module):
@@ -58,10 +63,14 @@ class LlamaAttention(nn.Module):
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rope(positions, q, k)
+        rope: RopeInputs | None = None
+        if self.backend.fuses_rope:  # RotaryEmbedding is neox style
+            rope = RopeInputs(positions, self.rope.cos_sin_cache, is_neox=True)
+        else:
+            q, k = self.rope(positions, q, k)
         kv_scale = ctx.kv_scales[self.layer_idx] if ctx.kv_scales is not None else (1.0, 1.0)
         o = self.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata,
-                                 self.scale, kv_scale)
+                                 self.scale, kv_scale, rope=rope)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
