@@ -171,7 +171,7 @@ def test_rejects_what_either_unfused_kernel_rejects() -> None:
         ("k must be", (positions, q, k[:, :, :8], v, cos_sin, cache, slots), {}),
         ("slot_mapping", (positions, q, k, v, cos_sin, cache, slots.int()), {}),
         ("slot_mapping", (positions, q, k, v, cos_sin, cache, slots[:3]), {}),
-        ("v must have shape", (positions, q, k, v[:, :1], cos_sin, cache, slots), {}),
+        ("value must have shape", (positions, q, k, v[:, :1], cos_sin, cache, slots), {}),
         ("kv_cache", (positions, q, k, v, cos_sin, cache[0], slots), {}),
         ("kv_cache has", (positions, q.half(), k.half(), v.half(), cos_sin, cache, slots), {}),
         ("k_scale is only allowed", (positions, q, k, v, cos_sin, cache, slots),

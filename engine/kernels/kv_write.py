@@ -24,6 +24,8 @@ from engine.kernels._checks import (
     FP8_E4M3_MAX,
     FP8_KV_DTYPE,
     KernelInputError,
+    KvScale,
+    check_contiguous,
     check_devices,
     check_inner_dense,
     check_kv_cache,
@@ -35,6 +37,26 @@ from engine.kernels._checks import (
     next_power_of_2,
 )
 from engine.kernels._tl import load_scale, round_to_e4m3
+
+
+@triton.jit
+def _store_to_cache(
+    dst_ptr,
+    x,
+    inv_scale,  # float32 1 / scale; used only when QUANT
+    mask,
+    QUANT: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    PRE_ROUND: tl.constexpr,
+):
+    """Store `x` in the cache's dtype; an fp8 cache gets `x / scale`, saturated at +-FP8_MAX."""
+    if QUANT:
+        # Multiply by the reciprocal (as the torch reference does) so both round alike.
+        x = x.to(tl.float32) * inv_scale
+        x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+        if PRE_ROUND:  # interpreter only: its own fp8 cast rounds wrongly
+            x = round_to_e4m3(x)
+    tl.store(dst_ptr, x.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -64,17 +86,41 @@ def _write_kv_kernel(
     k = tl.load(key_ptr + token.to(tl.int64) * stride_key_t + offs, mask=mask)
     v = tl.load(value_ptr + token.to(tl.int64) * stride_value_t + offs, mask=mask)
     dst = slot * ROW + offs
-    if QUANT:
-        # Multiply by the reciprocal (as the torch reference does) so both round alike.
-        k = k.to(tl.float32) * (1.0 / load_scale(k_scale, SCALE_IS_PTR))
-        v = v.to(tl.float32) * (1.0 / load_scale(v_scale, SCALE_IS_PTR))
-        k = tl.minimum(tl.maximum(k, -FP8_MAX), FP8_MAX)
-        v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
-        if PRE_ROUND:  # interpreter only: its own fp8 cast rounds wrongly
-            k = round_to_e4m3(k)
-            v = round_to_e4m3(v)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    inv_ks = 1.0 / load_scale(k_scale, SCALE_IS_PTR)
+    inv_vs = 1.0 / load_scale(v_scale, SCALE_IS_PTR)
+    _store_to_cache(k_cache_ptr + dst, k, inv_ks, mask, QUANT, FP8_MAX, PRE_ROUND)
+    _store_to_cache(v_cache_ptr + dst, v, inv_vs, mask, QUANT, FP8_MAX, PRE_ROUND)
+
+
+def check_write_kv_args(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float | torch.Tensor | None,
+    v_scale: float | torch.Tensor | None,
+) -> tuple[KvScale, KvScale]:
+    """What `write_kv` requires of its arguments (KernelInputError otherwise); returns the
+    K and V scales to pass to a kernel (1.0 for None)."""
+    _, _, num_kv_heads, head_dim = check_kv_cache(kv_cache)
+    key = check_tensor("key", key, 3, FLOAT_DTYPES)
+    value = check_tensor("value", value, 3, FLOAT_DTYPES)
+    slot_mapping = check_tensor("slot_mapping", slot_mapping, 1, (torch.int64,))
+    num_tokens = key.shape[0]
+    for name, t in (("key", key), ("value", value)):
+        check_shape(name, t, (num_tokens, num_kv_heads, head_dim))
+        check_matches_cache(name, t, kv_cache.dtype)
+        check_inner_dense(name, t, 2)
+    check_shape("slot_mapping", slot_mapping, (num_tokens,))
+    check_contiguous("slot_mapping", slot_mapping)
+    ks = check_kv_scale("k_scale", k_scale, kv_cache.dtype, kv_cache.device)
+    vs = check_kv_scale("v_scale", v_scale, kv_cache.dtype, kv_cache.device)
+    if isinstance(ks, torch.Tensor) != isinstance(vs, torch.Tensor):
+        raise KernelInputError("k_scale and v_scale must both be floats or both be tensors")
+    check_devices(
+        ("kv_cache", "key", "value", "slot_mapping"), (kv_cache, key, value, slot_mapping)
+    )
+    return ks, vs
 
 
 def write_kv(
@@ -93,26 +139,8 @@ def write_kv(
     a host sync). k_scale/v_scale (fp8 cache only; None = 1.0): Python floats, or one-element
     float32 tensors on the cache's device read by the kernel — either way CUDA-graph capturable.
     """
-    _, _, num_kv_heads, head_dim = check_kv_cache(kv_cache)
-    key = check_tensor("key", key, 3, FLOAT_DTYPES)
-    value = check_tensor("value", value, 3, FLOAT_DTYPES)
-    slot_mapping = check_tensor("slot_mapping", slot_mapping, 1, (torch.int64,))
-    num_tokens = key.shape[0]
-    check_shape("key", key, (num_tokens, num_kv_heads, head_dim))
-    check_shape("value", value, (num_tokens, num_kv_heads, head_dim))
-    check_shape("slot_mapping", slot_mapping, (num_tokens,))
-    for name, t in (("key", key), ("value", value)):
-        check_matches_cache(name, t, kv_cache.dtype)
-        check_inner_dense(name, t, 2)
-    ks = check_kv_scale("k_scale", k_scale, kv_cache.dtype, kv_cache.device)
-    vs = check_kv_scale("v_scale", v_scale, kv_cache.dtype, kv_cache.device)
-    if isinstance(ks, torch.Tensor) != isinstance(vs, torch.Tensor):
-        raise KernelInputError("k_scale and v_scale must both be floats or both be tensors")
-    if not slot_mapping.is_contiguous():
-        raise KernelInputError("slot_mapping must be contiguous")
-    check_devices(
-        ("kv_cache", "key", "value", "slot_mapping"), (kv_cache, key, value, slot_mapping)
-    )
+    ks, vs = check_write_kv_args(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+    num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     row = num_kv_heads * head_dim

@@ -17,72 +17,15 @@ import triton
 import triton.language as tl
 
 from engine.kernels._checks import (
-    FLOAT_DTYPES,
     FP8_E4M3_MAX,
     FP8_KV_DTYPE,
-    POSITION_DTYPES,
-    KernelInputError,
-    KvScale,
-    check_contiguous,
     check_devices,
-    check_head_dim,
-    check_inner_dense,
-    check_kv_cache,
-    check_kv_scale,
-    check_matches_cache,
-    check_shape,
-    check_tensor,
     interpret_mode,
     next_power_of_2,
 )
-from engine.kernels._tl import load_scale, round_to_e4m3
-
-
-@triton.jit
-def _rotated_heads(
-    x_ptr,  # one token's [NUM_HEADS, D] slice, dense
-    cos,  # [1, HALF] float32
-    sin,  # [1, HALF] float32
-    NUM_HEADS: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    HALF: tl.constexpr,
-    IS_NEOX: tl.constexpr,
-):
-    """Load and rotate one token's heads in float32; returns `(o1, o2, off1, off2, mask)`, the
-    rotated pair halves `[BLOCK_H, HALF]` and their offsets in a dense `[NUM_HEADS, D]` row (the
-    same offsets address the token's cache row, which has that layout too)."""
-    heads = tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
-    idx = tl.arange(0, HALF)[None, :]  # [1, HALF]
-    mask = heads < NUM_HEADS
-    if IS_NEOX:
-        off1 = heads * (2 * HALF) + idx
-        off2 = off1 + HALF
-    else:
-        off1 = heads * (2 * HALF) + 2 * idx
-        off2 = off1 + 1
-    x1 = tl.load(x_ptr + off1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + off2, mask=mask, other=0.0).to(tl.float32)
-    return x1 * cos - x2 * sin, x2 * cos + x1 * sin, off1, off2, mask
-
-
-@triton.jit
-def _store_to_cache(
-    dst_ptr,
-    x,
-    inv_scale,  # float32 1 / scale; used only when QUANT
-    mask,
-    QUANT: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    PRE_ROUND: tl.constexpr,
-):
-    """Store `x` in the cache's dtype; an fp8 cache gets `x / scale` saturated (kv_write.py)."""
-    if QUANT:
-        # Multiply by the reciprocal (as the torch reference does) so both round alike.
-        x = x.to(tl.float32) * inv_scale
-        x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
-        if PRE_ROUND:  # interpreter only: its own fp8 cast rounds wrongly
-            x = round_to_e4m3(x)
-    tl.store(dst_ptr, x.to(dst_ptr.dtype.element_ty), mask=mask)
+from engine.kernels._tl import load_scale
+from engine.kernels.kv_write import _store_to_cache, check_write_kv_args
+from engine.kernels.rotary import _rotated_heads, check_rotary_args
 
 
 @triton.jit
@@ -145,65 +88,6 @@ def _rope_kv_write_kernel(
         v_mask = heads < NUM_KV_HEADS
         v = tl.load(v_ptr + token * stride_v + v_off, mask=v_mask)
         _store_to_cache(v_cache_ptr + row + v_off, v, inv_vs, v_mask, QUANT, FP8_MAX, PRE_ROUND)
-
-
-def check_rotary_args(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
-) -> None:
-    """What `rotary_embedding` requires of its arguments (KernelInputError otherwise)."""
-    positions = check_tensor("positions", positions, 1, POSITION_DTYPES)
-    q = check_tensor("q", q, 3, FLOAT_DTYPES)
-    k = check_tensor("k", k, 3, FLOAT_DTYPES)
-    cos_sin_cache = check_tensor("cos_sin_cache", cos_sin_cache, 2, FLOAT_DTYPES)
-    num_tokens, _, head_dim = q.shape
-    check_head_dim("q", head_dim)
-    check_shape("positions", positions, (num_tokens,))
-    if k.shape[0] != num_tokens or k.shape[2] != head_dim:
-        raise KernelInputError(
-            f"k must be [T={num_tokens}, Hkv, D={head_dim}], got {tuple(k.shape)}"
-        )
-    if k.dtype != q.dtype:
-        raise KernelInputError(f"k has dtype {k.dtype} but q has {q.dtype}; they must match")
-    if cos_sin_cache.shape[1] != head_dim:
-        raise KernelInputError(
-            f"cos_sin_cache must be [max_pos, D={head_dim}], got {tuple(cos_sin_cache.shape)}"
-        )
-    check_inner_dense("q", q, 2)
-    check_inner_dense("k", k, 2)
-    check_contiguous("cos_sin_cache", cos_sin_cache)
-    check_contiguous("positions", positions)
-    check_devices(("q", "k", "positions", "cos_sin_cache"), (q, k, positions, cos_sin_cache))
-
-
-def check_write_kv_args(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: float | torch.Tensor | None,
-    v_scale: float | torch.Tensor | None,
-) -> tuple[KvScale, KvScale]:
-    """What `write_kv` requires of its arguments (KernelInputError otherwise); returns the
-    K and V scales to pass to a kernel (1.0 for None)."""
-    _, _, num_kv_heads, head_dim = check_kv_cache(kv_cache)
-    key = check_tensor("k", key, 3, FLOAT_DTYPES)
-    value = check_tensor("v", value, 3, FLOAT_DTYPES)
-    slot_mapping = check_tensor("slot_mapping", slot_mapping, 1, (torch.int64,))
-    num_tokens = key.shape[0]
-    for name, t in (("k", key), ("v", value)):
-        check_shape(name, t, (num_tokens, num_kv_heads, head_dim))
-        check_matches_cache(name, t, kv_cache.dtype)
-        check_inner_dense(name, t, 2)
-    check_shape("slot_mapping", slot_mapping, (num_tokens,))
-    check_contiguous("slot_mapping", slot_mapping)
-    ks = check_kv_scale("k_scale", k_scale, kv_cache.dtype, kv_cache.device)
-    vs = check_kv_scale("v_scale", v_scale, kv_cache.dtype, kv_cache.device)
-    if isinstance(ks, torch.Tensor) != isinstance(vs, torch.Tensor):
-        raise KernelInputError("k_scale and v_scale must both be floats or both be tensors")
-    check_devices(
-        ("kv_cache", "k", "v", "slot_mapping"), (kv_cache, key, value, slot_mapping)
-    )
-    return ks, vs
 
 
 def rotary_and_write_kv(

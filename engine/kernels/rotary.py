@@ -26,7 +26,7 @@ from engine.kernels._checks import (
 
 
 @triton.jit
-def _rotate_heads(
+def _rotated_heads(
     x_ptr,  # one token's [NUM_HEADS, D] slice, dense
     cos,  # [1, HALF] float32
     sin,  # [1, HALF] float32
@@ -35,6 +35,9 @@ def _rotate_heads(
     HALF: tl.constexpr,
     IS_NEOX: tl.constexpr,
 ):
+    """Load and rotate one token's heads in float32; returns `(o1, o2, off1, off2, mask)`, the
+    rotated pair halves `[BLOCK_H, HALF]` and their offsets in a dense `[NUM_HEADS, D]` row (the
+    same offsets address the token's cache row, which has that layout too)."""
     heads = tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
     idx = tl.arange(0, HALF)[None, :]  # [1, HALF]
     mask = heads < NUM_HEADS
@@ -46,8 +49,20 @@ def _rotate_heads(
         off2 = off1 + 1
     x1 = tl.load(x_ptr + off1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + off2, mask=mask, other=0.0).to(tl.float32)
-    o1 = x1 * cos - x2 * sin
-    o2 = x2 * cos + x1 * sin
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin, off1, off2, mask
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr,  # one token's [NUM_HEADS, D] slice, dense
+    cos,  # [1, HALF] float32
+    sin,  # [1, HALF] float32
+    NUM_HEADS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HALF: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+):
+    o1, o2, off1, off2, mask = _rotated_heads(x_ptr, cos, sin, NUM_HEADS, BLOCK_H, HALF, IS_NEOX)
     tl.store(x_ptr + off1, o1.to(x_ptr.dtype.element_ty), mask=mask)
     tl.store(x_ptr + off2, o2.to(x_ptr.dtype.element_ty), mask=mask)
 
@@ -77,24 +92,15 @@ def _rotary_kernel(
     _rotate_heads(k_ptr + token * stride_k, cos, sin, NUM_KV_HEADS, BLOCK_HKV, HALF, IS_NEOX)
 
 
-def rotary_embedding(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    is_neox: bool = True,
+def check_rotary_args(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> None:
-    """Rotate `q [T, H, D]` and `k [T, Hkv, D]` in place by `positions [T]` (int32/int64).
-
-    Mutates q and k only. They must share a dtype and be dense in their last two dims (a padded
-    token stride, e.g. a view of a fused QKV output, is fine). Positions must be `< max_pos`
-    (not checked: that would need a host sync).
-    """
+    """What `rotary_embedding` requires of its arguments (KernelInputError otherwise)."""
     positions = check_tensor("positions", positions, 1, POSITION_DTYPES)
     q = check_tensor("q", q, 3, FLOAT_DTYPES)
     k = check_tensor("k", k, 3, FLOAT_DTYPES)
     cos_sin_cache = check_tensor("cos_sin_cache", cos_sin_cache, 2, FLOAT_DTYPES)
-    num_tokens, num_heads, head_dim = q.shape
+    num_tokens, _, head_dim = q.shape
     check_head_dim("q", head_dim)
     check_shape("positions", positions, (num_tokens,))
     if k.shape[0] != num_tokens or k.shape[2] != head_dim:
@@ -111,9 +117,24 @@ def rotary_embedding(
     check_inner_dense("k", k, 2)
     check_contiguous("cos_sin_cache", cos_sin_cache)
     check_contiguous("positions", positions)
-    check_devices(
-        ("q", "k", "positions", "cos_sin_cache"), (q, k, positions, cos_sin_cache)
-    )
+    check_devices(("q", "k", "positions", "cos_sin_cache"), (q, k, positions, cos_sin_cache))
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool = True,
+) -> None:
+    """Rotate `q [T, H, D]` and `k [T, Hkv, D]` in place by `positions [T]` (int32/int64).
+
+    Mutates q and k only. They must share a dtype and be dense in their last two dims (a padded
+    token stride, e.g. a view of a fused QKV output, is fine). Positions must be `< max_pos`
+    (not checked: that would need a host sync).
+    """
+    check_rotary_args(positions, q, k, cos_sin_cache)
+    num_tokens, num_heads, head_dim = q.shape
     if num_tokens == 0:
         return
     num_kv_heads = k.shape[1]

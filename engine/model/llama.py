@@ -15,7 +15,7 @@ from torch import nn
 
 from engine.attention.forward_context import AttentionMetadata, RopeInputs, get_forward_context
 from engine.config import ModelConfig
-from engine.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from engine.model.layers import Linear, RMSNorm, RotaryEmbedding, silu_and_mul
 
 
 class MissingWeightsError(ValueError):
@@ -40,7 +40,7 @@ class AttentionBackend(Protocol):
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, rope: RotaryEmbedding,
-                 backend: AttentionBackend) -> None:
+                 backend: AttentionBackend, use_triton: bool = False) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = cfg.num_attention_heads
@@ -49,9 +49,9 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                               cfg.attention_bias, use_triton)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, False, use_triton)
         self.rope = rope
         self.backend = backend
 
@@ -77,19 +77,26 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, use_triton: bool) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias,
+                                   use_triton)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, use_triton)
         self.use_triton = use_triton
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.use_triton))
+        if self.use_triton and x.shape[0] == 1:
+            # Batch-1 decode: gate/up matmul and activation in one pass over the weight.
+            from engine.kernels.gemv import gemv_silu_and_mul
+            h = gemv_silu_and_mul(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        else:
+            h = silu_and_mul(self.gate_up_proj(x), self.use_triton)
+        return self.down_proj(h)
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, rope: RotaryEmbedding,
                  backend: AttentionBackend, use_triton: bool) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, rope, backend)
+        self.self_attn = LlamaAttention(cfg, layer_idx, rope, backend, use_triton)
         self.mlp = LlamaMLP(cfg, use_triton)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton)
