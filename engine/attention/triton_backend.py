@@ -2,7 +2,9 @@
 
 One step: rotate q and k (RoPE) and write this step's K/V into the blocks in one fused kernel,
 then split-K decode attention for the leading single-token sequences and varlen causal prefill
-attention for the rest. No host syncs, so a pure-decode step can be captured in a CUDA graph.
+attention for the rest (a batch of long prompts with nothing cached goes through torch SDPA
+instead: engine/attention/sdpa_prefill.py). No host syncs, so a pure-decode step can be captured
+in a CUDA graph.
 An fp8 cache passes the layer's K/V scales to the kernels as Python floats (constant per engine,
 so baked into captured graphs).
 """
@@ -13,6 +15,11 @@ import torch
 
 from engine.attention.forward_context import AttentionMetadata, RopeInputs
 from engine.attention.kv_quant import is_fp8
+from engine.attention.sdpa_prefill import (
+    MIN_FRESH_PREFILL_TOKENS,
+    fresh_prefill_enabled,
+    sdpa_fresh_prefill,
+)
 
 
 class TritonAttentionBackend:
@@ -26,6 +33,7 @@ class TritonAttentionBackend:
         from engine import kernels
 
         self._k = kernels
+        self._fresh_prefill_sdpa = fresh_prefill_enabled()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float,
@@ -51,10 +59,27 @@ class TritonAttentionBackend:
             kern.paged_decode_attention(q[:nd], kv_cache, md.block_tables[:nd], md.seq_lens[:nd],
                                         scale, out=out[:nd], max_seq_len=md.max_seq_len,
                                         k_scale=ks, v_scale=vs)
-        if nd < num_seqs:
+        if nd < num_seqs and self._fresh_prefill_sdpa and ks is None and _all_fresh_and_long(md):
+            # Prompts with nothing cached attend only to this step's own K/V: vendor SDPA.
+            qsl_cpu = md.query_start_loc_cpu
+            for i in range(nd, num_seqs):
+                a, b = qsl_cpu[i], qsl_cpu[i + 1]
+                sdpa_fresh_prefill(q[a:b], k[a:b], v[a:b], out[a:b], scale)
+        elif nd < num_seqs:
             # Decodes hold exactly one token each, so prefill tokens start at offset nd.
             qsl = md.query_start_loc[nd:] - nd if nd else md.query_start_loc
             kern.paged_prefill_attention(q[nd:], kv_cache, qsl, md.seq_lens[nd:],
                                          md.block_tables[nd:], scale, md.max_query_len,
                                          out=out[nd:], k_scale=ks, v_scale=vs)
         return out
+
+
+def _all_fresh_and_long(md: AttentionMetadata) -> bool:
+    """Every prefill sequence has no cached prefix (KV length == query length) and at least
+    MIN_FRESH_PREFILL_TOKENS tokens (host lists: no device sync)."""
+    qsl, seq_lens = md.query_start_loc_cpu, md.seq_lens_cpu
+    for i in range(md.num_decodes, len(seq_lens)):
+        q_len = qsl[i + 1] - qsl[i]
+        if q_len != seq_lens[i] or q_len < MIN_FRESH_PREFILL_TOKENS:
+            return False
+    return True
