@@ -100,7 +100,7 @@ def test_tiles_cover_llama_shapes_on_gpu(monkeypatch: pytest.MonkeyPatch) -> Non
 
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_model_layers_dispatch_one_row_to_gemv(with_bias: bool) -> None:
-    """`Linear` and `LlamaMLP` with use_triton give the torch result for one row (through the
+    """`Linear` and `LlamaMLP` with use_gemv give the torch result for one row (through the
     GEMV) and for several rows (through cuBLAS/torch), from the same weights."""
     from types import SimpleNamespace
 
@@ -108,13 +108,28 @@ def test_model_layers_dispatch_one_row_to_gemv(with_bias: bool) -> None:
     from engine.model.llama import LlamaMLP
 
     torch.manual_seed(0)
-    fast, plain = Linear(48, 40, with_bias, use_triton=True), Linear(48, 40, with_bias)
+    fast, plain = Linear(48, 40, with_bias, use_gemv=True), Linear(48, 40, with_bias)
     plain.load_state_dict(fast.state_dict())
     cfg = SimpleNamespace(hidden_size=48, intermediate_size=24, mlp_bias=with_bias)
-    mlp_fast, mlp_plain = LlamaMLP(cfg, use_triton=True), LlamaMLP(cfg, use_triton=False)  # type: ignore[arg-type]
+    mlp_fast = LlamaMLP(cfg, use_triton=True, use_gemv=True)  # type: ignore[arg-type]
+    mlp_plain = LlamaMLP(cfg, use_triton=False)  # type: ignore[arg-type]
+    assert mlp_fast.use_gemv and not mlp_plain.use_gemv
     mlp_plain.load_state_dict(mlp_fast.state_dict())
     with torch.no_grad():
         for rows in (1, 3):
             x = torch.randn(rows, 48)
             torch.testing.assert_close(fast(x), plain(x), atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(mlp_fast(x), mlp_plain(x), atol=1e-5, rtol=1e-5)
+
+
+def test_gemv_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.config import ConfigError
+    from engine.model.layers import gemv_enabled
+
+    monkeypatch.delenv("SPLITSERVE_GEMV", raising=False)
+    assert not gemv_enabled()
+    monkeypatch.setenv("SPLITSERVE_GEMV", "1")
+    assert gemv_enabled()
+    monkeypatch.setenv("SPLITSERVE_GEMV", "yes")
+    with pytest.raises(ConfigError, match="0 or 1"):
+        gemv_enabled()

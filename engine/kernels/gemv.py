@@ -2,10 +2,12 @@
 with SiLU-and-mul for the gated MLP's gate/up projection.
 
 At one row a linear layer is a pure weight stream, so the only thing that matters is how close
-the kernel reads `W` to the memory roofline. cuBLAS picks split-K kernels plus a separate reduce
-kernel at M=1; on an H200 (Llama-3.1-8B shapes, 32 weight copies so L2 never holds them,
-`bench/probe_bs1.py`) the four matmuls of a decode step took 3.97 ms through cuBLAS and 3.56 ms
-through this kernel (qkv 0.58 -> 0.46, o 0.47 -> 0.37, gate_up 1.84 -> 1.78, down 1.08 -> 0.95).
+the kernel reads `W` to the memory roofline. On an H200 (Llama-3.1-8B shapes, 32 weight copies so
+L2 never holds them, CUDA-graph replays; `bench/probe_bs1.py`, bench/results/h200/probe_bs1.json)
+the four matmuls of a decode step took 3.56 ms through this kernel against 3.97 ms through cuBLAS
+called with `out=`; but plain `F.linear` inside the engine's step picks better cuBLAS kernels
+(3.74 ms per step vs 3.85 ms for this kernel, probe_bs1_2.json), so the model uses it only when
+`SPLITSERVE_GEMV=1` (engine/model/layers.py).
 
 Each program owns `BLOCK_N` output features and walks the whole K dimension in `BLOCK_K` chunks,
 accumulating elementwise products in a `[BLOCK_N, BLOCK_K]` float32 tile and reducing it once at

@@ -8,6 +8,7 @@ Each op has a torch path (the reference, bit-compatible with Hugging Face's Llam
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
@@ -16,19 +17,31 @@ from torch import nn
 from engine.config import ConfigError
 
 
+def gemv_enabled() -> bool:
+    """`SPLITSERVE_GEMV=1` routes one-row matmuls of the Triton path through the Triton GEMV.
+
+    Off by default: on the H200 the GEMV streams the weights ~10% faster than cuBLAS called with
+    `out=` in isolation, but inside a decode step plain `F.linear` picks better cuBLAS kernels
+    (3.74 ms of matmuls per batch-1 step vs 3.85 ms with the GEMV:
+    bench/results/h200/probe_bs1*.json). Kept as the seam for weight-only quantized matmuls."""
+    value = os.environ.get("SPLITSERVE_GEMV", "0").strip()
+    if value not in ("0", "1"):
+        raise ConfigError(f"SPLITSERVE_GEMV must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 class Linear(nn.Linear):
     """`nn.Linear` whose one-row inputs (batch-1 decode) run through the Triton GEMV when
-    `use_triton` is set: at one row the layer is a pure weight stream, and the GEMV reads the
-    weight ~10% faster than cuBLAS's split-K kernels on an H200 (engine/kernels/gemv.py). The
-    weight layout and `load_weights` are unchanged."""
+    `use_gemv` is set (engine/kernels/gemv.py). The weight layout and `load_weights` are
+    unchanged."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
-                 use_triton: bool = False) -> None:
+                 use_gemv: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)
-        self.use_triton = use_triton
+        self.use_gemv = use_gemv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_triton and x.dim() == 2 and x.shape[0] == 1:
+        if self.use_gemv and x.dim() == 2 and x.shape[0] == 1:
             from engine.kernels.gemv import gemv
             return gemv(x, self.weight, self.bias)
         return nn.functional.linear(x, self.weight, self.bias)

@@ -15,7 +15,7 @@ from torch import nn
 
 from engine.attention.forward_context import AttentionMetadata, RopeInputs, get_forward_context
 from engine.config import ModelConfig
-from engine.model.layers import Linear, RMSNorm, RotaryEmbedding, silu_and_mul
+from engine.model.layers import Linear, RMSNorm, RotaryEmbedding, gemv_enabled, silu_and_mul
 
 
 class MissingWeightsError(ValueError):
@@ -49,9 +49,10 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
+        use_gemv = use_triton and gemv_enabled()
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
-                               cfg.attention_bias, use_triton)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, False, use_triton)
+                               cfg.attention_bias, use_gemv)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, False, use_gemv)
         self.rope = rope
         self.backend = backend
 
@@ -75,15 +76,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, use_triton: bool) -> None:
+    def __init__(self, cfg: ModelConfig, use_triton: bool, use_gemv: bool | None = None) -> None:
         super().__init__()
+        self.use_gemv = use_triton and gemv_enabled() if use_gemv is None else use_gemv
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias,
-                                   use_triton)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, use_triton)
+                                   self.use_gemv)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias,
+                                self.use_gemv)
         self.use_triton = use_triton
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_triton and x.shape[0] == 1:
+        if self.use_gemv and x.shape[0] == 1:
             # Batch-1 decode: gate/up matmul and activation in one pass over the weight.
             from engine.kernels.gemv import gemv_silu_and_mul
             h = gemv_silu_and_mul(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
