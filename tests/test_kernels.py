@@ -27,6 +27,7 @@ try:
     from engine import kernels as K
     from engine.kernels import decode_attention as decode_mod
     from engine.kernels import reference as R
+    from engine.kernels._attention_tile import TileDots, tile_dots
     from engine.kernels._checks import KernelInputError
 finally:
     if _PREVIOUS_INTERPRET is None:
@@ -619,7 +620,7 @@ def test_decode_fp8_matches_dequantized_reference(q_dtype: torch.dtype, scales: 
         assert_close_for(got, want, q_dtype)
 
 
-@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("scales", ["float", "tensor"])
 def test_prefill_fp8_matches_dequantized_reference(q_dtype: torch.dtype, scales: str) -> None:
     batch = _fp8_batch([7, 1, 12], [7, 20, 30], q_dtype)
@@ -634,6 +635,65 @@ def test_prefill_fp8_matches_dequantized_reference(q_dtype: torch.dtype, scales:
     plain = K.paged_prefill_attention(batch.q, batch.kv_cache, batch.query_start_loc,
                                       batch.seq_lens, batch.block_tables, 0.3, 12)
     assert not torch.allclose(plain.float(), got.float(), atol=0.1)
+
+
+def test_fp8_cache_with_16_bit_q_takes_the_fp16_dot_path() -> None:
+    """The dispatch the tests above rely on: bf16/fp16 q over an fp8 cache run fp16 dots (which
+    the interpreter computes correctly, so they are not upcast here); fp32 q and non-fp8 caches
+    keep their dots in q's dtype."""
+    for q_dtype in (torch.bfloat16, torch.float16):
+        assert tile_dots(q_dtype, FP8) == TileDots(f16=True, precision="tf32", upcast=False)
+    assert tile_dots(torch.float32, FP8) == TileDots(f16=False, precision="ieee", upcast=False)
+    assert tile_dots(torch.bfloat16, torch.bfloat16) == TileDots(False, "ieee", upcast=True)
+    assert tile_dots(torch.float16, torch.float16) == TileDots(False, "tf32", upcast=False)
+
+
+def test_fp8_large_query_does_not_overflow_the_fp16_path() -> None:
+    """bf16 q beyond fp16's range (65504): casting it to fp16 would give inf, but the kernels
+    scale it by softmax scale * log2(e) * k_scale first, which brings it back to O(1). The small
+    k_scale keeps the scores (and so the softmax) moderate, so errors in them would show."""
+    k_scale, v_scale = 2e-5, 2.0
+    decode = _fp8_batch([1, 1, 1], [5, 17, 30], torch.bfloat16)
+    prefill = _fp8_batch([7, 1, 12], [7, 20, 30], torch.bfloat16)
+    for batch in (decode, prefill):
+        batch.q = (batch.q.float() * 3e4).to(torch.bfloat16)
+        assert batch.q.float().abs().max() > torch.finfo(torch.float16).max
+    want = R.paged_decode_attention_ref(decode.q, decode.kv_cache, decode.block_tables,
+                                        decode.seq_lens, 0.3, k_scale, v_scale)
+    for splits in (1, 3):
+        got = K.paged_decode_attention(decode.q, decode.kv_cache, decode.block_tables,
+                                       decode.seq_lens, 0.3, num_splits=splits,
+                                       k_scale=k_scale, v_scale=v_scale)
+        assert torch.isfinite(got).all()
+        assert_close_for(got, want, torch.bfloat16)
+    want = R.paged_attention_ref(prefill.q, prefill.kv_cache, prefill.query_start_loc,
+                                 prefill.seq_lens, prefill.block_tables, 0.3, k_scale, v_scale)
+    got = K.paged_prefill_attention(prefill.q, prefill.kv_cache, prefill.query_start_loc,
+                                    prefill.seq_lens, prefill.block_tables, 0.3, 12,
+                                    k_scale=k_scale, v_scale=v_scale)
+    assert torch.isfinite(got).all()
+    assert_close_for(got, want, torch.bfloat16)
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_decode_fp8_one_and_three_splits_agree(q_dtype: torch.dtype) -> None:
+    """Split-K over an fp8 cache (per-split V scale, last-arriver combine) vs one split: several
+    KV tiles per split, and a sequence shorter than the split count (empty splits). float32 q
+    keeps exact fp32 dots, so the two agree with each other and the reference to fp32 rounding;
+    bf16 q runs the fp16 path."""
+    batch = make_batch([1, 1, 1], [3, 40, 64], seed=12)
+    batch.q = batch.q.to(q_dtype)
+    batch.kv_cache = (batch.kv_cache * 4).to(FP8)
+    k_scale, v_scale = torch.tensor(0.05), torch.tensor(2.0)
+    want = R.paged_decode_attention_ref(batch.q, batch.kv_cache, batch.block_tables,
+                                        batch.seq_lens, 0.3, k_scale, v_scale)
+    one, three = (K.paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables,
+                                           batch.seq_lens, 0.3, num_splits=splits,
+                                           k_scale=k_scale, v_scale=v_scale)
+                  for splits in (1, 3))
+    assert_close_for(one, want, q_dtype)
+    assert_close_for(three, want, q_dtype)
+    assert_close_for(three, one, q_dtype)
 
 
 def test_fp8_inputs_are_validated() -> None:

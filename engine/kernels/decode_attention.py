@@ -27,7 +27,11 @@ launches: launches in stream order are fine (each leaves it zeroed), concurrent 
 different streams are not supported (the engine runs one stream).
 
 An fp8 cache holds K/V divided by per-layer scales: the K scale is folded into `qk_scale` and
-each split's `acc` is multiplied by the V scale (softmax weights are unaffected by either).
+each split's `acc` is multiplied by the V scale (softmax weights are unaffected by either). With
+bf16/fp16 q the tile dots then run in fp16 (the fp8 -> fp16 conversion is one instruction per two
+values; fp8 -> bf16 is several): q is multiplied by the whole `qk_scale` and rounded to fp16 once
+per program, which is at least as precise as the bf16 q itself (10-bit vs 7-bit mantissa);
+K, V and P are fp16, the accumulators float32. See `engine/kernels/_attention_tile.py`.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._attention_tile import LOG2E, attend_kv_tile, dot_precision, upcast_dots
+from engine.kernels._attention_tile import LOG2E, attend_kv_tile, fp16_scaled_q, tile_dots
 from engine.kernels._checks import (
     FLOAT_DTYPES,
     FP8_KV_DTYPE,
@@ -114,6 +118,7 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     KV_FP8: tl.constexpr,
+    F16_DOTS: tl.constexpr,  # fp8 cache, 16-bit q: fp16 tile dots on a prescaled q
     SCALE_IS_PTR: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -132,6 +137,8 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + q_off, mask=g_mask[:, None], other=0.0)  # [BLOCK_G, D]
     if KV_FP8:
         qk_scale = qk_scale * load_scale(k_scale, SCALE_IS_PTR)
+    if F16_DOTS:  # once per program: the tile step then skips the per-score multiply
+        q = fp16_scaled_q(q, qk_scale)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_G], 0.0, tl.float32)
@@ -143,7 +150,7 @@ def _decode_split_kernel(
         acc, l_i, m_i = attend_kv_tile(
             acc, l_i, m_i, q, g, n0, end, block_table_ptr, k_head_ptr, v_head_ptr, qk_scale,
             stride_cache_block, stride_cache_tok, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
-            True, False, DOT_PRECISION, UPCAST_DOT,
+            True, False, DOT_PRECISION, UPCAST_DOT, F16_DOTS,
         )
     if KV_FP8:
         acc = acc * load_scale(v_scale, SCALE_IS_PTR)
@@ -445,6 +452,7 @@ def _launch(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     tiles = choose_decode_tiles(head_dim)
     block_r, chunk_s, m_chunk = combine_tiles(group, head_dim, num_splits)
+    dots = tile_dots(q.dtype, kv_cache.dtype)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, mid_acc, mid_m, mid_l, counters,
         qk_scale, kv_scales[0], kv_scales[1], num_heads, num_splits,
@@ -460,9 +468,10 @@ def _launch(
         BLOCK_R=block_r,
         CHUNK_S=chunk_s,
         M_CHUNK=m_chunk,
-        DOT_PRECISION=dot_precision(q.dtype),
-        UPCAST_DOT=upcast_dots(q.dtype),
+        DOT_PRECISION=dots.precision,
+        UPCAST_DOT=dots.upcast,
         KV_FP8=kv_cache.dtype == FP8_KV_DTYPE,
+        F16_DOTS=dots.f16,
         SCALE_IS_PTR=isinstance(kv_scales[0], torch.Tensor),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,

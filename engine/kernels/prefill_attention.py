@@ -11,7 +11,11 @@ diagonal are never visited (causal early stop). Query tiles are launched last-fi
 late tiles of a sequence carry the most work.
 
 An fp8 cache holds K/V divided by per-layer scales: the K scale is folded into `qk_scale` and
-the normalised output is multiplied by the V scale.
+the normalised output is multiplied by the V scale. With bf16/fp16 q the tile dots then run in
+fp16 (the fp8 -> fp16 conversion is one instruction per two values; fp8 -> bf16 is several): q
+is multiplied by the whole `qk_scale` and rounded to fp16 once per program, which is at least as
+precise as the bf16 q itself (10-bit vs 7-bit mantissa); K, V and P are fp16, the accumulators
+float32. See `engine/kernels/_attention_tile.py`.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._attention_tile import LOG2E, attend_kv_tile, dot_precision, upcast_dots
+from engine.kernels._attention_tile import LOG2E, attend_kv_tile, fp16_scaled_q, tile_dots
 from engine.kernels._checks import (
     FLOAT_DTYPES,
     FP8_KV_DTYPE,
@@ -72,6 +76,7 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     KV_FP8: tl.constexpr,
+    F16_DOTS: tl.constexpr,  # fp8 cache, 16-bit q: fp16 tile dots on a prescaled q
     SCALE_IS_PTR: tl.constexpr,
 ):
     m_tile = num_m_tiles - 1 - tl.program_id(0)  # heaviest (last) tiles first
@@ -94,6 +99,8 @@ def _prefill_kernel(
     q_pos = ctx_len + rows
     if KV_FP8:
         qk_scale = qk_scale * load_scale(k_scale, SCALE_IS_PTR)
+    if F16_DOTS:  # once per program: the tile step then skips the per-score multiply
+        q = fp16_scaled_q(q, qk_scale)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
@@ -109,7 +116,7 @@ def _prefill_kernel(
         acc, l_i, m_i = attend_kv_tile(
             acc, l_i, m_i, q, q_pos, n0, seq_len, block_table_ptr, k_head_ptr, v_head_ptr,
             qk_scale, stride_cache_block, stride_cache_tok, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
-            False, False, DOT_PRECISION, UPCAST_DOT,
+            False, False, DOT_PRECISION, UPCAST_DOT, F16_DOTS,
         )
     # Phase 2: the diagonal, up to the last row's position (bounded by seq_len).
     kv_end = tl.minimum(seq_len, ctx_len + m0 + BLOCK_M)
@@ -117,7 +124,7 @@ def _prefill_kernel(
         acc, l_i, m_i = attend_kv_tile(
             acc, l_i, m_i, q, q_pos, n0, seq_len, block_table_ptr, k_head_ptr, v_head_ptr,
             qk_scale, stride_cache_block, stride_cache_tok, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
-            True, True, DOT_PRECISION, UPCAST_DOT,
+            True, True, DOT_PRECISION, UPCAST_DOT, F16_DOTS,
         )
 
     o = acc / l_i[:, None]  # every real row saw >= 1 position, so l_i > 0 there
@@ -216,6 +223,7 @@ def paged_prefill_attention(
     if num_tokens == 0 or batch == 0:
         return out
     tiles = choose_prefill_tiles(head_dim, max_query_len)
+    dots = tile_dots(q.dtype, kv_cache.dtype)
     num_m_tiles = triton.cdiv(max_query_len, tiles.block_m)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _prefill_kernel[(num_m_tiles, num_heads, batch)](
@@ -229,9 +237,10 @@ def paged_prefill_attention(
         HEAD_DIM=head_dim,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
-        DOT_PRECISION=dot_precision(q.dtype),
-        UPCAST_DOT=upcast_dots(q.dtype),
+        DOT_PRECISION=dots.precision,
+        UPCAST_DOT=dots.upcast,
         KV_FP8=kv_cache.dtype == FP8_KV_DTYPE,
+        F16_DOTS=dots.f16,
         SCALE_IS_PTR=isinstance(ks, torch.Tensor),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
