@@ -25,7 +25,7 @@ from engine.kernels._checks import (
 )
 from engine.kernels._tl import load_scale
 from engine.kernels.kv_write import _store_to_cache, check_write_kv_args
-from engine.kernels.rotary import _rotated_heads, check_rotary_args
+from engine.kernels.rotary import _rotated_heads, check_rotary_args, load_cos_sin
 
 
 @triton.jit
@@ -55,10 +55,7 @@ def _rope_kv_write_kernel(
     PRE_ROUND: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    idx = tl.arange(0, HALF)[None, :]
-    cos = tl.load(cos_sin_ptr + pos * (2 * HALF) + idx).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + pos * (2 * HALF) + HALF + idx).to(tl.float32)
+    cos, sin = load_cos_sin(positions_ptr, cos_sin_ptr, token, HALF)
 
     q_row = q_ptr + token * stride_q
     q1, q2, q_off1, q_off2, q_mask = _rotated_heads(q_row, cos, sin, NUM_HEADS, BLOCK_H, HALF,

@@ -68,6 +68,16 @@ def _rotate_heads(
 
 
 @triton.jit
+def load_cos_sin(positions_ptr, cos_sin_ptr, token, HALF: tl.constexpr):
+    """The `[1, HALF]` float32 cos and sin rows of `token`'s position."""
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    idx = tl.arange(0, HALF)[None, :]
+    cos = tl.load(cos_sin_ptr + pos * (2 * HALF) + idx).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * (2 * HALF) + HALF + idx).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
 def _rotary_kernel(
     positions_ptr,  # [T]
     q_ptr,  # [T, H, D], tokens `stride_q` apart
@@ -84,10 +94,7 @@ def _rotary_kernel(
 ):
     # One program per token rotates all its q and k heads with one cos/sin row.
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    idx = tl.arange(0, HALF)[None, :]
-    cos = tl.load(cos_sin_ptr + pos * (2 * HALF) + idx).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + pos * (2 * HALF) + HALF + idx).to(tl.float32)
+    cos, sin = load_cos_sin(positions_ptr, cos_sin_ptr, token, HALF)
     _rotate_heads(q_ptr + token * stride_q, cos, sin, NUM_HEADS, BLOCK_H, HALF, IS_NEOX)
     _rotate_heads(k_ptr + token * stride_k, cos, sin, NUM_KV_HEADS, BLOCK_HKV, HALF, IS_NEOX)
 
