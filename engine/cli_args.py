@@ -43,6 +43,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=_default(SchedulerConfig, "max_num_batched_tokens"))
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--kv-lease-ms", type=int, default=_default(SchedulerConfig, "kv_lease_ms"))
+    g.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
+                   help="overlap scheduling and input preparation of step n+1 with the device's "
+                        "work on step n (auto: on for CUDA; never in the prefill role)")
     g.add_argument("--device", default=_default(RunnerConfig, "device"))
     g.add_argument("--attention-backend", default=_default(RunnerConfig, "attention_backend"),
                    choices=["auto", "torch", "triton"])
@@ -67,7 +70,9 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "colocated") -
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=not args.no_chunked_prefill,
                                   max_model_len=args.max_model_len, role=role,  # type: ignore[arg-type]
-                                  kv_lease_ms=args.kv_lease_ms),
+                                  kv_lease_ms=args.kv_lease_ms,
+                                  async_scheduling={"auto": None, "on": True, "off": False}[
+                                      args.async_scheduling]),
         runner=RunnerConfig(device=args.device, attention_backend=args.attention_backend,
                             enforce_eager=args.enforce_eager, cpu_threads=args.cpu_threads),
     )

@@ -195,6 +195,9 @@ class SchedulerConfig:
     max_model_len: int | None = None        # None: the model's max_position_embeddings
     role: Role = "colocated"
     kv_lease_ms: int = 30_000               # prefill role: how long KV is held for decode
+    # Schedule and launch step n+1 while the GPU still runs step n (sampled tokens stay on the
+    # device as the next inputs). None: on for CUDA devices, except in the prefill role.
+    async_scheduling: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)

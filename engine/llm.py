@@ -37,6 +37,7 @@ class LLM:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         enable_chunked_prefill: bool = True,
+        async_scheduling: bool | None = None,
         device: str = "auto",
         attention_backend: str = "auto",
         enforce_eager: bool = False,
@@ -54,7 +55,8 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill,
-                                      max_model_len=max_model_len),
+                                      max_model_len=max_model_len,
+                                      async_scheduling=async_scheduling),
             runner=RunnerConfig(device=device, attention_backend=attention_backend,  # type: ignore[arg-type]
                                 enforce_eager=enforce_eager,
                                 quantization=quantization,  # type: ignore[arg-type]

@@ -15,9 +15,9 @@ from engine.kv.hashing import model_fingerprint, root_hash
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.outputs import StepOutput
 from engine.request import RemoteKv, Request, RequestStatus
-from engine.runner import ModelRunner
+from engine.runner import ModelRunner, PendingStep
 from engine.sampling_params import SamplingParams
-from engine.scheduler import KvLoad, Lease, SampledToken, Scheduler
+from engine.scheduler import KvLoad, Lease, SampledToken, Scheduler, SchedulerOutput
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -93,9 +93,19 @@ class LLMEngine:
         self._detoks: dict[str, IncrementalDetokenizer] = {}
         self._kv_loads: list[KvLoad] = []
         self.num_steps = 0
+        self.async_scheduling = self._resolve_async(config)
+        self._inflight: tuple[SchedulerOutput, PendingStep] | None = None
         logger.info("engine ready: %s, %d KV blocks of %d tokens on %s (%s)", cfg.architecture,
                     self.runner.result.num_blocks, config.cache.block_size,
                     self.runner.result.device, self.runner.dtype)
+
+    def _resolve_async(self, config: EngineConfig) -> bool:
+        """Async scheduling pays where the device runs apart from the host (CUDA); the prefill
+        role hands each request off after one token, so there is nothing to overlap there."""
+        wanted = config.scheduler.async_scheduling
+        if config.scheduler.role == "prefill":
+            return False
+        return self.runner.device.type == "cuda" if wanted is None else wanted
 
     def _eos_ids(self, generation_config: dict[str, object]) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)
@@ -167,8 +177,14 @@ class LLMEngine:
         self._detoks.pop(request_id, None)
         return self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED) is not None
 
+    @property
+    def has_step_in_flight(self) -> bool:
+        """A launched step's tokens have not been processed yet (async scheduling)."""
+        return self._inflight is not None
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work() or bool(self.scheduler.loading)
+        return (self.scheduler.has_work() or bool(self.scheduler.loading)
+                or self._inflight is not None)
 
     # ---- disaggregation hooks --------------------------------------------------------------
 
@@ -193,12 +209,31 @@ class LLMEngine:
     # ---- the step --------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        """Schedule and launch one step; return the tokens that reached the host.
+
+        With async scheduling the step launched here is left running and the previous one is
+        finished instead (its tokens returned), so this step's scheduling, input preparation and
+        launch overlap the device's work on the previous one. A request that stopped in the
+        previous step (EOS, stop string) may have been scheduled once more: that extra token is
+        dropped. Steps whose sampling reads output history (penalties, min_tokens) finish at once.
+        """
         self.scheduler.expire_leases()
         out = self.scheduler.schedule()
         self._kv_loads.extend(out.kv_loads)
-        sampled = self.runner.execute(out)
-        changed = self.scheduler.update_from_output(out, sampled)
+        pending = self.runner.launch(out)
+        prev, self._inflight = self._inflight, None
+        outputs = self._finish_step(prev) if prev is not None else []
+        if pending is not None:
+            if self.async_scheduling and pending.overlappable:
+                self._inflight = (out, pending)
+            else:
+                outputs += self._finish_step((out, pending))
         self.num_steps += 1
+        return outputs
+
+    def _finish_step(self, step: tuple[SchedulerOutput, PendingStep]) -> list[StepOutput]:
+        out, pending = step
+        changed = self.scheduler.update_from_output(out, pending.result())
         return [self._step_output(req, tok) for req, tok in changed]
 
     def _step_output(self, req: Request, tok: SampledToken) -> StepOutput:

@@ -29,7 +29,7 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.model.layers import RotaryEmbedding
 from engine.model.llama import AttentionBackend, LlamaForCausalLM
-from engine.sampler import Sampler
+from engine.sampler import PendingTokens, Sampler, depends_on_outputs
 from engine.scheduler import SampledToken, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,21 @@ def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     raise ConfigError(f"attention_backend must be torch, triton or auto, got {name!r}")
 
 
+class PendingStep:
+    """A launched step whose sampled tokens have not reached the host yet."""
+
+    def __init__(self, tokens: PendingTokens) -> None:
+        self.tokens = tokens
+        # Sampling that reads the requests' output history needs every earlier token on the
+        # host first, so such a step is finished before the next one is scheduled.
+        self.overlappable = not any(depends_on_outputs(r) for r in tokens.reqs)
+
+    def result(self) -> dict[str, SampledToken]:
+        ids, logprobs = self.tokens.result()
+        return {r.request_id: SampledToken(tok, lp)
+                for r, tok, lp in zip(self.tokens.reqs, ids, logprobs, strict=True)}
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
                  weights: object, dummy_seed: int | None, default_dtype: torch.dtype) -> None:
@@ -110,6 +125,9 @@ class ModelRunner:
             self.model.init_dummy_weights(dummy_seed or 0)
         self.model.eval()
         self.sampler = Sampler()
+        # The last launched step's sampled tokens (on the device) and their row per request.
+        self._last_tokens: torch.Tensor | None = None
+        self._last_rows: dict[str, int] = {}
         cfg = model_config
         self.kv_shape_per_block = (cfg.num_hidden_layers, 2, self.block_size,
                                    cfg.num_key_value_heads, cfg.head_dim)
@@ -195,11 +213,18 @@ class ModelRunner:
         num_tokens = out.num_batched_tokens or sum(s.num_new_tokens for s in sched)
         max_blocks = max(len(s.block_ids) for s in sched)
         pin = self.device.type == "cuda"
-        big = torch.empty(3 * num_tokens, dtype=torch.int64, pin_memory=pin)
+        # Inputs still in flight (async scheduling): (row in this step, row of the last step's
+        # sampled tokens). At most one per request: its last sampled token.
+        inflight = [(i, s) for i, s in enumerate(sched)
+                    if s.num_computed_tokens + s.num_new_tokens > s.request.num_tokens]
+        num_gather = len(inflight)
+        big = torch.empty(3 * num_tokens + 2 * num_gather, dtype=torch.int64, pin_memory=pin)
         small = torch.zeros(2 * num_seqs + 1 + num_seqs * max_blocks, dtype=torch.int32,
                             pin_memory=pin)
         b64, b32 = big.numpy(), small.numpy()
-        ids, pos, slots = b64[:num_tokens], b64[num_tokens:2 * num_tokens], b64[2 * num_tokens:]
+        ids, pos = b64[:num_tokens], b64[num_tokens:2 * num_tokens]
+        slots = b64[2 * num_tokens:3 * num_tokens]
+        gather = b64[3 * num_tokens:].reshape(2, num_gather)  # [dst rows; src rows]
         qsl, seq_lens = b32[:num_seqs + 1], b32[num_seqs + 1:2 * num_seqs + 1]
         tables = b32[2 * num_seqs + 1:].reshape(num_seqs, max_blocks)
         logit_rows: list[int] = []
@@ -210,14 +235,15 @@ class ModelRunner:
             end = start + n
             table = s.block_ids
             tables[i, :len(table)] = table
+            known = s.request.num_tokens
             if n == 1:  # decode: scalar path, no per-row numpy temporaries
-                ids[o] = s.request.all_token_ids[start]
+                ids[o] = s.request.all_token_ids[start] if start < known else 0
                 pos[o] = start
                 slots[o] = table[start // bs] * bs + start % bs
                 num_decodes += 1
             else:
                 p = np.arange(start, end)
-                ids[o:o + n] = s.request.all_token_ids[start:end]
+                ids[o:o + min(n, known - start)] = s.request.all_token_ids[start:end]
                 pos[o:o + n] = p
                 slots[o:o + n] = tables[i, p // bs].astype(np.int64) * bs + p % bs
             o += n
@@ -226,22 +252,38 @@ class ModelRunner:
             if s.sample:
                 logit_rows.append(o - 1)
         qsl[0] = 0
+        for j, (i, s) in enumerate(inflight):
+            gather[0, j] = int(qsl[i + 1]) - 1  # the request's last row in this step
+            gather[1, j] = self._last_sampled_row(s.request.request_id)
         dev = self.device
         big_d = big.to(dev, non_blocking=True)
         small_d = small.to(dev, non_blocking=True)
+        if num_gather:
+            assert self._last_tokens is not None
+            g = big_d[3 * num_tokens:].view(2, num_gather)
+            big_d[:num_tokens].index_copy_(0, g[0], self._last_tokens.index_select(0, g[1]))
         seq_lens_cpu = seq_lens.tolist()
         md = AttentionMetadata(
             query_start_loc=small_d[:num_seqs + 1], seq_lens=small_d[num_seqs + 1:2 * num_seqs + 1],
             block_tables=small_d[2 * num_seqs + 1:].view(num_seqs, max_blocks),
-            slot_mapping=big_d[2 * num_tokens:], num_decodes=num_decodes,
+            slot_mapping=big_d[2 * num_tokens:3 * num_tokens], num_decodes=num_decodes,
             max_query_len=max(s.num_new_tokens for s in sched), max_seq_len=max(seq_lens_cpu),
             query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens_cpu)
         return big_d[:num_tokens], big_d[num_tokens:2 * num_tokens], md, logit_rows
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        """Run one step and wait for its sampled tokens."""
+        pending = self.launch(out)
+        return {} if pending is None else pending.result()
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> PendingStep | None:
+        """Enqueue one step's forward pass and sampling without waiting for the device.
+
+        The sampled tokens stay on the device too, so the next step may take them as inputs
+        before they reach the host (async scheduling). None when nothing is sampled."""
         if out.is_empty:
-            return {}
+            return None
         input_ids, positions, md, logit_rows = self.prepare(out)
         sampling_reqs = [s.request for s in out.scheduled if s.sample]
         if (self.graphs is not None and out.is_pure_decode
@@ -253,11 +295,19 @@ class ModelRunner:
             with forward_context(ForwardContext(md, self.kv_caches, self.kv_scale_values)):
                 hidden = self.model(input_ids, positions)
             if not sampling_reqs:
-                return {}
+                return None
             logits = self.model.compute_logits(hidden[logit_rows])
-        tokens, logprobs = self.sampler(logits, sampling_reqs)
-        return {r.request_id: SampledToken(tok, lp)
-                for r, tok, lp in zip(sampling_reqs, tokens, logprobs, strict=True)}
+        tokens = self.sampler.sample(logits, sampling_reqs)
+        self._last_tokens = tokens.tokens
+        self._last_rows = {r.request_id: i for i, r in enumerate(sampling_reqs)}
+        return PendingStep(tokens)
+
+    def _last_sampled_row(self, request_id: str) -> int:
+        row = self._last_rows.get(request_id)
+        if row is None:
+            raise RuntimeError(f"request {request_id!r} has a token in flight that the last "
+                               "launched step did not sample")
+        return row
 
     @torch.inference_mode()
     def logits_for(self, out: SchedulerOutput) -> torch.Tensor:

@@ -8,6 +8,7 @@ is batched with.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -105,32 +106,83 @@ def _draw(probs: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     return (probs / q).argmax(dim=-1)
 
 
-def _logprobs(raw_logits: torch.Tensor, tokens: torch.Tensor, reqs: Sequence[Request]
-              ) -> list[TokenLogprob | None]:
+@dataclass(slots=True)
+class _LogprobTensors:
+    chosen: torch.Tensor            # [N] log-probability of each sampled token
+    top_vals: torch.Tensor | None   # [N, max_n]
+    top_ids: torch.Tensor | None
+
+
+def _logprob_tensors(raw_logits: torch.Tensor, tokens: torch.Tensor, reqs: Sequence[Request]
+                     ) -> _LogprobTensors | None:
     want = [r.sampling_params.logprobs for r in reqs]
     if all(w is None for w in want):
-        return [None] * len(reqs)
+        return None
     logp = raw_logits.log_softmax(dim=-1)
-    chosen = logp.gather(1, tokens[:, None]).squeeze(1).tolist()
+    chosen = logp.gather(1, tokens[:, None]).squeeze(1)
     max_n = max(w or 0 for w in want)
-    top_vals, top_ids = (logp.topk(max_n, dim=-1) if max_n > 0 else (None, None))
-    out: list[TokenLogprob | None] = []
-    tok_list = tokens.tolist()
-    for i, w in enumerate(want):
-        if w is None:
-            out.append(None)
-            continue
-        top: list[tuple[int, float]] = []
-        if w > 0 and top_vals is not None and top_ids is not None:
-            top = list(zip(top_ids[i, :w].tolist(), top_vals[i, :w].tolist(), strict=True))
-        out.append(TokenLogprob(tok_list[i], chosen[i], top))
-    return out
+    if max_n == 0:
+        return _LogprobTensors(chosen, None, None)
+    top_vals, top_ids = logp.topk(max_n, dim=-1)
+    return _LogprobTensors(chosen, top_vals, top_ids)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """Start a device-to-host copy without waiting (pinned destination on CUDA)."""
+    return t.to("cpu", non_blocking=True)
+
+
+class PendingTokens:
+    """Sampled tokens (and logprobs) still on their way to the host.
+
+    `tokens` stays on the device (the next step's inputs under async scheduling); `result()`
+    waits for the copies: the step's one device-to-host sync."""
+
+    def __init__(self, reqs: Sequence[Request], tokens: torch.Tensor,
+                 logprobs: _LogprobTensors | None) -> None:
+        self.reqs = list(reqs)
+        self.tokens = tokens
+        self._tokens_host = _to_host(tokens)
+        self._lp = None if logprobs is None else _LogprobTensors(
+            _to_host(logprobs.chosen),
+            None if logprobs.top_vals is None else _to_host(logprobs.top_vals),
+            None if logprobs.top_ids is None else _to_host(logprobs.top_ids))
+        self._event: torch.cuda.Event | None = None
+        if tokens.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> tuple[list[int], list[TokenLogprob | None]]:
+        if self._event is not None:
+            self._event.synchronize()
+        tok_list: list[int] = self._tokens_host.tolist()
+        if self._lp is None:
+            return tok_list, [None] * len(self.reqs)
+        chosen = self._lp.chosen.tolist()
+        out: list[TokenLogprob | None] = []
+        for i, req in enumerate(self.reqs):
+            w = req.sampling_params.logprobs
+            if w is None:
+                out.append(None)
+                continue
+            top: list[tuple[int, float]] = []
+            if w > 0 and self._lp.top_vals is not None and self._lp.top_ids is not None:
+                top = list(zip(self._lp.top_ids[i, :w].tolist(),
+                               self._lp.top_vals[i, :w].tolist(), strict=True))
+            out.append(TokenLogprob(tok_list[i], chosen[i], top))
+        return tok_list, out
+
+
+def depends_on_outputs(req: Request) -> bool:
+    """Whether sampling reads the request's own output history (penalties, min_tokens): such a
+    request's next token cannot be sampled before its last one reached the host."""
+    sp = req.sampling_params
+    return sp.has_penalties or sp.min_tokens > 0
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, reqs: Sequence[Request]
-                 ) -> tuple[list[int], list[TokenLogprob | None]]:
-        """logits: [N, V] float32, one row per request → (token ids, logprobs)."""
+    def sample(self, logits: torch.Tensor, reqs: Sequence[Request]) -> PendingTokens:
+        """logits: [N, V] float32, one row per request → tokens on the device, copies started."""
         raw = logits
         if any(r.sampling_params.has_penalties for r in reqs):
             logits = apply_penalties(logits.clone(), reqs)
@@ -143,4 +195,9 @@ class Sampler:
             sub = [reqs[i] for i in idx]
             probs = _filter(logits[idx], [r.sampling_params for r in sub])
             tokens[idx] = _draw(probs, sub)
-        return tokens.tolist(), _logprobs(raw, tokens, reqs)
+        return PendingTokens(reqs, tokens, _logprob_tensors(raw, tokens, reqs))
+
+    def __call__(self, logits: torch.Tensor, reqs: Sequence[Request]
+                 ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """logits: [N, V] float32, one row per request → (token ids, logprobs)."""
+        return self.sample(logits, reqs).result()

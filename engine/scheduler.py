@@ -171,9 +171,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new <= 0:
-                i += 1
+            num_new = min(req.num_tokens + req.num_inflight - req.num_computed_tokens, budget)
+            if num_new <= 0 or (req.num_inflight and req.num_output_tokens + req.num_inflight
+                                >= req.max_output_tokens()):
+                i += 1  # nothing to compute, or the token in flight ends it by length
                 continue
             while self.kv.allocate_slots(req, num_new) is None:
                 victim = self.running.pop()  # newest first
@@ -191,6 +192,8 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted and (
                 len(self.running) + len(self.loading) < self.config.max_num_seqs):
             req = self.waiting[0]
+            if req.num_inflight:
+                break  # preempted with a token in flight: re-admit once the token has landed
             if req.remote_kv is not None:
                 if not self._start_kv_load(req, out):
                     break
@@ -221,13 +224,19 @@ class Scheduler:
         return out
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
-        return ScheduledRequest(
+        """The step's entry for `req`; counts its new tokens as computed from now on (the step
+        will write their KV before anything reads it) and a sampled token as in flight."""
+        s = ScheduledRequest(
             request=req,
             num_new_tokens=num_new,
             num_computed_tokens=req.num_computed_tokens,
             block_ids=self.kv.block_ids(req.request_id),
-            sample=req.num_computed_tokens + num_new == req.num_tokens,
+            sample=req.num_computed_tokens + num_new == req.num_tokens + req.num_inflight,
         )
+        req.num_computed_tokens += num_new
+        if s.sample:
+            req.num_inflight += 1
+        return s
 
     def _start_kv_load(self, req: Request, out: SchedulerOutput) -> bool:
         assert req.remote_kv is not None
@@ -262,18 +271,21 @@ class Scheduler:
 
     def update_from_output(self, out: SchedulerOutput,
                            sampled: dict[str, SampledToken]) -> list[tuple[Request, SampledToken]]:
-        """Advance computed counts, append sampled tokens, finish requests. Returns the requests
-        that produced a token in this step, with the token."""
+        """Append sampled tokens, finish requests (computed counts advanced at schedule time).
+        Returns the requests that produced a token in this step, with the token. With async
+        scheduling this runs after the next step was already scheduled."""
         now = time.perf_counter()
         changed: list[tuple[Request, SampledToken]] = []
         for s in out.scheduled:
             req = s.request
-            if req.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            req.num_computed_tokens += s.num_new_tokens
+            if req.status.finished:
+                continue  # aborted (or stopped by a string) while the step ran
             tok = sampled.get(req.request_id)
             if tok is None:
                 continue
+            # A request preempted by a later schedule() (async scheduling) keeps this token: it
+            # was computed from the right context, and the recompute will include it.
+            req.num_inflight -= 1
             req.append_output_token(tok.token_id)
             if tok.logprob is not None:
                 req.logprobs.append(tok.logprob)
@@ -284,7 +296,10 @@ class Scheduler:
             if status is None and self.config.role == "prefill":
                 status = RequestStatus.FINISHED_PREFILL
             if status is not None:
-                self.running.remove(req)
+                if req.status == RequestStatus.RUNNING:
+                    self.running.remove(req)
+                else:
+                    self.waiting.remove(req)
                 req.status = status
                 self._free(req)
             changed.append((req, tok))

@@ -100,7 +100,10 @@ class KVCacheManager:
             ids = self._req_to_ids.get(req.request_id)
             if ids is not None and req.num_computed_tokens < len(ids) * self.block_size:
                 total = req.num_computed_tokens + 1
-                if cache and total % self.block_size == 0:
+                # A block fills when its last token is known, which with async scheduling is one
+                # step after its slot was allocated: compare with what is cached, not total % bs.
+                if cache and (self._num_cached_blocks[req.request_id]
+                              < min(total, req.num_tokens) // self.block_size):
                     self._cache_full_blocks(req, total)
                 return []
         computed = new_computed_blocks or []
