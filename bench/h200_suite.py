@@ -65,6 +65,7 @@ class SuiteSizes:
     max_num_seqs: int = 384
     max_num_batched_tokens: int = 8192
     gpu_memory_utilization: float = 0.92
+    async_scheduling: bool | None = None  # None: the engine's default (on for CUDA)
 
     @classmethod
     def small(cls, model: str) -> SuiteSizes:
@@ -117,7 +118,8 @@ class EngineHolder:
                 model=s.model, dtype="bfloat16", max_model_len=s.max_model_len,
                 enforce_eager=enforce_eager, max_num_seqs=s.max_num_seqs,
                 max_num_batched_tokens=s.max_num_batched_tokens,
-                gpu_memory_utilization=s.gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype)
+                gpu_memory_utilization=s.gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype,
+                async_scheduling=s.async_scheduling)
             self._llm = offline.build_llm(settings)
             self._key = key
         return self._llm
@@ -241,12 +243,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", default=",".join(STEPS),
                    help=f"comma list from {STEPS}, or the optional {OPTIONAL_STEPS}")
     p.add_argument("--limit-scale", type=float, default=1.0, help="multiply every step limit")
+    p.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
+                   help="the engine's async scheduling (auto: its default, on for CUDA)")
     args = p.parse_args(argv)
     steps = tuple(x for x in args.steps.split(",") if x)
     unknown = [x for x in steps if x not in STEP_LIMITS_S]
     if unknown:
         p.error(f"--steps: unknown {unknown}; allowed: {', '.join(STEP_LIMITS_S)}")
     sizes = SuiteSizes.small(args.model) if args.small else SuiteSizes(model=args.model)
+    sizes = dataclasses.replace(sizes, async_scheduling={"auto": None, "on": True, "off": False}[
+        args.async_scheduling])
     doc = run_suite(Path(args.out_dir), sizes, steps, args.limit_scale)
     return 0 if all(e["ok"] for e in doc["steps"].values()) else 1
 
