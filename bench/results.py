@@ -18,8 +18,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 def git_info(repo_root: Path = REPO_ROOT) -> dict[str, Any]:
     """{"commit": sha or None, "dirty": bool or None}.
 
-    Where the tree is a copy without git history (e.g. on the accelerator machine), the commit
-    comes from $SPLITSERVE_COMMIT if set, and `dirty` is None (unknown).
+    $SPLITSERVE_COMMIT, when set, names the commit and `dirty` is None (unknown): on the
+    accelerator machine the tree is a copy, and a `.git` found above it may be a stale one.
     """
     def git(*args: str) -> str | None:
         try:
@@ -29,9 +29,12 @@ def git_info(repo_root: Path = REPO_ROOT) -> dict[str, Any]:
             return None
         return out.stdout.strip()
 
+    named = os.environ.get("SPLITSERVE_COMMIT")
+    if named:
+        return {"commit": named, "dirty": None}
     commit = git("rev-parse", "HEAD")
     if not commit:
-        return {"commit": os.environ.get("SPLITSERVE_COMMIT") or None, "dirty": None}
+        return {"commit": None, "dirty": None}
     status = git("status", "--porcelain", "--untracked-files=no")
     return {"commit": commit, "dirty": bool(status) if status is not None else None}
 
