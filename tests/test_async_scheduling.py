@@ -121,3 +121,43 @@ def test_auto_is_off_on_cpu_and_never_in_the_prefill_role(tiny_model_dirs: dict[
                        scheduler=SchedulerConfig(role="prefill", async_scheduling=True),
                        runner=RunnerConfig(device="cpu"))
     assert not LLM.from_config(cfg).engine.async_scheduling
+
+
+def test_async_engine_thread_streams_and_cancels(tiny_model_dirs: dict[str, Path]) -> None:
+    """The serving path: AsyncEngine's thread drives an async-scheduling engine; concurrent
+    streams get the synchronous engine's tokens, a cancelled one frees its KV."""
+    import asyncio
+
+    from engine.async_engine import AsyncEngine
+
+    sync = tiny_llm(tiny_model_dirs["llama"], async_scheduling=False)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (8, 3, 11, 6, 9)]
+    want, _ = _run(sync, params)
+    fast = tiny_llm(tiny_model_dirs["llama"], async_scheduling=True)
+
+    async def main() -> dict[str, list[int]]:
+        aeng = AsyncEngine(fast.engine)
+        aeng.start()
+
+        async def one(i: int) -> list[int]:
+            toks: list[int] = []
+            async for o in aeng.generate(f"r{i}", PROMPTS[i], params[i]):
+                toks.extend(o.new_token_ids)
+                if i == 4 and len(toks) == 2:
+                    break  # the consumer goes away: the engine must abort and free its blocks
+            return toks
+
+        try:
+            got = await asyncio.gather(*(one(i) for i in range(5)))
+            await aeng.call(lambda: None)  # let the abort land
+            return {f"r{i}": t for i, t in enumerate(got)}
+        finally:
+            await aeng.stop()
+
+    got = asyncio.run(main())
+    expected = _tokens(want)
+    assert {k: v for k, v in got.items() if k != "r4"} == {k: v for k, v in expected.items()
+                                                          if k != "r4"}
+    assert got["r4"] == expected["r4"][:2]
+    fast.engine.scheduler.check_integrity()
+    assert not fast.engine.kv.req_to_blocks
