@@ -296,9 +296,8 @@ def _assert_counters_reset(device: torch.device) -> None:
 @pytest.mark.parametrize("num_splits", [2, 3, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_last_split_reduces_in_one_launch(
-    num_splits: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    num_splits: int, dtype: torch.dtype
 ) -> None:
-    monkeypatch.setattr(decode_mod, "_decode_reduce_kernel", None)  # a second launch would fail
     # Padding rows (0), lengths shorter than the split count (empty splits), several KV tiles
     # per split, and empty trailing splits (37 positions in 8 splits of 16).
     batch = _gqa4_batch([0, 2, 37], dtype, seed=num_splits)
@@ -342,16 +341,6 @@ def test_decode_output_is_written_by_the_last_arriving_split_only() -> None:
         assert int(counters[3]) == 6 and int(counters[:3].abs().sum()) == 0
     finally:
         counters.zero_()
-
-
-def test_decode_two_launch_baseline_matches_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(decode_mod, "_TWO_LAUNCHES", True)  # the A/B benchmark's old path
-    batch = _gqa4_batch([0, 2, 37], torch.float32, seed=4)
-    want = R.paged_decode_attention_ref(batch.q, batch.kv_cache, batch.block_tables,
-                                        batch.seq_lens, 0.3)
-    got = K.paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens,
-                                   0.3, num_splits=3)
-    assert_close_for(got, want, torch.float32)
 
 
 def test_split_counters_grow_and_keep_replaced_buffers_alive() -> None:

@@ -78,9 +78,6 @@ COMBINE_TILE_ELEMENTS = 4096
 # Split counters allocated at first use: 16 KiB covers B * Hkv up to 4096, which no split
 # batch reaches (`choose_num_splits` stops splitting at 2 programs per SM).
 MIN_SPLIT_COUNTERS = 4096
-# A/B baseline only (bench): write partials and reduce them in a second launch, as before the
-# last-arriver reduction. Never set in the engine.
-_TWO_LAUNCHES = False
 
 
 @triton.jit
@@ -111,7 +108,6 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr,
-    LAST_REDUCES: tl.constexpr,  # False: leave the partials to `_decode_reduce_kernel`
     BLOCK_R: tl.constexpr,  # GROUP rounded up to a power of two (rows of the final combine)
     CHUNK_S: tl.constexpr,  # splits combined per step of the final combine
     M_CHUNK: tl.constexpr,  # splits per step when finding their common max
@@ -167,17 +163,16 @@ def _decode_split_kernel(
         tl.store(mid_m_ptr + mid, m_i, mask=g_mask)
         tl.store(mid_l_ptr + mid, l_i, mask=g_mask)
         tl.store(mid_acc_ptr + mid[:, None] * HEAD_DIM + dims[None, :], acc, mask=g_mask[:, None])
-        if LAST_REDUCES:
-            counter_ptr = counters_ptr + seq * tl.num_programs(1) + kv_head
-            # All threads' partial stores happen before the (one-thread) release below.
-            tl.debug_barrier()
-            arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:  # every other split's partials are visible now
-                _combine_splits(mid_acc_ptr, mid_m_ptr, mid_l_ptr, out_ptr, first_row,
-                                num_splits, GROUP, HEAD_DIM, BLOCK_R, CHUNK_S, M_CHUNK)
-                # Nobody else touches this counter in this launch (all have arrived); the
-                # next launch on the stream starts after this store.
-                tl.store(counter_ptr, 0)
+        counter_ptr = counters_ptr + seq * tl.num_programs(1) + kv_head
+        # All threads' partial stores happen before the (one-thread) release below.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:  # every other split's partials are visible now
+            _combine_splits(mid_acc_ptr, mid_m_ptr, mid_l_ptr, out_ptr, first_row,
+                            num_splits, GROUP, HEAD_DIM, BLOCK_R, CHUNK_S, M_CHUNK)
+            # Nobody else touches this counter in this launch (all have arrived); the
+            # next launch on the stream starts after this store.
+            tl.store(counter_ptr, 0)
 
 
 @triton.jit
@@ -196,7 +191,7 @@ def _combine_splits(
 ):
     """Rescale the splits of GROUP heads to a common max, sum, divide, store to `out`.
 
-    Same arithmetic as `_decode_reduce_kernel`, taking CHUNK_S splits per step so the
+    Same arithmetic as the former separate reduce launch, taking CHUNK_S splits per step so the
     `[BLOCK_R, CHUNK_S, D]` tile stays a few registers per thread. Loads are `.cg` (L2, not
     L1): the partials were written by other programs, possibly on other SMs.
     """
@@ -230,38 +225,6 @@ def _combine_splits(
     o = o / tl.where(total > 0.0, total, 1.0)[:, None]  # total == 0 only when o == 0
     tl.store(out_ptr + rows[:, None] * HEAD_DIM + dims[None, :], o.to(out_ptr.dtype.element_ty),
              mask=r_mask[:, None])
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    mid_acc_ptr,  # [B, H, S, D] float32
-    mid_m_ptr,  # [B, H, S]
-    mid_l_ptr,  # [B, H, S]
-    out_ptr,  # [B, H, D]
-    num_heads,
-    num_splits,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    """The former second launch, kept only as the A/B baseline (`_TWO_LAUNCHES`)."""
-    row = tl.program_id(0).to(tl.int64) * num_heads + tl.program_id(1)  # index into [B, H]
-    splits = tl.arange(0, BLOCK_S)
-    dims = tl.arange(0, HEAD_DIM)
-    s_mask = splits < num_splits
-    mid = row * num_splits + splits
-    m = tl.load(mid_m_ptr + mid, mask=s_mask, other=float("-inf"))
-    l_s = tl.load(mid_l_ptr + mid, mask=s_mask, other=0.0)
-    m_max = reduce_max(m, 0)
-    # Empty splits (m = -inf) weigh exp2(-inf) = 0; when all are empty (seq_len == 0) m_max is
-    # -inf too, so subtract 0 instead to avoid -inf - -inf = NaN.
-    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
-    w = tl.exp2(m - m_max)  # [BLOCK_S]
-    total = reduce_sum(w * l_s, 0)
-    acc = tl.load(mid_acc_ptr + mid[:, None] * HEAD_DIM + dims[None, :], mask=s_mask[:, None],
-                  other=0.0)
-    o = reduce_sum(acc * w[:, None], 0)  # [D]
-    o = o / tl.where(total > 0.0, total, 1.0)  # total == 0 only when o == 0 (seq_len == 0)
-    tl.store(out_ptr + row * HEAD_DIM + dims, o.to(out_ptr.dtype.element_ty))
 
 
 # device -> the counter buffer in use. Buffers it replaced stay alive in `_retired_counters`:
@@ -439,7 +402,6 @@ def _launch(
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
     direct = num_splits == 1
-    two_launches = _TWO_LAUNCHES and not direct
     if direct:  # the kernel writes `out`; the partial buffers and counters are never touched
         mid_acc = mid_m = mid_l = out
         counters = seq_lens
@@ -448,7 +410,7 @@ def _launch(
                               device=q.device)
         mid_m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
         mid_l = torch.empty_like(mid_m)
-        counters = seq_lens if two_launches else split_counters(q.device, batch * num_kv_heads)
+        counters = split_counters(q.device, batch * num_kv_heads)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     tiles = choose_decode_tiles(head_dim)
     block_r, chunk_s, m_chunk = combine_tiles(group, head_dim, num_splits)
@@ -464,7 +426,6 @@ def _launch(
         HEAD_DIM=head_dim,
         BLOCK_N=tiles.block_n,
         DIRECT=direct,
-        LAST_REDUCES=not two_launches,
         BLOCK_R=block_r,
         CHUNK_S=chunk_s,
         M_CHUNK=m_chunk,
@@ -476,10 +437,3 @@ def _launch(
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
-    if two_launches:
-        _decode_reduce_kernel[(batch, num_heads)](
-            mid_acc, mid_m, mid_l, out, num_heads, num_splits,
-            HEAD_DIM=head_dim,
-            BLOCK_S=next_power_of_2(num_splits),
-            num_warps=4 if head_dim >= 128 else 2,
-        )
