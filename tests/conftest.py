@@ -8,6 +8,8 @@ the engine's loader reads exactly what `transformers` reads back as the referenc
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,6 +98,23 @@ def hf_reference(tiny_model_dirs: dict[str, Path]) -> Callable[[str], PreTrained
         return cache[name]
 
     return get
+
+
+@contextlib.contextmanager
+def interpreted_kernel_imports() -> Iterator[None]:
+    """Kernel modules imported inside see TRITON_INTERPRET=1 (Triton decides at decoration time
+    whether a kernel is interpreted); the variable is restored after, so other test modules do
+    not see a "GPU". Skips the importing module when Triton is not installed."""
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        pytest.importorskip("triton", reason="Triton is not installed")
+        yield
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
 
 
 def tiny_llm(path: Path, **kwargs: Any) -> LLM:

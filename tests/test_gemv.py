@@ -3,31 +3,17 @@ that dispatch to them (TRITON_INTERPRET=1, CPU, small shapes)."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-
 import pytest
 import torch
+from conftest import interpreted_kernel_imports
 
-_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-try:
-    pytest.importorskip("triton", reason="Triton is not installed")
+# Importing test_kernels turns the interpreter on for the kernel modules; `_interpret` is its
+# autouse fixture (re-exported so that it applies to this module's tests too).
+from test_kernels import _interpret  # noqa: F401
+
+with interpreted_kernel_imports():
     from engine.kernels import gemv as gemv_mod
     from engine.kernels._checks import KernelInputError
-finally:
-    if _PREVIOUS_INTERPRET is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _PREVIOUS_INTERPRET
-
-
-@pytest.fixture(autouse=True)
-def _interpret(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    if type(gemv_mod._gemv_kernel).__name__ != "InterpretedFunction":
-        pytest.skip("kernels were compiled for a GPU before this module set TRITON_INTERPRET")
-    yield
 
 
 _TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}

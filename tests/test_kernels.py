@@ -7,7 +7,6 @@ variable lengths and prefix hits; decode forces split-K with several split count
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,24 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import interpreted_kernel_imports
 
-# The interpreter must be on when the kernel modules are imported (Triton decides at decoration
-# time). Restore the variable afterwards so other test modules don't see a "GPU"; the autouse
-# fixture below turns it on again for the tests of this module only.
-_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-try:
-    pytest.importorskip("triton", reason="Triton is not installed")
+# The autouse fixture below turns the interpreter on again for the tests of this module only.
+with interpreted_kernel_imports():
     from engine import kernels as K
     from engine.kernels import decode_attention as decode_mod
     from engine.kernels import reference as R
     from engine.kernels._attention_tile import TileDots, tile_dots
     from engine.kernels._checks import KernelInputError
-finally:
-    if _PREVIOUS_INTERPRET is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = _PREVIOUS_INTERPRET
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
