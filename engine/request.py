@@ -91,7 +91,8 @@ class Request:
         self.output_token_ids: list[int] = list(output_token_ids or [])
         self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
         self.num_computed_tokens = 0
-        # Sampled tokens launched on the device but not yet appended (async scheduling: 0 or 1).
+        # Sampled tokens launched on the device but not yet appended (async scheduling: at most
+        # 2, between scheduling step n+1 and processing step n).
         self.num_inflight = 0
         self.num_cached_tokens = -1  # prompt tokens served by the prefix cache; -1 = unknown yet
         self.block_hashes: list[bytes] = []

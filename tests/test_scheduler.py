@@ -284,3 +284,48 @@ def test_disaggregated_equals_colocated(tiny_model_dirs: dict[str, Path], load_o
     _run(dec)
     assert d.output_token_ids == want.output_token_ids
     assert dec.kv.num_free_blocks == dec.kv.num_blocks
+
+
+# ---- async scheduling: step n+1 is scheduled before step n's tokens are known ---------------------
+
+def _sampled(out: SchedulerOutput, token: int) -> dict[str, SampledToken]:
+    return {x.request.request_id: SampledToken(token) for x in out.scheduled if x.sample}
+
+
+def test_async_schedule_counts_the_token_in_flight() -> None:
+    s = _sched(budget=16)
+    a = _req("a", 5, max_tokens=3)
+    s.add_request(a)
+    first = s.schedule()  # prefill, samples token 1 (in flight)
+    assert (a.num_computed_tokens, a.num_inflight) == (5, 1)
+    second = s.schedule()  # before token 1 is known: decode its position, sample token 2
+    [x] = second.scheduled
+    assert (x.num_computed_tokens, x.num_new_tokens, x.sample) == (5, 1, True)
+    assert a.num_inflight == 2 and a.num_tokens == 5
+    s.update_from_output(first, _sampled(first, 11))
+    assert a.output_token_ids == [11] and a.num_inflight == 1
+    third = s.schedule()  # token 3 would be the last (max_tokens=3) and is scheduled
+    assert [y.num_computed_tokens for y in third.scheduled] == [6]
+    s.update_from_output(second, _sampled(second, 12))
+    # Tokens 1-2 known, token 3 in flight: it ends the request by length, so nothing is scheduled.
+    assert s.schedule().is_empty
+    s.update_from_output(third, _sampled(third, 13))
+    assert a.output_token_ids == [11, 12, 13] and a.is_finished and a.num_inflight == 0
+    s.check_integrity()
+    assert not s.kv.req_to_blocks
+
+
+def test_async_stop_with_a_step_in_flight_drops_its_token() -> None:
+    s = _sched(budget=16)
+    a = _req("a", 4, max_tokens=8)
+    a.sampling_params.ignore_eos = False
+    a.eos_token_ids = (99,)
+    s.add_request(a)
+    first = s.schedule()
+    second = s.schedule()  # launched before the EOS of `first` is known
+    s.update_from_output(first, _sampled(first, 99))
+    assert a.is_finished and a.output_token_ids == [99]
+    assert s.update_from_output(second, _sampled(second, 5)) == []  # the extra token is dropped
+    assert a.output_token_ids == [99]
+    s.check_integrity()
+    assert not s.kv.req_to_blocks
