@@ -3,17 +3,22 @@ stays on the paged Triton kernel (TRITON_INTERPRET=1, CPU: SDPA runs its math ba
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 # Importing test_kernels turns the interpreter on for the kernel modules; `_interpret` is its
 # autouse fixture (re-exported so that it applies to this module's tests too).
+from conftest import tiny_llm
 from test_kernels import _interpret, assert_close_for  # noqa: F401
 
 from engine.attention import sdpa_prefill, triton_backend
 from engine.attention.forward_context import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.attention.triton_backend import TritonAttentionBackend
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SampledToken
 
 H, HKV, D, BS = 4, 2, 16, 16
 LONG = sdpa_prefill.MIN_FRESH_PREFILL_TOKENS
@@ -43,7 +48,8 @@ def _step(q_lens: list[int], ctx_lens: list[int], seed: int
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         block_tables=torch.stack(tables).to(torch.int32), slot_mapping=torch.cat(slots),
         num_decodes=0, max_query_len=max(q_lens), max_seq_len=max(seq_lens),
-        query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
+        query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
+        fresh_prefill_len=min(q_lens) if not any(ctx_lens) else 0)  # as the runner sets it
     t = qsl[-1]
     q, k, v = (torch.randn(t, n, D, generator=gen) for n in (H, HKV, HKV))
     cache = torch.randn(2, len(perm), BS, HKV, D, generator=gen)
@@ -74,15 +80,38 @@ def test_fresh_long_prompts_use_sdpa_and_match_the_torch_backend(
     assert_close_for(got, want, torch.float32)
 
 
-@pytest.mark.parametrize(("q_lens", "ctx_lens"), [
-    ([LONG + 4], [16]),        # a prefix-cache hit / later chunk: needs the paged kernel
-    ([LONG, 20], [0, 0]),      # one short prompt in the batch: all stay on the paged kernel
-])
-def test_other_prefills_stay_on_the_triton_kernel(q_lens: list[int], ctx_lens: list[int]) -> None:
-    md, *_ = _step(q_lens, ctx_lens, seed=2)
-    assert not triton_backend._all_fresh_and_long(md)
-    fresh, *_ = _step([LONG, LONG + 1], [0, 0], seed=2)
-    assert triton_backend._all_fresh_and_long(fresh)
+def test_short_prompts_stay_on_the_triton_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _count_sdpa_calls(monkeypatch)
+    md, q, k, v, cache = _step([20, 9], [0, 0], seed=2)  # fresh, but under the threshold
+    want = TorchAttentionBackend().forward(q, k, v, cache.clone(), md, 0.3)
+    got = TritonAttentionBackend().forward(q, k, v, cache, md, 0.3)
+    assert calls == []
+    assert_close_for(got, want, torch.float32)
+
+
+def test_runner_marks_steps_whose_prefills_have_no_cached_context(
+        tiny_model_dirs: dict[str, Path]) -> None:
+    """`fresh_prefill_len` (what the backend decides on, once per step): the shortest prefill
+    when none has KV cached before the step; 0 for a prefix hit, a later chunk, or decodes."""
+    eng = tiny_llm(tiny_model_dirs["llama"], max_num_batched_tokens=64).engine
+
+    def step() -> int:  # schedule + prepare one step; sample token 1 for every sampling row
+        out = eng.scheduler.schedule()
+        fresh = eng.runner.prepare(out)[2].fresh_prefill_len
+        eng.scheduler.update_from_output(out, {s.request.request_id: SampledToken(1)
+                                               for s in out.scheduled if s.sample})
+        return fresh
+
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    prompt = [(5 * j) % 200 + 1 for j in range(40)]
+    eng.add_request("a", prompt, params)
+    eng.add_request("b", list(range(1, 22)), params)
+    assert [step(), step()] == [21, 0]  # two fresh prompts, then their decodes
+    eng.add_request("c", prompt, params)
+    assert [step(), step()] == [0, 0]  # a's blocks are a prefix hit for c
+    eng.add_request("d", list(range(3, 103)), params)
+    assert [step(), step()] == [64, 0]  # chunked: the first chunk is fresh, the second is not
+    eng.scheduler.check_integrity()
 
 
 def test_switch_off_and_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -29,6 +29,10 @@ class AttentionMetadata:
     # Host copies for the reference backend's python loops (avoid device syncs there).
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # The shortest prefill (a sequence of > 1 new token) when no prefill has KV cached before
+    # this step, else 0; also 0 without prefills. Lets a backend pick a kernel for prompts that
+    # attend only to their own fresh K/V once per step, not once per layer.
+    fresh_prefill_len: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,8 @@
 
 One step: rotate q and k (RoPE) and write this step's K/V into the blocks in one fused kernel,
 then split-K decode attention for the leading single-token sequences and varlen causal prefill
-attention for the rest (a batch of long prompts with nothing cached goes through torch SDPA
+attention for the rest (a step whose prefills are all long and have nothing cached, as the runner
+marks in `fresh_prefill_len`, goes through torch SDPA
 instead: engine/attention/sdpa_prefill.py). No host syncs, so a pure-decode step can be captured
 in a CUDA graph.
 An fp8 cache passes the layer's K/V scales to the kernels as Python floats (constant per engine,
@@ -59,7 +60,8 @@ class TritonAttentionBackend:
             kern.paged_decode_attention(q[:nd], kv_cache, md.block_tables[:nd], md.seq_lens[:nd],
                                         scale, out=out[:nd], max_seq_len=md.max_seq_len,
                                         k_scale=ks, v_scale=vs)
-        if nd < num_seqs and self._fresh_prefill_sdpa and ks is None and _all_fresh_and_long(md):
+        if (nd < num_seqs and self._fresh_prefill_sdpa and ks is None
+                and md.fresh_prefill_len >= MIN_FRESH_PREFILL_TOKENS):
             # Prompts with nothing cached attend only to this step's own K/V: vendor SDPA.
             qsl_cpu = md.query_start_loc_cpu
             for i in range(nd, num_seqs):
@@ -73,13 +75,3 @@ class TritonAttentionBackend:
                                          out=out[nd:], k_scale=ks, v_scale=vs)
         return out
 
-
-def _all_fresh_and_long(md: AttentionMetadata) -> bool:
-    """Every prefill sequence has no cached prefix (KV length == query length) and at least
-    MIN_FRESH_PREFILL_TOKENS tokens (host lists: no device sync)."""
-    qsl, seq_lens = md.query_start_loc_cpu, md.seq_lens_cpu
-    for i in range(md.num_decodes, len(seq_lens)):
-        q_len = qsl[i + 1] - qsl[i]
-        if q_len != seq_lens[i] or q_len < MIN_FRESH_PREFILL_TOKENS:
-            return False
-    return True
