@@ -168,6 +168,20 @@ def shuffled_block_tables(
     return table.to(device), num_blocks
 
 
+@dataclass(frozen=True, slots=True)
+class VarlenBatch:
+    """One prefill check's inputs (see `Checker.varlen_batch`)."""
+
+    q: torch.Tensor
+    kv_cache: torch.Tensor
+    block_tables: torch.Tensor
+    qsl: torch.Tensor
+    seq_lens: torch.Tensor
+    scale: float
+    out: torch.Tensor
+    flops: float
+
+
 # ----------------------------------------------------------------------------- checks
 
 
@@ -335,36 +349,44 @@ class Checker:
         from engine.kernels import paged_prefill_attention
         from engine.kernels.reference import paged_attention_ref
 
-        s = self.s
-        seq_lens_list = [p + n for p, n in zip(prefixes, q_lens, strict=True)]
-        block_tables, num_blocks = shuffled_block_tables(
-            seq_lens_list, s.block_size, self.device, self.cpu_gen)
-        kv_cache = make_cache(num_blocks, s, self.dtype, self.device, self.gen)
-        seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32, device=self.device)
-        starts = [0]
-        for n in q_lens:
-            starts.append(starts[-1] + n)
-        query_start_loc = torch.tensor(starts, dtype=torch.int32, device=self.device)
-        q = self.randn(starts[-1], s.num_heads, s.head_dim)
-        scale = s.head_dim ** -0.5
+        b = self.varlen_batch(q_lens, prefixes, lambda num_blocks: make_cache(
+            num_blocks, self.s, self.dtype, self.device, self.gen))
         max_q = max(q_lens)
-        out = torch.full_like(q, float("nan"))
-        paged_prefill_attention(q, kv_cache, query_start_loc, seq_lens, block_tables, scale,
-                                max_q, out=out)
-        ref = paged_attention_ref(q, kv_cache, query_start_loc, seq_lens, block_tables, scale)
-        result = verdict({"q_lens": q_lens, "prefixes": prefixes, **errors(out, ref)},
+        paged_prefill_attention(b.q, b.kv_cache, b.qsl, b.seq_lens, b.block_tables, b.scale,
+                                max_q, out=b.out)
+        ref = paged_attention_ref(b.q, b.kv_cache, b.qsl, b.seq_lens, b.block_tables, b.scale)
+        result = verdict({"q_lens": q_lens, "prefixes": prefixes, **errors(b.out, ref)},
                          self.dtype)
         del ref
         ms = self.timer(lambda: paged_prefill_attention(
-            q, kv_cache, query_start_loc, seq_lens, block_tables, scale, max_q, out=out))
+            b.q, b.kv_cache, b.qsl, b.seq_lens, b.block_tables, b.scale, max_q, out=b.out))
+        result.update({"ms": ms, "tflop_per_s": b.flops / (ms * 1e-3) / 1e12})
+        if sdpa:
+            result["sdpa"] = self.sdpa_baseline(b.q, b.kv_cache, b.block_tables,
+                                                prefixes[0] + q_lens[0], b.scale, b.out, b.flops)
+        return result
+
+    def varlen_batch(self, q_lens: list[int], prefixes: list[int],
+                     make_kv: Callable[[int], torch.Tensor]) -> VarlenBatch:
+        """Queries of sequences with `prefixes[i]` cached tokens and `q_lens[i]` new ones over
+        shuffled blocks of a cache from `make_kv(num_blocks)`; a NaN-filled output."""
+        s = self.s
+        lens = [p + n for p, n in zip(prefixes, q_lens, strict=True)]
+        block_tables, num_blocks = shuffled_block_tables(lens, s.block_size, self.device,
+                                                         self.cpu_gen)
+        kv_cache = make_kv(num_blocks)
+        starts = [0]
+        for n in q_lens:
+            starts.append(starts[-1] + n)
+        q = self.randn(starts[-1], s.num_heads, s.head_dim)
         # causal: query i of a sequence sees prefix + i + 1 keys; 2 matmuls x 2 flop per MAC
         visible = sum(n * p + n * (n + 1) // 2 for p, n in zip(prefixes, q_lens, strict=True))
-        flops = 4.0 * s.num_heads * s.head_dim * visible
-        result.update({"ms": ms, "tflop_per_s": flops / (ms * 1e-3) / 1e12})
-        if sdpa:
-            result["sdpa"] = self.sdpa_baseline(q, kv_cache, block_tables, seq_lens_list[0],
-                                                scale, out, flops)
-        return result
+        return VarlenBatch(
+            q=q, kv_cache=kv_cache, block_tables=block_tables,
+            qsl=torch.tensor(starts, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
+            scale=s.head_dim ** -0.5, out=torch.full_like(q, float("nan")),
+            flops=4.0 * s.num_heads * s.head_dim * visible)
 
     def sdpa_baseline(
         self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -569,34 +591,21 @@ class Checker:
         from engine.kernels import paged_prefill_attention
         from engine.kernels.reference import paged_attention_ref
 
-        s = self.s
-        lens = [p + n for p, n in zip(prefixes, q_lens, strict=True)]
-        block_tables, num_blocks = shuffled_block_tables(lens, s.block_size, self.device,
-                                                         self.cpu_gen)
-        kv_cache = self.fp8_cache(num_blocks)
-        seq_lens = torch.tensor(lens, dtype=torch.int32, device=self.device)
-        starts = [0]
-        for n in q_lens:
-            starts.append(starts[-1] + n)
-        qsl = torch.tensor(starts, dtype=torch.int32, device=self.device)
-        q = self.randn(starts[-1], s.num_heads, s.head_dim)
-        scale = s.head_dim ** -0.5
-        out = torch.full_like(q, float("nan"))
+        b = self.varlen_batch(q_lens, prefixes, self.fp8_cache)
 
         def call() -> None:
-            paged_prefill_attention(q, kv_cache, qsl, seq_lens, block_tables, scale,
-                                    max(q_lens), out=out, k_scale=FP8_SCALES[0],
+            paged_prefill_attention(b.q, b.kv_cache, b.qsl, b.seq_lens, b.block_tables, b.scale,
+                                    max(q_lens), out=b.out, k_scale=FP8_SCALES[0],
                                     v_scale=FP8_SCALES[1])
 
         call()
-        ref = paged_attention_ref(q, kv_cache, qsl, seq_lens, block_tables, scale, *FP8_SCALES)
-        result = {"q_lens": q_lens, "prefixes": prefixes, **errors(out, ref)}
+        ref = paged_attention_ref(b.q, b.kv_cache, b.qsl, b.seq_lens, b.block_tables, b.scale,
+                                  *FP8_SCALES)
+        result = {"q_lens": q_lens, "prefixes": prefixes, **errors(b.out, ref)}
         result["ok"] = bool(result["all_finite"] and result["rel_err"] < FP8_TOLERANCE)
         del ref
         ms = self.timer(call)
-        visible = sum(n * p + n * (n + 1) // 2 for p, n in zip(prefixes, q_lens, strict=True))
-        flops = 4.0 * s.num_heads * s.head_dim * visible
-        result.update({"ms": ms, "tflop_per_s": flops / (ms * 1e-3) / 1e12})
+        result.update({"ms": ms, "tflop_per_s": b.flops / (ms * 1e-3) / 1e12})
         return result
 
     def timed(self, result: dict[str, Any], fn: Callable[[], object],

@@ -2,10 +2,9 @@
 
 One step: rotate q and k (RoPE) and write this step's K/V into the blocks in one fused kernel,
 then split-K decode attention for the leading single-token sequences and varlen causal prefill
-attention for the rest (a step whose prefills are all long and have nothing cached, as the runner
-marks in `fresh_prefill_len`, goes through torch SDPA
-instead: engine/attention/sdpa_prefill.py). No host syncs, so a pure-decode step can be captured
-in a CUDA graph.
+attention for the rest (a step whose prefills are all long and have nothing cached, as the
+runner marks in `fresh_prefill_len`, goes through torch SDPA instead: sdpa_prefill.py). No host
+syncs, so a pure-decode step can be captured in a CUDA graph.
 An fp8 cache passes the layer's K/V scales to the kernels as Python floats (constant per engine,
 so baked into captured graphs).
 """
