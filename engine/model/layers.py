@@ -95,17 +95,19 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tu
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style RoPE (rotate halves) with a precomputed cos/sin cache [max_pos, D]."""
+    """Neox-style RoPE (rotate halves) with a precomputed cos/sin cache [max_pos, D].
+
+    `forward` is the torch path (the reference backend); the Triton backend reads the table and
+    rotates inside its fused RoPE + KV-write kernel (`AttentionBackend.fuses_rope`)."""
 
     cos_sin_cache: torch.Tensor
 
     def __init__(self, head_dim: int, max_position: int, theta: float,
-                 scaling: dict[str, Any] | None, use_triton: bool = False) -> None:
+                 scaling: dict[str, Any] | None) -> None:
         super().__init__()
         self._args = (head_dim, max_position, theta, scaling)
         self.register_buffer("cos_sin_cache", self._table(), persistent=False)
         self.head_dim = head_dim
-        self.use_triton = use_triton
 
     def _table(self, device: torch.device | None = None) -> torch.Tensor:
         head_dim, max_position, theta, scaling = self._args
@@ -121,10 +123,6 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T]; q: [T, H, D]; k: [T, Hkv, D]."""
-        if self.use_triton:
-            from engine.kernels import rotary_embedding
-            rotary_embedding(positions, q, k, self.cos_sin_cache)
-            return q, k
         cos_sin = self.cos_sin_cache[positions]
         half = self.head_dim // 2
         cos = torch.cat([cos_sin[:, :half]] * 2, dim=-1)[:, None, :].to(q.dtype)

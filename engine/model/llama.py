@@ -121,8 +121,7 @@ class LlamaForCausalLM(nn.Module):
                  use_triton: bool = False) -> None:
         super().__init__()
         self.config = cfg
-        rope = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling_dict,
-                               use_triton)
+        rope = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling_dict)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             [LlamaDecoderLayer(cfg, i, rope, backend, use_triton)
