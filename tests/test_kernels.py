@@ -312,6 +312,22 @@ def test_decode_fp8_last_split_reduces_in_one_launch(num_splits: int) -> None:
     _assert_counters_reset(batch.q.device)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_head_major_grid_matches_reference(num_splits: int) -> None:
+    # The (Hkv, B, S) grid order: each program must still find its own sequence, KV head and
+    # split counter (a swapped index would read another sequence's blocks or leave a counter).
+    batch = _gqa4_batch([0, 5, 37, 11], torch.float32, seed=40 + num_splits)
+    want = R.paged_decode_attention_ref(batch.q, batch.kv_cache, batch.block_tables,
+                                        batch.seq_lens, 0.3)
+    tiles = decode_mod.DecodeTiles(16, 1, 1, head_major=True)
+    for _ in range(2):
+        got = K.paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables,
+                                       batch.seq_lens, 0.3, num_splits=num_splits, tiles=tiles)
+        assert_close_for(got, want, torch.float32)
+    if num_splits > 1:
+        _assert_counters_reset(batch.q.device)
+
+
 def test_decode_output_is_written_by_the_last_arriving_split_only() -> None:
     # A counter that does not start at zero shifts who is "last": with it at num_splits no
     # program sees num_splits - 1, so that (sequence, kv_head) group is never written. This is

@@ -116,9 +116,14 @@ def _decode_split_kernel(
     KV_FP8: tl.constexpr,
     F16_DOTS: tl.constexpr,  # fp8 cache, 16-bit q: fp16 tile dots on a prescaled q
     SCALE_IS_PTR: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr,  # grid (Hkv, B, S) instead of (B, Hkv, S); see `DecodeTiles`
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEAD_MAJOR:
+        kv_head = tl.program_id(0)
+        seq = tl.program_id(1)
+    else:
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     split_len = ceil_div(ceil_div(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -163,7 +168,7 @@ def _decode_split_kernel(
         tl.store(mid_m_ptr + mid, m_i, mask=g_mask)
         tl.store(mid_l_ptr + mid, l_i, mask=g_mask)
         tl.store(mid_acc_ptr + mid[:, None] * HEAD_DIM + dims[None, :], acc, mask=g_mask[:, None])
-        counter_ptr = counters_ptr + seq * tl.num_programs(1) + kv_head
+        counter_ptr = counters_ptr + seq * (num_heads // GROUP) + kv_head
         # All threads' partial stores happen before the (one-thread) release below.
         tl.debug_barrier()
         arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
@@ -293,14 +298,20 @@ def choose_num_splits(
 
 @dataclass(frozen=True, slots=True)
 class DecodeTiles:
-    """Compile-time KV tile length and launch parameters of the split kernel."""
+    """Compile-time KV tile length and launch parameters of the split kernel.
+
+    `head_major` orders the grid (Hkv, B, S): programs launched together are then the KV heads
+    of one sequence, whose rows of a cache block are adjacent in memory (`[BS, Hkv, D]`), rather
+    than one KV head of many sequences (a 128- or 256-byte run per token, strided by `Hkv * D`).
+    """
 
     block_n: int
     num_warps: int
     num_stages: int
+    head_major: bool = False
 
 
-def choose_decode_tiles(head_dim: int) -> DecodeTiles:
+def choose_decode_tiles(head_dim: int, kv_dtype: torch.dtype | None = None) -> DecodeTiles:
     """KV tile of 64 positions (32 for D=256) on the GPU, 3-stage pipelined (best of a sweep on
     an H200); 16 in the interpreter, whose cost is per element."""
     if interpret_mode():
@@ -332,6 +343,7 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
+    tiles: DecodeTiles | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged KV; returns `out [B, H, D]`.
 
@@ -340,6 +352,7 @@ def paged_decode_attention(
     kv_cache: `[2, NB, BS, Hkv, D]` contiguous, already holding this step's K/V.
     k_scale/v_scale: fp8 cache only (None = 1.0): the stored values times these are K and V;
     Python floats or one-element float32 tensors on the cache's device.
+    tiles: override the tuned tile/launch choice (`choose_decode_tiles`), for sweeps and tests.
     block_tables: `[B, max_blocks]` int32; seq_lens: `[B]` int32 (KV length incl. this token).
     out: optional contiguous `[B, H, D]` buffer in q's dtype (written entirely, returned).
     num_splits: force the split count; by default chosen from `max_seq_len` (a host int bound
@@ -384,7 +397,9 @@ def paged_decode_attention(
                  check_kv_scale("v_scale", v_scale, kv_cache.dtype, kv_cache.device))
     if isinstance(kv_scales[0], torch.Tensor) != isinstance(kv_scales[1], torch.Tensor):
         raise KernelInputError("k_scale and v_scale must both be floats or both be tensors")
-    _launch(q, kv_cache, block_tables, seq_lens, qk_scale, out, num_splits, kv_scales)
+    if tiles is None:
+        tiles = choose_decode_tiles(head_dim, kv_cache.dtype)
+    _launch(q, kv_cache, block_tables, seq_lens, qk_scale, out, num_splits, kv_scales, tiles)
     return out
 
 
@@ -397,6 +412,7 @@ def _launch(
     out: torch.Tensor,
     num_splits: int,
     kv_scales: tuple[KvScale, KvScale],
+    tiles: DecodeTiles,
 ) -> None:
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -412,10 +428,11 @@ def _launch(
         mid_l = torch.empty_like(mid_m)
         counters = split_counters(q.device, batch * num_kv_heads)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    tiles = choose_decode_tiles(head_dim)
     block_r, chunk_s, m_chunk = combine_tiles(group, head_dim, num_splits)
     dots = tile_dots(q.dtype, kv_cache.dtype)
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    grid = ((num_kv_heads, batch, num_splits) if tiles.head_major
+            else (batch, num_kv_heads, num_splits))
+    _decode_split_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, out, mid_acc, mid_m, mid_l, counters,
         qk_scale, kv_scales[0], kv_scales[1], num_heads, num_splits,
         q.stride(0), q.stride(1), block_tables.stride(0),
@@ -434,6 +451,7 @@ def _launch(
         KV_FP8=kv_cache.dtype == FP8_KV_DTYPE,
         F16_DOTS=dots.f16,
         SCALE_IS_PTR=isinstance(kv_scales[0], torch.Tensor),
+        HEAD_MAJOR=tiles.head_major,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
