@@ -48,9 +48,9 @@ def main() -> int:
                    help="both engines use it: checks the Triton fp8 path against the torch one")
     p.add_argument("--max-num-seqs", type=int, default=256,
                    help="1 runs the prompts one at a time: the batch-1 path (GEMV, graph bucket 1)")
-    p.add_argument("--decode-overlap-min-batch", type=int, default=None,
+    p.add_argument("--decode-overlap-min-batch", type=int, default=0,
                    help="the fast engine's micro-batch overlap threshold (e.g. 4: the batch of 8 "
-                        "decodes runs as two overlapped halves); default: the engine's")
+                        "decodes runs as two overlapped halves); 0: off, the engine's default")
     args = p.parse_args()
     rng = random.Random(0)
     lens = [5, 17, 100, 333, 1000, 1500, 2047, 40]

@@ -66,7 +66,7 @@ class SuiteSizes:
     max_num_batched_tokens: int = 8192
     gpu_memory_utilization: float = 0.92
     async_scheduling: bool | None = None  # None: the engine's default (on for CUDA)
-    decode_overlap_min_batch: int | None = None  # None: the engine's default
+    decode_overlap_min_batch: int = 0  # the engine's default: off
 
     @classmethod
     def small(cls, model: str) -> SuiteSizes:
@@ -248,9 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit-scale", type=float, default=1.0, help="multiply every step limit")
     p.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
                    help="the engine's async scheduling (auto: its default, on for CUDA)")
-    p.add_argument("--decode-overlap-min-batch", type=int, default=None,
-                   help="the engine's decode micro-batch overlap threshold (0: off; default: "
-                        "the engine's)")
+    p.add_argument("--decode-overlap-min-batch", type=int, default=0,
+                   help="the engine's decode micro-batch overlap threshold (0, the default: off)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="override the suite's 384")
     args = p.parse_args(argv)
     steps = tuple(x for x in args.steps.split(",") if x)

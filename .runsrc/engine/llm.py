@@ -41,7 +41,7 @@ class LLM:
         device: str = "auto",
         attention_backend: str = "auto",
         enforce_eager: bool = False,
-        decode_overlap_min_batch: int | None = None,
+        decode_overlap_min_batch: int = 0,
         quantization: str = "none",
         cpu_threads: int | None = None,
     ) -> None:

@@ -41,8 +41,6 @@ from engine.scheduler import SampledToken, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# Below this batch the halves' matmuls stream the weights twice for little attention to hide.
-DEFAULT_DECODE_OVERLAP_MIN_BATCH = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,13 +70,11 @@ def resolve_dtype(name: str, default: torch.dtype, device: torch.device) -> torc
     return default if default != torch.float32 else torch.bfloat16
 
 
-def resolve_decode_overlap(wanted: int | None, device: torch.device, backend: str) -> int:
+def check_decode_overlap(min_batch: int) -> int:
     """The smallest decode batch run as two overlapped micro-batches; 0: never."""
-    if wanted is None:
-        return DEFAULT_DECODE_OVERLAP_MIN_BATCH if device.type == "cuda" and backend == "triton" else 0
-    if wanted < 0 or wanted == 1:
-        raise ConfigError(f"decode_overlap_min_batch must be 0 (off) or >= 2, got {wanted}")
-    return wanted
+    if min_batch < 0 or min_batch == 1:
+        raise ConfigError(f"decode_overlap_min_batch must be 0 (off) or >= 2, got {min_batch}")
+    return min_batch
 
 
 def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
@@ -129,8 +125,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.backend = make_attention_backend(config.runner.attention_backend, self.device)
         use_triton = self.backend.name == "triton"
-        self.decode_overlap_min_batch = resolve_decode_overlap(
-            config.runner.decode_overlap_min_batch, self.device, self.backend.name)
+        self.decode_overlap_min_batch = check_decode_overlap(config.runner.decode_overlap_min_batch)
         self.micro_batches = (MicroBatchStreams(self.device) if self.decode_overlap_min_batch
                               else None)
         self.num_overlapped_steps = 0  # eager steps and graph replays

@@ -13,7 +13,7 @@ from conftest import tiny_llm
 from engine import LLM, SamplingParams
 from engine.attention.forward_context import AttentionMetadata, split_decode_metadata
 from engine.config import ConfigError
-from engine.runner import resolve_decode_overlap
+from engine.runner import check_decode_overlap
 
 PROMPTS = [[(11 * i + 5 * j) % 300 + 1 for j in range(n)] for i, n in enumerate([3, 17, 8, 30, 5])]
 
@@ -36,7 +36,7 @@ def test_overlapped_decode_matches_whole_batch(tiny_model_dirs: dict[str, Path],
     path = tiny_model_dirs["llama"]
     # Different lengths: the batch shrinks 5 -> 1 (odd halves, then below the threshold).
     max_tokens = [9, 14, 4, 11, 6]
-    whole = tiny_llm(path, decode_overlap_min_batch=0)
+    whole = tiny_llm(path)
     want = _generate(whole, max_tokens)
     assert whole.engine.runner.num_overlapped_steps == 0
     split = tiny_llm(path, decode_overlap_min_batch=min_batch)
@@ -88,13 +88,11 @@ def test_split_decode_metadata_rejects_prefills_and_bad_splits() -> None:
         split_decode_metadata(md, 1)
 
 
-def test_overlap_threshold_resolution() -> None:
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_decode_overlap(None, cpu, "torch") == 0
-    assert resolve_decode_overlap(None, cuda, "triton") > 0
-    assert resolve_decode_overlap(None, cuda, "torch") == 0
-    assert resolve_decode_overlap(0, cuda, "triton") == 0
-    assert resolve_decode_overlap(64, cpu, "torch") == 64
+def test_overlap_threshold_is_validated(tiny_model_dirs: dict[str, Path]) -> None:
+    assert check_decode_overlap(0) == 0 and check_decode_overlap(64) == 64
     for bad in (-1, 1):
         with pytest.raises(ConfigError, match="decode_overlap_min_batch"):
-            resolve_decode_overlap(bad, cuda, "triton")
+            check_decode_overlap(bad)
+    with pytest.raises(ConfigError, match="decode_overlap_min_batch"):
+        tiny_llm(tiny_model_dirs["llama"], decode_overlap_min_batch=1)
+    assert tiny_llm(tiny_model_dirs["llama"]).engine.runner.micro_batches is None  # off by default

@@ -48,6 +48,9 @@ def main() -> int:
                    help="both engines use it: checks the Triton fp8 path against the torch one")
     p.add_argument("--max-num-seqs", type=int, default=256,
                    help="1 runs the prompts one at a time: the batch-1 path (GEMV, graph bucket 1)")
+    p.add_argument("--decode-overlap-min-batch", type=int, default=None,
+                   help="the fast engine's micro-batch overlap threshold (e.g. 4: the batch of 8 "
+                        "decodes runs as two overlapped halves); default: the engine's")
     args = p.parse_args()
     rng = random.Random(0)
     lens = [5, 17, 100, 333, 1000, 1500, 2047, 40]
@@ -55,7 +58,8 @@ def main() -> int:
                   max_num_batched_tokens=4096, gpu_memory_utilization=0.4, seed=1,
                   kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs)
     t = time.perf_counter()
-    fast = LLM(**common, attention_backend="triton", enforce_eager=False)  # type: ignore[arg-type]
+    fast = LLM(**common, attention_backend="triton", enforce_eager=False,  # type: ignore[arg-type]
+               decode_overlap_min_batch=args.decode_overlap_min_batch)
     load_s = time.perf_counter() - t
     vocab = fast.engine.model_config.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lens]
@@ -63,6 +67,7 @@ def main() -> int:
     outs = fast.generate([{"prompt_token_ids": q} for q in prompts], params)
     graphs = fast.engine.runner.graphs
     replays = graphs.num_replays if graphs is not None else 0
+    overlapped = fast.engine.runner.num_overlapped_steps
     del fast, graphs
     gc.collect()
     torch.cuda.empty_cache()
@@ -81,13 +86,16 @@ def main() -> int:
                      "within_tol": bool((gap <= args.tol * top.abs().clamp(min=1)).all())})
     ok = all(r["within_tol"] for r in rows)
     doc = {"model": args.model, "kv_cache_dtype": args.kv_cache_dtype,
-           "max_num_seqs": args.max_num_seqs, "load_s": load_s, "graph_replays": replays, "ok": ok,
+           "max_num_seqs": args.max_num_seqs, "load_s": load_s, "graph_replays": replays,
+           "decode_overlap_min_batch": args.decode_overlap_min_batch,
+           "overlapped_decode_steps": overlapped, "ok": ok,
            "rows": rows, "gpu": torch.cuda.get_device_name()}
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=2)
     for r in rows:
         print(r)
-    print(f"engine check: {'OK' if ok else 'MISMATCH'}; graph replays {replays}")
+    print(f"engine check: {'OK' if ok else 'MISMATCH'}; graph replays {replays}, "
+          f"overlapped steps {overlapped}")
     return 0 if ok else 1
 
 

@@ -66,6 +66,7 @@ class SuiteSizes:
     max_num_batched_tokens: int = 8192
     gpu_memory_utilization: float = 0.92
     async_scheduling: bool | None = None  # None: the engine's default (on for CUDA)
+    decode_overlap_min_batch: int | None = None  # None: the engine's default
 
     @classmethod
     def small(cls, model: str) -> SuiteSizes:
@@ -119,7 +120,8 @@ class EngineHolder:
                 enforce_eager=enforce_eager, max_num_seqs=s.max_num_seqs,
                 max_num_batched_tokens=s.max_num_batched_tokens,
                 gpu_memory_utilization=s.gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype,
-                async_scheduling=s.async_scheduling)
+                async_scheduling=s.async_scheduling,
+                decode_overlap_min_batch=s.decode_overlap_min_batch)
             self._llm = offline.build_llm(settings)
             self._key = key
         return self._llm
@@ -168,7 +170,8 @@ def _throughput(holder: EngineHolder, vocab: int, n: int, i: int, o: int,
     extra = {} if engine is None else {
         "num_preemptions_total": engine.scheduler.num_preemptions,
         "num_kv_blocks": engine.kv.num_blocks,
-        "cuda_graph_replays_total": getattr(engine.runner.graphs, "num_replays", None)}
+        "cuda_graph_replays_total": getattr(engine.runner.graphs, "num_replays", None),
+        "overlapped_decode_steps_total": getattr(engine.runner, "num_overlapped_steps", None)}
     return {"num_prompts": n, "input_len": i, "output_len": o, "kv_cache_dtype": kv_cache_dtype,
             **metrics.to_dict(), **extra}
 
@@ -245,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit-scale", type=float, default=1.0, help="multiply every step limit")
     p.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
                    help="the engine's async scheduling (auto: its default, on for CUDA)")
+    p.add_argument("--decode-overlap-min-batch", type=int, default=None,
+                   help="the engine's decode micro-batch overlap threshold (0: off; default: "
+                        "the engine's)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="override the suite's 384")
     args = p.parse_args(argv)
     steps = tuple(x for x in args.steps.split(",") if x)
     unknown = [x for x in steps if x not in STEP_LIMITS_S]
@@ -252,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--steps: unknown {unknown}; allowed: {', '.join(STEP_LIMITS_S)}")
     sizes = SuiteSizes.small(args.model) if args.small else SuiteSizes(model=args.model)
     sizes = dataclasses.replace(sizes, async_scheduling={"auto": None, "on": True, "off": False}[
-        args.async_scheduling])
+        args.async_scheduling], decode_overlap_min_batch=args.decode_overlap_min_batch)
+    if args.max_num_seqs is not None:
+        sizes = dataclasses.replace(sizes, max_num_seqs=args.max_num_seqs)
     doc = run_suite(Path(args.out_dir), sizes, steps, args.limit_scale)
     return 0 if all(e["ok"] for e in doc["steps"].values()) else 1
 

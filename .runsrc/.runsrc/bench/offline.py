@@ -42,6 +42,7 @@ class EngineSettings:
     gpu_memory_utilization: float = 0.85
     kv_cache_dtype: str = "auto"  # "fp8": float8 e4m3 KV cache (half the bytes of bf16)
     async_scheduling: bool | None = None  # None: the engine's default (on for CUDA)
+    decode_overlap_min_batch: int | None = None  # None: the engine's default (128 on CUDA)
 
     def llm_kwargs(self) -> dict[str, Any]:
         kwargs = asdict(self)

@@ -50,6 +50,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default=_default(RunnerConfig, "attention_backend"),
                    choices=["auto", "torch", "triton"])
     g.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+    g.add_argument("--decode-overlap-min-batch", type=int, default=None,
+                   help="decode batches of at least this many sequences run as two micro-batches "
+                        "on two CUDA streams, one half's attention beside the other's MLP "
+                        "(0: never; default: 128 on CUDA)")
     g.add_argument("--cpu-threads", type=int, default=None,
                    help="torch intra-op threads when running on the CPU")
 
@@ -74,5 +78,6 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "colocated") -
                                   async_scheduling={"auto": None, "on": True, "off": False}[
                                       args.async_scheduling]),
         runner=RunnerConfig(device=args.device, attention_backend=args.attention_backend,
-                            enforce_eager=args.enforce_eager, cpu_threads=args.cpu_threads),
+                            enforce_eager=args.enforce_eager, cpu_threads=args.cpu_threads,
+                            decode_overlap_min_batch=args.decode_overlap_min_batch),
     )

@@ -208,6 +208,10 @@ class RunnerConfig:
     attention_backend: AttentionBackendName = "auto"
     enforce_eager: bool = False             # True: no CUDA graphs
     cuda_graph_max_batch: int = 512
+    # Decode steps of at least this many sequences run as two micro-batches on two CUDA
+    # streams, one half's attention beside the other's MLP (engine/model/overlap.py). 0: never;
+    # None: DEFAULT_DECODE_OVERLAP_MIN_BATCH on CUDA with the Triton backend, else never.
+    decode_overlap_min_batch: int | None = None
     quantization: Literal["none", "fp8", "int8"] = "none"
     # Intra-op threads on the CPU; None keeps torch's default. Several engines (or an engine and
     # its tests) on one small machine must split the cores, or spinning thread pools oversubscribe

@@ -3,8 +3,9 @@
 Buckets 1, 2, 4, 8, then every 8 up to the max decode batch, share one memory pool. A step with
 n decodes replays the smallest bucket >= n: inputs are copied into static buffers (padding rows
 write no KV: slot -1) and the graph runs the model *and* the LM head, so a greedy decode step is
-one replay plus one argmax. Anything else (prefill chunks, batches over the largest bucket) runs
-eagerly.
+one replay plus one argmax. Buckets from `decode_overlap_min_batch` up are captured as two
+micro-batches on two streams (engine/model/overlap.py). Anything else (prefill chunks, batches
+over the largest bucket) runs eagerly.
 """
 
 from __future__ import annotations
@@ -63,8 +64,12 @@ class CudaGraphRunner:
 
     def _forward(self, b: int) -> None:
         r = self.runner
-        with forward_context(ForwardContext(self._metadata(b), r.kv_caches, r.kv_scale_values)):
-            hidden = r.model(self.input_ids[:b], self.positions[:b])
+        md = self._metadata(b)
+        with forward_context(ForwardContext(md, r.kv_caches, r.kv_scale_values)):
+            if r.overlaps(b):  # captured with both streams: the replay overlaps the halves
+                hidden = r.forward_overlapped(self.input_ids[:b], self.positions[:b], md)
+            else:
+                hidden = r.model(self.input_ids[:b], self.positions[:b])
         torch.mm(hidden, r.model.lm_head_weight.t(), out=self.logits_buf[:b])
 
     @torch.inference_mode()
@@ -110,4 +115,6 @@ class CudaGraphRunner:
             self.positions[n:b].zero_()
         self.graphs[b].replay()
         self.num_replays += 1
+        if self.runner.overlaps(b):
+            self.runner.num_overlapped_steps += 1
         return self.logits_buf[:n].float()

@@ -41,6 +41,7 @@ class LLM:
         device: str = "auto",
         attention_backend: str = "auto",
         enforce_eager: bool = False,
+        decode_overlap_min_batch: int | None = None,
         quantization: str = "none",
         cpu_threads: int | None = None,
     ) -> None:
@@ -59,6 +60,7 @@ class LLM:
                                       async_scheduling=async_scheduling),
             runner=RunnerConfig(device=device, attention_backend=attention_backend,  # type: ignore[arg-type]
                                 enforce_eager=enforce_eager,
+                                decode_overlap_min_batch=decode_overlap_min_batch,
                                 quantization=quantization,  # type: ignore[arg-type]
                                 cpu_threads=cpu_threads),
         )

@@ -17,7 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention.forward_context import AttentionMetadata, ForwardContext, forward_context
+from engine.attention.forward_context import (
+    AttentionMetadata,
+    ForwardContext,
+    forward_context,
+    split_decode_metadata,
+)
 from engine.attention.kv_quant import (
     default_kv_scales,
     dequantize_fp8,
@@ -29,12 +34,15 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.model.layers import RotaryEmbedding
 from engine.model.llama import AttentionBackend, LlamaForCausalLM
+from engine.model.overlap import MicroBatchStreams
 from engine.sampler import PendingTokens, Sampler, depends_on_outputs
 from engine.scheduler import SampledToken, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Below this batch the halves' matmuls stream the weights twice for little attention to hide.
+DEFAULT_DECODE_OVERLAP_MIN_BATCH = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +70,15 @@ def resolve_dtype(name: str, default: torch.dtype, device: torch.device) -> torc
     if device.type == "cpu":
         return torch.float32  # bf16/fp16 matmuls are slow or inexact on CPUs
     return default if default != torch.float32 else torch.bfloat16
+
+
+def resolve_decode_overlap(wanted: int | None, device: torch.device, backend: str) -> int:
+    """The smallest decode batch run as two overlapped micro-batches; 0: never."""
+    if wanted is None:
+        return DEFAULT_DECODE_OVERLAP_MIN_BATCH if device.type == "cuda" and backend == "triton" else 0
+    if wanted < 0 or wanted == 1:
+        raise ConfigError(f"decode_overlap_min_batch must be 0 (off) or >= 2, got {wanted}")
+    return wanted
 
 
 def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
@@ -112,6 +129,11 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.backend = make_attention_backend(config.runner.attention_backend, self.device)
         use_triton = self.backend.name == "triton"
+        self.decode_overlap_min_batch = resolve_decode_overlap(
+            config.runner.decode_overlap_min_batch, self.device, self.backend.name)
+        self.micro_batches = (MicroBatchStreams(self.device) if self.decode_overlap_min_batch
+                              else None)
+        self.num_overlapped_steps = 0  # eager steps and graph replays
         with torch.device(self.device):
             model = LlamaForCausalLM(model_config, self.backend, max_model_len, use_triton)
         self.model = model.to(self.dtype)
@@ -298,7 +320,11 @@ class ModelRunner:
             logits = self.graphs.run(input_ids, positions, md)
         else:
             with forward_context(ForwardContext(md, self.kv_caches, self.kv_scale_values)):
-                hidden = self.model(input_ids, positions)
+                if out.is_pure_decode and self.overlaps(len(out.scheduled)):
+                    self.num_overlapped_steps += 1
+                    hidden = self.forward_overlapped(input_ids, positions, md)
+                else:
+                    hidden = self.model(input_ids, positions)
             if not sampling_reqs:
                 return None
             logits = self.model.compute_logits(hidden[logit_rows])
@@ -306,6 +332,17 @@ class ModelRunner:
         self._last_tokens = tokens.tokens
         self._last_rows = {r.request_id: i for i, r in enumerate(sampling_reqs)}
         return PendingStep(tokens)
+
+    def overlaps(self, num_decodes: int) -> bool:
+        """Whether a pure-decode batch this large runs as two overlapped micro-batches."""
+        return 0 < self.decode_overlap_min_batch <= num_decodes
+
+    def forward_overlapped(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                           md: AttentionMetadata) -> torch.Tensor:
+        """The model over a pure-decode batch as two micro-batches (inside a forward context)."""
+        assert self.micro_batches is not None
+        halves = split_decode_metadata(md, input_ids.shape[0] // 2)
+        return self.model.forward_overlapped(input_ids, positions, halves, self.micro_batches)
 
     def _last_sampled_row(self, request_id: str) -> int:
         row = self._last_rows.get(request_id)

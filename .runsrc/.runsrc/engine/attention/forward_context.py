@@ -35,6 +35,28 @@ class AttentionMetadata:
     fresh_prefill_len: int = 0
 
 
+def split_decode_metadata(md: AttentionMetadata, split: int
+                          ) -> tuple[AttentionMetadata, AttentionMetadata]:
+    """A pure-decode batch's metadata as two batches, sequences [0, split) and [split, B):
+    views of `md`'s tensors (one new tensor: the second half's query offsets)."""
+    num_seqs = md.seq_lens.shape[0]
+    if md.num_decodes != num_seqs or md.slot_mapping.shape[0] != num_seqs:
+        raise ValueError("only a batch of single-token decodes can be split")
+    if not 0 < split < num_seqs:
+        raise ValueError(f"split must be in (0, {num_seqs}), got {split}")
+
+    def part(lo: int, hi: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_start_loc=md.query_start_loc[lo:hi + 1] - lo if lo else md.query_start_loc[:hi + 1],
+            seq_lens=md.seq_lens[lo:hi], block_tables=md.block_tables[lo:hi],
+            slot_mapping=md.slot_mapping[lo:hi], num_decodes=hi - lo, max_query_len=1,
+            max_seq_len=md.max_seq_len,
+            query_start_loc_cpu=[x - lo for x in md.query_start_loc_cpu[lo:hi + 1]],
+            seq_lens_cpu=md.seq_lens_cpu[lo:hi])
+
+    return part(0, split), part(split, num_seqs)
+
+
 @dataclass(frozen=True, slots=True)
 class RopeInputs:
     """What a backend that fuses RoPE into its KV write (`fuses_rope`) needs to rotate q and k:

@@ -8,7 +8,7 @@ step's metadata and KV cache from the forward context. QKV and gate/up projectio
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -16,6 +16,7 @@ from torch import nn
 from engine.attention.forward_context import AttentionMetadata, RopeInputs, get_forward_context
 from engine.config import ModelConfig
 from engine.model.layers import Linear, RMSNorm, RotaryEmbedding, gemv_enabled, silu_and_mul
+from engine.model.overlap import MicroBatchStreams
 
 
 class MissingWeightsError(ValueError):
@@ -56,8 +57,10 @@ class LlamaAttention(nn.Module):
         self.rope = rope
         self.backend = backend
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, hidden]
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                md: AttentionMetadata | None = None) -> torch.Tensor:
+        """x: [T, hidden]. `md`: this batch's metadata when it is not the forward context's
+        (one micro-batch of an overlapped step)."""
         ctx = get_forward_context()
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -70,8 +73,9 @@ class LlamaAttention(nn.Module):
         else:
             q, k = self.rope(positions, q, k)
         kv_scale = ctx.kv_scales[self.layer_idx] if ctx.kv_scales is not None else (1.0, 1.0)
-        o = self.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata,
-                                 self.scale, kv_scale, rope=rope)
+        o = self.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx],
+                                 ctx.attn_metadata if md is None else md, self.scale, kv_scale,
+                                 rope=rope)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -106,12 +110,23 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.attention_block(positions, x, residual)
+        return self.mlp_block(h, residual)
+
+    def attention_block(self, positions: torch.Tensor, x: torch.Tensor,
+                        residual: torch.Tensor | None, md: AttentionMetadata | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input norm (+ residual add), QKV, RoPE + KV write, attention, O projection."""
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)  # type: ignore[misc]
-        h = self.self_attn(positions, h)  # type: ignore[arg-type]
+        return self.self_attn(positions, h, md), residual  # type: ignore[arg-type]
+
+    def mlp_block(self, h: torch.Tensor, residual: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Post-attention norm (+ residual add), gate/up, SiLU-and-mul, down."""
         h, residual = self.post_attention_layernorm(h, residual)  # type: ignore[misc]
         return self.mlp(h), residual
 
@@ -137,6 +152,36 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             h, residual = layer(positions, h, residual)
         out, _ = self.norm(h, residual)  # type: ignore[misc]
+        return out
+
+    def forward_overlapped(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                           halves: tuple[AttentionMetadata, AttentionMetadata],
+                           streams: MicroBatchStreams) -> torch.Tensor:
+        """A pure-decode batch as two micro-batches whose attention and MLP overlap on two
+        streams (engine/model/overlap.py); same result as `forward` up to the matmuls' own
+        rounding at the halves' shapes. `halves`: the metadata of rows [0, a) and [a, T)
+        (`split_decode_metadata`)."""
+        split = int(halves[0].seq_lens.shape[0])
+        h = self.embed_tokens(input_ids)
+        rows = (slice(0, split), slice(split, None))
+        hs = [h[r] for r in rows]
+        pos = [positions[r] for r in rows]
+        res: list[torch.Tensor | None] = [None, None]
+        md_b = halves[1]
+        shared = (h, positions, md_b.seq_lens, md_b.block_tables, md_b.slot_mapping,
+                  md_b.query_start_loc)
+        with streams.overlap(shared) as lanes:
+            for layer in cast(list[LlamaDecoderLayer], list(self.layers)):
+                for i in (0, 1):
+                    with lanes.lane(i):
+                        lanes.wait_other_attention(i)
+                        a, res_i = layer.attention_block(pos[i], hs[i], res[i], halves[i])
+                        lanes.attention_done(i)
+                        hs[i], res[i] = layer.mlp_block(a, res_i)
+            res_a, res_b = res
+            assert res_a is not None and res_b is not None
+            lanes.hand_back((hs[1], res_b))
+        out, _ = self.norm(torch.cat(hs), torch.cat((res_a, res_b)))  # type: ignore[misc]
         return out
 
     @property

@@ -1,0 +1,207 @@
+"""`splitserve bench {online,offline,hf-baseline}`: run a benchmark, print a vLLM-style table,
+optionally write a JSON result (`--out`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import math
+import sys
+from typing import Any
+
+from bench import models, workloads
+from bench.metrics import (
+    BenchmarkMetrics,
+    RequestRecord,
+    compute_metrics,
+    format_summary,
+    parse_goodput,
+    parse_percentiles,
+)
+from bench.offline import OfflineBenchError
+from bench.online import OnlineBenchError
+from bench.results import build_result, write_json
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or math.isnan(value):
+        raise argparse.ArgumentTypeError(f"must be > 0 (or inf), got {text!r}")
+    return value
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default=None, help="write the JSON result here")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--metric-percentiles", default="99",
+                   help="comma list of percentiles reported for every latency, e.g. 50,90,99")
+    p.add_argument("--goodput", nargs="*", default=None, metavar="NAME:MS",
+                   help="SLOs for goodput, e.g. ttft:200 tpot:50 e2el:1000 (milliseconds)")
+
+
+def _add_workload(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dataset-name", choices=("random", "shared-prefix"), default="random")
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=1024)
+    p.add_argument("--output-len", "--random-output-len", dest="output_len", type=int,
+                   default=128)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--num-groups", type=int, default=8, help="shared-prefix: number of prefixes")
+    p.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: prefix tokens")
+    p.add_argument("--suffix-len", type=int, default=128, help="shared-prefix: own tokens")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="token ids are drawn from [0, vocab); default: from --model's config")
+
+
+def _add_engine(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="dummy:llama-3.1-8b",
+                   help="HF directory, .gguf file or dummy:<preset>")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitserve bench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    online = sub.add_parser("online", help="stream requests to a running gateway")
+    online.add_argument("--base-url", default="http://127.0.0.1:8000")
+    online.add_argument("--model", default=None, help="model name; default: first of /v1/models")
+    online.add_argument("--request-rate", type=_positive_float, default=math.inf)
+    online.add_argument("--burstiness", type=_positive_float, default=1.0)
+    online.add_argument("--max-concurrency", type=int, default=None)
+    online.add_argument("--request-timeout", type=_positive_float, default=600.0)
+    online.add_argument("--total-timeout", type=_positive_float, default=3600.0)
+    online.add_argument("--allow-remote", action="store_true",
+                        help="allow a non-loopback --base-url")
+    _add_workload(online)
+    _add_common(online)
+
+    offline = sub.add_parser("offline", help="the engine in-process")
+    offline.add_argument("--mode", choices=("throughput", "latency"), default="throughput")
+    offline.add_argument("--batch-size", type=int, default=1, help="latency mode: batch size")
+    _add_engine(offline)
+    _add_workload(offline)
+    _add_common(offline)
+
+    hf = sub.add_parser("hf-baseline", help="transformers generate on the same shapes")
+    hf.add_argument("--model", default="dummy:llama-3.1-8b", help="dummy:<preset>")
+    hf.add_argument("--dtype", default="bfloat16")
+    hf.add_argument("--device", default="auto")
+    hf.add_argument("--batch-size", type=int, default=1)
+    hf.add_argument("--input-len", type=int, default=512)
+    hf.add_argument("--output-len", type=int, default=128)
+    _add_common(hf)
+    return parser
+
+
+def make_requests(args: argparse.Namespace, vocab_size: int) -> list[workloads.BenchRequest]:
+    if args.dataset_name == "shared-prefix":
+        return workloads.shared_prefix_requests(
+            args.num_prompts, args.num_groups, args.prefix_len, args.suffix_len,
+            args.output_len, vocab_size, seed=args.seed)
+    return workloads.random_requests(args.num_prompts, args.input_len, args.output_len,
+                                     vocab_size, args.random_range_ratio, seed=args.seed)
+
+
+def _vocab_size(args: argparse.Namespace) -> int:
+    if args.vocab_size is not None:
+        return int(args.vocab_size)
+    if args.model is None:
+        raise models.ModelSpecError("--vocab-size is required when --model is not given")
+    return models.vocab_size_for(args.model)
+
+
+def _summarise(args: argparse.Namespace, records: list[RequestRecord],
+               duration: float, title: str) -> BenchmarkMetrics:
+    metrics = compute_metrics(records, duration, parse_percentiles(args.metric_percentiles),
+                              parse_goodput(args.goodput))
+    print(format_summary(metrics, title))
+    for err in metrics.errors[:3]:
+        print(f"failed request: {err}", file=sys.stderr)
+    return metrics
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if k not in ("out", "command")}
+
+
+def _finish(args: argparse.Namespace, model: str, metrics: dict[str, Any]) -> None:
+    if args.out:
+        path = write_json(args.out, build_result(args.command, model, _settings(args), metrics))
+        print(f"wrote {path}")
+
+
+def cmd_online(args: argparse.Namespace) -> int:
+    from bench.online import OnlineSettings, check_target, run_online
+
+    check_target(args.base_url, args.allow_remote)  # refuse before building any workload
+    requests = make_requests(args, _vocab_size(args))
+    offsets = workloads.arrival_times(len(requests), args.request_rate, args.burstiness,
+                                      seed=args.seed)
+    settings = OnlineSettings(args.base_url, args.model, args.request_rate, args.burstiness,
+                              args.max_concurrency, args.request_timeout, args.total_timeout,
+                              args.allow_remote)
+    records, duration, model = asyncio.run(run_online(settings, requests, offsets))
+    metrics = _summarise(args, records, duration, "Serving Benchmark Result")
+    _finish(args, model, metrics.to_dict())
+    return 0 if metrics.completed else 1
+
+
+def cmd_offline(args: argparse.Namespace) -> int:
+    from bench.offline import EngineSettings, build_llm, run_latency, run_throughput
+
+    vocab = _vocab_size(args)
+    settings = EngineSettings(args.model, args.dtype, args.max_model_len, args.enforce_eager,
+                              args.max_num_seqs, args.max_num_batched_tokens,
+                              args.attention_backend)
+    llm = build_llm(settings)
+    if args.mode == "latency":
+        result = run_latency(llm, args.batch_size, args.input_len, args.output_len, vocab,
+                             seed=args.seed)
+        for key, value in dataclasses.asdict(result).items():
+            print(f"{key + ':':<24}{value}")
+        _finish(args, args.model, dataclasses.asdict(result))
+        return 0
+    records, duration = run_throughput(llm, make_requests(args, vocab))
+    metrics = _summarise(args, records, duration, "Offline Benchmark Result")
+    _finish(args, args.model, metrics.to_dict())
+    return 0
+
+
+def cmd_hf_baseline(args: argparse.Namespace) -> int:
+    from bench.hf_baseline import build_model, run_generate
+
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf = build_model(args.model, device, args.dtype)
+    result = run_generate(hf, args.batch_size, args.input_len, args.output_len, seed=args.seed)
+    for key, value in dataclasses.asdict(result).items():
+        print(f"{key + ':':<24}{value}")
+    _finish(args, args.model, dataclasses.asdict(result))
+    return 0
+
+
+_COMMANDS = {"online": cmd_online, "offline": cmd_offline, "hf-baseline": cmd_hf_baseline}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except (ValueError, OfflineBenchError, OnlineBenchError) as e:
+        # Bad input and known refusals end with one clear line; other crashes keep their trace.
+        print(f"splitserve bench {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""Online benchmark: an async streaming client against an OpenAI-compatible `/v1/completions`.
+
+Each request sends the prompt as token ids with `stream: true`, `ignore_eos: true`,
+`max_tokens` and `stream_options.include_usage`, and records the arrival time of every SSE
+chunk that carries a choice. As in `vllm bench serve`, a chunk is one ITL sample even when it
+carries several tokens (only TPOT divides by the token count), the output token count comes
+from the final usage chunk, and E2E latency ends at the last token chunk.
+
+Bounded by construction: only loopback targets unless `allow_remote`, a per-request timeout
+and a total timeout after which unfinished requests are cancelled and counted as failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from bench.metrics import RequestRecord
+from bench.workloads import BenchRequest
+
+LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+COMPLETIONS_PATH = "/v1/completions"
+
+
+class RemoteHostError(ValueError):
+    """The target is not a loopback host and remote targets were not allowed."""
+
+
+class OnlineBenchError(RuntimeError):
+    """The online benchmark could not run (e.g. no model name could be found)."""
+
+
+def check_target(base_url: str, allow_remote: bool = False) -> str:
+    """Validate `--base-url`; return it without a trailing slash."""
+    parts = urlsplit(base_url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise RemoteHostError(f"--base-url {base_url!r}: must be http(s)://HOST[:PORT]")
+    if parts.hostname not in LOCAL_HOSTS and not allow_remote:
+        raise RemoteHostError(
+            f"--base-url {base_url!r}: host {parts.hostname!r} is not local "
+            f"(allowed: {', '.join(sorted(LOCAL_HOSTS))}); pass --allow-remote to benchmark it"
+        )
+    return base_url.rstrip("/")
+
+
+class SseParser:
+    """Incremental Server-Sent-Events parser: bytes in, complete `data:` payloads out.
+
+    Events end at a blank line; `:` lines are comments (keep-alive pings); several `data:`
+    lines of one event are joined with newlines. Mutates its own buffer only.
+    """
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")()
+        self._buffer = ""
+
+    def feed(self, chunk: bytes) -> list[str]:
+        # Normalise on the whole buffer: a "\r\n" may be split across two network reads.
+        self._buffer = (self._buffer + self._decoder.decode(chunk)).replace("\r\n", "\n")
+        payloads: list[str] = []
+        while "\n\n" in self._buffer:
+            event, self._buffer = self._buffer.split("\n\n", 1)
+            data = [line[5:].removeprefix(" ") for line in event.split("\n")
+                    if line.startswith("data:")]
+            if data:
+                payloads.append("\n".join(data))
+        return payloads
+
+
+@dataclass(slots=True)
+class _StreamState:
+    """What one request has seen so far."""
+
+    token_times: list[float]
+    output_tokens: int | None = None
+    prompt_tokens: int | None = None
+
+    def on_payload(self, payload: str, now: float) -> bool:
+        """Handle one SSE payload; return True at `[DONE]`."""
+        if payload.strip() == "[DONE]":
+            return True
+        data = json.loads(payload)
+        if "error" in data:
+            raise OnlineBenchError(f"server error in stream: {data['error']}")
+        if data.get("choices"):
+            self.token_times.append(now)
+        usage = data.get("usage")
+        if usage:
+            self.output_tokens = usage.get("completion_tokens", self.output_tokens)
+            self.prompt_tokens = usage.get("prompt_tokens", self.prompt_tokens)
+        return False
+
+
+def build_payload(model: str, request: BenchRequest) -> dict[str, Any]:
+    return {
+        "model": model,
+        "prompt": request.prompt_token_ids,
+        "max_tokens": request.output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def send_request(
+    client: httpx.AsyncClient, url: str, model: str, request: BenchRequest
+) -> RequestRecord:
+    """Send one streaming completion and time it; never raises for a failed request."""
+    state = _StreamState(token_times=[])
+    start = time.perf_counter()
+    error = ""
+    try:
+        async with client.stream("POST", url, json=build_payload(model, request)) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode("utf-8", "replace")[:300]
+                raise OnlineBenchError(f"HTTP {resp.status_code}: {body}")
+            parser = SseParser()
+            async for chunk in resp.aiter_bytes():
+                now = time.perf_counter()
+                if any(state.on_payload(p, now) for p in parser.feed(chunk)):
+                    break
+    except (httpx.HTTPError, OnlineBenchError, json.JSONDecodeError) as e:
+        error = f"{type(e).__name__}: {e}"
+    return _to_record(request, state, start, error)
+
+
+def _to_record(request: BenchRequest, state: _StreamState, start: float,
+               error: str) -> RequestRecord:
+    if not error and not state.token_times:
+        error = "stream ended without a token chunk"
+    times = state.token_times
+    return RequestRecord(
+        prompt_len=state.prompt_tokens or request.prompt_len,
+        # Without usage, fall back to one token per chunk (an undercount if chunks batch tokens).
+        output_len=state.output_tokens if state.output_tokens is not None else len(times),
+        start_time=start,
+        first_token_time=times[0] if times else None,
+        token_times=times,
+        end_time=times[-1] if times else time.perf_counter(),
+        success=not error,
+        error=error,
+    )
+
+
+def _failed(request: BenchRequest, error: str) -> RequestRecord:
+    now = time.perf_counter()
+    return RequestRecord(request.prompt_len, 0, now, None, [], now, False, error)
+
+
+async def resolve_model(client: httpx.AsyncClient, base_url: str) -> str:
+    """The first model id from GET /v1/models (used when --model is not given)."""
+    try:
+        resp = await client.get(f"{base_url}/v1/models")
+        resp.raise_for_status()
+        return str(resp.json()["data"][0]["id"])
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+        raise OnlineBenchError(
+            f"could not read a model id from {base_url}/v1/models ({e}); pass --model"
+        ) from e
+
+
+@dataclass(frozen=True, slots=True)
+class OnlineSettings:
+    """How requests are sent."""
+
+    base_url: str
+    model: str | None = None
+    request_rate: float = float("inf")
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    request_timeout_s: float = 600.0
+    total_timeout_s: float = 3600.0
+    allow_remote: bool = False
+
+
+async def run_online(
+    settings: OnlineSettings,
+    requests: list[BenchRequest],
+    arrival_offsets: list[float],
+    on_done: Callable[[RequestRecord], None] | None = None,
+) -> tuple[list[RequestRecord], float, str]:
+    """Send `requests` at `arrival_offsets` (seconds from start); return records (in request
+    order), the wall duration and the model name used."""
+    base_url = check_target(settings.base_url, settings.allow_remote)
+    if len(arrival_offsets) != len(requests):
+        raise OnlineBenchError("arrival_offsets must have one entry per request")
+    limits = httpx.Limits(max_connections=settings.max_concurrency or len(requests) or 1)
+    # trust_env=False: a proxy from the environment must not reroute a loopback benchmark.
+    async with httpx.AsyncClient(timeout=settings.request_timeout_s, limits=limits,
+                                 trust_env=False) as client:
+        model = settings.model or await resolve_model(client, base_url)
+        url = base_url + COMPLETIONS_PATH
+        sem = asyncio.Semaphore(settings.max_concurrency or len(requests) or 1)
+        start = time.perf_counter()
+
+        async def one(req: BenchRequest, offset: float) -> RequestRecord:
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+            async with sem:
+                record = await send_request(client, url, model, req)
+            if on_done is not None:
+                on_done(record)
+            return record
+
+        tasks = [asyncio.create_task(one(r, t))
+                 for r, t in zip(requests, arrival_offsets, strict=True)]
+        _, pending = await asyncio.wait(tasks, timeout=settings.total_timeout_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        duration = time.perf_counter() - start
+    timeout_msg = f"cancelled at the total timeout ({settings.total_timeout_s:g} s)"
+    records = [_task_record(t, r, timeout_msg) for t, r in zip(tasks, requests, strict=True)]
+    return records, duration, model
+
+
+def _task_record(task: asyncio.Task[RequestRecord], request: BenchRequest,
+                 timeout_msg: str) -> RequestRecord:
+    if task.cancelled():
+        return _failed(request, timeout_msg)
+    exc = task.exception()
+    if exc is not None:
+        return _failed(request, f"{type(exc).__name__}: {exc}")
+    return task.result()

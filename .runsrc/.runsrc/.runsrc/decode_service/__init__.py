@@ -1,0 +1,1 @@
+"""Decode role: pulls a prompt's KV from a prefill worker and decodes with continuous batching."""

@@ -1,0 +1,161 @@
+"""`splitserve.v1.Decode`: a thin async servicer around one engine (decode or colocated role)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator
+
+import grpc
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, SpanKind
+
+from engine.async_engine import EngineDeadError, KvLoadAbort
+from engine.kv.hashing import compute_block_hashes, prompt_hash
+from engine.llm_engine import EngineInputError, LLMEngine
+from engine.request import RemoteKv
+from engine.sampling_params import SamplingParamsError
+from protos.splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from serving import tracing
+from serving.common import EngineBound
+from serving.convert import (
+    InvalidRequest,
+    check_prompt,
+    check_request_id,
+    finish_reason,
+    logprob_to_proto,
+    sampling_from_proto,
+)
+from serving.kv import RemoteKvHandle, release_unpulled
+
+KV_PULL_TIMEOUT_S = 30.0
+
+
+class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
+    def __init__(self) -> None:
+        super().__init__()
+        self._releases: set[asyncio.Task[None]] = set()  # keeps fire-and-forget tasks alive
+
+    async def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+                     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        # A server span under the gateway's `decode` span (W3C traceparent in the metadata);
+        # never made current (this is an async generator), passed on to the KV pull instead.
+        with tracing.traced_span("splitserve.decode",
+                                 parent=tracing.extract_context(context.invocation_metadata()),
+                                 kind=SpanKind.SERVER, passthrough=(grpc.aio.AbortError,),
+                                 attributes=_decode_attributes(request)) as span:
+            # aclosing: closing this generator runs the inner one's cleanup (engine abort,
+            # lease release) now rather than at garbage collection.
+            async with contextlib.aclosing(self._decode(request, context, span)) as responses:
+                async for response in responses:
+                    yield response
+
+    async def _decode(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext,
+                      span: Span) -> AsyncGenerator[decode_pb2.DecodeResponse, None]:
+        aengine = await self.engine_or_abort(context)
+        try:
+            rid = check_request_id(request.request_id)
+            ids = check_prompt(list(request.prompt_token_ids))
+            params = sampling_from_proto(request.sampling)
+            given = list(request.output_token_ids)
+            if params.max_tokens is not None and len(given) >= params.max_tokens:
+                raise InvalidRequest(f"output_token_ids already has {len(given)} tokens; "
+                                     f"sampling.max_tokens is {params.max_tokens}")
+            remote = self._remote_kv(request, ids, context, tracing.span_context(span))
+        except InvalidRequest as e:
+            await _abort(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        n_out = len(given)
+        try:
+            async for out in aengine.generate(rid, ids, params, output_token_ids=given,
+                                              remote_kv=remote):
+                n_out += len(out.new_token_ids)
+                yield decode_pb2.DecodeResponse(chunk=decode_pb2.DecodeChunk(
+                    token_ids=out.new_token_ids,
+                    logprobs=[logprob_to_proto(lp) for lp in out.new_logprobs]))
+                if out.finished:
+                    recomputed = remote is None or (
+                        isinstance(remote.handle, RemoteKvHandle) and remote.handle.failed)
+                    span.set_attribute("splitserve.output_tokens", n_out)
+                    span.set_attribute("splitserve.cached_tokens", out.num_cached_tokens)
+                    span.set_attribute("splitserve.kv_recomputed",
+                                       recomputed and request.HasField("kv_handle"))
+                    yield decode_pb2.DecodeResponse(complete=decode_pb2.DecodeComplete(
+                        finish_reason=finish_reason(out), num_output_tokens=n_out,
+                        kv_recomputed=recomputed and request.HasField("kv_handle")))
+        except KvLoadAbort as e:
+            await _abort(context, span, grpc.StatusCode.UNAVAILABLE, str(e))
+        except (EngineInputError, SamplingParamsError, ValueError) as e:
+            await _abort(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineDeadError as e:
+            await _abort(context, span, grpc.StatusCode.UNAVAILABLE, str(e))
+        finally:
+            # Cancelled (client gone) before the KV load began, or the pull failed (partial or
+            # corrupt KV, recomputed): the prefill worker would otherwise hold the lease (and
+            # its blocks) until it expires.
+            if remote is not None and isinstance(remote.handle, RemoteKvHandle):
+                self._release_unpulled(remote.handle)
+
+    def _release_unpulled(self, handle: RemoteKvHandle) -> None:
+        """Release the prefill lease unless a whole pull took it (the loader releases then)."""
+        if handle.started and not handle.failed:
+            return
+        task = asyncio.ensure_future(release_unpulled(handle))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    def _remote_kv(self, request: decode_pb2.DecodeRequest, ids: list[int],
+                   context: grpc.aio.ServicerContext,
+                   trace_parent: Context | None = None) -> RemoteKv | None:
+        if not request.HasField("kv_handle"):
+            return None
+        assert self.aengine is not None
+        problem = _handle_problem(request.kv_handle, ids, self.aengine.engine)
+        if problem is not None:
+            if request.kv_failure_policy == decode_pb2.KV_FAILURE_POLICY_FAIL:
+                raise InvalidRequest(problem)
+            return None  # recompute locally
+        remaining = context.time_remaining()
+        timeout = min(KV_PULL_TIMEOUT_S, remaining) if remaining is not None else KV_PULL_TIMEOUT_S
+        return RemoteKv(len(ids), RemoteKvHandle(request.kv_handle, request.kv_failure_policy,
+                                                 timeout, trace_parent=trace_parent))
+
+    async def GetLoad(self, request: common_pb2.LoadRequest,
+                      context: grpc.aio.ServicerContext) -> common_pb2.LoadReport:
+        aengine = await self.engine_or_abort(context)  # UNAVAILABLE while loading
+        return self.load_report(aengine.engine.config.scheduler.role)
+
+
+def _decode_attributes(request: decode_pb2.DecodeRequest) -> dict[str, int | str | bool]:
+    return {"splitserve.request_id": request.request_id,
+            "splitserve.prompt_tokens": len(request.prompt_token_ids),
+            "splitserve.resumed_tokens": len(request.output_token_ids),
+            "splitserve.kv_handle": request.HasField("kv_handle")}
+
+
+async def _abort(context: grpc.aio.ServicerContext, span: Span, code: grpc.StatusCode,
+                 message: str) -> None:
+    """Record the failure on the request's span, then end the RPC with `code`."""
+    tracing.record_error(span, f"{code.name}: {message}")
+    await context.abort(code, message)
+
+
+def _handle_problem(h: common_pb2.KvHandle, ids: list[int], eng: LLMEngine) -> str | None:
+    """Why the KV a handle names cannot be this prompt's, or None. The full blocks' chained
+    hashes (rooted in the fingerprint) must equal this prompt's, and so must the prompt hash,
+    which also covers the partial last block: a handle of another prompt of the same length
+    would otherwise be decoded from silently."""
+    block_size = eng.config.cache.block_size
+    if h.fingerprint != eng.fingerprint:
+        return "kv_handle.fingerprint does not match this worker's model"
+    if h.block_size != block_size:
+        return f"kv_handle.block_size {h.block_size} != {block_size}"
+    if h.num_tokens != len(ids):
+        return f"kv_handle.num_tokens {h.num_tokens} != prompt length {len(ids)}"
+    if not h.worker_address or not h.request_id:
+        return "kv_handle needs worker_address and request_id"
+    if list(h.block_hashes) != compute_block_hashes(eng.kv.root, ids, block_size):
+        return "kv_handle.block_hashes do not match the prompt's blocks (KV of another prompt)"
+    if h.prompt_hash != prompt_hash(eng.fingerprint, ids):
+        return ("kv_handle.prompt_hash does not match this prompt (KV of another prompt, or a "
+                "handle without prompt_hash)")
+    return None

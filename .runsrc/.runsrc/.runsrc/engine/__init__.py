@@ -1,0 +1,37 @@
+"""splitserve engine: the shared core of the prefill and decode services.
+
+`from engine import LLM, SamplingParams` mirrors vLLM. Torch-using exports are loaded lazily so
+that torch-free modules (`engine.tokenizer`, `engine.detokenizer`, `engine.sampling_params`,
+`engine.kv`) can be imported by the gateway without pulling in torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from engine.sampling_params import SamplingParams, SamplingParamsError
+
+if TYPE_CHECKING:
+    from engine.llm import LLM
+    from engine.llm_engine import EngineInputError, LLMEngine
+    from engine.outputs import CompletionOutput, RequestOutput
+
+__all__ = ["LLM", "CompletionOutput", "EngineInputError", "LLMEngine", "RequestOutput",
+           "SamplingParams", "SamplingParamsError"]
+
+_LAZY = {
+    "LLM": "engine.llm",
+    "LLMEngine": "engine.llm_engine",
+    "EngineInputError": "engine.llm_engine",
+    "RequestOutput": "engine.outputs",
+    "CompletionOutput": "engine.outputs",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,1 @@
+"""Attention backends over the paged KV cache, and the per-step forward context."""

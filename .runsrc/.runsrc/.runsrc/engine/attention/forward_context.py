@@ -1,0 +1,79 @@
+"""The per-step forward context: set once around a forward pass, read only by attention.
+
+Non-nestable by design: a forward pass sees exactly one batch's metadata. The context is per
+thread: every engine runs its steps on its own thread, and several engines may share a process
+(tests, the colocated CLI), so one engine's forward pass must never see another's batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Flattened varlen batch; sequences ordered decodes first. Shapes use B sequences, T tokens."""
+
+    query_start_loc: torch.Tensor   # [B+1] int32, token offsets of each sequence
+    seq_lens: torch.Tensor          # [B] int32, KV length including this step's tokens
+    block_tables: torch.Tensor      # [B, max_blocks] int32
+    slot_mapping: torch.Tensor      # [T] int64, block_id * block_size + offset
+    num_decodes: int                # leading sequences with exactly one new token
+    max_query_len: int
+    max_seq_len: int
+    # Host copies for the reference backend's python loops (avoid device syncs there).
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    # The shortest prefill (a sequence of > 1 new token) when no prefill has KV cached before
+    # this step, else 0; also 0 without prefills. Lets a backend pick a kernel for prompts that
+    # attend only to their own fresh K/V once per step, not once per layer.
+    fresh_prefill_len: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RopeInputs:
+    """What a backend that fuses RoPE into its KV write (`fuses_rope`) needs to rotate q and k:
+    the model passes this instead of rotating them itself."""
+
+    positions: torch.Tensor         # [T] int32/int64, each token's position
+    cos_sin_cache: torch.Tensor     # [max_pos, D] float32: cos in [0, D/2), sin in [D/2, D)
+    is_neox: bool                   # pairs (x[i], x[i + D/2]); False: (x[2i], x[2i+1])
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    attn_metadata: AttentionMetadata
+    kv_caches: list[torch.Tensor]   # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
+    # Per layer (k_scale, v_scale) of an fp8 cache; None: unquantized (scale 1.0). Python floats:
+    # constant for an engine's life, so CUDA graphs bake them in.
+    kv_scales: list[tuple[float, float]] | None = None
+
+
+class _Local(threading.local):
+    current: ForwardContext | None = None
+
+
+_local = _Local()
+
+
+@contextlib.contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[None]:
+    if _local.current is not None:
+        raise RuntimeError("forward contexts do not nest")
+    _local.current = ctx
+    try:
+        yield
+    finally:
+        _local.current = None
+
+
+def get_forward_context() -> ForwardContext:
+    ctx = _local.current
+    if ctx is None:
+        raise RuntimeError("attention called outside a forward context")
+    return ctx

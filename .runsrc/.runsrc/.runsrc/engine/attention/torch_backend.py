@@ -1,0 +1,118 @@
+"""Reference attention over the paged KV cache in plain torch (CPU and any device).
+
+Writes this step's K/V into the cache, then attends per sequence over the gathered blocks.
+Decodes are batched (padded gather + mask); prefills loop over sequences. An fp8 cache is
+quantized on write and dequantized (times the layer's K/V scale) right after the gather.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.forward_context import AttentionMetadata, RopeInputs
+from engine.attention.kv_quant import dequantize_fp8, is_fp8, quantize_fp8
+
+
+def write_kv_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0
+                   ) -> None:
+    """key/value: [T, Hkv, D] → kv_cache [2, num_blocks, block_size, Hkv, D] at slot_mapping.
+
+    An fp8 cache stores `key / k_scale`, `value / v_scale` (saturated); other caches ignore
+    the scales."""
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    if is_fp8(kv_cache):
+        # index_copy_ has no fp8 kernel on the CPU: copy the bytes.
+        raw = flat.view(torch.uint8)
+        raw[0].index_copy_(0, slot_mapping, quantize_fp8(key, k_scale).view(torch.uint8))
+        raw[1].index_copy_(0, slot_mapping, quantize_fp8(value, v_scale).view(torch.uint8))
+        return
+    flat[0].index_copy_(0, slot_mapping, key.to(flat.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(flat.dtype))
+
+
+def _gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int,
+               scales: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    # -> k, v: [seq_len, Hkv, D] (float32 when the cache is fp8)
+    block_size = kv_cache.shape[2]
+    n = -(-seq_len // block_size)
+    kv = kv_cache[:, block_ids[:n].long()]  # [2, n, bs, Hkv, D]
+    kv = kv.reshape(2, n * block_size, *kv_cache.shape[3:])[:, :seq_len]
+    if is_fp8(kv_cache):
+        return dequantize_fp8(kv[0], scales[0]), dequantize_fp8(kv[1], scales[1])
+    return kv[0], kv[1]
+
+
+class TorchAttentionBackend:
+    """Reference backend; an fp8 cache is quantized on write and dequantized on read with the
+    layer's `kv_scale` (k_scale, v_scale). Does not fuse RoPE: q and k arrive rotated."""
+
+    name = "torch"
+    fuses_rope = False
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                md: AttentionMetadata, scale: float,
+                kv_scale: tuple[float, float] = (1.0, 1.0), *,
+                rope: RopeInputs | None = None) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, Hkv, D] (this step's tokens, already rotated) → out [T, H, D].
+
+        `rope` must be None (`fuses_rope` is False: the model rotates with its torch path)."""
+        if rope is not None:
+            raise ValueError("the torch attention backend does not fuse RoPE (fuses_rope is "
+                             "False): rotate q and k before calling it and pass rope=None")
+        scales = kv_scale if is_fp8(kv_cache) else (1.0, 1.0)
+        write_kv_torch(k, v, kv_cache, md.slot_mapping, *scales)
+        out = torch.empty_like(q)
+        nd = md.num_decodes
+        if nd > 0:
+            out[:nd] = self._decode(q[:nd], kv_cache, md, nd, scale, scales)
+        qsl, sl = md.query_start_loc_cpu, md.seq_lens_cpu
+        for b in range(nd, len(sl)):
+            s, e = qsl[b], qsl[b + 1]
+            kb, vb = _gather_kv(kv_cache, md.block_tables[b], sl[b], scales)
+            out[s:e] = _causal_attention(q[s:e], kb, vb, scale)
+        return out
+
+    @staticmethod
+    def _decode(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, nd: int,
+                scale: float, scales: tuple[float, float]) -> torch.Tensor:
+        # q: [B, H, D]; one query per sequence at the last position.
+        block_size = kv_cache.shape[2]
+        max_len = max(md.seq_lens_cpu[:nd])
+        n = -(-max_len // block_size)
+        tables = md.block_tables[:nd, :n].long()                   # [B, n]
+        kv = kv_cache[:, tables]                                   # [2, B, n, bs, Hkv, D]
+        if is_fp8(kv_cache):
+            kv = torch.stack((dequantize_fp8(kv[0], scales[0]), dequantize_fp8(kv[1], scales[1])))
+        kv = kv.reshape(2, nd, n * block_size, *kv_cache.shape[3:]).transpose(2, 3)
+        hq, hkv = q.shape[1], kv.shape[2]
+        k, v = kv[0], kv[1]                                        # [B, Hkv, L, D]
+        if hq != hkv:
+            k = k.repeat_interleave(hq // hkv, dim=1)
+            v = v.repeat_interleave(hq // hkv, dim=1)
+        pos = torch.arange(n * block_size, device=q.device)
+        mask = (pos[None, :] < md.seq_lens[:nd, None])[:, None, None, :]  # [B, 1, 1, L]
+        dt = torch.float32 if q.dtype != torch.float32 else q.dtype
+        o = F.scaled_dot_product_attention(q[:, :, None].to(dt), k.to(dt), v.to(dt),
+                                           attn_mask=mask, scale=scale)  # [B, H, 1, D]
+        return o[:, :, 0].to(q.dtype)
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+                      ) -> torch.Tensor:
+    """q: [Lq, H, D] at the last Lq of Lk positions; k/v: [Lk, Hkv, D] → [Lq, H, D]."""
+    lq, lk = q.shape[0], k.shape[0]
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq != hkv:
+        k = k.repeat_interleave(hq // hkv, dim=1)
+        v = v.repeat_interleave(hq // hkv, dim=1)
+    qpos = torch.arange(lk - lq, lk, device=q.device)
+    mask = torch.arange(lk, device=q.device)[None, :] <= qpos[:, None]  # [Lq, Lk]
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1).float(), k.transpose(0, 1).float(), v.transpose(0, 1).float(),
+        attn_mask=mask, scale=scale)
+    return o.transpose(0, 1).to(q.dtype)

@@ -1,0 +1,78 @@
+"""Engine flags for process edges (`splitserve generate`, `splitserve serve`): defaults are read
+from the config dataclasses, never restated here."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+from typing import Any
+
+from engine.config import CacheConfig, EngineConfig, LoadConfig, RunnerConfig, SchedulerConfig
+
+
+def _default(cls: type, name: str) -> Any:
+    for f in fields(cls):
+        if f.name == name:
+            return f.default
+    raise KeyError(name)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=_default(LoadConfig, "model"),
+                   help="HF directory, .gguf file or dummy:<preset> (default: embedded SmolLM2-135M)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer.json / .gguf override")
+    g.add_argument("--load-format", default=_default(LoadConfig, "load_format"),
+                   choices=["auto", "safetensors", "gguf", "dummy"])
+    g.add_argument("--dtype", default=_default(LoadConfig, "dtype"),
+                   choices=["auto", "float32", "float16", "bfloat16"])
+    g.add_argument("--seed", type=int, default=_default(LoadConfig, "seed"))
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=_default(CacheConfig, "block_size"))
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--num-gpu-blocks", type=int, default=None)
+    g.add_argument("--gpu-memory-utilization", type=float,
+                   default=_default(CacheConfig, "gpu_memory_utilization"))
+    g.add_argument("--cpu-kv-cache-gb", type=float, default=None)
+    g.add_argument("--kv-cache-dtype", default=_default(CacheConfig, "kv_cache_dtype"),
+                   choices=["auto", "fp8", "int8"],
+                   help="KV cache storage: auto = model dtype, fp8 = float8 e4m3 with per-layer "
+                        "scales (int8 is not implemented)")
+    g.add_argument("--max-num-seqs", type=int, default=_default(SchedulerConfig, "max_num_seqs"))
+    g.add_argument("--max-num-batched-tokens", type=int,
+                   default=_default(SchedulerConfig, "max_num_batched_tokens"))
+    g.add_argument("--no-chunked-prefill", action="store_true")
+    g.add_argument("--kv-lease-ms", type=int, default=_default(SchedulerConfig, "kv_lease_ms"))
+    g.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
+                   help="overlap scheduling and input preparation of step n+1 with the device's "
+                        "work on step n (auto: on for CUDA; never in the prefill role)")
+    g.add_argument("--device", default=_default(RunnerConfig, "device"))
+    g.add_argument("--attention-backend", default=_default(RunnerConfig, "attention_backend"),
+                   choices=["auto", "torch", "triton"])
+    g.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+    g.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch intra-op threads when running on the CPU")
+
+
+def engine_config_from_args(args: argparse.Namespace, role: str = "colocated") -> EngineConfig:
+    cache_kwargs: dict[str, Any] = {}
+    if args.cpu_kv_cache_gb is not None:
+        cache_kwargs["cpu_kv_cache_bytes"] = int(args.cpu_kv_cache_gb * (1 << 30))
+    return EngineConfig(
+        load=LoadConfig(model=args.model, load_format=args.load_format, dtype=args.dtype,
+                        seed=args.seed, tokenizer=args.tokenizer),
+        cache=CacheConfig(block_size=args.block_size,
+                          enable_prefix_caching=not args.no_prefix_caching,
+                          num_gpu_blocks=args.num_gpu_blocks,
+                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          kv_cache_dtype=args.kv_cache_dtype, **cache_kwargs),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  enable_chunked_prefill=not args.no_chunked_prefill,
+                                  max_model_len=args.max_model_len, role=role,  # type: ignore[arg-type]
+                                  kv_lease_ms=args.kv_lease_ms,
+                                  async_scheduling={"auto": None, "on": True, "off": False}[
+                                      args.async_scheduling]),
+        runner=RunnerConfig(device=args.device, attention_backend=args.attention_backend,
+                            enforce_eager=args.enforce_eager, cpu_threads=args.cpu_threads),
+    )

@@ -1,0 +1,223 @@
+"""Frozen configuration, layered by consumer (DESIGN.md §5).
+
+CLI parsing happens only at the process edge (`engine/cli.py`); defaults live here. Numbers
+discovered at run time (e.g. the number of KV blocks after memory profiling) live in
+`engine.runner.RunnerResult`, never written back into these objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Role = Literal["colocated", "prefill", "decode"]
+AttentionBackendName = Literal["torch", "triton", "auto"]
+KvCacheDtype = Literal["auto", "fp8", "int8"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and what is allowed."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, SmolLM2).
+
+    Field names follow Hugging Face `config.json` so `from_hf_dict` is a thin mapping.
+    """
+
+    architecture: str = "LlamaForCausalLM"
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 32
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # HF `rope_scaling` dict as a sorted tuple of items (hashable); None for plain RoPE.
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2-style q/k/v bias
+    mlp_bias: bool = False
+    # Mistral v0.1-style sliding-window attention; only exact while contexts fit the window.
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    # Identity of the weights (path + size + mtime, or "dummy:<seed>"); part of the fingerprint.
+    weights_id: str = ""
+
+    SUPPORTED_ARCHITECTURES = (
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+    )
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling is not None else None
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], weights_id: str = "") -> ModelConfig:
+        archs = d.get("architectures") or ["LlamaForCausalLM"]
+        arch = archs[0]
+        if arch not in cls.SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"config.json: architecture {arch!r} is not supported; "
+                f"supported: {', '.join(cls.SUPPORTED_ARCHITECTURES)}"
+            )
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads"):
+            if not isinstance(d.get(key), int) or d[key] <= 0:
+                raise ConfigError(f"config.json: {key} must be a positive integer, got {d.get(key)!r}")
+        n_heads = d["num_attention_heads"]
+        n_kv = d.get("num_key_value_heads") or n_heads
+        head_dim = d.get("head_dim") or d["hidden_size"] // n_heads
+        eos = d.get("eos_token_id")
+        eos_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        rs = d.get("rope_scaling")
+        rope_theta = d.get("rope_theta", 10000.0)
+        rp = d.get("rope_parameters")  # transformers >= 5 keeps theta and scaling here
+        if isinstance(rp, dict):
+            rope_theta = rp.get("rope_theta", rope_theta)
+            if rp.get("rope_type", "default") != "default":
+                rs = {k: v for k, v in rp.items() if k != "rope_theta"}
+        rope_scaling = tuple(sorted(rs.items())) if isinstance(rs, dict) else None
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        cfg = cls(
+            architecture=arch,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=n_heads,
+            num_key_value_heads=n_kv,
+            head_dim=head_dim,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", is_qwen2)),
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            sliding_window=(int(d["sliding_window"]) if d.get("sliding_window")
+                            and d.get("use_sliding_window", True) else None),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            weights_id=weights_id,
+        )
+        cfg.validate()
+        return cfg
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The equivalent HF config dict (used to build the `transformers` reference in tests)."""
+        d: dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": {"Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}.get(
+                self.architecture, "llama"),
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling_dict,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "mlp_bias": self.mlp_bias,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if self.eos_token_ids else None,
+        }
+        return d
+
+    def validate(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim <= 0 or self.head_dim % 2 != 0:
+            raise ConfigError(f"head_dim must be a positive even integer, got {self.head_dim}")
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadConfig:
+    """Where the weights come from."""
+
+    model: str = ""              # path to HF dir / .gguf file, or "dummy:<preset>"; "" = default
+    load_format: Literal["auto", "safetensors", "gguf", "dummy"] = "auto"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    seed: int = 0                # for dummy weights
+    tokenizer: str | None = None  # override tokenizer path
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Paged KV cache."""
+
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    num_gpu_blocks: int | None = None   # None: sized by memory profiling
+    gpu_memory_utilization: float = 0.85
+    cpu_kv_cache_bytes: int = 2 << 30   # KV budget when running on the CPU
+    # "fp8": float8 e4m3 storage with per-layer K/V scales (half the bytes of bf16); "int8" is
+    # reserved and refused by the engine.
+    kv_cache_dtype: KvCacheDtype = "auto"
+    tenant_salt: str = ""
+
+    def validate(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("gpu_memory_utilization must be in (0, 1]")
+        if self.kv_cache_dtype not in ("auto", "fp8", "int8"):
+            raise ConfigError(f"kv_cache_dtype must be 'auto' (the model dtype) or 'fp8' "
+                              f"(float8 e4m3), got {self.kv_cache_dtype!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Continuous batching and chunked prefill."""
+
+    max_num_seqs: int = 256                 # max requests in one step
+    max_num_batched_tokens: int = 2048      # token budget of one step
+    enable_chunked_prefill: bool = True
+    max_model_len: int | None = None        # None: the model's max_position_embeddings
+    role: Role = "colocated"
+    kv_lease_ms: int = 30_000               # prefill role: how long KV is held for decode
+    # Schedule and launch step n+1 while the GPU still runs step n (sampled tokens stay on the
+    # device as the next inputs). None: on for CUDA devices, except in the prefill role.
+    async_scheduling: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerConfig:
+    """How the forward pass runs."""
+
+    device: str = "auto"                    # "auto": cuda if available else cpu
+    attention_backend: AttentionBackendName = "auto"
+    enforce_eager: bool = False             # True: no CUDA graphs
+    cuda_graph_max_batch: int = 512
+    quantization: Literal["none", "fp8", "int8"] = "none"
+    # Intra-op threads on the CPU; None keeps torch's default. Several engines (or an engine and
+    # its tests) on one small machine must split the cores, or spinning thread pools oversubscribe
+    # them and small ops get ~100x slower.
+    cpu_threads: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    load: LoadConfig = field(default_factory=LoadConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)

@@ -1,0 +1,113 @@
+"""CUDA graphs for pure-decode steps, captured per padded batch-size bucket.
+
+Buckets 1, 2, 4, 8, then every 8 up to the max decode batch, share one memory pool. A step with
+n decodes replays the smallest bucket >= n: inputs are copied into static buffers (padding rows
+write no KV: slot -1) and the graph runs the model *and* the LM head, so a greedy decode step is
+one replay plus one argmax. Anything else (prefill chunks, batches over the largest bucket) runs
+eagerly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.attention.forward_context import AttentionMetadata, ForwardContext, forward_context
+
+if TYPE_CHECKING:
+    from engine.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4, 8) if b <= max_batch]
+    sizes += list(range(16, max_batch + 1, 8))
+    if sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sizes
+
+
+class CudaGraphRunner:
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        cfg = runner.config
+        max_batch = min(cfg.runner.cuda_graph_max_batch, cfg.scheduler.max_num_seqs)
+        self.buckets = bucket_sizes(max_batch)
+        dev = runner.device
+        self.max_blocks = -(-runner.max_model_len // runner.block_size)
+        n = self.buckets[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=dev)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros((n, self.max_blocks), dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # One logits buffer shared by every bucket (a per-bucket output would cost
+        # vocab x sum(buckets) floats: gigabytes for a 128k vocabulary).
+        self.logits_buf = torch.empty((n, runner.model_config.vocab_size), dtype=runner.dtype,
+                                      device=dev)
+        self.pool: Any = None
+        self.num_replays = 0
+
+    def _metadata(self, b: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[: b + 1], seq_lens=self.seq_lens[:b],
+            block_tables=self.block_tables[:b], slot_mapping=self.slot_mapping[:b],
+            num_decodes=b, max_query_len=1, max_seq_len=self.runner.max_model_len,
+            query_start_loc_cpu=list(range(b + 1)), seq_lens_cpu=[1] * b)
+
+    def _forward(self, b: int) -> None:
+        r = self.runner
+        with forward_context(ForwardContext(self._metadata(b), r.kv_caches, r.kv_scale_values)):
+            hidden = r.model(self.input_ids[:b], self.positions[:b])
+        torch.mm(hidden, r.model.lm_head_weight.t(), out=self.logits_buf[:b])
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        free_before = torch.cuda.mem_get_info()[0]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for b in reversed(self.buckets):  # largest first: later ones reuse its pool
+                for _ in range(2):  # warm up: Triton autotuning / compilation off the graph
+                    self._forward(b)
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool, stream=stream):
+                    self._forward(b)
+                if self.pool is None:
+                    self.pool = g.pool()
+                self.graphs[b] = g
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        used = free_before - torch.cuda.mem_get_info()[0]
+        logger.info("captured %d CUDA graphs (batch 1..%d) using %.2f GiB", len(self.graphs),
+                    self.buckets[-1], used / 2**30)
+
+    def can_run(self, num_seqs: int) -> bool:
+        return num_seqs <= self.buckets[-1]
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
+            ) -> torch.Tensor:
+        """Replay for `n` decodes; returns their float32 logits [n, vocab]."""
+        n = input_ids.shape[0]
+        b = self.buckets[bisect.bisect_left(self.buckets, n)]
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(md.slot_mapping, non_blocking=True)
+        self.seq_lens[:n].copy_(md.seq_lens, non_blocking=True)
+        w = md.block_tables.shape[1]
+        self.block_tables[:n, :w].copy_(md.block_tables, non_blocking=True)
+        if b > n:  # padding rows: write no KV, attend over one (garbage) position
+            self.slot_mapping[n:b].fill_(-1)
+            self.seq_lens[n:b].fill_(1)
+            self.input_ids[n:b].zero_()
+            self.positions[n:b].zero_()
+        self.graphs[b].replay()
+        self.num_replays += 1
+        return self.logits_buf[:n].float()

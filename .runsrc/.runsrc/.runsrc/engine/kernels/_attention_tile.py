@@ -1,0 +1,152 @@
+"""The inner step shared by the paged attention kernels: attend one query tile to one KV tile.
+
+The KV tile is `BLOCK_N` consecutive *positions* of one sequence, gathered token by token
+through the block table (so the tile size is independent of the cache block size):
+
+    pos  = n0 + [0, BLOCK_N)
+    slot = block_table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+    K    = k_cache[slot, kv_head, :]            # [BLOCK_N, HEAD_DIM], each row contiguous
+
+Online softmax in the log2 domain (FlashAttention-2): scores are multiplied by
+`qk_scale = scale * log2(e)` and exponentiated with exp2; `m_i` is the running row max,
+`l_i` the running row sum, `acc` the unnormalised output, all float32.
+
+An fp8 cache's tiles are converted to the dots' operand dtype after the load (exact: every
+e4m3 value is a bf16/fp16/fp32 value); the callers fold the K scale into `qk_scale` and multiply
+the output by the V scale, so the tile step itself never sees a KV scale. The operand dtype
+(`tile_dots`):
+
+- fp8 cache, 16-bit q (the engine's case): fp16. e4m3x2 -> f16x2 is one packed `cvt` on sm_89+,
+  while e4m3 -> bf16 has no direct instruction on Hopper (it goes through f16/f32) and halved the
+  decode kernel's bandwidth on an H200. The caller multiplies q by the whole `qk_scale` once,
+  before the KV loop, and rounds it to fp16 (`fp16_scaled_q`), so the QK dot yields log2-domain
+  scores directly (`Q_PRESCALED`: no per-score multiply) and q shrinks by ~log2(e) / sqrt(D) *
+  k_scale (no fp16 overflow for realistic activations; the dots accumulate in fp32). fp16 has a
+  10-bit mantissa, bf16 7: the scaled q in fp16 is at least as precise as a bf16 q was (an fp16
+  q takes one more rounding at its own precision). Only entries below fp16's normal range,
+  |q * qk_scale| < 2**-14, lose relative precision, and each adds at most 2**-25 * |k| to a
+  score's error. P is rounded to fp16 for the PV dot (likewise finer than bf16); acc, m_i and
+  l_i stay float32.
+- fp8 cache, fp32 q: fp32 operands and IEEE dots, as for an fp32 cache (exact dequantisation;
+  the slow path, kept as the precise one).
+- any other cache: q's dtype, which is the cache's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels._checks import FP8_KV_DTYPE, interpret_mode
+from engine.kernels._tl import reduce_max, reduce_sum
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def attend_kv_tile(
+    acc,  # [M, HEAD_DIM] float32
+    l_i,  # [M] float32
+    m_i,  # [M] float32
+    q,  # [M, HEAD_DIM] in the dots' dtype (see `tile_dots`); times qk_scale if Q_PRESCALED
+    q_pos,  # [M] int32: KV position of each query row (only read when CAUSAL)
+    n0,  # first KV position of this tile
+    kv_limit,  # positions >= kv_limit are masked (only read when BOUNDS_MASK)
+    block_table_ptr,  # this sequence's row of the block table
+    k_head_ptr,  # k_cache + kv_head * HEAD_DIM
+    v_head_ptr,  # v_cache + kv_head * HEAD_DIM
+    qk_scale,  # only read unless Q_PRESCALED
+    stride_cache_block,
+    stride_cache_tok,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BOUNDS_MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong (Triton 3.9)
+    Q_PRESCALED: tl.constexpr,  # q already carries qk_scale (the fp16 path of an fp8 cache)
+):
+    pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    dims = tl.arange(0, HEAD_DIM)
+    if BOUNDS_MASK:
+        in_bounds = pos < kv_limit
+        block_ids = tl.load(block_table_ptr + pos // BLOCK_SIZE, mask=in_bounds, other=0)
+    else:
+        block_ids = tl.load(block_table_ptr + pos // BLOCK_SIZE)
+    # int64: block_id * stride overflows int32 on large caches.
+    tok_off = block_ids.to(tl.int64) * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_tok
+    kv_off = tok_off[:, None] + dims[None, :]  # [BLOCK_N, HEAD_DIM]
+    if BOUNDS_MASK:
+        k = tl.load(k_head_ptr + kv_off, mask=in_bounds[:, None], other=0.0)
+    else:
+        k = tl.load(k_head_ptr + kv_off)
+    k = k.to(q.dtype)  # fp8 cache -> fp16 or fp32; a no-op when the cache is q's dtype
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+        k = k.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, BLOCK_N]
+    if not Q_PRESCALED:
+        s = s * qk_scale
+    if CAUSAL:
+        visible = pos[None, :] <= q_pos[:, None]
+        if BOUNDS_MASK:
+            visible = visible & in_bounds[None, :]
+        s = tl.where(visible, s, float("-inf"))
+    elif BOUNDS_MASK:
+        s = tl.where(in_bounds[None, :], s, float("-inf"))
+    # Every caller guarantees each real row sees >= 1 position in its first tile, so m_new is
+    # finite for real rows from then on and exp2(-inf - m_new) = 0 for masked entries.
+    m_new = tl.maximum(m_i, reduce_max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + reduce_sum(p, 1)
+    if BOUNDS_MASK:
+        v = tl.load(v_head_ptr + kv_off, mask=in_bounds[:, None], other=0.0)
+    else:
+        v = tl.load(v_head_ptr + kv_off)
+    v = v.to(q.dtype)
+    if UPCAST_DOT:
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def fp16_scaled_q(q, qk_scale):
+    """q times the whole score scale, rounded once to fp16: the loop-invariant operand of the
+    fp16 tile path (`Q_PRESCALED`). The product is formed in float32, so only the final
+    rounding (10-bit mantissa) is lost."""
+    return (q.to(tl.float32) * qk_scale).to(tl.float16)
+
+
+@dataclass(frozen=True, slots=True)
+class TileDots:
+    """How `attend_kv_tile` runs its two dots; compile-time arguments of the attention kernels."""
+
+    f16: bool  # fp8 cache with 16-bit q: q prescaled and fp16, K/V/P fp16 (F16_DOTS)
+    precision: str  # DOT_PRECISION
+    upcast: bool  # UPCAST_DOT
+
+
+def tile_dots(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> TileDots:
+    """fp16 dots for an fp8 cache read with bf16/fp16 q (see the module docstring); otherwise
+    dots in q's dtype, exactly as for a cache of q's dtype."""
+    f16 = kv_dtype == FP8_KV_DTYPE and q_dtype in (torch.bfloat16, torch.float16)
+    operand = torch.float16 if f16 else q_dtype
+    return TileDots(f16, dot_precision(operand), upcast_dots(operand))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """IEEE fp32 dots for fp32 inputs (Triton would default to tf32); tf32 is ignored for 16-bit."""
+    return "ieee" if dtype == torch.float32 or upcast_dots(dtype) else "tf32"
+
+
+def upcast_dots(dtype: torch.dtype) -> bool:
+    """Whether to run the dots in fp32: only for bf16 under the interpreter, whose bf16
+    `tl.dot` returns garbage (seen with Triton 3.9; its fp16 dot is right); the GPU path keeps
+    bf16 tensor-core dots."""
+    return dtype == torch.bfloat16 and interpret_mode()

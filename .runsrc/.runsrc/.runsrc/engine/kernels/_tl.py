@@ -1,0 +1,72 @@
+"""Reductions built on `tl.reduce` instead of `tl.max` / `tl.sum` / `tl.cdiv`.
+
+Why: Triton's standard-library helpers (`tl.max`, `tl.sum`, `tl.cdiv`, `tl.zeros`) are themselves
+`@jit` functions, decorated when Triton is first imported. If anything imports Triton before
+`TRITON_INTERPRET=1` is set (e.g. `transformers` in a test session), those helpers stay compiled
+functions and the interpreter refuses to call them. `tl.reduce` is patched by the interpreter and
+our own combine functions are decorated when this module is imported, so these work in both
+modes and compile to the same code on the GPU.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def reduce_max(x, axis: tl.constexpr):
+    """Max of a float32 tensor along `axis` (like `tl.max`)."""
+    return tl.reduce(x, axis, _maximum)
+
+
+@triton.jit
+def reduce_sum(x, axis: tl.constexpr):
+    """Sum of a float32 tensor along `axis` (like `tl.sum`)."""
+    return tl.reduce(x, axis, _add)
+
+
+@triton.jit
+def ceil_div(a, b):
+    """Integer ceil(a / b) for positive b (like `tl.cdiv`)."""
+    return (a + b - 1) // b
+
+
+@triton.jit
+def load_scale(scale, IS_PTR: tl.constexpr):
+    """A KV scale as a float32 scalar: read through a pointer (a one-element tensor argument)
+    or taken as given (a Python float argument)."""
+    if IS_PTR:
+        value = tl.load(scale).to(tl.float32)
+    else:
+        value = scale
+    return value
+
+
+@triton.jit
+def round_to_e4m3(y):
+    """Round float32 `y` (|y| <= 448) to the nearest float8 e4m3 value, ties to even, still in
+    float32, so a later cast to fp8 is exact.
+
+    Only for the interpreter: its fp32 -> fp8 cast drops the carry when rounding up the mantissa
+    (1.98 becomes 1.0; Triton 3.9). The GPU casts with `cvt.rn.satfinite` and skips this.
+    Adding then subtracting 1.5 * 2**23 * ulp rounds to a multiple of ulp in fp32 arithmetic;
+    ulp is 2**(e - 3) for exponent e >= -6 and 2**-9 for e4m3 subnormals.
+    """
+    a = tl.abs(y)
+    exponent = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    exponent = tl.maximum(exponent, -6)
+    ulp = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    magic = ulp * 12582912.0  # 1.5 * 2**23 * ulp
+    rounded = (a + magic) - magic
+    return tl.where(y < 0, -rounded, rounded)

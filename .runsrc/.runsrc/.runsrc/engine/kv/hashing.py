@@ -1,0 +1,90 @@
+"""Stable block identity (DESIGN.md §4).
+
+    hash_0 = H(root ‖ tokens of block 0 ‖ extra)
+    hash_i = H(hash_{i-1} ‖ tokens of block i ‖ extra)
+    root   = H("splitserve-root" ‖ model fingerprint ‖ tenant salt)
+
+H is SHA-256, so the same key names a block on the GPU, in the CPU tier, in Redis and in the
+router, across processes and machines. Only full blocks are hashed; `prompt_hash` covers a
+whole prompt, its partial last block included, so a KV handle names exactly one prompt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+HASH_BYTES = 32
+
+
+def model_fingerprint(
+    model: dict[str, Any],
+    *,
+    dtype: str,
+    kv_cache_dtype: str,
+    block_size: int,
+    parallel_layout: str = "tp1",
+) -> bytes:
+    """32-byte fingerprint binding architecture, weights identity, dtypes, block size, layout.
+
+    `model` is any JSON-serialisable description of the architecture and weights (the engine
+    passes `ModelConfig.to_hf_dict()` plus `weights_id`). Two workers exchange KV only when their
+    fingerprints are equal.
+    """
+    canonical = json.dumps(
+        {
+            "model": model,
+            "dtype": dtype,
+            "kv_cache_dtype": kv_cache_dtype,
+            "block_size": block_size,
+            "parallel_layout": parallel_layout,
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+        default=str,
+    )
+    return hashlib.sha256(canonical.encode()).digest()
+
+
+def root_hash(fingerprint: bytes, tenant_salt: str = "") -> bytes:
+    """Root of every hash chain; a tenant salt isolates tenants' caches from each other."""
+    return hashlib.sha256(b"splitserve-root\x00" + fingerprint + tenant_salt.encode()).digest()
+
+
+def block_hash(parent: bytes, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
+    """Hash of one full block chained on its parent's hash."""
+    h = hashlib.sha256(parent)
+    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    h.update(extra)
+    return h.digest()
+
+
+def compute_block_hashes(
+    root: bytes,
+    token_ids: Sequence[int],
+    block_size: int,
+    existing: Sequence[bytes] = (),
+) -> list[bytes]:
+    """Hashes of all full blocks of `token_ids`, reusing the already computed `existing` prefix."""
+    hashes = list(existing)
+    num_full = len(token_ids) // block_size
+    parent = hashes[-1] if hashes else root
+    for i in range(len(hashes), num_full):
+        parent = block_hash(parent, token_ids[i * block_size:(i + 1) * block_size])
+        hashes.append(parent)
+    return hashes
+
+
+def prompt_hash(fingerprint: bytes, token_ids: Sequence[int]) -> bytes:
+    """SHA-256 over the model fingerprint and ALL prompt token ids (little-endian uint32).
+
+    Block hashes cover full blocks only; this binds a KV handle to the exact prompt, so a
+    decode worker can refuse KV of a prompt that differs only in its partial last block.
+    """
+    # The fingerprint is fixed-size (HASH_BYTES), so fingerprint ‖ ids is unambiguous.
+    h = hashlib.sha256(fingerprint)
+    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    return h.digest()

@@ -1,0 +1,204 @@
+"""Offline API mirroring vLLM's: `LLM(model=...)`, `llm.generate(prompts, params)`, `llm.chat`."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from engine.config import CacheConfig, EngineConfig, LoadConfig, RunnerConfig, SchedulerConfig
+from engine.llm_engine import EngineInputError, LLMEngine
+from engine.outputs import CompletionOutput, RequestOutput, StepOutput
+from engine.request import RequestMetrics
+from engine.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """An engine in this process. Keyword names follow vLLM's `LLM` where the concept exists."""
+
+    def __init__(
+        self,
+        model: str = "",
+        *,
+        tokenizer: str | None = None,
+        load_format: str = "auto",
+        dtype: str = "auto",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        num_gpu_blocks: int | None = None,
+        gpu_memory_utilization: float = 0.85,
+        cpu_kv_cache_bytes: int = 2 << 30,
+        kv_cache_dtype: str = "auto",
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_chunked_prefill: bool = True,
+        async_scheduling: bool | None = None,
+        device: str = "auto",
+        attention_backend: str = "auto",
+        enforce_eager: bool = False,
+        quantization: str = "none",
+        cpu_threads: int | None = None,
+    ) -> None:
+        config = EngineConfig(
+            load=LoadConfig(model=model, load_format=load_format, dtype=dtype, seed=seed,  # type: ignore[arg-type]
+                            tokenizer=tokenizer),
+            cache=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+                              num_gpu_blocks=num_gpu_blocks,
+                              gpu_memory_utilization=gpu_memory_utilization,
+                              cpu_kv_cache_bytes=cpu_kv_cache_bytes,
+                              kv_cache_dtype=kv_cache_dtype),  # type: ignore[arg-type]
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens,
+                                      enable_chunked_prefill=enable_chunked_prefill,
+                                      max_model_len=max_model_len,
+                                      async_scheduling=async_scheduling),
+            runner=RunnerConfig(device=device, attention_backend=attention_backend,  # type: ignore[arg-type]
+                                enforce_eager=enforce_eager,
+                                quantization=quantization,  # type: ignore[arg-type]
+                                cpu_threads=cpu_threads),
+        )
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        self = cls.__new__(cls)
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+        return self
+
+    def get_tokenizer(self):  # type: ignore[no-untyped-def]
+        return self.engine.tokenizer
+
+    # ---- generation ------------------------------------------------------------------------
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of `prompts`."""
+        items = self._submit(prompts, sampling_params)
+        for _ in self._run():
+            pass
+        for _, out in items:
+            self._finalize(out)
+        return [out for _, out in items]
+
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None
+               ) -> Iterator[StepOutput]:
+        """Generate for one prompt, yielding each step's new tokens and text as they come."""
+        params = sampling_params or SamplingParams()
+        if params.n != 1:
+            raise EngineInputError("stream() supports n=1 only")
+        [(rid, _)] = self._submit(prompt, params)
+        try:
+            for step in self._run():
+                for s in step:
+                    if s.request_id.startswith(rid + ":"):
+                        yield s
+        finally:
+            for child in list(self.engine.scheduler.requests):
+                if child.startswith(rid + ":"):
+                    self.engine.abort_request(child)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise EngineInputError("this model has no tokenizer; chat needs one")
+        convs = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts: list[PromptType] = [
+            {"prompt_token_ids": tok.encode(
+                tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt),  # type: ignore[arg-type]
+                add_special_tokens=False)}
+            for c in convs]
+        return self.generate(prompts, sampling_params)
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _submit(self, prompts: PromptType | Sequence[PromptType],
+                sampling_params: SamplingParams | Sequence[SamplingParams] | None
+                ) -> list[tuple[str, RequestOutput]]:
+        plist: list[PromptType] = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        if sampling_params is None:
+            params: list[SamplingParams] = [SamplingParams()] * len(plist)
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(plist)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(plist):
+                raise EngineInputError(
+                    f"got {len(params)} sampling params for {len(plist)} prompts")
+        # Tokenize and validate every prompt before queueing any: a bad one must not leave the
+        # others queued in the engine.
+        tokenized = [self._tokenize(prompt) for prompt in plist]
+        for (_, ids), sp in zip(tokenized, params, strict=True):
+            self.engine.check_request(ids, sp)
+        items = []
+        for (text, ids), sp in zip(tokenized, params, strict=True):
+            rid = str(next(self._ids))
+            for i in range(sp.n):
+                child = sp if sp.n == 1 else dataclasses.replace(
+                    sp, n=1, seed=None if sp.seed is None else sp.seed + i)
+                self.engine.enqueue(f"{rid}:{i}", ids, child)
+            items.append((rid, RequestOutput(rid, text, ids, [
+                CompletionOutput(i, "", [], [] if sp.logprobs is not None else None, None)
+                for i in range(sp.n)], finished=False)))
+        self._outputs = {rid: out for rid, out in items}
+        self._metrics: dict[str, RequestMetrics] = {}
+        return items
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            tok = self.engine.tokenizer
+            if tok is None:
+                raise EngineInputError("text prompts need a tokenizer; pass prompt_token_ids")
+            if not prompt:
+                raise EngineInputError("prompt must not be empty")
+            return prompt, tok.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                raise EngineInputError("prompt_token_ids must be a list of integers")
+            return prompt.get("prompt"), list(ids)
+        raise EngineInputError("a prompt is a string or {'prompt_token_ids': [...]}")
+
+    def _run(self) -> Iterator[list[StepOutput]]:
+        while self.engine.has_unfinished_requests():
+            steps = self.engine.step()
+            for s in steps:
+                self._accumulate(s)
+            yield steps
+
+    def _accumulate(self, s: StepOutput) -> None:
+        if ":" not in s.request_id:
+            return  # a request added to the engine directly, not through this LLM
+        rid, idx = s.request_id.rsplit(":", 1)
+        out = self._outputs.get(rid)
+        if out is None:
+            return
+        comp = out.outputs[int(idx)]
+        comp.token_ids.extend(s.new_token_ids)
+        comp.text += s.text_delta
+        if comp.logprobs is not None:
+            comp.logprobs.extend(s.new_logprobs)
+        out.num_cached_tokens = max(out.num_cached_tokens, s.num_cached_tokens)
+        if s.finished:
+            comp.finish_reason = s.finish_reason
+            comp.stop_reason = s.stop_reason
+            if s.metrics is not None:
+                self._metrics[s.request_id] = s.metrics
+
+    def _finalize(self, out: RequestOutput) -> None:
+        out.finished = True
+        for comp in out.outputs:
+            if comp.logprobs:
+                comp.cumulative_logprob = sum(lp.logprob for lp in comp.logprobs)
+        out.metrics = self._metrics.get(out.request_id + ":0")
+        out.children_metrics = [m for i in range(len(out.outputs))
+                                if (m := self._metrics.get(f"{out.request_id}:{i}")) is not None]

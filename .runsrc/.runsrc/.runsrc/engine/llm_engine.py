@@ -1,0 +1,261 @@
+"""The engine: schedule → run → postprocess, one step at a time (single-threaded).
+
+Services drive it through `engine.async_engine.AsyncEngine`, which owns the thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv.hashing import model_fingerprint, root_hash
+from engine.kv.kv_cache_manager import KVCacheManager
+from engine.outputs import StepOutput
+from engine.request import RemoteKv, Request, RequestStatus
+from engine.runner import ModelRunner, PendingStep
+from engine.sampling_params import SamplingParams
+from engine.scheduler import KvLoad, Lease, SampledToken, Scheduler, SchedulerOutput
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class EngineInputError(ValueError):
+    """A request the engine cannot serve; the message names the field and the limit."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    model_config: ModelConfig
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    fingerprint: bytes
+    device: str
+    dtype: str
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, detokenize: bool = True) -> None:
+        from engine.loader import load_model_source
+
+        config.cache.validate()
+        # Quantized weights and int8 KV are planned (DESIGN.md §5) but not built yet: refuse them
+        # rather than silently serving bf16. fp8 KV is built.
+        if config.runner.quantization != "none":
+            raise ConfigError(f"quantization {config.runner.quantization!r} is not implemented "
+                              "yet; use 'none'")
+        if config.cache.kv_cache_dtype not in ("auto", "fp8"):
+            raise ConfigError(f"kv_cache_dtype {config.cache.kv_cache_dtype!r} is not implemented "
+                              "yet; use 'auto' or 'fp8'")
+        self.config = config
+        source = load_model_source(config.load)
+        cfg = source.config
+        self.model_config = cfg
+        self.chat_template = source.chat_template
+        self.tokenizer: Tokenizer | None = None
+        tok_path = config.load.tokenizer or source.tokenizer_source
+        self.tokenizer_source = tok_path  # the gateway loads the same tokenizer from here
+        if tok_path:
+            self.tokenizer = Tokenizer.from_file(tok_path)
+        self.max_model_len = config.scheduler.max_model_len or cfg.max_position_embeddings
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len ({self.max_model_len}) exceeds the model's "
+                f"max_position_embeddings ({cfg.max_position_embeddings})")
+        window = cfg.sliding_window
+        if window is not None and self.max_model_len > window:
+            raise ConfigError(
+                f"the model uses sliding-window attention (window {window}), which is not "
+                f"implemented; set max_model_len <= {window} so full attention is exact")
+        self.eos_token_ids = self._eos_ids(source.generation_config)
+        self.runner = ModelRunner(config, cfg, self.max_model_len, source.weights,
+                                  source.dummy_seed, source.default_dtype)
+        self.fingerprint = model_fingerprint(
+            {**cfg.to_hf_dict(), "weights_id": cfg.weights_id},
+            dtype=str(self.runner.dtype), kv_cache_dtype=config.cache.kv_cache_dtype,
+            block_size=config.cache.block_size)
+        capacity = self.runner.result.num_blocks * config.cache.block_size
+        if capacity < self.max_model_len:
+            # One sequence must always fit the whole cache, or it could never be scheduled.
+            logger.warning("KV cache holds %d tokens; lowering max_model_len from %d to that",
+                           capacity, self.max_model_len)
+            self.max_model_len = capacity
+            self.runner.max_model_len = capacity
+        self.kv = KVCacheManager(self.runner.result.num_blocks, config.cache.block_size,
+                                 config.cache.enable_prefix_caching,
+                                 root_hash(self.fingerprint, config.cache.tenant_salt))
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.detokenize = detokenize and self.tokenizer is not None
+        self._detoks: dict[str, IncrementalDetokenizer] = {}
+        self._kv_loads: list[KvLoad] = []
+        self.num_steps = 0
+        self.async_scheduling = self._resolve_async(config)
+        self._inflight: tuple[SchedulerOutput, PendingStep] | None = None
+        logger.info("engine ready: %s, %d KV blocks of %d tokens on %s (%s)", cfg.architecture,
+                    self.runner.result.num_blocks, config.cache.block_size,
+                    self.runner.result.device, self.runner.dtype)
+
+    def _resolve_async(self, config: EngineConfig) -> bool:
+        """Async scheduling pays where the device runs apart from the host (CUDA); the prefill
+        role hands each request off after one token, so there is nothing to overlap there."""
+        wanted = config.scheduler.async_scheduling
+        if config.scheduler.role == "prefill":
+            return False
+        return self.runner.device.type == "cuda" if wanted is None else wanted
+
+    def _eos_ids(self, generation_config: dict[str, object]) -> tuple[int, ...]:
+        ids = set(self.model_config.eos_token_ids)
+        gen = generation_config.get("eos_token_id")
+        if isinstance(gen, int):
+            ids.add(gen)
+        elif isinstance(gen, list):
+            ids.update(int(x) for x in gen)
+        if self.tokenizer is not None:
+            ids.update(self.tokenizer.eos_token_ids)
+        return tuple(sorted(ids))
+
+    @property
+    def info(self) -> EngineInfo:
+        return EngineInfo(self.model_config, self.max_model_len, self.config.cache.block_size,
+                          self.runner.result.num_blocks, self.fingerprint,
+                          self.runner.result.device, str(self.runner.dtype))
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams,
+                 num_output_tokens: int = 0) -> None:
+        if not prompt_token_ids:
+            raise EngineInputError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if type(t) is not int or not 0 <= t < vocab]
+        if bad:
+            raise EngineInputError(f"prompt_token_ids contains ids outside [0, {vocab}): {bad[:5]}")
+        n = len(prompt_token_ids) + num_output_tokens
+        if n >= self.max_model_len:
+            raise EngineInputError(
+                f"prompt has {n} tokens; max_model_len is {self.max_model_len}, which must leave "
+                "room for at least one generated token")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    *, output_token_ids: list[int] | None = None, remote_kv: RemoteKv | None = None,
+                    arrival_time: float | None = None) -> Request:
+        """Queue a request. Raises EngineInputError / SamplingParamsError on bad input."""
+        self.check_request(prompt_token_ids, params, output_token_ids, remote_kv)
+        return self.enqueue(request_id, prompt_token_ids, params, output_token_ids=output_token_ids,
+                            remote_kv=remote_kv, arrival_time=arrival_time)
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                      output_token_ids: list[int] | None = None,
+                      remote_kv: RemoteKv | None = None) -> None:
+        """Every check `add_request` makes; reads config only, so any thread may call it."""
+        params.validate()
+        self.validate(prompt_token_ids, params, len(output_token_ids or []))
+        if remote_kv is not None and remote_kv.num_tokens != len(prompt_token_ids):
+            raise EngineInputError(
+                f"remote KV covers {remote_kv.num_tokens} tokens, prompt has {len(prompt_token_ids)}")
+
+    def enqueue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                *, output_token_ids: list[int] | None = None, remote_kv: RemoteKv | None = None,
+                arrival_time: float | None = None) -> Request:
+        """Queue a request that passed `check_request` (callers validate off the engine thread,
+        so the step loop does not scan the prompt twice)."""
+        req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, self.max_model_len,
+                      output_token_ids=output_token_ids, remote_kv=remote_kv,
+                      arrival_time=arrival_time)
+        self.scheduler.add_request(req)
+        if self.detokenize and self.tokenizer is not None:
+            self._detoks[request_id] = IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
+                params.include_stop_str_in_output)
+        return req
+
+    def abort_request(self, request_id: str) -> bool:
+        self._detoks.pop(request_id, None)
+        return self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED) is not None
+
+    @property
+    def has_step_in_flight(self) -> bool:
+        """A launched step's tokens have not been processed yet (async scheduling)."""
+        return self._inflight is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return (self.scheduler.has_work() or bool(self.scheduler.loading)
+                or self._inflight is not None)
+
+    # ---- disaggregation hooks --------------------------------------------------------------
+
+    def take_kv_loads(self) -> list[KvLoad]:
+        """Decode role: loads the scheduler started; the caller fills the blocks, then reports."""
+        loads, self._kv_loads = self._kv_loads, []
+        return loads
+
+    def finish_kv_load(self, request_id: str, ok: bool) -> None:
+        self.scheduler.finish_kv_load(request_id, ok)
+
+    def get_lease(self, lease_id: str) -> Lease | None:
+        lease = self.scheduler.leases.get(lease_id)
+        if lease is not None and lease.deadline <= time.monotonic():
+            self.scheduler.release_lease(lease_id)
+            return None
+        return lease
+
+    def release_lease(self, lease_id: str) -> bool:
+        return self.scheduler.release_lease(lease_id) is not None
+
+    # ---- the step --------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        """Schedule and launch one step; return the tokens that reached the host.
+
+        With async scheduling the step launched here is left running and the previous one is
+        finished instead (its tokens returned), so this step's scheduling, input preparation and
+        launch overlap the device's work on the previous one. A request that stopped in the
+        previous step (EOS, stop string) may have been scheduled once more: that extra token is
+        dropped. Steps whose sampling reads output history (penalties, min_tokens) finish at once.
+        """
+        self.scheduler.expire_leases()
+        out = self.scheduler.schedule()
+        self._kv_loads.extend(out.kv_loads)
+        pending = self.runner.launch(out)
+        prev, self._inflight = self._inflight, None
+        outputs = self._finish_step(prev) if prev is not None else []
+        if pending is not None:
+            if self.async_scheduling and pending.overlappable:
+                self._inflight = (out, pending)
+            else:
+                outputs += self._finish_step((out, pending))
+        self.num_steps += 1
+        return outputs
+
+    def _finish_step(self, step: tuple[SchedulerOutput, PendingStep]) -> list[StepOutput]:
+        out, pending = step
+        changed = self.scheduler.update_from_output(out, pending.result())
+        return [self._step_output(req, tok) for req, tok in changed]
+
+    def _step_output(self, req: Request, tok: SampledToken) -> StepOutput:
+        token = tok.token_id
+        lp = [tok.logprob] if tok.logprob is not None else []
+        text = ""
+        detok = self._detoks.get(req.request_id)
+        if detok is not None:
+            res = detok.add_tokens([token])
+            text = res.text_delta
+            if res.stop_matched is not None and not req.is_finished:
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+                req.stop_reason = res.stop_matched
+        if req.is_finished:
+            detok = self._detoks.pop(req.request_id, None)
+            if detok is not None and not detok.finished:
+                text += detok.finish().text_delta  # flush text held back for stop strings
+        return StepOutput(
+            request_id=req.request_id, new_token_ids=[token], new_logprobs=lp,
+            finished=req.is_finished, finish_reason=req.status.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
+            text_delta=text, stop_reason=req.stop_reason,
+            kv_held=req.status == RequestStatus.FINISHED_PREFILL,
+            metrics=req.metrics if req.is_finished else None)
+

@@ -1,0 +1,74 @@
+"""What a loader hands to the engine: architecture, a weight stream, tokenizer and template."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.config import ModelConfig
+
+WeightStream = Callable[[], Iterator[tuple[str, torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Everything the engine needs from a model path, without having read the weights yet.
+
+    `weights()` starts a fresh stream each call; it yields `(hf_name, tensor)` pairs in Hugging
+    Face naming (`model.layers.0.self_attn.q_proj.weight`), un-permuted, as a float dtype that the
+    model casts. Shards are read one at a time, so peak memory is one shard (or one GGUF tensor).
+    """
+
+    config: ModelConfig
+    weights: WeightStream | None            # None for dummy weights
+    tokenizer_source: str | None            # tokenizer.json or .gguf path; None for dummy
+    chat_template: str | None
+    generation_config: dict[str, Any] = field(default_factory=dict)
+    default_dtype: torch.dtype = torch.float32
+    dummy_seed: int | None = None           # set for dummy weights
+
+
+def expected_weight_names(config: ModelConfig) -> list[str]:
+    """The HF parameter names a Llama-family checkpoint with this config must provide."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            names.append(f"{p}self_attn.{proj}.weight")
+        if config.attention_bias:
+            names += [f"{p}self_attn.{proj}.bias" for proj in ("q_proj", "k_proj", "v_proj")]
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            names.append(f"{p}mlp.{proj}.weight")
+            if config.mlp_bias:
+                names.append(f"{p}mlp.{proj}.bias")
+    return names
+
+
+def is_skipped_weight(name: str, config: ModelConfig) -> bool:
+    """Names a checkpoint may carry that the model does not load."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    return name == "lm_head.weight" and config.tie_word_embeddings
+
+
+def check_weight_names(available: set[str], config: ModelConfig, where: str) -> None:
+    """Raise ModelLoadError naming the tensors `config` needs that `available` lacks."""
+    from engine.loader.errors import ModelLoadError
+
+    missing = [n for n in expected_weight_names(config) if n not in available]
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" … ({len(missing)} in all)" if len(missing) > 8 else "")
+        raise ModelLoadError(f"{where}: missing tensors: {shown}")
+
+
+def dtype_from_name(name: object) -> torch.dtype | None:
+    """torch dtype for a config.json `torch_dtype`/`dtype` string; None when absent/unknown."""
+    table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+             "float": torch.float32, "half": torch.float16}
+    return table.get(str(name).removeprefix("torch.")) if name is not None else None

@@ -1,0 +1,145 @@
+"""Building blocks: linear layers, RMSNorm, rotary embedding (plain / linear / llama3 scaling),
+SiLU-and-mul.
+
+Each op has a torch path (the reference, bit-compatible with Hugging Face's Llama) and, where
+`use_triton` is set, a fused Triton kernel from `engine.kernels`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.config import ConfigError
+
+
+def gemv_enabled() -> bool:
+    """`SPLITSERVE_GEMV=1` routes one-row matmuls of the Triton path through the Triton GEMV.
+
+    Off by default: on the H200 the GEMV streams the weights ~10% faster than cuBLAS called with
+    `out=` in isolation, but inside a decode step plain `F.linear` picks better cuBLAS kernels
+    (3.74 ms of matmuls per batch-1 step vs 3.85 ms with the GEMV:
+    bench/results/h200/probe_bs1*.json). Kept as the seam for weight-only quantized matmuls."""
+    value = os.environ.get("SPLITSERVE_GEMV", "0").strip()
+    if value not in ("0", "1"):
+        raise ConfigError(f"SPLITSERVE_GEMV must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` whose one-row inputs (batch-1 decode) run through the Triton GEMV when
+    `use_gemv` is set (engine/kernels/gemv.py). The weight layout and `load_weights` are
+    unchanged."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 use_gemv: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.use_gemv = use_gemv
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_gemv and x.dim() == 2 and x.shape[0] == 1:
+            from engine.kernels.gemv import gemv
+            return gemv(x, self.weight, self.bias)
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, use_triton: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.use_triton = use_triton
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, D]. With `residual`: returns (norm(x + residual), x + residual)."""
+        if self.use_triton:
+            from engine.kernels import rms_norm
+            return rms_norm(x, self.weight, self.eps, residual=residual)
+        if residual is not None:
+            x = x + residual
+            residual = x
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * h.to(dtype)
+        return out if residual is None else (out, residual)
+
+
+def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [D/2] and the position scale factor, as Hugging Face computes them."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if scaling is None or rope_type == "default":
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"]), 1.0
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling["low_freq_factor"])
+        high = float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    raise ConfigError(f"rope_scaling type {rope_type!r} is not supported; supported: default, "
+                      "linear, llama3")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style RoPE (rotate halves) with a precomputed cos/sin cache [max_pos, D].
+
+    `forward` is the torch path (the reference backend); the Triton backend reads the table and
+    rotates inside its fused RoPE + KV-write kernel (`AttentionBackend.fuses_rope`)."""
+
+    cos_sin_cache: torch.Tensor
+
+    def __init__(self, head_dim: int, max_position: int, theta: float,
+                 scaling: dict[str, Any] | None) -> None:
+        super().__init__()
+        self._args = (head_dim, max_position, theta, scaling)
+        self.register_buffer("cos_sin_cache", self._table(), persistent=False)
+        self.head_dim = head_dim
+
+    def _table(self, device: torch.device | None = None) -> torch.Tensor:
+        head_dim, max_position, theta, scaling = self._args
+        inv_freq, _ = _inv_freq(head_dim, theta, scaling)
+        t = torch.arange(max_position, dtype=torch.int64).float()
+        freqs = torch.outer(t, inv_freq)                      # [max_pos, D/2]
+        return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)  # [max_pos, D]: cos | sin
+
+    def rebuild_fp32(self) -> None:
+        """Recompute the table in float32 (after `model.to(bf16)` rounded it)."""
+        self.cos_sin_cache = self._table(self.cos_sin_cache.device)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T]; q: [T, H, D]; k: [T, Hkv, D]."""
+        cos_sin = self.cos_sin_cache[positions]
+        half = self.head_dim // 2
+        cos = torch.cat([cos_sin[:, :half]] * 2, dim=-1)[:, None, :].to(q.dtype)
+        sin = torch.cat([cos_sin[:, half:]] * 2, dim=-1)[:, None, :].to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def silu_and_mul(x: torch.Tensor, use_triton: bool = False) -> torch.Tensor:
+    """x: [T, 2I] → silu(x[:, :I]) * x[:, I:]: [T, I]."""
+    if use_triton:
+        from engine.kernels import silu_and_mul as fused
+        return fused(x)
+    gate, up = x.chunk(2, dim=-1)
+    return nn.functional.silu(gate) * up

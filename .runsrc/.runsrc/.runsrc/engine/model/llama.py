@@ -1,0 +1,219 @@
+"""Llama-family decoder over a paged KV cache: Llama 2/3/3.1, Mistral, Qwen2 (QKV bias), SmolLM2.
+
+Input is one flattened varlen batch (`input_ids: [T]`, `positions: [T]`); attention reads the
+step's metadata and KV cache from the forward context. QKV and gate/up projections are fused;
+`load_weights` takes Hugging Face names and fills the fused parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from engine.attention.forward_context import AttentionMetadata, RopeInputs, get_forward_context
+from engine.config import ModelConfig
+from engine.model.layers import Linear, RMSNorm, RotaryEmbedding, gemv_enabled, silu_and_mul
+
+
+class MissingWeightsError(ValueError):
+    """A checkpoint lacks parameters the model needs (names listed) or has unknown ones."""
+
+
+class AttentionBackend(Protocol):
+    """What a backend provides (engine/attention/{torch,triton}_backend.py): write this step's
+    K/V into the paged cache, then attend. Mutates `kv_cache` only, and q and k when given `rope`.
+
+    A backend with `fuses_rope` rotates q and k itself (fused with its KV write): the model then
+    passes `rope` and unrotated q, k. Otherwise q and k arrive rotated and `rope` is None."""
+
+    name: str
+    fuses_rope: bool
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                md: AttentionMetadata, scale: float,
+                kv_scale: tuple[float, float] = (1.0, 1.0), *,
+                rope: RopeInputs | None = None) -> torch.Tensor: ...
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rope: RotaryEmbedding,
+                 backend: AttentionBackend, use_triton: bool = False) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        use_gemv = use_triton and gemv_enabled()
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                               cfg.attention_bias, use_gemv)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, False, use_gemv)
+        self.rope = rope
+        self.backend = backend
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden]
+        ctx = get_forward_context()
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        rope: RopeInputs | None = None
+        if self.backend.fuses_rope:  # RotaryEmbedding is neox style
+            rope = RopeInputs(positions, self.rope.cos_sin_cache, is_neox=True)
+        else:
+            q, k = self.rope(positions, q, k)
+        kv_scale = ctx.kv_scales[self.layer_idx] if ctx.kv_scales is not None else (1.0, 1.0)
+        o = self.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_metadata,
+                                 self.scale, kv_scale, rope=rope)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, use_triton: bool, use_gemv: bool | None = None) -> None:
+        super().__init__()
+        self.use_gemv = use_triton and gemv_enabled() if use_gemv is None else use_gemv
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias,
+                                   self.use_gemv)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias,
+                                self.use_gemv)
+        self.use_triton = use_triton
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_gemv and x.shape[0] == 1:
+            # Batch-1 decode: gate/up matmul and activation in one pass over the weight.
+            from engine.kernels.gemv import gemv_silu_and_mul
+            h = gemv_silu_and_mul(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        else:
+            h = silu_and_mul(self.gate_up_proj(x), self.use_triton)
+        return self.down_proj(h)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rope: RotaryEmbedding,
+                 backend: AttentionBackend, use_triton: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx, rope, backend, use_triton)
+        self.mlp = LlamaMLP(cfg, use_triton)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)  # type: ignore[misc]
+        h = self.self_attn(positions, h)  # type: ignore[arg-type]
+        h, residual = self.post_attention_layernorm(h, residual)  # type: ignore[misc]
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_position: int,
+                 use_triton: bool = False) -> None:
+        super().__init__()
+        self.config = cfg
+        rope = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling_dict)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            [LlamaDecoderLayer(cfg, i, rope, backend, use_triton)
+             for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] → final hidden states [T, hidden]."""
+        h = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            h, residual = layer(positions, h, residual)
+        out, _ = self.norm(h, residual)  # type: ignore[misc]
+        return out
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] → float32 logits [N, vocab]."""
+        return torch.nn.functional.linear(hidden, self.lm_head_weight).float()
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    _STACKED = (  # (fused param, HF name, shard index)
+        ("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2),
+        ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
+    )
+
+    def _shard_range(self, fused: str, shard: int) -> tuple[int, int]:
+        cfg = self.config
+        if fused == "qkv_proj":
+            q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+            return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][shard]
+        i = cfg.intermediate_size
+        return [(0, i), (i, 2 * i)][shard]
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the (fused) parameters; checks completeness."""
+        params = dict(self.named_parameters())
+        expected: set[str] = set()
+        for name in params:
+            matched = False
+            for fused, hf, _ in self._STACKED:
+                if f".{fused}." in name:
+                    expected.add(name.replace(fused, hf))
+                    matched = True
+            if not matched:
+                expected.add(name)
+        loaded: set[str] = set()
+        unknown: list[str] = []
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied embeddings: some checkpoints still ship a copy
+            target, rows = name, None
+            for fused, hf, shard in self._STACKED:
+                if f".{hf}." in name:
+                    target = name.replace(hf, fused)
+                    rows = self._shard_range(fused, shard)
+                    break
+            param = params.get(target)
+            if param is None:
+                unknown.append(hf_name)
+                continue
+            dst = param if rows is None else param[rows[0]:rows[1]]
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise MissingWeightsError(
+                    f"weight {hf_name}: shape {tuple(tensor.shape)} does not match the model's "
+                    f"{tuple(dst.shape)}")
+            dst.copy_(tensor.to(dst.dtype))
+            loaded.add(name)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise MissingWeightsError(f"checkpoint is missing {len(missing)} weights: {missing[:8]}")
+        if unknown:
+            raise MissingWeightsError(f"checkpoint has unexpected weights: {unknown[:8]}")
+
+    @torch.no_grad()
+    def init_dummy_weights(self, seed: int) -> None:
+        """Random weights of the real shapes (benchmarks), generated on the parameters' device."""
+        gen = torch.Generator(device=next(self.parameters()).device).manual_seed(seed)
+        for name, p in self.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=gen)

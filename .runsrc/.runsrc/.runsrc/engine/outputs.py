@@ -1,0 +1,47 @@
+"""What the engine returns (mirrors vLLM's RequestOutput / CompletionOutput)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import RequestMetrics, TokenLogprob
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """One request's progress in one engine step (the services stream these)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob]
+    finished: bool
+    finish_reason: str | None          # "stop" | "length" | "abort" | None (prefill role: None)
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    text_delta: str = ""
+    stop_reason: int | str | None = None
+    kv_held: bool = False              # prefill role: prompt KV is held under a lease
+    metrics: RequestMetrics | None = None  # set when finished
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    children_metrics: list[RequestMetrics] = field(default_factory=list)

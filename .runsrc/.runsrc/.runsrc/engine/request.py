@@ -1,0 +1,156 @@
+"""One sequence's life inside the engine (pure Python: the scheduler and KV manager use it)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):  # IntEnum: C-level hashing on the per-step hot path
+    WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KV = enum.auto()  # decode role: blocks allocated, KV being pulled
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    # Prefill role: the first token is sampled and the prompt KV is held under a lease.
+    FINISHED_PREFILL = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                       RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_PREFILL})
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(slots=True)
+class RemoteKv:
+    """Decode role: the prompt KV comes from elsewhere (a prefill worker or a tier).
+
+    `handle` is opaque to the engine (the service's transport reads it); the engine only needs to
+    know how many prompt tokens the KV covers.
+    """
+
+    num_tokens: int
+    handle: object = None
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """perf_counter timestamps (seconds)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+
+class Request:
+    """A sequence: prompt, generated tokens, KV progress and sampling state."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: tuple[int, ...] = (),
+        max_model_len: int | None = None,
+        output_token_ids: list[int] | None = None,
+        remote_kv: RemoteKv | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        # Tokens already produced elsewhere (decode role: the first token from prefill; resume).
+        self.output_token_ids: list[int] = list(output_token_ids or [])
+        self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
+        self.num_computed_tokens = 0
+        # Sampled tokens launched on the device but not yet appended (async scheduling: at most
+        # 2, between scheduling step n+1 and processing step n).
+        self.num_inflight = 0
+        self.num_cached_tokens = -1  # prompt tokens served by the prefix cache; -1 = unknown yet
+        self.block_hashes: list[bytes] = []
+        self.status = RequestStatus.WAITING
+        self.remote_kv = remote_kv
+        self.num_preemptions = 0
+        self.logprobs: list[TokenLogprob] = []
+        self.metrics = RequestMetrics(arrival_time if arrival_time is not None else time.perf_counter())
+        self.stop_reason: int | str | None = None
+        # Seeded sampling state lives with the request so batching does not change its draws.
+        self.generator: object | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def max_output_tokens(self) -> int:
+        """Output tokens allowed by max_tokens and by the context length."""
+        limit = self.sampling_params.max_tokens
+        ctx_left = (self.max_model_len - self.num_prompt_tokens) if self.max_model_len else None
+        if limit is None:
+            return ctx_left if ctx_left is not None else 2**31
+        return min(limit, ctx_left) if ctx_left is not None else limit
+
+    def check_stop(self) -> RequestStatus | None:
+        """Stop condition after a token was appended (stop strings are the detokenizer's)."""
+        sp = self.sampling_params
+        n_out = self.num_output_tokens
+        if n_out == 0:
+            return None
+        last = self.output_token_ids[-1]
+        if n_out >= sp.min_tokens:
+            if not sp.ignore_eos and last in self.eos_token_ids:
+                self.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if last in sp.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= self.max_output_tokens():
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, prompt={self.num_prompt_tokens}, "
+                f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, {self.status.name})")

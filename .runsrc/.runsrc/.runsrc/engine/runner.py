@@ -1,0 +1,378 @@
+"""Model runner: owns the model, the physical KV cache, and one step's input tensors.
+
+    execute(scheduler_output) = prepare inputs (one place) → forward → logits of sampling rows
+                                → sample
+
+The KV cache is a single tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`
+so that a block (`kv_cache[:, :, block_id]`) can be read or written in one copy for transfer.
+With `kv_cache_dtype="fp8"` it is float8_e4m3fn holding K/V divided by per-layer scales
+(`kv_scales [num_layers, 2]` float32, 1.0 without calibration; see engine/attention/kv_quant.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention.forward_context import AttentionMetadata, ForwardContext, forward_context
+from engine.attention.kv_quant import (
+    default_kv_scales,
+    dequantize_fp8,
+    is_fp8_dtype,
+    kv_storage_dtype,
+    quantize_fp8,
+)
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.model.layers import RotaryEmbedding
+from engine.model.llama import AttentionBackend, LlamaForCausalLM
+from engine.sampler import PendingTokens, Sampler, depends_on_outputs
+from engine.scheduler import SampledToken, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerResult:
+    """What the runner found at start-up (never written back into the config)."""
+
+    device: str
+    dtype: torch.dtype
+    num_blocks: int
+    kv_dtype: torch.dtype
+    block_bytes: int
+    attention_backend: str
+    cuda_graphs: bool
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, default: torch.dtype, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # bf16/fp16 matmuls are slow or inexact on CPUs
+    return default if default != torch.float32 else torch.bfloat16
+
+
+def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "triton":
+        from engine.attention.triton_backend import TritonAttentionBackend
+        return TritonAttentionBackend()
+    raise ConfigError(f"attention_backend must be torch, triton or auto, got {name!r}")
+
+
+class PendingStep:
+    """A launched step whose sampled tokens have not reached the host yet."""
+
+    def __init__(self, tokens: PendingTokens) -> None:
+        self.tokens = tokens
+        # Sampling that reads the requests' output history needs every earlier token on the
+        # host first, so such a step is finished before the next one is scheduled.
+        self.overlappable = not any(depends_on_outputs(r) for r in tokens.reqs)
+
+    def result(self) -> dict[str, SampledToken]:
+        ids, logprobs = self.tokens.result()
+        return {r.request_id: SampledToken(tok, lp)
+                for r, tok, lp in zip(self.tokens.reqs, ids, logprobs, strict=True)}
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
+                 weights: object, dummy_seed: int | None, default_dtype: torch.dtype) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = resolve_device(config.runner.device)
+        if self.device.type == "cpu" and config.runner.cpu_threads:
+            torch.set_num_threads(config.runner.cpu_threads)
+        self.dtype = resolve_dtype(config.load.dtype, default_dtype, self.device)
+        try:
+            self.kv_dtype = kv_storage_dtype(config.cache.kv_cache_dtype, self.dtype)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        # [num_layers, 2] float32 on the CPU: (K, V) scale per layer; the wire sends these.
+        self.kv_scales = default_kv_scales(model_config.num_hidden_layers)
+        # The same as floats for the forward context (None: unquantized cache).
+        self.kv_scale_values: list[tuple[float, float]] | None = (
+            [(k, v) for k, v in self.kv_scales.tolist()] if is_fp8_dtype(self.kv_dtype) else None)
+        self.block_size = config.cache.block_size
+        self.max_model_len = max_model_len
+        self.backend = make_attention_backend(config.runner.attention_backend, self.device)
+        use_triton = self.backend.name == "triton"
+        with torch.device(self.device):
+            model = LlamaForCausalLM(model_config, self.backend, max_model_len, use_triton)
+        self.model = model.to(self.dtype)
+        # RoPE tables stay in fp32 whatever the model dtype.
+        for m in self.model.modules():
+            if isinstance(m, RotaryEmbedding):
+                m.rebuild_fp32()
+        if weights is not None:
+            self.model.load_weights(weights())  # type: ignore[operator]
+        else:
+            self.model.init_dummy_weights(dummy_seed or 0)
+        self.model.eval()
+        self.sampler = Sampler()
+        # The last launched step's sampled tokens (on the device) and their row per request.
+        self._last_tokens: torch.Tensor | None = None
+        self._last_rows: dict[str, int] = {}
+        cfg = model_config
+        self.kv_shape_per_block = (cfg.num_hidden_layers, 2, self.block_size,
+                                   cfg.num_key_value_heads, cfg.head_dim)
+        self.block_bytes = (2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads
+                            * cfg.head_dim * self.kv_dtype.itemsize)
+        num_blocks = self._num_kv_blocks()
+        self.kv_cache = torch.zeros(cfg.num_hidden_layers, 2, num_blocks, self.block_size,
+                                    cfg.num_key_value_heads, cfg.head_dim,
+                                    dtype=self.kv_dtype, device=self.device)
+        self.kv_caches = list(self.kv_cache.unbind(0))
+        self.graphs = None
+        if self.device.type == "cuda" and not config.runner.enforce_eager:
+            from engine.cuda_graphs import CudaGraphRunner
+            self.graphs = CudaGraphRunner(self)
+            self.graphs.capture()
+        self.result = RunnerResult(str(self.device), self.dtype, num_blocks, self.kv_dtype,
+                                   self.block_bytes, self.backend.name, self.graphs is not None)
+
+    # ---- sizing ----------------------------------------------------------------------------
+
+    def _num_kv_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_gpu_blocks is not None:
+            return cache.num_gpu_blocks
+        if self.device.type != "cuda":
+            n = cache.cpu_kv_cache_bytes // self.block_bytes
+            # No point holding more than every sequence at full length.
+            cap = self.config.scheduler.max_num_seqs * (-(-self.max_model_len // self.block_size)) + 1
+            return max(1, min(n, cap))
+        return self._profile_gpu_blocks()
+
+    @torch.inference_mode()
+    def _profile_gpu_blocks(self) -> int:
+        """Free memory after a worst-case forward (max batched tokens) bounds the KV cache."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        n = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        pos = torch.arange(n, device=self.device)
+        scratch = torch.zeros(self.model_config.num_hidden_layers, 2, -(-n // self.block_size) + 1,
+                              *self.kv_shape_per_block[2:], dtype=self.kv_dtype,
+                              device=self.device)
+        md = self._metadata_for_profile(n)
+        with forward_context(ForwardContext(md, list(scratch.unbind(0)), self.kv_scale_values)):
+            h = self.model(ids, pos)
+            self.model.compute_logits(h[-min(n, self.config.scheduler.max_num_seqs):])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        del scratch, h
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        # Headroom for CUDA graphs' pools and the allocator's fragmentation.
+        reserve = 2 << 30 if not self.config.runner.enforce_eager else 512 << 20
+        budget = int(total * self.config.cache.gpu_memory_utilization) - peak - reserve
+        if budget < self.block_bytes * 16:
+            raise ConfigError("not enough GPU memory for the KV cache; lower max_num_batched_tokens "
+                              "or raise gpu_memory_utilization")
+        return budget // self.block_bytes
+
+    def _metadata_for_profile(self, n: int) -> AttentionMetadata:
+        nb = -(-n // self.block_size)
+        dev = self.device
+        return AttentionMetadata(
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+            block_tables=torch.arange(nb, dtype=torch.int32, device=dev)[None],
+            slot_mapping=torch.arange(n, dtype=torch.long, device=dev),
+            num_decodes=0, max_query_len=n, max_seq_len=n,
+            query_start_loc_cpu=[0, n], seq_lens_cpu=[n], fresh_prefill_len=n if n > 1 else 0)
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                      list[int]]:
+        """Flatten the scheduled requests into the step's tensors (the only place that does).
+
+        Host data is laid out in two pinned buffers (int64: ids | positions | slots; int32:
+        query_start_loc | seq_lens | block_tables) and moved with two async copies.
+        Returns (input_ids [T], positions [T], metadata, logit row index per sampling request)."""
+        bs = self.block_size
+        sched = out.scheduled
+        num_seqs = len(sched)
+        num_tokens = out.num_batched_tokens or sum(s.num_new_tokens for s in sched)
+        max_blocks = max(len(s.block_ids) for s in sched)
+        pin = self.device.type == "cuda"
+        # Inputs still in flight (async scheduling): (row in this step, row of the last step's
+        # sampled tokens). At most one per request: its last sampled token.
+        inflight = [(i, s) for i, s in enumerate(sched)
+                    if s.num_computed_tokens + s.num_new_tokens > s.request.num_tokens]
+        num_gather = len(inflight)
+        big = torch.empty(3 * num_tokens + 2 * num_gather, dtype=torch.int64, pin_memory=pin)
+        small = torch.zeros(2 * num_seqs + 1 + num_seqs * max_blocks, dtype=torch.int32,
+                            pin_memory=pin)
+        b64, b32 = big.numpy(), small.numpy()
+        ids, pos = b64[:num_tokens], b64[num_tokens:2 * num_tokens]
+        slots = b64[2 * num_tokens:3 * num_tokens]
+        gather = b64[3 * num_tokens:].reshape(2, num_gather)  # [dst rows; src rows]
+        qsl, seq_lens = b32[:num_seqs + 1], b32[num_seqs + 1:2 * num_seqs + 1]
+        tables = b32[2 * num_seqs + 1:].reshape(num_seqs, max_blocks)
+        logit_rows: list[int] = []
+        num_decodes = 0
+        fresh_prefill_len = num_tokens  # min over prefills; 0 once one has cached context
+        has_prefill = False
+        o = 0
+        for i, s in enumerate(sched):
+            start, n = s.num_computed_tokens, s.num_new_tokens
+            end = start + n
+            table = s.block_ids
+            tables[i, :len(table)] = table
+            known = s.request.num_tokens
+            if n == 1:  # decode: scalar path, no per-row numpy temporaries
+                ids[o] = s.request.all_token_ids[start] if start < known else 0
+                pos[o] = start
+                slots[o] = table[start // bs] * bs + start % bs
+                num_decodes += 1
+            else:
+                has_prefill = True
+                fresh_prefill_len = min(fresh_prefill_len, n) if start == 0 else 0
+                p = np.arange(start, end)
+                ids[o:o + min(n, known - start)] = s.request.all_token_ids[start:end]
+                pos[o:o + n] = p
+                slots[o:o + n] = tables[i, p // bs].astype(np.int64) * bs + p % bs
+            o += n
+            qsl[i + 1] = o
+            seq_lens[i] = end
+            if s.sample:
+                logit_rows.append(o - 1)
+        qsl[0] = 0
+        for j, (i, s) in enumerate(inflight):
+            gather[0, j] = int(qsl[i + 1]) - 1  # the request's last row in this step
+            gather[1, j] = self._last_sampled_row(s.request.request_id)
+        dev = self.device
+        big_d = big.to(dev, non_blocking=True)
+        small_d = small.to(dev, non_blocking=True)
+        if num_gather:
+            assert self._last_tokens is not None
+            g = big_d[3 * num_tokens:].view(2, num_gather)
+            big_d[:num_tokens].index_copy_(0, g[0], self._last_tokens.index_select(0, g[1]))
+        seq_lens_cpu = seq_lens.tolist()
+        md = AttentionMetadata(
+            query_start_loc=small_d[:num_seqs + 1], seq_lens=small_d[num_seqs + 1:2 * num_seqs + 1],
+            block_tables=small_d[2 * num_seqs + 1:].view(num_seqs, max_blocks),
+            slot_mapping=big_d[2 * num_tokens:3 * num_tokens], num_decodes=num_decodes,
+            max_query_len=max(s.num_new_tokens for s in sched), max_seq_len=max(seq_lens_cpu),
+            query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens_cpu,
+            fresh_prefill_len=fresh_prefill_len if has_prefill else 0)
+        return big_d[:num_tokens], big_d[num_tokens:2 * num_tokens], md, logit_rows
+
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        """Run one step and wait for its sampled tokens."""
+        pending = self.launch(out)
+        return {} if pending is None else pending.result()
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> PendingStep | None:
+        """Enqueue one step's forward pass and sampling without waiting for the device.
+
+        The sampled tokens stay on the device too, so the next step may take them as inputs
+        before they reach the host (async scheduling). None when nothing is sampled."""
+        if out.is_empty:
+            return None
+        input_ids, positions, md, logit_rows = self.prepare(out)
+        sampling_reqs = [s.request for s in out.scheduled if s.sample]
+        if (self.graphs is not None and out.is_pure_decode
+                and len(sampling_reqs) == len(out.scheduled)
+                and self.graphs.can_run(len(out.scheduled))):
+            # Every decode samples, so the graph's logits rows are the sampling rows.
+            logits = self.graphs.run(input_ids, positions, md)
+        else:
+            with forward_context(ForwardContext(md, self.kv_caches, self.kv_scale_values)):
+                hidden = self.model(input_ids, positions)
+            if not sampling_reqs:
+                return None
+            logits = self.model.compute_logits(hidden[logit_rows])
+        tokens = self.sampler.sample(logits, sampling_reqs)
+        self._last_tokens = tokens.tokens
+        self._last_rows = {r.request_id: i for i, r in enumerate(sampling_reqs)}
+        return PendingStep(tokens)
+
+    def _last_sampled_row(self, request_id: str) -> int:
+        row = self._last_rows.get(request_id)
+        if row is None:
+            raise RuntimeError(f"request {request_id!r} has a token in flight that the last "
+                               "launched step did not sample")
+        return row
+
+    @torch.inference_mode()
+    def logits_for(self, out: SchedulerOutput) -> torch.Tensor:
+        """Forward one scheduled step and return the logits of every token (tests/oracles)."""
+        input_ids, positions, md, _ = self.prepare(out)
+        with forward_context(ForwardContext(md, self.kv_caches, self.kv_scale_values)):
+            hidden = self.model(input_ids, positions)
+        return self.model.compute_logits(hidden)
+
+    # ---- KV blocks for transfer ------------------------------------------------------------
+
+    @property
+    def kv_is_quantized(self) -> bool:
+        """True for a 1-byte (fp8) cache, whose blocks travel with `kv_scales`."""
+        return self.kv_dtype.itemsize == 1
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """→ CPU tensor [n, num_layers, 2, block_size, Hkv, D] in the cache dtype (a copy; fp8
+        blocks are the stored values: multiply by `kv_scales` [L, 2] to get K/V)."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        if self.kv_is_quantized:  # index_select has no fp8 kernel on the CPU: move the bytes
+            raw = self.kv_cache.view(torch.uint8).index_select(2, idx).permute(2, 0, 1, 3, 4, 5)
+            return raw.to("cpu").contiguous().view(self.kv_dtype)
+        blocks = self.kv_cache.index_select(2, idx).permute(2, 0, 1, 3, 4, 5)
+        return blocks.to("cpu").contiguous()
+
+    def write_blocks(self, block_ids: list[int], blocks: torch.Tensor,
+                     scales: torch.Tensor | None = None) -> None:
+        """blocks: [n, num_layers, 2, block_size, Hkv, D] → kv_cache at block_ids.
+
+        fp8 cache: fp8 blocks are stored values under `scales` ([L, 2]; None = this runner's
+        `kv_scales`) and are re-quantized when those differ from ours; float blocks are real
+        K/V values, quantized with our scales (saturating at ±448 * scale)."""
+        expected = (len(block_ids), *self.kv_shape_per_block)
+        if tuple(blocks.shape) != expected:
+            raise ValueError(f"KV blocks have shape {tuple(blocks.shape)}, expected {expected}")
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        if self.kv_is_quantized:
+            raw = self._quantize_blocks(blocks, scales).to(self.device, non_blocking=True)
+            self.kv_cache.view(torch.uint8).index_copy_(2, idx, raw.permute(1, 2, 0, 3, 4, 5))
+        else:
+            if scales is not None:
+                raise ValueError(f"scales are only for fp8 KV caches, this one is {self.kv_dtype}")
+            src = blocks.to(self.device, self.dtype, non_blocking=True).permute(1, 2, 0, 3, 4, 5)
+            self.kv_cache.index_copy_(2, idx, src)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+
+
+    def _quantize_blocks(self, blocks: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+        """blocks [n, L, 2, bs, Hkv, D] → the uint8 bytes of fp8 values under `kv_scales`."""
+        ours = self.kv_scales.view(1, -1, 2, 1, 1, 1)  # broadcast over [n, L, 2, bs, Hkv, D]
+        if blocks.dtype == self.kv_dtype:
+            if scales is None or torch.equal(scales.float().cpu(), self.kv_scales):
+                return blocks.contiguous().view(torch.uint8)
+            if tuple(scales.shape) != tuple(self.kv_scales.shape):
+                raise ValueError(f"KV scales have shape {tuple(scales.shape)}, expected "
+                                 f"{tuple(self.kv_scales.shape)}")
+            values = dequantize_fp8(blocks.cpu(), scales.float().cpu().view(1, -1, 2, 1, 1, 1))
+            return quantize_fp8(values, ours).view(torch.uint8)
+        if scales is not None:
+            raise ValueError(f"scales come with fp8 blocks, not with {blocks.dtype} ones")
+        return quantize_fp8(blocks.cpu(), ours).view(torch.uint8)

@@ -1,0 +1,203 @@
+"""Sampling from float32 logits: penalties, greedy, temperature, top-k, top-p, min-p, per-request
+seeds, and top-n logprobs (from the raw model distribution, as vLLM reports them).
+
+Seeded requests draw from their own generator, so a request's samples do not depend on what it
+is batched with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import Request, TokenLogprob
+from engine.sampling_params import SamplingParams
+
+
+def apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    """Repetition penalty (HF semantics, over prompt + output) and presence/frequency penalties
+    (OpenAI semantics, over output tokens). logits: [N, V], modified in place and returned."""
+    vocab = logits.shape[1]
+    for i, req in enumerate(reqs):
+        sp = req.sampling_params
+        if not sp.has_penalties:
+            continue
+        row = logits[i]
+        if sp.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long, device=row.device)
+            seen = seen[seen < vocab]
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / sp.repetition_penalty,
+                                    vals * sp.repetition_penalty)
+        if sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0:
+            out = torch.tensor(req.output_token_ids, dtype=torch.long, device=row.device)
+            out = out[out < vocab]
+            counts = torch.zeros(vocab, dtype=row.dtype, device=row.device)
+            counts.index_add_(0, out, torch.ones_like(out, dtype=row.dtype))
+            row -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(row.dtype)
+    return logits
+
+
+def _needs_min_tokens_mask(req: Request) -> bool:
+    return req.num_output_tokens < req.sampling_params.min_tokens
+
+
+def mask_min_tokens(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    """Before `min_tokens` outputs exist, EOS (unless ignore_eos) and stop_token_ids cannot be
+    sampled (vLLM / HF `min_new_tokens` semantics). logits: [N, V], modified in place."""
+    vocab = logits.shape[1]
+    for i, req in enumerate(reqs):
+        if not _needs_min_tokens_mask(req):
+            continue
+        sp = req.sampling_params
+        banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(req.eos_token_ids))
+        ids = [t for t in banned if 0 <= t < vocab]
+        if ids:
+            logits[i, ids] = float("-inf")
+    return logits
+
+
+def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p on rows that sample randomly → probabilities [N, V]."""
+    dev = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32)
+    logits = logits / temps[:, None]
+    top_k = [p.top_k for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_logits, _ = logits.sort(dim=-1, descending=True)
+        if any(k > 0 for k in top_k):
+            ks = torch.tensor([k if k > 0 else logits.shape[1] for k in top_k], device=dev)
+            kth = sorted_logits.gather(1, (ks.clamp(max=logits.shape[1]) - 1)[:, None])
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+            sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+        if any(p < 1.0 for p in top_p):
+            ps = torch.tensor(top_p, device=dev, dtype=torch.float32)
+            sorted_probs = sorted_logits.softmax(dim=-1)
+            # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            cutoff_idx = (mass_before < ps[:, None]).sum(dim=-1, keepdim=True) - 1
+            cutoff = sorted_logits.gather(1, cutoff_idx.clamp(min=0))
+            logits = logits.masked_fill(logits < cutoff, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    min_p = [p.min_p for p in params]
+    if any(m > 0 for m in min_p):
+        mp = torch.tensor(min_p, device=dev, dtype=torch.float32)
+        thresh = probs.max(dim=-1, keepdim=True).values * mp[:, None]
+        probs = probs.masked_fill(probs < thresh, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def _draw(probs: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    """Exponential-race sampling (argmax p/q, q ~ Exp(1)) with per-request generators."""
+    q = torch.empty_like(probs)
+    for i, req in enumerate(reqs):
+        seed = req.sampling_params.seed
+        if seed is None:
+            q[i].exponential_()
+            continue
+        if req.generator is None:
+            req.generator = torch.Generator(device=probs.device).manual_seed(seed)
+        assert isinstance(req.generator, torch.Generator)
+        q[i].exponential_(generator=req.generator)
+    return (probs / q).argmax(dim=-1)
+
+
+@dataclass(slots=True)
+class _LogprobTensors:
+    chosen: torch.Tensor            # [N] log-probability of each sampled token
+    top_vals: torch.Tensor | None   # [N, max_n]
+    top_ids: torch.Tensor | None
+
+
+def _logprob_tensors(raw_logits: torch.Tensor, tokens: torch.Tensor, reqs: Sequence[Request]
+                     ) -> _LogprobTensors | None:
+    want = [r.sampling_params.logprobs for r in reqs]
+    if all(w is None for w in want):
+        return None
+    logp = raw_logits.log_softmax(dim=-1)
+    chosen = logp.gather(1, tokens[:, None]).squeeze(1)
+    max_n = max(w or 0 for w in want)
+    if max_n == 0:
+        return _LogprobTensors(chosen, None, None)
+    top_vals, top_ids = logp.topk(max_n, dim=-1)
+    return _LogprobTensors(chosen, top_vals, top_ids)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """Start a device-to-host copy without waiting (pinned destination on CUDA)."""
+    return t.to("cpu", non_blocking=True)
+
+
+class PendingTokens:
+    """Sampled tokens (and logprobs) still on their way to the host.
+
+    `tokens` stays on the device (the next step's inputs under async scheduling); `result()`
+    waits for the copies: the step's one device-to-host sync."""
+
+    def __init__(self, reqs: Sequence[Request], tokens: torch.Tensor,
+                 logprobs: _LogprobTensors | None) -> None:
+        self.reqs = list(reqs)
+        self.tokens = tokens
+        self._tokens_host = _to_host(tokens)
+        self._lp = None if logprobs is None else _LogprobTensors(
+            _to_host(logprobs.chosen),
+            None if logprobs.top_vals is None else _to_host(logprobs.top_vals),
+            None if logprobs.top_ids is None else _to_host(logprobs.top_ids))
+        self._event: torch.cuda.Event | None = None
+        if tokens.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> tuple[list[int], list[TokenLogprob | None]]:
+        if self._event is not None:
+            self._event.synchronize()
+        tok_list: list[int] = self._tokens_host.tolist()
+        if self._lp is None:
+            return tok_list, [None] * len(self.reqs)
+        chosen = self._lp.chosen.tolist()
+        out: list[TokenLogprob | None] = []
+        for i, req in enumerate(self.reqs):
+            w = req.sampling_params.logprobs
+            if w is None:
+                out.append(None)
+                continue
+            top: list[tuple[int, float]] = []
+            if w > 0 and self._lp.top_vals is not None and self._lp.top_ids is not None:
+                top = list(zip(self._lp.top_ids[i, :w].tolist(),
+                               self._lp.top_vals[i, :w].tolist(), strict=True))
+            out.append(TokenLogprob(tok_list[i], chosen[i], top))
+        return tok_list, out
+
+
+def depends_on_outputs(req: Request) -> bool:
+    """Whether sampling reads the request's own output history (penalties, min_tokens): such a
+    request's next token cannot be sampled before its last one reached the host."""
+    sp = req.sampling_params
+    return sp.has_penalties or sp.min_tokens > 0
+
+
+class Sampler:
+    def sample(self, logits: torch.Tensor, reqs: Sequence[Request]) -> PendingTokens:
+        """logits: [N, V] float32, one row per request → tokens on the device, copies started."""
+        raw = logits
+        if any(r.sampling_params.has_penalties for r in reqs):
+            logits = apply_penalties(logits.clone(), reqs)
+        if any(_needs_min_tokens_mask(r) for r in reqs):
+            logits = mask_min_tokens(logits.clone() if logits is raw else logits, reqs)
+        greedy = [r.sampling_params.greedy for r in reqs]
+        tokens = logits.argmax(dim=-1)
+        if not all(greedy):
+            idx = [i for i, g in enumerate(greedy) if not g]
+            sub = [reqs[i] for i in idx]
+            probs = _filter(logits[idx], [r.sampling_params for r in sub])
+            tokens[idx] = _draw(probs, sub)
+        return PendingTokens(reqs, tokens, _logprob_tensors(raw, tokens, reqs))
+
+    def __call__(self, logits: torch.Tensor, reqs: Sequence[Request]
+                 ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """logits: [N, V] float32, one row per request → (token ids, logprobs)."""
+        return self.sample(logits, reqs).result()

@@ -1,0 +1,341 @@
+"""Continuous batching with chunked prefill, prefix caching, preemption by recompute, and the
+three roles (colocated, prefill-only, decode-only) as policies over one mechanism.
+
+Each step: running requests first (decodes and unfinished prefill chunks, oldest first), then
+waiting requests while the token budget, the sequence limit and free blocks allow. When blocks
+run out, the newest running request is preempted (its blocks freed; it recomputes later).
+Not thread-safe: called from the engine thread only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import SchedulerConfig
+from engine.kv.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus, TokenLogprob
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int         # tokens computed in this step
+    num_computed_tokens: int    # tokens whose KV existed before this step
+    block_ids: list[int]        # all of the request's blocks, in order
+    sample: bool                # this step reaches the last known token: sample the next one
+
+
+@dataclass(slots=True)
+class KvLoad:
+    """Decode role: the request's first `num_tokens` prompt tokens have KV elsewhere; fill
+    `block_ids` with that KV's blocks `first_block`, `first_block + 1`, ... (the blocks before
+    `first_block` were found in this engine's own prefix cache and need no transfer)."""
+
+    request: Request
+    block_ids: list[int]
+    num_tokens: int
+    first_block: int = 0
+
+
+@dataclass(slots=True)
+class Lease:
+    """Prefill role: a finished request's prompt KV, held until released or expired."""
+
+    lease_id: str
+    block_ids: list[int]
+    block_hashes: list[bytes]
+    num_tokens: int
+    deadline: float            # time.monotonic()
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    # Decodes first, then prefill chunks; the runner lays tokens out in this order.
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    kv_loads: list[KvLoad] = field(default_factory=list)       # to start this step
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return all(s.num_new_tokens == 1 for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    logprob: TokenLogprob | None = None
+
+
+class Scheduler:
+    """Owns the request queues and the KV cache manager."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.max_model_len = max_model_len
+        # Without chunking a prompt must fit one step.
+        self.token_budget = (config.max_num_batched_tokens if config.enable_chunked_prefill
+                             else max(config.max_num_batched_tokens, max_model_len))
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.loading: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}
+        self.leases: dict[str, Lease] = {}
+        self.num_preemptions = 0
+
+    # ---- queue changes ---------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests or req.request_id in self.leases:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Abort or stop a request from outside (cancellation, stop string). Frees its blocks."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        if req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            # A transfer is writing into its blocks: keep them until finish_kv_load frees them,
+            # or they could be handed to another request and overwritten.
+            req.status = status
+            return req
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        self._free(req)
+        return req
+
+    def finish_kv_load(self, request_id: str, ok: bool) -> None:
+        """Decode role: the KV pull for `request_id` ended. On failure the prompt is recomputed."""
+        req = self.loading.pop(request_id, None)
+        if req is None:
+            return
+        if req.status.finished:  # aborted while the transfer ran
+            self._free(req)
+            return
+        assert req.remote_kv is not None
+        if ok:
+            # Sampling needs the last known token computed here: if the remote KV covers every
+            # token (no first token was passed along), recompute the last one.
+            req.num_computed_tokens = min(req.remote_kv.num_tokens, req.num_tokens - 1)
+            # The KV is local now: a later preemption recomputes here instead of pulling again
+            # from a lease that the completed pull has already released.
+            req.remote_kv = None
+            req.num_cached_tokens = max(req.num_cached_tokens, 0)
+            self.kv.cache_computed(req, req.num_computed_tokens)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+        else:
+            self.kv.free(req)
+            req.remote_kv = None
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
+
+    def release_lease(self, lease_id: str) -> Lease | None:
+        lease = self.leases.pop(lease_id, None)
+        if lease is not None:
+            self.kv.free_by_id(lease_id)
+        return lease
+
+    def expire_leases(self, now: float | None = None) -> list[Lease]:
+        now = time.monotonic() if now is None else now
+        expired = [lease for lease in self.leases.values() if lease.deadline <= now]
+        for lease in expired:
+            self.release_lease(lease.lease_id)
+        return expired
+
+    # ---- scheduling ------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.token_budget
+        scheduled: list[ScheduledRequest] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens + req.num_inflight - req.num_computed_tokens, budget)
+            if num_new <= 0 or (req.num_inflight and req.num_output_tokens + req.num_inflight
+                                >= req.max_output_tokens()):
+                i += 1  # nothing to compute, or the token in flight ends it by length
+                continue
+            while self.kv.allocate_slots(req, num_new) is None:
+                victim = self.running.pop()  # newest first
+                self._preempt(victim, out)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                scheduled.append(self._scheduled(req, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # req itself was preempted: everything after it already was too
+
+        while self.waiting and budget > 0 and not preempted and (
+                len(self.running) + len(self.loading) < self.config.max_num_seqs):
+            req = self.waiting[0]
+            if req.num_inflight:
+                break  # preempted with a token in flight: re-admit once the token has landed
+            if req.remote_kv is not None:
+                if not self._start_kv_load(req, out):
+                    break
+                continue
+            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            num_new = req.num_tokens - num_hit_tokens
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if self.kv.allocate_slots(req, num_new, hits) is None:
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_hit_tokens
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(self._scheduled(req, num_new))
+            budget -= num_new
+
+        now = time.perf_counter()
+        for s in scheduled:
+            if s.request.metrics.first_scheduled_time is None:
+                s.request.metrics.first_scheduled_time = now
+        # Decodes first (CUDA-graph friendly layout), then prefill chunks; stable otherwise.
+        out.scheduled = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
+        out.num_batched_tokens = self.token_budget - budget
+        return out
+
+    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+        """The step's entry for `req`; counts its new tokens as computed from now on (the step
+        will write their KV before anything reads it) and a sampled token as in flight."""
+        s = ScheduledRequest(
+            request=req,
+            num_new_tokens=num_new,
+            num_computed_tokens=req.num_computed_tokens,
+            block_ids=self.kv.block_ids(req.request_id),
+            sample=req.num_computed_tokens + num_new == req.num_tokens + req.num_inflight,
+        )
+        req.num_computed_tokens += num_new
+        if s.sample:
+            req.num_inflight += 1
+        return s
+
+    def _start_kv_load(self, req: Request, out: SchedulerOutput) -> bool:
+        assert req.remote_kv is not None
+        n = req.remote_kv.num_tokens
+        # Blocks this engine already caches need no transfer: pull only the rest. The last full
+        # block is always pulled: its chained hash, checked on arrival, proves the lease holds
+        # this prompt's tokens up to it (a partial block carries no hash of its own).
+        hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+        hits = hits[: max(0, n // self.block_size - 1)]
+        num_hit_tokens = len(hits) * self.block_size
+        if self.kv.allocate_slots(req, n - num_hit_tokens, hits, cache=False) is None:
+            return False
+        self.waiting.popleft()
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit_tokens
+        ids = self.kv.block_ids(req.request_id)
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.loading[req.request_id] = req
+        out.kv_loads.append(KvLoad(req, list(ids[len(hits):]), n, first_block=len(hits)))
+        return True
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted_ids.append(req.request_id)
+
+    # ---- after the forward pass ------------------------------------------------------------
+
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled: dict[str, SampledToken]) -> list[tuple[Request, SampledToken]]:
+        """Append sampled tokens, finish requests (computed counts advanced at schedule time).
+        Returns the requests that produced a token in this step, with the token. With async
+        scheduling this runs after the next step was already scheduled."""
+        now = time.perf_counter()
+        changed: list[tuple[Request, SampledToken]] = []
+        for s in out.scheduled:
+            req = s.request
+            if req.status.finished:
+                continue  # aborted (or stopped by a string) while the step ran
+            tok = sampled.get(req.request_id)
+            if tok is None:
+                continue
+            # A request preempted by a later schedule() (async scheduling) keeps this token: it
+            # was computed from the right context, and the recompute will include it.
+            req.num_inflight -= 1
+            req.append_output_token(tok.token_id)
+            if tok.logprob is not None:
+                req.logprobs.append(tok.logprob)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            req.metrics.token_times.append(now)
+            status = req.check_stop()
+            if status is None and self.config.role == "prefill":
+                status = RequestStatus.FINISHED_PREFILL
+            if status is not None:
+                if req.status == RequestStatus.RUNNING:
+                    self.running.remove(req)
+                else:
+                    self.waiting.remove(req)
+                req.status = status
+                self._free(req)
+            changed.append((req, tok))
+        return changed
+
+    def _free(self, req: Request) -> None:
+        req.metrics.finished_time = time.perf_counter()
+        self.requests.pop(req.request_id, None)
+        if req.status == RequestStatus.FINISHED_PREFILL:
+            hashes = self.kv.update_hashes(req)
+            num_prompt_blocks = -(-req.num_prompt_tokens // self.block_size)
+            lease_id = req.request_id
+            block_ids = self.kv.transfer_to_lease(req.request_id, lease_id)
+            self.leases[lease_id] = Lease(
+                lease_id=lease_id,
+                block_ids=block_ids[:num_prompt_blocks],
+                block_hashes=hashes[: req.num_prompt_tokens // self.block_size],
+                num_tokens=req.num_prompt_tokens,
+                deadline=time.monotonic() + self.config.kv_lease_ms / 1000.0,
+            )
+        else:
+            self.kv.free(req)
+
+    # ---- stats -----------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running) + len(self.loading)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        holders = set(self.kv.req_to_blocks)
+        live = {r.request_id for r in self.running} | set(self.loading) | set(self.leases)
+        if not holders <= live:
+            raise AssertionError(f"blocks held by unknown requests: {sorted(holders - live)}")

@@ -1,0 +1,68 @@
+"""Gateway configuration: one frozen dataclass; the CLI (`gateway.server.main`) reads defaults here."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+KvFailurePolicyName = Literal["recompute", "fail"]
+
+
+class GatewayConfigError(ValueError):
+    """An invalid gateway setting; the message names the field and what is allowed."""
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """Everything the gateway process needs; never mutated after construction."""
+
+    prefill_addresses: tuple[str, ...] = ()   # host:port of Prefill services (also KvTransfer)
+    decode_addresses: tuple[str, ...] = ()    # host:port of Decode services
+    # True: no prefill pool; DecodeRequest goes without kv_handle and decode computes the prompt.
+    colocated: bool = False
+    served_model_name: str = "SmolLM2-135M-Instruct"
+    tokenizer_path: str = ""                  # tokenizer.json / .gguf; "" = the embedded SmolLM2 GGUF
+    max_model_len: int = 8192                 # prompt + output tokens
+    api_key: str | None = None                # bearer token for /v1/*; None = no auth
+    max_body_bytes: int = 4 << 20             # REST request body limit (413 above it)
+    max_prompt_tokens: int = 8192             # hard prompt limit, independent of max_model_len
+    max_n: int = 8                            # completions per request
+    max_tokens_cap: int = 4096                # largest max_tokens a request may ask for
+    request_timeout_s: float = 600.0          # whole-request deadline passed to every hop
+    kv_failure_policy: KvFailurePolicyName = "recompute"
+    decode_retries: int = 1                   # resumes on another decode worker after UNAVAILABLE
+    load_poll_interval_s: float = 1.0         # router GetLoad period
+    load_poll_timeout_s: float = 1.0
+    shutdown_grace_s: float = 10.0            # drain time for in-flight requests on shutdown
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if not self.decode_addresses:
+            raise GatewayConfigError("decode_addresses: at least one decode worker is required")
+        if self.colocated and self.prefill_addresses:
+            raise GatewayConfigError(
+                "prefill_addresses must be empty when colocated=True (decode computes the prompt)")
+        if not self.colocated and not self.prefill_addresses:
+            raise GatewayConfigError(
+                "prefill_addresses: at least one prefill worker is required unless colocated=True")
+        for name in ("max_model_len", "max_body_bytes", "max_prompt_tokens", "max_n",
+                     "max_tokens_cap"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise GatewayConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("request_timeout_s", "load_poll_interval_s", "load_poll_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise GatewayConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.kv_failure_policy not in ("recompute", "fail"):
+            raise GatewayConfigError(
+                f"kv_failure_policy must be 'recompute' or 'fail', got {self.kv_failure_policy!r}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise GatewayConfigError("api_key must not be empty (omit it to disable auth)")
+        if self.decode_retries < 0:
+            raise GatewayConfigError(f"decode_retries must be >= 0, got {self.decode_retries}")
+
+    def replace(self, **changes: Any) -> GatewayConfig:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,145 @@
+"""gRPC front door: `Gateway.Generate` plus standard health and reflection services.
+
+Validation failures end the call with INVALID_ARGUMENT and a message naming the field. A
+failure after streaming began is sent in-band (`GenerateResponse.error`) and also ends the
+call with its status. Cancelling the call cancels the downstream prefill/decode calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gateway.errors import GatewayError
+from gateway.orchestrator import Finished, GenerationJob, TokenDelta
+from gateway.state import GatewayState
+from protos.splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+_FINISH_ENUM = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
+                "abort": common_pb2.FINISH_REASON_ABORT}
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    """Thin async servicer: validate → `GenerationJob` → stream orchestrator events."""
+
+    def __init__(self, state: GatewayState) -> None:
+        self._state = state
+
+    async def Generate(self, request: gateway_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        try:
+            job = await self._job(request)
+        except GatewayError as err:
+            await context.abort(err.code, err.message)
+        self._state.metrics.requests_received.labels(api="grpc").inc()
+        self._state.metrics.prompt_tokens.inc(len(job.prompt_token_ids))
+        try:
+            async for event in self._state.orchestrator.generate(job):
+                yield _response(event)
+        except GatewayError as err:
+            yield gateway_pb2.GenerateResponse(
+                error=common_pb2.StreamError(code=err.code.value[0], message=err.message))
+            await context.abort(err.code, err.message)
+
+    async def _job(self, request: gateway_pb2.GenerateRequest) -> GenerationJob:
+        state = self._state
+        if request.model and request.model != state.config.served_model_name:
+            raise GatewayError(grpc.StatusCode.NOT_FOUND,
+                               f"model {request.model!r} is not served; this server serves "
+                               f"{state.config.served_model_name!r}", param="model")
+        pre = state.preprocessor
+        kind = request.WhichOneof("input")
+        if kind == "text":
+            ids = await pre.encode_text(request.text, "text")
+        elif kind == "token_ids":
+            ids = pre.check_token_ids(list(request.token_ids.ids), "token_ids.ids")
+        elif kind == "chat":
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            ids = await pre.encode_chat(messages, "chat.messages")
+        else:
+            raise GatewayError.invalid("input", "input is required: set one of text, token_ids, chat")
+        return pre.build_job(ids, _sampling_options(request),
+                             request_id=request.request_id or f"gen-{uuid.uuid4().hex}",
+                             param_names=_PARAM_NAMES)
+
+
+_PARAM_NAMES = {name: f"sampling.{name}" for name in (
+    "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens",
+    "stop_token_ids", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs")}
+
+
+def _sampling_options(request: gateway_pb2.GenerateRequest) -> dict[str, object]:
+    """Proto → engine `SamplingParams` kwargs; proto zeros mean "unset" where documented."""
+    s = request.sampling
+    return {
+        "n": request.n or 1,
+        "temperature": s.temperature,
+        "top_p": s.top_p or 1.0,
+        "top_k": s.top_k if s.top_k > 0 else -1,
+        "min_p": s.min_p,
+        "seed": s.seed if s.HasField("seed") else None,
+        "max_tokens": s.max_tokens or None,   # 0: the rest of the context (capped)
+        "min_tokens": s.min_tokens,
+        "stop": list(request.stop),
+        "stop_token_ids": list(s.stop_token_ids),
+        "ignore_eos": s.ignore_eos,
+        "repetition_penalty": s.repetition_penalty or 1.0,
+        "presence_penalty": s.presence_penalty,
+        "frequency_penalty": s.frequency_penalty,
+        "logprobs": s.logprobs if s.HasField("logprobs") else None,
+        "skip_special_tokens": request.skip_special_tokens,
+    }
+
+
+def _response(event: TokenDelta | Finished) -> gateway_pb2.GenerateResponse:
+    if isinstance(event, TokenDelta):
+        return gateway_pb2.GenerateResponse(chunk=gateway_pb2.GenerateChunk(
+            index=event.index, token_ids=event.token_ids, text=event.text, logprobs=event.logprobs))
+    return gateway_pb2.GenerateResponse(complete=gateway_pb2.GenerateComplete(
+        index=event.index, finish_reason=_FINISH_ENUM[event.finish_reason],
+        usage=common_pb2.Usage(prompt_tokens=event.num_prompt_tokens,
+                               completion_tokens=event.num_output_tokens,
+                               cached_tokens=event.num_cached_tokens),
+        stop_reason=event.stop_reason or ""))
+
+
+class GrpcFrontend:
+    """The grpc.aio server: Gateway + health (tracks decode-worker health) + reflection."""
+
+    def __init__(self, state: GatewayState, host: str, port: int) -> None:
+        self._state = state
+        self.server = grpc.aio.server()
+        gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(state), self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        self._tasks: set[asyncio.Task[None]] = set()
+        state.router.decode.add_listener(self._schedule_health_update)
+
+    async def start(self) -> None:
+        await self.server.start()
+        await self.update_health()
+
+    async def update_health(self) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if self._state.healthy
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, status)
+
+    def _schedule_health_update(self) -> None:
+        task = asyncio.get_running_loop().create_task(self.update_health())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def stop(self, grace_s: float) -> None:
+        """Flip health to NOT_SERVING, refuse new calls, drain in-flight ones for `grace_s`."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)

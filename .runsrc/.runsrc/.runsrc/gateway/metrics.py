@@ -1,0 +1,175 @@
+"""Prometheus metrics of the gateway, named like vLLM's with the `splitserve:` prefix.
+
+One `GatewayMetrics` per gateway instance owns its own `CollectorRegistry` (no global
+singletons, so several gateways can live in one test process).
+
+Two kinds of series share the registry:
+- the gateway's own counters and histograms, updated by the orchestrator and the API layers;
+- per-worker series labelled `{role, worker}` (worker = its `host:port`), mirrored from the
+  `LoadReport` each worker answered to the router's last `GetLoad` poll, so one scrape of the
+  gateway shows the whole stack (the workers serve no /metrics themselves).
+
+The workers report cumulative totals (prefix-cache queries, hits, preemptions) that only they
+can count; `prometheus_client` counters cannot be *set*, so those are exposed by a custom
+collector (`WorkerLoadCollector`) as real `counter` families (`# TYPE … counter`, samples
+`…_total`) whose values are the workers' own totals. A worker restart resets its totals, which
+Prometheus' `rate()` handles as a counter reset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from protos.splitserve.v1 import common_pb2
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                60.0, 120.0, 240.0, 480.0, 960.0)
+
+WORKER_LABELS = ("role", "worker")
+Report = common_pb2.LoadReport
+
+# Worker gauges, exported for healthy workers only (a failed poll leaves a stale report).
+# vLLM semantics: usage is a fraction in [0, 1]; running/waiting count the engine's requests.
+WORKER_GAUGES: tuple[tuple[str, str, Callable[[Report], float]], ...] = (
+    ("splitserve:kv_cache_usage_perc", "KV-cache usage of the worker (1 = all blocks in use).",
+     lambda r: r.kv_cache_usage),
+    ("splitserve:num_requests_running", "Requests in the worker engine's running batch.",
+     lambda r: r.num_running),
+    ("splitserve:num_requests_waiting", "Requests waiting in the worker engine's queue.",
+     lambda r: r.num_waiting),
+    ("splitserve:kv_leases", "KV leases the worker holds for decode workers to pull.",
+     lambda r: r.num_leases),
+)
+# Worker counters (cumulative totals the workers count), exported once a worker has reported.
+WORKER_COUNTERS: tuple[tuple[str, str, Callable[[Report], float]], ...] = (
+    ("splitserve:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
+     lambda r: r.prefix_cache_queries),
+    ("splitserve:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.",
+     lambda r: r.prefix_cache_hits),
+    ("splitserve:num_preemptions_total", "Requests preempted by the worker's scheduler.",
+     lambda r: r.num_preemptions),
+)
+WORKER_HEALTHY = "splitserve:worker_healthy"
+
+
+class PolledWorker(Protocol):
+    """What the metrics read of a router worker (`gateway.router.Worker` fits)."""
+
+    @property
+    def address(self) -> str: ...
+    @property
+    def healthy(self) -> bool: ...
+    @property
+    def reported(self) -> bool: ...
+    @property
+    def load(self) -> Report: ...
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSample:
+    """One worker as of the router's last poll. `load` is None until it first answered."""
+
+    role: str
+    worker: str
+    healthy: bool
+    load: Report | None
+
+
+class WorkerLoadCollector:
+    """Per-worker families built at scrape time from the last poll of each pool.
+
+    `update` replaces one role's samples as a whole (one assignment), so a scrape running in
+    another thread sees either the previous poll round or the new one, never a mix.
+    """
+
+    def __init__(self) -> None:
+        self._samples: dict[str, tuple[WorkerSample, ...]] = {}
+
+    def update(self, role: str, workers: Iterable[PolledWorker]) -> None:
+        samples = tuple(WorkerSample(role, w.address, w.healthy, w.load if w.reported else None)
+                        for w in workers)
+        self._samples = self._samples | {role: samples}
+
+    def describe(self) -> Iterator[Metric]:
+        """The families without samples (lets the registry refuse clashing names)."""
+        return self._families(())
+
+    def collect(self) -> Iterator[Metric]:
+        return self._families(tuple(s for group in self._samples.values() for s in group))
+
+    @staticmethod
+    def _families(samples: Sequence[WorkerSample]) -> Iterator[Metric]:
+        healthy = GaugeMetricFamily(WORKER_HEALTHY, "1 if the worker answered the last load poll.",
+                                    labels=WORKER_LABELS)
+        for s in samples:
+            healthy.add_metric([s.role, s.worker], float(s.healthy))
+        yield healthy
+        for name, doc, value in WORKER_GAUGES:
+            gauge = GaugeMetricFamily(name, doc, labels=WORKER_LABELS)
+            for s in samples:
+                if s.healthy and s.load is not None:
+                    gauge.add_metric([s.role, s.worker], float(value(s.load)))
+            yield gauge
+        for name, doc, value in WORKER_COUNTERS:
+            counter = CounterMetricFamily(name, doc, labels=WORKER_LABELS)
+            for s in samples:
+                if s.load is not None:
+                    counter.add_metric([s.role, s.worker], float(value(s.load)))
+            yield counter
+
+
+class GatewayMetrics:
+    """Counters and histograms updated by the orchestrator and the API layers, plus the
+    workers' series updated by `observe_workers` after every router poll round."""
+
+    CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests_received = Counter(
+            "splitserve:requests_received", "Requests accepted by the gateway.",
+            ["api"], registry=r)
+        self.request_success = Counter(
+            "splitserve:request_success", "Completions finished, by finish reason.",
+            ["finished_reason"], registry=r)
+        self.request_failure = Counter(
+            "splitserve:request_failure", "Requests that failed, by status.",
+            ["code"], registry=r)
+        self.prompt_tokens = Counter(
+            "splitserve:prompt_tokens", "Prompt tokens of accepted requests.", registry=r)
+        self.generation_tokens = Counter(
+            "splitserve:generation_tokens", "Tokens generated.", registry=r)
+        # Not `num_requests_running`: that name is the workers' (vLLM's meaning, per engine).
+        self.num_requests_in_flight = Gauge(
+            "splitserve:gateway_requests_in_flight", "Requests in flight in the gateway.",
+            registry=r)
+        self.time_to_first_token = Histogram(
+            "splitserve:time_to_first_token_seconds", "Time to the first token.",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram(
+            "splitserve:inter_token_latency_seconds", "Time between streamed token deltas.",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e_request_latency = Histogram(
+            "splitserve:e2e_request_latency_seconds", "Request latency, arrival to finish.",
+            buckets=_E2E_BUCKETS, registry=r)
+        self.decode_resumes = Counter(
+            "splitserve:decode_resumes", "Requests resumed on another decode worker.",
+            registry=r)
+        self.workers = WorkerLoadCollector()
+        r.register(self.workers)
+
+    def observe_workers(self, role: str, workers: Iterable[PolledWorker]) -> None:
+        """Replace `role`'s worker series with the pool's state after a poll round."""
+        self.workers.update(role, workers)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

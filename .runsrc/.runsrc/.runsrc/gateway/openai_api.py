@@ -1,0 +1,394 @@
+"""OpenAI-compatible REST API (FastAPI): completions, chat completions, models, health, metrics.
+
+Bodies are read and parsed here, not by FastAPI, so every client error has an OpenAI-shaped
+body and the right status: size (413, by Content-Length and by bytes actually received),
+UTF-8 and JSON (400), field types (400 naming the field), unknown model (404), auth (401).
+A client disconnect cancels the request's downstream gRPC calls (stream or not).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.errors import GatewayError
+from gateway.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_logprobs,
+    chat_messages,
+    completion_logprobs,
+    error_body,
+    parse_request,
+    prompt_input,
+    usage_dict,
+)
+from gateway.orchestrator import Event, Finished, GenerationJob, TokenDelta, usage_totals
+from gateway.state import GatewayState
+from gateway.tokenization import token_text
+from protos.splitserve.v1 import common_pb2
+
+
+def build_app(state: GatewayState) -> FastAPI:
+    """The FastAPI app of one gateway."""
+    app = FastAPI(title="splitserve gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_exception_handler(GatewayError, _gateway_error_handler)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation_error_handler)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_error_handler)  # type: ignore[arg-type]
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = state.healthy
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=state.metrics.CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        _check_auth(request, state)
+        return JSONResponse({"object": "list", "data": [{
+            "id": state.config.served_model_name, "object": "model", "created": state.created,
+            "owned_by": "splitserve", "max_model_len": state.config.max_model_len}]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await _read_json(request, state)
+        req = parse_request(CompletionRequest, body)
+        _check_model(req.model, state)
+        job = await _completion_job(req, state)
+        view = _View("cmpl", "text_completion", state, job, req.include_usage,
+                     req.continuous_usage, chat=False, num_top=req.logprobs or 0)
+        return await _respond(view, request, "completions", req.stream)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await _read_json(request, state)
+        req = parse_request(ChatCompletionRequest, body)
+        _check_model(req.model, state)
+        job = await _chat_job(req, state)
+        view = _View("chatcmpl", "chat.completion", state, job, req.include_usage,
+                     req.continuous_usage, chat=True, num_top=req.top_logprobs or 0)
+        return await _respond(view, request, "chat", req.stream)
+
+    return app
+
+
+async def _respond(view: _View, request: Request, api: str, stream: bool) -> Response:
+    """Count the accepted request, then answer it as SSE or as one JSON body."""
+    view.state.metrics.requests_received.labels(api=api).inc()
+    view.state.metrics.prompt_tokens.inc(len(view.job.prompt_token_ids))
+    if stream:
+        return await _stream(view, request)
+    return JSONResponse(await _complete(view, request))
+
+
+# -- request reading ----------------------------------------------------------------------------
+def _check_auth(request: Request, state: GatewayState) -> None:
+    key = state.config.api_key
+    if key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise GatewayError(grpc.StatusCode.UNAUTHENTICATED,
+                           "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           error_code="invalid_api_key")
+
+
+async def _read_json(request: Request, state: GatewayState) -> dict[str, Any]:
+    """Auth, then the body: size-limited, strict UTF-8, a JSON object."""
+    _check_auth(request, state)
+    limit = state.config.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise GatewayError.invalid(None, f"invalid Content-Length header: {declared!r}")
+        if int(declared) > limit:
+            raise _too_large(int(declared), limit)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise _too_large(len(body), limit)
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise GatewayError.invalid(None, f"request body is not valid UTF-8 (byte {err.start})") from None
+    if not text.strip():
+        raise GatewayError.invalid(None, "request body is empty; expected a JSON object")
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise GatewayError.invalid(None, f"request body is not valid JSON: {err}") from None
+    if not isinstance(obj, dict):
+        raise GatewayError.invalid(None, "request body must be a JSON object")
+    return obj
+
+
+def _too_large(size: int, limit: int) -> GatewayError:
+    return GatewayError(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"request body is {size} bytes or more; the limit is {limit} bytes",
+                        http=413, error_code="request_too_large")
+
+
+def _check_model(model: str | None, state: GatewayState) -> None:
+    if model is not None and model != state.config.served_model_name:
+        raise GatewayError(grpc.StatusCode.NOT_FOUND,
+                           f"The model `{model}` does not exist; this server serves "
+                           f"`{state.config.served_model_name}`",
+                           param="model", error_code="model_not_found")
+
+
+async def _completion_job(req: CompletionRequest, state: GatewayState) -> GenerationJob:
+    if req.echo:
+        raise GatewayError.invalid("echo", "echo=true is not supported")
+    if req.best_of is not None and req.best_of != req.n:
+        raise GatewayError.invalid("best_of", "best_of is not supported (it must equal n)")
+    prompt = prompt_input(req.prompt)
+    pre = state.preprocessor
+    ids = (await pre.encode_text(prompt, "prompt") if isinstance(prompt, str)
+           else pre.check_token_ids(prompt, "prompt"))
+    options = req.sampling_options() | {"max_tokens": req.max_tokens, "logprobs": req.logprobs}
+    return pre.build_job(ids, options, request_id=f"cmpl-{uuid.uuid4().hex}")
+
+
+async def _chat_job(req: ChatCompletionRequest, state: GatewayState) -> GenerationJob:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise GatewayError.invalid("top_logprobs", "top_logprobs requires logprobs=true")
+    max_tokens, param = req.max_tokens, "max_tokens"
+    if req.max_completion_tokens is not None:
+        max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
+    ids = await state.preprocessor.encode_chat(chat_messages(req.messages))
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    options = req.sampling_options() | {"max_tokens": max_tokens, "logprobs": logprobs}
+    return state.preprocessor.build_job(ids, options, request_id=f"chatcmpl-{uuid.uuid4().hex}",
+                                        param_names={"max_tokens": param,
+                                                     "logprobs": "top_logprobs"})
+
+
+# -- responses ----------------------------------------------------------------------------------
+@dataclass(slots=True)
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    num_tokens: int = 0
+    text_len: int = 0
+    finished: Finished | None = None
+
+
+@dataclass(slots=True)
+class _View:
+    """Renders one request's events as OpenAI completion or chat objects."""
+
+    id_prefix: str
+    object: str
+    state: GatewayState
+    job: GenerationJob
+    include_usage: bool
+    continuous_usage: bool
+    chat: bool
+    num_top: int
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    choices: dict[int, _Choice] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.id = self.job.request_id
+        self.choices = {i: _Choice() for i in range(self.job.n)}
+
+    def header(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created,
+                "model": self.state.config.served_model_name, "system_fingerprint": None}
+
+    def logprobs(self, lps: list[common_pb2.TokenLogprob], offset: int) -> dict[str, Any] | None:
+        if not self.job.wants_logprobs:
+            return None
+        text_of = lambda t: token_text(self.state.tokenizer, t)  # noqa: E731
+        if self.chat:
+            return chat_logprobs(lps, text_of, self.num_top)
+        return completion_logprobs(lps, text_of, offset)
+
+    def record(self, event: Event) -> None:
+        choice = self.choices[event.index]
+        if isinstance(event, TokenDelta):
+            choice.text.append(event.text)
+            choice.logprobs.extend(event.logprobs)
+            choice.num_tokens += len(event.token_ids)
+        else:
+            choice.finished = event
+
+    def usage(self) -> dict[str, Any]:
+        done = [c.finished for c in self.choices.values() if c.finished is not None]
+        prompt, _, cached = usage_totals(done)
+        prompt = prompt or len(self.job.prompt_token_ids)
+        completion = sum(c.num_tokens for c in self.choices.values())
+        return usage_dict(prompt, completion, cached)
+
+    # -- non-stream
+    def final(self) -> dict[str, Any]:
+        choices = []
+        for index, c in sorted(self.choices.items()):
+            text = "".join(c.text)
+            f = c.finished
+            item: dict[str, Any] = {"index": index, "logprobs": self.logprobs(c.logprobs, 0),
+                                    "finish_reason": f.finish_reason if f else None,
+                                    "stop_reason": f.stop_reason if f else None}
+            if self.chat:
+                item["message"] = {"role": "assistant", "content": text}
+            else:
+                item["text"] = text
+            choices.append(item)
+        return self.header(self.object) | {"choices": choices, "usage": self.usage()}
+
+    # -- stream
+    def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        out = self.header(self.object + (".chunk" if self.chat else "")) | {"choices": choices}
+        if self.continuous_usage:
+            out["usage"] = self.usage()
+        return out
+
+    def role_chunk(self, index: int) -> dict[str, Any]:
+        return self.chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None}])
+
+    def event_chunk(self, event: Event) -> dict[str, Any] | None:
+        choice = self.choices[event.index]
+        if isinstance(event, TokenDelta):
+            offset = choice.text_len
+            choice.text_len += len(event.text)
+            if not event.text and not (event.logprobs and self.job.wants_logprobs):
+                return None  # text held back (possible stop string): nothing to send yet
+            item: dict[str, Any] = {"index": event.index,
+                                    "logprobs": self.logprobs(event.logprobs, offset),
+                                    "finish_reason": None}
+        else:
+            item = {"index": event.index, "logprobs": None, "finish_reason": event.finish_reason,
+                    "stop_reason": event.stop_reason}
+        text = event.text if isinstance(event, TokenDelta) else ""
+        if self.chat:
+            item["delta"] = {"content": text} if isinstance(event, TokenDelta) else {}
+        else:
+            item["text"] = text
+        return self.chunk([item])
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return self.header(self.object + (".chunk" if self.chat else "")) | {
+            "choices": [], "usage": self.usage()}
+
+
+async def _complete(view: _View, request: Request) -> dict[str, Any]:
+    """Run to the end; a client disconnect cancels the generation (and the gRPC calls)."""
+    async def consume() -> None:
+        async for event in view.state.orchestrator.generate(view.job):
+            view.record(event)
+
+    consumer = asyncio.create_task(consume())
+    watcher = asyncio.create_task(_wait_disconnect(request))
+    try:
+        await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (consumer, watcher):
+            task.cancel()
+    if not consumer.done() or consumer.cancelled():
+        with contextlib.suppress(asyncio.CancelledError):
+            await consumer
+        raise GatewayError(grpc.StatusCode.CANCELLED, "client disconnected")
+    consumer.result()  # re-raises a GatewayError from the workers
+    return view.final()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _stream(view: _View, request: Request) -> Response:
+    """SSE. The first event is awaited before answering, so early failures get a real status."""
+    del request  # Starlette's StreamingResponse cancels the body iterator on disconnect
+    events = view.state.orchestrator.generate(view.job)
+    try:
+        first = await anext(events)
+    except BaseException:
+        await events.aclose()
+        raise
+    return StreamingResponse(_sse(view, first, events), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+async def _sse(view: _View, first: Event, events: AsyncGenerator[Event, None]) -> AsyncIterator[str]:
+    try:
+        if view.chat:
+            for index in range(view.job.n):
+                yield _data(view.role_chunk(index))
+        event: Event | None = first
+        while event is not None:
+            view.record(event)
+            chunk = view.event_chunk(event)
+            if chunk is not None:
+                yield _data(chunk)
+            event = await anext(events, None)
+        if view.include_usage:
+            yield _data(view.usage_chunk())
+    except GatewayError as err:
+        yield _data(error_body(err.message, _error_type(err.http_status), err.param,
+                               err.error_code or err.http_status))
+    finally:
+        await events.aclose()
+    yield "data: [DONE]\n\n"
+
+
+def _data(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+# -- errors ------------------------------------------------------------------------------------
+def _error_type(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status == 404:
+        return "not_found_error"
+    if status == 429:
+        return "rate_limit_error"
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
+def _error_response(status: int, message: str, param: str | None,
+                    code: str | int | None) -> JSONResponse:
+    return JSONResponse(error_body(message, _error_type(status), param, code), status_code=status)
+
+
+async def _gateway_error_handler(request: Request, err: GatewayError) -> JSONResponse:
+    del request
+    status = err.http_status
+    return _error_response(status, err.message, err.param, err.error_code or status)
+
+
+async def _validation_error_handler(request: Request, err: RequestValidationError) -> JSONResponse:
+    del request
+    first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request"}
+    field_name = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+    return _error_response(400, f"{field_name or 'body'}: {first.get('msg')}", field_name, 400)
+
+
+async def _http_error_handler(request: Request, err: StarletteHTTPException) -> JSONResponse:
+    message = str(err.detail)
+    if err.status_code == 404:
+        message = f"no route {request.method} {request.url.path}"
+    elif err.status_code == 405:
+        message = f"method {request.method} is not allowed on {request.url.path}"
+    return _error_response(err.status_code, message, None, err.status_code)

@@ -1,0 +1,227 @@
+"""OpenAI wire format: request models (pydantic v2, unknown fields accepted) and response builders.
+
+Request models accept unknown fields because benchmark clients send extras (`ignore_eos`,
+`max_completion_tokens`, `stream_options.continuous_usage_stats`). Responses are built as plain
+dicts in the exact shape the `openai` Python package parses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gateway.errors import GatewayError
+from protos.splitserve.v1 import common_pb2
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Open):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Open):
+    """Fields shared by completions and chat completions (vLLM's extras included)."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    user: str | None = None
+
+    def sampling_options(self) -> dict[str, Any]:
+        """Engine `SamplingParams` keyword arguments (max_tokens and logprobs added by callers)."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return {
+            "n": self.n,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": -1 if self.top_k is None else self.top_k,
+            "min_p": 0.0 if self.min_p is None else self.min_p,
+            "seed": self.seed,
+            "stop": stop,
+            "stop_token_ids": list(self.stop_token_ids or []),
+            "ignore_eos": self.ignore_eos,
+            "min_tokens": self.min_tokens,
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            "skip_special_tokens": self.skip_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+        }
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options is not None and \
+            self.stream_options.continuous_usage_stats
+
+
+class CompletionRequest(_SamplingFields):
+    """`POST /v1/completions`. `prompt` is checked by `prompt_input` for a precise message."""
+
+    prompt: Any = None
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+
+
+class TextPart(_Open):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(_Open):
+    role: str
+    content: str | list[TextPart] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """`POST /v1/chat/completions`."""
+
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+def parse_request(model: type[M], body: dict[str, Any]) -> M:
+    """Validate a JSON object; the first error becomes a 400 naming the field."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as err:
+        first = err.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "body"
+        if first["type"] == "missing":
+            raise GatewayError.invalid(field, f"{field} is required") from None
+        got = first.get("input")
+        shown = repr(got) if len(repr(got)) <= 80 else repr(got)[:77] + "..."
+        raise GatewayError.invalid(field, f"{field}: {first['msg']} (got {shown})") from None
+
+
+# -- prompt forms ------------------------------------------------------------------------------
+PromptInput = str | list[int]
+
+_PROMPT_FORMS = ("a string, a list of token ids, or a list holding one string or one list of "
+                 "token ids")
+
+
+def prompt_input(prompt: Any) -> PromptInput:
+    """`prompt` as a string or token ids; batches of more than one prompt are refused."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        if all(_is_token_id(t) for t in prompt):
+            return list(prompt)
+        if len(prompt) == 1 and isinstance(prompt[0], str):
+            return str(prompt[0])
+        if len(prompt) == 1 and isinstance(prompt[0], list) and \
+                all(_is_token_id(t) for t in prompt[0]) and prompt[0]:
+            return list(prompt[0])
+        if len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
+            raise GatewayError.invalid(
+                "prompt", f"prompt: batches of {len(prompt)} prompts are not supported; send "
+                          "one prompt per request")
+    if prompt is None:
+        raise GatewayError.invalid("prompt", "prompt is required")
+    raise GatewayError.invalid("prompt", f"prompt must be {_PROMPT_FORMS}")
+
+
+def _is_token_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+def chat_messages(messages: Sequence[ChatMessageIn]) -> list[dict[str, Any]]:
+    """Messages as `{role, content: str}` for the chat template (text parts joined)."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        if isinstance(m.content, list):
+            texts = []
+            for j, part in enumerate(m.content):
+                if part.type != "text" or part.text is None:
+                    raise GatewayError.invalid(
+                        f"messages.{i}.content.{j}",
+                        f"messages.{i}.content.{j}: only {{'type': 'text', 'text': ...}} parts "
+                        f"are supported, got type {part.type!r}")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        else:
+            content = m.content or ""
+        out.append({"role": m.role, "content": content})
+    return out
+
+
+# -- responses ---------------------------------------------------------------------------------
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def error_body(message: str, type_: str, param: str | None, code: str | int | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+TokenText = Callable[[int], str]
+
+
+def completion_logprobs(logprobs: Sequence[common_pb2.TokenLogprob], token_text: TokenText,
+                        text_offset_start: int = 0) -> dict[str, Any]:
+    """Legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    offset = text_offset_start
+    for lp in logprobs:
+        text = token_text(lp.token_id)
+        tokens.append(text)
+        token_logprobs.append(lp.logprob)
+        top = {token_text(t.token_id): t.logprob for t in lp.top}
+        top.setdefault(text, lp.logprob)  # the sampled token is always listed (as vLLM)
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def chat_logprobs(logprobs: Sequence[common_pb2.TokenLogprob], token_text: TokenText,
+                  num_top: int) -> dict[str, Any]:
+    """Chat logprobs: `{"content": [{token, logprob, bytes, top_logprobs}]}`."""
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for lp in logprobs:
+        item = entry(lp.token_id, lp.logprob)
+        item["top_logprobs"] = [entry(t.token_id, t.logprob) for t in lp.top[:num_top]]
+        content.append(item)
+    return {"content": content}

@@ -1,0 +1,423 @@
+"""The request lifecycle across prefill and decode workers (DESIGN.md §3).
+
+For each of the n completions of a job, concurrently:
+
+    Prefill.Prefill ──first token──▶ client           (TTFT)
+         │ kv_handle
+         ▼
+    Decode.Decode(kv_handle, prompt, [first]) ──tokens──▶ detokenize, stop strings ──▶ client
+         │ UNAVAILABLE mid-stream
+         ▼
+    Decode.Decode(prompt, all tokens sent so far, no kv_handle)   (at most `decode_retries`)
+
+In colocated mode there is no prefill pool: decode gets the prompt alone and computes it.
+Cancelling the consumer of `Orchestrator.generate` cancels every downstream call, so workers
+free their KV. Python gRPC does not propagate deadlines: each call gets the time remaining.
+
+The prefill lease is the gateway's to drop whenever no decode worker will pull it: decode
+cancelled or failed (possibly before its call reached a worker), a resume without the handle,
+a decode worker that recomputed instead of pulling. `KvTransfer.Release` is idempotent, so
+releasing a lease a decode worker already pulled (and released) is harmless.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, SpanKind
+from opentelemetry.util.types import AttributeValue
+
+from gateway.config import GatewayConfig
+from gateway.errors import GatewayError, status_code_from_int
+from gateway.metrics import GatewayMetrics
+from gateway.router import Router, Worker
+from gateway.tokenization import DetokenizerLike, TokenizerLike, make_detokenizer
+from protos.splitserve.v1 import common_pb2, decode_pb2, kv_transfer_pb2, prefill_pb2
+from serving import tracing
+
+log = logging.getLogger(__name__)
+
+_FINISH_NAMES = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+}
+_RELEASE_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationJob:
+    """A validated, tokenized request: what the orchestrator runs."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: common_pb2.SamplingParams   # validated; max_tokens resolved (>= 1)
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.sampling.HasField("logprobs")
+
+
+@dataclass(slots=True)
+class TokenDelta:
+    """New tokens of completion `index` and the text they add (may be empty: held back)."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[common_pb2.TokenLogprob]
+
+
+@dataclass(slots=True)
+class Finished:
+    """Completion `index` is done."""
+
+    index: int
+    finish_reason: str                 # "stop" | "length" | "abort"
+    stop_reason: str | None            # the stop string that matched, if any
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+
+Event = TokenDelta | Finished
+
+
+@dataclass(slots=True)
+class _Completion:
+    """Per-completion state: tokens sent so far and the detokenizer that saw them."""
+
+    index: int
+    detok: DetokenizerLike
+    output_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    kv_handle: common_pb2.KvHandle | None = None   # prefill lease not yet handed off or dropped
+    trace_parent: Context | None = None           # the request's `gen_ai.generate` span
+    stop_reason: str | None = None
+    last_emit: float | None = None
+
+
+class Orchestrator:
+    """Runs jobs against the worker pools. Stateless between jobs; safe to share on one loop."""
+
+    def __init__(self, config: GatewayConfig, router: Router, tokenizer: TokenizerLike,
+                 metrics: GatewayMetrics) -> None:
+        self._config = config
+        self._router = router
+        self._tokenizer = tokenizer
+        self._metrics = metrics
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def generate(self, job: GenerationJob) -> AsyncGenerator[Event, None]:
+        """Events of all n completions, interleaved; raises `GatewayError` if one fails.
+
+        Closing or cancelling the iterator cancels the downstream gRPC calls.
+        """
+        queue: asyncio.Queue[Event | BaseException | None] = asyncio.Queue()
+        # One GenAI client span per request; completions' prefill/decode spans are its
+        # children (passed explicitly: the completions run in their own tasks).
+        with tracing.traced_span("gen_ai.generate", parent=None, kind=SpanKind.CLIENT,
+                                 attributes=self._request_attributes(job)) as span:
+            parent = tracing.span_context(span)
+            tasks = [asyncio.create_task(self._run_guarded(job, i, queue, parent))
+                     for i in range(job.n)]
+            self._metrics.num_requests_in_flight.inc()
+            finished: list[Finished] = []
+            try:
+                remaining = job.n
+                while remaining:
+                    item = await queue.get()
+                    if item is None:
+                        remaining -= 1
+                    elif isinstance(item, BaseException):
+                        raise item
+                    else:
+                        if isinstance(item, Finished):
+                            finished.append(item)
+                        yield item
+            finally:
+                _record_usage(span, job, finished)
+                self._metrics.num_requests_in_flight.dec()
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _request_attributes(self, job: GenerationJob) -> dict[str, AttributeValue]:
+        """GenAI semantic-convention request attributes of the `gen_ai.generate` span."""
+        attrs: dict[str, AttributeValue] = {
+            "gen_ai.operation.name": "text_completion",
+            "gen_ai.request.model": self._config.served_model_name,
+            "gen_ai.request.max_tokens": job.sampling.max_tokens,
+            "gen_ai.request.temperature": job.sampling.temperature,
+            "splitserve.request_id": job.request_id,
+        }
+        if job.n != 1:
+            attrs["gen_ai.request.choice.count"] = job.n
+        return attrs
+
+    async def _run_guarded(self, job: GenerationJob, index: int,
+                           queue: asyncio.Queue[Event | BaseException | None],
+                           trace_parent: Context | None = None) -> None:
+        try:
+            await self._run_completion(job, index, queue, trace_parent)
+            queue.put_nowait(None)
+        except GatewayError as err:
+            self._metrics.request_failure.labels(code=err.code.name).inc()
+            queue.put_nowait(err)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # a bug must reach the client as an error, never a hang
+            log.exception("completion %s/%d failed", job.request_id, index)
+            self._metrics.request_failure.labels(code="INTERNAL").inc()
+            queue.put_nowait(GatewayError(grpc.StatusCode.INTERNAL, f"internal error: {err}"))
+
+    # -- one completion --------------------------------------------------------------------
+    async def _run_completion(self, job: GenerationJob, index: int,
+                              queue: asyncio.Queue[Event | BaseException | None],
+                              trace_parent: Context | None = None) -> None:
+        state = _Completion(index, make_detokenizer(
+            self._tokenizer, job.prompt_token_ids, skip_special_tokens=job.skip_special_tokens,
+            stop=job.stop, include_stop_str_in_output=job.include_stop_str_in_output),
+            trace_parent=trace_parent)
+        sampling = _seeded(job.sampling, index)
+        finish: str | None = None
+        if not self._config.colocated:
+            prefill = await self._traced_prefill(job, state, sampling)
+            state.num_cached_tokens = prefill.num_cached_tokens
+            state.kv_handle = prefill.kv_handle if prefill.HasField("kv_handle") else None
+            logprobs = [prefill.logprob] if prefill.HasField("logprob") else []
+            finish = self._accept(job, state, [prefill.first_token_id], logprobs, queue)
+            finish = finish or _FINISH_NAMES.get(prefill.finish_reason)
+            if finish is not None:
+                # Decode will never pull this KV: free the lease now rather than at expiry.
+                self._drop_kv_handle(state)
+        if finish is None:
+            try:
+                finish = await self._traced_decode(job, state, sampling, queue)
+            except BaseException:
+                # Cancelled (client gone) or failed, maybe before the Decode call reached a
+                # worker: no decode worker may ever pull (or release) the lease.
+                self._drop_kv_handle(state)
+                raise
+        if state.stop_reason is None:
+            # EOS / stop token / length: release text held back for a possible stop string.
+            tail = state.detok.finish().text_delta
+            if tail:
+                queue.put_nowait(TokenDelta(state.index, [], tail, []))
+        self._finish(job, state, finish, queue)
+
+    async def _traced_prefill(self, job: GenerationJob, state: _Completion,
+                              sampling: common_pb2.SamplingParams) -> prefill_pb2.PrefillResponse:
+        with tracing.traced_span("prefill", parent=state.trace_parent, kind=SpanKind.CLIENT,
+                                 attributes={"splitserve.completion_index": state.index}) as span:
+            response = await self._prefill(job, state.index, sampling,
+                                           tracing.inject_metadata(tracing.span_context(span)))
+            span.set_attribute("splitserve.cached_tokens", response.num_cached_tokens)
+            span.set_attribute("splitserve.kv_handle", response.HasField("kv_handle"))
+            return response
+
+    async def _traced_decode(self, job: GenerationJob, state: _Completion,
+                             sampling: common_pb2.SamplingParams,
+                             queue: asyncio.Queue[Event | BaseException | None]) -> str:
+        with tracing.traced_span("decode", parent=state.trace_parent, kind=SpanKind.CLIENT,
+                                 attributes={"splitserve.completion_index": state.index}) as span:
+            finish = await self._decode(job, state, sampling, queue,
+                                        tracing.inject_metadata(tracing.span_context(span)))
+            span.set_attribute("splitserve.output_tokens", len(state.output_ids))
+            return finish
+
+    async def _prefill(self, job: GenerationJob, index: int, sampling: common_pb2.SamplingParams,
+                       metadata: tuple[tuple[str, str], ...] = ()
+                       ) -> prefill_pb2.PrefillResponse:
+        """Prefill on the best worker; an UNAVAILABLE worker is retried once on another."""
+        assert self._router.prefill is not None  # not colocated
+        request = prefill_pb2.PrefillRequest(
+            request_id=f"{job.request_id}-{index}", prompt_token_ids=job.prompt_token_ids,
+            sampling=sampling)
+        pool = self._router.prefill
+        hashes = pool.prompt_hashes(job.prompt_token_ids)
+        tried: list[str] = []
+        while True:
+            worker = pool.pick_for_prefix(hashes, exclude=tried)
+            try:
+                response = await self._router.prefill_stub(worker).Prefill(
+                    request, timeout=self._remaining(job), metadata=metadata)
+                pool.prefix_index.record(worker.address, response.kv_handle.block_hashes)
+                return response
+            except asyncio.CancelledError:
+                # The worker may have granted the lease and sent a response we will never read
+                # (its handler was no longer cancellable). A prefill worker serves KvTransfer on
+                # its own address; releasing a lease that does not exist is a no-op.
+                self._release_in_background(common_pb2.KvHandle(
+                    worker_address=worker.address, request_id=request.request_id))
+                raise
+            except grpc.aio.AioRpcError as err:
+                if err.code() != grpc.StatusCode.UNAVAILABLE or tried:
+                    raise GatewayError.from_rpc(err, "prefill") from None
+                self._router.prefill.mark_failed(worker.address)
+                tried.append(worker.address)
+
+    async def _decode(self, job: GenerationJob, state: _Completion,
+                      sampling: common_pb2.SamplingParams,
+                      queue: asyncio.Queue[Event | BaseException | None],
+                      metadata: tuple[tuple[str, str], ...] = ()) -> str:
+        """Stream decode tokens until finished; resume elsewhere if the worker dies."""
+        tried: list[str] = []
+        while True:
+            worker = self._router.decode.pick(exclude=tried)
+            try:
+                return await self._decode_on(worker, job, state, sampling, queue, metadata)
+            except grpc.aio.AioRpcError as err:
+                if (err.code() != grpc.StatusCode.UNAVAILABLE
+                        or len(tried) >= self._config.decode_retries):
+                    raise GatewayError.from_rpc(err, "decode") from None
+                log.warning("decode worker %s failed (%s); resuming %s after %d tokens",
+                            worker.address, err.code().name, job.request_id,
+                            len(state.output_ids))
+                self._router.decode.mark_failed(worker.address)
+                self._metrics.decode_resumes.inc()
+                tried.append(worker.address)
+                # The new worker recomputes prompt + tokens sent so far: nobody will pull the
+                # lease (the failed worker may have; releasing again is harmless).
+                self._drop_kv_handle(state)
+
+    async def _decode_on(self, worker: Worker, job: GenerationJob, state: _Completion,
+                         sampling: common_pb2.SamplingParams,
+                         queue: asyncio.Queue[Event | BaseException | None],
+                         metadata: tuple[tuple[str, str], ...] = ()) -> str:
+        request = decode_pb2.DecodeRequest(
+            request_id=f"{job.request_id}-{state.index}", prompt_token_ids=job.prompt_token_ids,
+            output_token_ids=state.output_ids, sampling=sampling,
+            kv_failure_policy=(decode_pb2.KV_FAILURE_POLICY_FAIL
+                               if self._config.kv_failure_policy == "fail"
+                               else decode_pb2.KV_FAILURE_POLICY_RECOMPUTE))
+        if state.kv_handle is not None:
+            request.kv_handle.CopyFrom(state.kv_handle)
+        call = self._router.decode_stub(worker).Decode(request, timeout=self._remaining(job),
+                                                       metadata=metadata)
+        try:
+            async for response in call:
+                kind = response.WhichOneof("response")
+                if kind == "chunk":
+                    stop = self._accept(job, state, list(response.chunk.token_ids),
+                                        list(response.chunk.logprobs), queue)
+                    if stop is not None:
+                        return stop  # `finally` cancels the call: the worker frees the KV
+                elif kind == "complete":
+                    if response.complete.kv_recomputed:
+                        # The worker refused the handle (it does not release what it judged
+                        # not to be this prompt's) or its pull failed: the lease is unused.
+                        self._drop_kv_handle(state)
+                    return _FINISH_NAMES.get(response.complete.finish_reason, "stop")
+                elif kind == "error":
+                    raise GatewayError(status_code_from_int(response.error.code),
+                                       f"decode worker: {response.error.message}")
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE,
+                               "decode worker ended the stream without a completion")
+        finally:
+            call.cancel()  # no-op when the call already finished
+
+    # -- tokens out ------------------------------------------------------------------------
+    def _accept(self, job: GenerationJob, state: _Completion, token_ids: list[int],
+                logprobs: list[common_pb2.TokenLogprob],
+                queue: asyncio.Queue[Event | BaseException | None]) -> str | None:
+        """Detokenize new tokens and emit them; returns "stop" when a stop string matched."""
+        if not token_ids:
+            return None
+        result = state.detok.add_tokens(token_ids)
+        state.output_ids.extend(token_ids)
+        now = time.monotonic()
+        if state.last_emit is None:
+            self._metrics.time_to_first_token.observe(now - job.arrival_time)
+        else:
+            self._metrics.inter_token_latency.observe(now - state.last_emit)
+        state.last_emit = now
+        queue.put_nowait(TokenDelta(state.index, token_ids, result.text_delta,
+                                    logprobs if job.wants_logprobs else []))
+        matched = result.stop_matched
+        if matched:
+            state.stop_reason = matched if isinstance(matched, str) else None
+            return "stop"
+        return None
+
+    def _finish(self, job: GenerationJob, state: _Completion, finish_reason: str,
+                queue: asyncio.Queue[Event | BaseException | None]) -> None:
+        self._metrics.request_success.labels(finished_reason=finish_reason).inc()
+        self._metrics.generation_tokens.inc(len(state.output_ids))
+        self._metrics.e2e_request_latency.observe(time.monotonic() - job.arrival_time)
+        queue.put_nowait(Finished(state.index, finish_reason, state.stop_reason,
+                                  len(job.prompt_token_ids), len(state.output_ids),
+                                  state.num_cached_tokens))
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _remaining(self, job: GenerationJob) -> float:
+        remaining = job.arrival_time + self._config.request_timeout_s - time.monotonic()
+        if remaining <= 0:
+            raise GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               f"request exceeded its {self._config.request_timeout_s}s deadline")
+        return remaining
+
+    def _drop_kv_handle(self, state: _Completion) -> None:
+        """Release the completion's prefill lease (if any) and forget the handle."""
+        self._release_in_background(state.kv_handle)
+        state.kv_handle = None
+
+    def _release_in_background(self, kv_handle: common_pb2.KvHandle | None) -> None:
+        """Best-effort `KvTransfer.Release` of a lease decode will never pull (expiry is the backstop)."""
+        if kv_handle is None or not kv_handle.worker_address or not kv_handle.request_id:
+            return
+        task = asyncio.create_task(self._release(kv_handle))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _release(self, kv_handle: common_pb2.KvHandle) -> None:
+        stub = self._router.kv_transfer_stub(kv_handle.worker_address)
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await stub.Release(kv_transfer_pb2.ReleaseRequest(request_id=kv_handle.request_id),
+                               timeout=_RELEASE_TIMEOUT_S)
+
+    async def drain_background(self) -> None:
+        """Wait for pending lease releases (used on shutdown)."""
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def _seeded(sampling: common_pb2.SamplingParams, index: int) -> common_pb2.SamplingParams:
+    """Completion `index` of n gets seed + index, so seeded n > 1 completions differ."""
+    if index == 0 or not sampling.HasField("seed"):
+        return sampling
+    copy = common_pb2.SamplingParams()
+    copy.CopyFrom(sampling)
+    copy.seed = (sampling.seed + index) % (1 << 64)
+    return copy
+
+
+def _record_usage(span: Span, job: GenerationJob, finished: Sequence[Finished]) -> None:
+    """GenAI semantic-convention usage/response attributes of a request's span."""
+    span.set_attribute("gen_ai.usage.input_tokens", len(job.prompt_token_ids))
+    span.set_attribute("gen_ai.usage.output_tokens", sum(f.num_output_tokens for f in finished))
+    if finished:
+        by_index = sorted(finished, key=lambda f: f.index)
+        span.set_attribute("gen_ai.response.finish_reasons", [f.finish_reason for f in by_index])
+
+
+def usage_totals(finished: Sequence[Finished]) -> tuple[int, int, int]:
+    """(prompt_tokens, completion_tokens, cached_tokens) of one request's n completions.
+
+    The prompt is counted once (as OpenAI and vLLM do); completion tokens are summed.
+    """
+    if not finished:
+        return 0, 0, 0
+    return (finished[0].num_prompt_tokens, sum(f.num_output_tokens for f in finished),
+            max(f.num_cached_tokens for f in finished))

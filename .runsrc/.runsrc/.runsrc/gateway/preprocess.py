@@ -1,0 +1,146 @@
+"""Shared request preparation for REST and gRPC: tokenize, check limits, build a `GenerationJob`.
+
+Every check raises `GatewayError` (INVALID_ARGUMENT / HTTP 400) with a message that names the
+field and says what is allowed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from engine.sampling_params import SamplingParams, SamplingParamsError
+from gateway.config import GatewayConfig
+from gateway.errors import GatewayError
+from gateway.orchestrator import GenerationJob
+from gateway.tokenization import TokenizerLike, check_encodable
+from protos.splitserve.v1 import common_pb2
+
+# Above this many characters, tokenization runs in a thread so the loop keeps streaming.
+_INLINE_ENCODE_CHARS = 4096
+
+
+class Preprocessor:
+    """Turns text / token ids / chat messages plus sampling options into a `GenerationJob`."""
+
+    def __init__(self, config: GatewayConfig, tokenizer: TokenizerLike,
+                 vocab_size: int | None = None) -> None:
+        self._config = config
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+
+    # -- prompt ----------------------------------------------------------------------------
+    async def encode_text(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        check_encodable(text, param)
+        if len(text) > self._config.max_body_bytes:
+            raise GatewayError.invalid(param, f"{param} is longer than the request size limit")
+        if len(text) <= _INLINE_ENCODE_CHARS:
+            return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return await asyncio.to_thread(self._tokenizer.encode, text, add_special_tokens)
+
+    async def encode_chat(self, messages: list[dict[str, Any]], param: str = "messages") -> list[int]:
+        if not messages:
+            raise GatewayError.invalid(param, f"{param} must contain at least one message")
+        for i, m in enumerate(messages):
+            check_encodable(m["content"], f"{param}[{i}].content")
+        try:
+            text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                       tokenize=False)
+        except Exception as err:  # template errors (e.g. role alternation) are the client's
+            raise GatewayError.invalid(param, f"{param}: chat template failed: {err}") from None
+        # The template already contains the special tokens (BOS, role markers).
+        return await self.encode_text(str(text), param, add_special_tokens=False)
+
+    def check_token_ids(self, ids: Sequence[int], param: str) -> list[int]:
+        if not ids:
+            raise GatewayError.invalid(param, f"{param} must not be empty")
+        limit = self._vocab_size
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (limit and t >= limit):
+                allowed = f"in [0, {limit})" if limit else ">= 0"
+                raise GatewayError.invalid(param, f"{param}[{i}] = {t!r}: token ids must be {allowed}")
+        return list(ids)
+
+    # -- sampling and limits ---------------------------------------------------------------
+    def build_job(self, prompt_token_ids: list[int], params: dict[str, Any], *,
+                  request_id: str | None = None, param_names: dict[str, str] | None = None,
+                  ) -> GenerationJob:
+        """Validate sampling options (engine `SamplingParams` field names) and build the job.
+
+        `params["max_tokens"] = None` means "the rest of the context" (capped by
+        `max_tokens_cap`). `param_names` maps engine field names to the client's names for
+        error messages (e.g. max_tokens → max_completion_tokens).
+        """
+        names = param_names or {}
+        sp = _sampling_params(params, names)
+        num_prompt = len(prompt_token_ids)
+        self._check_prompt_len(num_prompt)
+        max_tokens = self._resolve_max_tokens(sp.max_tokens, num_prompt, names.get("max_tokens",
+                                                                                   "max_tokens"))
+        if sp.n > self._config.max_n:
+            raise GatewayError.invalid(names.get("n", "n"),
+                                       f"n must be at most {self._config.max_n}, got {sp.n}")
+        return GenerationJob(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt_token_ids=tuple(prompt_token_ids),
+            sampling=_to_proto(sp, max_tokens),
+            n=sp.n,
+            stop=tuple(sp.stop),
+            include_stop_str_in_output=sp.include_stop_str_in_output,
+            skip_special_tokens=sp.skip_special_tokens,
+        )
+
+    def _check_prompt_len(self, num_prompt: int) -> None:
+        limit = min(self._config.max_prompt_tokens, self._config.max_model_len - 1)
+        if num_prompt > limit:
+            raise GatewayError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the prompt has {num_prompt} tokens, but this server allows at most {limit} "
+                f"prompt tokens (max_model_len {self._config.max_model_len})",
+                param="prompt", error_code="context_length_exceeded")
+
+    def _resolve_max_tokens(self, requested: int | None, num_prompt: int, param: str) -> int:
+        room = self._config.max_model_len - num_prompt
+        if requested is None:
+            return min(room, self._config.max_tokens_cap)
+        if requested > self._config.max_tokens_cap:
+            raise GatewayError.invalid(
+                param, f"{param} must be at most {self._config.max_tokens_cap}, got {requested}")
+        if requested > room:
+            raise GatewayError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"this model's maximum context length is {self._config.max_model_len} tokens, "
+                f"but you requested {num_prompt + requested} tokens ({num_prompt} in the prompt, "
+                f"{requested} for {param}); reduce the prompt or {param}",
+                param=param, error_code="context_length_exceeded")
+        return requested
+
+
+def _sampling_params(params: dict[str, Any], names: dict[str, str]) -> SamplingParams:
+    """Engine `SamplingParams` (its validation is the single source of the rules)."""
+    try:
+        return SamplingParams(**params)
+    except SamplingParamsError as err:
+        field = str(err).split(" ", 1)[0]
+        client_field = names.get(field, field)
+        message = str(err)
+        if client_field != field:
+            message = client_field + message[len(field):]
+        raise GatewayError.invalid(client_field, message) from None
+
+
+def _to_proto(sp: SamplingParams, max_tokens: int) -> common_pb2.SamplingParams:
+    proto = common_pb2.SamplingParams(
+        temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
+        max_tokens=max_tokens, stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
+        repetition_penalty=sp.repetition_penalty, presence_penalty=sp.presence_penalty,
+        frequency_penalty=sp.frequency_penalty, min_tokens=sp.min_tokens)
+    if sp.seed is not None:
+        proto.seed = sp.seed % (1 << 64)  # negative seeds wrap into uint64
+    if sp.logprobs is not None:
+        proto.logprobs = sp.logprobs
+    return proto

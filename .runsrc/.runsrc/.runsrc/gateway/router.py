@@ -1,0 +1,190 @@
+"""Worker pools and the router: least-loaded choice from periodic `GetLoad` polls.
+
+Each pool (prefill or decode) owns one `grpc.aio` channel per worker. A background task polls
+`GetLoad` every `poll_interval_s`; a worker whose last poll failed is excluded until a later
+poll succeeds (or until `mark_failed` is undone by the next good poll).
+
+Routing key: (num_running + num_waiting + picks since the last poll, kv_cache_usage), lowest
+first; ties are broken round-robin. Prefix-aware routing plugs in at `pick_for_prefix`, which
+takes the prompt's block hashes: it is load-only today, and is where a per-worker prefix index
+(block hash → workers that hold it) will rank workers by longest cached prefix before load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import grpc
+
+from gateway.errors import GatewayError
+from gateway.prefix_index import PrefixIndex, prompt_block_hashes
+from protos.splitserve.v1 import (
+    common_pb2,
+    decode_pb2_grpc,
+    kv_transfer_pb2_grpc,
+    prefill_pb2_grpc,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Worker:
+    """One worker as the router sees it. Mutated only by its `WorkerPool` (on the loop)."""
+
+    address: str
+    channel: grpc.aio.Channel
+    healthy: bool = False
+    reported: bool = False      # answered at least one poll (`load` is a real report)
+    load: common_pb2.LoadReport = field(default_factory=common_pb2.LoadReport)
+    picks_since_poll: int = 0   # requests sent since the last load report (not yet in it)
+
+    def routing_key(self) -> tuple[int, float]:
+        pending = self.load.num_running + self.load.num_waiting + self.picks_since_poll
+        return pending, self.load.kv_cache_usage
+
+
+class WorkerPool:
+    """The workers of one role; `pick` chooses the least-loaded healthy one."""
+
+    def __init__(self, role: Literal["prefill", "decode"], addresses: Sequence[str], *,
+                 poll_interval_s: float = 1.0, poll_timeout_s: float = 1.0) -> None:
+        self.role = role
+        self.workers = [Worker(a, grpc.aio.insecure_channel(a)) for a in addresses]
+        self._poll_interval_s = poll_interval_s
+        self._poll_timeout_s = poll_timeout_s
+        self._rr = 0
+        self.prefix_index = PrefixIndex()
+        self.max_imbalance = 4  # pending requests a prefix hit may cost in load balance
+        self._task: asyncio.Task[None] | None = None
+        self._listeners: list[Callable[[], None]] = []
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Poll once (so health is known before serving), then keep polling in the background."""
+        await self.poll_once()
+        self._task = asyncio.create_task(self._poll_forever(), name=f"router-poll-{self.role}")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await asyncio.gather(*(w.channel.close() for w in self.workers))
+
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """`callback()` runs after every poll round (e.g. to update the gRPC health status or
+        the per-worker metrics)."""
+        self._listeners.append(callback)
+
+    # -- polling ---------------------------------------------------------------------------
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(self._poll_worker(w) for w in self.workers))
+        for callback in self._listeners:
+            callback()
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._poll_interval_s)
+            await self.poll_once()
+
+    async def _poll_worker(self, worker: Worker) -> None:
+        stub = (prefill_pb2_grpc.PrefillStub if self.role == "prefill"
+                else decode_pb2_grpc.DecodeStub)(worker.channel)
+        try:
+            report = await stub.GetLoad(common_pb2.LoadRequest(), timeout=self._poll_timeout_s)
+        except grpc.aio.AioRpcError as err:
+            if worker.healthy:
+                log.warning("%s worker %s failed GetLoad: %s", self.role, worker.address, err.code())
+            worker.healthy = False
+            return
+        worker.load = report
+        worker.picks_since_poll = 0
+        worker.healthy = True
+        worker.reported = True
+
+    # -- picking ---------------------------------------------------------------------------
+    @property
+    def num_healthy(self) -> int:
+        return sum(w.healthy for w in self.workers)
+
+    def pick(self, exclude: Sequence[str] = ()) -> Worker:
+        """The least-loaded healthy worker not in `exclude`; UNAVAILABLE when there is none."""
+        candidates = [w for w in self.workers if w.healthy and w.address not in exclude]
+        if not candidates:
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE,
+                               f"no healthy {self.role} worker is available")
+        best = min(w.routing_key() for w in candidates)
+        tied = [w for w in candidates if w.routing_key() == best]
+        worker = tied[self._rr % len(tied)]
+        self._rr += 1
+        worker.picks_since_poll += 1
+        return worker
+
+    def prompt_hashes(self, prompt_token_ids: Sequence[int]) -> list[bytes]:
+        """Block hashes of a prompt under the pool's KV layout (from the workers' load reports)."""
+        for w in self.workers:
+            if w.healthy and w.load.block_size:
+                return prompt_block_hashes(prompt_token_ids, w.load.fingerprint, w.load.block_size)
+        return []
+
+    def pick_for_prefix(self, block_hashes: Sequence[bytes], exclude: Sequence[str] = ()) -> Worker:
+        """Longest cached prefix first, unless that worker is busier than the least-loaded one
+        by more than `max_imbalance` pending requests; then least loaded."""
+        candidates = [w for w in self.workers if w.healthy and w.address not in exclude]
+        if not block_hashes or len(candidates) < 2:
+            return self.pick(exclude)
+        best = max(candidates, key=lambda w: self.prefix_index.match(w.address, block_hashes))
+        if self.prefix_index.match(best.address, block_hashes) == 0:
+            return self.pick(exclude)
+        least = min(w.routing_key()[0] for w in candidates)
+        if best.routing_key()[0] - least > self.max_imbalance:
+            return self.pick(exclude)
+        best.picks_since_poll += 1
+        return best
+
+    def mark_failed(self, address: str) -> None:
+        """Exclude a worker after a failed call; the next successful poll brings it back."""
+        for w in self.workers:
+            if w.address == address:
+                w.healthy = False
+        self.prefix_index.forget(address)  # it may come back restarted, its cache empty
+
+
+class Router:
+    """The prefill and decode pools plus cached KvTransfer channels for lease release."""
+
+    def __init__(self, prefill: WorkerPool | None, decode: WorkerPool) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self._kv_channels: dict[str, grpc.aio.Channel] = {}
+
+    async def start(self) -> None:
+        pools = [p for p in (self.prefill, self.decode) if p is not None]
+        await asyncio.gather(*(p.start() for p in pools))
+
+    async def close(self) -> None:
+        pools = [p for p in (self.prefill, self.decode) if p is not None]
+        await asyncio.gather(*(p.close() for p in pools))
+        await asyncio.gather(*(c.close() for c in self._kv_channels.values()))
+
+    def prefill_stub(self, worker: Worker) -> prefill_pb2_grpc.PrefillStub:
+        return prefill_pb2_grpc.PrefillStub(worker.channel)
+
+    def decode_stub(self, worker: Worker) -> decode_pb2_grpc.DecodeStub:
+        return decode_pb2_grpc.DecodeStub(worker.channel)
+
+    def kv_transfer_stub(self, address: str) -> kv_transfer_pb2_grpc.KvTransferStub:
+        """KvTransfer on `address` (a prefill worker's), reusing a pool channel when possible."""
+        for pool in (self.prefill, self.decode):
+            for w in pool.workers if pool is not None else ():
+                if w.address == address:
+                    return kv_transfer_pb2_grpc.KvTransferStub(w.channel)
+        if address not in self._kv_channels:
+            self._kv_channels[address] = grpc.aio.insecure_channel(address)
+        return kv_transfer_pb2_grpc.KvTransferStub(self._kv_channels[address])

@@ -1,0 +1,60 @@
+"""What the REST and gRPC front ends share: config, tokenizer, router, orchestrator, metrics."""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+
+from gateway.config import GatewayConfig
+from gateway.metrics import GatewayMetrics
+from gateway.orchestrator import Orchestrator
+from gateway.preprocess import Preprocessor
+from gateway.router import Router, WorkerPool
+from gateway.tokenization import TokenizerLike
+
+
+@dataclass(slots=True)
+class GatewayState:
+    """One gateway's live objects. `draining` flips on shutdown (health reports 503)."""
+
+    config: GatewayConfig
+    tokenizer: TokenizerLike
+    router: Router
+    orchestrator: Orchestrator
+    preprocessor: Preprocessor
+    metrics: GatewayMetrics
+    created: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False
+
+    @classmethod
+    def build(cls, config: GatewayConfig, tokenizer: TokenizerLike) -> GatewayState:
+        """Wire the parts together (no I/O: call `router.start()` inside the loop)."""
+        def pool(role: str, addresses: tuple[str, ...]) -> WorkerPool:
+            return WorkerPool(role, addresses, poll_interval_s=config.load_poll_interval_s,  # type: ignore[arg-type]
+                              poll_timeout_s=config.load_poll_timeout_s)
+
+        router = Router(None if config.colocated else pool("prefill", config.prefill_addresses),
+                        pool("decode", config.decode_addresses))
+        metrics = GatewayMetrics()
+        for p in (router.prefill, router.decode):
+            if p is not None:
+                p.add_listener(functools.partial(_observe_pool, metrics, p))
+        vocab_size = getattr(tokenizer, "vocab_size", None)
+        return cls(config=config, tokenizer=tokenizer, router=router,
+                   orchestrator=Orchestrator(config, router, tokenizer, metrics),
+                   preprocessor=Preprocessor(config, tokenizer, vocab_size), metrics=metrics)
+
+    @property
+    def healthy(self) -> bool:
+        """Serving: not draining, and at least one decode worker (and, disaggregated, one prefill
+        worker) answered its last load poll — workers refuse polls until their model is loaded."""
+        if self.draining or self.router.decode.num_healthy == 0:
+            return False
+        prefill = self.router.prefill
+        return self.config.colocated or (prefill is not None and prefill.num_healthy > 0)
+
+
+def _observe_pool(metrics: GatewayMetrics, pool: WorkerPool) -> None:
+    """Listener of a pool's poll rounds: mirror its workers' load reports into the metrics."""
+    metrics.observe_workers(pool.role, pool.workers)

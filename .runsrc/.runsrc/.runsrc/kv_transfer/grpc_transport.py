@@ -1,0 +1,341 @@
+"""KV block handoff over gRPC (service `splitserve.v1.KvTransfer`), pull model.
+
+The prefill worker serves `PullBlocks(request_id, fingerprint)`: it streams every block of the
+request's lease, each encoded by `wire.encode_block` and cut into `KvFragment`s of at most
+`fragment_bytes`. The decode worker pulls with `pull_blocks` (streaming) or `pull_all`
+(all-or-nothing), then calls `release` so the prefill worker drops the lease.
+
+    block 0 bytes: [frag off=0][frag off=F][frag off=2F]...   block 1 bytes: [off=0]...
+                   block_index=0, total_bytes=N0                block_index=1, total_bytes=N1
+
+Any failure on the client (gRPC status, deadline, malformed fragments, a block that fails
+`decode_block`) raises `KvTransferError`; the caller recomputes or fails (DESIGN.md §3.6).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import AsyncExitStack, aclosing
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+import torch
+
+from kv_transfer.wire import BlockSpec, DecodedBlock, KvWireError, decode_block, encode_block
+from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+
+DEFAULT_FRAGMENT_BYTES = 1 << 20
+MAX_FRAGMENT_BYTES = (4 << 20) - (64 << 10)  # stays below gRPC's default 4 MiB message cap
+MAX_REQUEST_ID_CHARS = 256
+_MESSAGE_SLACK = 64 << 10  # room for the KvFragment fields around `data`
+
+
+def channel_options(max_fragment_bytes: int = DEFAULT_FRAGMENT_BYTES) -> list[tuple[str, int]]:
+    """Options for a client channel or server carrying KvFragments of <= max_fragment_bytes."""
+    limit = max_fragment_bytes + _MESSAGE_SLACK
+    return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseView:
+    """What the server needs to stream one request's blocks.
+
+    block_ids: engine block ids in prompt order; block_hashes: hashes of the full blocks (may be
+    shorter than block_ids); num_tokens: prompt tokens held (the last block may be partial).
+    """
+
+    block_ids: list[int]
+    block_hashes: list[bytes]
+    num_tokens: int
+
+
+class KvBlockSource(Protocol):
+    """The engine side of a KvTransfer server (implemented over the runner's KV cache).
+
+    The source guarantees a leased block is not reused while the lease lives; `read_block`
+    must return a copy (or a tensor nobody writes while it is being encoded).
+    """
+
+    @property
+    def spec(self) -> BlockSpec: ...
+
+    def lookup(self, request_id: str) -> LeaseView | None:
+        """The live lease of request_id, or None (unknown, released or expired)."""
+        ...
+
+    async def read_block(self, block_id: int) -> torch.Tensor:
+        """CPU tensor [num_layers, 2, block_size, num_kv_heads, head_dim] of spec.dtype."""
+        ...
+
+    def release(self, request_id: str) -> bool:
+        """Drop the lease and free its blocks; False if there was no lease."""
+        ...
+
+
+class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
+    """Thin async servicer: validates, then streams the lease's blocks as fragments.
+
+    kv_scales: the cache's per-layer scales [num_layers, 2] float32 for 1-byte KV dtypes (sent
+    with every block), None otherwise.
+    """
+
+    def __init__(
+        self,
+        source: KvBlockSource,
+        fragment_bytes: int = DEFAULT_FRAGMENT_BYTES,
+        kv_scales: torch.Tensor | None = None,
+    ) -> None:
+        if not 1 <= fragment_bytes <= MAX_FRAGMENT_BYTES:
+            raise ValueError(f"fragment_bytes must be in [1, {MAX_FRAGMENT_BYTES}], "
+                             f"got {fragment_bytes}")
+        self._source = source
+        self._fragment_bytes = fragment_bytes
+        self._kv_scales = kv_scales
+
+    async def PullBlocks(
+        self,
+        request: kv_transfer_pb2.PullBlocksRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[kv_transfer_pb2.KvFragment]:
+        spec = self._source.spec
+        await _check_request_id(request.request_id, context)
+        if request.fingerprint != spec.fingerprint:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"fingerprint {request.fingerprint.hex()[:16]} differs from this worker's "
+                f"{spec.fingerprint.hex()[:16]}: KV is not interchangeable")
+        lease = self._source.lookup(request.request_id)
+        if lease is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no live KV lease for request {request.request_id!r}")
+            return  # abort() raises; never reached
+        first = request.first_block
+        if first >= len(lease.block_ids):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"first_block {first} is past the lease's "
+                                f"{len(lease.block_ids)} blocks")
+        for index in range(first, len(lease.block_ids)):
+            data = await self._encode(spec, lease, index, lease.block_ids[index])
+            for offset in range(0, len(data), self._fragment_bytes):
+                yield kv_transfer_pb2.KvFragment(
+                    block_index=index, offset=offset, total_bytes=len(data),
+                    data=data[offset:offset + self._fragment_bytes])
+
+    async def _encode(self, spec: BlockSpec, lease: LeaseView, index: int, block_id: int) -> bytes:
+        num_tokens = block_num_tokens(index, lease.num_tokens, spec.block_size)
+        full = num_tokens == spec.block_size
+        block_hash = lease.block_hashes[index] if full and index < len(lease.block_hashes) else None
+        tensor = await self._source.read_block(block_id)
+        return encode_block(spec, block_hash, num_tokens, tensor, self._kv_scales)
+
+    async def Release(
+        self,
+        request: kv_transfer_pb2.ReleaseRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> kv_transfer_pb2.ReleaseResponse:
+        await _check_request_id(request.request_id, context)
+        return kv_transfer_pb2.ReleaseResponse(released=self._source.release(request.request_id))
+
+
+async def _check_request_id(request_id: str, context: grpc.aio.ServicerContext) -> None:
+    if not 1 <= len(request_id) <= MAX_REQUEST_ID_CHARS:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"request_id must be 1..{MAX_REQUEST_ID_CHARS} characters, "
+                            f"got {len(request_id)}")
+
+
+def block_num_tokens(index: int, num_tokens: int, block_size: int) -> int:
+    """Tokens in block `index` of a prompt of num_tokens: block_size except for the last one."""
+    return min(block_size, num_tokens - index * block_size)
+
+
+def num_blocks_for(num_tokens: int, block_size: int) -> int:
+    return math.ceil(num_tokens / block_size)
+
+
+# ----------------------------------------------------------------------------- client side
+
+
+class KvTransferError(Exception):
+    """A KV pull or release failed; never partial data. `reason` is one of:
+    not_found, fingerprint_mismatch, invalid_argument, deadline_exceeded, unavailable,
+    cancelled, rpc_error (other status), protocol (malformed fragment stream), wire (a block
+    failed verification), count_mismatch (not the expected blocks/tokens)."""
+
+    def __init__(self, reason: str, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(f"KV transfer failed ({reason}): {message}")
+        self.reason = reason
+        self.code = code
+
+
+_REASONS = {
+    grpc.StatusCode.NOT_FOUND: "not_found",
+    grpc.StatusCode.FAILED_PRECONDITION: "fingerprint_mismatch",
+    grpc.StatusCode.INVALID_ARGUMENT: "invalid_argument",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "deadline_exceeded",
+    grpc.StatusCode.UNAVAILABLE: "unavailable",
+    grpc.StatusCode.CANCELLED: "cancelled",
+}
+
+
+def _rpc_failure(err: grpc.aio.AioRpcError) -> KvTransferError:
+    code = err.code()
+    return KvTransferError(_REASONS.get(code, "rpc_error"), f"{code.name}: {err.details()}", code)
+
+
+class _Reassembler:
+    """Rebuilds blocks from fragments; checks order, offsets and sizes before copying."""
+
+    def __init__(self, spec: BlockSpec, num_blocks_expected: int, first_block: int = 0) -> None:
+        self._spec = spec
+        self._expected_bytes = spec.encoded_nbytes
+        self._num_blocks = num_blocks_expected
+        self.index = first_block  # block being received
+        self._buf = bytearray()
+        self._filled = 0
+
+    def feed(self, frag: kv_transfer_pb2.KvFragment) -> DecodedBlock | None:
+        """Add one fragment; returns the verified block when its last fragment arrived."""
+        if frag.block_index != self.index or self.index >= self._num_blocks:
+            raise KvTransferError("protocol", f"fragment of block {frag.block_index}, expected "
+                                  f"block {self.index} of {self._num_blocks}")
+        if frag.total_bytes != self._expected_bytes:
+            raise KvTransferError("protocol", f"block {self.index} declares {frag.total_bytes} "
+                                  f"bytes; the local spec encodes to {self._expected_bytes}")
+        size = len(frag.data)
+        if frag.offset != self._filled or size == 0 or self._filled + size > frag.total_bytes:
+            raise KvTransferError("protocol", f"block {self.index}: fragment at offset "
+                                  f"{frag.offset} (+{size} B) after {self._filled} B received")
+        if self._filled == 0:
+            self._buf = bytearray(frag.total_bytes)  # bounded: equals spec.encoded_nbytes
+        self._buf[self._filled:self._filled + size] = frag.data
+        self._filled += size
+        if self._filled < frag.total_bytes:
+            return None
+        return self._finish_block()
+
+    def _finish_block(self) -> DecodedBlock:
+        try:
+            block = decode_block(self._buf, self._spec)
+        except KvWireError as exc:
+            raise KvTransferError("wire", f"block {self.index}: {exc}") from exc
+        self.index += 1
+        self._buf, self._filled = bytearray(), 0
+        return block
+
+    def check_complete(self) -> None:
+        if self._filled or self.index != self._num_blocks:
+            raise KvTransferError("count_mismatch", f"stream ended after {self.index} of "
+                                  f"{self._num_blocks} blocks ({self._filled} B of a partial one)")
+
+
+def _check_tokens(index: int, block: DecodedBlock, spec: BlockSpec, num_blocks: int,
+                  num_tokens_expected: int | None) -> None:
+    """Only the last block may be partial; with num_tokens_expected, counts must match."""
+    if num_tokens_expected is not None:
+        want = block_num_tokens(index, num_tokens_expected, spec.block_size)
+    else:
+        want = block.num_tokens if index == num_blocks - 1 else spec.block_size
+    if block.num_tokens != want:
+        raise KvTransferError("count_mismatch", f"block {index} holds {block.num_tokens} "
+                              f"tokens, expected {want}")
+
+
+async def pull_blocks(
+    target: str | grpc.aio.Channel,
+    request_id: str,
+    spec: BlockSpec,
+    num_blocks_expected: int,
+    timeout_s: float,
+    num_tokens_expected: int | None = None,
+    first_block: int = 0,
+) -> AsyncGenerator[tuple[int, DecodedBlock], None]:
+    """Pull a lease's blocks, yielding (index, verified block) as each one completes.
+
+    num_blocks_expected: blocks in the whole lease; first_block: pull from this index on (the
+    caller already holds the earlier ones); indices stay the lease's.
+
+    target: "host:port" (a channel is opened and closed here) or an open grpc.aio channel.
+    timeout_s: deadline of the whole pull. Raises KvTransferError on any failure, possibly after
+    some blocks were yielded: the caller must then discard what it wrote (use `pull_all` to get
+    nothing unless everything arrived).
+    """
+    if num_blocks_expected <= 0:
+        raise ValueError(f"num_blocks_expected must be >= 1, got {num_blocks_expected}")
+    if not 0 <= first_block < num_blocks_expected:
+        raise ValueError(f"first_block must be in [0, {num_blocks_expected}), got {first_block}")
+    if num_tokens_expected is not None and (
+            num_blocks_for(num_tokens_expected, spec.block_size) != num_blocks_expected):
+        raise ValueError(f"{num_tokens_expected} tokens do not fill {num_blocks_expected} "
+                         f"blocks of {spec.block_size}")
+    async with AsyncExitStack() as stack:
+        channel = target
+        if isinstance(target, str):
+            channel = await stack.enter_async_context(
+                grpc.aio.insecure_channel(target, options=channel_options(MAX_FRAGMENT_BYTES)))
+        items = await stack.enter_async_context(aclosing(
+            _pull(channel, request_id, spec, num_blocks_expected, timeout_s, num_tokens_expected,
+                  first_block)))
+        async for item in items:
+            yield item
+
+
+async def _pull(channel: grpc.aio.Channel, request_id: str, spec: BlockSpec, num_blocks: int,
+                timeout_s: float, num_tokens_expected: int | None, first_block: int = 0,
+                ) -> AsyncGenerator[tuple[int, DecodedBlock], None]:
+    stub = kv_transfer_pb2_grpc.KvTransferStub(channel)
+    request = kv_transfer_pb2.PullBlocksRequest(request_id=request_id,
+                                                fingerprint=spec.fingerprint,
+                                                first_block=first_block)
+    call = stub.PullBlocks(request, timeout=timeout_s)
+    reassembler = _Reassembler(spec, num_blocks, first_block)
+    try:
+        async for frag in call:
+            block = reassembler.feed(frag)
+            if block is not None:
+                index = reassembler.index - 1
+                _check_tokens(index, block, spec, num_blocks, num_tokens_expected)
+                yield index, block
+        reassembler.check_complete()
+    except grpc.aio.AioRpcError as err:
+        raise _rpc_failure(err) from err
+    finally:
+        call.cancel()  # no-op when the call already ended; stops the server on early exit
+
+
+async def pull_all(
+    target: str | grpc.aio.Channel,
+    request_id: str,
+    spec: BlockSpec,
+    num_blocks_expected: int,
+    timeout_s: float,
+    num_tokens_expected: int | None = None,
+    first_block: int = 0,
+) -> list[DecodedBlock]:
+    """All blocks in order (from `first_block`), or KvTransferError: never a partial list."""
+    blocks: list[DecodedBlock] = []
+    async with aclosing(pull_blocks(target, request_id, spec, num_blocks_expected, timeout_s,
+                                    num_tokens_expected, first_block)) as items:
+        async for _, block in items:
+            blocks.append(block)
+    return blocks
+
+
+async def release(target: str | grpc.aio.Channel, request_id: str, timeout_s: float = 5.0) -> bool:
+    """Ask the prefill worker to drop the lease; False if it had none (released or expired)."""
+    if isinstance(target, str):
+        async with grpc.aio.insecure_channel(target) as channel:
+            return await _release(channel, request_id, timeout_s)
+    return await _release(target, request_id, timeout_s)
+
+
+async def _release(channel: grpc.aio.Channel, request_id: str, timeout_s: float) -> bool:
+    stub = kv_transfer_pb2_grpc.KvTransferStub(channel)
+    try:
+        response = await stub.Release(kv_transfer_pb2.ReleaseRequest(request_id=request_id),
+                                      timeout=timeout_s)
+    except grpc.aio.AioRpcError as err:
+        raise _rpc_failure(err) from err
+    return response.released

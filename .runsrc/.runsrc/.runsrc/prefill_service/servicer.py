@@ -1,0 +1,110 @@
+"""`splitserve.v1.Prefill`: a thin async servicer around one engine (prefill role)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+from opentelemetry.trace import Span, SpanKind
+
+from engine.async_engine import EngineDeadError
+from engine.kv.hashing import prompt_hash
+from engine.llm_engine import EngineInputError
+from engine.outputs import StepOutput
+from engine.sampling_params import SamplingParamsError
+from protos.splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from serving import tracing
+from serving.common import EngineBound
+from serving.convert import (
+    InvalidRequest,
+    check_prompt,
+    check_request_id,
+    finish_reason,
+    logprob_to_proto,
+    sampling_from_proto,
+)
+
+
+class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, kv_address: str) -> None:
+        super().__init__()
+        self.kv_address = kv_address  # where decode workers pull this worker's blocks
+
+    async def Prefill(self, request: prefill_pb2.PrefillRequest,
+                      context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
+        # A server span under the gateway's `prefill` span (W3C traceparent in the metadata).
+        with tracing.traced_span("splitserve.prefill",
+                                 parent=tracing.extract_context(context.invocation_metadata()),
+                                 kind=SpanKind.SERVER, passthrough=(grpc.aio.AbortError,),
+                                 attributes={"splitserve.request_id": request.request_id,
+                                             "splitserve.prompt_tokens":
+                                                 len(request.prompt_token_ids)}) as span:
+            response = await self._prefill(request, context, span)
+            span.set_attribute("splitserve.cached_tokens", response.num_cached_tokens)
+            span.set_attribute("splitserve.kv_handle", response.HasField("kv_handle"))
+            return response
+
+    async def _prefill(self, request: prefill_pb2.PrefillRequest,
+                       context: grpc.aio.ServicerContext, span: Span
+                       ) -> prefill_pb2.PrefillResponse:
+        aengine = await self.engine_or_abort(context)
+        try:
+            rid = check_request_id(request.request_id)
+            ids = check_prompt(list(request.prompt_token_ids))
+            params = sampling_from_proto(request.sampling)
+        except InvalidRequest as e:
+            await _abort(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        last: StepOutput | None = None
+        try:
+            async for out in aengine.generate(rid, ids, params):
+                last = out
+        except (InvalidRequest, EngineInputError, SamplingParamsError, ValueError) as e:
+            await _abort(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineDeadError as e:
+            await _abort(context, span, grpc.StatusCode.UNAVAILABLE, str(e))
+        except asyncio.CancelledError:
+            # Nobody will pull this KV. The lease may exist even when its output never reached
+            # us (granted on the engine thread just before the cancel); the abort queued by
+            # `generate` runs first, so releasing after it leaves no lease either way.
+            aengine.submit(aengine.engine.release_lease, rid)
+            raise
+        if last is None:
+            await _abort(context, span, grpc.StatusCode.INTERNAL, "engine returned no output")
+        assert last is not None
+        return self._response(rid, ids, last, request.lease_ms)
+
+    def _response(self, rid: str, ids: list[int], out: StepOutput,
+                  lease_ms: int) -> prefill_pb2.PrefillResponse:
+        assert self.aengine is not None
+        eng = self.aengine.engine
+        resp = prefill_pb2.PrefillResponse(
+            first_token_id=out.new_token_ids[0], num_cached_tokens=out.num_cached_tokens,
+            finish_reason=finish_reason(out) if not out.kv_held else common_pb2.FINISH_REASON_UNSPECIFIED)
+        if out.new_logprobs:
+            resp.logprob.CopyFrom(logprob_to_proto(out.new_logprobs[0]))
+        lease = eng.scheduler.leases.get(rid) if out.kv_held else None
+        if lease is not None:
+            remaining = max(0.0, lease.deadline - time.monotonic())
+            if lease_ms:
+                remaining = min(remaining, lease_ms / 1000.0)
+            resp.kv_handle.CopyFrom(common_pb2.KvHandle(
+                worker_address=self.kv_address, request_id=rid, block_hashes=lease.block_hashes,
+                num_tokens=lease.num_tokens, num_blocks=len(lease.block_ids),
+                lease_deadline_unix_ms=int((time.time() + remaining) * 1000),
+                fingerprint=eng.fingerprint, block_size=eng.config.cache.block_size,
+                # Binds the handle to the exact prompt, partial last block included.
+                prompt_hash=prompt_hash(eng.fingerprint, ids)))
+        return resp
+
+    async def GetLoad(self, request: common_pb2.LoadRequest,
+                      context: grpc.aio.ServicerContext) -> common_pb2.LoadReport:
+        await self.engine_or_abort(context)  # UNAVAILABLE while loading: routers skip us
+        return self.load_report("prefill")
+
+
+async def _abort(context: grpc.aio.ServicerContext, span: Span, code: grpc.StatusCode,
+                 message: str) -> None:
+    """Record the failure on the request's span, then end the RPC with `code`."""
+    tracing.record_error(span, f"{code.name}: {message}")
+    await context.abort(code, message)

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The project's checks: generated protos up to date, ruff, mypy, then the test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+
+echo "== protos"; "$PY" scripts/gen_protos.py --check
+echo "== ruff"; "$PY" -m ruff check .
+echo "== mypy"; "$PY" -m mypy splitserve engine kv_transfer serving prefill_service decode_service gateway bench
+[ "${1:-}" = "--lint-only" ] && exit 0
+echo "== pytest"; "$PY" -m pytest -q -p no:cacheprovider "$@"

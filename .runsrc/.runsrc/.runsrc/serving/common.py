@@ -1,0 +1,36 @@
+"""Servicer helpers shared by the prefill and decode roles."""
+
+from __future__ import annotations
+
+import grpc
+
+from engine.async_engine import AsyncEngine
+from protos.splitserve.v1 import common_pb2
+
+
+class EngineBound:
+    """Base of a servicer whose engine arrives after the server started (health gates it)."""
+
+    def __init__(self) -> None:
+        self.aengine: AsyncEngine | None = None
+
+    def bind(self, aengine: AsyncEngine) -> None:
+        self.aengine = aengine
+
+    async def engine_or_abort(self, context: grpc.aio.ServicerContext) -> AsyncEngine:
+        if self.aengine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is still loading")
+        assert self.aengine is not None
+        return self.aengine
+
+    def load_report(self, role: str) -> common_pb2.LoadReport:
+        if self.aengine is None:
+            return common_pb2.LoadReport(role=role)
+        s = self.aengine.stats()
+        eng = self.aengine.engine
+        return common_pb2.LoadReport(
+            num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage,
+            num_free_blocks=s.num_free_blocks, block_size=eng.config.cache.block_size,
+            fingerprint=eng.fingerprint, role=role,
+            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions, num_leases=s.num_leases, num_blocks=s.num_blocks)

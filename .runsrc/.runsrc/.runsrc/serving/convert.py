@@ -1,0 +1,83 @@
+"""Proto ↔ engine conversions, with validation that names the offending field."""
+
+from __future__ import annotations
+
+import grpc
+
+from engine.outputs import StepOutput
+from engine.request import TokenLogprob
+from engine.sampling_params import SamplingParams, SamplingParamsError
+from protos.splitserve.v1 import common_pb2
+
+MAX_PROMPT_TOKENS = 1 << 20
+MAX_REQUEST_ID_CHARS = 256
+
+FINISH_REASONS: dict[str | None, common_pb2.FinishReason.ValueType] = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+}
+
+
+class InvalidRequest(ValueError):
+    """Maps to INVALID_ARGUMENT."""
+
+
+def sampling_from_proto(sp: common_pb2.SamplingParams) -> SamplingParams:
+    """Proto → SamplingParams. Token-level only: stop strings are the gateway's."""
+    try:
+        return SamplingParams(
+            n=1,
+            temperature=sp.temperature,
+            top_p=sp.top_p if sp.top_p > 0 else 1.0,
+            top_k=sp.top_k if sp.top_k > 0 else -1,
+            min_p=sp.min_p,
+            seed=sp.seed if sp.HasField("seed") else None,
+            max_tokens=sp.max_tokens if sp.max_tokens > 0 else None,
+            min_tokens=sp.min_tokens,
+            stop_token_ids=list(sp.stop_token_ids),
+            ignore_eos=sp.ignore_eos,
+            repetition_penalty=sp.repetition_penalty if sp.repetition_penalty > 0 else 1.0,
+            presence_penalty=sp.presence_penalty,
+            frequency_penalty=sp.frequency_penalty,
+            logprobs=sp.logprobs if sp.HasField("logprobs") else None,
+        )
+    except SamplingParamsError as e:
+        raise InvalidRequest(f"sampling.{e}") from e
+
+
+def check_request_id(request_id: str) -> str:
+    if not request_id or len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(f"request_id must be 1..{MAX_REQUEST_ID_CHARS} characters")
+    return request_id
+
+
+def check_prompt(ids: list[int]) -> list[int]:
+    if not ids:
+        raise InvalidRequest("prompt_token_ids must not be empty")
+    if len(ids) > MAX_PROMPT_TOKENS:
+        raise InvalidRequest(f"prompt_token_ids has {len(ids)} tokens; the limit is {MAX_PROMPT_TOKENS}")
+    return ids
+
+
+def logprob_to_proto(lp: TokenLogprob) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(
+        token_id=lp.token_id, logprob=lp.logprob,
+        top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+
+
+def finish_reason(out: StepOutput) -> common_pb2.FinishReason.ValueType:
+    return FINISH_REASONS.get(out.finish_reason, common_pb2.FINISH_REASON_UNSPECIFIED)
+
+
+def status_for(error: BaseException) -> grpc.StatusCode:
+    """The gRPC status a service answers for an engine-side exception."""
+    from engine.async_engine import EngineDeadError
+    from engine.llm_engine import EngineInputError
+
+    if isinstance(error, (InvalidRequest, EngineInputError, SamplingParamsError)):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(error, EngineDeadError):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INTERNAL

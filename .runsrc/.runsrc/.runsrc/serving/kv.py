@@ -1,0 +1,182 @@
+"""KV handoff bound to an engine: the prefill side's block source (over the engine's leases)
+and the decode side's loader (pull over gRPC, write into the engine's blocks, acknowledge)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import torch
+from opentelemetry.context import Context
+from opentelemetry.trace import SpanKind
+
+from engine.async_engine import AsyncEngine, KvLoadAbort
+from engine.llm_engine import LLMEngine
+from engine.scheduler import KvLoad
+from kv_transfer.connector import GrpcPullConnector, KvHandle, LoadResult
+from kv_transfer.grpc_transport import KvTransferError, LeaseView, release
+from kv_transfer.wire import BlockSpec
+from protos.splitserve.v1 import common_pb2, decode_pb2
+from serving import tracing
+
+logger = logging.getLogger(__name__)
+
+
+def block_spec(engine: LLMEngine) -> BlockSpec:
+    """The engine's KV block on the wire: the cache dtype (fp8 for a quantized cache, whose
+    blocks then carry `kv_scales(engine)`)."""
+    cfg = engine.model_config
+    return BlockSpec(fingerprint=engine.fingerprint, num_layers=cfg.num_hidden_layers,
+                     block_size=engine.config.cache.block_size,
+                     num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                     dtype=engine.runner.kv_dtype)
+
+
+def kv_scales(engine: LLMEngine) -> torch.Tensor | None:
+    """Per-layer K/V scales `[num_layers, 2]` float32 sent with (and required of) every block
+    of a 1-byte KV cache; None for a cache in the model dtype."""
+    runner = engine.runner
+    return runner.kv_scales if runner.kv_is_quantized else None
+
+
+class EngineBlockSource:
+    """`kv_transfer.grpc_transport.KvBlockSource` over an engine's leases (prefill role).
+
+    Leased blocks hold a reference in the engine's KV manager, so they are not reused until
+    `release` (or expiry) — reading them from the event loop thread is safe.
+    """
+
+    def __init__(self, aengine: AsyncEngine) -> None:
+        self._aengine = aengine
+        self._engine = aengine.engine
+        self._spec = block_spec(aengine.engine)
+
+    @property
+    def spec(self) -> BlockSpec:
+        return self._spec
+
+    def lookup(self, request_id: str) -> LeaseView | None:
+        lease = self._engine.scheduler.leases.get(request_id)  # dict read: atomic under the GIL
+        if lease is None or lease.deadline <= _monotonic():
+            return None
+        return LeaseView(list(lease.block_ids), list(lease.block_hashes), lease.num_tokens)
+
+    async def read_block(self, block_id: int) -> torch.Tensor:
+        runner = self._engine.runner
+        if runner.device.type == "cpu":
+            return runner.read_blocks([block_id])[0]
+        return await asyncio.to_thread(lambda: runner.read_blocks([block_id])[0])
+
+    def release(self, request_id: str) -> bool:
+        lease = self._engine.scheduler.leases.get(request_id)
+        if lease is None or lease.deadline <= _monotonic():
+            return False
+        # Hide it from lookups at once; the engine thread frees the blocks between steps.
+        lease.deadline = 0.0
+        self._aengine.submit(self._engine.release_lease, request_id)
+        return True
+
+
+def _monotonic() -> float:
+    import time
+    return time.monotonic()
+
+
+@dataclass(slots=True)
+class RemoteKvHandle:
+    """What the decode servicer attaches to a request whose KV lives on a prefill worker."""
+
+    handle: common_pb2.KvHandle
+    policy: int                 # decode_pb2.KvFailurePolicy
+    timeout_s: float
+    failed: bool = False        # set when the pull failed (the request was recomputed)
+    started: bool = False       # set when the loader began pulling (it then releases the lease)
+    trace_parent: Context | None = None  # the decode request's span: parent of the KV pull's
+
+
+class RunnerSink:
+    """`kv_transfer.connector.KvBlockSink` writing into an engine's KV cache. The blocks were
+    allocated for this load and are not visible to any other request until the load succeeds."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self._runner = engine.runner
+
+    def write_block(self, block_id: int, tensor: torch.Tensor) -> None:
+        self._runner.write_blocks([block_id], tensor.unsqueeze(0))
+
+
+class GrpcKvLoader:
+    """Decode role: the engine's KV loader over `kv_transfer`'s GrpcPullConnector.
+
+    The scheduler allocates blocks for a request's remote KV and emits a KvLoad; this fills them
+    from the prefill worker (the connector releases the lease after a full pull) and reports
+    success. On failure, policy `recompute` returns False (the engine recomputes the prompt) and
+    policy `fail` raises KvLoadAbort (the request fails with UNAVAILABLE)."""
+
+    def __init__(self, engine: LLMEngine, timeout_s: float = 30.0) -> None:
+        self._spec = block_spec(engine)
+        self._kv_scales = kv_scales(engine)
+        self._sink = RunnerSink(engine)
+        self._timeout_s = timeout_s
+        self._connector: GrpcPullConnector | None = None
+        self.blocks_pulled = 0   # transferred from prefill workers
+        self.blocks_reused = 0   # found in this engine's prefix cache instead
+
+    def _get_connector(self) -> GrpcPullConnector:
+        if self._connector is None:  # needs the running loop
+            self._connector = GrpcPullConnector(self._spec, self._sink, asyncio.get_running_loop(),
+                                                timeout_s=self._timeout_s,
+                                                kv_scales=self._kv_scales)
+        return self._connector
+
+    async def __call__(self, load: KvLoad) -> bool:
+        remote = load.request.remote_kv
+        assert remote is not None and isinstance(remote.handle, RemoteKvHandle)
+        h = remote.handle
+        h.started = True
+        # Runs on the engine's loop, not in the decode RPC's task: the parent comes explicitly.
+        with tracing.traced_span("splitserve.kv_pull", parent=h.trace_parent,
+                                 kind=SpanKind.CLIENT, attributes={
+                                     "splitserve.kv.source": h.handle.worker_address,
+                                     "splitserve.kv.blocks_pulled": len(load.block_ids),
+                                     "splitserve.kv.blocks_reused": load.first_block,
+                                 }) as span:
+            result = await self._pull(load, h)
+            span.set_attribute("splitserve.kv.ok", result.ok)
+            if result.ok:
+                return True
+            tracing.record_error(span, f"KV pull failed: {result.reason}")
+        logger.warning("KV pull for %s failed: %s", result.request_id, result.reason)
+        h.failed = True
+        if h.policy == decode_pb2.KV_FAILURE_POLICY_FAIL:
+            raise KvLoadAbort(f"KV transfer from {h.handle.worker_address} failed: {result.reason}")
+        return False
+
+    async def _pull(self, load: KvLoad, h: RemoteKvHandle) -> LoadResult:
+        """Fill the load's blocks from the prefill worker; the outcome, failure included."""
+        rid = load.request.request_id
+        connector = self._get_connector()
+        try:
+            handle = KvHandle.from_proto(h.handle)
+        except ValueError as e:
+            result = LoadResult(rid, False, f"bad handle: {e}")
+        else:
+            connector.start_load_kv(rid, handle, load.block_ids, load.first_block)
+            self.blocks_pulled += len(load.block_ids)
+            self.blocks_reused += load.first_block
+            try:
+                result = await connector.wait_for_load(rid)
+            finally:
+                connector.cancel_load(rid)
+                connector.get_finished_loads()  # drop the connector's record of this load
+        return result
+
+
+async def release_unpulled(h: RemoteKvHandle) -> None:
+    """Drop the prefill lease of a request that will never pull it whole (it ended before its
+    load began, or the pull failed): nobody else would release it before the lease expires."""
+    try:
+        await release(h.handle.worker_address, h.handle.request_id, timeout_s=5.0)
+    except KvTransferError as e:  # the lease will expire on its own
+        logger.info("release of unpulled %s failed: %s", h.handle.request_id, e)

@@ -1,0 +1,166 @@
+"""gRPC worker bootstrap: one engine, its servicers, health, reflection, graceful shutdown.
+
+Health says NOT_SERVING until the engine is loaded (loading runs in a thread so the server
+answers probes meanwhile) and flips back to NOT_SERVING when shutdown starts; `server.stop(grace)`
+then refuses new calls and lets in-flight ones finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from kv_transfer.grpc_transport import KvTransferServicer
+from protos.splitserve.v1 import (
+    decode_pb2,
+    decode_pb2_grpc,
+    kv_transfer_pb2,
+    kv_transfer_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 << 20  # prompts of up to ~16M token ids; KV fragments are far smaller
+
+
+@dataclass
+class WorkerHandle:
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+    aengine: AsyncEngine | None = None
+    ready: asyncio.Event | None = None
+    load_task: asyncio.Future[None] | None = None
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+        if self.aengine is not None:
+            await self.aengine.stop()
+
+
+async def start_worker(config: EngineConfig, host: str, port: int,
+                       advertise_address: str | None = None,
+                       engine_factory: Callable[[EngineConfig], LLMEngine] | None = None,
+                       ) -> WorkerHandle:
+    """Start a worker for `config.scheduler.role`; returns once the port is bound. The engine
+    loads in the background; `handle.ready` is set when it serves."""
+    from decode_service.servicer import DecodeServicer
+    from prefill_service.servicer import PrefillServicer
+
+    role = config.scheduler.role
+    opts = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.so_reuseport", 0)]
+    server = grpc.aio.server(options=opts)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    services = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME]
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    handle = WorkerHandle(server, bound, health_servicer, ready=asyncio.Event())
+    address = advertise_address or f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{bound}"
+
+    prefill = PrefillServicer(address)
+    decode = DecodeServicer()
+    if role == "prefill":
+        prefill_pb2_grpc.add_PrefillServicer_to_server(prefill, server)
+        services.append(prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name)
+        kv_servicer = _LazyKvServicer()
+        kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(kv_servicer, server)
+        services.append(kv_transfer_pb2.DESCRIPTOR.services_by_name["KvTransfer"].full_name)
+    else:  # decode or colocated: Decode computes locally when no KV handle is given
+        decode_pb2_grpc.add_DecodeServicer_to_server(decode, server)
+        services.append(decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name)
+    reflection.enable_server_reflection(services, server)
+    for name in ["", *services]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.start()
+    logger.info("%s worker listening on %s:%d", role, host, bound)
+
+    async def load() -> None:
+        from serving.kv import EngineBlockSource, GrpcKvLoader, kv_scales
+
+        factory = engine_factory or (lambda c: LLMEngine(c, detokenize=False))
+        try:
+            engine = await asyncio.to_thread(factory, config)
+        except Exception:
+            logger.exception("engine failed to load")
+            raise
+        aengine = AsyncEngine(engine, kv_loader=GrpcKvLoader(engine) if role == "decode" else None)
+        aengine.start()
+        handle.aengine = aengine
+        prefill.bind(aengine)
+        decode.bind(aengine)
+        if role == "prefill":
+            kv_servicer.bind(KvTransferServicer(EngineBlockSource(aengine),
+                                                kv_scales=kv_scales(engine)))
+        for name in ["", *services]:
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        assert handle.ready is not None
+        handle.ready.set()
+        logger.info("%s worker serving (engine %s)", role, engine.info.device)
+
+    handle.load_task = asyncio.ensure_future(load())
+    return handle
+
+
+class _LazyKvServicer(kv_transfer_pb2_grpc.KvTransferServicer):
+    """Answers UNAVAILABLE until the engine (and so the block source) exists."""
+
+    def __init__(self) -> None:
+        self._inner: KvTransferServicer | None = None
+
+    def bind(self, inner: KvTransferServicer) -> None:
+        self._inner = inner
+
+    async def PullBlocks(self, request, context):  # type: ignore[no-untyped-def]
+        if self._inner is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is loading")
+        assert self._inner is not None
+        async for frag in self._inner.PullBlocks(request, context):
+            yield frag
+
+    async def Release(self, request, context):  # type: ignore[no-untyped-def]
+        if self._inner is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is loading")
+        assert self._inner is not None
+        return await self._inner.Release(request, context)
+
+
+async def run_until_signal(stop: Callable[[], object], grace_s: float = 10.0,
+                           watch: asyncio.Future[None] | None = None) -> None:
+    """Block until SIGINT/SIGTERM, then call `stop` (an async function). If `watch` (the engine
+    load) fails first, stop and re-raise: a worker that cannot load must exit, not linger
+    NOT_SERVING until its orchestrator's start-up window runs out."""
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, done.set)
+    waiter = asyncio.ensure_future(done.wait())
+    pending = {waiter} | ({watch} if watch is not None else set())
+    finished, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+    failed = watch is not None and watch in finished and watch.exception() is not None
+    if watch is not None and watch in finished and not failed:
+        await waiter  # loaded fine: keep serving until a signal
+    logger.info("shutting down (grace %.0fs)", grace_s)
+    result = stop()
+    if asyncio.iscoroutine(result):
+        await result
+    if failed:
+        assert watch is not None
+        raise RuntimeError("engine failed to load") from watch.exception()
+

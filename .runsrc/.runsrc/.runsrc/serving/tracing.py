@@ -1,0 +1,142 @@
+"""OpenTelemetry tracing across the gateway and the workers: optional, no-op unless configured.
+
+`setup_tracing` (called once at process start) installs an SDK tracer provider with an OTLP
+exporter only when `OTEL_EXPORTER_OTLP_ENDPOINT` is set and `opentelemetry-exporter-otlp` is
+installed; otherwise the API's no-op tracer stays in place and every span below is a
+non-recording one (no allocation of attributes, nothing exported, no `traceparent` sent).
+
+The W3C trace context crosses each gRPC hop in the call metadata (`traceparent`, lowercase as
+gRPC requires). Spans are never made "current": the gateway's per-request span fans out to
+concurrent tasks, and the decode span lives in an async generator whose frames may resume in
+another context — so parents are passed explicitly as `Context` objects instead.
+
+Torch-free and grpc-free: the gateway imports it; it imports only opentelemetry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING
+
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.util.types import AttributeValue
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+
+log = logging.getLogger(__name__)
+
+TRACER_NAME = "splitserve"
+ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
+
+Metadata = Iterable[tuple[str, str | bytes]]
+
+
+def setup_tracing(service_name: str, provider: TracerProvider | None = None) -> bool:
+    """Install the global tracer provider; returns True when spans will be recorded.
+
+    With `provider` (tests: an SDK provider with an in-memory exporter) that provider is
+    installed as is. Otherwise an OTLP-exporting provider named `service_name` is installed
+    when `OTEL_EXPORTER_OTLP_ENDPOINT` is set and the OTLP exporter package is importable;
+    if not, nothing is installed and tracing stays a no-op. OpenTelemetry accepts one global
+    provider per process: a second call leaves the first in place (it logs a warning).
+    """
+    if provider is None:
+        provider = _otlp_provider(service_name)
+        if provider is None:
+            return False
+    trace.set_tracer_provider(provider)
+    return True
+
+
+def _otlp_provider(service_name: str) -> TracerProvider | None:
+    if not os.environ.get(ENDPOINT_ENV):
+        return None
+    try:  # the gRPC flavour first, then HTTP: whichever `opentelemetry-exporter-otlp` brought
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # type: ignore[import-not-found]
+            OTLPSpanExporter,
+        )
+    except ImportError:
+        try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # type: ignore[import-not-found]
+                OTLPSpanExporter,
+            )
+        except ImportError:
+            log.warning("%s is set but opentelemetry-exporter-otlp is not installed: tracing "
+                        "stays off", ENDPOINT_ENV)
+            return None
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service_name}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))  # endpoint from env
+    log.info("tracing: exporting spans of %s over OTLP to %s", service_name,
+             os.environ[ENDPOINT_ENV])
+    return provider
+
+
+def get_tracer() -> trace.Tracer:
+    """The splitserve tracer of the global provider (a proxy until `setup_tracing` runs)."""
+    return trace.get_tracer(TRACER_NAME)
+
+
+def span_context(span: Span) -> Context:
+    """A context whose current span is `span`: the parent argument for its children."""
+    return trace.set_span_in_context(span)
+
+
+def inject_metadata(parent: Context) -> tuple[tuple[str, str], ...]:
+    """gRPC call metadata carrying `parent`'s span as W3C `traceparent` (empty when no-op)."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=parent)
+    return tuple((k.lower(), v) for k, v in carrier.items())
+
+
+def extract_context(metadata: Metadata | None) -> Context:
+    """The remote parent carried in gRPC metadata (`context.invocation_metadata()`); an empty
+    context (a new root) when there is none."""
+    carrier: dict[str, str] = {}
+    for key, value in metadata or ():
+        if isinstance(value, str):  # binary (`-bin`) entries never carry trace context
+            carrier[key.lower()] = value
+    return propagate.extract(carrier)
+
+
+def record_error(span: Span, message: str) -> None:
+    """Mark `span` failed with `message` (an error the code handled, e.g. before an abort)."""
+    span.set_status(Status(StatusCode.ERROR, message))
+
+
+@contextlib.contextmanager
+def traced_span(name: str, *, parent: Context | None, kind: SpanKind = SpanKind.INTERNAL,
+                attributes: Mapping[str, AttributeValue] | None = None,
+                passthrough: tuple[type[BaseException], ...] = ()) -> Iterator[Span]:
+    """Start a span under `parent` (not made current) and end it on exit.
+
+    An exception marks the span failed, except cancellation (recorded as an attribute: the
+    client went away) and the `passthrough` types (already recorded, e.g. a gRPC abort after
+    `record_error`).
+    """
+    span = get_tracer().start_span(name, context=parent, kind=kind, attributes=attributes)
+    try:
+        yield span
+    except BaseException as e:
+        if _is_cancellation(e):
+            span.set_attribute("splitserve.cancelled", True)
+        elif not isinstance(e, passthrough):
+            span.set_status(Status(StatusCode.ERROR, f"{type(e).__name__}: {e}"))
+        raise
+    finally:
+        span.end()
+
+
+def _is_cancellation(e: BaseException) -> bool:
+    import asyncio
+
+    return isinstance(e, (asyncio.CancelledError, GeneratorExit))

@@ -1,0 +1,95 @@
+"""`splitserve serve --role {prefill,decode,colocated,gateway}`: start one service.
+
+`colocated` is one process with the same gRPC and REST surface as the whole stack: an engine
+worker (prefill + decode in one engine) on an internal loopback port and the gateway in front.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from engine.cli_args import add_engine_args, engine_config_from_args
+from serving.tracing import setup_tracing
+
+logger = logging.getLogger("splitserve.serve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="splitserve serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--role", required=True, choices=["prefill", "decode", "colocated", "gateway"])
+    p.add_argument("--host", default="127.0.0.1", help="bind address of the worker's gRPC port")
+    p.add_argument("--port", type=int, default=None,
+                   help="gRPC port of a worker (prefill 50061, decode 50062); REST port of "
+                        "gateway/colocated (8000)")
+    p.add_argument("--advertise", default=None,
+                   help="host:port that decode workers use to reach this prefill worker's KV")
+    p.add_argument("--log-level", default="info")
+    add_engine_args(p)
+    return p
+
+
+async def _serve_worker(args: argparse.Namespace) -> None:
+    from serving.server import run_until_signal, start_worker
+
+    config = engine_config_from_args(args, role=args.role)
+    port = args.port if args.port is not None else {"prefill": 50061, "decode": 50062}[args.role]
+    handle = await start_worker(config, args.host, port, advertise_address=args.advertise)
+    await run_until_signal(handle.stop, watch=handle.load_task)
+
+
+async def _serve_colocated(argv: list[str], args: argparse.Namespace) -> None:
+    from gateway.config import GatewayConfig
+    from gateway.server import GatewayServer
+    from serving.server import run_until_signal, start_worker
+
+    config = engine_config_from_args(args, role="colocated")
+    worker = await start_worker(config, "127.0.0.1", 0)
+    assert worker.ready is not None and worker.load_task is not None
+    await worker.load_task
+    assert worker.aengine is not None
+    eng = worker.aengine.engine
+    gw_config = GatewayConfig(decode_addresses=(f"127.0.0.1:{worker.port}",), colocated=True,
+                              tokenizer_path=eng.tokenizer_source or "",
+                              max_model_len=eng.max_model_len, max_prompt_tokens=eng.max_model_len)
+    gw = GatewayServer(gw_config, rest_host=args.gateway_host, rest_port=args.port or 8000,
+                       grpc_host=args.gateway_host, grpc_port=args.grpc_port)
+    await gw.start()
+    print(f"splitserve colocated: REST http://{args.gateway_host}:{gw.rest_port}/v1 "
+          f"gRPC {args.gateway_host}:{gw.grpc_port}", flush=True)
+
+    async def stop() -> None:
+        await gw.stop()
+        await worker.stop()
+
+    await run_until_signal(stop)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(argv or [])
+    parser = build_parser()
+    parser.add_argument("--grpc-port", type=int, default=50050,
+                        help="gateway/colocated: public gRPC port")
+    parser.add_argument("--gateway-host", default="127.0.0.1",
+                        help="colocated: bind address of the REST and gRPC ports")
+    if "--role" in argv and argv[argv.index("--role") + 1 : argv.index("--role") + 2] == ["gateway"]:
+        from gateway.server import main as gateway_main
+
+        rest = [a for i, a in enumerate(argv) if a != "--role" and (i == 0 or argv[i - 1] != "--role")]
+        return gateway_main(rest)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_tracing(f"splitserve-{args.role}")  # a no-op unless OTEL_EXPORTER_OTLP_ENDPOINT is set
+    try:
+        if args.role == "colocated":
+            asyncio.run(_serve_colocated(argv, args))
+        else:
+            asyncio.run(_serve_worker(args))
+    except RuntimeError as e:
+        logger.error("%s: %s", e, e.__cause__)
+        return 1
+    return 0

@@ -1,0 +1,1 @@
+"""The `splitserve` command: subcommands import their package only when chosen."""

@@ -1,0 +1,141 @@
+"""`splitserve up`: gateway + 1 prefill + 1 decode worker as processes on this machine.
+
+Waits until every service reports healthy, prints where to send requests, keeps a log per
+service under --log-dir, and on Ctrl-C / SIGTERM stops them all (gateway first, so in-flight
+requests drain, then the workers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="splitserve up", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="bind address of the gateway")
+    p.add_argument("--port", type=int, default=8000, help="REST port of the gateway")
+    p.add_argument("--grpc-port", type=int, default=50050, help="gRPC port of the gateway")
+    p.add_argument("--prefill-port", type=int, default=50061)
+    p.add_argument("--decode-port", type=int, default=50062)
+    p.add_argument("--log-dir", default="logs")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--exit-after-ready", action="store_true",
+                   help="stop everything once healthy (smoke test)")
+    return p
+
+
+def _spawn(name: str, args: list[str], log_dir: Path) -> subprocess.Popen[bytes]:
+    log = open(log_dir / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the child
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "splitserve", "serve", *args], stdout=log,
+                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, engine_args = build_parser().parse_known_args(argv)
+    log_dir = Path(args.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    stopping = False
+
+    def stop_all() -> None:
+        nonlocal stopping
+        if stopping:
+            return
+        stopping = True
+        # A second signal must not interrupt the orderly stop below.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for name in ("gateway", "decode", "prefill"):
+            p = procs.get(name)
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+
+    def on_signal(*_: object) -> None:
+        # Ignore repeats at once: a second signal must not interrupt the orderly stop (a
+        # `timeout` or a process manager often sends SIGTERM to the whole group).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if "--cpu-threads" not in engine_args:
+        # Two engines share this machine: on the CPU each gets half of the cores.
+        engine_args = [*engine_args, "--cpu-threads", str(max(1, (os.cpu_count() or 2) // 2))]
+    prefill_addr = f"127.0.0.1:{args.prefill_port}"
+    decode_addr = f"127.0.0.1:{args.decode_port}"
+    try:
+        procs["prefill"] = _spawn("prefill", ["--role", "prefill", "--port", str(args.prefill_port),
+                                              *engine_args], log_dir)
+        procs["decode"] = _spawn("decode", ["--role", "decode", "--port", str(args.decode_port),
+                                            *engine_args], log_dir)
+        gw = ["--role", "gateway", "--prefill", prefill_addr, "--decode", decode_addr,
+              "--host", args.host, "--port", str(args.port), "--grpc-port", str(args.grpc_port)]
+        model = _flag(engine_args, "--model")
+        if model:
+            gw += ["--model", _flag(engine_args, "--tokenizer") or model]
+        max_len = _flag(engine_args, "--max-model-len")
+        if max_len:
+            gw += ["--max-model-len", max_len]
+        if args.api_key:
+            gw += ["--api-key", args.api_key]
+        procs["gateway"] = _spawn("gateway", gw, log_dir)
+        health = f"http://127.0.0.1:{args.port}/health"
+        deadline = time.monotonic() + args.startup_timeout
+        print(f"splitserve: starting (logs in {log_dir}/)...", flush=True)
+        while not _healthy(health):
+            dead = [n for n, p in procs.items() if p.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                why = f"{', '.join(dead)} exited" if dead else "start-up timed out"
+                print(f"splitserve: {why}; see {log_dir}/*.log", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        host = "localhost" if args.host in ("127.0.0.1", "0.0.0.0") else args.host
+        print(f"splitserve: ready\n  REST (OpenAI-compatible): http://{host}:{args.port}/v1\n"
+              f"  gRPC Gateway.Generate:    {host}:{args.grpc_port}\n"
+              f"  prefill worker {prefill_addr}, decode worker {decode_addr}\n"
+              "  Ctrl-C stops everything.", flush=True)
+        if args.exit_after_ready:
+            return 0
+        while True:
+            dead = [n for n, p in procs.items() if p.poll() is not None]
+            if dead:
+                print(f"splitserve: {', '.join(dead)} exited; stopping", file=sys.stderr)
+                return 1
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stop_all()
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None

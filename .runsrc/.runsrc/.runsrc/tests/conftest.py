@@ -1,0 +1,190 @@
+"""Shared fixtures for the engine tests: tiny random Hugging Face model directories (Llama with
+plain RoPE, Llama with llama3 RoPE scaling and tied embeddings, Qwen2 with QKV bias), one
+session-wide SmolLM2 engine, and a scheduler-level driver that records every position's logits.
+
+The tiny models are written with transformers' `save_pretrained(safe_serialization=True)`, so
+the engine's loader reads exactly what `transformers` reads back as the reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SampledToken
+
+# Small enough for 2 shared CPU cores; 4 heads over 2 KV heads exercises GQA.
+TINY_ARCH: dict[str, Any] = dict(
+    vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    rms_norm_eps=1e-5, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+TINY_MODELS = ("llama", "llama3", "qwen2")
+
+
+def _randomize(model: PreTrainedModel, seed: int) -> None:
+    """Spread every parameter (norm weights and biases too, which HF initialises to 1 and 0) so
+    a wrong bias / norm / projection load cannot hide, and greedy outputs are not degenerate."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * noise)
+            else:
+                p.copy_(0.15 * noise)
+
+
+def _build(name: str) -> PreTrainedModel:
+    torch.manual_seed(0)
+    # RoPE options as a dict: transformers 5 maps these legacy keys onto `rope_parameters`.
+    rope: dict[str, Any] = {"rope_theta": 10000.0}
+    if name == "llama":
+        return LlamaForCausalLM(LlamaConfig(**TINY_ARCH, **rope, tie_word_embeddings=False))
+    if name == "llama3":
+        rope["rope_scaling"] = dict(LLAMA3_ROPE)
+        return LlamaForCausalLM(LlamaConfig(**TINY_ARCH, **rope, tie_word_embeddings=True))
+    if name == "qwen2":
+        rope["rope_theta"] = 1e6
+        return Qwen2ForCausalLM(Qwen2Config(**TINY_ARCH, **rope, tie_word_embeddings=False))
+    raise ValueError(f"unknown tiny model {name!r}")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """name -> HF directory (config.json + model.safetensors) for each of TINY_MODELS."""
+    dirs: dict[str, Path] = {}
+    for i, name in enumerate(TINY_MODELS):
+        model = _build(name)
+        _randomize(model, seed=100 + i)
+        path = tmp_path_factory.mktemp(f"tiny_{name}")
+        model.save_pretrained(path, safe_serialization=True)
+        dirs[name] = path
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def hf_reference(tiny_model_dirs: dict[str, Path]) -> Callable[[str], PreTrainedModel]:
+    """name -> the transformers model read back from the saved dir (eager attention, float32)."""
+    cache: dict[str, PreTrainedModel] = {}
+
+    def get(name: str) -> PreTrainedModel:
+        if name not in cache:
+            cls = Qwen2ForCausalLM if name == "qwen2" else LlamaForCausalLM
+            model = cls.from_pretrained(tiny_model_dirs[name], attn_implementation="eager",
+                                        dtype=torch.float32)
+            cache[name] = model.eval()
+        return cache[name]
+
+    return get
+
+
+@contextlib.contextmanager
+def interpreted_kernel_imports() -> Iterator[None]:
+    """Kernel modules imported inside see TRITON_INTERPRET=1 (Triton decides at decoration time
+    whether a kernel is interpreted); the variable is restored after, so other test modules do
+    not see a "GPU". Skips the importing module when Triton is not installed."""
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        pytest.importorskip("triton", reason="Triton is not installed")
+        yield
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+def tiny_llm(path: Path, **kwargs: Any) -> LLM:
+    """An engine over a tiny HF dir: float32 on the CPU, 4-token blocks (many per sequence)."""
+    opts: dict[str, Any] = dict(dtype="float32", block_size=4, device="cpu", max_num_seqs=32)
+    opts.update(kwargs)
+    return LLM(model=str(path), **opts)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> LLM:
+    """The default SmolLM2-135M-Instruct GGUF engine (loaded once: it takes ~20 s on 2 cores)."""
+    return LLM(num_gpu_blocks=512, device="cpu")
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+# ---- a scheduler-level driver that keeps every position's logits -------------------------------
+
+@dataclass
+class Trace:
+    """What one request saw: logits of each position it computed (last computation wins)."""
+
+    request: Request
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> [V]
+
+    def logits_matrix(self, start: int = 0) -> torch.Tensor:
+        """[L - start, V] logits of positions start..L-1, L = prompt + outputs - 1 (the last
+        sampled token is never fed back). Positions before `start` may come from the prefix cache."""
+        n = self.request.num_tokens - 1
+        missing = [p for p in range(start, n) if p not in self.logits]
+        assert not missing, f"{self.request.request_id}: positions never computed: {missing}"
+        return torch.stack([self.logits[p] for p in range(start, n)])
+
+
+def drive(engine: LLMEngine, traces: dict[str, Trace] | None = None) -> Iterator[dict[str, Trace]]:
+    """Run the engine's scheduler to completion with greedy sampling, recording every logit row.
+
+    Uses `scheduler.schedule()` + `runner.logits_for(out)` (the same input preparation and forward
+    as `runner.execute`) so each prefill chunk's and each decode step's logits can be compared
+    with the reference. Yields the traces after every step (so callers can inspect mid-flight).
+    """
+    sched = engine.scheduler
+    traces = {} if traces is None else traces
+    for req in list(sched.requests.values()):
+        traces.setdefault(req.request_id, Trace(req))
+    while sched.has_work():
+        out = sched.schedule()
+        assert not out.is_empty, "scheduler made no progress"
+        logits = engine.runner.logits_for(out)  # [T, V]
+        row = 0
+        sampled: dict[str, SampledToken] = {}
+        for s in out.scheduled:
+            tr = traces.setdefault(s.request.request_id, Trace(s.request))
+            for j in range(s.num_new_tokens):
+                tr.logits[s.num_computed_tokens + j] = logits[row + j].clone()
+            row += s.num_new_tokens
+            if s.sample:
+                sampled[s.request.request_id] = SampledToken(int(logits[row - 1].argmax()))
+        assert row == logits.shape[0]
+        sched.update_from_output(out, sampled)
+        sched.check_integrity()
+        yield traces
+
+
+def run_to_end(engine: LLMEngine) -> dict[str, Trace]:
+    """`drive` until no work is left; the traces of every request seen."""
+    traces: dict[str, Trace] = {}
+    for _ in drive(engine, traces):
+        pass
+    return traces

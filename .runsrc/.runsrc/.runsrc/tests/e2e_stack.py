@@ -1,0 +1,323 @@
+"""End-to-end harness: the real SmolLM2 engines behind real gRPC workers and a real gateway.
+
+A pytest plugin (test modules load it with `pytest_plugins = ["e2e_stack"]`, so its
+session fixtures exist once for the whole run) plus helpers:
+
+- `LoopThread`: one asyncio loop in a daemon thread. Workers, engines and gateways live on it;
+  tests stay synchronous and talk to them over sockets (the `openai` client, httpx, sync gRPC
+  stubs) or hand it a coroutine with `LoopThread.run(coro, timeout_s)`.
+- `Stack`: prefill + decode workers (or one colocated worker) and a `GatewayServer` in front,
+  all on 127.0.0.1 with ephemeral ports. Loading an engine takes ~15-60 s on 2 shared cores, so
+  the fixtures `disagg_stack` and `colocated_stack` are session-scoped and shared by every e2e
+  test; `loop_thread` runs them and stops everything at the end.
+
+Every wait is bounded (`LOAD_TIMEOUT_S`, `IDLE_TIMEOUT_S`, gRPC/HTTP timeouts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Coroutine, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+import httpx
+import pytest
+
+from engine.config import CacheConfig, EngineConfig, Role, RunnerConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.tokenizer import Tokenizer
+from gateway.config import GatewayConfig
+from gateway.server import GatewayServer
+from protos.splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from serving.server import WorkerHandle, start_worker
+
+T = TypeVar("T")
+
+HOST = "127.0.0.1"
+MAX_MODEL_LEN = 2048
+# 512 blocks x 16 tokens x 30 layers x 2 x 3 KV heads x 64 x 4 B ~= 377 MB per engine: enough
+# for every concurrent test here, small enough for four engines on a shared machine.
+NUM_BLOCKS = 512
+BLOCK_SIZE = 16
+# Far longer than IDLE_TIMEOUT_S: a leaked prefill lease fails `wait_idle` instead of being
+# hidden by its expiry.
+KV_LEASE_MS = 300_000
+LOAD_TIMEOUT_S = 300.0
+IDLE_TIMEOUT_S = 30.0
+RPC_TIMEOUT_S = 120.0
+MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def engine_config(role: Role) -> EngineConfig:
+    """The default model (LoadConfig(model="") = the embedded SmolLM2 GGUF) on the CPU."""
+    return EngineConfig(
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks=NUM_BLOCKS),
+        scheduler=SchedulerConfig(role=role, max_model_len=MAX_MODEL_LEN, kv_lease_ms=KV_LEASE_MS),
+        runner=RunnerConfig(device="cpu"))
+
+
+class LoopThread:
+    """An asyncio event loop running in a daemon thread; `run` blocks the calling thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="e2e-loop", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
+        """Run `coro` on the loop and wait at most `timeout_s` for its result."""
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+async def start_ready_worker(role: Role, timeout_s: float = LOAD_TIMEOUT_S) -> WorkerHandle:
+    """`start_worker` on an ephemeral loopback port, then wait (bounded) until it serves."""
+    handle = await start_worker(engine_config(role), HOST, 0)
+    assert handle.load_task is not None
+    await asyncio.wait_for(asyncio.shield(handle.load_task), timeout_s)
+    return handle
+
+
+@dataclass
+class Stack:
+    """One running deployment: its workers by role and the gateway in front of them."""
+
+    loop: LoopThread
+    workers: dict[str, WorkerHandle]
+    gateway: GatewayServer
+    stopped: bool = field(default=False)
+
+    @property
+    def rest_url(self) -> str:
+        return f"http://{HOST}:{self.gateway.rest_port}/v1"
+
+    @property
+    def grpc_target(self) -> str:
+        return f"{HOST}:{self.gateway.grpc_port}"
+
+    @property
+    def engines(self) -> list[LLMEngine]:
+        return [w.aengine.engine for w in self.workers.values() if w.aengine is not None]
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        tok = self.engines[0].tokenizer
+        assert tok is not None
+        return tok
+
+    def wait_idle(self, timeout_s: float = IDLE_TIMEOUT_S) -> None:
+        """Wait until every engine is back to baseline (all blocks free, no lease, no request),
+        then run `check_integrity()` on each engine thread. Raises AssertionError on timeout."""
+        wait_engines_idle(self.loop, list(self.workers.values()), timeout_s)
+
+    def stop(self) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
+        self.loop.run(self.gateway.stop(), 60)
+        for w in self.workers.values():
+            self.loop.run(w.stop(1.0), 60)
+
+
+def engine_busy(engine: LLMEngine) -> str | None:
+    """What keeps an engine from its idle baseline, or None. Racy reads, used only for polling."""
+    kv, sched = engine.kv, engine.scheduler
+    if kv.num_free_blocks != kv.num_blocks:
+        return f"{kv.num_blocks - kv.num_free_blocks} blocks in use"
+    if sched.leases:
+        return f"{len(sched.leases)} leases held"
+    if sched.requests or sched.loading:
+        return f"{len(sched.requests)} requests, {len(sched.loading)} loading"
+    return None
+
+
+def wait_engines_idle(loop: LoopThread, workers: Sequence[WorkerHandle], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        busy = {w.port: engine_busy(w.aengine.engine) for w in workers if w.aengine is not None}
+        busy = {p: why for p, why in busy.items() if why is not None}
+        if not busy:
+            break
+        if time.monotonic() > deadline:
+            raise AssertionError(f"engines not back to baseline after {timeout_s}s: {busy}")
+        time.sleep(0.05)
+    for w in workers:
+        assert w.aengine is not None
+        # The scheduler is not thread-safe: check it on the engine thread between steps.
+        loop.run(w.aengine.call(w.aengine.engine.scheduler.check_integrity), 30)
+
+
+async def _start_stack(loop: LoopThread, colocated: bool) -> Stack:
+    roles: list[Role] = ["colocated"] if colocated else ["prefill", "decode"]
+    workers: dict[str, WorkerHandle] = {
+        r: await start_worker(engine_config(r), HOST, 0) for r in roles}
+    loads = [w.load_task for w in workers.values() if w.load_task is not None]
+    await asyncio.wait_for(asyncio.gather(*loads), LOAD_TIMEOUT_S)
+    engine = next(w.aengine.engine for w in workers.values() if w.aengine is not None)
+    # The gateway gets the engine's tokenizer object (same file, same class) to save a reload.
+    gateway = GatewayServer(_gateway_config(workers, colocated), rest_host=HOST, rest_port=0,
+                            grpc_host=HOST, grpc_port=0, tokenizer=engine.tokenizer)
+    return Stack(loop, workers, gateway)
+
+
+def _gateway_config(workers: dict[str, WorkerHandle], colocated: bool) -> GatewayConfig:
+    any_engine = next(w.aengine.engine for w in workers.values() if w.aengine is not None)
+    decode = workers["colocated" if colocated else "decode"]
+    return GatewayConfig(
+        prefill_addresses=() if colocated else (f"{HOST}:{workers['prefill'].port}",),
+        decode_addresses=(f"{HOST}:{decode.port}",), colocated=colocated,
+        served_model_name=MODEL_NAME, tokenizer_path=any_engine.tokenizer_source or "",
+        max_model_len=MAX_MODEL_LEN, max_prompt_tokens=MAX_MODEL_LEN,
+        load_poll_interval_s=0.5, shutdown_grace_s=2.0)
+
+
+def start_stack(loop: LoopThread, colocated: bool) -> Stack:
+    """Start workers + gateway and wait (bounded) until the gateway's /health says ok."""
+    stack = loop.run(_start_stack(loop, colocated), LOAD_TIMEOUT_S + 30)
+    try:
+        loop.run(stack.gateway.start(), 120)
+        wait_healthy(f"http://{HOST}:{stack.gateway.rest_port}/health", 60)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
+def wait_healthy(url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(url, timeout=5)
+            if r.status_code == 200:
+                return
+            last = f"{r.status_code} {r.text}"
+        except httpx.HTTPError as err:
+            last = repr(err)
+        time.sleep(0.1)
+    raise AssertionError(f"{url} not healthy after {timeout_s}s: {last}")
+
+
+# ---- gRPC Gateway.Generate helpers -------------------------------------------------------------
+
+def greedy_sampling(max_tokens: int) -> common_pb2.SamplingParams:
+    """Greedy, EOS ignored: every request runs exactly `max_tokens` tokens (stable to compare)."""
+    return common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+@dataclass
+class Generated:
+    """What one `Gateway.Generate` call streamed."""
+
+    token_ids: list[int]
+    text: str
+    num_chunks: int
+    complete: gateway_pb2.GenerateComplete
+
+
+def generate(target: str, prompt_ids: Sequence[int], max_tokens: int,
+             timeout_s: float = RPC_TIMEOUT_S) -> Generated:
+    """Greedy `Gateway.Generate` with token-id input; asserts the stream's shape."""
+    with grpc.insecure_channel(target) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        request = gateway_pb2.GenerateRequest(
+            token_ids=gateway_pb2.TokenIds(ids=list(prompt_ids)),
+            sampling=greedy_sampling(max_tokens), skip_special_tokens=True)
+        responses = list(stub.Generate(request, timeout=timeout_s))
+    kinds = [r.WhichOneof("response") for r in responses]
+    assert kinds and kinds[-1] == "complete" and set(kinds[:-1]) <= {"chunk"}, kinds
+    chunks = [r.chunk for r in responses[:-1]]
+    return Generated([t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks),
+                     len(chunks), responses[-1].complete)
+
+
+def generate_many(target: str, prompts: Sequence[Sequence[int]], max_tokens: int,
+                  concurrent: bool) -> list[Generated]:
+    """All prompts one by one, or all at once (one thread per prompt)."""
+    if not concurrent:
+        return [generate(target, p, max_tokens) for p in prompts]
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        return list(pool.map(lambda p: generate(target, p, max_tokens), prompts))
+
+
+# ---- prompts -----------------------------------------------------------------------------------
+
+_TOPICS = ["the ocean", "a small robot", "mountains in winter", "the history of bread",
+           "a lighthouse keeper", "prime numbers", "a busy train station", "honey bees",
+           "an old library", "the first day of spring"]
+
+
+def varied_prompts(tokenizer: Tokenizer, count: int = 20) -> list[list[int]]:
+    """`count` distinct prompts: short ones (< 1 block), several blocks, and multi-hundred tokens."""
+    prompts: list[list[int]] = []
+    for i in range(count):
+        topic = _TOPICS[i % len(_TOPICS)]
+        if i % 5 == 4:  # multi-hundred tokens: a numbered list long enough for 10+ blocks
+            lines = [f"{j}. A fact about {topic} number {j * (i + 3)}." for j in range(5 + 2 * i)]
+            text = "Read these notes.\n" + "\n".join(lines) + "\nSummary:"
+        elif i % 2:
+            text = (f"Write a short story about {topic}. The story should be calm, kind and "
+                    f"simple, and it should end with a surprise. Version {i}:")
+        else:
+            text = f"{topic.capitalize()} is"
+        prompts.append(tokenizer.encode(text))
+    return prompts
+
+
+# ---- fixtures ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def loop_thread() -> Iterator[LoopThread]:
+    loop = LoopThread()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="session")
+def disagg_stack(loop_thread: LoopThread) -> Iterator[Stack]:
+    """Gateway → 1 prefill worker + 1 decode worker (KV over gRPC), shared by all e2e tests."""
+    stack = start_stack(loop_thread, colocated=False)
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="session")
+def colocated_stack(loop_thread: LoopThread) -> Iterator[Stack]:
+    """Gateway (colocated=True) → 1 colocated worker: the greedy oracle."""
+    stack = start_stack(loop_thread, colocated=True)
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(colocated_stack: Stack) -> Tokenizer:
+    return colocated_stack.tokenizer
+
+
+@pytest.fixture(scope="session")
+def prompts(tokenizer: Tokenizer) -> list[list[int]]:
+    return varied_prompts(tokenizer)
+
+
+ORACLE_MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="session")
+def oracle(colocated_stack: Stack, prompts: list[list[int]]) -> list[Generated]:
+    """Colocated greedy outputs of `prompts`, sent one by one (ORACLE_MAX_TOKENS each)."""
+    return generate_many(colocated_stack.grpc_target, prompts, ORACLE_MAX_TOKENS, concurrent=False)

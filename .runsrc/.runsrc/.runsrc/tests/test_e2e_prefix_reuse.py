@@ -1,0 +1,43 @@
+"""Decode reuses its own prefix cache for KV that arrives from a prefill worker: a repeated
+prompt pulls only its tail (the last full block, hash-checked, and the partial block), and the
+output is still the colocated oracle's, token for token."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.register_assert_rewrite("e2e_stack")
+
+from e2e_stack import Stack, generate  # noqa: E402
+
+from serving.kv import GrpcKvLoader  # noqa: E402
+
+pytest_plugins = ["e2e_stack"]
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 6
+
+
+def test_repeated_prompt_pulls_only_its_tail(disagg_stack: Stack, colocated_stack: Stack) -> None:
+    decode = disagg_stack.workers["decode"]
+    assert decode.aengine is not None
+    loader = decode.aengine.kv_loader
+    assert isinstance(loader, GrpcKvLoader)
+    block_size = decode.aengine.engine.config.cache.block_size
+    # A prompt of 7 full blocks + 5 tokens that no other test uses (token ids below 1000 + 11).
+    prompt = [11 + (i * 37) % 997 for i in range(7 * block_size + 5)]
+    num_blocks = 8
+    want = generate(colocated_stack.grpc_target, prompt, MAX_TOKENS).token_ids
+
+    pulled, reused = loader.blocks_pulled, loader.blocks_reused
+    first = generate(disagg_stack.grpc_target, prompt, MAX_TOKENS).token_ids
+    assert first == want
+    assert (loader.blocks_pulled - pulled, loader.blocks_reused - reused) == (num_blocks, 0)
+
+    pulled, reused = loader.blocks_pulled, loader.blocks_reused
+    second = generate(disagg_stack.grpc_target, prompt, MAX_TOKENS).token_ids
+    assert second == want
+    # 6 of the 7 full blocks come from decode's own cache; the last full one (its hash proves
+    # the lease holds this prompt) and the partial one travel.
+    assert (loader.blocks_pulled - pulled, loader.blocks_reused - reused) == (2, 6)
+    disagg_stack.wait_idle()

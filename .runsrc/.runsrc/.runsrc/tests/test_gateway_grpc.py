@@ -1,0 +1,179 @@
+"""The gateway's gRPC front door (`Gateway.Generate`), health and reflection, against fake workers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from gateway_fakes import MODEL_NAME, Harness, Script, smollm2_tokenizer
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from protos.splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+TEXT = " Paris is the capital of France. It is known for the Eiffel Tower."
+
+
+@pytest.fixture(scope="module")
+def script_ids() -> list[int]:
+    return smollm2_tokenizer().encode(TEXT, add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def gw(script_ids: list[int]) -> Iterator[Harness]:
+    with Harness(Script(list(script_ids), num_cached_tokens=2)) as h:
+        yield h
+
+
+@pytest.fixture()
+def channel(gw: Harness) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(gw.grpc_target) as ch:
+        yield ch
+
+
+def _generate(channel: grpc.Channel, **fields: object) -> list[gateway_pb2.GenerateResponse]:
+    stub = gateway_pb2_grpc.GatewayStub(channel)
+    return list(stub.Generate(gateway_pb2.GenerateRequest(**fields), timeout=20))  # type: ignore[arg-type]
+
+
+def _text(ids: list[int]) -> str:
+    return smollm2_tokenizer().decode(ids)
+
+
+def test_generate_text_streams_chunks_then_complete(channel: grpc.Channel, script_ids: list[int]) -> None:
+    out = _generate(channel, text="Hello", sampling=common_pb2.SamplingParams(max_tokens=6),
+                    model=MODEL_NAME, skip_special_tokens=True)
+    chunks = [r.chunk for r in out if r.WhichOneof("response") == "chunk"]
+    assert [t for c in chunks for t in c.token_ids] == script_ids[:6]
+    assert "".join(c.text for c in chunks) == _text(script_ids[:6])
+    assert out[-1].WhichOneof("response") == "complete"
+    done = out[-1].complete
+    assert done.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.cached_tokens) == (
+        len(smollm2_tokenizer().encode("Hello")), 6, 2)
+
+
+def test_generate_token_ids_chat_stop_and_n(channel: grpc.Channel, script_ids: list[int]) -> None:
+    out = _generate(channel, token_ids=gateway_pb2.TokenIds(ids=[1, 2, 3]), stop=["capital"],
+                    sampling=common_pb2.SamplingParams(max_tokens=30), skip_special_tokens=True)
+    assert "".join(r.chunk.text for r in out) == " Paris is the "
+    assert out[-1].complete.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert out[-1].complete.stop_reason == "capital"
+    chat = gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="user", content="hi")])
+    out = _generate(channel, chat=chat, n=2, sampling=common_pb2.SamplingParams(max_tokens=3),
+                    skip_special_tokens=True)
+    completes = [r.complete for r in out if r.WhichOneof("response") == "complete"]
+    assert sorted(c.index for c in completes) == [0, 1]
+    for index in (0, 1):
+        text = "".join(r.chunk.text for r in out
+                       if r.WhichOneof("response") == "chunk" and r.chunk.index == index)
+        assert text == _text(script_ids[:3])
+
+
+def test_generate_logprobs(channel: grpc.Channel) -> None:
+    out = _generate(channel, text="x", sampling=common_pb2.SamplingParams(max_tokens=3, logprobs=2),
+                    skip_special_tokens=True)
+    lps = [lp for r in out if r.WhichOneof("response") == "chunk" for lp in r.chunk.logprobs]
+    assert len(lps) == 3 and all(len(lp.top) == 2 for lp in lps)
+
+
+@pytest.mark.parametrize(("fields", "code", "words"), [
+    ({}, grpc.StatusCode.INVALID_ARGUMENT, ["input"]),
+    ({"token_ids": gateway_pb2.TokenIds(ids=[])}, grpc.StatusCode.INVALID_ARGUMENT, ["token_ids.ids"]),
+    ({"token_ids": gateway_pb2.TokenIds(ids=[4, 10**6])}, grpc.StatusCode.INVALID_ARGUMENT,
+     ["token_ids.ids[1]"]),
+    ({"text": "x", "model": "other"}, grpc.StatusCode.NOT_FOUND, ["other"]),
+    ({"text": "x", "n": 50}, grpc.StatusCode.INVALID_ARGUMENT, ["n must be at most"]),
+    ({"text": "x", "sampling": common_pb2.SamplingParams(temperature=-1)},
+     grpc.StatusCode.INVALID_ARGUMENT, ["sampling.temperature"]),
+    ({"text": "x", "sampling": common_pb2.SamplingParams(max_tokens=10_000)},
+     grpc.StatusCode.INVALID_ARGUMENT, ["sampling.max_tokens"]),
+    ({"token_ids": gateway_pb2.TokenIds(ids=[5] * 400)}, grpc.StatusCode.INVALID_ARGUMENT,
+     ["400", "prompt"]),
+    ({"chat": gateway_pb2.ChatMessages()}, grpc.StatusCode.INVALID_ARGUMENT, ["chat.messages"]),
+])
+def test_generate_validation(channel: grpc.Channel, fields: dict[str, object],
+                             code: grpc.StatusCode, words: list[str]) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        _generate(channel, **fields)
+    err: grpc.Call = info.value  # type: ignore[assignment]
+    assert err.code() == code, err.details()
+    for w in words:
+        assert w in (err.details() or ""), (w, err.details())
+
+
+def test_downstream_failure_keeps_status(script_ids: list[int]) -> None:
+    with Harness(Script(list(script_ids), decode_error=grpc.StatusCode.RESOURCE_EXHAUSTED)) as h, \
+            grpc.insecure_channel(h.grpc_target) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+        received: list[gateway_pb2.GenerateResponse] = []
+        with pytest.raises(grpc.RpcError) as info:
+            for r in stub.Generate(gateway_pb2.GenerateRequest(text="x"), timeout=20):
+                received.append(r)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+        assert received[0].WhichOneof("response") == "chunk"  # the prefill token came first
+        assert received[-1].WhichOneof("response") == "error"
+        assert received[-1].error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+
+
+def test_health_and_reflection(gw: Harness, channel: grpc.Channel) -> None:
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "splitserve.v1.Gateway"):
+        resp = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    responses = stub.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+    names = {s.name for r in responses for s in r.list_services_response.service}
+    assert {"splitserve.v1.Gateway", "grpc.health.v1.Health"} <= names
+
+
+def test_health_not_serving_without_decode(script_ids: list[int]) -> None:
+    with Harness(Script(list(script_ids)), dead_decode=True) as h, \
+            grpc.insecure_channel(h.grpc_target) as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.RpcError) as info:
+            _generate(ch, text="x")
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+
+
+def test_gateway_does_not_import_torch() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, gateway.server, gateway.grpc_server, gateway.openai_api;"
+            "from gateway.tokenization import load_tokenizer, make_detokenizer;"
+            "t = load_tokenizer('');"
+            "make_detokenizer(t, [1], skip_special_tokens=True, stop=[], include_stop_str_in_output=False);"
+            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    root = Path(__file__).resolve().parents[1]
+    assert subprocess.run([sys.executable, "-c", code], cwd=root, check=False).returncode == 0
+
+
+def test_router_least_loaded_round_robin_and_exclusion(script_ids: list[int]) -> None:
+    from gateway.router import WorkerPool
+
+    with Harness(Script(list(script_ids)), num_decode=3) as h:
+        busy, idle_a, idle_b = h.decode
+        busy.num_running = 5
+
+        async def picks() -> list[str]:
+            pool = WorkerPool("decode", [w.address for w in h.decode], poll_interval_s=60)
+            await pool.start()
+            try:
+                chosen = [pool.pick().address for _ in range(4)]
+                # Picks since the last poll count as load, so the idle two share the work.
+                pool.mark_failed(idle_a.address)
+                chosen.append(pool.pick().address)
+                chosen.append(pool.pick(exclude=[idle_b.address]).address)
+                return chosen
+            finally:
+                await pool.close()
+
+        chosen = h.run(picks())
+        assert sorted(chosen[:4]) == sorted([idle_a.address, idle_b.address] * 2)
+        assert chosen[4] == idle_b.address   # idle_a is excluded after a failure
+        assert chosen[5] == busy.address     # the only healthy one left

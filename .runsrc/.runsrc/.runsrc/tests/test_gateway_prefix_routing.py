@@ -1,0 +1,72 @@
+"""Prefix-aware routing: the gateway's block hashes are the engine's, and the router prefers the
+worker holding the longest prefix unless that costs too much load balance."""
+
+from __future__ import annotations
+
+import os
+
+from engine.kv.hashing import model_fingerprint, root_hash
+from engine.kv.kv_cache_manager import KVCacheManager
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from gateway.prefix_index import PrefixIndex, prompt_block_hashes
+from gateway.router import WorkerPool
+from protos.splitserve.v1 import common_pb2
+
+FP = model_fingerprint({"arch": "test"}, dtype="float32", kv_cache_dtype="auto", block_size=4)
+
+
+def test_gateway_hashes_equal_engine_hashes() -> None:
+    ids = list(range(1, 23))  # 5 full blocks of 4, 2 tokens left over
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True, root=root_hash(FP))
+    req = Request("r", ids, SamplingParams(max_tokens=1))
+    engine_hashes = kv.update_hashes(req)
+    assert len(engine_hashes) == 5
+    assert prompt_block_hashes(ids, FP, 4) == engine_hashes
+    other = model_fingerprint({"arch": "other"}, dtype="float32", kv_cache_dtype="auto",
+                              block_size=4)
+    assert prompt_block_hashes(ids, other, 4)[0] != engine_hashes[0]
+
+
+def test_prefix_index_matches_leading_blocks_and_evicts_lru() -> None:
+    index = PrefixIndex(max_hashes_per_worker=3)
+    hs = prompt_block_hashes(list(range(40)), FP, 4)
+    index.record("a", hs[:3])
+    assert index.match("a", hs) == 3
+    other = prompt_block_hashes([7, *range(1, 40)], FP, 4)  # differs in the first token
+    assert index.match("a", other) == 0  # chained hashes: a different start shares no block
+    index.record("a", hs[3:4])            # evicts hs[0], the least recently used
+    assert index.match("a", hs) == 0
+    assert index.match("b", hs) == 0
+
+
+async def test_router_prefers_prefix_then_load() -> None:
+    pool = WorkerPool("prefill", ["127.0.0.1:1", "127.0.0.1:2"])
+    try:
+        a, b = pool.workers
+        for w in pool.workers:
+            w.healthy = True
+            w.load = common_pb2.LoadReport(block_size=4, fingerprint=FP)
+        ids = list(range(100, 140))
+        hashes = pool.prompt_hashes(ids)
+        assert hashes == prompt_block_hashes(ids, FP, 4)
+        pool.prefix_index.record(b.address, hashes[:6])
+        a.load = common_pb2.LoadReport(block_size=4, fingerprint=FP, num_running=1)
+        b.load = common_pb2.LoadReport(block_size=4, fingerprint=FP, num_running=3)
+        assert pool.pick_for_prefix(hashes).address == b.address  # busier, but holds the prefix
+        b.load = common_pb2.LoadReport(block_size=4, fingerprint=FP, num_running=1 + 10)
+        assert pool.pick_for_prefix(hashes).address == a.address  # too busy: least loaded wins
+        pool.mark_failed(b.address)
+        assert pool.prefix_index.match(b.address, hashes) == 0
+    finally:
+        await pool.close()
+
+
+def test_gateway_prefix_routing_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import gateway.router, gateway.prefix_index, sys; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(__file__)), check=True)
+    assert out.stdout.strip() == "False"

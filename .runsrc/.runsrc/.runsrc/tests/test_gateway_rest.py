@@ -1,0 +1,481 @@
+"""The gateway's OpenAI REST API against fake prefill/decode workers (tests/gateway_fakes.py).
+
+Real servers on 127.0.0.1 ephemeral ports; the real `openai` client (max_retries=0) and httpx.
+Detokenization is real: the fakes emit SmolLM2 token ids.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+import httpx
+import openai
+import pytest
+from gateway_fakes import MODEL_NAME, Harness, Script, smollm2_tokenizer
+from openai import OpenAI
+from openai.types.chat import ChatCompletionMessageParam
+from prometheus_client.parser import text_string_to_metric_families
+
+from protos.splitserve.v1 import common_pb2
+
+TEXT = " Paris is the capital of France. It is known for the Eiffel Tower and its museums."
+
+
+@pytest.fixture(scope="module")
+def script_ids() -> list[int]:
+    return smollm2_tokenizer().encode(TEXT, add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def gw(script_ids: list[int]) -> Iterator[Harness]:
+    with Harness(Script(list(script_ids), num_cached_tokens=3)) as h:
+        yield h
+
+
+@pytest.fixture()
+def client(gw: Harness) -> OpenAI:
+    return OpenAI(base_url=gw.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def _text(ids: list[int]) -> str:
+    return smollm2_tokenizer().decode(ids)
+
+
+def _num_prompt(text: str) -> int:
+    return len(smollm2_tokenizer().encode(text))
+
+
+# -- happy paths ----------------------------------------------------------------------------------
+def test_completion_non_stream(gw: Harness, client: OpenAI, script_ids: list[int]) -> None:
+    r = client.completions.create(model=MODEL_NAME, prompt="The capital of France", max_tokens=6)
+    assert r.id.startswith("cmpl-") and r.object == "text_completion" and r.model == MODEL_NAME
+    assert r.choices[0].text == _text(script_ids[:6])
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage is not None
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (
+        _num_prompt("The capital of France"), 6)
+    assert r.usage.prompt_tokens_details is not None
+    assert r.usage.prompt_tokens_details.cached_tokens == 3
+    # Disaggregated flow: decode got the prefill's KV handle and the first token.
+    decode_req = gw.decode[0].decode_requests[-1]
+    assert decode_req.HasField("kv_handle")
+    assert decode_req.kv_handle.worker_address == gw.prefill[0].address
+    assert list(decode_req.output_token_ids) == script_ids[:1]
+    assert list(decode_req.prompt_token_ids) == list(gw.prefill[0].prefill_requests[-1].prompt_token_ids)
+
+
+def test_completion_stream_include_usage(client: OpenAI, script_ids: list[int]) -> None:
+    stream = client.completions.create(model=MODEL_NAME, prompt=[1, 2, 3], max_tokens=10,
+                                       stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].usage.prompt_tokens == 3
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == _text(script_ids[:10])
+    assert chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_chat_non_stream_and_stream(client: OpenAI, script_ids: list[int]) -> None:
+    messages: list[ChatCompletionMessageParam] = [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Capital of France?"}]}]
+    r = client.chat.completions.create(model=MODEL_NAME, messages=messages,
+                                       max_completion_tokens=5)
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == _text(script_ids[:5])
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=messages,
+                                                 max_tokens=5, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == _text(script_ids[:5])
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+
+
+def test_chat_runs_to_eos_with_default_max_tokens(client: OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}])
+    assert r.choices[0].message.content == TEXT
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_n_two(gw: Harness, client: OpenAI, script_ids: list[int]) -> None:
+    r = client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=4, n=2, seed=7)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert all(c.text == _text(script_ids[:4]) for c in r.choices)
+    assert r.usage is not None and r.usage.completion_tokens == 8
+    seeds = sorted(req.sampling.seed for req in gw.prefill[0].prefill_requests[-2:])
+    assert seeds == [7, 8]  # each completion gets its own seed
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=4, n=2,
+                                            stream=True))
+    for index in (0, 1):
+        text = "".join(c.choices[0].text for c in chunks if c.choices[0].index == index)
+        assert text == _text(script_ids[:4])
+
+
+def test_stop_string_cancels_decode(gw: Harness, client: OpenAI) -> None:
+    gw.decode[0].cancelled.clear()
+    gw.script.token_delay_s = 0.02  # so the decode stream is still running at the stop string
+    try:
+        r = client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=50, stop=["France"])
+    finally:
+        gw.script.token_delay_s = 0.0
+    assert r.choices[0].text == " Paris is the capital of "
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].model_extra is not None and r.choices[0].model_extra["stop_reason"] == "France"
+    assert gw.decode[0].cancelled.wait(10), "the decode call was not cancelled after the stop string"
+    chunks = list(client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "q"}], stop="capital",
+        stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == " Paris is the "
+    r2 = client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=50, stop=["France"],
+                                   extra_body={"include_stop_str_in_output": True})
+    assert r2.choices[0].text == " Paris is the capital of France"
+
+
+def test_stop_in_first_token_and_max_tokens_one_skip_decode(gw: Harness, client: OpenAI) -> None:
+    before = len(gw.decode[0].decode_requests)
+    r = client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=1)
+    assert r.choices[0].text == " Paris" and r.choices[0].finish_reason == "length"
+    r = client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=9, stop=["Par"])
+    assert r.choices[0].text == " " and r.choices[0].finish_reason == "stop"
+    assert len(gw.decode[0].decode_requests) == before
+    # The KV leases decode will never pull were released on the prefill worker.
+    ids = [req.request_id for req in gw.prefill[0].prefill_requests[-2:]]
+    gw.run(_wait_for(lambda: set(ids) <= set(gw.prefill[0].released)))
+
+
+async def _wait_for(predicate: object) -> None:
+    import asyncio
+
+    for _ in range(500):
+        if predicate():  # type: ignore[operator]
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+def test_logprobs_shapes(client: OpenAI, script_ids: list[int]) -> None:
+    r = client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=4, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.top_logprobs is not None
+    assert len(lp.tokens) == len(lp.token_logprobs or []) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == _text(script_ids[:4])
+    assert all(len(top) == 2 for top in lp.top_logprobs)
+    assert lp.text_offset == [0, *[sum(len(t) for t in lp.tokens[:i]) for i in range(1, 4)]]
+    c = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "q"}],
+                                       max_tokens=3, logprobs=True, top_logprobs=2)
+    content = c.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 3
+    assert content[0].token == " Paris" and content[0].logprob == -0.5
+    assert [len(x.top_logprobs) for x in content] == [2, 2, 2]
+    assert content[0].bytes == list(b" Paris")
+    chunks = list(client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "q"}], max_tokens=3,
+        logprobs=True, stream=True))
+    streamed = [x for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for x in ch.choices[0].logprobs.content or []]
+    assert len(streamed) == 3
+
+
+def test_models_health_metrics(gw: Harness, client: OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    assert httpx.get(gw.base_url + "/health").status_code == 200
+    client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2)
+    text = httpx.get(gw.base_url + "/metrics").text
+    for name in ("splitserve:time_to_first_token_seconds_bucket",
+                 "splitserve:inter_token_latency_seconds_bucket",
+                 "splitserve:e2e_request_latency_seconds_count",
+                 "splitserve:prompt_tokens_total", "splitserve:generation_tokens_total",
+                 "splitserve:request_success_total"):
+        assert name in text
+
+
+# -- per-worker metrics (mirrored from the workers' load reports) --------------------------------
+Series = dict[tuple[str, str, str], float]  # (sample name, role, worker) -> value
+WORKER_GAUGES = ("splitserve:kv_cache_usage_perc", "splitserve:num_requests_running",
+                 "splitserve:num_requests_waiting", "splitserve:kv_leases")
+WORKER_COUNTERS = ("splitserve:prefix_cache_queries", "splitserve:prefix_cache_hits",
+                   "splitserve:num_preemptions")
+
+
+def _scrape(h: Harness) -> tuple[dict[str, str], Series]:
+    """GET /metrics and parse it (the parser raises on an invalid exposition): the type of
+    every family, and every sample labelled by worker."""
+    r = httpx.get(h.base_url + "/metrics", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    types: dict[str, str] = {}
+    series: Series = {}
+    for family in text_string_to_metric_families(r.text):
+        types[family.name] = family.type
+        for sample in family.samples:
+            if "worker" in sample.labels:
+                assert set(sample.labels) == {"role", "worker"}, sample
+                series[(sample.name, sample.labels["role"], sample.labels["worker"])] = sample.value
+    return types, series
+
+
+def _scrape_until(h: Harness, predicate: Callable[[Series], bool], what: str) -> Series:
+    """Scrape until `predicate` holds (the router polls every 0.2 s); bounded."""
+    deadline = time.monotonic() + 10
+    while True:
+        series = _scrape(h)[1]
+        if predicate(series):
+            return series
+        if time.monotonic() > deadline:
+            raise AssertionError(f"/metrics never showed {what}: {series}")
+        time.sleep(0.05)
+
+
+def test_worker_load_reports_are_exported(script_ids: list[int]) -> None:
+    h = Harness(Script(list(script_ids)), num_decode=2)
+    pre, dec, gone = h.prefill[0], h.decode[0], h.decode[1]
+    pre.num_running = 4
+    pre.report = common_pb2.LoadReport(
+        kv_cache_usage=0.375, num_waiting=3, prefix_cache_queries=96, prefix_cache_hits=32,
+        num_leases=2, num_blocks=64, num_free_blocks=40)
+    dec.report = common_pb2.LoadReport(kv_cache_usage=0.5, num_preemptions=7)
+    with h:
+        types, series = _scrape(h)
+        p, d, g = ("prefill", pre.address), ("decode", dec.address), ("decode", gone.address)
+        expected = {
+            ("splitserve:kv_cache_usage_perc", *p): 0.375,
+            ("splitserve:num_requests_running", *p): 4,
+            ("splitserve:num_requests_waiting", *p): 3,
+            ("splitserve:kv_leases", *p): 2,
+            ("splitserve:prefix_cache_queries_total", *p): 96,
+            ("splitserve:prefix_cache_hits_total", *p): 32,
+            ("splitserve:num_preemptions_total", *p): 0,
+            ("splitserve:worker_healthy", *p): 1,
+            ("splitserve:kv_cache_usage_perc", *d): 0.5,
+            ("splitserve:num_preemptions_total", *d): 7,
+            ("splitserve:worker_healthy", *d): 1,
+            ("splitserve:kv_cache_usage_perc", *g): 0,
+            ("splitserve:worker_healthy", *g): 1,
+        }
+        assert {k: series.get(k) for k in expected} == expected
+        assert all(types[n] == "gauge" for n in (*WORKER_GAUGES, "splitserve:worker_healthy"))
+        assert all(types[n] == "counter" for n in WORKER_COUNTERS)
+        # The gateway's own in-flight gauge keeps its own, unlabelled name.
+        assert types["splitserve:gateway_requests_in_flight"] == "gauge"
+
+        # Counters mirror the workers' cumulative totals: the next poll brings the new ones.
+        pre.report = common_pb2.LoadReport(prefix_cache_queries=160, prefix_cache_hits=80)
+        series = _scrape_until(
+            h, lambda s: s.get(("splitserve:prefix_cache_queries_total", *p)) == 160,
+            "the prefill worker's new prefix-cache total")
+        assert series[("splitserve:prefix_cache_hits_total", *p)] == 80
+
+        # A worker that stops answering: unhealthy, its stale gauges dropped, counters kept.
+        h.run(gone.stop())
+        series = _scrape_until(h, lambda s: s.get(("splitserve:worker_healthy", *g)) == 0,
+                               "the stopped decode worker as unhealthy")
+        assert all((n, *g) not in series for n in WORKER_GAUGES)
+        assert all(series[(n + "_total", *g)] == 0 for n in WORKER_COUNTERS)
+        assert series[("splitserve:worker_healthy", *d)] == 1
+
+
+# -- bad input ------------------------------------------------------------------------------------
+def _post(gw: Harness, path: str, body: object, **kw: object) -> httpx.Response:
+    return httpx.post(gw.base_url + path, json=body, timeout=10, **kw)  # type: ignore[arg-type]
+
+
+def _error(r: httpx.Response, status: int, *words: str) -> dict[str, object]:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    for w in words:
+        assert w in err["message"], (w, err["message"])
+    return err  # type: ignore[no-any-return]
+
+
+CHAT = "/v1/chat/completions"
+CMPL = "/v1/completions"
+MSG = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "words"), [
+    (CMPL, {"model": MODEL_NAME, "prompt": "x", "max_tokens": "lots"}, 400, ["max_tokens"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": "x", "max_tokens": 0}, 400, ["max_tokens", ">= 1"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": "x", "max_tokens": -3}, 400, ["max_tokens"]),
+    (CMPL, {"model": "gpt-9", "prompt": "x"}, 404, ["gpt-9", "does not exist"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": ["a", "b"]}, 400, ["prompt", "batches"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": {"text": "x"}}, 400, ["prompt must be"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": [1, -2]}, 400, ["prompt[1]"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": [99999999]}, 400, ["prompt[0]", "49152"]),
+    (CMPL, {"model": MODEL_NAME}, 400, ["prompt is required"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": "x", "n": 9}, 400, ["n must be at most 8"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": "x", "temperature": -1}, 400, ["temperature"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": "x", "top_p": 0}, 400, ["top_p"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": "x", "logprobs": 50}, 400, ["logprobs"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": "x", "stop": 5}, 400, ["stop"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": "x", "max_tokens": 201}, 400, ["at most 200"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": [5] * 100, "max_tokens": 200}, 400,
+     ["256", "300", "100 in the prompt", "200"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": [5] * 300}, 400, ["300", "255"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": "x", "echo": True}, 400, ["echo"]),
+    (CHAT, {"model": MODEL_NAME}, 400, ["messages is required"]),
+    (CHAT, {"model": MODEL_NAME, "messages": []}, 400, ["messages"]),
+    (CHAT, {"model": MODEL_NAME, "messages": [{"content": "x"}]}, 400, ["messages.0.role"]),
+    (CHAT, {"model": MODEL_NAME, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, ["messages.0.content.0", "text"]),
+    (CHAT, {"model": MODEL_NAME, "messages": MSG, "max_completion_tokens": 0}, 400,
+     ["max_completion_tokens"]),
+    (CHAT, {"model": MODEL_NAME, "messages": MSG, "top_logprobs": 2}, 400, ["top_logprobs"]),
+    (CHAT, {"model": MODEL_NAME, "messages": MSG, "stream": "yes please"}, 400, ["stream"]),
+    (CHAT, {"model": "nope", "messages": MSG}, 404, ["nope"]),
+])
+def test_bad_json_fields(gw: Harness, path: str, body: object, status: int, words: list[str]) -> None:
+    err = _error(_post(gw, path, body), status, *words)
+    if status == 404:
+        assert err["code"] == "model_not_found"
+
+
+def test_malformed_bodies(gw: Harness) -> None:
+    url = gw.base_url + CMPL
+    headers = {"content-type": "application/json"}
+    _error(httpx.post(url, content=b'{"prompt": "x",', headers=headers), 400, "not valid JSON")
+    _error(httpx.post(url, content=b"[1, 2]", headers=headers), 400, "JSON object")
+    _error(httpx.post(url, content=b"", headers=headers), 400, "empty")
+    _error(httpx.post(url, content=b'{"prompt": "\xff\xfe"}', headers=headers), 400, "UTF-8")
+    _error(httpx.post(url, content=b'{"prompt": "\\ud800"}', headers=headers), 400, "prompt", "UTF-8")
+
+
+def test_oversized_bodies(gw: Harness) -> None:
+    url = gw.base_url + CMPL
+    big = json.dumps({"model": MODEL_NAME, "prompt": "a" * (5 << 20)}).encode()
+    _error(httpx.post(url, content=big), 413, "limit")
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the streamed size is checked
+        for _ in range(80):
+            yield b" " * (64 << 10)
+
+    _error(httpx.post(url, content=chunks()), 413, "limit")
+
+
+def test_unknown_route_and_method(gw: Harness) -> None:
+    _error(httpx.get(gw.base_url + "/v1/nothing"), 404, "/v1/nothing")
+    _error(httpx.get(gw.base_url + CMPL), 405, "GET")
+
+
+def test_openai_client_sees_errors(client: OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=0)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="unknown-model", prompt="x")
+
+
+def test_unknown_fields_accepted(gw: Harness, script_ids: list[int]) -> None:
+    r = _post(gw, CMPL, {"model": MODEL_NAME, "prompt": "x", "max_tokens": 3, "ignore_eos": True,
+                         "stream": True, "future_field": {"a": 1},
+                         "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert r.status_code == 200
+    events = [line[6:] for line in r.text.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all("usage" in c for c in chunks)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    assert gw.prefill[0].prefill_requests[-1].sampling.ignore_eos
+
+
+# -- failures and cancellation --------------------------------------------------------------------
+def test_client_disconnect_cancels_decode(script_ids: list[int]) -> None:
+    with Harness(Script(list(script_ids), endless=True, token_delay_s=0.01)) as h:
+        with httpx.stream("POST", h.base_url + CMPL, json={
+                "model": MODEL_NAME, "prompt": "x", "max_tokens": 200, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            assert next(lines) == "" and next(lines).startswith("data: ")
+        assert h.decode[0].cancelled.wait(10), "stream disconnect did not cancel decode"
+        # Non-streaming: the client gives up (socket closed) while decode still runs.
+        h.decode[0].cancelled.clear()
+        body = json.dumps({"model": MODEL_NAME, "prompt": "x", "max_tokens": 200}).encode()
+        port = int(h.base_url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            h.run(_wait_for(lambda: len(h.decode[0].decode_requests) == 2))
+        assert h.decode[0].cancelled.wait(10), "non-stream disconnect did not cancel decode"
+        # Both prefill leases were released by the gateway, not left to expire.
+        ids = {req.request_id for req in h.prefill[0].prefill_requests}
+        assert len(ids) == 2
+        h.run(_wait_for(lambda: ids <= set(h.prefill[0].released)))
+
+
+def test_dead_decode_worker_resumes_without_duplicates(script_ids: list[int]) -> None:
+    with Harness(Script(list(script_ids), die_after=3), num_decode=2) as h:
+        client = OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0)
+        chunks = list(client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=12,
+                                                stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == _text(script_ids[:12])
+        reqs = sorted((r for w in h.decode for r in w.decode_requests),
+                      key=lambda r: len(r.output_token_ids))
+        assert len(reqs) == 2
+        assert reqs[0].HasField("kv_handle") and list(reqs[0].output_token_ids) == script_ids[:1]
+        # The resume recomputes from prompt + the 4 tokens already sent (first + 3).
+        assert not reqs[1].HasField("kv_handle")
+        assert list(reqs[1].output_token_ids) == script_ids[:4]
+        served = [w for w in h.decode if w.decode_requests]
+        assert len(served) == 2, "the resume went to the other decode worker"
+        # The resume dropped the handle, so the gateway released its lease.
+        rid = h.prefill[0].prefill_requests[-1].request_id
+        h.run(_wait_for(lambda: h.prefill[0].released == [rid]))
+
+
+def test_failed_decode_releases_the_prefill_lease(script_ids: list[int]) -> None:
+    """A decode error (not retried) ends the request: nobody would ever pull the lease."""
+    with Harness(Script(list(script_ids), decode_error=grpc.StatusCode.INTERNAL)) as h:
+        _error(_post(h, CMPL, {"model": MODEL_NAME, "prompt": "x", "max_tokens": 5}), 500, "decode")
+        assert len(h.decode[0].decode_requests) == 1
+        rid = h.prefill[0].prefill_requests[-1].request_id
+        h.run(_wait_for(lambda: h.prefill[0].released == [rid]))
+
+
+def test_worker_errors_map_to_http(script_ids: list[int]) -> None:
+    with Harness(Script(list(script_ids), prefill_error=grpc.StatusCode.RESOURCE_EXHAUSTED)) as h:
+        _error(_post(h, CMPL, {"model": MODEL_NAME, "prompt": "x"}), 429, "prefill")
+        client = OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model=MODEL_NAME, prompt="x", stream=True)
+    with Harness(Script(list(script_ids)), dead_decode=True) as h:
+        assert httpx.get(h.base_url + "/health").status_code == 503
+        _error(_post(h, CMPL, {"model": MODEL_NAME, "prompt": "x"}), 503, "decode")
+
+
+def test_colocated_sends_prompt_only(script_ids: list[int]) -> None:
+    with Harness(Script(list(script_ids)), colocated=True) as h:
+        client = OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0)
+        r = client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=5)
+        assert r.choices[0].text == _text(script_ids[:5])
+        req = h.decode[0].decode_requests[-1]
+        assert not req.HasField("kv_handle") and list(req.output_token_ids) == []
+
+
+def test_api_key(script_ids: list[int]) -> None:
+    with Harness(Script(list(script_ids)), api_key="sekret") as h:
+        assert httpx.get(h.base_url + "/health").status_code == 200
+        _error(_post(h, CMPL, {"model": MODEL_NAME, "prompt": "x"}), 401, "API key")
+        bad = OpenAI(base_url=h.base_url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        good = OpenAI(base_url=h.base_url + "/v1", api_key="sekret", max_retries=0)
+        assert good.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2).choices
+
+
+def test_graceful_shutdown_drains_in_flight_stream(script_ids: list[int]) -> None:
+    with Harness(Script(list(script_ids), token_delay_s=0.02), shutdown_grace_s=5.0) as h:
+        assert h.gateway is not None
+        with httpx.stream("POST", h.base_url + CMPL, timeout=20, json={
+                "model": MODEL_NAME, "prompt": "x", "max_tokens": 15, "stream": True}) as r:
+            lines = r.iter_lines()
+            first = next(lines)
+            stopping = h.run_background(h.gateway.stop())
+            rest = [first, *lines]
+        stopping.result(20)
+        events = [line[6:] for line in rest if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+        assert text == _text(script_ids[:15])
+        assert h.gateway.state is not None and not h.gateway.state.healthy

@@ -1,0 +1,411 @@
+"""KvTransfer over a real grpc.aio server on 127.0.0.1 backed by a real KV cache tensor."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+import pytest
+import torch
+from fake_block_source import CacheBlockSource
+from fake_lease import Lease, LeaseError, LeaseTable
+
+from engine.kv.hashing import prompt_hash
+from kv_transfer.connector import GrpcPullConnector, KvHandle, LoadResult
+from kv_transfer.grpc_transport import (
+    KvTransferError,
+    KvTransferServicer,
+    channel_options,
+    pull_all,
+    pull_blocks,
+    release,
+)
+from kv_transfer.wire import BlockSpec, DecodedBlock, encode_block
+from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+
+FP = hashlib.sha256(b"model-a").digest()
+NUM_CACHE_BLOCKS = 8
+BLOCK_IDS = [5, 2, 7]          # lease order differs from cache order on purpose
+NUM_TOKENS = 10                # block_size 4: two full blocks and a partial one of 2 tokens
+HASHES = [hashlib.sha256(bytes([i])).digest() for i in range(2)]
+TIMEOUT_S = 10.0
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_spec(dtype: torch.dtype = torch.bfloat16, fp: bytes = FP) -> BlockSpec:
+    return BlockSpec(fingerprint=fp, num_layers=3, block_size=4, num_kv_heads=2, head_dim=8,
+                     dtype=dtype)
+
+
+def make_cache(spec: BlockSpec) -> torch.Tensor:
+    # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]
+    shape = (spec.num_layers, 2, NUM_CACHE_BLOCKS, spec.block_size, spec.num_kv_heads,
+             spec.head_dim)
+    g = torch.Generator().manual_seed(0)
+    if spec.dtype == torch.int8:
+        return torch.randint(-128, 128, shape, generator=g, dtype=torch.int8)
+    return torch.randn(shape, generator=g).to(spec.dtype)
+
+
+class Worker:
+    """A prefill worker's KV side: cache + lease table + servicer on an ephemeral port."""
+
+    def __init__(self, source: CacheBlockSource, leases: LeaseTable, clock: FakeClock,
+                 server: grpc.aio.Server, address: str) -> None:
+        self.source, self.leases, self.clock = source, leases, clock
+        self.server, self.address = server, address
+        self.released: list[Lease] = []
+
+    def grant(self, request_id: str = "req-1") -> Lease:
+        return self.leases.grant(request_id, BLOCK_IDS, HASHES, NUM_TOKENS, self.clock() + 30.0)
+
+
+async def start_worker(source_cls: type[CacheBlockSource] = CacheBlockSource,
+                       spec: BlockSpec | None = None, fragment_bytes: int = 1 << 20,
+                       kv_scales: torch.Tensor | None = None) -> Worker:
+    spec = spec or make_spec()
+    clock = FakeClock()
+    leases = LeaseTable(clock=clock)
+    released: list[Lease] = []
+    source = source_cls(make_cache(spec), spec, leases, on_release=released.append)
+    server = grpc.aio.server(options=channel_options(fragment_bytes))
+    kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(
+        KvTransferServicer(source, fragment_bytes=fragment_bytes, kv_scales=kv_scales), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    worker = Worker(source, leases, clock, server, f"127.0.0.1:{port}")
+    worker.released = released
+    return worker
+
+
+@pytest.fixture
+async def worker() -> AsyncIterator[Worker]:
+    w = await start_worker()
+    yield w
+    await w.server.stop(None)
+
+
+def assert_blocks_match(worker: Worker, blocks: Sequence[DecodedBlock]) -> None:
+    cache = worker.source._kv_cache
+    assert len(blocks) == len(BLOCK_IDS)
+    for index, (block, block_id) in enumerate(zip(blocks, BLOCK_IDS, strict=True)):
+        expected = cache[:, :, block_id]
+        assert torch.equal(block.tensor.view(torch.uint8), expected.view(torch.uint8))
+        assert block.block_hash == (HASHES[index] if index < 2 else None)
+        assert block.num_tokens == (4 if index < 2 else 2)
+
+
+async def test_pull_all_blocks_bitwise(worker: Worker) -> None:
+    worker.grant()
+    blocks = await pull_all(worker.address, "req-1", worker.source.spec, len(BLOCK_IDS),
+                            TIMEOUT_S, num_tokens_expected=NUM_TOKENS)
+    assert_blocks_match(worker, blocks)
+
+
+async def test_pull_from_first_block_streams_only_the_tail(worker: Worker) -> None:
+    """A puller holding the first blocks in its own prefix cache asks for the rest; indices
+    stay the lease's, and a first_block past the lease is refused."""
+    worker.grant()
+    tail = [item async for item in pull_blocks(worker.address, "req-1", worker.source.spec,
+                                               len(BLOCK_IDS), TIMEOUT_S,
+                                               num_tokens_expected=NUM_TOKENS, first_block=1)]
+    assert [index for index, _ in tail] == [1, 2]
+    cache = worker.source._kv_cache
+    for index, block in tail:
+        assert torch.equal(block.tensor.view(torch.uint8),
+                           cache[:, :, BLOCK_IDS[index]].view(torch.uint8))
+    assert tail[0][1].block_hash == HASHES[1] and tail[1][1].block_hash is None
+    with pytest.raises(ValueError, match="first_block"):
+        await pull_all(worker.address, "req-1", worker.source.spec, len(BLOCK_IDS), TIMEOUT_S,
+                       first_block=len(BLOCK_IDS))
+    async with grpc.aio.insecure_channel(worker.address) as channel:  # a raw request past the end
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in kv_transfer_pb2_grpc.KvTransferStub(channel).PullBlocks(
+                    kv_transfer_pb2.PullBlocksRequest(request_id="req-1",
+                                                      fingerprint=worker.source.spec.fingerprint,
+                                                      first_block=len(BLOCK_IDS))):
+                pass
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_fragments_smaller_than_a_block_over_an_open_channel() -> None:
+    spec = make_spec(torch.float32)
+    assert spec.encoded_nbytes > 3 * 500  # every block spans several fragments
+    w = await start_worker(spec=spec, fragment_bytes=500)
+    try:
+        w.grant()
+        async with grpc.aio.insecure_channel(w.address) as channel:
+            pulled = [item async for item in pull_blocks(channel, "req-1", spec, 3, TIMEOUT_S)]
+        assert [index for index, _ in pulled] == [0, 1, 2]
+        assert_blocks_match(w, [block for _, block in pulled])
+    finally:
+        await w.server.stop(None)
+
+
+async def test_int8_kv_carries_scales() -> None:
+    spec = make_spec(torch.int8)
+    scales = torch.tensor([[0.5, 0.25]] * spec.num_layers)
+    w = await start_worker(spec=spec, kv_scales=scales)
+    try:
+        w.grant()
+        blocks = await pull_all(w.address, "req-1", spec, 3, TIMEOUT_S)
+        assert_blocks_match(w, blocks)
+        assert all(b.scales is not None and torch.equal(b.scales, scales) for b in blocks)
+    finally:
+        await w.server.stop(None)
+
+
+async def test_unknown_lease_is_not_found(worker: Worker) -> None:
+    with pytest.raises(KvTransferError) as info:
+        await pull_all(worker.address, "nope", worker.source.spec, 3, TIMEOUT_S)
+    assert info.value.reason == "not_found"
+    assert info.value.code == grpc.StatusCode.NOT_FOUND
+
+
+async def test_fingerprint_mismatch_is_refused(worker: Worker) -> None:
+    worker.grant()
+    other = make_spec(fp=hashlib.sha256(b"model-b").digest())
+    with pytest.raises(KvTransferError) as info:
+        await pull_all(worker.address, "req-1", other, 3, TIMEOUT_S)
+    assert info.value.reason == "fingerprint_mismatch"
+
+
+async def test_bad_request_id_is_invalid_argument(worker: Worker) -> None:
+    with pytest.raises(KvTransferError) as info:
+        await pull_all(worker.address, "", worker.source.spec, 3, TIMEOUT_S)
+    assert info.value.reason == "invalid_argument"
+
+
+async def test_block_count_disagreement(worker: Worker) -> None:
+    worker.grant()
+    spec = worker.source.spec
+    with pytest.raises(KvTransferError) as info:  # server sends a third block
+        await pull_all(worker.address, "req-1", spec, 2, TIMEOUT_S)
+    assert info.value.reason == "protocol"
+    with pytest.raises(KvTransferError) as info:  # stream ends one block early
+        await pull_all(worker.address, "req-1", spec, 4, TIMEOUT_S)
+    assert info.value.reason == "count_mismatch"
+
+
+async def test_release_then_pull_is_not_found(worker: Worker) -> None:
+    lease = worker.grant()
+    assert await release(worker.address, "req-1") is True
+    assert worker.released == [lease]  # the engine hook freed the blocks
+    assert await release(worker.address, "req-1") is False
+    with pytest.raises(KvTransferError) as info:
+        await pull_all(worker.address, "req-1", worker.source.spec, 3, TIMEOUT_S)
+    assert info.value.reason == "not_found"
+
+
+async def test_expired_lease_is_not_found(worker: Worker) -> None:
+    lease = worker.grant()
+    worker.clock.now = lease.deadline_monotonic
+    with pytest.raises(KvTransferError) as info:
+        await pull_all(worker.address, "req-1", worker.source.spec, 3, TIMEOUT_S)
+    assert info.value.reason == "not_found"
+    assert worker.leases.expire() == [lease]
+    assert len(worker.leases) == 0
+
+
+def test_lease_table_rules() -> None:
+    clock = FakeClock()
+    table = LeaseTable(clock=clock)
+    lease = table.grant("r", [1, 2], [HASHES[0]], 6, deadline_monotonic=clock() + 1)
+    with pytest.raises(LeaseError, match="already holds"):
+        table.grant("r", [3], [], 1, clock() + 1)
+    with pytest.raises(LeaseError, match="hashes"):
+        table.grant("s", [3], HASHES, 4, clock() + 1)
+    assert table.get("r") == lease and table.expire() == []
+    clock.now += 1
+    assert table.get("r") is None and "r" in table  # expired but not yet collected
+    assert table.release("r") == lease and table.release("r") is None
+
+
+async def test_release_of_an_expired_lease_frees_but_answers_false(worker: Worker) -> None:
+    lease = worker.grant()
+    worker.clock.now = lease.deadline_monotonic + 1
+    assert await release(worker.address, "req-1") is False
+    assert worker.released == [lease]
+
+
+class GatedSource(CacheBlockSource):
+    """Serves the first block, then blocks reading the second until `gate` is set."""
+
+    reached: asyncio.Event
+    gate: asyncio.Event
+
+    async def read_block(self, block_id: int) -> torch.Tensor:
+        if block_id != BLOCK_IDS[0]:
+            GatedSource.reached.set()
+            await GatedSource.gate.wait()
+        return await super().read_block(block_id)
+
+
+async def test_server_killed_mid_stream_raises_and_yields_no_partial_block() -> None:
+    GatedSource.reached, GatedSource.gate = asyncio.Event(), asyncio.Event()
+    w = await start_worker(GatedSource, fragment_bytes=256)
+    w.grant()
+    received: list[int] = []
+
+    async def consume() -> None:
+        async for index, _ in pull_blocks(w.address, "req-1", w.source.spec, 3, TIMEOUT_S):
+            received.append(index)
+
+    task = asyncio.create_task(consume())
+    await GatedSource.reached.wait()
+    await w.server.stop(None)  # kill: in-flight calls are cancelled
+    with pytest.raises(KvTransferError) as info:
+        await task
+    assert info.value.reason in {"unavailable", "cancelled", "count_mismatch"}
+    assert len(received) <= 1  # only the fully verified block 0, never a piece of block 1
+
+
+async def test_deadline_exceeded() -> None:
+    GatedSource.reached, GatedSource.gate = asyncio.Event(), asyncio.Event()
+    w = await start_worker(GatedSource)
+    try:
+        w.grant()
+        with pytest.raises(KvTransferError) as info:
+            await pull_all(w.address, "req-1", w.source.spec, 3, timeout_s=0.5)
+        assert info.value.reason == "deadline_exceeded"
+    finally:
+        GatedSource.gate.set()
+        await w.server.stop(None)
+
+
+class ScriptedServicer(kv_transfer_pb2_grpc.KvTransferServicer):
+    """A misbehaving peer: streams exactly the given fragments."""
+
+    def __init__(self, fragments: list[kv_transfer_pb2.KvFragment]) -> None:
+        self.fragments = fragments
+
+    async def PullBlocks(self, request: kv_transfer_pb2.PullBlocksRequest,
+                         context: grpc.aio.ServicerContext,
+                         ) -> AsyncIterator[kv_transfer_pb2.KvFragment]:
+        for frag in self.fragments:
+            yield frag
+
+    async def Release(self, request: kv_transfer_pb2.ReleaseRequest,
+                      context: grpc.aio.ServicerContext) -> kv_transfer_pb2.ReleaseResponse:
+        return kv_transfer_pb2.ReleaseResponse(released=False)
+
+
+def good_block_bytes(spec: BlockSpec) -> bytes:
+    return encode_block(spec, None, 2, make_cache(spec)[:, :, 0])
+
+
+def frag(data: bytes, offset: int, total: int, index: int = 0) -> kv_transfer_pb2.KvFragment:
+    return kv_transfer_pb2.KvFragment(block_index=index, offset=offset, total_bytes=total,
+                                      data=data)
+
+
+def bad_streams(spec: BlockSpec) -> dict[str, tuple[str, list[kv_transfer_pb2.KvFragment]]]:
+    data = good_block_bytes(spec)
+    n = len(data)
+    flipped = bytearray(data)
+    flipped[-1] ^= 0xFF
+    return {
+        "gap": ("protocol", [frag(data[:100], 0, n), frag(data[200:], 200, n)]),
+        "overlap": ("protocol", [frag(data[:100], 0, n), frag(data[50:], 50, n)]),
+        "overrun": ("protocol", [frag(data + b"xx", 0, n)]),
+        "wrong_total": ("protocol", [frag(data, 0, n + 2)]),
+        "huge_total": ("protocol", [frag(data[:10], 0, 2**31)]),
+        "wrong_index": ("protocol", [frag(data, 0, n, index=1)]),
+        "corrupt": ("wire", [frag(bytes(flipped), 0, n)]),
+        "cut_short": ("count_mismatch", [frag(data[:100], 0, n)]),
+    }
+
+
+@pytest.mark.parametrize("case", ["gap", "overlap", "overrun", "wrong_total", "huge_total",
+                                  "wrong_index", "corrupt", "cut_short"])
+async def test_malformed_fragment_streams_are_rejected(case: str) -> None:
+    spec = make_spec()
+    reason, fragments = bad_streams(spec)[case]
+    server = grpc.aio.server()
+    kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(ScriptedServicer(fragments), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        with pytest.raises(KvTransferError) as info:
+            await pull_all(f"127.0.0.1:{port}", "req-1", spec, 1, TIMEOUT_S)
+        assert info.value.reason == reason
+    finally:
+        await server.stop(None)
+
+
+class DictSink:
+    """A decode worker's local cache: [L, 2, num_blocks, bs, Hkv, D], written block by block."""
+
+    def __init__(self, spec: BlockSpec) -> None:
+        self.cache = torch.zeros(spec.num_layers, 2, NUM_CACHE_BLOCKS, spec.block_size,
+                                 spec.num_kv_heads, spec.head_dim, dtype=spec.dtype)
+
+    def write_block(self, block_id: int, tensor: torch.Tensor) -> None:
+        self.cache[:, :, block_id] = tensor
+
+
+def handle_for(worker: Worker, request_id: str = "req-1") -> KvHandle:
+    spec = worker.source.spec
+    return KvHandle(worker.address, request_id, NUM_TOKENS, len(BLOCK_IDS), spec.fingerprint,
+                    spec.block_size, tuple(HASHES),
+                    prompt_hash=prompt_hash(spec.fingerprint, list(range(NUM_TOKENS))))
+
+
+async def test_connector_pulls_into_local_blocks_and_releases(worker: Worker) -> None:
+    lease = worker.grant()
+    spec = worker.source.spec
+    sink = DictSink(spec)
+    connector = GrpcPullConnector(spec, sink, asyncio.get_running_loop(), timeout_s=TIMEOUT_S)
+    local_ids = [0, 1, 4]
+    handle = KvHandle.from_proto(handle_for(worker).to_proto())  # survives the proto round trip
+    assert handle == handle_for(worker) and len(handle.prompt_hash) == 32
+    # The engine thread starts the load; the transfer runs on this loop.
+    await asyncio.to_thread(connector.start_load_kv, "local-1", handle, local_ids)
+    assert await connector.wait_for_load("local-1") == LoadResult("local-1", True)
+    for local_id, remote_id in zip(local_ids, BLOCK_IDS, strict=True):
+        assert torch.equal(sink.cache[:, :, local_id].view(torch.uint8),
+                           worker.source._kv_cache[:, :, remote_id].view(torch.uint8))
+    assert worker.released == [lease]
+    assert connector.get_finished_loads() == [LoadResult("local-1", True)]
+    assert connector.get_finished_loads() == []
+
+
+async def test_connector_reports_failures_instead_of_raising(worker: Worker) -> None:
+    spec = worker.source.spec
+    connector = GrpcPullConnector(spec, DictSink(spec), asyncio.get_running_loop(),
+                                  timeout_s=TIMEOUT_S)
+    connector.start_load_kv("a", handle_for(worker, "unknown"), [0, 1, 2])
+    assert await connector.wait_for_load("a") == LoadResult("a", False, "not_found")
+    foreign = dataclasses.replace(handle_for(worker), fingerprint=bytes(32))
+    connector.start_load_kv("b", foreign, [0, 1, 2])
+    assert await connector.wait_for_load("b") == LoadResult("b", False, "spec_mismatch")
+    connector.start_load_kv("c", handle_for(worker), [0, 1])  # wrong number of local blocks
+    assert (await connector.wait_for_load("c")).reason == "spec_mismatch"
+    assert {r.request_id for r in connector.get_finished_loads()} == {"a", "b", "c"}
+
+
+def test_kv_handle_validation_names_the_field() -> None:
+    with pytest.raises(ValueError, match="num_blocks"):
+        KvHandle("h:1", "r", num_tokens=10, num_blocks=2, fingerprint=FP, block_size=4).validate()
+    with pytest.raises(ValueError, match="prompt_hash"):
+        KvHandle("h:1", "r", num_tokens=10, num_blocks=3, fingerprint=FP, block_size=4,
+                 prompt_hash=b"short").validate()
+
+
+def test_prompt_hash_covers_every_token_and_the_fingerprint() -> None:
+    ids = list(range(100, 137))  # 2 full blocks of 16 + a partial one of 5
+    want = hashlib.sha256(FP + b"".join(t.to_bytes(4, "little") for t in ids)).digest()
+    assert prompt_hash(FP, ids) == want
+    assert prompt_hash(FP, [*ids[:-1], ids[-1] + 1]) != want  # only the partial block differs
+    assert prompt_hash(FP, ids[:-1]) != want
+    assert prompt_hash(bytes(len(FP)), ids) != want

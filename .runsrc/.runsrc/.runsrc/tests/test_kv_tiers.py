@@ -1,0 +1,171 @@
+"""CPU and Redis prefix-cache tiers against a real Redis at 127.0.0.1:6379."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+from redis import asyncio as aioredis
+from redis.exceptions import RedisError
+
+from kv_transfer.tiers import CpuTier, RedisTier, TieredStore
+from kv_transfer.wire import BlockSpec, encode_block
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+FP = hashlib.sha256(b"model-a").digest()
+SPEC = BlockSpec(fingerprint=FP, num_layers=2, block_size=4, num_kv_heads=2, head_dim=8,
+                 dtype=torch.float16)
+
+
+def chain(n: int, salt: bytes = b"") -> list[bytes]:
+    """n chained block hashes, as the engine computes them."""
+    hashes, parent = [], FP + salt
+    for i in range(n):
+        parent = hashlib.sha256(parent + bytes([i])).digest()
+        hashes.append(parent)
+    return hashes
+
+
+def block(block_hash: bytes, spec: BlockSpec = SPEC) -> bytes:
+    seed = int.from_bytes(block_hash[:4], "little")
+    tensor = torch.randn(spec.shape, generator=torch.Generator().manual_seed(seed))
+    return encode_block(spec, block_hash, spec.block_size, tensor.to(spec.dtype))
+
+
+@pytest.fixture
+async def redis_client() -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(REDIS_URL, decode_responses=False, socket_timeout=2)
+    try:
+        await client.ping()
+    except (RedisError, OSError) as exc:
+        await client.aclose()
+        pytest.skip(f"Redis at {REDIS_URL} is unreachable ({exc}); tier tests need it")
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def prefix(redis_client: aioredis.Redis) -> AsyncIterator[str]:
+    key_prefix = f"test-kv-{uuid.uuid4().hex}"
+    yield key_prefix
+    keys = [key async for key in redis_client.scan_iter(match=f"{key_prefix}:*")]
+    if keys:
+        await redis_client.delete(*keys)
+
+
+@pytest.fixture
+async def redis_tier(redis_client: aioredis.Redis, prefix: str) -> AsyncIterator[RedisTier]:
+    tier = RedisTier(SPEC, REDIS_URL, ttl_s=120, key_prefix=prefix)
+    yield tier
+    await tier.close()
+
+
+async def test_redis_put_get_and_ttl(redis_tier: RedisTier, redis_client: aioredis.Redis,
+                                     prefix: str) -> None:
+    hashes = chain(3)
+    assert await redis_tier.put_many([(h, block(h)) for h in hashes]) == 3
+    assert await redis_tier.get_many(hashes) == [block(h) for h in hashes]
+    key = redis_tier.key(hashes[0])
+    assert key == f"{prefix}:{FP.hex()[:16]}:{hashes[0].hex()}".encode()
+    ttl = await redis_client.ttl(key)
+    assert 0 < ttl <= 120
+    assert redis_tier.stats["hits"] == 3 and redis_tier.stats["writes"] == 3
+
+
+async def test_redis_corrupt_and_foreign_values_are_misses(
+        redis_tier: RedisTier, redis_client: aioredis.Redis) -> None:
+    h0, h1, h2, h3 = chain(4)
+    good = block(h0)
+    flipped = bytearray(block(h1))
+    flipped[-5] ^= 0x10
+    await redis_client.set(redis_tier.key(h0), good)
+    await redis_client.set(redis_tier.key(h1), bytes(flipped))    # corrupt payload
+    await redis_client.set(redis_tier.key(h2), block(h0))         # another block's bytes
+    await redis_client.set(redis_tier.key(h3), b"\x80garbage")    # not a block at all
+    assert await redis_tier.get_many([h0, h1, h2, h3]) == [good, None, None, None]
+    assert redis_tier.stats["corrupt"] == 3
+
+
+async def test_redis_foreign_fingerprint_is_a_miss(redis_tier: RedisTier,
+                                                   redis_client: aioredis.Redis) -> None:
+    other = BlockSpec(hashlib.sha256(b"model-b").digest(), 2, 4, 2, 8, torch.float16)
+    (h0,) = chain(1)
+    await redis_client.set(redis_tier.key(h0), block(h0, other))
+    assert await redis_tier.get_many([h0]) == [None]
+    assert redis_tier.stats["corrupt"] == 1
+
+
+async def test_redis_down_is_a_miss_not_an_exception() -> None:
+    tier = RedisTier(SPEC, "redis://127.0.0.1:1/0", ttl_s=60, key_prefix="unused",
+                     socket_timeout_s=0.5)
+    try:
+        hashes = chain(2)
+        assert await tier.put_many([(h, block(h)) for h in hashes]) == 0
+        assert await tier.get_many(hashes) == [None, None]
+        assert tier.stats["errors"] == 2
+    finally:
+        await tier.close()
+
+
+async def test_redis_refuses_oversize_values(redis_client: aioredis.Redis, prefix: str) -> None:
+    tier = RedisTier(SPEC, REDIS_URL, ttl_s=60, key_prefix=prefix, max_value_bytes=100)
+    try:
+        (h0,) = chain(1)
+        assert await tier.put_many([(h0, block(h0))]) == 0
+        await redis_client.set(tier.key(h0), block(h0))
+        assert await tier.get_many([h0]) == [None]
+        assert tier.stats["oversize"] == 2
+    finally:
+        await tier.close()
+
+
+def test_cpu_tier_lru_eviction_by_bytes() -> None:
+    h0, h1, h2 = chain(3)
+    size = SPEC.encoded_nbytes
+    cpu = CpuTier(capacity_bytes=2 * size + size // 2, pin_memory=False)
+    assert cpu.put(h0, block(h0)) and cpu.put(h1, block(h1))
+    assert cpu.get(h0) == block(h0)          # h0 is now the most recently used
+    assert cpu.put(h2, block(h2))            # evicts h1, the least recently used
+    assert h0 in cpu and h1 not in cpu and h2 in cpu
+    assert cpu.used_bytes == 2 * size and cpu.stats["evictions"] == 1
+    assert not CpuTier(capacity_bytes=size - 1).put(h0, block(h0))  # can never fit
+    assert cpu.put(h2, block(h2)) and cpu.used_bytes == 2 * size   # refresh, no double count
+
+
+async def test_tiered_store_stops_at_first_miss_and_promotes(redis_tier: RedisTier) -> None:
+    hashes = chain(5)
+    cpu = CpuTier(capacity_bytes=10 * SPEC.encoded_nbytes, pin_memory=False)
+    store = TieredStore(SPEC, cpu, redis_tier)
+    # CPU holds 0,1; Redis holds 2 and 4 (3 is missing, so 4 must not be returned).
+    await store.put_many([(h, block(h)) for h in hashes[:2]])
+    await redis_tier.put_many([(hashes[2], block(hashes[2])), (hashes[4], block(hashes[4]))])
+    result = await store.get_many(hashes)
+    assert result == [block(h) for h in hashes[:3]] + [None, None]
+    assert hashes[2] in cpu and hashes[4] not in cpu          # promoted up to the first miss
+    assert store.stats["promotions"] == 1
+    # Second lookup is served by the CPU tier alone for the first three blocks.
+    hits_before = redis_tier.stats["hits"]
+    assert (await store.get_many(hashes[:3])) == [block(h) for h in hashes[:3]]
+    assert redis_tier.stats["hits"] == hits_before
+
+
+async def test_tiered_store_write_through_and_rejects_bad_puts(redis_tier: RedisTier) -> None:
+    h0, h1 = chain(2)
+    cpu = CpuTier(capacity_bytes=10 * SPEC.encoded_nbytes, pin_memory=False)
+    store = TieredStore(SPEC, cpu, redis_tier)
+    partial = encode_block(SPEC, None, 2, torch.zeros(SPEC.shape, dtype=SPEC.dtype))
+    await store.put_many([(h0, block(h0)), (h1, partial)])
+    assert store.stats["rejected_puts"] == 1
+    assert await redis_tier.get_many([h0, h1]) == [block(h0), None]
+    fresh = TieredStore(SPEC, CpuTier(10 * SPEC.encoded_nbytes, pin_memory=False), redis_tier)
+    assert await fresh.get_many([h0, h1]) == [block(h0), None]
+
+
+async def test_tiered_store_without_redis() -> None:
+    h0, h1 = chain(2)
+    store = TieredStore(SPEC, CpuTier(10 * SPEC.encoded_nbytes, pin_memory=False))
+    await store.put_many([(h1, block(h1))])
+    assert await store.get_many([h0, h1]) == [None, None]  # h1 alone is useless without h0

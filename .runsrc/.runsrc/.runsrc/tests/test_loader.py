@@ -1,0 +1,378 @@
+"""Loader tests: HF safetensors (single + sharded), GGUF (tiny written here + SmolLM2), dummy, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from engine.config import ConfigError, LoadConfig
+from engine.loader import ModelLoadError, ModelSource, load_model_source
+from engine.loader.gguf_file import unpermute_qk
+from engine.loader.load import DEFAULT_GGUF, default_model_path
+
+TINY: dict[str, Any] = dict(vocab_size=128, hidden_size=64, intermediate_size=96,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            max_position_embeddings=256)
+
+
+def _weights(source: ModelSource) -> dict[str, torch.Tensor]:
+    assert source.weights is not None
+    out: dict[str, torch.Tensor] = {}
+    for name, t in source.weights():
+        assert name not in out, f"{name} yielded twice"
+        out[name] = t
+    return out
+
+
+def _expected_state(model: torch.nn.Module, tied: bool) -> dict[str, torch.Tensor]:
+    sd = {k: v for k, v in model.state_dict().items() if not k.endswith("rotary_emb.inv_freq")}
+    if tied:
+        sd.pop("lm_head.weight")
+    return sd
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[LlamaForCausalLM, Path, Path]:
+    torch.manual_seed(0)
+    # transformers>=5 writes RoPE settings as config.json `rope_parameters`
+    rope = {"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 128}
+    cfg = LlamaConfig(**TINY, bos_token_id=1, eos_token_id=[2, 3], rms_norm_eps=1e-5,
+                      tie_word_embeddings=False, rope_parameters=rope)
+    model = LlamaForCausalLM(cfg)
+    single = tmp_path_factory.mktemp("llama_single")
+    sharded = tmp_path_factory.mktemp("llama_sharded")
+    model.save_pretrained(single, safe_serialization=True)
+    model.save_pretrained(sharded, safe_serialization=True, max_shard_size="50KB")
+    return model, single, sharded
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Qwen2ForCausalLM, Path]:
+    torch.manual_seed(1)
+    rope = {"rope_type": "default", "rope_theta": 1e6}
+    model = Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=True, rope_parameters=rope))
+    path = tmp_path_factory.mktemp("qwen2")
+    model.save_pretrained(path, safe_serialization=True)
+    return model, path
+
+
+# ---- Hugging Face directories ------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", ["single", "sharded"])
+def test_hf_llama_weights_and_config(tiny_llama: tuple, layout: str) -> None:
+    model, single, sharded = tiny_llama
+    path = single if layout == "single" else sharded
+    if layout == "sharded":
+        assert (path / "model.safetensors.index.json").exists()
+        assert len(list(path.glob("*.safetensors"))) > 2
+    source = load_model_source(LoadConfig(model=str(path)))
+    got, want = _weights(source), _expected_state(model, tied=False)
+    assert set(got) == set(want)
+    for name, t in want.items():
+        torch.testing.assert_close(got[name], t, rtol=0, atol=0, msg=name)
+    c = source.config
+    assert (c.architecture, c.vocab_size, c.hidden_size, c.intermediate_size) == (
+        "LlamaForCausalLM", 128, 64, 96)
+    assert (c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (
+        2, 4, 2, 16)
+    assert c.rope_theta == 5000.0 and c.rms_norm_eps == 1e-5
+    assert c.rope_scaling_dict is not None and c.rope_scaling_dict["factor"] == 8.0
+    assert c.rope_scaling_dict["rope_type"] == "llama3"
+    assert not c.tie_word_embeddings and not c.attention_bias
+    assert c.bos_token_id == 1 and c.eos_token_ids == (2, 3)
+    assert str(Path(path).resolve()) in c.weights_id
+    assert source.default_dtype == torch.float32 and source.dummy_seed is None
+    assert source.tokenizer_source is None  # no tokenizer.json saved
+
+
+def test_hf_qwen2_bias_and_tied(tiny_qwen2: tuple) -> None:
+    model, path = tiny_qwen2
+    source = load_model_source(LoadConfig(model=str(path)))
+    got, want = _weights(source), _expected_state(model, tied=True)
+    assert set(got) == set(want)
+    assert "model.layers.1.self_attn.k_proj.bias" in got and "lm_head.weight" not in got
+    for name, t in want.items():
+        torch.testing.assert_close(got[name], t, rtol=0, atol=0, msg=name)
+    c = source.config
+    assert c.architecture == "Qwen2ForCausalLM" and c.attention_bias and c.tie_word_embeddings
+    assert c.rope_theta == 1e6 and c.rope_scaling is None
+
+
+def test_weights_stream_is_lazy_and_repeatable(tiny_llama: tuple) -> None:
+    _, _, sharded = tiny_llama
+    source = load_model_source(LoadConfig(model=str(sharded)))
+    assert source.weights is not None
+    first = next(iter(source.weights()))
+    again = dict(source.weights())
+    torch.testing.assert_close(again[first[0]], first[1])
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_generation_config_and_chat_template(tiny_llama: tuple, tmp_path: Path) -> None:
+    path = _copy(tiny_llama[1], tmp_path / "m")
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 7],
+                                                            "temperature": 0.6}))
+    templates = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": templates}))
+    source = load_model_source(LoadConfig(model=str(path)))
+    assert source.config.eos_token_ids == (2, 3, 7)
+    assert source.generation_config["temperature"] == 0.6
+    assert source.chat_template == "D"
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 9}))
+    (path / "chat_template.jinja").write_text("J")
+    source = load_model_source(LoadConfig(model=str(path)))
+    assert source.config.eos_token_ids == (2, 3, 9) and source.chat_template == "J"
+
+
+def test_missing_paths(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="nope"):
+        load_model_source(LoadConfig(model=str(tmp_path / "nope")))
+    with pytest.raises(ModelLoadError, match=r"config\.json"):
+        load_model_source(LoadConfig(model=str(tmp_path)))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
+                                                     **TINY}))
+    with pytest.raises(ModelLoadError, match="no safetensors"):
+        load_model_source(LoadConfig(model=str(tmp_path)))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "header", "garbage"])
+def test_corrupt_safetensors_named(tiny_llama: tuple, tmp_path: Path, damage: str) -> None:
+    path = _copy(tiny_llama[2], tmp_path / "m")
+    shard = sorted(path.glob("*.safetensors"))[1]
+    data = shard.read_bytes()
+    if damage == "truncate":
+        shard.write_bytes(data[: len(data) - 100])
+    elif damage == "header":
+        shard.write_bytes((2**40).to_bytes(8, "little") + data[8:])
+    else:
+        shard.write_bytes(data[:8] + b"{not json" + data[17:])
+    with pytest.raises(ModelLoadError, match=shard.name):
+        load_model_source(LoadConfig(model=str(path)))
+
+
+def test_missing_tensor_named(tiny_llama: tuple, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = _copy(tiny_llama[1], tmp_path / "m")
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_model_source(LoadConfig(model=str(path)))
+
+
+def test_missing_shard_named(tiny_llama: tuple, tmp_path: Path) -> None:
+    path = _copy(tiny_llama[2], tmp_path / "m")
+    shard = sorted(path.glob("*.safetensors"))[0]
+    shard.unlink()
+    with pytest.raises(ModelLoadError, match=shard.name):
+        load_model_source(LoadConfig(model=str(path)))
+
+
+def test_unsupported_architecture(tiny_llama: tuple, tmp_path: Path) -> None:
+    path = _copy(tiny_llama[1], tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="GPT2LMHeadModel"):
+        load_model_source(LoadConfig(model=str(path)))
+
+
+# ---- GGUF ---------------------------------------------------------------------------------------
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # convert_hf_to_gguf.py LlamaModel.permute (with n_head already set to n_head_kv for K)
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape)
+
+
+def test_unpermute_inverts_llama_cpp_permute() -> None:
+    rng = np.random.default_rng(0)
+    for n_head, head_dim, cols in [(4, 16, 8), (9, 64, 3), (3, 64, 1)]:
+        w = rng.standard_normal((n_head * head_dim, cols)).astype(np.float32)
+        permuted = _llama_cpp_permute(w, n_head)
+        assert not np.array_equal(permuted, w)
+        np.testing.assert_array_equal(unpermute_qk(permuted, n_head), w)
+    bias = rng.standard_normal(4 * 16).astype(np.float32)
+    np.testing.assert_array_equal(unpermute_qk(_llama_cpp_permute(bias, 4), 4), bias)
+
+
+_GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+               "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def _to_gguf_name(hf: str) -> str:
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
+           "output_norm.weight", "lm_head.weight": "output.weight"}
+    if hf in top:
+        return top[hf]
+    _, _, layer, rest = hf.split(".", 3)
+    module, _, suffix = rest.rpartition(".")
+    return f"blk.{layer}.{_GGUF_NAMES[module]}.{suffix}"
+
+
+def _write_gguf(path: Path, arch: str, state: dict[str, torch.Tensor], cfg: dict) -> None:
+    """A GGUF as llama.cpp's converter writes it: F32 tensors, Q/K permuted for llama."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    for name, t in state.items():
+        a = t.numpy().astype(np.float32)
+        if arch == "llama" and ".q_proj." in name:
+            a = _llama_cpp_permute(a, cfg["num_attention_heads"])
+        elif arch == "llama" and ".k_proj." in name:
+            a = _llama_cpp_permute(a, cfg["num_key_value_heads"])
+        w.add_tensor(_to_gguf_name(name), a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tiny_gguf_roundtrip(tiny_llama: tuple, tiny_qwen2: tuple, tmp_path: Path,
+                             arch: str) -> None:
+    model = tiny_llama[0] if arch == "llama" else tiny_qwen2[0]
+    tied = arch == "qwen2"
+    want = _expected_state(model, tied=tied)
+    path = tmp_path / f"tiny-{arch}.gguf"
+    _write_gguf(path, arch, want, {**TINY, "rope_theta": 5000.0})
+    source = load_model_source(LoadConfig(model=str(path)))
+    got = _weights(source)
+    assert set(got) == set(want)
+    for name, t in want.items():
+        assert got[name].dtype == torch.float32
+        torch.testing.assert_close(got[name], t, rtol=0, atol=0, msg=name)
+    c = source.config
+    assert c.architecture == ("LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM")
+    assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (64, 96, 2)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size) == (4, 2, 16, 128)
+    assert c.tie_word_embeddings == tied and c.attention_bias == tied
+    assert c.rope_theta == 5000.0 and c.max_position_embeddings == 256
+    assert c.bos_token_id == 1 and c.eos_token_ids == (2,)
+    assert source.default_dtype == torch.float32 and source.tokenizer_source == str(path)
+
+
+def test_corrupt_gguf_named(tiny_llama: tuple, tmp_path: Path) -> None:
+    good = tmp_path / "good.gguf"
+    _write_gguf(good, "llama", _expected_state(tiny_llama[0], tied=False),
+                {**TINY, "rope_theta": 5000.0})
+    data = good.read_bytes()
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(data[: len(data) - 1000])
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"GGUF" + os.urandom(64))
+    header_only = tmp_path / "header_only.gguf"
+    header_only.write_bytes(data[:200])
+    for bad in (truncated, garbage, header_only):
+        with pytest.raises(ModelLoadError, match=bad.name):
+            load_model_source(LoadConfig(model=str(bad)))
+
+
+def test_gguf_unsupported_architecture(tmp_path: Path) -> None:
+    path = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ConfigError, match="gpt2"):
+        load_model_source(LoadConfig(model=str(path)))
+
+
+def test_smollm2_gguf_matches_transformers() -> None:
+    """Default model: config from metadata; dequantized + un-permuted weights equal transformers'."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = default_model_path()
+    assert os.path.basename(path) == DEFAULT_GGUF
+    source = load_model_source(LoadConfig(model=""))
+    c = source.config
+    assert (c.architecture, c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (
+        "LlamaForCausalLM", 576, 1536, 30)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size) == (9, 3, 64, 49152)
+    assert c.tie_word_embeddings and c.rope_theta == 100000.0 and c.max_position_embeddings == 8192
+    assert c.eos_token_ids == (2,) and c.bos_token_id == 1
+    assert source.chat_template is not None and "<|im_start|>" in source.chat_template
+    assert source.tokenizer_source == path
+
+    folder, filename = os.path.split(path)
+    hf_cfg = AutoConfig.from_pretrained(folder, gguf_file=filename)
+    with torch.device("meta"):
+        ref_model = AutoModelForCausalLM.from_config(hf_cfg)
+    ref = load_gguf_checkpoint(path, return_tensors=True, model_to_load=ref_model)["tensors"]
+    ref.pop("lm_head.weight", None)
+    got = _weights(source)
+    assert set(got) == set(ref)
+    for name, t in ref.items():
+        torch.testing.assert_close(got[name], t.float(), rtol=0, atol=1e-6, msg=name)
+
+
+# ---- dummy --------------------------------------------------------------------------------------
+
+def test_dummy_presets() -> None:
+    s = load_model_source(LoadConfig(model="dummy:llama-3.1-8b", seed=7))
+    c = s.config
+    assert s.weights is None and s.tokenizer_source is None and s.dummy_seed == 7
+    assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (4096, 14336, 32)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size) == (32, 8, 128, 128256)
+    assert c.rope_theta == 500000.0 and c.max_position_embeddings == 131072
+    assert c.rope_scaling_dict == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 8192}
+    assert c.eos_token_ids == (128001, 128008, 128009) and c.bos_token_id == 128000
+    assert not c.tie_word_embeddings and s.default_dtype == torch.bfloat16
+    assert "dummy" in c.weights_id and "7" in c.weights_id
+
+    c = load_model_source(LoadConfig(model="dummy:llama-3.2-1b")).config
+    assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.head_dim) == (2048, 8192, 16, 64)
+    assert c.tie_word_embeddings and c.rope_scaling_dict is not None
+    assert c.rope_scaling_dict["factor"] == 32.0
+
+    c = load_model_source(LoadConfig(model="dummy:qwen2.5-0.5b")).config
+    assert c.architecture == "Qwen2ForCausalLM" and c.attention_bias and c.tie_word_embeddings
+    assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (896, 4864, 24)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size) == (14, 2, 64, 151936)
+    assert c.rope_theta == 1e6
+
+    c = load_model_source(LoadConfig(model="dummy:tiny")).config
+    assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (64, 128, 2)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.vocab_size) == (4, 2, 512)
+
+    with pytest.raises(ModelLoadError, match=r"llama-3\.1-8b"):
+        load_model_source(LoadConfig(model="dummy:gpt-5"))
+
+
+def test_dummy_from_config_dir(tiny_qwen2: tuple) -> None:
+    _, path = tiny_qwen2
+    s = load_model_source(LoadConfig(model=str(path), load_format="dummy", seed=3))
+    assert s.weights is None and s.dummy_seed == 3
+    assert s.config.architecture == "Qwen2ForCausalLM" and s.config.hidden_size == 64
+    assert s.default_dtype == torch.float32

@@ -1,0 +1,170 @@
+"""Sampler semantics on made-up logits (no model): greedy, seeds, top-k/top-p/min-p, penalties,
+min_tokens, logprobs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from engine.request import Request
+from engine.sampler import Sampler, _filter, apply_penalties
+from engine.sampling_params import SamplingParams
+
+V = 32
+
+
+def _req(rid: str = "r", prompt: list[int] | None = None, out: list[int] | None = None,
+         eos: tuple[int, ...] = (), **sp: Any) -> Request:
+    return Request(rid, prompt or [1, 2, 3], SamplingParams(**sp), eos_token_ids=eos,
+                   output_token_ids=out)
+
+
+def _logits(n: int, seed: int = 0, vocab: int = V) -> torch.Tensor:
+    return torch.randn(n, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax() -> None:
+    logits = _logits(6)
+    tokens, lps = Sampler()(logits, [_req(str(i), temperature=0.0) for i in range(6)])
+    assert tokens == logits.argmax(-1).tolist()
+    assert lps == [None] * 6
+
+
+def _draws(req: Request, rows: list[torch.Tensor], others: list[Request], pos: int) -> list[int]:
+    """Sample `req` once per row in `rows`, batched with `others` (req placed at index `pos`)."""
+    sampler = Sampler()
+    got = []
+    for step, row in enumerate(rows):
+        batch = list(others)
+        batch.insert(pos, req)
+        logits = _logits(len(batch), seed=1000 + step)
+        logits[pos] = row
+        tokens, _ = sampler(logits, batch)
+        got.append(tokens[pos])
+    return got
+
+
+def test_seeded_sampling_reproducible_and_batch_independent() -> None:
+    rows = list(_logits(20, seed=5) / 3)  # flat-ish distributions: draws really vary
+    alone = _draws(_req(seed=1234), rows, [], 0)
+    again = _draws(_req(seed=1234), rows, [], 0)
+    others = [_req("x", seed=99), _req("y"), _req("z", temperature=0.0), _req("w", top_k=3)]
+    batched = _draws(_req(seed=1234), rows, others, 2)
+    assert alone == again == batched
+    assert len(set(alone)) > 3, "draws should vary"
+    assert _draws(_req(seed=4321), rows, [], 0) != alone
+
+
+def test_top_k_1_and_tiny_top_p_equal_greedy() -> None:
+    logits = _logits(64, seed=2)
+    greedy = logits.argmax(-1).tolist()
+    k1, _ = Sampler()(logits, [_req(str(i), temperature=1.5, top_k=1) for i in range(64)])
+    p0, _ = Sampler()(logits, [_req(str(i), temperature=1.5, top_p=1e-6) for i in range(64)])
+    assert k1 == greedy
+    assert p0 == greedy
+
+
+def test_top_k_top_p_min_p_keep_the_right_sets() -> None:
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]])
+    probs = logits.softmax(-1)[0]  # ≈ .64 .23 .09 .03 .01 .004
+
+    def kept(**sp: Any) -> list[int]:
+        p = _filter(logits.clone(), [SamplingParams(**sp)])[0]
+        torch.testing.assert_close(p.sum(), torch.tensor(1.0))
+        return (p > 0).nonzero().flatten().tolist()
+
+    assert kept(top_k=3) == [0, 1, 2]
+    # Smallest prefix whose mass reaches top_p.
+    assert kept(top_p=0.5) == [0]
+    assert kept(top_p=float(probs[0]) + 0.01) == [0, 1]
+    assert kept(top_p=float(probs[:3].sum()) + 0.001) == [0, 1, 2, 3]
+    # min_p: tokens below min_p * max prob are dropped; the rest renormalised.
+    assert kept(min_p=0.3) == [0, 1]
+    p = _filter(logits.clone(), [SamplingParams(min_p=0.3)])[0]
+    torch.testing.assert_close(p[:2], probs[:2] / probs[:2].sum())
+    # Temperature sharpens before filtering.
+    p_cold = _filter(logits.clone(), [SamplingParams(temperature=0.5)])[0]
+    torch.testing.assert_close(p_cold, (logits[0] / 0.5).softmax(-1))
+
+
+def test_sampling_follows_the_distribution() -> None:
+    torch.manual_seed(0)
+    row = torch.tensor([1.0, 0.0, -1.0, 0.5])
+    n = 4000
+    tokens, _ = Sampler()(row.repeat(n, 1), [_req(str(i), temperature=1.0) for i in range(n)])
+    freq = torch.bincount(torch.tensor(tokens), minlength=4).float() / n
+    torch.testing.assert_close(freq, row.softmax(-1), atol=0.03, rtol=0)
+
+
+def test_samples_stay_inside_filtered_sets() -> None:
+    torch.manual_seed(1)
+    logits = _logits(1, seed=3)[0]
+    n = 500
+    top3 = set(logits.topk(3).indices.tolist())
+    tokens, _ = Sampler()(logits.repeat(n, 1), [_req(str(i), top_k=3) for i in range(n)])
+    assert set(tokens) <= top3
+    assert len(set(tokens)) > 1
+    probs = logits.softmax(-1)
+    allowed = set((probs >= 0.2 * probs.max()).nonzero().flatten().tolist())
+    tokens, _ = Sampler()(logits.repeat(n, 1), [_req(str(i), min_p=0.2) for i in range(n)])
+    assert set(tokens) <= allowed
+
+
+def test_repetition_penalty_hf_semantics() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0, -1.0, 3.0]])
+    req = _req(prompt=[0, 1], out=[1], repetition_penalty=2.0)
+    got = apply_penalties(logits.clone(), [req])
+    # Seen tokens {0, 1} (prompt + output): positive logits divided, negative multiplied.
+    torch.testing.assert_close(got, torch.tensor([[1.0, -4.0, 1.0, -1.0, 3.0]]))
+
+
+def test_presence_and_frequency_penalties_openai_semantics() -> None:
+    logits = torch.zeros(1, 5)
+    # Prompt tokens do not count; output token 2 appears three times, 4 once.
+    req = _req(prompt=[0, 0, 1], out=[2, 4, 2, 2], presence_penalty=0.5, frequency_penalty=0.25)
+    got = apply_penalties(logits.clone(), [req])
+    torch.testing.assert_close(got, torch.tensor([[0.0, 0.0, -(0.5 + 3 * 0.25), 0.0,
+                                                   -(0.5 + 0.25)]]))
+
+
+def test_penalties_steer_greedy_and_leave_others_alone() -> None:
+    logits = torch.tensor([[5.0, 4.9, 0.0], [5.0, 4.9, 0.0]])
+    plain = _req("plain", prompt=[0], temperature=0.0)
+    penal = _req("pen", prompt=[0], temperature=0.0, repetition_penalty=1.2)
+    tokens, _ = Sampler()(logits.clone(), [plain, penal])
+    assert tokens == [0, 1]
+
+
+def test_min_tokens_blocks_eos_and_stop_ids() -> None:
+    logits = torch.tensor([[0.0, 9.0, 8.0, 1.0]])  # EOS (1) then stop id (2) are the top tokens
+    early = _req(eos=(1,), temperature=0.0, min_tokens=2, max_tokens=5, stop_token_ids=[2])
+    tokens, _ = Sampler()(logits, [early])
+    assert tokens == [3]
+    done = _req(out=[3, 3], eos=(1,), temperature=0.0, min_tokens=2, max_tokens=5)
+    assert Sampler()(logits, [done])[0] == [1]
+    ignore = _req(eos=(1,), temperature=0.0, min_tokens=2, max_tokens=5, ignore_eos=True)
+    assert Sampler()(logits, [ignore])[0] == [1]  # ignore_eos: EOS is an ordinary token
+
+
+@pytest.mark.parametrize("n", [0, 1, 5])
+def test_logprobs_sorted_and_match_log_softmax(n: int) -> None:
+    logits = _logits(3, seed=7)
+    reqs = [_req("a", temperature=0.0, logprobs=n), _req("b", logprobs=n, seed=3),
+            _req("c", temperature=0.0, repetition_penalty=1.5, logprobs=n)]
+    tokens, lps = Sampler()(logits.clone(), reqs)
+    ref = logits.log_softmax(-1)  # raw model distribution, before penalties and filters
+    for i, lp in enumerate(lps):
+        assert lp is not None
+        assert lp.token_id == tokens[i]
+        assert lp.logprob == pytest.approx(float(ref[i, tokens[i]]), abs=1e-5)
+        assert len(lp.top) == n
+        vals = [v for _, v in lp.top]
+        assert vals == sorted(vals, reverse=True)
+        want = ref[i].topk(n) if n else None
+        if want is not None:
+            assert [t for t, _ in lp.top] == want.indices.tolist()
+            torch.testing.assert_close(torch.tensor(vals), want.values)
+    _, lps2 = Sampler()(logits.clone(), [_req("d", temperature=0.0)])
+    assert lps2 == [None]

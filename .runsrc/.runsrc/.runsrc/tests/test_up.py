@@ -1,0 +1,76 @@
+"""`splitserve up` starts gateway + prefill + decode, serves, and stops every child on SIGTERM —
+even when the signal arrives twice (a `timeout` or process manager signals the whole group)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _alive(marker: str) -> list[str]:
+    out = subprocess.run(["pgrep", "-f", "--", marker], capture_output=True, text=True)
+    return [p for p in out.stdout.split() if p and int(p) != os.getpid()]
+
+
+@pytest.mark.timeout(400)
+def test_up_serves_and_stops_all_children(tmp_path: Path) -> None:
+    rest, grpc_port, prefill, decode = _free_ports(4)
+    cmd = [sys.executable, "-m", "splitserve", "up", "--port", str(rest), "--grpc-port",
+           str(grpc_port), "--prefill-port", str(prefill), "--decode-port", str(decode),
+           "--log-dir", str(tmp_path / "logs"), "--max-model-len", "1024"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    marker = f"--port {prefill}"  # unique to this test's prefill worker
+    try:
+        deadline = time.monotonic() + 300
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "ready" in line or time.monotonic() > deadline:
+                break
+        assert any("ready" in ln for ln in lines), "".join(lines)
+        body = json.dumps({"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is",
+                           "max_tokens": 4, "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{rest}/v1/completions", data=body,
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            out = json.loads(r.read())
+        assert out["usage"]["completion_tokens"] == 4
+        assert _alive(marker), "the prefill worker should be running"
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)  # the repeat must not abort the orderly stop
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while _alive(marker) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _alive(marker), "a worker outlived `splitserve up`"
+        for name in ("prefill", "decode", "gateway"):
+            assert (tmp_path / "logs" / f"{name}.log").stat().st_size > 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in _alive(marker):
+            os.kill(int(pid), signal.SIGKILL)
