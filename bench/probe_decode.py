@@ -124,11 +124,12 @@ def _tput_case(batch: int, ctx: int, fp8: bool, gen: torch.Generator,
             "bad": [r for r in rows if not r.get("ok")]}
 
 
-def probe_tput() -> dict[str, Any]:
+def probe_tput(dtypes: tuple[str, ...]) -> dict[str, Any]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     cpu_gen = torch.Generator().manual_seed(0)
     res: dict[str, Any] = {}
-    for (batch, ctx), fp8 in itertools.product(TPUT_SHAPES, (False, True)):
+    kinds = [name == "fp8" for name in dtypes]
+    for (batch, ctx), fp8 in itertools.product(TPUT_SHAPES, kinds):
         key = f"{'fp8' if fp8 else 'bf16'}_b{batch}_ctx{ctx}"
         res[key] = _tput_case(batch, ctx, fp8, gen, cpu_gen)
         print(key, "best", res[key]["best"][:2], "default", res[key]["default"], flush=True)
@@ -216,10 +217,11 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--parts", default="tput,bs1")
     p.add_argument("--max-num-seqs", type=int, default=512, help="of the `engine` part")
+    p.add_argument("--dtypes", default="bf16,fp8", help="caches the `tput` part sweeps")
     args = p.parse_args()
     doc: dict[str, Any] = {"environment": environment_info()}
     parts: dict[str, Callable[[], dict[str, Any]]] = {
-        "tput": probe_tput, "bs1": probe_bs1,
+        "tput": lambda: probe_tput(tuple(args.dtypes.split(","))), "bs1": probe_bs1,
         "engine": lambda: probe_engine(doc, args.max_num_seqs)}
     for name in args.parts.split(","):
         start = time.perf_counter()
