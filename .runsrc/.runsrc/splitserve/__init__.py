@@ -1,1 +1,0 @@
-"""The `splitserve` command: subcommands import their package only when chosen."""

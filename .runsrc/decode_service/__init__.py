@@ -1,1 +1,0 @@
-"""Decode role: pulls a prompt's KV from a prefill worker and decodes with continuous batching."""

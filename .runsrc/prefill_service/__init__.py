@@ -1,1 +1,0 @@
-"""Prefill role: computes a prompt's KV, samples the first token, holds the KV under a lease."""

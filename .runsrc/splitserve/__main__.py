@@ -1,5 +1,0 @@
-import sys
-
-from splitserve.cli import main
-
-sys.exit(main())
