@@ -19,13 +19,10 @@ from conftest import interpreted_kernel_imports
 
 # The autouse fixture below turns the interpreter on again for the tests of this module only.
 with interpreted_kernel_imports():
-    import triton
-    import triton.language as tl
-
     from engine import kernels as K
     from engine.kernels import decode_attention as decode_mod
     from engine.kernels import reference as R
-    from engine.kernels._attention_tile import TileDots, _load_e4m3_as_f16_over_256, tile_dots
+    from engine.kernels._attention_tile import TileDots, tile_dots
     from engine.kernels._checks import KernelInputError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -692,39 +689,6 @@ def test_decode_fp8_one_and_three_splits_agree(q_dtype: torch.dtype) -> None:
     assert_close_for(one, want, q_dtype)
     assert_close_for(three, want, q_dtype)
     assert_close_for(three, one, q_dtype)
-
-
-with interpreted_kernel_imports():
-
-    @triton.jit
-    def _e4m3_tile_kernel(src_ptr, out_ptr, stride_tok, BLOCK_N: tl.constexpr,
-                          HEAD_DIM: tl.constexpr, BOUNDS_MASK: tl.constexpr):
-        pos = tl.arange(0, BLOCK_N)
-        tok_off = (pos * stride_tok).to(tl.int64)
-        tile = _load_e4m3_as_f16_over_256(src_ptr, tok_off, pos, BLOCK_N - 3, HEAD_DIM,
-                                          BOUNDS_MASK)
-        dims = tl.arange(0, HEAD_DIM)
-        tl.store(out_ptr + pos[:, None] * HEAD_DIM + dims[None, :], tile)
-
-
-@pytest.mark.parametrize("bounds_mask", [False, True])
-def test_e4m3_bit_move_is_exact_for_every_value(bounds_mask: bool) -> None:
-    # Every finite e4m3fn byte (normals, subnormals, +-0), in rows strided like a cache's tokens:
-    # the fp16 the fast path builds from the bits is exactly the value / 256.
-    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
-    block_n, head_dim, stride = 16, 16, 32
-    raw = torch.zeros(block_n * stride, dtype=torch.uint8)
-    values = codes[torch.arange(block_n * head_dim) % codes.numel()].view(block_n, head_dim)
-    raw.view(block_n, stride)[:, :head_dim] = values
-    src = raw.view(torch.float8_e4m3fn)
-    out = torch.full((block_n, head_dim), float("nan"), dtype=torch.float16)
-    _e4m3_tile_kernel[(1,)](src, out, stride, BLOCK_N=block_n, HEAD_DIM=head_dim,
-                            BOUNDS_MASK=bounds_mask)
-    want = values.view(torch.float8_e4m3fn).to(torch.float32) / 256
-    if bounds_mask:  # positions >= BLOCK_N - 3 are masked: zeros
-        want[block_n - 3:] = 0.0
-    assert torch.equal(out.to(torch.float32), want)
-    assert torch.equal(out.view(torch.int16) < 0, want.view(torch.int32) < 0)  # signs of zeros
 
 
 def test_fp8_inputs_are_validated() -> None:

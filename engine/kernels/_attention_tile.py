@@ -16,22 +16,17 @@ e4m3 value is a bf16/fp16/fp32 value); the callers fold the K scale into `qk_sca
 the output by the V scale, so the tile step itself never sees a KV scale. The operand dtype
 (`tile_dots`):
 
-- fp8 cache, 16-bit q (the engine's case): fp16. The K and V tiles are converted in
-  registers by moving bits (`_load_e4m3_as_f16_over_256`: exact, the values come out 2**-8 times
-  the e4m3 ones, and the two dot results are multiplied by 256, exactly). Converting with
-  `.to(fp16)` instead let Triton move the conversion after the tiles' shared-memory stage, where
-  the PV dot's V operand (pairs of positions per register) was then read one byte per
-  `ld.shared.b8`; now V is stored to shared memory as fp16 and read with `ldmatrix.trans`, as
-  in the bf16 kernel (checked in the offline sm_90a PTX). (fp8 -> bf16 has no direct instruction
-  on Hopper at all, which is why the dots are fp16 rather than bf16.) The caller multiplies q
-  by the whole `qk_scale` once, before the KV loop, and rounds it to fp16 (`fp16_scaled_q`), so
-  the QK dot yields log2-domain scores directly (`Q_PRESCALED`: no per-score multiply by the
-  scale) and q shrinks by ~log2(e) / sqrt(D) * k_scale (no fp16 overflow for realistic
-  activations; the dots accumulate in fp32). fp16 has a 10-bit mantissa, bf16 7: the scaled q
-  in fp16 is at least as precise as a bf16 q was (an fp16 q takes one more rounding at its own
-  precision). Only entries below fp16's normal range, |q * qk_scale| < 2**-14, lose relative
-  precision, and each adds at most 2**-25 * |k| to a score's error. P is rounded to fp16 for
-  the PV dot (likewise finer than bf16); acc, m_i and l_i stay float32.
+- fp8 cache, 16-bit q (the engine's case): fp16. e4m3x2 -> f16x2 is one packed `cvt` on sm_89+,
+  while e4m3 -> bf16 has no direct instruction on Hopper (it goes through f16/f32) and halved the
+  decode kernel's bandwidth on an H200. The caller multiplies q by the whole `qk_scale` once,
+  before the KV loop, and rounds it to fp16 (`fp16_scaled_q`), so the QK dot yields log2-domain
+  scores directly (`Q_PRESCALED`: no per-score multiply) and q shrinks by ~log2(e) / sqrt(D) *
+  k_scale (no fp16 overflow for realistic activations; the dots accumulate in fp32). fp16 has a
+  10-bit mantissa, bf16 7: the scaled q in fp16 is at least as precise as a bf16 q was (an fp16
+  q takes one more rounding at its own precision). Only entries below fp16's normal range,
+  |q * qk_scale| < 2**-14, lose relative precision, and each adds at most 2**-25 * |k| to a
+  score's error. P is rounded to fp16 for the PV dot (likewise finer than bf16); acc, m_i and
+  l_i stay float32.
 - fp8 cache, fp32 q: fp32 operands and IEEE dots, as for an fp32 cache (exact dequantisation;
   the slow path, kept as the precise one).
 - any other cache: q's dtype, which is the cache's.
@@ -73,7 +68,7 @@ def attend_kv_tile(
     CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong (Triton 3.9)
-    Q_PRESCALED: tl.constexpr,  # the fp16 path of an fp8 cache: q carries qk_scale, K/V bit-moved
+    Q_PRESCALED: tl.constexpr,  # q already carries qk_scale (the fp16 path of an fp8 cache)
 ):
     pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     dims = tl.arange(0, HEAD_DIM)
@@ -85,22 +80,16 @@ def attend_kv_tile(
     # int64: block_id * stride overflows int32 on large caches.
     tok_off = block_ids.to(tl.int64) * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_tok
     kv_off = tok_off[:, None] + dims[None, :]  # [BLOCK_N, HEAD_DIM]
-    if Q_PRESCALED:
-        k = _load_e4m3_as_f16_over_256(k_head_ptr, tok_off, pos, kv_limit, HEAD_DIM,
-                                       BOUNDS_MASK)
+    if BOUNDS_MASK:
+        k = tl.load(k_head_ptr + kv_off, mask=in_bounds[:, None], other=0.0)
     else:
-        if BOUNDS_MASK:
-            k = tl.load(k_head_ptr + kv_off, mask=in_bounds[:, None], other=0.0)
-        else:
-            k = tl.load(k_head_ptr + kv_off)
-        k = k.to(q.dtype)  # fp8 cache -> fp16 or fp32; a no-op when the cache is q's dtype
+        k = tl.load(k_head_ptr + kv_off)
+    k = k.to(q.dtype)  # fp8 cache -> fp16 or fp32; a no-op when the cache is q's dtype
     if UPCAST_DOT:
         q = q.to(tl.float32)
         k = k.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, BLOCK_N]
-    if Q_PRESCALED:
-        s = s * 256.0  # K came in 256 times too small (exact: a power of two)
-    else:
+    if not Q_PRESCALED:
         s = s * qk_scale
     if CAUSAL:
         visible = pos[None, :] <= q_pos[:, None]
@@ -115,45 +104,15 @@ def attend_kv_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + reduce_sum(p, 1)
-    if Q_PRESCALED:
-        v = _load_e4m3_as_f16_over_256(v_head_ptr, tok_off, pos, kv_limit, HEAD_DIM,
-                                       BOUNDS_MASK)
-    elif BOUNDS_MASK:
+    if BOUNDS_MASK:
         v = tl.load(v_head_ptr + kv_off, mask=in_bounds[:, None], other=0.0)
     else:
         v = tl.load(v_head_ptr + kv_off)
     v = v.to(q.dtype)
     if UPCAST_DOT:
         v = v.to(tl.float32)
-    pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    if Q_PRESCALED:
-        pv = pv * 256.0  # V came in 256 times too small (exact: a power of two)
-    acc = acc * alpha[:, None] + pv
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
-
-
-@triton.jit
-def _load_e4m3_as_f16_over_256(head_ptr, tok_off, pos, kv_limit, HEAD_DIM: tl.constexpr,
-                               BOUNDS_MASK: tl.constexpr):
-    """An e4m3 K or V tile `[BLOCK_N, HEAD_DIM]` as fp16 values 256 times smaller, converted in
-    registers before the tile reaches shared memory.
-
-    The e4m3 bits `s eeee mmm` moved into fp16's `s 0eeee mmm0000000` give the same value times
-    2**-8 (normal and subnormal alike; e4m3fn's NaN never occurs in a cache). The bytes are
-    loaded in pairs (int16) and interleaved back: that keeps the conversion in the load's
-    layout. Converting with `.to(fp16)` lets Triton move it after the shared-memory stage,
-    where the transposed dot operand is then read back one byte per load."""
-    pairs = tl.arange(0, HEAD_DIM // 2)
-    ptr = head_ptr.to(tl.pointer_type(tl.int16)) + (tok_off // 2)[:, None] + pairs[None, :]
-    if BOUNDS_MASK:
-        w = tl.load(ptr, mask=(pos < kv_limit)[:, None], other=0)
-    else:
-        w = tl.load(ptr)
-    lo = w & 0xFF
-    hi = (w >> 8) & 0xFF
-    lo16 = (((lo & 0x80) << 8) | ((lo & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
-    hi16 = (((hi & 0x80) << 8) | ((hi & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
-    return tl.interleave(lo16, hi16)
 
 
 @triton.jit
