@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
 import grpc
 from opentelemetry.context import Context
@@ -32,8 +32,10 @@ KV_PULL_TIMEOUT_S = 30.0
 
 
 class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
-    def __init__(self) -> None:
+    def __init__(self, kv_metadata: Sequence[tuple[str, str]] = ()) -> None:
+        """kv_metadata: sent with the lease releases this servicer makes (the credential)."""
         super().__init__()
+        self._kv_metadata = tuple(kv_metadata)
         self._releases: set[asyncio.Task[None]] = set()  # keeps fire-and-forget tasks alive
 
     async def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
@@ -99,7 +101,7 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
         """Release the prefill lease unless a whole pull took it (the loader releases then)."""
         if handle.started and not handle.failed:
             return
-        task = asyncio.ensure_future(release_unpulled(handle))
+        task = asyncio.ensure_future(release_unpulled(handle, self._kv_metadata))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 

@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from protos.auth import AuthConfigError, check_secret
+
 KvFailurePolicyName = Literal["recompute", "fail"]
 
 
@@ -24,7 +26,10 @@ class GatewayConfig:
     served_model_name: str = "SmolLM2-135M-Instruct"
     tokenizer_path: str = ""                  # tokenizer.json / .gguf; "" = the embedded SmolLM2 GGUF
     max_model_len: int = 8192                 # prompt + output tokens
-    api_key: str | None = None                # bearer token for /v1/*; None = no auth
+    api_key: str | None = None                # bearer token for /v1/* and gRPC; None = no auth
+    # The cluster's shared secret sent with every call to the workers (protos/auth.py; from
+    # SPLITSERVE_INTERNAL_TOKEN); None: the workers take calls without one.
+    internal_token: str | None = None
     max_body_bytes: int = 4 << 20             # REST request body limit (413 above it)
     max_prompt_tokens: int = 8192             # hard prompt limit, independent of max_model_len
     max_n: int = 8                            # completions per request
@@ -61,6 +66,11 @@ class GatewayConfig:
                 f"kv_failure_policy must be 'recompute' or 'fail', got {self.kv_failure_policy!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise GatewayConfigError("api_key must not be empty (omit it to disable auth)")
+        if self.internal_token is not None:
+            try:
+                check_secret(self.internal_token, "internal_token")
+            except AuthConfigError as e:
+                raise GatewayConfigError(str(e)) from None
         if self.decode_retries < 0:
             raise GatewayConfigError(f"decode_retries must be >= 0, got {self.decode_retries}")
 

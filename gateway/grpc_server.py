@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from gateway.errors import GatewayError
 from gateway.orchestrator import Finished, GenerationJob, TokenDelta
 from gateway.state import GatewayState
+from protos.auth import BearerAuthInterceptor
 from protos.splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
@@ -114,7 +115,9 @@ class GrpcFrontend:
 
     def __init__(self, state: GatewayState, host: str, port: int) -> None:
         self._state = state
-        self.server = grpc.aio.server()
+        key = state.config.api_key
+        self.server = grpc.aio.server(
+            interceptors=None if key is None else [BearerAuthInterceptor(key, "API key")])
         gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(state), self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -23,6 +23,7 @@ import grpc
 
 from gateway.errors import GatewayError
 from gateway.prefix_index import PrefixIndex, prompt_block_hashes
+from protos.auth import client_interceptors
 from protos.splitserve.v1 import (
     common_pb2,
     decode_pb2_grpc,
@@ -31,6 +32,12 @@ from protos.splitserve.v1 import (
 )
 
 log = logging.getLogger(__name__)
+
+
+
+def worker_channel(address: str, internal_token: str | None) -> grpc.aio.Channel:
+    """A channel to a worker whose calls carry the cluster's secret when there is one."""
+    return grpc.aio.insecure_channel(address, interceptors=client_interceptors(internal_token))
 
 
 @dataclass(slots=True)
@@ -53,9 +60,11 @@ class WorkerPool:
     """The workers of one role; `pick` chooses the least-loaded healthy one."""
 
     def __init__(self, role: Literal["prefill", "decode"], addresses: Sequence[str], *,
-                 poll_interval_s: float = 1.0, poll_timeout_s: float = 1.0) -> None:
+                 poll_interval_s: float = 1.0, poll_timeout_s: float = 1.0,
+                 internal_token: str | None = None) -> None:
         self.role = role
-        self.workers = [Worker(a, grpc.aio.insecure_channel(a)) for a in addresses]
+        self.internal_token = internal_token  # sent with every call (protos/auth.py)
+        self.workers = [Worker(a, worker_channel(a, internal_token)) for a in addresses]
         self._poll_interval_s = poll_interval_s
         self._poll_timeout_s = poll_timeout_s
         self._rr = 0
@@ -186,5 +195,5 @@ class Router:
                 if w.address == address:
                     return kv_transfer_pb2_grpc.KvTransferStub(w.channel)
         if address not in self._kv_channels:
-            self._kv_channels[address] = grpc.aio.insecure_channel(address)
+            self._kv_channels[address] = worker_channel(address, self.decode.internal_token)
         return kv_transfer_pb2_grpc.KvTransferStub(self._kv_channels[address])

@@ -21,6 +21,7 @@ from gateway.grpc_server import GrpcFrontend
 from gateway.openai_api import build_app
 from gateway.state import GatewayState
 from gateway.tokenization import TokenizerLike, load_tokenizer
+from protos.auth import AuthConfigError, internal_token_from_env
 from serving.tracing import setup_tracing
 
 log = logging.getLogger(__name__)
@@ -131,7 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="", help="tokenizer source: .gguf, tokenizer.json or HF dir "
                                                "(default: the embedded SmolLM2 GGUF)")
     p.add_argument("--served-model-name", default=d["served_model_name"].default)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* and as gRPC metadata on "
+                        "Generate")
     p.add_argument("--max-model-len", type=int, default=d["max_model_len"].default)
     p.add_argument("--max-tokens-cap", type=int, default=d["max_tokens_cap"].default)
     p.add_argument("--request-timeout", type=float, default=d["request_timeout_s"].default)
@@ -147,7 +150,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         colocated=args.colocated, served_model_name=args.served_model_name,
         tokenizer_path=args.model, max_model_len=args.max_model_len, api_key=args.api_key,
         max_prompt_tokens=args.max_model_len, max_tokens_cap=args.max_tokens_cap,
-        request_timeout_s=args.request_timeout, kv_failure_policy=args.kv_failure_policy)
+        request_timeout_s=args.request_timeout, kv_failure_policy=args.kv_failure_policy,
+        internal_token=internal_token_from_env())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -157,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args)
-    except GatewayConfigError as err:
+    except (GatewayConfigError, AuthConfigError) as err:
         parser.error(str(err))
     setup_tracing("splitserve-gateway")  # a no-op unless OTEL_EXPORTER_OTLP_ENDPOINT is set
     asyncio.run(serve_gateway(config, args.host, args.port, args.grpc_port))

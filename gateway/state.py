@@ -32,7 +32,8 @@ class GatewayState:
         """Wire the parts together (no I/O: call `router.start()` inside the loop)."""
         def pool(role: str, addresses: tuple[str, ...]) -> WorkerPool:
             return WorkerPool(role, addresses, poll_interval_s=config.load_poll_interval_s,  # type: ignore[arg-type]
-                              poll_timeout_s=config.load_poll_timeout_s)
+                              poll_timeout_s=config.load_poll_timeout_s,
+                              internal_token=config.internal_token)
 
         router = Router(None if config.colocated else pool("prefill", config.prefill_addresses),
                         pool("decode", config.decode_addresses))

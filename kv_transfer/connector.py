@@ -163,12 +163,14 @@ class GrpcPullConnector(KvConnectorWorker):
 
     loop: the event loop transfers run on (the service's); start_load_kv may be called from any
     thread. kv_scales: local per-layer scales [num_layers, 2] for 1-byte KV; incoming blocks must
-    carry equal scales. Mutates: its own in-flight/finished tables under `_lock`.
+    carry equal scales. metadata: sent with every call (the cluster's credential). Mutates: its own in-flight/finished tables under `_lock`.
     """
 
     def __init__(self, spec: BlockSpec, sink: KvBlockSink, loop: asyncio.AbstractEventLoop,
-                 timeout_s: float = 30.0, kv_scales: torch.Tensor | None = None) -> None:
+                 timeout_s: float = 30.0, kv_scales: torch.Tensor | None = None,
+                 metadata: Sequence[tuple[str, str]] = ()) -> None:
         self._spec = spec
+        self._metadata = tuple(metadata)
         self._sink = sink
         self._loop = loop
         self._timeout_s = timeout_s
@@ -213,7 +215,8 @@ class GrpcPullConnector(KvConnectorWorker):
                     first_block: int = 0) -> LoadResult:
         blocks = pull_blocks(handle.worker_address, handle.request_id, self._spec,
                              handle.num_blocks, self._timeout_s,
-                             num_tokens_expected=handle.num_tokens, first_block=first_block)
+                             num_tokens_expected=handle.num_tokens, first_block=first_block,
+                             metadata=self._metadata)
         try:
             async with aclosing(blocks):
                 async for index, block in blocks:
@@ -237,7 +240,8 @@ class GrpcPullConnector(KvConnectorWorker):
 
     async def _release(self, handle: KvHandle) -> None:
         try:
-            await release(handle.worker_address, handle.request_id, self._timeout_s)
+            await release(handle.worker_address, handle.request_id, self._timeout_s,
+                          self._metadata)
         except KvTransferError as exc:  # the lease expires on its own; the data is already here
             log.info("release of KV lease %s failed: %s", handle.request_id, exc)
 

@@ -15,7 +15,7 @@ Any failure on the client (gRPC status, deadline, malformed fragments, a block t
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import AsyncExitStack, aclosing
 from dataclasses import dataclass
 from typing import Protocol
@@ -251,6 +251,7 @@ async def pull_blocks(
     timeout_s: float,
     num_tokens_expected: int | None = None,
     first_block: int = 0,
+    metadata: Sequence[tuple[str, str]] = (),
 ) -> AsyncGenerator[tuple[int, DecodedBlock], None]:
     """Pull a lease's blocks, yielding (index, verified block) as each one completes.
 
@@ -258,7 +259,8 @@ async def pull_blocks(
     caller already holds the earlier ones); indices stay the lease's.
 
     target: "host:port" (a channel is opened and closed here) or an open grpc.aio channel.
-    timeout_s: deadline of the whole pull. Raises KvTransferError on any failure, possibly after
+    timeout_s: deadline of the whole pull. metadata: sent with the call (the cluster's
+    credential, protos/auth.py). Raises KvTransferError on any failure, possibly after
     some blocks were yielded: the caller must then discard what it wrote (use `pull_all` to get
     nothing unless everything arrived).
     """
@@ -277,19 +279,20 @@ async def pull_blocks(
                 grpc.aio.insecure_channel(target, options=channel_options(MAX_FRAGMENT_BYTES)))
         items = await stack.enter_async_context(aclosing(
             _pull(channel, request_id, spec, num_blocks_expected, timeout_s, num_tokens_expected,
-                  first_block)))
+                  first_block, metadata)))
         async for item in items:
             yield item
 
 
 async def _pull(channel: grpc.aio.Channel, request_id: str, spec: BlockSpec, num_blocks: int,
                 timeout_s: float, num_tokens_expected: int | None, first_block: int = 0,
+                metadata: Sequence[tuple[str, str]] = (),
                 ) -> AsyncGenerator[tuple[int, DecodedBlock], None]:
     stub = kv_transfer_pb2_grpc.KvTransferStub(channel)
     request = kv_transfer_pb2.PullBlocksRequest(request_id=request_id,
                                                 fingerprint=spec.fingerprint,
                                                 first_block=first_block)
-    call = stub.PullBlocks(request, timeout=timeout_s)
+    call = stub.PullBlocks(request, timeout=timeout_s, metadata=tuple(metadata))
     reassembler = _Reassembler(spec, num_blocks, first_block)
     try:
         async for frag in call:
@@ -313,29 +316,32 @@ async def pull_all(
     timeout_s: float,
     num_tokens_expected: int | None = None,
     first_block: int = 0,
+    metadata: Sequence[tuple[str, str]] = (),
 ) -> list[DecodedBlock]:
     """All blocks in order (from `first_block`), or KvTransferError: never a partial list."""
     blocks: list[DecodedBlock] = []
     async with aclosing(pull_blocks(target, request_id, spec, num_blocks_expected, timeout_s,
-                                    num_tokens_expected, first_block)) as items:
+                                    num_tokens_expected, first_block, metadata)) as items:
         async for _, block in items:
             blocks.append(block)
     return blocks
 
 
-async def release(target: str | grpc.aio.Channel, request_id: str, timeout_s: float = 5.0) -> bool:
+async def release(target: str | grpc.aio.Channel, request_id: str, timeout_s: float = 5.0,
+                  metadata: Sequence[tuple[str, str]] = ()) -> bool:
     """Ask the prefill worker to drop the lease; False if it had none (released or expired)."""
     if isinstance(target, str):
         async with grpc.aio.insecure_channel(target) as channel:
-            return await _release(channel, request_id, timeout_s)
-    return await _release(target, request_id, timeout_s)
+            return await _release(channel, request_id, timeout_s, metadata)
+    return await _release(target, request_id, timeout_s, metadata)
 
 
-async def _release(channel: grpc.aio.Channel, request_id: str, timeout_s: float) -> bool:
+async def _release(channel: grpc.aio.Channel, request_id: str, timeout_s: float,
+                   metadata: Sequence[tuple[str, str]]) -> bool:
     stub = kv_transfer_pb2_grpc.KvTransferStub(channel)
     try:
         response = await stub.Release(kv_transfer_pb2.ReleaseRequest(request_id=request_id),
-                                      timeout=timeout_s)
+                                      timeout=timeout_s, metadata=tuple(metadata))
     except grpc.aio.AioRpcError as err:
         raise _rpc_failure(err) from err
     return response.released

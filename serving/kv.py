@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ from engine.scheduler import KvLoad
 from kv_transfer.connector import GrpcPullConnector, KvHandle, LoadResult
 from kv_transfer.grpc_transport import KvTransferError, LeaseView, release
 from kv_transfer.wire import BlockSpec
+from protos.auth import bearer_metadata
 from protos.splitserve.v1 import common_pb2, decode_pb2
 from serving import tracing
 
@@ -114,8 +116,10 @@ class GrpcKvLoader:
     success. On failure, policy `recompute` returns False (the engine recomputes the prompt) and
     policy `fail` raises KvLoadAbort (the request fails with UNAVAILABLE)."""
 
-    def __init__(self, engine: LLMEngine, timeout_s: float = 30.0) -> None:
+    def __init__(self, engine: LLMEngine, timeout_s: float = 30.0,
+                 auth_token: str | None = None) -> None:
         self._spec = block_spec(engine)
+        self._metadata = bearer_metadata(auth_token)
         self._kv_scales = kv_scales(engine)
         self._sink = RunnerSink(engine)
         self._timeout_s = timeout_s
@@ -127,7 +131,8 @@ class GrpcKvLoader:
         if self._connector is None:  # needs the running loop
             self._connector = GrpcPullConnector(self._spec, self._sink, asyncio.get_running_loop(),
                                                 timeout_s=self._timeout_s,
-                                                kv_scales=self._kv_scales)
+                                                kv_scales=self._kv_scales,
+                                                metadata=self._metadata)
         return self._connector
 
     async def __call__(self, load: KvLoad) -> bool:
@@ -173,10 +178,12 @@ class GrpcKvLoader:
         return result
 
 
-async def release_unpulled(h: RemoteKvHandle) -> None:
+async def release_unpulled(h: RemoteKvHandle, metadata: Sequence[tuple[str, str]] = ()) -> None:
     """Drop the prefill lease of a request that will never pull it whole (it ended before its
-    load began, or the pull failed): nobody else would release it before the lease expires."""
+    load began, or the pull failed): nobody else would release it before the lease expires.
+    metadata: sent with the call (the cluster's credential)."""
     try:
-        await release(h.handle.worker_address, h.handle.request_id, timeout_s=5.0)
+        await release(h.handle.worker_address, h.handle.request_id, timeout_s=5.0,
+                      metadata=metadata)
     except KvTransferError as e:  # the lease will expire on its own
         logger.info("release of unpulled %s failed: %s", h.handle.request_id, e)

@@ -21,6 +21,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from kv_transfer.grpc_transport import KvTransferServicer
+from protos.auth import INTERNAL_TOKEN_ENV, BearerAuthInterceptor, bearer_metadata
 from protos.splitserve.v1 import (
     decode_pb2,
     decode_pb2_grpc,
@@ -54,16 +55,22 @@ class WorkerHandle:
 async def start_worker(config: EngineConfig, host: str, port: int,
                        advertise_address: str | None = None,
                        engine_factory: Callable[[EngineConfig], LLMEngine] | None = None,
+                       auth_token: str | None = None,
                        ) -> WorkerHandle:
     """Start a worker for `config.scheduler.role`; returns once the port is bound. The engine
-    loads in the background; `handle.ready` is set when it serves."""
+    loads in the background; `handle.ready` is set when it serves.
+
+    auth_token: the cluster's shared secret (protos/auth.py). With it, every call but a health
+    check must carry it, and a decode worker sends it with its KV pulls."""
     from decode_service.servicer import DecodeServicer
     from prefill_service.servicer import PrefillServicer
 
     role = config.scheduler.role
     opts = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.so_reuseport", 0)]
-    server = grpc.aio.server(options=opts)
+    interceptors = (None if auth_token is None
+                    else [BearerAuthInterceptor(auth_token, INTERNAL_TOKEN_ENV)])
+    server = grpc.aio.server(options=opts, interceptors=interceptors)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     services = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
@@ -75,7 +82,7 @@ async def start_worker(config: EngineConfig, host: str, port: int,
     address = advertise_address or f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{bound}"
 
     prefill = PrefillServicer(address)
-    decode = DecodeServicer()
+    decode = DecodeServicer(kv_metadata=bearer_metadata(auth_token))
     if role == "prefill":
         prefill_pb2_grpc.add_PrefillServicer_to_server(prefill, server)
         services.append(prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name)
@@ -100,7 +107,8 @@ async def start_worker(config: EngineConfig, host: str, port: int,
         except Exception:
             logger.exception("engine failed to load")
             raise
-        aengine = AsyncEngine(engine, kv_loader=GrpcKvLoader(engine) if role == "decode" else None)
+        loader = GrpcKvLoader(engine, auth_token=auth_token) if role == "decode" else None
+        aengine = AsyncEngine(engine, kv_loader=loader)
         aengine.start()
         handle.aengine = aengine
         prefill.bind(aengine)

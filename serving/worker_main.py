@@ -12,6 +12,7 @@ import logging
 from collections.abc import Sequence
 
 from engine.cli_args import add_engine_args, engine_config_from_args
+from protos.auth import INTERNAL_TOKEN_ENV, AuthConfigError, internal_token_from_env
 from serving.tracing import setup_tracing
 
 logger = logging.getLogger("splitserve.serve")
@@ -37,7 +38,8 @@ async def _serve_worker(args: argparse.Namespace) -> None:
 
     config = engine_config_from_args(args, role=args.role)
     port = args.port if args.port is not None else {"prefill": 50061, "decode": 50062}[args.role]
-    handle = await start_worker(config, args.host, port, advertise_address=args.advertise)
+    handle = await start_worker(config, args.host, port, advertise_address=args.advertise,
+                                auth_token=internal_token_from_env())
     await run_until_signal(handle.stop, watch=handle.load_task)
 
 
@@ -47,14 +49,16 @@ async def _serve_colocated(argv: list[str], args: argparse.Namespace) -> None:
     from serving.server import run_until_signal, start_worker
 
     config = engine_config_from_args(args, role="colocated")
-    worker = await start_worker(config, "127.0.0.1", 0)
+    token = internal_token_from_env()
+    worker = await start_worker(config, "127.0.0.1", 0, auth_token=token)
     assert worker.ready is not None and worker.load_task is not None
     await worker.load_task
     assert worker.aengine is not None
     eng = worker.aengine.engine
     gw_config = GatewayConfig(decode_addresses=(f"127.0.0.1:{worker.port}",), colocated=True,
                               tokenizer_path=eng.tokenizer_source or "",
-                              max_model_len=eng.max_model_len, max_prompt_tokens=eng.max_model_len)
+                              max_model_len=eng.max_model_len, max_prompt_tokens=eng.max_model_len,
+                              internal_token=token)
     gw = GatewayServer(gw_config, rest_host=args.gateway_host, rest_port=args.port or 8000,
                        grpc_host=args.gateway_host, grpc_port=args.grpc_port)
     await gw.start()
@@ -92,4 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuntimeError as e:
         logger.error("%s: %s", e, e.__cause__)
         return 1
+    except AuthConfigError as e:
+        logger.error("%s (the environment variable %s)", e, INTERNAL_TOKEN_ENV)
+        return 2
     return 0

@@ -2,13 +2,16 @@
 
 Waits until every service reports healthy, prints where to send requests, keeps a log per
 service under --log-dir, and on Ctrl-C / SIGTERM stops them all (gateway first, so in-flight
-requests drain, then the workers).
+requests drain, then the workers). The workers take only calls that carry the stack's secret
+(protos/auth.py): SPLITSERVE_INTERNAL_TOKEN if set, else a random one made here and handed to
+the three processes in their environment.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -16,6 +19,8 @@ import time
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+
+from protos.auth import INTERNAL_TOKEN_ENV, AuthConfigError, internal_token_from_env
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,9 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _spawn(name: str, args: list[str], log_dir: Path) -> subprocess.Popen[bytes]:
+def _spawn(name: str, args: list[str], log_dir: Path, token: str) -> subprocess.Popen[bytes]:
     log = open(log_dir / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the child
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", INTERNAL_TOKEN_ENV: token}
     return subprocess.Popen([sys.executable, "-m", "splitserve", "serve", *args], stdout=log,
                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -85,13 +90,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "--cpu-threads" not in engine_args:
         # Two engines share this machine: on the CPU each gets half of the cores.
         engine_args = [*engine_args, "--cpu-threads", str(max(1, (os.cpu_count() or 2) // 2))]
+    try:
+        token = internal_token_from_env() or secrets.token_urlsafe(32)
+    except AuthConfigError as e:
+        print(f"splitserve: {INTERNAL_TOKEN_ENV}: {e}", file=sys.stderr)
+        return 2
     prefill_addr = f"127.0.0.1:{args.prefill_port}"
     decode_addr = f"127.0.0.1:{args.decode_port}"
     try:
         procs["prefill"] = _spawn("prefill", ["--role", "prefill", "--port", str(args.prefill_port),
-                                              *engine_args], log_dir)
+                                              *engine_args], log_dir, token)
         procs["decode"] = _spawn("decode", ["--role", "decode", "--port", str(args.decode_port),
-                                            *engine_args], log_dir)
+                                            *engine_args], log_dir, token)
         gw = ["--role", "gateway", "--prefill", prefill_addr, "--decode", decode_addr,
               "--host", args.host, "--port", str(args.port), "--grpc-port", str(args.grpc_port)]
         model = _flag(engine_args, "--model")
@@ -102,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             gw += ["--max-model-len", max_len]
         if args.api_key:
             gw += ["--api-key", args.api_key]
-        procs["gateway"] = _spawn("gateway", gw, log_dir)
+        procs["gateway"] = _spawn("gateway", gw, log_dir, token)
         health = f"http://127.0.0.1:{args.port}/health"
         deadline = time.monotonic() + args.startup_timeout
         print(f"splitserve: starting (logs in {log_dir}/)...", flush=True)

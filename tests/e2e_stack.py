@@ -7,7 +7,9 @@ session fixtures exist once for the whole run) plus helpers:
   tests stay synchronous and talk to them over sockets (the `openai` client, httpx, sync gRPC
   stubs) or hand it a coroutine with `LoopThread.run(coro, timeout_s)`.
 - `Stack`: prefill + decode workers (or one colocated worker) and a `GatewayServer` in front,
-  all on 127.0.0.1 with ephemeral ports. Loading an engine takes ~15-60 s on 2 shared cores, so
+  all on 127.0.0.1 with ephemeral ports. The disaggregated stack's workers require the cluster
+  secret `INTERNAL_TOKEN` (gateway -> workers and decode -> prefill KV pulls carry it: every
+  disaggregated test runs authenticated); the colocated one runs without (the default). Loading an engine takes ~15-60 s on 2 shared cores, so
   the fixtures `disagg_stack` and `colocated_stack` are session-scoped and shared by every e2e
   test; `loop_thread` runs them and stops everything at the end.
 
@@ -33,6 +35,7 @@ from engine.llm_engine import LLMEngine
 from engine.tokenizer import Tokenizer
 from gateway.config import GatewayConfig
 from gateway.server import GatewayServer
+from protos.auth import bearer_metadata
 from protos.splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from serving.server import WorkerHandle, start_worker
 
@@ -51,6 +54,7 @@ LOAD_TIMEOUT_S = 300.0
 IDLE_TIMEOUT_S = 30.0
 RPC_TIMEOUT_S = 120.0
 MODEL_NAME = "SmolLM2-135M-Instruct"
+INTERNAL_TOKEN = "e2e-internal-token-0123456789abcdef"
 
 
 def engine_config(role: Role) -> EngineConfig:
@@ -100,6 +104,7 @@ class Stack:
     loop: LoopThread
     workers: dict[str, WorkerHandle]
     gateway: GatewayServer
+    internal_token: str | None = None
     stopped: bool = field(default=False)
 
     @property
@@ -164,18 +169,20 @@ def wait_engines_idle(loop: LoopThread, workers: Sequence[WorkerHandle], timeout
 
 async def _start_stack(loop: LoopThread, colocated: bool) -> Stack:
     roles: list[Role] = ["colocated"] if colocated else ["prefill", "decode"]
+    token = None if colocated else INTERNAL_TOKEN
     workers: dict[str, WorkerHandle] = {
-        r: await start_worker(engine_config(r), HOST, 0) for r in roles}
+        r: await start_worker(engine_config(r), HOST, 0, auth_token=token) for r in roles}
     loads = [w.load_task for w in workers.values() if w.load_task is not None]
     await asyncio.wait_for(asyncio.gather(*loads), LOAD_TIMEOUT_S)
     engine = next(w.aengine.engine for w in workers.values() if w.aengine is not None)
     # The gateway gets the engine's tokenizer object (same file, same class) to save a reload.
-    gateway = GatewayServer(_gateway_config(workers, colocated), rest_host=HOST, rest_port=0,
-                            grpc_host=HOST, grpc_port=0, tokenizer=engine.tokenizer)
-    return Stack(loop, workers, gateway)
+    gateway = GatewayServer(_gateway_config(workers, colocated, token), rest_host=HOST,
+                            rest_port=0, grpc_host=HOST, grpc_port=0, tokenizer=engine.tokenizer)
+    return Stack(loop, workers, gateway, token)
 
 
-def _gateway_config(workers: dict[str, WorkerHandle], colocated: bool) -> GatewayConfig:
+def _gateway_config(workers: dict[str, WorkerHandle], colocated: bool,
+                    internal_token: str | None) -> GatewayConfig:
     any_engine = next(w.aengine.engine for w in workers.values() if w.aengine is not None)
     decode = workers["colocated" if colocated else "decode"]
     return GatewayConfig(
@@ -183,7 +190,43 @@ def _gateway_config(workers: dict[str, WorkerHandle], colocated: bool) -> Gatewa
         decode_addresses=(f"{HOST}:{decode.port}",), colocated=colocated,
         served_model_name=MODEL_NAME, tokenizer_path=any_engine.tokenizer_source or "",
         max_model_len=MAX_MODEL_LEN, max_prompt_tokens=MAX_MODEL_LEN,
-        load_poll_interval_s=0.5, shutdown_grace_s=2.0)
+        load_poll_interval_s=0.5, shutdown_grace_s=2.0, internal_token=internal_token)
+
+
+class _WithMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds fixed metadata to every call of a sync channel (the aio side: protos/auth.py)."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._metadata = metadata
+
+    def _details(self, details: Any) -> Any:
+        return _CallDetails(details.method, details.timeout,
+                            [*(details.metadata or ()), *self._metadata], details.credentials,
+                            details.wait_for_ready, details.compression)
+
+    def intercept_unary_unary(self, continuation: Any, client_call_details: Any,
+                              request: Any) -> Any:
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation: Any, client_call_details: Any,
+                               request: Any) -> Any:
+        return continuation(self._details(client_call_details), request)
+
+
+@dataclass(frozen=True)
+class _CallDetails(grpc.ClientCallDetails):
+    method: str
+    timeout: float | None
+    metadata: Any
+    credentials: Any
+    wait_for_ready: bool | None
+    compression: Any
+
+
+def worker_channel(stack: Stack, role: str) -> grpc.Channel:
+    """A sync channel straight to one of the stack's workers, carrying its secret (if any)."""
+    channel = grpc.insecure_channel(f"{HOST}:{stack.workers[role].port}")
+    return grpc.intercept_channel(channel, _WithMetadata(bearer_metadata(stack.internal_token)))
 
 
 def start_stack(loop: LoopThread, colocated: bool) -> Stack:

@@ -23,6 +23,7 @@ from e2e_stack import (  # noqa: E402
     BLOCK_SIZE,
     HOST,
     IDLE_TIMEOUT_S,
+    INTERNAL_TOKEN,
     MAX_MODEL_LEN,
     MODEL_NAME,
     ORACLE_MAX_TOKENS,
@@ -32,11 +33,13 @@ from e2e_stack import (  # noqa: E402
     generate,
     greedy_sampling,
     start_ready_worker,
+    worker_channel,
 )
 
 from gateway.config import GatewayConfig  # noqa: E402
 from gateway.server import GatewayServer  # noqa: E402
 from kv_transfer.grpc_transport import MAX_FRAGMENT_BYTES, channel_options  # noqa: E402
+from protos.auth import bearer_metadata  # noqa: E402
 from protos.splitserve.v1 import (  # noqa: E402
     decode_pb2,
     decode_pb2_grpc,
@@ -56,6 +59,8 @@ RPC_TIMEOUT_S = 120.0
 LONG_MAX_TOKENS = 1000  # far more than a cancelled request may run
 RECOMPUTE = decode_pb2.KV_FAILURE_POLICY_RECOMPUTE
 FAIL = decode_pb2.KV_FAILURE_POLICY_FAIL
+# What the test's own proxies send to the disaggregated stack's workers.
+UPSTREAM_AUTH = bearer_metadata(INTERNAL_TOKEN)
 
 
 def _decode_steps(stack: Stack) -> int:
@@ -208,7 +213,7 @@ def test_bad_input_leaves_the_stack_idle_and_serving(disagg_stack: Stack,
 # ---- bad input straight to the workers -----------------------------------------------------------
 
 def _worker_channel(stack: Stack, role: str) -> grpc.Channel:
-    return grpc.insecure_channel(f"{HOST}:{stack.workers[role].port}")
+    return worker_channel(stack, role)
 
 
 def test_worker_rejects_bad_prefill_and_decode(disagg_stack: Stack) -> None:
@@ -469,7 +474,8 @@ class _FaultyKvProxy(kv_transfer_pb2_grpc.KvTransferServicer):
     async def PullBlocks(self, request, context):  # type: ignore[no-untyped-def]
         async with grpc.aio.insecure_channel(self.upstream, options=channel_options(
                 MAX_FRAGMENT_BYTES)) as channel:
-            async for frag in kv_transfer_pb2_grpc.KvTransferStub(channel).PullBlocks(request):
+            async for frag in kv_transfer_pb2_grpc.KvTransferStub(channel).PullBlocks(
+                    request, metadata=UPSTREAM_AUTH):
                 if self.mode == "truncate" and frag.block_index >= 1:
                     return
                 if self.mode == "corrupt" and frag.block_index == 1 and frag.offset == 0:
@@ -480,7 +486,8 @@ class _FaultyKvProxy(kv_transfer_pb2_grpc.KvTransferServicer):
 
     async def Release(self, request, context):  # type: ignore[no-untyped-def]
         async with grpc.aio.insecure_channel(self.upstream) as channel:
-            return await kv_transfer_pb2_grpc.KvTransferStub(channel).Release(request)
+            return await kv_transfer_pb2_grpc.KvTransferStub(channel).Release(
+                request, metadata=UPSTREAM_AUTH)
 
 
 @pytest.fixture(scope="module")
@@ -590,7 +597,7 @@ def test_gateway_without_a_live_prefill_worker_answers_503(loop_thread: LoopThre
                            decode_addresses=(f"{HOST}:{disagg_stack.workers['decode'].port}",),
                            served_model_name=MODEL_NAME, max_model_len=MAX_MODEL_LEN,
                            max_prompt_tokens=MAX_MODEL_LEN, load_poll_interval_s=0.5,
-                           shutdown_grace_s=1.0)
+                           shutdown_grace_s=1.0, internal_token=disagg_stack.internal_token)
     gateway = GatewayServer(config, rest_host=HOST, rest_port=0, grpc_host=HOST, grpc_port=0,
                             tokenizer=disagg_stack.tokenizer)
     loop_thread.run(gateway.start(), 60)
@@ -662,7 +669,8 @@ class _DecodeFront(decode_pb2_grpc.DecodeServicer):
 
     async def GetLoad(self, request, context):  # type: ignore[no-untyped-def]
         async with grpc.aio.insecure_channel(self.upstream) as channel:
-            return await decode_pb2_grpc.DecodeStub(channel).GetLoad(request, timeout=5)
+            return await decode_pb2_grpc.DecodeStub(channel).GetLoad(request, timeout=5,
+                                                                     metadata=UPSTREAM_AUTH)
 
     async def Decode(self, request, context):  # type: ignore[no-untyped-def]
         self.state.calls += 1
@@ -677,7 +685,7 @@ class _DecodeFront(decode_pb2_grpc.DecodeServicer):
         self.state.with_handle.append(request.HasField("kv_handle"))
         async with grpc.aio.insecure_channel(self.upstream) as channel:
             async for response in decode_pb2_grpc.DecodeStub(channel).Decode(
-                    request, timeout=RPC_TIMEOUT_S):
+                    request, timeout=RPC_TIMEOUT_S, metadata=UPSTREAM_AUTH):
                 if response.WhichOneof("response") == "complete":
                     self.state.recomputed.append(response.complete.kv_recomputed)
                 yield response
@@ -706,7 +714,8 @@ def _gateway_via_fronts(loop_thread: LoopThread, stack: Stack, modes: list[str]
     config = GatewayConfig(prefill_addresses=(f"{HOST}:{stack.workers['prefill'].port}",),
                            decode_addresses=tuple(fronts), served_model_name=MODEL_NAME,
                            max_model_len=MAX_MODEL_LEN, max_prompt_tokens=MAX_MODEL_LEN,
-                           load_poll_interval_s=0.5, shutdown_grace_s=1.0)
+                           load_poll_interval_s=0.5, shutdown_grace_s=1.0,
+                           internal_token=stack.internal_token)
     gateway = GatewayServer(config, rest_host=HOST, rest_port=0, grpc_host=HOST, grpc_port=0,
                             tokenizer=stack.tokenizer)
     loop_thread.run(gateway.start(), 60)

@@ -338,6 +338,17 @@ def check_api_key(objs: list[Obj]) -> None:
     assert not ref.get("optional", False), "an optional key would pass '$(SPLITSERVE_API_KEY)' literally"
 
 
+def check_internal_token(objs: list[Obj]) -> None:
+    """Every pod gets the cluster secret of internal calls from one required Secret key."""
+    for dep in of_kind(objs, "Deployment"):
+        env = [e for e in containers(dep)[0].get("env", [])
+               if e["name"] == "SPLITSERVE_INTERNAL_TOKEN"]
+        assert env, f"{name(dep)}: SPLITSERVE_INTERNAL_TOKEN env missing"
+        ref = env[0]["valueFrom"]["secretKeyRef"]
+        assert ref["name"].startswith("splitserve-internal-token") and ref["key"] == "token"
+        assert not ref.get("optional", False), f"{name(dep)}: an optional secret runs unauthenticated"
+
+
 def check_shared_engine_flags(objs: list[Obj]) -> None:
     """Flags bound into the model fingerprint come from one ConfigMap in every pool."""
     by_role = {component(d): container_args(containers(d)[0]) for d in of_kind(objs, "Deployment")}
@@ -445,7 +456,7 @@ def check_args_parse(objs: list[Obj]) -> None:
 
 
 SERVING_CHECKS = (check_deployment_ports, check_worker_probes, check_gateway_routes,
-                  check_env_refs, check_prefill_advertise, check_api_key,
+                  check_env_refs, check_prefill_advertise, check_api_key, check_internal_token,
                   check_shared_engine_flags, check_security, check_pdbs, check_args_parse)
 
 
