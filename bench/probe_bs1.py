@@ -42,8 +42,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexp
     tl.store(out_ptr + rows, tl.sum(acc, 1).to(out_ptr.dtype.element_ty))
 
 
-def _graph_time(fn: Callable[[], None], reps: int = 20) -> float:
-    """Median ms of one replay of a graph holding fn()."""
+def graph_replay_ms(fn: Callable[[], None], reps: int = 20) -> float:
+    """Median ms of one replay of a CUDA graph holding fn() (warmed up on a side stream)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -77,7 +77,7 @@ def _gemv_shape(n: int, k: int) -> dict[str, Any]:
         for w in ws:
             torch.matmul(x, w.T, out=out)
 
-    ms = _graph_time(cublas)
+    ms = graph_replay_ms(cublas)
     entry: dict[str, Any] = {"cublas_ms": ms, "cublas_tb_s": gb / ms}
     ref = torch.nn.functional.linear(x, ws[-1]).float()  # `out` ends holding the last layer's
     rows: list[dict[str, Any]] = []
@@ -92,7 +92,7 @@ def _gemv_shape(n: int, k: int) -> dict[str, Any]:
         try:
             run()
             err = (out.float() - ref).abs().max().item()
-            t = _graph_time(run)
+            t = graph_replay_ms(run)
         except Exception as e:  # a config that does not compile is recorded and skipped
             rows.append({"cfg": [bn, bk, warps, stages], "error": str(e)[:80]})
             continue

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from bench.gpu_kernels_check import shuffled_block_tables
+from bench.probe_bs1 import graph_replay_ms
 from bench.results import environment_info
 from engine.kernels._checks import FP8_KV_DTYPE
 from engine.kernels.decode_attention import (
@@ -51,29 +52,6 @@ def _do_bench(fn: Callable[[], object]) -> float:
     from triton.testing import do_bench
 
     return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
-
-
-def _graph_ms(fn: Callable[[], None], reps: int = 30) -> float:
-    """Median ms of one replay of a CUDA graph holding fn() (warmed up on a side stream)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
 
 
 def _rel_diff(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -155,13 +133,13 @@ def probe_bs1() -> dict[str, Any]:
 
     step(None, None)
     refs = [o.clone() for o in outs]
-    default_ms = _graph_ms(lambda: step(None, None))
+    default_ms = graph_replay_ms(lambda: step(None, None))
     rows: list[dict[str, Any]] = []
     for tiles, splits in itertools.product(BS1_TILES, BS1_SPLITS):
         try:
             step(tiles, splits)
             diff = max(_rel_diff(o, r) for o, r in zip(outs, refs, strict=True))
-            ms = _graph_ms(functools.partial(step, tiles, splits))
+            ms = graph_replay_ms(functools.partial(step, tiles, splits))
         except Exception as e:
             rows.append({"block_n": tiles.block_n, "splits": splits, "error": str(e)[:120]})
             continue
