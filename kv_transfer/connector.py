@@ -127,10 +127,11 @@ class KvConnectorWorker(ABC):
 
     @abstractmethod
     def start_load_kv(self, request_id: str, handle: KvHandle, block_ids: Sequence[int],
-                      first_block: int = 0) -> None:
+                      first_block: int = 0, metadata: Sequence[tuple[str, str]] = ()) -> None:
         """Begin filling local `block_ids` (prompt order, the handle's blocks from `first_block`
         on: the earlier ones are already held locally) with the KV `handle` names; returns at
-        once. Bad handles are reported through get_finished_loads, not raised."""
+        once. Bad handles are reported through get_finished_loads, not raised. metadata: sent
+        with this load's pull (e.g. its trace context), besides the connector's own."""
 
     @abstractmethod
     def get_finished_loads(self) -> list[LoadResult]:
@@ -180,13 +181,13 @@ class GrpcPullConnector(KvConnectorWorker):
         self._finished: list[LoadResult] = []
 
     def start_load_kv(self, request_id: str, handle: KvHandle, block_ids: Sequence[int],
-                      first_block: int = 0) -> None:
+                      first_block: int = 0, metadata: Sequence[tuple[str, str]] = ()) -> None:
         with self._lock:
             if request_id in self._futures:
                 raise ValueError(f"a KV load for request {request_id!r} is already in flight")
         problem = self._check_handle(handle, block_ids, first_block)
         coro = self._fail(request_id, problem) if problem else self._load(
-            request_id, handle, list(block_ids), first_block)
+            request_id, handle, list(block_ids), first_block, (*self._metadata, *metadata))
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         with self._lock:
             self._futures[request_id] = future
@@ -212,11 +213,11 @@ class GrpcPullConnector(KvConnectorWorker):
         return LoadResult(request_id, False, "spec_mismatch")
 
     async def _load(self, request_id: str, handle: KvHandle, block_ids: list[int],
-                    first_block: int = 0) -> LoadResult:
+                    first_block: int, metadata: tuple[tuple[str, str], ...]) -> LoadResult:
         blocks = pull_blocks(handle.worker_address, handle.request_id, self._spec,
                              handle.num_blocks, self._timeout_s,
                              num_tokens_expected=handle.num_tokens, first_block=first_block,
-                             metadata=self._metadata)
+                             metadata=metadata)
         try:
             async with aclosing(blocks):
                 async for index, block in blocks:

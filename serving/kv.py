@@ -147,7 +147,7 @@ class GrpcKvLoader:
                                      "splitserve.kv.blocks_pulled": len(load.block_ids),
                                      "splitserve.kv.blocks_reused": load.first_block,
                                  }) as span:
-            result = await self._pull(load, h)
+            result = await self._pull(load, h, tracing.inject_metadata(tracing.span_context(span)))
             span.set_attribute("splitserve.kv.ok", result.ok)
             if result.ok:
                 return True
@@ -158,8 +158,10 @@ class GrpcKvLoader:
             raise KvLoadAbort(f"KV transfer from {h.handle.worker_address} failed: {result.reason}")
         return False
 
-    async def _pull(self, load: KvLoad, h: RemoteKvHandle) -> LoadResult:
-        """Fill the load's blocks from the prefill worker; the outcome, failure included."""
+    async def _pull(self, load: KvLoad, h: RemoteKvHandle,
+                    trace_metadata: tuple[tuple[str, str], ...]) -> LoadResult:
+        """Fill the load's blocks from the prefill worker; the outcome, failure included.
+        trace_metadata: the `kv_pull` span as the parent of the prefill side's `kv_serve`."""
         rid = load.request.request_id
         connector = self._get_connector()
         try:
@@ -167,7 +169,8 @@ class GrpcKvLoader:
         except ValueError as e:
             result = LoadResult(rid, False, f"bad handle: {e}")
         else:
-            connector.start_load_kv(rid, handle, load.block_ids, load.first_block)
+            connector.start_load_kv(rid, handle, load.block_ids, load.first_block,
+                                    metadata=trace_metadata)
             self.blocks_pulled += len(load.block_ids)
             self.blocks_reused += load.first_block
             try:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry.trace import SpanKind
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
@@ -30,6 +31,7 @@ from protos.splitserve.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
+from serving import tracing
 
 logger = logging.getLogger(__name__)
 
@@ -139,8 +141,19 @@ class _LazyKvServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         if self._inner is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is loading")
         assert self._inner is not None
-        async for frag in self._inner.PullBlocks(request, context):
-            yield frag
+        # A server span under the decode worker's `kv_pull` (traceparent in the metadata).
+        fragments = payload = 0
+        with tracing.traced_span(
+                "splitserve.kv_serve", parent=tracing.extract_context(context.invocation_metadata()),
+                kind=SpanKind.SERVER, passthrough=(grpc.aio.AbortError,),
+                attributes={"splitserve.request_id": request.request_id,
+                            "splitserve.kv.first_block": request.first_block}) as span:
+            async for frag in self._inner.PullBlocks(request, context):
+                fragments += 1
+                payload += len(frag.data)
+                yield frag
+            span.set_attribute("splitserve.kv.fragments", fragments)
+            span.set_attribute("splitserve.kv.bytes", payload)
 
     async def Release(self, request, context):  # type: ignore[no-untyped-def]
         if self._inner is None:

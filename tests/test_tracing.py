@@ -30,7 +30,7 @@ PROMPT = ("Tracing test: the lighthouse keeper counted seventeen gulls, four her
           "cormorant and two sleepy seals on the northern rocks before the evening fog rolled "
           "in across the bay and covered the harbour lights")
 EXPECTED = {"gen_ai.generate", "prefill", "decode", "splitserve.prefill", "splitserve.decode",
-            "splitserve.kv_pull"}
+            "splitserve.kv_pull", "splitserve.kv_serve"}
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +95,10 @@ def test_one_request_is_one_trace_across_services(disagg_stack: Stack,
     prefill, decode = _one(spans, "prefill"), _one(spans, "decode")
     srv_prefill, srv_decode = _one(spans, "splitserve.prefill"), _one(spans, "splitserve.decode")
     kv_pull = _one(spans, "splitserve.kv_pull")
+    kv_serve = _one(spans, "splitserve.kv_serve")
 
     # One trace; the links: root → {prefill → splitserve.prefill, decode → splitserve.decode
-    # → splitserve.kv_pull}.
+    # → splitserve.kv_pull → splitserve.kv_serve (on the prefill worker)}.
     assert len({s.context.trace_id for s in spans if s.context is not None}) == 1
     # FastAPI's own server spans (if the installed FastAPI emits them) may sit above ours.
     assert root.parent is None or not root.parent.is_remote
@@ -107,6 +108,9 @@ def test_one_request_is_one_trace_across_services(disagg_stack: Stack,
     assert _is_child(srv_decode, decode) and srv_decode.parent is not None
     assert srv_decode.parent.is_remote
     assert _is_child(kv_pull, srv_decode)
+    assert _is_child(kv_serve, kv_pull) and kv_serve.parent is not None
+    assert kv_serve.parent.is_remote, "the KV pull's trace context came over gRPC"
+    assert kv_serve.kind == SpanKind.SERVER
     assert srv_prefill.kind == SpanKind.SERVER and srv_decode.kind == SpanKind.SERVER
 
     # GenAI semantic-convention attributes on the request span.
@@ -128,6 +132,8 @@ def test_one_request_is_one_trace_across_services(disagg_stack: Stack,
     assert da["splitserve.kv_recomputed"] is False
     assert da["splitserve.output_tokens"] == MAX_TOKENS
     assert ka["splitserve.kv.ok"] is True
+    sa = kv_serve.attributes or {}
+    assert sa["splitserve.kv.fragments"] >= 1 and sa["splitserve.kv.bytes"] > 0  # type: ignore[operator]
     assert ka["splitserve.kv.source"] == f"127.0.0.1:{disagg_stack.workers['prefill'].port}"
     for s in spans:
         assert s.status.status_code != StatusCode.ERROR, (s.name, s.status.description)
