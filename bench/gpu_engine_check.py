@@ -51,12 +51,16 @@ def main() -> int:
     p.add_argument("--decode-overlap-min-batch", type=int, default=0,
                    help="the fast engine's micro-batch overlap threshold (e.g. 4: the batch of 8 "
                         "decodes runs as two overlapped halves); 0: off, the engine's default")
+    p.add_argument("--quantization", default="none", choices=["none", "fp8"],
+                   help="both engines use it (fp8: W8A8 weights): checks the fast path's "
+                        "attention, graphs and kernels on a quantized model")
     args = p.parse_args()
     rng = random.Random(0)
     lens = [5, 17, 100, 333, 1000, 1500, 2047, 40]
     common = dict(model=args.model, dtype="bfloat16", max_model_len=4096,
                   max_num_batched_tokens=4096, gpu_memory_utilization=0.4, seed=1,
-                  kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs)
+                  kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
+                  quantization=args.quantization)
     t = time.perf_counter()
     fast = LLM(**common, attention_backend="triton", enforce_eager=False,  # type: ignore[arg-type]
                decode_overlap_min_batch=args.decode_overlap_min_batch)
@@ -86,6 +90,7 @@ def main() -> int:
                      "within_tol": bool((gap <= args.tol * top.abs().clamp(min=1)).all())})
     ok = all(r["within_tol"] for r in rows)
     doc = {"model": args.model, "kv_cache_dtype": args.kv_cache_dtype,
+           "quantization": args.quantization,
            "max_num_seqs": args.max_num_seqs, "load_s": load_s, "graph_replays": replays,
            "decode_overlap_min_batch": args.decode_overlap_min_batch,
            "overlapped_decode_steps": overlapped, "ok": ok,

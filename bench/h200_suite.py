@@ -67,6 +67,7 @@ class SuiteSizes:
     gpu_memory_utilization: float = 0.92
     async_scheduling: bool | None = None  # None: the engine's default (on for CUDA)
     decode_overlap_min_batch: int = 0  # the engine's default: off
+    quantization: str = "none"  # "fp8": W8A8 weights (the goals are for bf16)
 
     @classmethod
     def small(cls, model: str) -> SuiteSizes:
@@ -121,7 +122,8 @@ class EngineHolder:
                 max_num_batched_tokens=s.max_num_batched_tokens,
                 gpu_memory_utilization=s.gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype,
                 async_scheduling=s.async_scheduling,
-                decode_overlap_min_batch=s.decode_overlap_min_batch)
+                decode_overlap_min_batch=s.decode_overlap_min_batch,
+                quantization=s.quantization)
             self._llm = offline.build_llm(settings)
             self._key = key
         return self._llm
@@ -251,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-overlap-min-batch", type=int, default=0,
                    help="the engine's decode micro-batch overlap threshold (0, the default: off)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="override the suite's 384")
+    p.add_argument("--quantization", default="none", choices=["none", "fp8"],
+                   help="fp8: W8A8 weights and activations")
     args = p.parse_args(argv)
     steps = tuple(x for x in args.steps.split(",") if x)
     unknown = [x for x in steps if x not in STEP_LIMITS_S]
@@ -261,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         args.async_scheduling], decode_overlap_min_batch=args.decode_overlap_min_batch)
     if args.max_num_seqs is not None:
         sizes = dataclasses.replace(sizes, max_num_seqs=args.max_num_seqs)
+    sizes = dataclasses.replace(sizes, quantization=args.quantization)
     doc = run_suite(Path(args.out_dir), sizes, steps, args.limit_scale)
     return 0 if all(e["ok"] for e in doc["steps"].values()) else 1
 

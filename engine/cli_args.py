@@ -50,6 +50,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default=_default(RunnerConfig, "attention_backend"),
                    choices=["auto", "torch", "triton"])
     g.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+    g.add_argument("--quantization", default=_default(RunnerConfig, "quantization"),
+                   choices=["none", "fp8", "int8"],
+                   help="fp8: W8A8, e4m3 weights per output channel and activations per token "
+                        "(sm_89+ GPUs or the CPU); int8 weight-only is not implemented")
     g.add_argument("--decode-overlap-min-batch", type=int,
                    default=_default(RunnerConfig, "decode_overlap_min_batch"),
                    help="decode batches of at least this many sequences run as two micro-batches "
@@ -80,5 +84,6 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "colocated") -
                                       args.async_scheduling]),
         runner=RunnerConfig(device=args.device, attention_backend=args.attention_backend,
                             enforce_eager=args.enforce_eager, cpu_threads=args.cpu_threads,
-                            decode_overlap_min_batch=args.decode_overlap_min_batch),
+                            decode_overlap_min_batch=args.decode_overlap_min_batch,
+                            quantization=args.quantization),
     )

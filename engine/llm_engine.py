@@ -43,11 +43,11 @@ class LLMEngine:
         from engine.loader import load_model_source
 
         config.cache.validate()
-        # Quantized weights and int8 KV are planned (DESIGN.md §5) but not built yet: refuse them
-        # rather than silently serving bf16. fp8 KV is built.
-        if config.runner.quantization != "none":
+        # INT8 weight-only and int8 KV are planned (DESIGN.md §5) but not built yet: refuse them
+        # rather than silently serving bf16. FP8 W8A8 and fp8 KV are built.
+        if config.runner.quantization not in ("none", "fp8"):
             raise ConfigError(f"quantization {config.runner.quantization!r} is not implemented "
-                              "yet; use 'none'")
+                              "yet; use 'none' or 'fp8'")
         if config.cache.kv_cache_dtype not in ("auto", "fp8"):
             raise ConfigError(f"kv_cache_dtype {config.cache.kv_cache_dtype!r} is not implemented "
                               "yet; use 'auto' or 'fp8'")
@@ -74,8 +74,10 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids(source.generation_config)
         self.runner = ModelRunner(config, cfg, self.max_model_len, source.weights,
                                   source.dummy_seed, source.default_dtype)
+        quant = config.runner.quantization
         self.fingerprint = model_fingerprint(
-            {**cfg.to_hf_dict(), "weights_id": cfg.weights_id},
+            {**cfg.to_hf_dict(), "weights_id": cfg.weights_id,
+             **({"quantization": quant} if quant != "none" else {})},
             dtype=str(self.runner.dtype), kv_cache_dtype=config.cache.kv_cache_dtype,
             block_size=config.cache.block_size)
         capacity = self.runner.result.num_blocks * config.cache.block_size

@@ -14,6 +14,7 @@ Check `triton_available()` before calling a kernel.
     rotary_and_write_kv(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping,
                         k_scale=None, v_scale=None, is_neox=True)   -> None (rotary, then write_kv)
     silu_and_mul(x)                                                  -> [T, I]
+    per_token_quant_fp8(x)                       -> (q [T, K] float8 e4m3fn, scale [T, 1] fp32)
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from engine.kernels.kv_write import write_kv
     from engine.kernels.norm import rms_norm
     from engine.kernels.prefill_attention import paged_prefill_attention
+    from engine.kernels.quant_fp8 import per_token_quant_fp8
     from engine.kernels.rope_kv_write import rotary_and_write_kv
     from engine.kernels.rotary import rotary_embedding
 
@@ -44,6 +46,7 @@ _LAZY: dict[str, str] = {
     "rotary_embedding": "engine.kernels.rotary",
     "rotary_and_write_kv": "engine.kernels.rope_kv_write",
     "silu_and_mul": "engine.kernels.activation",
+    "per_token_quant_fp8": "engine.kernels.quant_fp8",
 }
 
 __all__ = [
@@ -51,6 +54,7 @@ __all__ = [
     "choose_num_splits",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "per_token_quant_fp8",
     "rms_norm",
     "rotary_and_write_kv",
     "rotary_embedding",

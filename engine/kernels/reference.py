@@ -190,3 +190,16 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     inter = x.shape[-1] // 2
     gate, up = x[..., :inter].float(), x[..., inter:].float()
     return (F.silu(gate) * up).to(x.dtype)
+
+
+FP8_MAX = 448.0
+FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+
+
+def per_token_quant_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row dynamic float8 e4m3fn quantization: (q [T, K], scale [T, 1] float32), x ≈ q *
+    scale; scale = max|row| / 448, floored at FP8_MIN_SCALE (an all-zero row)."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
