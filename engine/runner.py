@@ -143,7 +143,7 @@ class ModelRunner:
             self.model.init_dummy_weights(dummy_seed or 0)
         self.model.eval()
         if config.runner.quantization == "fp8":
-            check_fp8_supported(self.device)
+            check_fp8_supported(self.device, self.dtype)
             n = apply_fp8_w8a8(self.model, use_triton)
             logger.info("fp8 W8A8: %d linear layers quantized", n)
             if self.device.type == "cuda":

@@ -69,13 +69,16 @@ class Fp8Linear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
 
-def check_fp8_supported(device: torch.device) -> None:
-    """FP8 matmuls need an sm_89+ GPU (Ada/Hopper), or the CPU (torch's reference kernel)."""
+def check_fp8_supported(device: torch.device, dtype: torch.dtype) -> None:
+    """FP8 matmuls need an sm_89+ GPU (Ada/Hopper) and a bf16 model there (cuBLASLt's row-wise
+    scaled fp8 matmuls write bf16), or the CPU (torch's own kernel, any float dtype)."""
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) < (8, 9):
             raise ConfigError(f"quantization 'fp8' needs an sm_89+ GPU (Ada, Hopper); this one "
                               f"is sm_{major}{minor}")
+        if dtype != torch.bfloat16:
+            raise ConfigError(f"quantization 'fp8' on the GPU needs dtype bfloat16, got {dtype}")
 
 
 @torch.no_grad()
