@@ -349,6 +349,33 @@ def check_internal_token(objs: list[Obj]) -> None:
         assert not ref.get("optional", False), f"{name(dep)}: an optional secret runs unauthenticated"
 
 
+# Which components may connect to each worker role (everything else is refused).
+ALLOWED_CALLERS = {"prefill": {"gateway", "decode"}, "decode": {"gateway"}}
+
+
+def check_network_policies(objs: list[Obj]) -> None:
+    """Each worker pool is selected by one ingress policy that admits only its callers, on the
+    port the container serves."""
+    policies = of_kind(objs, "NetworkPolicy")
+    for dep in of_kind(objs, "Deployment"):
+        role = component(dep)
+        covering = [p for p in policies
+                    if selects(p["spec"]["podSelector"]["matchLabels"], pod_labels(dep))]
+        if role not in ALLOWED_CALLERS:
+            assert not covering, f"{name(dep)}: the public gateway must stay reachable"
+            continue
+        assert len(covering) == 1, f"{name(dep)}: expected one NetworkPolicy"
+        spec = covering[0]["spec"]
+        assert spec["policyTypes"] == ["Ingress"]
+        (rule,) = spec["ingress"]
+        callers = {peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+                   for peer in rule["from"]}
+        assert callers == ALLOWED_CALLERS[role], f"{name(dep)}: callers {callers}"
+        ports = {int(p["port"]) for p in rule["ports"]}
+        served = {int(p["containerPort"]) for c in containers(dep) for p in c.get("ports", [])}
+        assert ports == served, f"{name(dep)}: policy ports {ports} vs served {served}"
+
+
 def check_shared_engine_flags(objs: list[Obj]) -> None:
     """Flags bound into the model fingerprint come from one ConfigMap in every pool."""
     by_role = {component(d): container_args(containers(d)[0]) for d in of_kind(objs, "Deployment")}
@@ -457,6 +484,7 @@ def check_args_parse(objs: list[Obj]) -> None:
 
 SERVING_CHECKS = (check_deployment_ports, check_worker_probes, check_gateway_routes,
                   check_env_refs, check_prefill_advertise, check_api_key, check_internal_token,
+                  check_network_policies,
                   check_shared_engine_flags, check_security, check_pdbs, check_args_parse)
 
 
