@@ -52,6 +52,17 @@ def test_per_token_quant_kernel_matches_reference_bitwise(dtype: torch.dtype) ->
     assert (q.float() * scale - x.float()).abs().max() <= 0.07 * x.float().abs().max()
 
 
+@pytest.mark.usefixtures("_interpret")
+def test_small_rows_keep_the_whole_e4m3_range() -> None:
+    # Only an all-zero row may hit the scale floor: a row of 1e-5s still maps its max to 448.
+    x = torch.full((2, 32), 1e-5)
+    x[1] = 0.0
+    for q, scale in (quant_fp8.per_token_quant_fp8(x), per_token_quant_fp8_ref(x)):
+        assert q[0].float().abs().max().item() == 448.0
+        torch.testing.assert_close(q[0].float() * scale[0], x[0], rtol=0.07, atol=0.0)
+        assert torch.equal(q[1].float(), torch.zeros(32))
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_fp8_linear_is_the_scaled_fp8_product(bias: bool) -> None:
     gen = torch.Generator().manual_seed(1)

@@ -1,7 +1,7 @@
 """Triton per-token dynamic FP8 quantization of activations (the A of W8A8 matmuls).
 
-For each row x of `[T, K]`: scale = max(|x|) / 448 (floored so an all-zero row gets a tiny
-positive scale), q = saturate(x / scale) in float8 e4m3fn. One program per row in two passes
+For each row x of `[T, K]`: scale = max(|x|) / 448 (an all-zero row gets float32's smallest
+normal instead, so it stays zero), q = saturate(x / scale) in float8 e4m3fn. One program per row in two passes
 over K (max, then quantize; the second pass reads the row from L2), so a `[T, K]` input costs one
 launch — the torch expression of the same thing is ~6 kernels, which a batch-1 decode step would
 pay 128 times. Same arithmetic as `reference.per_token_quant_fp8_ref` (float32 divide, round to
@@ -16,6 +16,7 @@ import triton.language as tl
 
 from engine.kernels._checks import (
     FLOAT_DTYPES,
+    FP8_E4M3_MAX,
     FP8_KV_DTYPE,
     check_devices,
     check_inner_dense,
@@ -23,8 +24,7 @@ from engine.kernels._checks import (
     interpret_mode,
 )
 from engine.kernels._tl import reduce_max, round_to_e4m3
-from engine.kernels.reference import FP8_MAX
-from engine.kernels.reference import FP8_MIN_SCALE as MIN_SCALE  # an all-zero row
+from engine.kernels.reference import FP8_MIN_SCALE
 
 
 @triton.jit
@@ -70,7 +70,8 @@ def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if t == 0:
         return q, scale
     block = 64 if interpret_mode() else min(4096, triton.next_power_of_2(k))
-    _per_token_quant_kernel[(t,)](x, q, scale, x.stride(0), k, FP8_MAX=FP8_MAX,
-                                  MIN_SCALE=MIN_SCALE, BLOCK=block, PRE_ROUND=interpret_mode(),
+    _per_token_quant_kernel[(t,)](x, q, scale, x.stride(0), k, FP8_MAX=FP8_E4M3_MAX,
+                                  MIN_SCALE=FP8_MIN_SCALE, BLOCK=block,
+                                  PRE_ROUND=interpret_mode(),
                                   num_warps=1 if interpret_mode() else 8)
     return q, scale
