@@ -11,9 +11,10 @@ import torch
 from conftest import interpreted_kernel_imports, run_to_end, tiny_llm
 from torch import nn
 
+from engine.attention.kv_quant import FP8_KV_DTYPE as FP8_DTYPE
 from engine.config import ConfigError
 from engine.kernels.reference import per_token_quant_fp8_ref
-from engine.model.quant import FP8_DTYPE, Fp8Linear, quantize_weight_fp8
+from engine.model.quant import Fp8Linear, quantize_weight_fp8
 from engine.sampling_params import SamplingParams
 
 with interpreted_kernel_imports():

@@ -19,19 +19,17 @@ import torch
 from torch import nn
 
 from engine.config import ConfigError
+from engine.kernels.reference import per_token_quant_fp8_ref
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
 # Decoder-layer projections that are swapped (everything but the embedding and the LM head).
 QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def quantize_weight_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[N, K]` -> (e4m3fn `[N, K]`, float32 per-row scale `[N]`) with W ≈ q * scale[:, None]."""
-    w = weight.float()
-    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q, scale
+    """`[N, K]` -> (e4m3fn `[N, K]`, float32 per-row scale `[N]`) with W ≈ q * scale[:, None]:
+    a weight's output channels are quantized exactly as activation rows are."""
+    q, scale = per_token_quant_fp8_ref(weight)
+    return q, scale[:, 0]
 
 
 class Fp8Linear(nn.Module):
@@ -52,16 +50,15 @@ class Fp8Linear(nn.Module):
         self.bias = (None if linear.bias is None
                      else nn.Parameter(linear.bias.detach().clone(), requires_grad=False))
         self.use_triton = use_triton
+        if use_triton:  # resolved once: the forward pass is a decode step's hot path
+            from engine.kernels import per_token_quant_fp8
+            self._quantize = per_token_quant_fp8
+        else:
+            self._quantize = per_token_quant_fp8_ref
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        if self.use_triton:
-            from engine.kernels import per_token_quant_fp8
-            xq, x_scale = per_token_quant_fp8(x2)
-        else:
-            from engine.kernels.reference import per_token_quant_fp8_ref
-            xq, x_scale = per_token_quant_fp8_ref(x2)
+        xq, x_scale = self._quantize(x.reshape(-1, self.in_features))
         y = torch._scaled_mm(xq, self.weight_t, scale_a=x_scale, scale_b=self.weight_scale,
                              out_dtype=x.dtype)
         if self.bias is not None:
