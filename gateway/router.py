@@ -34,7 +34,6 @@ from protos.splitserve.v1 import (
 log = logging.getLogger(__name__)
 
 
-
 def worker_channel(address: str, internal_token: str | None) -> grpc.aio.Channel:
     """A channel to a worker whose calls carry the cluster's secret when there is one."""
     return grpc.aio.insecure_channel(address, interceptors=client_interceptors(internal_token))

@@ -164,7 +164,8 @@ class GrpcPullConnector(KvConnectorWorker):
 
     loop: the event loop transfers run on (the service's); start_load_kv may be called from any
     thread. kv_scales: local per-layer scales [num_layers, 2] for 1-byte KV; incoming blocks must
-    carry equal scales. metadata: sent with every call (the cluster's credential). Mutates: its own in-flight/finished tables under `_lock`.
+    carry equal scales. metadata: sent with every call (the cluster's credential). Mutates: its
+    own in-flight/finished tables under `_lock`.
     """
 
     def __init__(self, spec: BlockSpec, sink: KvBlockSink, loop: asyncio.AbstractEventLoop,

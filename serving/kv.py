@@ -18,7 +18,6 @@ from engine.scheduler import KvLoad
 from kv_transfer.connector import GrpcPullConnector, KvHandle, LoadResult
 from kv_transfer.grpc_transport import KvTransferError, LeaseView, release
 from kv_transfer.wire import BlockSpec
-from protos.auth import bearer_metadata
 from protos.splitserve.v1 import common_pb2, decode_pb2
 from serving import tracing
 
@@ -117,9 +116,10 @@ class GrpcKvLoader:
     policy `fail` raises KvLoadAbort (the request fails with UNAVAILABLE)."""
 
     def __init__(self, engine: LLMEngine, timeout_s: float = 30.0,
-                 auth_token: str | None = None) -> None:
+                 kv_metadata: Sequence[tuple[str, str]] = ()) -> None:
+        """kv_metadata: sent with every pull and release (the cluster's credential)."""
         self._spec = block_spec(engine)
-        self._metadata = bearer_metadata(auth_token)
+        self._metadata = tuple(kv_metadata)
         self._kv_scales = kv_scales(engine)
         self._sink = RunnerSink(engine)
         self._timeout_s = timeout_s

@@ -84,7 +84,8 @@ async def start_worker(config: EngineConfig, host: str, port: int,
     address = advertise_address or f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{bound}"
 
     prefill = PrefillServicer(address)
-    decode = DecodeServicer(kv_metadata=bearer_metadata(auth_token))
+    kv_metadata = bearer_metadata(auth_token)  # what this worker's own KV calls carry
+    decode = DecodeServicer(kv_metadata=kv_metadata)
     if role == "prefill":
         prefill_pb2_grpc.add_PrefillServicer_to_server(prefill, server)
         services.append(prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name)
@@ -109,7 +110,7 @@ async def start_worker(config: EngineConfig, host: str, port: int,
         except Exception:
             logger.exception("engine failed to load")
             raise
-        loader = GrpcKvLoader(engine, auth_token=auth_token) if role == "decode" else None
+        loader = GrpcKvLoader(engine, kv_metadata=kv_metadata) if role == "decode" else None
         aengine = AsyncEngine(engine, kv_loader=loader)
         aengine.start()
         handle.aengine = aengine

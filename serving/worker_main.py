@@ -12,7 +12,7 @@ import logging
 from collections.abc import Sequence
 
 from engine.cli_args import add_engine_args, engine_config_from_args
-from protos.auth import INTERNAL_TOKEN_ENV, AuthConfigError, internal_token_from_env
+from protos.auth import AuthConfigError, internal_token_from_env
 from serving.tracing import setup_tracing
 
 logger = logging.getLogger("splitserve.serve")
@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuntimeError as e:
         logger.error("%s: %s", e, e.__cause__)
         return 1
-    except AuthConfigError as e:
-        logger.error("%s (the environment variable %s)", e, INTERNAL_TOKEN_ENV)
+    except AuthConfigError as e:  # the message names the variable
+        logger.error("%s", e)
         return 2
     return 0

@@ -17,8 +17,8 @@ Off by default (`decode_overlap_min_batch = 0`): on an H200 with dummy Llama-3.1
 1000x1000 ran at 7,872 output tok/s with it (halves from 128 sequences up) against 9,736 without
 (bench/results/h200/ab_overlap_{on,off}_a35c1cd.json); probably (not profiled) the halves'
 kernels contend for the SMs instead of filling each other's idle units, and each half streams
-the weights again. It stays
-as the seam for an overlap that partitions the SMs between the two streams.
+the weights again. It stays as the seam for an overlap that partitions the SMs between the two
+streams.
 
 Tensors made on one stream and read on the other are marked with `record_stream`, so the
 caching allocator does not hand their memory out again while the other stream may still read
