@@ -3,9 +3,11 @@ that dispatch to them (TRITON_INTERPRET=1, CPU, small shapes)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from conftest import interpreted_kernel_imports
+from conftest import Trace, greedy, interpreted_kernel_imports, run_to_end, tiny_llm
 
 # Importing test_kernels turns the interpreter on for the kernel modules; `_interpret` is its
 # autouse fixture (re-exported so that it applies to this module's tests too).
@@ -56,6 +58,59 @@ def test_gemv_silu_and_mul_matches_float64(dtype: torch.dtype, inter: int, k: in
     assert got.shape == (1, inter) and got.dtype == dtype
     tol = _TOL[dtype] * (1 + k ** 0.5) * 4
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=_TOL[dtype] * 4)
+
+
+def _ref_rms_norm(x: torch.Tensor, g: torch.Tensor, eps: float,
+                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 RMSNorm of `x + residual` (no rounding between the norm and the matmul)."""
+    h = x.double() if residual is None else x.double() + residual.double()
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * g.double(), h
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k"), [(16, 64), (5, 100)])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("gated", [False, True])
+def test_rms_norm_gemv_matches_float64(dtype: torch.dtype, n: int, k: int, with_residual: bool,
+                                       gated: bool) -> None:
+    g = torch.Generator().manual_seed(n * 7 + k + 3 * with_residual + gated)
+    x = torch.randn(1, k, generator=g).to(dtype)
+    res = torch.randn(1, k, generator=g).to(dtype) if with_residual else None
+    res_before = None if res is None else res.clone()
+    norm_w = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)
+    rows = 2 * n if gated else n
+    w = torch.randn(rows, k, generator=g).to(dtype)
+    b = torch.randn(rows, generator=g).to(dtype)
+    eps = 1e-5
+    got, new_res = gemv_mod.rms_norm_gemv(x, norm_w, eps, w, b, residual=res, gated=gated)
+    a, h = _ref_rms_norm(x, norm_w, eps, res)
+    y = _ref_linear(a, w, b)
+    want = torch.nn.functional.silu(y[:, :n]) * y[:, n:] if gated else y
+    assert got.shape == (1, n) and got.dtype == dtype
+    tol = _TOL[dtype] * (1 + k ** 0.5) * (4 if gated else 1)
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=_TOL[dtype] * 4)
+    # The new residual is x + residual rounded once to x's dtype (the interpreter's bf16
+    # rounding may differ from torch's by one ulp); inputs are untouched.
+    ulp = 0.0 if dtype == torch.float32 else 2.0 ** -7
+    torch.testing.assert_close(new_res, h.to(dtype), atol=0, rtol=ulp)
+    if res is None:
+        assert new_res is x
+    else:
+        assert new_res.data_ptr() != res.data_ptr()
+        assert torch.equal(res, res_before)
+
+
+def test_rms_norm_gemv_rejects_bad_inputs() -> None:
+    x, w = torch.randn(1, 8), torch.randn(4, 8)
+    with pytest.raises(KernelInputError, match="norm_weight"):
+        gemv_mod.rms_norm_gemv(x, torch.ones(9), 1e-5, w)
+    with pytest.raises(KernelInputError, match="residual"):
+        gemv_mod.rms_norm_gemv(x, torch.ones(8), 1e-5, w, residual=torch.randn(1, 9))
+    with pytest.raises(KernelInputError, match="residual"):
+        gemv_mod.rms_norm_gemv(x, torch.ones(8), 1e-5, w,
+                               residual=torch.randn(1, 8, dtype=torch.float16))
+    with pytest.raises(KernelInputError, match=r"\[2\*I, K\]"):
+        gemv_mod.rms_norm_gemv(x, torch.ones(8), 1e-5, torch.randn(5, 8), gated=True)
 
 
 def test_gemv_rejects_bad_inputs() -> None:
@@ -119,3 +174,31 @@ def test_gemv_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPLITSERVE_GEMV", "yes")
     with pytest.raises(ConfigError, match="0 or 1"):
         gemv_enabled()
+
+
+def test_engine_batch1_fused_norm_gemv_matches_torch_backend(
+        tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lone request's decode steps run every RMSNorm folded into the next GEMV
+    (`SPLITSERVE_GEMV=1`, Triton backend): its logits at every position match the torch
+    reference backend's, and the fused kernel really ran."""
+    calls: list[bool] = []
+    fused = gemv_mod.rms_norm_gemv
+
+    def spy(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(bool(kwargs.get("gated")))
+        return fused(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gemv_mod, "rms_norm_gemv", spy)
+    prompt = [5, 17, 99, 3, 250, 7]
+    traces: dict[str, Trace] = {}
+    for backend, gemv_flag in (("torch", "0"), ("triton", "1")):
+        monkeypatch.setenv("SPLITSERVE_GEMV", gemv_flag)
+        llm = tiny_llm(tiny_model_dirs["llama"], attention_backend=backend, max_model_len=32)
+        llm.engine.add_request("a", prompt, greedy(4))
+        traces[backend] = run_to_end(llm.engine)["a"]
+    # 3 decode steps x 2 layers x (attention + MLP) blocks, half of them gated
+    layers = 2
+    assert len(calls) == 3 * layers * 2 and sum(calls) == 3 * layers
+    got, want = traces["triton"], traces["torch"]
+    torch.testing.assert_close(got.logits_matrix(), want.logits_matrix(), atol=1e-4, rtol=1e-4)
+    assert got.request.output_token_ids == want.request.output_token_ids

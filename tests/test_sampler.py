@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.request import Request
-from engine.sampler import Sampler, _filter, apply_penalties
+from engine.sampler import Sampler, _filter, apply_penalties, argmax_rows
 from engine.sampling_params import SamplingParams
 
 V = 32
@@ -168,3 +168,24 @@ def test_logprobs_sorted_and_match_log_softmax(n: int) -> None:
             torch.testing.assert_close(torch.tensor(vals), want.values)
     _, lps2 = Sampler()(logits.clone(), [_req("d", temperature=0.0)])
     assert lps2 == [None]
+
+
+@pytest.mark.parametrize("vocab", [128256, 49152, 1000])
+def test_argmax_rows_is_torch_argmax(vocab: int) -> None:
+    """Two-level argmax = torch's: random rows, ties (first index wins, also across chunks and
+    inside one), NaN (wins), -inf rows, and a vocabulary no chunk divides (1000)."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(9, vocab, generator=g)
+    logits[1, :] = 0.0                                    # all tied: index 0
+    logits[2, [7, vocab - 3, vocab // 2]] = 50.0           # ties in different chunks
+    logits[3, [1030 % vocab, 1031 % vocab]] = 50.0        # ties inside one chunk
+    logits[4, [vocab - 1]] = 50.0                         # the last index
+    logits[5, [100, vocab - 5]] = float("nan")            # NaN wins, the first one
+    logits[6, :] = float("-inf")
+    logits[7, [vocab * 2 // 3]] = float("inf")
+    got = argmax_rows(logits)
+    assert got.dtype == torch.int64 and got.shape == (9,)
+    assert torch.equal(got, logits.argmax(dim=-1))
+    assert got[1] == 0 and got[2] == 7 and got[4] == vocab - 1
+    non_dense = logits[:, :-1]  # a view with padded rows falls back to torch
+    assert torch.equal(argmax_rows(non_dense), non_dense.argmax(dim=-1))

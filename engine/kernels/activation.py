@@ -13,6 +13,7 @@ from engine.kernels._checks import (
     check_inner_dense,
     check_tensor,
 )
+from engine.kernels._pdl import pdl_release, pdl_wait, use_pdl
 
 _BLOCK = 1024
 
@@ -24,7 +25,10 @@ def _silu_and_mul_kernel(
     stride_x,
     inter,  # I
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)  # everything below reads what earlier kernels wrote
+    pdl_release(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -48,5 +52,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((num_tokens, inter), dtype=x.dtype, device=x.device)
     if num_tokens > 0:
         grid = (num_tokens, triton.cdiv(inter, _BLOCK))
-        _silu_and_mul_kernel[grid](x, out, x.stride(0), inter, BLOCK=_BLOCK, num_warps=4)
+        pdl = use_pdl(x.device)
+        _silu_and_mul_kernel[grid](x, out, x.stride(0), inter, BLOCK=_BLOCK, USE_PDL=pdl,
+                                   num_warps=4, launch_pdl=pdl)
     return out

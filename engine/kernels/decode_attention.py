@@ -64,6 +64,7 @@ from engine.kernels._checks import (
     interpret_mode,
     next_power_of_2,
 )
+from engine.kernels._pdl import pdl_release, pdl_wait, use_pdl
 from engine.kernels._tl import ceil_div, load_scale, reduce_max, reduce_sum
 
 # Measured on an H200 (Llama-3.1-8B shapes, CUDA graphs): splits of 64 positions still pay off
@@ -117,7 +118,10 @@ def _decode_split_kernel(
     F16_DOTS: tl.constexpr,  # fp8 cache, 16-bit q: fp16 tile dots on a prescaled q
     SCALE_IS_PTR: tl.constexpr,
     HEAD_MAJOR: tl.constexpr,  # grid (Hkv, B, S) instead of (B, Hkv, S); see `DecodeTiles`
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)  # everything below reads what earlier kernels wrote
+    pdl_release(USE_PDL)
     if HEAD_MAJOR:
         kv_head = tl.program_id(0)
         seq = tl.program_id(1)
@@ -438,6 +442,7 @@ def _launch(
     dots = tile_dots(q.dtype, kv_cache.dtype)
     grid = ((num_kv_heads, batch, num_splits) if tiles.head_major
             else (batch, num_kv_heads, num_splits))
+    pdl = use_pdl(q.device)
     _decode_split_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, out, mid_acc, mid_m, mid_l, counters,
         qk_scale, kv_scales[0], kv_scales[1], num_heads, num_splits,
@@ -458,6 +463,8 @@ def _launch(
         F16_DOTS=dots.f16,
         SCALE_IS_PTR=isinstance(kv_scales[0], torch.Tensor),
         HEAD_MAJOR=tiles.head_major,
+        USE_PDL=pdl,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
+        launch_pdl=pdl,
     )

@@ -29,13 +29,67 @@ import triton.language as tl
 from engine.kernels._checks import (
     FLOAT_DTYPES,
     KernelInputError,
+    check_contiguous,
     check_devices,
     check_inner_dense,
     check_out,
+    check_shape,
     check_tensor,
     interpret_mode,
 )
+from engine.kernels._pdl import pdl_release, pdl_wait, use_pdl
 from engine.kernels._tl import reduce_sum
+
+
+@triton.jit
+def _gemv_chunk(acc, acc_up, sumsq, w, wu, k0, x_ptr, res_ptr, g_ptr, res_out_ptr, K,
+                residual_limit, GATED: tl.constexpr, NORM: tl.constexpr,
+                HAS_RES: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K chunk: the activation chunk (with the norm prologue: `x + residual`, its squares
+    summed, times the norm weight) times the weight tile(s) `w` / `wu`, loaded by the caller."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    kmask = kk < K
+    if EVEN_K:
+        x = tl.load(x_ptr + kk).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
+    if NORM:
+        if HAS_RES:
+            if EVEN_K:
+                x += tl.load(res_ptr + kk).to(tl.float32)
+            else:
+                x += tl.load(res_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
+            # One program writes the new residual stream; the others only read it.
+            tl.store(res_out_ptr + kk, x.to(res_out_ptr.dtype.element_ty),
+                     mask=kk < residual_limit)
+        sumsq += x * x
+        if EVEN_K:
+            x *= tl.load(g_ptr + kk).to(tl.float32)
+        else:
+            x *= tl.load(g_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
+    acc += w.to(tl.float32) * x[None, :]
+    if GATED:
+        acc_up += wu.to(tl.float32) * x[None, :]
+    return acc, acc_up, sumsq
+
+
+@triton.jit
+def _load_tiles(gate_rows, up_rows, k0, row_mask, K, GATED: tl.constexpr, EVEN_N: tl.constexpr,
+                EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    kk = k0 + tl.arange(0, BLOCK_K)
+    if EVEN_N and EVEN_K:
+        w = tl.load(gate_rows + kk[None, :])
+    else:
+        w = tl.load(gate_rows + kk[None, :], mask=row_mask[:, None] & (kk < K)[None, :],
+                    other=0.0)
+    wu = w
+    if GATED:
+        if EVEN_N and EVEN_K:
+            wu = tl.load(up_rows + kk[None, :])
+        else:
+            wu = tl.load(up_rows + kk[None, :], mask=row_mask[:, None] & (kk < K)[None, :],
+                         other=0.0)
+    return w, wu
 
 
 @triton.jit
@@ -44,48 +98,57 @@ def _gemv_kernel(
     w_ptr,  # [N or 2N, K], rows `stride_w` apart
     b_ptr,  # [N or 2N] (read only when HAS_BIAS)
     out_ptr,  # [N]
+    res_ptr,  # [K] residual in (read only when NORM and HAS_RES)
+    g_ptr,  # [K] RMSNorm weight (read only when NORM)
+    res_out_ptr,  # [K] new residual `x + residual` (written only when NORM and HAS_RES)
     N,  # output features (the gate half's size when GATED)
     K,
     stride_w,
     up_offset,  # N * stride_w: where the "up" rows start (read only when GATED)
+    eps,
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_RES: tl.constexpr,
     EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no row mask
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no column mask
+    USE_PDL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
-    cols = tl.arange(0, BLOCK_K)
     gate_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w  # [BLOCK_N, 1] pointers
     up_rows = gate_rows + up_offset
+    # The first weight tile does not depend on the previous kernel: with PDL its load is in
+    # flight while that kernel finishes.
+    w, wu = _load_tiles(gate_rows, up_rows, 0, row_mask, K, GATED, EVEN_N, EVEN_K, BLOCK_K)
+    pdl_wait(USE_PDL)
+    pdl_release(USE_PDL)
+    residual_limit = tl.where(pid == 0, K, 0)  # K for the program that writes it, else 0
     acc = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
     acc_up = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + cols
-        if EVEN_K:
-            x = tl.load(x_ptr + kk).to(tl.float32)[None, :]
-            mask = row_mask[:, None]
-        else:
-            x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
-            mask = row_mask[:, None] & (kk < K)[None, :]
-        if EVEN_N and EVEN_K:
-            w = tl.load(gate_rows + kk[None, :])
-        else:
-            w = tl.load(gate_rows + kk[None, :], mask=mask, other=0.0)
-        acc += w.to(tl.float32) * x
-        if GATED:
-            if EVEN_N and EVEN_K:
-                wu = tl.load(up_rows + kk[None, :])
-            else:
-                wu = tl.load(up_rows + kk[None, :], mask=mask, other=0.0)
-            acc_up += wu.to(tl.float32) * x
+    sumsq = tl.full([BLOCK_K], 0.0, tl.float32)
+    acc, acc_up, sumsq = _gemv_chunk(acc, acc_up, sumsq, w, wu, 0, x_ptr, res_ptr, g_ptr,
+                                     res_out_ptr, K, residual_limit, GATED, NORM, HAS_RES,
+                                     EVEN_K, BLOCK_K)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        w, wu = _load_tiles(gate_rows, up_rows, k0, row_mask, K, GATED, EVEN_N, EVEN_K, BLOCK_K)
+        acc, acc_up, sumsq = _gemv_chunk(acc, acc_up, sumsq, w, wu, k0, x_ptr, res_ptr, g_ptr,
+                                         res_out_ptr, K, residual_limit, GATED, NORM, HAS_RES,
+                                         EVEN_K, BLOCK_K)
     y = reduce_sum(acc, 1)
+    if NORM:
+        # RMSNorm's scale is one scalar per row of x, so it factors out of the dot product.
+        rstd = 1.0 / tl.sqrt(reduce_sum(sumsq, 0) / K + eps)
+        y *= rstd
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     if GATED:
         up = reduce_sum(acc_up, 1)
+        if NORM:
+            up *= rstd
         if HAS_BIAS:
             up += tl.load(b_ptr + N + rows, mask=row_mask, other=0.0).to(tl.float32)
         y = y / (1.0 + tl.exp(-y)) * up
@@ -134,23 +197,42 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row
     return x, weight, bias
 
 
+@dataclass(frozen=True, slots=True)
+class _Norm:
+    """The RMSNorm prologue: `norm(x + residual) * weight` feeds the matmul."""
+    weight: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None
+    residual_out: torch.Tensor | None
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            n: int, gated: bool) -> torch.Tensor:
+            n: int, gated: bool, norm: _Norm | None = None) -> torch.Tensor:
     k = x.shape[1]
     if n == 0:
         return out
     tiles = choose_gemv_tiles(n, k, gated)
+    pdl = use_pdl(x.device)
+    has_res = norm is not None and norm.residual is not None
     _gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
-        x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
-        n * weight.stride(0),
+        x, weight, bias if bias is not None else weight, out,
+        norm.residual if has_res else x,  # type: ignore[union-attr]
+        norm.weight if norm is not None else x,
+        norm.residual_out if has_res else x,  # type: ignore[union-attr]
+        n, k, weight.stride(0), n * weight.stride(0),
+        norm.eps if norm is not None else 0.0,
         HAS_BIAS=bias is not None,
         GATED=gated,
+        NORM=norm is not None,
+        HAS_RES=has_res,
         EVEN_N=n % tiles.block_n == 0,
         EVEN_K=k % tiles.block_k == 0,
+        USE_PDL=pdl,
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
+        launch_pdl=pdl,
     )
     return out
 
@@ -171,6 +253,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return _launch(x, weight, bias, out, n, gated=False)
 
 
+def _gated_rows(weight: torch.Tensor) -> int:
+    rows = weight.shape[0] if weight.dim() == 2 else -1
+    if rows % 2 != 0 or rows == 0:
+        raise KernelInputError(f"weight must be [2*I, K] with I > 0, got {tuple(weight.shape)}")
+    return rows
+
+
 def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                       ) -> torch.Tensor:
     """`silu(g) * u` where `[g | u] = x [1, K] @ weight[2I, K]^T (+ bias [2I])` -> `[1, I]`.
@@ -178,10 +267,45 @@ def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     The fused gate/up projection and the MLP activation in one pass over the weight; g and u stay
     in float32 (no rounding to x's dtype between the matmul and the activation).
     """
-    rows = weight.shape[0] if weight.dim() == 2 else -1
-    if rows % 2 != 0 or rows == 0:
-        raise KernelInputError(f"weight must be [2*I, K] with I > 0, got {tuple(weight.shape)}")
+    rows = _gated_rows(weight)
     x, weight, bias = _check(x, weight, bias, rows)
     inter = rows // 2
     out = torch.empty((1, inter), dtype=x.dtype, device=x.device)
     return _launch(x, weight, bias, out, inter, gated=True)
+
+
+def rms_norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                  gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm (with the residual add) fused into the next batch-1 projection.
+
+    `h = x + residual` (float32, or `x` alone without `residual`), `a = h * rsqrt(mean(h^2) +
+    eps) * norm_weight`, and returns `(a @ weight^T (+ bias), h)`; with `gated`, `weight` is a
+    fused `[2I, K]` gate/up weight and the first result is `silu(g) * u` (`[1, I]`). `h` comes
+    back in x's dtype (a new tensor; `x` itself without `residual`), as `rms_norm` returns it.
+
+    Unlike `rms_norm` then `gemv`, `a` is never rounded to x's dtype: the norm's scale is applied
+    to the float32 dot products, so results agree with the unfused pair to that rounding.
+    Each program reads all of `x` (from L2: 8 KB at hidden size 4096) to sum its squares itself,
+    so no program waits for another.
+    """
+    rows = _gated_rows(weight) if gated else (weight.shape[0] if weight.dim() == 2 else -1)
+    x, weight, bias = _check(x, weight, bias, rows)
+    k = x.shape[1]
+    norm_weight = check_tensor("norm_weight", norm_weight, 1, FLOAT_DTYPES)
+    if norm_weight.shape[0] != k or not norm_weight.is_contiguous():
+        raise KernelInputError(
+            f"norm_weight must be a contiguous [{k}], got {tuple(norm_weight.shape)}")
+    check_devices(("x", "norm_weight"), (x, norm_weight))
+    residual_out = None
+    if residual is not None:
+        residual = check_tensor("residual", residual, 2, (x.dtype,))
+        check_shape("residual", residual, (1, k))
+        check_contiguous("residual", residual)
+        check_devices(("x", "residual"), (x, residual))
+        residual_out = torch.empty_like(residual)
+    n = rows // 2 if gated else rows
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    _launch(x, weight, bias, out, n, gated,
+            _Norm(norm_weight, float(eps), residual, residual_out))
+    return out, (x if residual_out is None else residual_out)

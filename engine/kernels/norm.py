@@ -15,6 +15,7 @@ from engine.kernels._checks import (
     check_tensor,
     next_power_of_2,
 )
+from engine.kernels._pdl import pdl_release, pdl_wait, use_pdl
 from engine.kernels._tl import reduce_sum
 
 
@@ -29,7 +30,10 @@ def _rms_norm_kernel(
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)  # everything below reads what earlier kernels wrote
+    pdl_release(USE_PDL)
     # One program per row; the whole row fits in registers (hidden sizes up to ~16k).
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -81,6 +85,7 @@ def rms_norm(
     rows = x2d.shape[0]
     if rows > 0:
         block = next_power_of_2(hidden)
+        pdl = use_pdl(x.device)
         _rms_norm_kernel[(rows,)](
             x2d,
             residual if residual is not None else x2d,
@@ -91,7 +96,9 @@ def rms_norm(
             N=hidden,
             BLOCK=block,
             HAS_RESIDUAL=residual is not None,
+            USE_PDL=pdl,
             num_warps=min(16, max(1, block // 256)),
+            launch_pdl=pdl,
         )
     if residual is not None:
         return out, new_residual

@@ -23,6 +23,7 @@ from engine.kernels._checks import (
     interpret_mode,
     next_power_of_2,
 )
+from engine.kernels._pdl import pdl_release, pdl_wait, use_pdl
 from engine.kernels._tl import load_scale
 from engine.kernels.kv_write import _store_to_cache, check_write_kv_args
 from engine.kernels.rotary import _rotated_heads, check_rotary_args, load_cos_sin
@@ -53,7 +54,10 @@ def _rope_kv_write_kernel(
     SCALE_IS_PTR: tl.constexpr,
     FP8_MAX: tl.constexpr,
     PRE_ROUND: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)  # everything below reads what earlier kernels wrote
+    pdl_release(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     cos, sin = load_cos_sin(positions_ptr, cos_sin_ptr, token, HALF)
 
@@ -117,6 +121,7 @@ def rotary_and_write_kv(
     if num_tokens == 0:
         return
     num_kv_heads = k.shape[1]
+    pdl = use_pdl(q.device)
     _rope_kv_write_kernel[(num_tokens,)](
         positions,
         q,
@@ -141,5 +146,7 @@ def rotary_and_write_kv(
         SCALE_IS_PTR=isinstance(ks, torch.Tensor),
         FP8_MAX=FP8_E4M3_MAX,
         PRE_ROUND=interpret_mode(),
+        USE_PDL=pdl,
         num_warps=4,
+        launch_pdl=pdl,
     )

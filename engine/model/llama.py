@@ -61,8 +61,12 @@ class LlamaAttention(nn.Module):
                 md: AttentionMetadata | None = None) -> torch.Tensor:
         """x: [T, hidden]. `md`: this batch's metadata when it is not the forward context's
         (one micro-batch of an overlapped step)."""
+        return self.attend(positions, self.qkv_proj(x), md)
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor,
+               md: AttentionMetadata | None = None) -> torch.Tensor:
+        """The rest of `forward` after the QKV projection: RoPE + KV write, attention, O."""
         ctx = get_forward_context()
-        qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
@@ -107,6 +111,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, use_triton)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton)
+        # Batch-1 rows fold each RMSNorm into the projection after it (one GEMV kernel reads
+        # the residual stream, normalises and streams the weight: engine/kernels/gemv.py).
+        self.use_gemv = use_triton and gemv_enabled()
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,6 +124,12 @@ class LlamaDecoderLayer(nn.Module):
                         residual: torch.Tensor | None, md: AttentionMetadata | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """Input norm (+ residual add), QKV, RoPE + KV write, attention, O projection."""
+        if self.use_gemv and x.shape[0] == 1:
+            from engine.kernels.gemv import rms_norm_gemv
+            norm, qkv_proj = self.input_layernorm, self.self_attn.qkv_proj
+            qkv, residual = rms_norm_gemv(x, norm.weight, norm.eps, qkv_proj.weight,
+                                          qkv_proj.bias, residual=residual)
+            return self.self_attn.attend(positions, qkv, md), residual
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
@@ -127,6 +140,12 @@ class LlamaDecoderLayer(nn.Module):
     def mlp_block(self, h: torch.Tensor, residual: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """Post-attention norm (+ residual add), gate/up, SiLU-and-mul, down."""
+        if self.use_gemv and h.shape[0] == 1:
+            from engine.kernels.gemv import rms_norm_gemv
+            norm, gate_up = self.post_attention_layernorm, self.mlp.gate_up_proj
+            act, residual = rms_norm_gemv(h, norm.weight, norm.eps, gate_up.weight,
+                                          gate_up.bias, residual=residual, gated=True)
+            return self.mlp.down_proj(act), residual
         h, residual = self.post_attention_layernorm(h, residual)  # type: ignore[misc]
         return self.mlp(h), residual
 
