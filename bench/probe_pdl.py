@@ -14,12 +14,17 @@ Reports the median replay time, the weight bytes streamed per ms, and the larges
 the final hidden state between the three (gemv vs gemv_pdl must be bit-identical: same
 kernels). Every layer has its own weights (14 GB), so L2 never holds them.
 
-Usage: PYTHONPATH=. python3 bench/probe_pdl.py --out $OUT/probe_pdl.json
+With `--sweep`, also times every tile choice of the GEMV kernel at the four shapes as the
+model calls them (norm-fused QKV and gate/up, plain O and down), 32 calls with distinct weights
+per graph, and reports the best few per shape next to the current choice.
+
+Usage: PYTHONPATH=. python3 bench/probe_pdl.py --out $OUT/probe_pdl.json [--sweep]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 from collections.abc import Callable
@@ -30,9 +35,10 @@ from torch.nn import functional as F
 
 from bench.probe_bs1 import graph_replay_ms
 from bench.results import environment_info
+from engine.kernels import gemv as gemv_mod
 from engine.kernels import rms_norm, silu_and_mul
 from engine.kernels._pdl import pdl_requested, use_pdl
-from engine.kernels.gemv import gemv, rms_norm_gemv
+from engine.kernels.gemv import GemvTiles, gemv, rms_norm_gemv
 
 LAYERS = 32
 HIDDEN, INTER, Q, KV = 4096, 14336, 4096, 1024
@@ -89,10 +95,57 @@ def check_fused(layers: list[dict[str, torch.Tensor]], x: torch.Tensor) -> dict[
     return out
 
 
+SWEEP = [GemvTiles(bn, bk, w, st) for bn, bk, w, st in itertools.product(
+    (4, 8, 16), (256, 512, 1024), (4, 8), (3, 4)) if bn * bk <= 8192]
+
+
+def _as_list(t: GemvTiles) -> list[int]:
+    return [t.block_n, t.block_k, t.num_warps, t.num_stages]
+
+
+def sweep_shape(layers: list[dict[str, torch.Tensor]], x: torch.Tensor, name: str
+                ) -> dict[str, Any]:
+    """Every tile choice in SWEEP for one of the model's four batch-1 calls."""
+    k = INTER if name == "down" else HIDDEN
+    xin = torch.randn(1, k, device=x.device, dtype=torch.bfloat16)
+    res = torch.randn(1, HIDDEN, device=x.device, dtype=torch.bfloat16)
+
+    def calls() -> None:
+        for lw in layers:
+            if name in ("qkv", "gate_up"):
+                rms_norm_gemv(xin, lw["ln1"], EPS, lw[name], residual=res,
+                              gated=name == "gate_up")
+            else:
+                gemv(xin, lw[name])
+
+    rows = layers[0][name].shape[0]
+    n = rows // 2 if name == "gate_up" else rows
+    current = gemv_mod.choose_gemv_tiles(n, k, name == "gate_up")
+    nbytes = sum(lw[name].numel() * 2 for lw in layers)
+    original = gemv_mod.choose_gemv_tiles
+    timed: list[dict[str, Any]] = []
+    try:
+        for tiles in SWEEP:
+            gemv_mod.choose_gemv_tiles = lambda *_a, t=tiles: t  # type: ignore[assignment]
+            try:
+                ms = graph_replay_ms(calls, reps=10)
+            except Exception as e:  # a tile the compiler refuses is reported, not fatal
+                timed.append({"tiles": _as_list(tiles), "error": repr(e)[:200]})
+                continue
+            timed.append({"tiles": _as_list(tiles), "us_per_call": ms * 1e3 / LAYERS,
+                          "tb_s": nbytes / ms / 1e9, "current": tiles == current})
+    finally:
+        gemv_mod.choose_gemv_tiles = original  # type: ignore[assignment]
+    ok = sorted((t for t in timed if "us_per_call" in t), key=lambda t: t["us_per_call"])
+    return {"n": n, "k": k, "current": [t for t in ok if t["current"]], "best": ok[:6],
+            "errors": [t for t in timed if "error" in t]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--sweep", action="store_true", help="also sweep the GEMV tiles")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -129,6 +182,14 @@ def main() -> None:
     results["gemv_pdl_bit_identical_to_gemv"] = bool(torch.equal(outs["gemv"], outs["gemv_pdl"]))
     results["graph_bit_identical_to_eager"] = bool(torch.equal(outs["gemv_pdl"], eager))
     results["weight_gb"] = weight_bytes / 1e9
+    if args.sweep:
+        os.environ["SPLITSERVE_PDL"] = "0"
+        pdl_requested.cache_clear()
+        results["sweep"] = {}
+        for name in ("qkv", "o", "gate_up", "down"):
+            results["sweep"][name] = sweep_shape(layers, x, name)
+            print(name, json.dumps(results["sweep"][name]["current"]),
+                  json.dumps(results["sweep"][name]["best"][:3]), flush=True)
     payload = {"environment": environment_info(), "probe_pdl": results}
     with open(args.out, "w") as f:
         json.dump(payload, f, indent=2)
