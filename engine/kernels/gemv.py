@@ -2,12 +2,15 @@
 with SiLU-and-mul for the gated MLP's gate/up projection.
 
 At one row a linear layer is a pure weight stream, so the only thing that matters is how close
-the kernel reads `W` to the memory roofline. On an H200 (Llama-3.1-8B shapes, 32 weight copies so
-L2 never holds them, CUDA-graph replays; `bench/probe_bs1.py`, bench/results/h200/probe_bs1.json)
-the four matmuls of a decode step took 3.56 ms through this kernel against 3.97 ms through cuBLAS
-called with `out=`; but plain `F.linear` inside the engine's step picks better cuBLAS kernels
-(3.74 ms per step vs 3.85 ms for this kernel, probe_bs1_2.json), so the model uses it only when
-`SPLITSERVE_GEMV=1` (engine/model/layers.py).
+the kernel reads `W` to the memory roofline, and how little else runs around it. The model
+sends every one-row projection of the Triton path here (engine/model/layers.py,
+`SPLITSERVE_GEMV`, on by default), with each RMSNorm and its residual add folded into the
+projection after it (`rms_norm_gemv`) and SiLU-and-mul into the gate/up pass, so a layer is six
+kernels (norm+QKV, RoPE+KV write, attention, O, norm+gate/up, down) instead of eleven with
+cuBLAS (its split-K reduces included). On an H200 the 32 layers' matmuls and norms take 3.81 ms
+this way against 4.13 ms through cuBLAS, in one CUDA graph with every layer's own weights
+(`bench/probe_pdl.py`, bench/results/h200/probe_gemv_sweep_9ee8372.json, before the tile sweep
+in `choose_gemv_tiles`).
 
 Each program owns `BLOCK_N` output features and walks the whole K dimension in `BLOCK_K` chunks,
 accumulating elementwise products in a `[BLOCK_N, BLOCK_K]` float32 tile and reducing it once at
@@ -164,14 +167,14 @@ class GemvTiles:
 
 
 def choose_gemv_tiles(n: int, k: int, gated: bool) -> GemvTiles:
-    """Best of a sweep on an H200 (bench/results/h200/probe_bs1.json, Llama-3.1-8B shapes):
-    8 rows per program; 512-wide chunks for the narrow (N <= 4096) outputs, 256 otherwise; 8
-    warps for long rows (K >= 8192); 4 stages for the gated double stream, 3 otherwise."""
+    """Best of a sweep on an H200 at the four batch-1 calls of Llama-3.1-8B, norm-fused QKV and
+    gate/up, plain O and down (`bench/probe_pdl.py --sweep`,
+    bench/results/h200/probe_gemv_sweep_9ee8372.json): 4 rows per program, 1024-wide chunks, 4
+    warps, 4 stages was best or within 0.3% of best at every one (the QKV call went from 20.2 to
+    16.3 us against the earlier 8 x 256 choice, tuned before the norm was fused)."""
     if interpret_mode():
         return GemvTiles(8, 64, 1, 1)
-    block_k = 512 if n <= 4096 else 256
-    block_k = min(block_k, triton.next_power_of_2(k))
-    return GemvTiles(8, block_k, 8 if k >= 8192 else 4, 4 if gated else 3)
+    return GemvTiles(4, min(1024, triton.next_power_of_2(k)), 4, 4)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int

@@ -18,13 +18,13 @@ from engine.config import ConfigError
 
 
 def gemv_enabled() -> bool:
-    """`SPLITSERVE_GEMV=1` routes one-row matmuls of the Triton path through the Triton GEMV.
+    """`SPLITSERVE_GEMV` (default 1): one-row matmuls of the Triton path run through the Triton
+    GEMV, with the RMSNorms folded in (engine/kernels/gemv.py). `0` sends them to cuBLAS.
 
-    Off by default: on the H200 the GEMV streams the weights ~10% faster than cuBLAS called with
-    `out=` in isolation, but inside a decode step plain `F.linear` picks better cuBLAS kernels
-    (3.74 ms of matmuls per batch-1 step vs 3.85 ms with the GEMV:
-    bench/results/h200/probe_bs1*.json). Kept as the seam for weight-only quantized matmuls."""
-    value = os.environ.get("SPLITSERVE_GEMV", "0").strip()
+    On by default since the fused path measured 4.41 ms batch-1 ITL against 4.67 ms through
+    cuBLAS on the H200, before its tile sweep (bench/results/h200/ab_latency_g*_5333eb4.json).
+    The weight-only quantized matmuls at batch 1 will plug in here (dequantize in registers)."""
+    value = os.environ.get("SPLITSERVE_GEMV", "1").strip()
     if value not in ("0", "1"):
         raise ConfigError(f"SPLITSERVE_GEMV must be 0 or 1, got {value!r}")
     return value == "1"
