@@ -204,3 +204,24 @@ def test_engine_batch1_fused_norm_gemv_matches_torch_backend(
     got, want = traces["triton"], traces["torch"]
     torch.testing.assert_close(got.logits_matrix(), want.logits_matrix(), atol=1e-4, rtol=1e-4)
     assert got.request.output_token_ids == want.request.output_token_ids
+
+
+def test_pdl_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PDL is on by default, refuses unknown values, and never applies off CUDA."""
+    from engine.config import ConfigError
+    from engine.kernels._pdl import pdl_requested, use_pdl
+
+    try:
+        monkeypatch.delenv("SPLITSERVE_PDL", raising=False)
+        pdl_requested.cache_clear()
+        assert pdl_requested()
+        assert not use_pdl(torch.device("cpu"))
+        monkeypatch.setenv("SPLITSERVE_PDL", "0")
+        pdl_requested.cache_clear()
+        assert not pdl_requested()
+        monkeypatch.setenv("SPLITSERVE_PDL", "on")
+        pdl_requested.cache_clear()
+        with pytest.raises(ConfigError, match="0 or 1"):
+            pdl_requested()
+    finally:
+        pdl_requested.cache_clear()
