@@ -410,3 +410,23 @@ def test_scheduler_aborts_free_everything(caching: bool) -> None:
     sched.check_integrity()
     assert kv.num_free_blocks == NUM_BLOCKS
     assert not sched.has_work()
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens=st.lists(st.integers(0, 2**32 - 1), max_size=70),
+       block_size=st.sampled_from([1, 4, 16]), reuse=st.integers(0, 20))
+def test_block_hashes_are_the_chained_block_hash(tokens: list[int], block_size: int,
+                                                 reuse: int) -> None:
+    """The packed fast path equals the definition (`block_hash` chained from the root), also
+    when it extends an existing prefix of hashes."""
+    from engine.kv.hashing import block_hash, compute_block_hashes
+
+    root = bytes(range(32))
+    want, parent = [], root
+    for i in range(len(tokens) // block_size):
+        parent = block_hash(parent, tokens[i * block_size:(i + 1) * block_size])
+        want.append(parent)
+    assert compute_block_hashes(root, tokens, block_size) == want
+    prefix = want[:min(reuse, len(want))]
+    assert compute_block_hashes(root, tokens, block_size, prefix) == want
+    assert compute_block_hashes(root, tuple(tokens), block_size) == want
