@@ -104,6 +104,8 @@ def test_rms_norm_gemv_rejects_bad_inputs() -> None:
     x, w = torch.randn(1, 8), torch.randn(4, 8)
     with pytest.raises(KernelInputError, match="norm_weight"):
         gemv_mod.rms_norm_gemv(x, torch.ones(9), 1e-5, w)
+    with pytest.raises(KernelInputError, match="eps"):
+        gemv_mod.rms_norm_gemv(x, torch.ones(8), 0.0, w)
     with pytest.raises(KernelInputError, match="residual"):
         gemv_mod.rms_norm_gemv(x, torch.ones(8), 1e-5, w, residual=torch.randn(1, 9))
     with pytest.raises(KernelInputError, match="residual"):

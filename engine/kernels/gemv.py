@@ -7,10 +7,10 @@ sends every one-row projection of the Triton path here (engine/model/layers.py,
 `SPLITSERVE_GEMV`, on by default), with each RMSNorm and its residual add folded into the
 projection after it (`rms_norm_gemv`) and SiLU-and-mul into the gate/up pass, so a layer is six
 kernels (norm+QKV, RoPE+KV write, attention, O, norm+gate/up, down) instead of eleven with
-cuBLAS (its split-K reduces included). On an H200 the 32 layers' matmuls and norms take 3.81 ms
-this way against 4.13 ms through cuBLAS, in one CUDA graph with every layer's own weights
-(`bench/probe_pdl.py`, bench/results/h200/probe_gemv_sweep_9ee8372.json, before the tile sweep
-in `choose_gemv_tiles`).
+cuBLAS (its split-K reduces included). On an H200 the 32 layers' matmuls and norms take 3.58 ms
+this way (3.42 ms launched with PDL, engine/kernels/_pdl.py) against 3.99 ms through cuBLAS and
+the norm and SiLU kernels, in one CUDA graph with every layer's own weights (`bench/probe_pdl.py`,
+bench/results/h200/probe_pdl_db6b27a.json).
 
 Each program owns `BLOCK_N` output features and walks the whole K dimension in `BLOCK_K` chunks,
 accumulating elementwise products in a `[BLOCK_N, BLOCK_K]` float32 tile and reducing it once at
@@ -300,6 +300,8 @@ def rms_norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight
         raise KernelInputError(
             f"norm_weight must be a contiguous [{k}], got {tuple(norm_weight.shape)}")
     check_devices(("x", "norm_weight"), (x, norm_weight))
+    if not isinstance(eps, int | float) or not eps > 0:
+        raise KernelInputError(f"eps must be a positive float, got {eps!r}")
     residual_out = None
     if residual is not None:
         residual = check_tensor("residual", residual, 2, (x.dtype,))
