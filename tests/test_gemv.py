@@ -97,7 +97,7 @@ def test_rms_norm_gemv_matches_float64(dtype: torch.dtype, n: int, k: int, with_
         assert new_res is x
     else:
         assert new_res.data_ptr() != res.data_ptr()
-        assert torch.equal(res, res_before)
+        assert res_before is not None and torch.equal(res, res_before)
 
 
 def test_rms_norm_gemv_rejects_bad_inputs() -> None:

@@ -86,3 +86,15 @@ def compute_block_hashes(
         parent = sha256(parent + data[offset:offset + step]).digest()
         hashes.append(parent)
     return hashes
+
+
+def prompt_hash(fingerprint: bytes, token_ids: Sequence[int]) -> bytes:
+    """SHA-256 over the model fingerprint and ALL prompt token ids (little-endian uint32).
+
+    Block hashes cover full blocks only; this binds a KV handle to the exact prompt, so a
+    decode worker can refuse KV of a prompt that differs only in its partial last block.
+    """
+    # The fingerprint is fixed-size (HASH_BYTES), so fingerprint ‖ ids is unambiguous.
+    h = hashlib.sha256(fingerprint)
+    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    return h.digest()
