@@ -156,9 +156,11 @@ class LLMEngine:
         """Every check `add_request` makes; reads config only, so any thread may call it."""
         params.validate()
         self.validate(prompt_token_ids, params, len(output_token_ids or []))
-        if remote_kv is not None and remote_kv.num_tokens != len(prompt_token_ids):
+        if remote_kv is not None and not 0 < remote_kv.num_tokens <= len(prompt_token_ids):
+            # A prefix: the whole prompt (a prefill worker's KV) or its first blocks (a tier).
             raise EngineInputError(
-                f"remote KV covers {remote_kv.num_tokens} tokens, prompt has {len(prompt_token_ids)}")
+                f"remote KV covers {remote_kv.num_tokens} tokens; it must cover 1 to "
+                f"{len(prompt_token_ids)} (the prompt's length)")
 
     def enqueue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 *, output_token_ids: list[int] | None = None, remote_kv: RemoteKv | None = None,
@@ -191,7 +193,8 @@ class LLMEngine:
     # ---- disaggregation hooks --------------------------------------------------------------
 
     def take_kv_loads(self) -> list[KvLoad]:
-        """Decode role: loads the scheduler started; the caller fills the blocks, then reports."""
+        """Loads the scheduler started (remote KV: a prefill worker's or a tier's); the caller
+        fills the blocks, then reports."""
         loads, self._kv_loads = self._kv_loads, []
         return loads
 

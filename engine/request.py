@@ -40,9 +40,11 @@ _FINISH_REASONS = {
 
 @dataclass(slots=True)
 class RemoteKv:
-    """Decode role: the prompt KV comes from elsewhere (a prefill worker or a tier).
+    """The KV of the prompt's first `num_tokens` tokens comes from elsewhere: all of them from
+    a prefill worker (decode role), or a prefix of full blocks from the CPU/Redis tiers (prefill
+    role, serving/tier_cache.py); the engine computes the rest.
 
-    `handle` is opaque to the engine (the service's transport reads it); the engine only needs to
+    `handle` is opaque to the engine (the service's loader reads it); the engine only needs to
     know how many prompt tokens the KV covers.
     """
 

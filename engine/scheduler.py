@@ -29,7 +29,7 @@ class ScheduledRequest:
 
 @dataclass(slots=True)
 class KvLoad:
-    """Decode role: the request's first `num_tokens` prompt tokens have KV elsewhere; fill
+    """The request's first `num_tokens` prompt tokens have KV elsewhere; fill
     `block_ids` with that KV's blocks `first_block`, `first_block + 1`, ... (the blocks before
     `first_block` were found in this engine's own prefix cache and need no transfer)."""
 

@@ -24,12 +24,14 @@ from serving.convert import (
     logprob_to_proto,
     sampling_from_proto,
 )
+from serving.tier_cache import TierPrefixCache
 
 
 class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
     def __init__(self, kv_address: str) -> None:
         super().__init__()
         self.kv_address = kv_address  # where decode workers pull this worker's blocks
+        self.tiers: TierPrefixCache | None = None  # CPU/Redis prefix tiers, when configured
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
@@ -56,8 +58,11 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
         except InvalidRequest as e:
             await _abort(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         last: StepOutput | None = None
+        remote_kv = await self.tiers.plan(ids) if self.tiers is not None else None
+        if remote_kv is not None:
+            span.set_attribute("splitserve.tier_tokens", remote_kv.num_tokens)
         try:
-            async for out in aengine.generate(rid, ids, params):
+            async for out in aengine.generate(rid, ids, params, remote_kv=remote_kv):
                 last = out
         except (InvalidRequest, EngineInputError, SamplingParamsError, ValueError) as e:
             await _abort(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -72,7 +77,10 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
         if last is None:
             await _abort(context, span, grpc.StatusCode.INTERNAL, "engine returned no output")
         assert last is not None
-        return self._response(rid, ids, last, request.lease_ms)
+        response = self._response(rid, ids, last, request.lease_ms)
+        if self.tiers is not None and response.HasField("kv_handle"):
+            self.tiers.spawn_save(rid)  # reads the leased blocks, so before any release
+        return response
 
     def _response(self, rid: str, ids: list[int], out: StepOutput,
                   lease_ms: int) -> prefill_pb2.PrefillResponse:

@@ -32,6 +32,7 @@ from protos.splitserve.v1 import (
     prefill_pb2_grpc,
 )
 from serving import tracing
+from serving.tier_cache import TierConfig, TierPrefixCache
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +59,15 @@ async def start_worker(config: EngineConfig, host: str, port: int,
                        advertise_address: str | None = None,
                        engine_factory: Callable[[EngineConfig], LLMEngine] | None = None,
                        auth_token: str | None = None,
+                       tiers: TierConfig | None = None,
                        ) -> WorkerHandle:
     """Start a worker for `config.scheduler.role`; returns once the port is bound. The engine
     loads in the background; `handle.ready` is set when it serves.
 
     auth_token: the cluster's shared secret (protos/auth.py). With it, every call but a health
-    check must carry it, and a decode worker sends it with its KV pulls."""
+    check must carry it, and a decode worker sends it with its KV pulls.
+    tiers: a prefill worker's CPU/Redis prefix tiers (serving/tier_cache.py); ignored by the
+    other roles."""
     from decode_service.servicer import DecodeServicer
     from prefill_service.servicer import PrefillServicer
 
@@ -112,6 +116,9 @@ async def start_worker(config: EngineConfig, host: str, port: int,
             raise
         loader = GrpcKvLoader(engine, kv_metadata=kv_metadata) if role == "decode" else None
         aengine = AsyncEngine(engine, kv_loader=loader)
+        if role == "prefill" and tiers is not None and tiers.enabled:
+            prefill.tiers = TierPrefixCache.from_config(aengine, tiers)
+            aengine.kv_loader = prefill.tiers.load
         aengine.start()
         handle.aengine = aengine
         prefill.bind(aengine)

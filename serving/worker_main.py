@@ -10,10 +10,14 @@ import argparse
 import asyncio
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from engine.cli_args import add_engine_args, engine_config_from_args
 from protos.auth import AuthConfigError, internal_token_from_env
 from serving.tracing import setup_tracing
+
+if TYPE_CHECKING:
+    from serving.tier_cache import TierConfig
 
 logger = logging.getLogger("splitserve.serve")
 
@@ -29,8 +33,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--advertise", default=None,
                    help="host:port that decode workers use to reach this prefill worker's KV")
     p.add_argument("--log-level", default="info")
+    tiers = p.add_argument_group("prefix tiers (prefill role): GPU -> CPU -> Redis")
+    tiers.add_argument("--kv-tier-cpu-mb", type=int, default=0,
+                       help="CPU tier of encoded KV blocks, in MiB (0: none)")
+    tiers.add_argument("--kv-tier-redis-url", default=None,
+                       help="cluster-wide Redis tier, e.g. redis://redis:6379/0 (default: none)")
+    tiers.add_argument("--kv-tier-redis-ttl-s", type=int, default=3600,
+                       help="expiry of each block in Redis")
+    tiers.add_argument("--kv-tier-min-blocks", type=int, default=1,
+                       help="fetch from the tiers only when they extend the GPU hit by this "
+                            "many blocks")
     add_engine_args(p)
     return p
+
+
+def tier_config_from_args(args: argparse.Namespace) -> TierConfig:
+    """Raises ValueError for a negative size or a min-blocks below 1."""
+    from serving.tier_cache import TierConfig  # torch and redis: not for the gateway role
+
+    return TierConfig(cpu_bytes=args.kv_tier_cpu_mb << 20, redis_url=args.kv_tier_redis_url,
+                      redis_ttl_s=args.kv_tier_redis_ttl_s,
+                      min_blocks=args.kv_tier_min_blocks)
 
 
 async def _serve_worker(args: argparse.Namespace) -> None:
@@ -39,7 +62,8 @@ async def _serve_worker(args: argparse.Namespace) -> None:
     config = engine_config_from_args(args, role=args.role)
     port = args.port if args.port is not None else {"prefill": 50061, "decode": 50062}[args.role]
     handle = await start_worker(config, args.host, port, advertise_address=args.advertise,
-                                auth_token=internal_token_from_env())
+                                auth_token=internal_token_from_env(),
+                                tiers=tier_config_from_args(args))
     await run_until_signal(handle.stop, watch=handle.load_task)
 
 
@@ -97,6 +121,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.error("%s: %s", e, e.__cause__)
         return 1
     except AuthConfigError as e:  # the message names the variable
+        logger.error("%s", e)
+        return 2
+    except ValueError as e:  # a bad option value (e.g. --kv-tier-min-blocks 0)
         logger.error("%s", e)
         return 2
     return 0

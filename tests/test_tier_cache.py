@@ -1,0 +1,195 @@
+"""The CPU/Redis prefix tiers under a prefill worker (serving/tier_cache.py): two real prefill
+workers on 127.0.0.1 with separate GPU caches and CPU tiers, sharing the real Redis.
+
+Worker A prefills a prompt and saves its full blocks; worker B, which never saw the prompt,
+loads them from Redis instead of computing them, and answers exactly as A did (first token and
+its logprob). A corrupt Redis value is a miss (B recomputes, still right), and a plan whose GPU
+blocks vanished before the load is refused (the engine recomputes)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import pytest_asyncio
+from redis import asyncio as aioredis
+
+from engine.config import CacheConfig, EngineConfig, LoadConfig, RunnerConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.request import RemoteKv
+from engine.scheduler import KvLoad
+from protos.splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from serving.server import WorkerHandle, start_worker
+from serving.tier_cache import TierBlocks, TierConfig, TierPrefixCache
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+BLOCK_SIZE = 4
+TIMEOUT_S = 60.0
+
+
+def _config(path: Path) -> EngineConfig:
+    return EngineConfig(
+        load=LoadConfig(model=str(path), dtype="float32"),
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks=256),
+        scheduler=SchedulerConfig(role="prefill", max_model_len=256, kv_lease_ms=60_000),
+        runner=RunnerConfig(device="cpu"))
+
+
+@pytest_asyncio.fixture
+async def redis_prefix() -> AsyncIterator[str]:
+    """A key prefix of this test's own, deleted afterwards."""
+    prefix = f"splitserve-test-tiers-{uuid.uuid4().hex[:12]}"
+    client = aioredis.Redis.from_url(REDIS_URL)
+    try:
+        await client.ping()
+    except Exception as e:  # the suite's Redis is required: say so plainly
+        pytest.fail(f"Redis at {REDIS_URL} is required by the tier tests: {e}")
+    yield prefix
+    keys = [k async for k in client.scan_iter(match=f"{prefix}:*")]
+    if keys:
+        await client.delete(*keys)
+    await client.aclose()
+
+
+async def _worker(path: Path, tiers: TierConfig) -> WorkerHandle:
+    handle = await start_worker(_config(path), "127.0.0.1", 0, tiers=tiers,
+                                engine_factory=lambda c: LLMEngine(c, detokenize=False))
+    assert handle.load_task is not None
+    await asyncio.wait_for(asyncio.shield(handle.load_task), TIMEOUT_S)
+    return handle
+
+
+async def _prefill(handle: WorkerHandle, rid: str, ids: list[int]) -> prefill_pb2.PrefillResponse:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+        request = prefill_pb2.PrefillRequest(
+            request_id=rid, prompt_token_ids=ids,
+            sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=8, logprobs=1))
+        response: prefill_pb2.PrefillResponse = await prefill_pb2_grpc.PrefillStub(
+            channel).Prefill(request, timeout=TIMEOUT_S)
+        return response
+
+
+def _tiers_of(handle: WorkerHandle) -> TierPrefixCache:
+    assert handle.aengine is not None
+    owner = getattr(handle.aengine.kv_loader, "__self__", None)
+    assert isinstance(owner, TierPrefixCache), "the prefill worker must load through its tiers"
+    return owner
+
+
+def _count_computed(handle: WorkerHandle) -> list[int]:
+    """Spy on the real scheduler: the tokens each step computes are appended to the list."""
+    assert handle.aengine is not None
+    scheduler = handle.aengine.engine.scheduler
+    schedule = scheduler.schedule
+    counts: list[int] = []
+
+    def counting() -> Any:
+        out = schedule()
+        counts.append(out.num_batched_tokens)
+        return out
+
+    scheduler.schedule = counting  # type: ignore[method-assign]
+    return counts
+
+
+@pytest.mark.asyncio
+async def test_second_worker_loads_the_prompt_from_redis(
+        tiny_model_dirs: dict[str, Path], redis_prefix: str) -> None:
+    path = tiny_model_dirs["llama"]
+    tiers = TierConfig(cpu_bytes=8 << 20, redis_url=REDIS_URL, redis_key_prefix=redis_prefix)
+    a, b = await _worker(path, tiers), await _worker(path, tiers)
+    try:
+        prompt = [(7 * i + 3) % 300 + 1 for i in range(37)]  # 9 full blocks + 1 token
+        first = await _prefill(a, "a1", prompt)
+        ta = _tiers_of(a)
+        await ta.wait_for_saves()
+        assert ta.stats.saved_blocks == 9 and ta.store.stats["redis_writes"] >= 1
+
+        computed = _count_computed(b)
+        second = await _prefill(b, "b1", prompt)
+        tb = _tiers_of(b)
+        assert tb.stats.planned_blocks == 9 and tb.stats.loaded_blocks == 9
+        assert tb.stats.failed_loads == 0
+        # B computed only the last partial block's token (37 - 36), not the prompt.
+        assert sum(computed) == 1
+        assert second.first_token_id == first.first_token_id
+        assert second.logprob.logprob == pytest.approx(first.logprob.logprob, abs=1e-5)
+        # B's KV handle names the same blocks: the decode side can pull them as from A.
+        assert list(second.kv_handle.block_hashes) == list(first.kv_handle.block_hashes)
+    finally:
+        for h in (a, b):
+            await h.stop(grace_s=1.0)
+
+
+@pytest.mark.asyncio
+async def test_corrupt_redis_value_is_a_miss_and_the_prompt_is_recomputed(
+        tiny_model_dirs: dict[str, Path], redis_prefix: str) -> None:
+    path = tiny_model_dirs["llama"]
+    tiers = TierConfig(cpu_bytes=8 << 20, redis_url=REDIS_URL, redis_key_prefix=redis_prefix)
+    a, b = await _worker(path, tiers), await _worker(path, tiers)
+    client = aioredis.Redis.from_url(REDIS_URL)
+    try:
+        prompt = [(11 * i + 5) % 300 + 1 for i in range(21)]  # 5 full blocks + 1 token
+        first = await _prefill(a, "a1", prompt)
+        ta = _tiers_of(a)
+        await ta.wait_for_saves()
+        keys = sorted([k async for k in client.scan_iter(match=f"{redis_prefix}:*")])
+        assert len(keys) == 5
+        # Flip one payload byte of every stored block: each fails its checksum.
+        for key in keys:
+            value = bytearray(await client.get(key))
+            value[-1] ^= 0xFF
+            await client.set(key, bytes(value))
+        computed = _count_computed(b)
+        second = await _prefill(b, "b1", prompt)
+        tb = _tiers_of(b)
+        assert tb.stats.planned_blocks == 0 and tb.store.stats["redis_corrupt"] >= 1
+        assert sum(computed) == len(prompt)
+        assert second.first_token_id == first.first_token_id
+    finally:
+        await client.aclose()
+        for h in (a, b):
+            await h.stop(grace_s=1.0)
+
+
+@pytest.mark.asyncio
+async def test_load_refuses_a_plan_the_gpu_cache_no_longer_covers(
+        tiny_model_dirs: dict[str, Path]) -> None:
+    """The plan counted on GPU blocks 0..1 and fetched 2..3; if the engine then found fewer GPU
+    blocks (evicted meanwhile), the tiers hold no copy of the missing ones: refuse."""
+    handle = await _worker(tiny_model_dirs["llama"], TierConfig(cpu_bytes=1 << 20))
+    try:
+        cache = _tiers_of(handle)
+        plan = TierBlocks(first=2, blocks=(b"x", b"y"), hashes=tuple(bytes([i]) * 32
+                                                                     for i in range(4)))
+        request = _FakeRequest(RemoteKv(num_tokens=16, handle=plan))
+        refused = await cache.load(KvLoad(request, [10, 11, 12], 16, first_block=1))  # type: ignore[arg-type]
+        assert refused is False and cache.stats.failed_loads == 1
+        # A block whose bytes are not a valid block of this model is refused too.
+        garbled = await cache.load(KvLoad(request, [12, 13], 16, first_block=2))  # type: ignore[arg-type]
+        assert garbled is False and cache.stats.failed_loads == 2
+    finally:
+        await handle.stop(grace_s=1.0)
+
+
+class _FakeRequest:
+    """Only what `TierPrefixCache.load` reads of a request."""
+
+    def __init__(self, remote_kv: RemoteKv) -> None:
+        self.remote_kv = remote_kv
+        self.request_id = "fake"
+
+
+def test_tier_config_validation() -> None:
+    assert not TierConfig().enabled and TierConfig(cpu_bytes=1).enabled
+    assert TierConfig(redis_url=REDIS_URL).enabled
+    with pytest.raises(ValueError, match="cpu_bytes"):
+        TierConfig(cpu_bytes=-1)
+    with pytest.raises(ValueError, match="min_blocks"):
+        TierConfig(min_blocks=0)
+
