@@ -461,6 +461,7 @@ def check_args_parse(objs: list[Obj]) -> None:
     from gateway.server import build_parser as gateway_parser
     from gateway.server import config_from_args
     from serving.worker_main import build_parser as worker_parser
+    from serving.worker_main import tier_config_from_args
 
     for dep in of_kind(objs, "Deployment"):
         c = containers(dep)[0]
@@ -478,6 +479,12 @@ def check_args_parse(objs: list[Obj]) -> None:
             config = engine_config_from_args(args, role=role)
             config.cache.validate()  # block size a power of two (the engine checks it at load)
             assert config.scheduler.role == role
+            tiers = tier_config_from_args(args)  # raises on a negative size or min-blocks < 1
+            if role == "prefill":
+                assert "--kv-tier-cpu-mb" in container_args(c).flags, (
+                    f"{name(dep)}: the prefill pool's CPU tier must be set from the ConfigMap")
+            else:
+                assert not tiers.enabled, f"{name(dep)}: only the prefill role uses the tiers"
             if role == "prefill":
                 assert args.advertise == "10.1.2.3:" + str(args.port)
 
