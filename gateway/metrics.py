@@ -55,6 +55,12 @@ WORKER_COUNTERS: tuple[tuple[str, str, Callable[[Report], float]], ...] = (
      lambda r: r.prefix_cache_hits),
     ("splitserve:num_preemptions_total", "Requests preempted by the worker's scheduler.",
      lambda r: r.num_preemptions),
+    ("splitserve:kv_tier_hit_tokens_total",
+     "Prompt tokens a prefill worker loaded from its CPU/Redis tiers instead of computing.",
+     lambda r: r.tier_hit_tokens),
+    ("splitserve:kv_tier_saved_blocks_total",
+     "KV blocks a prefill worker wrote to its CPU/Redis tiers.",
+     lambda r: r.tier_saved_blocks),
 )
 WORKER_HEALTHY = "splitserve:worker_healthy"
 

@@ -108,7 +108,11 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
     async def GetLoad(self, request: common_pb2.LoadRequest,
                       context: grpc.aio.ServicerContext) -> common_pb2.LoadReport:
         await self.engine_or_abort(context)  # UNAVAILABLE while loading: routers skip us
-        return self.load_report("prefill")
+        report = self.load_report("prefill")
+        if self.tiers is not None:
+            report.tier_hit_tokens = self.tiers.stats.loaded_tokens
+            report.tier_saved_blocks = self.tiers.stats.saved_blocks
+        return report
 
 
 async def _abort(context: grpc.aio.ServicerContext, span: Span, code: grpc.StatusCode,

@@ -77,6 +77,7 @@ class TierBlocks:
 class TierStats:
     planned_blocks: int = 0     # blocks found in the tiers by `plan`
     loaded_blocks: int = 0      # of those, written into the engine's cache
+    loaded_tokens: int = 0      # prompt tokens they hold (not computed)
     failed_loads: int = 0       # loads refused (engine recomputed the prompt)
     saved_blocks: int = 0       # blocks written to the tiers
     dropped_saves: int = 0      # saves abandoned because the lease ended before the read did
@@ -161,6 +162,7 @@ class TierPrefixCache:
             return False
         self._engine.runner.write_blocks(load.block_ids, blocks, scales)
         self.stats.loaded_blocks += len(load.block_ids)
+        self.stats.loaded_tokens += len(load.block_ids) * self._block_size
         return True
 
     def _decode(self, handle: TierBlocks, first_block: int, count: int

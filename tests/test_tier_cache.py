@@ -74,6 +74,13 @@ async def _prefill(handle: WorkerHandle, rid: str, ids: list[int]) -> prefill_pb
         return response
 
 
+async def _load_report(handle: WorkerHandle) -> common_pb2.LoadReport:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+        report: common_pb2.LoadReport = await prefill_pb2_grpc.PrefillStub(channel).GetLoad(
+            common_pb2.LoadRequest(), timeout=TIMEOUT_S)
+        return report
+
+
 def _tiers_of(handle: WorkerHandle) -> TierPrefixCache:
     assert handle.aengine is not None
     owner = getattr(handle.aengine.kv_loader, "__self__", None)
@@ -121,6 +128,10 @@ async def test_second_worker_loads_the_prompt_from_redis(
         assert second.logprob.logprob == pytest.approx(first.logprob.logprob, abs=1e-5)
         # B's KV handle names the same blocks: the decode side can pull them as from A.
         assert list(second.kv_handle.block_hashes) == list(first.kv_handle.block_hashes)
+        # The load reports carry the tier counters (the gateway exports them to Prometheus).
+        report_a, report_b = await _load_report(a), await _load_report(b)
+        assert report_a.tier_saved_blocks == 9 and report_a.tier_hit_tokens == 0
+        assert report_b.tier_hit_tokens == 9 * BLOCK_SIZE
     finally:
         for h in (a, b):
             await h.stop(grace_s=1.0)

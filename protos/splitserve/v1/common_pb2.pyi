@@ -273,6 +273,8 @@ class LoadReport(_message.Message):
     NUM_PREEMPTIONS_FIELD_NUMBER: _builtins.int
     NUM_LEASES_FIELD_NUMBER: _builtins.int
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    TIER_HIT_TOKENS_FIELD_NUMBER: _builtins.int
+    TIER_SAVED_BLOCKS_FIELD_NUMBER: _builtins.int
     num_running: _builtins.int
     num_waiting: _builtins.int
     kv_cache_usage: _builtins.float
@@ -292,6 +294,12 @@ class LoadReport(_message.Message):
     """prefill KV leases held (waiting for a decode pull)"""
     num_blocks: _builtins.int
     """KV blocks in total (num_free_blocks is of these)"""
+    tier_hit_tokens: _builtins.int
+    """Prefill workers with CPU/Redis prefix tiers (cumulative, like the counters above):
+    prompt tokens loaded from the tiers instead of computed
+    """
+    tier_saved_blocks: _builtins.int
+    """KV blocks written to the tiers"""
     def __init__(
         self,
         *,
@@ -307,10 +315,12 @@ class LoadReport(_message.Message):
         num_preemptions: _builtins.int = ...,
         num_leases: _builtins.int = ...,
         num_blocks: _builtins.int = ...,
+        tier_hit_tokens: _builtins.int = ...,
+        tier_saved_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "fingerprint", b"fingerprint", "kv_cache_usage", b"kv_cache_usage", "num_blocks", b"num_blocks", "num_free_blocks", b"num_free_blocks", "num_leases", b"num_leases", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "fingerprint", b"fingerprint", "kv_cache_usage", b"kv_cache_usage", "num_blocks", b"num_blocks", "num_free_blocks", b"num_free_blocks", "num_leases", b"num_leases", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "tier_hit_tokens", b"tier_hit_tokens", "tier_saved_blocks", b"tier_saved_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
