@@ -51,8 +51,8 @@ def main() -> int:
     p.add_argument("--decode-overlap-min-batch", type=int, default=0,
                    help="the fast engine's micro-batch overlap threshold (e.g. 4: the batch of 8 "
                         "decodes runs as two overlapped halves); 0: off, the engine's default")
-    p.add_argument("--quantization", default="none", choices=["none", "fp8"],
-                   help="both engines use it (fp8: W8A8 weights): checks the fast path's "
+    p.add_argument("--quantization", default="none", choices=["none", "fp8", "int8"],
+                   help="both engines use it (fp8: W8A8, int8: weight-only): checks the fast path's "
                         "attention, graphs and kernels on a quantized model")
     args = p.parse_args()
     rng = random.Random(0)

@@ -88,7 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup-ms", type=int, default=25, help="do_bench warm-up (ms)")
     parser.add_argument("--rep-ms", type=int, default=100, help="do_bench repetition time (ms)")
     parser.add_argument("--only", default="",
-                        help="comma-separated subset of: decode,prefill,elementwise,graph,gemv,fp8")
+                        help="comma-separated subset of: decode,prefill,elementwise,graph,gemv,fp8,"
+                             "int8")
     return parser.parse_args(argv)
 
 
@@ -517,6 +518,30 @@ class Checker:
         return self.timed(result, fn, lambda: torch.nn.functional.linear(x, w),
                           w.numel() * w.element_size())
 
+    # -- int8 weight-only -----------------------------------------------------------------
+
+    def int8_linear(self, rows: int, n: int, k: int) -> dict[str, Any]:
+        """int8 weights (per-row scale) times `rows` activations: the GEMV for one row, the
+        W8A16 matmul otherwise, vs the float32 product of the same int8 values; timed against
+        cuBLAS on the bf16 weight it stands for."""
+        from engine.kernels.gemv import gemv
+        from engine.kernels.w8a16 import w8a16_matmul
+        from engine.model.quant import quantize_weight_int8
+
+        w = self.randn(n, k) * 0.02
+        q, scale = quantize_weight_int8(w)
+        x = self.randn(rows, k)
+        want = (x.float() @ q.float().T) * scale
+
+        def fn() -> torch.Tensor:
+            if rows == 1:
+                return gemv(x, q, weight_scale=scale)
+            return w8a16_matmul(x, q, scale)
+
+        result = verdict({"rows": rows, "n": n, "k": k, **errors(fn(), want.to(self.dtype))},
+                         self.dtype)
+        return self.timed(result, fn, lambda: torch.nn.functional.linear(x, w), q.numel())
+
     # -- fp8 KV cache ---------------------------------------------------------------------
 
     def fp8_cache(self, num_blocks: int) -> torch.Tensor:
@@ -687,6 +712,15 @@ def run_all(checker: Checker, only: set[str]) -> None:
         checker.run("gemv_o", lambda: checker.gemv(s.hidden, s.num_heads * s.head_dim, False))
         checker.run("gemv_gate_up_silu", lambda: checker.gemv(s.intermediate, s.hidden, True))
         checker.run("gemv_down", lambda: checker.gemv(s.hidden, s.intermediate, gated=False))
+    if want("int8"):
+        qkv_out = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+        for rows in (1, 8, 64, s.prefill_len):
+            for label, n, k in (("down", s.hidden, s.intermediate), ("qkv", qkv_out, s.hidden)):
+
+                def one_int8(r: int = rows, n_: int = n, k_: int = k) -> dict[str, Any]:
+                    return checker.int8_linear(r, n_, k_)
+
+                checker.run(f"int8_{label}_m{rows}", one_int8)
     if want("fp8"):
         checker.run("write_kv_fp8", checker.write_kv_fp8)
         for context in s.decode_contexts:
@@ -713,7 +747,7 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda")
         shapes = REAL
     only = {p.strip() for p in args.only.split(",") if p.strip()}
-    unknown = only - {"decode", "prefill", "elementwise", "graph", "gemv", "fp8"}
+    unknown = only - {"decode", "prefill", "elementwise", "graph", "gemv", "fp8", "int8"}
     if unknown:
         print(f"--only: unknown parts {sorted(unknown)}", file=sys.stderr)
         return 2

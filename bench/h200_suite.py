@@ -67,7 +67,7 @@ class SuiteSizes:
     gpu_memory_utilization: float = 0.92
     async_scheduling: bool | None = None  # None: the engine's default (on for CUDA)
     decode_overlap_min_batch: int = 0  # the engine's default: off
-    quantization: str = "none"  # "fp8": W8A8 weights (the goals are for bf16)
+    quantization: str = "none"  # "fp8": W8A8, "int8": weight-only (the goals: bf16)
 
     @classmethod
     def small(cls, model: str) -> SuiteSizes:
@@ -253,8 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-overlap-min-batch", type=int, default=0,
                    help="the engine's decode micro-batch overlap threshold (0, the default: off)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="override the suite's 384")
-    p.add_argument("--quantization", default="none", choices=["none", "fp8"],
-                   help="fp8: W8A8 weights and activations")
+    p.add_argument("--quantization", default="none", choices=["none", "fp8", "int8"],
+                   help="fp8: W8A8 weights and activations; int8: weight-only")
     args = p.parse_args(argv)
     steps = tuple(x for x in args.steps.split(",") if x)
     unknown = [x for x in steps if x not in STEP_LIMITS_S]

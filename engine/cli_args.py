@@ -53,7 +53,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=_default(RunnerConfig, "quantization"),
                    choices=["none", "fp8", "int8"],
                    help="fp8: W8A8, e4m3 weights per output channel and activations per token "
-                        "(sm_89+ GPUs or the CPU); int8 weight-only is not implemented")
+                        "(sm_89+ GPUs or the CPU); int8: weight-only, int8 weights per output "
+                        "channel, activations in the model dtype")
     g.add_argument("--decode-overlap-min-batch", type=int,
                    default=_default(RunnerConfig, "decode_overlap_min_batch"),
                    help="decode batches of at least this many sequences run as two micro-batches "

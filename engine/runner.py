@@ -35,7 +35,7 @@ from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.model.layers import RotaryEmbedding
 from engine.model.llama import AttentionBackend, LlamaForCausalLM
 from engine.model.overlap import MicroBatchStreams
-from engine.model.quant import apply_fp8_w8a8, check_fp8_supported
+from engine.model.quant import apply_fp8_w8a8, apply_int8_weight_only, check_fp8_supported
 from engine.sampler import PendingTokens, Sampler, depends_on_outputs
 from engine.scheduler import SampledToken, SchedulerOutput
 
@@ -148,6 +148,11 @@ class ModelRunner:
             logger.info("fp8 W8A8: %d linear layers quantized", n)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # the bf16 weights just freed
+        elif config.runner.quantization == "int8":
+            n = apply_int8_weight_only(self.model, use_triton)
+            logger.info("int8 weight-only: %d linear layers quantized", n)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
         self.sampler = Sampler()
         # The last launched step's sampled tokens (on the device) and their row per request.
         self._last_tokens: torch.Tensor | None = None

@@ -146,7 +146,3 @@ def test_quantized_triton_path_matches_quantized_torch_path(
         assert got.request.output_token_ids == want.request.output_token_ids
 
 
-def test_int8_weights_are_still_refused(tiny_model_dirs: dict[str, Path]) -> None:
-    with pytest.raises(ConfigError, match="quantization 'int8' is not implemented"):
-        tiny_llm(tiny_model_dirs["llama"], quantization="int8")
-

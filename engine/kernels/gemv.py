@@ -104,6 +104,7 @@ def _gemv_kernel(
     res_ptr,  # [K] residual in (read only when NORM and HAS_RES)
     g_ptr,  # [K] RMSNorm weight (read only when NORM)
     res_out_ptr,  # [K] new residual `x + residual` (written only when NORM and HAS_RES)
+    ws_ptr,  # [N or 2N] float32 per-row weight scales (read only when W_SCALE: int8 weights)
     N,  # output features (the gate half's size when GATED)
     K,
     stride_w,
@@ -113,6 +114,7 @@ def _gemv_kernel(
     GATED: tl.constexpr,
     NORM: tl.constexpr,
     HAS_RES: tl.constexpr,
+    W_SCALE: tl.constexpr,
     EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no row mask
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no column mask
     USE_PDL: tl.constexpr,
@@ -146,12 +148,16 @@ def _gemv_kernel(
         # RMSNorm's scale is one scalar per row of x, so it factors out of the dot product.
         rstd = 1.0 / tl.sqrt(reduce_sum(sumsq, 0) / K + eps)
         y *= rstd
+    if W_SCALE:  # int8 weights: one scale per output row, also outside the dot product
+        y *= tl.load(ws_ptr + rows, mask=row_mask, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     if GATED:
         up = reduce_sum(acc_up, 1)
         if NORM:
             up *= rstd
+        if W_SCALE:
+            up *= tl.load(ws_ptr + N + rows, mask=row_mask, other=0.0)
         if HAS_BIAS:
             up += tl.load(b_ptr + N + rows, mask=row_mask, other=0.0).to(tl.float32)
         y = y / (1.0 + tl.exp(-y)) * up
@@ -177,16 +183,27 @@ def choose_gemv_tiles(n: int, k: int, gated: bool) -> GemvTiles:
     return GemvTiles(4, min(1024, triton.next_power_of_2(k)), 4, 4)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int,
+           weight_scale: torch.Tensor | None = None
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     x = check_tensor("x", x, 2, FLOAT_DTYPES)
-    weight = check_tensor("weight", weight, 2, FLOAT_DTYPES)
+    if weight_scale is not None:  # int8 weight-only: W = weight * weight_scale[:, None]
+        weight = check_tensor("weight", weight, 2, (torch.int8,))
+        weight_scale = check_tensor("weight_scale", weight_scale, 1, (torch.float32,))
+        if weight_scale.shape[0] != weight.shape[0] or not weight_scale.is_contiguous():
+            raise KernelInputError(f"weight_scale must be a contiguous float32 "
+                                   f"[{weight.shape[0]}], got {tuple(weight_scale.shape)}")
+        check_devices(("weight", "weight_scale"), (weight, weight_scale))
+        weight_dtype_ok = True
+    else:
+        weight = check_tensor("weight", weight, 2, FLOAT_DTYPES)
+        weight_dtype_ok = weight.dtype == x.dtype
     if x.shape[0] != 1:
         raise KernelInputError(f"gemv takes one row, got x of shape {tuple(x.shape)}")
     if weight.shape[1] != x.shape[1] or weight.shape[0] != rows:
         raise KernelInputError(
             f"weight must be [{rows}, K={x.shape[1]}], got {tuple(weight.shape)}")
-    if weight.dtype != x.dtype:
+    if not weight_dtype_ok:
         raise KernelInputError(f"weight has dtype {weight.dtype} but x has {x.dtype}")
     check_inner_dense("x", x, 1)
     check_inner_dense("weight", weight, 1)
@@ -210,7 +227,8 @@ class _Norm:
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            n: int, gated: bool, norm: _Norm | None = None) -> torch.Tensor:
+            n: int, gated: bool, norm: _Norm | None = None,
+            weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     k = x.shape[1]
     if n == 0:
         return out
@@ -222,12 +240,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
         norm.residual if has_res else x,  # type: ignore[union-attr]
         norm.weight if norm is not None else x,
         norm.residual_out if has_res else x,  # type: ignore[union-attr]
+        weight_scale if weight_scale is not None else x,
         n, k, weight.stride(0), n * weight.stride(0),
         norm.eps if norm is not None else 0.0,
         HAS_BIAS=bias is not None,
         GATED=gated,
         NORM=norm is not None,
         HAS_RES=has_res,
+        W_SCALE=weight_scale is not None,
         EVEN_N=n % tiles.block_n == 0,
         EVEN_K=k % tiles.block_k == 0,
         USE_PDL=pdl,
@@ -241,19 +261,23 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         out: torch.Tensor | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None
+         ) -> torch.Tensor:
     """`x [1, K] @ weight[N, K]^T (+ bias [N])` -> `[1, N]` in x's dtype (fp32 accumulation).
 
     x and weight must share a dtype and be dense in their last dim (weight's row stride may be
-    padded). Mutates only `out` (a contiguous `[1, N]` buffer, allocated when None).
+    padded), or `weight` is int8 with a float32 `weight_scale [N]` (W = weight * scale per row:
+    int8 weight-only quantization; the tile is widened in registers and the scale applied to
+    each finished dot product). Mutates only `out` (a contiguous `[1, N]` buffer, allocated
+    when None).
     """
     n = weight.shape[0] if weight.dim() == 2 else -1
-    x, weight, bias = _check(x, weight, bias, n)
+    x, weight, bias = _check(x, weight, bias, n, weight_scale)
     if out is None:
         out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     else:
         out = check_out(out, (1, n), x.dtype, x.device)
-    return _launch(x, weight, bias, out, n, gated=False)
+    return _launch(x, weight, bias, out, n, gated=False, weight_scale=weight_scale)
 
 
 def _gated_rows(weight: torch.Tensor) -> int:
@@ -263,23 +287,25 @@ def _gated_rows(weight: torch.Tensor) -> int:
     return rows
 
 
-def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-                      ) -> torch.Tensor:
+def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                      weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """`silu(g) * u` where `[g | u] = x [1, K] @ weight[2I, K]^T (+ bias [2I])` -> `[1, I]`.
 
     The fused gate/up projection and the MLP activation in one pass over the weight; g and u stay
     in float32 (no rounding to x's dtype between the matmul and the activation).
+    `weight_scale`: int8 weights, as in `gemv`.
     """
     rows = _gated_rows(weight)
-    x, weight, bias = _check(x, weight, bias, rows)
+    x, weight, bias = _check(x, weight, bias, rows, weight_scale)
     inter = rows // 2
     out = torch.empty((1, inter), dtype=x.dtype, device=x.device)
-    return _launch(x, weight, bias, out, inter, gated=True)
+    return _launch(x, weight, bias, out, inter, gated=True, weight_scale=weight_scale)
 
 
 def rms_norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                   bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                  gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  gated: bool = False, weight_scale: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm (with the residual add) fused into the next batch-1 projection.
 
     `h = x + residual` (float32, or `x` alone without `residual`), `a = h * rsqrt(mean(h^2) +
@@ -290,10 +316,10 @@ def rms_norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight
     Unlike `rms_norm` then `gemv`, `a` is never rounded to x's dtype: the norm's scale is applied
     to the float32 dot products, so results agree with the unfused pair to that rounding.
     Each program reads all of `x` (from L2: 8 KB at hidden size 4096) to sum its squares itself,
-    so no program waits for another.
+    so no program waits for another. `weight_scale`: int8 weights, as in `gemv`.
     """
     rows = _gated_rows(weight) if gated else (weight.shape[0] if weight.dim() == 2 else -1)
-    x, weight, bias = _check(x, weight, bias, rows)
+    x, weight, bias = _check(x, weight, bias, rows, weight_scale)
     k = x.shape[1]
     norm_weight = check_tensor("norm_weight", norm_weight, 1, FLOAT_DTYPES)
     if norm_weight.shape[0] != k or not norm_weight.is_contiguous():
@@ -312,5 +338,5 @@ def rms_norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight
     n = rows // 2 if gated else rows
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _launch(x, weight, bias, out, n, gated,
-            _Norm(norm_weight, float(eps), residual, residual_out))
+            _Norm(norm_weight, float(eps), residual, residual_out), weight_scale)
     return out, (x if residual_out is None else residual_out)

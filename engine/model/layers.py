@@ -40,6 +40,11 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.use_gemv = use_gemv
 
+    def gemv_operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(weight, bias, weight_scale) for the batch-1 GEMV kernels (no scale: float weights;
+        `engine.model.quant.Int8Linear` has the same method)."""
+        return self.weight, self.bias, None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_gemv and x.dim() == 2 and x.shape[0] == 1:
             from engine.kernels.gemv import gemv

@@ -97,7 +97,8 @@ class LlamaMLP(nn.Module):
         if self.use_gemv and x.shape[0] == 1:
             # Batch-1 decode: gate/up matmul and activation in one pass over the weight.
             from engine.kernels.gemv import gemv_silu_and_mul
-            h = gemv_silu_and_mul(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+            weight, bias, scale = self.gate_up_proj.gemv_operands()
+            h = gemv_silu_and_mul(x, weight, bias, weight_scale=scale)
         else:
             h = silu_and_mul(self.gate_up_proj(x), self.use_triton)
         return self.down_proj(h)
@@ -126,9 +127,10 @@ class LlamaDecoderLayer(nn.Module):
         """Input norm (+ residual add), QKV, RoPE + KV write, attention, O projection."""
         if self.use_gemv and x.shape[0] == 1:
             from engine.kernels.gemv import rms_norm_gemv
-            norm, qkv_proj = self.input_layernorm, self.self_attn.qkv_proj
-            qkv, residual = rms_norm_gemv(x, norm.weight, norm.eps, qkv_proj.weight,
-                                          qkv_proj.bias, residual=residual)
+            norm = self.input_layernorm
+            weight, bias, scale = self.self_attn.qkv_proj.gemv_operands()
+            qkv, residual = rms_norm_gemv(x, norm.weight, norm.eps, weight, bias,
+                                          residual=residual, weight_scale=scale)
             return self.self_attn.attend(positions, qkv, md), residual
         if residual is None:
             residual = x
@@ -142,9 +144,10 @@ class LlamaDecoderLayer(nn.Module):
         """Post-attention norm (+ residual add), gate/up, SiLU-and-mul, down."""
         if self.use_gemv and h.shape[0] == 1:
             from engine.kernels.gemv import rms_norm_gemv
-            norm, gate_up = self.post_attention_layernorm, self.mlp.gate_up_proj
-            act, residual = rms_norm_gemv(h, norm.weight, norm.eps, gate_up.weight,
-                                          gate_up.bias, residual=residual, gated=True)
+            norm = self.post_attention_layernorm
+            weight, bias, scale = self.mlp.gate_up_proj.gemv_operands()
+            act, residual = rms_norm_gemv(h, norm.weight, norm.eps, weight, bias,
+                                          residual=residual, gated=True, weight_scale=scale)
             return self.mlp.down_proj(act), residual
         h, residual = self.post_attention_layernorm(h, residual)  # type: ignore[misc]
         return self.mlp(h), residual

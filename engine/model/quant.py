@@ -1,5 +1,14 @@
-"""FP8 W8A8 (`--quantization fp8`): the decoder layers' linear layers swapped, after the weights
-are loaded, for float8 e4m3fn matmuls (DESIGN.md §5: quantization is applied from outside).
+"""Weight quantization, applied after the weights are loaded by swapping the decoder layers'
+linear layers (DESIGN.md §5: quantization is applied from outside the model).
+
+`--quantization int8` (W8A16, weight-only): `Int8Linear` keeps each weight as int8 with a
+float32 scale per output channel (scale[o] = max|W[o, :]| / 127, round to nearest); activations
+stay in the model dtype. Half the weight bytes of bf16, so batch-1 decode, a pure weight stream,
+can approach half the time. The Triton path widens the int8 tile in registers: the batch-1 GEMV
+(with the RMSNorm fused in, as for bf16) for one row, `w8a16_matmul` otherwise; the torch path
+multiplies in float32 by the int8 values and scales the result.
+
+`--quantization fp8` (W8A8) swaps them for float8 e4m3fn matmuls:
 
 - Weights: per output channel, scale[o] = max|W[o, :]| / 448, stored as e4m3fn (half the bytes
   of bf16). Fused QKV and gate/up keep one scale per row, so their parts stay independent.
@@ -66,6 +75,75 @@ class Fp8Linear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
 
+def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[N, K]` -> (int8 `[N, K]`, float32 per-row scale `[N]`) with W ≈ q * scale[:, None],
+    symmetric, round to nearest; an all-zero row gets scale 1 (its q is all zero)."""
+    w = weight.float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+class Int8Linear(nn.Module):
+    """y = x (q * scale)^T (+ b): int8 weights, a float32 scale per output channel (W8A16)."""
+
+    def __init__(self, linear: nn.Linear, use_triton: bool) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        q, scale = quantize_weight_int8(linear.weight.detach())
+        self.register_buffer("weight", q, persistent=False)
+        self.register_buffer("weight_scale", scale, persistent=False)
+        self.weight: torch.Tensor
+        self.weight_scale: torch.Tensor
+        self.bias = (None if linear.bias is None
+                     else nn.Parameter(linear.bias.detach().clone(), requires_grad=False))
+        self.use_triton = use_triton
+        if use_triton:  # resolved once: the forward pass is a decode step's hot path
+            from engine.kernels.gemv import gemv
+            from engine.kernels.w8a16 import w8a16_matmul
+            self._gemv, self._matmul = gemv, w8a16_matmul
+
+    def gemv_operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(weight, bias, weight_scale) for the batch-1 GEMV kernels."""
+        return self.weight, self.bias, self.weight_scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self.use_triton:
+            if x2.shape[0] == 1:
+                y = self._gemv(x2, self.weight, self.bias, weight_scale=self.weight_scale)
+            else:
+                y = self._matmul(x2, self.weight, self.weight_scale, self.bias)
+        else:
+            y = (nn.functional.linear(x2.float(), self.weight.float())
+                 * self.weight_scale).to(x.dtype)
+            if self.bias is not None:
+                y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+@torch.no_grad()
+def apply_int8_weight_only(model: nn.Module, use_triton: bool) -> int:
+    """Swap the decoder layers' projections for `Int8Linear` in place; returns how many. The
+    batch-1 GEMV path stays on: it reads int8 weights with their scales."""
+    swaps = _linears_to_swap(model)
+    for parent, name, linear in swaps:
+        setattr(parent, name, Int8Linear(linear, use_triton))
+    return len(swaps)
+
+
+def _linears_to_swap(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    swaps: list[tuple[nn.Module, str, nn.Linear]] = []
+    for module in model.modules():
+        for name in QUANTIZED_LINEARS:
+            child = getattr(module, name, None)
+            if isinstance(child, nn.Linear):
+                swaps.append((module, name, child))
+    return swaps
+
+
 def check_fp8_supported(device: torch.device, dtype: torch.dtype) -> None:
     """FP8 matmuls need an sm_89+ GPU (Ada/Hopper) and a bf16 model there (cuBLASLt's row-wise
     scaled fp8 matmuls write bf16), or the CPU (torch's own kernel, any float dtype)."""
@@ -81,12 +159,7 @@ def check_fp8_supported(device: torch.device, dtype: torch.dtype) -> None:
 @torch.no_grad()
 def apply_fp8_w8a8(model: nn.Module, use_triton: bool) -> int:
     """Swap the decoder layers' projections for `Fp8Linear` in place; returns how many."""
-    swaps: list[tuple[nn.Module, str, nn.Linear]] = []
-    for module in model.modules():
-        for name in QUANTIZED_LINEARS:
-            child = getattr(module, name, None)
-            if isinstance(child, nn.Linear):
-                swaps.append((module, name, child))
+    swaps = _linears_to_swap(model)
     for parent, name, linear in swaps:
         setattr(parent, name, Fp8Linear(linear, use_triton))
     for module in model.modules():  # the batch-1 GEMV reads bf16 weights: not after the swap

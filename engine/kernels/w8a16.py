@@ -1,0 +1,150 @@
+"""Triton matmul with int8 weights and activations in the model dtype (W8A16, weight-only int8):
+`y = x @ (q * scale[:, None])^T (+ b)` for `x [M, K]`, `q [N, K]` int8, `scale [N]` float32.
+
+Each program computes one `[BLOCK_M, BLOCK_N]` output tile, walking K in `BLOCK_K` chunks: the
+int8 weight tile is widened to x's dtype in registers (exact: int8 values fit any float dtype's
+mantissa) and fed to `tl.dot` with float32 accumulation; the per-row weight scale multiplies the
+finished tile, since it is constant along K. Programs are ordered in groups of `GROUP_M` row
+tiles, so the weight tiles a group reads stay in L2 while the group's row tiles use them.
+
+One-row inputs (batch-1 decode) go through the GEMV instead (engine/kernels/gemv.py), which
+takes the same int8 weight and scale. The tile choice is a first guess, not yet measured on a
+GPU (docs/performance.md lists what is measured).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels._attention_tile import dot_precision, upcast_dots
+from engine.kernels._checks import (
+    FLOAT_DTYPES,
+    KernelInputError,
+    check_devices,
+    check_inner_dense,
+    check_tensor,
+    interpret_mode,
+)
+from engine.kernels._tl import ceil_div
+
+
+@triton.jit
+def _w8a16_kernel(
+    x_ptr,  # [M, K], rows `stride_xm` apart
+    w_ptr,  # [N, K] int8, rows `stride_wn` apart
+    s_ptr,  # [N] float32
+    b_ptr,  # [N] (read only when HAS_BIAS)
+    out_ptr,  # [M, N] contiguous
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    HAS_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_m = ceil_div(M, BLOCK_M)
+    tiles_n = ceil_div(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    group = pid // per_group
+    first_m = group * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_mask = rm < M
+    n_mask = rn < N
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
+    w_cols = w_ptr + rn[None, :].to(tl.int64) * stride_wn  # the tile is [BLOCK_K, BLOCK_N]
+    acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        k_mask = kk < K
+        a = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w_cols + kk[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0)
+        if UPCAST_DOT:  # the interpreter's bf16 dot is wrong (engine/kernels/_attention_tile.py)
+            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=DOT_PRECISION)
+        else:
+            acc += tl.dot(a, b.to(a.dtype), input_precision=DOT_PRECISION)
+    acc *= tl.load(s_ptr + rn, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@dataclass(frozen=True, slots=True)
+class MatmulTiles:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def choose_w8a16_tiles(m: int) -> MatmulTiles:
+    """Tiles by the number of rows (interpreter: small ones). Not yet swept on a GPU."""
+    if interpret_mode():
+        return MatmulTiles(16, 16, 16, 1, 1)
+    if m <= 16:
+        return MatmulTiles(16, 128, 128, 4, 4)
+    if m <= 64:
+        return MatmulTiles(64, 128, 64, 4, 4)
+    return MatmulTiles(128, 128, 64, 8, 3)
+
+
+def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x [M, K] @ (weight * weight_scale[:, None])^T (+ bias)` -> new `[M, N]` in x's dtype.
+
+    x: float32/fp16/bf16, dense in its last dim. weight: int8 `[N, K]`, dense in its last dim.
+    weight_scale: contiguous float32 `[N]`. bias: contiguous `[N]` in any float dtype.
+    """
+    x = check_tensor("x", x, 2, FLOAT_DTYPES)
+    weight = check_tensor("weight", weight, 2, (torch.int8,))
+    weight_scale = check_tensor("weight_scale", weight_scale, 1, (torch.float32,))
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise KernelInputError(f"weight must be [N, K={k}], got {tuple(weight.shape)}")
+    if weight_scale.shape[0] != n or not weight_scale.is_contiguous():
+        raise KernelInputError(
+            f"weight_scale must be a contiguous [{n}], got {tuple(weight_scale.shape)}")
+    check_inner_dense("x", x, 1)
+    check_inner_dense("weight", weight, 1)
+    names, tensors = ["x", "weight", "weight_scale"], [x, weight, weight_scale]
+    if bias is not None:
+        bias = check_tensor("bias", bias, 1, FLOAT_DTYPES)
+        if bias.shape[0] != n or not bias.is_contiguous():
+            raise KernelInputError(f"bias must be a contiguous [{n}], got {tuple(bias.shape)}")
+        names.append("bias")
+        tensors.append(bias)
+    check_devices(names, tensors)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    t = choose_w8a16_tiles(m)
+    grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
+    _w8a16_kernel[grid](
+        x, weight, weight_scale, bias if bias is not None else weight_scale, out,
+        m, n, k, x.stride(0), weight.stride(0),
+        HAS_BIAS=bias is not None,
+        DOT_PRECISION=dot_precision(x.dtype),
+        UPCAST_DOT=upcast_dots(x.dtype),
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=8,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+    return out
