@@ -104,45 +104,51 @@ def _count_computed(handle: WorkerHandle) -> list[int]:
     return counts
 
 
-@pytest.mark.asyncio
-async def test_second_worker_loads_the_prompt_from_redis(
-        tiny_model_dirs: dict[str, Path], redis_prefix: str) -> None:
+@pytest_asyncio.fixture
+async def two_workers(tiny_model_dirs: dict[str, Path], redis_prefix: str
+                      ) -> AsyncIterator[tuple[WorkerHandle, WorkerHandle]]:
+    """Two prefill workers of the tiny model, each with its own CPU tier, sharing Redis."""
     path = tiny_model_dirs["llama"]
     tiers = TierConfig(cpu_bytes=8 << 20, redis_url=REDIS_URL, redis_key_prefix=redis_prefix)
     a, b = await _worker(path, tiers), await _worker(path, tiers)
     try:
-        prompt = [(7 * i + 3) % 300 + 1 for i in range(37)]  # 9 full blocks + 1 token
-        first = await _prefill(a, "a1", prompt)
-        ta = _tiers_of(a)
-        await ta.wait_for_saves()
-        assert ta.stats.saved_blocks == 9 and ta.store.stats["redis_writes"] >= 1
-
-        computed = _count_computed(b)
-        second = await _prefill(b, "b1", prompt)
-        tb = _tiers_of(b)
-        assert tb.stats.planned_blocks == 9 and tb.stats.loaded_blocks == 9
-        assert tb.stats.failed_loads == 0
-        # B computed only the last partial block's token (37 - 36), not the prompt.
-        assert sum(computed) == 1
-        assert second.first_token_id == first.first_token_id
-        assert second.logprob.logprob == pytest.approx(first.logprob.logprob, abs=1e-5)
-        # B's KV handle names the same blocks: the decode side can pull them as from A.
-        assert list(second.kv_handle.block_hashes) == list(first.kv_handle.block_hashes)
-        # The load reports carry the tier counters (the gateway exports them to Prometheus).
-        report_a, report_b = await _load_report(a), await _load_report(b)
-        assert report_a.tier_saved_blocks == 9 and report_a.tier_hit_tokens == 0
-        assert report_b.tier_hit_tokens == 9 * BLOCK_SIZE
+        yield a, b
     finally:
         for h in (a, b):
             await h.stop(grace_s=1.0)
 
 
 @pytest.mark.asyncio
+async def test_second_worker_loads_the_prompt_from_redis(
+        two_workers: tuple[WorkerHandle, WorkerHandle]) -> None:
+    a, b = two_workers
+    prompt = [(7 * i + 3) % 300 + 1 for i in range(37)]  # 9 full blocks + 1 token
+    first = await _prefill(a, "a1", prompt)
+    ta = _tiers_of(a)
+    await ta.wait_for_saves()
+    assert ta.stats.saved_blocks == 9 and ta.store.stats["redis_writes"] >= 1
+
+    computed = _count_computed(b)
+    second = await _prefill(b, "b1", prompt)
+    tb = _tiers_of(b)
+    assert tb.stats.planned_blocks == 9 and tb.stats.loaded_blocks == 9
+    assert tb.stats.failed_loads == 0
+    # B computed only the last partial block's token (37 - 36), not the prompt.
+    assert sum(computed) == 1
+    assert second.first_token_id == first.first_token_id
+    assert second.logprob.logprob == pytest.approx(first.logprob.logprob, abs=1e-5)
+    # B's KV handle names the same blocks: the decode side can pull them as from A.
+    assert list(second.kv_handle.block_hashes) == list(first.kv_handle.block_hashes)
+    # The load reports carry the tier counters (the gateway exports them to Prometheus).
+    report_a, report_b = await _load_report(a), await _load_report(b)
+    assert report_a.tier_saved_blocks == 9 and report_a.tier_hit_tokens == 0
+    assert report_b.tier_hit_tokens == 9 * BLOCK_SIZE
+
+
+@pytest.mark.asyncio
 async def test_corrupt_redis_value_is_a_miss_and_the_prompt_is_recomputed(
-        tiny_model_dirs: dict[str, Path], redis_prefix: str) -> None:
-    path = tiny_model_dirs["llama"]
-    tiers = TierConfig(cpu_bytes=8 << 20, redis_url=REDIS_URL, redis_key_prefix=redis_prefix)
-    a, b = await _worker(path, tiers), await _worker(path, tiers)
+        two_workers: tuple[WorkerHandle, WorkerHandle], redis_prefix: str) -> None:
+    a, b = two_workers
     client = aioredis.Redis.from_url(REDIS_URL)
     try:
         prompt = [(11 * i + 5) % 300 + 1 for i in range(21)]  # 5 full blocks + 1 token
@@ -164,8 +170,6 @@ async def test_corrupt_redis_value_is_a_miss_and_the_prompt_is_recomputed(
         assert second.first_token_id == first.first_token_id
     finally:
         await client.aclose()
-        for h in (a, b):
-            await h.stop(grace_s=1.0)
 
 
 @pytest.mark.asyncio

@@ -41,12 +41,23 @@ def quantize_weight_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return q, scale[:, 0]
 
 
-class Fp8Linear(nn.Module):
-    """y = x W^T (+ b) with W and each row of x in e4m3fn under float32 scales."""
+class _QuantizedLinear(nn.Module):
+    """What every quantized replacement of an `nn.Linear` keeps of it: the shape, the bias
+    (in the model dtype, added after the matmul) and which path it runs."""
 
     def __init__(self, linear: nn.Linear, use_triton: bool) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = (None if linear.bias is None
+                     else nn.Parameter(linear.bias.detach().clone(), requires_grad=False))
+        self.use_triton = use_triton
+
+
+class Fp8Linear(_QuantizedLinear):
+    """y = x W^T (+ b) with W and each row of x in e4m3fn under float32 scales."""
+
+    def __init__(self, linear: nn.Linear, use_triton: bool) -> None:
+        super().__init__(linear, use_triton)
         if self.in_features % 16 or self.out_features % 16:
             raise ConfigError(f"fp8 matmuls need in/out features divisible by 16, got "
                               f"{self.in_features}/{self.out_features}")
@@ -56,9 +67,6 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight_scale", scale[None, :].contiguous(), persistent=False)
         self.weight_t: torch.Tensor
         self.weight_scale: torch.Tensor
-        self.bias = (None if linear.bias is None
-                     else nn.Parameter(linear.bias.detach().clone(), requires_grad=False))
-        self.use_triton = use_triton
         if use_triton:  # resolved once: the forward pass is a decode step's hot path
             from engine.kernels import per_token_quant_fp8
             self._quantize = per_token_quant_fp8
@@ -85,20 +93,16 @@ def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q, scale
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(_QuantizedLinear):
     """y = x (q * scale)^T (+ b): int8 weights, a float32 scale per output channel (W8A16)."""
 
     def __init__(self, linear: nn.Linear, use_triton: bool) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        super().__init__(linear, use_triton)
         q, scale = quantize_weight_int8(linear.weight.detach())
         self.register_buffer("weight", q, persistent=False)
         self.register_buffer("weight_scale", scale, persistent=False)
         self.weight: torch.Tensor
         self.weight_scale: torch.Tensor
-        self.bias = (None if linear.bias is None
-                     else nn.Parameter(linear.bias.detach().clone(), requires_grad=False))
-        self.use_triton = use_triton
         if use_triton:  # resolved once: the forward pass is a decode step's hot path
             from engine.kernels.gemv import gemv
             from engine.kernels.w8a16 import w8a16_matmul
