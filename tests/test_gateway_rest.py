@@ -382,7 +382,9 @@ def test_unknown_fields_accepted(gw: Harness, script_ids: list[int]) -> None:
 
 # -- failures and cancellation --------------------------------------------------------------------
 def test_client_disconnect_cancels_decode(script_ids: list[int]) -> None:
-    with Harness(Script(list(script_ids), endless=True, token_delay_s=0.01)) as h:
+    # 200 tokens at 50 ms: decode would run 10 s if not cancelled. (At 10 ms it finished in 2 s,
+    # which a loaded CI machine once exceeded before noticing the disconnect: a false failure.)
+    with Harness(Script(list(script_ids), endless=True, token_delay_s=0.05)) as h:
         with httpx.stream("POST", h.base_url + CMPL, json={
                 "model": MODEL_NAME, "prompt": "x", "max_tokens": 200, "stream": True}) as r:
             lines = r.iter_lines()
