@@ -113,24 +113,28 @@ def _with_metadata(details: grpc.aio.ClientCallDetails, metadata: tuple[tuple[st
                                       details.credentials, details.wait_for_ready)
 
 
+class _AddsMetadata:
+    """The metadata an interceptor appends to every call it sees."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._metadata = metadata
+
+    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        return _with_metadata(details, self._metadata)
+
+
 # One class per call kind: a grpc.aio channel files each interceptor under the first kind it is
 # an instance of, so one object implementing both would only ever see unary-unary calls.
-class _UnaryUnaryMetadata(grpc.aio.UnaryUnaryClientInterceptor):
-    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
-        self._metadata = metadata
-
+class _UnaryUnaryMetadata(_AddsMetadata, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation: Any, client_call_details: Any,
                                     request: Any) -> Any:
-        return await continuation(_with_metadata(client_call_details, self._metadata), request)
+        return await continuation(self._details(client_call_details), request)
 
 
-class _UnaryStreamMetadata(grpc.aio.UnaryStreamClientInterceptor):
-    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
-        self._metadata = metadata
-
+class _UnaryStreamMetadata(_AddsMetadata, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation: Any, client_call_details: Any,
                                      request: Any) -> Any:
-        return await continuation(_with_metadata(client_call_details, self._metadata), request)
+        return await continuation(self._details(client_call_details), request)
 
 
 def client_interceptors(secret: str | None) -> list[grpc.aio.ClientInterceptor] | None:
