@@ -142,17 +142,15 @@ class ModelRunner:
         else:
             self.model.init_dummy_weights(dummy_seed or 0)
         self.model.eval()
-        if config.runner.quantization == "fp8":
-            check_fp8_supported(self.device, self.dtype)
-            n = apply_fp8_w8a8(self.model, use_triton)
-            logger.info("fp8 W8A8: %d linear layers quantized", n)
+        quant = config.runner.quantization
+        if quant != "none":
+            if quant == "fp8":
+                check_fp8_supported(self.device, self.dtype)
+            apply = apply_fp8_w8a8 if quant == "fp8" else apply_int8_weight_only
+            n = apply(self.model, use_triton)
+            logger.info("%s quantization: %d linear layers swapped", quant, n)
             if self.device.type == "cuda":
-                torch.cuda.empty_cache()  # the bf16 weights just freed
-        elif config.runner.quantization == "int8":
-            n = apply_int8_weight_only(self.model, use_triton)
-            logger.info("int8 weight-only: %d linear layers quantized", n)
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+                torch.cuda.empty_cache()  # the full-precision weights just freed
         self.sampler = Sampler()
         # The last launched step's sampled tokens (on the device) and their row per request.
         self._last_tokens: torch.Tensor | None = None
