@@ -23,7 +23,7 @@ def gemv_enabled() -> bool:
 
     On by default since the fused path measured 4.41 ms batch-1 ITL against 4.67 ms through
     cuBLAS on the H200, before its tile sweep (bench/results/h200/ab_latency_g*_5333eb4.json).
-    The weight-only quantized matmuls at batch 1 will plug in here (dequantize in registers)."""
+    Int8 weights take the same path (`gemv_operands` hands the kernel their scales)."""
     value = os.environ.get("SPLITSERVE_GEMV", "1").strip()
     if value not in ("0", "1"):
         raise ConfigError(f"SPLITSERVE_GEMV must be 0 or 1, got {value!r}")

@@ -94,14 +94,9 @@ class LlamaMLP(nn.Module):
         self.use_triton = use_triton
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_gemv and x.shape[0] == 1:
-            # Batch-1 decode: gate/up matmul and activation in one pass over the weight.
-            from engine.kernels.gemv import gemv_silu_and_mul
-            weight, bias, scale = self.gate_up_proj.gemv_operands()
-            h = gemv_silu_and_mul(x, weight, bias, weight_scale=scale)
-        else:
-            h = silu_and_mul(self.gate_up_proj(x), self.use_triton)
-        return self.down_proj(h)
+        # A one-row batch in the model never gets here with the GEMV on: the decoder layer runs
+        # norm + gate/up + SiLU as one kernel (`mlp_block`) and calls `down_proj` itself.
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.use_triton))
 
 
 class LlamaDecoderLayer(nn.Module):
