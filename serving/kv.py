@@ -41,6 +41,15 @@ def kv_scales(engine: LLMEngine) -> torch.Tensor | None:
     return runner.kv_scales if runner.kv_is_quantized else None
 
 
+async def read_blocks(engine: LLMEngine, block_ids: list[int]) -> torch.Tensor:
+    """`runner.read_blocks` from the event loop: in place on the CPU (a memcpy), in a thread on
+    a GPU (the device-to-host copy waits for the engine's queued work)."""
+    runner = engine.runner
+    if runner.device.type == "cpu":
+        return runner.read_blocks(block_ids)
+    return await asyncio.to_thread(runner.read_blocks, block_ids)
+
+
 class EngineBlockSource:
     """`kv_transfer.grpc_transport.KvBlockSource` over an engine's leases (prefill role).
 
@@ -64,10 +73,7 @@ class EngineBlockSource:
         return LeaseView(list(lease.block_ids), list(lease.block_hashes), lease.num_tokens)
 
     async def read_block(self, block_id: int) -> torch.Tensor:
-        runner = self._engine.runner
-        if runner.device.type == "cpu":
-            return runner.read_blocks([block_id])[0]
-        return await asyncio.to_thread(lambda: runner.read_blocks([block_id])[0])
+        return (await read_blocks(self._engine, [block_id]))[0]
 
     def release(self, request_id: str) -> bool:
         lease = self._engine.scheduler.leases.get(request_id)

@@ -35,7 +35,7 @@ from engine.request import RemoteKv
 from engine.scheduler import KvLoad
 from kv_transfer.tiers import CpuTier, RedisTier, TieredStore
 from kv_transfer.wire import BlockSpec, KvWireError, decode_block, encode_block
-from serving.kv import block_spec, kv_scales
+from serving.kv import block_spec, kv_scales, read_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -189,12 +189,7 @@ class TierPrefixCache:
         todo = await self._aengine.call(self._lease_blocks, request_id)
         if not todo:
             return 0
-        ids = [block_id for block_id, _ in todo]
-        runner = self._engine.runner
-        if runner.device.type == "cpu":
-            blocks = runner.read_blocks(ids)
-        else:
-            blocks = await asyncio.to_thread(runner.read_blocks, ids)
+        blocks = await read_blocks(self._engine, [block_id for block_id, _ in todo])
         if not await self._aengine.call(self._has_lease, request_id):
             self.stats.dropped_saves += 1
             return 0

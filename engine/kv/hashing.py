@@ -54,10 +54,15 @@ def root_hash(fingerprint: bytes, tenant_salt: str = "") -> bytes:
     return hashlib.sha256(b"splitserve-root\x00" + fingerprint + tenant_salt.encode()).digest()
 
 
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as hashed: little-endian uint32 each."""
+    return struct.pack(f"<{len(token_ids)}I", *token_ids)
+
+
 def block_hash(parent: bytes, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
     """Hash of one full block chained on its parent's hash."""
     h = hashlib.sha256(parent)
-    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    h.update(_token_bytes(token_ids))
     h.update(extra)
     return h.digest()
 
@@ -77,8 +82,7 @@ def compute_block_hashes(
     start, num_full = len(hashes), len(token_ids) // block_size
     if num_full <= start:
         return hashes
-    tokens = token_ids[start * block_size:num_full * block_size]
-    data = struct.pack(f"<{len(tokens)}I", *tokens)
+    data = _token_bytes(token_ids[start * block_size:num_full * block_size])
     step = 4 * block_size
     parent = hashes[-1] if hashes else root
     sha256 = hashlib.sha256
@@ -96,5 +100,5 @@ def prompt_hash(fingerprint: bytes, token_ids: Sequence[int]) -> bytes:
     """
     # The fingerprint is fixed-size (HASH_BYTES), so fingerprint ‖ ids is unambiguous.
     h = hashlib.sha256(fingerprint)
-    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    h.update(_token_bytes(token_ids))
     return h.digest()
