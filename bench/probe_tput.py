@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import offline
+from bench.gc_pauses import GcPauses
 from bench.results import git_info
 from bench.workloads import random_requests
 
@@ -102,14 +103,19 @@ def main() -> int:
     preempt0 = eng.scheduler.num_preemptions
     walls: list[float] = []
     tables: dict[str, Any] = {}
+    pauses = GcPauses().__enter__()
     start = time.perf_counter()
     while eng.has_unfinished_requests() or eng.has_step_in_flight:
         n = len(composition)
         want = None
+        last = composition[-1] if composition else (0, 0, 0)
         if args.profile and "prefill" not in tables and n == 2:
             want = "prefill"
-        elif (args.profile and "decode_full" not in tables and n > 100 and composition
-              and composition[-1][1] == 0 and composition[-1][0] >= args.max_num_seqs * 0.95):
+        elif (args.profile and "mixed" not in tables and n > 100 and last[1] > 0
+              and last[0] >= args.max_num_seqs // 2):
+            want = "mixed"
+        elif (args.profile and "decode_full" not in tables and n > 100 and last[1] == 0
+              and last[0] >= args.max_num_seqs * 0.95):
             want = "decode_full"
         if want is not None:
             with profile(activities=[activity]) as prof:
@@ -119,12 +125,14 @@ def main() -> int:
                 sync()
                 walls.extend([(time.perf_counter() - t) / 3] * 3)
             tables[want] = {"steps": [composition[-k] for k in (3, 2, 1)],
+                            "wall_ms_per_step": round(walls[-1] * 1e3, 3),
                             "kernels": _kernel_table(prof, "CUDA" if cuda else "CPU")}
             continue
         t = time.perf_counter()
         eng.step()
         walls.append(time.perf_counter() - t)
     duration = time.perf_counter() - start
+    pauses.__exit__(None, None, None)
     sync()
 
     by_bucket: dict[str, list[float]] = defaultdict(list)
@@ -156,12 +164,18 @@ def main() -> int:
         "steps_with_prefill": {"steps": prefill_steps, "total_s": round(prefill_s, 3),
                                "prefill_tokens": int(prefill_tokens)},
         "pure_decode_by_batch": decode_rows,
+        "gc": pauses.summary(),
         "profiles": tables,
+        # Per step: decode rows, prefill tokens, running requests, wall ms of its step call.
+        "per_step": [[d, pf, r, round(w * 1e3, 2)]
+                     for (d, pf, r), w in zip(composition, walls, strict=False)],
     }
     Path(args.out).write_text(json.dumps(doc, indent=1))
-    print(json.dumps({k: v for k, v in doc.items() if k != "profiles"}, indent=1))
+    print(json.dumps({k: v for k, v in doc.items() if k not in ("profiles", "per_step")},
+                     indent=1))
     for name, tab in tables.items():
-        print(name, tab["steps"])
+        print(name, tab["steps"], tab["wall_ms_per_step"], "ms a step;",
+              round(sum(r["ms"] for r in tab["kernels"]) / 3, 3), "ms of kernels a step")
         for row in tab["kernels"][:15]:
             print(f"  {row['ms']:9.3f} ms {row['calls']:5d}  {row['name']}")
     return 0

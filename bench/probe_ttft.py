@@ -20,7 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from bench import offline
+from bench.gc_pauses import GcPauses
 from bench.results import git_info
+
+MARK = "ttft_generate"
 
 
 def _analyse(kernels: list[tuple[float, float, str]], wall_us: float, t0_us: float) -> dict[str, Any]:
@@ -81,28 +84,34 @@ def main() -> int:
 
     for _ in range(2):
         llm.generate(prompt(), params)
-    plain = []
+    plain, plain_gc = [], []
     for _ in range(args.repeats):  # unprofiled reference
         ids = prompt()
         torch.cuda.synchronize()
-        t = time.perf_counter()
-        llm.generate(ids, params)
-        plain.append((time.perf_counter() - t) * 1e3)
+        with GcPauses() as pauses:
+            t = time.perf_counter()
+            llm.generate(ids, params)
+            plain.append((time.perf_counter() - t) * 1e3)
+        plain_gc.append(pauses.summary())
     runs = []
     for _ in range(args.repeats):
         ids = prompt()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            with torch.profiler.record_function("ttft_generate"):
+        with (profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof,
+              GcPauses() as pauses):
+            with torch.profiler.record_function(MARK):
                 llm.generate(ids, params)
             torch.cuda.synchronize()
         events = prof.events()
-        outer = next(e for e in events if e.name == "ttft_generate")
+        # The mark shows up twice: the host range, and its span on the device timeline.
+        outer = next(e for e in events if e.name == MARK and e.device_type.name == "CPU")
         kernels = [(e.time_range.start, e.time_range.end, e.name) for e in events
-                   if e.device_type.name == "CUDA" and e.time_range.start >= outer.time_range.start]
-        runs.append(_analyse(kernels, outer.time_range.elapsed_us(), outer.time_range.start))
+                   if e.device_type.name == "CUDA" and e.name != MARK
+                   and e.time_range.start >= outer.time_range.start]
+        runs.append({**_analyse(kernels, outer.time_range.elapsed_us(), outer.time_range.start),
+                     "gc": pauses.summary()})
     doc = {**git_info(), "gpu": torch.cuda.get_device_name(), "input_len": args.input_len,
-           "generate_ms_unprofiled": plain,
+           "generate_ms_unprofiled": plain, "gc_unprofiled": plain_gc,
            "median_generate_ms_unprofiled": statistics.median(plain), "profiled": runs}
     Path(args.out).write_text(json.dumps(doc, indent=1))
     for r in runs:
@@ -110,7 +119,7 @@ def main() -> int:
                if k not in ("largest_gaps", "kernels")})
     print(json.dumps(runs[-1]["largest_gaps"], indent=1))
     print(json.dumps(runs[-1]["kernels"], indent=1))
-    print("unprofiled generate ms", plain)
+    print("unprofiled generate ms", plain, plain_gc)
     return 0
 
 
