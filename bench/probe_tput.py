@@ -95,6 +95,17 @@ def main() -> int:
         return out
 
     eng.scheduler.schedule = recording_schedule  # type: ignore[method-assign]
+    compiles: list[dict[str, Any]] = []  # Triton JIT compiles during the run, by step
+
+    def on_compile(**kw: Any) -> None:
+        compiles.append({"step": len(composition) - 1, "kernel": getattr(kw.get("fn"), "name", "?"),
+                         "repr": str(kw.get("repr"))[:400]})
+
+    import triton
+
+    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4
+    if knobs is not None:
+        knobs.runtime.jit_post_compile_hook = on_compile
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     for i, req in enumerate(random_requests(args.num_prompts, args.input_len, args.output_len,
                                             vocab, seed=0)):
@@ -165,14 +176,17 @@ def main() -> int:
                                "prefill_tokens": int(prefill_tokens)},
         "pure_decode_by_batch": decode_rows,
         "gc": pauses.summary(),
+        "triton_compiles": compiles,
         "profiles": tables,
         # Per step: decode rows, prefill tokens, running requests, wall ms of its step call.
         "per_step": [[d, pf, r, round(w * 1e3, 2)]
                      for (d, pf, r), w in zip(composition, walls, strict=False)],
     }
     Path(args.out).write_text(json.dumps(doc, indent=1))
-    print(json.dumps({k: v for k, v in doc.items() if k not in ("profiles", "per_step")},
-                     indent=1))
+    print(json.dumps({k: v for k, v in doc.items()
+                      if k not in ("profiles", "per_step", "triton_compiles")}, indent=1))
+    for c in compiles:
+        print("compiled at step", c["step"], c["repr"][:300])
     for name, tab in tables.items():
         print(name, tab["steps"], tab["wall_ms_per_step"], "ms a step;",
               round(sum(r["ms"] for r in tab["kernels"]) / 3, 3), "ms of kernels a step")

@@ -228,12 +228,15 @@ class ModelRunner:
     # ---- one step --------------------------------------------------------------------------
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
-                                                      list[int]]:
+                                                      torch.Tensor]:
         """Flatten the scheduled requests into the step's tensors (the only place that does).
 
-        Host data is laid out in two pinned buffers (int64: ids | positions | slots; int32:
-        query_start_loc | seq_lens | block_tables) and moved with two async copies.
-        Returns (input_ids [T], positions [T], metadata, logit row index per sampling request)."""
+        Host data is laid out in two pinned buffers (int64: ids | positions | slots | logit
+        rows | in-flight gathers; int32: query_start_loc | seq_lens | block_tables) and moved
+        with two async copies.
+        Returns (input_ids [T], positions [T], metadata, logit row per sampling request [S] on
+        the device: indexing the hidden states with a host list would copy it from pageable
+        memory, which waits for the whole forward before the LM head can be launched)."""
         bs = self.block_size
         sched = out.scheduled
         num_seqs = len(sched)
@@ -245,16 +248,20 @@ class ModelRunner:
         inflight = [(i, s) for i, s in enumerate(sched)
                     if s.num_computed_tokens + s.num_new_tokens > s.request.num_tokens]
         num_gather = len(inflight)
-        big = torch.empty(3 * num_tokens + 2 * num_gather, dtype=torch.int64, pin_memory=pin)
+        num_sample = sum(1 for s in sched if s.sample)
+        big = torch.empty(3 * num_tokens + num_sample + 2 * num_gather, dtype=torch.int64,
+                          pin_memory=pin)
         small = torch.zeros(2 * num_seqs + 1 + num_seqs * max_blocks, dtype=torch.int32,
                             pin_memory=pin)
         b64, b32 = big.numpy(), small.numpy()
         ids, pos = b64[:num_tokens], b64[num_tokens:2 * num_tokens]
         slots = b64[2 * num_tokens:3 * num_tokens]
-        gather = b64[3 * num_tokens:].reshape(2, num_gather)  # [dst rows; src rows]
+        rows_at = 3 * num_tokens
+        logit_rows = b64[rows_at:rows_at + num_sample]
+        gather = b64[rows_at + num_sample:].reshape(2, num_gather)  # [dst rows; src rows]
         qsl, seq_lens = b32[:num_seqs + 1], b32[num_seqs + 1:2 * num_seqs + 1]
         tables = b32[2 * num_seqs + 1:].reshape(num_seqs, max_blocks)
-        logit_rows: list[int] = []
+        num_sampled = 0
         num_decodes = 0
         fresh_prefill_len = num_tokens  # min over prefills; 0 once one has cached context
         has_prefill = False
@@ -281,7 +288,8 @@ class ModelRunner:
             qsl[i + 1] = o
             seq_lens[i] = end
             if s.sample:
-                logit_rows.append(o - 1)
+                logit_rows[num_sampled] = o - 1
+                num_sampled += 1
         qsl[0] = 0
         for j, (i, s) in enumerate(inflight):
             gather[0, j] = int(qsl[i + 1]) - 1  # the request's last row in this step
@@ -291,7 +299,7 @@ class ModelRunner:
         small_d = small.to(dev, non_blocking=True)
         if num_gather:
             assert self._last_tokens is not None
-            g = big_d[3 * num_tokens:].view(2, num_gather)
+            g = big_d[rows_at + num_sample:].view(2, num_gather)
             big_d[:num_tokens].index_copy_(0, g[0], self._last_tokens.index_select(0, g[1]))
         seq_lens_cpu = seq_lens.tolist()
         md = AttentionMetadata(
@@ -301,7 +309,8 @@ class ModelRunner:
             max_query_len=max(s.num_new_tokens for s in sched), max_seq_len=max(seq_lens_cpu),
             query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens_cpu,
             fresh_prefill_len=fresh_prefill_len if has_prefill else 0)
-        return big_d[:num_tokens], big_d[num_tokens:2 * num_tokens], md, logit_rows
+        return (big_d[:num_tokens], big_d[num_tokens:2 * num_tokens], md,
+                big_d[rows_at:rows_at + num_sample])
 
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         """Run one step and wait for its sampled tokens."""
@@ -332,7 +341,7 @@ class ModelRunner:
                     hidden = self.model(input_ids, positions)
             if not sampling_reqs:
                 return None
-            logits = self.model.compute_logits(hidden[logit_rows])
+            logits = self.model.compute_logits(hidden.index_select(0, logit_rows))
         tokens = self.sampler.sample(logits, sampling_reqs)
         self._last_tokens = tokens.tokens
         self._last_rows = {r.request_id: i for i, r in enumerate(sampling_reqs)}

@@ -60,9 +60,9 @@ def _count_sdpa_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     real = triton_backend.sdpa_fresh_prefill
 
-    def spy(q: torch.Tensor, *args: object) -> None:
+    def spy(q: torch.Tensor, *args: object) -> torch.Tensor:
         calls.append(q.shape[0])
-        real(q, *args)  # type: ignore[arg-type]
+        return real(q, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(triton_backend, "sdpa_fresh_prefill", spy)
     return calls
@@ -77,6 +77,21 @@ def test_fresh_long_prompts_use_sdpa_and_match_the_torch_backend(
     got = TritonAttentionBackend().forward(q, k, v, cache, md, 0.3)
     assert calls == [LONG + 9, LONG]
     assert torch.equal(cache, cache_ref)  # the K/V still land in the cache for later decodes
+    assert_close_for(got, want, torch.float32)
+
+
+def test_one_fresh_long_prompt_returns_sdpa_output_directly(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The TTFT case: a step of one fresh prompt takes SDPA's output as the layer's (no copy
+    into a separate buffer when SDPA's layout is already [T, H, D])."""
+    calls = _count_sdpa_calls(monkeypatch)
+    md, q, k, v, cache = _step([LONG + 3], [0], seed=4)
+    cache_ref = cache.clone()
+    want = TorchAttentionBackend().forward(q, k, v, cache_ref, md, 0.3)
+    got = TritonAttentionBackend().forward(q, k, v, cache, md, 0.3)
+    assert calls == [LONG + 3]
+    assert got.shape == (LONG + 3, H, D) and got.is_contiguous()
+    assert torch.equal(cache, cache_ref)
     assert_close_for(got, want, torch.float32)
 
 

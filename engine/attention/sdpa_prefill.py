@@ -35,11 +35,14 @@ def _backends() -> list[object]:
             SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def sdpa_fresh_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                       scale: float) -> None:
-    """q [T, H, D], k/v [T, Hkv, D] (one sequence, positions 0..T-1, RoPE applied) -> out [T, H, D].
+def sdpa_fresh_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q [T, H, D], k/v [T, Hkv, D] (one sequence, positions 0..T-1, RoPE applied) -> [T, H, D].
 
-    Writes `out` (a view is fine). Grouped-query heads are expanded by SDPA (`enable_gqa`).
+    Writes and returns `out` (a view is fine) when given. Without it, returns SDPA's own output
+    as a `[T, H, D]` view when that is already dense in this layout (cuDNN writes its output
+    token-major like its q), saving a copy of the whole output per layer; else a dense copy.
+    Grouped-query heads are expanded by SDPA (`enable_gqa`).
     """
     from torch.nn.attention import sdpa_kernel
 
@@ -49,4 +52,7 @@ def sdpa_fresh_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     with sdpa_kernel(_backends(), set_priority=True):  # type: ignore[arg-type]
         o = torch.nn.functional.scaled_dot_product_attention(
             qh, kh, vh, is_causal=True, scale=scale, enable_gqa=kh.shape[1] != qh.shape[1])
-    out.copy_(o.squeeze(0).transpose(0, 1))
+    o = o.squeeze(0).transpose(0, 1)
+    if out is not None:
+        return out.copy_(o)
+    return o if o.is_contiguous() else o.contiguous()

@@ -52,15 +52,18 @@ class TritonAttentionBackend:
         else:
             kern.rotary_and_write_kv(rope.positions, q, k, v, rope.cos_sin_cache, kv_cache,
                                      md.slot_mapping, ks, vs, is_neox=rope.is_neox)
-        out = torch.empty((q.shape[0], q.shape[1], q.shape[2]), dtype=q.dtype, device=q.device)
         nd = md.num_decodes
         num_seqs = md.seq_lens.shape[0]
+        fresh_sdpa = (nd < num_seqs and self._fresh_prefill_sdpa and ks is None
+                      and md.fresh_prefill_len >= MIN_FRESH_PREFILL_TOKENS)
+        if fresh_sdpa and num_seqs == 1:  # one fresh prompt (a long TTFT): SDPA's own output
+            return sdpa_fresh_prefill(q, k, v, None, scale)
+        out = torch.empty((q.shape[0], q.shape[1], q.shape[2]), dtype=q.dtype, device=q.device)
         if nd > 0:
             kern.paged_decode_attention(q[:nd], kv_cache, md.block_tables[:nd], md.seq_lens[:nd],
                                         scale, out=out[:nd], max_seq_len=md.max_seq_len,
                                         k_scale=ks, v_scale=vs)
-        if (nd < num_seqs and self._fresh_prefill_sdpa and ks is None
-                and md.fresh_prefill_len >= MIN_FRESH_PREFILL_TOKENS):
+        if fresh_sdpa:
             # Prompts with nothing cached attend only to this step's own K/V: vendor SDPA.
             qsl_cpu = md.query_start_loc_cpu
             for i in range(nd, num_seqs):
