@@ -72,6 +72,7 @@ def main() -> int:
     graphs = fast.engine.runner.graphs
     replays = graphs.num_replays if graphs is not None else 0
     overlapped = fast.engine.runner.num_overlapped_steps
+    fast.shutdown()
     del fast, graphs
     gc.collect()
     torch.cuda.empty_cache()

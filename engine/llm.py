@@ -74,6 +74,11 @@ class LLM:
         self._ids = itertools.count()
         return self
 
+    def shutdown(self) -> None:
+        """Let `del llm; gc.collect()` free the engine and its device memory (the engine's start
+        froze its heap; see `LLMEngine.shutdown`)."""
+        self.engine.shutdown()
+
     def get_tokenizer(self):  # type: ignore[no-untyped-def]
         return self.engine.tokenizer
 

@@ -40,24 +40,33 @@ class EngineInfo:
     dtype: str
 
 
+def thaw_heap() -> None:
+    """Give frozen objects back to the garbage collector and collect.
+
+    Frees the reference cycles of engines dropped since the last freeze, and with them the
+    device memory they hold (a frozen cycle is never collected). Runs before an engine sizes its
+    KV cache from the free device memory."""
+    gc.unfreeze()
+    gc.collect()
+
+
 def freeze_startup_heap() -> None:
     """Move every object alive now out of the garbage collector's reach.
 
     What an engine builds at start (module and parameter wrappers, one object per KV block,
     captured graphs) lives as long as the engine, but each full collection walked all of it:
-    on an H200 host with 56k KV blocks a full collection paused the engine for ~200 ms, 12 times
-    in one offline run, 3.7 s of 116 s in all GC pauses
-    (bench/results/h200/probe_tput_bf16_c2dcc73.json -> gc). vLLM freezes its startup heap
-    the same way. Unfreezing and collecting first frees the cycles of engines dropped before
-    this one, which a freeze would otherwise keep forever. At exit the heap is unfrozen again,
-    so the interpreter's last collection finalises it (extension modules such as Triton's
-    report frozen objects as leaks otherwise).
+    on an H200 host with 56k KV blocks full collections paused the engine for up to ~2 s, 3.7 s
+    of 116 s in all GC pauses in one offline run
+    (bench/results/h200/probe_tput_bf16_c2dcc73.json -> gc; 1.8 s after the freeze,
+    probe_tput_bf16_796b7d4.json). vLLM freezes its startup heap the same way. The next
+    engine's start (`thaw_heap`) or `LLMEngine.shutdown` gives it back. At exit the heap is
+    unfrozen too, so the interpreter's last collection finalises it (extension modules such as
+    Triton's report frozen objects as leaks otherwise).
     """
     global _unfreeze_at_exit
     if not _unfreeze_at_exit:
         atexit.register(gc.unfreeze)
         _unfreeze_at_exit = True
-    gc.unfreeze()
     gc.collect()
     gc.freeze()
 
@@ -69,6 +78,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, detokenize: bool = True) -> None:
         from engine.loader import load_model_source
 
+        thaw_heap()  # dropped engines' device memory must be free before this one sizes its KV
         config.cache.validate()
         # An int8 KV cache is planned (DESIGN.md §5) but not built yet: refuse it rather than
         # silently serving the model dtype. FP8 W8A8, INT8 weight-only and fp8 KV are built.
@@ -125,6 +135,11 @@ class LLMEngine:
         logger.info("engine ready: %s, %d KV blocks of %d tokens on %s (%s)", cfg.architecture,
                     self.runner.result.num_blocks, config.cache.block_size,
                     self.runner.result.device, self.runner.dtype)
+
+    def shutdown(self) -> None:
+        """Unfreeze the heap (see `freeze_startup_heap`) so that dropping this engine and
+        collecting frees it and its device memory."""
+        gc.unfreeze()
 
     def _resolve_async(self, config: EngineConfig) -> bool:
         """Async scheduling pays where the device runs apart from the host (CUDA); the prefill

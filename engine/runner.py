@@ -165,6 +165,13 @@ class ModelRunner:
                                     cfg.num_key_value_heads, cfg.head_dim,
                                     dtype=self.kv_dtype, device=self.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
+        if self.device.type == "cuda" and use_triton:
+            from engine.attention.warmup import warm_up_attention
+
+            scales = self.kv_scale_values[0] if self.kv_scale_values is not None else (None, None)
+            n = warm_up_attention(self.kv_caches[0], cfg.num_attention_heads, self.dtype,
+                                  config.scheduler.max_num_batched_tokens, *scales)
+            logger.info("attention kernels warmed up: %d variants", n)
         self.graphs = None
         if self.device.type == "cuda" and not config.runner.enforce_eager:
             from engine.cuda_graphs import CudaGraphRunner

@@ -34,3 +34,19 @@ def test_cycles_frozen_by_an_earlier_engine_are_freed_by_the_next() -> None:
     assert ref() is not None, "a frozen cycle is not collected"
     _build()  # unfreezes, collects, freezes again
     assert ref() is None
+
+
+def test_shutdown_lets_a_dropped_engine_be_collected() -> None:
+    def dropped(shutdown: bool) -> weakref.ref[object]:
+        llm = _build()
+        engine = llm.engine
+        engine.me = engine  # type: ignore[attr-defined]  # a cycle through the frozen engine
+        if shutdown:
+            llm.shutdown()
+        ref = weakref.ref(engine)
+        del llm, engine
+        gc.collect()
+        return ref
+
+    assert dropped(shutdown=False)() is not None  # frozen: a collection does not reach it
+    assert dropped(shutdown=True)() is None

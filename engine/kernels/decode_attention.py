@@ -81,7 +81,9 @@ COMBINE_TILE_ELEMENTS = 4096
 MIN_SPLIT_COUNTERS = 4096
 
 
-@triton.jit
+# Per-step values are not specialised on (see `_prefill_kernel`): an eager step's metadata
+# slices start anywhere, and block-table widths and split counts vary from step to step.
+@triton.jit(do_not_specialize=["block_tables_ptr", "seq_lens_ptr", "num_splits", "stride_bt_b"])
 def _decode_split_kernel(
     q_ptr,  # [B, H, D]
     k_cache_ptr,  # [NB, BS, Hkv, D]

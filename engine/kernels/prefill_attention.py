@@ -49,7 +49,13 @@ from engine.kernels._checks import (
 from engine.kernels._tl import load_scale
 
 
-@triton.jit
+# Per-step values are not specialised on (`do_not_specialize`): Triton would otherwise compile
+# a new variant whenever a block table's width reaches a multiple of 16, a query-tile count is 1,
+# or a slice of the step's metadata (`seq_lens[nd:]`, `block_tables[nd:]`) starts off a 16-byte
+# boundary; each compile stalls a serving step for ~1-2 s on an H200 (12 compiles in one
+# offline run, bench/results/h200/probe_tput_bf16_529f918.json -> triton_compiles).
+@triton.jit(do_not_specialize=["query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr",
+                               "num_m_tiles", "stride_bt_b"])
 def _prefill_kernel(
     q_ptr,  # [T, H, D]
     k_cache_ptr,  # [NB, BS, Hkv, D]

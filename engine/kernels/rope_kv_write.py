@@ -29,7 +29,9 @@ from engine.kernels.kv_write import _store_to_cache, check_write_kv_args
 from engine.kernels.rotary import _rotated_heads, check_rotary_args, load_cos_sin
 
 
-@triton.jit
+# `positions` is a slice of the step's pinned buffer, 16-byte aligned only for an even token
+# count: not specialised on, so odd and even steps share one compiled variant.
+@triton.jit(do_not_specialize=["positions_ptr"])
 def _rope_kv_write_kernel(
     positions_ptr,  # [T]
     q_ptr,  # [T, H, D], tokens `stride_q` apart
