@@ -129,6 +129,7 @@ class LLMEngine:
         self._detoks: dict[str, IncrementalDetokenizer] = {}
         self._kv_loads: list[KvLoad] = []
         self.num_steps = 0
+        self.is_shut_down = False
         self.async_scheduling = self._resolve_async(config)
         self._inflight: tuple[SchedulerOutput, PendingStep] | None = None
         freeze_startup_heap()
@@ -137,8 +138,12 @@ class LLMEngine:
                     self.runner.result.device, self.runner.dtype)
 
     def shutdown(self) -> None:
-        """Unfreeze the heap (see `freeze_startup_heap`) so that dropping this engine and
-        collecting frees it and its device memory."""
+        """Give back the device memory now (graphs, KV cache, weights) and unfreeze the heap
+        (see `freeze_startup_heap`) so that dropping the engine frees the rest. The engine
+        refuses to step after this."""
+        self._inflight = None
+        self.runner.release()
+        self.is_shut_down = True
         gc.unfreeze()
 
     def _resolve_async(self, config: EngineConfig) -> bool:
@@ -262,6 +267,8 @@ class LLMEngine:
         previous step (EOS, stop string) may have been scheduled once more: that extra token is
         dropped. Steps whose sampling reads output history (penalties, min_tokens) finish at once.
         """
+        if self.is_shut_down:
+            raise RuntimeError("the engine was shut down")
         self.scheduler.expire_leases()
         out = self.scheduler.schedule()
         self._kv_loads.extend(out.kv_loads)

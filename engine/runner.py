@@ -216,6 +216,15 @@ class ModelRunner:
         # Headroom for CUDA graphs' pools and the allocator's fragmentation.
         reserve = 2 << 30 if not self.config.runner.enforce_eager else 512 << 20
         budget = int(total * self.config.cache.gpu_memory_utilization) - peak - reserve
+        # The share above assumes this process's tensors are the device's only users; memory
+        # held elsewhere (another process, an engine of this one not yet freed) must not be
+        # promised to the cache, or allocating it fails outright.
+        free, _ = torch.cuda.mem_get_info(self.device)
+        if budget > free - reserve:
+            logger.warning("GPU memory in use elsewhere: %.1f GiB free of %.1f GiB; the KV cache "
+                           "gets %.1f GiB instead of %.1f GiB", free / 2**30, total / 2**30,
+                           max(0, free - reserve) / 2**30, budget / 2**30)
+            budget = free - reserve
         if budget < self.block_bytes * 16:
             raise ConfigError("not enough GPU memory for the KV cache; lower max_num_batched_tokens "
                               "or raise gpu_memory_utilization")
@@ -379,6 +388,19 @@ class ModelRunner:
         with forward_context(ForwardContext(md, self.kv_caches, self.kv_scale_values)):
             hidden = self.model(input_ids, positions)
         return self.model.compute_logits(hidden)
+
+    def release(self) -> None:
+        """Give back the device memory this runner holds (captured graphs and their pools, the
+        KV cache, the weights), without waiting for the garbage collector; the runner is
+        unusable after (its engine refuses to step)."""
+        self.graphs = None
+        self._last_tokens = None
+        self.kv_caches = []
+        self.kv_cache = self.kv_cache.new_empty(0)
+        self.model.to("meta")  # parameters and buffers lose their storage
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     # ---- KV blocks for transfer ------------------------------------------------------------
 

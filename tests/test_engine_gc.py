@@ -5,7 +5,10 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
+
 from engine import LLM
+from engine.llm_engine import LLMEngine
 
 
 class _Cycle:
@@ -37,7 +40,7 @@ def test_cycles_frozen_by_an_earlier_engine_are_freed_by_the_next() -> None:
 
 
 def test_shutdown_lets_a_dropped_engine_be_collected() -> None:
-    def dropped(shutdown: bool) -> weakref.ref[object]:
+    def dropped(shutdown: bool) -> weakref.ref[LLMEngine]:
         llm = _build()
         engine = llm.engine
         engine.me = engine  # type: ignore[attr-defined]  # a cycle through the frozen engine
@@ -50,3 +53,14 @@ def test_shutdown_lets_a_dropped_engine_be_collected() -> None:
 
     assert dropped(shutdown=False)() is not None  # frozen: a collection does not reach it
     assert dropped(shutdown=True)() is None
+
+
+def test_shutdown_gives_back_the_kv_cache_and_weights_and_refuses_steps() -> None:
+    llm = _build()
+    runner = llm.engine.runner
+    assert runner.kv_cache.numel() > 0
+    llm.shutdown()
+    assert runner.kv_cache.numel() == 0 and not runner.kv_caches
+    assert all(p.is_meta for p in runner.model.parameters())
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}])

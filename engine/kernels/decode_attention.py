@@ -82,8 +82,10 @@ MIN_SPLIT_COUNTERS = 4096
 
 
 # Per-step values are not specialised on (see `_prefill_kernel`): an eager step's metadata
-# slices start anywhere, and block-table widths and split counts vary from step to step.
-@triton.jit(do_not_specialize=["block_tables_ptr", "seq_lens_ptr", "num_splits", "stride_bt_b"])
+# slices start anywhere (with one split, `counters_ptr` is `seq_lens_ptr`), and block-table
+# widths and split counts vary from step to step.
+@triton.jit(do_not_specialize=["block_tables_ptr", "seq_lens_ptr", "counters_ptr", "num_splits",
+                               "stride_bt_b"])
 def _decode_split_kernel(
     q_ptr,  # [B, H, D]
     k_cache_ptr,  # [NB, BS, Hkv, D]
