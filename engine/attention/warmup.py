@@ -48,8 +48,9 @@ def warm_up_attention(kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype
     scale = head_dim ** -0.5
     launches = 0
     q = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=dev)
-    tables = torch.zeros(1, 4 * MAX_SPLITS, dtype=torch.int32, device=dev)  # block 0 throughout
-    seq_lens = torch.full((1,), 64 * MAX_SPLITS, dtype=torch.int32, device=dev)
+    seq_len = 64 * MAX_SPLITS  # long enough for every split to hold positions
+    tables = torch.zeros(1, -(-seq_len // block_size), dtype=torch.int32, device=dev)  # block 0
+    seq_lens = torch.full((1,), seq_len, dtype=torch.int32, device=dev)
     for splits in decode_split_variants(num_heads // num_kv_heads, head_dim):
         paged_decode_attention(q, kv_cache, tables, seq_lens, scale, num_splits=splits,
                                k_scale=k_scale, v_scale=v_scale)
