@@ -67,6 +67,7 @@ class SuiteSizes:
     gpu_memory_utilization: float = 0.92
     async_scheduling: bool | None = None  # None: the engine's default (on for CUDA)
     decode_overlap_min_batch: int = 0  # the engine's default: off
+    cuda_graph_max_batch: int = 512  # the engine's default
     quantization: str = "none"  # "fp8": W8A8, "int8": weight-only (the goals: bf16)
 
     @classmethod
@@ -123,6 +124,7 @@ class EngineHolder:
                 gpu_memory_utilization=s.gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype,
                 async_scheduling=s.async_scheduling,
                 decode_overlap_min_batch=s.decode_overlap_min_batch,
+                cuda_graph_max_batch=s.cuda_graph_max_batch,
                 quantization=s.quantization)
             self._llm = offline.build_llm(settings)
             self._key = key
@@ -253,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-overlap-min-batch", type=int, default=0,
                    help="the engine's decode micro-batch overlap threshold (0, the default: off)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="override the suite's 384")
+    p.add_argument("--cuda-graph-max-batch", type=int, default=512,
+                   help="largest decode batch captured in a CUDA graph (the engine's default: 512)")
     p.add_argument("--quantization", default="none", choices=["none", "fp8", "int8"],
                    help="fp8: W8A8 weights and activations; int8: weight-only")
     args = p.parse_args(argv)
@@ -265,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         args.async_scheduling], decode_overlap_min_batch=args.decode_overlap_min_batch)
     if args.max_num_seqs is not None:
         sizes = dataclasses.replace(sizes, max_num_seqs=args.max_num_seqs)
-    sizes = dataclasses.replace(sizes, quantization=args.quantization)
+    sizes = dataclasses.replace(sizes, quantization=args.quantization,
+                                cuda_graph_max_batch=args.cuda_graph_max_batch)
     doc = run_suite(Path(args.out_dir), sizes, steps, args.limit_scale)
     return 0 if all(e["ok"] for e in doc["steps"].values()) else 1
 

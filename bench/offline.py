@@ -43,6 +43,7 @@ class EngineSettings:
     kv_cache_dtype: str = "auto"  # "fp8": float8 e4m3 KV cache (half the bytes of bf16)
     async_scheduling: bool | None = None  # None: the engine's default (on for CUDA)
     decode_overlap_min_batch: int = 0  # >= 2: two overlapped decode micro-batches
+    cuda_graph_max_batch: int = 512  # the engine's default
     quantization: str = "none"  # "fp8": W8A8
 
     def llm_kwargs(self) -> dict[str, Any]:

@@ -58,6 +58,7 @@ def main() -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-num-seqs", type=int, default=384)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--cuda-graph-max-batch", type=int, default=512)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.92)
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--input-len", type=int, default=1000)
@@ -73,7 +74,8 @@ def main() -> int:
     settings = offline.EngineSettings(
         model=args.model, dtype=args.dtype, max_model_len=8192, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype)
+        gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype,
+        cuda_graph_max_batch=args.cuda_graph_max_batch)
     llm = offline.build_llm(settings)
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)

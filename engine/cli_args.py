@@ -17,6 +17,16 @@ def _default(cls: type, name: str) -> Any:
     raise KeyError(name)
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=_default(LoadConfig, "model"),
@@ -50,6 +60,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default=_default(RunnerConfig, "attention_backend"),
                    choices=["auto", "torch", "triton"])
     g.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+    g.add_argument("--cuda-graph-max-batch", type=_positive_int,
+                   default=_default(RunnerConfig, "cuda_graph_max_batch"),
+                   help="largest decode batch captured in a CUDA graph (capped at "
+                        "--max-num-seqs); larger decode steps run eagerly")
     g.add_argument("--quantization", default=_default(RunnerConfig, "quantization"),
                    choices=["none", "fp8", "int8"],
                    help="fp8: W8A8, e4m3 weights per output channel and activations per token "
@@ -85,6 +99,7 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "colocated") -
                                       args.async_scheduling]),
         runner=RunnerConfig(device=args.device, attention_backend=args.attention_backend,
                             enforce_eager=args.enforce_eager, cpu_threads=args.cpu_threads,
+                            cuda_graph_max_batch=args.cuda_graph_max_batch,
                             decode_overlap_min_batch=args.decode_overlap_min_batch,
                             quantization=args.quantization),
     )

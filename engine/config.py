@@ -207,6 +207,8 @@ class RunnerConfig:
     device: str = "auto"                    # "auto": cuda if available else cpu
     attention_backend: AttentionBackendName = "auto"
     enforce_eager: bool = False             # True: no CUDA graphs
+    # Largest decode batch captured in a CUDA graph (and not above max_num_seqs); bigger
+    # decode steps run eagerly. 512 as in vLLM: each bucket costs capture time and pool memory.
     cuda_graph_max_batch: int = 512
     # Decode steps of at least this many sequences run as two micro-batches on two CUDA
     # streams, one half's attention beside the other's MLP (engine/model/overlap.py). 0: never,

@@ -41,6 +41,7 @@ class LLM:
         device: str = "auto",
         attention_backend: str = "auto",
         enforce_eager: bool = False,
+        cuda_graph_max_batch: int = 512,
         decode_overlap_min_batch: int = 0,
         quantization: str = "none",
         cpu_threads: int | None = None,
@@ -60,6 +61,7 @@ class LLM:
                                       async_scheduling=async_scheduling),
             runner=RunnerConfig(device=device, attention_backend=attention_backend,  # type: ignore[arg-type]
                                 enforce_eager=enforce_eager,
+                                cuda_graph_max_batch=cuda_graph_max_batch,
                                 decode_overlap_min_batch=decode_overlap_min_batch,
                                 quantization=quantization,  # type: ignore[arg-type]
                                 cpu_threads=cpu_threads),

@@ -127,6 +127,9 @@ class ModelRunner:
         self.backend = make_attention_backend(config.runner.attention_backend, self.device)
         use_triton = self.backend.name == "triton"
         self.decode_overlap_min_batch = check_decode_overlap(config.runner.decode_overlap_min_batch)
+        if config.runner.cuda_graph_max_batch < 1:
+            raise ConfigError(f"cuda_graph_max_batch must be >= 1, got "
+                              f"{config.runner.cuda_graph_max_batch}")
         self.micro_batches = (MicroBatchStreams(self.device) if self.decode_overlap_min_batch
                               else None)
         self.num_overlapped_steps = 0  # eager steps and graph replays

@@ -1,0 +1,38 @@
+"""Engine flags reach the engine's config, and bad values are refused with the flag named."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from engine import LLM
+from engine.cli_args import add_engine_args, engine_config_from_args
+from engine.config import ConfigError
+from engine.cuda_graphs import bucket_sizes
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    return p.parse_args(["--model", "dummy:tiny", *argv])
+
+
+def test_cuda_graph_max_batch_flag_reaches_the_runner_config() -> None:
+    assert engine_config_from_args(_parse()).runner.cuda_graph_max_batch == 512
+    cfg = engine_config_from_args(_parse("--cuda-graph-max-batch", "768"))
+    assert cfg.runner.cuda_graph_max_batch == 768
+    assert bucket_sizes(768)[-1] == 768 and bucket_sizes(768)[:4] == [1, 2, 4, 8]
+
+
+@pytest.mark.parametrize("bad", ["0", "-8", "many"])
+def test_cuda_graph_max_batch_flag_rejects_non_positive(bad: str,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _parse("--cuda-graph-max-batch", bad)
+    assert "--cuda-graph-max-batch" in capsys.readouterr().err
+
+
+def test_llm_refuses_a_zero_graph_batch() -> None:
+    with pytest.raises(ConfigError, match="cuda_graph_max_batch"):
+        LLM(model="dummy:tiny", dtype="float32", max_model_len=256, cuda_graph_max_batch=0)
