@@ -25,22 +25,15 @@ from pathlib import Path
 from typing import Any
 
 from bench import offline
-from bench.gc_pauses import GcPauses
+from bench.profiling import GcPauses, rank_by_name
 from bench.results import git_info
 from bench.workloads import random_requests
 
 
 def _kernel_table(prof: Any, device: str, rows: int = 25) -> list[dict[str, Any]]:
     """The `rows` kernels with the most device time: name, calls, total ms."""
-    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for evt in prof.events():
-        if evt.device_type.name != device:
-            continue
-        entry = totals[evt.name]
-        entry[0] += 1
-        entry[1] += evt.time_range.elapsed_us() / 1e3
-    ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])[:rows]
-    return [{"name": name[:90], "calls": int(c), "ms": round(ms, 3)} for name, (c, ms) in ranked]
+    return rank_by_name(((e.name, e.time_range.elapsed_us() / 1e3) for e in prof.events()
+                         if e.device_type.name == device), rows)
 
 
 def _bucket(batch: int) -> str:

@@ -15,12 +15,11 @@ import json
 import random
 import statistics
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from bench import offline
-from bench.gc_pauses import GcPauses
+from bench.profiling import GcPauses, rank_by_name
 from bench.results import git_info
 
 MARK = "ttft_generate"
@@ -40,10 +39,6 @@ def _analyse(kernels: list[tuple[float, float, str]], wall_us: float, t0_us: flo
         if end >= cur_end:
             cur_end, last_name = end, name
     busy += cur_end - cur_start
-    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for start, end, name in kernels:
-        by_name[name][0] += 1
-        by_name[name][1] += end - start
     gaps.sort(reverse=True)
     return {
         "wall_ms": wall_us / 1e3,
@@ -54,8 +49,7 @@ def _analyse(kernels: list[tuple[float, float, str]], wall_us: float, t0_us: flo
         "after_last_kernel_ms": (t0_us + wall_us - cur_end) / 1e3,
         "largest_gaps": [{"us": round(g, 1), "after": a[:60], "before": b[:60]}
                          for g, a, b in gaps[:12]],
-        "kernels": [{"name": n[:80], "calls": int(c), "ms": round(t / 1e3, 3)}
-                    for n, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:20]],
+        "kernels": rank_by_name(((n, (e - s) / 1e3) for s, e, n in kernels), 20, 80),
     }
 
 

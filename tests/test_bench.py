@@ -454,3 +454,30 @@ def test_hf_baseline_tiny_on_cpu() -> None:
     assert (result.batch_size, result.input_len, result.output_len) == (2, 5, 3)
     assert result.output_tok_s > 0 and result.dtype == "float32"
     assert result.decode_step_ms is not None
+
+
+def test_probe_kernel_totals_and_ttft_split() -> None:
+    from bench.probe_ttft import _analyse
+    from bench.profiling import rank_by_name
+
+    assert rank_by_name([("x", 1.0), ("y", 3.0), ("x", 1.5)], rows=2) == [
+        {"name": "y", "calls": 1, "ms": 3.0}, {"name": "x", "calls": 2, "ms": 2.5}]
+    # Kernels in µs: a and b overlap (busy 10-30), a 10 µs gap, then c and d back to back.
+    split = _analyse([(40, 50, "c"), (10, 20, "a"), (15, 30, "b"), (50, 60, "d")],
+                     wall_us=100, t0_us=0)
+    assert split["host_before_first_kernel_ms"] == pytest.approx(0.010)
+    assert split["kernel_busy_ms"] == pytest.approx(0.040)
+    assert split["idle_gaps_ms"] == pytest.approx(0.010) and split["idle_gaps"] == 1
+    assert split["largest_gaps"][0] == {"us": 10, "after": "b", "before": "c"}
+    assert split["after_last_kernel_ms"] == pytest.approx(0.040)
+
+
+def test_gc_pauses_counts_collections() -> None:
+    import gc
+
+    from bench.profiling import GcPauses
+
+    with GcPauses() as pauses:
+        gc.collect()
+    summary = pauses.summary()
+    assert summary["collections"][2] >= 1 and summary["total_ms"] >= 0

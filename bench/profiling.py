@@ -1,9 +1,12 @@
-"""Python garbage-collector pauses during a measured region (`gc.callbacks`)."""
+"""Shared pieces of the H200 probes: garbage-collector pauses during a measured region
+(`gc.callbacks`) and per-name totals of profiled kernels."""
 
 from __future__ import annotations
 
 import gc
 import time
+from collections import defaultdict
+from collections.abc import Iterable
 from types import TracebackType
 from typing import Any
 
@@ -37,3 +40,17 @@ class GcPauses:
         return {"collections": list(self.count),
                 "ms": [round(s * 1e3, 3) for s in self.seconds],
                 "total_ms": round(sum(self.seconds) * 1e3, 3)}
+
+
+def rank_by_name(samples: Iterable[tuple[str, float]], rows: int, width: int = 90
+                 ) -> list[dict[str, Any]]:
+    """`(name, ms)` samples (kernel executions) summed per name: the `rows` names with the most
+    time, as `{"name", "calls", "ms"}`, names cut to `width` characters."""
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for name, ms in samples:
+        entry = totals[name]
+        entry[0] += 1
+        entry[1] += ms
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])[:rows]
+    return [{"name": name[:width], "calls": int(c), "ms": round(ms, 3)}
+            for name, (c, ms) in ranked]
