@@ -65,6 +65,15 @@ def check_contiguous(name: str, t: torch.Tensor) -> None:
         )
 
 
+def check_weight_scale(weight_scale: object, rows: int) -> torch.Tensor:
+    """The float32 per-row scale `[rows]` of an int8 weight (contiguous)."""
+    weight_scale = check_tensor("weight_scale", weight_scale, 1, (torch.float32,))
+    if weight_scale.shape[0] != rows or not weight_scale.is_contiguous():
+        raise KernelInputError(f"weight_scale must be a contiguous float32 [{rows}], got shape "
+                               f"{tuple(weight_scale.shape)}")
+    return weight_scale
+
+
 def check_inner_dense(name: str, t: torch.Tensor, dense_dims: int) -> None:
     """Check the last `dense_dims` dims are densely packed; the leading stride may be anything.
 

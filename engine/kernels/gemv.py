@@ -38,6 +38,7 @@ from engine.kernels._checks import (
     check_out,
     check_shape,
     check_tensor,
+    check_weight_scale,
     interpret_mode,
 )
 from engine.kernels._pdl import pdl_release, pdl_wait, use_pdl
@@ -189,10 +190,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row
     x = check_tensor("x", x, 2, FLOAT_DTYPES)
     if weight_scale is not None:  # int8 weight-only: W = weight * weight_scale[:, None]
         weight = check_tensor("weight", weight, 2, (torch.int8,))
-        weight_scale = check_tensor("weight_scale", weight_scale, 1, (torch.float32,))
-        if weight_scale.shape[0] != weight.shape[0] or not weight_scale.is_contiguous():
-            raise KernelInputError(f"weight_scale must be a contiguous float32 "
-                                   f"[{weight.shape[0]}], got {tuple(weight_scale.shape)}")
+        weight_scale = check_weight_scale(weight_scale, weight.shape[0])
         check_devices(("weight", "weight_scale"), (weight, weight_scale))
         weight_dtype_ok = True
     else:
