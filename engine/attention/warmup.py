@@ -28,13 +28,11 @@ def decode_split_variants(group: int, head_dim: int) -> list[int]:
 
 def prefill_query_variants(head_dim: int, max_query_len: int) -> list[int]:
     """One max query length per distinct prefill tiling up to `max_query_len`."""
+    # The tiles depend on the query length through its next power of two only.
+    lengths = sorted({min(1 << i, max_query_len) for i in range(max_query_len.bit_length() + 1)})
     reps: dict[object, int] = {}
-    m = 1
-    while True:
-        reps.setdefault(choose_prefill_tiles(head_dim, min(m, max_query_len)), min(m, max_query_len))
-        if m >= max_query_len:
-            break
-        m *= 2
+    for m in lengths:
+        reps.setdefault(choose_prefill_tiles(head_dim, m), m)
     return sorted(reps.values())
 
 
