@@ -30,6 +30,7 @@ import torch
 from bench.gpu_kernels_check import shuffled_block_tables
 from bench.probe_bs1 import graph_replay_ms
 from bench.results import environment_info
+from engine.kernels._attention_tile import Fp8Cvt
 from engine.kernels._checks import FP8_KV_DTYPE
 from engine.kernels.decode_attention import (
     DecodeTiles,
@@ -42,6 +43,9 @@ H, HKV, D, BS, LAYERS = 32, 8, 128, 16, 32
 TPUT_SHAPES = ((384, 1536),)
 TPUT_TILES = [DecodeTiles(n, w, st, hm) for n, w, st, hm in itertools.product(
     (32, 64, 128), (4, 8), (2, 3, 4), (False, True))]
+# An fp8 cache also sweeps where its tiles become fp16 (`Fp8Cvt`); 32-position tiles never won.
+FP8_TPUT_TILES = [DecodeTiles(n, w, st, hm, cvt) for n, w, st, hm, cvt in itertools.product(
+    (64, 128), (4, 8), (2, 3, 4), (False, True), tuple(Fp8Cvt))]
 BS1_TILES = [DecodeTiles(n, 4, st, hm) for n, st, hm in itertools.product(
     (16, 32, 64), (2, 3), (False, True))]
 BS1_SPLITS = (4, 8, 16, 32)
@@ -83,17 +87,19 @@ def _tput_case(batch: int, ctx: int, fp8: bool, gen: torch.Generator,
     ref = out.clone()
     default = choose_decode_tiles(D, cache.dtype)
     rows: list[dict[str, Any]] = []
-    for tiles in TPUT_TILES:
+    for tiles in FP8_TPUT_TILES if fp8 else TPUT_TILES:
         try:
             out.fill_(float("nan"))
             call(tiles)
             diff = _rel_diff(out, ref)
             ms = _do_bench(functools.partial(call, tiles))
         except Exception as e:  # a config that does not compile (registers) is recorded
-            rows.append({**dataclasses.asdict(tiles), "error": str(e)[:120]})
+            rows.append({**dataclasses.asdict(tiles), "fp8_cvt": tiles.fp8_cvt.name,
+                         "error": str(e)[:120]})
             continue
         rows.append({"block_n": tiles.block_n, "warps": tiles.num_warps,
-                     "stages": tiles.num_stages, "head_major": tiles.head_major, "ms": ms,
+                     "stages": tiles.num_stages, "head_major": tiles.head_major,
+                     "fp8_cvt": tiles.fp8_cvt.name, "ms": ms,
                      "tb_s": kv_bytes / ms / 1e9, "rel_diff": diff,
                      "ok": bool(diff < MAX_REL_DIFF), "default": tiles == default})
     ok = sorted((r for r in rows if r.get("ok")), key=lambda r: r["ms"])
@@ -155,7 +161,7 @@ def probe_bs1() -> dict[str, Any]:
     return res
 
 
-def probe_engine(doc: dict[str, Any], max_num_seqs: int) -> dict[str, Any]:
+def probe_engine(doc: dict[str, Any], max_num_seqs: int, graph_max_batch: int) -> dict[str, Any]:
     from bench import h200_suite, models
     from engine.kernels import decode_attention
 
@@ -165,7 +171,8 @@ def probe_engine(doc: dict[str, Any], max_num_seqs: int) -> dict[str, Any]:
         rows = doc["tput"][keys[-1]]["best"] if keys else []
         if rows:
             r = rows[0]
-            best[dtype] = DecodeTiles(r["block_n"], r["warps"], r["stages"], r["head_major"])
+            best[dtype] = DecodeTiles(r["block_n"], r["warps"], r["stages"], r["head_major"],
+                                      Fp8Cvt[r.get("fp8_cvt", "OPERAND")])
     default = decode_attention.choose_decode_tiles
 
     def patched(head_dim: int, kv_dtype: torch.dtype | None = None) -> DecodeTiles:
@@ -173,7 +180,7 @@ def probe_engine(doc: dict[str, Any], max_num_seqs: int) -> dict[str, Any]:
         return best.get(key) or default(head_dim, kv_dtype)
 
     decode_attention.choose_decode_tiles = patched  # type: ignore[assignment]
-    sizes = h200_suite.SuiteSizes(max_num_seqs=max_num_seqs)
+    sizes = h200_suite.SuiteSizes(max_num_seqs=max_num_seqs, cuda_graph_max_batch=graph_max_batch)
     holder = h200_suite.EngineHolder(sizes)
     try:
         vocab = models.vocab_size_for(sizes.model)
@@ -184,7 +191,8 @@ def probe_engine(doc: dict[str, Any], max_num_seqs: int) -> dict[str, Any]:
         holder.release()
         decode_attention.choose_decode_tiles = default  # type: ignore[assignment]
     res = {"tiles": {k: dataclasses.asdict(v) for k, v in best.items()},
-           "max_num_seqs": max_num_seqs, "throughput_random_fp8": result}
+           "max_num_seqs": max_num_seqs, "cuda_graph_max_batch": graph_max_batch,
+           "throughput_random_fp8": result}
     print("engine", res, flush=True)
     return res
 
@@ -196,11 +204,12 @@ def main() -> int:
     p.add_argument("--parts", default="tput,bs1")
     p.add_argument("--max-num-seqs", type=int, default=512, help="of the `engine` part")
     p.add_argument("--dtypes", default="bf16,fp8", help="caches the `tput` part sweeps")
+    p.add_argument("--cuda-graph-max-batch", type=int, default=512, help="of the `engine` part")
     args = p.parse_args()
     doc: dict[str, Any] = {"environment": environment_info()}
     parts: dict[str, Callable[[], dict[str, Any]]] = {
         "tput": lambda: probe_tput(tuple(args.dtypes.split(","))), "bs1": probe_bs1,
-        "engine": lambda: probe_engine(doc, args.max_num_seqs)}
+        "engine": lambda: probe_engine(doc, args.max_num_seqs, args.cuda_graph_max_batch)}
     for name in args.parts.split(","):
         start = time.perf_counter()
         doc[name] = parts[name]()

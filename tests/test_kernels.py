@@ -22,7 +22,7 @@ with interpreted_kernel_imports():
     from engine import kernels as K
     from engine.kernels import decode_attention as decode_mod
     from engine.kernels import reference as R
-    from engine.kernels._attention_tile import TileDots, tile_dots
+    from engine.kernels._attention_tile import Fp8Cvt, TileDots, fp8_cvt_supported, tile_dots
     from engine.kernels._checks import KernelInputError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -641,6 +641,24 @@ def test_fp8_cache_with_16_bit_q_takes_the_fp16_dot_path() -> None:
     assert tile_dots(torch.float32, FP8) == TileDots(f16=False, precision="ieee", upcast=False)
     assert tile_dots(torch.bfloat16, torch.bfloat16) == TileDots(False, "ieee", upcast=True)
     assert tile_dots(torch.float16, torch.float16) == TileDots(False, "tf32", upcast=False)
+
+
+def test_fp8_register_conversion_falls_back_where_it_cannot_compile() -> None:
+    """The inline-asm conversion (`Fp8Cvt.V_REGS` / `KV_REGS`) needs an sm_89+ GPU. On the CPU,
+    and without a device, the dot choice keeps Triton's own conversion, so a decode launched
+    with such tiles still runs (the interpreter has no inline asm) and matches the reference."""
+    cpu = torch.device("cpu")
+    assert not fp8_cvt_supported(cpu)
+    for cvt in Fp8Cvt:
+        assert tile_dots(torch.bfloat16, FP8, cvt, cpu).fp8_cvt == Fp8Cvt.OPERAND
+        assert tile_dots(torch.bfloat16, FP8, cvt).fp8_cvt == Fp8Cvt.OPERAND
+    batch = _fp8_batch([1, 1], [5, 30], torch.bfloat16)
+    want = R.paged_decode_attention_ref(batch.q, batch.kv_cache, batch.block_tables,
+                                        batch.seq_lens, 0.3)
+    tiles = decode_mod.DecodeTiles(16, 1, 1, fp8_cvt=Fp8Cvt.KV_REGS)
+    got = K.paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens,
+                                   0.3, tiles=tiles)
+    assert_close_for(got, want, torch.bfloat16)
 
 
 def test_fp8_large_query_does_not_overflow_the_fp16_path() -> None:

@@ -43,7 +43,13 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._attention_tile import LOG2E, attend_kv_tile, fp16_scaled_q, tile_dots
+from engine.kernels._attention_tile import (
+    LOG2E,
+    Fp8Cvt,
+    attend_kv_tile,
+    fp16_scaled_q,
+    tile_dots,
+)
 from engine.kernels._checks import (
     FLOAT_DTYPES,
     FP8_KV_DTYPE,
@@ -120,6 +126,7 @@ def _decode_split_kernel(
     UPCAST_DOT: tl.constexpr,
     KV_FP8: tl.constexpr,
     F16_DOTS: tl.constexpr,  # fp8 cache, 16-bit q: fp16 tile dots on a prescaled q
+    FP8_CVT: tl.constexpr,  # an `Fp8Cvt` (F16_DOTS only)
     SCALE_IS_PTR: tl.constexpr,
     HEAD_MAJOR: tl.constexpr,  # grid (Hkv, B, S) instead of (B, Hkv, S); see `DecodeTiles`
     USE_PDL: tl.constexpr,
@@ -159,7 +166,7 @@ def _decode_split_kernel(
         acc, l_i, m_i = attend_kv_tile(
             acc, l_i, m_i, q, g, n0, end, block_table_ptr, k_head_ptr, v_head_ptr, qk_scale,
             stride_cache_block, stride_cache_tok, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
-            True, False, DOT_PRECISION, UPCAST_DOT, F16_DOTS,
+            True, False, DOT_PRECISION, UPCAST_DOT, F16_DOTS, FP8_CVT,
         )
     if KV_FP8:
         acc = acc * load_scale(v_scale, SCALE_IS_PTR)
@@ -317,6 +324,7 @@ class DecodeTiles:
     num_warps: int
     num_stages: int
     head_major: bool = False
+    fp8_cvt: Fp8Cvt = Fp8Cvt.OPERAND  # where an fp8 cache's tiles become fp16
 
 
 def choose_decode_tiles(head_dim: int, kv_dtype: torch.dtype | None = None) -> DecodeTiles:
@@ -443,7 +451,7 @@ def _launch(
         counters = split_counters(q.device, batch * num_kv_heads)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     block_r, chunk_s, m_chunk = combine_tiles(group, head_dim, num_splits)
-    dots = tile_dots(q.dtype, kv_cache.dtype)
+    dots = tile_dots(q.dtype, kv_cache.dtype, tiles.fp8_cvt, q.device)
     grid = ((num_kv_heads, batch, num_splits) if tiles.head_major
             else (batch, num_kv_heads, num_splits))
     pdl = use_pdl(q.device)
@@ -465,6 +473,7 @@ def _launch(
         UPCAST_DOT=dots.upcast,
         KV_FP8=kv_cache.dtype == FP8_KV_DTYPE,
         F16_DOTS=dots.f16,
+        FP8_CVT=int(dots.fp8_cvt),
         SCALE_IS_PTR=isinstance(kv_scales[0], torch.Tensor),
         HEAD_MAJOR=tiles.head_major,
         USE_PDL=pdl,

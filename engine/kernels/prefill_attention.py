@@ -26,7 +26,13 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._attention_tile import LOG2E, attend_kv_tile, fp16_scaled_q, tile_dots
+from engine.kernels._attention_tile import (
+    LOG2E,
+    Fp8Cvt,
+    attend_kv_tile,
+    fp16_scaled_q,
+    tile_dots,
+)
 from engine.kernels._checks import (
     FLOAT_DTYPES,
     FP8_KV_DTYPE,
@@ -83,6 +89,7 @@ def _prefill_kernel(
     UPCAST_DOT: tl.constexpr,
     KV_FP8: tl.constexpr,
     F16_DOTS: tl.constexpr,  # fp8 cache, 16-bit q: fp16 tile dots on a prescaled q
+    FP8_CVT: tl.constexpr,  # an `Fp8Cvt` (F16_DOTS only)
     SCALE_IS_PTR: tl.constexpr,
 ):
     m_tile = num_m_tiles - 1 - tl.program_id(0)  # heaviest (last) tiles first
@@ -122,7 +129,7 @@ def _prefill_kernel(
         acc, l_i, m_i = attend_kv_tile(
             acc, l_i, m_i, q, q_pos, n0, seq_len, block_table_ptr, k_head_ptr, v_head_ptr,
             qk_scale, stride_cache_block, stride_cache_tok, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
-            False, False, DOT_PRECISION, UPCAST_DOT, F16_DOTS,
+            False, False, DOT_PRECISION, UPCAST_DOT, F16_DOTS, FP8_CVT,
         )
     # Phase 2: the diagonal, up to the last row's position (bounded by seq_len).
     kv_end = tl.minimum(seq_len, ctx_len + m0 + BLOCK_M)
@@ -130,7 +137,7 @@ def _prefill_kernel(
         acc, l_i, m_i = attend_kv_tile(
             acc, l_i, m_i, q, q_pos, n0, seq_len, block_table_ptr, k_head_ptr, v_head_ptr,
             qk_scale, stride_cache_block, stride_cache_tok, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
-            True, True, DOT_PRECISION, UPCAST_DOT, F16_DOTS,
+            True, True, DOT_PRECISION, UPCAST_DOT, F16_DOTS, FP8_CVT,
         )
 
     o = acc / l_i[:, None]  # every real row saw >= 1 position, so l_i > 0 there
@@ -148,6 +155,7 @@ class PrefillTiles:
     block_n: int
     num_warps: int
     num_stages: int
+    fp8_cvt: Fp8Cvt = Fp8Cvt.OPERAND  # where an fp8 cache's tiles become fp16
 
 
 def choose_prefill_tiles(head_dim: int, max_query_len: int) -> PrefillTiles:
@@ -181,6 +189,7 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
+    tiles: PrefillTiles | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of `q [T, H, D]` over paged KV; returns `out [T, H, D]`.
 
@@ -190,6 +199,7 @@ def paged_prefill_attention(
     longer sequence past it are left unwritten). Rows with q_len = 1 (decodes) may be mixed in.
     q's dtype is the cache's, or fp32/fp16/bf16 for an fp8 cache, whose values times
     k_scale/v_scale (None = 1.0; Python floats or one-element float32 tensors) are K and V.
+    tiles: override the tuned choice (`choose_prefill_tiles`), for sweeps and tests.
     Mutates only `out`. No host syncs.
     """
     _, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache)
@@ -228,8 +238,9 @@ def paged_prefill_attention(
         raise KernelInputError("k_scale and v_scale must both be floats or both be tensors")
     if num_tokens == 0 or batch == 0:
         return out
-    tiles = choose_prefill_tiles(head_dim, max_query_len)
-    dots = tile_dots(q.dtype, kv_cache.dtype)
+    if tiles is None:
+        tiles = choose_prefill_tiles(head_dim, max_query_len)
+    dots = tile_dots(q.dtype, kv_cache.dtype, tiles.fp8_cvt, q.device)
     num_m_tiles = triton.cdiv(max_query_len, tiles.block_m)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _prefill_kernel[(num_m_tiles, num_heads, batch)](
@@ -247,6 +258,7 @@ def paged_prefill_attention(
         UPCAST_DOT=dots.upcast,
         KV_FP8=kv_cache.dtype == FP8_KV_DTYPE,
         F16_DOTS=dots.f16,
+        FP8_CVT=int(dots.fp8_cvt),
         SCALE_IS_PTR=isinstance(ks, torch.Tensor),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
