@@ -328,18 +328,20 @@ class DecodeTiles:
 
 
 def choose_decode_tiles(head_dim: int, kv_dtype: torch.dtype | None = None) -> DecodeTiles:
-    """The best of a sweep on an H200 (bench/probe_decode.py; 384 sequences of 1536 tokens,
-    bench/results/h200/probe_decode_25457d2.json), 4 warps throughout: a 16-bit cache takes KV
-    tiles of 64 positions (32 for D=256), 3-stage pipelined, grid head-major (4.34 vs 4.28 TB/s
-    row-major); an fp8 cache takes 128 positions, 4 stages (2.58 vs 2.47 TB/s at 64). Batch 1
-    at 1k context was fastest with the 16-bit choice (6.8 µs a call). 16 positions in the
-    interpreter, whose cost is per element."""
+    """The best of sweeps on an H200 (bench/probe_decode.py; 384 sequences of 1536 tokens),
+    4 warps throughout. A 16-bit cache takes KV tiles of 64 positions (32 for D=256), 3-stage
+    pipelined, grid head-major (4.34 vs 4.28 TB/s row-major; probe_decode_25457d2.json). An
+    fp8 cache takes 128 positions, 3 stages, V converted in registers (`Fp8Cvt.V_REGS`): 3.20
+    TB/s, against 2.52 for the best tiles with Triton's conversion and 3.06 at 64 positions
+    (probe_decode_fp8cvt_7f50869.json; 2.58 before at 4 stages, probe_decode_25457d2.json).
+    Batch 1 at 1k context was fastest with the 16-bit choice (6.8 µs a call). 16 positions in
+    the interpreter, whose cost is per element."""
     if interpret_mode():
         return DecodeTiles(16, 1, 1)
     if head_dim > 128:
         return DecodeTiles(32, 4, 2)
     if kv_dtype == FP8_KV_DTYPE:
-        return DecodeTiles(128, 4, 4)
+        return DecodeTiles(128, 4, 3, fp8_cvt=Fp8Cvt.V_REGS)
     return DecodeTiles(64, 4, 3, head_major=True)
 
 
