@@ -60,6 +60,20 @@ def test_int8_gemv_matches_the_exact_product(dtype: torch.dtype, n: int, k: int)
     torch.testing.assert_close(got.double(), want, atol=tol * 4, rtol=tol)
 
 
+def test_int8_gemv_reads_every_byte_value_exactly() -> None:
+    """The GEMV's int8 -> float conversion (`Int8Cvt.MAGIC` under the interpreter: the byte
+    biased into a float's mantissa) is exact for all 256 values, -128 and 127 included: with a
+    one-hot activation each output is one weight times its scale."""
+    values = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8)
+    q = values.view(4, 64)  # 4 rows of 64 weights: every byte value once
+    scale = torch.tensor([1.0, 0.5, 2.0, 0.25])
+    for col in range(64):
+        x = torch.zeros(1, 64)
+        x[0, col] = 1.0
+        got = gemv_mod.gemv(x, q, weight_scale=scale)
+        assert torch.equal(got[0], q[:, col].float() * scale)
+
+
 @pytest.mark.parametrize("gated", [False, True])
 def test_int8_fused_norm_gemv_matches_the_exact_product(gated: bool) -> None:
     n, k = 12, 48

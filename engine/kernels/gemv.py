@@ -23,6 +23,7 @@ This is the seam for weight-only quantized matmuls at batch 1 (dequantize the ti
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +49,8 @@ from engine.kernels._tl import reduce_sum
 @triton.jit
 def _gemv_chunk(acc, acc_up, sumsq, w, wu, k0, x_ptr, res_ptr, g_ptr, res_out_ptr, K,
                 residual_limit, GATED: tl.constexpr, NORM: tl.constexpr,
-                HAS_RES: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+                HAS_RES: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
+                INT8_CVT: tl.constexpr):
     """One K chunk: the activation chunk (with the norm prologue: `x + residual`, its squares
     summed, times the norm weight) times the weight tile(s) `w` / `wu`, loaded by the caller."""
     kk = k0 + tl.arange(0, BLOCK_K)
@@ -71,10 +73,60 @@ def _gemv_chunk(acc, acc_up, sumsq, w, wu, k0, x_ptr, res_ptr, g_ptr, res_out_pt
             x *= tl.load(g_ptr + kk).to(tl.float32)
         else:
             x *= tl.load(g_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
-    acc += w.to(tl.float32) * x[None, :]
+    acc += _weights_f32(w, INT8_CVT) * x[None, :]
     if GATED:
-        acc_up += wu.to(tl.float32) * x[None, :]
+        acc_up += _weights_f32(wu, INT8_CVT) * x[None, :]
     return acc, acc_up, sumsq
+
+
+@triton.jit
+def _weights_f32(w, INT8_CVT: tl.constexpr):
+    if INT8_CVT == 2:  # Int8Cvt.MAGIC_X4
+        return int8x4_to_f32(w)
+    elif INT8_CVT == 1:  # Int8Cvt.MAGIC
+        return int8_to_f32(w)
+    else:
+        return w.to(tl.float32)
+
+
+@triton.jit
+def int8_to_f32(w):
+    """int8 -> float32 exactly, with integer ops and one add instead of `I2F`.
+
+    `I2F` runs at a quarter of the FP32 rate on Hopper, one per weight, which bounded the
+    GEMV's int8 weight stream (sm_90 SASS of the loop: 32 `I2F` per thread per 4 x 1024 tile,
+    compiled offline). Here the byte biased by 128 (`v ^ 0x80`, 0..255) becomes the low mantissa
+    bits of 2**23: that float is 2**23 + v + 128, exact, and subtracting 2**23 + 128 leaves v.
+    """
+    biased = (w.to(tl.uint8, bitcast=True) ^ 0x80).to(tl.int32)
+    return (biased | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
+def int8x4_to_f32(w):
+    """`int8_to_f32` on four packed bytes in inline PTX: one XOR per four weights, then one
+    byte permute (the byte under the exponent bits 0x4B) and one subtraction per weight. The
+    elementwise version spends ~1.5 integer ops per weight on the bias and the OR. CUDA only."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t, c;
+        xor.b32 t, $4, 0x80808080;
+        mov.b32 c, 0x4B000000;
+        prmt.b32 $0, t, c, 0x7650;
+        prmt.b32 $1, t, c, 0x7651;
+        prmt.b32 $2, t, c, 0x7652;
+        prmt.b32 $3, t, c, 0x7653;
+        sub.f32 $0, $0, 0f4B000080;
+        sub.f32 $1, $1, 0f4B000080;
+        sub.f32 $2, $2, 0f4B000080;
+        sub.f32 $3, $3, 0f4B000080;
+        }""",
+        constraints="=r,=r,=r,=r,r",
+        args=[w],
+        dtype=tl.float32,
+        is_pure=True,
+        pack=4,
+    )
 
 
 @triton.jit
@@ -116,6 +168,7 @@ def _gemv_kernel(
     NORM: tl.constexpr,
     HAS_RES: tl.constexpr,
     W_SCALE: tl.constexpr,
+    INT8_CVT: tl.constexpr,  # an `Int8Cvt` (int8 weights only; 0 otherwise)
     EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no row mask
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no column mask
     USE_PDL: tl.constexpr,
@@ -138,12 +191,12 @@ def _gemv_kernel(
     sumsq = tl.full([BLOCK_K], 0.0, tl.float32)
     acc, acc_up, sumsq = _gemv_chunk(acc, acc_up, sumsq, w, wu, 0, x_ptr, res_ptr, g_ptr,
                                      res_out_ptr, K, residual_limit, GATED, NORM, HAS_RES,
-                                     EVEN_K, BLOCK_K)
+                                     EVEN_K, BLOCK_K, INT8_CVT)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         w, wu = _load_tiles(gate_rows, up_rows, k0, row_mask, K, GATED, EVEN_N, EVEN_K, BLOCK_K)
         acc, acc_up, sumsq = _gemv_chunk(acc, acc_up, sumsq, w, wu, k0, x_ptr, res_ptr, g_ptr,
                                          res_out_ptr, K, residual_limit, GATED, NORM, HAS_RES,
-                                         EVEN_K, BLOCK_K)
+                                         EVEN_K, BLOCK_K, INT8_CVT)
     y = reduce_sum(acc, 1)
     if NORM:
         # RMSNorm's scale is one scalar per row of x, so it factors out of the dot product.
@@ -165,12 +218,21 @@ def _gemv_kernel(
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
+class Int8Cvt(enum.IntEnum):
+    """How an int8 weight tile becomes float32 (the INT8_CVT argument)."""
+
+    I2F = 0  # Triton's `.to(float32)`: one quarter-rate `I2F` per weight on Hopper
+    MAGIC = 1  # `int8_to_f32`: integer ops and an add, elementwise (also under the interpreter)
+    MAGIC_X4 = 2  # `int8x4_to_f32`: the same on packed bytes in inline PTX (CUDA only)
+
+
 @dataclass(frozen=True, slots=True)
 class GemvTiles:
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    int8_cvt: Int8Cvt = Int8Cvt.MAGIC_X4  # int8 weights only
 
 
 def choose_gemv_tiles(n: int, k: int, gated: bool) -> GemvTiles:
@@ -180,7 +242,7 @@ def choose_gemv_tiles(n: int, k: int, gated: bool) -> GemvTiles:
     warps, 4 stages was best or within 0.3% of best at every one (the QKV call went from 20.2 to
     16.3 us against the earlier 8 x 256 choice, tuned before the norm was fused)."""
     if interpret_mode():
-        return GemvTiles(8, 64, 1, 1)
+        return GemvTiles(8, 64, 1, 1, Int8Cvt.MAGIC)  # no inline asm in the interpreter
     return GemvTiles(4, min(1024, triton.next_power_of_2(k)), 4, 4)
 
 
@@ -246,6 +308,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
         NORM=norm is not None,
         HAS_RES=has_res,
         W_SCALE=weight_scale is not None,
+        INT8_CVT=int(tiles.int8_cvt) if weight_scale is not None else 0,
         EVEN_N=n % tiles.block_n == 0,
         EVEN_K=k % tiles.block_k == 0,
         USE_PDL=pdl,

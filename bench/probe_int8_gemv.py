@@ -1,0 +1,118 @@
+"""INT8 weight-only GEMV on the H200: the four batch-1 calls of Llama-3.1-8B (norm-fused QKV and
+gate/up, plain O and down) with int8 weights and per-row scales, for each way of turning the
+weights into floats (`Int8Cvt`) and a few tiles, next to the bf16 GEMV at its tuned tiles.
+
+Each timing is one CUDA graph of 32 calls with distinct weights (as the 32 layers of a step, so
+L2 never holds them). Every config's output is compared with the `I2F` config's at the same
+tiles: the conversions are exact and the summation order is the same, so they must be equal.
+
+Usage: PYTHONPATH=. python3 bench/probe_int8_gemv.py --out $OUT/probe_int8_gemv.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from typing import Any
+
+import torch
+
+from bench.probe_bs1 import graph_replay_ms
+from bench.results import environment_info
+from engine.kernels import gemv as gemv_mod
+from engine.kernels.gemv import GemvTiles, Int8Cvt, gemv, rms_norm_gemv
+
+HIDDEN, INTER, QKV, LAYERS, EPS = 4096, 14336, 6144, 32, 1e-5
+SHAPES = {"qkv": (QKV, HIDDEN), "gate_up": (2 * INTER, HIDDEN), "o": (HIDDEN, HIDDEN),
+          "down": (HIDDEN, INTER)}
+TILES = [(4, 1024, 4, 4), (4, 2048, 4, 4), (8, 1024, 4, 4), (8, 2048, 8, 4), (16, 1024, 8, 3)]
+
+
+def _calls(name: str, weights: list[torch.Tensor], scales: list[torch.Tensor] | None,
+           x: torch.Tensor, res: torch.Tensor, norm_w: torch.Tensor) -> list[torch.Tensor]:
+    outs = []
+    for i, w in enumerate(weights):
+        scale = None if scales is None else scales[i]
+        if name in ("qkv", "gate_up"):
+            y, _ = rms_norm_gemv(x, norm_w, EPS, w, residual=res, gated=name == "gate_up",
+                                 weight_scale=scale)
+        else:
+            y = gemv(x, w, weight_scale=scale)
+        outs.append(y)
+    return outs
+
+
+def _replay_ms(name: str, weights: list[torch.Tensor], scales: list[torch.Tensor] | None,
+               x: torch.Tensor, res: torch.Tensor, norm_w: torch.Tensor) -> float:
+    def step() -> None:
+        _calls(name, weights, scales, x, res, norm_w)
+
+    return graph_replay_ms(step, reps=10)
+
+
+def probe_shape(name: str, gen: torch.Generator) -> dict[str, Any]:
+    dev = torch.device("cuda")
+    rows, k = SHAPES[name]
+    q = [torch.randint(-127, 128, (rows, k), generator=gen, device=dev, dtype=torch.int8)
+         for _ in range(LAYERS)]
+    scales = [torch.rand(rows, generator=gen, device=dev) * 1e-3 + 1e-4 for _ in range(LAYERS)]
+    x = torch.randn(1, k, generator=gen, device=dev).to(torch.bfloat16)
+    res = torch.randn(1, k, generator=gen, device=dev).to(torch.bfloat16)
+    norm_w = (1 + 0.1 * torch.randn(k, generator=gen, device=dev)).to(torch.bfloat16)
+    n = rows // 2 if name == "gate_up" else rows
+    original = gemv_mod.choose_gemv_tiles
+    default = original(n, k, name == "gate_up")
+    rows_out: list[dict[str, Any]] = []
+    refs: dict[tuple[int, ...], torch.Tensor] = {}
+    try:
+        for tile, cvt in itertools.product(TILES, Int8Cvt):
+            tiles = GemvTiles(*tile, int8_cvt=cvt)
+            gemv_mod.choose_gemv_tiles = lambda *_a, t=tiles: t  # type: ignore[assignment]
+            entry: dict[str, Any] = {"tiles": list(tile), "int8_cvt": cvt.name,
+                                     "default": tiles == default}
+            try:
+                out = torch.cat(_calls(name, q, scales, x, res, norm_w))
+                if cvt == Int8Cvt.I2F:
+                    refs[tile] = out
+                entry["equal_to_i2f"] = bool(torch.equal(out, refs[tile]))
+                ms = _replay_ms(name, q, scales, x, res, norm_w)
+            except Exception as e:  # a config the compiler refuses is reported, not fatal
+                entry["error"] = repr(e)[:200]
+                rows_out.append(entry)
+                continue
+            entry.update(us_per_call=ms * 1e3 / LAYERS, tb_s=rows * k * LAYERS / ms / 1e9)
+            rows_out.append(entry)
+    finally:
+        gemv_mod.choose_gemv_tiles = original  # type: ignore[assignment]
+    q.clear()  # free the int8 weights before the bf16 ones are made
+    w16 = [torch.randn(rows, k, generator=gen, device=dev).to(torch.bfloat16) * 0.02
+           for _ in range(LAYERS)]
+    ms16 = _replay_ms(name, w16, None, x, res, norm_w)
+    w16.clear()
+    torch.cuda.empty_cache()
+    ok = sorted((r for r in rows_out if "us_per_call" in r), key=lambda r: r["us_per_call"])
+    return {"n": n, "k": k, "bf16_us_per_call": ms16 * 1e3 / LAYERS,
+            "bf16_tb_s": rows * k * 2 * LAYERS / ms16 / 1e9,
+            "default": [r for r in ok if r["default"]], "best": ok[:6], "all": rows_out}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    doc: dict[str, Any] = {"environment": environment_info(), "shapes": {}}
+    for name in SHAPES:
+        doc["shapes"][name] = probe_shape(name, gen)
+        s = doc["shapes"][name]
+        print(name, "bf16", round(s["bf16_us_per_call"], 2), "us; default",
+              s["default"][:1], "best", s["best"][:2], flush=True)
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
