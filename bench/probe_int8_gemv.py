@@ -6,7 +6,11 @@ Each timing is one CUDA graph of 32 calls with distinct weights (as the 32 layer
 L2 never holds them). Every config's output is compared with the `I2F` config's at the same
 tiles: the conversions are exact and the summation order is the same, so they must be equal.
 
+With `--parts w8a16`, the same four weights at 8 and 64 rows (decode batches 8 and 64) through
+the W8A16 matmul (engine/kernels/w8a16.py) for a set of tiles, next to cuBLAS on bf16 weights.
+
 Usage: PYTHONPATH=. python3 bench/probe_int8_gemv.py --out $OUT/probe_int8_gemv.json
+       [--parts gemv,w8a16]
 """
 
 from __future__ import annotations
@@ -17,11 +21,14 @@ import json
 from typing import Any
 
 import torch
+from torch.nn import functional as F
 
 from bench.probe_bs1 import graph_replay_ms
 from bench.results import environment_info
 from engine.kernels import gemv as gemv_mod
+from engine.kernels import w8a16 as w8a16_mod
 from engine.kernels.gemv import GemvTiles, Int8Cvt, gemv, rms_norm_gemv
+from engine.kernels.w8a16 import MatmulTiles, w8a16_matmul
 
 HIDDEN, INTER, QKV, LAYERS, EPS = 4096, 14336, 6144, 32, 1e-5
 SHAPES = {"qkv": (QKV, HIDDEN), "gate_up": (2 * INTER, HIDDEN), "o": (HIDDEN, HIDDEN),
@@ -97,18 +104,87 @@ def probe_shape(name: str, gen: torch.Generator) -> dict[str, Any]:
             "default": [r for r in ok if r["default"]], "best": ok[:6], "all": rows_out}
 
 
+W8A16_ROWS = (8, 64)
+W8A16_TILES = {
+    8: [MatmulTiles(16, n, k, 4, st) for n, k, st in itertools.product(
+        (16, 32, 64, 128), (128, 256), (3, 4))],
+    64: [MatmulTiles(*t) for t in ((64, 128, 64, 4, 4), (64, 64, 64, 4, 4), (64, 32, 128, 4, 4),
+                                   (64, 64, 128, 4, 3), (32, 64, 128, 4, 4), (16, 64, 128, 4, 4),
+                                   (16, 32, 256, 4, 3), (32, 32, 128, 4, 4))],
+}
+
+
+def probe_w8a16(name: str, m: int, gen: torch.Generator) -> dict[str, Any]:
+    dev = torch.device("cuda")
+    n, k = SHAPES[name]
+    q = [torch.randint(-127, 128, (n, k), generator=gen, device=dev, dtype=torch.int8)
+         for _ in range(LAYERS)]
+    scales = [torch.rand(n, generator=gen, device=dev) * 1e-3 + 1e-4 for _ in range(LAYERS)]
+    x = torch.randn(m, k, generator=gen, device=dev).to(torch.bfloat16)
+    original = w8a16_mod.choose_w8a16_tiles
+    default = original(m)
+
+    def step() -> None:
+        for w, sc in zip(q, scales, strict=True):
+            w8a16_matmul(x, w, sc)
+
+    rows: list[dict[str, Any]] = []
+    ref = w8a16_matmul(x, q[0], scales[0])
+    try:
+        for tiles in W8A16_TILES[m]:
+            w8a16_mod.choose_w8a16_tiles = lambda *_a, t=tiles: t  # type: ignore[assignment]
+            entry: dict[str, Any] = {"tiles": [tiles.block_m, tiles.block_n, tiles.block_k,
+                                               tiles.num_warps, tiles.num_stages],
+                                     "default": tiles == default}
+            try:
+                got = w8a16_matmul(x, q[0], scales[0])
+                entry["rel_diff"] = float((got.float() - ref.float()).norm()
+                                          / ref.float().norm())
+                ms = graph_replay_ms(step, reps=10)
+            except Exception as e:  # a config the compiler refuses is reported, not fatal
+                entry["error"] = repr(e)[:200]
+                rows.append(entry)
+                continue
+            entry.update(us_per_call=ms * 1e3 / LAYERS, tb_s=n * k * LAYERS / ms / 1e9)
+            rows.append(entry)
+    finally:
+        w8a16_mod.choose_w8a16_tiles = original  # type: ignore[assignment]
+    q.clear()
+    w16 = [torch.randn(n, k, generator=gen, device=dev).to(torch.bfloat16) * 0.02
+           for _ in range(LAYERS)]
+
+    def cublas() -> None:
+        for w in w16:
+            F.linear(x, w)
+
+    ms16 = graph_replay_ms(cublas, reps=10)
+    w16.clear()
+    torch.cuda.empty_cache()
+    ok = sorted((r for r in rows if "us_per_call" in r), key=lambda r: r["us_per_call"])
+    return {"m": m, "n": n, "k": k, "cublas_bf16_us_per_call": ms16 * 1e3 / LAYERS,
+            "default": [r for r in ok if r["default"]], "best": ok[:6], "all": rows}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
+    p.add_argument("--parts", default="gemv,w8a16")
     args = p.parse_args()
+    parts = args.parts.split(",")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    doc: dict[str, Any] = {"environment": environment_info(), "shapes": {}}
+    doc: dict[str, Any] = {"environment": environment_info(), "shapes": {}, "w8a16": {}}
     for name in SHAPES:
-        doc["shapes"][name] = probe_shape(name, gen)
-        s = doc["shapes"][name]
-        print(name, "bf16", round(s["bf16_us_per_call"], 2), "us; default",
-              s["default"][:1], "best", s["best"][:2], flush=True)
+        if "gemv" in parts:
+            doc["shapes"][name] = probe_shape(name, gen)
+            s = doc["shapes"][name]
+            print(name, "bf16", round(s["bf16_us_per_call"], 2), "us; default",
+                  s["default"][:1], "best", s["best"][:2], flush=True)
+        if "w8a16" in parts:
+            for m in W8A16_ROWS:
+                r = doc["w8a16"][f"{name}_m{m}"] = probe_w8a16(name, m, gen)
+                print(name, m, "cublas", round(r["cublas_bf16_us_per_call"], 2), "us; default",
+                      r["default"][:1], "best", r["best"][:2], flush=True)
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
     return 0
