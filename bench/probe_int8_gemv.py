@@ -122,7 +122,7 @@ def probe_w8a16(name: str, m: int, gen: torch.Generator) -> dict[str, Any]:
     scales = [torch.rand(n, generator=gen, device=dev) * 1e-3 + 1e-4 for _ in range(LAYERS)]
     x = torch.randn(m, k, generator=gen, device=dev).to(torch.bfloat16)
     original = w8a16_mod.choose_w8a16_tiles
-    default = original(m)
+    default = original(m, n)
 
     def step() -> None:
         for w, sc in zip(q, scales, strict=True):

@@ -8,9 +8,10 @@ finished tile, since it is constant along K. Programs are ordered in groups of `
 tiles, so the weight tiles a group reads stay in L2 while the group's row tiles use them.
 
 One-row inputs (batch-1 decode) go through the GEMV instead (engine/kernels/gemv.py), which
-takes the same int8 weight and scale. Correct on an H200 but slower than cuBLAS on the bf16
-weights it stands for (1.06 vs 0.67 ms at 4096 rows of the down projection,
-bench/results/h200/kernels_int8_245a8a0.json): the tile choice is a first guess, not swept.
+takes the same int8 weight and scale. On an H200, with the tiles of `choose_w8a16_tiles`, it
+beats cuBLAS on the bf16 weights it stands for at decode batch 8 but not at 64, and at 4096 rows
+(prefill) it took 1.06 ms against 0.67 for the down projection (tiles above 64 rows not swept;
+bench/results/h200/kernels_int8_245a8a0.json).
 """
 
 from __future__ import annotations
@@ -97,14 +98,27 @@ class MatmulTiles:
     num_stages: int
 
 
-def choose_w8a16_tiles(m: int) -> MatmulTiles:
-    """Tiles by the number of rows (interpreter: small ones). Not yet swept on a GPU."""
+# Output features from which a weight is "wide" (Llama-3.1-8B's fused gate/up, 28,672): enough
+# programs even with 128-feature tiles.
+WIDE_N = 16384
+
+
+def choose_w8a16_tiles(m: int, n: int = 0) -> MatmulTiles:
+    """Tiles by the number of rows `m` and of output features `n` (interpreter: small ones).
+
+    Up to 64 rows: the best of a sweep on an H200 at Llama-3.1-8B's four weights, 8 and 64 rows
+    (bench/probe_int8_gemv.py --parts w8a16, bench/results/h200/probe_w8a16_f6f7b5f.json).
+    Narrow tiles (32 features) give the 4,096- and 6,144-feature weights enough programs; the
+    wide gate/up keeps 128. At 8 rows the four calls of a layer take 87 µs against 119 for
+    cuBLAS on bf16 weights (161 with the earlier 128-feature tiles); at 64 rows 163 against
+    128 (258 before). Above 64 rows: a first guess, not swept."""
     if interpret_mode():
         return MatmulTiles(16, 16, 16, 1, 1)
+    wide = n >= WIDE_N
     if m <= 16:
-        return MatmulTiles(16, 128, 128, 4, 4)
+        return MatmulTiles(16, 128, 256, 4, 3) if wide else MatmulTiles(16, 32, 256, 4, 4)
     if m <= 64:
-        return MatmulTiles(64, 128, 64, 4, 4)
+        return MatmulTiles(64, 128, 64, 4, 4) if wide else MatmulTiles(64, 32, 128, 4, 4)
     return MatmulTiles(128, 128, 64, 8, 3)
 
 
@@ -135,7 +149,7 @@ def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    t = choose_w8a16_tiles(m)
+    t = choose_w8a16_tiles(m, n)
     grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
     _w8a16_kernel[grid](
         x, weight, weight_scale, bias if bias is not None else weight_scale, out,
