@@ -9,8 +9,12 @@ tiles: the conversions are exact and the summation order is the same, so they mu
 With `--parts w8a16`, the same four weights at 8 and 64 rows (decode batches 8 and 64) through
 the W8A16 matmul (engine/kernels/w8a16.py) for a set of tiles, next to cuBLAS on bf16 weights.
 
+With `--parts dequant`, the W8A16 matmul at its default tiles against widening the int8 weight
+to bf16 and calling cuBLAS (what `Int8Linear` does from `DEQUANT_MIN_ROWS` rows), at 128 to
+4096 rows.
+
 Usage: PYTHONPATH=. python3 bench/probe_int8_gemv.py --out $OUT/probe_int8_gemv.json
-       [--parts gemv,w8a16]
+       [--parts gemv,w8a16,dequant]
 """
 
 from __future__ import annotations
@@ -165,6 +169,35 @@ def probe_w8a16(name: str, m: int, gen: torch.Generator) -> dict[str, Any]:
             "default": [r for r in ok if r["default"]], "best": ok[:6], "all": rows}
 
 
+DEQUANT_ROWS = (128, 256, 512, 1024, 4096)
+
+
+def probe_dequant(name: str, gen: torch.Generator) -> dict[str, Any]:
+    dev = torch.device("cuda")
+    n, k = SHAPES[name]
+    q = [torch.randint(-127, 128, (n, k), generator=gen, device=dev, dtype=torch.int8)
+         for _ in range(LAYERS)]
+    scales = [torch.rand(n, generator=gen, device=dev) * 1e-3 + 1e-4 for _ in range(LAYERS)]
+    res: dict[str, Any] = {}
+    for m in DEQUANT_ROWS:
+        x = torch.randn(m, k, generator=gen, device=dev).to(torch.bfloat16)
+
+        def kernel(x: torch.Tensor = x) -> None:
+            for w, sc in zip(q, scales, strict=True):
+                w8a16_matmul(x, w, sc)
+
+        def widened(x: torch.Tensor = x) -> None:
+            for w, sc in zip(q, scales, strict=True):
+                (F.linear(x, w.to(x.dtype)).float() * sc).to(x.dtype)
+
+        res[f"m{m}"] = {"w8a16_us_per_call": graph_replay_ms(kernel, reps=5) * 1e3 / LAYERS,
+                        "widened_cublas_us_per_call":
+                            graph_replay_ms(widened, reps=5) * 1e3 / LAYERS}
+    q.clear()
+    torch.cuda.empty_cache()
+    return res
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -185,6 +218,9 @@ def main() -> int:
                 r = doc["w8a16"][f"{name}_m{m}"] = probe_w8a16(name, m, gen)
                 print(name, m, "cublas", round(r["cublas_bf16_us_per_call"], 2), "us; default",
                       r["default"][:1], "best", r["best"][:2], flush=True)
+        if "dequant" in parts:
+            r = doc.setdefault("dequant", {})[name] = probe_dequant(name, gen)
+            print(name, "dequant", r, flush=True)
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
     return 0
