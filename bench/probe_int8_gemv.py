@@ -10,8 +10,9 @@ With `--parts w8a16`, the same four weights at 8 and 64 rows (decode batches 8 a
 the W8A16 matmul (engine/kernels/w8a16.py) for a set of tiles, next to cuBLAS on bf16 weights.
 
 With `--parts dequant`, the W8A16 matmul at its default tiles against widening the int8 weight
-to bf16 and calling cuBLAS (what `Int8Linear` does from `DEQUANT_MIN_ROWS` rows), at 128 to
-4096 rows.
+to bf16 for each call and calling cuBLAS, at 128 to 4096 rows. Measured on the H200
+(probe_int8_dequant_6521564.json), widening lost everywhere but the down projection at 4096
+rows, so `Int8Linear` keeps the kernel for every multi-row input.
 
 Usage: PYTHONPATH=. python3 bench/probe_int8_gemv.py --out $OUT/probe_int8_gemv.json
        [--parts gemv,w8a16,dequant]

@@ -20,7 +20,7 @@ with interpreted_kernel_imports():
     from engine.kernels import w8a16 as w8a16_mod
     from engine.kernels._checks import KernelInputError
 
-from engine.model.quant import DEQUANT_MIN_ROWS, Int8Linear, quantize_weight_int8
+from engine.model.quant import Int8Linear, quantize_weight_int8
 
 
 def _int8_weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -129,9 +129,7 @@ def test_int8_linear_is_the_product_of_its_int8_weights(use_triton: bool) -> Non
     q, scale = quantize_weight_int8(linear.weight.detach())
     assert torch.equal(layer.weight, q) and torch.equal(layer.weight_scale, scale)
     with torch.no_grad():
-        # The GEMV, the W8A16 matmul and the widened weight through a plain matmul (prefill
-        # chunks) on the Triton path.
-        for rows in (1, 5, DEQUANT_MIN_ROWS):
+        for rows in (1, 5):  # the GEMV and the matmul on the Triton path
             x = torch.randn(rows, 40)
             want = _exact(x, q, scale, linear.bias.detach())
             torch.testing.assert_close(layer(x).double(), want, atol=1e-5, rtol=1e-5)

@@ -93,12 +93,6 @@ def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q, scale
 
 
-# From this many rows an int8 layer widens its weight and calls cuBLAS instead of the W8A16
-# kernel, whose tiles above 64 rows are not tuned (H200, 4096 rows of the down projection:
-# 1.06 ms against 0.67 for cuBLAS on bf16 weights, kernels_int8_245a8a0.json).
-DEQUANT_MIN_ROWS = 512
-
-
 class Int8Linear(_QuantizedLinear):
     """y = x (q * scale)^T (+ b): int8 weights, a float32 scale per output channel (W8A16)."""
 
@@ -122,11 +116,8 @@ class Int8Linear(_QuantizedLinear):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if self.use_triton:
-            rows = x2.shape[0]
-            if rows == 1:
+            if x2.shape[0] == 1:
                 y = self._gemv(x2, self.weight, self.bias, weight_scale=self.weight_scale)
-            elif rows >= DEQUANT_MIN_ROWS:
-                y = self._dequantized_matmul(x2)
             else:
                 y = self._matmul(x2, self.weight, self.weight_scale, self.bias)
         else:
@@ -135,15 +126,6 @@ class Int8Linear(_QuantizedLinear):
             if self.bias is not None:
                 y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
-
-    def _dequantized_matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        """Many rows (prefill chunks): the int8 weight widened to x's dtype for this call, a
-        cuBLAS matmul, then the per-row scale, as the W8A16 kernel applies it. Widening is exact
-        (|q| <= 128 fits bf16's 8 significant bits) and costs one pass over the weight (3 bytes
-        per weight), small next to a compute-bound matmul of this many rows."""
-        y = nn.functional.linear(x2, self.weight.to(x2.dtype))
-        y = (y.float() * self.weight_scale).to(x2.dtype)
-        return y if self.bias is None else y + self.bias
 
 
 @torch.no_grad()
