@@ -44,10 +44,14 @@ TPUT_SHAPES = ((384, 1536),)
 TPUT_TILES = [DecodeTiles(n, w, st, hm) for n, w, st, hm in itertools.product(
     (32, 64, 128), (4, 8), (2, 3, 4), (False, True))]
 # An fp8 cache also sweeps where its tiles become fp16 (`Fp8Cvt`). Narrower otherwise: 32-position
-# tiles and a fourth stage never won for fp8, and the grid order moved it by < 1%
-# (probe_decode_25457d2.json).
-FP8_TPUT_TILES = [DecodeTiles(n, w, st, False, cvt) for n, w, st, cvt in itertools.product(
-    (64, 128), (4, 8), (2, 3), tuple(Fp8Cvt))]
+# tiles at 4 warps and a fourth stage never won for fp8, 8 warps lost to 4 once V was converted in
+# registers (probe_decode_fp8cvt_7f50869.json), and the grid order moved it by < 1%
+# (probe_decode_25457d2.json). One and two warps per program are in: with 4 warps, ncu saw the
+# kernel latency-bound at 12 warps per SM (`ncu_decode_fp8_9ab9ac6.txt`) and its loop has 9
+# block-wide barriers per tile; with one warp they are warp-level.
+FP8_TPUT_TILES = [DecodeTiles(n, w, st, False, cvt) for (n, w, st), cvt in itertools.product(
+    ((32, 1, 2), (32, 1, 3), (64, 2, 2), (64, 2, 3), (64, 4, 3), (128, 4, 2), (128, 4, 3)),
+    (Fp8Cvt.V_REGS, Fp8Cvt.KV_REGS))] + [DecodeTiles(128, 4, 4)]
 BS1_TILES = [DecodeTiles(n, 4, st, hm) for n, st, hm in itertools.product(
     (16, 32, 64), (2, 3), (False, True))]
 BS1_SPLITS = (4, 8, 16, 32)
