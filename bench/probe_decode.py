@@ -181,9 +181,10 @@ def probe_engine(doc: dict[str, Any], max_num_seqs: int, graph_max_batch: int) -
                                       Fp8Cvt[r.get("fp8_cvt", "OPERAND")])
     default = decode_attention.choose_decode_tiles
 
-    def patched(head_dim: int, kv_dtype: torch.dtype | None = None) -> DecodeTiles:
+    def patched(head_dim: int, kv_dtype: torch.dtype | None = None,
+                num_splits: int = 1) -> DecodeTiles:
         key = "fp8" if kv_dtype == FP8_KV_DTYPE else "bf16"
-        return best.get(key) or default(head_dim, kv_dtype)
+        return best.get(key) or default(head_dim, kv_dtype, num_splits)
 
     decode_attention.choose_decode_tiles = patched  # type: ignore[assignment]
     sizes = h200_suite.SuiteSizes(max_num_seqs=max_num_seqs, cuda_graph_max_batch=graph_max_batch)

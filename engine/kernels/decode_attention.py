@@ -327,13 +327,19 @@ class DecodeTiles:
     fp8_cvt: Fp8Cvt = Fp8Cvt.OPERAND  # where an fp8 cache's tiles become fp16
 
 
-def choose_decode_tiles(head_dim: int, kv_dtype: torch.dtype | None = None) -> DecodeTiles:
+def choose_decode_tiles(head_dim: int, kv_dtype: torch.dtype | None = None,
+                        num_splits: int = 1) -> DecodeTiles:
     """The best of sweeps on an H200 (bench/probe_decode.py; 384 sequences of 1536 tokens),
     4 warps throughout. A 16-bit cache takes KV tiles of 64 positions (32 for D=256), 3-stage
     pipelined, grid head-major (4.34 vs 4.28 TB/s row-major; probe_decode_25457d2.json). An
-    fp8 cache takes 128 positions, 3 stages, V converted in registers (`Fp8Cvt.V_REGS`): 3.20
-    TB/s, against 2.52 for the best tiles with Triton's conversion and 3.06 at 64 positions
-    (probe_decode_fp8cvt_7f50869.json; 2.58 before at 4 stages, probe_decode_25457d2.json).
+    fp8 cache converts V in registers (`Fp8Cvt.V_REGS`): with one split (batches large enough
+    to fill the GPU, the throughput case) one-warp programs of 32 positions, 3 stages: 3.40
+    TB/s against 3.16 for 128 positions at 4 warps on the same machine
+    (probe_decode_fp8w_ee757dd.json; four warps wait on each other at 9 block-wide barriers a
+    tile, `ncu_decode_fp8_9ab9ac6.txt`); split launches keep 128 positions at 4 warps, 3.20
+    TB/s at 384 x 1,536 (probe_decode_fp8cvt_7f50869.json; Triton's conversion: 2.52, and 2.58
+    before at 4 stages, probe_decode_25457d2.json), since the one-warp combine of the splits'
+    partials was never measured.
     Batch 1 at 1k context was fastest with the 16-bit choice (6.8 µs a call). 16 positions in
     the interpreter, whose cost is per element."""
     if interpret_mode():
@@ -341,6 +347,8 @@ def choose_decode_tiles(head_dim: int, kv_dtype: torch.dtype | None = None) -> D
     if head_dim > 128:
         return DecodeTiles(32, 4, 2)
     if kv_dtype == FP8_KV_DTYPE:
+        if num_splits == 1:
+            return DecodeTiles(32, 1, 3, fp8_cvt=Fp8Cvt.V_REGS)
         return DecodeTiles(128, 4, 3, fp8_cvt=Fp8Cvt.V_REGS)
     return DecodeTiles(64, 4, 3, head_major=True)
 
@@ -422,7 +430,7 @@ def paged_decode_attention(
     if isinstance(kv_scales[0], torch.Tensor) != isinstance(kv_scales[1], torch.Tensor):
         raise KernelInputError("k_scale and v_scale must both be floats or both be tensors")
     if tiles is None:
-        tiles = choose_decode_tiles(head_dim, kv_cache.dtype)
+        tiles = choose_decode_tiles(head_dim, kv_cache.dtype, num_splits)
     _launch(q, kv_cache, block_tables, seq_lens, qk_scale, out, num_splits, kv_scales, tiles)
     return out
 
