@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,12 +64,34 @@ def _replay_ms(name: str, weights: list[torch.Tensor], scales: list[torch.Tensor
     return graph_replay_ms(step, reps=10)
 
 
+def _int8_layers(n: int, k: int, gen: torch.Generator
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """LAYERS random int8 weights `[n, k]` and their positive per-row scales, on the GPU."""
+    dev = torch.device("cuda")
+    q = [torch.randint(-127, 128, (n, k), generator=gen, device=dev, dtype=torch.int8)
+         for _ in range(LAYERS)]
+    scales = [torch.rand(n, generator=gen, device=dev) * 1e-3 + 1e-4 for _ in range(LAYERS)]
+    return q, scales
+
+
+def _timed(entry: dict[str, Any], check: Callable[[], None], step: Callable[[], None],
+           weight_bytes: int) -> dict[str, Any]:
+    """`check()` (which records its findings in `entry`), then `step()` timed in a CUDA graph;
+    a config the compiler refuses is recorded with its error, not fatal."""
+    try:
+        check()
+        ms = graph_replay_ms(step, reps=10)
+    except Exception as e:
+        entry["error"] = repr(e)[:200]
+        return entry
+    entry.update(us_per_call=ms * 1e3 / LAYERS, tb_s=weight_bytes * LAYERS / ms / 1e9)
+    return entry
+
+
 def probe_shape(name: str, gen: torch.Generator) -> dict[str, Any]:
     dev = torch.device("cuda")
     rows, k = SHAPES[name]
-    q = [torch.randint(-127, 128, (rows, k), generator=gen, device=dev, dtype=torch.int8)
-         for _ in range(LAYERS)]
-    scales = [torch.rand(rows, generator=gen, device=dev) * 1e-3 + 1e-4 for _ in range(LAYERS)]
+    q, scales = _int8_layers(rows, k, gen)
     x = torch.randn(1, k, generator=gen, device=dev).to(torch.bfloat16)
     res = torch.randn(1, k, generator=gen, device=dev).to(torch.bfloat16)
     norm_w = (1 + 0.1 * torch.randn(k, generator=gen, device=dev)).to(torch.bfloat16)
@@ -83,18 +106,18 @@ def probe_shape(name: str, gen: torch.Generator) -> dict[str, Any]:
             gemv_mod.choose_gemv_tiles = lambda *_a, t=tiles: t  # type: ignore[assignment]
             entry: dict[str, Any] = {"tiles": list(tile), "int8_cvt": cvt.name,
                                      "default": tiles == default}
-            try:
+
+            def check(entry: dict[str, Any] = entry, tile: tuple[int, ...] = tile,
+                      cvt: Int8Cvt = cvt) -> None:
                 out = torch.cat(_calls(name, q, scales, x, res, norm_w))
                 if cvt == Int8Cvt.I2F:
                     refs[tile] = out
                 entry["equal_to_i2f"] = bool(torch.equal(out, refs[tile]))
-                ms = _replay_ms(name, q, scales, x, res, norm_w)
-            except Exception as e:  # a config the compiler refuses is reported, not fatal
-                entry["error"] = repr(e)[:200]
-                rows_out.append(entry)
-                continue
-            entry.update(us_per_call=ms * 1e3 / LAYERS, tb_s=rows * k * LAYERS / ms / 1e9)
-            rows_out.append(entry)
+
+            def step() -> None:
+                _calls(name, q, scales, x, res, norm_w)
+
+            rows_out.append(_timed(entry, check, step, rows * k))
     finally:
         gemv_mod.choose_gemv_tiles = original  # type: ignore[assignment]
     q.clear()  # free the int8 weights before the bf16 ones are made
@@ -122,9 +145,7 @@ W8A16_TILES = {
 def probe_w8a16(name: str, m: int, gen: torch.Generator) -> dict[str, Any]:
     dev = torch.device("cuda")
     n, k = SHAPES[name]
-    q = [torch.randint(-127, 128, (n, k), generator=gen, device=dev, dtype=torch.int8)
-         for _ in range(LAYERS)]
-    scales = [torch.rand(n, generator=gen, device=dev) * 1e-3 + 1e-4 for _ in range(LAYERS)]
+    q, scales = _int8_layers(n, k, gen)
     x = torch.randn(m, k, generator=gen, device=dev).to(torch.bfloat16)
     original = w8a16_mod.choose_w8a16_tiles
     default = original(m, n)
@@ -141,17 +162,13 @@ def probe_w8a16(name: str, m: int, gen: torch.Generator) -> dict[str, Any]:
             entry: dict[str, Any] = {"tiles": [tiles.block_m, tiles.block_n, tiles.block_k,
                                                tiles.num_warps, tiles.num_stages],
                                      "default": tiles == default}
-            try:
+
+            def check(entry: dict[str, Any] = entry) -> None:
                 got = w8a16_matmul(x, q[0], scales[0])
                 entry["rel_diff"] = float((got.float() - ref.float()).norm()
                                           / ref.float().norm())
-                ms = graph_replay_ms(step, reps=10)
-            except Exception as e:  # a config the compiler refuses is reported, not fatal
-                entry["error"] = repr(e)[:200]
-                rows.append(entry)
-                continue
-            entry.update(us_per_call=ms * 1e3 / LAYERS, tb_s=n * k * LAYERS / ms / 1e9)
-            rows.append(entry)
+
+            rows.append(_timed(entry, check, step, n * k))
     finally:
         w8a16_mod.choose_w8a16_tiles = original  # type: ignore[assignment]
     q.clear()
@@ -176,9 +193,7 @@ DEQUANT_ROWS = (128, 256, 512, 1024, 4096)
 def probe_dequant(name: str, gen: torch.Generator) -> dict[str, Any]:
     dev = torch.device("cuda")
     n, k = SHAPES[name]
-    q = [torch.randint(-127, 128, (n, k), generator=gen, device=dev, dtype=torch.int8)
-         for _ in range(LAYERS)]
-    scales = [torch.rand(n, generator=gen, device=dev) * 1e-3 + 1e-4 for _ in range(LAYERS)]
+    q, scales = _int8_layers(n, k, gen)
     res: dict[str, Any] = {}
     for m in DEQUANT_ROWS:
         x = torch.randn(m, k, generator=gen, device=dev).to(torch.bfloat16)
