@@ -30,12 +30,13 @@ the output by the V scale, so the tile step itself never sees a KV scale. The op
   Where the fp8 -> fp16 conversion happens is a launch choice (`Fp8Cvt`). Left to Triton, it
   converts while loading each dot operand from shared memory; for V (the PV dot's B operand,
   whose mma fragments pair *consecutive positions*, i.e. bytes of two cache rows) that load is
-  one `LDS.U8` per value plus byte packing, which made an H200's fp8 decode issue-bound at about
-  2.6 TB/s against 4.3 for bf16. Converting in registers right after the global load instead
+  one `LDS.U8` per value plus byte packing, and an H200's fp8 decode read about 2.6 TB/s
+  against 4.3 for bf16. Converting in registers right after the global load instead
   (`e4m3x4_to_f16`, an opaque inline-asm `cvt`, so Triton cannot move it past the layout
   change) stages V to shared memory as fp16, which `ldmatrix.trans` then reads 16 bytes at a
   time: sm_90 SASS of the decode loop at 128-position tiles drops from 1,332 to 761
-  instructions per iteration and from 194 to 149 registers (Triton 3.6, compiled offline).
+  instructions per iteration and from 194 to 149 registers (Triton 3.6, compiled offline), and
+  the H200 read 3.20 TB/s (bench/results/h200/probe_decode_fp8cvt_7f50869.json).
 - fp8 cache, fp32 q: fp32 operands and IEEE dots, as for an fp32 cache (exact dequantisation;
   the slow path, kept as the precise one).
 - any other cache: q's dtype, which is the cache's.
@@ -203,7 +204,8 @@ def fp8_cvt_supported(device: torch.device) -> bool:
     (`cvt.rn.f16x2.e4m3x2`), not the interpreter."""
     if device.type != "cuda" or interpret_mode() or not torch.cuda.is_available():
         return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index) >= (8, 9)
 
 
 @functools.lru_cache(maxsize=8)
