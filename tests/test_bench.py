@@ -4,6 +4,7 @@ local server, results JSON, host refusal, offline record extraction and the H200
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import socket
@@ -436,6 +437,22 @@ def test_summary_headline_and_gaps(tmp_path: Path) -> None:
     assert doc["gaps"]["output_tok_s_128x512x128"]["gap"] == pytest.approx(1231.0 - 3000.0)
     assert doc["engine_vs_hf_128x512x128"] == pytest.approx(3.0)
     assert doc["failed_steps"] == {"ttft_4096": "StepTimeout: too slow"}
+
+
+def test_suite_builds_the_fp8_kv_engine_at_its_own_batch() -> None:
+    """The fp8-KV throughput step's engine takes `fp8_kv_max_num_seqs` sequences and captures
+    graphs up to that batch; the bf16 engines keep `max_num_seqs` and the graph cap as given."""
+    sizes = dataclasses.replace(h200_suite.SuiteSizes.small("dummy:tiny"), max_num_seqs=4,
+                                fp8_kv_max_num_seqs=12, cuda_graph_max_batch=8)
+    holder = h200_suite.EngineHolder(sizes)
+    try:
+        config = holder.get(enforce_eager=True, kv_cache_dtype="fp8").engine.config
+        assert config.scheduler.max_num_seqs == 12 and config.runner.cuda_graph_max_batch == 12
+        assert config.cache.kv_cache_dtype == "fp8"
+        config = holder.get(enforce_eager=True).engine.config
+        assert config.scheduler.max_num_seqs == 4 and config.runner.cuda_graph_max_batch == 8
+    finally:
+        holder.release()
 
 
 def test_step_deadline_interrupts_a_stuck_step() -> None:
