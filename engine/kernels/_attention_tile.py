@@ -45,14 +45,13 @@ the output by the V scale, so the tile step itself never sees a KV scale. The op
 from __future__ import annotations
 
 import enum
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._checks import FP8_KV_DTYPE, interpret_mode
+from engine.kernels._checks import FP8_KV_DTYPE, cuda_capability_at_least, interpret_mode
 from engine.kernels._tl import reduce_max, reduce_sum
 
 LOG2E = 1.4426950408889634
@@ -202,16 +201,7 @@ def tile_dots(
 def fp8_cvt_supported(device: torch.device) -> bool:
     """Whether `e4m3x4_to_f16` compiles for `device`: a CUDA GPU of compute capability 8.9+
     (`cvt.rn.f16x2.e4m3x2`), not the interpreter."""
-    if device.type != "cuda" or interpret_mode() or not torch.cuda.is_available():
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability(index) >= (8, 9)
-
-
-@functools.lru_cache(maxsize=8)
-def _capability(device_index: int) -> tuple[int, int]:
-    major, minor = torch.cuda.get_device_capability(device_index)
-    return int(major), int(minor)
+    return not interpret_mode() and cuda_capability_at_least(device, (8, 9))
 
 
 def dot_precision(dtype: torch.dtype) -> str:

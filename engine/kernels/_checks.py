@@ -8,6 +8,7 @@ wrappers stay CUDA-graph capturable.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 
@@ -29,6 +30,21 @@ class KernelInputError(ValueError):
 def interpret_mode() -> bool:
     """True when Triton runs kernels in its CPU interpreter (`TRITON_INTERPRET=1`)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def cuda_capability_at_least(device: torch.device, capability: tuple[int, int]) -> bool:
+    """Whether `device` is a CUDA GPU of compute capability `capability` or newer. Kernel
+    launches ask this, so the capability is read once per device."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_capability(index) >= capability
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_capability(device_index: int) -> tuple[int, int]:
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return int(major), int(minor)
 
 
 def check_tensor(

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from engine.config import ConfigError
-from engine.kernels._checks import interpret_mode
+from engine.kernels._checks import cuda_capability_at_least, interpret_mode
 
 try:  # grid dependency control: Triton >= 3.4
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -49,17 +49,11 @@ def pdl_requested() -> bool:
     return value == "1"
 
 
-@functools.lru_cache(maxsize=16)
-def _device_supports_pdl(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
-
-
 def use_pdl(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL (see the module docstring)."""
     if not _HAS_GDC or interpret_mode() or device.type != "cuda" or not pdl_requested():
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _device_supports_pdl(index)
+    return cuda_capability_at_least(device, (9, 0))
 
 
 @triton.jit
