@@ -242,7 +242,7 @@ class ModelRunner:
             block_tables=torch.arange(nb, dtype=torch.int32, device=dev)[None],
             slot_mapping=torch.arange(n, dtype=torch.long, device=dev),
             num_decodes=0, max_query_len=n, max_seq_len=n,
-            query_start_loc_cpu=[0, n], seq_lens_cpu=[n], fresh_prefill_len=n if n > 1 else 0)
+            query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
 
     # ---- one step --------------------------------------------------------------------------
 
@@ -282,8 +282,6 @@ class ModelRunner:
         tables = b32[2 * num_seqs + 1:].reshape(num_seqs, max_blocks)
         num_sampled = 0
         num_decodes = 0
-        fresh_prefill_len = num_tokens  # min over prefills; 0 once one has cached context
-        has_prefill = False
         o = 0
         for i, s in enumerate(sched):
             start, n = s.num_computed_tokens, s.num_new_tokens
@@ -297,8 +295,6 @@ class ModelRunner:
                 slots[o] = table[start // bs] * bs + start % bs
                 num_decodes += 1
             else:
-                has_prefill = True
-                fresh_prefill_len = min(fresh_prefill_len, n) if start == 0 else 0
                 p = np.arange(start, end)
                 ids[o:o + min(n, known - start)] = s.request.all_token_ids[start:end]
                 pos[o:o + n] = p
@@ -326,8 +322,7 @@ class ModelRunner:
             block_tables=small_d[2 * num_seqs + 1:].view(num_seqs, max_blocks),
             slot_mapping=big_d[2 * num_tokens:3 * num_tokens], num_decodes=num_decodes,
             max_query_len=max(s.num_new_tokens for s in sched), max_seq_len=max(seq_lens_cpu),
-            query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens_cpu,
-            fresh_prefill_len=fresh_prefill_len if has_prefill else 0)
+            query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens_cpu)
         return (big_d[:num_tokens], big_d[num_tokens:2 * num_tokens], md,
                 big_d[rows_at:rows_at + num_sample])
 

@@ -15,6 +15,8 @@ from test_kernels import _interpret, assert_close_for  # noqa: F401
 
 from engine.attention import sdpa_prefill, triton_backend
 from engine.attention.forward_context import AttentionMetadata
+from engine.attention.kv_quant import quantize_fp8
+from engine.attention.prefill_plan import plan_prefill
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.attention.triton_backend import TritonAttentionBackend
 from engine.sampling_params import SamplingParams
@@ -26,8 +28,8 @@ LONG = sdpa_prefill.MIN_FRESH_PREFILL_TOKENS
 
 def _step(q_lens: list[int], ctx_lens: list[int], seed: int
           ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A prefill-only step: sequence i has ctx_lens[i] cached tokens and q_lens[i] new ones, in
-    shuffled blocks of a cache that holds random (wrong) values everywhere else."""
+    """A step: sequence i has ctx_lens[i] cached tokens and q_lens[i] new ones (leading q_len 1:
+    decodes), in shuffled blocks of a cache that holds random (wrong) values everywhere else."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + n for c, n in zip(ctx_lens, q_lens, strict=True)]
     per_seq = [-(-s // BS) for s in seq_lens]
@@ -47,9 +49,9 @@ def _step(q_lens: list[int], ctx_lens: list[int], seed: int
         query_start_loc=torch.tensor(qsl, dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         block_tables=torch.stack(tables).to(torch.int32), slot_mapping=torch.cat(slots),
-        num_decodes=0, max_query_len=max(q_lens), max_seq_len=max(seq_lens),
-        query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
-        fresh_prefill_len=min(q_lens) if not any(ctx_lens) else 0)  # as the runner sets it
+        num_decodes=next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens)),
+        max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
     t = qsl[-1]
     q, k, v = (torch.randn(t, n, D, generator=gen) for n in (H, HKV, HKV))
     cache = torch.randn(2, len(perm), BS, HKV, D, generator=gen)
@@ -104,29 +106,71 @@ def test_short_prompts_stay_on_the_triton_kernel(monkeypatch: pytest.MonkeyPatch
     assert_close_for(got, want, torch.float32)
 
 
-def test_runner_marks_steps_whose_prefills_have_no_cached_context(
-        tiny_model_dirs: dict[str, Path]) -> None:
-    """`fresh_prefill_len` (what the backend decides on, once per step): the shortest prefill
-    when none has KV cached before the step; 0 for a prefix hit, a later chunk, or decodes."""
+def test_mixed_step_sends_each_fresh_long_prompt_to_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An offline run's prefill step: decodes, a later chunk of a chunked prompt, fresh long
+    prompts and a fresh short one. Only the fresh long prompts take SDPA, one call each; the
+    others go through the paged kernel, and every row matches the torch backend."""
+    calls = _count_sdpa_calls(monkeypatch)
+    md, q, k, v, cache = _step([1, 1, 30, LONG + 9, 20, LONG], [50, 7, 40, 0, 0, 0], seed=5)
+    want = TorchAttentionBackend().forward(q, k, v, cache.clone(), md, 0.3)
+    got = TritonAttentionBackend().forward(q, k, v, cache, md, 0.3)
+    assert calls == [LONG + 9, LONG]
+    assert [(r.first, r.last, r.sdpa) for r in md.prefill_plan or ()] == [
+        (2, 3, False), (3, 4, True), (4, 5, False), (5, 6, True)]
+    assert_close_for(got, want, torch.float32)
+
+
+def test_plan_groups_consecutive_paged_sequences_into_one_run() -> None:
+    md = _step([1, 40, 30, LONG, 9, 12], [5, 16, 0, 0, 3, 0], seed=6)[0]
+    runs = plan_prefill(md, LONG)
+    assert [(r.first, r.last, r.token_start, r.token_end, r.max_query_len, r.sdpa)
+            for r in runs] == [(1, 3, 1, 71, 40, False), (3, 4, 71, 71 + LONG, LONG, True),
+                               (4, 6, 71 + LONG, 92 + LONG, 12, False)]
+    assert runs[0].query_start_loc is not None and runs[0].query_start_loc.tolist() == [0, 40, 70]
+    assert runs[2].query_start_loc is not None and runs[2].query_start_loc.tolist() == [0, 9, 21]
+    assert all(not r.sdpa for r in plan_prefill(md, None))  # SDPA off: every prefill paged
+
+
+def test_plan_from_the_runner_follows_cached_context(tiny_model_dirs: dict[str, Path]) -> None:
+    """The runner's host offsets tell fresh prompts (seq_len == q_len) from prefix-cache hits and
+    later chunks, which must stay paged."""
     eng = tiny_llm(tiny_model_dirs["llama"], max_num_batched_tokens=64).engine
 
-    def step() -> int:  # schedule + prepare one step; sample token 1 for every sampling row
+    def step() -> list[bool]:  # schedule + prepare one step; sample token 1 for every sampling row
         out = eng.scheduler.schedule()
-        fresh = eng.runner.prepare(out)[2].fresh_prefill_len
+        runs = plan_prefill(eng.runner.prepare(out)[2], 2)
         eng.scheduler.update_from_output(out, {s.request.request_id: SampledToken(1)
                                                for s in out.scheduled if s.sample})
-        return fresh
+        return [r.sdpa for r in runs]
 
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     prompt = [(5 * j) % 200 + 1 for j in range(40)]
     eng.add_request("a", prompt, params)
     eng.add_request("b", list(range(1, 22)), params)
-    assert [step(), step()] == [21, 0]  # two fresh prompts, then their decodes
+    assert [step(), step()] == [[True, True], []]  # two fresh prompts, then their decodes
     eng.add_request("c", prompt, params)
-    assert [step(), step()] == [0, 0]  # a's blocks are a prefix hit for c
+    assert [step(), step()] == [[False], []]  # a's blocks are a prefix hit for c
     eng.add_request("d", list(range(3, 103)), params)
-    assert [step(), step()] == [64, 0]  # chunked: the first chunk is fresh, the second is not
+    assert [step(), step()] == [[True], [False]]  # chunked: the first chunk is fresh only
     eng.scheduler.check_integrity()
+
+
+def test_fp8_cache_fresh_long_prompt_attends_to_its_exact_kv(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With an fp8 cache a fresh long prompt still takes SDPA, on its unquantized K/V (as
+    SGLang's ragged prefill does), while the K/V land quantized in the cache and the step's
+    decode reads them from there."""
+    calls = _count_sdpa_calls(monkeypatch)
+    md, q, k, v, exact = _step([1, LONG + 2], [9, 0], seed=7)
+    fp8 = quantize_fp8(exact, 0.5)
+    fp8_ref = fp8.clone()
+    got = TritonAttentionBackend().forward(q, k, v, fp8, md, 0.3, (0.5, 0.5))
+    assert calls == [LONG + 2]
+    want_fp8 = TorchAttentionBackend().forward(q, k, v, fp8_ref, md, 0.3, (0.5, 0.5))
+    assert torch.equal(fp8.view(torch.uint8), fp8_ref.view(torch.uint8))  # same quantized writes
+    want_exact = TorchAttentionBackend().forward(q, k, v, exact, md, 0.3)
+    assert_close_for(got[1:], want_exact[1:], torch.float32)  # the prompt: exact K/V
+    assert_close_for(got[:1], want_fp8[:1], torch.float32)  # the decode: the fp8 cache
 
 
 def test_switch_off_and_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:

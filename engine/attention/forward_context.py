@@ -11,8 +11,12 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.attention.prefill_plan import PrefillRun
 
 
 @dataclass(slots=True)
@@ -29,10 +33,9 @@ class AttentionMetadata:
     # Host copies for the reference backend's python loops (avoid device syncs there).
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
-    # The shortest prefill (a sequence of > 1 new token) when no prefill has KV cached before
-    # this step, else 0; also 0 without prefills. Lets a backend pick a kernel for prompts that
-    # attend only to their own fresh K/V once per step, not once per layer.
-    fresh_prefill_len: int = 0
+    # A backend's plan for the prefill sequences (which kernel each attends with), made at the
+    # first layer and reused by the others: once per step, not once per layer.
+    prefill_plan: tuple[PrefillRun, ...] | None = None
 
 
 def split_decode_metadata(md: AttentionMetadata, split: int

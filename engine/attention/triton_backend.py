@@ -2,9 +2,9 @@
 
 One step: rotate q and k (RoPE) and write this step's K/V into the blocks in one fused kernel,
 then split-K decode attention for the leading single-token sequences and varlen causal prefill
-attention for the rest (a step whose prefills are all long and have nothing cached, as the
-runner marks in `fresh_prefill_len`, goes through torch SDPA instead: sdpa_prefill.py). No host
-syncs, so a pure-decode step can be captured in a CUDA graph.
+attention for the rest; each long prompt with nothing cached goes through torch SDPA instead
+(prefill_plan.py, sdpa_prefill.py). No host syncs, so a pure-decode step can be captured in a
+CUDA graph.
 An fp8 cache passes the layer's K/V scales to the kernels as Python floats (constant per engine,
 so baked into captured graphs).
 """
@@ -15,6 +15,7 @@ import torch
 
 from engine.attention.forward_context import AttentionMetadata, RopeInputs
 from engine.attention.kv_quant import is_fp8
+from engine.attention.prefill_plan import plan_prefill
 from engine.attention.sdpa_prefill import (
     MIN_FRESH_PREFILL_TOKENS,
     fresh_prefill_enabled,
@@ -53,27 +54,28 @@ class TritonAttentionBackend:
             kern.rotary_and_write_kv(rope.positions, q, k, v, rope.cos_sin_cache, kv_cache,
                                      md.slot_mapping, ks, vs, is_neox=rope.is_neox)
         nd = md.num_decodes
-        num_seqs = md.seq_lens.shape[0]
-        fresh_sdpa = (nd < num_seqs and self._fresh_prefill_sdpa and ks is None
-                      and md.fresh_prefill_len >= MIN_FRESH_PREFILL_TOKENS)
-        if fresh_sdpa and num_seqs == 1:  # one fresh prompt (a long TTFT): SDPA's own output
-            return sdpa_fresh_prefill(q, k, v, None, scale)
+        runs = md.prefill_plan
+        if runs is None:
+            # With an fp8 cache too: a fresh prompt then attends to its exact K/V, as SGLang's
+            # ragged prefill does; its later decodes and chunks read the quantized cache.
+            runs = md.prefill_plan = plan_prefill(
+                md, MIN_FRESH_PREFILL_TOKENS if self._fresh_prefill_sdpa else None)
+        if nd == 0 and len(runs) == 1 and runs[0].sdpa:
+            return sdpa_fresh_prefill(q, k, v, None, scale)  # one fresh prompt: SDPA's own output
         out = torch.empty((q.shape[0], q.shape[1], q.shape[2]), dtype=q.dtype, device=q.device)
         if nd > 0:
             kern.paged_decode_attention(q[:nd], kv_cache, md.block_tables[:nd], md.seq_lens[:nd],
                                         scale, out=out[:nd], max_seq_len=md.max_seq_len,
                                         k_scale=ks, v_scale=vs)
-        if fresh_sdpa:
-            # Prompts with nothing cached attend only to this step's own K/V: vendor SDPA.
-            qsl_cpu = md.query_start_loc_cpu
-            for i in range(nd, num_seqs):
-                a, b = qsl_cpu[i], qsl_cpu[i + 1]
+        for run in runs:
+            a, b = run.token_start, run.token_end
+            if run.sdpa:
                 sdpa_fresh_prefill(q[a:b], k[a:b], v[a:b], out[a:b], scale)
-        elif nd < num_seqs:
-            # Decodes hold exactly one token each, so prefill tokens start at offset nd.
-            qsl = md.query_start_loc[nd:] - nd if nd else md.query_start_loc
-            kern.paged_prefill_attention(q[nd:], kv_cache, qsl, md.seq_lens[nd:],
-                                         md.block_tables[nd:], scale, md.max_query_len,
-                                         out=out[nd:], k_scale=ks, v_scale=vs)
+            else:
+                assert run.query_start_loc is not None
+                kern.paged_prefill_attention(
+                    q[a:b], kv_cache, run.query_start_loc, md.seq_lens[run.first:run.last],
+                    md.block_tables[run.first:run.last], scale, run.max_query_len,
+                    out=out[a:b], k_scale=ks, v_scale=vs)
         return out
 

@@ -1,0 +1,69 @@
+"""How a step's prefill sequences attend: vendor SDPA per fresh long prompt, the paged kernel for
+the rest (the Triton backend's per-step decision, made once at the first layer).
+
+A prompt with nothing cached before this step (`seq_len == q_len`) attends only to its own fresh
+K/V, so torch SDPA (cuDNN / FlashAttention on Hopper) can take it without a block table. Every
+other prefill (a later chunk of a chunked prompt, a prefix-cache hit, a short prompt) stays on
+the paged Triton kernel. The decision is per sequence: an offline run's prefill steps mix one
+continuing chunk with several fresh prompts, and deciding for the whole step sent every one of
+them through the slower paged kernel (the 1000-token prompts of `random 1000x1000`).
+
+Consecutive paged sequences form one run, so a step costs one paged launch per run plus one
+SDPA call per fresh long prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.forward_context import AttentionMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillRun:
+    """Prefill sequences [first, last) of a step, tokens [token_start, token_end)."""
+
+    first: int
+    last: int
+    token_start: int
+    token_end: int
+    max_query_len: int
+    # A fresh long prompt (then first + 1 == last) through SDPA; else a run of the paged kernel.
+    sdpa: bool
+    # Paged runs: the run's query offsets relative to token_start, [last - first + 1] int32 on
+    # the device (made once per step, not once per layer). None for SDPA runs.
+    query_start_loc: torch.Tensor | None
+
+
+def plan_prefill(md: AttentionMetadata, sdpa_min_tokens: int | None) -> tuple[PrefillRun, ...]:
+    """Split the prefill sequences (those after the `num_decodes` leading decodes) into runs.
+
+    sdpa_min_tokens: fresh prompts of at least this many tokens go through SDPA; None sends
+    every prefill to the paged kernel. Reads the host copies of the offsets only: no syncs."""
+    qsl, seq_lens = md.query_start_loc_cpu, md.seq_lens_cpu
+    num_seqs = len(seq_lens)
+    runs: list[PrefillRun] = []
+    paged_from = -1  # first sequence of the open paged run, or -1
+
+    def close_paged(end: int) -> None:
+        a, b = qsl[paged_from], qsl[end]
+        offsets = md.query_start_loc[paged_from:end + 1]
+        runs.append(PrefillRun(
+            paged_from, end, a, b,
+            max(qsl[i + 1] - qsl[i] for i in range(paged_from, end)), False,
+            offsets - a if a else offsets))
+
+    for i in range(md.num_decodes, num_seqs):
+        q_len = qsl[i + 1] - qsl[i]
+        if sdpa_min_tokens is not None and q_len >= sdpa_min_tokens and seq_lens[i] == q_len:
+            if paged_from >= 0:
+                close_paged(i)
+                paged_from = -1
+            runs.append(PrefillRun(i, i + 1, qsl[i], qsl[i + 1], q_len, True, None))
+        elif paged_from < 0:
+            paged_from = i
+    if paged_from >= 0:
+        close_paged(num_seqs)
+    return tuple(runs)
