@@ -521,11 +521,12 @@ class Checker:
     # -- int8 weight-only -----------------------------------------------------------------
 
     def int8_linear(self, rows: int, n: int, k: int) -> dict[str, Any]:
-        """int8 weights (per-row scale) times `rows` activations: the GEMV for one row, the
-        W8A16 matmul otherwise, vs the float32 product of the same int8 values; timed against
-        cuBLAS on the bf16 weight it stands for."""
+        """int8 weights (per-row scale) times `rows` activations: the GEMV for one row, else
+        `w8a16_linear` (the W8A16 matmul, or cuBLAS on the widened weight from
+        `DEQUANT_MIN_ROWS`), vs the float32 product of the same int8 values; timed against
+        cuBLAS on the bf16 weight it stands for. Also checks the widening bitwise."""
         from engine.kernels.gemv import gemv
-        from engine.kernels.w8a16 import w8a16_matmul
+        from engine.kernels.w8a16 import dequantize_int8, w8a16_linear
         from engine.model.quant import quantize_weight_int8
 
         w = self.randn(n, k) * 0.02
@@ -536,10 +537,13 @@ class Checker:
         def fn() -> torch.Tensor:
             if rows == 1:
                 return gemv(x, q, weight_scale=scale)
-            return w8a16_matmul(x, q, scale)
+            return w8a16_linear(x, q, scale)
 
-        result = verdict({"rows": rows, "n": n, "k": k, **errors(fn(), want.to(self.dtype))},
-                         self.dtype)
+        widened_exact = bool(torch.equal(dequantize_int8(q, scale, self.dtype),
+                                         (q.float() * scale[:, None]).to(self.dtype)))
+        result = verdict({"rows": rows, "n": n, "k": k, "widened_exact": widened_exact,
+                          **errors(fn(), want.to(self.dtype))}, self.dtype)
+        result["ok"] = bool(result["ok"] and widened_exact)
         return self.timed(result, fn, lambda: torch.nn.functional.linear(x, w), q.numel())
 
     # -- fp8 KV cache ---------------------------------------------------------------------

@@ -9,10 +9,11 @@ tiles: the conversions are exact and the summation order is the same, so they mu
 With `--parts w8a16`, the same four weights at 8 and 64 rows (decode batches 8 and 64) through
 the W8A16 matmul (engine/kernels/w8a16.py) for a set of tiles, next to cuBLAS on bf16 weights.
 
-With `--parts dequant`, the W8A16 matmul at its default tiles against widening the int8 weight
-to bf16 for each call and calling cuBLAS, at 128 to 4096 rows. Measured on the H200
-(probe_int8_dequant_6521564.json), widening lost everywhere but the down projection at 4096
-rows, so `Int8Linear` keeps the kernel for every multi-row input.
+With `--parts dequant`, the W8A16 matmul at its default tiles against `w8a16_linear`'s other
+route (the weight widened by `dequantize_int8`, then cuBLAS), at 256 to 4096 rows: where
+`DEQUANT_MIN_ROWS` comes from. (The first widening, at 6521564, scaled cuBLAS's output in
+float32 instead and lost everywhere but the down projection at 4096 rows:
+probe_int8_dequant_6521564.json.)
 
 Usage: PYTHONPATH=. python3 bench/probe_int8_gemv.py --out $OUT/probe_int8_gemv.json
        [--parts gemv,w8a16,dequant]
@@ -34,7 +35,7 @@ from bench.results import environment_info
 from engine.kernels import gemv as gemv_mod
 from engine.kernels import w8a16 as w8a16_mod
 from engine.kernels.gemv import GemvTiles, Int8Cvt, gemv, rms_norm_gemv
-from engine.kernels.w8a16 import MatmulTiles, w8a16_matmul
+from engine.kernels.w8a16 import MatmulTiles, dequantize_int8, w8a16_matmul
 
 HIDDEN, INTER, QKV, LAYERS, EPS = 4096, 14336, 6144, 32, 1e-5
 SHAPES = {"qkv": (QKV, HIDDEN), "gate_up": (2 * INTER, HIDDEN), "o": (HIDDEN, HIDDEN),
@@ -187,7 +188,7 @@ def probe_w8a16(name: str, m: int, gen: torch.Generator) -> dict[str, Any]:
             "default": [r for r in ok if r["default"]], "best": ok[:6], "all": rows}
 
 
-DEQUANT_ROWS = (128, 256, 512, 1024, 4096)
+DEQUANT_ROWS = (256, 512, 768, 1024, 2048, 4096)
 
 
 def probe_dequant(name: str, gen: torch.Generator) -> dict[str, Any]:
@@ -202,12 +203,12 @@ def probe_dequant(name: str, gen: torch.Generator) -> dict[str, Any]:
             for w, sc in zip(q, scales, strict=True):
                 w8a16_matmul(x, w, sc)
 
-        def widened(x: torch.Tensor = x) -> None:
+        def widened(x: torch.Tensor = x) -> None:  # w8a16_linear's route from DEQUANT_MIN_ROWS
             for w, sc in zip(q, scales, strict=True):
-                (F.linear(x, w.to(x.dtype)).float() * sc).to(x.dtype)
+                F.linear(x, dequantize_int8(w, sc, x.dtype))
 
         res[f"m{m}"] = {"w8a16_us_per_call": graph_replay_ms(kernel, reps=5) * 1e3 / LAYERS,
-                        "widened_cublas_us_per_call":
+                        "dequant_cublas_us_per_call":
                             graph_replay_ms(widened, reps=5) * 1e3 / LAYERS}
     q.clear()
     torch.cuda.empty_cache()

@@ -107,6 +107,43 @@ def test_w8a16_matmul_matches_the_exact_product(dtype: torch.dtype, m: int, n: i
     torch.testing.assert_close(got.double(), want, atol=tol * 4, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_dequantize_int8_rounds_each_product_once(dtype: torch.dtype) -> None:
+    """Every byte value times its row's scale, formed in float32 and rounded once to dtype;
+    the weight a padded-stride view."""
+    q = torch.arange(-128, 128, dtype=torch.int8).repeat(6, 1)[:, torch.randperm(256)]
+    q = torch.cat([q, torch.zeros(6, 7, dtype=torch.int8)], dim=1)[:, :250]
+    scale = torch.rand(6) * 0.01 + 1e-4
+    got = w8a16_mod.dequantize_int8(q, scale, dtype)
+    assert got.shape == (6, 250) and got.dtype == dtype and got.is_contiguous()
+    want = (q.float() * scale[:, None]).to(dtype)
+    if dtype == torch.bfloat16:
+        # The interpreter narrows float32 to bf16 by truncation, the GPU to nearest
+        # (bench/gpu_kernels_check.py checks it bitwise there): at most one bf16 step apart.
+        step = want.float().abs() * 2.0 ** -7
+        assert bool(((got.float() - want.float()).abs() <= step).all())
+    else:
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("rows", [3, 9])
+def test_w8a16_linear_takes_the_widened_weight_from_dequant_min_rows(
+        monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
+    monkeypatch.setattr(w8a16_mod, "DEQUANT_MIN_ROWS", 8)
+    _, q, scale = _int8_weight(24, 40, rows)
+    x = torch.randn(rows, 40).to(torch.bfloat16)
+    bias = torch.randn(24)  # float32 bias on a bf16 input: cast to x's dtype
+    got = w8a16_mod.w8a16_linear(x, q, scale, bias)
+    if rows >= 8:
+        want = torch.nn.functional.linear(
+            x, w8a16_mod.dequantize_int8(q, scale, torch.bfloat16), bias.to(torch.bfloat16))
+    else:
+        want = w8a16_mod.w8a16_matmul(x, q, scale, bias)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got.double(), _exact(x, q, scale, bias.to(torch.bfloat16)),
+                               atol=6.4e-2, rtol=1.6e-2)
+
+
 def test_int8_kernels_reject_bad_inputs() -> None:
     _, q, scale = _int8_weight(8, 16, 1)
     x = torch.randn(2, 16)
@@ -120,6 +157,12 @@ def test_int8_kernels_reject_bad_inputs() -> None:
         gemv_mod.gemv(x[:1], q, weight_scale=scale.double())
     with pytest.raises(KernelInputError, match="dtype"):
         gemv_mod.gemv(x[:1], q)  # int8 weights need their scale
+    with pytest.raises(KernelInputError, match="int8"):
+        w8a16_mod.dequantize_int8(q.float(), scale, torch.bfloat16)
+    with pytest.raises(KernelInputError, match="weight_scale"):
+        w8a16_mod.dequantize_int8(q, scale[:4], torch.bfloat16)
+    with pytest.raises(KernelInputError, match="dtype must be"):
+        w8a16_mod.dequantize_int8(q, scale, torch.int32)
 
 
 @pytest.mark.parametrize("use_triton", [False, True])

@@ -10,8 +10,11 @@ tiles, so the weight tiles a group reads stay in L2 while the group's row tiles 
 One-row inputs (batch-1 decode) go through the GEMV instead (engine/kernels/gemv.py), which
 takes the same int8 weight and scale. On an H200, with the tiles of `choose_w8a16_tiles`, it
 beats cuBLAS on the bf16 weights it stands for at decode batch 8 but not at 64, and at 4096 rows
-(prefill) it took 1.06 ms against 0.67 for the down projection (tiles above 64 rows not swept;
-bench/results/h200/kernels_int8_245a8a0.json).
+(prefill) it ran at ~450 TFLOP/s against cuBLAS's ~760 (bench/results/h200/
+probe_int8_dequant_6521564.json). So `w8a16_linear` sends inputs of `DEQUANT_MIN_ROWS` rows and
+more (prefill chunks) to cuBLAS on a weight widened for the call (`dequantize_int8`: one pass
+that reads the int8 bytes and writes `q * scale` rounded to the model dtype), as vLLM's AWQ
+layer does for large batches; the widened weight is a transient of the call.
 """
 
 from __future__ import annotations
@@ -89,6 +92,24 @@ def _w8a16_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _dequant_kernel(
+    w_ptr,  # [N, K] int8, rows `stride_wn` apart
+    s_ptr,  # [N] float32
+    out_ptr,  # [N, K] contiguous
+    K,
+    stride_wn,
+    BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = cols < K
+    q = tl.load(w_ptr + row.to(tl.int64) * stride_wn + cols, mask=mask, other=0)
+    scale = tl.load(s_ptr + row)
+    tl.store(out_ptr + row.to(tl.int64) * K + cols,
+             (q.to(tl.float32) * scale).to(out_ptr.dtype.element_ty), mask=mask)
+
+
 @dataclass(frozen=True, slots=True)
 class MatmulTiles:
     block_m: int
@@ -161,3 +182,43 @@ def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
     return out
+
+
+# From this many rows `w8a16_linear` widens the weight and calls cuBLAS (prefill chunks); fewer
+# (decode batches) stay on the W8A16 kernel, which reads the int8 bytes only once.
+DEQUANT_MIN_ROWS = 1024
+
+
+def dequantize_int8(weight: torch.Tensor, weight_scale: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """`weight * weight_scale[:, None]` as a new dense `[N, K]` tensor of `dtype`: each product
+    formed in float32 and rounded once to `dtype`."""
+    weight = check_tensor("weight", weight, 2, (torch.int8,))
+    n, k = weight.shape
+    weight_scale = check_weight_scale(weight_scale, n)
+    check_inner_dense("weight", weight, 1)
+    check_devices(["weight", "weight_scale"], [weight, weight_scale])
+    if dtype not in FLOAT_DTYPES:
+        raise KernelInputError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
+    out = torch.empty((n, k), dtype=dtype, device=weight.device)
+    if n == 0 or k == 0:
+        return out
+    block_k = 16 if interpret_mode() else 1024
+    _dequant_kernel[(n, triton.cdiv(k, block_k))](
+        weight, weight_scale, out, k, weight.stride(0), BLOCK_K=block_k, num_warps=4)
+    return out
+
+
+def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What `w8a16_matmul` computes, by the faster route for `x`'s row count: the W8A16 kernel
+    below `DEQUANT_MIN_ROWS` rows (and while a CUDA graph is being captured: the widened weight
+    would live in the graph's pool), else cuBLAS on `dequantize_int8`'s widened weight."""
+    if (x.shape[0] < DEQUANT_MIN_ROWS
+            or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+        return w8a16_matmul(x, weight, weight_scale, bias)
+    x = check_tensor("x", x, 2, FLOAT_DTYPES)
+    widened = dequantize_int8(weight, weight_scale, x.dtype)
+    if widened.shape[1] != x.shape[1]:
+        raise KernelInputError(f"weight must be [N, K={x.shape[1]}], got {tuple(weight.shape)}")
+    return torch.nn.functional.linear(x, widened, None if bias is None else bias.to(x.dtype))

@@ -105,8 +105,8 @@ class Int8Linear(_QuantizedLinear):
         self.weight_scale: torch.Tensor
         if use_triton:  # resolved once: the forward pass is a decode step's hot path
             from engine.kernels.gemv import gemv
-            from engine.kernels.w8a16 import w8a16_matmul
-            self._gemv, self._matmul = gemv, w8a16_matmul
+            from engine.kernels.w8a16 import w8a16_linear
+            self._gemv, self._matmul = gemv, w8a16_linear
 
     def gemv_operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(weight, bias, weight_scale) for the batch-1 GEMV kernels."""
