@@ -184,9 +184,11 @@ def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     return out
 
 
-# From this many rows `w8a16_linear` widens the weight and calls cuBLAS (prefill chunks); fewer
-# (decode batches) stay on the W8A16 kernel, which reads the int8 bytes only once.
-DEQUANT_MIN_ROWS = 1024
+# From this many rows `w8a16_linear` widens the weight and calls cuBLAS; fewer stay on the W8A16
+# kernel, which reads the int8 bytes only once. On the H200 (probe_int8_dequant_c250902.json, a
+# layer's four calls) the widened route took 356 us against 482 at 256 rows, 463 against 615 at
+# 512, 2.80 ms against 4.05 at 4,096 (the kernel's tiles above 64 rows were never swept).
+DEQUANT_MIN_ROWS = 256
 
 
 def dequantize_int8(weight: torch.Tensor, weight_scale: torch.Tensor,
