@@ -99,7 +99,11 @@ class CudaGraphRunner:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
             ) -> torch.Tensor:
-        """Replay for `n` decodes; returns their float32 logits [n, vocab]."""
+        """Replay for `n` decodes; returns their logits [n, vocab] in the model dtype: a view of
+        the shared buffer, valid until the next replay (the sampler reads it in stream order).
+        Not widened to float32 here: greedy rows take their argmax on it as it is (the sampler
+        widens only for rows that need more), which saved a copy of the whole [n, vocab] block
+        per step (0.3 ms at 768 rows on the H200, probe_tput_fp8_768g_d18ba9a.json)."""
         n = input_ids.shape[0]
         b = self.buckets[bisect.bisect_left(self.buckets, n)]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
@@ -117,4 +121,4 @@ class CudaGraphRunner:
         self.num_replays += 1
         if self.runner.overlaps(b):
             self.runner.num_overlapped_steps += 1
-        return self.logits_buf[:n].float()
+        return self.logits_buf[:n]

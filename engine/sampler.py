@@ -208,13 +208,23 @@ def depends_on_outputs(req: Request) -> bool:
 
 class Sampler:
     def sample(self, logits: torch.Tensor, reqs: Sequence[Request]) -> PendingTokens:
-        """logits: [N, V] float32, one row per request → tokens on the device, copies started."""
-        raw = logits
-        if any(r.sampling_params.has_penalties for r in reqs):
-            logits = apply_penalties(logits.clone(), reqs)
-        if any(_needs_min_tokens_mask(r) for r in reqs):
-            logits = mask_min_tokens(logits.clone() if logits is raw else logits, reqs)
+        """logits: [N, V], one row per request → tokens on the device, copies started.
+
+        Any float dtype: an all-greedy batch without penalties, min_tokens or logprobs takes
+        its argmax on the logits as given (exact: widening is monotonic); anything else first
+        widens them to float32."""
         greedy = [r.sampling_params.greedy for r in reqs]
+        penalties = any(r.sampling_params.has_penalties for r in reqs)
+        min_tokens = any(_needs_min_tokens_mask(r) for r in reqs)
+        if logits.dtype != torch.float32 and (
+                penalties or min_tokens or not all(greedy)
+                or any(r.sampling_params.logprobs is not None for r in reqs)):
+            logits = logits.float()
+        raw = logits
+        if penalties:
+            logits = apply_penalties(logits.clone(), reqs)
+        if min_tokens:
+            logits = mask_min_tokens(logits.clone() if logits is raw else logits, reqs)
         tokens = argmax_rows(logits)
         if not all(greedy):
             idx = [i for i, g in enumerate(greedy) if not g]
@@ -225,5 +235,5 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, reqs: Sequence[Request]
                  ) -> tuple[list[int], list[TokenLogprob | None]]:
-        """logits: [N, V] float32, one row per request → (token ids, logprobs)."""
+        """logits: [N, V], one row per request → (token ids, logprobs)."""
         return self.sample(logits, reqs).result()

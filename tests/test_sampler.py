@@ -189,3 +189,21 @@ def test_argmax_rows_is_torch_argmax(vocab: int) -> None:
     assert got[1] == 0 and got[2] == 7 and got[4] == vocab - 1
     non_dense = logits[:, :-1]  # a view with padded rows falls back to torch
     assert torch.equal(argmax_rows(non_dense), non_dense.argmax(dim=-1))
+
+
+def test_bf16_logits_greedy_on_them_and_everything_else_widened() -> None:
+    """The CUDA graphs hand the sampler bf16 logits: an all-greedy batch takes its argmax on
+    them (ties included: bf16 rounding makes them common); any other batch gets float32 logprobs
+    of the widened logits and the same tokens as from float32 input."""
+    logits = (_logits(6, seed=11, vocab=4096) * 4).to(torch.bfloat16)
+    logits[2, [5, 900, 3000]] = 100.0  # tied maxima: the first index wins
+    wide = logits.float()
+    greedy = [_req(str(i), temperature=0.0) for i in range(6)]
+    tokens, _ = Sampler()(logits, greedy)
+    assert tokens == wide.argmax(-1).tolist() and tokens[2] == 5
+    mixed = [_req("a", temperature=0.0, logprobs=2), _req("b", seed=9),
+             _req("c", temperature=0.0, repetition_penalty=1.3, out=[7]), *greedy[3:]]
+    got_tokens, got_lps = Sampler()(logits, mixed)
+    want_tokens, want_lps = Sampler()(wide, mixed)
+    assert got_tokens == want_tokens and got_lps == want_lps
+    assert got_lps[0] is not None and isinstance(got_lps[0].logprob, float)
