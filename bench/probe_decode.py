@@ -52,6 +52,11 @@ TPUT_TILES = [DecodeTiles(n, w, st, hm) for n, w, st, hm in itertools.product(
 FP8_TPUT_TILES = [DecodeTiles(n, w, st, False, cvt) for (n, w, st), cvt in itertools.product(
     ((32, 1, 2), (32, 1, 3), (64, 2, 2), (64, 2, 3), (64, 4, 3), (128, 4, 2), (128, 4, 3)),
     (Fp8Cvt.V_REGS, Fp8Cvt.KV_REGS))] + [DecodeTiles(128, 4, 4)]
+# ncu put the one-warp program at 180 registers, 8 warps per SM, latency-bound
+# (ncu_decode_fp8_1warp_c37dd9a.txt): capped registers (`maxnreg`) and 16-position tiles.
+FP8_TPUT_TILES += [DecodeTiles(n, 1, st, False, Fp8Cvt.V_REGS, reg) for n, st, reg in (
+    (32, 2, 128), (32, 3, 128), (32, 2, 96), (32, 3, 96), (16, 2, None), (16, 3, None),
+    (16, 4, None), (16, 3, 128), (16, 3, 96), (64, 2, 128))]
 BS1_TILES = [DecodeTiles(n, 4, st, hm) for n, st, hm in itertools.product(
     (16, 32, 64), (2, 3), (False, True))]
 BS1_SPLITS = (4, 8, 16, 32)
@@ -105,7 +110,7 @@ def _tput_case(batch: int, ctx: int, fp8: bool, gen: torch.Generator,
             continue
         rows.append({"block_n": tiles.block_n, "warps": tiles.num_warps,
                      "stages": tiles.num_stages, "head_major": tiles.head_major,
-                     "fp8_cvt": tiles.fp8_cvt.name, "ms": ms,
+                     "fp8_cvt": tiles.fp8_cvt.name, "maxnreg": tiles.maxnreg, "ms": ms,
                      "tb_s": kv_bytes / ms / 1e9, "rel_diff": diff,
                      "ok": bool(diff < MAX_REL_DIFF), "default": tiles == default})
     ok = sorted((r for r in rows if r.get("ok")), key=lambda r: r["ms"])
@@ -178,7 +183,7 @@ def probe_engine(doc: dict[str, Any], max_num_seqs: int, graph_max_batch: int) -
         if rows:
             r = rows[0]
             best[dtype] = DecodeTiles(r["block_n"], r["warps"], r["stages"], r["head_major"],
-                                      Fp8Cvt[r.get("fp8_cvt", "OPERAND")])
+                                      Fp8Cvt[r.get("fp8_cvt", "OPERAND")], r.get("maxnreg"))
     default = decode_attention.choose_decode_tiles
 
     def patched(head_dim: int, kv_dtype: torch.dtype | None = None,

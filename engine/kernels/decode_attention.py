@@ -325,6 +325,9 @@ class DecodeTiles:
     num_stages: int
     head_major: bool = False
     fp8_cvt: Fp8Cvt = Fp8Cvt.OPERAND  # where an fp8 cache's tiles become fp16
+    # A cap on registers per thread (Triton's `maxnreg`; None: the compiler's choice). ncu saw
+    # the one-warp fp8 program at 180 registers, 8 warps per SM (ncu_decode_fp8_1warp_c37dd9a).
+    maxnreg: int | None = None
 
 
 def choose_decode_tiles(head_dim: int, kv_dtype: torch.dtype | None = None,
@@ -489,5 +492,6 @@ def _launch(
         USE_PDL=pdl,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
+        maxnreg=tiles.maxnreg,
         launch_pdl=pdl,
     )
