@@ -13,7 +13,9 @@ attention to some SMs with a CUDA green context lets the two overlap:
   on two plain streams (the a35c1cd design);
 - `halves_green_<S>`: the same with the attention on a green context of S SMs and the matmuls
   on the whole device (they get the SMs the attention does not hold);
-- `halves_green2_<S>`: the matmuls on a second green context of the remaining SMs.
+- `halves_green2_<S>`: the matmuls on a second green context of the remaining SMs (with torch
+  2.11's `GreenContext.create(num_sms=...)` the second context's SMs overlapped the first's,
+  `shared_sms` in the output, so these were not disjoint partitions on the H200).
 
 Every variant runs `--layers` layer-equivalents back to back and reports the median over
 `--repeats` of the time between events that enclose all its work. Also measures each part

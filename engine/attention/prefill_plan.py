@@ -5,8 +5,10 @@ A prompt with nothing cached before this step (`seq_len == q_len`) attends only 
 K/V, so torch SDPA (cuDNN / FlashAttention on Hopper) can take it without a block table. Every
 other prefill (a later chunk of a chunked prompt, a prefix-cache hit, a short prompt) stays on
 the paged Triton kernel. The decision is per sequence: an offline run's prefill steps mix one
-continuing chunk with several fresh prompts, and deciding for the whole step sent every one of
-them through the slower paged kernel (the 1000-token prompts of `random 1000x1000`).
+continuing chunk with several fresh prompts, and deciding for the whole step sent all of them
+through the paged kernel. Where that matters is long prompts (a 4096-token prompt: TTFT 100.6 ms
+through cuDNN, 103.2 through the paged kernel); for the 1000-token prompts of `random 1000x1000`
+the two measured the same (bench/results/h200/probe_tput_bf16_*d18ba9a.json).
 
 Consecutive paged sequences form one run, so a step costs one paged launch per run plus one
 SDPA call per fresh long prompt.
