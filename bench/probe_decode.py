@@ -57,11 +57,6 @@ FP8_TPUT_TILES = [DecodeTiles(n, w, st, False, cvt) for (n, w, st), cvt in itert
 FP8_TPUT_TILES += [DecodeTiles(n, 1, st, False, Fp8Cvt.V_REGS, reg) for n, st, reg in (
     (32, 2, 128), (32, 3, 128), (32, 2, 96), (32, 3, 96), (16, 2, None), (16, 3, None),
     (16, 4, None), (16, 3, 128), (16, 3, 96), (64, 2, 128))]
-# Float32 multiply-adds over the GQA group's own rows instead of tl.dot's 16 (`DecodeTiles.fma`).
-FMA_TILES = [DecodeTiles(n, w, st, False, Fp8Cvt.OPERAND, None, True) for n, w, st in (
-    (16, 1, 3), (16, 2, 3), (16, 4, 3), (32, 2, 3), (32, 4, 3), (64, 4, 3), (32, 4, 2))]
-TPUT_TILES += FMA_TILES
-FP8_TPUT_TILES += FMA_TILES
 BS1_TILES = [DecodeTiles(n, 4, st, hm) for n, st, hm in itertools.product(
     (16, 32, 64), (2, 3), (False, True))]
 BS1_SPLITS = (4, 8, 16, 32)
@@ -85,7 +80,7 @@ def _cache(num_blocks: int, fp8: bool, gen: torch.Generator) -> torch.Tensor:
 
 
 def _tput_case(batch: int, ctx: int, fp8: bool, gen: torch.Generator,
-               cpu_gen: torch.Generator, fma_only: bool = False) -> dict[str, Any]:
+               cpu_gen: torch.Generator) -> dict[str, Any]:
     dev = torch.device("cuda")
     tables, num_blocks = shuffled_block_tables([ctx] * batch, BS, dev, cpu_gen)
     cache = _cache(num_blocks, fp8, gen)
@@ -103,10 +98,7 @@ def _tput_case(batch: int, ctx: int, fp8: bool, gen: torch.Generator,
     ref = out.clone()
     default = choose_decode_tiles(D, cache.dtype)
     rows: list[dict[str, Any]] = []
-    sweep = FP8_TPUT_TILES if fp8 else TPUT_TILES
-    if fma_only:  # the FMA tiles next to the default only
-        sweep = [choose_decode_tiles(D, cache.dtype), *FMA_TILES]
-    for tiles in sweep:
+    for tiles in FP8_TPUT_TILES if fp8 else TPUT_TILES:
         try:
             out.fill_(float("nan"))
             call(tiles)
@@ -118,7 +110,7 @@ def _tput_case(batch: int, ctx: int, fp8: bool, gen: torch.Generator,
             continue
         rows.append({"block_n": tiles.block_n, "warps": tiles.num_warps,
                      "stages": tiles.num_stages, "head_major": tiles.head_major,
-                     "fp8_cvt": tiles.fp8_cvt.name, "maxnreg": tiles.maxnreg, "fma": tiles.fma, "ms": ms,
+                     "fp8_cvt": tiles.fp8_cvt.name, "maxnreg": tiles.maxnreg, "ms": ms,
                      "tb_s": kv_bytes / ms / 1e9, "rel_diff": diff,
                      "ok": bool(diff < MAX_REL_DIFF), "default": tiles == default})
     ok = sorted((r for r in rows if r.get("ok")), key=lambda r: r["ms"])
@@ -127,14 +119,14 @@ def _tput_case(batch: int, ctx: int, fp8: bool, gen: torch.Generator,
             "bad": [r for r in rows if not r.get("ok")]}
 
 
-def probe_tput(dtypes: tuple[str, ...], fma_only: bool = False) -> dict[str, Any]:
+def probe_tput(dtypes: tuple[str, ...]) -> dict[str, Any]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     cpu_gen = torch.Generator().manual_seed(0)
     res: dict[str, Any] = {}
     kinds = [name == "fp8" for name in dtypes]
     for (batch, ctx), fp8 in itertools.product(TPUT_SHAPES, kinds):
         key = f"{'fp8' if fp8 else 'bf16'}_b{batch}_ctx{ctx}"
-        res[key] = _tput_case(batch, ctx, fp8, gen, cpu_gen, fma_only)
+        res[key] = _tput_case(batch, ctx, fp8, gen, cpu_gen)
         print(key, "best", res[key]["best"][:2], "default", res[key]["default"], flush=True)
         torch.cuda.empty_cache()
     return res
@@ -191,8 +183,7 @@ def probe_engine(doc: dict[str, Any], max_num_seqs: int, graph_max_batch: int) -
         if rows:
             r = rows[0]
             best[dtype] = DecodeTiles(r["block_n"], r["warps"], r["stages"], r["head_major"],
-                                      Fp8Cvt[r.get("fp8_cvt", "OPERAND")], r.get("maxnreg"),
-                                      r.get("fma", False))
+                                      Fp8Cvt[r.get("fp8_cvt", "OPERAND")], r.get("maxnreg"))
     default = decode_attention.choose_decode_tiles
 
     def patched(head_dim: int, kv_dtype: torch.dtype | None = None,
@@ -226,13 +217,10 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=512, help="of the `engine` part")
     p.add_argument("--dtypes", default="bf16,fp8", help="caches the `tput` part sweeps")
     p.add_argument("--cuda-graph-max-batch", type=int, default=512, help="of the `engine` part")
-    p.add_argument("--fma-only", action="store_true",
-                   help="the `tput` part sweeps the FMA tiles next to the default only")
     args = p.parse_args()
     doc: dict[str, Any] = {"environment": environment_info()}
     parts: dict[str, Callable[[], dict[str, Any]]] = {
-        "tput": lambda: probe_tput(tuple(args.dtypes.split(",")), args.fma_only),
-        "bs1": probe_bs1,
+        "tput": lambda: probe_tput(tuple(args.dtypes.split(","))), "bs1": probe_bs1,
         "engine": lambda: probe_engine(doc, args.max_num_seqs, args.cuda_graph_max_batch)}
     for name in args.parts.split(","):
         start = time.perf_counter()

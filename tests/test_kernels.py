@@ -328,33 +328,6 @@ def test_decode_head_major_grid_matches_reference(num_splits: int) -> None:
         _assert_counters_reset(batch.q.device)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("kv", ["fp32", "bf16", "fp8"])
-def test_decode_fma_tiles_match_reference(num_splits: int, kv: str) -> None:
-    """`DecodeTiles.fma`: the group's own rows (4 query heads per KV head here, no padding to
-    tl.dot's 16) in float32 multiply-adds, for each cache dtype, split or not, with an empty
-    sequence among the others."""
-    batch = _gqa4_batch([0, 5, 37, 11], torch.float32, seed=60 + num_splits)
-    scales: dict[str, float] = {}
-    if kv != "fp32":
-        batch.q = batch.q.to(torch.bfloat16)
-        batch.kv_cache = batch.kv_cache.to(torch.bfloat16)
-    if kv == "fp8":
-        batch.kv_cache = (batch.kv_cache.float() * 4).to(FP8)
-        scales = {"k_scale": 0.25, "v_scale": 0.5}
-    want = R.paged_decode_attention_ref(batch.q, batch.kv_cache, batch.block_tables,
-                                        batch.seq_lens, 0.3, scales.get("k_scale"),
-                                        scales.get("v_scale"))
-    tiles = decode_mod.DecodeTiles(16, 1, 1, fma=True)
-    for _ in range(2):
-        got = K.paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables,
-                                       batch.seq_lens, 0.3, num_splits=num_splits, tiles=tiles,
-                                       **scales)  # type: ignore[arg-type]
-        assert_close_for(got, want, batch.q.dtype)
-    if num_splits > 1:
-        _assert_counters_reset(batch.q.device)
-
-
 def test_decode_output_is_written_by_the_last_arriving_split_only() -> None:
     # A counter that does not start at zero shifts who is "last": with it at num_splits no
     # program sees num_splits - 1, so that (sequence, kv_head) group is never written. This is

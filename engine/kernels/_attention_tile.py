@@ -134,46 +134,6 @@ def attend_kv_tile(
 
 
 @triton.jit
-def attend_kv_tile_fma(
-    acc,  # [G, HEAD_DIM] float32
-    l_i,  # [G] float32
-    m_i,  # [G] float32
-    q,  # [G, HEAD_DIM] float32, times qk_scale (log2-domain scores)
-    n0,
-    kv_limit,
-    block_table_ptr,
-    k_head_ptr,
-    v_head_ptr,
-    stride_cache_block,
-    stride_cache_tok,
-    BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """`attend_kv_tile` for a decode query group without `tl.dot`: scores and the PV product as
-    float32 multiply-adds over `[G, BLOCK_N, HEAD_DIM]`, reduced in registers. `tl.dot` needs 16
-    rows, so a GQA group of 4 heads pads its accumulator, scores and q fragments 4x (ncu: 180
-    registers, 8 warps per SM for the one-warp fp8 program); this path holds G rows only. A
-    launch choice (`DecodeTiles.fma`), swept by bench/probe_decode.py."""
-    pos = n0 + tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, HEAD_DIM)
-    in_bounds = pos < kv_limit
-    block_ids = tl.load(block_table_ptr + pos // BLOCK_SIZE, mask=in_bounds, other=0)
-    tok_off = block_ids.to(tl.int64) * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_tok
-    kv_off = tok_off[:, None] + dims[None, :]  # [BLOCK_N, HEAD_DIM]
-    k = tl.load(k_head_ptr + kv_off, mask=in_bounds[:, None], other=0.0).to(tl.float32)
-    s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, BLOCK_N]
-    s = tl.where(in_bounds[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, reduce_max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + reduce_sum(p, 1)
-    v = tl.load(v_head_ptr + kv_off, mask=in_bounds[:, None], other=0.0).to(tl.float32)
-    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-    return acc, l_i, m_new
-
-
-@triton.jit
 def e4m3x4_to_f16(x):
     """fp8 e4m3 -> fp16 in the tensor's current (load) layout, two packed `cvt`s per 4 values.
 

@@ -47,7 +47,6 @@ from engine.kernels._attention_tile import (
     LOG2E,
     Fp8Cvt,
     attend_kv_tile,
-    attend_kv_tile_fma,
     fp16_scaled_q,
     tile_dots,
 )
@@ -128,7 +127,6 @@ def _decode_split_kernel(
     KV_FP8: tl.constexpr,
     F16_DOTS: tl.constexpr,  # fp8 cache, 16-bit q: fp16 tile dots on a prescaled q
     FP8_CVT: tl.constexpr,  # an `Fp8Cvt` (F16_DOTS only)
-    FMA: tl.constexpr,  # float32 multiply-adds instead of tl.dot (`DecodeTiles.fma`)
     SCALE_IS_PTR: tl.constexpr,
     HEAD_MAJOR: tl.constexpr,  # grid (Hkv, B, S) instead of (B, Hkv, S); see `DecodeTiles`
     USE_PDL: tl.constexpr,
@@ -155,9 +153,7 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + q_off, mask=g_mask[:, None], other=0.0)  # [BLOCK_G, D]
     if KV_FP8:
         qk_scale = qk_scale * load_scale(k_scale, SCALE_IS_PTR)
-    if FMA:  # float32 q times the whole score scale: log2-domain scores from the FMA step
-        q = q.to(tl.float32) * qk_scale
-    elif F16_DOTS:  # once per program: the tile step then skips the per-score multiply
+    if F16_DOTS:  # once per program: the tile step then skips the per-score multiply
         q = fp16_scaled_q(q, qk_scale)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -167,17 +163,11 @@ def _decode_split_kernel(
     k_head_ptr = k_cache_ptr + kv_head * HEAD_DIM
     v_head_ptr = v_cache_ptr + kv_head * HEAD_DIM
     for n0 in range(start, end, BLOCK_N):
-        if FMA:
-            acc, l_i, m_i = attend_kv_tile_fma(
-                acc, l_i, m_i, q, n0, end, block_table_ptr, k_head_ptr, v_head_ptr,
-                stride_cache_block, stride_cache_tok, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
-            )
-        else:
-            acc, l_i, m_i = attend_kv_tile(
-                acc, l_i, m_i, q, g, n0, end, block_table_ptr, k_head_ptr, v_head_ptr, qk_scale,
-                stride_cache_block, stride_cache_tok, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
-                True, False, DOT_PRECISION, UPCAST_DOT, F16_DOTS, FP8_CVT,
-            )
+        acc, l_i, m_i = attend_kv_tile(
+            acc, l_i, m_i, q, g, n0, end, block_table_ptr, k_head_ptr, v_head_ptr, qk_scale,
+            stride_cache_block, stride_cache_tok, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
+            True, False, DOT_PRECISION, UPCAST_DOT, F16_DOTS, FP8_CVT,
+        )
     if KV_FP8:
         acc = acc * load_scale(v_scale, SCALE_IS_PTR)
 
@@ -338,9 +328,6 @@ class DecodeTiles:
     # A cap on registers per thread (Triton's `maxnreg`; None: the compiler's choice). ncu saw
     # the one-warp fp8 program at 180 registers, 8 warps per SM (ncu_decode_fp8_1warp_c37dd9a).
     maxnreg: int | None = None
-    # Float32 multiply-adds over the GQA group's own rows instead of `tl.dot` (which pads the
-    # group to 16 rows): `attend_kv_tile_fma`. Swept by bench/probe_decode.py, not a default.
-    fma: bool = False
 
 
 def choose_decode_tiles(head_dim: int, kv_dtype: torch.dtype | None = None,
@@ -487,7 +474,7 @@ def _launch(
         q.stride(0), q.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1),
         GROUP=group,
-        BLOCK_G=block_r if tiles.fma else max(16, block_r),
+        BLOCK_G=max(16, block_r),
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
         BLOCK_N=tiles.block_n,
@@ -500,7 +487,6 @@ def _launch(
         KV_FP8=kv_cache.dtype == FP8_KV_DTYPE,
         F16_DOTS=dots.f16,
         FP8_CVT=int(dots.fp8_cvt),
-        FMA=tiles.fma,
         SCALE_IS_PTR=isinstance(kv_scales[0], torch.Tensor),
         HEAD_MAJOR=tiles.head_major,
         USE_PDL=pdl,
