@@ -8,7 +8,7 @@ import weakref
 import pytest
 
 from engine import LLM
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import GC_THRESHOLD, LLMEngine
 
 
 class _Cycle:
@@ -26,6 +26,15 @@ def test_engine_start_freezes_its_heap() -> None:
     assert gc.get_freeze_count() > 0
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}])  # still serves after the freeze
     assert len(out[0].outputs[0].token_ids) > 0
+
+
+def test_engine_start_makes_full_collections_rarer() -> None:
+    """A full collection walks every live request's token lists (bench/probe_gc.py): the engine
+    keeps CPython's young thresholds and raises the old generation's."""
+    gc.set_threshold(700, 10, 10)
+    _build()
+    assert gc.get_threshold() == GC_THRESHOLD
+    assert GC_THRESHOLD[:2] == (700, 10) and GC_THRESHOLD[2] > 10
 
 
 def test_cycles_frozen_by_an_earlier_engine_are_freed_by_the_next() -> None:
