@@ -52,8 +52,8 @@ def thaw_heap() -> None:
 
 # CPython's default thresholds (700, 10, 10) run a full collection every ~100 young ones, and a
 # full collection walks every live request's token lists: ~45 ms for 1,000 requests of 2,000
-# tokens on this project's CPU (bench/probe_gc.py), 43 of them in one offline 1000 x 1000 run
-# on the H200 (1.5-3.4 s of 83-85 s, probe_tput_fp8_768g_*.json -> gc). Young collections stay
+# tokens on this project's CPU (bench/probe_gc.py), and 43-44 of them in an offline 1000 x 1000
+# run on the H200 (1.5-3.4 s, probe_tput_fp8_768g_*.json -> gc). Young collections stay
 # as they were; a full one waits for 1,000 middle-generation collections instead of 10 (as
 # SGLang's --gc-threshold and other engines raise them). Cycles that reach the old generation
 # live longer; the engine makes few.
