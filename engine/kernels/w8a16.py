@@ -215,7 +215,11 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """What `w8a16_matmul` computes, by the faster route for `x`'s row count: the W8A16 kernel
     below `DEQUANT_MIN_ROWS` rows (and while a CUDA graph is being captured: the widened weight
-    would live in the graph's pool), else cuBLAS on `dequantize_int8`'s widened weight."""
+    would live in the graph's pool), else cuBLAS on `dequantize_int8`'s widened weight.
+
+    The routes round differently (the kernel multiplies exact int8 values and applies the scale
+    to the float32 sum; the widened weight is rounded to x's dtype first), so a row's output can
+    differ in its last bits with the number of rows it is computed with."""
     if (x.shape[0] < DEQUANT_MIN_ROWS
             or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
         return w8a16_matmul(x, weight, weight_scale, bias)
