@@ -8,7 +8,7 @@ the engine's kind of churn: every request gets one token (output, all tokens, to
 each step allocates `--per-step` short-lived containers per request (step outputs, dicts and
 lists; about 3 per sequence in the H200's offline run: 5,947 young collections of 700 objects
 in ~1,950 steps of up to 768 sequences, probe_tput_fp8_768g_d18ba9a.json). Once with CPython's
-default thresholds and once with the engine's `GC_THRESHOLD`; reports the collections and their
+default thresholds and once with the engine's (`DEFAULT_GC_THRESHOLD`); reports the collections and their
 pause time per generation, and the time of one full collection at the end.
 
 Usage: python3 bench/probe_gc.py --out F [--requests 1000 --prompt-len 1000 --steps 1000]
@@ -24,7 +24,7 @@ from typing import Any
 
 from bench.profiling import GcPauses
 from bench.results import environment_info
-from engine.llm_engine import GC_THRESHOLD
+from engine.config import DEFAULT_GC_THRESHOLD as GC_THRESHOLD
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 

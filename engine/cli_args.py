@@ -27,6 +27,21 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _gc_threshold(text: str) -> tuple[int, int, int] | None:
+    if text.strip().lower() == "none":
+        return None
+    parts = text.split(",")
+    try:
+        values = tuple(int(p) for p in parts)
+    except ValueError:
+        values = ()
+    if len(values) != 3 or min(values) < 0:
+        raise argparse.ArgumentTypeError(
+            f"expected three integers >= 0 as G0,G1,G2, or 'none'; got {text!r}")
+    return values  # type: ignore[return-value]
+
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=_default(LoadConfig, "model"),
@@ -56,6 +71,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
                    help="overlap scheduling and input preparation of step n+1 with the device's "
                         "work on step n (auto: on for CUDA; never in the prefill role)")
+    g.add_argument("--gc-threshold", type=_gc_threshold, default=_default(SchedulerConfig,
+                                                                          "gc_threshold"),
+                   help="the garbage collector's thresholds in the engine's process, "
+                        "'G0,G1,G2' (default: CPython's young ones, full collections 100x "
+                        "rarer) or 'none' to leave the interpreter's")
     g.add_argument("--device", default=_default(RunnerConfig, "device"))
     g.add_argument("--attention-backend", default=_default(RunnerConfig, "attention_backend"),
                    choices=["auto", "torch", "triton"])
@@ -96,7 +116,8 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "colocated") -
                                   max_model_len=args.max_model_len, role=role,  # type: ignore[arg-type]
                                   kv_lease_ms=args.kv_lease_ms,
                                   async_scheduling={"auto": None, "on": True, "off": False}[
-                                      args.async_scheduling]),
+                                      args.async_scheduling],
+                                  gc_threshold=args.gc_threshold),
         runner=RunnerConfig(device=args.device, attention_backend=args.attention_backend,
                             enforce_eager=args.enforce_eager, cpu_threads=args.cpu_threads,
                             cuda_graph_max_batch=args.cuda_graph_max_batch,

@@ -185,6 +185,16 @@ class CacheConfig:
                               f"(float8 e4m3), got {self.kv_cache_dtype!r}")
 
 
+# CPython's default thresholds (700, 10, 10) run a full collection every ~100 young ones, and a
+# full collection walks every live request's token lists: ~30 ms for 1,000 requests of 2,000
+# tokens on this project's CPU (bench/probe_gc.py), and 43-44 of them in an offline 1000 x 1000
+# run on the H200 (1.5-3.4 s, probe_tput_fp8_768g_*.json -> gc). Young collections stay
+# as they were; a full one waits for 1,000 middle-generation collections instead of 10 (as
+# SGLang's --gc-threshold and other engines raise them). Cycles that reach the old generation
+# live longer; the engine makes few.
+DEFAULT_GC_THRESHOLD = (700, 10, 1000)
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """Continuous batching and chunked prefill."""
@@ -198,6 +208,14 @@ class SchedulerConfig:
     # Schedule and launch step n+1 while the GPU still runs step n (sampled tokens stay on the
     # device as the next inputs). None: on for CUDA devices, except in the prefill role.
     async_scheduling: bool | None = None
+    # The garbage collector's thresholds for the engine's process (gc.set_threshold), set when
+    # the engine starts; None leaves the interpreter's (DEFAULT_GC_THRESHOLD says why).
+    gc_threshold: tuple[int, int, int] | None = DEFAULT_GC_THRESHOLD
+
+    def validate(self) -> None:
+        t = self.gc_threshold
+        if t is not None and (len(t) != 3 or any(type(x) is not int or x < 0 for x in t)):
+            raise ConfigError(f"gc_threshold must be three integers >= 0, got {t!r}")
 
 
 @dataclass(frozen=True, slots=True)

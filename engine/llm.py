@@ -7,7 +7,14 @@ import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from engine.config import CacheConfig, EngineConfig, LoadConfig, RunnerConfig, SchedulerConfig
+from engine.config import (
+    DEFAULT_GC_THRESHOLD,
+    CacheConfig,
+    EngineConfig,
+    LoadConfig,
+    RunnerConfig,
+    SchedulerConfig,
+)
 from engine.llm_engine import EngineInputError, LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput, StepOutput
 from engine.request import RequestMetrics
@@ -38,6 +45,7 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         enable_chunked_prefill: bool = True,
         async_scheduling: bool | None = None,
+        gc_threshold: tuple[int, int, int] | None = DEFAULT_GC_THRESHOLD,
         device: str = "auto",
         attention_backend: str = "auto",
         enforce_eager: bool = False,
@@ -58,7 +66,8 @@ class LLM:
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill,
                                       max_model_len=max_model_len,
-                                      async_scheduling=async_scheduling),
+                                      async_scheduling=async_scheduling,
+                                      gc_threshold=gc_threshold),
             runner=RunnerConfig(device=device, attention_backend=attention_backend,  # type: ignore[arg-type]
                                 enforce_eager=enforce_eager,
                                 cuda_graph_max_batch=cuda_graph_max_batch,

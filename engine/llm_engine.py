@@ -50,18 +50,11 @@ def thaw_heap() -> None:
     gc.collect()
 
 
-# CPython's default thresholds (700, 10, 10) run a full collection every ~100 young ones, and a
-# full collection walks every live request's token lists: ~45 ms for 1,000 requests of 2,000
-# tokens on this project's CPU (bench/probe_gc.py), and 43-44 of them in an offline 1000 x 1000
-# run on the H200 (1.5-3.4 s, probe_tput_fp8_768g_*.json -> gc). Young collections stay
-# as they were; a full one waits for 1,000 middle-generation collections instead of 10 (as
-# SGLang's --gc-threshold and other engines raise them). Cycles that reach the old generation
-# live longer; the engine makes few.
-GC_THRESHOLD = (700, 10, 1000)
 
 
-def freeze_startup_heap() -> None:
-    """Move every object alive now out of the garbage collector's reach, and set `GC_THRESHOLD`.
+def freeze_startup_heap(gc_threshold: tuple[int, int, int] | None = None) -> None:
+    """Move every object alive now out of the garbage collector's reach, and set `gc_threshold`
+    (`SchedulerConfig.gc_threshold`; None leaves the thresholds as they are).
 
     What an engine builds at start (module and parameter wrappers, one object per KV block,
     captured graphs) lives as long as the engine, but each full collection walked all of it:
@@ -79,7 +72,8 @@ def freeze_startup_heap() -> None:
         _unfreeze_at_exit = True
     gc.collect()
     gc.freeze()
-    gc.set_threshold(*GC_THRESHOLD)
+    if gc_threshold is not None:
+        gc.set_threshold(*gc_threshold)
 
 
 _unfreeze_at_exit = False
@@ -91,6 +85,7 @@ class LLMEngine:
 
         thaw_heap()  # dropped engines' device memory must be free before this one sizes its KV
         config.cache.validate()
+        config.scheduler.validate()
         # An int8 KV cache is planned (DESIGN.md §5) but not built yet: refuse it rather than
         # silently serving the model dtype. FP8 W8A8, INT8 weight-only and fp8 KV are built.
         if config.cache.kv_cache_dtype not in ("auto", "fp8"):
@@ -143,7 +138,7 @@ class LLMEngine:
         self.is_shut_down = False
         self.async_scheduling = self._resolve_async(config)
         self._inflight: tuple[SchedulerOutput, PendingStep] | None = None
-        freeze_startup_heap()
+        freeze_startup_heap(config.scheduler.gc_threshold)
         logger.info("engine ready: %s, %d KV blocks of %d tokens on %s (%s)", cfg.architecture,
                     self.runner.result.num_blocks, config.cache.block_size,
                     self.runner.result.device, self.runner.dtype)

@@ -8,7 +8,7 @@ import pytest
 
 from engine import LLM
 from engine.cli_args import add_engine_args, engine_config_from_args
-from engine.config import ConfigError
+from engine.config import DEFAULT_GC_THRESHOLD, ConfigError
 from engine.cuda_graphs import bucket_sizes
 
 
@@ -36,3 +36,18 @@ def test_cuda_graph_max_batch_flag_rejects_non_positive(bad: str,
 def test_llm_refuses_a_zero_graph_batch() -> None:
     with pytest.raises(ConfigError, match="cuda_graph_max_batch"):
         LLM(model="dummy:tiny", dtype="float32", max_model_len=256, cuda_graph_max_batch=0)
+
+
+def test_gc_threshold_flag_reaches_the_scheduler_config() -> None:
+    assert engine_config_from_args(_parse()).scheduler.gc_threshold == DEFAULT_GC_THRESHOLD
+    cfg = engine_config_from_args(_parse("--gc-threshold", "1000,20,300"))
+    assert cfg.scheduler.gc_threshold == (1000, 20, 300)
+    assert engine_config_from_args(_parse("--gc-threshold", "none")).scheduler.gc_threshold is None
+
+
+@pytest.mark.parametrize("bad", ["700,10", "700,10,-1", "a,b,c", "1,2,3,4"])
+def test_gc_threshold_flag_rejects_bad_values(bad: str,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _parse("--gc-threshold", bad)
+    assert "--gc-threshold" in capsys.readouterr().err

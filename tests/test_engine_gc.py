@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import gc
 import weakref
+from typing import Any
 
 import pytest
 
 from engine import LLM
-from engine.llm_engine import GC_THRESHOLD, LLMEngine
+from engine.config import DEFAULT_GC_THRESHOLD, ConfigError
+from engine.llm_engine import LLMEngine
 
 
 class _Cycle:
@@ -16,9 +18,9 @@ class _Cycle:
         self.me = self
 
 
-def _build() -> LLM:
+def _build(**kwargs: Any) -> LLM:
     return LLM(model="dummy:tiny", dtype="float32", max_model_len=256, max_num_seqs=4,
-               max_num_batched_tokens=64, enforce_eager=True)
+               max_num_batched_tokens=64, enforce_eager=True, **kwargs)
 
 
 def test_engine_start_freezes_its_heap() -> None:
@@ -29,12 +31,21 @@ def test_engine_start_freezes_its_heap() -> None:
 
 
 def test_engine_start_makes_full_collections_rarer() -> None:
-    """A full collection walks every live request's token lists (bench/probe_gc.py): the engine
-    keeps CPython's young thresholds and raises the old generation's."""
+    """A full collection walks every live request's token lists (bench/probe_gc.py): by default
+    the engine keeps CPython's young thresholds and raises the old generation's; `gc_threshold`
+    sets others, None leaves them."""
     gc.set_threshold(700, 10, 10)
     _build()
-    assert gc.get_threshold() == GC_THRESHOLD
-    assert GC_THRESHOLD[:2] == (700, 10) and GC_THRESHOLD[2] > 10
+    assert gc.get_threshold() == DEFAULT_GC_THRESHOLD
+    assert DEFAULT_GC_THRESHOLD[:2] == (700, 10) and DEFAULT_GC_THRESHOLD[2] > 10
+    _build(gc_threshold=(2000, 20, 200))
+    assert gc.get_threshold() == (2000, 20, 200)
+    gc.set_threshold(700, 10, 10)
+    _build(gc_threshold=None)
+    assert gc.get_threshold() == (700, 10, 10)
+    with pytest.raises(ConfigError, match="gc_threshold"):
+        _build(gc_threshold=(700, -1, 10))
+    gc.set_threshold(*DEFAULT_GC_THRESHOLD)
 
 
 def test_cycles_frozen_by_an_earlier_engine_are_freed_by_the_next() -> None:
