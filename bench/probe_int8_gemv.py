@@ -134,12 +134,19 @@ def probe_shape(name: str, gen: torch.Generator) -> dict[str, Any]:
 
 
 W8A16_ROWS = (8, 64)
+# Decode batches above 64 rows run in CUDA graphs on the kernel (`w8a16_linear` widens only
+# outside captures), at tiles that were never swept: `--w8a16-rows 8,64,256,512` adds them.
+_LARGE_TILES = [MatmulTiles(*t) for t in (
+    (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 256, 64, 8, 3),
+    (64, 64, 128, 4, 4), (128, 128, 128, 8, 3), (64, 256, 64, 8, 3))]
 W8A16_TILES = {
     8: [MatmulTiles(16, n, k, 4, st) for n, k, st in itertools.product(
         (16, 32, 64, 128), (128, 256), (3, 4))],
     64: [MatmulTiles(*t) for t in ((64, 128, 64, 4, 4), (64, 64, 64, 4, 4), (64, 32, 128, 4, 4),
                                    (64, 64, 128, 4, 3), (32, 64, 128, 4, 4), (16, 64, 128, 4, 4),
                                    (16, 32, 256, 4, 3), (32, 32, 128, 4, 4))],
+    256: _LARGE_TILES,
+    512: _LARGE_TILES,
 }
 
 
@@ -220,8 +227,13 @@ def main() -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--parts", default="gemv,w8a16")
+    p.add_argument("--w8a16-rows", default=",".join(map(str, W8A16_ROWS)),
+                   help=f"rows the w8a16 part sweeps, from {sorted(W8A16_TILES)}")
     args = p.parse_args()
     parts = args.parts.split(",")
+    rows = [int(r) for r in args.w8a16_rows.split(",")]
+    if not set(rows) <= set(W8A16_TILES):
+        p.error(f"--w8a16-rows: each of {rows} must be one of {sorted(W8A16_TILES)}")
     gen = torch.Generator(device="cuda").manual_seed(0)
     doc: dict[str, Any] = {"environment": environment_info(), "shapes": {}, "w8a16": {}}
     for name in SHAPES:
@@ -231,7 +243,7 @@ def main() -> int:
             print(name, "bf16", round(s["bf16_us_per_call"], 2), "us; default",
                   s["default"][:1], "best", s["best"][:2], flush=True)
         if "w8a16" in parts:
-            for m in W8A16_ROWS:
+            for m in rows:
                 r = doc["w8a16"][f"{name}_m{m}"] = probe_w8a16(name, m, gen)
                 print(name, m, "cublas", round(r["cublas_bf16_us_per_call"], 2), "us; default",
                       r["default"][:1], "best", r["best"][:2], flush=True)
