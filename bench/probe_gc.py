@@ -8,8 +8,8 @@ the engine's kind of churn: every request gets one token (output, all tokens, to
 each step allocates `--per-step` short-lived containers per request (step outputs, dicts and
 lists; about 3 per sequence in the H200's offline run: 5,947 young collections of 700 objects
 in ~1,950 steps of up to 768 sequences, probe_tput_fp8_768g_d18ba9a.json). Once with CPython's
-default thresholds and once with the engine's (`DEFAULT_GC_THRESHOLD`); reports the collections and their
-pause time per generation, and the time of one full collection at the end.
+default thresholds and once with the engine's (`DEFAULT_GC_THRESHOLD`); reports the
+collections and their pause time per generation, and the time of one full collection at the end.
 
 Usage: python3 bench/probe_gc.py --out F [--requests 1000 --prompt-len 1000 --steps 1000]
 """
@@ -24,11 +24,11 @@ from typing import Any
 
 from bench.profiling import GcPauses
 from bench.results import environment_info
-from engine.config import DEFAULT_GC_THRESHOLD as GC_THRESHOLD
+from engine.config import DEFAULT_GC_THRESHOLD
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
-DEFAULT_THRESHOLD = (700, 10, 10)  # CPython's
+CPYTHON_THRESHOLD = (700, 10, 10)
 
 
 def run(threshold: tuple[int, int, int], requests: int, prompt_len: int, steps: int,
@@ -55,7 +55,7 @@ def run(threshold: tuple[int, int, int], requests: int, prompt_len: int, steps: 
     full_ms = (time.perf_counter() - t) * 1e3
     del reqs
     gc.unfreeze()
-    gc.set_threshold(*DEFAULT_THRESHOLD)
+    gc.set_threshold(*CPYTHON_THRESHOLD)
     gc.collect()
     return {"threshold": list(threshold), "wall_s": round(wall, 3), "gc": pauses.summary(),
             "one_full_collection_at_end_ms": round(full_ms, 2)}
@@ -71,7 +71,7 @@ def main() -> int:
     p.add_argument("--per-step", type=int, default=3, help="containers per request per step")
     args = p.parse_args()
     doc: dict[str, Any] = {**environment_info(), "settings": vars(args), "runs": []}
-    for threshold in (DEFAULT_THRESHOLD, GC_THRESHOLD):
+    for threshold in (CPYTHON_THRESHOLD, DEFAULT_GC_THRESHOLD):
         res = run(threshold, args.requests, args.prompt_len, args.steps, args.per_step)
         doc["runs"].append(res)
         print(json.dumps(res), flush=True)

@@ -41,7 +41,6 @@ def _gc_threshold(text: str) -> tuple[int, int, int] | None:
     return values  # type: ignore[return-value]
 
 
-
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=_default(LoadConfig, "model"),

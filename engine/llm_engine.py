@@ -50,8 +50,6 @@ def thaw_heap() -> None:
     gc.collect()
 
 
-
-
 def freeze_startup_heap(gc_threshold: tuple[int, int, int] | None = None) -> None:
     """Move every object alive now out of the garbage collector's reach, and set `gc_threshold`
     (`SchedulerConfig.gc_threshold`; None leaves the thresholds as they are).

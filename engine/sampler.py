@@ -213,12 +213,16 @@ class Sampler:
         Any float dtype: an all-greedy batch without penalties, min_tokens or logprobs takes
         its argmax on the logits as given (exact: widening is monotonic); anything else first
         widens them to float32."""
-        greedy = [r.sampling_params.greedy for r in reqs]
-        penalties = any(r.sampling_params.has_penalties for r in reqs)
-        min_tokens = any(_needs_min_tokens_mask(r) for r in reqs)
-        if logits.dtype != torch.float32 and (
-                penalties or min_tokens or not all(greedy)
-                or any(r.sampling_params.logprobs is not None for r in reqs)):
+        greedy: list[bool] = []
+        penalties = min_tokens = logprobs = False
+        for r in reqs:  # one pass: this runs once per step over the whole batch
+            sp = r.sampling_params
+            greedy.append(sp.greedy)
+            penalties = penalties or sp.has_penalties
+            min_tokens = min_tokens or _needs_min_tokens_mask(r)
+            logprobs = logprobs or sp.logprobs is not None
+        if logits.dtype != torch.float32 and (penalties or min_tokens or logprobs
+                                              or not all(greedy)):
             logits = logits.float()
         raw = logits
         if penalties:

@@ -224,7 +224,7 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
             or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
         return w8a16_matmul(x, weight, weight_scale, bias)
     x = check_tensor("x", x, 2, FLOAT_DTYPES)
-    widened = dequantize_int8(weight, weight_scale, x.dtype)
-    if widened.shape[1] != x.shape[1]:
+    if weight.dim() != 2 or weight.shape[1] != x.shape[1]:
         raise KernelInputError(f"weight must be [N, K={x.shape[1]}], got {tuple(weight.shape)}")
+    widened = dequantize_int8(weight, weight_scale, x.dtype)
     return torch.nn.functional.linear(x, widened, None if bias is None else bias.to(x.dtype))
