@@ -49,7 +49,7 @@ def main() -> int:
         changed = eng.scheduler.update_from_output(
             out, {s.request.request_id: SampledToken(7) for s in out.scheduled})
         t3 = time.perf_counter()
-        for step in [eng._step_output(r, tok) for r, tok in changed]:
+        for step in [eng._step_output(r, toks) for r, toks in changed]:
             llm._accumulate(step)
         t4 = time.perf_counter()
         for name, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):

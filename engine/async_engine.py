@@ -43,6 +43,8 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int
     num_leases: int
+    spec_draft_tokens: int = 0      # speculative decoding: drafts verified
+    spec_accepted_tokens: int = 0   # ... and accepted
 
 
 class KvLoadAbort(Exception):
@@ -89,17 +91,21 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        *, output_token_ids: list[int] | None = None,
-                       remote_kv: RemoteKv | None = None) -> AsyncIterator[StepOutput]:
+                       remote_kv: RemoteKv | None = None,
+                       num_speculative_tokens: int | None = None) -> AsyncIterator[StepOutput]:
         """Stream a request's step outputs. Validation errors raise before anything is queued.
-        Cancelling the consumer (or closing the generator) aborts the request and frees its KV."""
+        Cancelling the consumer (or closing the generator) aborts the request and frees its KV.
+        `num_speculative_tokens`: see `LLMEngine.add_request`."""
         self._check_alive()
-        self.engine.check_request(prompt_token_ids, params, output_token_ids, remote_kv)
+        self.engine.check_request(prompt_token_ids, params, output_token_ids, remote_kv,
+                                  num_speculative_tokens)
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight")
         q: asyncio.Queue[StepOutput | _Failure] = asyncio.Queue()
         self._queues[request_id] = q
         self._submit(self.engine.enqueue, (request_id, prompt_token_ids, params),
-                     kwargs={"output_token_ids": output_token_ids, "remote_kv": remote_kv})
+                     kwargs={"output_token_ids": output_token_ids, "remote_kv": remote_kv,
+                             "num_speculative_tokens": num_speculative_tokens})
         finished = False
         try:
             while True:
@@ -137,7 +143,8 @@ class AsyncEngine:
         s, kv = self.engine.scheduler, self.engine.kv
         return EngineStats(s.num_running, s.num_waiting, kv.usage(), kv.num_free_blocks,
                            kv.num_blocks, kv.prefix_cache_queries, kv.prefix_cache_hits,
-                           s.num_preemptions, len(s.leases))
+                           s.num_preemptions, len(s.leases), s.num_draft_tokens,
+                           s.num_accepted_tokens)
 
     # ---- engine thread ---------------------------------------------------------------------
 

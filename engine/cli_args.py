@@ -7,7 +7,14 @@ import argparse
 from dataclasses import fields
 from typing import Any
 
-from engine.config import CacheConfig, EngineConfig, LoadConfig, RunnerConfig, SchedulerConfig
+from engine.config import (
+    CacheConfig,
+    EngineConfig,
+    LoadConfig,
+    RunnerConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 
 
 def _default(cls: type, name: str) -> Any:
@@ -95,6 +102,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(0, the default: never; it measured slower on an H200)")
     g.add_argument("--cpu-threads", type=int, default=None,
                    help="torch intra-op threads when running on the CPU")
+    g.add_argument("--speculative-method", default=_default(SpeculativeConfig, "method"),
+                   choices=["none", "ngram"],
+                   help="speculative decoding: ngram = prompt lookup (drafts the tokens that "
+                        "followed the latest earlier occurrence of the sequence's suffix)")
+    g.add_argument("--num-speculative-tokens", type=int,
+                   default=_default(SpeculativeConfig, "num_speculative_tokens"),
+                   help="drafts per step at most (requests may ask for fewer)")
+    g.add_argument("--prompt-lookup-min", type=_positive_int,
+                   default=_default(SpeculativeConfig, "prompt_lookup_min"))
+    g.add_argument("--prompt-lookup-max", type=_positive_int,
+                   default=_default(SpeculativeConfig, "prompt_lookup_max"))
 
 
 def engine_config_from_args(args: argparse.Namespace, role: str = "colocated") -> EngineConfig:
@@ -122,4 +140,8 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "colocated") -
                             cuda_graph_max_batch=args.cuda_graph_max_batch,
                             decode_overlap_min_batch=args.decode_overlap_min_batch,
                             quantization=args.quantization),
+        speculative=SpeculativeConfig(method=args.speculative_method,
+                                      num_speculative_tokens=args.num_speculative_tokens,
+                                      prompt_lookup_min=args.prompt_lookup_min,
+                                      prompt_lookup_max=args.prompt_lookup_max),
     )

@@ -239,9 +239,48 @@ class RunnerConfig:
     cpu_threads: int | None = None
 
 
+SpecMethod = Literal["none", "ngram"]
+
+# Each draft is one more query row per sequence in the verify step; beyond a handful the
+# acceptance of the last drafts is small and the step's extra rows cost more than they save.
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/spec/): a proposer drafts tokens, the target model verifies
+    them all in one step, and a rejection sampler keeps the target's distribution exactly.
+
+    `method` enables the capability; each request may then ask for fewer drafts, or none (the
+    gateway turns it off under load). "ngram" is prompt lookup: the longest suffix of the
+    sequence, `prompt_lookup_max` down to `prompt_lookup_min` tokens long, that occurred earlier
+    proposes the tokens that followed it (vLLM's `ngram` method)."""
+
+    method: SpecMethod = "none"
+    num_speculative_tokens: int = 4     # drafts per step at most
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none" and self.num_speculative_tokens > 0
+
+    def validate(self) -> None:
+        if self.method not in ("none", "ngram"):
+            raise ConfigError(f"speculative method must be 'none' or 'ngram', got {self.method!r}")
+        if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], "
+                              f"got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError("prompt lookup n-gram sizes must satisfy 1 <= prompt_lookup_min <= "
+                              f"prompt_lookup_max, got {self.prompt_lookup_min} and "
+                              f"{self.prompt_lookup_max}")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     load: LoadConfig = field(default_factory=LoadConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

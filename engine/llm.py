@@ -14,6 +14,7 @@ from engine.config import (
     LoadConfig,
     RunnerConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from engine.llm_engine import EngineInputError, LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput, StepOutput
@@ -53,7 +54,15 @@ class LLM:
         decode_overlap_min_batch: int = 0,
         quantization: str = "none",
         cpu_threads: int | None = None,
+        speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
     ) -> None:
+        """`speculative_config` as in vLLM: e.g. {"method": "ngram", "num_speculative_tokens":
+        4, "prompt_lookup_max": 4} (the fields of `SpeculativeConfig`)."""
+        if isinstance(speculative_config, dict):
+            try:
+                speculative_config = SpeculativeConfig(**speculative_config)
+            except TypeError as e:
+                raise EngineInputError(f"speculative_config: {e}") from None
         config = EngineConfig(
             load=LoadConfig(model=model, load_format=load_format, dtype=dtype, seed=seed,  # type: ignore[arg-type]
                             tokenizer=tokenizer),
@@ -74,6 +83,7 @@ class LLM:
                                 decode_overlap_min_batch=decode_overlap_min_batch,
                                 quantization=quantization,  # type: ignore[arg-type]
                                 cpu_threads=cpu_threads),
+            speculative=speculative_config or SpeculativeConfig(),
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()

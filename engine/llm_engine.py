@@ -9,9 +9,10 @@ import atexit
 import gc
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.config import MAX_SPECULATIVE_TOKENS, ConfigError, EngineConfig, ModelConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv.hashing import model_fingerprint, root_hash
 from engine.kv.kv_cache_manager import KVCacheManager
@@ -20,6 +21,7 @@ from engine.request import RemoteKv, Request, RequestStatus
 from engine.runner import ModelRunner, PendingStep
 from engine.sampling_params import SamplingParams
 from engine.scheduler import KvLoad, Lease, SampledToken, Scheduler, SchedulerOutput
+from engine.spec.ngram import NgramProposer
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -84,6 +86,7 @@ class LLMEngine:
         thaw_heap()  # dropped engines' device memory must be free before this one sizes its KV
         config.cache.validate()
         config.scheduler.validate()
+        config.speculative.validate()
         # An int8 KV cache is planned (DESIGN.md §5) but not built yet: refuse it rather than
         # silently serving the model dtype. FP8 W8A8, INT8 weight-only and fp8 KV are built.
         if config.cache.kv_cache_dtype not in ("auto", "fp8"):
@@ -129,6 +132,9 @@ class LLMEngine:
                                  config.cache.enable_prefix_caching,
                                  root_hash(self.fingerprint, config.cache.tenant_salt))
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        spec = config.speculative
+        self.proposer = (NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+                         if spec.enabled and config.scheduler.role != "prefill" else None)
         self.detokenize = detokenize and self.tokenizer is not None
         self._detoks: dict[str, IncrementalDetokenizer] = {}
         self._kv_loads: list[KvLoad] = []
@@ -193,18 +199,30 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     *, output_token_ids: list[int] | None = None, remote_kv: RemoteKv | None = None,
-                    arrival_time: float | None = None) -> Request:
-        """Queue a request. Raises EngineInputError / SamplingParamsError on bad input."""
-        self.check_request(prompt_token_ids, params, output_token_ids, remote_kv)
+                    arrival_time: float | None = None,
+                    num_speculative_tokens: int | None = None) -> Request:
+        """Queue a request. Raises EngineInputError / SamplingParamsError on bad input.
+
+        `num_speculative_tokens` caps this request's drafts per step (0: no speculation; None:
+        the engine's `SpeculativeConfig`); it never exceeds the engine's own cap."""
+        self.check_request(prompt_token_ids, params, output_token_ids, remote_kv,
+                           num_speculative_tokens)
         return self.enqueue(request_id, prompt_token_ids, params, output_token_ids=output_token_ids,
-                            remote_kv=remote_kv, arrival_time=arrival_time)
+                            remote_kv=remote_kv, arrival_time=arrival_time,
+                            num_speculative_tokens=num_speculative_tokens)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
                       output_token_ids: list[int] | None = None,
-                      remote_kv: RemoteKv | None = None) -> None:
+                      remote_kv: RemoteKv | None = None,
+                      num_speculative_tokens: int | None = None) -> None:
         """Every check `add_request` makes; reads config only, so any thread may call it."""
         params.validate()
         self.validate(prompt_token_ids, params, len(output_token_ids or []))
+        if num_speculative_tokens is not None and (
+                type(num_speculative_tokens) is not int
+                or not 0 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS):
+            raise EngineInputError(f"num_speculative_tokens must be an integer in [0, "
+                                   f"{MAX_SPECULATIVE_TOKENS}], got {num_speculative_tokens!r}")
         if remote_kv is not None and not 0 < remote_kv.num_tokens <= len(prompt_token_ids):
             # A prefix: the whole prompt (a prefill worker's KV) or its first blocks (a tier).
             raise EngineInputError(
@@ -213,18 +231,30 @@ class LLMEngine:
 
     def enqueue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 *, output_token_ids: list[int] | None = None, remote_kv: RemoteKv | None = None,
-                arrival_time: float | None = None) -> Request:
+                arrival_time: float | None = None,
+                num_speculative_tokens: int | None = None) -> Request:
         """Queue a request that passed `check_request` (callers validate off the engine thread,
         so the step loop does not scan the prompt twice)."""
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, self.max_model_len,
                       output_token_ids=output_token_ids, remote_kv=remote_kv,
                       arrival_time=arrival_time)
+        req.num_speculative_tokens = self._speculative_tokens(params, num_speculative_tokens)
         self.scheduler.add_request(req)
         if self.detokenize and self.tokenizer is not None:
             self._detoks[request_id] = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
                 params.include_stop_str_in_output)
         return req
+
+    def _speculative_tokens(self, params: SamplingParams, requested: int | None) -> int:
+        """Drafts per step for a request: the engine's cap, lowered by the request's; none for
+        sampling that reads its own output history (penalties, min_tokens) or reports
+        logprobs, which are defined token by token (vLLM's n-gram path has the same limits)."""
+        if self.proposer is None or params.has_penalties or params.min_tokens > 0 \
+                or params.logprobs is not None:
+            return 0
+        cap = self.config.speculative.num_speculative_tokens
+        return cap if requested is None else min(cap, requested)
 
     def abort_request(self, request_id: str) -> bool:
         self._detoks.pop(request_id, None)
@@ -249,6 +279,9 @@ class LLMEngine:
 
     def finish_kv_load(self, request_id: str, ok: bool) -> None:
         self.scheduler.finish_kv_load(request_id, ok)
+        req = self.scheduler.requests.get(request_id)
+        if self.proposer is not None and req is not None:
+            self._propose([req])  # its first decode step can verify drafts already
 
     def get_lease(self, lease_id: str) -> Lease | None:
         lease = self.scheduler.leases.get(lease_id)
@@ -290,15 +323,26 @@ class LLMEngine:
     def _finish_step(self, step: tuple[SchedulerOutput, PendingStep]) -> list[StepOutput]:
         out, pending = step
         changed = self.scheduler.update_from_output(out, pending.result())
-        return [self._step_output(req, tok) for req, tok in changed]
+        outputs = [self._step_output(req, toks) for req, toks in changed]
+        if self.proposer is not None:
+            self._propose(req for req, _ in changed)
+        return outputs
 
-    def _step_output(self, req: Request, tok: SampledToken) -> StepOutput:
-        token = tok.token_id
-        lp = [tok.logprob] if tok.logprob is not None else []
+    def _propose(self, reqs: Iterable[Request]) -> None:
+        """Draft the next step's tokens for the running requests that speculate."""
+        assert self.proposer is not None
+        for req in reqs:
+            if req.num_speculative_tokens and req.status == RequestStatus.RUNNING:
+                req.spec_token_ids = self.proposer.propose(req.all_token_ids,
+                                                           req.num_speculative_tokens)
+
+    def _step_output(self, req: Request, toks: list[SampledToken]) -> StepOutput:
+        tokens = [t.token_id for t in toks]
+        lp = [t.logprob for t in toks if t.logprob is not None]
         text = ""
         detok = self._detoks.get(req.request_id)
         if detok is not None:
-            res = detok.add_tokens([token])
+            res = detok.add_tokens(tokens)
             text = res.text_delta
             if res.stop_matched is not None and not req.is_finished:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
@@ -308,7 +352,7 @@ class LLMEngine:
             if detok is not None and not detok.finished:
                 text += detok.finish().text_delta  # flush text held back for stop strings
         return StepOutput(
-            request_id=req.request_id, new_token_ids=[token], new_logprobs=lp,
+            request_id=req.request_id, new_token_ids=tokens, new_logprobs=lp,
             finished=req.is_finished, finish_reason=req.status.finish_reason,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
             text_delta=text, stop_reason=req.stop_reason,

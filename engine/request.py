@@ -106,6 +106,12 @@ class Request:
         self.stop_reason: int | str | None = None
         # Seeded sampling state lives with the request so batching does not change its draws.
         self.generator: object | None = None
+        # Speculative decoding (engine/spec/): drafts per step at most (0: off), the drafts
+        # proposed for the next step, and what verification made of them.
+        self.num_speculative_tokens = 0
+        self.spec_token_ids: list[int] = []
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     @property
     def num_tokens(self) -> int:

@@ -12,6 +12,7 @@ With `kv_cache_dtype="fp8"` it is float8_e4m3fn holding K/V divided by per-layer
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,8 +37,10 @@ from engine.model.layers import RotaryEmbedding
 from engine.model.llama import AttentionBackend, LlamaForCausalLM
 from engine.model.overlap import MicroBatchStreams
 from engine.model.quant import apply_fp8_w8a8, apply_int8_weight_only, check_fp8_supported
+from engine.request import Request
 from engine.sampler import PendingTokens, Sampler, depends_on_outputs
 from engine.scheduler import SampledToken, SchedulerOutput
+from engine.spec.rejection import PendingVerify, verify
 
 logger = logging.getLogger(__name__)
 
@@ -90,18 +93,28 @@ def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
 
 
 class PendingStep:
-    """A launched step whose sampled tokens have not reached the host yet."""
+    """A launched step whose sampled tokens (and verified drafts) have not reached the host."""
 
-    def __init__(self, tokens: PendingTokens) -> None:
+    def __init__(self, tokens: PendingTokens | None, verify: PendingVerify | None = None) -> None:
         self.tokens = tokens
+        self.verify = verify
+        reqs = (tokens.reqs if tokens is not None else []) + (verify.reqs if verify else [])
         # Sampling that reads the requests' output history needs every earlier token on the
-        # host first, so such a step is finished before the next one is scheduled.
-        self.overlappable = not any(depends_on_outputs(r) for r in tokens.reqs)
+        # host first, and so does drafting the next tokens (speculative decoding): such a step
+        # is finished before the next one is scheduled.
+        self.overlappable = not any(depends_on_outputs(r) or r.num_speculative_tokens
+                                    for r in reqs)
 
     def result(self) -> dict[str, SampledToken]:
-        ids, logprobs = self.tokens.result()
-        return {r.request_id: SampledToken(tok, lp)
-                for r, tok, lp in zip(self.tokens.reqs, ids, logprobs, strict=True)}
+        out: dict[str, SampledToken] = {}
+        if self.tokens is not None:
+            ids, logprobs = self.tokens.result()
+            out = {r.request_id: SampledToken(tok, lp)
+                   for r, tok, lp in zip(self.tokens.reqs, ids, logprobs, strict=True)}
+        if self.verify is not None:
+            for r, emitted in zip(self.verify.reqs, self.verify.result(), strict=True):
+                out[r.request_id] = SampledToken(emitted[0], None, emitted[1:])
+        return out
 
 
 class ModelRunner:
@@ -264,10 +277,14 @@ class ModelRunner:
         pin = self.device.type == "cuda"
         # Inputs still in flight (async scheduling): (row in this step, row of the last step's
         # sampled tokens). At most one per request: its last sampled token.
+        # (A request verifying drafts reaches past its known tokens by them, not by a token
+        # in flight: it has none.)
         inflight = [(i, s) for i, s in enumerate(sched)
-                    if s.num_computed_tokens + s.num_new_tokens > s.request.num_tokens]
+                    if s.num_computed_tokens + s.num_new_tokens > s.request.num_tokens
+                    and not s.draft_token_ids]
         num_gather = len(inflight)
-        num_sample = sum(1 for s in sched if s.sample)
+        # One logits row per sampling request; one per query row when it verifies drafts.
+        num_sample = sum(1 + len(s.draft_token_ids) for s in sched if s.sample)
         big = torch.empty(3 * num_tokens + num_sample + 2 * num_gather, dtype=torch.int64,
                           pin_memory=pin)
         small = torch.zeros(2 * num_seqs + 1 + num_seqs * max_blocks, dtype=torch.int32,
@@ -297,12 +314,17 @@ class ModelRunner:
             else:
                 p = np.arange(start, end)
                 ids[o:o + min(n, known - start)] = s.request.all_token_ids[start:end]
+                if s.draft_token_ids:  # the last known token, then the drafts
+                    ids[o + 1:o + n] = s.draft_token_ids
                 pos[o:o + n] = p
                 slots[o:o + n] = tables[i, p // bs].astype(np.int64) * bs + p % bs
             o += n
             qsl[i + 1] = o
             seq_lens[i] = end
-            if s.sample:
+            if s.sample and s.draft_token_ids:
+                logit_rows[num_sampled:num_sampled + n] = np.arange(o - n, o)
+                num_sampled += n
+            elif s.sample:
                 logit_rows[num_sampled] = o - 1
                 num_sampled += 1
         qsl[0] = 0
@@ -356,10 +378,46 @@ class ModelRunner:
             if not sampling_reqs:
                 return None
             logits = self.model.compute_logits(hidden.index_select(0, logit_rows))
+        if out.has_drafts:
+            return self._sample_and_verify(logits, out)
         tokens = self.sampler.sample(logits, sampling_reqs)
         self._last_tokens = tokens.tokens
         self._last_rows = {r.request_id: i for i, r in enumerate(sampling_reqs)}
         return PendingStep(tokens)
+
+    def _sample_and_verify(self, logits: torch.Tensor, out: SchedulerOutput) -> PendingStep:
+        """Split the logits rows: requests with drafts go to the rejection sampler (all their
+        rows), the others to the sampler (their one row)."""
+        plain_rows: list[int] = []
+        plain_reqs: list[Request] = []
+        spec_rows: list[int] = []
+        spec_reqs: list[Request] = []
+        drafts: list[Sequence[int]] = []
+        row = 0
+        for s in out.scheduled:
+            if not s.sample:
+                continue
+            if s.draft_token_ids:
+                n = 1 + len(s.draft_token_ids)
+                spec_rows.extend(range(row, row + n))
+                spec_reqs.append(s.request)
+                drafts.append(s.draft_token_ids)
+                row += n
+            else:
+                plain_rows.append(row)
+                plain_reqs.append(s.request)
+                row += 1
+        dev = logits.device
+        tokens = None
+        if plain_reqs:
+            idx = torch.tensor(plain_rows, dtype=torch.long, device=dev)
+            tokens = self.sampler.sample(logits.index_select(0, idx), plain_reqs)
+            self._last_tokens = tokens.tokens
+        # The step finishes before the next is scheduled (PendingStep.overlappable), so no
+        # later step gathers its tokens on the device.
+        self._last_rows = {}
+        spec_idx = torch.tensor(spec_rows, dtype=torch.long, device=dev)
+        return PendingStep(tokens, verify(logits.index_select(0, spec_idx), spec_reqs, drafts))
 
     def overlaps(self, num_decodes: int) -> bool:
         """Whether a pure-decode batch this large runs as two overlapped micro-batches."""

@@ -85,7 +85,7 @@ def mask_min_tokens(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tens
     return logits
 
 
-def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def filter_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p on rows that sample randomly → probabilities [N, V]."""
     dev = logits.device
     temps = torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32)
@@ -117,18 +117,23 @@ def _filter(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Ten
     return probs
 
 
-def _draw(probs: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
-    """Exponential-race sampling (argmax p/q, q ~ Exp(1)) with per-request generators."""
+def request_generator(req: Request, device: torch.device) -> torch.Generator | None:
+    """The seeded request's own generator (made on first use), None for an unseeded one."""
+    seed = req.sampling_params.seed
+    if seed is None:
+        return None
+    if req.generator is None:
+        req.generator = torch.Generator(device=device).manual_seed(seed)
+    assert isinstance(req.generator, torch.Generator)
+    return req.generator
+
+
+def draw_tokens(probs: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    """Exponential-race sampling (argmax p/q, q ~ Exp(1)) with per-request generators; `reqs`
+    names each row's request (a request may own several rows: speculative verification)."""
     q = torch.empty_like(probs)
     for i, req in enumerate(reqs):
-        seed = req.sampling_params.seed
-        if seed is None:
-            q[i].exponential_()
-            continue
-        if req.generator is None:
-            req.generator = torch.Generator(device=probs.device).manual_seed(seed)
-        assert isinstance(req.generator, torch.Generator)
-        q[i].exponential_(generator=req.generator)
+        q[i].exponential_(generator=request_generator(req, probs.device))
     return (probs / q).argmax(dim=-1)
 
 
@@ -233,8 +238,8 @@ class Sampler:
         if not all(greedy):
             idx = [i for i, g in enumerate(greedy) if not g]
             sub = [reqs[i] for i in idx]
-            probs = _filter(logits[idx], [r.sampling_params for r in sub])
-            tokens[idx] = _draw(probs, sub)
+            probs = filter_probs(logits[idx], [r.sampling_params for r in sub])
+            tokens[idx] = draw_tokens(probs, sub)
         return PendingTokens(reqs, tokens, _logprob_tensors(raw, tokens, reqs))
 
     def __call__(self, logits: torch.Tensor, reqs: Sequence[Request]

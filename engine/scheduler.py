@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
@@ -25,6 +26,9 @@ class ScheduledRequest:
     num_computed_tokens: int    # tokens whose KV existed before this step
     block_ids: list[int]        # all of the request's blocks, in order
     sample: bool                # this step reaches the last known token: sample the next one
+    # Speculative decoding: tokens drafted after the last known one, verified in this step
+    # (num_new_tokens counts them; the rejected ones are rolled back when the step returns).
+    draft_token_ids: Sequence[int] = ()
 
 
 @dataclass(slots=True)
@@ -63,6 +67,10 @@ class SchedulerOutput:
         return all(s.num_new_tokens == 1 for s in self.scheduled)
 
     @property
+    def has_drafts(self) -> bool:
+        return any(s.draft_token_ids for s in self.scheduled)
+
+    @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
@@ -71,6 +79,9 @@ class SchedulerOutput:
 class SampledToken:
     token_id: int
     logprob: TokenLogprob | None = None
+    # Speculative decoding: the tokens the same step emitted after this one (accepted drafts,
+    # then the target's own token); token_id is the first of them.
+    more: Sequence[int] = ()
 
 
 class Scheduler:
@@ -90,6 +101,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.leases: dict[str, Lease] = {}
         self.num_preemptions = 0
+        self.num_draft_tokens = 0      # speculative decoding: drafts verified
+        self.num_accepted_tokens = 0   # ... and accepted
 
     # ---- queue changes ---------------------------------------------------------------------
 
@@ -176,6 +189,13 @@ class Scheduler:
                                 >= req.max_output_tokens()):
                 i += 1  # nothing to compute, or the token in flight ends it by length
                 continue
+            if req.spec_token_ids:
+                drafts = self._take_drafts(req, num_new, budget)
+                if drafts and self.kv.allocate_slots(req, 1 + len(drafts)) is not None:
+                    scheduled.append(self._scheduled(req, 1 + len(drafts), drafts))
+                    budget -= 1 + len(drafts)
+                    i += 1
+                    continue
             while self.kv.allocate_slots(req, num_new) is None:
                 victim = self.running.pop()  # newest first
                 self._preempt(victim, out)
@@ -223,7 +243,19 @@ class Scheduler:
         out.num_batched_tokens = self.token_budget - budget
         return out
 
-    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+    def _take_drafts(self, req: Request, num_new: int, budget: int) -> list[int]:
+        """The proposed drafts this step can verify for `req` (consumed either way: a proposal
+        is for the step right after the token it follows)."""
+        drafts, req.spec_token_ids = req.spec_token_ids, []
+        if num_new != 1 or req.num_inflight:
+            return []  # not at its last known token: the drafts follow a token not yet here
+        # Every emitted token counts against max_tokens and the context: the target's own
+        # token follows the accepted drafts.
+        room = min(budget, req.max_output_tokens() - req.num_output_tokens) - 1
+        return drafts[:max(0, room)]
+
+    def _scheduled(self, req: Request, num_new: int,
+                   drafts: Sequence[int] = ()) -> ScheduledRequest:
         """The step's entry for `req`; counts its new tokens as computed from now on (the step
         will write their KV before anything reads it) and a sampled token as in flight."""
         s = ScheduledRequest(
@@ -231,7 +263,9 @@ class Scheduler:
             num_new_tokens=num_new,
             num_computed_tokens=req.num_computed_tokens,
             block_ids=self.kv.block_ids(req.request_id),
-            sample=req.num_computed_tokens + num_new == req.num_tokens + req.num_inflight,
+            sample=(req.num_computed_tokens + num_new - len(drafts)
+                    == req.num_tokens + req.num_inflight),
+            draft_token_ids=drafts,
         )
         req.num_computed_tokens += num_new
         if s.sample:
@@ -269,13 +303,14 @@ class Scheduler:
 
     # ---- after the forward pass ------------------------------------------------------------
 
-    def update_from_output(self, out: SchedulerOutput,
-                           sampled: dict[str, SampledToken]) -> list[tuple[Request, SampledToken]]:
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, SampledToken]
+                           ) -> list[tuple[Request, list[SampledToken]]]:
         """Append sampled tokens, finish requests (computed counts advanced at schedule time).
-        Returns the requests that produced a token in this step, with the token. With async
-        scheduling this runs after the next step was already scheduled."""
+        Returns the requests that produced tokens in this step, with the tokens appended (one,
+        or with speculative decoding up to the drafts + 1, fewer when a stop condition came
+        first). With async scheduling this runs after the next step was already scheduled."""
         now = time.perf_counter()
-        changed: list[tuple[Request, SampledToken]] = []
+        changed: list[tuple[Request, list[SampledToken]]] = []
         for s in out.scheduled:
             req = s.request
             if req.status.finished:
@@ -286,13 +321,15 @@ class Scheduler:
             # A request preempted by a later schedule() (async scheduling) keeps this token: it
             # was computed from the right context, and the recompute will include it.
             req.num_inflight -= 1
-            req.append_output_token(tok.token_id)
-            if tok.logprob is not None:
-                req.logprobs.append(tok.logprob)
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            req.metrics.token_times.append(now)
-            status = req.check_stop()
+            if s.draft_token_ids:
+                self._account_drafts(req, s, tok)
+            appended = [tok]
+            status = self._append(req, tok, now)
+            for token_id in tok.more:
+                if status is not None:
+                    break
+                appended.append(SampledToken(token_id))
+                status = self._append(req, appended[-1], now)
             if status is None and self.config.role == "prefill":
                 status = RequestStatus.FINISHED_PREFILL
             if status is not None:
@@ -302,8 +339,29 @@ class Scheduler:
                     self.waiting.remove(req)
                 req.status = status
                 self._free(req)
-            changed.append((req, tok))
+            changed.append((req, appended))
         return changed
+
+    def _append(self, req: Request, tok: SampledToken, now: float) -> RequestStatus | None:
+        req.append_output_token(tok.token_id)
+        if tok.logprob is not None:
+            req.logprobs.append(tok.logprob)
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.metrics.token_times.append(now)
+        return req.check_stop()
+
+    def _account_drafts(self, req: Request, s: ScheduledRequest, tok: SampledToken) -> None:
+        """The step computed KV for every draft; only the accepted ones are the sequence's now.
+        The rejected drafts' slots lie past its end and the next step overwrites them (spec
+        steps finish before the next is scheduled, so nothing has moved the count since)."""
+        num_drafts = len(s.draft_token_ids)
+        num_accepted = len(tok.more)  # the emitted tokens are the accepted drafts + 1
+        req.num_computed_tokens -= num_drafts - num_accepted
+        req.num_draft_tokens += num_drafts
+        req.num_accepted_tokens += num_accepted
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
 
     def _free(self, req: Request) -> None:
         req.metrics.finished_time = time.perf_counter()

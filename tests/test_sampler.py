@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.request import Request
-from engine.sampler import Sampler, _filter, apply_penalties, argmax_rows
+from engine.sampler import Sampler, apply_penalties, argmax_rows, filter_probs
 from engine.sampling_params import SamplingParams
 
 V = 32
@@ -71,7 +71,7 @@ def test_top_k_top_p_min_p_keep_the_right_sets() -> None:
     probs = logits.softmax(-1)[0]  # ≈ .64 .23 .09 .03 .01 .004
 
     def kept(**sp: Any) -> list[int]:
-        p = _filter(logits.clone(), [SamplingParams(**sp)])[0]
+        p = filter_probs(logits.clone(), [SamplingParams(**sp)])[0]
         torch.testing.assert_close(p.sum(), torch.tensor(1.0))
         return (p > 0).nonzero().flatten().tolist()
 
@@ -82,10 +82,10 @@ def test_top_k_top_p_min_p_keep_the_right_sets() -> None:
     assert kept(top_p=float(probs[:3].sum()) + 0.001) == [0, 1, 2, 3]
     # min_p: tokens below min_p * max prob are dropped; the rest renormalised.
     assert kept(min_p=0.3) == [0, 1]
-    p = _filter(logits.clone(), [SamplingParams(min_p=0.3)])[0]
+    p = filter_probs(logits.clone(), [SamplingParams(min_p=0.3)])[0]
     torch.testing.assert_close(p[:2], probs[:2] / probs[:2].sum())
     # Temperature sharpens before filtering.
-    p_cold = _filter(logits.clone(), [SamplingParams(temperature=0.5)])[0]
+    p_cold = filter_probs(logits.clone(), [SamplingParams(temperature=0.5)])[0]
     torch.testing.assert_close(p_cold, (logits[0] / 0.5).softmax(-1))
 
 

@@ -114,7 +114,7 @@ def test_prefill_role_holds_a_lease_until_release_or_expiry() -> None:
     req = _req("p", 10)
     s.add_request(req)
     out = s.schedule()
-    [(r, tok)] = s.update_from_output(out, {"p": SampledToken(42)})
+    [(r, [tok])] = s.update_from_output(out, {"p": SampledToken(42)})
     assert r.status == RequestStatus.FINISHED_PREFILL and tok.token_id == 42
     assert r.status.finish_reason is None
     lease = s.leases["p"]
