@@ -279,7 +279,9 @@ def test_per_request_caps_and_ineligible_sampling(tiny_model_dirs: dict[str, Pat
                            num_speculative_tokens=9).num_speculative_tokens == 4
     assert eng.add_request("d", [1, 2], _greedy(4)[0],
                            num_speculative_tokens=0).num_speculative_tokens == 0
-    for i, kw in enumerate([{"logprobs": 1}, {"repetition_penalty": 1.2}, {"min_tokens": 2}]):
+    ineligible: list[dict[str, Any]] = [{"logprobs": 1}, {"repetition_penalty": 1.2},
+                                        {"min_tokens": 2}]
+    for i, kw in enumerate(ineligible):
         req = eng.add_request(f"x{i}", [1, 2], _greedy(4, **kw)[0])
         assert req.num_speculative_tokens == 0
     with pytest.raises(EngineInputError, match="num_speculative_tokens"):
