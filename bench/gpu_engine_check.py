@@ -54,6 +54,9 @@ def main() -> int:
     p.add_argument("--quantization", default="none", choices=["none", "fp8", "int8"],
                    help="both engines use it (fp8: W8A8, int8: weight-only): checks the fast path's "
                         "attention, graphs and kernels on a quantized model")
+    p.add_argument("--speculative-tokens", type=int, default=0,
+                   help="the fast engine speculates (n-gram, up to this many drafts per step): "
+                        "its tokens then come from verify steps (graphs) where drafts hit")
     args = p.parse_args()
     rng = random.Random(0)
     lens = [5, 17, 100, 333, 1000, 1500, 2047, 40]
@@ -62,8 +65,10 @@ def main() -> int:
                   kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
                   quantization=args.quantization)
     t = time.perf_counter()
+    spec = ({"method": "ngram", "num_speculative_tokens": args.speculative_tokens}
+            if args.speculative_tokens else None)
     fast = LLM(**common, attention_backend="triton", enforce_eager=False,  # type: ignore[arg-type]
-               decode_overlap_min_batch=args.decode_overlap_min_batch)
+               decode_overlap_min_batch=args.decode_overlap_min_batch, speculative_config=spec)
     load_s = time.perf_counter() - t
     vocab = fast.engine.model_config.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lens]
@@ -72,8 +77,13 @@ def main() -> int:
     graphs = fast.engine.runner.graphs
     replays = graphs.num_replays if graphs is not None else 0
     overlapped = fast.engine.runner.num_overlapped_steps
+    vg = fast.engine.runner.verify_graphs
+    spec_stats = {"speculative_tokens": args.speculative_tokens,
+                  "draft_tokens": fast.engine.scheduler.num_draft_tokens,
+                  "accepted_tokens": fast.engine.scheduler.num_accepted_tokens,
+                  "verify_graph_replays": vg.num_replays if vg is not None else 0}
     fast.shutdown()
-    del fast, graphs
+    del fast, graphs, vg
     gc.collect()
     torch.cuda.empty_cache()
     ref = LLM(**common, attention_backend="torch", enforce_eager=True)  # type: ignore[arg-type]
@@ -94,14 +104,14 @@ def main() -> int:
            "quantization": args.quantization,
            "max_num_seqs": args.max_num_seqs, "load_s": load_s, "graph_replays": replays,
            "decode_overlap_min_batch": args.decode_overlap_min_batch,
-           "overlapped_decode_steps": overlapped, "ok": ok,
+           "overlapped_decode_steps": overlapped, **spec_stats, "ok": ok,
            "rows": rows, "gpu": torch.cuda.get_device_name()}
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=2)
     for r in rows:
         print(r)
     print(f"engine check: {'OK' if ok else 'MISMATCH'}; graph replays {replays}, "
-          f"overlapped steps {overlapped}")
+          f"overlapped steps {overlapped}; speculation {spec_stats}")
     return 0 if ok else 1
 
 

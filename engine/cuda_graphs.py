@@ -6,6 +6,12 @@ write no KV: slot -1) and the graph runs the model *and* the LM head, so a greed
 one replay plus one argmax. Buckets from `decode_overlap_min_batch` up are captured as two
 micro-batches on two streams (engine/model/overlap.py). Anything else (prefill chunks, batches
 over the largest bucket) runs eagerly.
+
+Speculative decoding's verify steps get a second set (`q_len` = 1 + the engine's drafts per
+step): every sequence owns `q_len` query rows, its last known token, its drafts, then padding
+rows that write no KV (`ModelRunner.prepare(out, uniform_q=...)` lays a step out so). The
+attention is the paged prefill kernel over a fixed `(query tile, head, sequence)` grid, which
+reads lengths and block tables from the device, so the same graph serves any context.
 """
 
 from __future__ import annotations
@@ -33,44 +39,54 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, q_len: int = 1, max_batch: int | None = None,
+                 pool: Any = None) -> None:
+        """q_len: query rows per sequence (1: decode; 1 + drafts: speculative verification).
+        pool: another runner's graph pool to share (steps never run two graphs at once)."""
         self.runner = runner
+        self.q_len = q_len
         cfg = runner.config
-        max_batch = min(cfg.runner.cuda_graph_max_batch, cfg.scheduler.max_num_seqs)
+        if max_batch is None:
+            max_batch = min(cfg.runner.cuda_graph_max_batch, cfg.scheduler.max_num_seqs)
         self.buckets = bucket_sizes(max_batch)
         dev = runner.device
         self.max_blocks = -(-runner.max_model_len // runner.block_size)
         n = self.buckets[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=dev)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        rows = n * q_len
+        self.input_ids = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((rows,), -1, dtype=torch.long, device=dev)
+        self.seq_lens = torch.full((n,), q_len, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros((n, self.max_blocks), dtype=torch.int32, device=dev)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(0, rows + 1, q_len, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # One logits buffer shared by every bucket (a per-bucket output would cost
         # vocab x sum(buckets) floats: gigabytes for a 128k vocabulary).
-        self.logits_buf = torch.empty((n, runner.model_config.vocab_size), dtype=runner.dtype,
+        self.logits_buf = torch.empty((rows, runner.model_config.vocab_size), dtype=runner.dtype,
                                       device=dev)
-        self.pool: Any = None
+        self.pool: Any = pool
         self.num_replays = 0
 
     def _metadata(self, b: int) -> AttentionMetadata:
+        q = self.q_len
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[: b + 1], seq_lens=self.seq_lens[:b],
-            block_tables=self.block_tables[:b], slot_mapping=self.slot_mapping[:b],
-            num_decodes=b, max_query_len=1, max_seq_len=self.runner.max_model_len,
-            query_start_loc_cpu=list(range(b + 1)), seq_lens_cpu=[1] * b)
+            block_tables=self.block_tables[:b], slot_mapping=self.slot_mapping[:b * q],
+            # Verify rows are prefill rows to the backend: causal over their own sequence.
+            num_decodes=b if q == 1 else 0, max_query_len=q,
+            max_seq_len=self.runner.max_model_len,
+            query_start_loc_cpu=list(range(0, (b + 1) * q, q)), seq_lens_cpu=[q] * b)
 
     def _forward(self, b: int) -> None:
         r = self.runner
         md = self._metadata(b)
+        rows = b * self.q_len
         with forward_context(ForwardContext(md, r.kv_caches, r.kv_scale_values)):
-            if r.overlaps(b):  # captured with both streams: the replay overlaps the halves
+            if self.q_len == 1 and r.overlaps(b):  # both streams: the replay overlaps the halves
                 hidden = r.forward_overlapped(self.input_ids[:b], self.positions[:b], md)
             else:
-                hidden = r.model(self.input_ids[:b], self.positions[:b])
-        torch.mm(hidden, r.model.lm_head_weight.t(), out=self.logits_buf[:b])
+                hidden = r.model(self.input_ids[:rows], self.positions[:rows])
+        torch.mm(hidden, r.model.lm_head_weight.t(), out=self.logits_buf[:rows])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -91,34 +107,37 @@ class CudaGraphRunner:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         used = free_before - torch.cuda.mem_get_info()[0]
-        logger.info("captured %d CUDA graphs (batch 1..%d) using %.2f GiB", len(self.graphs),
-                    self.buckets[-1], used / 2**30)
+        logger.info("captured %d CUDA graphs (batch 1..%d, %d rows per sequence) using %.2f GiB",
+                    len(self.graphs), self.buckets[-1], self.q_len, used / 2**30)
 
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.buckets[-1]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
             ) -> torch.Tensor:
-        """Replay for `n` decodes; returns their logits [n, vocab] in the model dtype: a view of
-        the shared buffer, valid until the next replay (the sampler reads it in stream order).
+        """Replay for `n` sequences (`n * q_len` rows, laid out as `_metadata` says); returns
+        their logits [n * q_len, vocab] in the model dtype: a view of the shared buffer, valid
+        until the next replay (the sampler reads it in stream order).
         Not widened to float32 here: greedy rows take their argmax on it as it is (the sampler
         widens only for rows that need more), which saved a copy of the whole [n, vocab] block
         per step (0.3 ms at 768 rows on the H200, probe_tput_fp8_768g_d18ba9a.json)."""
-        n = input_ids.shape[0]
+        q = self.q_len
+        rows = input_ids.shape[0]
+        n = rows // q
         b = self.buckets[bisect.bisect_left(self.buckets, n)]
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(md.slot_mapping, non_blocking=True)
+        self.input_ids[:rows].copy_(input_ids, non_blocking=True)
+        self.positions[:rows].copy_(positions, non_blocking=True)
+        self.slot_mapping[:rows].copy_(md.slot_mapping, non_blocking=True)
         self.seq_lens[:n].copy_(md.seq_lens, non_blocking=True)
         w = md.block_tables.shape[1]
         self.block_tables[:n, :w].copy_(md.block_tables, non_blocking=True)
-        if b > n:  # padding rows: write no KV, attend over one (garbage) position
-            self.slot_mapping[n:b].fill_(-1)
-            self.seq_lens[n:b].fill_(1)
-            self.input_ids[n:b].zero_()
-            self.positions[n:b].zero_()
+        if b > n:  # padding sequences: write no KV, attend over their own (garbage) rows
+            self.slot_mapping[rows:b * q].fill_(-1)
+            self.seq_lens[n:b].fill_(q)
+            self.input_ids[rows:b * q].zero_()
+            self.positions[rows:b * q].zero_()
         self.graphs[b].replay()
         self.num_replays += 1
         if self.runner.overlaps(b):
             self.runner.num_overlapped_steps += 1
-        return self.logits_buf[:n]
+        return self.logits_buf[:rows]

@@ -21,6 +21,7 @@ from engine.request import RemoteKv, Request, RequestStatus
 from engine.runner import ModelRunner, PendingStep
 from engine.sampling_params import SamplingParams
 from engine.scheduler import KvLoad, Lease, SampledToken, Scheduler, SchedulerOutput
+from engine.spec import Proposer
 from engine.spec.ngram import NgramProposer
 from engine.tokenizer import Tokenizer
 
@@ -133,7 +134,7 @@ class LLMEngine:
                                  root_hash(self.fingerprint, config.cache.tenant_salt))
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         spec = config.speculative
-        self.proposer = (NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        self.proposer: Proposer | None = (NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
                          if spec.enabled and config.scheduler.role != "prefill" else None)
         self.detokenize = detokenize and self.tokenizer is not None
         self._detoks: dict[str, IncrementalDetokenizer] = {}

@@ -46,6 +46,10 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
+# Largest verify step (sequences) captured in a CUDA graph. Each of its rows is a logits row:
+# 64 x (1 + 4 drafts) x a 128k vocabulary is 82 MB of bf16 logits buffer.
+SPEC_GRAPH_MAX_BATCH = 64
+
 
 @dataclass(frozen=True, slots=True)
 class RunnerResult:
@@ -189,10 +193,24 @@ class ModelRunner:
                                   config.scheduler.max_num_batched_tokens, *scales)
             logger.info("attention kernels warmed up: %d variants", n)
         self.graphs = None
+        self.verify_graphs = None
+        # Rows per sequence of a verify step laid out for the verify graphs (0: ragged, eager).
+        self.verify_q_len = 0
+        self.num_uniform_verify_steps = 0
         if self.device.type == "cuda" and not config.runner.enforce_eager:
             from engine.cuda_graphs import CudaGraphRunner
             self.graphs = CudaGraphRunner(self)
             self.graphs.capture()
+            spec = config.speculative
+            if spec.enabled and config.scheduler.role != "prefill":
+                # Speculation is for light load (the gateway turns it off above a few requests
+                # per worker): verify graphs up to SPEC_GRAPH_MAX_BATCH sequences, sharing the
+                # decode graphs' pool; bigger verify steps run eagerly.
+                self.verify_q_len = 1 + spec.num_speculative_tokens
+                self.verify_graphs = CudaGraphRunner(
+                    self, self.verify_q_len, min(SPEC_GRAPH_MAX_BATCH, self.graphs.buckets[-1]),
+                    pool=self.graphs.pool)
+                self.verify_graphs.capture()
         self.result = RunnerResult(str(self.device), self.dtype, num_blocks, self.kv_dtype,
                                    self.block_bytes, self.backend.name, self.graphs is not None)
 
@@ -259,9 +277,14 @@ class ModelRunner:
 
     # ---- one step --------------------------------------------------------------------------
 
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
-                                                      torch.Tensor]:
+    def prepare(self, out: SchedulerOutput, uniform_q: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Flatten the scheduled requests into the step's tensors (the only place that does).
+
+        uniform_q > 0 (a verify step for the graphs of `verify_graphs`; every request at its
+        last known token): each request gets exactly `uniform_q` rows, its token and drafts
+        first, then padding rows (token 0, no KV write: slot -1); its length counts them, so the
+        real rows' causal window is unchanged and only padding rows see past it.
 
         Host data is laid out in two pinned buffers (int64: ids | positions | slots | logit
         rows | in-flight gathers; int32: query_start_loc | seq_lens | block_tables) and moved
@@ -272,8 +295,14 @@ class ModelRunner:
         bs = self.block_size
         sched = out.scheduled
         num_seqs = len(sched)
-        num_tokens = out.num_batched_tokens or sum(s.num_new_tokens for s in sched)
-        max_blocks = max(len(s.block_ids) for s in sched)
+        if uniform_q:
+            num_tokens = num_seqs * uniform_q
+            # Padding rows' positions reach up to `uniform_q - 1` past the real ones: their
+            # (unwritten, never used) KV must stay inside the table.
+            max_blocks = max(-(-(s.num_computed_tokens + uniform_q) // bs) for s in sched)
+        else:
+            num_tokens = out.num_batched_tokens or sum(s.num_new_tokens for s in sched)
+            max_blocks = max(len(s.block_ids) for s in sched)
         pin = self.device.type == "cuda"
         # Inputs still in flight (async scheduling): (row in this step, row of the last step's
         # sampled tokens). At most one per request: its last sampled token.
@@ -310,7 +339,8 @@ class ModelRunner:
                 ids[o] = s.request.all_token_ids[start] if start < known else 0
                 pos[o] = start
                 slots[o] = table[start // bs] * bs + start % bs
-                num_decodes += 1
+                if not uniform_q:
+                    num_decodes += 1
             else:
                 p = np.arange(start, end)
                 ids[o:o + min(n, known - start)] = s.request.all_token_ids[start:end]
@@ -318,18 +348,27 @@ class ModelRunner:
                     ids[o + 1:o + n] = s.draft_token_ids
                 pos[o:o + n] = p
                 slots[o:o + n] = tables[i, p // bs].astype(np.int64) * bs + p % bs
+            if s.sample and s.draft_token_ids:
+                logit_rows[num_sampled:num_sampled + n] = np.arange(o, o + n)
+                num_sampled += n
+            elif s.sample:
+                logit_rows[num_sampled] = o + n - 1
+                num_sampled += 1
+            if uniform_q:
+                if n < uniform_q:
+                    ids[o + n:o + uniform_q] = 0
+                    pos[o + n:o + uniform_q] = np.minimum(np.arange(end, start + uniform_q),
+                                                          self.max_model_len - 1)
+                    slots[o + n:o + uniform_q] = -1
+                end = start + uniform_q
+                n = uniform_q
             o += n
             qsl[i + 1] = o
             seq_lens[i] = end
-            if s.sample and s.draft_token_ids:
-                logit_rows[num_sampled:num_sampled + n] = np.arange(o - n, o)
-                num_sampled += n
-            elif s.sample:
-                logit_rows[num_sampled] = o - 1
-                num_sampled += 1
         qsl[0] = 0
         for j, (i, s) in enumerate(inflight):
-            gather[0, j] = int(qsl[i + 1]) - 1  # the request's last row in this step
+            # The request's last real row in this step (padding rows follow it when uniform).
+            gather[0, j] = int(qsl[i]) + s.num_new_tokens - 1
             gather[1, j] = self._last_sampled_row(s.request.request_id)
         dev = self.device
         big_d = big.to(dev, non_blocking=True)
@@ -343,7 +382,8 @@ class ModelRunner:
             query_start_loc=small_d[:num_seqs + 1], seq_lens=small_d[num_seqs + 1:2 * num_seqs + 1],
             block_tables=small_d[2 * num_seqs + 1:].view(num_seqs, max_blocks),
             slot_mapping=big_d[2 * num_tokens:3 * num_tokens], num_decodes=num_decodes,
-            max_query_len=max(s.num_new_tokens for s in sched), max_seq_len=max(seq_lens_cpu),
+            max_query_len=uniform_q or max(s.num_new_tokens for s in sched),
+            max_seq_len=max(seq_lens_cpu),
             query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens_cpu)
         return (big_d[:num_tokens], big_d[num_tokens:2 * num_tokens], md,
                 big_d[rows_at:rows_at + num_sample])
@@ -361,9 +401,13 @@ class ModelRunner:
         before they reach the host (async scheduling). None when nothing is sampled."""
         if out.is_empty:
             return None
-        input_ids, positions, md, logit_rows = self.prepare(out)
+        uniform_q = self._verify_rows(out)
+        input_ids, positions, md, logit_rows = self.prepare(out, uniform_q)
+        self.num_uniform_verify_steps += bool(uniform_q)
         sampling_reqs = [s.request for s in out.scheduled if s.sample]
-        if (self.graphs is not None and out.is_pure_decode
+        if uniform_q and self.verify_graphs is not None:
+            logits = self.verify_graphs.run(input_ids, positions, md).index_select(0, logit_rows)
+        elif (self.graphs is not None and out.is_pure_decode
                 and len(sampling_reqs) == len(out.scheduled)
                 and self.graphs.can_run(len(out.scheduled))):
             # Every decode samples, so the graph's logits rows are the sampling rows.
@@ -384,6 +428,20 @@ class ModelRunner:
         self._last_tokens = tokens.tokens
         self._last_rows = {r.request_id: i for i, r in enumerate(sampling_reqs)}
         return PendingStep(tokens)
+
+    def _verify_rows(self, out: SchedulerOutput) -> int:
+        """Rows per sequence when this step replays a verify graph (else 0): a step with drafts
+        in which every request is at its last known token, small enough for a bucket, and far
+        enough from the context's end for its padding rows."""
+        q = self.verify_q_len
+        if not q or not out.has_drafts or (self.verify_graphs is not None
+                                           and not self.verify_graphs.can_run(len(out.scheduled))):
+            return 0
+        for s in out.scheduled:
+            if (not s.sample or s.num_new_tokens != 1 + len(s.draft_token_ids)
+                    or s.num_computed_tokens + q > self.max_model_len):
+                return 0
+        return q
 
     def _sample_and_verify(self, logits: torch.Tensor, out: SchedulerOutput) -> PendingStep:
         """Split the logits rows: requests with drafts go to the rejection sampler (all their
@@ -450,6 +508,7 @@ class ModelRunner:
         KV cache, the weights), without waiting for the garbage collector; the runner is
         unusable after (its engine refuses to step)."""
         self.graphs = None
+        self.verify_graphs = None
         self._last_tokens = None
         self.kv_caches = []
         self.kv_cache = self.kv_cache.new_empty(0)

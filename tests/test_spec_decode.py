@@ -27,7 +27,7 @@ from engine.sampler import filter_probs
 from engine.spec.ngram import NgramProposer
 from engine.spec.rejection import verify
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+NGRAM: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": 4}
 # Prompts with loops in them (the proposer finds matches), and plain ones.
 PROMPTS = [
     [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7],
@@ -189,6 +189,15 @@ class _ScriptedProposer:
         return []
 
 
+def _spec_llm(path: Path, padded: bool = False, **kwargs: Any) -> LLM:
+    """An engine that speculates; `padded` lays verify steps out as the CUDA verify graphs
+    replay them (1 + 4 rows per sequence, padding rows after the drafts), run eagerly here."""
+    llm = tiny_llm(path, speculative_config=NGRAM, **kwargs)
+    if padded:
+        llm.engine.runner.verify_q_len = 1 + NGRAM["num_speculative_tokens"]
+    return llm
+
+
 @pytest.fixture(scope="module")
 def plain(tiny_model_dirs: dict[str, Path]) -> dict[str, list[int]]:
     outs, _ = _run(tiny_llm(tiny_model_dirs["llama"]), _greedy(24, 17, 30, 9, 21))
@@ -205,17 +214,20 @@ def test_ngram_greedy_matches_plain_decoding(tiny_model_dirs: dict[str, Path],
     assert 0 <= sched.num_accepted_tokens <= sched.num_draft_tokens
 
 
+@pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("wrong_from", [None, 0, 2])
 def test_scripted_drafts_accepted_up_to_the_first_wrong_one(tiny_model_dirs: dict[str, Path],
                                                             plain: dict[str, list[int]],
-                                                            wrong_from: int | None) -> None:
-    llm = tiny_llm(tiny_model_dirs["llama"], speculative_config=NGRAM)
-    llm.engine.proposer = _ScriptedProposer(  # type: ignore[assignment]
+                                                            wrong_from: int | None,
+                                                            padded: bool) -> None:
+    llm = _spec_llm(tiny_model_dirs["llama"], padded)
+    llm.engine.proposer = _ScriptedProposer(
         PROMPTS, [plain[f"r{i}"] for i in range(len(PROMPTS))], wrong_from=wrong_from)
     outs, steps = _run(llm, _greedy(24, 17, 30, 9, 21))
     assert _tokens(outs) == plain
     sched = llm.engine.scheduler
     assert sched.num_draft_tokens > 0
+    assert (llm.engine.runner.num_uniform_verify_steps > 0) == padded
     if wrong_from == 0:
         assert sched.num_accepted_tokens == 0
         assert steps >= 30  # one token per step, as without drafts
@@ -237,7 +249,7 @@ def test_stops_inside_accepted_drafts_end_where_plain_decoding_ends(
                                                stop_token_ids=[stop_tok]), *_greedy(9, 3)]
     want, _ = _run(tiny_llm(tiny_model_dirs["llama"]), params)
     llm = tiny_llm(tiny_model_dirs["llama"], speculative_config=NGRAM)
-    llm.engine.proposer = _ScriptedProposer(  # type: ignore[assignment]
+    llm.engine.proposer = _ScriptedProposer(
         PROMPTS, [plain[f"r{i}"] for i in range(len(PROMPTS))])
     got, _ = _run(llm, params)
     assert _tokens(got) == _tokens(want)
@@ -246,16 +258,18 @@ def test_stops_inside_accepted_drafts_end_where_plain_decoding_ends(
                                                            for o in want.values()]
 
 
+@pytest.mark.parametrize("padded", [False, True])
 def test_speculation_with_async_scheduling_and_preemption(tiny_model_dirs: dict[str, Path],
-                                                          plain: dict[str, list[int]]) -> None:
+                                                          plain: dict[str, list[int]],
+                                                          padded: bool) -> None:
     # 24 blocks of 4 tokens cannot hold all five sequences: later ones get preempted.
     params = _greedy(24, 17, 30, 9, 21)
-    llm = tiny_llm(tiny_model_dirs["llama"], speculative_config=NGRAM, async_scheduling=True,
-                   num_gpu_blocks=24)
+    llm = _spec_llm(tiny_model_dirs["llama"], padded, async_scheduling=True, num_gpu_blocks=24)
     got, _ = _run(llm, params)
     assert _tokens(got) == plain
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.scheduler.num_draft_tokens > 0
+    assert (llm.engine.runner.num_uniform_verify_steps > 0) == padded
 
 
 def test_random_sampling_with_speculation_frees_everything(
@@ -292,14 +306,20 @@ def test_per_request_caps_and_ineligible_sampling(tiny_model_dirs: dict[str, Pat
                                   num_speculative_tokens=3).num_speculative_tokens == 0
 
 
+@pytest.mark.parametrize("padded", [False, True])
 def test_mixed_batch_of_speculating_and_plain_requests(tiny_model_dirs: dict[str, Path],
-                                                       plain: dict[str, list[int]]) -> None:
-    llm = tiny_llm(tiny_model_dirs["llama"], speculative_config=NGRAM)
+                                                       plain: dict[str, list[int]],
+                                                       padded: bool) -> None:
+    llm = _spec_llm(tiny_model_dirs["llama"], padded)
+    llm.engine.proposer = _ScriptedProposer(
+        PROMPTS, [plain[f"r{i}"] for i in range(len(PROMPTS))], wrong_from=1)
     params = [*_greedy(24, 17), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
                                                logprobs=2), *_greedy(9, 21)]
     got, _ = _run(llm, params)
     assert _tokens(got) == plain
     assert len([lp for o in got["r2"] for lp in o.new_logprobs]) == 30
+    assert llm.engine.scheduler.num_accepted_tokens > 0
+    assert (llm.engine.runner.num_uniform_verify_steps > 0) == padded
 
 
 def test_config_validation() -> None:

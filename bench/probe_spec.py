@@ -1,0 +1,156 @@
+"""Speculative decoding on the GPU: per-request decode speed with and without drafts, and
+whether the verify path gives plain decoding's tokens (run on the H200).
+
+One engine with `--speculative-method ngram` serves every mode, so the weights and graphs are
+the same; each request picks its drafts per step (`num_speculative_tokens`):
+
+- `plain`: 0 drafts (the decode graphs, async scheduling);
+- `ngram`: prompt lookup, up to k drafts per step (the verify graphs);
+- `oracle`: the plain run's own next tokens as drafts, so every draft is accepted: the most
+  a verify step can give at this k (what a perfect proposer would reach).
+
+Dummy weights make the n-gram rate a property of the random model's outputs (they fall into
+loops), not of real text: the `oracle` row and the per-step costs are what carry over. Greedy
+tokens of the spec modes are compared with `plain`: the verify step runs the paged prefill
+kernel where plain decoding runs the decode kernel, so bf16 rounding can flip near-ties; the
+first divergence is reported, not hidden.
+
+Usage: PYTHONPATH=. python3 bench/probe_spec.py --out F [--model dummy:llama-3.1-8b]
+       [--batches 1,4,16] [--k 4] [--input-len 1000] [--output-len 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from bench.results import git_info
+from engine import LLM, SamplingParams
+from engine.outputs import StepOutput
+
+
+class OracleProposer:
+    """Drafts the known continuation of each sequence (a benchmark input, not a proposer)."""
+
+    def __init__(self, full_sequences: Sequence[list[int]]) -> None:
+        self.by_prefix = {tuple(seq[:8]): seq for seq in full_sequences}
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        seq = self.by_prefix.get(tuple(token_ids[:8]))
+        if seq is None or seq[:len(token_ids)] != token_ids:
+            return []
+        return seq[len(token_ids):len(token_ids) + k]
+
+
+def run_batch(llm: LLM, prompts: list[list[int]], params: SamplingParams,
+              spec_tokens: int | None, tag: str) -> dict[str, Any]:
+    """All prompts at once; per-request TPOT from its token arrival times."""
+    eng = llm.engine
+    sched, runner = eng.scheduler, eng.runner
+    drafts0, acc0 = sched.num_draft_tokens, sched.num_accepted_tokens
+    vg = runner.verify_graphs
+    vreplays0 = vg.num_replays if vg is not None else 0
+    dreplays0 = runner.graphs.num_replays if runner.graphs is not None else 0
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts, strict=True):
+        eng.add_request(rid, p, params, num_speculative_tokens=spec_tokens)
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    times: dict[str, list[float]] = {rid: [] for rid in ids}
+    steps = 0
+    t0 = time.perf_counter()
+    while eng.has_unfinished_requests():
+        outs: list[StepOutput] = eng.step()
+        now = time.perf_counter()
+        for o in outs:
+            tokens[o.request_id].extend(o.new_token_ids)
+            times[o.request_id].extend([now] * len(o.new_token_ids))
+        steps += 1
+    wall = time.perf_counter() - t0
+    tpots = [(t[-1] - t[0]) / (len(t) - 1) * 1e3 for t in times.values() if len(t) > 1]
+    drafts = sched.num_draft_tokens - drafts0
+    accepted = sched.num_accepted_tokens - acc0
+    n_out = sum(len(t) for t in tokens.values())
+    return {
+        "tokens": [tokens[rid] for rid in ids],
+        "wall_s": round(wall, 3), "steps": steps,
+        "output_tok_s": round(n_out / wall, 1),
+        "tpot_ms_mean": round(statistics.mean(tpots), 3) if tpots else None,
+        "tpot_ms_median": round(statistics.median(tpots), 3) if tpots else None,
+        "draft_tokens": drafts, "accepted_tokens": accepted,
+        "acceptance": round(accepted / drafts, 4) if drafts else None,
+        "tokens_per_step": round(n_out / len(prompts) / max(1, steps), 3),
+        "verify_graph_replays": (vg.num_replays - vreplays0) if vg is not None else 0,
+        "decode_graph_replays": ((runner.graphs.num_replays - dreplays0)
+                                 if runner.graphs is not None else 0),
+    }
+
+
+def compare(got: list[list[int]], want: list[list[int]]) -> dict[str, Any]:
+    first = []
+    for g, w in zip(got, want, strict=True):
+        first.append(next((i for i, (a, b) in enumerate(zip(g, w, strict=False)) if a != b),
+                          None if len(g) == len(w) else min(len(g), len(w))))
+    return {"identical": sum(f is None for f in first), "of": len(got),
+            "first_divergence": first}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default="dummy:llama-3.1-8b")
+    p.add_argument("--out", required=True)
+    p.add_argument("--batches", default="1,4,16")
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--input-len", type=int, default=1000)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    args = p.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    t = time.perf_counter()
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=4096, seed=1,
+              max_num_batched_tokens=8192, max_num_seqs=max(batches),
+              gpu_memory_utilization=args.gpu_memory_utilization,
+              speculative_config={"method": "ngram", "num_speculative_tokens": args.k})
+    load_s = time.perf_counter() - t
+    vocab = llm.engine.model_config.vocab_size
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    proposer = llm.engine.proposer
+    rows: list[dict[str, Any]] = []
+    for b in batches:
+        prompts = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(b)]
+        # Prefill once untimed so every mode decodes over cached prompts (prefix hits).
+        run_batch(llm, prompts, SamplingParams(temperature=0, max_tokens=1), 0, f"warm{b}")
+        plain = run_batch(llm, prompts, params, 0, f"plain{b}")
+        ngram = run_batch(llm, prompts, params, None, f"ngram{b}")
+        llm.engine.proposer = OracleProposer([q + o for q, o in zip(prompts, plain["tokens"],
+                                                                     strict=True)])
+        oracle = run_batch(llm, prompts, params, None, f"oracle{b}")
+        llm.engine.proposer = proposer
+        for mode, r in (("plain", plain), ("ngram", ngram), ("oracle", oracle)):
+            row = {"batch": b, "mode": mode, **{k: v for k, v in r.items() if k != "tokens"}}
+            if mode != "plain":
+                row["vs_plain"] = compare(r["tokens"], plain["tokens"])
+                row["speedup_tpot"] = round(plain["tpot_ms_median"] / r["tpot_ms_median"], 3)
+            rows.append(row)
+            print(json.dumps(row))
+    doc = {"model": args.model, "k": args.k, "input_len": args.input_len,
+           "output_len": args.output_len, "load_s": round(load_s, 1), "rows": rows,
+           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+           "git": git_info(),
+           "command": "PYTHONPATH=. python3 bench/probe_spec.py " + " ".join(
+               f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out")}
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
