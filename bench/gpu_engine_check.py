@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from bench.probe_spec import PositionalOracle
 from engine import LLM, SamplingParams
 from engine.request import Request
 from engine.sampling_params import SamplingParams as SP
@@ -55,8 +56,10 @@ def main() -> int:
                    help="both engines use it (fp8: W8A8, int8: weight-only): checks the fast path's "
                         "attention, graphs and kernels on a quantized model")
     p.add_argument("--speculative-tokens", type=int, default=0,
-                   help="the fast engine speculates (n-gram, up to this many drafts per step): "
-                        "its tokens then come from verify steps (graphs) where drafts hit")
+                   help="the fast engine speculates, up to this many drafts per step: after a "
+                        "plain pass, the checked pass drafts that pass's tokens at each position "
+                        "(bench/probe_spec.py PositionalOracle), so its tokens come from verify "
+                        "steps (graphs) that accept and reject drafts")
     args = p.parse_args()
     rng = random.Random(0)
     lens = [5, 17, 100, 333, 1000, 1500, 2047, 40]
@@ -74,6 +77,10 @@ def main() -> int:
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lens]
     params = SamplingParams(temperature=0, max_tokens=args.num_tokens, ignore_eos=True)
     outs = fast.generate([{"prompt_token_ids": q} for q in prompts], params)
+    if spec is not None:  # the checked pass verifies the plain pass's tokens as drafts
+        fast.engine.proposer = PositionalOracle(
+            [q + o.outputs[0].token_ids for q, o in zip(prompts, outs, strict=True)])
+        outs = fast.generate([{"prompt_token_ids": q} for q in prompts], params)
     graphs = fast.engine.runner.graphs
     replays = graphs.num_replays if graphs is not None else 0
     overlapped = fast.engine.runner.num_overlapped_steps

@@ -6,13 +6,16 @@ the same; each request picks its drafts per step (`num_speculative_tokens`):
 
 - `plain`: 0 drafts (the decode graphs, async scheduling);
 - `ngram`: prompt lookup, up to k drafts per step (the verify graphs);
-- `oracle`: the plain run's own next tokens as drafts, so every draft is accepted: the most
-  a verify step can give at this k (what a perfect proposer would reach).
+- `reject`: k drafts every step that are never the model's tokens: the verify step's cost
+  with nothing gained (its TPOT is the step time of a k-draft verify graph);
+- `oracle`: the plain run's token at each position as the draft for it: accepted until the
+  run's own tokens part from plain decoding's, then rejected.
 
-Dummy weights make the n-gram rate a property of the random model's outputs (they fall into
-loops), not of real text: the `oracle` row and the per-step costs are what carry over. Greedy
-tokens of the spec modes are compared with `plain`: the verify step runs the paged prefill
-kernel where plain decoding runs the decode kernel, so bf16 rounding can flip near-ties; the
+Dummy weights make the n-gram rate a property of the random model's outputs, not of real
+text: the per-step costs (`plain`, `reject`) are what carry over, and with them the acceptance
+a proposer needs to win. Greedy tokens of the spec modes are compared with `plain`: the verify
+step runs the paged prefill kernel where plain decoding runs the decode kernel, so bf16
+rounding flips near-ties (random weights have many, see gpu_engine_check's exact_argmax); the
 first divergence is reported, not hidden.
 
 Usage: PYTHONPATH=. python3 bench/probe_spec.py --out F [--model dummy:llama-3.1-8b]
@@ -36,17 +39,26 @@ from engine import LLM, SamplingParams
 from engine.outputs import StepOutput
 
 
-class OracleProposer:
-    """Drafts the known continuation of each sequence (a benchmark input, not a proposer)."""
+class PositionalOracle:
+    """Drafts a reference run's tokens at the next positions of the same prompt (a benchmark
+    input, not a proposer): right while the sequence follows the reference, wrong after."""
 
     def __init__(self, full_sequences: Sequence[list[int]]) -> None:
-        self.by_prefix = {tuple(seq[:8]): seq for seq in full_sequences}
+        self.by_prefix = {tuple(seq[:16]): seq for seq in full_sequences}
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
-        seq = self.by_prefix.get(tuple(token_ids[:8]))
-        if seq is None or seq[:len(token_ids)] != token_ids:
-            return []
-        return seq[len(token_ids):len(token_ids) + k]
+        seq = self.by_prefix.get(tuple(token_ids[:16]))
+        return [] if seq is None else seq[len(token_ids):len(token_ids) + k]
+
+
+class RejectedDrafts:
+    """k drafts that greedy decoding will not pick: the verify step's cost alone."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        return [(token_ids[-1] + 7 * (j + 1)) % self.vocab for j in range(k)]
 
 
 def run_batch(llm: LLM, prompts: list[list[int]], params: SamplingParams,
@@ -130,11 +142,14 @@ def main() -> int:
         run_batch(llm, prompts, SamplingParams(temperature=0, max_tokens=1), 0, f"warm{b}")
         plain = run_batch(llm, prompts, params, 0, f"plain{b}")
         ngram = run_batch(llm, prompts, params, None, f"ngram{b}")
-        llm.engine.proposer = OracleProposer([q + o for q, o in zip(prompts, plain["tokens"],
-                                                                     strict=True)])
+        llm.engine.proposer = RejectedDrafts(vocab)
+        reject = run_batch(llm, prompts, params, None, f"reject{b}")
+        llm.engine.proposer = PositionalOracle([q + o for q, o in zip(prompts, plain["tokens"],
+                                                                       strict=True)])
         oracle = run_batch(llm, prompts, params, None, f"oracle{b}")
         llm.engine.proposer = proposer
-        for mode, r in (("plain", plain), ("ngram", ngram), ("oracle", oracle)):
+        for mode, r in (("plain", plain), ("ngram", ngram), ("reject", reject),
+                        ("oracle", oracle)):
             row = {"batch": b, "mode": mode, **{k: v for k, v in r.items() if k != "tokens"}}
             if mode != "plain":
                 row["vs_plain"] = compare(r["tokens"], plain["tokens"])

@@ -21,7 +21,7 @@ from engine.request import RemoteKv, Request, RequestStatus
 from engine.runner import ModelRunner, PendingStep
 from engine.sampling_params import SamplingParams
 from engine.scheduler import KvLoad, Lease, SampledToken, Scheduler, SchedulerOutput
-from engine.spec import Proposer
+from engine.spec import SPEC_PROBE_INTERVAL, Proposer
 from engine.spec.ngram import NgramProposer
 from engine.tokenizer import Tokenizer
 
@@ -330,12 +330,15 @@ class LLMEngine:
         return outputs
 
     def _propose(self, reqs: Iterable[Request]) -> None:
-        """Draft the next step's tokens for the running requests that speculate."""
+        """Draft the next step's tokens for the running requests that speculate and whose
+        tokens are all on the host (drafts after a token still in flight would be stale)."""
         assert self.proposer is not None
         for req in reqs:
-            if req.num_speculative_tokens and req.status == RequestStatus.RUNNING:
+            if (req.num_speculative_tokens and req.status == RequestStatus.RUNNING
+                    and not req.num_inflight):
                 req.spec_token_ids = self.proposer.propose(req.all_token_ids,
                                                            req.num_speculative_tokens)
+                req.spec_sync_in = 0 if req.spec_token_ids else SPEC_PROBE_INTERVAL
 
     def _step_output(self, req: Request, toks: list[SampledToken]) -> StepOutput:
         tokens = [t.token_id for t in toks]

@@ -110,6 +110,7 @@ class Request:
         # proposed for the next step, and what verification made of them.
         self.num_speculative_tokens = 0
         self.spec_token_ids: list[int] = []
+        self.spec_sync_in = 0  # steps left to overlap before the proposer looks again
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
 

@@ -40,6 +40,7 @@ from engine.model.quant import apply_fp8_w8a8, apply_int8_weight_only, check_fp8
 from engine.request import Request
 from engine.sampler import PendingTokens, Sampler, depends_on_outputs
 from engine.scheduler import SampledToken, SchedulerOutput
+from engine.spec import needs_sync
 from engine.spec.rejection import PendingVerify, verify
 
 logger = logging.getLogger(__name__)
@@ -106,8 +107,8 @@ class PendingStep:
         # Sampling that reads the requests' output history needs every earlier token on the
         # host first, and so does drafting the next tokens (speculative decoding): such a step
         # is finished before the next one is scheduled.
-        self.overlappable = not any(depends_on_outputs(r) or r.num_speculative_tokens
-                                    for r in reqs)
+        sync = [depends_on_outputs(r) | needs_sync(r) for r in reqs]  # every counter ticks
+        self.overlappable = not any(sync)
 
     def result(self) -> dict[str, SampledToken]:
         out: dict[str, SampledToken] = {}

@@ -347,3 +347,39 @@ def test_smollm2_ngram_greedy_matches_plain_decoding() -> None:
     (plain_out, plain_steps, _), (spec_out, spec_steps, accepted) = outs
     assert spec_out.token_ids == plain_out.token_ids and spec_out.text == plain_out.text
     assert accepted > 0 and spec_steps < plain_steps
+
+
+class _NeverProposer:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        self.calls += 1
+        return []
+
+
+def test_requests_without_drafts_keep_async_overlap(tiny_model_dirs: dict[str, Path],
+                                                     plain: dict[str, list[int]],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request whose proposals miss overlaps its steps again (async scheduling), with one
+    synchronous step every SPEC_PROBE_INTERVAL for the proposer to look again."""
+    from engine.spec import SPEC_PROBE_INTERVAL
+
+    llm = _spec_llm(tiny_model_dirs["llama"], async_scheduling=True)
+    proposer = _NeverProposer()
+    llm.engine.proposer = proposer
+    runner = llm.engine.runner
+    real = runner._last_sampled_row
+    gathers: list[str] = []
+
+    def spy(request_id: str) -> int:
+        gathers.append(request_id)
+        return real(request_id)
+
+    monkeypatch.setattr(runner, "_last_sampled_row", spy)
+    got, _ = _run(llm, _greedy(24, 17, 30, 9, 21))
+    assert _tokens(got) == plain
+    assert len(gathers) > 50  # inputs taken from the device: steps overlapped
+    # The proposer looked once per probe interval, not at every token (149 tokens in all).
+    total = sum(len(t) for t in plain.values())
+    assert proposer.calls <= total // SPEC_PROBE_INTERVAL + 2 * len(PROMPTS)
