@@ -67,9 +67,13 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
         except InvalidRequest as e:
             await _abort(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         n_out = len(given)
+        # Absent: the worker's own default. A value above the engine's limit fails in
+        # `generate` (EngineInputError -> INVALID_ARGUMENT below), before anything is queued.
+        spec = (request.num_speculative_tokens if request.HasField("num_speculative_tokens")
+                else None)
         try:
             async for out in aengine.generate(rid, ids, params, output_token_ids=given,
-                                              remote_kv=remote):
+                                              remote_kv=remote, num_speculative_tokens=spec):
                 n_out += len(out.new_token_ids)
                 yield decode_pb2.DecodeResponse(chunk=decode_pb2.DecodeChunk(
                     token_ids=out.new_token_ids,
@@ -128,10 +132,14 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
 
 
 def _decode_attributes(request: decode_pb2.DecodeRequest) -> dict[str, int | str | bool]:
-    return {"splitserve.request_id": request.request_id,
-            "splitserve.prompt_tokens": len(request.prompt_token_ids),
-            "splitserve.resumed_tokens": len(request.output_token_ids),
-            "splitserve.kv_handle": request.HasField("kv_handle")}
+    attrs: dict[str, int | str | bool] = {
+        "splitserve.request_id": request.request_id,
+        "splitserve.prompt_tokens": len(request.prompt_token_ids),
+        "splitserve.resumed_tokens": len(request.output_token_ids),
+        "splitserve.kv_handle": request.HasField("kv_handle")}
+    if request.HasField("num_speculative_tokens"):  # absent: the worker's default
+        attrs["splitserve.num_speculative_tokens"] = request.num_speculative_tokens
+    return attrs
 
 
 async def _abort(context: grpc.aio.ServicerContext, span: Span, code: grpc.StatusCode,

@@ -8,6 +8,11 @@ from typing import Any, Literal
 
 from protos.auth import AuthConfigError, check_secret
 
+# The engine's limit on drafts per step (engine.config.MAX_SPECULATIVE_TOKENS, kept equal by
+# tests/test_spec_policy.py; the gateway imports no engine config). A `speculative_tokens`
+# above it would fail every Decode call with INVALID_ARGUMENT: refused at start-up instead.
+MAX_SPECULATIVE_TOKENS = 16
+
 KvFailurePolicyName = Literal["recompute", "fail"]
 
 
@@ -37,6 +42,14 @@ class GatewayConfig:
     request_timeout_s: float = 600.0          # whole-request deadline passed to every hop
     kv_failure_policy: KvFailurePolicyName = "recompute"
     decode_retries: int = 1                   # resumes on another decode worker after UNAVAILABLE
+    # Speculative decoding policy (gateway/spec_policy.py), decided per Decode call: ask for
+    # this many drafts per step while the chosen decode worker has fewer than
+    # `speculative_max_load` other requests pending (running + waiting as of its last load
+    # report + routed to it since), 0 (off) from there on. speculative_tokens=0: never ask
+    # (every call sends 0). A worker started without --speculative-method ignores it; one with
+    # a smaller --num-speculative-tokens caps it.
+    speculative_tokens: int = 4
+    speculative_max_load: int = 4
     load_poll_interval_s: float = 1.0         # router GetLoad period
     load_poll_timeout_s: float = 1.0
     shutdown_grace_s: float = 10.0            # drain time for in-flight requests on shutdown
@@ -73,6 +86,16 @@ class GatewayConfig:
                 raise GatewayConfigError(str(e)) from None
         if self.decode_retries < 0:
             raise GatewayConfigError(f"decode_retries must be >= 0, got {self.decode_retries}")
+        if (not isinstance(self.speculative_tokens, int) or isinstance(self.speculative_tokens, bool)
+                or not 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS):
+            raise GatewayConfigError(
+                f"speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}] (0: never "
+                f"ask for speculative decoding), got {self.speculative_tokens!r}")
+        if (not isinstance(self.speculative_max_load, int)
+                or isinstance(self.speculative_max_load, bool) or self.speculative_max_load < 1):
+            raise GatewayConfigError(
+                "speculative_max_load must be an integer >= 1 (pending requests on a decode "
+                f"worker from which speculation is off), got {self.speculative_max_load!r}")
 
     def replace(self, **changes: Any) -> GatewayConfig:
         return dataclasses.replace(self, **changes)

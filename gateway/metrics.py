@@ -9,10 +9,11 @@ Two kinds of series share the registry:
   `LoadReport` each worker answered to the router's last `GetLoad` poll, so one scrape of the
   gateway shows the whole stack (the workers serve no /metrics themselves).
 
-The workers report cumulative totals (prefix-cache queries, hits, preemptions) that only they
-can count; `prometheus_client` counters cannot be *set*, so those are exposed by a custom
-collector (`WorkerLoadCollector`) as real `counter` families (`# TYPE … counter`, samples
-`…_total`) whose values are the workers' own totals. A worker restart resets its totals, which
+The workers report cumulative totals (prefix-cache queries, hits, preemptions, speculative
+draft tokens verified and accepted) that only they can count; `prometheus_client` counters
+cannot be *set*, so those are exposed by a custom collector (`WorkerLoadCollector`) as real
+`counter` families (`# TYPE … counter`, samples `…_total`) whose values are the workers' own
+totals. A worker restart resets its totals, which
 Prometheus' `rate()` handles as a counter reset.
 """
 
@@ -61,6 +62,13 @@ WORKER_COUNTERS: tuple[tuple[str, str, Callable[[Report], float]], ...] = (
     ("splitserve:kv_tier_saved_blocks_total",
      "KV blocks a prefill worker wrote to its CPU/Redis tiers.",
      lambda r: r.tier_saved_blocks),
+    # vLLM's names; acceptance rate = rate(accepted) / rate(draft).
+    ("splitserve:spec_decode_num_draft_tokens_total",
+     "Draft tokens a worker verified with speculative decoding.",
+     lambda r: r.spec_draft_tokens),
+    ("splitserve:spec_decode_num_accepted_tokens_total",
+     "Draft tokens a worker accepted with speculative decoding.",
+     lambda r: r.spec_accepted_tokens),
 )
 WORKER_HEALTHY = "splitserve:worker_healthy"
 
@@ -169,6 +177,10 @@ class GatewayMetrics:
         self.decode_resumes = Counter(
             "splitserve:decode_resumes", "Requests resumed on another decode worker.",
             registry=r)
+        self.spec_decode_decisions = Counter(
+            "splitserve:spec_decode_decisions",
+            "Decode calls by the speculative policy's choice for the worker's load (on: drafts "
+            "asked for, off: none).", ["speculation"], registry=r)
         self.workers = WorkerLoadCollector()
         r.register(self.workers)
 

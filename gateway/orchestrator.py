@@ -11,6 +11,8 @@ For each of the n completions of a job, concurrently:
     Decode.Decode(prompt, all tokens sent so far, no kv_handle)   (at most `decode_retries`)
 
 In colocated mode there is no prefill pool: decode gets the prompt alone and computes it.
+Every Decode call carries the speculative policy's choice for the worker it goes to
+(gateway/spec_policy.py): drafts per step while that worker is lightly loaded, none beyond.
 Cancelling the consumer of `Orchestrator.generate` cancels every downstream call, so workers
 free their KV. Python gRPC does not propagate deadlines: each call gets the time remaining.
 
@@ -38,6 +40,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, status_code_from_int
 from gateway.metrics import GatewayMetrics
 from gateway.router import Router, Worker
+from gateway.spec_policy import decide
 from gateway.tokenization import DetokenizerLike, TokenizerLike, make_detokenizer
 from protos.splitserve.v1 import common_pb2, decode_pb2, kv_transfer_pb2, prefill_pb2
 from serving import tracing
@@ -234,7 +237,7 @@ class Orchestrator:
         with tracing.traced_span("decode", parent=state.trace_parent, kind=SpanKind.CLIENT,
                                  attributes={"splitserve.completion_index": state.index}) as span:
             finish = await self._decode(job, state, sampling, queue,
-                                        tracing.inject_metadata(tracing.span_context(span)))
+                                        tracing.inject_metadata(tracing.span_context(span)), span)
             span.set_attribute("splitserve.output_tokens", len(state.output_ids))
             return finish
 
@@ -272,13 +275,13 @@ class Orchestrator:
     async def _decode(self, job: GenerationJob, state: _Completion,
                       sampling: common_pb2.SamplingParams,
                       queue: asyncio.Queue[Event | BaseException | None],
-                      metadata: tuple[tuple[str, str], ...] = ()) -> str:
+                      metadata: tuple[tuple[str, str], ...] = (), span: Span | None = None) -> str:
         """Stream decode tokens until finished; resume elsewhere if the worker dies."""
         tried: list[str] = []
         while True:
             worker = self._router.decode.pick(exclude=tried)
             try:
-                return await self._decode_on(worker, job, state, sampling, queue, metadata)
+                return await self._decode_on(worker, job, state, sampling, queue, metadata, span)
             except grpc.aio.AioRpcError as err:
                 if (err.code() != grpc.StatusCode.UNAVAILABLE
                         or len(tried) >= self._config.decode_retries):
@@ -296,13 +299,24 @@ class Orchestrator:
     async def _decode_on(self, worker: Worker, job: GenerationJob, state: _Completion,
                          sampling: common_pb2.SamplingParams,
                          queue: asyncio.Queue[Event | BaseException | None],
-                         metadata: tuple[tuple[str, str], ...] = ()) -> str:
+                         metadata: tuple[tuple[str, str], ...] = (),
+                         span: Span | None = None) -> str:
+        # Decided here, for this worker: no await since `pick`, so its load is the one the
+        # router just routed on (a resume on another worker decides again).
+        spec = decide(worker, self._config)
+        self._metrics.spec_decode_decisions.labels(
+            speculation="on" if spec.enabled else "off").inc()
+        if span is not None:  # the last call's, when the completion was resumed
+            span.set_attribute("splitserve.num_speculative_tokens", spec.num_speculative_tokens)
+            span.set_attribute("splitserve.decode_worker_load", spec.load)
         request = decode_pb2.DecodeRequest(
             request_id=f"{job.request_id}-{state.index}", prompt_token_ids=job.prompt_token_ids,
             output_token_ids=state.output_ids, sampling=sampling,
             kv_failure_policy=(decode_pb2.KV_FAILURE_POLICY_FAIL
                                if self._config.kv_failure_policy == "fail"
-                               else decode_pb2.KV_FAILURE_POLICY_RECOMPUTE))
+                               else decode_pb2.KV_FAILURE_POLICY_RECOMPUTE),
+            # Always set, 0 included: absent would mean the worker's own default.
+            num_speculative_tokens=spec.num_speculative_tokens)
         if state.kv_handle is not None:
             request.kv_handle.CopyFrom(state.kv_handle)
         call = self._router.decode_stub(worker).Decode(request, timeout=self._remaining(job),

@@ -140,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=d["request_timeout_s"].default)
     p.add_argument("--kv-failure-policy", choices=("recompute", "fail"),
                    default=d["kv_failure_policy"].default)
+    p.add_argument("--speculative-tokens", type=int, default=d["speculative_tokens"].default,
+                   help="speculative drafts per step asked of a lightly loaded decode worker "
+                        "(0: never ask; workers without --speculative-method ignore it)")
+    p.add_argument("--speculative-max-load", type=int,
+                   default=d["speculative_max_load"].default,
+                   help="pending requests on a decode worker from which speculation is off")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -151,6 +157,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         tokenizer_path=args.model, max_model_len=args.max_model_len, api_key=args.api_key,
         max_prompt_tokens=args.max_model_len, max_tokens_cap=args.max_tokens_cap,
         request_timeout_s=args.request_timeout, kv_failure_policy=args.kv_failure_policy,
+        speculative_tokens=args.speculative_tokens,
+        speculative_max_load=args.speculative_max_load,
         internal_token=internal_token_from_env())
 
 

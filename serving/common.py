@@ -33,4 +33,5 @@ class EngineBound:
             num_free_blocks=s.num_free_blocks, block_size=eng.config.cache.block_size,
             fingerprint=eng.fingerprint, role=role,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
-            num_preemptions=s.num_preemptions, num_leases=s.num_leases, num_blocks=s.num_blocks)
+            num_preemptions=s.num_preemptions, num_leases=s.num_leases, num_blocks=s.num_blocks,
+            spec_draft_tokens=s.spec_draft_tokens, spec_accepted_tokens=s.spec_accepted_tokens)

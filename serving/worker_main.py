@@ -10,7 +10,7 @@ import argparse
 import asyncio
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.cli_args import add_engine_args, engine_config_from_args
 from protos.auth import AuthConfigError, internal_token_from_env
@@ -79,10 +79,14 @@ async def _serve_colocated(argv: list[str], args: argparse.Namespace) -> None:
     await worker.load_task
     assert worker.aengine is not None
     eng = worker.aengine.engine
+    # The in-process gateway asks for the engine's own number of drafts while the worker is
+    # lightly loaded (with --speculative-method none the engine ignores it).
     gw_config = GatewayConfig(decode_addresses=(f"127.0.0.1:{worker.port}",), colocated=True,
                               tokenizer_path=eng.tokenizer_source or "",
                               max_model_len=eng.max_model_len, max_prompt_tokens=eng.max_model_len,
-                              internal_token=token)
+                              internal_token=token,
+                              speculative_tokens=config.speculative.num_speculative_tokens,
+                              speculative_max_load=args.speculative_max_load)
     gw = GatewayServer(gw_config, rest_host=args.gateway_host, rest_port=args.port or 8000,
                        grpc_host=args.gateway_host, grpc_port=args.grpc_port)
     await gw.start()
@@ -96,13 +100,29 @@ async def _serve_colocated(argv: list[str], args: argparse.Namespace) -> None:
     await run_until_signal(stop)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(argv or [])
+def _gateway_default(name: str) -> Any:
+    from gateway.config import GatewayConfig  # torch-free, like the gateway role
+
+    return GatewayConfig.__dataclass_fields__[name].default
+
+
+def build_serve_parser() -> argparse.ArgumentParser:
+    """`build_parser` plus the flags of the colocated role's in-process gateway."""
     parser = build_parser()
     parser.add_argument("--grpc-port", type=int, default=50050,
                         help="gateway/colocated: public gRPC port")
     parser.add_argument("--gateway-host", default="127.0.0.1",
                         help="colocated: bind address of the REST and gRPC ports")
+    parser.add_argument("--speculative-max-load", type=int, default=_gateway_default(
+                            "speculative_max_load"),
+                        help="colocated: requests pending on the worker from which the gateway "
+                             "turns speculative decoding off (with --speculative-method)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(argv or [])
+    parser = build_serve_parser()
     if "--role" in argv and argv[argv.index("--role") + 1 : argv.index("--role") + 2] == ["gateway"]:
         from gateway.server import main as gateway_main
 

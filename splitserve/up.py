@@ -5,6 +5,11 @@ service under --log-dir, and on Ctrl-C / SIGTERM stops them all (gateway first, 
 requests drain, then the workers). The workers take only calls that carry the stack's secret
 (protos/auth.py): SPLITSERVE_INTERNAL_TOKEN if set, else a random one made here and handed to
 the three processes in their environment.
+
+Engine flags (see `splitserve serve --help`) go to both workers, e.g. `--speculative-method
+ngram --num-speculative-tokens 4` for speculative decoding on the decode worker (a prefill
+worker never speculates). The gateway then asks for that many drafts while the decode worker is
+lightly loaded (`--speculative-tokens`, `--speculative-max-load` override its policy).
 """
 
 from __future__ import annotations
@@ -33,6 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-port", type=int, default=50062)
     p.add_argument("--log-dir", default="logs")
     p.add_argument("--api-key", default=None)
+    p.add_argument("--speculative-tokens", type=int, default=None,
+                   help="gateway: speculative drafts per step asked of a lightly loaded decode "
+                        "worker (default: the workers' --num-speculative-tokens if given, else "
+                        "the gateway's default)")
+    p.add_argument("--speculative-max-load", type=int, default=None,
+                   help="gateway: pending requests on the decode worker from which speculation "
+                        "is off")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--exit-after-ready", action="store_true",
                    help="stop everything once healthy (smoke test)")
@@ -98,21 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     prefill_addr = f"127.0.0.1:{args.prefill_port}"
     decode_addr = f"127.0.0.1:{args.decode_port}"
     try:
-        procs["prefill"] = _spawn("prefill", ["--role", "prefill", "--port", str(args.prefill_port),
-                                              *engine_args], log_dir, token)
-        procs["decode"] = _spawn("decode", ["--role", "decode", "--port", str(args.decode_port),
-                                            *engine_args], log_dir, token)
-        gw = ["--role", "gateway", "--prefill", prefill_addr, "--decode", decode_addr,
-              "--host", args.host, "--port", str(args.port), "--grpc-port", str(args.grpc_port)]
-        model = _flag(engine_args, "--model")
-        if model:
-            gw += ["--model", _flag(engine_args, "--tokenizer") or model]
-        max_len = _flag(engine_args, "--max-model-len")
-        if max_len:
-            gw += ["--max-model-len", max_len]
-        if args.api_key:
-            gw += ["--api-key", args.api_key]
-        procs["gateway"] = _spawn("gateway", gw, log_dir, token)
+        for name, service_args in service_argv(args, engine_args).items():
+            procs[name] = _spawn(name, service_args, log_dir, token)
         health = f"http://127.0.0.1:{args.port}/health"
         deadline = time.monotonic() + args.startup_timeout
         print(f"splitserve: starting (logs in {log_dir}/)...", flush=True)
@@ -140,6 +139,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     finally:
         stop_all()
+
+
+def service_argv(args: argparse.Namespace, engine_args: list[str]) -> dict[str, list[str]]:
+    """The `splitserve serve` arguments of each service, in start order (prefill, decode,
+    gateway)."""
+    prefill_addr = f"127.0.0.1:{args.prefill_port}"
+    decode_addr = f"127.0.0.1:{args.decode_port}"
+    gw = ["--role", "gateway", "--prefill", prefill_addr, "--decode", decode_addr,
+          "--host", args.host, "--port", str(args.port), "--grpc-port", str(args.grpc_port)]
+    model = _flag(engine_args, "--model")
+    if model:
+        gw += ["--model", _flag(engine_args, "--tokenizer") or model]
+    max_len = _flag(engine_args, "--max-model-len")
+    if max_len:
+        gw += ["--max-model-len", max_len]
+    if args.api_key:
+        gw += ["--api-key", args.api_key]
+    # Ask for the decode worker's own number of drafts unless told otherwise: the gateway's
+    # default could be below it (wasted capability) or above it (capped by the worker anyway).
+    spec_tokens = (str(args.speculative_tokens) if args.speculative_tokens is not None
+                   else _flag(engine_args, "--num-speculative-tokens"))
+    if spec_tokens is not None:
+        gw += ["--speculative-tokens", spec_tokens]
+    if args.speculative_max_load is not None:
+        gw += ["--speculative-max-load", str(args.speculative_max_load)]
+    return {"prefill": ["--role", "prefill", "--port", str(args.prefill_port), *engine_args],
+            "decode": ["--role", "decode", "--port", str(args.decode_port), *engine_args],
+            "gateway": gw}
 
 
 def _flag(argv: list[str], name: str) -> str | None:

@@ -198,7 +198,8 @@ Series = dict[tuple[str, str, str], float]  # (sample name, role, worker) -> val
 WORKER_GAUGES = ("splitserve:kv_cache_usage_perc", "splitserve:num_requests_running",
                  "splitserve:num_requests_waiting", "splitserve:kv_leases")
 WORKER_COUNTERS = ("splitserve:prefix_cache_queries", "splitserve:prefix_cache_hits",
-                   "splitserve:num_preemptions")
+                   "splitserve:num_preemptions", "splitserve:spec_decode_num_draft_tokens",
+                   "splitserve:spec_decode_num_accepted_tokens")
 
 
 def _scrape(h: Harness) -> tuple[dict[str, str], Series]:
@@ -236,7 +237,8 @@ def test_worker_load_reports_are_exported(script_ids: list[int]) -> None:
     pre.report = common_pb2.LoadReport(
         kv_cache_usage=0.375, num_waiting=3, prefix_cache_queries=96, prefix_cache_hits=32,
         num_leases=2, num_blocks=64, num_free_blocks=40)
-    dec.report = common_pb2.LoadReport(kv_cache_usage=0.5, num_preemptions=7)
+    dec.report = common_pb2.LoadReport(kv_cache_usage=0.5, num_preemptions=7,
+                                       spec_draft_tokens=40, spec_accepted_tokens=25)
     with h:
         types, series = _scrape(h)
         p, d, g = ("prefill", pre.address), ("decode", dec.address), ("decode", gone.address)
@@ -251,6 +253,9 @@ def test_worker_load_reports_are_exported(script_ids: list[int]) -> None:
             ("splitserve:worker_healthy", *p): 1,
             ("splitserve:kv_cache_usage_perc", *d): 0.5,
             ("splitserve:num_preemptions_total", *d): 7,
+            ("splitserve:spec_decode_num_draft_tokens_total", *d): 40,
+            ("splitserve:spec_decode_num_accepted_tokens_total", *d): 25,
+            ("splitserve:spec_decode_num_draft_tokens_total", *p): 0,
             ("splitserve:worker_healthy", *d): 1,
             ("splitserve:kv_cache_usage_perc", *g): 0,
             ("splitserve:worker_healthy", *g): 1,

@@ -275,6 +275,8 @@ class LoadReport(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     TIER_HIT_TOKENS_FIELD_NUMBER: _builtins.int
     TIER_SAVED_BLOCKS_FIELD_NUMBER: _builtins.int
+    SPEC_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
     num_running: _builtins.int
     num_waiting: _builtins.int
     kv_cache_usage: _builtins.float
@@ -300,6 +302,12 @@ class LoadReport(_message.Message):
     """
     tier_saved_blocks: _builtins.int
     """KV blocks written to the tiers"""
+    spec_draft_tokens: _builtins.int
+    """Decode and colocated workers with speculative decoding (cumulative, like the counters above):
+    draft tokens verified
+    """
+    spec_accepted_tokens: _builtins.int
+    """of those, drafts accepted"""
     def __init__(
         self,
         *,
@@ -317,10 +325,12 @@ class LoadReport(_message.Message):
         num_blocks: _builtins.int = ...,
         tier_hit_tokens: _builtins.int = ...,
         tier_saved_blocks: _builtins.int = ...,
+        spec_draft_tokens: _builtins.int = ...,
+        spec_accepted_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "fingerprint", b"fingerprint", "kv_cache_usage", b"kv_cache_usage", "num_blocks", b"num_blocks", "num_free_blocks", b"num_free_blocks", "num_leases", b"num_leases", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "tier_hit_tokens", b"tier_hit_tokens", "tier_saved_blocks", b"tier_saved_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "fingerprint", b"fingerprint", "kv_cache_usage", b"kv_cache_usage", "num_blocks", b"num_blocks", "num_free_blocks", b"num_free_blocks", "num_leases", b"num_leases", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "tier_hit_tokens", b"tier_hit_tokens", "tier_saved_blocks", b"tier_saved_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -49,8 +49,16 @@ class DecodeRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     KV_HANDLE_FIELD_NUMBER: _builtins.int
     KV_FAILURE_POLICY_FIELD_NUMBER: _builtins.int
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     kv_failure_policy: Global___KvFailurePolicy.ValueType
+    num_speculative_tokens: _builtins.int
+    """Speculative decoding for this request (the gateway's policy for the worker's load).
+    Absent: the worker's default (its --num-speculative-tokens); 0: off; n: at most n drafts
+    per step, never above the worker's own setting. Ignored by a worker without a speculative
+    method. Above the engine's limit (MAX_SPECULATIVE_TOKENS in engine/config.py) the call
+    fails with INVALID_ARGUMENT.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -76,12 +84,15 @@ class DecodeRequest(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         kv_handle: _common_pb2.KvHandle | None = ...,
         kv_failure_policy: Global___KvFailurePolicy.ValueType = ...,
+        num_speculative_tokens: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["kv_handle", b"kv_handle", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_num_speculative_tokens", b"_num_speculative_tokens", "kv_handle", b"kv_handle", "num_speculative_tokens", b"num_speculative_tokens", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_failure_policy", b"kv_failure_policy", "kv_handle", b"kv_handle", "output_token_ids", b"output_token_ids", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_num_speculative_tokens", b"_num_speculative_tokens", "kv_failure_policy", b"kv_failure_policy", "kv_handle", b"kv_handle", "num_speculative_tokens", b"num_speculative_tokens", "output_token_ids", b"output_token_ids", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__num_speculative_tokens: _TypeAlias = _typing.Literal["num_speculative_tokens"]  # noqa: Y015
+    _WhichOneofArgType__num_speculative_tokens: _TypeAlias = _typing.Literal["_num_speculative_tokens", b"_num_speculative_tokens"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__num_speculative_tokens) -> _WhichOneofReturnType__num_speculative_tokens | None: ...
 
 Global___DecodeRequest: _TypeAlias = DecodeRequest  # noqa: Y015
 
