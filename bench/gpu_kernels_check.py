@@ -89,7 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rep-ms", type=int, default=100, help="do_bench repetition time (ms)")
     parser.add_argument("--only", default="",
                         help="comma-separated subset of: decode,prefill,elementwise,graph,gemv,fp8,"
-                             "int8")
+                             "int8,verify")
     return parser.parse_args(argv)
 
 
@@ -342,6 +342,33 @@ class Checker:
         ref = paged_decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale)
         result = verdict({"batch": batch, "context": context, **errors(out, ref)}, self.dtype)
         result["graph_replay_ms"] = self.timer(graph.replay)
+        return result
+
+    def verify(self, batch: int, context: int, query_len: int) -> dict[str, Any]:
+        """A speculative verify step's attention: `query_len` tokens per sequence at the end of
+        `context` positions, through the split decode kernel (`query_len=`) and through the
+        paged prefill kernel (what verify steps used before), against the reference."""
+        from engine.kernels import paged_decode_attention, paged_prefill_attention
+        from engine.kernels.reference import paged_attention_ref
+
+        q_lens = [query_len] * batch
+        b = self.varlen_batch(q_lens, [context - query_len] * batch,
+                              lambda num_blocks: make_cache(num_blocks, self.s, self.dtype,
+                                                            self.device, self.gen))
+        paged_decode_attention(b.q, b.kv_cache, b.block_tables, b.seq_lens, b.scale, out=b.out,
+                               max_seq_len=context, query_len=query_len)
+        ref = paged_attention_ref(b.q, b.kv_cache, b.qsl, b.seq_lens, b.block_tables, b.scale)
+        result = verdict({"batch": batch, "context": context, "query_len": query_len,
+                          **errors(b.out, ref)}, self.dtype)
+        del ref
+        result["decode_kernel_ms"] = self.timer(lambda: paged_decode_attention(
+            b.q, b.kv_cache, b.block_tables, b.seq_lens, b.scale, out=b.out,
+            max_seq_len=context, query_len=query_len))
+        result["prefill_kernel_ms"] = self.timer(lambda: paged_prefill_attention(
+            b.q, b.kv_cache, b.qsl, b.seq_lens, b.block_tables, b.scale, query_len, out=b.out))
+        kv_bytes = (batch * context * self.s.num_kv_heads * self.s.head_dim * 2
+                    * b.kv_cache.element_size())
+        result["decode_kernel_gb_per_s"] = kv_bytes / (result["decode_kernel_ms"] * 1e-3) / 1e9
         return result
 
     # -- prefill -----------------------------------------------------------------------
@@ -703,6 +730,14 @@ def run_all(checker: Checker, only: set[str]) -> None:
                 checker.run(f"decode_b{batch}_ctx{context}", one)
         checker.run("decode_varlen", lambda: checker.decode(
             s.decode_batches[-1], s.decode_contexts[-1], varlen=True))
+    if want("verify"):
+        for batch in s.decode_batches[:3]:
+            for context in s.decode_contexts[:2]:
+
+                def one_verify(b: int = batch, c: int = context) -> dict[str, Any]:
+                    return checker.verify(b, c, query_len=5)
+
+                checker.run(f"verify_q5_b{batch}_ctx{context}", one_verify)
     if want("graph") and checker.device.type == "cuda":
         checker.run("decode_cuda_graph", checker.decode_graph)
     if want("prefill"):
@@ -751,7 +786,8 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda")
         shapes = REAL
     only = {p.strip() for p in args.only.split(",") if p.strip()}
-    unknown = only - {"decode", "prefill", "elementwise", "graph", "gemv", "fp8", "int8"}
+    unknown = only - {"decode", "prefill", "elementwise", "graph", "gemv", "fp8", "int8",
+                      "verify"}
     if unknown:
         print(f"--only: unknown parts {sorted(unknown)}", file=sys.stderr)
         return 2

@@ -75,7 +75,8 @@ class CudaGraphRunner:
             # Verify rows are prefill rows to the backend: causal over their own sequence.
             num_decodes=b if q == 1 else 0, max_query_len=q,
             max_seq_len=self.runner.max_model_len,
-            query_start_loc_cpu=list(range(0, (b + 1) * q, q)), seq_lens_cpu=[q] * b)
+            query_start_loc_cpu=list(range(0, (b + 1) * q, q)), seq_lens_cpu=[q] * b,
+            uniform_query_len=q if q > 1 else 0)
 
     def _forward(self, b: int) -> None:
         r = self.runner

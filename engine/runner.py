@@ -385,7 +385,8 @@ class ModelRunner:
             slot_mapping=big_d[2 * num_tokens:3 * num_tokens], num_decodes=num_decodes,
             max_query_len=uniform_q or max(s.num_new_tokens for s in sched),
             max_seq_len=max(seq_lens_cpu),
-            query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens_cpu)
+            query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens_cpu,
+            uniform_query_len=uniform_q if uniform_q > 1 else 0)
         return (big_d[:num_tokens], big_d[num_tokens:2 * num_tokens], md,
                 big_d[rows_at:rows_at + num_sample])
 

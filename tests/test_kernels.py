@@ -399,6 +399,66 @@ def test_prefill_decode_rows_agree_with_decode_kernel() -> None:
     torch.testing.assert_close(prefill, decode, atol=2e-5, rtol=2e-5)
 
 
+# Speculative verification: several query tokens per sequence in the split decode kernel.
+
+
+@pytest.mark.parametrize(
+    "query_len, seq_lens, num_splits, dtype, heads",
+    [
+        (3, [3, 9, 40], 1, torch.float32, (8, 2)),
+        # 33 = 2 x 16 + 1: with 3 splits of 16 positions over the 31 every token sees, the
+        # last split takes the causal tail; 40 leaves empty trailing splits.
+        (3, [33, 5, 40], 3, torch.float32, (8, 2)),
+        (5, [5, 21, 64], 4, torch.float32, (4, 1)),   # 20 rows of 32: MQA, padded dot rows
+        (5, [18, 37], 2, torch.bfloat16, (8, 2)),
+        (4, [4, 30], 8, torch.float16, (4, 2)),
+    ],
+)
+def test_decode_several_query_tokens_match_causal_prefill(
+    query_len: int, seq_lens: list[int], num_splits: int, dtype: torch.dtype,
+    heads: tuple[int, int],
+) -> None:
+    batch = make_batch([query_len] * len(seq_lens), seq_lens, num_heads=heads[0],
+                       num_kv_heads=heads[1], head_dim=16, block_size=4, dtype=dtype,
+                       seed=query_len * 31 + num_splits)
+    want = R.paged_attention_ref(batch.q, batch.kv_cache, batch.query_start_loc, batch.seq_lens,
+                                 batch.block_tables, 0.3)
+    out = torch.full_like(batch.q, float("nan"))
+    for _ in range(2):  # twice: the split counters are reset for the next launch
+        out.fill_(float("nan"))
+        K.paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens,
+                                 0.3, out=out, num_splits=num_splits, query_len=query_len)
+        assert torch.isfinite(out).all(), "some output elements were never written"
+        assert_close_for(out.float(), want.float(), dtype)
+    assert_close_for(out.double(), naive_attention(batch, 0.3), dtype)
+    if num_splits > 1:
+        _assert_counters_reset(batch.q.device)
+
+
+def test_decode_several_query_tokens_fp8_cache() -> None:
+    batch = make_batch([4, 4], [4, 29], num_heads=8, num_kv_heads=2, head_dim=16, block_size=4,
+                       seed=77)
+    batch.kv_cache = (batch.kv_cache * 4).to(torch.float8_e4m3fn)
+    k_scale, v_scale = 0.05, 2.0
+    want = R.paged_attention_ref(batch.q, batch.kv_cache, batch.query_start_loc, batch.seq_lens,
+                                 batch.block_tables, 0.3, k_scale, v_scale)
+    for n in (1, 3):
+        got = K.paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables,
+                                       batch.seq_lens, 0.3, num_splits=n, query_len=4,
+                                       k_scale=k_scale, v_scale=v_scale)
+        assert_close_for(got, want, torch.float32)
+
+
+def test_decode_query_len_must_divide_the_tokens() -> None:
+    batch = make_batch([3, 3], [3, 8], seed=5)
+    with pytest.raises(KernelInputError, match="query_len"):
+        K.paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens,
+                                 0.3, query_len=4)
+    with pytest.raises(KernelInputError, match="query_len"):
+        K.paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens,
+                                 0.3, query_len=0)
+
+
 # ----------------------------------------------------------------------------- elementwise
 
 

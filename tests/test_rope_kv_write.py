@@ -269,3 +269,43 @@ def test_engine_triton_backend_matches_torch_backend(tiny_model_dirs: dict[str, 
         torch.testing.assert_close(got.logits_matrix(), want.logits_matrix(), atol=1e-4,
                                    rtol=1e-4, msg=rid)
         assert got.request.output_token_ids == want.request.output_token_ids
+
+
+def test_engine_verify_steps_through_the_decode_kernel(tiny_model_dirs: dict[str, Path],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Speculative verify steps laid out for the verify graphs (1 + 4 rows per sequence) run
+    the split decode kernel with several query tokens: the tokens are the torch backend's plain
+    greedy ones, with drafts accepted and rejected."""
+    from test_spec_decode import _ScriptedProposer
+
+    prompts = {"a": [5, 17, 99, 3, 8, 21], "b": [250, 7, 42, 8, 300, 11, 64]}
+    plain = {}
+    ref = tiny_llm(tiny_model_dirs["llama"], max_model_len=32)
+    for rid, prompt in prompts.items():
+        ref.engine.add_request(rid, prompt, greedy(9))
+    for rid, tr in run_to_end(ref.engine).items():
+        plain[rid] = tr.request.output_token_ids
+    query_lens: list[int] = []
+    decode = K.paged_decode_attention
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        query_lens.append(int(kwargs.get("query_len", 1)))  # type: ignore[call-overload]
+        return decode(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(K, "paged_decode_attention", spy)
+    llm = tiny_llm(tiny_model_dirs["llama"], attention_backend="triton", max_model_len=32,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    llm.engine.runner.verify_q_len = 5
+    llm.engine.proposer = _ScriptedProposer(list(prompts.values()), list(plain.values()),
+                                            wrong_from=2)
+    for rid, prompt in prompts.items():
+        llm.engine.add_request(rid, prompt, greedy(9))
+    got: dict[str, list[int]] = {rid: [] for rid in prompts}
+    while llm.engine.has_unfinished_requests():
+        for o in llm.engine.step():
+            got[o.request_id].extend(o.new_token_ids)
+    assert got == plain
+    assert 5 in query_lens, "no verify step reached the decode kernel"
+    sched = llm.engine.scheduler
+    assert 0 < sched.num_accepted_tokens < sched.num_draft_tokens
+    sched.check_integrity()

@@ -36,6 +36,9 @@ class AttentionMetadata:
     # A backend's plan for the prefill sequences (which kernel each attends with), made at the
     # first layer and reused by the others: once per step, not once per layer.
     prefill_plan: tuple[PrefillRun, ...] | None = None
+    # > 1: a speculative verify step laid out with exactly this many query tokens per sequence
+    # (no decodes; `ModelRunner.prepare(uniform_q=...)`), which the decode kernel can take whole.
+    uniform_query_len: int = 0
 
 
 def split_decode_metadata(md: AttentionMetadata, split: int

@@ -3,8 +3,10 @@
 One step: rotate q and k (RoPE) and write this step's K/V into the blocks in one fused kernel,
 then split-K decode attention for the leading single-token sequences and varlen causal prefill
 attention for the rest; each long prompt with nothing cached goes through torch SDPA instead
-(prefill_plan.py, sdpa_prefill.py). No host syncs, so a pure-decode step can be captured in a
-CUDA graph.
+(prefill_plan.py, sdpa_prefill.py). A speculative verify step laid out with the same number of
+query tokens per sequence goes to the decode kernel whole: one program per KV head reads each
+tile once for all its query rows, split over the context. No host syncs, so pure-decode and
+verify steps can be captured in CUDA graphs.
 An fp8 cache passes the layer's K/V scales to the kernels as Python floats (constant per engine,
 so baked into captured graphs).
 """
@@ -53,6 +55,10 @@ class TritonAttentionBackend:
         else:
             kern.rotary_and_write_kv(rope.positions, q, k, v, rope.cos_sin_cache, kv_cache,
                                      md.slot_mapping, ks, vs, is_neox=rope.is_neox)
+        if md.uniform_query_len > 1:  # a verify step: the split decode kernel, q_len rows each
+            return kern.paged_decode_attention(
+                q, kv_cache, md.block_tables, md.seq_lens, scale, max_seq_len=md.max_seq_len,
+                k_scale=ks, v_scale=vs, query_len=md.uniform_query_len)
         nd = md.num_decodes
         runs = md.prefill_plan
         if runs is None:

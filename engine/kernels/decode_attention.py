@@ -1,11 +1,15 @@
-"""Triton paged decode attention: one query token per sequence, split-K (flash-decoding), one
-kernel launch.
+"""Triton paged decode attention: a few query tokens per sequence (one when decoding; 1 + the
+drafts when verifying speculative tokens), split-K (flash-decoding), one kernel launch.
 
 One program per `(sequence, kv_head, split)`. It takes all `GROUP = H / Hkv` query heads that
-share the KV head as one `[BLOCK_G, D]` matrix (padded to 16 rows for `tl.dot`), so each K/V
-tile is read once per group, and walks its split's slice of the sequence. A split's slice is
-`ceil(ceil(seq_len / num_splits) / BLOCK_N) * BLOCK_N` positions, computed on the device from
-`seq_lens`, so every sequence uses all splits and the host never reads `seq_lens`.
+share the KV head, for each of the sequence's `QUERY_LEN` tokens, as one `[BLOCK_G, D]` matrix
+(row = token * GROUP + head, padded to 16 rows for `tl.dot`), so each K/V tile is read once per
+group and step: a verify step's extra query rows fill rows that decoding pads. Token `t` sits
+at position `seq_len - QUERY_LEN + t` and attends causally up to it. A split's slice is
+`ceil(ceil(n / num_splits) / BLOCK_N) * BLOCK_N` positions of the `n = seq_len - QUERY_LEN + 1`
+that every token sees, computed on the device from `seq_lens` (the last non-empty split also
+takes the final `QUERY_LEN - 1` positions), so every sequence uses all splits, the host never
+reads `seq_lens`, and each row sees at least one position of every split it computes.
 
 With `num_splits == 1` the program normalises and writes the output directly. Otherwise it
 writes partial results per split::
@@ -130,6 +134,7 @@ def _decode_split_kernel(
     SCALE_IS_PTR: tl.constexpr,
     HEAD_MAJOR: tl.constexpr,  # grid (Hkv, B, S) instead of (B, Hkv, S); see `DecodeTiles`
     USE_PDL: tl.constexpr,
+    QUERY_LEN: tl.constexpr = 1,  # query tokens per sequence (q, out: [B * QUERY_LEN, H, D])
 ):
     pdl_wait(USE_PDL)  # everything below reads what earlier kernels wrote
     pdl_release(USE_PDL)
@@ -141,16 +146,24 @@ def _decode_split_kernel(
         kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = ceil_div(ceil_div(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    # Positions every token of the sequence sees; the splits cut these, and the last
+    # non-empty split also takes the rest (each token's own causal tail).
+    shared_len = seq_len - (QUERY_LEN - 1)
+    split_len = ceil_div(ceil_div(shared_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    end = tl.minimum(start + split_len, shared_len)
+    if QUERY_LEN > 1:
+        end = tl.where((start < shared_len) & (end == shared_len), seq_len, end)
 
     g = tl.arange(0, BLOCK_G)
     dims = tl.arange(0, HEAD_DIM)
-    heads = kv_head * GROUP + g  # [BLOCK_G]
-    g_mask = g < GROUP
-    q_off = seq.to(tl.int64) * stride_q_b + heads[:, None] * stride_q_h + dims[None, :]
+    token = g // GROUP  # [BLOCK_G] query token of each row
+    heads = kv_head * GROUP + g % GROUP
+    g_mask = g < GROUP * QUERY_LEN
+    q_row = seq.to(tl.int64) * QUERY_LEN + token  # row of q / out: [B * QUERY_LEN, H, D]
+    q_off = q_row[:, None] * stride_q_b + heads[:, None] * stride_q_h + dims[None, :]
     q = tl.load(q_ptr + q_off, mask=g_mask[:, None], other=0.0)  # [BLOCK_G, D]
+    q_pos = shared_len - 1 + token  # [BLOCK_G] each row's own position (read when causal)
     if KV_FP8:
         qk_scale = qk_scale * load_scale(k_scale, SCALE_IS_PTR)
     if F16_DOTS:  # once per program: the tile step then skips the per-score multiply
@@ -164,15 +177,14 @@ def _decode_split_kernel(
     v_head_ptr = v_cache_ptr + kv_head * HEAD_DIM
     for n0 in range(start, end, BLOCK_N):
         acc, l_i, m_i = attend_kv_tile(
-            acc, l_i, m_i, q, g, n0, end, block_table_ptr, k_head_ptr, v_head_ptr, qk_scale,
-            stride_cache_block, stride_cache_tok, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
-            True, False, DOT_PRECISION, UPCAST_DOT, F16_DOTS, FP8_CVT,
+            acc, l_i, m_i, q, q_pos, n0, end, block_table_ptr, k_head_ptr, v_head_ptr,
+            qk_scale, stride_cache_block, stride_cache_tok, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
+            True, QUERY_LEN > 1, DOT_PRECISION, UPCAST_DOT, F16_DOTS, FP8_CVT,
         )
     if KV_FP8:
         acc = acc * load_scale(v_scale, SCALE_IS_PTR)
 
-    first_row = seq.to(tl.int64) * num_heads + kv_head * GROUP  # index into [B, H]
-    row = first_row + g  # [BLOCK_G]
+    row = q_row * num_heads + heads  # [BLOCK_G] index into [B * QUERY_LEN, H]
     if DIRECT:
         # l_i == 0 only for seq_len == 0, where acc == 0 too: the output is zeros.
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -188,8 +200,11 @@ def _decode_split_kernel(
         tl.debug_barrier()
         arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
         if arrived == num_splits - 1:  # every other split's partials are visible now
-            _combine_splits(mid_acc_ptr, mid_m_ptr, mid_l_ptr, out_ptr, first_row,
-                            num_splits, GROUP, HEAD_DIM, BLOCK_R, CHUNK_S, M_CHUNK)
+            for t in tl.static_range(QUERY_LEN):  # each token's GROUP rows are adjacent
+                first_row = ((seq.to(tl.int64) * QUERY_LEN + t) * num_heads
+                             + kv_head * GROUP)  # index into [B * QUERY_LEN, H]
+                _combine_splits(mid_acc_ptr, mid_m_ptr, mid_l_ptr, out_ptr, first_row,
+                                num_splits, GROUP, HEAD_DIM, BLOCK_R, CHUNK_S, M_CHUNK)
             # Nobody else touches this counter in this launch (all have arrived); the
             # next launch on the stream starts after this store.
             tl.store(counter_ptr, 0)
@@ -379,11 +394,15 @@ def paged_decode_attention(
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
     tiles: DecodeTiles | None = None,
+    query_len: int = 1,
 ) -> torch.Tensor:
-    """Attention of one new token per sequence over its paged KV; returns `out [B, H, D]`.
+    """Attention of `query_len` new tokens per sequence over its paged KV (causal among them);
+    returns `out [B * query_len, H, D]`.
 
-    q: `[B, H, D]` (dense in its last two dims), dtype = kv_cache dtype (fp32/fp16/bf16 when the
-    cache is fp8).
+    q: `[B * query_len, H, D]` (dense in its last two dims; a sequence's tokens adjacent), dtype
+    = kv_cache dtype (fp32/fp16/bf16 when the cache is fp8).
+    query_len: 1 for decoding; 1 + drafts for a speculative verify step, whose `seq_lens` count
+    all of its tokens (token t sits at position `seq_len - query_len + t`).
     kv_cache: `[2, NB, BS, Hkv, D]` contiguous, already holding this step's K/V.
     k_scale/v_scale: fp8 cache only (None = 1.0): the stored values times these are K and V;
     Python floats or one-element float32 tensors on the cache's device.
@@ -400,8 +419,12 @@ def paged_decode_attention(
     _, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache)
     q = check_tensor("q", q, 3, FLOAT_DTYPES)
     check_matches_cache("q", q, kv_cache.dtype)
-    batch, num_heads = q.shape[0], q.shape[1]
-    check_shape("q", q, (batch, num_heads, head_dim))
+    query_len = check_positive_int("query_len", query_len)
+    if q.shape[0] % query_len:
+        raise KernelInputError(f"q has {q.shape[0]} tokens, not a multiple of query_len "
+                               f"{query_len}")
+    batch, num_heads = q.shape[0] // query_len, q.shape[1]
+    check_shape("q", q, (batch * query_len, num_heads, head_dim))
     check_inner_dense("q", q, 2)
     check_gqa(num_heads, num_kv_heads)
     block_tables = check_tensor("block_tables", block_tables, 2, INDEX_DTYPES_32)
@@ -418,9 +441,10 @@ def paged_decode_attention(
                   (q, kv_cache, block_tables, seq_lens))
     qk_scale = check_scale(scale) * LOG2E
     if out is None:
-        out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        out = torch.empty((batch * query_len, num_heads, head_dim), dtype=q.dtype,
+                          device=q.device)
     else:
-        out = check_out(out, (batch, num_heads, head_dim), q.dtype, q.device)
+        out = check_out(out, (batch * query_len, num_heads, head_dim), q.dtype, q.device)
     bound = block_tables.shape[1] * block_size if max_seq_len is None else max_seq_len
     bound = check_positive_int("max_seq_len", bound)
     if num_splits is None:
@@ -434,7 +458,8 @@ def paged_decode_attention(
         raise KernelInputError("k_scale and v_scale must both be floats or both be tensors")
     if tiles is None:
         tiles = choose_decode_tiles(head_dim, kv_cache.dtype, num_splits)
-    _launch(q, kv_cache, block_tables, seq_lens, qk_scale, out, num_splits, kv_scales, tiles)
+    _launch(q, kv_cache, block_tables, seq_lens, qk_scale, out, num_splits, kv_scales, tiles,
+            query_len)
     return out
 
 
@@ -448,8 +473,10 @@ def _launch(
     num_splits: int,
     kv_scales: tuple[KvScale, KvScale],
     tiles: DecodeTiles,
+    query_len: int = 1,
 ) -> None:
-    batch, num_heads, head_dim = q.shape
+    rows, num_heads, head_dim = q.shape
+    batch = rows // query_len
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
     direct = num_splits == 1
@@ -457,9 +484,9 @@ def _launch(
         mid_acc = mid_m = mid_l = out
         counters = seq_lens
     else:
-        mid_acc = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32,
+        mid_acc = torch.empty((rows, num_heads, num_splits, head_dim), dtype=torch.float32,
                               device=q.device)
-        mid_m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        mid_m = torch.empty((rows, num_heads, num_splits), dtype=torch.float32, device=q.device)
         mid_l = torch.empty_like(mid_m)
         counters = split_counters(q.device, batch * num_kv_heads)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -474,7 +501,7 @@ def _launch(
         q.stride(0), q.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1),
         GROUP=group,
-        BLOCK_G=max(16, block_r),
+        BLOCK_G=max(16, next_power_of_2(group * query_len)),
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
         BLOCK_N=tiles.block_n,
@@ -490,6 +517,7 @@ def _launch(
         SCALE_IS_PTR=isinstance(kv_scales[0], torch.Tensor),
         HEAD_MAJOR=tiles.head_major,
         USE_PDL=pdl,
+        QUERY_LEN=query_len,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
         maxnreg=tiles.maxnreg,
