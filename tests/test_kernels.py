@@ -787,3 +787,11 @@ def test_fp8_inputs_are_validated() -> None:
     with pytest.raises(KernelInputError, match="k_scale is only allowed with an fp8 kv_cache"):
         K.write_kv(plain.q[:, :2], plain.q[:, :2], plain.kv_cache,
                    torch.tensor([0, 1]), k_scale=0.5, v_scale=0.5)
+
+
+def test_verify_steps_split_less_than_decodes() -> None:
+    choose = K.choose_num_splits
+    assert choose(1, 8, 131072, 132, query_len=5) == 17  # ~one program per SM
+    assert choose(1, 8, 131072, 132) == 32  # decoding: ~four (capped)
+    assert choose(16, 8, 131072, 132, query_len=5) == 2
+    assert choose(64, 8, 131072, 132, query_len=5) == 1

@@ -309,10 +309,15 @@ def device_num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(
-    batch_size: int, num_kv_heads: int, max_seq_len: int, num_sms: int = DEFAULT_NUM_SMS
+    batch_size: int, num_kv_heads: int, max_seq_len: int, num_sms: int = DEFAULT_NUM_SMS,
+    query_len: int = 1,
 ) -> int:
     """Splits per sequence: none once `B * Hkv` programs give two per SM, else about four
-    programs per SM.
+    programs per SM when decoding, about one when verifying drafts (`query_len > 1`: each
+    program's tiles carry `query_len` times the rows, and its last split combines `query_len`
+    sets of partials; graph-replayed sweeps on an H200 at 1 + 4 tokens put the best at 8-16
+    splits for 1 sequence, 8 for 4, 2-8 for 16, 1-2 for 64: bench/results/h200/
+    probe_verify_graph_22b5b03.json).
 
     Pure function of host-side ints (never of `seq_lens`), so a CUDA graph captured for a batch
     bucket and a `max_seq_len` bound replays with the same grid. Each split keeps at least
@@ -321,7 +326,7 @@ def choose_num_splits(
     programs = max(1, batch_size * num_kv_heads)
     if programs >= 2 * num_sms:
         return 1
-    wanted = triton.cdiv(4 * num_sms, programs)
+    wanted = triton.cdiv((4 if query_len == 1 else 1) * num_sms, programs)
     by_length = max(1, max_seq_len // MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
@@ -448,7 +453,8 @@ def paged_decode_attention(
     bound = block_tables.shape[1] * block_size if max_seq_len is None else max_seq_len
     bound = check_positive_int("max_seq_len", bound)
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, bound, device_num_sms(q.device))
+        num_splits = choose_num_splits(batch, num_kv_heads, bound, device_num_sms(q.device),
+                                       query_len)
     num_splits = check_positive_int("num_splits", num_splits)
     if batch == 0:
         return out
