@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import time
@@ -123,8 +124,12 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--modes", default="plain,ngram,reject,oracle",
+                   help="which of plain, ngram, reject, oracle to run (plain always runs: the "
+                        "others are compared with it)")
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    modes = {m.strip() for m in args.modes.split(",")}
     t = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=4096, seed=1,
               max_num_batched_tokens=8192, max_num_seqs=max(batches),
@@ -140,23 +145,27 @@ def main() -> int:
         prompts = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(b)]
         # Prefill once untimed so every mode decodes over cached prompts (prefix hits).
         run_batch(llm, prompts, SamplingParams(temperature=0, max_tokens=1), 0, f"warm{b}")
-        plain = run_batch(llm, prompts, params, 0, f"plain{b}")
-        ngram = run_batch(llm, prompts, params, None, f"ngram{b}")
-        llm.engine.proposer = RejectedDrafts(vocab)
-        reject = run_batch(llm, prompts, params, None, f"reject{b}")
-        llm.engine.proposer = PositionalOracle([q + o for q, o in zip(prompts, plain["tokens"],
-                                                                       strict=True)])
-        oracle = run_batch(llm, prompts, params, None, f"oracle{b}")
+        runs = {"plain": run_batch(llm, prompts, params, 0, f"plain{b}")}
+        plain = runs["plain"]
+        if "ngram" in modes:
+            runs["ngram"] = run_batch(llm, prompts, params, None, f"ngram{b}")
+        if "reject" in modes:
+            llm.engine.proposer = RejectedDrafts(vocab)
+            runs["reject"] = run_batch(llm, prompts, params, None, f"reject{b}")
+        if "oracle" in modes:
+            llm.engine.proposer = PositionalOracle(
+                [q + o for q, o in zip(prompts, plain["tokens"], strict=True)])
+            runs["oracle"] = run_batch(llm, prompts, params, None, f"oracle{b}")
         llm.engine.proposer = proposer
-        for mode, r in (("plain", plain), ("ngram", ngram), ("reject", reject),
-                        ("oracle", oracle)):
+        for mode, r in runs.items():
             row = {"batch": b, "mode": mode, **{k: v for k, v in r.items() if k != "tokens"}}
             if mode != "plain":
                 row["vs_plain"] = compare(r["tokens"], plain["tokens"])
                 row["speedup_tpot"] = round(plain["tpot_ms_median"] / r["tpot_ms_median"], 3)
             rows.append(row)
             print(json.dumps(row))
-    doc = {"model": args.model, "k": args.k, "input_len": args.input_len,
+    doc = {"model": args.model, "k": args.k,
+           "verify_attention": os.environ.get("SPLITSERVE_VERIFY_ATTENTION", "decode"), "input_len": args.input_len,
            "output_len": args.output_len, "load_s": round(load_s, 1), "rows": rows,
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "git": git_info(),

@@ -271,12 +271,17 @@ def test_engine_triton_backend_matches_torch_backend(tiny_model_dirs: dict[str, 
         assert got.request.output_token_ids == want.request.output_token_ids
 
 
+@pytest.mark.parametrize("verify_attention", ["decode", "prefill"])
 def test_engine_verify_steps_through_the_decode_kernel(tiny_model_dirs: dict[str, Path],
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       verify_attention: str) -> None:
     """Speculative verify steps laid out for the verify graphs (1 + 4 rows per sequence) run
-    the split decode kernel with several query tokens: the tokens are the torch backend's plain
-    greedy ones, with drafts accepted and rejected."""
+    the split decode kernel with several query tokens (or, with SPLITSERVE_VERIFY_ATTENTION=
+    prefill, the paged prefill kernel): the tokens are the torch backend's plain greedy ones,
+    with drafts accepted and rejected."""
     from test_spec_decode import _ScriptedProposer
+
+    monkeypatch.setenv("SPLITSERVE_VERIFY_ATTENTION", verify_attention)
 
     prompts = {"a": [5, 17, 99, 3, 8, 21], "b": [250, 7, 42, 8, 300, 11, 64]}
     plain = {}
@@ -305,7 +310,13 @@ def test_engine_verify_steps_through_the_decode_kernel(tiny_model_dirs: dict[str
         for o in llm.engine.step():
             got[o.request_id].extend(o.new_token_ids)
     assert got == plain
-    assert 5 in query_lens, "no verify step reached the decode kernel"
+    assert (5 in query_lens) == (verify_attention == "decode")
     sched = llm.engine.scheduler
     assert 0 < sched.num_accepted_tokens < sched.num_draft_tokens
     sched.check_integrity()
+
+
+def test_verify_attention_switch_rejects_unknown_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPLITSERVE_VERIFY_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="SPLITSERVE_VERIFY_ATTENTION"):
+        TritonAttentionBackend()

@@ -13,6 +13,8 @@ so baked into captured graphs).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from engine.attention.forward_context import AttentionMetadata, RopeInputs
@@ -37,6 +39,7 @@ class TritonAttentionBackend:
 
         self._k = kernels
         self._fresh_prefill_sdpa = fresh_prefill_enabled()
+        self._verify_by_decode_kernel = verify_by_decode_kernel()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float,
@@ -55,7 +58,8 @@ class TritonAttentionBackend:
         else:
             kern.rotary_and_write_kv(rope.positions, q, k, v, rope.cos_sin_cache, kv_cache,
                                      md.slot_mapping, ks, vs, is_neox=rope.is_neox)
-        if md.uniform_query_len > 1:  # a verify step: the split decode kernel, q_len rows each
+        if md.uniform_query_len > 1 and self._verify_by_decode_kernel:
+            # A verify step: the split decode kernel, uniform_query_len rows per sequence.
             return kern.paged_decode_attention(
                 q, kv_cache, md.block_tables, md.seq_lens, scale, max_seq_len=md.max_seq_len,
                 k_scale=ks, v_scale=vs, query_len=md.uniform_query_len)
@@ -85,3 +89,11 @@ class TritonAttentionBackend:
                     out=out[a:b], k_scale=ks, v_scale=vs)
         return out
 
+
+def verify_by_decode_kernel() -> bool:
+    """Whether verify steps take the split decode kernel (default) rather than the paged prefill
+    kernel (`SPLITSERVE_VERIFY_ATTENTION=prefill`, for A/Bs); read when a backend is created."""
+    value = os.environ.get("SPLITSERVE_VERIFY_ATTENTION", "decode").strip().lower()
+    if value not in ("decode", "prefill"):
+        raise ValueError(f"SPLITSERVE_VERIFY_ATTENTION must be decode or prefill, got {value!r}")
+    return value == "decode"
