@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import statistics
 import time
 from collections.abc import Sequence
@@ -38,6 +39,34 @@ import torch
 from bench.results import git_info
 from engine import LLM, SamplingParams
 from engine.outputs import StepOutput
+
+# Real-text tasks where prompt lookup is expected to find drafts (the model copies spans of its
+# input or of its own output) and one where it is not (free writing): with a real model
+# (`--model ""`, the embedded SmolLM2) and `--prompts chat` the n-gram rows measure acceptance
+# on text rather than on a random model's loops.
+CHAT_PROMPTS = [
+    "Add type hints to this Python function and return the whole function:\n\n"
+    "def merge(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
+    "        if a[i] <= b[j]:\n            out.append(a[i])\n            i += 1\n"
+    "        else:\n            out.append(b[j])\n            j += 1\n"
+    "    out.extend(a[i:])\n    out.extend(b[j:])\n    return out\n",
+    "Convert this list to JSON objects with keys name and city, one per line:\n"
+    "Alice - Paris\nBob - London\nCarla - Madrid\nDavid - Berlin\nEmma - Rome\n"
+    "Farid - Cairo\nGrace - Dublin\nHiro - Tokyo",
+    "Repeat the following sentence exactly three times: The quick brown fox jumps over the "
+    "lazy dog while the cat sleeps on the warm windowsill.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+]
+
+
+def chat_prompts(llm: LLM, n: int) -> list[list[int]]:
+    """The first `n` of CHAT_PROMPTS (cycled) as chat-templated token ids."""
+    tok = llm.engine.tokenizer
+    if tok is None:
+        raise SystemExit("--prompts chat needs a model with a tokenizer (e.g. --model '')")
+    return [tok.encode(tok.apply_chat_template(  # type: ignore[arg-type]
+        [{"role": "user", "content": CHAT_PROMPTS[i % len(CHAT_PROMPTS)]}],
+        add_generation_prompt=True), add_special_tokens=False) for i in range(n)]
 
 
 class PositionalOracle:
@@ -124,6 +153,9 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--prompts", default="random", choices=["random", "chat"],
+                   help="random: --input-len random tokens; chat: CHAT_PROMPTS through the "
+                        "model's chat template (real text; use a real model)")
     p.add_argument("--modes", default="plain,ngram,reject,oracle",
                    help="which of plain, ngram, reject, oracle to run (plain always runs: the "
                         "others are compared with it)")
@@ -142,7 +174,8 @@ def main() -> int:
     proposer = llm.engine.proposer
     rows: list[dict[str, Any]] = []
     for b in batches:
-        prompts = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(b)]
+        prompts = (chat_prompts(llm, b) if args.prompts == "chat" else
+                   [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(b)])
         # Prefill once untimed so every mode decodes over cached prompts (prefix hits).
         run_batch(llm, prompts, SamplingParams(temperature=0, max_tokens=1), 0, f"warm{b}")
         runs = {"plain": run_batch(llm, prompts, params, 0, f"plain{b}")}
@@ -170,7 +203,8 @@ def main() -> int:
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "git": git_info(),
            "command": "PYTHONPATH=. python3 bench/probe_spec.py " + " ".join(
-               f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out")}
+               f"--{k.replace('_', '-')} {shlex.quote(str(v))}" for k, v in vars(args).items()
+               if k != "out")}
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=2)
     return 0
