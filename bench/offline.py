@@ -20,6 +20,7 @@ import numpy as np
 
 from bench.metrics import RequestRecord
 from bench.workloads import BenchRequest, random_requests
+from engine.config import DEFAULT_GC_THRESHOLD
 
 WARMUP_SEED_OFFSET = 1_000_003
 
@@ -45,6 +46,8 @@ class EngineSettings:
     decode_overlap_min_batch: int = 0  # >= 2: two overlapped decode micro-batches
     cuda_graph_max_batch: int = 512  # the engine's default
     quantization: str = "none"  # "fp8": W8A8
+    # The engine's GC thresholds; None: the interpreter's.
+    gc_threshold: tuple[int, int, int] | None = DEFAULT_GC_THRESHOLD
 
     def llm_kwargs(self) -> dict[str, Any]:
         kwargs = asdict(self)

@@ -57,18 +57,22 @@ def main() -> int:
     p.add_argument("--input-len", type=int, default=1000)
     p.add_argument("--output-len", type=int, default=1000)
     p.add_argument("--profile", action="store_true", help="kernel tables of a few steps")
+    p.add_argument("--gc-threshold", default="engine", choices=["engine", "none"],
+                   help="engine: the engine's default GC thresholds; none: CPython's (A/B)")
     args = p.parse_args()
 
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from engine import SamplingParams
+    from engine.config import DEFAULT_GC_THRESHOLD
 
     settings = offline.EngineSettings(
         model=args.model, dtype=args.dtype, max_model_len=8192, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype,
-        cuda_graph_max_batch=args.cuda_graph_max_batch)
+        cuda_graph_max_batch=args.cuda_graph_max_batch,
+        gc_threshold=DEFAULT_GC_THRESHOLD if args.gc_threshold == "engine" else None)
     llm = offline.build_llm(settings)
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
