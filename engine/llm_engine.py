@@ -346,11 +346,20 @@ class LLMEngine:
         text = ""
         detok = self._detoks.get(req.request_id)
         if detok is not None:
-            res = detok.add_tokens(tokens)
-            text = res.text_delta
-            if res.stop_matched is not None and not req.is_finished:
-                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
-                req.stop_reason = res.stop_matched
+            # One token at a time when a step emitted several (speculative decoding): a stop
+            # string may end inside them, and the tokens after it are not part of the output,
+            # exactly as plain decoding would never have produced them.
+            for i, token in enumerate(tokens):
+                res = detok.add_tokens([token])
+                text += res.text_delta
+                if res.stop_matched is not None:
+                    del tokens[i + 1:]
+                    del lp[i + 1:]
+                    if not req.is_finished:
+                        self.scheduler.finish_request(req.request_id,
+                                                      RequestStatus.FINISHED_STOPPED)
+                        req.stop_reason = res.stop_matched
+                    break
         if req.is_finished:
             detok = self._detoks.pop(req.request_id, None)
             if detok is not None and not detok.finished:

@@ -334,19 +334,33 @@ def test_config_validation() -> None:
 
 
 def test_smollm2_ngram_greedy_matches_plain_decoding() -> None:
-    """The real default model on a prompt that repeats itself: same text, fewer steps."""
+    """The real default model on a prompt that repeats itself: same text, fewer steps; and a
+    stop string that ends inside a step's accepted drafts cuts the output where plain decoding
+    stops (the drafts after it are not output)."""
     prompt = ("Repeat this list exactly: apple, banana, cherry, date, elderberry, fig, grape. "
               "Now repeat it again: apple, banana,")
     params = SamplingParams(temperature=0, max_tokens=32)
-    outs = []
-    for cfg in (None, NGRAM):
-        llm = LLM(device="cpu", cpu_threads=2, num_gpu_blocks=256, speculative_config=cfg)
-        outs.append((llm.generate([prompt], params)[0].outputs[0], llm.engine.num_steps,
-                     llm.engine.scheduler.num_accepted_tokens))
-        llm.shutdown()
-    (plain_out, plain_steps, _), (spec_out, spec_steps, accepted) = outs
+    plain_llm = LLM(device="cpu", cpu_threads=2, num_gpu_blocks=256)
+    plain_out = plain_llm.generate([prompt], params)[0].outputs[0]
+    plain_steps = plain_llm.engine.num_steps
+    # A stop string from the middle of the output: the text of output tokens 6-7.
+    tok = plain_llm.get_tokenizer()
+    stop = tok.decode(plain_out.token_ids[6:8])
+    assert stop.strip() and stop in plain_out.text
+    stop_params = SamplingParams(temperature=0, max_tokens=32, stop=[stop])
+    plain_stop = plain_llm.generate([prompt], stop_params)[0].outputs[0]
+    plain_llm.shutdown()
+
+    spec_llm = LLM(device="cpu", cpu_threads=2, num_gpu_blocks=256, speculative_config=NGRAM)
+    spec_out = spec_llm.generate([prompt], params)[0].outputs[0]
+    spec_steps = spec_llm.engine.num_steps
+    accepted = spec_llm.engine.scheduler.num_accepted_tokens
+    spec_stop = spec_llm.generate([prompt], stop_params)[0].outputs[0]
+    spec_llm.shutdown()
     assert spec_out.token_ids == plain_out.token_ids and spec_out.text == plain_out.text
     assert accepted > 0 and spec_steps < plain_steps
+    assert plain_stop.finish_reason == "stop" and spec_stop.finish_reason == "stop"
+    assert spec_stop.token_ids == plain_stop.token_ids and spec_stop.text == plain_stop.text
 
 
 class _NeverProposer:
