@@ -38,6 +38,8 @@ if str(REPO_ROOT) not in sys.path:
 
 import torch  # noqa: E402  (after the sys.path fix, before any Triton import)
 
+from bench.profiling import graph_replay_ms  # noqa: E402
+
 
 @dataclass(frozen=True, slots=True)
 class Shapes:
@@ -272,15 +274,7 @@ class Checker:
 
     def graph_ms(self, fn: Callable[[], object]) -> float:
         """Median replay time of `fn` captured in a CUDA graph (warmed up on a side stream)."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return self.timer(graph.replay)
+        return graph_replay_ms(fn, self.timer)
 
     def decode_forced_splits(self) -> dict[str, Any]:
         """Split-K with many splits on uneven lengths (every path through the reduce)."""

@@ -14,24 +14,17 @@ from collections.abc import Callable
 import torch
 from triton.testing import do_bench
 
+from bench.profiling import graph_replay_ms
 from bench.results import git_info
 from engine.kernels import paged_decode_attention, paged_prefill_attention
 from engine.kernels.decode_attention import DecodeTiles, choose_num_splits
 
 
 def graph_us(fn: Callable[[], object]) -> float:
-    """Median replay time of `fn` captured in a CUDA graph: the kernel alone, as the engine's
-    verify graphs run it (plain do_bench of a ~10 us kernel measures the host's launch)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(10):
-            fn()
-    return round(1e3 * do_bench(graph.replay) / 10, 2)
+    """Median time of one call replayed from a CUDA graph of ten: the kernel alone, as the
+    engine's verify graphs run it (plain do_bench of a ~10 us kernel measures the host's
+    launch)."""
+    return round(1e3 * graph_replay_ms(fn, do_bench, calls=10), 2)
 
 
 def main() -> int:

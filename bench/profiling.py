@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
 
@@ -54,3 +54,22 @@ def rank_by_name(samples: Iterable[tuple[str, float]], rows: int, width: int = 9
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])[:rows]
     return [{"name": name[:width], "calls": int(c), "ms": round(ms, 3)}
             for name, (c, ms) in ranked]
+
+
+def graph_replay_ms(fn: Callable[[], object], timer: Callable[[Callable[[], object]], float],
+                    calls: int = 1) -> float:
+    """Time (ms, as `timer` reports it) of one call of `fn` replayed from a CUDA graph that
+    captured it `calls` times: the kernels alone, as the engine's graphs run them (timing a
+    ~10 µs launch from Python measures the host instead). Warmed up on a side stream first."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return timer(graph.replay) / calls

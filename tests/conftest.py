@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from transformers import (
 
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
+from engine.outputs import StepOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken
@@ -188,3 +189,33 @@ def run_to_end(engine: LLMEngine) -> dict[str, Trace]:
     for _ in drive(engine, traces):
         pass
     return traces
+
+
+# ---- driving an engine step by step --------------------------------------------------------
+
+def run_steps(llm: LLM, prompts: Sequence[list[int]], params: Sequence[SamplingParams],
+              abort_after: dict[str, int] | None = None, max_steps: int = 1000, **add: Any
+              ) -> tuple[dict[str, list[StepOutput]], int]:
+    """Add requests r0, r1, ... and step the engine until none is left; returns every
+    request's step outputs and the step count. `abort_after`: request id -> abort once it has
+    that many outputs. `add`: more `add_request` keywords. Checks that no KV block leaked."""
+    eng = llm.engine
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        eng.add_request(f"r{i}", p, sp, **add)
+    outs: dict[str, list[StepOutput]] = {f"r{i}": [] for i in range(len(params))}
+    steps = 0
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs[o.request_id].append(o)
+            if abort_after and len(outs[o.request_id]) == abort_after.get(o.request_id):
+                eng.abort_request(o.request_id)
+        steps += 1
+        assert steps < max_steps
+    eng.scheduler.check_integrity()
+    assert not eng.kv.req_to_blocks, "blocks still held after every request ended"
+    return outs, steps
+
+
+def step_tokens(outs: dict[str, list[StepOutput]]) -> dict[str, list[int]]:
+    """Each request's output tokens, from `run_steps`' outputs."""
+    return {rid: [t for o in os for t in o.new_token_ids] for rid, os in outs.items()}

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import tiny_llm
+from conftest import run_steps, step_tokens, tiny_llm
 
 from engine import LLM, SamplingParams
 from engine.config import SchedulerConfig
@@ -22,26 +22,10 @@ PROMPTS = [[(7 * i + 3 * j) % 250 + 1 for j in range(n)] for i, n in enumerate([
 
 def _run(llm: LLM, params: list[SamplingParams], abort_after: dict[str, int] | None = None
          ) -> tuple[dict[str, list[StepOutput]], int]:
-    """Drive the engine step by step; returns every request's outputs and the step count."""
-    eng = llm.engine
-    for i, (p, sp) in enumerate(zip(PROMPTS, params, strict=True)):
-        eng.add_request(f"r{i}", p, sp)
-    outs: dict[str, list[StepOutput]] = {f"r{i}": [] for i in range(len(params))}
-    steps = 0
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            outs[o.request_id].append(o)
-            if abort_after and len(outs[o.request_id]) == abort_after.get(o.request_id):
-                eng.abort_request(o.request_id)
-        steps += 1
-        assert steps < 500
-    eng.scheduler.check_integrity()
-    assert not eng.kv.req_to_blocks, "blocks still held after every request ended"
-    return outs, steps
+    return run_steps(llm, PROMPTS, params, abort_after, max_steps=500)
 
 
-def _tokens(outs: dict[str, list[StepOutput]]) -> dict[str, list[int]]:
-    return {rid: [t for o in os for t in o.new_token_ids] for rid, os in outs.items()}
+_tokens = step_tokens
 
 
 def _pair(path: Path, **kwargs: Any) -> tuple[LLM, LLM]:

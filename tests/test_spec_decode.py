@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import tiny_llm
+from conftest import run_steps, step_tokens, tiny_llm
 
 from engine import LLM, SamplingParams
 from engine.config import ConfigError, SpeculativeConfig
@@ -147,23 +147,10 @@ def test_verify_checks_the_row_count() -> None:
 
 def _run(llm: LLM, params: Sequence[SamplingParams], prompts: Sequence[list[int]] = PROMPTS,
          **add: Any) -> tuple[dict[str, list[StepOutput]], int]:
-    eng = llm.engine
-    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-        eng.add_request(f"r{i}", p, sp, **add)
-    outs: dict[str, list[StepOutput]] = {f"r{i}": [] for i in range(len(params))}
-    steps = 0
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            outs[o.request_id].append(o)
-        steps += 1
-        assert steps < 1000
-    eng.scheduler.check_integrity()
-    assert not eng.kv.req_to_blocks, "blocks still held after every request ended"
-    return outs, steps
+    return run_steps(llm, prompts, params, **add)
 
 
-def _tokens(outs: dict[str, list[StepOutput]]) -> dict[str, list[int]]:
-    return {rid: [t for o in os for t in o.new_token_ids] for rid, os in outs.items()}
+_tokens = step_tokens
 
 
 def _greedy(*lengths: int, **kw: Any) -> list[SamplingParams]:
