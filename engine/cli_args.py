@@ -113,6 +113,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=_default(SpeculativeConfig, "prompt_lookup_min"))
     g.add_argument("--prompt-lookup-max", type=_positive_int,
                    default=_default(SpeculativeConfig, "prompt_lookup_max"))
+    g.add_argument("--spec-min-accepted-per-step", type=float,
+                   default=_default(SpeculativeConfig, "min_accepted_per_step"),
+                   help="a request whose verify steps accept fewer drafts than this per step "
+                        "(moving average) pauses drafting for a few steps; 0: never pauses")
 
 
 def engine_config_from_args(args: argparse.Namespace, role: str = "colocated") -> EngineConfig:
@@ -143,5 +147,6 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "colocated") -
         speculative=SpeculativeConfig(method=args.speculative_method,
                                       num_speculative_tokens=args.num_speculative_tokens,
                                       prompt_lookup_min=args.prompt_lookup_min,
-                                      prompt_lookup_max=args.prompt_lookup_max),
+                                      prompt_lookup_max=args.prompt_lookup_max,
+                                      min_accepted_per_step=args.spec_min_accepted_per_step),
     )

@@ -260,6 +260,13 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4     # drafts per step at most
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    # A request whose verify steps recently accepted fewer drafts than this per step (moving
+    # average) pauses drafting for SPEC_PROBE_INTERVAL steps, then tries again: below it a
+    # verify step costs more than the tokens it saves. Measured break-even with 4 drafts: 0.32
+    # on an H200 at batch 1 (a verify step costs 1.32 decode steps,
+    # bench/results/h200/ab_verify_decode_*_6f732f8.json), 0.53 on this project's CPU
+    # (bench/results/cpu_probe_spec_smollm2.json). 0: never pause.
+    min_accepted_per_step: float = 0.4
 
     @property
     def enabled(self) -> bool:
@@ -271,6 +278,10 @@ class SpeculativeConfig:
         if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ConfigError(f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], "
                               f"got {self.num_speculative_tokens}")
+        floor = self.min_accepted_per_step
+        if not isinstance(floor, (int, float)) or not 0 <= floor <= self.num_speculative_tokens:
+            raise ConfigError("min_accepted_per_step must be in [0, num_speculative_tokens], got "
+                              f"{self.min_accepted_per_step!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError("prompt lookup n-gram sizes must satisfy 1 <= prompt_lookup_min <= "
                               f"prompt_lookup_max, got {self.prompt_lookup_min} and "

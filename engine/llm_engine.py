@@ -21,7 +21,7 @@ from engine.request import RemoteKv, Request, RequestStatus
 from engine.runner import ModelRunner, PendingStep
 from engine.sampling_params import SamplingParams
 from engine.scheduler import KvLoad, Lease, SampledToken, Scheduler, SchedulerOutput
-from engine.spec import SPEC_PROBE_INTERVAL, Proposer
+from engine.spec import Proposer, propose_for
 from engine.spec.ngram import NgramProposer
 from engine.tokenizer import Tokenizer
 
@@ -336,9 +336,7 @@ class LLMEngine:
         for req in reqs:
             if (req.num_speculative_tokens and req.status == RequestStatus.RUNNING
                     and not req.num_inflight):
-                req.spec_token_ids = self.proposer.propose(req.all_token_ids,
-                                                           req.num_speculative_tokens)
-                req.spec_sync_in = 0 if req.spec_token_ids else SPEC_PROBE_INTERVAL
+                propose_for(req, self.proposer, self.config.speculative.min_accepted_per_step)
 
     def _step_output(self, req: Request, toks: list[SampledToken]) -> StepOutput:
         tokens = [t.token_id for t in toks]

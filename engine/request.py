@@ -111,6 +111,9 @@ class Request:
         self.num_speculative_tokens = 0
         self.spec_token_ids: list[int] = []
         self.spec_sync_in = 0  # steps left to overlap before the proposer looks again
+        # Moving average of the drafts accepted per verify step (optimistic start).
+        self.spec_accepted_avg = float("inf")
+        self.spec_resume_at = 0  # no drafts before the sequence has this many tokens
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
 

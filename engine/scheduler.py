@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from engine.config import SchedulerConfig
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus, TokenLogprob
+from engine.spec import SPEC_AVG_KEEP
 
 
 @dataclass(slots=True)
@@ -360,6 +361,9 @@ class Scheduler:
         req.num_computed_tokens -= num_drafts - num_accepted
         req.num_draft_tokens += num_drafts
         req.num_accepted_tokens += num_accepted
+        prev = req.spec_accepted_avg
+        req.spec_accepted_avg = (num_accepted if prev == float("inf")
+                                 else SPEC_AVG_KEEP * prev + (1 - SPEC_AVG_KEEP) * num_accepted)
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
 

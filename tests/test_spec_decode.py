@@ -28,6 +28,7 @@ from engine.spec.ngram import NgramProposer
 from engine.spec.rejection import verify
 
 NGRAM: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": 4}
+NGRAM_FLOOR = SpeculativeConfig().min_accepted_per_step
 # Prompts with loops in them (the proposer finds matches), and plain ones.
 PROMPTS = [
     [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7],
@@ -314,6 +315,11 @@ def test_config_validation() -> None:
         SpeculativeConfig(method="eagle").validate()  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
         SpeculativeConfig(method="ngram", num_speculative_tokens=99).validate()
+    with pytest.raises(ConfigError, match="min_accepted_per_step"):
+        SpeculativeConfig(method="ngram", min_accepted_per_step=-1).validate()
+    with pytest.raises(ConfigError, match="min_accepted_per_step"):
+        SpeculativeConfig(method="ngram", num_speculative_tokens=2,
+                          min_accepted_per_step=3).validate()
     with pytest.raises(ConfigError, match="prompt_lookup"):
         SpeculativeConfig(method="ngram", prompt_lookup_min=4, prompt_lookup_max=2).validate()
     with pytest.raises(EngineInputError, match="speculative_config"):
@@ -384,3 +390,32 @@ def test_requests_without_drafts_keep_async_overlap(tiny_model_dirs: dict[str, P
     # The proposer looked once per probe interval, not at every token (149 tokens in all).
     total = sum(len(t) for t in plain.values())
     assert proposer.calls <= total // SPEC_PROBE_INTERVAL + 2 * len(PROMPTS)
+
+
+def test_requests_whose_drafts_keep_failing_pause_drafting(
+        tiny_model_dirs: dict[str, Path], plain: dict[str, list[int]]) -> None:
+    """Wrong drafts every time: with the default floor a request pauses drafting after its
+    verify steps accept nothing (and tries again after SPEC_PROBE_INTERVAL steps), so it
+    verifies far fewer drafts than with the floor off; the tokens are the same either way."""
+    drafted = {}
+    for floor in (0.0, NGRAM_FLOOR):
+        llm = tiny_llm(tiny_model_dirs["llama"],
+                       speculative_config={**NGRAM, "min_accepted_per_step": floor})
+        llm.engine.proposer = _ScriptedProposer(
+            PROMPTS, [plain[f"r{i}"] for i in range(len(PROMPTS))], wrong_from=0)
+        outs, _ = _run(llm, _greedy(24, 17, 30, 9, 21))
+        assert _tokens(outs) == plain
+        assert llm.engine.scheduler.num_accepted_tokens == 0
+        drafted[floor] = llm.engine.scheduler.num_draft_tokens
+    assert drafted[NGRAM_FLOOR] * 3 < drafted[0.0]
+
+
+def test_a_good_verify_step_resumes_drafting(tiny_model_dirs: dict[str, Path],
+                                             plain: dict[str, list[int]]) -> None:
+    """Drafts right after the first two: 2 accepted per step, above the floor: never paused."""
+    llm = _spec_llm(tiny_model_dirs["llama"])
+    llm.engine.proposer = _ScriptedProposer(
+        PROMPTS, [plain[f"r{i}"] for i in range(len(PROMPTS))], wrong_from=2)
+    outs, steps = _run(llm, _greedy(24, 17, 30, 9, 21))
+    assert _tokens(outs) == plain
+    assert steps <= 30 // 3 + 3  # ~3 tokens per step all the way

@@ -18,6 +18,15 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from engine.request import Request
 
+
+class Proposer(Protocol):
+    """Drafts up to `k` tokens to follow `token_ids` (called between steps, per request that
+    speculates). N-gram lookup is the one built (ngram.py); a draft model plugs in here with its
+    own runner, returning its drafts' probabilities to `rejection.verify` as `draft_probs`."""
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]: ...
+
+
 # After a proposal finds no drafts, a request's steps overlap with the host again (async
 # scheduling) for this many steps; then one step finishes before the next is scheduled, so the
 # proposer sees the latest token and can catch a loop that began. Drafting needs the last token
@@ -25,6 +34,33 @@ if TYPE_CHECKING:
 # step its overlap, 10% of a batch-1 step on the H200 (4.55 vs 4.13 ms per token with no
 # drafts found, bench/results/h200/probe_spec_90c7665.json).
 SPEC_PROBE_INTERVAL = 8
+# Weight of the past in a request's moving average of accepted drafts per verify step: half,
+# so one verify step that accepts nothing pauses drafting once the average is near the floor,
+# and one good step lifts it again.
+SPEC_AVG_KEEP = 0.5
+
+
+def propose_for(req: Request, proposer: Proposer, min_accepted_per_step: float) -> None:
+    """Set `req.spec_token_ids`, the drafts it verifies next step (maybe none), and when the
+    proposer looks again (`spec_sync_in`, for async scheduling).
+
+    No drafts found: the next SPEC_PROBE_INTERVAL steps may overlap before the next look.
+    Drafts while its recent verify steps accepted fewer than `min_accepted_per_step` per step:
+    none for the next SPEC_PROBE_INTERVAL tokens (counted in tokens, so a synchronous engine
+    pauses as long as an overlapping one); the average then restarts at the floor, so the next
+    verify step alone decides whether drafting goes on."""
+    paused_for = req.spec_resume_at - req.num_tokens
+    if paused_for > 0:
+        req.spec_token_ids = []
+        req.spec_sync_in = paused_for
+        return
+    drafts = proposer.propose(req.all_token_ids, req.num_speculative_tokens)
+    if drafts and req.spec_accepted_avg < min_accepted_per_step:
+        req.spec_accepted_avg = min_accepted_per_step
+        req.spec_resume_at = req.num_tokens + SPEC_PROBE_INTERVAL
+        drafts = []
+    req.spec_token_ids = drafts
+    req.spec_sync_in = 0 if drafts else SPEC_PROBE_INTERVAL
 
 
 def needs_sync(req: Request) -> bool:
@@ -36,11 +72,3 @@ def needs_sync(req: Request) -> bool:
         req.spec_sync_in -= 1
         return False
     return True
-
-
-class Proposer(Protocol):
-    """Drafts up to `k` tokens to follow `token_ids` (called between steps, per request that
-    speculates). N-gram lookup is the one built (ngram.py); a draft model plugs in here with its
-    own runner, returning its drafts' probabilities to `rejection.verify` as `draft_probs`."""
-
-    def propose(self, token_ids: list[int], k: int) -> list[int]: ...
