@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import math
 import sys
 from typing import Any
@@ -63,6 +64,19 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"))
+    p.add_argument("--speculative-config", type=_json_object, default=None,
+                   help='speculative decoding, as vLLM takes it: e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4}\' (the fields of SpeculativeConfig)')
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,11 +170,15 @@ def cmd_online(args: argparse.Namespace) -> int:
 def cmd_offline(args: argparse.Namespace) -> int:
     from bench.offline import EngineSettings, build_llm, run_latency, run_throughput
 
-    vocab = _vocab_size(args)
     settings = EngineSettings(args.model, args.dtype, args.max_model_len, args.enforce_eager,
                               args.max_num_seqs, args.max_num_batched_tokens,
-                              args.attention_backend)
+                              args.attention_backend,
+                              speculative_config=args.speculative_config)
     llm = build_llm(settings)
+    # The engine in hand knows its vocabulary (any model it loads, the embedded default too).
+    engine = getattr(llm, "engine", None)
+    vocab = (int(engine.model_config.vocab_size) if args.vocab_size is None and engine is not None
+             else _vocab_size(args))
     if args.mode == "latency":
         result = run_latency(llm, args.batch_size, args.input_len, args.output_len, vocab,
                              seed=args.seed)
@@ -170,8 +188,22 @@ def cmd_offline(args: argparse.Namespace) -> int:
         return 0
     records, duration = run_throughput(llm, make_requests(args, vocab))
     metrics = _summarise(args, records, duration, "Offline Benchmark Result")
-    _finish(args, args.model, metrics.to_dict())
+    doc = metrics.to_dict()
+    if args.speculative_config:
+        doc.update(spec_counters(llm))
+        for key, value in spec_counters(llm).items():
+            print(f"{key + ':':<40}{value}")
+    _finish(args, args.model, doc)
     return 0
+
+
+def spec_counters(llm: Any) -> dict[str, Any]:
+    """The engine's speculative decoding counters (names as vLLM's metrics)."""
+    sched = llm.engine.scheduler
+    drafts, accepted = sched.num_draft_tokens, sched.num_accepted_tokens
+    return {"spec_decode_num_draft_tokens": drafts,
+            "spec_decode_num_accepted_tokens": accepted,
+            "spec_decode_acceptance_rate": accepted / drafts if drafts else None}
 
 
 def cmd_hf_baseline(args: argparse.Namespace) -> int:

@@ -48,6 +48,8 @@ class EngineSettings:
     quantization: str = "none"  # "fp8": W8A8
     # The engine's GC thresholds; None: the interpreter's.
     gc_threshold: tuple[int, int, int] | None = DEFAULT_GC_THRESHOLD
+    # Speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4}; None: off.
+    speculative_config: dict[str, Any] | None = None
 
     def llm_kwargs(self) -> dict[str, Any]:
         kwargs = asdict(self)

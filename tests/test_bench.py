@@ -498,3 +498,26 @@ def test_gc_pauses_counts_collections() -> None:
         gc.collect()
     summary = pauses.summary()
     assert summary["collections"][2] >= 1 and summary["total_ms"] >= 0
+
+
+def test_cli_offline_with_speculative_decoding_reports_its_counters(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The real engine (SmolLM2 on the CPU) through `splitserve bench offline`: the
+    speculative config reaches it and the result carries the draft counters."""
+    out = tmp_path / "spec.json"
+    rc = cli.main(["offline", "--model", "", "--dtype", "float32", "--num-prompts", "2",
+                   "--input-len", "24", "--output-len", "12", "--max-num-seqs", "2",
+                   "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+                   "--out", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    metrics = doc["metrics"]
+    assert metrics["completed"] == 2 and metrics["total_output_tokens"] == 24
+    assert metrics["spec_decode_num_accepted_tokens"] <= metrics["spec_decode_num_draft_tokens"]
+    assert doc["settings"]["speculative_config"]["method"] == "ngram"
+    assert "spec_decode_num_draft_tokens:" in capsys.readouterr().out
+
+
+def test_cli_rejects_a_speculative_config_that_is_not_a_json_object() -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["offline", "--speculative-config", "[1, 2]"])
