@@ -132,7 +132,13 @@ def choose_w8a16_tiles(m: int, n: int = 0) -> MatmulTiles:
     Narrow tiles (32 features) give the 4,096- and 6,144-feature weights enough programs; the
     wide gate/up keeps 128. At 8 rows the four calls of a layer take 87 µs against 119 for
     cuBLAS on bf16 weights (161 with the earlier 128-feature tiles); at 64 rows 163 against
-    128 (258 before). Above 64 rows: a first guess, not swept."""
+    128 (258 before).
+    Above 64 rows (CUDA-graph decode buckets; eager calls from `DEQUANT_MIN_ROWS` widen the
+    weight instead): swept at 256 and 512 rows (bench/results/h200/
+    probe_w8a16_large_5f4a686.json). The wide gate/up keeps 128 x 128 tiles at 8 warps; the
+    narrow weights take 64 x 128 at 4 warps, the best single choice over both row counts: a
+    layer's three narrow calls 294 -> 216 µs at 256 rows and 320 -> 287 at 512. Still 2-4x
+    cuBLAS on bf16 weights at these sizes (kernel times only; no end-to-end run)."""
     if interpret_mode():
         return MatmulTiles(16, 16, 16, 1, 1)
     wide = n >= WIDE_N
@@ -140,7 +146,7 @@ def choose_w8a16_tiles(m: int, n: int = 0) -> MatmulTiles:
         return MatmulTiles(16, 128, 256, 4, 3) if wide else MatmulTiles(16, 32, 256, 4, 4)
     if m <= 64:
         return MatmulTiles(64, 128, 64, 4, 4) if wide else MatmulTiles(64, 32, 128, 4, 4)
-    return MatmulTiles(128, 128, 64, 8, 3)
+    return MatmulTiles(128, 128, 64, 8, 3) if wide else MatmulTiles(64, 128, 64, 4, 4)
 
 
 def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
