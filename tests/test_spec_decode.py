@@ -419,3 +419,20 @@ def test_a_good_verify_step_resumes_drafting(tiny_model_dirs: dict[str, Path],
     outs, steps = _run(llm, _greedy(24, 17, 30, 9, 21))
     assert _tokens(outs) == plain
     assert steps <= 30 // 3 + 3  # ~3 tokens per step all the way
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_drafts_stop_at_the_context_end(tiny_model_dirs: dict[str, Path], padded: bool) -> None:
+    """Right drafts up to max_model_len: the last steps draft only what still fits, and the
+    output is plain decoding's to the last position. Padded: verify steps take the padded
+    layout while its padding rows fit the context, the ragged one after."""
+    prompts = [PROMPTS[1][:21], PROMPTS[3][:26]]
+    params = [SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)] * 2
+    want, _ = _run(tiny_llm(tiny_model_dirs["llama"], max_model_len=32), params, prompts)
+    llm = _spec_llm(tiny_model_dirs["llama"], padded, max_model_len=32)
+    llm.engine.proposer = _ScriptedProposer(prompts, [_tokens(want)[f"r{i}"] for i in range(2)])
+    got, _ = _run(llm, params, prompts)
+    assert _tokens(got) == _tokens(want)
+    assert [len(t) for t in _tokens(got).values()] == [32 - 21, 32 - 26]
+    assert llm.engine.scheduler.num_accepted_tokens > 0
+    assert (llm.engine.runner.num_uniform_verify_steps > 0) == padded
