@@ -31,7 +31,14 @@ import grpc
 import httpx
 import pytest
 
-from engine.config import CacheConfig, EngineConfig, Role, RunnerConfig, SchedulerConfig
+from engine.config import (
+    CacheConfig,
+    EngineConfig,
+    Role,
+    RunnerConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from engine.llm_engine import LLMEngine
 from engine.tokenizer import Tokenizer
 from gateway.config import GatewayConfig
@@ -58,12 +65,12 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 INTERNAL_TOKEN = "e2e-internal-token-0123456789abcdef"
 
 
-def engine_config(role: Role) -> EngineConfig:
+def engine_config(role: Role, speculative: SpeculativeConfig | None = None) -> EngineConfig:
     """The default model (LoadConfig(model="") = the embedded SmolLM2 GGUF) on the CPU."""
     return EngineConfig(
         cache=CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks=NUM_BLOCKS),
         scheduler=SchedulerConfig(role=role, max_model_len=MAX_MODEL_LEN, kv_lease_ms=KV_LEASE_MS),
-        runner=RunnerConfig(device="cpu"))
+        runner=RunnerConfig(device="cpu"), speculative=speculative or SpeculativeConfig())
 
 
 class LoopThread:
@@ -168,11 +175,13 @@ def wait_engines_idle(loop: LoopThread, workers: Sequence[WorkerHandle], timeout
         loop.run(w.aengine.call(w.aengine.engine.scheduler.check_integrity), 30)
 
 
-async def _start_stack(loop: LoopThread, colocated: bool) -> Stack:
+async def _start_stack(loop: LoopThread, colocated: bool,
+                       speculative: SpeculativeConfig | None) -> Stack:
     roles: list[Role] = ["colocated"] if colocated else ["prefill", "decode"]
     token = None if colocated else INTERNAL_TOKEN
     workers: dict[str, WorkerHandle] = {
-        r: await start_worker(engine_config(r), HOST, 0, auth_token=token) for r in roles}
+        r: await start_worker(engine_config(r, speculative), HOST, 0, auth_token=token)
+        for r in roles}
     loads = [w.load_task for w in workers.values() if w.load_task is not None]
     await asyncio.wait_for(asyncio.gather(*loads), LOAD_TIMEOUT_S)
     engine = next(w.aengine.engine for w in workers.values() if w.aengine is not None)
@@ -230,9 +239,11 @@ def worker_channel(stack: Stack, role: str) -> grpc.Channel:
     return grpc.intercept_channel(channel, _WithMetadata(bearer_metadata(stack.internal_token)))
 
 
-def start_stack(loop: LoopThread, colocated: bool) -> Stack:
-    """Start workers + gateway and wait (bounded) until the gateway's /health says ok."""
-    stack = loop.run(_start_stack(loop, colocated), LOAD_TIMEOUT_S + 30)
+def start_stack(loop: LoopThread, colocated: bool,
+                speculative: SpeculativeConfig | None = None) -> Stack:
+    """Start workers + gateway and wait (bounded) until the gateway's /health says ok.
+    `speculative`: the workers' speculative decoding (the gateway then asks for it)."""
+    stack = loop.run(_start_stack(loop, colocated, speculative), LOAD_TIMEOUT_S + 30)
     try:
         loop.run(stack.gateway.start(), 120)
         wait_healthy(f"http://{HOST}:{stack.gateway.rest_port}/health", 60)

@@ -22,8 +22,11 @@ from e2e_stack import (  # noqa: E402
     HOST,
     LOAD_TIMEOUT_S,
     LoopThread,
+    Stack,
     generate,
+    generate_many,
     greedy_sampling,
+    start_stack,
     wait_engines_idle,
 )
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -229,3 +232,30 @@ def test_gateway_turns_speculation_off_under_load(
         assert _decisions(gateway) == {"on": 2.0, "off": 1.0}
     finally:
         loop_thread.run(gateway.stop(), 60)
+
+
+# ---- disaggregated with speculation: still the colocated oracle's tokens --------------------
+
+@pytest.fixture(scope="module")
+def disagg_spec_stack(loop_thread: LoopThread) -> Iterator[Stack]:
+    """Gateway → prefill worker + decode worker that speculates (n-gram, 4 drafts)."""
+    stack = start_stack(loop_thread, colocated=False,
+                        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    yield stack
+    stack.stop()
+
+
+def test_disagg_with_speculation_equals_colocated(disagg_spec_stack: Stack,
+                                                  colocated_stack: Stack,
+                                                  prompts: list[list[int]]) -> None:
+    """DESIGN.md §2's oracle holds with speculative decoding on the decode worker: the KV pulled
+    from the prefill worker, then verify steps; greedy tokens equal colocated plain decoding."""
+    chosen = [p for p in prompts if len(p) > 40][:4]  # the long ones repeat their own lines
+    want = generate_many(colocated_stack.grpc_target, chosen, 32, concurrent=False)
+    got = generate_many(disagg_spec_stack.grpc_target, chosen, 32, concurrent=True)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    decode = disagg_spec_stack.workers["decode"].aengine
+    assert decode is not None
+    sched = decode.engine.scheduler
+    assert sched.num_draft_tokens > 0 and sched.num_accepted_tokens > 0
+    disagg_spec_stack.wait_idle()
