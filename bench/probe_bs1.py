@@ -13,6 +13,7 @@ Usage: PYTHONPATH=. python3 bench/probe_bs1.py --out $OUT/probe.json [--parts ge
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import time
@@ -22,6 +23,8 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+
+from bench import profiling
 
 LAYERS = 32
 HIDDEN, INTER, Q, KV = 4096, 14336, 4096, 1024
@@ -44,21 +47,18 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexp
 
 def graph_replay_ms(fn: Callable[[], None], reps: int = 20) -> float:
     """Median ms of one replay of a CUDA graph holding fn() (warmed up on a side stream)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
+    return profiling.graph_replay_ms(fn, functools.partial(median_event_ms, reps=reps))
+
+
+def median_event_ms(call: Callable[[], object], reps: int) -> float:
+    """Median of `reps` timings of `call` between two CUDA events, after one untimed call."""
+    call()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        g.replay()
+        call()
         b.record()
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b))

@@ -19,6 +19,7 @@ from engine.kv.kv_cache_manager import KVCacheManager
 from engine.outputs import StepOutput
 from engine.request import RemoteKv, Request, RequestStatus
 from engine.runner import ModelRunner, PendingStep
+from engine.sampler import depends_on_outputs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import KvLoad, Lease, SampledToken, Scheduler, SchedulerOutput
 from engine.spec import Proposer, propose_for
@@ -134,8 +135,9 @@ class LLMEngine:
                                  root_hash(self.fingerprint, config.cache.tenant_salt))
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         spec = config.speculative
-        self.proposer: Proposer | None = (NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-                         if spec.enabled and config.scheduler.role != "prefill" else None)
+        self.proposer: Proposer | None = None
+        if spec.enabled and config.scheduler.role != "prefill":
+            self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         self.detokenize = detokenize and self.tokenizer is not None
         self._detoks: dict[str, IncrementalDetokenizer] = {}
         self._kv_loads: list[KvLoad] = []
@@ -239,7 +241,7 @@ class LLMEngine:
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, self.max_model_len,
                       output_token_ids=output_token_ids, remote_kv=remote_kv,
                       arrival_time=arrival_time)
-        req.num_speculative_tokens = self._speculative_tokens(params, num_speculative_tokens)
+        req.num_speculative_tokens = self._speculative_tokens(req, num_speculative_tokens)
         self.scheduler.add_request(req)
         if self.detokenize and self.tokenizer is not None:
             self._detoks[request_id] = IncrementalDetokenizer(
@@ -247,12 +249,12 @@ class LLMEngine:
                 params.include_stop_str_in_output)
         return req
 
-    def _speculative_tokens(self, params: SamplingParams, requested: int | None) -> int:
+    def _speculative_tokens(self, req: Request, requested: int | None) -> int:
         """Drafts per step for a request: the engine's cap, lowered by the request's; none for
         sampling that reads its own output history (penalties, min_tokens) or reports
         logprobs, which are defined token by token (vLLM's n-gram path has the same limits)."""
-        if self.proposer is None or params.has_penalties or params.min_tokens > 0 \
-                or params.logprobs is not None:
+        if (self.proposer is None or depends_on_outputs(req)
+                or req.sampling_params.logprobs is not None):
             return 0
         cap = self.config.speculative.num_speculative_tokens
         return cap if requested is None else min(cap, requested)

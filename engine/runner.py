@@ -100,15 +100,21 @@ def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
 class PendingStep:
     """A launched step whose sampled tokens (and verified drafts) have not reached the host."""
 
-    def __init__(self, tokens: PendingTokens | None, verify: PendingVerify | None = None) -> None:
+    def __init__(self, tokens: PendingTokens | None, verify: PendingVerify | None = None,
+                 speculative: bool = False) -> None:
+        """speculative: the engine speculates, so requests may need their tokens on the host
+        before the next step is scheduled (`needs_sync`); without it that check is skipped."""
         self.tokens = tokens
         self.verify = verify
         reqs = (tokens.reqs if tokens is not None else []) + (verify.reqs if verify else [])
         # Sampling that reads the requests' output history needs every earlier token on the
         # host first, and so does drafting the next tokens (speculative decoding): such a step
         # is finished before the next one is scheduled.
-        sync = [depends_on_outputs(r) | needs_sync(r) for r in reqs]  # every counter ticks
-        self.overlappable = not any(sync)
+        if speculative:
+            sync = [depends_on_outputs(r) | needs_sync(r) for r in reqs]  # every counter ticks
+            self.overlappable = not any(sync)
+        else:
+            self.overlappable = not any(depends_on_outputs(r) for r in reqs)
 
     def result(self) -> dict[str, SampledToken]:
         out: dict[str, SampledToken] = {}
@@ -195,6 +201,8 @@ class ModelRunner:
             logger.info("attention kernels warmed up: %d variants", n)
         self.graphs = None
         self.verify_graphs = None
+        # Whether requests may speculate (decides which steps must finish before the next).
+        self.speculative = config.speculative.enabled and config.scheduler.role != "prefill"
         # Rows per sequence of a verify step laid out for the verify graphs (0: ragged, eager).
         self.verify_q_len = 0
         self.num_uniform_verify_steps = 0
@@ -203,7 +211,7 @@ class ModelRunner:
             self.graphs = CudaGraphRunner(self)
             self.graphs.capture()
             spec = config.speculative
-            if spec.enabled and config.scheduler.role != "prefill":
+            if self.speculative:
                 # Speculation is for light load (the gateway turns it off above a few requests
                 # per worker): verify graphs up to SPEC_GRAPH_MAX_BATCH sequences, sharing the
                 # decode graphs' pool; bigger verify steps run eagerly.
@@ -429,7 +437,7 @@ class ModelRunner:
         tokens = self.sampler.sample(logits, sampling_reqs)
         self._last_tokens = tokens.tokens
         self._last_rows = {r.request_id: i for i, r in enumerate(sampling_reqs)}
-        return PendingStep(tokens)
+        return PendingStep(tokens, speculative=self.speculative)
 
     def _verify_rows(self, out: SchedulerOutput) -> int:
         """Rows per sequence when this step replays a verify graph (else 0): a step with drafts
@@ -477,7 +485,8 @@ class ModelRunner:
         # later step gathers its tokens on the device.
         self._last_rows = {}
         spec_idx = torch.tensor(spec_rows, dtype=torch.long, device=dev)
-        return PendingStep(tokens, verify(logits.index_select(0, spec_idx), spec_reqs, drafts))
+        return PendingStep(tokens, verify(logits.index_select(0, spec_idx), spec_reqs, drafts),
+                           speculative=True)
 
     def overlaps(self, num_decodes: int) -> bool:
         """Whether a pure-decode batch this large runs as two overlapped micro-batches."""

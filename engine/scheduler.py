@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from engine.config import SchedulerConfig
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus, TokenLogprob
-from engine.spec import SPEC_AVG_KEEP
+from engine.spec import record_verify
 
 
 @dataclass(slots=True)
@@ -359,11 +359,7 @@ class Scheduler:
         num_drafts = len(s.draft_token_ids)
         num_accepted = len(tok.more)  # the emitted tokens are the accepted drafts + 1
         req.num_computed_tokens -= num_drafts - num_accepted
-        req.num_draft_tokens += num_drafts
-        req.num_accepted_tokens += num_accepted
-        prev = req.spec_accepted_avg
-        req.spec_accepted_avg = (num_accepted if prev == float("inf")
-                                 else SPEC_AVG_KEEP * prev + (1 - SPEC_AVG_KEEP) * num_accepted)
+        record_verify(req, num_drafts, num_accepted)
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
 

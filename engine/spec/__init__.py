@@ -63,6 +63,16 @@ def propose_for(req: Request, proposer: Proposer, min_accepted_per_step: float) 
     req.spec_sync_in = 0 if drafts else SPEC_PROBE_INTERVAL
 
 
+def record_verify(req: Request, num_drafts: int, num_accepted: int) -> None:
+    """Count a verify step's outcome for `req` and fold it into its moving average of
+    accepted drafts per step (the first step sets it)."""
+    req.num_draft_tokens += num_drafts
+    req.num_accepted_tokens += num_accepted
+    prev = req.spec_accepted_avg
+    req.spec_accepted_avg = (num_accepted if prev == float("inf")
+                             else SPEC_AVG_KEEP * prev + (1 - SPEC_AVG_KEEP) * num_accepted)
+
+
 def needs_sync(req: Request) -> bool:
     """Whether the step sampling `req`'s next token must finish before the next one is
     scheduled (the proposer drafts from it). Counts down the steps granted after a miss."""
