@@ -1,11 +1,16 @@
 """Speculative decoding on the GPU: per-request decode speed with and without drafts, and
 whether the verify path gives plain decoding's tokens (run on the H200).
 
-One engine with `--speculative-method ngram` serves every mode, so the weights and graphs are
-the same; each request picks its drafts per step (`num_speculative_tokens`):
+One engine with `--speculative-method ngram` (or `draft_model` with `--draft-model`) serves every
+mode, so the weights and graphs are the same; each request picks its drafts per step
+(`num_speculative_tokens`):
 
 - `plain`: 0 drafts (the decode graphs, async scheduling);
 - `ngram`: prompt lookup, up to k drafts per step (the verify graphs);
+- `draft` (with `--draft-model`): the draft model's k greedy drafts per step. With dummy
+  weights nearly all are rejected; with `--min-accepted 0` drafting never pauses, so its TPOT is
+  the cost of a whole round (the draft's k steps and the verify step), which does not depend on
+  how many drafts are accepted; `draft_s` is the part spent in the draft engine;
 - `reject`: k drafts every step that are never the model's tokens: the verify step's cost
   with nothing gained (its TPOT is the step time of a k-draft verify graph);
 - `oracle`: the plain run's token at each position as the draft for it: accepted until the
@@ -39,6 +44,8 @@ import torch
 from bench.results import git_info
 from engine import LLM, SamplingParams
 from engine.outputs import StepOutput
+from engine.spec import SequenceProposer
+from engine.spec.draft_model import DraftModelProposer
 
 # Real-text tasks where prompt lookup is expected to find drafts (the model copies spans of its
 # input or of its own output) and one where it is not (free writing): with a real model
@@ -69,7 +76,7 @@ def chat_prompts(llm: LLM, n: int) -> list[list[int]]:
         add_generation_prompt=True), add_special_tokens=False) for i in range(n)]
 
 
-class PositionalOracle:
+class PositionalOracle(SequenceProposer):
     """Drafts a reference run's tokens at the next positions of the same prompt (a benchmark
     input, not a proposer): right while the sequence follows the reference, wrong after."""
 
@@ -81,7 +88,7 @@ class PositionalOracle:
         return [] if seq is None else seq[len(token_ids):len(token_ids) + k]
 
 
-class RejectedDrafts:
+class RejectedDrafts(SequenceProposer):
     """k drafts that greedy decoding will not pick: the verify step's cost alone."""
 
     def __init__(self, vocab: int) -> None:
@@ -89,6 +96,14 @@ class RejectedDrafts:
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         return [(token_ids[-1] + 7 * (j + 1)) % self.vocab for j in range(k)]
+
+
+def proposer_counters(proposer: object) -> dict[str, float] | None:
+    """A draft model's rounds, engine steps, seconds and prompt tokens computed, for deltas."""
+    if not isinstance(proposer, DraftModelProposer):
+        return None
+    return {"rounds": proposer.num_rounds, "steps": proposer.num_steps,
+            "s": proposer.busy_s, "computed_tokens": proposer.num_computed_tokens}
 
 
 def run_batch(llm: LLM, prompts: list[list[int]], params: SamplingParams,
@@ -100,6 +115,7 @@ def run_batch(llm: LLM, prompts: list[list[int]], params: SamplingParams,
     vg = runner.verify_graphs
     vreplays0 = vg.num_replays if vg is not None else 0
     dreplays0 = runner.graphs.num_replays if runner.graphs is not None else 0
+    draft0 = proposer_counters(eng.proposer)
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts, strict=True):
         eng.add_request(rid, p, params, num_speculative_tokens=spec_tokens)
@@ -115,12 +131,18 @@ def run_batch(llm: LLM, prompts: list[list[int]], params: SamplingParams,
             times[o.request_id].extend([now] * len(o.new_token_ids))
         steps += 1
     wall = time.perf_counter() - t0
+    draft = proposer_counters(eng.proposer)
     tpots = [(t[-1] - t[0]) / (len(t) - 1) * 1e3 for t in times.values() if len(t) > 1]
     drafts = sched.num_draft_tokens - drafts0
     accepted = sched.num_accepted_tokens - acc0
     n_out = sum(len(t) for t in tokens.values())
+    if draft0 is not None and draft is not None:
+        extra = {f"draft_{k}": round(v - draft0[k], 3) for k, v in draft.items()}
+    else:
+        extra = {}
     return {
         "tokens": [tokens[rid] for rid in ids],
+        **extra,
         "wall_s": round(wall, 3), "steps": steps,
         "output_tok_s": round(n_out / wall, 1),
         "tpot_ms_mean": round(statistics.mean(tpots), 3) if tpots else None,
@@ -157,16 +179,28 @@ def main() -> int:
                    help="random: --input-len random tokens; chat: CHAT_PROMPTS through the "
                         "model's chat template (real text; use a real model)")
     p.add_argument("--modes", default="plain,ngram,reject,oracle",
-                   help="which of plain, ngram, reject, oracle to run (plain always runs: the "
-                        "others are compared with it)")
+                   help="which of plain, ngram (or draft), reject, oracle to run (plain always "
+                        "runs: the others are compared with it)")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--draft-model", default=None,
+                   help="speculate with this draft model (e.g. dummy:llama-3.2-1b); mode "
+                        "`draft` runs it")
+    p.add_argument("--min-accepted", type=float, default=None,
+                   help="SpeculativeConfig.min_accepted_per_step (default: the engine's)")
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     modes = {m.strip() for m in args.modes.split(",")}
+    spec: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": args.k}
+    if args.draft_model is not None:
+        spec.update(method="draft_model", model=args.draft_model)
+    if args.min_accepted is not None:
+        spec["min_accepted_per_step"] = args.min_accepted
+    own = "draft" if args.draft_model is not None else "ngram"
     t = time.perf_counter()
-    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=4096, seed=1,
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=1,
               max_num_batched_tokens=8192, max_num_seqs=max(batches),
               gpu_memory_utilization=args.gpu_memory_utilization,
-              speculative_config={"method": "ngram", "num_speculative_tokens": args.k})
+              speculative_config=spec)
     load_s = time.perf_counter() - t
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(0)
@@ -176,12 +210,13 @@ def main() -> int:
     for b in batches:
         prompts = (chat_prompts(llm, b) if args.prompts == "chat" else
                    [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(b)])
-        # Prefill once untimed so every mode decodes over cached prompts (prefix hits).
-        run_batch(llm, prompts, SamplingParams(temperature=0, max_tokens=1), 0, f"warm{b}")
+        # Prefill once untimed so every mode decodes over cached prompts (prefix hits), the
+        # draft model's too (its first proposal for a prompt computes the whole prompt).
+        run_batch(llm, prompts, SamplingParams(temperature=0, max_tokens=2), None, f"warm{b}")
         runs = {"plain": run_batch(llm, prompts, params, 0, f"plain{b}")}
         plain = runs["plain"]
-        if "ngram" in modes:
-            runs["ngram"] = run_batch(llm, prompts, params, None, f"ngram{b}")
+        if own in modes:
+            runs[own] = run_batch(llm, prompts, params, None, f"{own}{b}")
         if "reject" in modes:
             llm.engine.proposer = RejectedDrafts(vocab)
             runs["reject"] = run_batch(llm, prompts, params, None, f"reject{b}")
@@ -197,7 +232,7 @@ def main() -> int:
                 row["speedup_tpot"] = round(plain["tpot_ms_median"] / r["tpot_ms_median"], 3)
             rows.append(row)
             print(json.dumps(row))
-    doc = {"model": args.model, "k": args.k,
+    doc = {"model": args.model, "k": args.k, "speculative_config": spec,
            "verify_attention": os.environ.get("SPLITSERVE_VERIFY_ATTENTION", "decode"), "input_len": args.input_len,
            "output_len": args.output_len, "load_s": round(load_s, 1), "rows": rows,
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

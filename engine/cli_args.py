@@ -103,9 +103,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-threads", type=int, default=None,
                    help="torch intra-op threads when running on the CPU")
     g.add_argument("--speculative-method", default=_default(SpeculativeConfig, "method"),
-                   choices=["none", "ngram"],
+                   choices=["none", "ngram", "draft_model"],
                    help="speculative decoding: ngram = prompt lookup (drafts the tokens that "
-                        "followed the latest earlier occurrence of the sequence's suffix)")
+                        "followed the latest earlier occurrence of the sequence's suffix); "
+                        "draft_model = a smaller model of the same vocabulary "
+                        "(--speculative-model) drafts greedily")
+    g.add_argument("--speculative-model", default=_default(SpeculativeConfig, "model"),
+                   help="the draft model for --speculative-method draft_model (a path or "
+                        "dummy:<preset>)")
+    g.add_argument("--speculative-draft-gpu-memory-utilization", type=float,
+                   default=_default(SpeculativeConfig, "draft_gpu_memory_utilization"),
+                   help="the draft model's share of the GPU's memory (weights and KV cache); "
+                        "the target's KV cache is sized after it")
     g.add_argument("--num-speculative-tokens", type=int,
                    default=_default(SpeculativeConfig, "num_speculative_tokens"),
                    help="drafts per step at most (requests may ask for fewer)")
@@ -148,5 +157,8 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "colocated") -
                                       num_speculative_tokens=args.num_speculative_tokens,
                                       prompt_lookup_min=args.prompt_lookup_min,
                                       prompt_lookup_max=args.prompt_lookup_max,
-                                      min_accepted_per_step=args.spec_min_accepted_per_step),
+                                      min_accepted_per_step=args.spec_min_accepted_per_step,
+                                      model=args.speculative_model,
+                                      draft_gpu_memory_utilization=(
+                                          args.speculative_draft_gpu_memory_utilization)),
     )

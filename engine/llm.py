@@ -57,8 +57,11 @@ class LLM:
         speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
     ) -> None:
         """`speculative_config` as in vLLM: e.g. {"method": "ngram", "num_speculative_tokens":
-        4, "prompt_lookup_max": 4} (the fields of `SpeculativeConfig`)."""
+        4, "prompt_lookup_max": 4} (the fields of `SpeculativeConfig`), or {"model": <draft>,
+        "num_speculative_tokens": 4} for a draft model (the method follows from `model`)."""
         if isinstance(speculative_config, dict):
+            if "model" in speculative_config and "method" not in speculative_config:
+                speculative_config = {**speculative_config, "method": "draft_model"}
             try:
                 speculative_config = SpeculativeConfig(**speculative_config)
             except TypeError as e:

@@ -22,7 +22,7 @@ from engine.runner import ModelRunner, PendingStep
 from engine.sampler import depends_on_outputs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import KvLoad, Lease, SampledToken, Scheduler, SchedulerOutput
-from engine.spec import Proposer, propose_for
+from engine.spec import Proposer, propose_all
 from engine.spec.ngram import NgramProposer
 from engine.tokenizer import Tokenizer
 
@@ -115,6 +115,9 @@ class LLMEngine:
                 f"the model uses sliding-window attention (window {window}), which is not "
                 f"implemented; set max_model_len <= {window} so full attention is exact")
         self.eos_token_ids = self._eos_ids(source.generation_config)
+        # A draft model comes first: on a GPU its memory is taken before the target's KV cache
+        # is sized from what is left.
+        self.proposer: Proposer | None = self._make_proposer(config, cfg)
         self.runner = ModelRunner(config, cfg, self.max_model_len, source.weights,
                                   source.dummy_seed, source.default_dtype)
         quant = config.runner.quantization
@@ -134,10 +137,6 @@ class LLMEngine:
                                  config.cache.enable_prefix_caching,
                                  root_hash(self.fingerprint, config.cache.tenant_salt))
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
-        spec = config.speculative
-        self.proposer: Proposer | None = None
-        if spec.enabled and config.scheduler.role != "prefill":
-            self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         self.detokenize = detokenize and self.tokenizer is not None
         self._detoks: dict[str, IncrementalDetokenizer] = {}
         self._kv_loads: list[KvLoad] = []
@@ -150,11 +149,23 @@ class LLMEngine:
                     self.runner.result.num_blocks, config.cache.block_size,
                     self.runner.result.device, self.runner.dtype)
 
+    def _make_proposer(self, config: EngineConfig, cfg: ModelConfig) -> Proposer | None:
+        spec = config.speculative
+        if not spec.enabled or config.scheduler.role == "prefill":
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        from engine.spec.draft_model import DraftModelProposer  # it builds an LLMEngine
+
+        return DraftModelProposer(config, cfg.vocab_size, self.max_model_len)
+
     def shutdown(self) -> None:
         """Give back the device memory now (graphs, KV cache, weights) and unfreeze the heap
         (see `freeze_startup_heap`) so that dropping the engine frees the rest. The engine
         refuses to step after this."""
         self._inflight = None
+        if self.proposer is not None:
+            self.proposer.shutdown()
         self.runner.release()
         self.is_shut_down = True
         gc.unfreeze()
@@ -335,10 +346,10 @@ class LLMEngine:
         """Draft the next step's tokens for the running requests that speculate and whose
         tokens are all on the host (drafts after a token still in flight would be stale)."""
         assert self.proposer is not None
-        for req in reqs:
-            if (req.num_speculative_tokens and req.status == RequestStatus.RUNNING
-                    and not req.num_inflight):
-                propose_for(req, self.proposer, self.config.speculative.min_accepted_per_step)
+        ready = [req for req in reqs if req.num_speculative_tokens
+                 and req.status == RequestStatus.RUNNING and not req.num_inflight]
+        if ready:
+            propose_all(ready, self.proposer, self.config.speculative.min_accepted_per_step)
 
     def _step_output(self, req: Request, toks: list[SampledToken]) -> StepOutput:
         tokens = [t.token_id for t in toks]

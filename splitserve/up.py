@@ -7,8 +7,9 @@ requests drain, then the workers). The workers take only calls that carry the st
 the three processes in their environment.
 
 Engine flags (see `splitserve serve --help`) go to both workers, e.g. `--speculative-method
-ngram --num-speculative-tokens 4` for speculative decoding on the decode worker (a prefill
-worker never speculates). The gateway then asks for that many drafts while the decode worker is
+ngram --num-speculative-tokens 4` for speculative decoding on the decode worker, or
+`--speculative-method draft_model --speculative-model PATH` for a draft model (a prefill worker
+never speculates, and loads no draft). The gateway then asks for that many drafts while the decode worker is
 lightly loaded (`--speculative-tokens`, `--speculative-max-load` override its policy).
 """
 

@@ -38,6 +38,7 @@ from engine.config import (  # noqa: E402
     SchedulerConfig,
     SpeculativeConfig,
 )
+from engine.loader.load import default_model_path  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 from gateway.config import GatewayConfig  # noqa: E402
 from gateway.server import GatewayServer  # noqa: E402
@@ -259,3 +260,31 @@ def test_disagg_with_speculation_equals_colocated(disagg_spec_stack: Stack,
     sched = decode.engine.scheduler
     assert sched.num_draft_tokens > 0 and sched.num_accepted_tokens > 0
     disagg_spec_stack.wait_idle()
+
+
+@pytest.fixture(scope="module")
+def disagg_draft_stack(loop_thread: LoopThread) -> Iterator[Stack]:
+    """Gateway → prefill worker + decode worker whose draft model is SmolLM2 itself."""
+    draft = SpeculativeConfig(method="draft_model", model=default_model_path(),
+                              num_speculative_tokens=4)
+    stack = start_stack(loop_thread, colocated=False, speculative=draft)
+    yield stack
+    stack.stop()
+
+
+def test_disagg_with_a_draft_model_equals_colocated(disagg_draft_stack: Stack,
+                                                    colocated_stack: Stack,
+                                                    prompts: list[list[int]]) -> None:
+    """The oracle with a draft model on the decode worker: its target KV comes from the prefill
+    worker, its draft computes the prompt on the first proposal; greedy tokens equal colocated
+    plain decoding's, and the target as its own draft has its drafts accepted."""
+    chosen = prompts[:3]
+    want = generate_many(colocated_stack.grpc_target, chosen, 24, concurrent=False)
+    got = generate_many(disagg_draft_stack.grpc_target, chosen, 24, concurrent=True)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    decode = disagg_draft_stack.workers["decode"].aengine
+    assert decode is not None
+    sched = decode.engine.scheduler
+    assert sched.num_draft_tokens > 0
+    assert sched.num_accepted_tokens > 0.8 * sched.num_draft_tokens
+    disagg_draft_stack.wait_idle()

@@ -24,6 +24,7 @@ from engine.llm_engine import EngineInputError
 from engine.outputs import StepOutput
 from engine.request import Request
 from engine.sampler import filter_probs
+from engine.spec import SequenceProposer
 from engine.spec.ngram import NgramProposer
 from engine.spec.rejection import verify
 
@@ -158,7 +159,7 @@ def _greedy(*lengths: int, **kw: Any) -> list[SamplingParams]:
     return [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw) for n in lengths]
 
 
-class _ScriptedProposer:
+class _ScriptedProposer(SequenceProposer):
     """Drafts from a known continuation of each prompt (the plain run's output), wrong from
     the `wrong_from`-th draft on (None: never): a test input that fixes how many are accepted."""
 
@@ -356,7 +357,7 @@ def test_smollm2_ngram_greedy_matches_plain_decoding() -> None:
     assert spec_stop.token_ids == plain_stop.token_ids and spec_stop.text == plain_stop.text
 
 
-class _NeverProposer:
+class _NeverProposer(SequenceProposer):
     def __init__(self) -> None:
         self.calls = 0
 

@@ -13,6 +13,7 @@ overwrites them, and they are never hashed into the prefix cache (only known tok
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -20,11 +21,30 @@ if TYPE_CHECKING:
 
 
 class Proposer(Protocol):
-    """Drafts up to `k` tokens to follow `token_ids` (called between steps, per request that
-    speculates). N-gram lookup is the one built (ngram.py); a draft model plugs in here with its
-    own runner, returning its drafts' probabilities to `rejection.verify` as `draft_probs`."""
+    """Drafts tokens to follow each of a batch of sequences (called between steps, for the
+    requests that speculate). N-gram lookup (ngram.py) and a draft model (draft_model.py) are
+    built; the draft model batches all of a step's requests through its own engine."""
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]: ...
+    def propose_batch(self, sequences: Sequence[list[int]], ks: Sequence[int]) -> list[list[int]]:
+        """Up to `ks[i]` drafts to follow `sequences[i]` (maybe none), for each i."""
+        ...
+
+    def shutdown(self) -> None:
+        """Give back what the proposer holds (a draft model's device memory)."""
+        ...
+
+
+class SequenceProposer:
+    """A proposer that looks at one sequence at a time (no batching to gain)."""
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        raise NotImplementedError
+
+    def propose_batch(self, sequences: Sequence[list[int]], ks: Sequence[int]) -> list[list[int]]:
+        return [self.propose(seq, k) for seq, k in zip(sequences, ks, strict=True)]
+
+    def shutdown(self) -> None:
+        pass
 
 
 # After a proposal finds no drafts, a request's steps overlap with the host again (async
@@ -40,27 +60,36 @@ SPEC_PROBE_INTERVAL = 8
 SPEC_AVG_KEEP = 0.5
 
 
-def propose_for(req: Request, proposer: Proposer, min_accepted_per_step: float) -> None:
-    """Set `req.spec_token_ids`, the drafts it verifies next step (maybe none), and when the
-    proposer looks again (`spec_sync_in`, for async scheduling).
+def propose_all(reqs: Sequence[Request], proposer: Proposer,
+                min_accepted_per_step: float) -> None:
+    """Set each request's `spec_token_ids`, the drafts it verifies next step (maybe none), and
+    when the proposer looks again (`spec_sync_in`, for async scheduling).
 
-    No drafts found: the next SPEC_PROBE_INTERVAL steps may overlap before the next look.
-    Drafts while its recent verify steps accepted fewer than `min_accepted_per_step` per step:
-    none for the next SPEC_PROBE_INTERVAL tokens (counted in tokens, so a synchronous engine
-    pauses as long as an overlapping one); the average then restarts at the floor, so the next
-    verify step alone decides whether drafting goes on."""
-    paused_for = req.spec_resume_at - req.num_tokens
-    if paused_for > 0:
-        req.spec_token_ids = []
-        req.spec_sync_in = paused_for
+    A request whose recent verify steps accepted fewer than `min_accepted_per_step` drafts per
+    step is not asked: it pauses drafting for the next SPEC_PROBE_INTERVAL tokens (counted in
+    tokens, so a synchronous engine pauses as long as an overlapping one), and its average then
+    restarts at the floor, so the next verify step alone decides whether drafting goes on. The
+    rest are asked in one batch; no drafts found: the next SPEC_PROBE_INTERVAL steps may
+    overlap before the next look."""
+    asked: list[Request] = []
+    for req in reqs:
+        paused_for = req.spec_resume_at - req.num_tokens
+        if paused_for <= 0 and req.spec_accepted_avg < min_accepted_per_step:
+            req.spec_accepted_avg = min_accepted_per_step
+            req.spec_resume_at = req.num_tokens + SPEC_PROBE_INTERVAL
+            paused_for = SPEC_PROBE_INTERVAL
+        if paused_for > 0:
+            req.spec_token_ids = []
+            req.spec_sync_in = paused_for
+        else:
+            asked.append(req)
+    if not asked:
         return
-    drafts = proposer.propose(req.all_token_ids, req.num_speculative_tokens)
-    if drafts and req.spec_accepted_avg < min_accepted_per_step:
-        req.spec_accepted_avg = min_accepted_per_step
-        req.spec_resume_at = req.num_tokens + SPEC_PROBE_INTERVAL
-        drafts = []
-    req.spec_token_ids = drafts
-    req.spec_sync_in = 0 if drafts else SPEC_PROBE_INTERVAL
+    drafts = proposer.propose_batch([req.all_token_ids for req in asked],
+                                    [req.num_speculative_tokens for req in asked])
+    for req, d in zip(asked, drafts, strict=True):
+        req.spec_token_ids = d
+        req.spec_sync_in = 0 if d else SPEC_PROBE_INTERVAL
 
 
 def record_verify(req: Request, num_drafts: int, num_accepted: int) -> None:

@@ -1,0 +1,157 @@
+"""Speculative decoding with a draft model (engine/spec/draft_model.py): a second engine drafts
+greedily, the target verifies. Tiny random models on the CPU: the target as its own draft (every
+draft right), another model as the draft (almost every draft wrong); greedy output must be plain
+decoding's either way, token for token."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import run_steps, step_tokens, tiny_llm
+
+from engine import LLM, SamplingParams
+from engine.cli_args import add_engine_args, engine_config_from_args
+from engine.config import ConfigError, EngineConfig, LoadConfig, SchedulerConfig, SpeculativeConfig
+from engine.llm_engine import LLMEngine
+from engine.spec.draft_model import DraftModelProposer
+
+PROMPTS = [
+    [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7],
+    [(7 * j) % 250 + 1 for j in range(23)],
+    [9, 9, 9, 9, 9, 9],
+    [(3 * j * j + 1) % 200 + 1 for j in range(40)],
+]
+LENGTHS = (30, 17, 26, 21)
+
+
+def _greedy() -> list[SamplingParams]:
+    return [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in LENGTHS]
+
+
+def _draft(path: Path, k: int = 4) -> dict[str, Any]:
+    return {"model": str(path), "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dirs: dict[str, Path]) -> tuple[dict[str, list[int]], int]:
+    outs, steps = run_steps(tiny_llm(tiny_model_dirs["llama"]), PROMPTS, _greedy())
+    return step_tokens(outs), steps
+
+
+def _proposer(llm: LLM) -> DraftModelProposer:
+    proposer = llm.engine.proposer
+    assert isinstance(proposer, DraftModelProposer)
+    return proposer
+
+
+def test_target_as_its_own_draft_accepts_every_draft(
+        tiny_model_dirs: dict[str, Path], plain: tuple[dict[str, list[int]], int]) -> None:
+    want, plain_steps = plain
+    llm = tiny_llm(tiny_model_dirs["llama"], speculative_config=_draft(tiny_model_dirs["llama"]))
+    outs, steps = run_steps(llm, PROMPTS, _greedy())
+    assert step_tokens(outs) == want
+    sched = llm.engine.scheduler
+    assert sched.num_draft_tokens > 50
+    assert sched.num_accepted_tokens == sched.num_draft_tokens
+    # Five tokens per verify step once every prompt is in.
+    assert steps * 3 < plain_steps
+    proposer = _proposer(llm)
+    # One catch-up step plus k - 1 decode steps per round, all requests batched in each.
+    assert proposer.num_steps <= 4 * proposer.num_rounds + 2
+
+
+def test_the_draft_catches_up_from_its_prefix_cache(tiny_model_dirs: dict[str, Path]) -> None:
+    """After its first round a request's draft computes only its last partial block and the
+    tokens accepted since (the prompt's full blocks come from the draft's prefix cache)."""
+    llm = tiny_llm(tiny_model_dirs["llama"], speculative_config=_draft(tiny_model_dirs["llama"]))
+    run_steps(llm, PROMPTS, _greedy())
+    proposer = _proposer(llm)
+    block = llm.engine.config.cache.block_size
+    first = sum(len(p) for p in PROMPTS)
+    # Each later round: < one block + the 4 drafts and the bonus token, per request.
+    later = (proposer.num_rounds - 1) * len(PROMPTS) * (block + 5)
+    assert 0 < proposer.num_computed_tokens <= first + later
+    assert proposer.num_computed_tokens < proposer.num_prompt_tokens / 2
+
+
+def test_a_wrong_draft_model_changes_no_token(
+        tiny_model_dirs: dict[str, Path], plain: tuple[dict[str, list[int]], int]) -> None:
+    """Another model's greedy drafts: nearly all rejected, drafting pauses, the tokens are the
+    target's."""
+    want, _ = plain
+    llm = tiny_llm(tiny_model_dirs["llama"], speculative_config=_draft(tiny_model_dirs["llama3"]))
+    outs, _ = run_steps(llm, PROMPTS, _greedy())
+    assert step_tokens(outs) == want
+    sched = llm.engine.scheduler
+    assert sched.num_draft_tokens > 0
+    assert sched.num_accepted_tokens < sched.num_draft_tokens / 4
+
+
+def test_seeded_sampling_with_a_draft_is_reproducible(tiny_model_dirs: dict[str, Path]) -> None:
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=7 + i, max_tokens=20,
+                             ignore_eos=True) for i in range(len(PROMPTS))]
+    runs = []
+    for _ in range(2):
+        llm = tiny_llm(tiny_model_dirs["llama"],
+                       speculative_config=_draft(tiny_model_dirs["llama"]))
+        outs, _ = run_steps(llm, PROMPTS, params)
+        runs.append(step_tokens(outs))
+        # Random weights spread the target's distribution thin: few greedy drafts survive, but
+        # each verify step draws from the request's generator.
+        assert llm.engine.scheduler.num_draft_tokens > 0
+    assert runs[0] == runs[1]
+    assert all(len(t) == 20 for t in runs[0].values())
+
+
+def test_drafts_stop_at_the_context_end(tiny_model_dirs: dict[str, Path]) -> None:
+    """max_model_len 32: the last rounds draft only what still fits; plain decoding's tokens to
+    the last position."""
+    prompts = [PROMPTS[1][:21], PROMPTS[3][:26]]
+    params = [SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)] * 2
+    want, _ = run_steps(tiny_llm(tiny_model_dirs["llama"], max_model_len=32), prompts, params)
+    llm = tiny_llm(tiny_model_dirs["llama"], max_model_len=32,
+                   speculative_config=_draft(tiny_model_dirs["llama"]))
+    got, _ = run_steps(llm, prompts, params)
+    assert step_tokens(got) == step_tokens(want)
+    assert [len(t) for t in step_tokens(got).values()] == [32 - 21, 32 - 26]
+    assert _proposer(llm).engine.max_model_len == 32
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tiny_model_dirs: dict[str, Path]) -> None:
+    with pytest.raises(ConfigError, match="vocabulary"):
+        tiny_llm(tiny_model_dirs["llama"], speculative_config=_draft(Path("dummy:tiny")))
+
+
+def test_the_method_needs_a_model() -> None:
+    with pytest.raises(ConfigError, match="draft's `model`"):
+        SpeculativeConfig(method="draft_model").validate()
+    with pytest.raises(ConfigError, match="draft_gpu_memory_utilization"):
+        SpeculativeConfig(method="draft_model", model="dummy:tiny",
+                          draft_gpu_memory_utilization=1.5).validate()
+
+
+def test_cli_flags_configure_the_draft() -> None:
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    args = p.parse_args(["--model", "dummy:tiny", "--speculative-method", "draft_model",
+                         "--speculative-model", "dummy:tiny", "--num-speculative-tokens", "3",
+                         "--speculative-draft-gpu-memory-utilization", "0.2"])
+    spec = engine_config_from_args(args).speculative
+    assert (spec.method, spec.model, spec.num_speculative_tokens) == ("draft_model", "dummy:tiny", 3)
+    assert spec.draft_gpu_memory_utilization == 0.2
+
+
+def test_prefill_role_loads_no_draft_and_shutdown_frees_it(tiny_model_dirs: dict[str, Path]) -> None:
+    spec = SpeculativeConfig(method="draft_model", model=str(tiny_model_dirs["llama"]))
+    base = dict(load=LoadConfig(model=str(tiny_model_dirs["llama"]), dtype="float32"),
+                speculative=spec)
+    prefill = LLMEngine(EngineConfig(scheduler=SchedulerConfig(role="prefill"), **base))
+    assert prefill.proposer is None
+    decode = LLMEngine(EngineConfig(scheduler=SchedulerConfig(role="decode"), **base))
+    proposer = decode.proposer
+    assert isinstance(proposer, DraftModelProposer)
+    decode.shutdown()
+    assert proposer.engine.is_shut_down
