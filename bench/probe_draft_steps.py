@@ -1,6 +1,6 @@
-"""Where a draft-model round's time goes (diagnostic, run on the GPU): per draft-engine step,
-wall time with and without a device sync after it, whether it replayed a decode graph, and the
-host time spent before the step's launch (scheduling and input preparation).
+"""Where a draft-model round's time goes (diagnostic, run on the GPU): per launched draft step,
+wall time with and without a device sync after it, and whether it replayed a decode graph.
+Each round appends one token that the draft did not propose (as after a rejection).
 
 Usage: PYTHONPATH=. python3 bench/probe_draft_steps.py --out F [--model dummy:llama-3.1-8b]
        [--draft-model dummy:llama-3.2-1b] [--batch 1] [--rounds 24]
@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from bench.results import git_info
-from engine import LLM
+from engine import LLM, SamplingParams
+from engine.request import Request
 from engine.spec.draft_model import DraftModelProposer
 
 
@@ -46,51 +47,55 @@ def main() -> int:
                                   "min_accepted_per_step": 0})
     proposer = llm.engine.proposer
     assert isinstance(proposer, DraftModelProposer)
-    draft = proposer.engine
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(0)
-    prompts = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(args.batch)]
-    seqs = [list(q) for q in prompts]
-    # Warm: the draft computes the prompts once (its prefix cache then holds them).
-    proposer.propose_batch(seqs, [args.k] * args.batch)
+    reqs = []
+    for i in range(args.batch):
+        req = Request(f"p{i}", [rng.randrange(vocab) for _ in range(args.input_len)],
+                      SamplingParams(temperature=0))
+        req.num_speculative_tokens = args.k
+        reqs.append(req)
+    # Warm: the draft computes the prompts once (it keeps their KV).
+    proposer.propose_batch(reqs)
     steps: list[dict[str, Any]] = []
-    real_step = draft.step
+    real_launch = proposer._launch
     sync = {"on": False}
+    runner = proposer.runner
 
-    def timed_step() -> list[Any]:
-        graphs = draft.runner.graphs
+    def timed_launch(step: list[Any]) -> Any:
+        graphs = runner.graphs
         replays = graphs.num_replays if graphs is not None else 0
         t0 = time.perf_counter()
-        outs = real_step()
+        out = real_launch(step)
         t1 = time.perf_counter()
         if sync["on"]:
             _sync()
         t2 = time.perf_counter()
         steps.append({"sync": sync["on"], "call_ms": (t1 - t0) * 1e3,
-                      "with_sync_ms": (t2 - t0) * 1e3,
+                      "with_sync_ms": (t2 - t0) * 1e3, "rows": len(step),
                       "graph": (graphs.num_replays if graphs is not None else 0) > replays})
-        return outs
+        return out
 
-    draft.step = timed_step  # type: ignore[method-assign]
+    proposer._launch = timed_launch  # type: ignore[method-assign]
     rounds: list[dict[str, Any]] = []
     for r in range(2 * args.rounds):
         sync["on"] = r >= args.rounds
-        for s in seqs:
-            s.append(rng.randrange(vocab))  # one new token per round, as after a rejection
+        for req in reqs:
+            req.all_token_ids.append(rng.randrange(vocab))
         n0 = len(steps)
         t0 = time.perf_counter()
-        proposer.propose_batch(seqs, [args.k] * args.batch)
+        proposer.propose_batch(reqs)
         _sync()
         rounds.append({"sync": sync["on"], "round_ms": (time.perf_counter() - t0) * 1e3,
                        "steps": steps[n0:]})
     # Host hot spots of plain rounds (no added syncs), cumulative time.
-    draft.step = real_step  # type: ignore[method-assign]
+    proposer._launch = real_launch  # type: ignore[method-assign]
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(args.rounds):
-        for s in seqs:
-            s.append(rng.randrange(vocab))
-        proposer.propose_batch(seqs, [args.k] * args.batch)
+        for req in reqs:
+            req.all_token_ids.append(rng.randrange(vocab))
+        proposer.propose_batch(reqs)
     prof.disable()
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
@@ -106,7 +111,7 @@ def main() -> int:
                 round(statistics.median(r["steps"][i]["with_sync_ms"] for r in rs
                                         if len(r["steps"]) > i), 3)
                 for i in range(max(len(r["steps"]) for r in rs))],
-            "graph_by_index": [rs[0]["steps"][i]["graph"] for i in range(len(rs[0]["steps"]))],
+            "graph_by_index": [s["graph"] for s in rs[0]["steps"]],
         }
     doc = {"model": args.model, "draft_model": args.draft_model, "batch": args.batch,
            "k": args.k, "input_len": args.input_len, "summary": summary,

@@ -9,8 +9,8 @@ mode, so the weights and graphs are the same; each request picks its drafts per 
 - `ngram`: prompt lookup, up to k drafts per step (the verify graphs);
 - `draft` (with `--draft-model`): the draft model's k greedy drafts per step. With dummy
   weights nearly all are rejected; with `--min-accepted 0` drafting never pauses, so its TPOT is
-  the cost of a whole round (the draft's k steps and the verify step), which does not depend on
-  how many drafts are accepted; `draft_s` is the part spent in the draft engine;
+  the cost of a whole round (the draft's k steps and the verify step), which barely depends on
+  how many drafts are accepted (one more draft step when all are); `draft_s` is the part spent in the draft engine;
 - `reject`: k drafts every step that are never the model's tokens: the verify step's cost
   with nothing gained (its TPOT is the step time of a k-draft verify graph);
 - `oracle`: the plain run's token at each position as the draft for it: accepted until the
@@ -103,7 +103,7 @@ def proposer_counters(proposer: object) -> dict[str, float] | None:
     if not isinstance(proposer, DraftModelProposer):
         return None
     return {"rounds": proposer.num_rounds, "steps": proposer.num_steps,
-            "s": proposer.busy_s, "computed_tokens": proposer.num_computed_tokens}
+            "s": proposer.busy_s, "catchup_tokens": proposer.num_catchup_tokens}
 
 
 def run_batch(llm: LLM, prompts: list[list[int]], params: SamplingParams,
@@ -185,6 +185,8 @@ def main() -> int:
     p.add_argument("--draft-model", default=None,
                    help="speculate with this draft model (e.g. dummy:llama-3.2-1b); mode "
                         "`draft` runs it")
+    p.add_argument("--draft-gpu-memory-utilization", type=float, default=None,
+                   help="SpeculativeConfig.draft_gpu_memory_utilization (default: the engine's)")
     p.add_argument("--min-accepted", type=float, default=None,
                    help="SpeculativeConfig.min_accepted_per_step (default: the engine's)")
     args = p.parse_args()
@@ -193,6 +195,8 @@ def main() -> int:
     spec: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": args.k}
     if args.draft_model is not None:
         spec.update(method="draft_model", model=args.draft_model)
+    if args.draft_gpu_memory_utilization is not None:
+        spec["draft_gpu_memory_utilization"] = args.draft_gpu_memory_utilization
     if args.min_accepted is not None:
         spec["min_accepted_per_step"] = args.min_accepted
     own = "draft" if args.draft_model is not None else "ngram"
@@ -210,9 +214,8 @@ def main() -> int:
     for b in batches:
         prompts = (chat_prompts(llm, b) if args.prompts == "chat" else
                    [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(b)])
-        # Prefill once untimed so every mode decodes over cached prompts (prefix hits), the
-        # draft model's too (its first proposal for a prompt computes the whole prompt).
-        run_batch(llm, prompts, SamplingParams(temperature=0, max_tokens=2), None, f"warm{b}")
+        # Prefill once untimed so every mode decodes over cached prompts (prefix hits).
+        run_batch(llm, prompts, SamplingParams(temperature=0, max_tokens=1), 0, f"warm{b}")
         runs = {"plain": run_batch(llm, prompts, params, 0, f"plain{b}")}
         plain = runs["plain"]
         if own in modes:

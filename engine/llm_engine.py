@@ -272,6 +272,8 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         self._detoks.pop(request_id, None)
+        if self.proposer is not None:
+            self.proposer.release(request_id)
         return self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED) is not None
 
     @property
@@ -372,6 +374,8 @@ class LLMEngine:
                         req.stop_reason = res.stop_matched
                     break
         if req.is_finished:
+            if self.proposer is not None:
+                self.proposer.release(req.request_id)
             detok = self._detoks.pop(req.request_id, None)
             if detok is not None and not detok.finished:
                 text += detok.finish().text_delta  # flush text held back for stop strings

@@ -21,12 +21,18 @@ if TYPE_CHECKING:
 
 
 class Proposer(Protocol):
-    """Drafts tokens to follow each of a batch of sequences (called between steps, for the
-    requests that speculate). N-gram lookup (ngram.py) and a draft model (draft_model.py) are
-    built; the draft model batches all of a step's requests through its own engine."""
+    """Drafts tokens for a batch of requests (called between steps, for the requests that
+    speculate). N-gram lookup (ngram.py) and a draft model (draft_model.py) are built; the
+    draft model runs all of a step's requests as one batch and keeps each one's draft KV
+    between calls, so it is told when a request is gone (`release`)."""
 
-    def propose_batch(self, sequences: Sequence[list[int]], ks: Sequence[int]) -> list[list[int]]:
-        """Up to `ks[i]` drafts to follow `sequences[i]` (maybe none), for each i."""
+    def propose_batch(self, reqs: Sequence[Request]) -> list[list[int]]:
+        """Up to `req.num_speculative_tokens` drafts to follow `req.all_token_ids` (maybe
+        none), for each request."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """The request finished or was aborted: drop what the proposer keeps for it."""
         ...
 
     def shutdown(self) -> None:
@@ -35,13 +41,16 @@ class Proposer(Protocol):
 
 
 class SequenceProposer:
-    """A proposer that looks at one sequence at a time (no batching to gain)."""
+    """A stateless proposer that looks at one sequence at a time (no batching to gain)."""
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         raise NotImplementedError
 
-    def propose_batch(self, sequences: Sequence[list[int]], ks: Sequence[int]) -> list[list[int]]:
-        return [self.propose(seq, k) for seq, k in zip(sequences, ks, strict=True)]
+    def propose_batch(self, reqs: Sequence[Request]) -> list[list[int]]:
+        return [self.propose(r.all_token_ids, r.num_speculative_tokens) for r in reqs]
+
+    def release(self, request_id: str) -> None:
+        pass
 
     def shutdown(self) -> None:
         pass
@@ -85,8 +94,7 @@ def propose_all(reqs: Sequence[Request], proposer: Proposer,
             asked.append(req)
     if not asked:
         return
-    drafts = proposer.propose_batch([req.all_token_ids for req in asked],
-                                    [req.num_speculative_tokens for req in asked])
+    drafts = proposer.propose_batch(asked)
     for req, d in zip(asked, drafts, strict=True):
         req.spec_token_ids = d
         req.spec_sync_in = 0 if d else SPEC_PROBE_INTERVAL
