@@ -62,11 +62,11 @@ def main() -> int:
     sync = {"on": False}
     runner = proposer.runner
 
-    def timed_launch(step: list[Any]) -> Any:
+    def timed_launch(step: list[Any], keep_probs: bool = False) -> Any:
         graphs = runner.graphs
         replays = graphs.num_replays if graphs is not None else 0
         t0 = time.perf_counter()
-        out = real_launch(step)
+        out = real_launch(step, keep_probs)
         t1 = time.perf_counter()
         if sync["on"]:
             _sync()

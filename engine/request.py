@@ -110,6 +110,9 @@ class Request:
         # proposed for the next step, and what verification made of them.
         self.num_speculative_tokens = 0
         self.spec_token_ids: list[int] = []
+        # A draft model's distributions of those drafts when it sampled them ([k, V] tensor on
+        # the device; None: the drafts are deterministic).
+        self.spec_draft_probs: object | None = None
         self.spec_sync_in = 0  # steps left to overlap before the proposer looks again
         # Moving average of the drafts accepted per verify step (optimistic start).
         self.spec_accepted_avg = float("inf")

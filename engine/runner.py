@@ -128,6 +128,26 @@ class PendingStep:
         return out
 
 
+def _draft_probs(logits: torch.Tensor, reqs: Sequence[Request],
+                 drafts: Sequence[Sequence[int]]) -> torch.Tensor | None:
+    """The rejection sampler's q rows ([rows, V], zero on bonus rows) when a randomly
+    sampling request's drafts were sampled from a distribution (a draft model's,
+    `Request.spec_draft_probs`); other requests' drafts are one-hot. None: every draft is
+    deterministic (greedy requests ignore q)."""
+    if not any(r.spec_draft_probs is not None and not r.sampling_params.greedy for r in reqs):
+        return None
+    q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    row = 0
+    for req, d in zip(reqs, drafts, strict=True):
+        probs = req.spec_draft_probs
+        if isinstance(probs, torch.Tensor) and not req.sampling_params.greedy:
+            q[row:row + len(d)] = probs[:len(d)]
+        elif d:
+            q[row:row + len(d)].scatter_(1, torch.tensor(d, device=q.device)[:, None], 1.0)
+        row += len(d) + 1
+    return q
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
                  weights: object, dummy_seed: int | None, default_dtype: torch.dtype) -> None:
@@ -404,11 +424,12 @@ class ModelRunner:
         return {} if pending is None else pending.result()
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput) -> PendingStep | None:
+    def launch(self, out: SchedulerOutput, keep_probs: bool = False) -> PendingStep | None:
         """Enqueue one step's forward pass and sampling without waiting for the device.
 
         The sampled tokens stay on the device too, so the next step may take them as inputs
-        before they reach the host (async scheduling). None when nothing is sampled."""
+        before they reach the host (async scheduling). None when nothing is sampled.
+        `keep_probs`: the sampled tokens keep their distributions (a draft model's steps)."""
         if out.is_empty:
             return None
         uniform_q = self._verify_rows(out)
@@ -434,7 +455,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden.index_select(0, logit_rows))
         if out.has_drafts:
             return self._sample_and_verify(logits, out)
-        tokens = self.sampler.sample(logits, sampling_reqs)
+        tokens = self.sampler.sample(logits, sampling_reqs, keep_probs)
         self._last_tokens = tokens.tokens
         self._last_rows = {r.request_id: i for i, r in enumerate(sampling_reqs)}
         return PendingStep(tokens, speculative=self.speculative)
@@ -485,7 +506,9 @@ class ModelRunner:
         # later step gathers its tokens on the device.
         self._last_rows = {}
         spec_idx = torch.tensor(spec_rows, dtype=torch.long, device=dev)
-        return PendingStep(tokens, verify(logits.index_select(0, spec_idx), spec_reqs, drafts),
+        spec_logits = logits.index_select(0, spec_idx)
+        return PendingStep(tokens, verify(spec_logits, spec_reqs, drafts,
+                                          _draft_probs(spec_logits, spec_reqs, drafts)),
                            speculative=True)
 
     def overlaps(self, num_decodes: int) -> bool:

@@ -170,9 +170,12 @@ class PendingTokens:
     waits for the copies: the step's one device-to-host sync."""
 
     def __init__(self, reqs: Sequence[Request], tokens: torch.Tensor,
-                 logprobs: _LogprobTensors | None) -> None:
+                 logprobs: _LogprobTensors | None, probs: torch.Tensor | None = None) -> None:
         self.reqs = list(reqs)
         self.tokens = tokens
+        # [N, V] float32 on the device when asked for (`Sampler.sample(keep_probs=True)`): the
+        # distribution each token was drawn from (one-hot for greedy rows).
+        self.probs = probs
         self._tokens_host = _to_host(tokens)
         self._lp = None if logprobs is None else _LogprobTensors(
             _to_host(logprobs.chosen),
@@ -212,12 +215,14 @@ def depends_on_outputs(req: Request) -> bool:
 
 
 class Sampler:
-    def sample(self, logits: torch.Tensor, reqs: Sequence[Request]) -> PendingTokens:
+    def sample(self, logits: torch.Tensor, reqs: Sequence[Request],
+               keep_probs: bool = False) -> PendingTokens:
         """logits: [N, V], one row per request → tokens on the device, copies started.
 
         Any float dtype: an all-greedy batch without penalties, min_tokens or logprobs takes
         its argmax on the logits as given (exact: widening is monotonic); anything else first
-        widens them to float32."""
+        widens them to float32. `keep_probs`: also keep the distribution each token was drawn
+        from (a draft model's q for the rejection sampler)."""
         greedy: list[bool] = []
         penalties = min_tokens = logprobs = False
         for r in reqs:  # one pass: this runs once per step over the whole batch
@@ -235,12 +240,18 @@ class Sampler:
         if min_tokens:
             logits = mask_min_tokens(logits.clone() if logits is raw else logits, reqs)
         tokens = argmax_rows(logits)
+        kept = None
+        if keep_probs:
+            kept = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+            kept.scatter_(1, tokens[:, None], 1.0)
         if not all(greedy):
             idx = [i for i, g in enumerate(greedy) if not g]
             sub = [reqs[i] for i in idx]
             probs = filter_probs(logits[idx], [r.sampling_params for r in sub])
             tokens[idx] = draw_tokens(probs, sub)
-        return PendingTokens(reqs, tokens, _logprob_tensors(raw, tokens, reqs))
+            if kept is not None:
+                kept[idx] = probs
+        return PendingTokens(reqs, tokens, _logprob_tensors(raw, tokens, reqs), kept)
 
     def __call__(self, logits: torch.Tensor, reqs: Sequence[Request]
                  ) -> tuple[list[int], list[TokenLogprob | None]]:

@@ -107,6 +107,23 @@ def test_seeded_sampling_with_a_draft_is_reproducible(tiny_model_dirs: dict[str,
     assert all(len(t) == 20 for t in runs[0].values())
 
 
+def test_sampled_drafts_carry_their_distribution(tiny_model_dirs: dict[str, Path]) -> None:
+    """Random sampling, the target as its own draft: drafts sampled from the same distribution
+    as the target's (q = p) are accepted with probability min(1, p/q) = 1, so nearly all are
+    accepted (float rounding between the draft's decode steps and the verify step aside). A
+    greedy draft would be accepted only p(argmax) of the time: rarely, with a random model's
+    flat distributions (the reproducibility test above sees few accepted)."""
+    params = [SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+              for _ in PROMPTS]
+    llm = tiny_llm(tiny_model_dirs["llama"], speculative_config=_draft(tiny_model_dirs["llama"]))
+    outs, steps = run_steps(llm, PROMPTS, params)
+    assert all(len(t) == 20 for t in step_tokens(outs).values())
+    sched = llm.engine.scheduler
+    assert sched.num_draft_tokens > 40
+    assert sched.num_accepted_tokens >= 0.95 * sched.num_draft_tokens
+    assert steps < 10
+
+
 def test_drafts_stop_at_the_context_end(tiny_model_dirs: dict[str, Path]) -> None:
     """max_model_len 32: the last rounds draft only what still fits; plain decoding's tokens to
     the last position."""

@@ -28,7 +28,8 @@ class Proposer(Protocol):
 
     def propose_batch(self, reqs: Sequence[Request]) -> list[list[int]]:
         """Up to `req.num_speculative_tokens` drafts to follow `req.all_token_ids` (maybe
-        none), for each request."""
+        none), for each request. A proposer that samples its drafts sets
+        `req.spec_draft_probs` to their distributions (the rejection sampler's q)."""
         ...
 
     def release(self, request_id: str) -> None:
@@ -94,6 +95,8 @@ def propose_all(reqs: Sequence[Request], proposer: Proposer,
             asked.append(req)
     if not asked:
         return
+    for req in asked:
+        req.spec_draft_probs = None
     drafts = proposer.propose_batch(asked)
     for req, d in zip(asked, drafts, strict=True):
         req.spec_token_ids = d

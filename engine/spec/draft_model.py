@@ -16,9 +16,14 @@ under async scheduling); the host waits once, for all k. A request's first round
 whole sequence (its target KV came from a prefill worker, or it was drafting-paused): eager
 steps within the token budget.
 
-Drafts are the draft model's argmax. The rejection sampler treats them as one-hot proposals,
-which keeps the target's distribution exact for every sampling setting; random sampling
-accepts fewer of them than drafts sampled from the draft's own distribution would.
+A greedy request's drafts are the draft model's argmax. A randomly sampling request's drafts
+are sampled from the draft's distribution filtered by the request's own temperature, top-k,
+top-p and min-p, and that distribution goes to the rejection sampler as q
+(`Request.spec_draft_probs`), which accepts draft x with probability min(1, p(x)/q(x)): the
+target's distribution stays exact, and a draft that agrees with the target is accepted as
+often as it agrees (with one-hot drafts only p(x) of the time). A seeded request's drafts
+come from a generator of their own, seeded from the request's seed but not equal to it (the
+acceptance draws must not repeat the drafts' draws).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 from engine.config import (
     CacheConfig,
@@ -46,6 +53,18 @@ from engine.scheduler import ScheduledRequest, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 _GREEDY = SamplingParams(temperature=0.0)
+# Mixed into a seeded request's seed for its drafts' generator.
+_DRAFT_SEED_SALT = 0x5DEECE66D
+
+
+def draft_sampling(params: SamplingParams) -> SamplingParams:
+    """How the draft samples for a request with `params`: argmax for greedy requests, else the
+    request's filtered distribution (penalties and stops are the target's business)."""
+    if params.greedy:
+        return _GREEDY
+    seed = None if params.seed is None else (params.seed ^ _DRAFT_SEED_SALT) & (2**63 - 1)
+    return SamplingParams(temperature=params.temperature, top_k=params.top_k,
+                          top_p=params.top_p, min_p=params.min_p, seed=seed)
 
 
 def draft_load_config(target: EngineConfig) -> LoadConfig:
@@ -179,7 +198,7 @@ class DraftModelProposer:
         if seq is None or seq.target is not req:
             if seq is not None:  # a new request under a finished one's id
                 self.release(req.request_id)
-            seq = _DraftSeq(req, Request(req.request_id, [], _GREEDY))
+            seq = _DraftSeq(req, Request(req.request_id, [], draft_sampling(req.sampling_params)))
             self.seqs[req.request_id] = seq
         seq.request.all_token_ids = tokens  # read-only here; no copy
         start = min(seq.valid_prefix(tokens), n - 1)
@@ -208,11 +227,12 @@ class DraftModelProposer:
 
     def _run(self, rounds: list[_Round]) -> dict[str, list[int]]:
         self._catch_up([r for r in rounds if r.start < r.n - 1])
+        sampled = any(not r.seq.request.sampling_params.greedy for r in rounds)
         pending: list[PendingStep] = []
         for j in range(max(r.k for r in rounds)):
             # Step j feeds the last known token (j = 0), then draft j; it samples draft j + 1.
             step = [self._sched(r.seq, r.n - 1 + j, 1, True) for r in rounds if r.k > j]
-            pending.append(self._launch(step))
+            pending.append(self._launch(step, keep_probs=sampled))
         drafts: dict[str, list[int]] = {r.seq.target.request_id: [] for r in rounds}
         for p in pending:
             for rid, tok in p.result().items():
@@ -221,7 +241,24 @@ class DraftModelProposer:
             got = drafts[r.seq.target.request_id]
             r.seq.fed_from = r.n
             r.seq.fed_drafts = got[:-1]  # the last draft was sampled, never fed
+        if sampled:
+            self._keep_draft_probs(rounds, pending)
         return drafts
+
+    @staticmethod
+    def _keep_draft_probs(rounds: list[_Round], pending: list[PendingStep]) -> None:
+        """Hand each randomly sampling request its drafts' distributions, [k, V] on the
+        device (row j of step j's probabilities)."""
+        row_of = [{q.request_id: i for i, q in enumerate(p.tokens.reqs)} if p.tokens else {}
+                  for p in pending]
+        for r in rounds:
+            if r.seq.request.sampling_params.greedy:
+                continue
+            rows = []
+            for p, at in zip(pending[:r.k], row_of[:r.k], strict=True):
+                assert p.tokens is not None and p.tokens.probs is not None
+                rows.append(p.tokens.probs[at[r.seq.target.request_id]])
+            r.seq.target.spec_draft_probs = torch.stack(rows)
 
     def _catch_up(self, behind: list[_Round]) -> None:
         """Compute each request's tokens from `start` up to its last known one (exclusive):
@@ -252,7 +289,7 @@ class DraftModelProposer:
     def _sched(self, seq: _DraftSeq, pos: int, n: int, sample: bool) -> ScheduledRequest:
         return ScheduledRequest(seq.request, n, pos, seq.block_ids, sample)
 
-    def _launch(self, step: list[ScheduledRequest]) -> PendingStep:
+    def _launch(self, step: list[ScheduledRequest], keep_probs: bool = False) -> PendingStep:
         self.num_steps += 1
-        pending = self.runner.launch(SchedulerOutput(scheduled=step))
+        pending = self.runner.launch(SchedulerOutput(scheduled=step), keep_probs)
         return pending if pending is not None else PendingStep(None)
