@@ -38,7 +38,7 @@ from engine.model.llama import AttentionBackend, LlamaForCausalLM
 from engine.model.overlap import MicroBatchStreams
 from engine.model.quant import apply_fp8_w8a8, apply_int8_weight_only, check_fp8_supported
 from engine.request import Request
-from engine.sampler import PendingTokens, Sampler, depends_on_outputs
+from engine.sampler import PendingTokens, Sampler, depends_on_outputs, to_device
 from engine.scheduler import SampledToken, SchedulerOutput
 from engine.spec import needs_sync
 from engine.spec.rejection import PendingVerify, verify
@@ -143,7 +143,7 @@ def _draft_probs(logits: torch.Tensor, reqs: Sequence[Request],
         if isinstance(probs, torch.Tensor) and not req.sampling_params.greedy:
             q[row:row + len(d)] = probs[:len(d)]
         elif d:
-            q[row:row + len(d)].scatter_(1, torch.tensor(d, device=q.device)[:, None], 1.0)
+            q[row:row + len(d)].scatter_(1, to_device(d, torch.long, q.device)[:, None], 1.0)
         row += len(d) + 1
     return q
 
@@ -499,13 +499,13 @@ class ModelRunner:
         dev = logits.device
         tokens = None
         if plain_reqs:
-            idx = torch.tensor(plain_rows, dtype=torch.long, device=dev)
+            idx = to_device(plain_rows, torch.long, dev)
             tokens = self.sampler.sample(logits.index_select(0, idx), plain_reqs)
             self._last_tokens = tokens.tokens
         # The step finishes before the next is scheduled (PendingStep.overlappable), so no
         # later step gathers its tokens on the device.
         self._last_rows = {}
-        spec_idx = torch.tensor(spec_rows, dtype=torch.long, device=dev)
+        spec_idx = to_device(spec_rows, torch.long, dev)
         spec_logits = logits.index_select(0, spec_idx)
         return PendingStep(tokens, verify(spec_logits, spec_reqs, drafts,
                                           _draft_probs(spec_logits, spec_reqs, drafts)),

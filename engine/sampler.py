@@ -42,6 +42,20 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return (best * chunk + idx.gather(1, best)).squeeze(1)
 
 
+def to_device(values: Sequence[int] | Sequence[float] | Sequence[bool], dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+    """A small host list as a device tensor without waiting for the device.
+
+    `torch.tensor(values, device="cuda")` copies from pageable memory as a blocking copy, which
+    synchronizes the stream: the host then waits for the whole forward pass queued before it,
+    and async scheduling loses its overlap for that step. From pinned memory the copy is
+    queued like the rest (the caching host allocator keeps the buffer until it is done)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     """Repetition penalty (HF semantics, over prompt + output) and presence/frequency penalties
     (OpenAI semantics, over output tokens). logits: [N, V], modified in place and returned."""
@@ -88,19 +102,19 @@ def mask_min_tokens(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tens
 def filter_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p on rows that sample randomly → probabilities [N, V]."""
     dev = logits.device
-    temps = torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32)
+    temps = to_device([p.temperature for p in params], torch.float32, dev)
     logits = logits / temps[:, None]
     top_k = [p.top_k for p in params]
     top_p = [p.top_p for p in params]
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, _ = logits.sort(dim=-1, descending=True)
         if any(k > 0 for k in top_k):
-            ks = torch.tensor([k if k > 0 else logits.shape[1] for k in top_k], device=dev)
+            ks = to_device([k if k > 0 else logits.shape[1] for k in top_k], torch.long, dev)
             kth = sorted_logits.gather(1, (ks.clamp(max=logits.shape[1]) - 1)[:, None])
             logits = logits.masked_fill(logits < kth, float("-inf"))
             sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
         if any(p < 1.0 for p in top_p):
-            ps = torch.tensor(top_p, device=dev, dtype=torch.float32)
+            ps = to_device(top_p, torch.float32, dev)
             sorted_probs = sorted_logits.softmax(dim=-1)
             # Keep the smallest prefix whose mass reaches top_p (always at least one token).
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
@@ -110,7 +124,7 @@ def filter_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torc
     probs = logits.softmax(dim=-1)
     min_p = [p.min_p for p in params]
     if any(m > 0 for m in min_p):
-        mp = torch.tensor(min_p, device=dev, dtype=torch.float32)
+        mp = to_device(min_p, torch.float32, dev)
         thresh = probs.max(dim=-1, keepdim=True).values * mp[:, None]
         probs = probs.masked_fill(probs < thresh, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
@@ -131,9 +145,11 @@ def request_generator(req: Request, device: torch.device) -> torch.Generator | N
 def draw_tokens(probs: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     """Exponential-race sampling (argmax p/q, q ~ Exp(1)) with per-request generators; `reqs`
     names each row's request (a request may own several rows: speculative verification)."""
-    q = torch.empty_like(probs)
+    q = torch.empty_like(probs).exponential_()  # unseeded rows: one draw for all
     for i, req in enumerate(reqs):
-        q[i].exponential_(generator=request_generator(req, probs.device))
+        gen = request_generator(req, probs.device)
+        if gen is not None:
+            q[i].exponential_(generator=gen)
     return (probs / q).argmax(dim=-1)
 
 
@@ -244,13 +260,19 @@ class Sampler:
         if keep_probs:
             kept = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
             kept.scatter_(1, tokens[:, None], 1.0)
-        if not all(greedy):
-            idx = [i for i, g in enumerate(greedy) if not g]
-            sub = [reqs[i] for i in idx]
-            probs = filter_probs(logits[idx], [r.sampling_params for r in sub])
-            tokens[idx] = draw_tokens(probs, sub)
+        if not any(greedy):  # no row selection, so no index tensor
+            probs = filter_probs(logits, [r.sampling_params for r in reqs])
+            tokens = draw_tokens(probs, reqs)
             if kept is not None:
-                kept[idx] = probs
+                kept = probs
+        elif not all(greedy):
+            rows = [i for i, g in enumerate(greedy) if not g]
+            idx = to_device(rows, torch.long, logits.device)
+            sub = [reqs[i] for i in rows]
+            probs = filter_probs(logits.index_select(0, idx), [r.sampling_params for r in sub])
+            tokens.index_copy_(0, idx, draw_tokens(probs, sub))
+            if kept is not None:
+                kept.index_copy_(0, idx, probs)
         return PendingTokens(reqs, tokens, _logprob_tensors(raw, tokens, reqs), kept)
 
     def __call__(self, logits: torch.Tensor, reqs: Sequence[Request]

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.request import Request
-from engine.sampler import argmax_rows, draw_tokens, filter_probs, request_generator
+from engine.sampler import argmax_rows, draw_tokens, filter_probs, request_generator, to_device
 
 
 class PendingVerify:
@@ -76,20 +76,20 @@ def verify(logits: torch.Tensor, reqs: Sequence[Request], drafts: Sequence[Seque
         row_reqs.extend([req] * (len(d) + 1))
         draft_tokens.extend(d)
         draft_tokens.append(0)  # bonus row: no draft; its verdict is never read
-    draft = torch.tensor(draft_tokens, dtype=torch.long, device=dev)
-    has_draft = torch.tensor([t for d in drafts for t in [True] * len(d) + [False]], device=dev)
+    draft = to_device(draft_tokens, torch.long, dev)
+    has_draft = to_device([t for d in drafts for t in [True] * len(d) + [False]], torch.bool, dev)
     # Greedy rows (and the default for every row): the argmax is both verdict and token.
     tokens = argmax_rows(logits)
     accepted = (tokens == draft) & has_draft
     random_rows = [i for i, r in enumerate(row_reqs) if not r.sampling_params.greedy]
     if random_rows:
-        idx = torch.tensor(random_rows, dtype=torch.long, device=dev)
+        idx = to_device(random_rows, torch.long, dev)
         sub_reqs = [row_reqs[i] for i in random_rows]
         sub_tokens, sub_accepted = _verify_random(
             logits.index_select(0, idx).float(), sub_reqs, draft[idx], has_draft[idx],
             None if draft_probs is None else draft_probs.index_select(0, idx).float())
-        tokens[idx] = sub_tokens
-        accepted[idx] = sub_accepted
+        tokens.index_copy_(0, idx, sub_tokens)
+        accepted.index_copy_(0, idx, sub_accepted)
     return PendingVerify(reqs, drafts, tokens, accepted)
 
 
