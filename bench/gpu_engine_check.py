@@ -25,6 +25,7 @@ from bench.probe_spec import PositionalOracle
 from engine import LLM, SamplingParams
 from engine.request import Request
 from engine.sampling_params import SamplingParams as SP
+from engine.spec.draft_model import DraftModelProposer
 
 
 def reference_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
@@ -60,6 +61,10 @@ def main() -> int:
                         "plain pass, the checked pass drafts that pass's tokens at each position "
                         "(bench/probe_spec.py PositionalOracle), so its tokens come from verify "
                         "steps (graphs) that accept and reject drafts")
+    p.add_argument("--draft-model", default=None,
+                   help="the fast engine speculates with this draft model instead (e.g. the "
+                        "target itself, so most drafts are accepted), --speculative-tokens "
+                        "(default 4) per step; the checked pass is its own output")
     args = p.parse_args()
     rng = random.Random(0)
     lens = [5, 17, 100, 333, 1000, 1500, 2047, 40]
@@ -68,8 +73,12 @@ def main() -> int:
                   kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
                   quantization=args.quantization)
     t = time.perf_counter()
-    spec = ({"method": "ngram", "num_speculative_tokens": args.speculative_tokens}
-            if args.speculative_tokens else None)
+    spec: dict[str, Any] | None = (
+        {"method": "ngram", "num_speculative_tokens": args.speculative_tokens}
+        if args.speculative_tokens else None)
+    if args.draft_model is not None:
+        spec = {"model": args.draft_model, "num_speculative_tokens": args.speculative_tokens or 4,
+                "draft_gpu_memory_utilization": 0.2}
     fast = LLM(**common, attention_backend="triton", enforce_eager=False,  # type: ignore[arg-type]
                decode_overlap_min_batch=args.decode_overlap_min_batch, speculative_config=spec)
     load_s = time.perf_counter() - t
@@ -77,7 +86,8 @@ def main() -> int:
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lens]
     params = SamplingParams(temperature=0, max_tokens=args.num_tokens, ignore_eos=True)
     outs = fast.generate([{"prompt_token_ids": q} for q in prompts], params)
-    if spec is not None:  # the checked pass verifies the plain pass's tokens as drafts
+    if spec is not None and args.draft_model is None:
+        # The checked pass verifies the plain pass's tokens as drafts.
         fast.engine.proposer = PositionalOracle(
             [q + o.outputs[0].token_ids for q, o in zip(prompts, outs, strict=True)])
         outs = fast.generate([{"prompt_token_ids": q} for q in prompts], params)
@@ -89,6 +99,12 @@ def main() -> int:
                   "draft_tokens": fast.engine.scheduler.num_draft_tokens,
                   "accepted_tokens": fast.engine.scheduler.num_accepted_tokens,
                   "verify_graph_replays": vg.num_replays if vg is not None else 0}
+    proposer = fast.engine.proposer
+    if isinstance(proposer, DraftModelProposer):
+        spec_stats.update(draft_model=args.draft_model, draft_rounds=proposer.num_rounds,
+                          draft_steps=proposer.num_steps,
+                          draft_catchup_tokens=proposer.num_catchup_tokens)
+    del proposer
     fast.shutdown()
     del fast, graphs, vg
     gc.collect()
