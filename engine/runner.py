@@ -199,6 +199,7 @@ class ModelRunner:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # the full-precision weights just freed
         self.sampler = Sampler()
+        self._copy_stream: torch.cuda.Stream | None = None  # read_leased_blocks' side stream
         # The last launched step's sampled tokens (on the device) and their row per request.
         self._last_tokens: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
@@ -567,6 +568,27 @@ class ModelRunner:
             return raw.to("cpu").contiguous().view(self.kv_dtype)
         blocks = self.kv_cache.index_select(2, idx).permute(2, 0, 1, 3, 4, 5)
         return blocks.to("cpu").contiguous()
+
+    def read_leased_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """`read_blocks` for blocks that no kernel writes while they are read (a prefill
+        worker's leased prompt: computed before the lease existed, kept until its release).
+
+        On a GPU the copy runs on a side stream and the host waits for the copy alone. Through
+        the engine's stream (`read_blocks`) it waited for every step queued before it: on a
+        busy prefill worker, up to a step per call, for every block a decode worker pulls."""
+        if self.device.type != "cuda":
+            return self.read_blocks(block_ids)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        stream = self._copy_stream
+        with torch.cuda.stream(stream):
+            idx = to_device(block_ids, torch.long, self.device)
+            src = self.kv_cache.view(torch.uint8) if self.kv_is_quantized else self.kv_cache
+            blocks = src.index_select(2, idx).permute(2, 0, 1, 3, 4, 5)
+            host = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=True)
+            host.copy_(blocks, non_blocking=True)
+        stream.synchronize()
+        return host.view(self.kv_dtype) if self.kv_is_quantized else host
 
     def write_blocks(self, block_ids: list[int], blocks: torch.Tensor,
                      scales: torch.Tensor | None = None) -> None:

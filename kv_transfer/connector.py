@@ -9,7 +9,8 @@
                                                    save_kv(...) ─ push KV out (push transports)
 
 `GrpcPullConnector` is the worker side of the decode role over `grpc_transport`: it pulls a
-prefill worker's leased blocks into local blocks through a `KvBlockSink`, then releases the lease.
+prefill worker's leased blocks into local blocks through a `KvBlockSink` (in batches of
+`WRITE_BATCH_BLOCKS`), then releases the lease.
 A failed load is reported, never raised: the engine recomputes the prompt or fails the request.
 """
 
@@ -149,18 +150,24 @@ class KvConnectorWorker(ABC):
         """Offer computed blocks to the connector (push transports, tiers)."""
 
 
+# Pulled blocks are written into the sink this many at a time. A GPU engine's write waits
+# for the steps queued on its stream before it (a freed block may still be written by a step
+# in flight, so the write must come after them): one wait per batch, not one per block.
+WRITE_BATCH_BLOCKS = 16
+
+
 class KvBlockSink(Protocol):
     """Destination of loaded blocks: the decode worker's KV cache."""
 
-    def write_block(self, block_id: int, tensor: torch.Tensor) -> None:
-        """Copy tensor [num_layers, 2, block_size, num_kv_heads, head_dim] (CPU) into local
-        block `block_id`. Called on the connector's event loop thread."""
+    def write_blocks(self, block_ids: list[int], tensors: torch.Tensor) -> None:
+        """Copy tensors [n, num_layers, 2, block_size, num_kv_heads, head_dim] (CPU) into
+        local blocks `block_ids`. Called in a worker thread (it may wait for the device)."""
         ...
 
 
 class GrpcPullConnector(KvConnectorWorker):
     """Decode-role worker side over gRPC: pull blocks from the prefill worker as they arrive,
-    write each into the sink, then release the lease (best effort: it expires anyway).
+    write them into the sink in batches, then release the lease (best effort: it expires anyway).
 
     loop: the event loop transfers run on (the service's); start_load_kv may be called from any
     thread. kv_scales: local per-layer scales [num_layers, 2] for 1-byte KV; incoming blocks must
@@ -219,6 +226,8 @@ class GrpcPullConnector(KvConnectorWorker):
                              handle.num_blocks, self._timeout_s,
                              num_tokens_expected=handle.num_tokens, first_block=first_block,
                              metadata=metadata)
+        ids: list[int] = []
+        tensors: list[torch.Tensor] = []
         try:
             async with aclosing(blocks):
                 async for index, block in blocks:
@@ -230,7 +239,13 @@ class GrpcPullConnector(KvConnectorWorker):
                         # The lease holds other tokens than the handle names (the lease id was
                         # reused, or a mix-up upstream): never use them as this prompt's KV.
                         return LoadResult(request_id, False, "hash_mismatch")
-                    self._sink.write_block(block_ids[index - first_block], block.tensor)
+                    ids.append(block_ids[index - first_block])
+                    tensors.append(block.tensor)
+                    if len(ids) == WRITE_BATCH_BLOCKS:
+                        await self._write(ids, tensors)
+                        ids, tensors = [], []
+            if ids:
+                await self._write(ids, tensors)
         except KvTransferError as exc:
             log.warning("KV load %s failed: %s", request_id, exc)
             return LoadResult(request_id, False, exc.reason)
@@ -239,6 +254,10 @@ class GrpcPullConnector(KvConnectorWorker):
             return LoadResult(request_id, False, "sink_error")
         await self._release(handle)
         return LoadResult(request_id, True)
+
+    async def _write(self, ids: list[int], tensors: list[torch.Tensor]) -> None:
+        """Into the sink, off the event loop (a GPU write waits for the device)."""
+        await asyncio.to_thread(self._sink.write_blocks, ids, torch.stack(tensors))
 
     async def _release(self, handle: KvHandle) -> None:
         try:

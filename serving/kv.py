@@ -73,7 +73,11 @@ class EngineBlockSource:
         return LeaseView(list(lease.block_ids), list(lease.block_hashes), lease.num_tokens)
 
     async def read_block(self, block_id: int) -> torch.Tensor:
-        return (await read_blocks(self._engine, [block_id]))[0]
+        runner = self._engine.runner
+        if runner.device.type == "cpu":
+            return runner.read_blocks([block_id])[0]
+        # A leased block: read beside the engine's queued steps, not after them.
+        return (await asyncio.to_thread(runner.read_leased_blocks, [block_id]))[0]
 
     def release(self, request_id: str) -> bool:
         lease = self._engine.scheduler.leases.get(request_id)
@@ -109,8 +113,8 @@ class RunnerSink:
     def __init__(self, engine: LLMEngine) -> None:
         self._runner = engine.runner
 
-    def write_block(self, block_id: int, tensor: torch.Tensor) -> None:
-        self._runner.write_blocks([block_id], tensor.unsqueeze(0))
+    def write_blocks(self, block_ids: list[int], tensors: torch.Tensor) -> None:
+        self._runner.write_blocks(block_ids, tensors)
 
 
 class GrpcKvLoader:

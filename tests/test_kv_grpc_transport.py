@@ -344,14 +344,15 @@ async def test_malformed_fragment_streams_are_rejected(case: str) -> None:
 
 
 class DictSink:
-    """A decode worker's local cache: [L, 2, num_blocks, bs, Hkv, D], written block by block."""
+    """A decode worker's local cache: [L, 2, num_blocks, bs, Hkv, D], written in batches."""
 
     def __init__(self, spec: BlockSpec) -> None:
         self.cache = torch.zeros(spec.num_layers, 2, NUM_CACHE_BLOCKS, spec.block_size,
                                  spec.num_kv_heads, spec.head_dim, dtype=spec.dtype)
 
-    def write_block(self, block_id: int, tensor: torch.Tensor) -> None:
-        self.cache[:, :, block_id] = tensor
+    def write_blocks(self, block_ids: list[int], tensors: torch.Tensor) -> None:
+        for block_id, tensor in zip(block_ids, tensors, strict=True):
+            self.cache[:, :, block_id] = tensor
 
 
 def handle_for(worker: Worker, request_id: str = "req-1") -> KvHandle:

@@ -190,7 +190,7 @@ class DraftModelProposer:
         """Where `req`'s draft stands, with blocks for this round's k drafts (None: no room)."""
         tokens = req.all_token_ids
         n = len(tokens)
-        # Draft j is fed at position n - 2 + j: the k-th stays inside the draft's context.
+        # Draft j (j < k) is fed at position n - 1 + j: the last fed stays inside the context.
         k = min(req.num_speculative_tokens, self.max_model_len - n + 1)
         if k <= 0:
             return None
