@@ -29,7 +29,7 @@ import torch
 
 from bench.results import git_info
 from engine import LLM, SamplingParams
-from kv_transfer.connector import WRITE_BATCH_BLOCKS
+from kv_transfer import WRITE_BATCH_BLOCKS
 
 
 def _timed(fn: Callable[[], None]) -> float:

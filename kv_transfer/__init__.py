@@ -5,3 +5,8 @@
 - `connector`       scheduler-side / worker-side connector interfaces + GrpcPullConnector.
 - `tiers`           CpuTier (LRU, pinned), RedisTier, TieredStore keyed by block hash.
 """
+
+# Pulled blocks are written into the decode worker's cache this many at a time. A GPU engine's
+# write waits for the steps queued on its stream before it (a freed block may still be written
+# by a step in flight, so the write must come after them): one wait per batch, not per block.
+WRITE_BATCH_BLOCKS = 16

@@ -29,6 +29,7 @@ from typing import Protocol
 import torch
 
 from engine.kv.hashing import HASH_BYTES
+from kv_transfer import WRITE_BATCH_BLOCKS
 from kv_transfer.grpc_transport import KvTransferError, num_blocks_for, pull_blocks, release
 from kv_transfer.wire import BlockSpec
 from protos.splitserve.v1 import common_pb2
@@ -148,12 +149,6 @@ class KvConnectorWorker(ABC):
     def save_kv(self, request_id: str, block_ids: Sequence[int],
                 block_hashes: Sequence[bytes]) -> None:
         """Offer computed blocks to the connector (push transports, tiers)."""
-
-
-# Pulled blocks are written into the sink this many at a time. A GPU engine's write waits
-# for the steps queued on its stream before it (a freed block may still be written by a step
-# in flight, so the write must come after them): one wait per batch, not one per block.
-WRITE_BATCH_BLOCKS = 16
 
 
 class KvBlockSink(Protocol):
