@@ -1,0 +1,216 @@
+"""Disaggregated prefill and decode on one GPU, through the real services (no gateway): a
+prefill worker and a decode worker run as processes (`splitserve serve --role ...`), and this
+client does what the gateway's orchestrator does: `Prefill` (first token + KV handle), then
+`Decode` with the handle (the decode worker pulls the KV over gRPC, then decodes).
+
+The same decode worker, called without a handle, computes the prompt itself: that is the
+colocated baseline (prefill chunks and decodes share its steps).
+
+Per request: TTFT (disaggregated: the Prefill call; colocated: the first Decode chunk), the
+pull-and-first-step time (Decode call to its first chunk after a prefill), TPOT over the
+decode stream's tokens, and whether the KV was recomputed instead of transferred. Greedy,
+EOS ignored; warm-up requests use other prompts (no prefix-cache hits).
+
+Usage: PYTHONPATH=. python3 bench/probe_disagg.py --out F [--model dummy:llama-3.1-8b]
+       [--concurrency 1,16] [--input-len 2000] [--output-len 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from bench.results import git_info
+from protos.auth import INTERNAL_TOKEN_ENV, bearer_metadata
+from protos.splitserve.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+
+HOST = "127.0.0.1"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def _spawn(role: str, port: int, engine_args: list[str], log: Path, token: str
+           ) -> subprocess.Popen[bytes]:
+    env = {**os.environ, INTERNAL_TOKEN_ENV: token}
+    return subprocess.Popen(
+        [sys.executable, "-m", "splitserve", "serve", "--role", role, "--host", HOST,
+         "--port", str(port), *engine_args],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+
+
+async def _wait_ready(stub: Any, md: tuple[tuple[str, str], ...], proc: subprocess.Popen[bytes],
+                      timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"worker exited with {proc.returncode}")
+        try:
+            await stub.GetLoad(common_pb2.LoadRequest(), metadata=md, timeout=5)
+            return
+        except grpc.aio.AioRpcError:
+            await asyncio.sleep(1.0)
+    raise RuntimeError("worker not ready in time")
+
+
+async def _one(i: int, tag: str, prompt: list[int], output_len: int, disagg: bool,
+               prefill: Any, decode: Any, md: tuple[tuple[str, str], ...]) -> dict[str, Any]:
+    sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=output_len,
+                                         ignore_eos=True)
+    rid = f"{tag}-{i}"
+    t0 = time.perf_counter()
+    times: list[float] = []
+    req = decode_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+                                   num_speculative_tokens=0)
+    ttft = None
+    if disagg:
+        pre = await prefill.Prefill(prefill_pb2.PrefillRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=sampling), metadata=md)
+        ttft = time.perf_counter() - t0
+        times.append(time.perf_counter())
+        req.output_token_ids.append(pre.first_token_id)
+        req.kv_handle.CopyFrom(pre.kv_handle)
+    t_decode = time.perf_counter()
+    first_chunk = None
+    recomputed = None
+    async for resp in decode.Decode(req, metadata=md):
+        kind = resp.WhichOneof("response")
+        now = time.perf_counter()
+        if kind == "chunk":
+            if first_chunk is None:
+                first_chunk = now - t_decode
+            times.extend([now] * len(resp.chunk.token_ids))
+        elif kind == "complete":
+            recomputed = resp.complete.kv_recomputed
+        else:
+            raise RuntimeError(f"{rid}: {resp.error}")
+    if ttft is None:
+        ttft = times[0] - t0
+    # Over the decode stream's tokens (a disaggregated request's first token came from Prefill).
+    stream = times[1:] if disagg else times
+    tpot = (stream[-1] - stream[0]) / (len(stream) - 1) if len(stream) > 1 else None
+    return {"ttft_s": ttft, "decode_first_chunk_s": first_chunk, "tpot_s": tpot,
+            "tokens": len(times), "kv_recomputed": recomputed}
+
+
+def _summary(rows: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+    def ms(key: str, q: str) -> float | None:
+        vals = sorted(r[key] for r in rows if r[key] is not None)
+        if not vals:
+            return None
+        v = statistics.median(vals) if q == "median" else vals[min(len(vals) - 1,
+                                                                    int(0.99 * len(vals)))]
+        return round(v * 1e3, 2)
+    return {"requests": len(rows), "wall_s": round(wall, 3),
+            "output_tok_s": round(sum(r["tokens"] for r in rows) / wall, 1),
+            "ttft_ms_median": ms("ttft_s", "median"), "ttft_ms_p99": ms("ttft_s", "p99"),
+            "decode_first_chunk_ms_median": ms("decode_first_chunk_s", "median"),
+            "tpot_ms_median": ms("tpot_s", "median"), "tpot_ms_p99": ms("tpot_s", "p99"),
+            "kv_recomputed": sum(bool(r["kv_recomputed"]) for r in rows)}
+
+
+async def _run(args: argparse.Namespace, token: str, ports: dict[str, int]) -> dict[str, Any]:
+    md = bearer_metadata(token)
+    async with grpc.aio.insecure_channel(f"{HOST}:{ports['prefill']}") as pch, \
+            grpc.aio.insecure_channel(f"{HOST}:{ports['decode']}") as dch:
+        prefill = prefill_pb2_grpc.PrefillStub(pch)
+        decode = decode_pb2_grpc.DecodeStub(dch)
+        rng = random.Random(0)
+        out: dict[str, Any] = {}
+        for c in [int(x) for x in args.concurrency.split(",")]:
+            for mode in ("disaggregated", "colocated"):
+                # Warm-up on other prompts (no prefix-cache hits for the measured ones).
+                warm = [[rng.randrange(args.vocab) for _ in range(args.input_len)]
+                        for _ in range(min(c, 4))]
+                await asyncio.gather(*(_one(i, f"w{mode}{c}", p, 4, mode == "disaggregated",
+                                            prefill, decode, md) for i, p in enumerate(warm)))
+                prompts = [[rng.randrange(args.vocab) for _ in range(args.input_len)]
+                           for _ in range(c)]
+                t0 = time.perf_counter()
+                rows = await asyncio.gather(*(
+                    _one(i, f"{mode}{c}", p, args.output_len, mode == "disaggregated",
+                         prefill, decode, md) for i, p in enumerate(prompts)))
+                out[f"{mode}_c{c}"] = _summary(list(rows), time.perf_counter() - t0)
+                print(f"{mode} c={c}", json.dumps(out[f"{mode}_c{c}"]), flush=True)
+        return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default="dummy:llama-3.1-8b")
+    p.add_argument("--out", required=True)
+    p.add_argument("--concurrency", default="1,16")
+    p.add_argument("--input-len", type=int, default=2000)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.4)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--log-dir", default=None, help="where the workers' logs go (default: "
+                   "next to --out)")
+    p.add_argument("--ready-timeout-s", type=float, default=300)
+    args = p.parse_args()
+    token = secrets.token_hex(16)
+    log_dir = Path(args.log_dir or Path(args.out).parent)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    engine_args = ["--model", args.model, "--max-model-len", str(args.max_model_len),
+                   "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    ports = {"prefill": _free_port(), "decode": _free_port()}
+    procs = {role: _spawn(role, ports[role], engine_args, log_dir / f"{role}.log", token)
+             for role in ("prefill", "decode")}
+    try:
+        async def ready() -> None:
+            md = bearer_metadata(token)
+            async with grpc.aio.insecure_channel(f"{HOST}:{ports['prefill']}") as pch, \
+                    grpc.aio.insecure_channel(f"{HOST}:{ports['decode']}") as dch:
+                await _wait_ready(prefill_pb2_grpc.PrefillStub(pch), md, procs["prefill"],
+                                  args.ready_timeout_s)
+                await _wait_ready(decode_pb2_grpc.DecodeStub(dch), md, procs["decode"],
+                                  args.ready_timeout_s)
+
+        t = time.perf_counter()
+        asyncio.run(ready())
+        start_s = time.perf_counter() - t
+        results = asyncio.run(_run(args, token, ports))
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    doc = {"model": args.model, "input_len": args.input_len, "output_len": args.output_len,
+           "gpu_memory_utilization_each": args.gpu_memory_utilization, "start_s": round(start_s, 1),
+           "results": results, "git": git_info(),
+           "command": "PYTHONPATH=. python3 bench/probe_disagg.py " + " ".join(
+               f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+               if k not in ("out", "log_dir"))}
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
