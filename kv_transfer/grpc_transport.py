@@ -14,6 +14,7 @@ Any failure on the client (gRPC status, deadline, malformed fragments, a block t
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import AsyncExitStack, aclosing
@@ -116,19 +117,32 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"first_block {first} is past the lease's "
                                 f"{len(lease.block_ids)} blocks")
-        for index in range(first, len(lease.block_ids)):
-            data = await self._encode(spec, lease, index, lease.block_ids[index])
-            for offset in range(0, len(data), self._fragment_bytes):
-                yield kv_transfer_pb2.KvFragment(
-                    block_index=index, offset=offset, total_bytes=len(data),
-                    data=data[offset:offset + self._fragment_bytes])
+        # One block ahead: the next block is read and encoded while this one is sent.
+        ahead = asyncio.ensure_future(self._encode(spec, lease, first))
+        try:
+            for index in range(first, len(lease.block_ids)):
+                data = await ahead
+                if index + 1 < len(lease.block_ids):
+                    ahead = asyncio.ensure_future(self._encode(spec, lease, index + 1))
+                for offset in range(0, len(data), self._fragment_bytes):
+                    yield kv_transfer_pb2.KvFragment(
+                        block_index=index, offset=offset, total_bytes=len(data),
+                        data=data[offset:offset + self._fragment_bytes])
+        finally:
+            if not ahead.done():
+                ahead.cancel()
+            elif not ahead.cancelled():
+                ahead.exception()  # retrieved: a stream that ended early drops it
 
-    async def _encode(self, spec: BlockSpec, lease: LeaseView, index: int, block_id: int) -> bytes:
+    async def _encode(self, spec: BlockSpec, lease: LeaseView, index: int) -> bytes:
+        """Block `index` of the lease, serialized (the checksum in a thread: it releases the
+        GIL, so the event loop keeps sending meanwhile)."""
         num_tokens = block_num_tokens(index, lease.num_tokens, spec.block_size)
         full = num_tokens == spec.block_size
         block_hash = lease.block_hashes[index] if full and index < len(lease.block_hashes) else None
-        tensor = await self._source.read_block(block_id)
-        return encode_block(spec, block_hash, num_tokens, tensor, self._kv_scales)
+        tensor = await self._source.read_block(lease.block_ids[index])
+        return await asyncio.to_thread(encode_block, spec, block_hash, num_tokens, tensor,
+                                       self._kv_scales)
 
     async def Release(
         self,
@@ -196,8 +210,9 @@ class _Reassembler:
         self._buf = bytearray()
         self._filled = 0
 
-    def feed(self, frag: kv_transfer_pb2.KvFragment) -> DecodedBlock | None:
-        """Add one fragment; returns the verified block when its last fragment arrived."""
+    def feed(self, frag: kv_transfer_pb2.KvFragment) -> bytearray | None:
+        """Add one fragment; returns the block's bytes when its last fragment arrived (then
+        `finish` them: verify and decode, which may run in another thread)."""
         if frag.block_index != self.index or self.index >= self._num_blocks:
             raise KvTransferError("protocol", f"fragment of block {frag.block_index}, expected "
                                   f"block {self.index} of {self._num_blocks}")
@@ -214,16 +229,16 @@ class _Reassembler:
         self._filled += size
         if self._filled < frag.total_bytes:
             return None
-        return self._finish_block()
-
-    def _finish_block(self) -> DecodedBlock:
-        try:
-            block = decode_block(self._buf, self._spec)
-        except KvWireError as exc:
-            raise KvTransferError("wire", f"block {self.index}: {exc}") from exc
+        data, self._buf, self._filled = self._buf, bytearray(), 0
         self.index += 1
-        self._buf, self._filled = bytearray(), 0
-        return block
+        return data
+
+    def finish(self, index: int, data: bytearray) -> DecodedBlock:
+        """Verify (CRC) and decode block `index`'s bytes from `feed`."""
+        try:
+            return decode_block(data, self._spec)
+        except KvWireError as exc:
+            raise KvTransferError("wire", f"block {index}: {exc}") from exc
 
     def check_complete(self) -> None:
         if self._filled or self.index != self._num_blocks:
@@ -296,9 +311,12 @@ async def _pull(channel: grpc.aio.Channel, request_id: str, spec: BlockSpec, num
     reassembler = _Reassembler(spec, num_blocks, first_block)
     try:
         async for frag in call:
-            block = reassembler.feed(frag)
-            if block is not None:
+            data = reassembler.feed(frag)
+            if data is not None:
                 index = reassembler.index - 1
+                # The checksum and copy in a thread: they release the GIL, and the event loop
+                # serves the worker's other pulls and calls meanwhile.
+                block = await asyncio.to_thread(reassembler.finish, index, data)
                 _check_tokens(index, block, spec, num_blocks, num_tokens_expected)
                 yield index, block
         reassembler.check_complete()
