@@ -117,32 +117,23 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"first_block {first} is past the lease's "
                                 f"{len(lease.block_ids)} blocks")
-        # One block ahead: the next block is read and encoded while this one is sent.
-        ahead = asyncio.ensure_future(self._encode(spec, lease, first))
-        try:
-            for index in range(first, len(lease.block_ids)):
-                data = await ahead
-                if index + 1 < len(lease.block_ids):
-                    ahead = asyncio.ensure_future(self._encode(spec, lease, index + 1))
-                for offset in range(0, len(data), self._fragment_bytes):
-                    yield kv_transfer_pb2.KvFragment(
-                        block_index=index, offset=offset, total_bytes=len(data),
-                        data=data[offset:offset + self._fragment_bytes])
-        finally:
-            if not ahead.done():
-                ahead.cancel()
-            elif not ahead.cancelled():
-                ahead.exception()  # retrieved: a stream that ended early drops it
+        for index in range(first, len(lease.block_ids)):
+            data = await self._encode(spec, lease, index)
+            for offset in range(0, len(data), self._fragment_bytes):
+                yield kv_transfer_pb2.KvFragment(
+                    block_index=index, offset=offset, total_bytes=len(data),
+                    data=data[offset:offset + self._fragment_bytes])
 
     async def _encode(self, spec: BlockSpec, lease: LeaseView, index: int) -> bytes:
-        """Block `index` of the lease, serialized (the checksum in a thread: it releases the
-        GIL, so the event loop keeps sending meanwhile)."""
+        """Block `index` of the lease, serialized on the event loop. (Reading the next block
+        and checksumming in a thread while this one is sent was measured: the pulls then took
+        the prefill worker's interpreter from its engine, and first tokens came 4.5x later at
+        16 concurrent requests on an H200, bench/results/h200/probe_disagg_1e28151.json.)"""
         num_tokens = block_num_tokens(index, lease.num_tokens, spec.block_size)
         full = num_tokens == spec.block_size
         block_hash = lease.block_hashes[index] if full and index < len(lease.block_hashes) else None
         tensor = await self._source.read_block(lease.block_ids[index])
-        return await asyncio.to_thread(encode_block, spec, block_hash, num_tokens, tensor,
-                                       self._kv_scales)
+        return encode_block(spec, block_hash, num_tokens, tensor, self._kv_scales)
 
     async def Release(
         self,
