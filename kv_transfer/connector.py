@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ipaddress
 import logging
 import threading
 from abc import ABC, abstractmethod
@@ -30,7 +31,14 @@ import torch
 
 from engine.kv.hashing import HASH_BYTES
 from kv_transfer import WRITE_BATCH_BLOCKS
-from kv_transfer.grpc_transport import KvTransferError, num_blocks_for, pull_blocks, release
+from kv_transfer.grpc_transport import (
+    KvTransferError,
+    num_blocks_for,
+    pull_blocks,
+    pull_blocks_shm,
+    release,
+)
+from kv_transfer.shm import shm_available
 from kv_transfer.wire import BlockSpec
 from protos.splitserve.v1 import common_pb2
 
@@ -172,13 +180,16 @@ class GrpcPullConnector(KvConnectorWorker):
 
     def __init__(self, spec: BlockSpec, sink: KvBlockSink, loop: asyncio.AbstractEventLoop,
                  timeout_s: float = 30.0, kv_scales: torch.Tensor | None = None,
-                 metadata: Sequence[tuple[str, str]] = ()) -> None:
+                 metadata: Sequence[tuple[str, str]] = (), use_shm: bool = True) -> None:
         self._spec = spec
         self._metadata = tuple(metadata)
         self._sink = sink
         self._loop = loop
         self._timeout_s = timeout_s
         self._kv_scales = kv_scales
+        # Same-host pulls through shared memory (`PullBlocksShm`) until one finds it
+        # unavailable; then the gRPC stream for good.
+        self._use_shm = use_shm and shm_available()
         self._lock = threading.Lock()
         self._futures: dict[str, concurrent.futures.Future[LoadResult]] = {}
         self._finished: list[LoadResult] = []
@@ -217,6 +228,49 @@ class GrpcPullConnector(KvConnectorWorker):
 
     async def _load(self, request_id: str, handle: KvHandle, block_ids: list[int],
                     first_block: int, metadata: tuple[tuple[str, str], ...]) -> LoadResult:
+        if self._use_shm and is_local_address(handle.worker_address):
+            try:
+                return await self._load_shm(request_id, handle, block_ids, first_block,
+                                            metadata)
+            except KvTransferError as exc:
+                if exc.reason != "shm_unavailable":
+                    log.warning("KV load %s failed: %s", request_id, exc)
+                    return LoadResult(request_id, False, exc.reason)
+                log.info("KV load %s: shared memory unavailable (%s); streaming instead",
+                         request_id, exc)
+                self._use_shm = False  # the server (or this host) cannot: stop trying
+        return await self._load_stream(request_id, handle, block_ids, first_block, metadata)
+
+    async def _load_shm(self, request_id: str, handle: KvHandle, block_ids: list[int],
+                        first_block: int, metadata: tuple[tuple[str, str], ...]) -> LoadResult:
+        """Same host: the blocks arrive raw in a shared-memory segment, then go into the sink
+        in batches. Raises KvTransferError("shm_unavailable") when the stream must be used."""
+        pull = await pull_blocks_shm(handle.worker_address, handle.request_id, self._spec,
+                                     handle.num_blocks, self._timeout_s, first_block, metadata)
+        try:
+            if pull.num_tokens != handle.num_tokens:
+                return LoadResult(request_id, False, "count_mismatch")
+            if self._kv_scales is not None and (pull.kv_scales is None or
+                                                not torch.equal(pull.kv_scales, self._kv_scales)):
+                return LoadResult(request_id, False, "scales_mismatch")
+            for index in range(first_block, handle.num_blocks):
+                got = pull.block_hashes[index] if index < len(pull.block_hashes) else None
+                if not _hash_matches(handle, index, got):
+                    return LoadResult(request_id, False, "hash_mismatch")
+            for i in range(0, len(block_ids), WRITE_BATCH_BLOCKS):
+                await asyncio.to_thread(self._sink.write_blocks, block_ids[i:i + WRITE_BATCH_BLOCKS],
+                                        pull.blocks[i:i + WRITE_BATCH_BLOCKS])
+        except (ValueError, RuntimeError, IndexError) as exc:  # raised by the sink
+            log.error("KV load %s: sink failed: %s", request_id, exc)
+            return LoadResult(request_id, False, "sink_error")
+        finally:
+            del pull.blocks  # views the segment
+            pull.segment.close()
+        await self._release(handle)
+        return LoadResult(request_id, True)
+
+    async def _load_stream(self, request_id: str, handle: KvHandle, block_ids: list[int],
+                           first_block: int, metadata: tuple[tuple[str, str], ...]) -> LoadResult:
         blocks = pull_blocks(handle.worker_address, handle.request_id, self._spec,
                              handle.num_blocks, self._timeout_s,
                              num_tokens_expected=handle.num_tokens, first_block=first_block,
@@ -294,6 +348,15 @@ class GrpcPullConnector(KvConnectorWorker):
                 block_hashes: Sequence[bytes]) -> None:
         """Nothing to push: in the pull model the prefill worker keeps the blocks under a lease
         and its KvTransfer servicer serves them."""
+
+
+def is_local_address(address: str) -> bool:
+    """Whether host:port names this host by a loopback address (shared memory reaches it)."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _hash_matches(handle: KvHandle, index: int, block_hash: bytes | None) -> bool:

@@ -24,6 +24,7 @@ from typing import Protocol
 import grpc
 import torch
 
+from kv_transfer.shm import SHM_PREFIX, ShmError, ShmSegment, valid_name
 from kv_transfer.wire import BlockSpec, DecodedBlock, KvWireError, decode_block, encode_block
 from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
@@ -68,6 +69,10 @@ class KvBlockSource(Protocol):
 
     async def read_block(self, block_id: int) -> torch.Tensor:
         """CPU tensor [num_layers, 2, block_size, num_kv_heads, head_dim] of spec.dtype."""
+        ...
+
+    async def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """CPU tensor [n, num_layers, 2, block_size, num_kv_heads, head_dim] of spec.dtype."""
         ...
 
     def release(self, request_id: str) -> bool:
@@ -135,6 +140,49 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         tensor = await self._source.read_block(lease.block_ids[index])
         return encode_block(spec, block_hash, num_tokens, tensor, self._kv_scales)
 
+    async def PullBlocksShm(
+        self,
+        request: kv_transfer_pb2.PullBlocksShmRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> kv_transfer_pb2.PullBlocksShmResponse:
+        spec = self._source.spec
+        await _check_request_id(request.request_id, context)
+        if request.fingerprint != spec.fingerprint:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "fingerprint differs from this worker's: KV is not interchangeable")
+        if not valid_name(request.shm_name):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"shm_name must be {SHM_PREFIX} and 32 hex digits")
+        lease = self._source.lookup(request.request_id)
+        if lease is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no live KV lease for request {request.request_id!r}")
+            raise AssertionError("unreachable")  # abort() raises
+        first = request.first_block
+        ids = lease.block_ids[first:]
+        if not ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"first_block {first} is past the lease's "
+                                f"{len(lease.block_ids)} blocks")
+        size = len(ids) * spec.block_nbytes
+        if request.shm_bytes != size:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"shm_bytes is {request.shm_bytes}; {len(ids)} blocks need {size}")
+        try:
+            segment = ShmSegment.open(request.shm_name, size)
+        except ShmError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            raise AssertionError("unreachable") from exc
+        try:
+            blocks = await self._source.read_blocks(ids)
+            await asyncio.to_thread(_copy_into, segment, blocks, spec)
+        finally:
+            segment.close()
+        scales = [] if self._kv_scales is None else self._kv_scales.reshape(-1).tolist()
+        return kv_transfer_pb2.PullBlocksShmResponse(
+            num_blocks=len(ids), num_tokens=lease.num_tokens,
+            block_hashes=list(lease.block_hashes), kv_scales=scales)
+
     async def Release(
         self,
         request: kv_transfer_pb2.ReleaseRequest,
@@ -149,6 +197,12 @@ async def _check_request_id(request_id: str, context: grpc.aio.ServicerContext) 
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                             f"request_id must be 1..{MAX_REQUEST_ID_CHARS} characters, "
                             f"got {len(request_id)}")
+
+
+def _copy_into(segment: ShmSegment, blocks: torch.Tensor, spec: BlockSpec) -> None:
+    dst = segment.tensor(torch.uint8, (segment.size,))
+    dst.copy_(blocks.contiguous().view(torch.uint8).reshape(-1))
+    del dst  # the segment's buffer is exported while a tensor views it
 
 
 def block_num_tokens(index: int, num_tokens: int, block_size: int) -> int:
@@ -334,6 +388,62 @@ async def pull_all(
         async for _, block in items:
             blocks.append(block)
     return blocks
+
+
+@dataclass(slots=True)
+class ShmPull:
+    """The lease's blocks from `first_block`, raw in a shared-memory segment this side made.
+    `blocks` views the segment: drop it before `segment.close()`."""
+
+    segment: ShmSegment
+    blocks: torch.Tensor          # [n, num_layers, 2, block_size, num_kv_heads, head_dim]
+    num_tokens: int
+    block_hashes: list[bytes]
+    kv_scales: torch.Tensor | None
+
+
+async def pull_blocks_shm(target: str, request_id: str, spec: BlockSpec, num_blocks: int,
+                          timeout_s: float, first_block: int = 0,
+                          metadata: Sequence[tuple[str, str]] = ()) -> ShmPull:
+    """`PullBlocksShm` into a new segment. Raises KvTransferError (reason "shm_unavailable"
+    when the server could not open the segment: another host, or a server without shared
+    memory; the caller falls back to `pull_blocks`)."""
+    n = num_blocks - first_block
+    if n <= 0:
+        raise ValueError(f"first_block {first_block} leaves no blocks of {num_blocks}")
+    try:
+        segment = ShmSegment.create(n * spec.block_nbytes)
+    except ShmError as exc:
+        raise KvTransferError("shm_unavailable", str(exc)) from exc
+    try:
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = kv_transfer_pb2_grpc.KvTransferStub(channel)
+            response = await stub.PullBlocksShm(kv_transfer_pb2.PullBlocksShmRequest(
+                request_id=request_id, fingerprint=spec.fingerprint, first_block=first_block,
+                shm_name=segment.name, shm_bytes=segment.size),
+                timeout=timeout_s, metadata=tuple(metadata))
+        if response.num_blocks != n:
+            raise KvTransferError("count_mismatch", f"the server wrote {response.num_blocks} "
+                                  f"blocks, expected {n}")
+        if num_blocks_for(response.num_tokens, spec.block_size) != num_blocks:
+            raise KvTransferError("count_mismatch", f"the lease holds {response.num_tokens} "
+                                  f"tokens, not {num_blocks} blocks of {spec.block_size}")
+        scales = None
+        if response.kv_scales:
+            if len(response.kv_scales) != 2 * spec.num_layers:
+                raise KvTransferError("protocol", f"{len(response.kv_scales)} KV scales for "
+                                      f"{spec.num_layers} layers")
+            scales = torch.tensor(list(response.kv_scales), dtype=torch.float32).view(-1, 2)
+        blocks = segment.tensor(spec.dtype, (n, *spec.shape))
+    except grpc.aio.AioRpcError as err:
+        segment.close()
+        if err.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
+            raise KvTransferError("shm_unavailable", err.details() or "", err.code()) from err
+        raise _rpc_failure(err) from err
+    except BaseException:
+        segment.close()
+        raise
+    return ShmPull(segment, blocks, response.num_tokens, list(response.block_hashes), scales)
 
 
 async def release(target: str | grpc.aio.Channel, request_id: str, timeout_s: float = 5.0,

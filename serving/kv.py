@@ -73,11 +73,14 @@ class EngineBlockSource:
         return LeaseView(list(lease.block_ids), list(lease.block_hashes), lease.num_tokens)
 
     async def read_block(self, block_id: int) -> torch.Tensor:
+        return (await self.read_blocks([block_id]))[0]
+
+    async def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         runner = self._engine.runner
         if runner.device.type == "cpu":
-            return runner.read_blocks([block_id])[0]
-        # A leased block: read beside the engine's queued steps, not after them.
-        return (await asyncio.to_thread(runner.read_leased_blocks, [block_id]))[0]
+            return runner.read_blocks(block_ids)
+        # Leased blocks: read beside the engine's queued steps, not after them.
+        return await asyncio.to_thread(runner.read_leased_blocks, block_ids)
 
     def release(self, request_id: str) -> bool:
         lease = self._engine.scheduler.leases.get(request_id)

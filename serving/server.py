@@ -163,6 +163,20 @@ class _LazyKvServicer(kv_transfer_pb2_grpc.KvTransferServicer):
             span.set_attribute("splitserve.kv.fragments", fragments)
             span.set_attribute("splitserve.kv.bytes", payload)
 
+    async def PullBlocksShm(self, request, context):  # type: ignore[no-untyped-def]
+        if self._inner is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is loading")
+        assert self._inner is not None
+        with tracing.traced_span(
+                "splitserve.kv_serve", parent=tracing.extract_context(context.invocation_metadata()),
+                kind=SpanKind.SERVER, passthrough=(grpc.aio.AbortError,),
+                attributes={"splitserve.request_id": request.request_id,
+                            "splitserve.kv.first_block": request.first_block,
+                            "splitserve.kv.transport": "shm"}) as span:
+            response = await self._inner.PullBlocksShm(request, context)
+            span.set_attribute("splitserve.kv.bytes", request.shm_bytes)
+            return response
+
     async def Release(self, request, context):  # type: ignore[no-untyped-def]
         if self._inner is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is loading")

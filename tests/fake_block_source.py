@@ -60,6 +60,9 @@ class CacheBlockSource:
         # A device->host copy synchronises; keep it off the event loop.
         return await asyncio.to_thread(lambda: block.to("cpu", copy=True))
 
+    async def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        return torch.stack([await self.read_block(b) for b in block_ids])
+
     def release(self, request_id: str) -> bool:
         lease = self._leases.release(request_id)
         if lease is None:

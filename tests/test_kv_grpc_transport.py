@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import os
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import grpc
 import pytest
@@ -13,7 +15,9 @@ import torch
 from fake_block_source import CacheBlockSource
 from fake_lease import Lease, LeaseError, LeaseTable
 
+import kv_transfer.connector as connector_module
 from engine.kv.hashing import prompt_hash
+from kv_transfer import grpc_transport
 from kv_transfer.connector import GrpcPullConnector, KvHandle, LoadResult
 from kv_transfer.grpc_transport import (
     KvTransferError,
@@ -21,8 +25,10 @@ from kv_transfer.grpc_transport import (
     channel_options,
     pull_all,
     pull_blocks,
+    pull_blocks_shm,
     release,
 )
+from kv_transfer.shm import SHM_DIR, SHM_PREFIX, ShmError, ShmSegment
 from kv_transfer.wire import BlockSpec, DecodedBlock, encode_block
 from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
@@ -362,11 +368,28 @@ def handle_for(worker: Worker, request_id: str = "req-1") -> KvHandle:
                     prompt_hash=prompt_hash(spec.fingerprint, list(range(NUM_TOKENS))))
 
 
-async def test_connector_pulls_into_local_blocks_and_releases(worker: Worker) -> None:
+def _kv_segments() -> set[str]:
+    return {n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIX)}
+
+
+@pytest.mark.parametrize("use_shm", [True, False])
+async def test_connector_pulls_into_local_blocks_and_releases(
+        worker: Worker, use_shm: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same host: through a shared-memory segment (then unlinked) or the gRPC stream."""
     lease = worker.grant()
     spec = worker.source.spec
     sink = DictSink(spec)
-    connector = GrpcPullConnector(spec, sink, asyncio.get_running_loop(), timeout_s=TIMEOUT_S)
+    shm_pulls: list[str] = []
+    real = connector_module.pull_blocks_shm
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        shm_pulls.append(args[1])
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(connector_module, "pull_blocks_shm", counted)
+    before = _kv_segments()
+    connector = GrpcPullConnector(spec, sink, asyncio.get_running_loop(), timeout_s=TIMEOUT_S,
+                                  use_shm=use_shm)
     local_ids = [0, 1, 4]
     handle = KvHandle.from_proto(handle_for(worker).to_proto())  # survives the proto round trip
     assert handle == handle_for(worker) and len(handle.prompt_hash) == 32
@@ -379,6 +402,53 @@ async def test_connector_pulls_into_local_blocks_and_releases(worker: Worker) ->
     assert worker.released == [lease]
     assert connector.get_finished_loads() == [LoadResult("local-1", True)]
     assert connector.get_finished_loads() == []
+    assert shm_pulls == (["req-1"] if use_shm else [])
+    assert _kv_segments() == before
+
+
+async def test_shm_pull_falls_back_to_the_stream_where_the_server_cannot_open_it(
+        worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that cannot open the segment (another host or container) answers
+    FAILED_PRECONDITION; the connector streams instead, and from then on."""
+    worker.grant()
+    spec = worker.source.spec
+    sink = DictSink(spec)
+
+    def elsewhere(name: str, size: int) -> ShmSegment:
+        raise ShmError(f"cannot open /dev/shm/{name}: not on this host")
+
+    monkeypatch.setattr(grpc_transport.ShmSegment, "open", staticmethod(elsewhere))
+    connector = GrpcPullConnector(spec, sink, asyncio.get_running_loop(), timeout_s=TIMEOUT_S)
+    connector.start_load_kv("local-1", handle_for(worker), [0, 1, 4])
+    assert await connector.wait_for_load("local-1") == LoadResult("local-1", True)
+    assert torch.equal(sink.cache[:, :, 4].view(torch.uint8),
+                       worker.source._kv_cache[:, :, BLOCK_IDS[2]].view(torch.uint8))
+    assert not connector._use_shm
+
+
+async def test_shm_pull_returns_the_lease_and_refuses_foreign_names(worker: Worker) -> None:
+    worker.grant()
+    spec = worker.source.spec
+    pull = await pull_blocks_shm(worker.address, "req-1", spec, len(BLOCK_IDS), TIMEOUT_S,
+                                 first_block=1)
+    try:
+        assert pull.num_tokens == NUM_TOKENS and pull.block_hashes == HASHES
+        for i, block_id in enumerate(BLOCK_IDS[1:]):
+            assert torch.equal(pull.blocks[i].view(torch.uint8),
+                               worker.source._kv_cache[:, :, block_id].view(torch.uint8))
+    finally:
+        name = pull.segment.name
+        del pull.blocks
+        pull.segment.close()
+    assert name not in _kv_segments()
+    async with grpc.aio.insecure_channel(worker.address) as channel:
+        stub = kv_transfer_pb2_grpc.KvTransferStub(channel)
+        for bad in ("../etc/passwd", "splitserve-kv-xyz", "other-" + "0" * 32):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.PullBlocksShm(kv_transfer_pb2.PullBlocksShmRequest(
+                    request_id="req-1", fingerprint=spec.fingerprint, shm_name=bad,
+                    shm_bytes=spec.block_nbytes))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 async def test_connector_reports_failures_instead_of_raising(worker: Worker) -> None:

@@ -24,21 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&protos/splitserve/v1/kv_transfer.proto\x12\rsplitserve.v1\"Q\n\x11PullBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\r\"T\n\nKvFragment\x12\x13\n\x0b\x62lock_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xa3\x01\n\nKvTransfer\x12K\n\nPullBlocks\x12 .splitserve.v1.PullBlocksRequest\x1a\x19.splitserve.v1.KvFragment0\x01\x12H\n\x07Release\x12\x1d.splitserve.v1.ReleaseRequest\x1a\x1e.splitserve.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&protos/splitserve/v1/kv_transfer.proto\x12\rsplitserve.v1\"y\n\x14PullBlocksShmRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\r\x12\x10\n\x08shm_name\x18\x04 \x01(\t\x12\x11\n\tshm_bytes\x18\x05 \x01(\x04\"h\n\x15PullBlocksShmResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x11\n\tkv_scales\x18\x04 \x03(\x02\"Q\n\x11PullBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\r\"T\n\nKvFragment\x12\x13\n\x0b\x62lock_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xff\x01\n\nKvTransfer\x12K\n\nPullBlocks\x12 .splitserve.v1.PullBlocksRequest\x1a\x19.splitserve.v1.KvFragment0\x01\x12Z\n\rPullBlocksShm\x12#.splitserve.v1.PullBlocksShmRequest\x1a$.splitserve.v1.PullBlocksShmResponse\x12H\n\x07Release\x12\x1d.splitserve.v1.ReleaseRequest\x1a\x1e.splitserve.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.splitserve.v1.kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PULLBLOCKSREQUEST']._serialized_start=57
-  _globals['_PULLBLOCKSREQUEST']._serialized_end=138
-  _globals['_KVFRAGMENT']._serialized_start=140
-  _globals['_KVFRAGMENT']._serialized_end=224
-  _globals['_RELEASEREQUEST']._serialized_start=226
-  _globals['_RELEASEREQUEST']._serialized_end=262
-  _globals['_RELEASERESPONSE']._serialized_start=264
-  _globals['_RELEASERESPONSE']._serialized_end=299
-  _globals['_KVTRANSFER']._serialized_start=302
-  _globals['_KVTRANSFER']._serialized_end=465
+  _globals['_PULLBLOCKSSHMREQUEST']._serialized_start=57
+  _globals['_PULLBLOCKSSHMREQUEST']._serialized_end=178
+  _globals['_PULLBLOCKSSHMRESPONSE']._serialized_start=180
+  _globals['_PULLBLOCKSSHMRESPONSE']._serialized_end=284
+  _globals['_PULLBLOCKSREQUEST']._serialized_start=286
+  _globals['_PULLBLOCKSREQUEST']._serialized_end=367
+  _globals['_KVFRAGMENT']._serialized_start=369
+  _globals['_KVFRAGMENT']._serialized_end=453
+  _globals['_RELEASEREQUEST']._serialized_start=455
+  _globals['_RELEASEREQUEST']._serialized_end=491
+  _globals['_RELEASERESPONSE']._serialized_start=493
+  _globals['_RELEASERESPONSE']._serialized_end=528
+  _globals['_KVTRANSFER']._serialized_start=531
+  _globals['_KVTRANSFER']._serialized_end=786
 # @@protoc_insertion_point(module_scope)

@@ -3,8 +3,10 @@
 isort:skip_file
 """
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -15,6 +17,76 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+@_typing.final
+class PullBlocksShmRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    FINGERPRINT_FIELD_NUMBER: _builtins.int
+    FIRST_BLOCK_FIELD_NUMBER: _builtins.int
+    SHM_NAME_FIELD_NUMBER: _builtins.int
+    SHM_BYTES_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    fingerprint: _builtins.bytes
+    """as in PullBlocksRequest"""
+    first_block: _builtins.int
+    shm_name: _builtins.str
+    """the segment's name under /dev/shm ("splitserve-kv-" + hex)"""
+    shm_bytes: _builtins.int
+    """its size: the blocks from first_block, raw, back to back"""
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        fingerprint: _builtins.bytes = ...,
+        first_block: _builtins.int = ...,
+        shm_name: _builtins.str = ...,
+        shm_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fingerprint", b"fingerprint", "first_block", b"first_block", "request_id", b"request_id", "shm_bytes", b"shm_bytes", "shm_name", b"shm_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PullBlocksShmRequest: _TypeAlias = PullBlocksShmRequest  # noqa: Y015
+
+@_typing.final
+class PullBlocksShmResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    KV_SCALES_FIELD_NUMBER: _builtins.int
+    num_blocks: _builtins.int
+    """blocks written, from first_block on"""
+    num_tokens: _builtins.int
+    """the lease's prompt tokens"""
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """the lease's full-block hashes, from block 0"""
+
+    @_builtins.property
+    def kv_scales(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """[num_layers * 2] (K, V per layer) for a 1-byte cache"""
+
+    def __init__(
+        self,
+        *,
+        num_blocks: _builtins.int = ...,
+        num_tokens: _builtins.int = ...,
+        block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+        kv_scales: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "kv_scales", b"kv_scales", "num_blocks", b"num_blocks", "num_tokens", b"num_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PullBlocksShmResponse: _TypeAlias = PullBlocksShmResponse  # noqa: Y015
 
 @_typing.final
 class PullBlocksRequest(_message.Message):

@@ -41,6 +41,11 @@ class KvTransferStub:
                 request_serializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PullBlocksRequest.SerializeToString,
                 response_deserializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.KvFragment.FromString,
                 _registered_method=True)
+        self.PullBlocksShm = channel.unary_unary(
+                '/splitserve.v1.KvTransfer/PullBlocksShm',
+                request_serializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PullBlocksShmRequest.SerializeToString,
+                response_deserializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PullBlocksShmResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/splitserve.v1.KvTransfer/Release',
                 request_serializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.ReleaseRequest.SerializeToString,
@@ -59,6 +64,16 @@ class KvTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullBlocksShm(self, request, context):
+        """Same host: the lease's blocks, raw (no wire format, no checksum: memory is not a lossy
+        channel), written into a shared-memory segment the puller created under /dev/shm (mode
+        0600, so only the workers' user can open it). FAILED_PRECONDITION when the segment cannot
+        be opened here (another host or container): the puller then uses PullBlocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -72,6 +87,11 @@ def add_KvTransferServicer_to_server(servicer, server):
                     servicer.PullBlocks,
                     request_deserializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PullBlocksRequest.FromString,
                     response_serializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.KvFragment.SerializeToString,
+            ),
+            'PullBlocksShm': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullBlocksShm,
+                    request_deserializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PullBlocksShmRequest.FromString,
+                    response_serializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PullBlocksShmResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -108,6 +128,33 @@ class KvTransfer:
             '/splitserve.v1.KvTransfer/PullBlocks',
             protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PullBlocksRequest.SerializeToString,
             protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.KvFragment.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullBlocksShm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.KvTransfer/PullBlocksShm',
+            protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PullBlocksShmRequest.SerializeToString,
+            protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PullBlocksShmResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -36,6 +36,12 @@ class KvTransferStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> KvTransferAsyncStub: ...
     PullBlocks: _grpc.UnaryStreamMultiCallable[_kv_transfer_pb2.PullBlocksRequest, _kv_transfer_pb2.KvFragment]
+    PullBlocksShm: _grpc.UnaryUnaryMultiCallable[_kv_transfer_pb2.PullBlocksShmRequest, _kv_transfer_pb2.PullBlocksShmResponse]
+    """Same host: the lease's blocks, raw (no wire format, no checksum: memory is not a lossy
+    channel), written into a shared-memory segment the puller created under /dev/shm (mode
+    0600, so only the workers' user can open it). FAILED_PRECONDITION when the segment cannot
+    be opened here (another host or container): the puller then uses PullBlocks.
+    """
     Release: _grpc.UnaryUnaryMultiCallable[_kv_transfer_pb2.ReleaseRequest, _kv_transfer_pb2.ReleaseResponse]
 
 @_typing.type_check_only
@@ -46,6 +52,12 @@ class KvTransferAsyncStub(KvTransferStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     PullBlocks: _aio.UnaryStreamMultiCallable[_kv_transfer_pb2.PullBlocksRequest, _kv_transfer_pb2.KvFragment]  # type: ignore[assignment]
+    PullBlocksShm: _aio.UnaryUnaryMultiCallable[_kv_transfer_pb2.PullBlocksShmRequest, _kv_transfer_pb2.PullBlocksShmResponse]  # type: ignore[assignment]
+    """Same host: the lease's blocks, raw (no wire format, no checksum: memory is not a lossy
+    channel), written into a shared-memory segment the puller created under /dev/shm (mode
+    0600, so only the workers' user can open it). FAILED_PRECONDITION when the segment cannot
+    be opened here (another host or container): the puller then uses PullBlocks.
+    """
     Release: _aio.UnaryUnaryMultiCallable[_kv_transfer_pb2.ReleaseRequest, _kv_transfer_pb2.ReleaseResponse]  # type: ignore[assignment]
 
 class KvTransferServicer(metaclass=_abc_1.ABCMeta):
@@ -59,6 +71,18 @@ class KvTransferServicer(metaclass=_abc_1.ABCMeta):
         request: _kv_transfer_pb2.PullBlocksRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_kv_transfer_pb2.KvFragment], _abc.AsyncIterator[_kv_transfer_pb2.KvFragment]]: ...
+
+    @_abc_1.abstractmethod
+    def PullBlocksShm(
+        self,
+        request: _kv_transfer_pb2.PullBlocksShmRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kv_transfer_pb2.PullBlocksShmResponse, _abc.Awaitable[_kv_transfer_pb2.PullBlocksShmResponse]]:
+        """Same host: the lease's blocks, raw (no wire format, no checksum: memory is not a lossy
+        channel), written into a shared-memory segment the puller created under /dev/shm (mode
+        0600, so only the workers' user can open it). FAILED_PRECONDITION when the segment cannot
+        be opened here (another host or container): the puller then uses PullBlocks.
+        """
 
     @_abc_1.abstractmethod
     def Release(
