@@ -29,6 +29,8 @@ from kv_transfer.wire import BlockSpec, DecodedBlock, KvWireError, decode_block,
 from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 DEFAULT_FRAGMENT_BYTES = 1 << 20
+# PullBlocksShm reads a lease this many blocks at a time (128 MB of an 8B model's bf16 KV).
+SHM_READ_BLOCKS = 64
 MAX_FRAGMENT_BYTES = (4 << 20) - (64 << 10)  # stays below gRPC's default 4 MiB message cap
 MAX_REQUEST_ID_CHARS = 256
 _MESSAGE_SLACK = 64 << 10  # room for the KvFragment fields around `data`
@@ -174,8 +176,10 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             raise AssertionError("unreachable") from exc
         try:
-            blocks = await self._source.read_blocks(ids)
-            await asyncio.to_thread(_copy_into, segment, blocks, spec)
+            # In slices, so a long prompt's KV never sits in host memory twice at once.
+            for i in range(0, len(ids), SHM_READ_BLOCKS):
+                blocks = await self._source.read_blocks(ids[i:i + SHM_READ_BLOCKS])
+                await asyncio.to_thread(_copy_into, segment, i * spec.block_nbytes, blocks)
         finally:
             segment.close()
         scales = [] if self._kv_scales is None else self._kv_scales.reshape(-1).tolist()
@@ -199,9 +203,10 @@ async def _check_request_id(request_id: str, context: grpc.aio.ServicerContext) 
                             f"got {len(request_id)}")
 
 
-def _copy_into(segment: ShmSegment, blocks: torch.Tensor, spec: BlockSpec) -> None:
+def _copy_into(segment: ShmSegment, offset: int, blocks: torch.Tensor) -> None:
+    src = blocks.contiguous().view(torch.uint8).reshape(-1)
     dst = segment.tensor(torch.uint8, (segment.size,))
-    dst.copy_(blocks.contiguous().view(torch.uint8).reshape(-1))
+    dst[offset:offset + src.numel()].copy_(src)
     del dst  # the segment's buffer is exported while a tensor views it
 
 

@@ -426,7 +426,9 @@ async def test_shm_pull_falls_back_to_the_stream_where_the_server_cannot_open_it
     assert not connector._use_shm
 
 
-async def test_shm_pull_returns_the_lease_and_refuses_foreign_names(worker: Worker) -> None:
+async def test_shm_pull_returns_the_lease_and_refuses_foreign_names(
+        worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(grpc_transport, "SHM_READ_BLOCKS", 1)  # one slice per block
     worker.grant()
     spec = worker.source.spec
     pull = await pull_blocks_shm(worker.address, "req-1", spec, len(BLOCK_IDS), TIMEOUT_S,

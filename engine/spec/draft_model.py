@@ -145,7 +145,6 @@ class DraftModelProposer:
         self.token_budget = config.scheduler.max_num_batched_tokens
         self.free_blocks = list(range(num_blocks - 1, -1, -1))  # pop() takes block 0 first
         self.seqs: dict[str, _DraftSeq] = {}
-        self.model_config = cfg
         # Counters for benchmarks and tests: rounds, launched steps, tokens computed to catch
         # up (not counting the last known token each round feeds), and seconds in `propose_batch`.
         self.num_rounds = 0
