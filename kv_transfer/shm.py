@@ -53,7 +53,10 @@ class ShmSegment:
             raise ShmError(f"cannot {'create' if create else 'open'} {path}: {exc}") from exc
         try:
             if create:
-                os.ftruncate(fd, size)
+                # Allocated now, not on first write: a tmpfs without room for it (a container's
+                # 64 MB /dev/shm) fails here with ENOSPC instead of killing the writer with
+                # SIGBUS later.
+                os.posix_fallocate(fd, 0, size)
             elif os.fstat(fd).st_size != size:
                 raise ShmError(f"{path} has {os.fstat(fd).st_size} bytes, expected {size}")
             self._map = mmap.mmap(fd, size)
