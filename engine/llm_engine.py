@@ -23,6 +23,7 @@ from engine.sampler import depends_on_outputs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import KvLoad, Lease, SampledToken, Scheduler, SchedulerOutput
 from engine.spec import Proposer, propose_all
+from engine.spec.draft_model import DraftModelProposer
 from engine.spec.ngram import NgramProposer
 from engine.tokenizer import Tokenizer
 
@@ -155,8 +156,6 @@ class LLMEngine:
             return None
         if spec.method == "ngram":
             return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        from engine.spec.draft_model import DraftModelProposer  # it builds an LLMEngine
-
         return DraftModelProposer(config, cfg.vocab_size, self.max_model_len)
 
     def shutdown(self) -> None:

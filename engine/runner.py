@@ -137,14 +137,20 @@ def _draft_probs(logits: torch.Tensor, reqs: Sequence[Request],
     if not any(r.spec_draft_probs is not None and not r.sampling_params.greedy for r in reqs):
         return None
     q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    one_hot_rows: list[int] = []
+    one_hot_tokens: list[int] = []
     row = 0
     for req, d in zip(reqs, drafts, strict=True):
         probs = req.spec_draft_probs
         if isinstance(probs, torch.Tensor) and not req.sampling_params.greedy:
             q[row:row + len(d)] = probs[:len(d)]
-        elif d:
-            q[row:row + len(d)].scatter_(1, to_device(d, torch.long, q.device)[:, None], 1.0)
+        else:
+            one_hot_rows.extend(range(row, row + len(d)))
+            one_hot_tokens.extend(d)
         row += len(d) + 1
+    if one_hot_rows:
+        q[to_device(one_hot_rows, torch.long, q.device),
+          to_device(one_hot_tokens, torch.long, q.device)] = 1.0
     return q
 
 
@@ -562,12 +568,15 @@ class ModelRunner:
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """→ CPU tensor [n, num_layers, 2, block_size, Hkv, D] in the cache dtype (a copy; fp8
         blocks are the stored values: multiply by `kv_scales` [L, 2] to get K/V)."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        if self.kv_is_quantized:  # index_select has no fp8 kernel on the CPU: move the bytes
-            raw = self.kv_cache.view(torch.uint8).index_select(2, idx).permute(2, 0, 1, 3, 4, 5)
-            return raw.to("cpu").contiguous().view(self.kv_dtype)
-        blocks = self.kv_cache.index_select(2, idx).permute(2, 0, 1, 3, 4, 5)
-        return blocks.to("cpu").contiguous()
+        blocks = self._gather_blocks(torch.tensor(block_ids, dtype=torch.long, device=self.device))
+        host = blocks.to("cpu").contiguous()
+        return host.view(self.kv_dtype) if self.kv_is_quantized else host
+
+    def _gather_blocks(self, idx: torch.Tensor) -> torch.Tensor:
+        """The cache's blocks `idx` as [n, num_layers, 2, block_size, Hkv, D] on the device
+        (the raw bytes of a 1-byte cache: index_select has no fp8 kernel on the CPU)."""
+        src = self.kv_cache.view(torch.uint8) if self.kv_is_quantized else self.kv_cache
+        return src.index_select(2, idx).permute(2, 0, 1, 3, 4, 5)
 
     def read_leased_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """`read_blocks` for blocks that no kernel writes while they are read (a prefill
@@ -582,9 +591,7 @@ class ModelRunner:
             self._copy_stream = torch.cuda.Stream(self.device)
         stream = self._copy_stream
         with torch.cuda.stream(stream):
-            idx = to_device(block_ids, torch.long, self.device)
-            src = self.kv_cache.view(torch.uint8) if self.kv_is_quantized else self.kv_cache
-            blocks = src.index_select(2, idx).permute(2, 0, 1, 3, 4, 5)
+            blocks = self._gather_blocks(to_device(block_ids, torch.long, self.device))
             host = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=True)
             host.copy_(blocks, non_blocking=True)
         stream.synchronize()

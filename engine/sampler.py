@@ -255,24 +255,24 @@ class Sampler:
             logits = apply_penalties(logits.clone(), reqs)
         if min_tokens:
             logits = mask_min_tokens(logits.clone() if logits is raw else logits, reqs)
-        tokens = argmax_rows(logits)
         kept = None
-        if keep_probs:
-            kept = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
-            kept.scatter_(1, tokens[:, None], 1.0)
-        if not any(greedy):  # no row selection, so no index tensor
+        if not any(greedy):  # every row draws: no argmax, no row selection
             probs = filter_probs(logits, [r.sampling_params for r in reqs])
             tokens = draw_tokens(probs, reqs)
-            if kept is not None:
-                kept = probs
-        elif not all(greedy):
-            rows = [i for i, g in enumerate(greedy) if not g]
-            idx = to_device(rows, torch.long, logits.device)
-            sub = [reqs[i] for i in rows]
-            probs = filter_probs(logits.index_select(0, idx), [r.sampling_params for r in sub])
-            tokens.index_copy_(0, idx, draw_tokens(probs, sub))
-            if kept is not None:
-                kept.index_copy_(0, idx, probs)
+            kept = probs if keep_probs else None
+        else:
+            tokens = argmax_rows(logits)
+            if keep_probs:  # a greedy row's token was drawn from a one-hot distribution
+                kept = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+                kept.scatter_(1, tokens[:, None], 1.0)
+            if not all(greedy):
+                rows = [i for i, g in enumerate(greedy) if not g]
+                idx = to_device(rows, torch.long, logits.device)
+                sub = [reqs[i] for i in rows]
+                probs = filter_probs(logits.index_select(0, idx), [r.sampling_params for r in sub])
+                tokens.index_copy_(0, idx, draw_tokens(probs, sub))
+                if kept is not None:
+                    kept.index_copy_(0, idx, probs)
         return PendingTokens(reqs, tokens, _logprob_tensors(raw, tokens, reqs), kept)
 
     def __call__(self, logits: torch.Tensor, reqs: Sequence[Request]

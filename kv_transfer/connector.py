@@ -258,8 +258,8 @@ class GrpcPullConnector(KvConnectorWorker):
                 if not _hash_matches(handle, index, got):
                     return LoadResult(request_id, False, "hash_mismatch")
             for i in range(0, len(block_ids), WRITE_BATCH_BLOCKS):
-                await asyncio.to_thread(self._sink.write_blocks, block_ids[i:i + WRITE_BATCH_BLOCKS],
-                                        pull.blocks[i:i + WRITE_BATCH_BLOCKS])
+                await self._write(block_ids[i:i + WRITE_BATCH_BLOCKS],
+                                  pull.blocks[i:i + WRITE_BATCH_BLOCKS])
         except (ValueError, RuntimeError, IndexError) as exc:  # raised by the sink
             log.error("KV load %s: sink failed: %s", request_id, exc)
             return LoadResult(request_id, False, "sink_error")
@@ -291,10 +291,10 @@ class GrpcPullConnector(KvConnectorWorker):
                     ids.append(block_ids[index - first_block])
                     tensors.append(block.tensor)
                     if len(ids) == WRITE_BATCH_BLOCKS:
-                        await self._write(ids, tensors)
+                        await self._write(ids, torch.stack(tensors))
                         ids, tensors = [], []
             if ids:
-                await self._write(ids, tensors)
+                await self._write(ids, torch.stack(tensors))
         except KvTransferError as exc:
             log.warning("KV load %s failed: %s", request_id, exc)
             return LoadResult(request_id, False, exc.reason)
@@ -304,9 +304,9 @@ class GrpcPullConnector(KvConnectorWorker):
         await self._release(handle)
         return LoadResult(request_id, True)
 
-    async def _write(self, ids: list[int], tensors: list[torch.Tensor]) -> None:
+    async def _write(self, ids: list[int], tensors: torch.Tensor) -> None:
         """Into the sink, off the event loop (a GPU write waits for the device)."""
-        await asyncio.to_thread(self._sink.write_blocks, ids, torch.stack(tensors))
+        await asyncio.to_thread(self._sink.write_blocks, ids, tensors)
 
     async def _release(self, handle: KvHandle) -> None:
         try:

@@ -64,8 +64,6 @@ class ShmSegment:
             if create:
                 os.unlink(path)
             raise ShmError(f"cannot map {path}: {exc}") from exc
-        except ShmError:
-            raise
         finally:
             os.close(fd)
 

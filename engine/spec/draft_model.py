@@ -73,7 +73,7 @@ def draft_load_config(target: EngineConfig) -> LoadConfig:
                       seed=target.load.seed)
 
 
-def draft_engine_config(target: EngineConfig) -> EngineConfig:
+def draft_runner_config(target: EngineConfig) -> EngineConfig:
     """The draft runner's settings: the target's device, dtype, block size, batch limits and
     CUDA-graph settings; its own weights and memory share."""
     spec = target.speculative
@@ -135,7 +135,7 @@ class DraftModelProposer:
         limit = min(cfg.max_position_embeddings, max_model_len)
         if cfg.sliding_window is not None:
             limit = min(limit, cfg.sliding_window)
-        config = draft_engine_config(target)
+        config = draft_runner_config(target)
         self.runner = ModelRunner(config, cfg, limit, source.weights, source.dummy_seed,
                                   source.default_dtype)
         self.block_size = config.cache.block_size
