@@ -64,6 +64,8 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"))
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                   help="share of the device's memory for weights, activations and KV cache")
     p.add_argument("--speculative-config", type=_json_object, default=None,
                    help='speculative decoding, as vLLM takes it: e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\' (the fields of SpeculativeConfig)')
@@ -173,6 +175,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
     settings = EngineSettings(args.model, args.dtype, args.max_model_len, args.enforce_eager,
                               args.max_num_seqs, args.max_num_batched_tokens,
                               args.attention_backend,
+                              gpu_memory_utilization=args.gpu_memory_utilization,
                               speculative_config=args.speculative_config)
     llm = build_llm(settings)
     # The engine in hand knows its vocabulary (any model it loads, the embedded default too).

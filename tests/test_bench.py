@@ -521,3 +521,31 @@ def test_cli_offline_with_speculative_decoding_reports_its_counters(
 def test_cli_rejects_a_speculative_config_that_is_not_a_json_object() -> None:
     with pytest.raises(SystemExit):
         cli.main(["offline", "--speculative-config", "[1, 2]"])
+
+
+def test_synthetic_tokenizer_decodes_every_id_of_the_model(tmp_path: Path) -> None:
+    """The tokenizer written for dummy weights: each id in [0, vocab) is one distinct token,
+    the special tokens sit at Llama 3's ids, and the engine's tokenizer and incremental
+    detokenizer decode generated ids to the text of their tokens."""
+    from bench import synthetic_tokenizer
+    from engine.detokenizer import IncrementalDetokenizer
+    from engine.tokenizer import Tokenizer
+
+    vocab = synthetic_tokenizer.build_vocab(128256, seed=3)
+    assert sorted(vocab.values()) == list(range(128256))
+    assert vocab["<|begin_of_text|>"] == 128000 and vocab["<|eot_id|>"] == 128009
+    small = synthetic_tokenizer.build_vocab(300)
+    assert sorted(small.values()) == list(range(300)) and small["<|eot_id|>"] == 299
+    with pytest.raises(ValueError, match="vocab_size"):
+        synthetic_tokenizer.build_vocab(100)
+
+    tok = Tokenizer.from_file(str(synthetic_tokenizer.write(tmp_path, 128256, seed=3)))
+    assert tok.eos_token_ids == (128009,) and tok.bos_token_id == 128000
+    text_of = {i: t for t, i in vocab.items()}
+    ids = [300, 128255, 77777, 5000]
+    expected = "".join(text_of[i] for i in ids).replace("Ġ", " ")
+    assert tok.decode(ids) == expected
+    detok = IncrementalDetokenizer(tok, [1, 2], skip_special_tokens=True, stop=[],
+                                   include_stop_str_in_output=False)
+    streamed = "".join(detok.add_tokens([i]).text_delta for i in ids) + detok.finish().text_delta
+    assert streamed == expected
