@@ -91,7 +91,9 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        free_before = torch.cuda.mem_get_info()[0]
+        # This process's allocator, not the device's free memory: another process on the same
+        # device (a prefill worker beside a decode worker) allocates while this one captures.
+        reserved_before = torch.cuda.memory_reserved()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -107,7 +109,7 @@ class CudaGraphRunner:
                 self.graphs[b] = g
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        used = free_before - torch.cuda.mem_get_info()[0]
+        used = torch.cuda.memory_reserved() - reserved_before
         logger.info("captured %d CUDA graphs (batch 1..%d, %d rows per sequence) using %.2f GiB",
                     len(self.graphs), self.buckets[-1], self.q_len, used / 2**30)
 

@@ -20,6 +20,18 @@ class GatewayConfigError(ValueError):
     """An invalid gateway setting; the message names the field and what is allowed."""
 
 
+DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded default model's name
+
+
+def served_model_name_for(model: str | None, served_model_name: str | None = None) -> str:
+    """The name the API serves the model under, as vLLM picks it: `--served-model-name` if
+    given, else the `--model` argument as written (a path, a hub-style id, `dummy:<preset>`),
+    else (no model given: the embedded SmolLM2) that model's name."""
+    if served_model_name:
+        return served_model_name
+    return model or DEFAULT_SERVED_MODEL_NAME
+
+
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
     """Everything the gateway process needs; never mutated after construction."""
@@ -28,7 +40,7 @@ class GatewayConfig:
     decode_addresses: tuple[str, ...] = ()    # host:port of Decode services
     # True: no prefill pool; DecodeRequest goes without kv_handle and decode computes the prompt.
     colocated: bool = False
-    served_model_name: str = "SmolLM2-135M-Instruct"
+    served_model_name: str = DEFAULT_SERVED_MODEL_NAME  # see `served_model_name_for`
     tokenizer_path: str = ""                  # tokenizer.json / .gguf; "" = the embedded SmolLM2 GGUF
     max_model_len: int = 8192                 # prompt + output tokens
     api_key: str | None = None                # bearer token for /v1/* and gRPC; None = no auth

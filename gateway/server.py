@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 
 import uvicorn
 
-from gateway.config import GatewayConfig, GatewayConfigError
+from gateway.config import GatewayConfig, GatewayConfigError, served_model_name_for
 from gateway.grpc_server import GrpcFrontend
 from gateway.openai_api import build_app
 from gateway.state import GatewayState
@@ -131,7 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-port", type=int, default=50050, help="gRPC port")
     p.add_argument("--model", default="", help="tokenizer source: .gguf, tokenizer.json or HF dir "
                                                "(default: the embedded SmolLM2 GGUF)")
-    p.add_argument("--served-model-name", default=d["served_model_name"].default)
+    p.add_argument("--served-model-name", default=None,
+                   help="the model's name in the API (default: --model as given, or the "
+                        "embedded SmolLM2's name)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* and as gRPC metadata on "
                         "Generate")
@@ -153,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
         prefill_addresses=_addresses(args.prefill), decode_addresses=_addresses(args.decode),
-        colocated=args.colocated, served_model_name=args.served_model_name,
+        colocated=args.colocated,
+        served_model_name=served_model_name_for(args.model, args.served_model_name),
         tokenizer_path=args.model, max_model_len=args.max_model_len, api_key=args.api_key,
         max_prompt_tokens=args.max_model_len, max_tokens_cap=args.max_tokens_cap,
         request_timeout_s=args.request_timeout, kv_failure_policy=args.kv_failure_policy,

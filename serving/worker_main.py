@@ -68,7 +68,7 @@ async def _serve_worker(args: argparse.Namespace) -> None:
 
 
 async def _serve_colocated(argv: list[str], args: argparse.Namespace) -> None:
-    from gateway.config import GatewayConfig
+    from gateway.config import GatewayConfig, served_model_name_for
     from gateway.server import GatewayServer
     from serving.server import run_until_signal, start_worker
 
@@ -82,6 +82,8 @@ async def _serve_colocated(argv: list[str], args: argparse.Namespace) -> None:
     # The in-process gateway asks for the engine's own number of drafts while the worker is
     # lightly loaded (with --speculative-method none the engine ignores it).
     gw_config = GatewayConfig(decode_addresses=(f"127.0.0.1:{worker.port}",), colocated=True,
+                              served_model_name=served_model_name_for(args.model,
+                                                                      args.served_model_name),
                               tokenizer_path=eng.tokenizer_source or "",
                               max_model_len=eng.max_model_len, max_prompt_tokens=eng.max_model_len,
                               internal_token=token,
@@ -113,6 +115,9 @@ def build_serve_parser() -> argparse.ArgumentParser:
                         help="gateway/colocated: public gRPC port")
     parser.add_argument("--gateway-host", default="127.0.0.1",
                         help="colocated: bind address of the REST and gRPC ports")
+    parser.add_argument("--served-model-name", default=None,
+                        help="colocated: the model's name in the API (default: --model as "
+                             "given, or the embedded SmolLM2's name)")
     parser.add_argument("--speculative-max-load", type=int, default=_gateway_default(
                             "speculative_max_load"),
                         help="colocated: requests pending on the worker from which the gateway "

@@ -26,6 +26,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from gateway.config import served_model_name_for
 from protos.auth import INTERNAL_TOKEN_ENV, AuthConfigError, internal_token_from_env
 
 
@@ -39,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-port", type=int, default=50062)
     p.add_argument("--log-dir", default="logs")
     p.add_argument("--api-key", default=None)
+    p.add_argument("--served-model-name", default=None,
+                   help="the model's name in the API (default: --model as given, or the "
+                        "embedded SmolLM2's name)")
     p.add_argument("--speculative-tokens", type=int, default=None,
                    help="gateway: speculative drafts per step asked of a lightly loaded decode "
                         "worker (default: the workers' --num-speculative-tokens if given, else "
@@ -152,6 +156,8 @@ def service_argv(args: argparse.Namespace, engine_args: list[str]) -> dict[str, 
     model = _flag(engine_args, "--model")
     if model:
         gw += ["--model", _flag(engine_args, "--tokenizer") or model]
+    # Named after the model, not after the tokenizer the gateway loads.
+    gw += ["--served-model-name", served_model_name_for(model, args.served_model_name)]
     max_len = _flag(engine_args, "--max-model-len")
     if max_len:
         gw += ["--max-model-len", max_len]

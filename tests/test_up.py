@@ -74,3 +74,29 @@ def test_up_serves_and_stops_all_children(tmp_path: Path) -> None:
             proc.kill()
         for pid in _alive(marker):
             os.kill(int(pid), signal.SIGKILL)
+
+
+@pytest.mark.parametrize(("argv", "tokenizer_source", "name"), [
+    ([], None, "SmolLM2-135M-Instruct"),
+    (["--model", "dummy:llama-3.1-8b", "--tokenizer", "/t/tokenizer.json"], "/t/tokenizer.json",
+     "dummy:llama-3.1-8b"),
+    (["--model", "/m/Llama-3.1-8B", "--served-model-name", "llama"], "/m/Llama-3.1-8B", "llama"),
+])
+def test_the_served_model_name_follows_the_model_not_the_tokenizer(
+        argv: list[str], tokenizer_source: str | None, name: str) -> None:
+    """As in vLLM: the API names the model by --served-model-name, else by --model as given
+    (the gateway of `splitserve up` gets the tokenizer as its --model, so it must be told)."""
+    from gateway.config import served_model_name_for
+    from gateway.server import build_parser as gateway_parser
+    from gateway.server import config_from_args
+    from serving.worker_main import build_serve_parser
+    from splitserve.up import build_parser, service_argv
+
+    args, engine_args = build_parser().parse_known_args(argv)
+    gw_argv = service_argv(args, engine_args)["gateway"]
+    assert gw_argv[:2] == ["--role", "gateway"]  # `splitserve serve` hands the rest on
+    gw = config_from_args(gateway_parser().parse_args(gw_argv[2:]))
+    assert gw.served_model_name == name
+    assert gw.tokenizer_path == (tokenizer_source or "")
+    colocated = build_serve_parser().parse_args(["--role", "colocated", *argv])
+    assert served_model_name_for(colocated.model, colocated.served_model_name) == name
