@@ -28,6 +28,7 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$(pwd)" PYTHONUNBUFFERED=1
 MODEL="${MODEL:-dummy:llama-3.1-8b}" VOCAB="${VOCAB:-128256}" MAX_LEN="${MAX_LEN:-4096}"
 IN="${IN:-1000}" OUT_LEN="${OUT_LEN:-256}" PREFIX="${PREFIX:-2000}" SUFFIX="${SUFFIX:-200}"
 CONCURRENCY="${CONCURRENCY:-1 16 64 128}"
+STACKS="${STACKS:-disagg colocated offline}"  # which of the three parts to run
 TOK="$("$PY" -m bench.synthetic_tokenizer --vocab-size "$VOCAB" --out-dir /tmp/bench_tok)"
 ENGINE=(--model "$MODEL" --tokenizer "$TOK" --max-model-len "$MAX_LEN"
         --gpu-memory-utilization 0.4 --max-num-seqs 256)
@@ -69,6 +70,7 @@ stop() {  # stop PID: SIGTERM (orderly stop), then wait
   kill -KILL -- "-$1" 2>/dev/null
 }
 
+if [[ " $STACKS " == *" disagg "* ]]; then
 echo "== disaggregated (gateway + prefill + decode)"
 setsid "$PY" -m splitserve up --log-dir "$OUT/logs_disagg" "${ENGINE[@]}" \
   >"$OUT/up_disagg.log" 2>&1 &
@@ -79,7 +81,9 @@ else
   echo "  did not start"; tail -n 30 "$OUT"/logs_disagg/*.log
 fi
 stop "$UP"
+fi
 
+if [[ " $STACKS " == *" colocated "* ]]; then
 echo "== colocated (one engine, gateway in-process)"
 setsid "$PY" -m splitserve serve --role colocated --port 8000 "${ENGINE[@]}" \
   >"$OUT/colocated.log" 2>&1 &
@@ -90,12 +94,15 @@ else
   echo "  did not start"; tail -n 30 "$OUT/colocated.log"
 fi
 stop "$CO"
+fi
 
+if [[ " $STACKS " == *" offline "* ]]; then
 echo "== offline, same engine settings, 64 sequences at a time"
 timeout 300 "$PY" -m splitserve bench offline --model "$MODEL" --max-model-len "$MAX_LEN" \
   --max-num-seqs 64 --num-prompts 128 --input-len "$IN" --output-len "$OUT_LEN" \
   --gpu-memory-utilization 0.4 --out "$OUT/offline_c64.json" >"$OUT/offline_c64.log" 2>&1
 echo "  rc=$? at +$(( $(date +%s) - T0 ))s"
+fi
 "$PY" - "$OUT" <<'EOF'
 import glob, json, os, sys
 rows = []

@@ -11,6 +11,7 @@ With `kv_cache_dtype="fp8"` it is float8_e4m3fn holding K/V divided by per-layer
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,6 +51,8 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 # Largest verify step (sequences) captured in a CUDA graph. Each of its rows is a logits row:
 # 64 x (1 + 4 drafts) x a 128k vocabulary is 82 MB of bf16 logits buffer.
 SPEC_GRAPH_MAX_BATCH = 64
+# A same-GPU KV copy gathers this many blocks at a time (128 MB of an 8B model's bf16 KV).
+_COPY_SLICE_BLOCKS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -585,17 +588,32 @@ class ModelRunner:
         On a GPU the copy runs on a side stream and the host waits for the copy alone. Through
         the engine's stream (`read_blocks`) it waited for every step queued before it: on a
         busy prefill worker, up to a step per call, for every block a decode worker pulls."""
-        if self.device.type != "cuda":
+        stream = self._side_stream()
+        if stream is None:
             return self.read_blocks(block_ids)
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.device)
-        stream = self._copy_stream
         with torch.cuda.stream(stream):
             blocks = self._gather_blocks(to_device(block_ids, torch.long, self.device))
             host = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=True)
             host.copy_(blocks, non_blocking=True)
         stream.synchronize()
         return host.view(self.kv_dtype) if self.kv_is_quantized else host
+
+    def copy_blocks_from(self, block_ids: list[int], src_cache: torch.Tensor,
+                         src_block_ids: list[int]) -> None:
+        """Blocks `src_block_ids` of another cache of this layout on this device (another
+        process's, mapped through CUDA IPC) → this cache's `block_ids`; returns when done.
+
+        The copy runs on the side stream: the destination blocks belong to a load no step reads
+        before it completes, and the source blocks are leased (nobody writes them)."""
+        copy_cache_blocks(self.kv_cache, block_ids, src_cache, src_block_ids, self._side_stream())
+
+    def _side_stream(self) -> torch.cuda.Stream | None:
+        """The stream KV handoff copies run on beside the engine's steps (None on a CPU)."""
+        if self.device.type != "cuda":
+            return None
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        return self._copy_stream
 
     def write_blocks(self, block_ids: list[int], blocks: torch.Tensor,
                      scales: torch.Tensor | None = None) -> None:
@@ -634,3 +652,30 @@ class ModelRunner:
         if scales is not None:
             raise ValueError(f"scales come with fp8 blocks, not with {blocks.dtype} ones")
         return quantize_fp8(blocks.cpu(), ours).view(torch.uint8)
+
+
+def copy_cache_blocks(dst_cache: torch.Tensor, dst_block_ids: list[int], src_cache: torch.Tensor,
+                      src_block_ids: list[int], stream: torch.cuda.Stream | None = None) -> None:
+    """dst_cache[:, :, dst_block_ids] = src_cache[:, :, src_block_ids] for two caches
+    [L, 2, num_blocks, block_size, Hkv, D] of one dtype on one device (1-byte caches moved as
+    raw bytes), `_COPY_SLICE_BLOCKS` blocks at a time; on `stream` if given, and then waits for
+    it. Raises ValueError when the caches' blocks differ."""
+    if len(dst_block_ids) != len(src_block_ids):
+        raise ValueError(f"{len(dst_block_ids)} blocks to fill from {len(src_block_ids)}")
+    expected = (*dst_cache.shape[:2], *dst_cache.shape[3:])
+    got = (*src_cache.shape[:2], *src_cache.shape[3:])
+    if got != expected or src_cache.dtype != dst_cache.dtype or src_cache.device != dst_cache.device:
+        raise ValueError(f"source cache {tuple(src_cache.shape)} {src_cache.dtype} on "
+                         f"{src_cache.device} does not match the destination's blocks "
+                         f"{tuple(dst_cache.shape)} {dst_cache.dtype} on {dst_cache.device}")
+    one_byte = dst_cache.element_size() == 1  # fp8: index kernels work on the raw bytes
+    dst = dst_cache.view(torch.uint8) if one_byte else dst_cache
+    src = src_cache.view(torch.uint8) if one_byte else src_cache
+    device = dst_cache.device
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        for i in range(0, len(dst_block_ids), _COPY_SLICE_BLOCKS):
+            dst_idx = to_device(dst_block_ids[i:i + _COPY_SLICE_BLOCKS], torch.long, device)
+            src_idx = to_device(src_block_ids[i:i + _COPY_SLICE_BLOCKS], torch.long, device)
+            dst.index_copy_(2, dst_idx, src.index_select(2, src_idx))
+    if stream is not None:
+        stream.synchronize()

@@ -10,7 +10,9 @@
 
 `GrpcPullConnector` is the worker side of the decode role over `grpc_transport`: it pulls a
 prefill worker's leased blocks into local blocks through a `KvBlockSink` (in batches of
-`WRITE_BATCH_BLOCKS`), then releases the lease.
+`WRITE_BATCH_BLOCKS`), then releases the lease. Between workers of one GPU it copies the blocks
+device to device out of the prefill worker's cache, mapped through CUDA IPC; between workers of
+one host, through a shared-memory segment; otherwise over the gRPC stream.
 A failed load is reported, never raised: the engine recomputes the prompt or fails the request.
 """
 
@@ -31,10 +33,12 @@ import torch
 
 from engine.kv.hashing import HASH_BYTES
 from kv_transfer import WRITE_BATCH_BLOCKS
+from kv_transfer.cuda_ipc import CacheImporter, IpcUnavailable
 from kv_transfer.grpc_transport import (
     KvTransferError,
     num_blocks_for,
     pull_blocks,
+    pull_blocks_ipc,
     pull_blocks_shm,
     release,
 )
@@ -168,6 +172,20 @@ class KvBlockSink(Protocol):
         ...
 
 
+class DeviceKvBlockSink(KvBlockSink, Protocol):
+    """A sink on a GPU that can also copy blocks device to device (same-GPU pulls)."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def copy_blocks_from(self, block_ids: list[int], src_cache: torch.Tensor,
+                         src_block_ids: list[int]) -> None:
+        """Copy blocks `src_block_ids` of `src_cache` ([L, 2, num_blocks, block_size, Hkv, D],
+        on this sink's device, the cache dtype) into local blocks `block_ids`; returns when the
+        copy is complete. Called in a worker thread."""
+        ...
+
+
 class GrpcPullConnector(KvConnectorWorker):
     """Decode-role worker side over gRPC: pull blocks from the prefill worker as they arrive,
     write them into the sink in batches, then release the lease (best effort: it expires anyway).
@@ -180,16 +198,24 @@ class GrpcPullConnector(KvConnectorWorker):
 
     def __init__(self, spec: BlockSpec, sink: KvBlockSink, loop: asyncio.AbstractEventLoop,
                  timeout_s: float = 30.0, kv_scales: torch.Tensor | None = None,
-                 metadata: Sequence[tuple[str, str]] = (), use_shm: bool = True) -> None:
+                 metadata: Sequence[tuple[str, str]] = (), use_shm: bool = True,
+                 use_ipc: bool = True) -> None:
         self._spec = spec
         self._metadata = tuple(metadata)
         self._sink = sink
         self._loop = loop
         self._timeout_s = timeout_s
         self._kv_scales = kv_scales
-        # Same-host pulls through shared memory (`PullBlocksShm`) until one finds it
-        # unavailable; then the gRPC stream for good.
+        # Same-host pulls try CUDA IPC (a sink on a GPU), then shared memory, then the stream;
+        # a worker that answers a way "unavailable" is not asked that way again.
         self._use_shm = use_shm and shm_available()
+        device = getattr(sink, "device", None)
+        self._ipc_device: torch.device | None = (
+            device if use_ipc and isinstance(device, torch.device) and device.type == "cuda"
+            and hasattr(sink, "copy_blocks_from") else None)
+        self._importer = CacheImporter()
+        self._no_ipc: set[str] = set()  # worker addresses
+        self._no_shm: set[str] = set()
         self._lock = threading.Lock()
         self._futures: dict[str, concurrent.futures.Future[LoadResult]] = {}
         self._finished: list[LoadResult] = []
@@ -228,7 +254,20 @@ class GrpcPullConnector(KvConnectorWorker):
 
     async def _load(self, request_id: str, handle: KvHandle, block_ids: list[int],
                     first_block: int, metadata: tuple[tuple[str, str], ...]) -> LoadResult:
-        if self._use_shm and is_local_address(handle.worker_address):
+        address = handle.worker_address
+        local = is_local_address(address)
+        if self._ipc_device is not None and local and address not in self._no_ipc:
+            try:
+                return await self._load_ipc(request_id, handle, block_ids, first_block,
+                                            metadata)
+            except KvTransferError as exc:
+                if exc.reason != "ipc_unavailable":
+                    log.warning("KV load %s failed: %s", request_id, exc)
+                    return LoadResult(request_id, False, exc.reason)
+                log.info("KV load %s: CUDA IPC with %s unavailable (%s); using shared memory",
+                         request_id, address, exc)
+                self._no_ipc.add(address)
+        if self._use_shm and local and address not in self._no_shm:
             try:
                 return await self._load_shm(request_id, handle, block_ids, first_block,
                                             metadata)
@@ -236,10 +275,48 @@ class GrpcPullConnector(KvConnectorWorker):
                 if exc.reason != "shm_unavailable":
                     log.warning("KV load %s failed: %s", request_id, exc)
                     return LoadResult(request_id, False, exc.reason)
-                log.info("KV load %s: shared memory unavailable (%s); streaming instead",
-                         request_id, exc)
-                self._use_shm = False  # the server (or this host) cannot: stop trying
+                log.info("KV load %s: shared memory with %s unavailable (%s); streaming",
+                         request_id, address, exc)
+                self._no_shm.add(address)
         return await self._load_stream(request_id, handle, block_ids, first_block, metadata)
+
+    async def _load_ipc(self, request_id: str, handle: KvHandle, block_ids: list[int],
+                        first_block: int, metadata: tuple[tuple[str, str], ...]) -> LoadResult:
+        """Same GPU: map the prefill worker's cache (once) and copy the lease's blocks device
+        to device. Raises KvTransferError("ipc_unavailable") when another way must be used."""
+        device = self._ipc_device
+        assert device is not None
+        pull = await pull_blocks_ipc(handle.worker_address, handle.request_id, self._spec,
+                                     handle.num_blocks, self._timeout_s, device, first_block,
+                                     metadata)
+        if pull.num_tokens != handle.num_tokens:
+            return LoadResult(request_id, False, "count_mismatch")
+        if self._kv_scales is not None and (pull.kv_scales is None or
+                                            not torch.equal(pull.kv_scales, self._kv_scales)):
+            return LoadResult(request_id, False, "scales_mismatch")
+        for index in range(first_block, handle.num_blocks):
+            got = pull.block_hashes[index] if index < len(pull.block_hashes) else None
+            if not _hash_matches(handle, index, got):
+                return LoadResult(request_id, False, "hash_mismatch")
+        try:
+            src = await asyncio.to_thread(self._importer.open, pull.export, device,
+                                          self._spec.dtype, self._spec.shape)
+        except IpcUnavailable as exc:
+            raise KvTransferError("ipc_unavailable", str(exc)) from exc
+        except ValueError as exc:
+            log.warning("KV load %s: bad CUDA IPC export: %s", request_id, exc)
+            return LoadResult(request_id, False, "protocol")
+        sink = self._sink
+        assert hasattr(sink, "copy_blocks_from")
+        try:
+            await asyncio.to_thread(sink.copy_blocks_from, block_ids, src, pull.block_ids)
+        except (ValueError, RuntimeError, IndexError) as exc:
+            log.error("KV load %s: device copy failed: %s", request_id, exc)
+            return LoadResult(request_id, False, "sink_error")
+        finally:
+            del src
+        await self._release(handle)
+        return LoadResult(request_id, True)
 
     async def _load_shm(self, request_id: str, handle: KvHandle, block_ids: list[int],
                         first_block: int, metadata: tuple[tuple[str, str], ...]) -> LoadResult:

@@ -24,6 +24,7 @@ from typing import Protocol
 import grpc
 import torch
 
+from kv_transfer.cuda_ipc import CacheExport, IpcUnavailable, device_uuid, export_cache
 from kv_transfer.shm import SHM_PREFIX, ShmError, ShmSegment, valid_name
 from kv_transfer.wire import BlockSpec, DecodedBlock, KvWireError, decode_block, encode_block
 from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
@@ -86,7 +87,9 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
     """Thin async servicer: validates, then streams the lease's blocks as fragments.
 
     kv_scales: the cache's per-layer scales [num_layers, 2] float32 for 1-byte KV dtypes (sent
-    with every block), None otherwise.
+    with every block), None otherwise. ipc_cache: the source's whole KV cache on its GPU
+    ([L, 2, num_blocks, ...], the tensor the lease's block ids index), for `PullBlocksIpc`; None
+    (a CPU engine) answers those calls FAILED_PRECONDITION.
     """
 
     def __init__(
@@ -94,6 +97,7 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         source: KvBlockSource,
         fragment_bytes: int = DEFAULT_FRAGMENT_BYTES,
         kv_scales: torch.Tensor | None = None,
+        ipc_cache: torch.Tensor | None = None,
     ) -> None:
         if not 1 <= fragment_bytes <= MAX_FRAGMENT_BYTES:
             raise ValueError(f"fragment_bytes must be in [1, {MAX_FRAGMENT_BYTES}], "
@@ -101,6 +105,9 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         self._source = source
         self._fragment_bytes = fragment_bytes
         self._kv_scales = kv_scales
+        self._ipc_cache = ipc_cache if ipc_cache is not None and ipc_cache.is_cuda else None
+        self._ipc_uuid = (device_uuid(self._ipc_cache.device) if self._ipc_cache is not None
+                          else b"")
 
     async def PullBlocks(
         self,
@@ -186,6 +193,50 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         return kv_transfer_pb2.PullBlocksShmResponse(
             num_blocks=len(ids), num_tokens=lease.num_tokens,
             block_hashes=list(lease.block_hashes), kv_scales=scales)
+
+    async def PullBlocksIpc(
+        self,
+        request: kv_transfer_pb2.PullBlocksIpcRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> kv_transfer_pb2.PullBlocksIpcResponse:
+        spec = self._source.spec
+        await _check_request_id(request.request_id, context)
+        if request.fingerprint != spec.fingerprint:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "fingerprint differs from this worker's: KV is not interchangeable")
+        if self._ipc_cache is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this worker's KV cache is not on a GPU")
+        if request.device_uuid != self._ipc_uuid:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "the puller's GPU is not this worker's")
+        lease = self._source.lookup(request.request_id)
+        if lease is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no live KV lease for request {request.request_id!r}")
+            raise AssertionError("unreachable")  # abort() raises
+        first = request.first_block
+        if first >= len(lease.block_ids):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"first_block {first} is past the lease's "
+                                f"{len(lease.block_ids)} blocks")
+        assert self._ipc_cache is not None
+        try:
+            export = export_cache(self._ipc_cache)
+        except (IpcUnavailable, RuntimeError) as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no CUDA IPC here: {exc}")
+            raise AssertionError("unreachable") from exc
+        scales = [] if self._kv_scales is None else self._kv_scales.reshape(-1).tolist()
+        return kv_transfer_pb2.PullBlocksIpcResponse(
+            block_ids=lease.block_ids[first:], num_tokens=lease.num_tokens,
+            block_hashes=list(lease.block_hashes), kv_scales=scales,
+            cache=kv_transfer_pb2.CudaIpcCache(
+                mem_handle=export.mem_handle, storage_bytes=export.storage_bytes,
+                storage_offset_bytes=export.storage_offset_bytes,
+                ref_counter_handle=export.ref_counter_handle,
+                ref_counter_offset=export.ref_counter_offset, event_handle=export.event_handle,
+                event_sync_required=export.event_sync_required,
+                tensor_offset=export.tensor_offset, num_blocks=export.num_blocks))
 
     async def Release(
         self,
@@ -433,12 +484,7 @@ async def pull_blocks_shm(target: str, request_id: str, spec: BlockSpec, num_blo
         if num_blocks_for(response.num_tokens, spec.block_size) != num_blocks:
             raise KvTransferError("count_mismatch", f"the lease holds {response.num_tokens} "
                                   f"tokens, not {num_blocks} blocks of {spec.block_size}")
-        scales = None
-        if response.kv_scales:
-            if len(response.kv_scales) != 2 * spec.num_layers:
-                raise KvTransferError("protocol", f"{len(response.kv_scales)} KV scales for "
-                                      f"{spec.num_layers} layers")
-            scales = torch.tensor(list(response.kv_scales), dtype=torch.float32).view(-1, 2)
+        scales = _scales(response.kv_scales, spec)
         blocks = segment.tensor(spec.dtype, (n, *spec.shape))
     except grpc.aio.AioRpcError as err:
         segment.close()
@@ -449,6 +495,65 @@ async def pull_blocks_shm(target: str, request_id: str, spec: BlockSpec, num_blo
         segment.close()
         raise
     return ShmPull(segment, blocks, response.num_tokens, list(response.block_hashes), scales)
+
+
+@dataclass(frozen=True, slots=True)
+class IpcPull:
+    """Where the lease's blocks from `first_block` sit in the exporting worker's KV cache."""
+
+    export: CacheExport
+    block_ids: list[int]          # in the exporter's cache, from first_block on
+    num_tokens: int
+    block_hashes: list[bytes]
+    kv_scales: torch.Tensor | None
+
+
+async def pull_blocks_ipc(target: str, request_id: str, spec: BlockSpec, num_blocks: int,
+                          timeout_s: float, device: torch.device, first_block: int = 0,
+                          metadata: Sequence[tuple[str, str]] = ()) -> IpcPull:
+    """`PullBlocksIpc`: the lease's block ids and the exporter's cache handle (nothing is copied
+    yet). Raises KvTransferError (reason "ipc_unavailable" when the server is on another GPU or
+    none; the caller falls back to `pull_blocks_shm`)."""
+    n = num_blocks - first_block
+    if n <= 0:
+        raise ValueError(f"first_block {first_block} leaves no blocks of {num_blocks}")
+    uuid = device_uuid(device)
+    if not uuid:
+        raise KvTransferError("ipc_unavailable", f"{device} is not a GPU")
+    try:
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = kv_transfer_pb2_grpc.KvTransferStub(channel)
+            response = await stub.PullBlocksIpc(kv_transfer_pb2.PullBlocksIpcRequest(
+                request_id=request_id, fingerprint=spec.fingerprint, first_block=first_block,
+                device_uuid=uuid), timeout=timeout_s, metadata=tuple(metadata))
+    except grpc.aio.AioRpcError as err:
+        if err.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
+            raise KvTransferError("ipc_unavailable", err.details() or "", err.code()) from err
+        raise _rpc_failure(err) from err
+    if len(response.block_ids) != n:
+        raise KvTransferError("count_mismatch", f"the lease has {len(response.block_ids)} blocks "
+                              f"from {first_block}, expected {n}")
+    if num_blocks_for(response.num_tokens, spec.block_size) != num_blocks:
+        raise KvTransferError("count_mismatch", f"the lease holds {response.num_tokens} tokens, "
+                              f"not {num_blocks} blocks of {spec.block_size}")
+    c = response.cache
+    export = CacheExport(c.mem_handle, c.storage_bytes, c.storage_offset_bytes,
+                         c.ref_counter_handle, c.ref_counter_offset, c.event_handle,
+                         c.event_sync_required, c.tensor_offset, c.num_blocks)
+    if any(not 0 <= b < export.num_blocks for b in response.block_ids):
+        raise KvTransferError("protocol", f"block ids outside the exported cache's "
+                              f"{export.num_blocks} blocks")
+    return IpcPull(export, list(response.block_ids), response.num_tokens,
+                   list(response.block_hashes), _scales(response.kv_scales, spec))
+
+
+def _scales(values: Sequence[float], spec: BlockSpec) -> torch.Tensor | None:
+    """The [num_layers, 2] KV scales of a response (None when it sends none)."""
+    if not values:
+        return None
+    if len(values) != 2 * spec.num_layers:
+        raise KvTransferError("protocol", f"{len(values)} KV scales for {spec.num_layers} layers")
+    return torch.tensor(list(values), dtype=torch.float32).view(-1, 2)
 
 
 async def release(target: str | grpc.aio.Channel, request_id: str, timeout_s: float = 5.0,

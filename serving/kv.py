@@ -110,14 +110,22 @@ class RemoteKvHandle:
 
 
 class RunnerSink:
-    """`kv_transfer.connector.KvBlockSink` writing into an engine's KV cache. The blocks were
+    """`kv_transfer.connector.DeviceKvBlockSink` writing into an engine's KV cache. The blocks were
     allocated for this load and are not visible to any other request until the load succeeds."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self._runner = engine.runner
 
+    @property
+    def device(self) -> torch.device:
+        return self._runner.device
+
     def write_blocks(self, block_ids: list[int], tensors: torch.Tensor) -> None:
         self._runner.write_blocks(block_ids, tensors)
+
+    def copy_blocks_from(self, block_ids: list[int], src_cache: torch.Tensor,
+                         src_block_ids: list[int]) -> None:
+        self._runner.copy_blocks_from(block_ids, src_cache, src_block_ids)
 
 
 class GrpcKvLoader:

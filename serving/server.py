@@ -124,8 +124,10 @@ async def start_worker(config: EngineConfig, host: str, port: int,
         prefill.bind(aengine)
         decode.bind(aengine)
         if role == "prefill":
+            # A GPU engine's cache also goes out by CUDA IPC to decode workers on its GPU.
             kv_servicer.bind(KvTransferServicer(EngineBlockSource(aengine),
-                                                kv_scales=kv_scales(engine)))
+                                                kv_scales=kv_scales(engine),
+                                                ipc_cache=engine.runner.kv_cache))
         for name in ["", *services]:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         assert handle.ready is not None
@@ -176,6 +178,18 @@ class _LazyKvServicer(kv_transfer_pb2_grpc.KvTransferServicer):
             response = await self._inner.PullBlocksShm(request, context)
             span.set_attribute("splitserve.kv.bytes", request.shm_bytes)
             return response
+
+    async def PullBlocksIpc(self, request, context):  # type: ignore[no-untyped-def]
+        if self._inner is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is loading")
+        assert self._inner is not None
+        with tracing.traced_span(
+                "splitserve.kv_serve", parent=tracing.extract_context(context.invocation_metadata()),
+                kind=SpanKind.SERVER, passthrough=(grpc.aio.AbortError,),
+                attributes={"splitserve.request_id": request.request_id,
+                            "splitserve.kv.first_block": request.first_block,
+                            "splitserve.kv.transport": "cuda_ipc"}):
+            return await self._inner.PullBlocksIpc(request, context)
 
     async def Release(self, request, context):  # type: ignore[no-untyped-def]
         if self._inner is None:

@@ -19,12 +19,14 @@ import kv_transfer.connector as connector_module
 from engine.kv.hashing import prompt_hash
 from kv_transfer import grpc_transport
 from kv_transfer.connector import GrpcPullConnector, KvHandle, LoadResult
+from kv_transfer.cuda_ipc import CacheExport, CacheImporter
 from kv_transfer.grpc_transport import (
     KvTransferError,
     KvTransferServicer,
     channel_options,
     pull_all,
     pull_blocks,
+    pull_blocks_ipc,
     pull_blocks_shm,
     release,
 )
@@ -85,8 +87,10 @@ async def start_worker(source_cls: type[CacheBlockSource] = CacheBlockSource,
     released: list[Lease] = []
     source = source_cls(make_cache(spec), spec, leases, on_release=released.append)
     server = grpc.aio.server(options=channel_options(fragment_bytes))
+    # The cache is offered for CUDA IPC as a GPU worker's is; on the CPU it must be refused.
     kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(
-        KvTransferServicer(source, fragment_bytes=fragment_bytes, kv_scales=kv_scales), server)
+        KvTransferServicer(source, fragment_bytes=fragment_bytes, kv_scales=kv_scales,
+                           ipc_cache=source._kv_cache), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     worker = Worker(source, leases, clock, server, f"127.0.0.1:{port}")
@@ -423,7 +427,7 @@ async def test_shm_pull_falls_back_to_the_stream_where_the_server_cannot_open_it
     assert await connector.wait_for_load("local-1") == LoadResult("local-1", True)
     assert torch.equal(sink.cache[:, :, 4].view(torch.uint8),
                        worker.source._kv_cache[:, :, BLOCK_IDS[2]].view(torch.uint8))
-    assert not connector._use_shm
+    assert worker.address in connector._no_shm
 
 
 async def test_shm_pull_returns_the_lease_and_refuses_foreign_names(
@@ -482,3 +486,91 @@ def test_prompt_hash_covers_every_token_and_the_fingerprint() -> None:
     assert prompt_hash(FP, [*ids[:-1], ids[-1] + 1]) != want  # only the partial block differs
     assert prompt_hash(FP, ids[:-1]) != want
     assert prompt_hash(bytes(len(FP)), ids) != want
+
+
+async def test_cuda_ipc_is_refused_off_the_gpu_and_the_connector_falls_back(
+        worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill worker whose cache is not on a GPU answers PullBlocksIpc FAILED_PRECONDITION; a
+    puller without a GPU never asks; a sink on a GPU the prefill worker does not share falls
+    back to shared memory for that worker, and does not ask it again. (The IPC copy itself
+    needs two processes on one GPU: bench/probe_kv_transport.py checks it on the H200.)"""
+    worker.grant()
+    spec = worker.source.spec
+    async with grpc.aio.insecure_channel(worker.address) as channel:
+        stub = kv_transfer_pb2_grpc.KvTransferStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.PullBlocksIpc(kv_transfer_pb2.PullBlocksIpcRequest(
+                request_id="req-1", fingerprint=spec.fingerprint, device_uuid=bytes(16)))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "not on a GPU" in (err.value.details() or "")
+    with pytest.raises(KvTransferError) as exc:
+        await pull_blocks_ipc(worker.address, "req-1", spec, len(BLOCK_IDS), TIMEOUT_S,
+                              torch.device("cpu"))
+    assert exc.value.reason == "ipc_unavailable"
+    loop = asyncio.get_running_loop()
+    assert GrpcPullConnector(spec, DictSink(spec), loop)._ipc_device is None
+
+    class GpuSink(DictSink):
+        """Reports a GPU (this host has none, so no worker shares it)."""
+
+        device = torch.device("cuda", 0)
+
+        def copy_blocks_from(self, block_ids: list[int], src_cache: torch.Tensor,
+                             src_block_ids: list[int]) -> None:
+            raise AssertionError("no cache was exported, nothing may be copied")
+
+    ipc_pulls: list[str] = []
+    real = connector_module.pull_blocks_ipc
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        ipc_pulls.append(args[1])
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(connector_module, "pull_blocks_ipc", counted)
+    sink = GpuSink(spec)
+    connector = GrpcPullConnector(spec, sink, loop, timeout_s=TIMEOUT_S)
+    assert connector._ipc_device == torch.device("cuda", 0)
+    for rid in ("req-1", "req-2"):
+        if rid != "req-1":
+            worker.grant(rid)
+        connector.start_load_kv(f"local-{rid}", handle_for(worker, rid), [0, 1, 4])
+        assert await connector.wait_for_load(f"local-{rid}") == LoadResult(f"local-{rid}", True)
+        assert torch.equal(sink.cache[:, :, 4].view(torch.uint8),
+                           worker.source._kv_cache[:, :, BLOCK_IDS[2]].view(torch.uint8))
+    assert ipc_pulls == ["req-1"] and worker.address in connector._no_ipc
+    assert worker.address not in connector._no_shm
+
+
+def test_an_ipc_export_too_small_for_the_cache_is_refused() -> None:
+    spec = make_spec()
+    export = CacheExport(b"h" * 64, storage_bytes=spec.block_nbytes * 3, storage_offset_bytes=0,
+                         ref_counter_handle=b"r", ref_counter_offset=0, event_handle=b"",
+                         event_sync_required=False, tensor_offset=0, num_blocks=4)
+    with pytest.raises(ValueError, match="does not fit"):
+        CacheImporter().open(export, torch.device("cuda", 0), spec.dtype, spec.shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_device_block_copy_between_caches(dtype: torch.dtype,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a same-GPU pull does once the prefill cache is mapped (here both on the CPU):
+    blocks land bit for bit at their new ids, in slices, and nothing else changes."""
+    from engine import runner as runner_module
+    from engine.runner import copy_cache_blocks
+
+    gen = torch.Generator().manual_seed(0)
+    src = torch.randn(2, 2, 9, 4, 2, 8, generator=gen).to(dtype)
+    dst = torch.zeros(2, 2, 7, 4, 2, 8).to(dtype)
+    before = dst.clone()
+    src_ids, dst_ids = [8, 0, 3, 5], [1, 6, 2, 4]
+    monkeypatch.setattr(runner_module, "_COPY_SLICE_BLOCKS", 3)  # two slices
+    copy_cache_blocks(dst, dst_ids, src, src_ids)
+    raw = lambda t: t.view(torch.uint8)  # noqa: E731 - fp8 has no equality kernel on the CPU
+    for d, s in zip(dst_ids, src_ids, strict=True):
+        assert torch.equal(raw(dst[:, :, d]), raw(src[:, :, s]))
+    for untouched in (0, 3, 5):
+        assert torch.equal(raw(dst[:, :, untouched]), raw(before[:, :, untouched]))
+    with pytest.raises(ValueError, match="does not match"):
+        copy_cache_blocks(dst, [0], torch.zeros(2, 2, 3, 4, 1, 8).to(dtype), [0])
+    with pytest.raises(ValueError, match="blocks to fill"):
+        copy_cache_blocks(dst, [0, 1], src, [0])

@@ -89,6 +89,126 @@ class PullBlocksShmResponse(_message.Message):
 Global___PullBlocksShmResponse: _TypeAlias = PullBlocksShmResponse  # noqa: Y015
 
 @_typing.final
+class PullBlocksIpcRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    FINGERPRINT_FIELD_NUMBER: _builtins.int
+    FIRST_BLOCK_FIELD_NUMBER: _builtins.int
+    DEVICE_UUID_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    fingerprint: _builtins.bytes
+    """as in PullBlocksRequest"""
+    first_block: _builtins.int
+    device_uuid: _builtins.bytes
+    """the puller's GPU (16 bytes); must be this worker's"""
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        fingerprint: _builtins.bytes = ...,
+        first_block: _builtins.int = ...,
+        device_uuid: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_uuid", b"device_uuid", "fingerprint", b"fingerprint", "first_block", b"first_block", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PullBlocksIpcRequest: _TypeAlias = PullBlocksIpcRequest  # noqa: Y015
+
+@_typing.final
+class CudaIpcCache(_message.Message):
+    """The exporting worker's whole KV cache, [num_layers, 2, num_blocks, block_size, kv_heads,
+    head_dim] contiguous in the cache dtype, as torch's CUDA IPC describes a storage.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MEM_HANDLE_FIELD_NUMBER: _builtins.int
+    STORAGE_BYTES_FIELD_NUMBER: _builtins.int
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _builtins.int
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _builtins.int
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _builtins.int
+    EVENT_HANDLE_FIELD_NUMBER: _builtins.int
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _builtins.int
+    TENSOR_OFFSET_FIELD_NUMBER: _builtins.int
+    NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    mem_handle: _builtins.bytes
+    """cudaIpcMemHandle_t of the allocation holding the cache"""
+    storage_bytes: _builtins.int
+    storage_offset_bytes: _builtins.int
+    """the storage's offset in that allocation"""
+    ref_counter_handle: _builtins.bytes
+    """torch's cross-process reference count of the export"""
+    ref_counter_offset: _builtins.int
+    event_handle: _builtins.bytes
+    """cudaIpcEventHandle_t: the cache's last write before export"""
+    event_sync_required: _builtins.bool
+    tensor_offset: _builtins.int
+    """elements from the storage's start to the cache's"""
+    num_blocks: _builtins.int
+    """the cache's blocks (dimension 2)"""
+    def __init__(
+        self,
+        *,
+        mem_handle: _builtins.bytes = ...,
+        storage_bytes: _builtins.int = ...,
+        storage_offset_bytes: _builtins.int = ...,
+        ref_counter_handle: _builtins.bytes = ...,
+        ref_counter_offset: _builtins.int = ...,
+        event_handle: _builtins.bytes = ...,
+        event_sync_required: _builtins.bool = ...,
+        tensor_offset: _builtins.int = ...,
+        num_blocks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event_handle", b"event_handle", "event_sync_required", b"event_sync_required", "mem_handle", b"mem_handle", "num_blocks", b"num_blocks", "ref_counter_handle", b"ref_counter_handle", "ref_counter_offset", b"ref_counter_offset", "storage_bytes", b"storage_bytes", "storage_offset_bytes", b"storage_offset_bytes", "tensor_offset", b"tensor_offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CudaIpcCache: _TypeAlias = CudaIpcCache  # noqa: Y015
+
+@_typing.final
+class PullBlocksIpcResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    KV_SCALES_FIELD_NUMBER: _builtins.int
+    CACHE_FIELD_NUMBER: _builtins.int
+    num_tokens: _builtins.int
+    @_builtins.property
+    def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """the lease's blocks from first_block, in this worker's cache"""
+
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    @_builtins.property
+    def kv_scales(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    @_builtins.property
+    def cache(self) -> Global___CudaIpcCache: ...
+    def __init__(
+        self,
+        *,
+        block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        num_tokens: _builtins.int = ...,
+        block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+        kv_scales: _abc.Iterable[_builtins.float] | None = ...,
+        cache: Global___CudaIpcCache | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "block_ids", b"block_ids", "cache", b"cache", "kv_scales", b"kv_scales", "num_tokens", b"num_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PullBlocksIpcResponse: _TypeAlias = PullBlocksIpcResponse  # noqa: Y015
+
+@_typing.final
 class PullBlocksRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

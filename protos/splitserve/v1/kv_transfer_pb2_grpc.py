@@ -46,6 +46,11 @@ class KvTransferStub:
                 request_serializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PullBlocksShmRequest.SerializeToString,
                 response_deserializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PullBlocksShmResponse.FromString,
                 _registered_method=True)
+        self.PullBlocksIpc = channel.unary_unary(
+                '/splitserve.v1.KvTransfer/PullBlocksIpc',
+                request_serializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PullBlocksIpcRequest.SerializeToString,
+                response_deserializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PullBlocksIpcResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/splitserve.v1.KvTransfer/Release',
                 request_serializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.ReleaseRequest.SerializeToString,
@@ -74,6 +79,16 @@ class KvTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullBlocksIpc(self, request, context):
+        """Same GPU: the lease's block ids in this worker's KV cache and a CUDA IPC handle of that
+        cache, which the puller maps once and copies blocks from, device to device, before its
+        Release. FAILED_PRECONDITION when the worker's cache is not on the GPU named by
+        device_uuid (another GPU, a CPU engine): the puller then uses PullBlocksShm.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -92,6 +107,11 @@ def add_KvTransferServicer_to_server(servicer, server):
                     servicer.PullBlocksShm,
                     request_deserializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PullBlocksShmRequest.FromString,
                     response_serializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PullBlocksShmResponse.SerializeToString,
+            ),
+            'PullBlocksIpc': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullBlocksIpc,
+                    request_deserializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PullBlocksIpcRequest.FromString,
+                    response_serializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PullBlocksIpcResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -155,6 +175,33 @@ class KvTransfer:
             '/splitserve.v1.KvTransfer/PullBlocksShm',
             protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PullBlocksShmRequest.SerializeToString,
             protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PullBlocksShmResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullBlocksIpc(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.KvTransfer/PullBlocksIpc',
+            protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PullBlocksIpcRequest.SerializeToString,
+            protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PullBlocksIpcResponse.FromString,
             options,
             channel_credentials,
             insecure,

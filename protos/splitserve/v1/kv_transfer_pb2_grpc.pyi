@@ -42,6 +42,12 @@ class KvTransferStub:
     0600, so only the workers' user can open it). FAILED_PRECONDITION when the segment cannot
     be opened here (another host or container): the puller then uses PullBlocks.
     """
+    PullBlocksIpc: _grpc.UnaryUnaryMultiCallable[_kv_transfer_pb2.PullBlocksIpcRequest, _kv_transfer_pb2.PullBlocksIpcResponse]
+    """Same GPU: the lease's block ids in this worker's KV cache and a CUDA IPC handle of that
+    cache, which the puller maps once and copies blocks from, device to device, before its
+    Release. FAILED_PRECONDITION when the worker's cache is not on the GPU named by
+    device_uuid (another GPU, a CPU engine): the puller then uses PullBlocksShm.
+    """
     Release: _grpc.UnaryUnaryMultiCallable[_kv_transfer_pb2.ReleaseRequest, _kv_transfer_pb2.ReleaseResponse]
 
 @_typing.type_check_only
@@ -57,6 +63,12 @@ class KvTransferAsyncStub(KvTransferStub):
     channel), written into a shared-memory segment the puller created under /dev/shm (mode
     0600, so only the workers' user can open it). FAILED_PRECONDITION when the segment cannot
     be opened here (another host or container): the puller then uses PullBlocks.
+    """
+    PullBlocksIpc: _aio.UnaryUnaryMultiCallable[_kv_transfer_pb2.PullBlocksIpcRequest, _kv_transfer_pb2.PullBlocksIpcResponse]  # type: ignore[assignment]
+    """Same GPU: the lease's block ids in this worker's KV cache and a CUDA IPC handle of that
+    cache, which the puller maps once and copies blocks from, device to device, before its
+    Release. FAILED_PRECONDITION when the worker's cache is not on the GPU named by
+    device_uuid (another GPU, a CPU engine): the puller then uses PullBlocksShm.
     """
     Release: _aio.UnaryUnaryMultiCallable[_kv_transfer_pb2.ReleaseRequest, _kv_transfer_pb2.ReleaseResponse]  # type: ignore[assignment]
 
@@ -82,6 +94,18 @@ class KvTransferServicer(metaclass=_abc_1.ABCMeta):
         channel), written into a shared-memory segment the puller created under /dev/shm (mode
         0600, so only the workers' user can open it). FAILED_PRECONDITION when the segment cannot
         be opened here (another host or container): the puller then uses PullBlocks.
+        """
+
+    @_abc_1.abstractmethod
+    def PullBlocksIpc(
+        self,
+        request: _kv_transfer_pb2.PullBlocksIpcRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kv_transfer_pb2.PullBlocksIpcResponse, _abc.Awaitable[_kv_transfer_pb2.PullBlocksIpcResponse]]:
+        """Same GPU: the lease's block ids in this worker's KV cache and a CUDA IPC handle of that
+        cache, which the puller maps once and copies blocks from, device to device, before its
+        Release. FAILED_PRECONDITION when the worker's cache is not on the GPU named by
+        device_uuid (another GPU, a CPU engine): the puller then uses PullBlocksShm.
         """
 
     @_abc_1.abstractmethod
