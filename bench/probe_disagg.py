@@ -170,6 +170,8 @@ def main() -> int:
     p.add_argument("--log-dir", default=None, help="where the workers' logs go (default: "
                    "next to --out)")
     p.add_argument("--ready-timeout-s", type=float, default=300)
+    p.add_argument("--kv-transports", default="ipc,shm,stream",
+                   help="the decode worker's --kv-transports (e.g. shm: no CUDA IPC)")
     args = p.parse_args()
     token = secrets.token_hex(16)
     log_dir = Path(args.log_dir or Path(args.out).parent)
@@ -177,7 +179,9 @@ def main() -> int:
     engine_args = ["--model", args.model, "--max-model-len", str(args.max_model_len),
                    "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     ports = {"prefill": _free_port(), "decode": _free_port()}
-    procs = {role: _spawn(role, ports[role], engine_args, log_dir / f"{role}.log", token)
+    decode_args = [*engine_args, "--kv-transports", args.kv_transports]
+    procs = {role: _spawn(role, ports[role], decode_args if role == "decode" else engine_args,
+                          log_dir / f"{role}.log", token)
              for role in ("prefill", "decode")}
     try:
         async def ready() -> None:

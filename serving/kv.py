@@ -137,8 +137,11 @@ class GrpcKvLoader:
     policy `fail` raises KvLoadAbort (the request fails with UNAVAILABLE)."""
 
     def __init__(self, engine: LLMEngine, timeout_s: float = 30.0,
-                 kv_metadata: Sequence[tuple[str, str]] = ()) -> None:
-        """kv_metadata: sent with every pull and release (the cluster's credential)."""
+                 kv_metadata: Sequence[tuple[str, str]] = (), use_ipc: bool = True,
+                 use_shm: bool = True) -> None:
+        """kv_metadata: sent with every pull and release (the cluster's credential). use_ipc /
+        use_shm: whether same-GPU / same-host pulls may use CUDA IPC / shared memory."""
+        self._use_ipc, self._use_shm = use_ipc, use_shm
         self._spec = block_spec(engine)
         self._metadata = tuple(kv_metadata)
         self._kv_scales = kv_scales(engine)
@@ -153,7 +156,8 @@ class GrpcKvLoader:
             self._connector = GrpcPullConnector(self._spec, self._sink, asyncio.get_running_loop(),
                                                 timeout_s=self._timeout_s,
                                                 kv_scales=self._kv_scales,
-                                                metadata=self._metadata)
+                                                metadata=self._metadata,
+                                                use_ipc=self._use_ipc, use_shm=self._use_shm)
         return self._connector
 
     async def __call__(self, load: KvLoad) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -60,6 +60,7 @@ async def start_worker(config: EngineConfig, host: str, port: int,
                        engine_factory: Callable[[EngineConfig], LLMEngine] | None = None,
                        auth_token: str | None = None,
                        tiers: TierConfig | None = None,
+                       kv_transports: Sequence[str] = ("ipc", "shm", "stream"),
                        ) -> WorkerHandle:
     """Start a worker for `config.scheduler.role`; returns once the port is bound. The engine
     loads in the background; `handle.ready` is set when it serves.
@@ -67,7 +68,8 @@ async def start_worker(config: EngineConfig, host: str, port: int,
     auth_token: the cluster's shared secret (protos/auth.py). With it, every call but a health
     check must carry it, and a decode worker sends it with its KV pulls.
     tiers: a prefill worker's CPU/Redis prefix tiers (serving/tier_cache.py); ignored by the
-    other roles."""
+    other roles. kv_transports: how a decode worker may pull KV ("ipc", "shm"; the gRPC stream
+    always)."""
     from decode_service.servicer import DecodeServicer
     from prefill_service.servicer import PrefillServicer
 
@@ -114,7 +116,9 @@ async def start_worker(config: EngineConfig, host: str, port: int,
         except Exception:
             logger.exception("engine failed to load")
             raise
-        loader = GrpcKvLoader(engine, kv_metadata=kv_metadata) if role == "decode" else None
+        loader = (GrpcKvLoader(engine, kv_metadata=kv_metadata,
+                               use_ipc="ipc" in kv_transports, use_shm="shm" in kv_transports)
+                  if role == "decode" else None)
         aengine = AsyncEngine(engine, kv_loader=loader)
         if role == "prefill" and tiers is not None and tiers.enabled:
             prefill.tiers = TierPrefixCache.from_config(aengine, tiers)

@@ -22,6 +22,18 @@ if TYPE_CHECKING:
 logger = logging.getLogger("splitserve.serve")
 
 
+KV_TRANSPORTS = ("ipc", "shm", "stream")
+
+
+def _kv_transports(text: str) -> tuple[str, ...]:
+    chosen = {t.strip() for t in text.split(",") if t.strip()}
+    unknown = chosen - set(KV_TRANSPORTS)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown KV transport(s) {sorted(unknown)}; choose "
+                                         f"from {', '.join(KV_TRANSPORTS)}")
+    return tuple(t for t in KV_TRANSPORTS if t in chosen or t == "stream")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="splitserve serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -33,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--advertise", default=None,
                    help="host:port that decode workers use to reach this prefill worker's KV")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--kv-transports", type=_kv_transports, default=KV_TRANSPORTS,
+                   help="decode role: the ways KV may come from a prefill worker, tried in the "
+                        "order ipc (CUDA IPC, same GPU), shm (shared memory, same host), stream "
+                        "(gRPC, anywhere); comma list, stream always included "
+                        f"(default: {','.join(KV_TRANSPORTS)})")
     tiers = p.add_argument_group("prefix tiers (prefill role): GPU -> CPU -> Redis")
     tiers.add_argument("--kv-tier-cpu-mb", type=int, default=0,
                        help="CPU tier of encoded KV blocks, in MiB (0: none)")
@@ -63,7 +80,8 @@ async def _serve_worker(args: argparse.Namespace) -> None:
     port = args.port if args.port is not None else {"prefill": 50061, "decode": 50062}[args.role]
     handle = await start_worker(config, args.host, port, advertise_address=args.advertise,
                                 auth_token=internal_token_from_env(),
-                                tiers=tier_config_from_args(args))
+                                tiers=tier_config_from_args(args),
+                                kv_transports=args.kv_transports)
     await run_until_signal(handle.stop, watch=handle.load_task)
 
 

@@ -100,3 +100,16 @@ def test_the_served_model_name_follows_the_model_not_the_tokenizer(
     assert gw.tokenizer_path == (tokenizer_source or "")
     colocated = build_serve_parser().parse_args(["--role", "colocated", *argv])
     assert served_model_name_for(colocated.model, colocated.served_model_name) == name
+
+
+def test_kv_transports_flag_orders_and_always_keeps_the_stream() -> None:
+    from serving.worker_main import build_serve_parser
+
+    parse = build_serve_parser().parse_args
+    assert parse(["--role", "decode"]).kv_transports == ("ipc", "shm", "stream")
+    assert parse(["--role", "decode", "--kv-transports", "shm"]).kv_transports == (
+        "shm", "stream")
+    assert parse(["--role", "decode", "--kv-transports", "stream,ipc"]).kv_transports == (
+        "ipc", "stream")
+    with pytest.raises(SystemExit):
+        parse(["--role", "decode", "--kv-transports", "rdma"])
