@@ -205,7 +205,13 @@ def main() -> int:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+    # What the workers logged about the KV handoff: which way it came, and any errors (a load
+    # that failed is recomputed by the decode worker, which would void the comparison).
+    worker_log = {role: [line.strip() for line in (log_dir / f"{role}.log").read_text(
+        errors="replace").splitlines() if "KV from" in line or " ERROR " in line][:20]
+        for role in ("prefill", "decode")}
     doc = {"model": args.model, "input_len": args.input_len, "output_len": args.output_len,
+           "worker_log": worker_log,
            "gpu_memory_utilization_each": args.gpu_memory_utilization, "start_s": round(start_s, 1),
            "results": results, "git": git_info(),
            "command": "PYTHONPATH=. python3 bench/probe_disagg.py " + " ".join(

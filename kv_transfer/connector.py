@@ -216,6 +216,7 @@ class GrpcPullConnector(KvConnectorWorker):
         self._importer = CacheImporter()
         self._no_ipc: set[str] = set()  # worker addresses
         self._no_shm: set[str] = set()
+        self._transports_seen: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
         self._futures: dict[str, concurrent.futures.Future[LoadResult]] = {}
         self._finished: list[LoadResult] = []
@@ -258,19 +259,26 @@ class GrpcPullConnector(KvConnectorWorker):
         local = is_local_address(address)
         if self._ipc_device is not None and local and address not in self._no_ipc:
             try:
-                return await self._load_ipc(request_id, handle, block_ids, first_block,
-                                            metadata)
+                result = await self._load_ipc(request_id, handle, block_ids, first_block,
+                                              metadata)
+                self._note_transport(address, "cuda_ipc")
+                return result
             except KvTransferError as exc:
                 if exc.reason != "ipc_unavailable":
                     log.warning("KV load %s failed: %s", request_id, exc)
                     return LoadResult(request_id, False, exc.reason)
                 log.info("KV load %s: CUDA IPC with %s unavailable (%s); using shared memory",
                          request_id, address, exc)
-                self._no_ipc.add(address)
+            except Exception:  # a bug or an unexpected CUDA error: this way is not safe to use
+                log.exception("KV load %s: CUDA IPC with %s failed; not using it again",
+                              request_id, address)
+            self._no_ipc.add(address)  # the lease is still held: the next way pulls it whole
         if self._use_shm and local and address not in self._no_shm:
             try:
-                return await self._load_shm(request_id, handle, block_ids, first_block,
-                                            metadata)
+                result = await self._load_shm(request_id, handle, block_ids, first_block,
+                                              metadata)
+                self._note_transport(address, "shm")
+                return result
             except KvTransferError as exc:
                 if exc.reason != "shm_unavailable":
                     log.warning("KV load %s failed: %s", request_id, exc)
@@ -278,7 +286,15 @@ class GrpcPullConnector(KvConnectorWorker):
                 log.info("KV load %s: shared memory with %s unavailable (%s); streaming",
                          request_id, address, exc)
                 self._no_shm.add(address)
-        return await self._load_stream(request_id, handle, block_ids, first_block, metadata)
+        result = await self._load_stream(request_id, handle, block_ids, first_block, metadata)
+        self._note_transport(address, "stream")
+        return result
+
+    def _note_transport(self, address: str, transport: str) -> None:
+        """Log the first load from each worker by each way (which one a deployment uses)."""
+        if (address, transport) not in self._transports_seen:
+            self._transports_seen.add((address, transport))
+            log.info("KV from %s comes by %s", address, transport)
 
     async def _load_ipc(self, request_id: str, handle: KvHandle, block_ids: list[int],
                         first_block: int, metadata: tuple[tuple[str, str], ...]) -> LoadResult:

@@ -100,13 +100,17 @@ class CacheImporter:
             raise ValueError(f"a cache of {export.num_blocks} blocks of {block_shape} {dtype} "
                              f"does not fit the exported {export.storage_bytes} bytes")
         key = (export.mem_handle, export.storage_offset_bytes)
+        if device.type != "cuda":
+            raise IpcUnavailable(f"{device} is not a GPU")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        device = torch.device("cuda", index)
         with self._lock:
             storage = self._storages.get(key)
             if storage is None:
                 try:
                     torch.cuda._lazy_init()
                     storage = torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
-                        device.index, export.mem_handle, export.storage_bytes,
+                        index, export.mem_handle, export.storage_bytes,
                         export.storage_offset_bytes, export.ref_counter_handle,
                         export.ref_counter_offset, export.event_handle or None,
                         export.event_sync_required)

@@ -200,6 +200,9 @@ class GrpcKvLoader:
             self.blocks_reused += load.first_block
             try:
                 result = await connector.wait_for_load(rid)
+            except Exception as exc:  # a bug in a transport: still a failed load, reported
+                logger.exception("KV load %s raised", rid)
+                result = LoadResult(rid, False, f"internal error: {type(exc).__name__}")
             finally:
                 connector.cancel_load(rid)
                 connector.get_finished_loads()  # drop the connector's record of this load

@@ -574,3 +574,32 @@ def test_device_block_copy_between_caches(dtype: torch.dtype,
         copy_cache_blocks(dst, [0], torch.zeros(2, 2, 3, 4, 1, 8).to(dtype), [0])
     with pytest.raises(ValueError, match="blocks to fill"):
         copy_cache_blocks(dst, [0, 1], src, [0])
+
+
+async def test_an_unexpected_ipc_failure_falls_back_to_shared_memory(
+        worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug or CUDA error in the IPC way (not a clean "unavailable") must not lose the load:
+    the lease is still held, so shared memory pulls it whole, and IPC is not tried again."""
+    worker.grant()
+    spec = worker.source.spec
+
+    async def broken(*args: Any, **kwargs: Any) -> Any:
+        raise TypeError("_new_shared_cuda got an invalid combination of arguments")
+
+    monkeypatch.setattr(connector_module, "pull_blocks_ipc", broken)
+
+    class GpuSink(DictSink):
+        device = torch.device("cuda", 0)
+
+        def copy_blocks_from(self, block_ids: list[int], src_cache: torch.Tensor,
+                             src_block_ids: list[int]) -> None:
+            raise AssertionError("unreachable")
+
+    sink = GpuSink(spec)
+    connector = GrpcPullConnector(spec, sink, asyncio.get_running_loop(), timeout_s=TIMEOUT_S)
+    connector.start_load_kv("local-1", handle_for(worker), [0, 1, 4])
+    assert await connector.wait_for_load("local-1") == LoadResult("local-1", True)
+    for local_id, remote_id in zip([0, 1, 4], BLOCK_IDS, strict=True):
+        assert torch.equal(sink.cache[:, :, local_id].view(torch.uint8),
+                           worker.source._kv_cache[:, :, remote_id].view(torch.uint8))
+    assert worker.address in connector._no_ipc and worker.address not in connector._no_shm
