@@ -30,8 +30,10 @@ IN="${IN:-1000}" OUT_LEN="${OUT_LEN:-256}" PREFIX="${PREFIX:-2000}" SUFFIX="${SU
 CONCURRENCY="${CONCURRENCY:-1 16 64 128}"
 STACKS="${STACKS:-disagg colocated offline}"  # which of the three parts to run
 TOK="$("$PY" -m bench.synthetic_tokenizer --vocab-size "$VOCAB" --out-dir /tmp/bench_tok)"
+# EXTRA_ARGS: more worker flags, e.g. "--kv-transports shm,stream" (no CUDA IPC).
+read -r -a EXTRA <<<"${EXTRA_ARGS:-}"
 ENGINE=(--model "$MODEL" --tokenizer "$TOK" --max-model-len "$MAX_LEN"
-        --gpu-memory-utilization 0.4 --max-num-seqs 256)
+        --gpu-memory-utilization 0.4 --max-num-seqs 256 "${EXTRA[@]}")
 T0=$(date +%s)
 
 wait_ready() {  # wait_ready PID: until the REST port answers /health, or the process died
