@@ -214,6 +214,7 @@ def main() -> int:
     params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len,
                             ignore_eos=True)
     proposer = llm.engine.proposer
+    assert proposer is not None  # main() configured speculative decoding
     rows: list[dict[str, Any]] = []
     for b in batches:
         prompts = (chat_prompts(llm, b) if args.prompts == "chat" else

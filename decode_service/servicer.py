@@ -19,6 +19,7 @@ from protos.splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from serving import tracing
 from serving.common import EngineBound
 from serving.convert import (
+    SPEC_METHOD_NAMES,
     InvalidRequest,
     check_prompt,
     check_request_id,
@@ -71,9 +72,12 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
         # `generate` (EngineInputError -> INVALID_ARGUMENT below), before anything is queued.
         spec = (request.num_speculative_tokens if request.HasField("num_speculative_tokens")
                 else None)
+        # UNSPECIFIED or an enum value this build does not know: the worker's own method.
+        method = SPEC_METHOD_NAMES.get(request.speculative_method)
         try:
             async for out in aengine.generate(rid, ids, params, output_token_ids=given,
-                                              remote_kv=remote, num_speculative_tokens=spec):
+                                              remote_kv=remote, num_speculative_tokens=spec,
+                                              speculative_method=method):
                 n_out += len(out.new_token_ids)
                 yield decode_pb2.DecodeResponse(chunk=decode_pb2.DecodeChunk(
                     token_ids=out.new_token_ids,
@@ -139,6 +143,8 @@ def _decode_attributes(request: decode_pb2.DecodeRequest) -> dict[str, int | str
         "splitserve.kv_handle": request.HasField("kv_handle")}
     if request.HasField("num_speculative_tokens"):  # absent: the worker's default
         attrs["splitserve.num_speculative_tokens"] = request.num_speculative_tokens
+    if request.speculative_method in SPEC_METHOD_NAMES:
+        attrs["splitserve.speculative_method"] = SPEC_METHOD_NAMES[request.speculative_method]
     return attrs
 
 

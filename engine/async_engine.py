@@ -92,20 +92,22 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        *, output_token_ids: list[int] | None = None,
                        remote_kv: RemoteKv | None = None,
-                       num_speculative_tokens: int | None = None) -> AsyncIterator[StepOutput]:
+                       num_speculative_tokens: int | None = None,
+                       speculative_method: str | None = None) -> AsyncIterator[StepOutput]:
         """Stream a request's step outputs. Validation errors raise before anything is queued.
         Cancelling the consumer (or closing the generator) aborts the request and frees its KV.
-        `num_speculative_tokens`: see `LLMEngine.add_request`."""
+        `num_speculative_tokens`, `speculative_method`: see `LLMEngine.add_request`."""
         self._check_alive()
         self.engine.check_request(prompt_token_ids, params, output_token_ids, remote_kv,
-                                  num_speculative_tokens)
+                                  num_speculative_tokens, speculative_method)
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight")
         q: asyncio.Queue[StepOutput | _Failure] = asyncio.Queue()
         self._queues[request_id] = q
         self._submit(self.engine.enqueue, (request_id, prompt_token_ids, params),
                      kwargs={"output_token_ids": output_token_ids, "remote_kv": remote_kv,
-                             "num_speculative_tokens": num_speculative_tokens})
+                             "num_speculative_tokens": num_speculative_tokens,
+                             "speculative_method": speculative_method})
         finished = False
         try:
             while True:

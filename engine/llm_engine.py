@@ -118,7 +118,8 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids(source.generation_config)
         # A draft model comes first: on a GPU its memory is taken before the target's KV cache
         # is sized from what is left.
-        self.proposer: Proposer | None = self._make_proposer(config, cfg)
+        # method → proposer; the configured method's first (requests default to it).
+        self.proposers: dict[str, Proposer] = self._make_proposers(config, cfg)
         self.runner = ModelRunner(config, cfg, self.max_model_len, source.weights,
                                   source.dummy_seed, source.default_dtype)
         quant = config.runner.quantization
@@ -150,21 +151,40 @@ class LLMEngine:
                     self.runner.result.num_blocks, config.cache.block_size,
                     self.runner.result.device, self.runner.dtype)
 
-    def _make_proposer(self, config: EngineConfig, cfg: ModelConfig) -> Proposer | None:
+    def _make_proposers(self, config: EngineConfig, cfg: ModelConfig) -> dict[str, Proposer]:
+        """The configured method's proposer; beside a draft model also n-gram lookup, which
+        costs nothing to hold, so the gateway can choose per request (cheaper drafts at a load
+        where the draft model's steps no longer pay)."""
         spec = config.speculative
         if not spec.enabled or config.scheduler.role == "prefill":
-            return None
+            return {}
+        ngram = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         if spec.method == "ngram":
-            return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        return DraftModelProposer(config, cfg.vocab_size, self.max_model_len)
+            return {"ngram": ngram}
+        return {"draft_model": DraftModelProposer(config, cfg.vocab_size, self.max_model_len),
+                "ngram": ngram}
+
+    @property
+    def proposer(self) -> Proposer | None:
+        """The configured method's proposer (None: no speculative decoding)."""
+        return self.proposers.get(self.config.speculative.method)
+
+    @proposer.setter
+    def proposer(self, proposer: Proposer) -> None:
+        """Replace the configured method's proposer (benchmarks and tests script drafts)."""
+        self.proposers[self.config.speculative.method] = proposer
+
+    def _release_drafts(self, request_id: str) -> None:
+        for proposer in self.proposers.values():
+            proposer.release(request_id)
 
     def shutdown(self) -> None:
         """Give back the device memory now (graphs, KV cache, weights) and unfreeze the heap
         (see `freeze_startup_heap`) so that dropping the engine frees the rest. The engine
         refuses to step after this."""
         self._inflight = None
-        if self.proposer is not None:
-            self.proposer.shutdown()
+        for proposer in self.proposers.values():
+            proposer.shutdown()
         self.runner.release()
         self.is_shut_down = True
         gc.unfreeze()
@@ -213,22 +233,30 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     *, output_token_ids: list[int] | None = None, remote_kv: RemoteKv | None = None,
                     arrival_time: float | None = None,
-                    num_speculative_tokens: int | None = None) -> Request:
+                    num_speculative_tokens: int | None = None,
+                    speculative_method: str | None = None) -> Request:
         """Queue a request. Raises EngineInputError / SamplingParamsError on bad input.
 
         `num_speculative_tokens` caps this request's drafts per step (0: no speculation; None:
-        the engine's `SpeculativeConfig`); it never exceeds the engine's own cap."""
+        the engine's `SpeculativeConfig`); it never exceeds the engine's own cap.
+        `speculative_method` ("ngram" / "draft_model") picks the proposer among the engine's;
+        None, or a method the engine lacks: its configured one."""
         self.check_request(prompt_token_ids, params, output_token_ids, remote_kv,
-                           num_speculative_tokens)
+                           num_speculative_tokens, speculative_method)
         return self.enqueue(request_id, prompt_token_ids, params, output_token_ids=output_token_ids,
                             remote_kv=remote_kv, arrival_time=arrival_time,
-                            num_speculative_tokens=num_speculative_tokens)
+                            num_speculative_tokens=num_speculative_tokens,
+                            speculative_method=speculative_method)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
                       output_token_ids: list[int] | None = None,
                       remote_kv: RemoteKv | None = None,
-                      num_speculative_tokens: int | None = None) -> None:
+                      num_speculative_tokens: int | None = None,
+                      speculative_method: str | None = None) -> None:
         """Every check `add_request` makes; reads config only, so any thread may call it."""
+        if speculative_method not in (None, "ngram", "draft_model"):
+            raise EngineInputError("speculative_method must be 'ngram' or 'draft_model', got "
+                                   f"{speculative_method!r}")
         params.validate()
         self.validate(prompt_token_ids, params, len(output_token_ids or []))
         if num_speculative_tokens is not None and (
@@ -245,13 +273,16 @@ class LLMEngine:
     def enqueue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 *, output_token_ids: list[int] | None = None, remote_kv: RemoteKv | None = None,
                 arrival_time: float | None = None,
-                num_speculative_tokens: int | None = None) -> Request:
+                num_speculative_tokens: int | None = None,
+                speculative_method: str | None = None) -> Request:
         """Queue a request that passed `check_request` (callers validate off the engine thread,
         so the step loop does not scan the prompt twice)."""
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, self.max_model_len,
                       output_token_ids=output_token_ids, remote_kv=remote_kv,
                       arrival_time=arrival_time)
         req.num_speculative_tokens = self._speculative_tokens(req, num_speculative_tokens)
+        req.spec_method = (speculative_method if speculative_method in self.proposers
+                           else self.config.speculative.method)
         self.scheduler.add_request(req)
         if self.detokenize and self.tokenizer is not None:
             self._detoks[request_id] = IncrementalDetokenizer(
@@ -263,7 +294,7 @@ class LLMEngine:
         """Drafts per step for a request: the engine's cap, lowered by the request's; none for
         sampling that reads its own output history (penalties, min_tokens) or reports
         logprobs, which are defined token by token (vLLM's n-gram path has the same limits)."""
-        if (self.proposer is None or depends_on_outputs(req)
+        if (not self.proposers or depends_on_outputs(req)
                 or req.sampling_params.logprobs is not None):
             return 0
         cap = self.config.speculative.num_speculative_tokens
@@ -271,8 +302,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         self._detoks.pop(request_id, None)
-        if self.proposer is not None:
-            self.proposer.release(request_id)
+        self._release_drafts(request_id)
         return self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED) is not None
 
     @property
@@ -295,7 +325,7 @@ class LLMEngine:
     def finish_kv_load(self, request_id: str, ok: bool) -> None:
         self.scheduler.finish_kv_load(request_id, ok)
         req = self.scheduler.requests.get(request_id)
-        if self.proposer is not None and req is not None:
+        if self.proposers and req is not None:
             self._propose([req])  # its first decode step can verify drafts already
 
     def get_lease(self, lease_id: str) -> Lease | None:
@@ -339,18 +369,21 @@ class LLMEngine:
         out, pending = step
         changed = self.scheduler.update_from_output(out, pending.result())
         outputs = [self._step_output(req, toks) for req, toks in changed]
-        if self.proposer is not None:
+        if self.proposers:
             self._propose(req for req, _ in changed)
         return outputs
 
     def _propose(self, reqs: Iterable[Request]) -> None:
         """Draft the next step's tokens for the running requests that speculate and whose
         tokens are all on the host (drafts after a token still in flight would be stale)."""
-        assert self.proposer is not None
-        ready = [req for req in reqs if req.num_speculative_tokens
-                 and req.status == RequestStatus.RUNNING and not req.num_inflight]
-        if ready:
-            propose_all(ready, self.proposer, self.config.speculative.min_accepted_per_step)
+        by_method: dict[str, list[Request]] = {}
+        for req in reqs:
+            if req.num_speculative_tokens and req.status == RequestStatus.RUNNING \
+                    and not req.num_inflight:
+                by_method.setdefault(req.spec_method, []).append(req)
+        for method, ready in by_method.items():
+            propose_all(ready, self.proposers[method],
+                        self.config.speculative.min_accepted_per_step)
 
     def _step_output(self, req: Request, toks: list[SampledToken]) -> StepOutput:
         tokens = [t.token_id for t in toks]
@@ -373,8 +406,7 @@ class LLMEngine:
                         req.stop_reason = res.stop_matched
                     break
         if req.is_finished:
-            if self.proposer is not None:
-                self.proposer.release(req.request_id)
+            self._release_drafts(req.request_id)
             detok = self._detoks.pop(req.request_id, None)
             if detok is not None and not detok.finished:
                 text += detok.finish().text_delta  # flush text held back for stop strings

@@ -109,6 +109,7 @@ class Request:
         # Speculative decoding (engine/spec/): drafts per step at most (0: off), the drafts
         # proposed for the next step, and what verification made of them.
         self.num_speculative_tokens = 0
+        self.spec_method = "none"  # the engine's proposer that drafts for it (SpecMethod)
         self.spec_token_ids: list[int] = []
         # A draft model's distributions of those drafts when it sampled them ([k, V] tensor on
         # the device; None: the drafts are deterministic).

@@ -62,6 +62,10 @@ class GatewayConfig:
     # a smaller --num-speculative-tokens caps it.
     speculative_tokens: int = 4
     speculative_max_load: int = 4
+    # Below this many other pending requests a worker that has a draft model is asked to draft
+    # with it; from here up to `speculative_max_load`, with n-gram lookup (its drafts cost no
+    # model steps, which start to weigh once the verify batch grows; docs/performance.md).
+    speculative_draft_max_load: int = 2
     load_poll_interval_s: float = 1.0         # router GetLoad period
     load_poll_timeout_s: float = 1.0
     shutdown_grace_s: float = 10.0            # drain time for in-flight requests on shutdown
@@ -108,6 +112,13 @@ class GatewayConfig:
             raise GatewayConfigError(
                 "speculative_max_load must be an integer >= 1 (pending requests on a decode "
                 f"worker from which speculation is off), got {self.speculative_max_load!r}")
+        if (not isinstance(self.speculative_draft_max_load, int)
+                or isinstance(self.speculative_draft_max_load, bool)
+                or self.speculative_draft_max_load < 0):
+            raise GatewayConfigError(
+                "speculative_draft_max_load must be an integer >= 0 (pending requests on a "
+                "decode worker from which its draft model gives way to n-gram lookup; 0: never "
+                f"the draft model), got {self.speculative_draft_max_load!r}")
 
     def replace(self, **changes: Any) -> GatewayConfig:
         return dataclasses.replace(self, **changes)

@@ -179,8 +179,9 @@ class GatewayMetrics:
             registry=r)
         self.spec_decode_decisions = Counter(
             "splitserve:spec_decode_decisions",
-            "Decode calls by the speculative policy's choice for the worker's load (on: drafts "
-            "asked for, off: none).", ["speculation"], registry=r)
+            "Decode calls by the speculative policy's choice for the worker's load: off (no "
+            "drafts), draft_model, ngram, or default (drafts from the worker's own method).",
+            ["speculation"], registry=r)
         self.workers = WorkerLoadCollector()
         r.register(self.workers)
 

@@ -304,10 +304,10 @@ class Orchestrator:
         # Decided here, for this worker: no await since `pick`, so its load is the one the
         # router just routed on (a resume on another worker decides again).
         spec = decide(worker, self._config)
-        self._metrics.spec_decode_decisions.labels(
-            speculation="on" if spec.enabled else "off").inc()
+        self._metrics.spec_decode_decisions.labels(speculation=spec.label).inc()
         if span is not None:  # the last call's, when the completion was resumed
             span.set_attribute("splitserve.num_speculative_tokens", spec.num_speculative_tokens)
+            span.set_attribute("splitserve.speculative_method", spec.label)
             span.set_attribute("splitserve.decode_worker_load", spec.load)
         request = decode_pb2.DecodeRequest(
             request_id=f"{job.request_id}-{state.index}", prompt_token_ids=job.prompt_token_ids,
@@ -316,7 +316,8 @@ class Orchestrator:
                                if self._config.kv_failure_policy == "fail"
                                else decode_pb2.KV_FAILURE_POLICY_RECOMPUTE),
             # Always set, 0 included: absent would mean the worker's own default.
-            num_speculative_tokens=spec.num_speculative_tokens)
+            num_speculative_tokens=spec.num_speculative_tokens,
+            speculative_method=spec.method)
         if state.kv_handle is not None:
             request.kv_handle.CopyFrom(state.kv_handle)
         call = self._router.decode_stub(worker).Decode(request, timeout=self._remaining(job),

@@ -148,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-max-load", type=int,
                    default=d["speculative_max_load"].default,
                    help="pending requests on a decode worker from which speculation is off")
+    p.add_argument("--speculative-draft-max-load", type=int,
+                   default=d["speculative_draft_max_load"].default,
+                   help="pending requests on a decode worker from which its draft model gives "
+                        "way to n-gram lookup (0: never the draft model)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -162,6 +166,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         request_timeout_s=args.request_timeout, kv_failure_policy=args.kv_failure_policy,
         speculative_tokens=args.speculative_tokens,
         speculative_max_load=args.speculative_max_load,
+        speculative_draft_max_load=args.speculative_draft_max_load,
         internal_token=internal_token_from_env())
 
 

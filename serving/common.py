@@ -5,7 +5,9 @@ from __future__ import annotations
 import grpc
 
 from engine.async_engine import AsyncEngine
+from engine.llm_engine import LLMEngine
 from protos.splitserve.v1 import common_pb2
+from serving.convert import SPEC_METHOD_ENUMS
 
 
 class EngineBound:
@@ -34,4 +36,11 @@ class EngineBound:
             fingerprint=eng.fingerprint, role=role,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions, num_leases=s.num_leases, num_blocks=s.num_blocks,
-            spec_draft_tokens=s.spec_draft_tokens, spec_accepted_tokens=s.spec_accepted_tokens)
+            spec_draft_tokens=s.spec_draft_tokens, spec_accepted_tokens=s.spec_accepted_tokens,
+            speculative_methods=[SPEC_METHOD_ENUMS[m] for m in _own_first(eng)])
+
+
+def _own_first(engine: LLMEngine) -> list[str]:
+    """The engine's speculative methods, its configured one first."""
+    own = engine.config.speculative.method
+    return sorted(engine.proposers, key=lambda m: m != own)

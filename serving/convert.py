@@ -81,3 +81,9 @@ def status_for(error: BaseException) -> grpc.StatusCode:
     if isinstance(error, EngineDeadError):
         return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
+
+
+# The engine's speculative methods ↔ `splitserve.v1.SpeculativeMethod` (UNSPECIFIED: none named).
+SPEC_METHOD_NAMES = {common_pb2.SPECULATIVE_METHOD_NGRAM: "ngram",
+                     common_pb2.SPECULATIVE_METHOD_DRAFT_MODEL: "draft_model"}
+SPEC_METHOD_ENUMS = {name: value for value, name in SPEC_METHOD_NAMES.items()}

@@ -106,7 +106,8 @@ async def _serve_colocated(argv: list[str], args: argparse.Namespace) -> None:
                               max_model_len=eng.max_model_len, max_prompt_tokens=eng.max_model_len,
                               internal_token=token,
                               speculative_tokens=config.speculative.num_speculative_tokens,
-                              speculative_max_load=args.speculative_max_load)
+                              speculative_max_load=args.speculative_max_load,
+                              speculative_draft_max_load=args.speculative_draft_max_load)
     gw = GatewayServer(gw_config, rest_host=args.gateway_host, rest_port=args.port or 8000,
                        grpc_host=args.gateway_host, grpc_port=args.grpc_port)
     await gw.start()
@@ -136,6 +137,10 @@ def build_serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name", default=None,
                         help="colocated: the model's name in the API (default: --model as "
                              "given, or the embedded SmolLM2's name)")
+    parser.add_argument("--speculative-draft-max-load", type=int, default=_gateway_default(
+                            "speculative_draft_max_load"),
+                        help="colocated: requests pending on the worker from which its draft "
+                             "model gives way to n-gram lookup")
     parser.add_argument("--speculative-max-load", type=int, default=_gateway_default(
                             "speculative_max_load"),
                         help="colocated: requests pending on the worker from which the gateway "

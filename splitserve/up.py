@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-max-load", type=int, default=None,
                    help="gateway: pending requests on the decode worker from which speculation "
                         "is off")
+    p.add_argument("--speculative-draft-max-load", type=int, default=None,
+                   help="gateway: pending requests on the decode worker from which its draft "
+                        "model gives way to n-gram lookup")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--exit-after-ready", action="store_true",
                    help="stop everything once healthy (smoke test)")
@@ -171,6 +174,8 @@ def service_argv(args: argparse.Namespace, engine_args: list[str]) -> dict[str, 
         gw += ["--speculative-tokens", spec_tokens]
     if args.speculative_max_load is not None:
         gw += ["--speculative-max-load", str(args.speculative_max_load)]
+    if args.speculative_draft_max_load is not None:
+        gw += ["--speculative-draft-max-load", str(args.speculative_draft_max_load)]
     return {"prefill": ["--role", "prefill", "--port", str(args.prefill_port), *engine_args],
             "decode": ["--role", "decode", "--port", str(args.decode_port), *engine_args],
             "gateway": gw}

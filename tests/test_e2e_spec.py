@@ -167,7 +167,7 @@ def _decisions(gateway: GatewayServer) -> dict[str, float]:
     registry = gateway.state.metrics.registry
     return {label: registry.get_sample_value("splitserve:spec_decode_decisions_total",
                                              {"speculation": label}) or 0.0
-            for label in ("on", "off")}
+            for label in ("draft_model", "ngram", "default", "off")}
 
 
 def _gateway_generate(gateway: GatewayServer, prompt_ids: list[int]) -> list[int]:
@@ -186,7 +186,9 @@ def test_gateway_asks_a_lightly_loaded_worker_to_speculate(
         assert _gateway_generate(gateway, prompt_ids) == plain_tokens
         after = _drafts(stub)[0]
         assert after > before
-        assert _decisions(gateway) == {"on": 1.0, "off": 0.0}
+        # The n-gram worker reported its method: asked for by name.
+        assert _decisions(gateway) == {"draft_model": 0.0, "ngram": 1.0, "default": 0.0,
+                                       "off": 0.0}
         # The worker's totals reach the gateway's /metrics with the next load poll.
         assert gateway.state is not None
         loop_thread.run(gateway.state.router.decode.poll_once(), 30)
@@ -209,7 +211,8 @@ def test_gateway_with_speculation_off_never_asks(
         before = _drafts(stub)
         assert _gateway_generate(gateway, prompt_ids) == plain_tokens
         assert _drafts(stub) == before  # the worker's default (4) was overridden with 0
-        assert _decisions(gateway) == {"on": 0.0, "off": 1.0}
+        assert _decisions(gateway) == {"draft_model": 0.0, "ngram": 0.0, "default": 0.0,
+                                       "off": 1.0}
     finally:
         loop_thread.run(gateway.stop(), 60)
 
@@ -230,7 +233,8 @@ def test_gateway_turns_speculation_off_under_load(
             assert _gateway_generate(gateway, prompt_ids) == plain_tokens
             grew.append(_drafts(stub)[0] > before)
         assert grew == [True, True, False]
-        assert _decisions(gateway) == {"on": 2.0, "off": 1.0}
+        assert _decisions(gateway) == {"draft_model": 0.0, "ngram": 2.0, "default": 0.0,
+                                       "off": 1.0}
     finally:
         loop_thread.run(gateway.stop(), 60)
 

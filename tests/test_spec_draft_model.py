@@ -15,7 +15,7 @@ from conftest import run_steps, step_tokens, tiny_llm
 from engine import LLM, SamplingParams
 from engine.cli_args import add_engine_args, engine_config_from_args
 from engine.config import ConfigError, EngineConfig, LoadConfig, SchedulerConfig, SpeculativeConfig
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import EngineInputError, LLMEngine
 from engine.spec.draft_model import DraftModelProposer
 
 PROMPTS = [
@@ -207,3 +207,30 @@ def test_an_aborted_request_gives_its_draft_blocks_back(tiny_model_dirs: dict[st
     while eng.has_unfinished_requests():
         eng.step()
     assert not proposer.seqs and len(proposer.free_blocks) == free
+
+
+def test_each_request_picks_its_proposer(tiny_model_dirs: dict[str, Path],
+                                         plain: tuple[dict[str, list[int]], int]) -> None:
+    """A draft-model engine also holds n-gram lookup: a request that asks for "ngram" never
+    reaches the draft model, one that asks for "draft_model" (or nothing) drafts with it; the
+    tokens are plain decoding's either way. An n-gram engine serves "draft_model" with n-gram."""
+    want, _ = plain
+    llm = tiny_llm(tiny_model_dirs["llama"], speculative_config=_draft(tiny_model_dirs["llama"]))
+    assert set(llm.engine.proposers) == {"draft_model", "ngram"}
+    proposer = _proposer(llm)
+    outs, _ = run_steps(llm, PROMPTS, _greedy(), speculative_method="ngram")
+    assert step_tokens(outs) == want
+    assert proposer.num_rounds == 0
+    assert llm.engine.scheduler.num_draft_tokens > 0  # the repeating prompts found n-grams
+    outs, _ = run_steps(llm, PROMPTS, _greedy(), speculative_method="draft_model")
+    assert step_tokens(outs) == want
+    assert proposer.num_rounds > 5 and not proposer.seqs
+    with pytest.raises(EngineInputError, match="speculative_method"):
+        llm.engine.add_request("bad", PROMPTS[0], _greedy()[0], speculative_method="eagle")
+
+    ngram = tiny_llm(tiny_model_dirs["llama"],
+                     speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    assert set(ngram.engine.proposers) == {"ngram"}
+    req = ngram.engine.add_request("r", PROMPTS[0], _greedy()[0], speculative_method="draft_model")
+    assert req.spec_method == "ngram"
+    ngram.engine.abort_request("r")

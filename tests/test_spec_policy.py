@@ -19,7 +19,12 @@ from gateway.config import GatewayConfig, GatewayConfigError
 from gateway.router import WorkerPool
 from gateway.server import build_parser as gateway_parser
 from gateway.server import config_from_args
-from gateway.spec_policy import decide, speculative_tokens_for_load, worker_load
+from gateway.spec_policy import (
+    decide,
+    method_for_load,
+    speculative_tokens_for_load,
+    worker_load,
+)
 from protos.splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from serving.worker_main import build_serve_parser
 from splitserve.up import build_parser as up_parser
@@ -67,6 +72,43 @@ def test_decision_reads_the_load_the_router_picked_on() -> None:
 
     # 2 in the report; each earlier pick adds one: 2, 3 below 4; 4, 5 not.
     assert asyncio.run(run()) == [(2, 3), (3, 3), (4, 0), (5, 0)]
+
+
+NGRAM, DRAFT = common_pb2.SPECULATIVE_METHOD_NGRAM, common_pb2.SPECULATIVE_METHOD_DRAFT_MODEL
+DEFAULT = common_pb2.SPECULATIVE_METHOD_UNSPECIFIED
+
+
+@pytest.mark.parametrize(("load", "methods", "want"), [
+    (0, [DRAFT, NGRAM], DRAFT), (1, [DRAFT, NGRAM], DRAFT),   # below draft_max_load=2
+    (2, [DRAFT, NGRAM], NGRAM), (5, [DRAFT, NGRAM], NGRAM),  # n-gram from there on
+    (0, [NGRAM], NGRAM),                                     # a worker without a draft model
+    (0, [DRAFT], DRAFT), (3, [DRAFT], DEFAULT),              # only a draft model: its own
+    (0, [], DEFAULT),                                        # not reported: the worker's own
+])
+def test_the_proposer_follows_the_load_and_what_the_worker_has(
+        load: int, methods: list[int], want: int) -> None:
+    assert method_for_load(load, methods, draft_max_load=2) == want  # type: ignore[arg-type]
+
+
+def test_decision_labels_and_the_method_only_when_drafting() -> None:
+    async def run() -> list[tuple[int, str, int]]:
+        pool = WorkerPool("decode", list(DECODE))
+        try:
+            w = pool.workers[0]
+            w.healthy = w.reported = True
+            w.load = common_pb2.LoadReport(speculative_methods=[DRAFT, NGRAM])
+            config = GatewayConfig(decode_addresses=DECODE, colocated=True, speculative_tokens=3,
+                                   speculative_max_load=3, speculative_draft_max_load=1)
+            out = []
+            for _ in range(4):
+                d = decide(pool.pick(), config)
+                out.append((d.num_speculative_tokens, d.label, int(d.method)))
+            return out
+        finally:
+            await pool.close()
+
+    assert asyncio.run(run()) == [(3, "draft_model", DRAFT), (3, "ngram", NGRAM),
+                                  (3, "ngram", NGRAM), (0, "off", DEFAULT)]
 
 
 # -- settings and flags ----------------------------------------------------------------------
@@ -153,7 +195,7 @@ def _decisions(h: Harness) -> dict[str, float]:
     registry = h.gateway.state.metrics.registry
     return {label: registry.get_sample_value("splitserve:spec_decode_decisions_total",
                                              {"speculation": label}) or 0.0
-            for label in ("on", "off")}
+            for label in ("draft_model", "ngram", "default", "off")}
 
 
 def _wait_polled(h: Harness, num_running: int) -> None:
@@ -181,7 +223,9 @@ def test_every_decode_call_carries_the_policy_for_the_workers_load() -> None:
         sent = [r.num_speculative_tokens for r in dec.decode_requests]
         assert all(r.HasField("num_speculative_tokens") for r in dec.decode_requests)
         assert sent == [5, 0, 5]
-        assert _decisions(h) == {"on": 2.0, "off": 1.0}
+        assert _decisions(h) == {"draft_model": 0.0, "ngram": 0.0, "default": 2.0, "off": 1.0}
+        # The fake reports no methods: the worker's own (UNSPECIFIED), and none when off.
+        assert [r.speculative_method for r in dec.decode_requests] == [DEFAULT] * 3
 
 
 def test_zero_speculative_tokens_sends_an_explicit_zero() -> None:
@@ -191,7 +235,7 @@ def test_zero_speculative_tokens_sends_an_explicit_zero() -> None:
         (request,) = h.decode[0].decode_requests
         # Present and 0, not absent (which would mean the worker's default).
         assert request.HasField("num_speculative_tokens") and request.num_speculative_tokens == 0
-        assert _decisions(h) == {"on": 0.0, "off": 1.0}
+        assert _decisions(h) == {"draft_model": 0.0, "ngram": 0.0, "default": 0.0, "off": 1.0}
 
 
 def test_a_resume_decides_again_for_the_new_worker() -> None:

@@ -48,6 +48,27 @@ FINISH_REASON_ABORT: FinishReason.ValueType  # 3
 """cancelled"""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
+class _SpeculativeMethod:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _SpeculativeMethodEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SpeculativeMethod.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SPECULATIVE_METHOD_UNSPECIFIED: _SpeculativeMethod.ValueType  # 0
+    SPECULATIVE_METHOD_NGRAM: _SpeculativeMethod.ValueType  # 1
+    """prompt lookup: free drafts where the text repeats"""
+    SPECULATIVE_METHOD_DRAFT_MODEL: _SpeculativeMethod.ValueType  # 2
+    """a smaller model's drafts: k steps of it per round"""
+
+class SpeculativeMethod(_SpeculativeMethod, metaclass=_SpeculativeMethodEnumTypeWrapper): ...
+
+SPECULATIVE_METHOD_UNSPECIFIED: SpeculativeMethod.ValueType  # 0
+SPECULATIVE_METHOD_NGRAM: SpeculativeMethod.ValueType  # 1
+"""prompt lookup: free drafts where the text repeats"""
+SPECULATIVE_METHOD_DRAFT_MODEL: SpeculativeMethod.ValueType  # 2
+"""a smaller model's drafts: k steps of it per round"""
+Global___SpeculativeMethod: _TypeAlias = SpeculativeMethod  # noqa: Y015
+
 @_typing.final
 class SamplingParams(_message.Message):
     """Sampling parameters, as the engine's SamplingParams. Token ids only: stop strings are
@@ -277,6 +298,7 @@ class LoadReport(_message.Message):
     TIER_SAVED_BLOCKS_FIELD_NUMBER: _builtins.int
     SPEC_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_METHODS_FIELD_NUMBER: _builtins.int
     num_running: _builtins.int
     num_waiting: _builtins.int
     kv_cache_usage: _builtins.float
@@ -308,6 +330,12 @@ class LoadReport(_message.Message):
     """
     spec_accepted_tokens: _builtins.int
     """of those, drafts accepted"""
+    @_builtins.property
+    def speculative_methods(self) -> _containers.RepeatedScalarFieldContainer[Global___SpeculativeMethod.ValueType]:
+        """The proposers this worker can draft with (none: no speculative decoding); the first is
+        its own method, used when a DecodeRequest names none or one it lacks.
+        """
+
     def __init__(
         self,
         *,
@@ -327,10 +355,11 @@ class LoadReport(_message.Message):
         tier_saved_blocks: _builtins.int = ...,
         spec_draft_tokens: _builtins.int = ...,
         spec_accepted_tokens: _builtins.int = ...,
+        speculative_methods: _abc.Iterable[Global___SpeculativeMethod.ValueType] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "fingerprint", b"fingerprint", "kv_cache_usage", b"kv_cache_usage", "num_blocks", b"num_blocks", "num_free_blocks", b"num_free_blocks", "num_leases", b"num_leases", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "tier_hit_tokens", b"tier_hit_tokens", "tier_saved_blocks", b"tier_saved_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "fingerprint", b"fingerprint", "kv_cache_usage", b"kv_cache_usage", "num_blocks", b"num_blocks", "num_free_blocks", b"num_free_blocks", "num_leases", b"num_leases", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "speculative_methods", b"speculative_methods", "tier_hit_tokens", b"tier_hit_tokens", "tier_saved_blocks", b"tier_saved_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
