@@ -257,38 +257,48 @@ class GrpcPullConnector(KvConnectorWorker):
                     first_block: int, metadata: tuple[tuple[str, str], ...]) -> LoadResult:
         address = handle.worker_address
         local = is_local_address(address)
-        if self._ipc_device is not None and local and address not in self._no_ipc:
+        # Same-host ways in order of preference: (name, usable here, workers that refused it,
+        # its load, the KvTransferError reason that means "use the next way").
+        ways = (("cuda_ipc", self._ipc_device is not None, self._no_ipc, self._load_ipc,
+                 "ipc_unavailable"),
+                ("shm", self._use_shm, self._no_shm, self._load_shm, "shm_unavailable"))
+        for name, usable, refused, load, unavailable in ways:
+            if not (usable and local) or address in refused:
+                continue
             try:
-                result = await self._load_ipc(request_id, handle, block_ids, first_block,
-                                              metadata)
-                self._note_transport(address, "cuda_ipc")
-                return result
+                result = await load(request_id, handle, block_ids, first_block, metadata)
             except KvTransferError as exc:
-                if exc.reason != "ipc_unavailable":
+                if exc.reason != unavailable:
                     log.warning("KV load %s failed: %s", request_id, exc)
                     return LoadResult(request_id, False, exc.reason)
-                log.info("KV load %s: CUDA IPC with %s unavailable (%s); using shared memory",
-                         request_id, address, exc)
+                log.info("KV load %s: %s with %s unavailable (%s); trying the next way",
+                         request_id, name, address, exc)
             except Exception:  # a bug or an unexpected CUDA error: this way is not safe to use
-                log.exception("KV load %s: CUDA IPC with %s failed; not using it again",
-                              request_id, address)
-            self._no_ipc.add(address)  # the lease is still held: the next way pulls it whole
-        if self._use_shm and local and address not in self._no_shm:
-            try:
-                result = await self._load_shm(request_id, handle, block_ids, first_block,
-                                              metadata)
-                self._note_transport(address, "shm")
+                log.exception("KV load %s: %s with %s failed; not using it again",
+                              request_id, name, address)
+            else:
+                self._note_transport(address, name)
                 return result
-            except KvTransferError as exc:
-                if exc.reason != "shm_unavailable":
-                    log.warning("KV load %s failed: %s", request_id, exc)
-                    return LoadResult(request_id, False, exc.reason)
-                log.info("KV load %s: shared memory with %s unavailable (%s); streaming",
-                         request_id, address, exc)
-                self._no_shm.add(address)
+            refused.add(address)  # the lease is still held: the next way pulls it whole
         result = await self._load_stream(request_id, handle, block_ids, first_block, metadata)
         self._note_transport(address, "stream")
         return result
+
+    def _check_lease(self, handle: KvHandle, first_block: int, num_tokens: int,
+                     kv_scales: torch.Tensor | None, block_hashes: Sequence[bytes]) -> str | None:
+        """What the prefill worker says it holds against the handle: None if it matches, else
+        the failure reason (the lease holds other tokens than the handle names, or KV under
+        other scales: never use it as this prompt's KV)."""
+        if num_tokens != handle.num_tokens:
+            return "count_mismatch"
+        if self._kv_scales is not None and (kv_scales is None
+                                            or not torch.equal(kv_scales, self._kv_scales)):
+            return "scales_mismatch"
+        for index in range(first_block, handle.num_blocks):
+            got = block_hashes[index] if index < len(block_hashes) else None
+            if not _hash_matches(handle, index, got):
+                return "hash_mismatch"
+        return None
 
     def _note_transport(self, address: str, transport: str) -> None:
         """Log the first load from each worker by each way (which one a deployment uses)."""
@@ -305,15 +315,10 @@ class GrpcPullConnector(KvConnectorWorker):
         pull = await pull_blocks_ipc(handle.worker_address, handle.request_id, self._spec,
                                      handle.num_blocks, self._timeout_s, device, first_block,
                                      metadata)
-        if pull.num_tokens != handle.num_tokens:
-            return LoadResult(request_id, False, "count_mismatch")
-        if self._kv_scales is not None and (pull.kv_scales is None or
-                                            not torch.equal(pull.kv_scales, self._kv_scales)):
-            return LoadResult(request_id, False, "scales_mismatch")
-        for index in range(first_block, handle.num_blocks):
-            got = pull.block_hashes[index] if index < len(pull.block_hashes) else None
-            if not _hash_matches(handle, index, got):
-                return LoadResult(request_id, False, "hash_mismatch")
+        problem = self._check_lease(handle, first_block, pull.num_tokens, pull.kv_scales,
+                                    pull.block_hashes)
+        if problem:
+            return LoadResult(request_id, False, problem)
         try:
             src = await asyncio.to_thread(self._importer.open, pull.export, device,
                                           self._spec.dtype, self._spec.shape)
@@ -341,15 +346,10 @@ class GrpcPullConnector(KvConnectorWorker):
         pull = await pull_blocks_shm(handle.worker_address, handle.request_id, self._spec,
                                      handle.num_blocks, self._timeout_s, first_block, metadata)
         try:
-            if pull.num_tokens != handle.num_tokens:
-                return LoadResult(request_id, False, "count_mismatch")
-            if self._kv_scales is not None and (pull.kv_scales is None or
-                                                not torch.equal(pull.kv_scales, self._kv_scales)):
-                return LoadResult(request_id, False, "scales_mismatch")
-            for index in range(first_block, handle.num_blocks):
-                got = pull.block_hashes[index] if index < len(pull.block_hashes) else None
-                if not _hash_matches(handle, index, got):
-                    return LoadResult(request_id, False, "hash_mismatch")
+            problem = self._check_lease(handle, first_block, pull.num_tokens, pull.kv_scales,
+                                        pull.block_hashes)
+            if problem:
+                return LoadResult(request_id, False, problem)
             for i in range(0, len(block_ids), WRITE_BATCH_BLOCKS):
                 await self._write(block_ids[i:i + WRITE_BATCH_BLOCKS],
                                   pull.blocks[i:i + WRITE_BATCH_BLOCKS])

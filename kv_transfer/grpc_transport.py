@@ -149,30 +149,37 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         tensor = await self._source.read_block(lease.block_ids[index])
         return encode_block(spec, block_hash, num_tokens, tensor, self._kv_scales)
 
+    async def _lease(self, request_id: str, fingerprint: bytes, first_block: int,
+                     context: grpc.aio.ServicerContext) -> LeaseView:
+        """The live lease a raw pull (shared memory, CUDA IPC) asks for, after the checks every
+        pull makes; aborts the call otherwise."""
+        await _check_request_id(request_id, context)
+        if fingerprint != self._source.spec.fingerprint:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "fingerprint differs from this worker's: KV is not interchangeable")
+        lease = self._source.lookup(request_id)
+        if lease is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no live KV lease for request {request_id!r}")
+            raise AssertionError("unreachable")  # abort() raises
+        if first_block >= len(lease.block_ids):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"first_block {first_block} is past the lease's "
+                                f"{len(lease.block_ids)} blocks")
+        return lease
+
     async def PullBlocksShm(
         self,
         request: kv_transfer_pb2.PullBlocksShmRequest,
         context: grpc.aio.ServicerContext,
     ) -> kv_transfer_pb2.PullBlocksShmResponse:
         spec = self._source.spec
-        await _check_request_id(request.request_id, context)
-        if request.fingerprint != spec.fingerprint:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "fingerprint differs from this worker's: KV is not interchangeable")
         if not valid_name(request.shm_name):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"shm_name must be {SHM_PREFIX} and 32 hex digits")
-        lease = self._source.lookup(request.request_id)
-        if lease is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"no live KV lease for request {request.request_id!r}")
-            raise AssertionError("unreachable")  # abort() raises
-        first = request.first_block
-        ids = lease.block_ids[first:]
-        if not ids:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"first_block {first} is past the lease's "
-                                f"{len(lease.block_ids)} blocks")
+        lease = await self._lease(request.request_id, request.fingerprint, request.first_block,
+                                  context)
+        ids = lease.block_ids[request.first_block:]
         size = len(ids) * spec.block_nbytes
         if request.shm_bytes != size:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -199,27 +206,15 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         request: kv_transfer_pb2.PullBlocksIpcRequest,
         context: grpc.aio.ServicerContext,
     ) -> kv_transfer_pb2.PullBlocksIpcResponse:
-        spec = self._source.spec
-        await _check_request_id(request.request_id, context)
-        if request.fingerprint != spec.fingerprint:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "fingerprint differs from this worker's: KV is not interchangeable")
         if self._ipc_cache is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this worker's KV cache is not on a GPU")
         if request.device_uuid != self._ipc_uuid:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "the puller's GPU is not this worker's")
-        lease = self._source.lookup(request.request_id)
-        if lease is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"no live KV lease for request {request.request_id!r}")
-            raise AssertionError("unreachable")  # abort() raises
+        lease = await self._lease(request.request_id, request.fingerprint, request.first_block,
+                                  context)
         first = request.first_block
-        if first >= len(lease.block_ids):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"first_block {first} is past the lease's "
-                                f"{len(lease.block_ids)} blocks")
         assert self._ipc_cache is not None
         try:
             export = export_cache(self._ipc_cache)

@@ -11,12 +11,14 @@ import asyncio
 import logging
 import signal
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import Span, SpanKind
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
@@ -173,12 +175,7 @@ class _LazyKvServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         if self._inner is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is loading")
         assert self._inner is not None
-        with tracing.traced_span(
-                "splitserve.kv_serve", parent=tracing.extract_context(context.invocation_metadata()),
-                kind=SpanKind.SERVER, passthrough=(grpc.aio.AbortError,),
-                attributes={"splitserve.request_id": request.request_id,
-                            "splitserve.kv.first_block": request.first_block,
-                            "splitserve.kv.transport": "shm"}) as span:
+        with _serve_span(request, context, "shm") as span:
             response = await self._inner.PullBlocksShm(request, context)
             span.set_attribute("splitserve.kv.bytes", request.shm_bytes)
             return response
@@ -187,12 +184,7 @@ class _LazyKvServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         if self._inner is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is loading")
         assert self._inner is not None
-        with tracing.traced_span(
-                "splitserve.kv_serve", parent=tracing.extract_context(context.invocation_metadata()),
-                kind=SpanKind.SERVER, passthrough=(grpc.aio.AbortError,),
-                attributes={"splitserve.request_id": request.request_id,
-                            "splitserve.kv.first_block": request.first_block,
-                            "splitserve.kv.transport": "cuda_ipc"}):
+        with _serve_span(request, context, "cuda_ipc"):
             return await self._inner.PullBlocksIpc(request, context)
 
     async def Release(self, request, context):  # type: ignore[no-untyped-def]
@@ -200,6 +192,18 @@ class _LazyKvServicer(kv_transfer_pb2_grpc.KvTransferServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is loading")
         assert self._inner is not None
         return await self._inner.Release(request, context)
+
+
+def _serve_span(request: Any, context: grpc.aio.ServicerContext,
+                transport: str) -> AbstractContextManager[Span]:
+    """The server span of one raw KV pull, under the decode worker's `kv_pull` (traceparent in
+    the call's metadata)."""
+    return tracing.traced_span(
+        "splitserve.kv_serve", parent=tracing.extract_context(context.invocation_metadata()),
+        kind=SpanKind.SERVER, passthrough=(grpc.aio.AbortError,),
+        attributes={"splitserve.request_id": request.request_id,
+                    "splitserve.kv.first_block": request.first_block,
+                    "splitserve.kv.transport": transport})
 
 
 async def run_until_signal(stop: Callable[[], object], grace_s: float = 10.0,
