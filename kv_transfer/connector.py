@@ -321,7 +321,8 @@ class GrpcPullConnector(KvConnectorWorker):
             return LoadResult(request_id, False, problem)
         try:
             src = await asyncio.to_thread(self._importer.open, pull.export, device,
-                                          self._spec.dtype, self._spec.shape)
+                                          self._spec.dtype, self._spec.shape,
+                                          handle.worker_address)
         except IpcUnavailable as exc:
             raise KvTransferError("ipc_unavailable", str(exc)) from exc
         except ValueError as exc:

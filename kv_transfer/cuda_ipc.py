@@ -76,20 +76,23 @@ def export_cache(cache: torch.Tensor) -> CacheExport:
 
 
 class CacheImporter:
-    """Maps exported caches into this process, once per allocation, and views them as tensors.
+    """Maps exported caches into this process, one per exporting worker, and views them as
+    tensors. A worker that restarted exports a new allocation: its old mapping is dropped then,
+    so this process does not keep a dead worker's cache alive on the GPU.
 
     Thread-safe (pulls run on the event loop, copies in threads)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._storages: dict[tuple[bytes, int], torch.UntypedStorage] = {}
+        # exporter (its address) → ((IPC handle, offset), the mapped storage)
+        self._mapped: dict[str, tuple[tuple[bytes, int], torch.UntypedStorage]] = {}
 
     def open(self, export: CacheExport, device: torch.device, dtype: torch.dtype,
-             block_shape: tuple[int, ...]) -> torch.Tensor:
+             block_shape: tuple[int, ...], source: str = "") -> torch.Tensor:
         """The exported cache as [L, 2, num_blocks, *block_shape[2:]] of `dtype` on `device`
-        (this process's index of the exporter's GPU). block_shape: [L, 2, block_size, Hkv, D].
-        Raises IpcUnavailable when the handle does not open here, ValueError when the export
-        does not describe a cache of this shape."""
+        (this process's index of the exporter's GPU). block_shape: [L, 2, block_size, Hkv, D];
+        source: who exported it (a worker address). Raises IpcUnavailable when the handle does
+        not open here, ValueError when the export does not describe a cache of this shape."""
         num_layers, two, *rest = block_shape
         shape = (num_layers, two, export.num_blocks, *rest)
         numel = 1
@@ -99,32 +102,41 @@ class CacheImporter:
         if export.num_blocks < 1 or (export.tensor_offset + numel) * itemsize > export.storage_bytes:
             raise ValueError(f"a cache of {export.num_blocks} blocks of {block_shape} {dtype} "
                              f"does not fit the exported {export.storage_bytes} bytes")
-        key = (export.mem_handle, export.storage_offset_bytes)
         if device.type != "cuda":
             raise IpcUnavailable(f"{device} is not a GPU")
         index = device.index if device.index is not None else torch.cuda.current_device()
-        device = torch.device("cuda", index)
-        with self._lock:
-            storage = self._storages.get(key)
-            if storage is None:
-                try:
-                    torch.cuda._lazy_init()
-                    storage = torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
-                        index, export.mem_handle, export.storage_bytes,
-                        export.storage_offset_bytes, export.ref_counter_handle,
-                        export.ref_counter_offset, export.event_handle or None,
-                        export.event_sync_required)
-                except RuntimeError as exc:  # another host/namespace, or IPC not permitted
-                    raise IpcUnavailable(f"cannot map the exported KV cache: {exc}") from exc
-                self._storages[key] = storage
-            else:  # mapped already: hand the export's reference slot straight back
-                torch.UntypedStorage._release_ipc_counter(  # type: ignore[attr-defined]
-                    export.ref_counter_handle, export.ref_counter_offset, device=device)
-        flat = torch.empty(0, dtype=dtype, device=device).set_(
+        storage = self.storage_for(source, export, index)
+        flat = torch.empty(0, dtype=dtype, device=torch.device("cuda", index)).set_(
             storage, export.tensor_offset, (numel,), (1,))
         return flat.view(shape)
+
+    def storage_for(self, source: str, export: CacheExport, index: int) -> torch.UntypedStorage:
+        """The mapped storage of `source`'s export: mapped now if it is new, the earlier mapping
+        if not (whose export's reference slot then goes straight back, as torch does), a new one
+        replacing it if `source` now exports another allocation."""
+        key = (export.mem_handle, export.storage_offset_bytes)
+        with self._lock:
+            held = self._mapped.get(source)
+            if held is not None and held[0] == key:
+                torch.UntypedStorage._release_ipc_counter(  # type: ignore[attr-defined]
+                    export.ref_counter_handle, export.ref_counter_offset,
+                    device=torch.device("cuda", index))
+                return held[1]
+            if held is not None:  # the exporter restarted: unmap its old cache
+                del self._mapped[source]
+            try:
+                torch.cuda._lazy_init()
+                storage = torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
+                    index, export.mem_handle, export.storage_bytes,
+                    export.storage_offset_bytes, export.ref_counter_handle,
+                    export.ref_counter_offset, export.event_handle or None,
+                    export.event_sync_required)
+            except RuntimeError as exc:  # another host/namespace, or IPC not permitted
+                raise IpcUnavailable(f"cannot map the exported KV cache: {exc}") from exc
+            self._mapped[source] = (key, storage)
+            return storage
 
     def close(self) -> None:
         """Unmap every cache (their exporters may then reuse the memory)."""
         with self._lock:
-            self._storages.clear()
+            self._mapped.clear()

@@ -603,3 +603,35 @@ async def test_an_unexpected_ipc_failure_falls_back_to_shared_memory(
         assert torch.equal(sink.cache[:, :, local_id].view(torch.uint8),
                            worker.source._kv_cache[:, :, remote_id].view(torch.uint8))
     assert worker.address in connector._no_ipc and worker.address not in connector._no_shm
+
+
+def test_a_restarted_exporter_replaces_its_old_mapping(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One mapping per exporting worker: the same export again reuses it (and hands the new
+    reference slot back), a new allocation from the same worker (it restarted) replaces it, so
+    a dead worker's cache is not kept alive. The CUDA calls are stood in for on the CPU; what is
+    tested is the importer's bookkeeping."""
+    mapped: list[bytes] = []
+    returned: list[int] = []
+
+    def new_shared(index: int, handle: bytes, size: int, *rest: Any) -> torch.UntypedStorage:
+        mapped.append(handle)
+        return torch.UntypedStorage(size)
+
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_cuda", new_shared, raising=False)
+    monkeypatch.setattr(torch.UntypedStorage, "_release_ipc_counter",
+                        lambda handle, offset, device=None: returned.append(offset),
+                        raising=False)
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: None)
+
+    def export(handle: bytes, slot: int) -> CacheExport:
+        return CacheExport(handle, 64, 0, b"refs", slot, b"", False, 0, 1)
+
+    importer = CacheImporter()
+    first = importer.storage_for("prefill-a:1", export(b"h1", 0), 0)
+    assert importer.storage_for("prefill-a:1", export(b"h1", 1), 0) is first
+    assert mapped == [b"h1"] and returned == [1]
+    other = importer.storage_for("prefill-b:1", export(b"h9", 2), 0)
+    restarted = importer.storage_for("prefill-a:1", export(b"h2", 3), 0)
+    assert restarted is not first and mapped == [b"h1", b"h9", b"h2"]
+    assert {k: v[1] for k, v in importer._mapped.items()} == {"prefill-a:1": restarted,
+                                                              "prefill-b:1": other}
