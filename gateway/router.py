@@ -30,13 +30,14 @@ from protos.splitserve.v1 import (
     kv_transfer_pb2_grpc,
     prefill_pb2_grpc,
 )
+from protos.tls import internal_channel
 
 log = logging.getLogger(__name__)
 
 
 def worker_channel(address: str, internal_token: str | None) -> grpc.aio.Channel:
     """A channel to a worker whose calls carry the cluster's secret when there is one."""
-    return grpc.aio.insecure_channel(address, interceptors=client_interceptors(internal_token))
+    return internal_channel(address, interceptors=client_interceptors(internal_token))
 
 
 @dataclass(slots=True)

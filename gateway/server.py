@@ -22,6 +22,7 @@ from gateway.openai_api import build_app
 from gateway.state import GatewayState
 from gateway.tokenization import TokenizerLike, load_tokenizer
 from protos.auth import AuthConfigError, internal_token_from_env
+from protos.tls import TlsConfigError, tls_from_env
 from serving.tracing import setup_tracing
 
 log = logging.getLogger(__name__)
@@ -177,7 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args)
-    except (GatewayConfigError, AuthConfigError) as err:
+        tls_from_env()  # the channels to the workers use it
+    except (GatewayConfigError, AuthConfigError, TlsConfigError) as err:
         parser.error(str(err))
     setup_tracing("splitserve-gateway")  # a no-op unless OTEL_EXPORTER_OTLP_ENDPOINT is set
     asyncio.run(serve_gateway(config, args.host, args.port, args.grpc_port))

@@ -28,6 +28,7 @@ from kv_transfer.cuda_ipc import CacheExport, IpcUnavailable, device_uuid, expor
 from kv_transfer.shm import SHM_PREFIX, ShmError, ShmSegment, valid_name
 from kv_transfer.wire import BlockSpec, DecodedBlock, KvWireError, decode_block, encode_block
 from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from protos.tls import internal_channel
 
 DEFAULT_FRAGMENT_BYTES = 1 << 20
 # PullBlocksShm reads a lease this many blocks at a time (128 MB of an 8B model's bf16 KV).
@@ -387,7 +388,7 @@ async def pull_blocks(
         channel = target
         if isinstance(target, str):
             channel = await stack.enter_async_context(
-                grpc.aio.insecure_channel(target, options=channel_options(MAX_FRAGMENT_BYTES)))
+                internal_channel(target, options=channel_options(MAX_FRAGMENT_BYTES)))
         items = await stack.enter_async_context(aclosing(
             _pull(channel, request_id, spec, num_blocks_expected, timeout_s, num_tokens_expected,
                   first_block, metadata)))
@@ -467,7 +468,7 @@ async def pull_blocks_shm(target: str, request_id: str, spec: BlockSpec, num_blo
     except ShmError as exc:
         raise KvTransferError("shm_unavailable", str(exc)) from exc
     try:
-        async with grpc.aio.insecure_channel(target) as channel:
+        async with internal_channel(target) as channel:
             stub = kv_transfer_pb2_grpc.KvTransferStub(channel)
             response = await stub.PullBlocksShm(kv_transfer_pb2.PullBlocksShmRequest(
                 request_id=request_id, fingerprint=spec.fingerprint, first_block=first_block,
@@ -516,7 +517,7 @@ async def pull_blocks_ipc(target: str, request_id: str, spec: BlockSpec, num_blo
     if not uuid:
         raise KvTransferError("ipc_unavailable", f"{device} is not a GPU")
     try:
-        async with grpc.aio.insecure_channel(target) as channel:
+        async with internal_channel(target) as channel:
             stub = kv_transfer_pb2_grpc.KvTransferStub(channel)
             response = await stub.PullBlocksIpc(kv_transfer_pb2.PullBlocksIpcRequest(
                 request_id=request_id, fingerprint=spec.fingerprint, first_block=first_block,
@@ -555,7 +556,7 @@ async def release(target: str | grpc.aio.Channel, request_id: str, timeout_s: fl
                   metadata: Sequence[tuple[str, str]] = ()) -> bool:
     """Ask the prefill worker to drop the lease; False if it had none (released or expired)."""
     if isinstance(target, str):
-        async with grpc.aio.insecure_channel(target) as channel:
+        async with internal_channel(target) as channel:
             return await _release(channel, request_id, timeout_s, metadata)
     return await _release(target, request_id, timeout_s, metadata)
 

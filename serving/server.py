@@ -33,6 +33,7 @@ from protos.splitserve.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
+from protos.tls import add_internal_port
 from serving import tracing
 from serving.tier_cache import TierConfig, TierPrefixCache
 
@@ -85,7 +86,7 @@ async def start_worker(config: EngineConfig, host: str, port: int,
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     services = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                 reflection.SERVICE_NAME]
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_internal_port(server, f"{host}:{port}")  # mutual TLS when configured
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     handle = WorkerHandle(server, bound, health_servicer, ready=asyncio.Event())

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.cli_args import add_engine_args, engine_config_from_args
 from protos.auth import AuthConfigError, internal_token_from_env
+from protos.tls import tls_from_env
 from serving.tracing import setup_tracing
 
 if TYPE_CHECKING:
@@ -161,6 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup_tracing(f"splitserve-{args.role}")  # a no-op unless OTEL_EXPORTER_OTLP_ENDPOINT is set
     try:
+        tls_from_env()  # a broken TLS set-up fails now, not after the model loaded
         if args.role == "colocated":
             asyncio.run(_serve_colocated(argv, args))
         else:
@@ -171,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AuthConfigError as e:  # the message names the variable
         logger.error("%s", e)
         return 2
-    except ValueError as e:  # a bad option value (e.g. --kv-tier-min-blocks 0)
+    except ValueError as e:  # a bad option value (e.g. --kv-tier-min-blocks 0), TLS files
         logger.error("%s", e)
         return 2
     return 0

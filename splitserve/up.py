@@ -28,6 +28,7 @@ from pathlib import Path
 
 from gateway.config import served_model_name_for
 from protos.auth import INTERNAL_TOKEN_ENV, AuthConfigError, internal_token_from_env
+from protos.tls import TlsConfigError, tls_from_env
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,6 +115,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         token = internal_token_from_env() or secrets.token_urlsafe(32)
     except AuthConfigError as e:
         print(f"splitserve: {INTERNAL_TOKEN_ENV}: {e}", file=sys.stderr)
+        return 2
+    try:
+        tls_from_env()  # the three services read the same variables
+    except TlsConfigError as e:
+        print(f"splitserve: {e}", file=sys.stderr)
         return 2
     prefill_addr = f"127.0.0.1:{args.prefill_port}"
     decode_addr = f"127.0.0.1:{args.decode_port}"

@@ -1,0 +1,174 @@
+"""Mutual TLS between the services (protos/tls.py): a real CA and certificates made with the
+`openssl` command, real gRPC servers on 127.0.0.1, and the whole stack under `splitserve up`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from fake_block_source import CacheBlockSource
+from fake_lease import LeaseTable
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_kv_grpc_transport import BLOCK_IDS, HASHES, NUM_TOKENS, FakeClock, make_cache, make_spec
+from test_up import ROOT, _alive, _free_ports
+
+from kv_transfer.grpc_transport import KvTransferServicer, pull_all
+from protos import tls
+from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+
+SERVER_NAME = tls.DEFAULT_SERVER_NAME
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def _ca_and_leaf(folder: Path, name: str) -> None:
+    """folder/ca.pem and a leaf (leaf.pem, leaf.key) it signed, for client and server use,
+    carrying `name` as its DNS subjectAltName."""
+    folder.mkdir(parents=True)
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+             "-subj", f"/CN={folder.name}-ca", cwd=folder)
+    _openssl("req", *ec, "-keyout", "leaf.key", "-out", "leaf.csr", "-subj", f"/CN={name}",
+             cwd=folder)
+    (folder / "ext").write_text(f"subjectAltName=DNS:{name}\n"
+                                "extendedKeyUsage=serverAuth,clientAuth\n")
+    _openssl("x509", "-req", "-in", "leaf.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+             "-CAcreateserial", "-out", "leaf.pem", "-days", "2", "-extfile", "ext", cwd=folder)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("pki")
+    _ca_and_leaf(root / "cluster", SERVER_NAME)
+    _ca_and_leaf(root / "rogue", SERVER_NAME)  # the right name, from a CA nobody trusts
+    return {"cluster": root / "cluster", "rogue": root / "rogue"}
+
+
+def _tls_env(folder: Path) -> dict[str, str]:
+    return {tls.TLS_CERT_ENV: str(folder / "leaf.pem"), tls.TLS_KEY_ENV: str(folder / "leaf.key"),
+            tls.TLS_CA_ENV: str(folder / "ca.pem")}
+
+
+def _use(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
+    for key in (tls.TLS_CERT_ENV, tls.TLS_KEY_ENV, tls.TLS_CA_ENV, tls.TLS_SERVER_NAME_ENV):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+
+
+@pytest.fixture
+async def tls_worker(pki: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+                     ) -> AsyncIterator[str]:
+    """A prefill worker's KvTransfer service bound with mutual TLS; yields its address."""
+    _use(monkeypatch, _tls_env(pki["cluster"]))
+    spec = make_spec()
+    clock = FakeClock()
+    leases = LeaseTable(clock=clock)
+    leases.grant("req-1", BLOCK_IDS, HASHES, NUM_TOKENS, clock() + 30.0)
+    server = grpc.aio.server()
+    kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(
+        KvTransferServicer(CacheBlockSource(make_cache(spec), spec, leases)), server)
+    port = tls.add_internal_port(server, "127.0.0.1:0")
+    await server.start()
+    yield f"127.0.0.1:{port}"
+    await server.stop(None)
+
+
+async def test_kv_pull_over_mutual_tls_and_nothing_else(
+        tls_worker: str, pki: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the cluster's certificates a KV pull works; a plaintext client, and a client whose
+    certificate comes from another CA, do not get a single byte."""
+    spec = make_spec()
+    blocks = await pull_all(tls_worker, "req-1", spec, len(BLOCK_IDS), 10.0,
+                            num_tokens_expected=NUM_TOKENS)
+    assert [b.num_tokens for b in blocks] == [4, 4, 2]
+
+    release = kv_transfer_pb2.ReleaseRequest(request_id="nobody")
+    async with grpc.aio.insecure_channel(tls_worker) as plain:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await kv_transfer_pb2_grpc.KvTransferStub(plain).Release(release, timeout=5)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    _use(monkeypatch, _tls_env(pki["rogue"]))
+    async with tls.internal_channel(tls_worker) as rogue:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await kv_transfer_pb2_grpc.KvTransferStub(rogue).Release(release, timeout=5)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_tls_configuration_errors_name_the_variable(
+        pki: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _use(monkeypatch, {})
+    assert tls.tls_from_env() is None
+    env = _tls_env(pki["cluster"])
+    _use(monkeypatch, {tls.TLS_CERT_ENV: env[tls.TLS_CERT_ENV]})
+    with pytest.raises(tls.TlsConfigError, match=f"missing: {tls.TLS_KEY_ENV}, {tls.TLS_CA_ENV}"):
+        tls.tls_from_env()
+    (tmp_path / "not.pem").write_text("hello")
+    _use(monkeypatch, {**env, tls.TLS_CA_ENV: str(tmp_path / "not.pem")})
+    with pytest.raises(tls.TlsConfigError, match=f"{tls.TLS_CA_ENV}: .* is not a PEM file"):
+        tls.tls_from_env()
+    _use(monkeypatch, {**env, tls.TLS_KEY_ENV: str(tmp_path / "absent.key")})
+    with pytest.raises(tls.TlsConfigError, match=f"{tls.TLS_KEY_ENV}: cannot read"):
+        tls.tls_from_env()
+    _use(monkeypatch, {**env, tls.TLS_SERVER_NAME_ENV: "workers.internal"})
+    files = tls.tls_from_env()
+    assert files is not None and files.server_name == "workers.internal"
+
+
+@pytest.mark.timeout(400)
+def test_the_whole_stack_over_mutual_tls(pki: dict[str, Path], tmp_path: Path) -> None:
+    """`splitserve up` with the cluster's certificates: the gateway reaches the workers and the
+    decode worker pulls the prompt's KV from the prefill worker, all over mutual TLS; a
+    plaintext call to a worker fails."""
+    rest, grpc_port, prefill, decode = _free_ports(4)
+    env = {**os.environ, **_tls_env(pki["cluster"])}
+    cmd = [sys.executable, "-m", "splitserve", "up", "--port", str(rest), "--grpc-port",
+           str(grpc_port), "--prefill-port", str(prefill), "--decode-port", str(decode),
+           "--log-dir", str(tmp_path / "logs"), "--max-model-len", "1024"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env)
+    marker = f"--port {prefill}"
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "ready" in line or "exited" in line:
+                break
+        assert any("ready" in ln for ln in lines), "".join(lines)
+        body = json.dumps({"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is",
+                           "max_tokens": 4, "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{rest}/v1/completions", data=body,
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            out = json.loads(r.read())
+        assert out["usage"]["completion_tokens"] == 4
+        decode_log = (tmp_path / "logs" / "decode.log").read_text()
+        assert "KV from 127.0.0.1:" in decode_log  # the prompt's KV came from the prefill worker
+        with grpc.insecure_channel(f"127.0.0.1:{prefill}") as plain, \
+                pytest.raises(grpc.RpcError) as err:
+            health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        deadline = time.monotonic() + 30
+        while _alive(marker) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        for pid in _alive(marker):
+            os.kill(int(pid), signal.SIGKILL)
