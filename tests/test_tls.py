@@ -3,13 +3,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -19,7 +17,7 @@ from fake_block_source import CacheBlockSource
 from fake_lease import LeaseTable
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_kv_grpc_transport import BLOCK_IDS, HASHES, NUM_TOKENS, FakeClock, make_cache, make_spec
-from test_up import ROOT, _alive, _free_ports
+from test_up import ROOT, _alive, _free_ports, complete_four_tokens
 
 from kv_transfer.grpc_transport import KvTransferServicer, pull_all
 from protos import tls
@@ -148,13 +146,7 @@ def test_the_whole_stack_over_mutual_tls(pki: dict[str, Path], tmp_path: Path) -
             if "ready" in line or "exited" in line:
                 break
         assert any("ready" in ln for ln in lines), "".join(lines)
-        body = json.dumps({"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is",
-                           "max_tokens": 4, "temperature": 0}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{rest}/v1/completions", data=body,
-                                     headers={"content-type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as r:
-            out = json.loads(r.read())
-        assert out["usage"]["completion_tokens"] == 4
+        assert complete_four_tokens(rest)["usage"]["completion_tokens"] == 4
         decode_log = (tmp_path / "logs" / "decode.log").read_text()
         assert "KV from 127.0.0.1:" in decode_log  # the prompt's KV came from the prefill worker
         with grpc.insecure_channel(f"127.0.0.1:{prefill}") as plain, \

@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,6 +34,17 @@ def _alive(marker: str) -> list[str]:
     return [p for p in out.stdout.split() if p and int(p) != os.getpid()]
 
 
+def complete_four_tokens(rest_port: int) -> dict[str, Any]:
+    """A greedy 4-token completion from the stack's REST API."""
+    body = json.dumps({"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is",
+                       "max_tokens": 4, "temperature": 0}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{rest_port}/v1/completions", data=body,
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        out: dict[str, Any] = json.loads(r.read())
+    return out
+
+
 @pytest.mark.timeout(400)
 def test_up_serves_and_stops_all_children(tmp_path: Path) -> None:
     rest, grpc_port, prefill, decode = _free_ports(4)
@@ -51,13 +63,7 @@ def test_up_serves_and_stops_all_children(tmp_path: Path) -> None:
             if "ready" in line or time.monotonic() > deadline:
                 break
         assert any("ready" in ln for ln in lines), "".join(lines)
-        body = json.dumps({"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is",
-                           "max_tokens": 4, "temperature": 0}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{rest}/v1/completions", data=body,
-                                     headers={"content-type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as r:
-            out = json.loads(r.read())
-        assert out["usage"]["completion_tokens"] == 4
+        assert complete_four_tokens(rest)["usage"]["completion_tokens"] == 4
         assert _alive(marker), "the prefill worker should be running"
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.05)
