@@ -137,6 +137,27 @@ class WorkerLoadCollector:
                 if s.load is not None:
                     counter.add_metric([s.role, s.worker], float(value(s.load)))
             yield counter
+        yield from _kv_transport_families(samples)
+
+
+def _kv_transport_families(samples: Sequence[WorkerSample]) -> Iterator[Metric]:
+    """Decode workers' KV pulls per way (`transport` label: cuda_ipc, shm, stream)."""
+    labels = (*WORKER_LABELS, "transport")
+    families = {
+        "pulls": CounterMetricFamily(
+            "splitserve:kv_pulls", "KV loads a decode worker completed, by the way they came.",
+            labels=labels),
+        "bytes": CounterMetricFamily(
+            "splitserve:kv_pull_bytes", "KV bytes decode workers pulled, by way.", labels=labels),
+        "seconds": CounterMetricFamily(
+            "splitserve:kv_pull_seconds", "Time decode workers spent pulling KV (from asking to "
+            "the blocks in their cache), by way.", labels=labels),
+    }
+    for s in samples:
+        for t in s.load.kv_transports if s.load is not None else ():
+            for field, family in families.items():
+                family.add_metric([s.role, s.worker, t.transport], float(getattr(t, field)))
+    yield from families.values()
 
 
 class GatewayMetrics:

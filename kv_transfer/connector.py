@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import ipaddress
 import logging
 import threading
@@ -133,6 +134,7 @@ class LoadResult:
     request_id: str
     ok: bool
     reason: str | None = None
+    transport: str = ""          # the way a successful load came: "cuda_ipc", "shm", "stream"
 
 
 class KvConnectorWorker(ABC):
@@ -277,12 +279,10 @@ class GrpcPullConnector(KvConnectorWorker):
                 log.exception("KV load %s: %s with %s failed; not using it again",
                               request_id, name, address)
             else:
-                self._note_transport(address, name)
-                return result
+                return self._came_by(address, name, result)
             refused.add(address)  # the lease is still held: the next way pulls it whole
         result = await self._load_stream(request_id, handle, block_ids, first_block, metadata)
-        self._note_transport(address, "stream")
-        return result
+        return self._came_by(address, "stream", result)
 
     def _check_lease(self, handle: KvHandle, first_block: int, num_tokens: int,
                      kv_scales: torch.Tensor | None, block_hashes: Sequence[bytes]) -> str | None:
@@ -300,11 +300,15 @@ class GrpcPullConnector(KvConnectorWorker):
                 return "hash_mismatch"
         return None
 
-    def _note_transport(self, address: str, transport: str) -> None:
-        """Log the first load from each worker by each way (which one a deployment uses)."""
+    def _came_by(self, address: str, transport: str, result: LoadResult) -> LoadResult:
+        """A load's result, naming its way when it succeeded; the first success from each
+        worker by each way is logged (which one a deployment uses)."""
+        if not result.ok:
+            return result
         if (address, transport) not in self._transports_seen:
             self._transports_seen.add((address, transport))
             log.info("KV from %s comes by %s", address, transport)
+        return dataclasses.replace(result, transport=transport)
 
     async def _load_ipc(self, request_id: str, handle: KvHandle, block_ids: list[int],
                         first_block: int, metadata: tuple[tuple[str, str], ...]) -> LoadResult:

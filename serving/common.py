@@ -8,6 +8,7 @@ from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from protos.splitserve.v1 import common_pb2
 from serving.convert import SPEC_METHOD_ENUMS
+from serving.kv import GrpcKvLoader
 
 
 class EngineBound:
@@ -37,10 +38,21 @@ class EngineBound:
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions, num_leases=s.num_leases, num_blocks=s.num_blocks,
             spec_draft_tokens=s.spec_draft_tokens, spec_accepted_tokens=s.spec_accepted_tokens,
-            speculative_methods=[SPEC_METHOD_ENUMS[m] for m in _own_first(eng)])
+            speculative_methods=[SPEC_METHOD_ENUMS[m] for m in _own_first(eng)],
+            kv_transports=_kv_transports(self.aengine))
 
 
 def _own_first(engine: LLMEngine) -> list[str]:
     """The engine's speculative methods, its configured one first."""
     own = engine.config.speculative.method
     return sorted(engine.proposers, key=lambda m: m != own)
+
+
+def _kv_transports(aengine: AsyncEngine) -> list[common_pb2.KvTransportStats]:
+    """A decode worker's KV pulls so far, per way (none for the other roles)."""
+    loader = aengine.kv_loader
+    if not isinstance(loader, GrpcKvLoader):
+        return []
+    return [common_pb2.KvTransportStats(transport=name, pulls=st.pulls, bytes=st.bytes,
+                                        seconds=st.seconds)
+            for name, st in sorted(dict(loader.transport_stats).items())]  # a copy: atomic

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -98,6 +99,15 @@ def _monotonic() -> float:
 
 
 @dataclass(slots=True)
+class TransportStats:
+    """Cumulative successful KV pulls of one way (LoadReport.kv_transports)."""
+
+    pulls: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(slots=True)
 class RemoteKvHandle:
     """What the decode servicer attaches to a request whose KV lives on a prefill worker."""
 
@@ -150,6 +160,8 @@ class GrpcKvLoader:
         self._connector: GrpcPullConnector | None = None
         self.blocks_pulled = 0   # transferred from prefill workers
         self.blocks_reused = 0   # found in this engine's prefix cache instead
+        # Successful pulls per way ("cuda_ipc", "shm", "stream"): count, bytes, seconds.
+        self.transport_stats: dict[str, TransportStats] = {}
 
     def _get_connector(self) -> GrpcPullConnector:
         if self._connector is None:  # needs the running loop
@@ -194,6 +206,7 @@ class GrpcKvLoader:
         except ValueError as e:
             result = LoadResult(rid, False, f"bad handle: {e}")
         else:
+            start = time.perf_counter()
             connector.start_load_kv(rid, handle, load.block_ids, load.first_block,
                                     metadata=trace_metadata)
             self.blocks_pulled += len(load.block_ids)
@@ -206,6 +219,12 @@ class GrpcKvLoader:
             finally:
                 connector.cancel_load(rid)
                 connector.get_finished_loads()  # drop the connector's record of this load
+            if result.ok:
+                stats = self.transport_stats.setdefault(result.transport or "stream",
+                                                        TransportStats())
+                stats.pulls += 1
+                stats.bytes += len(load.block_ids) * self._spec.block_nbytes
+                stats.seconds += time.perf_counter() - start
         return result
 
 

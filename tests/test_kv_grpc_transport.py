@@ -395,16 +395,17 @@ async def test_connector_pulls_into_local_blocks_and_releases(
     connector = GrpcPullConnector(spec, sink, asyncio.get_running_loop(), timeout_s=TIMEOUT_S,
                                   use_shm=use_shm)
     local_ids = [0, 1, 4]
+    way = "shm" if use_shm else "stream"
     handle = KvHandle.from_proto(handle_for(worker).to_proto())  # survives the proto round trip
     assert handle == handle_for(worker) and len(handle.prompt_hash) == 32
     # The engine thread starts the load; the transfer runs on this loop.
     await asyncio.to_thread(connector.start_load_kv, "local-1", handle, local_ids)
-    assert await connector.wait_for_load("local-1") == LoadResult("local-1", True)
+    assert await connector.wait_for_load("local-1") == LoadResult("local-1", True, transport=way)
     for local_id, remote_id in zip(local_ids, BLOCK_IDS, strict=True):
         assert torch.equal(sink.cache[:, :, local_id].view(torch.uint8),
                            worker.source._kv_cache[:, :, remote_id].view(torch.uint8))
     assert worker.released == [lease]
-    assert connector.get_finished_loads() == [LoadResult("local-1", True)]
+    assert connector.get_finished_loads() == [LoadResult("local-1", True, transport=way)]
     assert connector.get_finished_loads() == []
     assert shm_pulls == (["req-1"] if use_shm else [])
     assert _kv_segments() == before
@@ -424,7 +425,7 @@ async def test_shm_pull_falls_back_to_the_stream_where_the_server_cannot_open_it
     monkeypatch.setattr(grpc_transport.ShmSegment, "open", staticmethod(elsewhere))
     connector = GrpcPullConnector(spec, sink, asyncio.get_running_loop(), timeout_s=TIMEOUT_S)
     connector.start_load_kv("local-1", handle_for(worker), [0, 1, 4])
-    assert await connector.wait_for_load("local-1") == LoadResult("local-1", True)
+    assert await connector.wait_for_load("local-1") == LoadResult("local-1", True, transport="stream")
     assert torch.equal(sink.cache[:, :, 4].view(torch.uint8),
                        worker.source._kv_cache[:, :, BLOCK_IDS[2]].view(torch.uint8))
     assert worker.address in connector._no_shm
@@ -534,7 +535,8 @@ async def test_cuda_ipc_is_refused_off_the_gpu_and_the_connector_falls_back(
         if rid != "req-1":
             worker.grant(rid)
         connector.start_load_kv(f"local-{rid}", handle_for(worker, rid), [0, 1, 4])
-        assert await connector.wait_for_load(f"local-{rid}") == LoadResult(f"local-{rid}", True)
+        assert await connector.wait_for_load(f"local-{rid}") == LoadResult(
+            f"local-{rid}", True, transport="shm")
         assert torch.equal(sink.cache[:, :, 4].view(torch.uint8),
                            worker.source._kv_cache[:, :, BLOCK_IDS[2]].view(torch.uint8))
     assert ipc_pulls == ["req-1"] and worker.address in connector._no_ipc
@@ -598,7 +600,7 @@ async def test_an_unexpected_ipc_failure_falls_back_to_shared_memory(
     sink = GpuSink(spec)
     connector = GrpcPullConnector(spec, sink, asyncio.get_running_loop(), timeout_s=TIMEOUT_S)
     connector.start_load_kv("local-1", handle_for(worker), [0, 1, 4])
-    assert await connector.wait_for_load("local-1") == LoadResult("local-1", True)
+    assert await connector.wait_for_load("local-1") == LoadResult("local-1", True, transport="shm")
     for local_id, remote_id in zip([0, 1, 4], BLOCK_IDS, strict=True):
         assert torch.equal(sink.cache[:, :, local_id].view(torch.uint8),
                            worker.source._kv_cache[:, :, remote_id].view(torch.uint8))

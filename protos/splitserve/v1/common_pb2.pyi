@@ -299,6 +299,7 @@ class LoadReport(_message.Message):
     SPEC_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
     SPECULATIVE_METHODS_FIELD_NUMBER: _builtins.int
+    KV_TRANSPORTS_FIELD_NUMBER: _builtins.int
     num_running: _builtins.int
     num_waiting: _builtins.int
     kv_cache_usage: _builtins.float
@@ -336,6 +337,10 @@ class LoadReport(_message.Message):
         its own method, used when a DecodeRequest names none or one it lacks.
         """
 
+    @_builtins.property
+    def kv_transports(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvTransportStats]:
+        """Decode workers: KV pulled from prefill workers, per way (cumulative, like the counters above)."""
+
     def __init__(
         self,
         *,
@@ -356,14 +361,47 @@ class LoadReport(_message.Message):
         spec_draft_tokens: _builtins.int = ...,
         spec_accepted_tokens: _builtins.int = ...,
         speculative_methods: _abc.Iterable[Global___SpeculativeMethod.ValueType] | None = ...,
+        kv_transports: _abc.Iterable[Global___KvTransportStats] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "fingerprint", b"fingerprint", "kv_cache_usage", b"kv_cache_usage", "num_blocks", b"num_blocks", "num_free_blocks", b"num_free_blocks", "num_leases", b"num_leases", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "speculative_methods", b"speculative_methods", "tier_hit_tokens", b"tier_hit_tokens", "tier_saved_blocks", b"tier_saved_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "fingerprint", b"fingerprint", "kv_cache_usage", b"kv_cache_usage", "kv_transports", b"kv_transports", "num_blocks", b"num_blocks", "num_free_blocks", b"num_free_blocks", "num_leases", b"num_leases", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "speculative_methods", b"speculative_methods", "tier_hit_tokens", b"tier_hit_tokens", "tier_saved_blocks", b"tier_saved_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LoadReport: _TypeAlias = LoadReport  # noqa: Y015
+
+@_typing.final
+class KvTransportStats(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRANSPORT_FIELD_NUMBER: _builtins.int
+    PULLS_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    transport: _builtins.str
+    """"cuda_ipc", "shm" or "stream" """
+    pulls: _builtins.int
+    """loads completed this way"""
+    bytes: _builtins.int
+    """KV bytes they moved"""
+    seconds: _builtins.float
+    """their time, from asking to the blocks in the cache"""
+    def __init__(
+        self,
+        *,
+        transport: _builtins.str = ...,
+        pulls: _builtins.int = ...,
+        bytes: _builtins.int = ...,
+        seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "pulls", b"pulls", "seconds", b"seconds", "transport", b"transport"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvTransportStats: _TypeAlias = KvTransportStats  # noqa: Y015
 
 @_typing.final
 class LoadRequest(_message.Message):
