@@ -1,4 +1,4 @@
-"""`splitserve {generate,serve,up,bench}` — dispatches lazily so `splitserve serve --role gateway`
+"""`splitserve {generate,serve,up,bench,health}` — dispatches lazily so `splitserve serve --role gateway`
 never imports torch."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ COMMANDS = {
     "serve": ("serving.worker_main", "start one service: --role prefill|decode|colocated|gateway"),
     "up": ("splitserve.up", "start gateway + prefill + decode on this machine"),
     "bench": ("bench.cli", "benchmarks (online against the REST API, offline in-process)"),
+    "health": ("splitserve.health", "probe a worker's gRPC health (TLS when configured)"),
 }
 
 

@@ -149,6 +149,15 @@ def test_the_whole_stack_over_mutual_tls(pki: dict[str, Path], tmp_path: Path) -
         assert complete_four_tokens(rest)["usage"]["completion_tokens"] == 4
         decode_log = (tmp_path / "logs" / "decode.log").read_text()
         assert "KV from 127.0.0.1:" in decode_log  # the prompt's KV came from the prefill worker
+        # The exec probe for TLS workers: SERVING with the certificates, refused without.
+        probe = [sys.executable, "-m", "splitserve", "health", "--address",
+                 f"127.0.0.1:{prefill}"]
+        ok = subprocess.run(probe, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert (ok.returncode, ok.stdout.strip()) == (0, "SERVING"), ok.stderr
+        plain_env = {k: v for k, v in env.items() if not k.startswith("SPLITSERVE_TLS_")}
+        refused = subprocess.run(probe, cwd=ROOT, env=plain_env, capture_output=True, text=True,
+                                 timeout=60)
+        assert (refused.returncode, refused.stdout.strip()) == (1, "UNAVAILABLE")
         with grpc.insecure_channel(f"127.0.0.1:{prefill}") as plain, \
                 pytest.raises(grpc.RpcError) as err:
             health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(), timeout=5)
@@ -164,3 +173,28 @@ def test_the_whole_stack_over_mutual_tls(pki: dict[str, Path], tmp_path: Path) -
             time.sleep(0.5)
         for pid in _alive(marker):
             os.kill(int(pid), signal.SIGKILL)
+
+
+async def test_health_probe_reads_the_status_over_tls(
+        pki: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    from grpc_health.v1 import health
+
+    from splitserve.health import check
+
+    _use(monkeypatch, _tls_env(pki["cluster"]))
+    server = grpc.aio.server()
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = tls.add_internal_port(server, "127.0.0.1:0")
+    await server.start()
+    try:
+        address = f"127.0.0.1:{port}"
+        await servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert await check(address) == "NOT_SERVING"
+        await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert await check(address) == "SERVING"
+        assert await check(address, service="no.such.Service") == "NOT_FOUND"
+        _use(monkeypatch, {})
+        assert await check(address, timeout_s=2) == "UNAVAILABLE"
+    finally:
+        await server.stop(None)
