@@ -8,6 +8,7 @@ from dataclasses import fields
 from typing import Any
 
 from engine.config import (
+    SPEC_METHODS,
     CacheConfig,
     EngineConfig,
     LoadConfig,
@@ -103,7 +104,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-threads", type=int, default=None,
                    help="torch intra-op threads when running on the CPU")
     g.add_argument("--speculative-method", default=_default(SpeculativeConfig, "method"),
-                   choices=["none", "ngram", "draft_model"],
+                   choices=list(SPEC_METHODS),
                    help="speculative decoding: ngram = prompt lookup (drafts the tokens that "
                         "followed the latest earlier occurrence of the sequence's suffix); "
                         "draft_model = a smaller model of the same vocabulary "

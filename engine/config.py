@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 Role = Literal["colocated", "prefill", "decode"]
 AttentionBackendName = Literal["torch", "triton", "auto"]
@@ -240,6 +240,7 @@ class RunnerConfig:
 
 
 SpecMethod = Literal["none", "ngram", "draft_model"]
+SPEC_METHODS: tuple[SpecMethod, ...] = get_args(SpecMethod)  # "none" first
 
 # Each draft is one more query row per sequence in the verify step; beyond a handful the
 # acceptance of the last drafts is small and the step's extra rows cost more than they save.
@@ -281,7 +282,7 @@ class SpeculativeConfig:
         return self.method != "none" and self.num_speculative_tokens > 0
 
     def validate(self) -> None:
-        if self.method not in ("none", "ngram", "draft_model"):
+        if self.method not in SPEC_METHODS:
             raise ConfigError("speculative method must be 'none', 'ngram' or 'draft_model', got "
                               f"{self.method!r}")
         if self.method == "draft_model" and not self.model:

@@ -12,7 +12,13 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from engine.config import MAX_SPECULATIVE_TOKENS, ConfigError, EngineConfig, ModelConfig
+from engine.config import (
+    MAX_SPECULATIVE_TOKENS,
+    SPEC_METHODS,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+)
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv.hashing import model_fingerprint, root_hash
 from engine.kv.kv_cache_manager import KVCacheManager
@@ -254,7 +260,7 @@ class LLMEngine:
                       num_speculative_tokens: int | None = None,
                       speculative_method: str | None = None) -> None:
         """Every check `add_request` makes; reads config only, so any thread may call it."""
-        if speculative_method not in (None, "ngram", "draft_model"):
+        if speculative_method is not None and speculative_method not in SPEC_METHODS[1:]:
             raise EngineInputError("speculative_method must be 'ngram' or 'draft_model', got "
                                    f"{speculative_method!r}")
         params.validate()

@@ -28,13 +28,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
 from engine.kv.hashing import HASH_BYTES
 from kv_transfer import WRITE_BATCH_BLOCKS
-from kv_transfer.cuda_ipc import CacheImporter, IpcUnavailable
+from kv_transfer.cuda_ipc import CacheImporter, IpcUnavailable, device_uuid
 from kv_transfer.grpc_transport import (
     KvTransferError,
     num_blocks_for,
@@ -212,9 +212,12 @@ class GrpcPullConnector(KvConnectorWorker):
         # a worker that answers a way "unavailable" is not asked that way again.
         self._use_shm = use_shm and shm_available()
         device = getattr(sink, "device", None)
-        self._ipc_device: torch.device | None = (
-            device if use_ipc and isinstance(device, torch.device) and device.type == "cuda"
-            and hasattr(sink, "copy_blocks_from") else None)
+        on_gpu = (use_ipc and isinstance(device, torch.device) and device.type == "cuda"
+                  and hasattr(sink, "copy_blocks_from"))
+        self._ipc_device: torch.device | None = device if on_gpu else None
+        self._ipc_sink = cast(DeviceKvBlockSink, sink) if on_gpu else None
+        # Once: the sink's GPU does not change.
+        self._ipc_uuid = device_uuid(self._ipc_device) if self._ipc_device is not None else b""
         self._importer = CacheImporter()
         self._no_ipc: set[str] = set()  # worker addresses
         self._no_shm: set[str] = set()
@@ -314,11 +317,11 @@ class GrpcPullConnector(KvConnectorWorker):
                         first_block: int, metadata: tuple[tuple[str, str], ...]) -> LoadResult:
         """Same GPU: map the prefill worker's cache (once) and copy the lease's blocks device
         to device. Raises KvTransferError("ipc_unavailable") when another way must be used."""
-        device = self._ipc_device
-        assert device is not None
+        device, sink = self._ipc_device, self._ipc_sink
+        assert device is not None and sink is not None
         pull = await pull_blocks_ipc(handle.worker_address, handle.request_id, self._spec,
-                                     handle.num_blocks, self._timeout_s, device, first_block,
-                                     metadata)
+                                     handle.num_blocks, self._timeout_s, self._ipc_uuid,
+                                     first_block, metadata)
         problem = self._check_lease(handle, first_block, pull.num_tokens, pull.kv_scales,
                                     pull.block_hashes)
         if problem:
@@ -332,8 +335,6 @@ class GrpcPullConnector(KvConnectorWorker):
         except ValueError as exc:
             log.warning("KV load %s: bad CUDA IPC export: %s", request_id, exc)
             return LoadResult(request_id, False, "protocol")
-        sink = self._sink
-        assert hasattr(sink, "copy_blocks_from")
         try:
             await asyncio.to_thread(sink.copy_blocks_from, block_ids, src, pull.block_ids)
         except (ValueError, RuntimeError, IndexError) as exc:

@@ -24,8 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-UUID_BYTES = 16
-
 
 class IpcUnavailable(Exception):
     """CUDA IPC cannot serve this pull (no CUDA, another GPU, a handle that will not open)."""
@@ -135,8 +133,3 @@ class CacheImporter:
                 raise IpcUnavailable(f"cannot map the exported KV cache: {exc}") from exc
             self._mapped[source] = (key, storage)
             return storage
-
-    def close(self) -> None:
-        """Unmap every cache (their exporters may then reuse the memory)."""
-        with self._lock:
-            self._mapped.clear()

@@ -15,6 +15,7 @@ Any failure on the client (gRPC status, deadline, malformed fragments, a block t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import AsyncExitStack, aclosing
@@ -226,13 +227,7 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         return kv_transfer_pb2.PullBlocksIpcResponse(
             block_ids=lease.block_ids[first:], num_tokens=lease.num_tokens,
             block_hashes=list(lease.block_hashes), kv_scales=scales,
-            cache=kv_transfer_pb2.CudaIpcCache(
-                mem_handle=export.mem_handle, storage_bytes=export.storage_bytes,
-                storage_offset_bytes=export.storage_offset_bytes,
-                ref_counter_handle=export.ref_counter_handle,
-                ref_counter_offset=export.ref_counter_offset, event_handle=export.event_handle,
-                event_sync_required=export.event_sync_required,
-                tensor_offset=export.tensor_offset, num_blocks=export.num_blocks))
+            cache=kv_transfer_pb2.CudaIpcCache(**dataclasses.asdict(export)))
 
     async def Release(
         self,
@@ -505,17 +500,17 @@ class IpcPull:
 
 
 async def pull_blocks_ipc(target: str, request_id: str, spec: BlockSpec, num_blocks: int,
-                          timeout_s: float, device: torch.device, first_block: int = 0,
+                          timeout_s: float, uuid: bytes, first_block: int = 0,
                           metadata: Sequence[tuple[str, str]] = ()) -> IpcPull:
     """`PullBlocksIpc`: the lease's block ids and the exporter's cache handle (nothing is copied
-    yet). Raises KvTransferError (reason "ipc_unavailable" when the server is on another GPU or
-    none; the caller falls back to `pull_blocks_shm`)."""
+    yet). uuid: the puller's GPU (`device_uuid`; b"": none). Raises KvTransferError (reason
+    "ipc_unavailable" when the puller or the server has no GPU or they differ; the caller falls
+    back to `pull_blocks_shm`)."""
     n = num_blocks - first_block
     if n <= 0:
         raise ValueError(f"first_block {first_block} leaves no blocks of {num_blocks}")
-    uuid = device_uuid(device)
     if not uuid:
-        raise KvTransferError("ipc_unavailable", f"{device} is not a GPU")
+        raise KvTransferError("ipc_unavailable", "the puller is not on a GPU")
     try:
         async with internal_channel(target) as channel:
             stub = kv_transfer_pb2_grpc.KvTransferStub(channel)
@@ -532,10 +527,9 @@ async def pull_blocks_ipc(target: str, request_id: str, spec: BlockSpec, num_blo
     if num_blocks_for(response.num_tokens, spec.block_size) != num_blocks:
         raise KvTransferError("count_mismatch", f"the lease holds {response.num_tokens} tokens, "
                               f"not {num_blocks} blocks of {spec.block_size}")
-    c = response.cache
-    export = CacheExport(c.mem_handle, c.storage_bytes, c.storage_offset_bytes,
-                         c.ref_counter_handle, c.ref_counter_offset, c.event_handle,
-                         c.event_sync_required, c.tensor_offset, c.num_blocks)
+    # The message's fields are the dataclass's, by name.
+    export = CacheExport(**{f.name: getattr(response.cache, f.name)
+                            for f in dataclasses.fields(CacheExport)})
     if any(not 0 <= b < export.num_blocks for b in response.block_ids):
         raise KvTransferError("protocol", f"block ids outside the exported cache's "
                               f"{export.num_blocks} blocks")

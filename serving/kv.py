@@ -220,8 +220,7 @@ class GrpcKvLoader:
                 connector.cancel_load(rid)
                 connector.get_finished_loads()  # drop the connector's record of this load
             if result.ok:
-                stats = self.transport_stats.setdefault(result.transport or "stream",
-                                                        TransportStats())
+                stats = self.transport_stats.setdefault(result.transport, TransportStats())
                 stats.pulls += 1
                 stats.bytes += len(load.block_ids) * self._spec.block_nbytes
                 stats.seconds += time.perf_counter() - start

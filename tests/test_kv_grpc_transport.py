@@ -19,7 +19,7 @@ import kv_transfer.connector as connector_module
 from engine.kv.hashing import prompt_hash
 from kv_transfer import grpc_transport
 from kv_transfer.connector import GrpcPullConnector, KvHandle, LoadResult
-from kv_transfer.cuda_ipc import CacheExport, CacheImporter
+from kv_transfer.cuda_ipc import CacheExport, CacheImporter, device_uuid
 from kv_transfer.grpc_transport import (
     KvTransferError,
     KvTransferServicer,
@@ -506,7 +506,7 @@ async def test_cuda_ipc_is_refused_off_the_gpu_and_the_connector_falls_back(
     assert "not on a GPU" in (err.value.details() or "")
     with pytest.raises(KvTransferError) as exc:
         await pull_blocks_ipc(worker.address, "req-1", spec, len(BLOCK_IDS), TIMEOUT_S,
-                              torch.device("cpu"))
+                              device_uuid(torch.device("cpu")))
     assert exc.value.reason == "ipc_unavailable"
     loop = asyncio.get_running_loop()
     assert GrpcPullConnector(spec, DictSink(spec), loop)._ipc_device is None
@@ -637,3 +637,13 @@ def test_a_restarted_exporter_replaces_its_old_mapping(monkeypatch: pytest.Monke
     assert restarted is not first and mapped == [b"h1", b"h9", b"h2"]
     assert {k: v[1] for k, v in importer._mapped.items()} == {"prefill-a:1": restarted,
                                                               "prefill-b:1": other}
+
+
+def test_an_ipc_export_round_trips_through_its_message() -> None:
+    """PullBlocksIpc sends a CacheExport as CudaIpcCache by field name (only a GPU worker
+    exports one, so this is the CPU's check that the two keep the same fields)."""
+    export = CacheExport(b"h" * 64, 1 << 30, 512, b"/torch_123", 7, b"e" * 64, True, 16, 4096)
+    message = kv_transfer_pb2.CudaIpcCache(**dataclasses.asdict(export))
+    wire = kv_transfer_pb2.CudaIpcCache.FromString(message.SerializeToString())
+    assert CacheExport(**{f.name: getattr(wire, f.name)
+                          for f in dataclasses.fields(CacheExport)}) == export
