@@ -46,7 +46,7 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--num-tokens", type=int, default=32)
     p.add_argument("--tol", type=float, default=0.05)
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"],
                    help="both engines use it: checks the Triton fp8 path against the torch one")
     p.add_argument("--max-num-seqs", type=int, default=256,
                    help="1 runs the prompts one at a time: the batch-1 path (GEMV, graph bucket 1)")

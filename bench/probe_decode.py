@@ -3,7 +3,7 @@
 Two regimes the engine runs the kernel in:
 
 - `tput`: large batches at long contexts (random 1000x1000 decodes ~384 sequences of 1-2k
-  tokens), bf16 and fp8 caches; KV-read bandwidth per `DecodeTiles` (KV tile length, warps,
+  tokens), bf16, fp8 and int8 caches (`--dtypes`); KV-read bandwidth per `DecodeTiles` (KV tile length, warps,
   pipeline stages, grid order), each config's output compared with the default config's.
 - `bs1`: one sequence at 1k context, 32 calls on 32 distinct caches (as the 32 layers of a step,
   so L2 does not hold them) captured in one CUDA graph; µs per call by tiles and split count.
@@ -30,8 +30,8 @@ import torch
 from bench.gpu_kernels_check import shuffled_block_tables
 from bench.probe_bs1 import graph_replay_ms
 from bench.results import environment_info
-from engine.kernels._attention_tile import Fp8Cvt
-from engine.kernels._checks import FP8_KV_DTYPE
+from engine.kernels._attention_tile import KvCvt
+from engine.kernels._checks import FP8_KV_DTYPE, INT8_KV_DTYPE
 from engine.kernels.decode_attention import (
     DecodeTiles,
     choose_decode_tiles,
@@ -43,7 +43,7 @@ H, HKV, D, BS, LAYERS = 32, 8, 128, 16, 32
 TPUT_SHAPES = ((384, 1536),)
 TPUT_TILES = [DecodeTiles(n, w, st, hm) for n, w, st, hm in itertools.product(
     (32, 64, 128), (4, 8), (2, 3, 4), (False, True))]
-# An fp8 cache also sweeps where its tiles become fp16 (`Fp8Cvt`). Narrower otherwise: 32-position
+# An fp8 cache also sweeps where its tiles become fp16 (`KvCvt`). Narrower otherwise: 32-position
 # tiles at 4 warps and a fourth stage never won for fp8, 8 warps lost to 4 once V was converted in
 # registers (probe_decode_fp8cvt_7f50869.json), and the grid order moved it by < 1%
 # (probe_decode_25457d2.json). One and two warps per program are in: with 4 warps, ncu saw the
@@ -51,16 +51,23 @@ TPUT_TILES = [DecodeTiles(n, w, st, hm) for n, w, st, hm in itertools.product(
 # block-wide barriers per tile; with one warp they are warp-level.
 FP8_TPUT_TILES = [DecodeTiles(n, w, st, False, cvt) for (n, w, st), cvt in itertools.product(
     ((32, 1, 2), (32, 1, 3), (64, 2, 2), (64, 2, 3), (64, 4, 3), (128, 4, 2), (128, 4, 3)),
-    (Fp8Cvt.V_REGS, Fp8Cvt.KV_REGS))] + [DecodeTiles(128, 4, 4)]
+    (KvCvt.V_REGS, KvCvt.KV_REGS))] + [DecodeTiles(128, 4, 4)]
 # ncu put the one-warp program at 180 registers, 8 warps per SM, latency-bound
 # (ncu_decode_fp8_1warp_c37dd9a.txt): capped registers (`maxnreg`) and 16-position tiles.
-FP8_TPUT_TILES += [DecodeTiles(n, 1, st, False, Fp8Cvt.V_REGS, reg) for n, st, reg in (
+FP8_TPUT_TILES += [DecodeTiles(n, 1, st, False, KvCvt.V_REGS, reg) for n, st, reg in (
     (32, 2, 128), (32, 3, 128), (32, 2, 96), (32, 3, 96), (16, 2, None), (16, 3, None),
     (16, 4, None), (16, 3, 128), (16, 3, 96), (64, 2, 128))]
 BS1_TILES = [DecodeTiles(n, 4, st, hm) for n, st, hm in itertools.product(
     (16, 32, 64), (2, 3), (False, True))]
 BS1_SPLITS = (4, 8, 16, 32)
+# int8 sweeps fp8's one-byte tiles, and Triton's own conversion beside the in-register one.
+INT8_TPUT_TILES = FP8_TPUT_TILES[:14] + [
+    DecodeTiles(n, w, st, False, KvCvt.OPERAND) for n, w, st in (
+        (32, 1, 3), (64, 4, 3), (128, 4, 3))]
 MAX_REL_DIFF = 2e-2
+CACHE_DTYPES = {"bf16": torch.bfloat16, "fp8": FP8_KV_DTYPE, "int8": INT8_KV_DTYPE}
+# Stored values are N(0, 1) times these (int8: rounded); the kernel multiplies them back.
+KV_SCALES = {"bf16": (None, None), "fp8": (0.5, 0.25), "int8": (0.04, 0.03)}
 
 
 def _do_bench(fn: Callable[[], object]) -> float:
@@ -74,20 +81,23 @@ def _rel_diff(out: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / max(ref.double().norm().item(), 1e-30)
 
 
-def _cache(num_blocks: int, fp8: bool, gen: torch.Generator) -> torch.Tensor:
+def _cache(num_blocks: int, kv: str, gen: torch.Generator) -> torch.Tensor:
     cache = torch.randn((2, num_blocks, BS, HKV, D), generator=gen, device="cuda")
-    return cache.to(FP8_KV_DTYPE if fp8 else torch.bfloat16)
+    if kv == "int8":
+        scales = torch.tensor(KV_SCALES["int8"], device="cuda").view(2, 1, 1, 1, 1)
+        return (cache / scales).round().clamp(-127, 127).to(INT8_KV_DTYPE)
+    return cache.to(CACHE_DTYPES[kv])
 
 
-def _tput_case(batch: int, ctx: int, fp8: bool, gen: torch.Generator,
+def _tput_case(batch: int, ctx: int, kv: str, gen: torch.Generator,
                cpu_gen: torch.Generator) -> dict[str, Any]:
     dev = torch.device("cuda")
     tables, num_blocks = shuffled_block_tables([ctx] * batch, BS, dev, cpu_gen)
-    cache = _cache(num_blocks, fp8, gen)
+    cache = _cache(num_blocks, kv, gen)
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
     q = torch.randn((batch, H, D), generator=gen, device=dev).to(torch.bfloat16)
-    k_scale, v_scale = (0.5, 0.25) if fp8 else (None, None)
-    kv_bytes = batch * ctx * HKV * D * 2 * (1 if fp8 else 2)
+    k_scale, v_scale = KV_SCALES[kv]
+    kv_bytes = batch * ctx * HKV * D * 2 * cache.element_size()
     out = torch.empty_like(q)
 
     def call(tiles: DecodeTiles | None) -> None:
@@ -98,19 +108,19 @@ def _tput_case(batch: int, ctx: int, fp8: bool, gen: torch.Generator,
     ref = out.clone()
     default = choose_decode_tiles(D, cache.dtype)
     rows: list[dict[str, Any]] = []
-    for tiles in FP8_TPUT_TILES if fp8 else TPUT_TILES:
+    for tiles in {"bf16": TPUT_TILES, "fp8": FP8_TPUT_TILES, "int8": INT8_TPUT_TILES}[kv]:
         try:
             out.fill_(float("nan"))
             call(tiles)
             diff = _rel_diff(out, ref)
             ms = _do_bench(functools.partial(call, tiles))
         except Exception as e:  # a config that does not compile (registers) is recorded
-            rows.append({**dataclasses.asdict(tiles), "fp8_cvt": tiles.fp8_cvt.name,
+            rows.append({**dataclasses.asdict(tiles), "kv_cvt": tiles.kv_cvt.name,
                          "error": str(e)[:120]})
             continue
         rows.append({"block_n": tiles.block_n, "warps": tiles.num_warps,
                      "stages": tiles.num_stages, "head_major": tiles.head_major,
-                     "fp8_cvt": tiles.fp8_cvt.name, "maxnreg": tiles.maxnreg, "ms": ms,
+                     "kv_cvt": tiles.kv_cvt.name, "maxnreg": tiles.maxnreg, "ms": ms,
                      "tb_s": kv_bytes / ms / 1e9, "rel_diff": diff,
                      "ok": bool(diff < MAX_REL_DIFF), "default": tiles == default})
     ok = sorted((r for r in rows if r.get("ok")), key=lambda r: r["ms"])
@@ -123,10 +133,9 @@ def probe_tput(dtypes: tuple[str, ...]) -> dict[str, Any]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     cpu_gen = torch.Generator().manual_seed(0)
     res: dict[str, Any] = {}
-    kinds = [name == "fp8" for name in dtypes]
-    for (batch, ctx), fp8 in itertools.product(TPUT_SHAPES, kinds):
-        key = f"{'fp8' if fp8 else 'bf16'}_b{batch}_ctx{ctx}"
-        res[key] = _tput_case(batch, ctx, fp8, gen, cpu_gen)
+    for (batch, ctx), kv in itertools.product(TPUT_SHAPES, dtypes):
+        key = f"{kv}_b{batch}_ctx{ctx}"
+        res[key] = _tput_case(batch, ctx, kv, gen, cpu_gen)
         print(key, "best", res[key]["best"][:2], "default", res[key]["default"], flush=True)
         torch.cuda.empty_cache()
     return res
@@ -138,7 +147,7 @@ def probe_bs1() -> dict[str, Any]:
     cpu_gen = torch.Generator().manual_seed(1)
     ctx = 1024
     tables, num_blocks = shuffled_block_tables([ctx], BS, dev, cpu_gen)
-    caches = [_cache(num_blocks, False, gen) for _ in range(LAYERS)]
+    caches = [_cache(num_blocks, "bf16", gen) for _ in range(LAYERS)]
     seq_lens = torch.full((1,), ctx, dtype=torch.int32, device=dev)
     q = torch.randn((1, H, D), generator=gen, device=dev).to(torch.bfloat16)
     outs = [torch.empty_like(q) for _ in range(LAYERS)]
@@ -183,7 +192,8 @@ def probe_engine(doc: dict[str, Any], max_num_seqs: int, graph_max_batch: int) -
         if rows:
             r = rows[0]
             best[dtype] = DecodeTiles(r["block_n"], r["warps"], r["stages"], r["head_major"],
-                                      Fp8Cvt[r.get("fp8_cvt", "OPERAND")], r.get("maxnreg"))
+                                      KvCvt[r.get("kv_cvt", r.get("fp8_cvt", "OPERAND"))],
+                                      r.get("maxnreg"))
     default = decode_attention.choose_decode_tiles
 
     def patched(head_dim: int, kv_dtype: torch.dtype | None = None,
@@ -215,7 +225,8 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--parts", default="tput,bs1")
     p.add_argument("--max-num-seqs", type=int, default=512, help="of the `engine` part")
-    p.add_argument("--dtypes", default="bf16,fp8", help="caches the `tput` part sweeps")
+    p.add_argument("--dtypes", default="bf16,fp8",
+                   help="caches the `tput` part sweeps: bf16, fp8, int8")
     p.add_argument("--cuda-graph-max-batch", type=int, default=512, help="of the `engine` part")
     args = p.parse_args()
     doc: dict[str, Any] = {"environment": environment_info()}

@@ -68,8 +68,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-kv-cache-gb", type=float, default=None)
     g.add_argument("--kv-cache-dtype", default=_default(CacheConfig, "kv_cache_dtype"),
                    choices=["auto", "fp8", "int8"],
-                   help="KV cache storage: auto = model dtype, fp8 = float8 e4m3 with per-layer "
-                        "scales (int8 is not implemented)")
+                   help="KV cache storage: auto = model dtype, fp8 = float8 e4m3, int8 = int8; "
+                        "both with per-layer K/V scales (see --kv-scales)")
+    g.add_argument("--kv-scales", default=None, metavar="calibrate|FILE",
+                   help="scales of an fp8/int8 KV cache: 'calibrate' (one prefill of a fixed "
+                        "text at start-up; int8's default) or a JSON file written by "
+                        "`splitserve kv-scales` (fp8's default: 1.0)")
     g.add_argument("--max-num-seqs", type=int, default=_default(SchedulerConfig, "max_num_seqs"))
     g.add_argument("--max-num-batched-tokens", type=int,
                    default=_default(SchedulerConfig, "max_num_batched_tokens"))
@@ -140,7 +144,8 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "colocated") -
                           enable_prefix_caching=not args.no_prefix_caching,
                           num_gpu_blocks=args.num_gpu_blocks,
                           gpu_memory_utilization=args.gpu_memory_utilization,
-                          kv_cache_dtype=args.kv_cache_dtype, **cache_kwargs),
+                          kv_cache_dtype=args.kv_cache_dtype, kv_scales=args.kv_scales,
+                          **cache_kwargs),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=not args.no_chunked_prefill,

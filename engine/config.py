@@ -170,9 +170,14 @@ class CacheConfig:
     num_gpu_blocks: int | None = None   # None: sized by memory profiling
     gpu_memory_utilization: float = 0.85
     cpu_kv_cache_bytes: int = 2 << 30   # KV budget when running on the CPU
-    # "fp8": float8 e4m3 storage with per-layer K/V scales (half the bytes of bf16); "int8" is
-    # reserved and refused by the engine.
+    # "fp8": float8 e4m3 storage with per-layer K/V scales (half the bytes of bf16); "int8":
+    # int8 storage with per-layer K/V scales from a calibration pass (engine/attention/
+    # kv_calibration.py), for GPUs without fp8 conversions (Ampere) or an int8 pipeline.
     kv_cache_dtype: KvCacheDtype = "auto"
+    # Where a quantized cache's scales come from: None = the dtype's default (fp8: 1.0,
+    # int8: "calibrate"), "calibrate" (a prefill of a fixed text at start-up), or the path of
+    # a JSON file (`splitserve kv-scales` writes one).
+    kv_scales: str | None = None
     tenant_salt: str = ""
 
     def validate(self) -> None:
@@ -181,8 +186,13 @@ class CacheConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         if self.kv_cache_dtype not in ("auto", "fp8", "int8"):
-            raise ConfigError(f"kv_cache_dtype must be 'auto' (the model dtype) or 'fp8' "
-                              f"(float8 e4m3), got {self.kv_cache_dtype!r}")
+            raise ConfigError(f"kv_cache_dtype must be 'auto' (the model dtype), 'fp8' "
+                              f"(float8 e4m3) or 'int8', got {self.kv_cache_dtype!r}")
+        if self.kv_scales is not None and self.kv_cache_dtype == "auto":
+            raise ConfigError("kv_scales applies to a quantized cache (kv_cache_dtype fp8 or "
+                              "int8), not to 'auto'")
+        if self.kv_scales is not None and not self.kv_scales.strip():
+            raise ConfigError("kv_scales must be 'calibrate' or the path of a JSON file")
 
 
 # CPython's default thresholds (700, 10, 10) run a full collection every ~100 young ones, and a

@@ -42,6 +42,7 @@ class LLM:
         gpu_memory_utilization: float = 0.85,
         cpu_kv_cache_bytes: int = 2 << 30,
         kv_cache_dtype: str = "auto",
+        kv_scales: str | None = None,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         enable_chunked_prefill: bool = True,
@@ -73,7 +74,8 @@ class LLM:
                               num_gpu_blocks=num_gpu_blocks,
                               gpu_memory_utilization=gpu_memory_utilization,
                               cpu_kv_cache_bytes=cpu_kv_cache_bytes,
-                              kv_cache_dtype=kv_cache_dtype),  # type: ignore[arg-type]
+                              kv_cache_dtype=kv_cache_dtype,  # type: ignore[arg-type]
+                              kv_scales=kv_scales),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill,

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from engine.attention.kv_calibration import calibration_token_ids
 from engine.config import (
     MAX_SPECULATIVE_TOKENS,
     SPEC_METHODS,
@@ -96,11 +97,6 @@ class LLMEngine:
         config.cache.validate()
         config.scheduler.validate()
         config.speculative.validate()
-        # An int8 KV cache is planned (DESIGN.md §5) but not built yet: refuse it rather than
-        # silently serving the model dtype. FP8 W8A8, INT8 weight-only and fp8 KV are built.
-        if config.cache.kv_cache_dtype not in ("auto", "fp8"):
-            raise ConfigError(f"kv_cache_dtype {config.cache.kv_cache_dtype!r} is not implemented "
-                              "yet; use 'auto' or 'fp8'")
         self.config = config
         source = load_model_source(config.load)
         cfg = source.config
@@ -126,8 +122,10 @@ class LLMEngine:
         # is sized from what is left.
         # method → proposer; the configured method's first (requests default to it).
         self.proposers: dict[str, Proposer] = self._make_proposers(config, cfg)
-        self.runner = ModelRunner(config, cfg, self.max_model_len, source.weights,
-                                  source.dummy_seed, source.default_dtype)
+        self.runner = ModelRunner(
+            config, cfg, self.max_model_len, source.weights, source.dummy_seed,
+            source.default_dtype,
+            kv_calibration_ids=lambda: calibration_token_ids(self.tokenizer, cfg.vocab_size))
         quant = config.runner.quantization
         self.fingerprint = model_fingerprint(
             {**cfg.to_hf_dict(), "weights_id": cfg.weights_id,

@@ -6,14 +6,15 @@
 The KV cache is a single tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`
 so that a block (`kv_cache[:, :, block_id]`) can be read or written in one copy for transfer.
 With `kv_cache_dtype="fp8"` it is float8_e4m3fn holding K/V divided by per-layer scales
-(`kv_scales [num_layers, 2]` float32, 1.0 without calibration; see engine/attention/kv_quant.py).
+(`kv_scales [num_layers, 2]` float32, 1.0 without calibration), with "int8" int8 under scales
+calibrated at start-up or read from a file (engine/attention/kv_quant.py, kv_calibration.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,15 +26,21 @@ from engine.attention.forward_context import (
     forward_context,
     split_decode_metadata,
 )
+from engine.attention.kv_calibration import (
+    calibration_token_ids,
+    load_kv_scales,
+    round_scales,
+)
 from engine.attention.kv_quant import (
     default_kv_scales,
-    dequantize_fp8,
-    is_fp8_dtype,
+    dequantize_kv,
+    is_quantized_dtype,
     kv_storage_dtype,
-    quantize_fp8,
+    quantize_kv,
+    scales_from_amax,
 )
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
 from engine.model.layers import RotaryEmbedding
 from engine.model.llama import AttentionBackend, LlamaForCausalLM
 from engine.model.overlap import MicroBatchStreams
@@ -159,7 +166,10 @@ def _draft_probs(logits: torch.Tensor, reqs: Sequence[Request],
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
-                 weights: object, dummy_seed: int | None, default_dtype: torch.dtype) -> None:
+                 weights: object, dummy_seed: int | None, default_dtype: torch.dtype,
+                 kv_calibration_ids: Callable[[], list[int]] | None = None) -> None:
+        """kv_calibration_ids: the prompt a quantized cache's scales are calibrated on (called
+        only when they are; default: pseudo-random ids from a fixed seed)."""
         self.config = config
         self.model_config = model_config
         self.device = resolve_device(config.runner.device)
@@ -171,10 +181,10 @@ class ModelRunner:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         # [num_layers, 2] float32 on the CPU: (K, V) scale per layer; the wire sends these.
+        # Calibrated ones are set below, once the model can run.
         self.kv_scales = default_kv_scales(model_config.num_hidden_layers)
         # The same as floats for the forward context (None: unquantized cache).
-        self.kv_scale_values: list[tuple[float, float]] | None = (
-            [(k, v) for k, v in self.kv_scales.tolist()] if is_fp8_dtype(self.kv_dtype) else None)
+        self.kv_scale_values: list[tuple[float, float]] | None = None
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
         self.backend = make_attention_backend(config.runner.attention_backend, self.device)
@@ -217,6 +227,9 @@ class ModelRunner:
                                    cfg.num_key_value_heads, cfg.head_dim)
         self.block_bytes = (2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads
                             * cfg.head_dim * self.kv_dtype.itemsize)
+        if is_quantized_dtype(self.kv_dtype):
+            self.kv_scales = self._kv_scales_for(config.cache, kv_calibration_ids)
+            self.kv_scale_values = [(k, v) for k, v in self.kv_scales.tolist()]
         num_blocks = self._num_kv_blocks()
         self.kv_cache = torch.zeros(cfg.num_hidden_layers, 2, num_blocks, self.block_size,
                                     cfg.num_key_value_heads, cfg.head_dim,
@@ -252,6 +265,54 @@ class ModelRunner:
                 self.verify_graphs.capture()
         self.result = RunnerResult(str(self.device), self.dtype, num_blocks, self.kv_dtype,
                                    self.block_bytes, self.backend.name, self.graphs is not None)
+
+    # ---- quantized KV scales ---------------------------------------------------------------
+
+    def _kv_scales_for(self, cache: CacheConfig,
+                       calibration_ids: Callable[[], list[int]] | None) -> torch.Tensor:
+        """`[L, 2]` scales of a quantized cache: from the file `cache.kv_scales` names, from a
+        calibration pass ("calibrate"; int8's default), or 1.0 (fp8's default)."""
+        layers = self.model_config.num_hidden_layers
+        source = cache.kv_scales
+        if source is None:
+            source = "calibrate" if self.kv_dtype == torch.int8 else None
+        if source is None:
+            return default_kv_scales(layers)
+        if source != "calibrate":
+            scales = load_kv_scales(source, layers)
+            logger.info("KV cache scales from %s", source)
+            return scales
+        if calibration_ids is not None:
+            ids = calibration_ids()
+        else:
+            ids = calibration_token_ids(None, self.model_config.vocab_size)
+        ids = ids[:max(1, self.max_model_len)]
+        amax = self.measure_kv_amax(ids)
+        scales = round_scales(scales_from_amax(amax, self.kv_dtype))
+        logger.info("KV cache scales calibrated on %d tokens: K %.4g..%.4g, V %.4g..%.4g",
+                    len(ids), scales[:, 0].min(), scales[:, 0].max(), scales[:, 1].min(),
+                    scales[:, 1].max())
+        return scales
+
+    @torch.inference_mode()
+    def measure_kv_amax(self, token_ids: list[int]) -> torch.Tensor:
+        """One prefill of `token_ids` with a float cache → each layer's largest |K| (as cached:
+        after RoPE) and |V|, `[L, 2]` float32 on the CPU."""
+        n = len(token_ids)
+        if n == 0:
+            raise ValueError("calibration needs at least one token")
+        scratch = torch.zeros(self.model_config.num_hidden_layers, 2, -(-n // self.block_size),
+                              *self.kv_shape_per_block[2:], dtype=self.dtype, device=self.device)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        pos = torch.arange(n, device=self.device)
+        with forward_context(ForwardContext(self._metadata_for_profile(n),
+                                            list(scratch.unbind(0)), None)):
+            self.model(ids, pos)
+        amax = scratch.abs().amax(dim=(2, 3, 4, 5)).float().cpu()
+        if not bool(torch.isfinite(amax).all()):
+            raise ConfigError("the KV calibration pass produced non-finite K/V; the model's "
+                              "activations overflow its dtype")
+        return amax
 
     # ---- sizing ----------------------------------------------------------------------------
 
@@ -565,12 +626,12 @@ class ModelRunner:
 
     @property
     def kv_is_quantized(self) -> bool:
-        """True for a 1-byte (fp8) cache, whose blocks travel with `kv_scales`."""
+        """True for a 1-byte (fp8 or int8) cache, whose blocks travel with `kv_scales`."""
         return self.kv_dtype.itemsize == 1
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """→ CPU tensor [n, num_layers, 2, block_size, Hkv, D] in the cache dtype (a copy; fp8
-        blocks are the stored values: multiply by `kv_scales` [L, 2] to get K/V)."""
+        """→ CPU tensor [n, num_layers, 2, block_size, Hkv, D] in the cache dtype (a copy; fp8 and
+        int8 blocks are the stored values: multiply by `kv_scales` [L, 2] to get K/V)."""
         blocks = self._gather_blocks(torch.tensor(block_ids, dtype=torch.long, device=self.device))
         host = blocks.to("cpu").contiguous()
         return host.view(self.kv_dtype) if self.kv_is_quantized else host
@@ -619,9 +680,10 @@ class ModelRunner:
                      scales: torch.Tensor | None = None) -> None:
         """blocks: [n, num_layers, 2, block_size, Hkv, D] → kv_cache at block_ids.
 
-        fp8 cache: fp8 blocks are stored values under `scales` ([L, 2]; None = this runner's
-        `kv_scales`) and are re-quantized when those differ from ours; float blocks are real
-        K/V values, quantized with our scales (saturating at ±448 * scale)."""
+        Quantized (fp8 or int8) cache: blocks of its dtype are stored values under `scales`
+        ([L, 2]; None = this runner's `kv_scales`) and are re-quantized when those differ from
+        ours; float blocks are real K/V values, quantized with our scales (saturating at ±448 or
+        ±127 times the scale)."""
         expected = (len(block_ids), *self.kv_shape_per_block)
         if tuple(blocks.shape) != expected:
             raise ValueError(f"KV blocks have shape {tuple(blocks.shape)}, expected {expected}")
@@ -631,7 +693,8 @@ class ModelRunner:
             self.kv_cache.view(torch.uint8).index_copy_(2, idx, raw.permute(1, 2, 0, 3, 4, 5))
         else:
             if scales is not None:
-                raise ValueError(f"scales are only for fp8 KV caches, this one is {self.kv_dtype}")
+                raise ValueError(f"scales are only for fp8 and int8 KV caches, this one is "
+                                 f"{self.kv_dtype}")
             src = blocks.to(self.device, self.dtype, non_blocking=True).permute(1, 2, 0, 3, 4, 5)
             self.kv_cache.index_copy_(2, idx, src)
         if self.device.type == "cuda":
@@ -639,7 +702,8 @@ class ModelRunner:
 
 
     def _quantize_blocks(self, blocks: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
-        """blocks [n, L, 2, bs, Hkv, D] → the uint8 bytes of fp8 values under `kv_scales`."""
+        """blocks [n, L, 2, bs, Hkv, D] → the uint8 bytes of this cache's values (fp8 or int8)
+        under `kv_scales`."""
         ours = self.kv_scales.view(1, -1, 2, 1, 1, 1)  # broadcast over [n, L, 2, bs, Hkv, D]
         if blocks.dtype == self.kv_dtype:
             if scales is None or torch.equal(scales.float().cpu(), self.kv_scales):
@@ -647,11 +711,14 @@ class ModelRunner:
             if tuple(scales.shape) != tuple(self.kv_scales.shape):
                 raise ValueError(f"KV scales have shape {tuple(scales.shape)}, expected "
                                  f"{tuple(self.kv_scales.shape)}")
-            values = dequantize_fp8(blocks.cpu(), scales.float().cpu().view(1, -1, 2, 1, 1, 1))
-            return quantize_fp8(values, ours).view(torch.uint8)
+            values = dequantize_kv(blocks.cpu(), scales.float().cpu().view(1, -1, 2, 1, 1, 1))
+            return quantize_kv(values, ours, self.kv_dtype).view(torch.uint8)
         if scales is not None:
-            raise ValueError(f"scales come with fp8 blocks, not with {blocks.dtype} ones")
-        return quantize_fp8(blocks.cpu(), ours).view(torch.uint8)
+            raise ValueError(f"scales come with {self.kv_dtype} blocks, not with {blocks.dtype} "
+                             "ones")
+        if is_quantized_dtype(blocks.dtype):
+            raise ValueError(f"{blocks.dtype} blocks cannot enter a {self.kv_dtype} cache")
+        return quantize_kv(blocks.cpu(), ours, self.kv_dtype).view(torch.uint8)
 
 
 def copy_cache_blocks(dst_cache: torch.Tensor, dst_block_ids: list[int], src_cache: torch.Tensor,
@@ -668,7 +735,7 @@ def copy_cache_blocks(dst_cache: torch.Tensor, dst_block_ids: list[int], src_cac
         raise ValueError(f"source cache {tuple(src_cache.shape)} {src_cache.dtype} on "
                          f"{src_cache.device} does not match the destination's blocks "
                          f"{tuple(dst_cache.shape)} {dst_cache.dtype} on {dst_cache.device}")
-    one_byte = dst_cache.element_size() == 1  # fp8: index kernels work on the raw bytes
+    one_byte = dst_cache.element_size() == 1  # fp8 / int8: index kernels work on the raw bytes
     dst = dst_cache.view(torch.uint8) if one_byte else dst_cache
     src = src_cache.view(torch.uint8) if one_byte else src_cache
     device = dst_cache.device

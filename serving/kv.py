@@ -26,8 +26,8 @@ logger = logging.getLogger(__name__)
 
 
 def block_spec(engine: LLMEngine) -> BlockSpec:
-    """The engine's KV block on the wire: the cache dtype (fp8 for a quantized cache, whose
-    blocks then carry `kv_scales(engine)`)."""
+    """The engine's KV block on the wire: the cache dtype (fp8 or int8 for a quantized cache,
+    whose blocks then carry `kv_scales(engine)`)."""
     cfg = engine.model_config
     return BlockSpec(fingerprint=engine.fingerprint, num_layers=cfg.num_hidden_layers,
                      block_size=engine.config.cache.block_size,

@@ -1,4 +1,4 @@
-"""`splitserve {generate,serve,up,bench,health}` — dispatches lazily so `splitserve serve --role gateway`
+"""`splitserve {generate,serve,up,bench,health,kv-scales}` — dispatches lazily so `splitserve serve --role gateway`
 never imports torch."""
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ COMMANDS = {
     "up": ("splitserve.up", "start gateway + prefill + decode on this machine"),
     "bench": ("bench.cli", "benchmarks (online against the REST API, offline in-process)"),
     "health": ("splitserve.health", "probe a worker's gRPC health (TLS when configured)"),
+    "kv-scales": ("engine.kv_scales_cli", "calibrate an fp8/int8 KV cache's scales into a file"),
 }
 
 
 def usage() -> str:
     lines = ["usage: splitserve <command> [options]", "", "commands:"]
-    lines += [f"  {name:<10}{help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [f"  {name:<11}{help_}" for name, (_, help_) in COMMANDS.items()]
     lines += ["", "splitserve <command> --help for a command's options"]
     return "\n".join(lines)
 

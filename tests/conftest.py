@@ -25,6 +25,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from engine.attention.forward_context import AttentionMetadata
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import StepOutput
@@ -189,6 +190,45 @@ def run_to_end(engine: LLMEngine) -> dict[str, Trace]:
     for _ in drive(engine, traces):
         pass
     return traces
+
+
+# Prompts of the quantized-cache accuracy tests (fp8 and int8 KV against the float32 cache).
+AGREEMENT_TEXTS = ("The capital of France is", "def fibonacci(n):",
+                   "Once upon a time, there was a", "The three primary colors are",
+                   "In machine learning, overfitting means")
+
+
+def teacher_forced_agreement(reference: LLM, candidate: LLM, max_tokens: int = 24
+                             ) -> tuple[int, int]:
+    """`reference`'s greedy continuation of AGREEMENT_TEXTS, fed whole to `candidate`: at how
+    many of its positions `candidate`'s argmax is the reference's token (agreeing, total)."""
+    tok = reference.engine.tokenizer
+    assert tok is not None
+    prompts = [tok.encode(t) for t in AGREEMENT_TEXTS]
+    outs = reference.generate([{"prompt_token_ids": p} for p in prompts], greedy(max_tokens))
+    agree = total = 0
+    for i, (prompt, res) in enumerate(zip(prompts, outs, strict=True)):
+        out = res.outputs[0].token_ids
+        candidate.engine.add_request(f"t{i}", prompt + out[:-1], greedy(1))
+        trace = run_to_end(candidate.engine)[f"t{i}"]
+        argmax = trace.logits_matrix()[len(prompt) - 1:].argmax(-1)
+        agree += int((argmax == torch.tensor(out)).sum())
+        total += len(out)
+    return agree, total
+
+
+def mixed_step_metadata(block_size: int = 4) -> AttentionMetadata:
+    """A mixed step for the quantized-cache backend tests: one decode (6 tokens) and one 5-token
+    prefill chunk over a cached 4-token prefix (9 tokens); block tables [[5, 2, 0], [1, 7, 3]],
+    the chunk's K/V written to block 7 and block 3."""
+    bs = block_size
+    return AttentionMetadata(
+        query_start_loc=torch.tensor([0, 1, 6], dtype=torch.int32),
+        seq_lens=torch.tensor([6, 9], dtype=torch.int32),
+        block_tables=torch.tensor([[5, 2, 0], [1, 7, 3]], dtype=torch.int32),
+        slot_mapping=torch.tensor([2 * bs + 1, 3 * bs + 0] + [7 * bs + i for i in range(4)]),
+        num_decodes=1, max_query_len=5, max_seq_len=9,
+        query_start_loc_cpu=[0, 1, 6], seq_lens_cpu=[6, 9])
 
 
 # ---- driving an engine step by step --------------------------------------------------------

@@ -1,5 +1,6 @@
 """fp8 (e4m3) KV cache on the CPU (torch backend): quantize/dequantize, config, engine accuracy
-against the float32 cache, block read/write with saturation, disaggregated transfer over gRPC.
+against the float32 cache, block read/write with saturation, disaggregated transfer over gRPC
+(that and the wire also for int8, whose own tests are in tests/test_int8_kv.py).
 
 The Triton kernels' fp8 paths are tested in tests/test_kernels.py (interpreter) and on the GPU by
 bench/gpu_kernels_check.py.
@@ -15,11 +16,10 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from conftest import greedy, run_to_end, tiny_llm
+from conftest import greedy, mixed_step_metadata, run_to_end, teacher_forced_agreement, tiny_llm
 from fake_block_source import CacheBlockSource
 from fake_lease import LeaseTable
 
-from engine.attention.forward_context import AttentionMetadata
 from engine.attention.kv_quant import FP8_E4M3_MAX, quantize_fp8
 from engine.attention.torch_backend import TorchAttentionBackend, write_kv_torch
 from engine.cli_args import add_engine_args, engine_config_from_args
@@ -35,7 +35,6 @@ from engine.kernels import reference as R
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.request import RemoteKv, RequestStatus
-from engine.sampling_params import SamplingParams
 from kv_transfer.connector import GrpcPullConnector, KvHandle, LoadResult
 from kv_transfer.grpc_transport import KvTransferServicer, channel_options
 from kv_transfer.wire import decode_block, encode_block
@@ -51,10 +50,8 @@ def _fp8_llm(path: Path, **kwargs: Any) -> LLM:
 
 # ---- config -----------------------------------------------------------------------------------
 
-def test_int8_is_refused_and_unknown_dtypes_are_named(tiny_model_dirs: dict[str, Path]) -> None:
-    with pytest.raises(ConfigError, match="kv_cache_dtype 'int8' is not implemented"):
-        tiny_llm(tiny_model_dirs["llama"], kv_cache_dtype="int8")
-    with pytest.raises(ConfigError, match=r"kv_cache_dtype must be 'auto'.*'fp8'.*'fp16'"):
+def test_unknown_dtypes_are_named() -> None:
+    with pytest.raises(ConfigError, match=r"kv_cache_dtype must be 'auto'.*'fp8'.*'int8'.*'fp16'"):
         CacheConfig(kv_cache_dtype="fp16").validate()  # type: ignore[arg-type]
 
 
@@ -111,15 +108,8 @@ def test_torch_backend_fp8_matches_dequantized_reference() -> None:
     dequantized cache; and within fp8 error of the same step over a float32 cache."""
     g = torch.Generator().manual_seed(1)
     nb, bs, hkv, d, h = 8, 4, 2, 16, 4
-    seq_lens, q_lens = [6, 9], [1, 5]  # one decode, one prefill chunk with a cached prefix
-    tables = torch.tensor([[5, 2, 0], [1, 7, 3]], dtype=torch.int32)
-    t = sum(q_lens)
-    md = AttentionMetadata(
-        query_start_loc=torch.tensor([0, 1, 6], dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
-        slot_mapping=torch.tensor([2 * bs + 1, 3 * bs + 0] + [7 * bs + i for i in range(4)]),
-        num_decodes=1, max_query_len=5, max_seq_len=9,
-        query_start_loc_cpu=[0, 1, 6], seq_lens_cpu=seq_lens)
+    md = mixed_step_metadata(bs)
+    tables, t = md.block_tables, 6
     prior = torch.randn(2, nb, bs, hkv, d, generator=g)
     q, k, v = (torch.randn(t, n, d, generator=g) for n in (h, hkv, hkv))
     scales = torch.tensor([[0.02, 0.01]])
@@ -163,22 +153,8 @@ def test_tiny_model_logits_close_to_float32_cache(tiny_model_dirs: dict[str, Pat
 def test_smollm2_greedy_agrees_teacher_forced(smollm2: LLM) -> None:
     """SmolLM2-135M: the float32 cache's greedy continuation, fed to the fp8 engine, is its own
     argmax at >= 90% of positions (measured: 116 / 120 = 96.7% on these prompts, 24 tokens)."""
-    tok = smollm2.engine.tokenizer
-    assert tok is not None
     fp8 = LLM(num_gpu_blocks=512, device="cpu", kv_cache_dtype="fp8", enable_prefix_caching=False)
-    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a",
-             "The three primary colors are", "In machine learning, overfitting means"]
-    prompts = [tok.encode(t) for t in texts]
-    outs = smollm2.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
-    agree = total = 0
-    for i, (prompt, res) in enumerate(zip(prompts, outs, strict=True)):
-        out = res.outputs[0].token_ids
-        fp8.engine.add_request(f"t{i}", prompt + out[:-1], greedy(1))
-        trace = run_to_end(fp8.engine)[f"t{i}"]
-        argmax = trace.logits_matrix()[len(prompt) - 1:].argmax(-1)
-        agree += int((argmax == torch.tensor(out)).sum())
-        total += len(out)
+    agree, total = teacher_forced_agreement(smollm2, fp8)
     assert agree / total >= 0.9, f"{agree}/{total}"
 
 
@@ -202,15 +178,17 @@ def test_write_read_blocks_round_trip_with_saturation(tiny_model_dirs: dict[str,
     runner.write_blocks([6], quantize_fp8(values[1:].clamp(-200, 200), 0.5), scales=halves)
     torch.testing.assert_close(runner.read_blocks([6]).float(),
                                got[1:].float().clamp(-200, 200), atol=0.07, rtol=0.07)
-    with pytest.raises(ValueError, match="scales come with fp8 blocks"):
+    with pytest.raises(ValueError, match=r"scales come with torch\.float8_e4m3fn blocks"):
         runner.write_blocks([6], values[1:], scales=halves)
 
 
-def test_fp8_block_through_the_wire_keeps_bytes_and_scales(
-        tiny_model_dirs: dict[str, Path]) -> None:
-    engine = _fp8_llm(tiny_model_dirs["llama"]).engine
+@pytest.mark.parametrize("kv_dtype", ["fp8", "int8"])
+def test_quantized_block_through_the_wire_keeps_bytes_and_scales(
+        tiny_model_dirs: dict[str, Path], kv_dtype: str) -> None:
+    engine = tiny_llm(tiny_model_dirs["llama"], kv_cache_dtype=kv_dtype, max_model_len=64).engine
     spec = block_spec(engine)
-    assert spec.dtype == FP8 and spec.num_scales == 2 * engine.model_config.num_hidden_layers
+    assert spec.dtype == {"fp8": FP8, "int8": torch.int8}[kv_dtype]
+    assert spec.num_scales == 2 * engine.model_config.num_hidden_layers
     scales = kv_scales(engine)
     assert scales is not None
     engine.runner.write_blocks([2], torch.randn(1, *spec.shape) * 100)
@@ -222,10 +200,10 @@ def test_fp8_block_through_the_wire_keeps_bytes_and_scales(
 
 # ---- disaggregated over real gRPC ---------------------------------------------------------------
 
-def _role_engine(path: Path, role: str) -> LLMEngine:
+def _role_engine(path: Path, role: str, kv_dtype: str = "fp8") -> LLMEngine:
     return LLMEngine(EngineConfig(
         load=LoadConfig(model=str(path), dtype="float32"),
-        cache=CacheConfig(block_size=4, num_gpu_blocks=24, kv_cache_dtype="fp8"),
+        cache=CacheConfig(block_size=4, num_gpu_blocks=24, kv_cache_dtype=kv_dtype),  # type: ignore[arg-type]
         scheduler=SchedulerConfig(max_num_batched_tokens=8, role=role),  # type: ignore[arg-type]
         runner=RunnerConfig(device="cpu")), detokenize=False)
 
@@ -264,19 +242,24 @@ async def _pull(pre: LLMEngine, dec: LLMEngine, prompt: list[int], local_ids: li
         await server.stop(None)
 
 
-@pytest.mark.parametrize("scales_match", [True, False], ids=["pulled", "scales-mismatch"])
-async def test_disaggregated_fp8_equals_colocated_fp8(tiny_model_dirs: dict[str, Path],
-                                                     scales_match: bool) -> None:
+@pytest.mark.parametrize("kv_dtype,scales_match", [("fp8", True), ("fp8", False),
+                                                    ("int8", True), ("int8", False)],
+                         ids=["fp8-pulled", "fp8-scales-mismatch", "int8-pulled",
+                              "int8-scales-mismatch"])
+async def test_disaggregated_quantized_equals_colocated(tiny_model_dirs: dict[str, Path],
+                                                        kv_dtype: str, scales_match: bool) -> None:
+    """int8: each worker calibrates its own scales at start-up; the same model and pass give
+    the same scales, so the decode worker takes the prefill worker's bytes."""
     path = tiny_model_dirs["qwen2"]
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
-    colo = _role_engine(path, "colocated")
+    colo = _role_engine(path, "colocated", kv_dtype)
     want = colo.add_request("c", prompt, greedy(8))
     _run(colo)
-    pre = _role_engine(path, "prefill")
+    pre = _role_engine(path, "prefill", kv_dtype)
     p = pre.add_request("x", prompt, greedy(8))
     _run(pre)
     assert p.status == RequestStatus.FINISHED_PREFILL
-    dec = _role_engine(path, "decode")
+    dec = _role_engine(path, "decode", kv_dtype)
     d = dec.add_request("x", prompt, greedy(8), output_token_ids=p.output_token_ids,
                         remote_kv=RemoteKv(len(prompt), handle="x"))
     dec.step()
@@ -291,6 +274,6 @@ async def test_disaggregated_fp8_equals_colocated_fp8(tiny_model_dirs: dict[str,
     dec.finish_kv_load("x", ok=result.ok)
     assert (d.num_computed_tokens == len(prompt)) == result.ok
     _run(dec)
-    # Pulled fp8 bytes are the prefill's exactly, so decode continues exactly as colocated;
+    # Pulled bytes are the prefill's exactly, so decode continues exactly as colocated;
     # after a refused pull the prompt is recomputed locally, with the same result.
     assert d.output_token_ids == want.output_token_ids

@@ -22,7 +22,7 @@ with interpreted_kernel_imports():
     from engine import kernels as K
     from engine.kernels import decode_attention as decode_mod
     from engine.kernels import reference as R
-    from engine.kernels._attention_tile import Fp8Cvt, TileDots, fp8_cvt_supported, tile_dots
+    from engine.kernels._attention_tile import KvCvt, TileDots, kv_cvt_supported, tile_dots
     from engine.kernels._checks import KernelInputError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -704,18 +704,18 @@ def test_fp8_cache_with_16_bit_q_takes_the_fp16_dot_path() -> None:
 
 
 def test_fp8_register_conversion_falls_back_where_it_cannot_compile() -> None:
-    """The inline-asm conversion (`Fp8Cvt.V_REGS` / `KV_REGS`) needs an sm_89+ GPU. On the CPU,
+    """The inline-asm conversion (`KvCvt.V_REGS` / `KV_REGS`) needs an sm_89+ GPU. On the CPU,
     and without a device, the dot choice keeps Triton's own conversion, so a decode launched
     with such tiles still runs (the interpreter has no inline asm) and matches the reference."""
     cpu = torch.device("cpu")
-    assert not fp8_cvt_supported(cpu)
-    for cvt in Fp8Cvt:
-        assert tile_dots(torch.bfloat16, FP8, cvt, cpu).fp8_cvt == Fp8Cvt.OPERAND
-        assert tile_dots(torch.bfloat16, FP8, cvt).fp8_cvt == Fp8Cvt.OPERAND
+    assert not kv_cvt_supported(cpu)
+    for cvt in KvCvt:
+        assert tile_dots(torch.bfloat16, FP8, cvt, cpu).kv_cvt == KvCvt.OPERAND
+        assert tile_dots(torch.bfloat16, FP8, cvt).kv_cvt == KvCvt.OPERAND
     batch = _fp8_batch([1, 1], [5, 30], torch.bfloat16)
     want = R.paged_decode_attention_ref(batch.q, batch.kv_cache, batch.block_tables,
                                         batch.seq_lens, 0.3)
-    tiles = decode_mod.DecodeTiles(16, 1, 1, fp8_cvt=Fp8Cvt.KV_REGS)
+    tiles = decode_mod.DecodeTiles(16, 1, 1, kv_cvt=KvCvt.KV_REGS)
     got = K.paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens,
                                    0.3, tiles=tiles)
     assert_close_for(got, want, torch.bfloat16)
@@ -781,12 +781,106 @@ def test_fp8_inputs_are_validated() -> None:
     with pytest.raises(KernelInputError, match="both be floats or both be tensors"):
         K.paged_decode_attention(*args, k_scale=1.0, v_scale=torch.ones(1))
     plain = make_batch([1, 1], [3, 5])  # float32 cache: q must match it, and no scales
-    with pytest.raises(KernelInputError, match="only an fp8 kv_cache takes another dtype"):
+    with pytest.raises(KernelInputError, match="only an fp8 or int8 kv_cache takes another dtype"):
         K.paged_decode_attention(plain.q.half(), plain.kv_cache, plain.block_tables,
                                  plain.seq_lens, 0.2)
-    with pytest.raises(KernelInputError, match="k_scale is only allowed with an fp8 kv_cache"):
+    with pytest.raises(KernelInputError, match="k_scale is only allowed with an fp8 or int8 kv_cache"):
         K.write_kv(plain.q[:, :2], plain.q[:, :2], plain.kv_cache,
                    torch.tensor([0, 1]), k_scale=0.5, v_scale=0.5)
+
+
+# ----------------------------------------------------------------------------- int8 KV cache
+
+INT8 = torch.int8
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scales", ["float", "tensor"])
+def test_write_kv_int8_matches_reference_bitwise(src_dtype: torch.dtype, scales: str) -> None:
+    """Quantize on store: x / scale, saturated at +-127, rounded to the nearest integer with
+    halves away from zero (exact halves included), against the reference's own formulation."""
+    gen = torch.Generator().manual_seed(6)
+    key = (torch.randn(24, 2, 16, generator=gen) * 4).to(src_dtype)
+    value = (torch.randn(24, 2, 16, generator=gen) * 3).to(src_dtype)
+    slot_mapping = torch.randperm(24, generator=gen)
+    slot_mapping[7] = -1
+    k_scale, v_scale = (0.05, 2.0) if scales == "float" else (torch.tensor(0.05),
+                                                              torch.tensor([2.0]))
+    got = torch.zeros(2, 6, 4, 2, 16, dtype=INT8)
+    want = got.clone()
+    K.write_kv(key, value, got, slot_mapping, k_scale, v_scale)
+    R.write_kv_ref(key, value, want, slot_mapping, k_scale, v_scale)
+    assert torch.equal(got, want)
+    assert got[0].abs().max() == 127 and got.min() >= -127  # saturated, never -128
+    # Exact halves (scale 0.5: x / scale is exact) round away from zero.
+    halves = torch.zeros(1, 1, 16)
+    halves[0, 0, :6] = torch.tensor([0.25, -0.25, 0.75, -1.25, 0.0, 63.75])
+    cache = torch.zeros(2, 1, 4, 1, 16, dtype=INT8)
+    K.write_kv(halves, halves, cache, torch.tensor([2]), 0.5, 0.5)
+    assert cache[0, 0, 2, 0, :6].tolist() == [1, -1, 2, -3, 0, 127]
+
+
+def _int8_batch(q_lens: list[int], seq_lens: list[int], q_dtype: torch.dtype) -> PagedBatch:
+    batch = make_batch(q_lens, seq_lens, seed=13)
+    batch.q = batch.q.to(q_dtype)
+    batch.kv_cache = (batch.kv_cache * 40).round().clamp(-127, 127).to(INT8)
+    return batch
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_decode_int8_matches_dequantized_reference(q_dtype: torch.dtype) -> None:
+    batch = _int8_batch([1, 1, 1], [5, 17, 30], q_dtype)
+    k_scale, v_scale = 0.025, 0.02
+    want = R.paged_decode_attention_ref(batch.q, batch.kv_cache, batch.block_tables,
+                                        batch.seq_lens, 0.3, k_scale, v_scale)
+    for splits in (1, 3):
+        got = K.paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables,
+                                       batch.seq_lens, 0.3, num_splits=splits,
+                                       k_scale=k_scale, v_scale=v_scale)
+        assert got.dtype == q_dtype
+        assert_close_for(got, want, q_dtype)
+    # The scales are applied: without them the output differs.
+    plain = K.paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables,
+                                     batch.seq_lens, 0.3)
+    assert not torch.allclose(plain.float(), want.float(), atol=0.1)
+
+
+def test_decode_several_query_tokens_int8_cache() -> None:
+    batch = make_batch([4, 4], [4, 29], num_heads=8, num_kv_heads=2, head_dim=16, block_size=4,
+                       seed=78)
+    batch.q = batch.q.to(torch.bfloat16)
+    batch.kv_cache = (batch.kv_cache * 40).round().clamp(-127, 127).to(INT8)
+    want = R.paged_attention_ref(batch.q, batch.kv_cache, batch.query_start_loc, batch.seq_lens,
+                                 batch.block_tables, 0.3, 0.025, 0.02)
+    for n in (1, 3):
+        got = K.paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables,
+                                       batch.seq_lens, 0.3, num_splits=n, query_len=4,
+                                       k_scale=0.025, v_scale=0.02)
+        assert_close_for(got, want, torch.bfloat16)
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_prefill_int8_matches_dequantized_reference(q_dtype: torch.dtype) -> None:
+    batch = _int8_batch([7, 1, 12], [7, 20, 30], q_dtype)
+    k_scale, v_scale = torch.tensor(0.025), torch.tensor([0.02])
+    want = R.paged_attention_ref(batch.q, batch.kv_cache, batch.query_start_loc, batch.seq_lens,
+                                 batch.block_tables, 0.3, k_scale, v_scale)
+    got = K.paged_prefill_attention(batch.q, batch.kv_cache, batch.query_start_loc,
+                                    batch.seq_lens, batch.block_tables, 0.3, 12,
+                                    k_scale=k_scale, v_scale=v_scale)
+    assert_close_for(got, want, q_dtype)
+
+
+def test_int8_cache_takes_the_fp16_dot_path_and_falls_back_on_the_cpu() -> None:
+    """bf16/fp16 q over an int8 cache run fp16 dots like fp8 (int8 values are exact in fp16);
+    the in-register conversion (`s8x4_to_f16`, inline asm) is for CUDA devices only."""
+    for q_dtype in (torch.bfloat16, torch.float16):
+        assert tile_dots(q_dtype, INT8) == TileDots(f16=True, precision="tf32", upcast=False)
+    assert tile_dots(torch.float32, INT8) == TileDots(f16=False, precision="ieee", upcast=False)
+    cpu = torch.device("cpu")
+    assert not kv_cvt_supported(cpu, INT8)
+    assert tile_dots(torch.bfloat16, INT8, KvCvt.V_REGS, cpu).kv_cvt == KvCvt.OPERAND
+    assert decode_mod.choose_decode_tiles(128, INT8) == decode_mod.choose_decode_tiles(128, FP8)
 
 
 def test_verify_steps_split_less_than_decodes() -> None:

@@ -135,6 +135,19 @@ def test_fp8_cache_matches_reference(dtype: torch.dtype, scales: str) -> None:
         assert kv_cache[0].float().abs().max() == 448.0
 
 
+def test_int8_cache_matches_reference() -> None:
+    """int8: the rotated k quantized on store (x / scale, saturated at +-127, rounded half away
+    from zero), bit-exact against write_kv_ref of the rotated k; some values saturate."""
+    positions, _, q, k, v, cos_sin, slot_mapping = _inputs(9, torch.bfloat16, torch.int64, seed=3)
+    k.mul_(10)  # |k| / 0.05 past 127 for |k| > 6.35: saturates
+    kv_cache = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=torch.int8)
+    K.rotary_and_write_kv(positions, q, k, v, cos_sin, kv_cache, slot_mapping, 0.05, 0.02)
+    want = torch.zeros_like(kv_cache)
+    R.write_kv_ref(k, v, want, slot_mapping, 0.05, 0.02)
+    assert torch.equal(kv_cache, want)
+    assert kv_cache[0].abs().max() == 127 and kv_cache.min() >= -127
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8])
 def test_equals_the_two_unfused_kernels_bitwise(cache_dtype: torch.dtype) -> None:
     """The module's promise: exactly `rotary_embedding` then `write_kv`."""
@@ -201,7 +214,7 @@ def _mixed_step_metadata() -> AttentionMetadata:
         query_start_loc_cpu=[0, 1, 6], seq_lens_cpu=[6, 9])
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, FP8])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, FP8, torch.int8])
 def test_triton_backend_with_rope_matches_torch_backend(cache_dtype: torch.dtype) -> None:
     """Triton rotating q/k itself (rope=) vs the torch backend given the reference rotation."""
     gen = torch.Generator().manual_seed(6)
@@ -210,8 +223,9 @@ def test_triton_backend_with_rope_matches_torch_backend(cache_dtype: torch.dtype
     positions = torch.tensor([5, 4, 5, 6, 7, 8])
     cos_sin = _cos_sin(gen)
     prior = torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen)
-    kv_scale = (0.05, 0.02) if cache_dtype == FP8 else (1.0, 1.0)
-    cache_triton = R.quantize_fp8_ref(prior, 0.05) if cache_dtype == FP8 else prior.clone()
+    quantized = cache_dtype in (FP8, torch.int8)
+    kv_scale = (0.05, 0.02) if quantized else (1.0, 1.0)
+    cache_triton = (R.quantize_ref(prior, 0.05, cache_dtype) if quantized else prior.clone())
     cache_torch = cache_triton.clone()
     q_ref, k_ref = q.clone(), k.clone()
     R.rotary_embedding_ref(positions, q_ref, k_ref, cos_sin)

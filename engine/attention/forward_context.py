@@ -77,8 +77,8 @@ class RopeInputs:
 class ForwardContext:
     attn_metadata: AttentionMetadata
     kv_caches: list[torch.Tensor]   # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
-    # Per layer (k_scale, v_scale) of an fp8 cache; None: unquantized (scale 1.0). Python floats:
-    # constant for an engine's life, so CUDA graphs bake them in.
+    # Per layer (k_scale, v_scale) of an fp8 or int8 cache; None: unquantized (scale 1.0).
+    # Python floats: constant for an engine's life, so CUDA graphs bake them in.
     kv_scales: list[tuple[float, float]] | None = None
 
 

@@ -1,8 +1,9 @@
 """Reference attention over the paged KV cache in plain torch (CPU and any device).
 
 Writes this step's K/V into the cache, then attends per sequence over the gathered blocks.
-Decodes are batched (padded gather + mask); prefills loop over sequences. An fp8 cache is
-quantized on write and dequantized (times the layer's K/V scale) right after the gather.
+Decodes are batched (padded gather + mask); prefills loop over sequences. A quantized (fp8 or
+int8) cache is quantized on write and dequantized (times the layer's K/V scale) right after the
+gather.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.forward_context import AttentionMetadata, RopeInputs
-from engine.attention.kv_quant import dequantize_fp8, is_fp8, quantize_fp8
+from engine.attention.kv_quant import dequantize_kv, is_quantized, quantize_kv
 
 
 def write_kv_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -19,18 +20,19 @@ def write_kv_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
                    ) -> None:
     """key/value: [T, Hkv, D] → kv_cache [2, num_blocks, block_size, Hkv, D] at slot_mapping.
 
-    An fp8 cache stores `key / k_scale`, `value / v_scale` (saturated); other caches ignore
-    the scales."""
+    A quantized (fp8 or int8) cache stores `key / k_scale`, `value / v_scale` (saturated,
+    rounded); other caches ignore the scales."""
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    if is_fp8(kv_cache):
+    if is_quantized(kv_cache):
         # index_copy_ has no fp8 kernel on the CPU: copy the bytes.
         raw = flat.view(torch.uint8)
-        raw[0].index_copy_(0, slot_mapping, quantize_fp8(key, k_scale).view(torch.uint8))
-        raw[1].index_copy_(0, slot_mapping, quantize_fp8(value, v_scale).view(torch.uint8))
+        dt = kv_cache.dtype
+        raw[0].index_copy_(0, slot_mapping, quantize_kv(key, k_scale, dt).view(torch.uint8))
+        raw[1].index_copy_(0, slot_mapping, quantize_kv(value, v_scale, dt).view(torch.uint8))
         return
     flat[0].index_copy_(0, slot_mapping, key.to(flat.dtype))
     flat[1].index_copy_(0, slot_mapping, value.to(flat.dtype))
@@ -38,19 +40,19 @@ def write_kv_torch(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
 
 def _gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int,
                scales: tuple[float, float]) -> tuple[torch.Tensor, torch.Tensor]:
-    # -> k, v: [seq_len, Hkv, D] (float32 when the cache is fp8)
+    # -> k, v: [seq_len, Hkv, D] (float32 when the cache is quantized)
     block_size = kv_cache.shape[2]
     n = -(-seq_len // block_size)
     kv = kv_cache[:, block_ids[:n].long()]  # [2, n, bs, Hkv, D]
     kv = kv.reshape(2, n * block_size, *kv_cache.shape[3:])[:, :seq_len]
-    if is_fp8(kv_cache):
-        return dequantize_fp8(kv[0], scales[0]), dequantize_fp8(kv[1], scales[1])
+    if is_quantized(kv_cache):
+        return dequantize_kv(kv[0], scales[0]), dequantize_kv(kv[1], scales[1])
     return kv[0], kv[1]
 
 
 class TorchAttentionBackend:
-    """Reference backend; an fp8 cache is quantized on write and dequantized on read with the
-    layer's `kv_scale` (k_scale, v_scale). Does not fuse RoPE: q and k arrive rotated."""
+    """Reference backend; a quantized (fp8 or int8) cache is quantized on write and dequantized
+    on read with the layer's `kv_scale` (k_scale, v_scale). Does not fuse RoPE: q and k arrive rotated."""
 
     name = "torch"
     fuses_rope = False
@@ -65,7 +67,7 @@ class TorchAttentionBackend:
         if rope is not None:
             raise ValueError("the torch attention backend does not fuse RoPE (fuses_rope is "
                              "False): rotate q and k before calling it and pass rope=None")
-        scales = kv_scale if is_fp8(kv_cache) else (1.0, 1.0)
+        scales = kv_scale if is_quantized(kv_cache) else (1.0, 1.0)
         write_kv_torch(k, v, kv_cache, md.slot_mapping, *scales)
         out = torch.empty_like(q)
         nd = md.num_decodes
@@ -87,8 +89,8 @@ class TorchAttentionBackend:
         n = -(-max_len // block_size)
         tables = md.block_tables[:nd, :n].long()                   # [B, n]
         kv = kv_cache[:, tables]                                   # [2, B, n, bs, Hkv, D]
-        if is_fp8(kv_cache):
-            kv = torch.stack((dequantize_fp8(kv[0], scales[0]), dequantize_fp8(kv[1], scales[1])))
+        if is_quantized(kv_cache):
+            kv = torch.stack((dequantize_kv(kv[0], scales[0]), dequantize_kv(kv[1], scales[1])))
         kv = kv.reshape(2, nd, n * block_size, *kv_cache.shape[3:]).transpose(2, 3)
         hq, hkv = q.shape[1], kv.shape[2]
         k, v = kv[0], kv[1]                                        # [B, Hkv, L, D]

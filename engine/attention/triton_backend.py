@@ -7,8 +7,8 @@ attention for the rest; each long prompt with nothing cached goes through torch 
 query tokens per sequence goes to the decode kernel whole: one program per KV head reads each
 tile once for all its query rows, split over the context. No host syncs, so pure-decode and
 verify steps can be captured in CUDA graphs.
-An fp8 cache passes the layer's K/V scales to the kernels as Python floats (constant per engine,
-so baked into captured graphs).
+A quantized (fp8 or int8) cache passes the layer's K/V scales to the kernels as Python floats
+(constant per engine, so baked into captured graphs).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import os
 import torch
 
 from engine.attention.forward_context import AttentionMetadata, RopeInputs
-from engine.attention.kv_quant import is_fp8
+from engine.attention.kv_quant import is_quantized
 from engine.attention.prefill_plan import plan_prefill
 from engine.attention.sdpa_prefill import (
     MIN_FRESH_PREFILL_TOKENS,
@@ -28,7 +28,7 @@ from engine.attention.sdpa_prefill import (
 
 
 class TritonAttentionBackend:
-    """GPU backend; an fp8 cache uses the layer's `kv_scale` (k_scale, v_scale). Fuses RoPE
+    """GPU backend; a quantized cache uses the layer's `kv_scale` (k_scale, v_scale). Fuses RoPE
     into the KV write: given `rope`, it rotates q and k (in place) itself."""
 
     name = "triton"
@@ -51,7 +51,7 @@ class TritonAttentionBackend:
         kern = self._k
         ks: float | None = None
         vs: float | None = None
-        if is_fp8(kv_cache):
+        if is_quantized(kv_cache):
             ks, vs = kv_scale
         if rope is None:
             kern.write_kv(k, v, kv_cache, md.slot_mapping, ks, vs)
@@ -66,7 +66,7 @@ class TritonAttentionBackend:
         nd = md.num_decodes
         runs = md.prefill_plan
         if runs is None:
-            # With an fp8 cache too: a fresh prompt then attends to its exact K/V, as SGLang's
+            # With a quantized cache too: a fresh prompt then attends to its exact K/V, as SGLang's
             # ragged prefill does; its later decodes and chunks read the quantized cache.
             runs = md.prefill_plan = plan_prefill(
                 md, MIN_FRESH_PREFILL_TOKENS if self._fresh_prefill_sdpa else None)

@@ -11,14 +11,16 @@ Online softmax in the log2 domain (FlashAttention-2): scores are multiplied by
 `qk_scale = scale * log2(e)` and exponentiated with exp2; `m_i` is the running row max,
 `l_i` the running row sum, `acc` the unnormalised output, all float32.
 
-An fp8 cache's tiles are converted to the dots' operand dtype after the load (exact: every
-e4m3 value is a bf16/fp16/fp32 value); the callers fold the K scale into `qk_scale` and multiply
-the output by the V scale, so the tile step itself never sees a KV scale. The operand dtype
-(`tile_dots`):
+A quantized (fp8 e4m3 or int8) cache's tiles are converted to the dots' operand dtype after
+the load (exact: every e4m3 value and every integer in [-127, 127] is an fp16, bf16 and fp32
+value); the callers fold the K scale into `qk_scale` and multiply the output by the V scale, so
+the tile step itself never sees a KV scale. The operand dtype (`tile_dots`):
 
-- fp8 cache, 16-bit q (the engine's case): fp16. e4m3x2 -> f16x2 is one packed `cvt` on sm_89+,
-  while e4m3 -> bf16 has no direct instruction on Hopper (it goes through f16/f32) and halved the
-  decode kernel's bandwidth on an H200. The caller multiplies q by the whole `qk_scale` once,
+- quantized cache, 16-bit q (the engine's case): fp16. e4m3x2 -> f16x2 is one packed `cvt` on
+  sm_89+, while e4m3 -> bf16 has no direct instruction on Hopper (it goes through f16/f32) and
+  halved the decode kernel's bandwidth on an H200; int8 -> fp16 takes two byte permutes, an XOR
+  and a packed subtract per four values in registers (`s8x4_to_f16`). The caller multiplies q by
+  the whole `qk_scale` once,
   before the KV loop, and rounds it to fp16 (`fp16_scaled_q`), so the QK dot yields log2-domain
   scores directly (`Q_PRESCALED`: no per-score multiply) and q shrinks by ~log2(e) / sqrt(D) *
   k_scale (no fp16 overflow for realistic activations; the dots accumulate in fp32). fp16 has a
@@ -27,17 +29,17 @@ the output by the V scale, so the tile step itself never sees a KV scale. The op
   |q * qk_scale| < 2**-14, lose relative precision, and each adds at most 2**-25 * |k| to a
   score's error. P is rounded to fp16 for the PV dot (likewise finer than bf16); acc, m_i and
   l_i stay float32.
-  Where the fp8 -> fp16 conversion happens is a launch choice (`Fp8Cvt`). Left to Triton, it
+  Where the conversion to fp16 happens is a launch choice (`KvCvt`). Left to Triton, it
   converts while loading each dot operand from shared memory; for V (the PV dot's B operand,
   whose mma fragments pair *consecutive positions*, i.e. bytes of two cache rows) that load is
   one `LDS.U8` per value plus byte packing, and an H200's fp8 decode read about 2.6 TB/s
   against 4.3 for bf16. Converting in registers right after the global load instead
-  (`e4m3x4_to_f16`, an opaque inline-asm `cvt`, so Triton cannot move it past the layout
+  (`e4m3x4_to_f16` / `s8x4_to_f16`, opaque inline asm, so Triton cannot move it past the layout
   change) stages V to shared memory as fp16, which `ldmatrix.trans` then reads 16 bytes at a
-  time: sm_90 SASS of the decode loop at 128-position tiles drops from 1,332 to 761
+  time: sm_90 SASS of the fp8 decode loop at 128-position tiles drops from 1,332 to 761
   instructions per iteration and from 194 to 149 registers (Triton 3.6, compiled offline), and
   the H200 read 3.20 TB/s (bench/results/h200/probe_decode_fp8cvt_7f50869.json).
-- fp8 cache, fp32 q: fp32 operands and IEEE dots, as for an fp32 cache (exact dequantisation;
+- quantized cache, fp32 q: fp32 operands and IEEE dots, as for an fp32 cache (exact dequantisation;
   the slow path, kept as the precise one).
 - any other cache: q's dtype, which is the cache's.
 """
@@ -51,7 +53,12 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._checks import FP8_KV_DTYPE, cuda_capability_at_least, interpret_mode
+from engine.kernels._checks import (
+    FP8_KV_DTYPE,
+    cuda_capability_at_least,
+    interpret_mode,
+    is_quantized_kv,
+)
 from engine.kernels._tl import reduce_max, reduce_sum
 
 LOG2E = 1.4426950408889634
@@ -79,8 +86,8 @@ def attend_kv_tile(
     CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong (Triton 3.9)
-    Q_PRESCALED: tl.constexpr,  # q already carries qk_scale (the fp16 path of an fp8 cache)
-    FP8_CVT: tl.constexpr = 0,  # an `Fp8Cvt`: where fp8 K/V become fp16 (Q_PRESCALED only)
+    Q_PRESCALED: tl.constexpr,  # q already carries qk_scale (the fp16 path of a quantized cache)
+    KV_CVT: tl.constexpr = 0,  # a `KvCvt`: where one-byte K/V become fp16 (Q_PRESCALED only)
 ):
     pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     dims = tl.arange(0, HEAD_DIM)
@@ -96,9 +103,9 @@ def attend_kv_tile(
         k = tl.load(k_head_ptr + kv_off, mask=in_bounds[:, None], other=0.0)
     else:
         k = tl.load(k_head_ptr + kv_off)
-    if FP8_CVT == 2:  # Fp8Cvt.KV_REGS
-        k = e4m3x4_to_f16(k)
-    else:  # fp8 cache -> fp16 or fp32; a no-op when the cache is q's dtype
+    if KV_CVT == 2:  # KvCvt.KV_REGS
+        k = byte_kv_to_f16(k)
+    else:  # quantized cache -> fp16 or fp32; a no-op when the cache is q's dtype
         k = k.to(q.dtype)
     if UPCAST_DOT:
         q = q.to(tl.float32)
@@ -123,8 +130,8 @@ def attend_kv_tile(
         v = tl.load(v_head_ptr + kv_off, mask=in_bounds[:, None], other=0.0)
     else:
         v = tl.load(v_head_ptr + kv_off)
-    if FP8_CVT != 0:  # Fp8Cvt.V_REGS or KV_REGS
-        v = e4m3x4_to_f16(v)
+    if KV_CVT != 0:  # KvCvt.V_REGS or KV_REGS
+        v = byte_kv_to_f16(v)
     else:
         v = v.to(q.dtype)
     if UPCAST_DOT:
@@ -134,12 +141,22 @@ def attend_kv_tile(
 
 
 @triton.jit
+def byte_kv_to_f16(x):
+    """A one-byte K/V tile (fp8 e4m3 or int8, chosen at compile time) -> fp16 in registers."""
+    if x.dtype == tl.int8:
+        y = s8x4_to_f16(x)
+    else:
+        y = e4m3x4_to_f16(x)
+    return y
+
+
+@triton.jit
 def e4m3x4_to_f16(x):
     """fp8 e4m3 -> fp16 in the tensor's current (load) layout, two packed `cvt`s per 4 values.
 
     Not marked pure on purpose: Triton hoists pure elementwise ops on a dot operand into the
     operand's shared-memory load, which is what this conversion exists to avoid (see the module
-    docstring). Exact (every e4m3 value is an fp16 value). sm_89+ only (`fp8_cvt_supported`).
+    docstring). Exact (every e4m3 value is an fp16 value). sm_89+ only (`kv_cvt_supported`).
     """
     return tl.inline_asm_elementwise(
         asm="""{
@@ -157,6 +174,30 @@ def e4m3x4_to_f16(x):
 
 
 @triton.jit
+def s8x4_to_f16(x):
+    """int8 -> fp16 in the tensor's current (load) layout, exactly, without `I2F`: each byte,
+    biased by 128 (XOR 0x80), becomes the low byte of the fp16 0x64XX = 1024 + (x + 128) (two
+    `prmt` per four values), and one packed subtract of 1152 per two values leaves x. Not pure,
+    for the reason `e4m3x4_to_f16` gives; CUDA only (`kv_cvt_supported`)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 biased, lo, hi, bias;
+        mov.b32 bias, 0x64806480;
+        xor.b32 biased, $2, 0x80808080;
+        prmt.b32 lo, biased, 0x64646464, 0x4140;
+        prmt.b32 hi, biased, 0x64646464, 0x4342;
+        sub.f16x2 $0, lo, bias;
+        sub.f16x2 $1, hi, bias;
+        }""",
+        constraints="=r,=r,r",
+        args=[x.to(tl.uint8, bitcast=True)],
+        dtype=tl.float16,
+        is_pure=False,
+        pack=4,
+    )
+
+
+@triton.jit
 def fp16_scaled_q(q, qk_scale):
     """q times the whole score scale, rounded once to fp16: the loop-invariant operand of the
     fp16 tile path (`Q_PRESCALED`). The product is formed in float32, so only the final
@@ -164,11 +205,12 @@ def fp16_scaled_q(q, qk_scale):
     return (q.to(tl.float32) * qk_scale).to(tl.float16)
 
 
-class Fp8Cvt(enum.IntEnum):
-    """Where `attend_kv_tile` turns fp8 K and V tiles into fp16 (the FP8_CVT argument)."""
+class KvCvt(enum.IntEnum):
+    """Where `attend_kv_tile` turns one-byte (fp8 or int8) K and V tiles into fp16 (the KV_CVT
+    argument)."""
 
     OPERAND = 0  # Triton's choice: while loading each dot operand from shared memory
-    V_REGS = 1  # V in registers after its global load (`e4m3x4_to_f16`); K as OPERAND
+    V_REGS = 1  # V in registers after its global load (`byte_kv_to_f16`); K as OPERAND
     KV_REGS = 2  # both in registers after their loads
 
 
@@ -176,32 +218,36 @@ class Fp8Cvt(enum.IntEnum):
 class TileDots:
     """How `attend_kv_tile` runs its two dots; compile-time arguments of the attention kernels."""
 
-    f16: bool  # fp8 cache with 16-bit q: q prescaled and fp16, K/V/P fp16 (F16_DOTS)
+    f16: bool  # quantized cache with 16-bit q: q prescaled and fp16, K/V/P fp16 (F16_DOTS)
     precision: str  # DOT_PRECISION
     upcast: bool  # UPCAST_DOT
-    fp8_cvt: Fp8Cvt = Fp8Cvt.OPERAND  # FP8_CVT; only other than OPERAND when f16
+    kv_cvt: KvCvt = KvCvt.OPERAND  # KV_CVT; only other than OPERAND when f16
 
 
 def tile_dots(
     q_dtype: torch.dtype,
     kv_dtype: torch.dtype,
-    fp8_cvt: Fp8Cvt = Fp8Cvt.OPERAND,
+    kv_cvt: KvCvt = KvCvt.OPERAND,
     device: torch.device | None = None,
 ) -> TileDots:
-    """fp16 dots for an fp8 cache read with bf16/fp16 q (see the module docstring); otherwise
-    dots in q's dtype, exactly as for a cache of q's dtype. `fp8_cvt` applies to the fp16 path
-    on a device that has the packed conversion (`fp8_cvt_supported`), else falls back to
-    OPERAND (also under the interpreter, which has no inline assembly)."""
-    f16 = kv_dtype == FP8_KV_DTYPE and q_dtype in (torch.bfloat16, torch.float16)
+    """fp16 dots for a quantized (fp8 or int8) cache read with bf16/fp16 q (see the module
+    docstring); otherwise dots in q's dtype, exactly as for a cache of q's dtype. `kv_cvt`
+    applies to the fp16 path on a device that has the conversion (`kv_cvt_supported`), else
+    falls back to OPERAND (also under the interpreter, which has no inline assembly)."""
+    f16 = is_quantized_kv(kv_dtype) and q_dtype in (torch.bfloat16, torch.float16)
     operand = torch.float16 if f16 else q_dtype
-    cvt = fp8_cvt if f16 and device is not None and fp8_cvt_supported(device) else Fp8Cvt.OPERAND
+    cvt = (kv_cvt if f16 and device is not None and kv_cvt_supported(device, kv_dtype)
+           else KvCvt.OPERAND)
     return TileDots(f16, dot_precision(operand), upcast_dots(operand), cvt)
 
 
-def fp8_cvt_supported(device: torch.device) -> bool:
-    """Whether `e4m3x4_to_f16` compiles for `device`: a CUDA GPU of compute capability 8.9+
-    (`cvt.rn.f16x2.e4m3x2`), not the interpreter."""
-    return not interpret_mode() and cuda_capability_at_least(device, (8, 9))
+def kv_cvt_supported(device: torch.device, kv_dtype: torch.dtype = FP8_KV_DTYPE) -> bool:
+    """Whether `byte_kv_to_f16` compiles for `device` and a cache of `kv_dtype`: not under the
+    interpreter, on a CUDA GPU of compute capability 8.9+ for fp8 (`cvt.rn.f16x2.e4m3x2`) and
+    any CUDA GPU for int8 (`prmt`, `sub.f16x2`: sm_53+)."""
+    if interpret_mode() or device.type != "cuda":
+        return False
+    return kv_dtype != FP8_KV_DTYPE or cuda_capability_at_least(device, (8, 9))
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -15,10 +15,14 @@ from collections.abc import Sequence
 import torch
 
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
-# KV caches may also be fp8 e4m3 (values stored divided by a per-layer scale, see `check_kv_scale`).
+# KV caches may also hold one byte per value, fp8 e4m3 or int8: values stored divided by a
+# per-layer scale (see `check_kv_scale`), saturated at the type's largest value.
 FP8_KV_DTYPE = torch.float8_e4m3fn
-KV_CACHE_DTYPES: tuple[torch.dtype, ...] = (*FLOAT_DTYPES, FP8_KV_DTYPE)
+INT8_KV_DTYPE = torch.int8
+QUANT_KV_DTYPES: tuple[torch.dtype, ...] = (FP8_KV_DTYPE, INT8_KV_DTYPE)
+KV_CACHE_DTYPES: tuple[torch.dtype, ...] = (*FLOAT_DTYPES, *QUANT_KV_DTYPES)
 FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn: quantized values saturate here
+INT8_KV_MAX = 127.0  # symmetric int8: -128 is never stored, so -x quantizes to -q(x)
 INDEX_DTYPES_32: tuple[torch.dtype, ...] = (torch.int32,)
 POSITION_DTYPES: tuple[torch.dtype, ...] = (torch.int32, torch.int64)
 
@@ -201,19 +205,29 @@ def check_out(
     return o
 
 
+def is_quantized_kv(cache_dtype: torch.dtype) -> bool:
+    """A one-byte cache (fp8 or int8) holding values divided by per-layer scales."""
+    return cache_dtype in QUANT_KV_DTYPES
+
+
+def kv_quant_max(cache_dtype: torch.dtype) -> float:
+    """The largest value a quantized cache stores (saturation bound of `x / scale`)."""
+    return INT8_KV_MAX if cache_dtype == INT8_KV_DTYPE else FP8_E4M3_MAX
+
+
 def check_matches_cache(name: str, t: torch.Tensor, cache_dtype: torch.dtype) -> None:
-    """`t` (q, key or value) must have the cache's dtype, unless the cache is fp8: then any of
-    fp32/fp16/bf16 (the kernel converts on store / load)."""
-    if cache_dtype == FP8_KV_DTYPE:
+    """`t` (q, key or value) must have the cache's dtype, unless the cache is quantized (fp8 or
+    int8): then any of fp32/fp16/bf16 (the kernel converts on store / load)."""
+    if is_quantized_kv(cache_dtype):
         if t.dtype not in FLOAT_DTYPES:
             allowed = ", ".join(str(d) for d in FLOAT_DTYPES)
             raise KernelInputError(
-                f"{name} has dtype {t.dtype}; with an fp8 kv_cache allowed: {allowed}"
+                f"{name} has dtype {t.dtype}; with a {cache_dtype} kv_cache allowed: {allowed}"
             )
     elif t.dtype != cache_dtype:
         raise KernelInputError(
             f"{name} has dtype {t.dtype} but kv_cache has {cache_dtype}; they must match "
-            "(only an fp8 kv_cache takes another dtype)"
+            "(only an fp8 or int8 kv_cache takes another dtype)"
         )
 
 
@@ -225,14 +239,16 @@ def check_kv_scale(
 ) -> KvScale:
     """Check a K or V cache scale: None (= 1.0), a positive finite Python float, or a float32
     tensor of one element on the cache's device (read by the kernel: no host sync, so a CUDA
-    graph replays whatever value it holds). Only an fp8 cache takes a scale other than None.
+    graph replays whatever value it holds). Only a quantized (fp8 or int8) cache takes a scale
+    other than None.
 
     Returns the float or the tensor (the tensor is not read on the host)."""
     if scale is None:
         return 1.0
-    if cache_dtype != FP8_KV_DTYPE:
+    if not is_quantized_kv(cache_dtype):
         raise KernelInputError(
-            f"{name} is only allowed with an fp8 kv_cache (got a {cache_dtype} cache); pass None"
+            f"{name} is only allowed with an fp8 or int8 kv_cache (got a {cache_dtype} cache); "
+            "pass None"
         )
     if isinstance(scale, torch.Tensor):
         if scale.numel() != 1 or scale.dtype != torch.float32:

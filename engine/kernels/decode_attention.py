@@ -30,10 +30,10 @@ The counters live in one cached zeroed buffer per device (`split_counters`), sha
 launches: launches in stream order are fine (each leaves it zeroed), concurrent launches on
 different streams are not supported (the engine runs one stream).
 
-An fp8 cache holds K/V divided by per-layer scales: the K scale is folded into `qk_scale` and
-each split's `acc` is multiplied by the V scale (softmax weights are unaffected by either). With
-bf16/fp16 q the tile dots then run in fp16 (the fp8 -> fp16 conversion is one instruction per two
-values; fp8 -> bf16 is several): q is multiplied by the whole `qk_scale` and rounded to fp16 once
+A quantized (fp8 or int8) cache holds K/V divided by per-layer scales: the K scale is folded into
+`qk_scale` and each split's `acc` is multiplied by the V scale (softmax weights are unaffected by
+either). With bf16/fp16 q the tile dots then run in fp16 (the fp8 -> fp16 conversion is one
+instruction per two values, int8 -> fp16 a few integer ops; fp8 -> bf16 is several): q is multiplied by the whole `qk_scale` and rounded to fp16 once
 per program, which is at least as precise as the bf16 q itself (10-bit vs 7-bit mantissa);
 K, V and P are fp16, the accumulators float32. See `engine/kernels/_attention_tile.py`.
 """
@@ -49,14 +49,13 @@ import triton.language as tl
 
 from engine.kernels._attention_tile import (
     LOG2E,
-    Fp8Cvt,
+    KvCvt,
     attend_kv_tile,
     fp16_scaled_q,
     tile_dots,
 )
 from engine.kernels._checks import (
     FLOAT_DTYPES,
-    FP8_KV_DTYPE,
     INDEX_DTYPES_32,
     KernelInputError,
     KvScale,
@@ -72,6 +71,7 @@ from engine.kernels._checks import (
     check_shape,
     check_tensor,
     interpret_mode,
+    is_quantized_kv,
     next_power_of_2,
 )
 from engine.kernels._pdl import pdl_release, pdl_wait, use_pdl
@@ -108,7 +108,7 @@ def _decode_split_kernel(
     mid_l_ptr,  # [B, H, S] float32
     counters_ptr,  # [>= B * Hkv] int32, zero on entry and on exit (read unless DIRECT)
     qk_scale,
-    k_scale,  # fp8 cache: float32 scalar or pointer to one (SCALE_IS_PTR)
+    k_scale,  # quantized cache: float32 scalar or pointer to one (SCALE_IS_PTR)
     v_scale,
     num_heads,
     num_splits,
@@ -128,9 +128,9 @@ def _decode_split_kernel(
     M_CHUNK: tl.constexpr,  # splits per step when finding their common max
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
-    KV_FP8: tl.constexpr,
-    F16_DOTS: tl.constexpr,  # fp8 cache, 16-bit q: fp16 tile dots on a prescaled q
-    FP8_CVT: tl.constexpr,  # an `Fp8Cvt` (F16_DOTS only)
+    KV_QUANT: tl.constexpr,
+    F16_DOTS: tl.constexpr,  # quantized cache, 16-bit q: fp16 tile dots on a prescaled q
+    KV_CVT: tl.constexpr,  # an `KvCvt` (F16_DOTS only)
     SCALE_IS_PTR: tl.constexpr,
     HEAD_MAJOR: tl.constexpr,  # grid (Hkv, B, S) instead of (B, Hkv, S); see `DecodeTiles`
     USE_PDL: tl.constexpr,
@@ -164,7 +164,7 @@ def _decode_split_kernel(
     q_off = q_row[:, None] * stride_q_b + heads[:, None] * stride_q_h + dims[None, :]
     q = tl.load(q_ptr + q_off, mask=g_mask[:, None], other=0.0)  # [BLOCK_G, D]
     q_pos = shared_len - 1 + token  # [BLOCK_G] each row's own position (read when causal)
-    if KV_FP8:
+    if KV_QUANT:
         qk_scale = qk_scale * load_scale(k_scale, SCALE_IS_PTR)
     if F16_DOTS:  # once per program: the tile step then skips the per-score multiply
         q = fp16_scaled_q(q, qk_scale)
@@ -179,9 +179,9 @@ def _decode_split_kernel(
         acc, l_i, m_i = attend_kv_tile(
             acc, l_i, m_i, q, q_pos, n0, end, block_table_ptr, k_head_ptr, v_head_ptr,
             qk_scale, stride_cache_block, stride_cache_tok, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
-            True, QUERY_LEN > 1, DOT_PRECISION, UPCAST_DOT, F16_DOTS, FP8_CVT,
+            True, QUERY_LEN > 1, DOT_PRECISION, UPCAST_DOT, F16_DOTS, KV_CVT,
         )
-    if KV_FP8:
+    if KV_QUANT:
         acc = acc * load_scale(v_scale, SCALE_IS_PTR)
 
     row = q_row * num_heads + heads  # [BLOCK_G] index into [B * QUERY_LEN, H]
@@ -344,7 +344,7 @@ class DecodeTiles:
     num_warps: int
     num_stages: int
     head_major: bool = False
-    fp8_cvt: Fp8Cvt = Fp8Cvt.OPERAND  # where an fp8 cache's tiles become fp16
+    kv_cvt: KvCvt = KvCvt.OPERAND  # where a quantized cache's tiles become fp16
     # A cap on registers per thread (Triton's `maxnreg`; None: the compiler's choice). ncu saw
     # the one-warp fp8 program at 180 registers, 8 warps per SM (ncu_decode_fp8_1warp_c37dd9a).
     maxnreg: int | None = None
@@ -355,7 +355,7 @@ def choose_decode_tiles(head_dim: int, kv_dtype: torch.dtype | None = None,
     """The best of sweeps on an H200 (bench/probe_decode.py; 384 sequences of 1536 tokens),
     4 warps throughout. A 16-bit cache takes KV tiles of 64 positions (32 for D=256), 3-stage
     pipelined, grid head-major (4.34 vs 4.28 TB/s row-major; probe_decode_25457d2.json). An
-    fp8 cache converts V in registers (`Fp8Cvt.V_REGS`): with one split (batches large enough
+    fp8 cache converts V in registers (`KvCvt.V_REGS`): with one split (batches large enough
     to fill the GPU, the throughput case) one-warp programs of 32 positions, 3 stages: 3.40
     TB/s against 3.16 for 128 positions at 4 warps on the same machine
     (probe_decode_fp8w_ee757dd.json; four warps wait on each other at 9 block-wide barriers a
@@ -369,10 +369,10 @@ def choose_decode_tiles(head_dim: int, kv_dtype: torch.dtype | None = None,
         return DecodeTiles(16, 1, 1)
     if head_dim > 128:
         return DecodeTiles(32, 4, 2)
-    if kv_dtype == FP8_KV_DTYPE:
+    if kv_dtype is not None and is_quantized_kv(kv_dtype):  # int8 takes fp8's (same bytes)
         if num_splits == 1:
-            return DecodeTiles(32, 1, 3, fp8_cvt=Fp8Cvt.V_REGS)
-        return DecodeTiles(128, 4, 3, fp8_cvt=Fp8Cvt.V_REGS)
+            return DecodeTiles(32, 1, 3, kv_cvt=KvCvt.V_REGS)
+        return DecodeTiles(128, 4, 3, kv_cvt=KvCvt.V_REGS)
     return DecodeTiles(64, 4, 3, head_major=True)
 
 
@@ -405,11 +405,11 @@ def paged_decode_attention(
     returns `out [B * query_len, H, D]`.
 
     q: `[B * query_len, H, D]` (dense in its last two dims; a sequence's tokens adjacent), dtype
-    = kv_cache dtype (fp32/fp16/bf16 when the cache is fp8).
+    = kv_cache dtype (fp32/fp16/bf16 when the cache is fp8 or int8).
     query_len: 1 for decoding; 1 + drafts for a speculative verify step, whose `seq_lens` count
     all of its tokens (token t sits at position `seq_len - query_len + t`).
     kv_cache: `[2, NB, BS, Hkv, D]` contiguous, already holding this step's K/V.
-    k_scale/v_scale: fp8 cache only (None = 1.0): the stored values times these are K and V;
+    k_scale/v_scale: fp8 or int8 cache only (None = 1.0): the stored values times these are K and V;
     Python floats or one-element float32 tensors on the cache's device.
     tiles: override the tuned tile/launch choice (`choose_decode_tiles`), for sweeps and tests.
     block_tables: `[B, max_blocks]` int32; seq_lens: `[B]` int32 (KV length incl. this token).
@@ -497,7 +497,7 @@ def _launch(
         counters = split_counters(q.device, batch * num_kv_heads)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     block_r, chunk_s, m_chunk = combine_tiles(group, head_dim, num_splits)
-    dots = tile_dots(q.dtype, kv_cache.dtype, tiles.fp8_cvt, q.device)
+    dots = tile_dots(q.dtype, kv_cache.dtype, tiles.kv_cvt, q.device)
     grid = ((num_kv_heads, batch, num_splits) if tiles.head_major
             else (batch, num_kv_heads, num_splits))
     pdl = use_pdl(q.device)
@@ -517,9 +517,9 @@ def _launch(
         M_CHUNK=m_chunk,
         DOT_PRECISION=dots.precision,
         UPCAST_DOT=dots.upcast,
-        KV_FP8=kv_cache.dtype == FP8_KV_DTYPE,
+        KV_QUANT=is_quantized_kv(kv_cache.dtype),
         F16_DOTS=dots.f16,
-        FP8_CVT=int(dots.fp8_cvt),
+        KV_CVT=int(dots.kv_cvt),
         SCALE_IS_PTR=isinstance(kv_scales[0], torch.Tensor),
         HEAD_MAJOR=tiles.head_major,
         USE_PDL=pdl,

@@ -9,8 +9,10 @@ Cache layout (one layer, contiguous)::
 Because `[num_blocks, block_size]` is dense, a slot is a row index of the flattened cache, so
 each token's `Hkv * D` values land in one contiguous run.
 
-An fp8 (e4m3) cache stores `clamp(x / scale, -448, 448)` rounded to fp8, with one K and one V
-scale per layer (readers multiply back); other caches store `x` in the cache dtype.
+A quantized cache stores `x / scale` saturated at the type's largest value and rounded, with one
+K and one V scale per layer (readers multiply back): fp8 (e4m3) `clamp(x / scale, -448, 448)`
+rounded to the nearest fp8 value, int8 `clamp(x / scale, -127, 127)` rounded to the nearest
+integer, halves away from zero. Other caches store `x` in the cache dtype.
 """
 
 from __future__ import annotations
@@ -21,8 +23,7 @@ import triton.language as tl
 
 from engine.kernels._checks import (
     FLOAT_DTYPES,
-    FP8_E4M3_MAX,
-    FP8_KV_DTYPE,
+    INT8_KV_DTYPE,
     KernelInputError,
     KvScale,
     check_contiguous,
@@ -34,6 +35,8 @@ from engine.kernels._checks import (
     check_shape,
     check_tensor,
     interpret_mode,
+    is_quantized_kv,
+    kv_quant_max,
     next_power_of_2,
 )
 from engine.kernels._tl import load_scale, round_to_e4m3
@@ -46,17 +49,32 @@ def _store_to_cache(
     inv_scale,  # float32 1 / scale; used only when QUANT
     mask,
     QUANT: tl.constexpr,
-    FP8_MAX: tl.constexpr,
+    Q_MAX: tl.constexpr,
+    ROUND_INT: tl.constexpr,
     PRE_ROUND: tl.constexpr,
 ):
-    """Store `x` in the cache's dtype; an fp8 cache gets `x / scale`, saturated at +-FP8_MAX."""
+    """Store `x` in the cache's dtype; a quantized cache gets `x / scale`, saturated at +-Q_MAX
+    (and rounded to an integer first for int8: the float -> int cast truncates)."""
     if QUANT:
         # Multiply by the reciprocal (as the torch reference does) so both round alike.
         x = x.to(tl.float32) * inv_scale
-        x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
-        if PRE_ROUND:  # interpreter only: its own fp8 cast rounds wrongly
+        x = tl.minimum(tl.maximum(x, -Q_MAX), Q_MAX)
+        if ROUND_INT:  # to nearest, halves away from zero, then the cast's truncation is exact
+            x = x + tl.where(x >= 0.0, 0.5, -0.5)
+        elif PRE_ROUND:  # interpreter only: its own fp8 cast rounds wrongly
             x = round_to_e4m3(x)
     tl.store(dst_ptr, x.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+def store_args(cache_dtype: torch.dtype) -> dict[str, object]:
+    """The compile-time arguments of `_store_to_cache` for a cache of `cache_dtype`."""
+    quant = is_quantized_kv(cache_dtype)
+    return {
+        "QUANT": quant,
+        "Q_MAX": kv_quant_max(cache_dtype) if quant else 0.0,
+        "ROUND_INT": cache_dtype == INT8_KV_DTYPE,
+        "PRE_ROUND": quant and cache_dtype != INT8_KV_DTYPE and interpret_mode(),
+    }
 
 
 @triton.jit
@@ -72,9 +90,10 @@ def _write_kv_kernel(
     v_scale,
     ROW: tl.constexpr,  # Hkv * D
     BLOCK: tl.constexpr,  # next power of two >= ROW
-    QUANT: tl.constexpr,  # fp8 cache: divide by the scale and saturate before the cast
+    QUANT: tl.constexpr,  # quantized cache: divide by the scale and saturate before the cast
     SCALE_IS_PTR: tl.constexpr,
-    FP8_MAX: tl.constexpr,
+    Q_MAX: tl.constexpr,
+    ROUND_INT: tl.constexpr,
     PRE_ROUND: tl.constexpr,
 ):
     token = tl.program_id(0)
@@ -88,8 +107,8 @@ def _write_kv_kernel(
     dst = slot * ROW + offs
     inv_ks = 1.0 / load_scale(k_scale, SCALE_IS_PTR)
     inv_vs = 1.0 / load_scale(v_scale, SCALE_IS_PTR)
-    _store_to_cache(k_cache_ptr + dst, k, inv_ks, mask, QUANT, FP8_MAX, PRE_ROUND)
-    _store_to_cache(v_cache_ptr + dst, v, inv_vs, mask, QUANT, FP8_MAX, PRE_ROUND)
+    _store_to_cache(k_cache_ptr + dst, k, inv_ks, mask, QUANT, Q_MAX, ROUND_INT, PRE_ROUND)
+    _store_to_cache(v_cache_ptr + dst, v, inv_vs, mask, QUANT, Q_MAX, ROUND_INT, PRE_ROUND)
 
 
 def check_write_kv_args(
@@ -134,9 +153,9 @@ def write_kv(
     """Write `key`/`value` `[T, Hkv, D]` into `kv_cache` at `slot_mapping [T]` (int64, -1 = skip).
 
     Mutates `kv_cache` only. `key`/`value` must have the cache's dtype (any float dtype for an
-    fp8 cache) and be dense in their last two dims (a padded token stride, e.g. a view of a fused
+    fp8 or int8 cache) and be dense in their last two dims (a padded token stride, e.g. a view of a fused
     QKV output, is fine). Slots must be `< num_blocks * block_size` (not checked: that would need
-    a host sync). k_scale/v_scale (fp8 cache only; None = 1.0): Python floats, or one-element
+    a host sync). k_scale/v_scale (fp8 or int8 cache only; None = 1.0): Python floats, or one-element
     float32 tensors on the cache's device read by the kernel — either way CUDA-graph capturable.
     """
     ks, vs = check_write_kv_args(key, value, kv_cache, slot_mapping, k_scale, v_scale)
@@ -156,9 +175,7 @@ def write_kv(
         vs,
         ROW=row,
         BLOCK=next_power_of_2(row),
-        QUANT=kv_cache.dtype == FP8_KV_DTYPE,
         SCALE_IS_PTR=isinstance(ks, torch.Tensor),
-        FP8_MAX=FP8_E4M3_MAX,
-        PRE_ROUND=interpret_mode(),
+        **store_args(kv_cache.dtype),
         num_warps=4 if row >= 512 else 1,
     )

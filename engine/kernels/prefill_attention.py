@@ -10,9 +10,10 @@ mask; the remaining tiles up to the last row's position (the diagonal) are maske
 diagonal are never visited (causal early stop). Query tiles are launched last-first because the
 late tiles of a sequence carry the most work.
 
-An fp8 cache holds K/V divided by per-layer scales: the K scale is folded into `qk_scale` and
-the normalised output is multiplied by the V scale. With bf16/fp16 q the tile dots then run in
-fp16 (the fp8 -> fp16 conversion is one instruction per two values; fp8 -> bf16 is several): q
+A quantized (fp8 or int8) cache holds K/V divided by per-layer scales: the K scale is folded into
+`qk_scale` and the normalised output is multiplied by the V scale. With bf16/fp16 q the tile dots
+then run in fp16 (the fp8 -> fp16 conversion is one instruction per two values; fp8 -> bf16 is
+several): q
 is multiplied by the whole `qk_scale` and rounded to fp16 once per program, which is at least as
 precise as the bf16 q itself (10-bit vs 7-bit mantissa); K, V and P are fp16, the accumulators
 float32. See `engine/kernels/_attention_tile.py`.
@@ -28,14 +29,13 @@ import triton.language as tl
 
 from engine.kernels._attention_tile import (
     LOG2E,
-    Fp8Cvt,
+    KvCvt,
     attend_kv_tile,
     fp16_scaled_q,
     tile_dots,
 )
 from engine.kernels._checks import (
     FLOAT_DTYPES,
-    FP8_KV_DTYPE,
     INDEX_DTYPES_32,
     KernelInputError,
     check_devices,
@@ -50,6 +50,7 @@ from engine.kernels._checks import (
     check_shape,
     check_tensor,
     interpret_mode,
+    is_quantized_kv,
     next_power_of_2,
 )
 from engine.kernels._tl import load_scale
@@ -71,7 +72,7 @@ def _prefill_kernel(
     seq_lens_ptr,  # [B] int32
     block_tables_ptr,  # [B, max_blocks] int32
     qk_scale,
-    k_scale,  # fp8 cache: float32 scalar or pointer to one (SCALE_IS_PTR)
+    k_scale,  # quantized cache: float32 scalar or pointer to one (SCALE_IS_PTR)
     v_scale,
     num_m_tiles,
     stride_q_t,
@@ -87,9 +88,9 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
-    KV_FP8: tl.constexpr,
-    F16_DOTS: tl.constexpr,  # fp8 cache, 16-bit q: fp16 tile dots on a prescaled q
-    FP8_CVT: tl.constexpr,  # an `Fp8Cvt` (F16_DOTS only)
+    KV_QUANT: tl.constexpr,
+    F16_DOTS: tl.constexpr,  # quantized cache, 16-bit q: fp16 tile dots on a prescaled q
+    KV_CVT: tl.constexpr,  # an `KvCvt` (F16_DOTS only)
     SCALE_IS_PTR: tl.constexpr,
 ):
     m_tile = num_m_tiles - 1 - tl.program_id(0)  # heaviest (last) tiles first
@@ -110,7 +111,7 @@ def _prefill_kernel(
     q_off = tokens[:, None] * stride_q_t + head * stride_q_h + dims[None, :]
     q = tl.load(q_ptr + q_off, mask=row_mask[:, None], other=0.0)  # [BLOCK_M, D]
     q_pos = ctx_len + rows
-    if KV_FP8:
+    if KV_QUANT:
         qk_scale = qk_scale * load_scale(k_scale, SCALE_IS_PTR)
     if F16_DOTS:  # once per program: the tile step then skips the per-score multiply
         q = fp16_scaled_q(q, qk_scale)
@@ -129,7 +130,7 @@ def _prefill_kernel(
         acc, l_i, m_i = attend_kv_tile(
             acc, l_i, m_i, q, q_pos, n0, seq_len, block_table_ptr, k_head_ptr, v_head_ptr,
             qk_scale, stride_cache_block, stride_cache_tok, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
-            False, False, DOT_PRECISION, UPCAST_DOT, F16_DOTS, FP8_CVT,
+            False, False, DOT_PRECISION, UPCAST_DOT, F16_DOTS, KV_CVT,
         )
     # Phase 2: the diagonal, up to the last row's position (bounded by seq_len).
     kv_end = tl.minimum(seq_len, ctx_len + m0 + BLOCK_M)
@@ -137,11 +138,11 @@ def _prefill_kernel(
         acc, l_i, m_i = attend_kv_tile(
             acc, l_i, m_i, q, q_pos, n0, seq_len, block_table_ptr, k_head_ptr, v_head_ptr,
             qk_scale, stride_cache_block, stride_cache_tok, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
-            True, True, DOT_PRECISION, UPCAST_DOT, F16_DOTS, FP8_CVT,
+            True, True, DOT_PRECISION, UPCAST_DOT, F16_DOTS, KV_CVT,
         )
 
     o = acc / l_i[:, None]  # every real row saw >= 1 position, so l_i > 0 there
-    if KV_FP8:
+    if KV_QUANT:
         o = o * load_scale(v_scale, SCALE_IS_PTR)
     out_off = tokens[:, None] * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + dims[None, :]
     tl.store(out_ptr + out_off, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
@@ -155,7 +156,7 @@ class PrefillTiles:
     block_n: int
     num_warps: int
     num_stages: int
-    fp8_cvt: Fp8Cvt = Fp8Cvt.OPERAND  # where an fp8 cache's tiles become fp16
+    kv_cvt: KvCvt = KvCvt.OPERAND  # where a quantized cache's tiles become fp16
 
 
 def choose_prefill_tiles(head_dim: int, max_query_len: int) -> PrefillTiles:
@@ -197,7 +198,7 @@ def paged_prefill_attention(
     seq_lens: `[B]` int32 (KV length incl. these queries, whose K/V are already in the cache);
     block_tables: `[B, max_blocks]` int32; max_query_len: a host int >= every q_len (tokens of a
     longer sequence past it are left unwritten). Rows with q_len = 1 (decodes) may be mixed in.
-    q's dtype is the cache's, or fp32/fp16/bf16 for an fp8 cache, whose values times
+    q's dtype is the cache's, or fp32/fp16/bf16 for an fp8 or int8 cache, whose values times
     k_scale/v_scale (None = 1.0; Python floats or one-element float32 tensors) are K and V.
     tiles: override the tuned choice (`choose_prefill_tiles`), for sweeps and tests.
     Mutates only `out`. No host syncs.
@@ -240,7 +241,7 @@ def paged_prefill_attention(
         return out
     if tiles is None:
         tiles = choose_prefill_tiles(head_dim, max_query_len)
-    dots = tile_dots(q.dtype, kv_cache.dtype, tiles.fp8_cvt, q.device)
+    dots = tile_dots(q.dtype, kv_cache.dtype, tiles.kv_cvt, q.device)
     num_m_tiles = triton.cdiv(max_query_len, tiles.block_m)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _prefill_kernel[(num_m_tiles, num_heads, batch)](
@@ -256,9 +257,9 @@ def paged_prefill_attention(
         BLOCK_N=tiles.block_n,
         DOT_PRECISION=dots.precision,
         UPCAST_DOT=dots.upcast,
-        KV_FP8=kv_cache.dtype == FP8_KV_DTYPE,
+        KV_QUANT=is_quantized_kv(kv_cache.dtype),
         F16_DOTS=dots.f16,
-        FP8_CVT=int(dots.fp8_cvt),
+        KV_CVT=int(dots.kv_cvt),
         SCALE_IS_PTR=isinstance(ks, torch.Tensor),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,

@@ -4,9 +4,10 @@ These are written for clarity, not speed: the attention references loop over seq
 host (reading `seq_lens` with `.tolist()`), so they are not CUDA-graph capturable. All math is
 done in float32 and cast back to the input dtype, as the kernels do. They run on any device.
 
-fp8 (e4m3) caches: `write_kv_ref` stores `clamp(x * (1 / scale), -448, 448)` rounded to fp8 and
-the attention references read `stored * scale`, with one K and one V scale (floats or one-element
-tensors, read on the host here).
+Quantized caches: `write_kv_ref` stores `clamp(x * (1 / scale), -448, 448)` rounded to fp8
+(e4m3), or `clamp(x * (1 / scale), -127, 127)` rounded to the nearest integer (halves away from
+zero) for int8, and the attention references read `stored * scale`, with one K and one V scale
+(floats or one-element tensors, read on the host here).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import torch
 import torch.nn.functional as F
 
 FP8_E4M3_MAX = 448.0
+INT8_KV_MAX = 127.0
+QUANT_KV_DTYPES = (torch.float8_e4m3fn, torch.int8)
 
 
 def _scale_value(scale: float | torch.Tensor | None) -> float:
@@ -27,12 +30,27 @@ def quantize_fp8_ref(x: torch.Tensor, scale: float | torch.Tensor | None) -> tor
     return y.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
 
 
+def quantize_int8_ref(x: torch.Tensor, scale: float | torch.Tensor | None) -> torch.Tensor:
+    """`x / scale`, saturated to +-127, rounded to the nearest integer with halves away from
+    zero (computed in float32), as int8."""
+    y = (x.float() * (1.0 / _scale_value(scale))).clamp(-INT8_KV_MAX, INT8_KV_MAX)
+    return (torch.sign(y) * torch.floor(y.abs() + 0.5)).to(torch.int8)
+
+
+def quantize_ref(x: torch.Tensor, scale: float | torch.Tensor | None,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """`x` quantized for a cache of `dtype` (fp8 e4m3 or int8)."""
+    if dtype == torch.int8:
+        return quantize_int8_ref(x, scale)
+    return quantize_fp8_ref(x, scale)
+
+
 def dequantize_kv_ref(kv_cache: torch.Tensor, k_scale: float | torch.Tensor | None,
                       v_scale: float | torch.Tensor | None) -> torch.Tensor:
-    """A cache `[2, NB, BS, Hkv, D]` in float32 with fp8 values multiplied by their scales
-    (other dtypes are only upcast)."""
+    """A cache `[2, NB, BS, Hkv, D]` in float32 with quantized (fp8 or int8) values multiplied
+    by their scales (other dtypes are only upcast)."""
     out = kv_cache.float()
-    if kv_cache.dtype == torch.float8_e4m3fn:
+    if kv_cache.dtype in QUANT_KV_DTYPES:
         out[0] *= _scale_value(k_scale)
         out[1] *= _scale_value(v_scale)
     return out
@@ -48,17 +66,17 @@ def write_kv_ref(
 ) -> None:
     """Scatter `key`/`value` `[T, Hkv, D]` into `kv_cache` `[2, NB, BS, Hkv, D]` in place.
 
-    Slot `s` is block `s // BS`, offset `s % BS`; slots < 0 are skipped. An fp8 cache stores
-    the values quantized with k_scale / v_scale.
+    Slot `s` is block `s // BS`, offset `s % BS`; slots < 0 are skipped. A quantized (fp8 or
+    int8) cache stores the values quantized with k_scale / v_scale.
     """
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     flat_k = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [NB * BS, Hkv, D]
     flat_v = kv_cache[1].view(-1, num_kv_heads, head_dim)
-    if kv_cache.dtype == torch.float8_e4m3fn:
-        flat_k[slots] = quantize_fp8_ref(key[valid], k_scale)
-        flat_v[slots] = quantize_fp8_ref(value[valid], v_scale)
+    if kv_cache.dtype in QUANT_KV_DTYPES:
+        flat_k[slots] = quantize_ref(key[valid], k_scale, kv_cache.dtype)
+        flat_v[slots] = quantize_ref(value[valid], v_scale, kv_cache.dtype)
     else:
         flat_k[slots] = key[valid].to(kv_cache.dtype)
         flat_v[slots] = value[valid].to(kv_cache.dtype)
@@ -89,10 +107,10 @@ def paged_attention_ref(
     """Causal varlen attention over a paged cache; returns `[T, H, D]` in q's dtype.
 
     Query token `i` of sequence `b` sits at KV position `seq_len_b - q_len_b + i` and attends to
-    KV positions `<=` it. A sequence with `seq_len == 0` yields zeros. An fp8 cache is
-    dequantized with k_scale / v_scale first.
+    KV positions `<=` it. A sequence with `seq_len == 0` yields zeros. A quantized (fp8 or
+    int8) cache is dequantized with k_scale / v_scale first.
     """
-    if kv_cache.dtype == torch.float8_e4m3fn:
+    if kv_cache.dtype in QUANT_KV_DTYPES:
         kv_cache = dequantize_kv_ref(kv_cache, k_scale, v_scale)
     group = q.shape[1] // kv_cache.shape[3]
     out = torch.zeros_like(q)

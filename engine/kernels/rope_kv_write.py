@@ -4,7 +4,7 @@ Per token (one program each) this rotates all q heads in place, rotates all k he
 stores the rotated k and the unchanged v in the token's cache slot. A decode step thus launches
 one kernel per layer instead of two and reads k once. The results equal the two separate kernels
 bit for bit: the rotation runs in float32 like rotary.py, and the cache receives the rotated k
-after rounding to k's dtype (then quantized exactly as kv_write.py does for an fp8 cache).
+after rounding to k's dtype (then quantized exactly as kv_write.py does for an fp8 or int8 cache).
 
 Layouts are those of rotary.py (`cos_sin_cache [max_pos, D]`: cos | sin halves; neox or GPT-J
 pairs) and kv_write.py (`kv_cache [2, num_blocks, block_size, Hkv, D]`, slot -1 = skip).
@@ -16,16 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._checks import (
-    FP8_E4M3_MAX,
-    FP8_KV_DTYPE,
-    check_devices,
-    interpret_mode,
-    next_power_of_2,
-)
+from engine.kernels._checks import check_devices, next_power_of_2
 from engine.kernels._pdl import pdl_release, pdl_wait, use_pdl
 from engine.kernels._tl import load_scale
-from engine.kernels.kv_write import _store_to_cache, check_write_kv_args
+from engine.kernels.kv_write import _store_to_cache, check_write_kv_args, store_args
 from engine.kernels.rotary import _rotated_heads, check_rotary_args, load_cos_sin
 
 
@@ -54,7 +48,8 @@ def _rope_kv_write_kernel(
     IS_NEOX: tl.constexpr,
     QUANT: tl.constexpr,
     SCALE_IS_PTR: tl.constexpr,
-    FP8_MAX: tl.constexpr,
+    Q_MAX: tl.constexpr,
+    ROUND_INT: tl.constexpr,
     PRE_ROUND: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -84,13 +79,16 @@ def _rope_kv_write_kernel(
         row = slot * (NUM_KV_HEADS * 2 * HALF)
         inv_ks = 1.0 / load_scale(k_scale, SCALE_IS_PTR)
         inv_vs = 1.0 / load_scale(v_scale, SCALE_IS_PTR)
-        _store_to_cache(k_cache_ptr + row + off1, k1, inv_ks, mask, QUANT, FP8_MAX, PRE_ROUND)
-        _store_to_cache(k_cache_ptr + row + off2, k2, inv_ks, mask, QUANT, FP8_MAX, PRE_ROUND)
+        _store_to_cache(k_cache_ptr + row + off1, k1, inv_ks, mask, QUANT, Q_MAX, ROUND_INT,
+                        PRE_ROUND)
+        _store_to_cache(k_cache_ptr + row + off2, k2, inv_ks, mask, QUANT, Q_MAX, ROUND_INT,
+                        PRE_ROUND)
         heads = tl.arange(0, BLOCK_HKV)[:, None]
         v_off = heads * (2 * HALF) + tl.arange(0, 2 * HALF)[None, :]  # [BLOCK_HKV, D]
         v_mask = heads < NUM_KV_HEADS
         v = tl.load(v_ptr + token * stride_v + v_off, mask=v_mask)
-        _store_to_cache(v_cache_ptr + row + v_off, v, inv_vs, v_mask, QUANT, FP8_MAX, PRE_ROUND)
+        _store_to_cache(v_cache_ptr + row + v_off, v, inv_vs, v_mask, QUANT, Q_MAX, ROUND_INT,
+                        PRE_ROUND)
 
 
 def rotary_and_write_kv(
@@ -111,8 +109,8 @@ def rotary_and_write_kv(
     Mutates q, k and kv_cache, exactly as `rotary_embedding(positions, q, k, cos_sin_cache,
     is_neox)` followed by `write_kv(k, v, kv_cache, slot_mapping, k_scale, v_scale)`, and takes
     what both take: q/k/v dense in their last two dims (a padded token stride, e.g. views of a
-    fused QKV output, is fine), k/v in the cache's dtype (any float dtype for an fp8 cache),
-    k_scale/v_scale only for an fp8 cache (floats or one-element float32 tensors; CUDA-graph
+    fused QKV output, is fine), k/v in the cache's dtype (any float dtype for an fp8 or int8 cache),
+    k_scale/v_scale only for an fp8 or int8 cache (floats or one-element float32 tensors; CUDA-graph
     capturable). Positions `< max_pos` and slots `< num_blocks * block_size` are not checked
     (that would need a host sync).
     """
@@ -144,10 +142,8 @@ def rotary_and_write_kv(
         BLOCK_HKV=next_power_of_2(num_kv_heads),
         HALF=head_dim // 2,
         IS_NEOX=bool(is_neox),
-        QUANT=kv_cache.dtype == FP8_KV_DTYPE,
         SCALE_IS_PTR=isinstance(ks, torch.Tensor),
-        FP8_MAX=FP8_E4M3_MAX,
-        PRE_ROUND=interpret_mode(),
+        **store_args(kv_cache.dtype),
         USE_PDL=pdl,
         num_warps=4,
         launch_pdl=pdl,
