@@ -87,7 +87,7 @@ class SuiteSizes:
 STEP_LIMITS_S: dict[str, float] = {
     "latency_eager": 120, "latency_graphs": 150, "ttft_4096": 60,
     "throughput_random": 180, "concurrent_128": 60, "hf_baseline_128": 120,
-    "throughput_random_fp8": 180,
+    "throughput_random_fp8": 180, "throughput_random_int8": 180,
 }
 # Run only when named in --steps (not part of the default run).
 STEPS = tuple(STEP_LIMITS_S)
@@ -120,9 +120,9 @@ class EngineHolder:
         if self._llm is None or self._key != key:
             self.release()
             s = self._sizes
-            fp8_kv = kv_cache_dtype == "fp8"
-            max_num_seqs = s.fp8_kv_max_num_seqs if fp8_kv else s.max_num_seqs
-            graph_max = max(s.cuda_graph_max_batch, max_num_seqs) if fp8_kv else \
+            one_byte_kv = kv_cache_dtype in ("fp8", "int8")  # twice the sequences fit
+            max_num_seqs = s.fp8_kv_max_num_seqs if one_byte_kv else s.max_num_seqs
+            graph_max = max(s.cuda_graph_max_batch, max_num_seqs) if one_byte_kv else \
                 s.cuda_graph_max_batch
             settings = offline.EngineSettings(
                 model=s.model, dtype="bfloat16", max_model_len=s.max_model_len,
@@ -217,6 +217,9 @@ def build_steps(holder: EngineHolder, s: SuiteSizes) -> dict[str, Callable[[], d
         "throughput_random_fp8": lambda: _throughput(holder, vocab, s.tput_num_prompts,
                                                      s.tput_input_len, s.tput_output_len,
                                                      kv_cache_dtype="fp8"),
+        "throughput_random_int8": lambda: _throughput(holder, vocab, s.tput_num_prompts,
+                                                      s.tput_input_len, s.tput_output_len,
+                                                      kv_cache_dtype="int8"),
     }
 
 

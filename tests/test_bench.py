@@ -439,9 +439,10 @@ def test_summary_headline_and_gaps(tmp_path: Path) -> None:
     assert doc["failed_steps"] == {"ttft_4096": "StepTimeout: too slow"}
 
 
-def test_suite_builds_the_fp8_kv_engine_at_its_own_batch() -> None:
-    """The fp8-KV throughput step's engine takes `fp8_kv_max_num_seqs` sequences and captures
-    graphs up to that batch; the bf16 engines keep `max_num_seqs` and the graph cap as given."""
+def test_suite_builds_the_one_byte_kv_engines_at_their_own_batch() -> None:
+    """The fp8- and int8-KV throughput steps' engines take `fp8_kv_max_num_seqs` sequences and
+    capture graphs up to that batch; the bf16 engines keep `max_num_seqs` and the graph cap as
+    given."""
     sizes = dataclasses.replace(h200_suite.SuiteSizes.small("dummy:tiny"), max_num_seqs=4,
                                 fp8_kv_max_num_seqs=12, cuda_graph_max_batch=8)
     holder = h200_suite.EngineHolder(sizes)
@@ -449,6 +450,9 @@ def test_suite_builds_the_fp8_kv_engine_at_its_own_batch() -> None:
         config = holder.get(enforce_eager=True, kv_cache_dtype="fp8").engine.config
         assert config.scheduler.max_num_seqs == 12 and config.runner.cuda_graph_max_batch == 12
         assert config.cache.kv_cache_dtype == "fp8"
+        config = holder.get(enforce_eager=True, kv_cache_dtype="int8").engine.config
+        assert config.scheduler.max_num_seqs == 12 and config.runner.cuda_graph_max_batch == 12
+        assert config.cache.kv_cache_dtype == "int8"
         config = holder.get(enforce_eager=True).engine.config
         assert config.scheduler.max_num_seqs == 4 and config.runner.cuda_graph_max_batch == 8
     finally:
