@@ -298,21 +298,37 @@ class ModelRunner:
     def measure_kv_amax(self, token_ids: list[int]) -> torch.Tensor:
         """One prefill of `token_ids` with a float cache → each layer's largest |K| (as cached:
         after RoPE) and |V|, `[L, 2]` float32 on the CPU."""
-        n = len(token_ids)
-        if n == 0:
-            raise ValueError("calibration needs at least one token")
-        scratch = torch.zeros(self.model_config.num_hidden_layers, 2, -(-n // self.block_size),
-                              *self.kv_shape_per_block[2:], dtype=self.dtype, device=self.device)
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        pos = torch.arange(n, device=self.device)
-        with forward_context(ForwardContext(self._metadata_for_profile(n),
-                                            list(scratch.unbind(0)), None)):
-            self.model(ids, pos)
+        _, scratch = self._scratch_prefill(token_ids, self.dtype, None)
         amax = scratch.abs().amax(dim=(2, 3, 4, 5)).float().cpu()
         if not bool(torch.isfinite(amax).all()):
             raise ConfigError("the KV calibration pass produced non-finite K/V; the model's "
                               "activations overflow its dtype")
         return amax
+
+    @torch.inference_mode()
+    def prefill_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits `[n, vocab]` (float32, CPU) of every position of one prefill of `token_ids`
+        over a scratch cache of this runner's KV dtype and scales: every position reads its own
+        and earlier K/V back from the cache, as decoding does (accuracy probes)."""
+        hidden, _ = self._scratch_prefill(token_ids, self.kv_dtype, self.kv_scale_values)
+        return self.model.compute_logits(hidden).float().cpu()
+
+    def _scratch_prefill(self, token_ids: list[int], kv_dtype: torch.dtype,
+                         scales: list[tuple[float, float]] | None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One prefill of `token_ids` into a fresh cache of `kv_dtype` (not the engine's) →
+        (hidden states [n, hidden], that cache [L, 2, blocks, bs, Hkv, D])."""
+        n = len(token_ids)
+        if n == 0:
+            raise ValueError("a scratch prefill needs at least one token")
+        scratch = torch.zeros(self.model_config.num_hidden_layers, 2, -(-n // self.block_size),
+                              *self.kv_shape_per_block[2:], dtype=kv_dtype, device=self.device)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        pos = torch.arange(n, device=self.device)
+        with forward_context(ForwardContext(self._metadata_for_profile(n),
+                                            list(scratch.unbind(0)), scales)):
+            hidden = self.model(ids, pos)
+        return hidden, scratch
 
     # ---- sizing ----------------------------------------------------------------------------
 

@@ -281,3 +281,19 @@ def test_kv_scales_command_calibrates_on_a_text(tmp_path: Path) -> None:
                         for i in range(0, len(ids), 32)]).amax(0)
     assert torch.all(scales * INT8_KV_MAX >= amax)
     assert torch.all(scales * INT8_KV_MAX <= amax * (1 + 1 / 8))
+
+
+def test_prefill_logits_are_the_engines_teacher_forced_logits(
+        tiny_model_dirs: dict[str, Path]) -> None:
+    """`ModelRunner.prefill_logits` (bench/probe_kv_accuracy.py) is the engine's own forward:
+    one prefill over a scratch cache gives every position's logits as the scheduled engine
+    computes them (the float cache exactly; int8 reading back its own quantized K/V)."""
+    tokens = [(5 * i + 2) % 384 for i in range(24)]
+    for dtype, tol in (("auto", 1e-5), ("int8", 1e-5)):
+        engine = _int8_llm(tiny_model_dirs["llama"]).engine if dtype == "int8" else tiny_llm(
+            tiny_model_dirs["llama"], max_model_len=64).engine
+        got = engine.runner.prefill_logits(tokens)
+        engine.add_request("r", tokens, greedy(1))
+        want = run_to_end(engine)["r"].logits_matrix()
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
