@@ -60,10 +60,15 @@ FP8_TPUT_TILES += [DecodeTiles(n, 1, st, False, KvCvt.V_REGS, reg) for n, st, re
 BS1_TILES = [DecodeTiles(n, 4, st, hm) for n, st, hm in itertools.product(
     (16, 32, 64), (2, 3), (False, True))]
 BS1_SPLITS = (4, 8, 16, 32)
-# int8 sweeps fp8's one-byte tiles, and Triton's own conversion beside the in-register one.
+# int8 sweeps fp8's one-byte tiles, Triton's own conversion beside the in-register one, and the
+# QK dot on int8 (`DecodeTiles.qk_int8`: K never converted).
 INT8_TPUT_TILES = FP8_TPUT_TILES[:14] + [
     DecodeTiles(n, w, st, False, KvCvt.OPERAND) for n, w, st in (
-        (32, 1, 3), (64, 4, 3), (128, 4, 3))]
+        (32, 1, 3), (64, 4, 3), (128, 4, 3))] + [
+    DecodeTiles(n, w, st, False, cvt, None, True) for n, w, st, cvt in (
+        (16, 1, 3, KvCvt.V_REGS), (32, 1, 2, KvCvt.V_REGS), (32, 1, 3, KvCvt.V_REGS),
+        (32, 1, 4, KvCvt.V_REGS), (64, 1, 3, KvCvt.V_REGS), (64, 2, 3, KvCvt.V_REGS),
+        (128, 4, 3, KvCvt.V_REGS), (32, 1, 3, KvCvt.OPERAND), (64, 4, 3, KvCvt.OPERAND))]
 MAX_REL_DIFF = 2e-2
 CACHE_DTYPES = {"bf16": torch.bfloat16, "fp8": FP8_KV_DTYPE, "int8": INT8_KV_DTYPE}
 # Stored values are N(0, 1) times these (int8: rounded); the kernel multiplies them back.
@@ -120,12 +125,13 @@ def _tput_case(batch: int, ctx: int, kv: str, gen: torch.Generator,
             continue
         rows.append({"block_n": tiles.block_n, "warps": tiles.num_warps,
                      "stages": tiles.num_stages, "head_major": tiles.head_major,
-                     "kv_cvt": tiles.kv_cvt.name, "maxnreg": tiles.maxnreg, "ms": ms,
+                     "kv_cvt": tiles.kv_cvt.name, "maxnreg": tiles.maxnreg,
+                     "qk_int8": tiles.qk_int8, "ms": ms,
                      "tb_s": kv_bytes / ms / 1e9, "rel_diff": diff,
                      "ok": bool(diff < MAX_REL_DIFF), "default": tiles == default})
     ok = sorted((r for r in rows if r.get("ok")), key=lambda r: r["ms"])
     return {"kv_bytes": kv_bytes, "num_splits": choose_num_splits(batch, HKV, ctx),
-            "best": ok[:6], "default": [r for r in rows if r.get("default")],
+            "best": ok[:10], "default": [r for r in rows if r.get("default")],
             "bad": [r for r in rows if not r.get("ok")]}
 
 

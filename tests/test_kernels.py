@@ -871,6 +871,32 @@ def test_prefill_int8_matches_dequantized_reference(q_dtype: torch.dtype) -> Non
     assert_close_for(got, want, q_dtype)
 
 
+@pytest.mark.parametrize("kv_cvt", [KvCvt.OPERAND, KvCvt.V_REGS])
+def test_decode_int8_qk_dot_matches_dequantized_reference(kv_cvt: KvCvt) -> None:
+    """`DecodeTiles.qk_int8`: q quantized per row to int8 and the QK dot on int8 (exact integer
+    products); the only added error is q's rounding, within the bf16 tolerance. Split and
+    several-token (verify) launches too."""
+    batch = _int8_batch([1, 1, 1], [5, 17, 30], torch.bfloat16)
+    want = R.paged_decode_attention_ref(batch.q, batch.kv_cache, batch.block_tables,
+                                        batch.seq_lens, 0.3, 0.025, 0.02)
+    tiles = decode_mod.DecodeTiles(16, 1, 1, kv_cvt=kv_cvt, qk_int8=True)
+    for splits in (1, 3):
+        got = K.paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables,
+                                       batch.seq_lens, 0.3, num_splits=splits, k_scale=0.025,
+                                       v_scale=0.02, tiles=tiles)
+        assert_close_for(got, want, torch.bfloat16)
+    multi = make_batch([4, 4], [4, 29], num_heads=8, num_kv_heads=2, head_dim=16, block_size=4,
+                       seed=79)
+    multi.q = multi.q.to(torch.bfloat16)
+    multi.kv_cache = (multi.kv_cache * 40).round().clamp(-127, 127).to(INT8)
+    want = R.paged_attention_ref(multi.q, multi.kv_cache, multi.query_start_loc, multi.seq_lens,
+                                 multi.block_tables, 0.3, 0.025, 0.02)
+    got = K.paged_decode_attention(multi.q, multi.kv_cache, multi.block_tables, multi.seq_lens,
+                                   0.3, num_splits=2, query_len=4, k_scale=0.025, v_scale=0.02,
+                                   tiles=tiles)
+    assert_close_for(got, want, torch.bfloat16)
+
+
 def test_int8_cache_takes_the_fp16_dot_path_and_falls_back_on_the_cpu() -> None:
     """bf16/fp16 q over an int8 cache run fp16 dots like fp8 (int8 values are exact in fp16);
     the in-register conversion (`s8x4_to_f16`, inline asm) is for CUDA devices only."""

@@ -88,6 +88,8 @@ def attend_kv_tile(
     UPCAST_DOT: tl.constexpr,  # interpreter only: its bf16 tl.dot is wrong (Triton 3.9)
     Q_PRESCALED: tl.constexpr,  # q already carries qk_scale (the fp16 path of a quantized cache)
     KV_CVT: tl.constexpr = 0,  # a `KvCvt`: where one-byte K/V become fp16 (Q_PRESCALED only)
+    q_scale=None,  # [M] float32, QK_INT8 only: q = q_scale * q (int8), prescaled
+    QK_INT8: tl.constexpr = False,  # int8 cache: the QK dot on int8 q and the int8 K tile as read
 ):
     pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     dims = tl.arange(0, HEAD_DIM)
@@ -103,16 +105,19 @@ def attend_kv_tile(
         k = tl.load(k_head_ptr + kv_off, mask=in_bounds[:, None], other=0.0)
     else:
         k = tl.load(k_head_ptr + kv_off)
-    if KV_CVT == 2:  # KvCvt.KV_REGS
-        k = byte_kv_to_f16(k)
-    else:  # quantized cache -> fp16 or fp32; a no-op when the cache is q's dtype
-        k = k.to(q.dtype)
-    if UPCAST_DOT:
-        q = q.to(tl.float32)
-        k = k.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, BLOCK_N]
-    if not Q_PRESCALED:
-        s = s * qk_scale
+    if QK_INT8:  # integer dot, exact; one multiply per score restores the log2-domain scale
+        s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * q_scale[:, None]
+    else:
+        if KV_CVT == 2:  # KvCvt.KV_REGS
+            k = byte_kv_to_f16(k)
+        else:  # quantized cache -> fp16 or fp32; a no-op when the cache is q's dtype
+            k = k.to(q.dtype)
+        if UPCAST_DOT:
+            q = q.to(tl.float32)
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, BLOCK_N]
+        if not Q_PRESCALED:
+            s = s * qk_scale
     if CAUSAL:
         visible = pos[None, :] <= q_pos[:, None]
         if BOUNDS_MASK:
@@ -132,12 +137,27 @@ def attend_kv_tile(
         v = tl.load(v_head_ptr + kv_off)
     if KV_CVT != 0:  # KvCvt.V_REGS or KV_REGS
         v = byte_kv_to_f16(v)
+    elif QK_INT8:  # q is int8 here; the PV dot stays on the fp16 path
+        v = v.to(tl.float16)
     else:
         v = v.to(q.dtype)
     if UPCAST_DOT:
         v = v.to(tl.float32)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
+
+
+@triton.jit
+def int8_scaled_q(q, qk_scale):
+    """q times the whole score scale, quantized per row to int8 (symmetric, the row's largest
+    |value| at 127, halves away from zero): (q int8 [M, D], scale [M] float32). The operand
+    of the int8 QK dot (`QK_INT8`); a row of zeros keeps scale 1."""
+    qf = q.to(tl.float32) * qk_scale
+    amax = tl.max(tl.abs(qf), axis=1)
+    scale = tl.where(amax > 0.0, amax / 127.0, 1.0)
+    y = qf / scale[:, None]
+    y = y + tl.where(y >= 0.0, 0.5, -0.5)
+    return y.to(tl.int8), scale
 
 
 @triton.jit

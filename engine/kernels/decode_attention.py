@@ -52,6 +52,7 @@ from engine.kernels._attention_tile import (
     KvCvt,
     attend_kv_tile,
     fp16_scaled_q,
+    int8_scaled_q,
     tile_dots,
 )
 from engine.kernels._checks import (
@@ -135,6 +136,7 @@ def _decode_split_kernel(
     HEAD_MAJOR: tl.constexpr,  # grid (Hkv, B, S) instead of (B, Hkv, S); see `DecodeTiles`
     USE_PDL: tl.constexpr,
     QUERY_LEN: tl.constexpr = 1,  # query tokens per sequence (q, out: [B * QUERY_LEN, H, D])
+    QK_INT8: tl.constexpr = False,  # int8 cache: QK dot on int8 (see `DecodeTiles.qk_int8`)
 ):
     pdl_wait(USE_PDL)  # everything below reads what earlier kernels wrote
     pdl_release(USE_PDL)
@@ -166,7 +168,10 @@ def _decode_split_kernel(
     q_pos = shared_len - 1 + token  # [BLOCK_G] each row's own position (read when causal)
     if KV_QUANT:
         qk_scale = qk_scale * load_scale(k_scale, SCALE_IS_PTR)
-    if F16_DOTS:  # once per program: the tile step then skips the per-score multiply
+    q_scale = None
+    if QK_INT8:
+        q, q_scale = int8_scaled_q(q, qk_scale)
+    elif F16_DOTS:  # once per program: the tile step then skips the per-score multiply
         q = fp16_scaled_q(q, qk_scale)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -179,7 +184,8 @@ def _decode_split_kernel(
         acc, l_i, m_i = attend_kv_tile(
             acc, l_i, m_i, q, q_pos, n0, end, block_table_ptr, k_head_ptr, v_head_ptr,
             qk_scale, stride_cache_block, stride_cache_tok, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
-            True, QUERY_LEN > 1, DOT_PRECISION, UPCAST_DOT, F16_DOTS, KV_CVT,
+            True, QUERY_LEN > 1, DOT_PRECISION, UPCAST_DOT, F16_DOTS, KV_CVT, q_scale,
+            QK_INT8,
         )
     if KV_QUANT:
         acc = acc * load_scale(v_scale, SCALE_IS_PTR)
@@ -348,6 +354,10 @@ class DecodeTiles:
     # A cap on registers per thread (Triton's `maxnreg`; None: the compiler's choice). ncu saw
     # the one-warp fp8 program at 180 registers, 8 warps per SM (ncu_decode_fp8_1warp_c37dd9a).
     maxnreg: int | None = None
+    # int8 cache: q quantized per row to int8 once per program and the QK dot run on int8
+    # tensor cores straight on the K tile as read (no conversion of K; scores exact up to q's
+    # rounding, 1/254 of its row's largest value, as SageAttention's INT8 QK). PV stays fp16.
+    qk_int8: bool = False
 
 
 def choose_decode_tiles(head_dim: int, kv_dtype: torch.dtype | None = None,
@@ -524,6 +534,7 @@ def _launch(
         HEAD_MAJOR=tiles.head_major,
         USE_PDL=pdl,
         QUERY_LEN=query_len,
+        QK_INT8=tiles.qk_int8 and kv_cache.dtype == torch.int8 and dots.f16,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
         maxnreg=tiles.maxnreg,
