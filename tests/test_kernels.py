@@ -906,7 +906,7 @@ def test_int8_cache_takes_the_fp16_dot_path_and_falls_back_on_the_cpu() -> None:
     cpu = torch.device("cpu")
     assert not kv_cvt_supported(cpu, INT8)
     assert tile_dots(torch.bfloat16, INT8, KvCvt.V_REGS, cpu).kv_cvt == KvCvt.OPERAND
-    assert decode_mod.choose_decode_tiles(128, INT8) == decode_mod.choose_decode_tiles(128, FP8)
+    assert decode_mod.choose_decode_tiles(128, INT8).qk_int8  # the int8 QK dot (measured faster)
 
 
 def test_verify_steps_split_less_than_decodes() -> None:
