@@ -20,10 +20,10 @@ the tile step itself never sees a KV scale. The operand dtype (`tile_dots`):
   sm_89+, while e4m3 -> bf16 has no direct instruction on Hopper (it goes through f16/f32) and
   halved the decode kernel's bandwidth on an H200; int8 -> fp16 takes two byte permutes, an XOR
   and a packed subtract per four values in registers (`s8x4_to_f16`). The caller multiplies q by
-  the whole `qk_scale` once,
-  before the KV loop, and rounds it to fp16 (`fp16_scaled_q`), so the QK dot yields log2-domain
-  scores directly (`Q_PRESCALED`: no per-score multiply) and q shrinks by ~log2(e) / sqrt(D) *
-  k_scale (no fp16 overflow for realistic activations; the dots accumulate in fp32). fp16 has a
+  the whole `qk_scale` once, before the KV loop, and rounds it to fp16 (`fp16_scaled_q`), so the
+  QK dot yields log2-domain scores directly (`Q_PRESCALED`: no per-score multiply) and q
+  shrinks by ~log2(e) / sqrt(D) * k_scale (no fp16 overflow for realistic activations; the dots
+  accumulate in fp32). fp16 has a
   10-bit mantissa, bf16 7: the scaled q in fp16 is at least as precise as a bf16 q was (an fp16
   q takes one more rounding at its own precision). Only entries below fp16's normal range,
   |q * qk_scale| < 2**-14, lose relative precision, and each adds at most 2**-25 * |k| to a
@@ -39,6 +39,14 @@ the tile step itself never sees a KV scale. The operand dtype (`tile_dots`):
   time: sm_90 SASS of the fp8 decode loop at 128-position tiles drops from 1,332 to 761
   instructions per iteration and from 194 to 149 registers (Triton 3.6, compiled offline), and
   the H200 read 3.20 TB/s (bench/results/h200/probe_decode_fp8cvt_7f50869.json).
+- int8 cache, 16-bit q, `QK_INT8` (the decode kernel's default for int8): the scaled q is
+  quantized per row to int8 instead (`int8_scaled_q`: its row's largest |value| at 127), the QK
+  dot runs on int8 tensor cores straight on the K tile as loaded (no conversion of K) and
+  accumulates exactly in int32, and one multiply by q's row scale gives the log2-domain score.
+  The only added error is q's rounding, up to 1/254 of its row's largest value (SageAttention
+  quantizes q the same way): decode outputs within 6.9e-3 relative of the reference against
+  1.0e-3 through fp16, for 3.58 instead of 2.93 TB/s on an H200
+  (bench/results/h200/probe_decode_qk8_31e9531.json). P and V stay on the fp16 path.
 - quantized cache, fp32 q: fp32 operands and IEEE dots, as for an fp32 cache (exact dequantisation;
   the slow path, kept as the precise one).
 - any other cache: q's dtype, which is the cache's.

@@ -33,9 +33,12 @@ different streams are not supported (the engine runs one stream).
 A quantized (fp8 or int8) cache holds K/V divided by per-layer scales: the K scale is folded into
 `qk_scale` and each split's `acc` is multiplied by the V scale (softmax weights are unaffected by
 either). With bf16/fp16 q the tile dots then run in fp16 (the fp8 -> fp16 conversion is one
-instruction per two values, int8 -> fp16 a few integer ops; fp8 -> bf16 is several): q is multiplied by the whole `qk_scale` and rounded to fp16 once
-per program, which is at least as precise as the bf16 q itself (10-bit vs 7-bit mantissa);
-K, V and P are fp16, the accumulators float32. See `engine/kernels/_attention_tile.py`.
+instruction per two values, int8 -> fp16 a few integer ops; fp8 -> bf16 is several): q is
+multiplied by the whole `qk_scale` and rounded to fp16 once per program, which is at least as
+precise as the bf16 q itself (10-bit vs 7-bit mantissa); K, V and P are fp16, the accumulators
+float32. See `engine/kernels/_attention_tile.py`.
+Over an int8 cache the QK dot runs on int8 by default (`DecodeTiles.qk_int8`): q is quantized per
+row once per program and K is never converted.
 """
 
 from __future__ import annotations
