@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from protos.auth import AuthConfigError, check_secret
+from protos.tls import TlsConfigError, read_pem
 
 # The engine's limit on drafts per step (engine.config.MAX_SPECULATIVE_TOKENS, kept equal by
 # tests/test_spec_policy.py; the gateway imports no engine config). A `speculative_tokens`
@@ -44,6 +45,12 @@ class GatewayConfig:
     tokenizer_path: str = ""                  # tokenizer.json / .gguf; "" = the embedded SmolLM2 GGUF
     max_model_len: int = 8192                 # prompt + output tokens
     api_key: str | None = None                # bearer token for /v1/* and gRPC; None = no auth
+    # TLS on the public ports (REST and gRPC), as vLLM's --ssl-certfile/--ssl-keyfile: PEM files
+    # of the gateway's certificate chain and key (both or neither); with `ssl_ca_certs` clients
+    # must also present a certificate that CA signed. None: plaintext (TLS ends at an ingress).
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None
     # The cluster's shared secret sent with every call to the workers (protos/auth.py; from
     # SPLITSERVE_INTERNAL_TOKEN); None: the workers take calls without one.
     internal_token: str | None = None
@@ -73,6 +80,25 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         self.validate()
 
+    @property
+    def tls(self) -> bool:
+        """Whether the public ports serve TLS."""
+        return self.ssl_certfile is not None
+
+    def _validate_tls(self) -> None:
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise GatewayConfigError("ssl_certfile and ssl_keyfile go together (both or neither)")
+        if self.ssl_ca_certs is not None and self.ssl_certfile is None:
+            raise GatewayConfigError("ssl_ca_certs (client certificates) needs ssl_certfile and "
+                                     "ssl_keyfile")
+        for name in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs"):
+            path = getattr(self, name)
+            if path is not None:
+                try:
+                    read_pem(path, name)
+                except TlsConfigError as e:
+                    raise GatewayConfigError(str(e)) from None
+
     def validate(self) -> None:
         if not self.decode_addresses:
             raise GatewayConfigError("decode_addresses: at least one decode worker is required")
@@ -95,6 +121,7 @@ class GatewayConfig:
                 f"kv_failure_policy must be 'recompute' or 'fail', got {self.kv_failure_policy!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise GatewayConfigError("api_key must not be empty (omit it to disable auth)")
+        self._validate_tls()
         if self.internal_token is not None:
             try:
                 check_secret(self.internal_token, "internal_token")

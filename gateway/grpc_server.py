@@ -15,11 +15,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gateway.config import GatewayConfig
 from gateway.errors import GatewayError
 from gateway.orchestrator import Finished, GenerationJob, TokenDelta
 from gateway.state import GatewayState
 from protos.auth import BearerAuthInterceptor
 from protos.splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from protos.tls import read_pem
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 _FINISH_ENUM = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
@@ -110,6 +112,18 @@ def _response(event: TokenDelta | Finished) -> gateway_pb2.GenerateResponse:
         stop_reason=event.stop_reason or ""))
 
 
+def public_credentials(config: GatewayConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials of the public gRPC port from the config's PEM files (None: plaintext);
+    client certificates are required when `ssl_ca_certs` is set, as on the REST port."""
+    if config.ssl_certfile is None or config.ssl_keyfile is None:
+        return None
+    key = read_pem(config.ssl_keyfile, "ssl_keyfile")
+    chain = read_pem(config.ssl_certfile, "ssl_certfile")
+    ca = None if config.ssl_ca_certs is None else read_pem(config.ssl_ca_certs, "ssl_ca_certs")
+    return grpc.ssl_server_credentials([(key, chain)], root_certificates=ca,
+                                       require_client_auth=ca is not None)
+
+
 class GrpcFrontend:
     """The grpc.aio server: Gateway + health (tracks decode-worker health) + reflection."""
 
@@ -123,7 +137,10 @@ class GrpcFrontend:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        credentials = public_credentials(state.config)
+        self.port = (self.server.add_insecure_port(address) if credentials is None
+                     else self.server.add_secure_port(address, credentials))
         self._tasks: set[asyncio.Task[None]] = set()
         state.router.decode.add_listener(self._schedule_health_update)
 

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import signal
 import socket
+import ssl
 from collections.abc import Iterator, Sequence
 
 import uvicorn
@@ -70,8 +71,13 @@ class GatewayServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(self._rest_addr)
         self.rest_port = sock.getsockname()[1]
-        uv_config = uvicorn.Config(build_app(state), log_level="warning", lifespan="off",
-                                   timeout_graceful_shutdown=int(self.config.shutdown_grace_s) or 1)
+        cfg = self.config
+        uv_config = uvicorn.Config(
+            build_app(state), log_level="warning", lifespan="off",
+            timeout_graceful_shutdown=int(cfg.shutdown_grace_s) or 1,
+            ssl_certfile=cfg.ssl_certfile, ssl_keyfile=cfg.ssl_keyfile,
+            ssl_ca_certs=cfg.ssl_ca_certs,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if cfg.ssl_ca_certs else ssl.CERT_NONE)
         self._uvicorn = _EmbeddedUvicorn(uv_config)
         self._uvicorn_task = asyncio.create_task(self._uvicorn.serve(sockets=[sock]))
         while not self._uvicorn.started:
@@ -79,7 +85,9 @@ class GatewayServer:
                 self._uvicorn_task.result()
                 raise RuntimeError("uvicorn exited during start-up")
             await asyncio.sleep(0.01)
-        log.info("gateway serving REST on :%d, gRPC on :%d", self.rest_port, self.grpc_port)
+        log.info("gateway serving REST on :%d, gRPC on :%d%s", self.rest_port, self.grpc_port,
+                 " over TLS" + (" (client certificates required)" if cfg.ssl_ca_certs else "")
+                 if cfg.tls else "")
 
     async def stop(self) -> None:
         """Stop accepting, let in-flight requests finish for up to `shutdown_grace_s`."""
@@ -138,6 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* and as gRPC metadata on "
                         "Generate")
+    p.add_argument("--ssl-certfile", default=None,
+                   help="serve REST and gRPC over TLS with this PEM certificate (chain)")
+    p.add_argument("--ssl-keyfile", default=None, help="the PEM key of --ssl-certfile")
+    p.add_argument("--ssl-ca-certs", default=None,
+                   help="require client certificates signed by this PEM CA (mutual TLS)")
     p.add_argument("--max-model-len", type=int, default=d["max_model_len"].default)
     p.add_argument("--max-tokens-cap", type=int, default=d["max_tokens_cap"].default)
     p.add_argument("--request-timeout", type=float, default=d["request_timeout_s"].default)
@@ -163,6 +176,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         colocated=args.colocated,
         served_model_name=served_model_name_for(args.model, args.served_model_name),
         tokenizer_path=args.model, max_model_len=args.max_model_len, api_key=args.api_key,
+        ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
+        ssl_ca_certs=args.ssl_ca_certs,
         max_prompt_tokens=args.max_model_len, max_tokens_cap=args.max_tokens_cap,
         request_timeout_s=args.request_timeout, kv_failure_policy=args.kv_failure_policy,
         speculative_tokens=args.speculative_tokens,

@@ -72,11 +72,12 @@ def tls_from_env() -> TlsFiles | None:
 @functools.lru_cache(maxsize=4)
 def _load(cert: str, key: str, ca: str, server_name: str) -> TlsFiles:
     """Read once per process (KV pulls open a channel per pull)."""
-    return TlsFiles(_read_pem(cert, TLS_CERT_ENV), _read_pem(key, TLS_KEY_ENV),
-                    _read_pem(ca, TLS_CA_ENV), server_name)
+    return TlsFiles(read_pem(cert, TLS_CERT_ENV), read_pem(key, TLS_KEY_ENV),
+                    read_pem(ca, TLS_CA_ENV), server_name)
 
 
-def _read_pem(path: str, what: str) -> bytes:
+def read_pem(path: str, what: str) -> bytes:
+    """A PEM file's bytes (at most MAX_PEM_BYTES); TlsConfigError naming `what` otherwise."""
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_PEM_BYTES + 1)

@@ -8,4 +8,4 @@ echo "== protos"; "$PY" scripts/gen_protos.py --check
 echo "== ruff"; "$PY" -m ruff check .
 echo "== mypy"; "$PY" -m mypy splitserve engine kv_transfer serving prefill_service decode_service gateway bench
 [ "${1:-}" = "--lint-only" ] && exit 0
-echo "== pytest"; "$PY" -m pytest -q -p no:cacheprovider "$@"
+echo "== pytest"; "$PY" -m pytest -q -p no:cacheprovider --durations=15 "$@"

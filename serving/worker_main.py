@@ -108,11 +108,14 @@ async def _serve_colocated(argv: list[str], args: argparse.Namespace) -> None:
                               internal_token=token,
                               speculative_tokens=config.speculative.num_speculative_tokens,
                               speculative_max_load=args.speculative_max_load,
-                              speculative_draft_max_load=args.speculative_draft_max_load)
+                              speculative_draft_max_load=args.speculative_draft_max_load,
+                              api_key=args.api_key, ssl_certfile=args.ssl_certfile,
+                              ssl_keyfile=args.ssl_keyfile, ssl_ca_certs=args.ssl_ca_certs)
     gw = GatewayServer(gw_config, rest_host=args.gateway_host, rest_port=args.port or 8000,
                        grpc_host=args.gateway_host, grpc_port=args.grpc_port)
     await gw.start()
-    print(f"splitserve colocated: REST http://{args.gateway_host}:{gw.rest_port}/v1 "
+    scheme = "https" if gw_config.tls else "http"
+    print(f"splitserve colocated: REST {scheme}://{args.gateway_host}:{gw.rest_port}/v1 "
           f"gRPC {args.gateway_host}:{gw.grpc_port}", flush=True)
 
     async def stop() -> None:
@@ -138,6 +141,13 @@ def build_serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name", default=None,
                         help="colocated: the model's name in the API (default: --model as "
                              "given, or the embedded SmolLM2's name)")
+    parser.add_argument("--api-key", default=None,
+                        help="colocated: require 'Authorization: Bearer KEY' on /v1/* and gRPC")
+    parser.add_argument("--ssl-certfile", default=None,
+                        help="colocated: serve REST and gRPC over TLS with this PEM certificate")
+    parser.add_argument("--ssl-keyfile", default=None, help="colocated: its PEM key")
+    parser.add_argument("--ssl-ca-certs", default=None,
+                        help="colocated: require client certificates signed by this PEM CA")
     parser.add_argument("--speculative-draft-max-load", type=int, default=_gateway_default(
                             "speculative_draft_max_load"),
                         help="colocated: requests pending on the worker from which its draft "
