@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
 BASE = K8S / "base"
 OVERLAYS = K8S / "overlays"
+COMPONENTS = K8S / "components"
 MONITORING = K8S / "monitoring"
 DASHBOARD = MONITORING / "splitserve-dashboard.json"
 
@@ -169,11 +170,44 @@ def resolve_port(port: int | str, c: Obj) -> int:
     return named[port]
 
 
+def health_probe_address(probe: Obj) -> str | None:
+    """The address of an exec probe running `splitserve health --address HOST:PORT` (the
+    workers' probe under TLS), else None."""
+    command = probe.get("exec", {}).get("command", [])
+    if command[:2] != ["splitserve", "health"] or "--address" not in command:
+        return None
+    return str(command[command.index("--address") + 1])
+
+
 def probe_port(probe: Obj, c: Obj) -> int:
     for handler in ("grpc", "httpGet", "tcpSocket"):
         if handler in probe:
             return resolve_port(probe[handler]["port"], c)
+    address = health_probe_address(probe)
+    if address is not None:
+        host, port = address.rsplit(":", 1)
+        assert host == "127.0.0.1", f"container {c['name']}: health probe dials {address}"
+        return int(port)
     raise AssertionError(f"container {c['name']}: probe without a handler: {probe}")
+
+
+TLS_VARS = ("SPLITSERVE_TLS_CERT", "SPLITSERVE_TLS_KEY", "SPLITSERVE_TLS_CA")
+
+
+def tls_env(c: Obj) -> dict[str, str]:
+    """The container's SPLITSERVE_TLS_* values (literal env entries)."""
+    return {e["name"]: e.get("value", "") for e in c.get("env", []) if e["name"] in TLS_VARS}
+
+
+def mounted_secret(path: str, dep: Obj, c: Obj) -> str | None:
+    """The Secret whose read-only volume mount holds `path`, else None."""
+    volumes = {v["name"]: v for v in pod_spec(dep).get("volumes", [])}
+    for m in c.get("volumeMounts", []):
+        if path.startswith(m["mountPath"].rstrip("/") + "/") and m.get("readOnly"):
+            secret = volumes[m["name"]].get("secret")
+            if secret:
+                return str(secret["secretName"])
+    return None
 
 
 def env_names(c: Obj, objs: list[Obj]) -> set[str]:
@@ -268,7 +302,11 @@ def check_worker_probes(objs: list[Obj]) -> None:
         for c in containers(dep):
             if component(dep) in WORKER_ROLES:
                 for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
-                    assert "grpc" in c[kind], f"{name(dep)}: {kind} must be a native gRPC probe"
+                    # Native gRPC, or `splitserve health` where the worker speaks TLS.
+                    assert "grpc" in c[kind] or health_probe_address(c[kind]), (
+                        f"{name(dep)}: {kind} must be a gRPC health probe")
+                    if "exec" in c[kind]:
+                        assert tls_env(c), f"{name(dep)}: exec health probe without TLS"
                 sp = c["startupProbe"]
                 budget = sp.get("periodSeconds", 10) * sp.get("failureThreshold", 3)
                 assert budget >= MIN_WORKER_STARTUP_S, (
@@ -472,7 +510,15 @@ def check_args_parse(objs: list[Obj]) -> None:
         # worker_main dispatches the gateway on the two tokens `--role gateway`.
         assert argv[1:3] == ["--role", role], f"{name(dep)}: write `--role`, `{role}` as two args"
         if role == "gateway":
-            gw = config_from_args(gateway_parser().parse_args(argv[3:]))
+            parsed = gateway_parser().parse_args(argv[3:])
+            # TLS files live in the pod's mounted Secrets: check where, then build the config
+            # without them (they do not exist here).
+            for flag in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs"):
+                path = getattr(parsed, flag)
+                if path is not None:
+                    assert mounted_secret(path, dep, c), f"{name(dep)}: {flag} {path} not mounted"
+                    setattr(parsed, flag, None)
+            gw = config_from_args(parsed)
             assert gw.api_key == "test-secret" and gw.decode_addresses and gw.prefill_addresses
         else:
             args = worker_parser().parse_args(argv[1:])
@@ -505,16 +551,17 @@ def test_every_yaml_parses_into_kubernetes_objects() -> None:
         for doc in docs:
             assert isinstance(doc, dict), f"{path}: a document is not a mapping"
             assert doc.get("apiVersion") and doc.get("kind"), f"{path}: apiVersion/kind missing"
-            if doc["kind"] != "Kustomization":
+            if doc["kind"] not in ("Kustomization", "Component"):
                 assert doc.get("metadata", {}).get("name"), f"{path}: metadata.name missing"
 
 
 def test_kustomization_references_exist() -> None:
     dirs = kustomization_dirs()
-    assert {BASE, OVERLAYS / "cpu-dev", OVERLAYS / "gpu", MONITORING} <= set(dirs)
+    assert {BASE, OVERLAYS / "cpu-dev", OVERLAYS / "gpu", OVERLAYS / "gpu-tls", MONITORING,
+            COMPONENTS / "tls"} <= set(dirs)
     for d in dirs:
         kust = load_docs(d / "kustomization.yaml")[0]
-        refs = list(kust.get("resources", []))
+        refs = list(kust.get("resources", [])) + list(kust.get("components", []))
         refs += [p["path"] for p in kust.get("patches", []) if "path" in p]
         refs += [f.split("=", 1)[-1] for g in kust.get("configMapGenerator", []) for f in g.get("files", [])]
         for ref in refs:
@@ -640,7 +687,7 @@ needs_kustomize = pytest.mark.skipif(kustomize_tool() is None,
 
 
 @needs_kustomize
-@pytest.mark.parametrize("overlay", ["cpu-dev", "gpu"])
+@pytest.mark.parametrize("overlay", ["cpu-dev", "gpu", "gpu-tls"])
 def test_rendered_overlay(overlay: str) -> None:
     objs = render(OVERLAYS / overlay)
     namespaces = {o["metadata"].get("namespace") for o in objs if o["kind"] != "Namespace"}
@@ -648,7 +695,7 @@ def test_rendered_overlay(overlay: str) -> None:
     for check in SERVING_CHECKS:
         check(objs)
     check_images(objs)
-    check_resources_and_lifecycle(objs, expect_gpu=overlay == "gpu")
+    check_resources_and_lifecycle(objs, expect_gpu=overlay.startswith("gpu"))
     assert [component(d) for d in of_kind(objs, "Deployment")].count("prefill") == 1
 
 
@@ -672,3 +719,34 @@ def test_rendered_monitoring() -> None:
     assert {o["kind"] for o in objs} == {"ServiceMonitor", "ConfigMap"}
     cm = of_kind(objs, "ConfigMap")[0]
     assert json.loads(cm["data"][DASHBOARD.name]) == json.loads(DASHBOARD.read_text())
+
+
+@needs_kustomize
+def test_rendered_tls_overlay_encrypts_every_hop() -> None:
+    """gpu-tls: every process has its internal certificate, key and CA from the mounted Secret
+    `splitserve-internal-tls`; the workers are probed with `splitserve health` on their own
+    port; the gateway serves its public ports with the certificate of `splitserve-gateway-tls`
+    and probes them over HTTPS; no Service port still announces cleartext HTTP/2."""
+    objs = render(OVERLAYS / "gpu-tls")
+    deployments = of_kind(objs, "Deployment")
+    assert {component(d) for d in deployments} == {"gateway", "prefill", "decode"}
+    for dep in deployments:
+        c = containers(dep)[0]
+        env = tls_env(c)
+        assert set(env) == set(TLS_VARS), f"{name(dep)}: TLS variables {sorted(env)}"
+        for path in env.values():
+            assert mounted_secret(path, dep, c) == "splitserve-internal-tls", (name(dep), path)
+        args = container_args(c)
+        if component(dep) == "gateway":
+            for flag in ("--ssl-certfile", "--ssl-keyfile"):
+                assert mounted_secret(args.one(flag), dep, c) == "splitserve-gateway-tls"
+            for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                assert c[kind]["httpGet"]["scheme"] == "HTTPS", f"gateway {kind}"
+        else:
+            port = int(args.one("--port"))
+            for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                assert "grpc" not in c[kind], f"{name(dep)}: native gRPC probe left under TLS"
+                assert health_probe_address(c[kind]) == f"127.0.0.1:{port}", (name(dep), kind)
+    for svc in of_kind(objs, "Service"):
+        for sp in svc["spec"]["ports"]:
+            assert sp.get("appProtocol") != "kubernetes.io/h2c", f"{name(svc)}: h2c under TLS"
