@@ -258,9 +258,10 @@ def test_kv_scales_command_writes_what_the_engine_calibrates(tiny_model_dirs: di
     assert main(["kv-scales", "--out", str(out), "--text", str(tmp_path), *base]) == 2
 
 
-def test_kv_scales_command_calibrates_on_a_text(tmp_path: Path) -> None:
+def test_kv_scales_command_calibrates_on_a_text(tmp_path: Path, smollm2: LLM) -> None:
     """--text (the embedded SmolLM2, which has a tokenizer): the scales cover the text's own K/V
-    chunk by chunk, and an engine started with the file uses them."""
+    chunk by chunk, within 1/8 to spare (measured here with the session's SmolLM2 engine: the
+    K/V do not depend on the cache dtype)."""
     from splitserve.cli import main
 
     text = tmp_path / "traffic.txt"
@@ -271,12 +272,9 @@ def test_kv_scales_command_calibrates_on_a_text(tmp_path: Path) -> None:
                  *base]) == 0
     doc = json.loads(out.read_text())
     assert doc["calibration"]["tokens"] > 64 and doc["kv_cache_dtype"] == "int8"
-    llm = LLM(device="cpu", num_gpu_blocks=16, max_model_len=64, kv_cache_dtype="int8",
-              kv_scales=str(out))
-    runner = llm.engine.runner
+    runner = smollm2.engine.runner
     scales = load_kv_scales(out, runner.model_config.num_hidden_layers)
-    assert torch.equal(runner.kv_scales, scales)
-    ids = llm.engine.tokenizer.encode(text.read_text())  # type: ignore[union-attr]
+    ids = smollm2.engine.tokenizer.encode(text.read_text())  # type: ignore[union-attr]
     amax = torch.stack([runner.measure_kv_amax(ids[i:i + 32])
                         for i in range(0, len(ids), 32)]).amax(0)
     assert torch.all(scales * INT8_KV_MAX >= amax)
