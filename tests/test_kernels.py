@@ -828,20 +828,25 @@ def _int8_batch(q_lens: list[int], seq_lens: list[int], q_dtype: torch.dtype) ->
 
 
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_decode_int8_matches_dequantized_reference(q_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("qk_int8", [False, True], ids=["fp16-qk", "int8-qk"])
+def test_decode_int8_matches_dequantized_reference(q_dtype: torch.dtype, qk_int8: bool) -> None:
+    """Through the fp16 QK path within q's own tolerance; with the int8 QK dot (16-bit q only;
+    fp32 q keeps exact fp32 dots) within bf16's, q's int8 rounding being the larger error."""
     batch = _int8_batch([1, 1, 1], [5, 17, 30], q_dtype)
     k_scale, v_scale = 0.025, 0.02
     want = R.paged_decode_attention_ref(batch.q, batch.kv_cache, batch.block_tables,
                                         batch.seq_lens, 0.3, k_scale, v_scale)
+    tiles = decode_mod.DecodeTiles(16, 1, 1, qk_int8=qk_int8)
+    tolerance = torch.bfloat16 if qk_int8 and q_dtype != torch.float32 else q_dtype
     for splits in (1, 3):
         got = K.paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables,
                                        batch.seq_lens, 0.3, num_splits=splits,
-                                       k_scale=k_scale, v_scale=v_scale)
+                                       k_scale=k_scale, v_scale=v_scale, tiles=tiles)
         assert got.dtype == q_dtype
-        assert_close_for(got, want, q_dtype)
+        assert_close_for(got, want, tolerance)
     # The scales are applied: without them the output differs.
     plain = K.paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables,
-                                     batch.seq_lens, 0.3)
+                                     batch.seq_lens, 0.3, tiles=tiles)
     assert not torch.allclose(plain.float(), want.float(), atol=0.1)
 
 
@@ -907,6 +912,23 @@ def test_int8_cache_takes_the_fp16_dot_path_and_falls_back_on_the_cpu() -> None:
     assert not kv_cvt_supported(cpu, INT8)
     assert tile_dots(torch.bfloat16, INT8, KvCvt.V_REGS, cpu).kv_cvt == KvCvt.OPERAND
     assert decode_mod.choose_decode_tiles(128, INT8).qk_int8  # the int8 QK dot (measured faster)
+
+
+def test_int8_qk_dot_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SPLITSERVE_INT8_QK=0: int8 caches take fp8's tiles and the fp16 QK path; bad values
+    are named."""
+    try:
+        monkeypatch.setenv("SPLITSERVE_INT8_QK", "0")
+        decode_mod.int8_qk_requested.cache_clear()
+        assert not decode_mod.choose_decode_tiles(128, INT8).qk_int8
+        monkeypatch.setenv("SPLITSERVE_INT8_QK", "yes")
+        decode_mod.int8_qk_requested.cache_clear()
+        with pytest.raises(KernelInputError, match="SPLITSERVE_INT8_QK must be 0 or 1"):
+            decode_mod.choose_decode_tiles(128, INT8)
+    finally:
+        monkeypatch.delenv("SPLITSERVE_INT8_QK")
+        decode_mod.int8_qk_requested.cache_clear()
+    assert decode_mod.choose_decode_tiles(128, INT8).qk_int8
 
 
 def test_verify_steps_split_less_than_decodes() -> None:

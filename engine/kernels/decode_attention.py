@@ -44,6 +44,7 @@ row once per program and K is never converted.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -340,6 +341,18 @@ def choose_num_splits(
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
 
+@functools.lru_cache(maxsize=1)
+def int8_qk_requested() -> bool:
+    """`SPLITSERVE_INT8_QK` (default 1), read once per process: 0 keeps an int8 cache's QK dot
+    on the fp16 path (K converted, q not rounded to int8: 1.0e-3 instead of 6.9e-3 from the
+    reference on the H200, at 2.93 instead of 3.58 TB/s). A probe that flips it calls
+    `int8_qk_requested.cache_clear()`."""
+    value = os.environ.get("SPLITSERVE_INT8_QK", "1").strip()
+    if value not in ("0", "1"):
+        raise KernelInputError(f"SPLITSERVE_INT8_QK must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 @dataclass(frozen=True, slots=True)
 class DecodeTiles:
     """Compile-time KV tile length and launch parameters of the split kernel.
@@ -378,11 +391,12 @@ def choose_decode_tiles(head_dim: int, kv_dtype: torch.dtype | None = None,
     partials was never measured.
     Batch 1 at 1k context was fastest with the 16-bit choice (6.8 µs a call). 16 positions in
     the interpreter, whose cost is per element."""
-    if interpret_mode():
-        return DecodeTiles(16, 1, 1)
+    if interpret_mode():  # int8 keeps its QK dot, so CPU tests run the GPU's int8 path
+        return DecodeTiles(16, 1, 1, qk_int8=kv_dtype == torch.int8 and int8_qk_requested())
     if head_dim > 128:
         return DecodeTiles(32, 4, 2)
-    if kv_dtype == torch.int8:  # QK on int8: 3.58 TB/s vs 2.93 converting K (probe_decode_qk8)
+    if kv_dtype == torch.int8 and int8_qk_requested():
+        # QK on int8: 3.58 TB/s vs 2.93 converting K (probe_decode_qk8_31e9531.json).
         if num_splits == 1:
             return DecodeTiles(64, 2, 3, kv_cvt=KvCvt.V_REGS, qk_int8=True)
         return DecodeTiles(128, 4, 3, kv_cvt=KvCvt.V_REGS, qk_int8=True)
