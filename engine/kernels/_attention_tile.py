@@ -161,7 +161,7 @@ def int8_scaled_q(q, qk_scale):
     |value| at 127, halves away from zero): (q int8 [M, D], scale [M] float32). The operand
     of the int8 QK dot (`QK_INT8`); a row of zeros keeps scale 1."""
     qf = q.to(tl.float32) * qk_scale
-    amax = tl.max(tl.abs(qf), axis=1)
+    amax = reduce_max(tl.abs(qf), 1)
     scale = tl.where(amax > 0.0, amax / 127.0, 1.0)
     y = qf / scale[:, None]
     y = y + tl.where(y >= 0.0, 0.5, -0.5)
