@@ -44,7 +44,7 @@ the tile step itself never sees a KV scale. The operand dtype (`tile_dots`):
   dot runs on int8 tensor cores straight on the K tile as loaded (no conversion of K) and
   accumulates exactly in int32, and one multiply by q's row scale gives the log2-domain score.
   The only added error is q's rounding, up to 1/254 of its row's largest value (SageAttention
-  quantizes q the same way): decode outputs within 6.9e-3 relative of the reference against
+  quantizes q the same way): decode outputs 6.9e-3 (relative) from the reference against
   1.0e-3 through fp16, for 3.58 instead of 2.93 TB/s on an H200
   (bench/results/h200/probe_decode_qk8_31e9531.json). P and V stay on the fp16 path.
 - quantized cache, fp32 q: fp32 operands and IEEE dots, as for an fp32 cache (exact dequantisation;
