@@ -49,11 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     import torch
 
-    from engine.attention.kv_calibration import (
-        calibration_token_ids,
-        kv_scales_document,
-        round_scales,
-    )
+    from engine.attention.kv_calibration import kv_scales_document, round_scales
     from engine.attention.kv_quant import scales_from_amax
     from engine.llm_engine import LLMEngine
 
@@ -63,8 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config.cache, kv_scales="calibrate", num_gpu_blocks=16, enable_prefix_caching=False))
     engine = LLMEngine(config, detokenize=False)
     runner = engine.runner
-    tokens = len(calibration_token_ids(engine.tokenizer, engine.model_config.vocab_size)[
-        :runner.max_model_len])
+    tokens = runner.kv_calibration_tokens
     scales = runner.kv_scales
     if args.text is not None:
         if engine.tokenizer is None:

@@ -34,13 +34,13 @@ from engine.attention.kv_calibration import (
 from engine.attention.kv_quant import (
     default_kv_scales,
     dequantize_kv,
-    is_quantized_dtype,
     kv_storage_dtype,
     quantize_kv,
     scales_from_amax,
 )
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
+from engine.kernels._checks import is_quantized_kv
 from engine.model.layers import RotaryEmbedding
 from engine.model.llama import AttentionBackend, LlamaForCausalLM
 from engine.model.overlap import MicroBatchStreams
@@ -185,6 +185,7 @@ class ModelRunner:
         self.kv_scales = default_kv_scales(model_config.num_hidden_layers)
         # The same as floats for the forward context (None: unquantized cache).
         self.kv_scale_values: list[tuple[float, float]] | None = None
+        self.kv_calibration_tokens = 0  # the calibration prefill's length (0: not calibrated)
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
         self.backend = make_attention_backend(config.runner.attention_backend, self.device)
@@ -227,7 +228,7 @@ class ModelRunner:
                                    cfg.num_key_value_heads, cfg.head_dim)
         self.block_bytes = (2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads
                             * cfg.head_dim * self.kv_dtype.itemsize)
-        if is_quantized_dtype(self.kv_dtype):
+        if is_quantized_kv(self.kv_dtype):
             self.kv_scales = self._kv_scales_for(config.cache, kv_calibration_ids)
             self.kv_scale_values = [(k, v) for k, v in self.kv_scales.tolist()]
         num_blocks = self._num_kv_blocks()
@@ -288,6 +289,7 @@ class ModelRunner:
             ids = calibration_token_ids(None, self.model_config.vocab_size)
         ids = ids[:max(1, self.max_model_len)]
         amax = self.measure_kv_amax(ids)
+        self.kv_calibration_tokens = len(ids)
         scales = round_scales(scales_from_amax(amax, self.kv_dtype))
         logger.info("KV cache scales calibrated on %d tokens: K %.4g..%.4g, V %.4g..%.4g",
                     len(ids), scales[:, 0].min(), scales[:, 0].max(), scales[:, 1].min(),
@@ -732,7 +734,7 @@ class ModelRunner:
         if scales is not None:
             raise ValueError(f"scales come with {self.kv_dtype} blocks, not with {blocks.dtype} "
                              "ones")
-        if is_quantized_dtype(blocks.dtype):
+        if is_quantized_kv(blocks.dtype):
             raise ValueError(f"{blocks.dtype} blocks cannot enter a {self.kv_dtype} cache")
         return quantize_kv(blocks.cpu(), ours, self.kv_dtype).view(torch.uint8)
 

@@ -254,6 +254,7 @@ def test_kv_scales_command_writes_what_the_engine_calibrates(tiny_model_dirs: di
     engine_scales = _int8_llm(tiny_model_dirs["llama"]).engine.runner.kv_scales
     layers = engine_scales.shape[0]
     assert torch.equal(load_kv_scales(out, layers), engine_scales)
+    assert json.loads(out.read_text())["calibration"]["tokens"] == 64  # the prompt, cut to 64
     assert main(["kv-scales", "--out", str(out), "--model", model, "--device", "cpu"]) == 2
     assert main(["kv-scales", "--out", str(out), "--text", str(tmp_path), *base]) == 2
 

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -820,8 +821,10 @@ def test_write_kv_int8_matches_reference_bitwise(src_dtype: torch.dtype, scales:
     assert cache[0, 0, 2, 0, :6].tolist() == [1, -1, 2, -3, 0, 127]
 
 
-def _int8_batch(q_lens: list[int], seq_lens: list[int], q_dtype: torch.dtype) -> PagedBatch:
-    batch = make_batch(q_lens, seq_lens, seed=13)
+def _int8_batch(q_lens: list[int], seq_lens: list[int], q_dtype: torch.dtype, seed: int = 13,
+                **shape: Any) -> PagedBatch:
+    """`make_batch` with q in `q_dtype` and its cache as int8 (N(0, 1) / 0.025, rounded)."""
+    batch = make_batch(q_lens, seq_lens, seed=seed, **shape)
     batch.q = batch.q.to(q_dtype)
     batch.kv_cache = (batch.kv_cache * 40).round().clamp(-127, 127).to(INT8)
     return batch
@@ -851,10 +854,8 @@ def test_decode_int8_matches_dequantized_reference(q_dtype: torch.dtype, qk_int8
 
 
 def test_decode_several_query_tokens_int8_cache() -> None:
-    batch = make_batch([4, 4], [4, 29], num_heads=8, num_kv_heads=2, head_dim=16, block_size=4,
-                       seed=78)
-    batch.q = batch.q.to(torch.bfloat16)
-    batch.kv_cache = (batch.kv_cache * 40).round().clamp(-127, 127).to(INT8)
+    batch = _int8_batch([4, 4], [4, 29], torch.bfloat16, seed=78, num_heads=8, num_kv_heads=2,
+                        head_dim=16, block_size=4)
     want = R.paged_attention_ref(batch.q, batch.kv_cache, batch.query_start_loc, batch.seq_lens,
                                  batch.block_tables, 0.3, 0.025, 0.02)
     for n in (1, 3):
@@ -890,10 +891,8 @@ def test_decode_int8_qk_dot_matches_dequantized_reference(kv_cvt: KvCvt) -> None
                                        batch.seq_lens, 0.3, num_splits=splits, k_scale=0.025,
                                        v_scale=0.02, tiles=tiles)
         assert_close_for(got, want, torch.bfloat16)
-    multi = make_batch([4, 4], [4, 29], num_heads=8, num_kv_heads=2, head_dim=16, block_size=4,
-                       seed=79)
-    multi.q = multi.q.to(torch.bfloat16)
-    multi.kv_cache = (multi.kv_cache * 40).round().clamp(-127, 127).to(INT8)
+    multi = _int8_batch([4, 4], [4, 29], torch.bfloat16, seed=79, num_heads=8, num_kv_heads=2,
+                        head_dim=16, block_size=4)
     want = R.paged_attention_ref(multi.q, multi.kv_cache, multi.query_start_loc, multi.seq_lens,
                                  multi.block_tables, 0.3, 0.025, 0.02)
     got = K.paged_decode_attention(multi.q, multi.kv_cache, multi.block_tables, multi.seq_lens,

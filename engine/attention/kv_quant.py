@@ -17,10 +17,16 @@ from __future__ import annotations
 
 import torch
 
-FP8_KV_DTYPE = torch.float8_e4m3fn
-INT8_KV_DTYPE = torch.int8
-FP8_E4M3_MAX = 448.0  # largest finite e4m3fn value: quantized values saturate here
-INT8_KV_MAX = 127.0   # symmetric: -128 is never stored
+# The dtypes and saturation bounds are the kernels' (one definition, torch-only module).
+from engine.kernels._checks import (
+    FP8_E4M3_MAX,
+    FP8_KV_DTYPE,
+    INT8_KV_DTYPE,
+    INT8_KV_MAX,
+    is_quantized_kv,
+    kv_quant_max,
+)
+
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 
 
@@ -38,20 +44,7 @@ def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dty
 
 def is_quantized(t: torch.Tensor) -> bool:
     """A one-byte cache (fp8 or int8) whose values are divided by per-layer scales."""
-    return is_quantized_dtype(t.dtype)
-
-
-def is_quantized_dtype(dtype: torch.dtype) -> bool:
-    return dtype in (FP8_KV_DTYPE, INT8_KV_DTYPE)
-
-
-def quant_max(dtype: torch.dtype) -> float:
-    """The largest value a quantized cache of `dtype` stores."""
-    if dtype == INT8_KV_DTYPE:
-        return INT8_KV_MAX
-    if dtype == FP8_KV_DTYPE:
-        return FP8_E4M3_MAX
-    raise ValueError(f"{dtype} is not a quantized KV cache dtype")
+    return is_quantized_kv(t.dtype)
 
 
 def quantize_fp8(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
@@ -96,6 +89,8 @@ def scales_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Per-layer `[L, 2]` scales that map each layer's largest |K| and |V| (`amax [L, 2]`) to the
     type's largest stored value (TensorRT-LLM's `amax / 127` for int8; `amax / 448` for fp8).
     A layer that saw only zeros keeps 1.0 (any scale stores zeros exactly)."""
+    if not is_quantized_kv(dtype):
+        raise ValueError(f"{dtype} is not a quantized KV cache dtype")
     amax = amax.detach().float().cpu()
-    scales = amax / quant_max(dtype)
+    scales = amax / kv_quant_max(dtype)
     return torch.where(amax > 0, scales, torch.ones_like(scales)).contiguous()

@@ -17,6 +17,8 @@ integer, halves away from zero. Other caches store `x` in the cache dtype.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -67,13 +69,19 @@ def _store_to_cache(
 
 
 def store_args(cache_dtype: torch.dtype) -> dict[str, object]:
-    """The compile-time arguments of `_store_to_cache` for a cache of `cache_dtype`."""
+    """The compile-time arguments of `_store_to_cache` for a cache of `cache_dtype` (every
+    eager KV write asks: built once per dtype and mode; callers unpack, never mutate)."""
+    return _store_args(cache_dtype, interpret_mode())
+
+
+@functools.lru_cache(maxsize=16)
+def _store_args(cache_dtype: torch.dtype, interpreted: bool) -> dict[str, object]:
     quant = is_quantized_kv(cache_dtype)
     return {
         "QUANT": quant,
         "Q_MAX": kv_quant_max(cache_dtype) if quant else 0.0,
         "ROUND_INT": cache_dtype == INT8_KV_DTYPE,
-        "PRE_ROUND": quant and cache_dtype != INT8_KV_DTYPE and interpret_mode(),
+        "PRE_ROUND": quant and cache_dtype != INT8_KV_DTYPE and interpreted,
     }
 
 
