@@ -88,6 +88,7 @@ STEP_LIMITS_S: dict[str, float] = {
     "latency_eager": 120, "latency_graphs": 150, "ttft_4096": 60,
     "throughput_random": 180, "concurrent_128": 60, "hf_baseline_128": 120,
     "throughput_random_fp8": 180, "throughput_random_int8": 180,
+    "throughput_random_w8a8_fp8": 180,
 }
 # Run only when named in --steps (not part of the default run).
 STEPS = tuple(STEP_LIMITS_S)
@@ -113,10 +114,13 @@ class EngineHolder:
     def __init__(self, sizes: SuiteSizes) -> None:
         self._sizes = sizes
         self._llm: Any = None
-        self._key: tuple[bool, str] | None = None
+        self._key: tuple[bool, str, str] | None = None
 
-    def get(self, enforce_eager: bool, kv_cache_dtype: str = "auto") -> Any:
-        key = (enforce_eager, kv_cache_dtype)
+    def get(self, enforce_eager: bool, kv_cache_dtype: str = "auto",
+            quantization: str | None = None) -> Any:
+        """The engine for these settings (`quantization` None: the suite's --quantization)."""
+        quantization = self._sizes.quantization if quantization is None else quantization
+        key = (enforce_eager, kv_cache_dtype, quantization)
         if self._llm is None or self._key != key:
             self.release()
             s = self._sizes
@@ -132,10 +136,15 @@ class EngineHolder:
                 async_scheduling=s.async_scheduling,
                 decode_overlap_min_batch=s.decode_overlap_min_batch,
                 cuda_graph_max_batch=graph_max,
-                quantization=s.quantization)
+                quantization=quantization)
             self._llm = offline.build_llm(settings)
             self._key = key
         return self._llm
+
+    @property
+    def quantization(self) -> str | None:
+        """The live engine's weight quantization (None without an engine)."""
+        return self._key[2] if self._key is not None else None
 
     def release(self) -> None:
         """Drop the engine and give its GPU memory back (after a failure, or before HF)."""
@@ -172,8 +181,10 @@ def _ttft(holder: EngineHolder, s: SuiteSizes, vocab: int) -> dict[str, Any]:
 
 
 def _throughput(holder: EngineHolder, vocab: int, n: int, i: int, o: int,
-                kv_cache_dtype: str = "auto") -> dict[str, Any]:
-    llm = holder.get(enforce_eager=False, kv_cache_dtype=kv_cache_dtype)
+                kv_cache_dtype: str = "auto", quantization: str | None = None
+                ) -> dict[str, Any]:
+    llm = holder.get(enforce_eager=False, kv_cache_dtype=kv_cache_dtype,
+                     quantization=quantization)
     requests = random_requests(n, i, o, vocab, seed=7)
     records, duration = offline.run_throughput(llm, requests)
     metrics = compute_metrics(records, duration, percentiles=(50.0, 99.0))
@@ -184,7 +195,7 @@ def _throughput(holder: EngineHolder, vocab: int, n: int, i: int, o: int,
         "cuda_graph_replays_total": getattr(engine.runner.graphs, "num_replays", None),
         "overlapped_decode_steps_total": getattr(engine.runner, "num_overlapped_steps", None)}
     return {"num_prompts": n, "input_len": i, "output_len": o, "kv_cache_dtype": kv_cache_dtype,
-            **metrics.to_dict(), **extra}
+            "quantization": holder.quantization, **metrics.to_dict(), **extra}
 
 
 def _hf(holder: EngineHolder, s: SuiteSizes) -> dict[str, Any]:
@@ -220,6 +231,11 @@ def build_steps(holder: EngineHolder, s: SuiteSizes) -> dict[str, Callable[[], d
         "throughput_random_int8": lambda: _throughput(holder, vocab, s.tput_num_prompts,
                                                       s.tput_input_len, s.tput_output_len,
                                                       kv_cache_dtype="int8"),
+        # Not the issue's configuration (bf16 weights): fp8 W8A8 weights with an fp8 cache.
+        "throughput_random_w8a8_fp8": lambda: _throughput(holder, vocab, s.tput_num_prompts,
+                                                          s.tput_input_len, s.tput_output_len,
+                                                          kv_cache_dtype="fp8",
+                                                          quantization="fp8"),
     }
 
 

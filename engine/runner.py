@@ -250,7 +250,12 @@ class ModelRunner:
         # Rows per sequence of a verify step laid out for the verify graphs (0: ragged, eager).
         self.verify_q_len = 0
         self.num_uniform_verify_steps = 0
-        if self.device.type == "cuda" and not config.runner.enforce_eager:
+        capture = self.device.type == "cuda" and not config.runner.enforce_eager
+        if capture and not self.backend.captures_cuda_graphs:
+            logger.warning("the %s attention backend cannot be captured in CUDA graphs; "
+                           "running every step eagerly", self.backend.name)
+            capture = False
+        if capture:
             from engine.cuda_graphs import CudaGraphRunner
             self.graphs = CudaGraphRunner(self)
             self.graphs.capture()

@@ -453,8 +453,15 @@ def test_suite_builds_the_one_byte_kv_engines_at_their_own_batch() -> None:
         config = holder.get(enforce_eager=True, kv_cache_dtype="int8").engine.config
         assert config.scheduler.max_num_seqs == 12 and config.runner.cuda_graph_max_batch == 12
         assert config.cache.kv_cache_dtype == "int8"
+        assert config.runner.quantization == "none" and holder.quantization == "none"
+        # The W8A8 step's engine: fp8 weights beside the fp8 cache, at the one-byte batch.
+        config = holder.get(enforce_eager=True, kv_cache_dtype="fp8",
+                            quantization="fp8").engine.config
+        assert config.scheduler.max_num_seqs == 12 and config.runner.quantization == "fp8"
+        assert holder.quantization == "fp8"
         config = holder.get(enforce_eager=True).engine.config
         assert config.scheduler.max_num_seqs == 4 and config.runner.cuda_graph_max_batch == 8
+        assert config.runner.quantization == "none"
     finally:
         holder.release()
 

@@ -284,7 +284,7 @@ def test_kv_scales_command_calibrates_on_a_text(tmp_path: Path, smollm2: LLM) ->
 
 def test_prefill_logits_are_the_engines_teacher_forced_logits(
         tiny_model_dirs: dict[str, Path]) -> None:
-    """`ModelRunner.prefill_logits` (bench/probe_kv_accuracy.py) is the engine's own forward:
+    """`ModelRunner.prefill_logits` (bench/probe_accuracy.py) is the engine's own forward:
     one prefill over a scratch cache gives every position's logits as the scheduled engine
     computes them (the float cache exactly; int8 reading back its own quantized K/V)."""
     tokens = [(5 * i + 2) % 384 for i in range(24)]

@@ -56,6 +56,8 @@ class TorchAttentionBackend:
 
     name = "torch"
     fuses_rope = False
+    # Reads lengths and masks back to the host (per-sequence loops): eager only.
+    captures_cuda_graphs = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float,

@@ -33,6 +33,7 @@ class TritonAttentionBackend:
 
     name = "triton"
     fuses_rope = True
+    captures_cuda_graphs = True
 
     def __init__(self) -> None:
         from engine import kernels

@@ -28,10 +28,13 @@ class AttentionBackend(Protocol):
     K/V into the paged cache, then attend. Mutates `kv_cache` only, and q and k when given `rope`.
 
     A backend with `fuses_rope` rotates q and k itself (fused with its KV write): the model then
-    passes `rope` and unrotated q, k. Otherwise q and k arrive rotated and `rope` is None."""
+    passes `rope` and unrotated q, k. Otherwise q and k arrive rotated and `rope` is None.
+    A backend with `captures_cuda_graphs` never reads device values on the host, so a decode
+    step through it can be captured in a CUDA graph."""
 
     name: str
     fuses_rope: bool
+    captures_cuda_graphs: bool
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float,
