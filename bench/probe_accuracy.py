@@ -9,9 +9,9 @@ two variants with each other the same way (B as the reference): e.g. W8A8 on the
 path against W8A8 on the torch backend, beside how far each is from bf16 (the noise floor the
 quantization itself sets, which a comparison of the two paths alone cannot show).
 
-A variant is `NAME:option=value,...` with options kv_cache_dtype (auto|fp8|int8),
-quantization (none|fp8|int8) and attention_backend (auto|torch|triton); `--reference` takes
-the same options. A model without a tokenizer (dummy weights) gets random prompts of fixed
+A variant is `NAME:option=value,...` with options kv_cache_dtype (auto|fp8|int8), kv_scales
+(calibrate or a scales file), quantization (none|fp8|int8) and attention_backend
+(auto|torch|triton); `--reference` takes the same options. A model without a tokenizer (dummy weights) gets random prompts of fixed
 lengths from a fixed seed.
 
 Usage: PYTHONPATH=. python3 bench/probe_accuracy.py --out F [--model M] [--device cpu]
@@ -44,8 +44,10 @@ PROMPTS = (
     "<|im_start|>user\nWhy is the sky blue?<|im_end|>\n<|im_start|>assistant\n",
 )
 RANDOM_PROMPT_LENS = (5, 17, 64, 100, 256, 333, 512, 40)
-OPTIONS = {"kv_cache_dtype": ("auto", "fp8", "int8"), "quantization": ("none", "fp8", "int8"),
-           "attention_backend": ("auto", "torch", "triton")}
+# An option's allowed values (None: any, e.g. kv_scales=calibrate or a scales file).
+OPTIONS: dict[str, tuple[str, ...] | None] = {
+    "kv_cache_dtype": ("auto", "fp8", "int8"), "kv_scales": None,
+    "quantization": ("none", "fp8", "int8"), "attention_backend": ("auto", "torch", "triton")}
 DEFAULT_VARIANTS = ("fp8:kv_cache_dtype=fp8", "int8:kv_cache_dtype=int8")
 
 
@@ -54,9 +56,10 @@ def parse_options(text: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, sep, value = item.partition("=")
-        if not sep or key not in OPTIONS or value not in OPTIONS[key]:
-            raise ValueError(f"bad option {item!r}: expected one of "
-                             + "; ".join(f"{k}={'|'.join(v)}" for k, v in OPTIONS.items()))
+        allowed = OPTIONS.get(key, ())
+        if not sep or key not in OPTIONS or not value or (allowed and value not in allowed):
+            raise ValueError(f"bad option {item!r}: expected one of " + "; ".join(
+                f"{k}={'|'.join(v) if v else 'VALUE'}" for k, v in OPTIONS.items()))
         out[key] = value
     return out
 

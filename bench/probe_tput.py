@@ -59,6 +59,8 @@ def main() -> int:
     p.add_argument("--profile", action="store_true", help="kernel tables of a few steps")
     p.add_argument("--gc-threshold", default="engine", choices=["engine", "none"],
                    help="engine: the engine's default GC thresholds; none: CPython's (A/B)")
+    p.add_argument("--quantization", default="none", choices=["none", "fp8", "int8"],
+                   help="fp8: W8A8 weights and activations; int8: weight-only")
     args = p.parse_args()
 
     import torch
@@ -71,7 +73,7 @@ def main() -> int:
         model=args.model, dtype=args.dtype, max_model_len=8192, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype,
-        cuda_graph_max_batch=args.cuda_graph_max_batch,
+        cuda_graph_max_batch=args.cuda_graph_max_batch, quantization=args.quantization,
         gc_threshold=DEFAULT_GC_THRESHOLD if args.gc_threshold == "engine" else None)
     llm = offline.build_llm(settings)
     cuda = torch.cuda.is_available()
