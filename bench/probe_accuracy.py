@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pair", action="append", default=[],
                    help="A/B: also compare variant A with variant B (B as the reference)")
     p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-model-len", type=int, default=512)
     args = p.parse_args(argv)
     try:
         reference_opts = parse_options(args.reference)

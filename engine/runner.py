@@ -107,6 +107,20 @@ def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     raise ConfigError(f"attention_backend must be torch, triton or auto, got {name!r}")
 
 
+def captures_cuda_graphs(device: torch.device, enforce_eager: bool,
+                         backend: AttentionBackend) -> bool:
+    """Whether decode steps are captured in CUDA graphs: on CUDA unless `enforce_eager`, and
+    only through a backend that can be captured (the torch backend reads device values back
+    to the host, which a capture forbids: that engine runs eagerly, with a warning)."""
+    if device.type != "cuda" or enforce_eager:
+        return False
+    if not backend.captures_cuda_graphs:
+        logger.warning("the %s attention backend cannot be captured in CUDA graphs; running "
+                       "every step eagerly", backend.name)
+        return False
+    return True
+
+
 class PendingStep:
     """A launched step whose sampled tokens (and verified drafts) have not reached the host."""
 
@@ -250,12 +264,7 @@ class ModelRunner:
         # Rows per sequence of a verify step laid out for the verify graphs (0: ragged, eager).
         self.verify_q_len = 0
         self.num_uniform_verify_steps = 0
-        capture = self.device.type == "cuda" and not config.runner.enforce_eager
-        if capture and not self.backend.captures_cuda_graphs:
-            logger.warning("the %s attention backend cannot be captured in CUDA graphs; "
-                           "running every step eagerly", self.backend.name)
-            capture = False
-        if capture:
+        if captures_cuda_graphs(self.device, config.runner.enforce_eager, self.backend):
             from engine.cuda_graphs import CudaGraphRunner
             self.graphs = CudaGraphRunner(self)
             self.graphs.capture()

@@ -334,3 +334,20 @@ def test_verify_attention_switch_rejects_unknown_values(monkeypatch: pytest.Monk
     monkeypatch.setenv("SPLITSERVE_VERIFY_ATTENTION", "flash")
     with pytest.raises(ValueError, match="SPLITSERVE_VERIFY_ATTENTION"):
         TritonAttentionBackend()
+
+
+def test_graph_capture_only_through_a_capturable_backend(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A CUDA engine captures decode graphs through the Triton backend; through the torch
+    backend (host reads of device values, which a capture forbids) it runs eagerly and says
+    so, instead of failing its capture at start-up; the CPU and enforce_eager never capture."""
+    from engine.runner import captures_cuda_graphs
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert captures_cuda_graphs(cuda, False, TritonAttentionBackend())
+    assert not captures_cuda_graphs(cuda, True, TritonAttentionBackend())
+    assert not captures_cuda_graphs(cpu, False, TritonAttentionBackend())
+    assert not caplog.records
+    with caplog.at_level("WARNING", logger="engine.runner"):
+        assert not captures_cuda_graphs(cuda, False, TorchAttentionBackend())
+    assert "torch attention backend cannot be captured" in caplog.text
