@@ -92,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rep-ms", type=int, default=100, help="do_bench repetition time (ms)")
     parser.add_argument("--only", default="",
                         help="comma-separated subset of: decode,prefill,elementwise,graph,gemv,fp8,"
-                             "int8kv,int8,verify")
+                             "int8kv,int8,verify,w8a8")
     return parser.parse_args(argv)
 
 
@@ -543,6 +543,30 @@ class Checker:
         return self.timed(result, fn, lambda: torch.nn.functional.linear(x, w),
                           w.numel() * w.element_size())
 
+    def w8a8_gemv(self, n: int, k: int) -> dict[str, Any]:
+        """fp8 W8A8 at one row: the GEMV on the per-token quantized row and the e4m3 weight
+        (what `Fp8Linear` runs at batch 1) vs the float32 product of the same quantized
+        operands and vs `torch._scaled_mm` (its many-row path); timed against `_scaled_mm`."""
+        from engine.kernels import per_token_quant_fp8
+        from engine.kernels.gemv import gemv
+        from engine.model.quant import quantize_weight_fp8
+
+        q, scale = quantize_weight_fp8(self.randn(n, k) * 0.02)
+        xq, x_scale = per_token_quant_fp8(self.randn(1, k))
+        want = (xq.float() @ q.float().T) * x_scale * scale
+        mm = torch._scaled_mm(xq, q.t(), scale_a=x_scale, scale_b=scale[None, :],
+                              out_dtype=self.dtype)
+        got = gemv(xq, q, weight_scale=scale, x_scale=x_scale, out_dtype=self.dtype)
+        result = verdict({"n": n, "k": k, **errors(got, want.to(self.dtype)),
+                          "rel_err_vs_scaled_mm": float((got.float() - mm.float()).norm()
+                                                        / mm.float().norm())}, self.dtype)
+        return self.timed(result,
+                          lambda: gemv(xq, q, weight_scale=scale, x_scale=x_scale,
+                                       out_dtype=self.dtype),
+                          lambda: torch._scaled_mm(xq, q.t(), scale_a=x_scale,
+                                                   scale_b=scale[None, :], out_dtype=self.dtype),
+                          q.numel())
+
     # -- int8 weight-only -----------------------------------------------------------------
 
     def int8_linear(self, rows: int, n: int, k: int) -> dict[str, Any]:
@@ -767,6 +791,12 @@ def run_all(checker: Checker, only: set[str]) -> None:
         checker.run("gemv_o", lambda: checker.gemv(s.hidden, s.num_heads * s.head_dim, False))
         checker.run("gemv_gate_up_silu", lambda: checker.gemv(s.intermediate, s.hidden, True))
         checker.run("gemv_down", lambda: checker.gemv(s.hidden, s.intermediate, gated=False))
+    if want("w8a8"):
+        qkv_out = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+        for label, n, k in (("qkv", qkv_out, s.hidden), ("o", s.hidden, s.num_heads * s.head_dim),
+                            ("gate_up", 2 * s.intermediate, s.hidden),
+                            ("down", s.hidden, s.intermediate)):
+            checker.run(f"w8a8_gemv_{label}", functools.partial(checker.w8a8_gemv, n, k))
     if want("int8"):
         qkv_out = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
         for rows in (1, 8, 64, s.prefill_len):
@@ -802,7 +832,7 @@ def main(argv: list[str] | None = None) -> int:
         shapes = REAL
     only = {p.strip() for p in args.only.split(",") if p.strip()}
     unknown = only - {"decode", "prefill", "elementwise", "graph", "gemv", "fp8", "int8kv", "int8",
-                      "verify"}
+                      "verify", "w8a8"}
     if unknown:
         print(f"--only: unknown parts {sorted(unknown)}", file=sys.stderr)
         return 2

@@ -115,6 +115,90 @@ def test_rms_norm_gemv_rejects_bad_inputs() -> None:
         gemv_mod.rms_norm_gemv(x, torch.ones(8), 1e-5, torch.randn(5, 8), gated=True)
 
 
+def _fp8_operands(rows: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """A bf16 row and weight quantized as W8A8 quantizes them: (xq, x_scale, wq, w_scale)."""
+    from engine.kernels.reference import per_token_quant_fp8_ref
+
+    g = torch.Generator().manual_seed(seed)
+    xq, x_scale = per_token_quant_fp8_ref(torch.randn(1, k, generator=g).to(torch.bfloat16))
+    wq, w_scale = per_token_quant_fp8_ref(torch.randn(rows, k, generator=g).to(torch.bfloat16))
+    return xq, x_scale, wq, w_scale[:, 0].contiguous()
+
+
+@pytest.mark.parametrize(("n", "k"), [(16, 64), (24, 200), (40, 128)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_fp8_w8a8_matches_scaled_mm(n: int, k: int, with_bias: bool) -> None:
+    """fp8 W8A8 at one row: the e4m3 row and weight with their scales give what
+    `torch._scaled_mm` (Fp8Linear's many-row path) gives, to the bf16 output's rounding; the
+    float64 product of the dequantized operands is the same number."""
+    xq, x_scale, wq, w_scale = _fp8_operands(n, k, n * 7 + k)
+    b = torch.randn(n, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16) \
+        if with_bias else None
+    got = gemv_mod.gemv(xq, wq, b, weight_scale=w_scale, x_scale=x_scale,
+                        out_dtype=torch.bfloat16)
+    assert got.shape == (1, n) and got.dtype == torch.bfloat16
+    want = (xq.double() * x_scale.double()) @ (wq.double() * w_scale.double()[:, None]).T
+    if b is not None:
+        want = want + b.double()
+    torch.testing.assert_close(got.double(), want, atol=1e-2, rtol=1e-2)
+    mm = torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale[None, :],
+                          out_dtype=torch.bfloat16)
+    if b is not None:
+        mm = mm + b
+    torch.testing.assert_close(got.float(), mm.float(), atol=2e-2, rtol=1.6e-2)
+
+
+def test_gemv_silu_and_mul_fp8_w8a8() -> None:
+    inter, k = 12, 96
+    xq, x_scale, wq, w_scale = _fp8_operands(2 * inter, k, 3)
+    got = gemv_mod.gemv_silu_and_mul(xq, wq, weight_scale=w_scale, x_scale=x_scale,
+                                     out_dtype=torch.float32)
+    gu = (xq.double() * x_scale.double()) @ (wq.double() * w_scale.double()[:, None]).T
+    want = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+
+
+def test_gemv_fp8_rejects_bad_inputs() -> None:
+    xq, x_scale, wq, w_scale = _fp8_operands(8, 32, 1)
+    with pytest.raises(KernelInputError, match="out_dtype"):
+        gemv_mod.gemv(xq, wq, weight_scale=w_scale, x_scale=x_scale)
+    with pytest.raises(KernelInputError, match="needs fp8 weights"):
+        gemv_mod.gemv(xq, wq, x_scale=x_scale, out_dtype=torch.bfloat16)
+    with pytest.raises(KernelInputError, match="one float32"):
+        gemv_mod.gemv(xq, wq, weight_scale=w_scale, x_scale=torch.ones(2),
+                      out_dtype=torch.bfloat16)
+    with pytest.raises(KernelInputError, match="dtype"):  # an int8 weight under an fp8 x
+        gemv_mod.gemv(xq, wq.view(torch.int8), weight_scale=w_scale, x_scale=x_scale,
+                      out_dtype=torch.bfloat16)
+    with pytest.raises(KernelInputError, match="only an fp8 x"):
+        gemv_mod.gemv(torch.randn(1, 32), torch.randn(8, 32), out_dtype=torch.bfloat16)
+
+
+def test_fp8_linear_one_row_through_the_gemv(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`Fp8Linear` on the Triton path sends one row to the GEMV (and more rows to
+    `_scaled_mm`); both give the torch path's W8A8 result."""
+    from engine.model.quant import Fp8Linear
+
+    calls: list[int] = []
+    real = gemv_mod.gemv
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gemv_mod, "gemv", spy)
+    torch.manual_seed(0)
+    base = torch.nn.Linear(64, 48, bias=True).to(torch.bfloat16)
+    fast, plain = Fp8Linear(base, use_triton=True), Fp8Linear(base, use_triton=False)
+    with torch.no_grad():
+        for rows in (1, 3):
+            x = torch.randn(rows, 64).to(torch.bfloat16)
+            torch.testing.assert_close(fast(x).float(), plain(x).float(), atol=3e-2, rtol=2e-2)
+    assert len(calls) == 1  # the one-row call only
+    monkeypatch.setenv("SPLITSERVE_GEMV", "0")
+    assert Fp8Linear(base, use_triton=True)._gemv is None
+
+
 def test_gemv_rejects_bad_inputs() -> None:
     x = torch.randn(1, 8)
     with pytest.raises(KernelInputError, match="one row"):

@@ -18,7 +18,11 @@ the end (one cross-lane reduction per program rather than one per chunk). With `
 program also walks the matching rows `I` further down (the "up" half of a fused gate/up weight)
 and writes `silu(gate) * up`, so the MLP's activation kernel disappears.
 
-This is the seam for weight-only quantized matmuls at batch 1 (dequantize the tile in registers).
+This is the seam for quantized matmuls at batch 1 (the tile is widened in registers): int8
+weight-only (W8A16) with a scale per weight row, and fp8 W8A8, where `x` is the per-token
+quantized row (float8 e4m3fn, one float32 `x_scale`) and the weight e4m3fn with a scale per row.
+The product of two e4m3 values is exact in float32, so the W8A8 GEMV computes what cuBLASLt's
+row-wise scaled fp8 matmul (`torch._scaled_mm`) computes, up to the order of the float32 sums.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import triton.language as tl
 
 from engine.kernels._checks import (
     FLOAT_DTYPES,
+    FP8_KV_DTYPE,
     KernelInputError,
     check_contiguous,
     check_devices,
@@ -158,7 +163,8 @@ def _gemv_kernel(
     res_ptr,  # [K] residual in (read only when NORM and HAS_RES)
     g_ptr,  # [K] RMSNorm weight (read only when NORM)
     res_out_ptr,  # [K] new residual `x + residual` (written only when NORM and HAS_RES)
-    ws_ptr,  # [N or 2N] float32 per-row weight scales (read only when W_SCALE: int8 weights)
+    ws_ptr,  # [N or 2N] float32 per-row weight scales (read only when W_SCALE: 8-bit weights)
+    xs_ptr,  # [1] float32 scale of a quantized x (read only when X_SCALE: fp8 W8A8)
     N,  # output features (the gate half's size when GATED)
     K,
     stride_w,
@@ -169,6 +175,7 @@ def _gemv_kernel(
     NORM: tl.constexpr,
     HAS_RES: tl.constexpr,
     W_SCALE: tl.constexpr,
+    X_SCALE: tl.constexpr,
     INT8_CVT: tl.constexpr,  # an `Int8Cvt` (int8 weights only; 0 otherwise)
     EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no row mask
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no column mask
@@ -203,8 +210,12 @@ def _gemv_kernel(
         # RMSNorm's scale is one scalar per row of x, so it factors out of the dot product.
         rstd = 1.0 / tl.sqrt(reduce_sum(sumsq, 0) / K + eps)
         y *= rstd
-    if W_SCALE:  # int8 weights: one scale per output row, also outside the dot product
+    if W_SCALE:  # 8-bit weights: one scale per output row, also outside the dot product
         y *= tl.load(ws_ptr + rows, mask=row_mask, other=0.0)
+    x_scale = 1.0
+    if X_SCALE:  # a quantized x: its one scale, outside the dot product too
+        x_scale = tl.load(xs_ptr)
+        y *= x_scale
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     if GATED:
@@ -213,6 +224,8 @@ def _gemv_kernel(
             up *= rstd
         if W_SCALE:
             up *= tl.load(ws_ptr + N + rows, mask=row_mask, other=0.0)
+        if X_SCALE:
+            up *= x_scale
         if HAS_BIAS:
             up += tl.load(b_ptr + N + rows, mask=row_mask, other=0.0).to(tl.float32)
         y = y / (1.0 + tl.exp(-y)) * up
@@ -247,25 +260,54 @@ def choose_gemv_tiles(n: int, k: int, gated: bool) -> GemvTiles:
     return GemvTiles(4, min(1024, triton.next_power_of_2(k)), 4, 4)
 
 
+@dataclass(frozen=True, slots=True)
+class _Operands:
+    """Checked GEMV inputs; `out_dtype` is the result's (x's own, unless x is quantized)."""
+    x: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    weight_scale: torch.Tensor | None
+    x_scale: torch.Tensor | None
+    out_dtype: torch.dtype
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int,
-           weight_scale: torch.Tensor | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    x = check_tensor("x", x, 2, FLOAT_DTYPES)
-    if weight_scale is not None:  # int8 weight-only: W = weight * weight_scale[:, None]
-        weight = check_tensor("weight", weight, 2, (torch.int8,))
+           weight_scale: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> _Operands:
+    if x_scale is not None:  # fp8 W8A8: x quantized per token, weight e4m3fn with row scales
+        x = check_tensor("x", x, 2, (FP8_KV_DTYPE,))
+        x_scale = check_tensor("x_scale", x_scale, x_scale.dim() if isinstance(
+            x_scale, torch.Tensor) else 1, (torch.float32,))
+        if x_scale.numel() != 1:
+            raise KernelInputError(f"x_scale must hold one float32 (x's row scale), got shape "
+                                   f"{tuple(x_scale.shape)}")
+        if weight_scale is None:
+            raise KernelInputError("an fp8 x (x_scale given) needs fp8 weights with weight_scale")
+        weight = check_tensor("weight", weight, 2, (FP8_KV_DTYPE,))
+        if out_dtype not in FLOAT_DTYPES:
+            raise KernelInputError(f"an fp8 x needs out_dtype, one of "
+                                   f"{', '.join(str(d) for d in FLOAT_DTYPES)}; got {out_dtype}")
+        check_devices(("x", "x_scale"), (x, x_scale))
+    else:
+        x = check_tensor("x", x, 2, FLOAT_DTYPES)
+        if out_dtype is not None and out_dtype != x.dtype:
+            raise KernelInputError(f"out_dtype {out_dtype} differs from x's {x.dtype}; only an "
+                                   f"fp8 x (with x_scale) writes another dtype")
+        out_dtype = x.dtype
+        if weight_scale is not None:  # int8 weight-only: W = weight * weight_scale[:, None]
+            weight = check_tensor("weight", weight, 2, (torch.int8,))
+        else:
+            weight = check_tensor("weight", weight, 2, FLOAT_DTYPES)
+            if weight.dtype != x.dtype:
+                raise KernelInputError(f"weight has dtype {weight.dtype} but x has {x.dtype}")
+    if weight_scale is not None:
         weight_scale = check_weight_scale(weight_scale, weight.shape[0])
         check_devices(("weight", "weight_scale"), (weight, weight_scale))
-        weight_dtype_ok = True
-    else:
-        weight = check_tensor("weight", weight, 2, FLOAT_DTYPES)
-        weight_dtype_ok = weight.dtype == x.dtype
     if x.shape[0] != 1:
         raise KernelInputError(f"gemv takes one row, got x of shape {tuple(x.shape)}")
     if weight.shape[1] != x.shape[1] or weight.shape[0] != rows:
         raise KernelInputError(
             f"weight must be [{rows}, K={x.shape[1]}], got {tuple(weight.shape)}")
-    if not weight_dtype_ok:
-        raise KernelInputError(f"weight has dtype {weight.dtype} but x has {x.dtype}")
     check_inner_dense("x", x, 1)
     check_inner_dense("weight", weight, 1)
     if bias is not None:
@@ -275,7 +317,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row
         check_devices(("x", "weight", "bias"), (x, weight, bias))
     else:
         check_devices(("x", "weight"), (x, weight))
-    return x, weight, bias
+    return _Operands(x, weight, bias, weight_scale, x_scale, out_dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,9 +329,9 @@ class _Norm:
     residual_out: torch.Tensor | None
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            n: int, gated: bool, norm: _Norm | None = None,
-            weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+def _launch(ops: _Operands, out: torch.Tensor, n: int, gated: bool,
+            norm: _Norm | None = None) -> torch.Tensor:
+    x, weight, bias, weight_scale = ops.x, ops.weight, ops.bias, ops.weight_scale
     k = x.shape[1]
     if n == 0:
         return out
@@ -302,6 +344,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
         norm.weight if norm is not None else x,
         norm.residual_out if has_res else x,  # type: ignore[union-attr]
         weight_scale if weight_scale is not None else x,
+        ops.x_scale if ops.x_scale is not None else x,
         n, k, weight.stride(0), n * weight.stride(0),
         norm.eps if norm is not None else 0.0,
         HAS_BIAS=bias is not None,
@@ -309,7 +352,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
         NORM=norm is not None,
         HAS_RES=has_res,
         W_SCALE=weight_scale is not None,
-        INT8_CVT=int(tiles.int8_cvt) if weight_scale is not None else 0,
+        X_SCALE=ops.x_scale is not None,
+        INT8_CVT=int(tiles.int8_cvt) if weight.dtype == torch.int8 else 0,
         EVEN_N=n % tiles.block_n == 0,
         EVEN_K=k % tiles.block_k == 0,
         USE_PDL=pdl,
@@ -323,23 +367,26 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         out: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None
+         out: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
+         x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
          ) -> torch.Tensor:
-    """`x [1, K] @ weight[N, K]^T (+ bias [N])` -> `[1, N]` in x's dtype (fp32 accumulation).
+    """`x [1, K] @ weight[N, K]^T (+ bias [N])` -> `[1, N]` (fp32 accumulation).
 
     x and weight must share a dtype and be dense in their last dim (weight's row stride may be
     padded), or `weight` is int8 with a float32 `weight_scale [N]` (W = weight * scale per row:
     int8 weight-only quantization; the tile is widened in registers and the scale applied to
-    each finished dot product). Mutates only `out` (a contiguous `[1, N]` buffer, allocated
-    when None).
+    each finished dot product), or fp8 W8A8: x float8 e4m3fn with its float32 `x_scale` (one
+    value, as `per_token_quant_fp8` returns it), weight e4m3fn with `weight_scale`, and the
+    result in `out_dtype`. Without `x_scale` the result has x's dtype. Mutates only `out` (a
+    contiguous `[1, N]` buffer, allocated when None).
     """
     n = weight.shape[0] if weight.dim() == 2 else -1
-    x, weight, bias = _check(x, weight, bias, n, weight_scale)
+    ops = _check(x, weight, bias, n, weight_scale, x_scale, out_dtype)
     if out is None:
-        out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+        out = torch.empty((1, n), dtype=ops.out_dtype, device=x.device)
     else:
-        out = check_out(out, (1, n), x.dtype, x.device)
-    return _launch(x, weight, bias, out, n, gated=False, weight_scale=weight_scale)
+        out = check_out(out, (1, n), ops.out_dtype, x.device)
+    return _launch(ops, out, n, gated=False)
 
 
 def _gated_rows(weight: torch.Tensor) -> int:
@@ -350,18 +397,20 @@ def _gated_rows(weight: torch.Tensor) -> int:
 
 
 def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                      weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+                      weight_scale: torch.Tensor | None = None,
+                      x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+                      ) -> torch.Tensor:
     """`silu(g) * u` where `[g | u] = x [1, K] @ weight[2I, K]^T (+ bias [2I])` -> `[1, I]`.
 
     The fused gate/up projection and the MLP activation in one pass over the weight; g and u stay
-    in float32 (no rounding to x's dtype between the matmul and the activation).
-    `weight_scale`: int8 weights, as in `gemv`.
+    in float32 (no rounding between the matmul and the activation).
+    `weight_scale`, `x_scale`, `out_dtype`: 8-bit weights and an fp8 x, as in `gemv`.
     """
     rows = _gated_rows(weight)
-    x, weight, bias = _check(x, weight, bias, rows, weight_scale)
+    ops = _check(x, weight, bias, rows, weight_scale, x_scale, out_dtype)
     inter = rows // 2
-    out = torch.empty((1, inter), dtype=x.dtype, device=x.device)
-    return _launch(x, weight, bias, out, inter, gated=True, weight_scale=weight_scale)
+    out = torch.empty((1, inter), dtype=ops.out_dtype, device=x.device)
+    return _launch(ops, out, inter, gated=True)
 
 
 def rms_norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
@@ -378,10 +427,11 @@ def rms_norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight
     Unlike `rms_norm` then `gemv`, `a` is never rounded to x's dtype: the norm's scale is applied
     to the float32 dot products, so results agree with the unfused pair to that rounding.
     Each program reads all of `x` (from L2: 8 KB at hidden size 4096) to sum its squares itself,
-    so no program waits for another. `weight_scale`: int8 weights, as in `gemv`.
+    so no program waits for another. `weight_scale`: int8 weights, as in `gemv` (an fp8 W8A8
+    layer quantizes the normalised row first, so it cannot take the norm in here).
     """
     rows = _gated_rows(weight) if gated else (weight.shape[0] if weight.dim() == 2 else -1)
-    x, weight, bias = _check(x, weight, bias, rows, weight_scale)
+    ops = _check(x, weight, bias, rows, weight_scale)
     k = x.shape[1]
     norm_weight = check_tensor("norm_weight", norm_weight, 1, FLOAT_DTYPES)
     if norm_weight.shape[0] != k or not norm_weight.is_contiguous():
@@ -399,6 +449,5 @@ def rms_norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight
         residual_out = torch.empty_like(residual)
     n = rows // 2 if gated else rows
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    _launch(x, weight, bias, out, n, gated,
-            _Norm(norm_weight, float(eps), residual, residual_out), weight_scale)
+    _launch(ops, out, n, gated, _Norm(norm_weight, float(eps), residual, residual_out))
     return out, (x if residual_out is None else residual_out)

@@ -16,6 +16,9 @@ multiplies in float32 by the int8 values and scales the result.
   on the GPU, its torch reference elsewhere).
 - The matmul is `torch._scaled_mm` with row-wise scales (cuBLASLt fp8 on Hopper/Ada; torch's own
   kernel on the CPU), accumulating in float32 and writing the model dtype; a bias is added after.
+  One-row inputs (batch-1 decode) on the Triton path take the GEMV kernel instead (same
+  arithmetic, engine/kernels/gemv.py; `SPLITSERVE_GEMV=0` keeps cuBLASLt). The RMSNorms are not
+  folded into it as for bf16: the normalised row must be quantized before the matmul.
 
 The embedding and the LM head stay in the model dtype (as vLLM's fp8 does: they are a small
 share of the weights and the logits are the most sensitive output). The fingerprint of a
@@ -29,6 +32,7 @@ from torch import nn
 
 from engine.config import ConfigError
 from engine.kernels.reference import per_token_quant_fp8_ref
+from engine.model.layers import gemv_enabled
 
 # Decoder-layer projections that are swapped (everything but the embedding and the LM head).
 QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -67,19 +71,31 @@ class Fp8Linear(_QuantizedLinear):
         self.register_buffer("weight_scale", scale[None, :].contiguous(), persistent=False)
         self.weight_t: torch.Tensor
         self.weight_scale: torch.Tensor
+        self._gemv = None
         if use_triton:  # resolved once: the forward pass is a decode step's hot path
             from engine.kernels import per_token_quant_fp8
             self._quantize = per_token_quant_fp8
+            if gemv_enabled():
+                from engine.kernels.gemv import gemv
+                self._gemv = gemv
         else:
             self._quantize = per_token_quant_fp8_ref
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        xq, x_scale = self._quantize(x.reshape(-1, self.in_features))
-        y = torch._scaled_mm(xq, self.weight_t, scale_a=x_scale, scale_b=self.weight_scale,
-                             out_dtype=x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
+        x2 = x.reshape(-1, self.in_features)
+        xq, x_scale = self._quantize(x2)
+        if self._gemv is not None and x2.shape[0] == 1:
+            # One row (batch-1 decode): the Triton GEMV streams the e4m3 weight (row-major, the
+            # transpose of `weight_t`) at the memory's rate, where cuBLASLt's fp8 kernels are
+            # built for many rows. Same W8A8 arithmetic (exact e4m3 products, float32 sums).
+            y = self._gemv(xq, self.weight_t.t(), self.bias, weight_scale=self.weight_scale[0],
+                           x_scale=x_scale, out_dtype=x.dtype)
+        else:
+            y = torch._scaled_mm(xq, self.weight_t, scale_a=x_scale, scale_b=self.weight_scale,
+                                 out_dtype=x.dtype)
+            if self.bias is not None:
+                y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
 
 
@@ -166,7 +182,9 @@ def apply_fp8_w8a8(model: nn.Module, use_triton: bool) -> int:
     swaps = _linears_to_swap(model)
     for parent, name, linear in swaps:
         setattr(parent, name, Fp8Linear(linear, use_triton))
-    for module in model.modules():  # the batch-1 GEMV reads bf16 weights: not after the swap
+    # The decoder layers' norm-fused batch-1 GEMVs take float or int8 weights, not W8A8 (whose
+    # row is quantized after the norm): `Fp8Linear` runs its own one-row GEMV instead.
+    for module in model.modules():
         if hasattr(module, "use_gemv"):
             setattr(module, "use_gemv", False)  # noqa: B010 - any module with the flag
     return len(swaps)
