@@ -148,29 +148,6 @@ def test_gemv_fp8_w8a8_matches_scaled_mm(n: int, k: int, with_bias: bool) -> Non
     torch.testing.assert_close(got.float(), mm.float(), atol=2e-2, rtol=1.6e-2)
 
 
-@pytest.mark.parametrize(("n", "k", "gated"), [(16, 64, False), (24, 200, False), (12, 96, True)])
-def test_gemv_quantizes_x_in_the_kernel_as_the_quantizer_does(n: int, k: int, gated: bool
-                                                                ) -> None:
-    """`quantize_x`: the kernel quantizes a float row per token itself; the result is bit for
-    bit the quantizer's launch followed by the GEMV on its output (same e4m3 row, same scale).
-    A zero row keeps the floor scale and gives zeros."""
-    from engine.kernels import per_token_quant_fp8
-
-    _, _, wq, w_scale = _fp8_operands(2 * n if gated else n, k, n + k)
-    fn = gemv_mod.gemv_silu_and_mul if gated else gemv_mod.gemv
-    for x in (torch.randn(1, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
-              * 0.3, torch.zeros(1, k, dtype=torch.bfloat16)):
-        xq, x_scale = per_token_quant_fp8(x)
-        want = fn(xq, wq, weight_scale=w_scale, x_scale=x_scale, out_dtype=torch.bfloat16)
-        got = fn(x, wq, weight_scale=w_scale, quantize_x=True)
-        assert got.dtype == torch.bfloat16
-        assert torch.equal(got, want)
-    with pytest.raises(KernelInputError, match="not both"):
-        gemv_mod.gemv(xq, wq, weight_scale=w_scale, x_scale=x_scale, quantize_x=True)
-    with pytest.raises(KernelInputError, match="quantize_x needs fp8 weights"):
-        gemv_mod.gemv(x, wq, quantize_x=True)
-
-
 def test_gemv_silu_and_mul_fp8_w8a8() -> None:
     inter, k = 12, 96
     xq, x_scale, wq, w_scale = _fp8_operands(2 * inter, k, 3)

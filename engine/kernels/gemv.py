@@ -36,7 +36,6 @@ import triton.language as tl
 
 from engine.kernels._checks import (
     FLOAT_DTYPES,
-    FP8_E4M3_MAX,
     FP8_KV_DTYPE,
     KernelInputError,
     check_contiguous,
@@ -49,33 +48,22 @@ from engine.kernels._checks import (
     interpret_mode,
 )
 from engine.kernels._pdl import pdl_release, pdl_wait, use_pdl
-from engine.kernels._tl import reduce_max, reduce_sum, round_to_e4m3
-from engine.kernels.reference import FP8_MIN_SCALE
-
-# `per_token_quant_fp8`'s bounds, as compile-time constants of the in-kernel quantizer.
-FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
-FP8_SCALE_FLOOR = tl.constexpr(FP8_MIN_SCALE)
+from engine.kernels._tl import reduce_sum
 
 
 @triton.jit
 def _gemv_chunk(acc, acc_up, sumsq, w, wu, k0, x_ptr, res_ptr, g_ptr, res_out_ptr, K,
-                residual_limit, x_scale, GATED: tl.constexpr, NORM: tl.constexpr,
+                residual_limit, GATED: tl.constexpr, NORM: tl.constexpr,
                 HAS_RES: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
-                INT8_CVT: tl.constexpr, QUANT_X: tl.constexpr, PRE_ROUND: tl.constexpr):
+                INT8_CVT: tl.constexpr):
     """One K chunk: the activation chunk (with the norm prologue: `x + residual`, its squares
-    summed, times the norm weight; or quantized to e4m3 under `x_scale` with QUANT_X) times the
-    weight tile(s) `w` / `wu`, loaded by the caller."""
+    summed, times the norm weight) times the weight tile(s) `w` / `wu`, loaded by the caller."""
     kk = k0 + tl.arange(0, BLOCK_K)
     kmask = kk < K
     if EVEN_K:
         x = tl.load(x_ptr + kk).to(tl.float32)
     else:
         x = tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
-    if QUANT_X:  # `per_token_quant_fp8`'s arithmetic, step for step
-        xq = tl.minimum(tl.maximum(x / x_scale, -FP8_MAX), FP8_MAX)
-        if PRE_ROUND:
-            xq = round_to_e4m3(xq)
-        x = xq.to(tl.float8e4nv).to(tl.float32)
     if NORM:
         if HAS_RES:
             if EVEN_K:
@@ -188,8 +176,6 @@ def _gemv_kernel(
     HAS_RES: tl.constexpr,
     W_SCALE: tl.constexpr,
     X_SCALE: tl.constexpr,
-    QUANT_X: tl.constexpr,  # fp8 W8A8 on a float x: quantize it per token in the kernel
-    PRE_ROUND: tl.constexpr,  # interpreter only (QUANT_X): its own fp8 cast rounds wrongly
     INT8_CVT: tl.constexpr,  # an `Int8Cvt` (int8 weights only; 0 otherwise)
     EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no row mask
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no column mask
@@ -208,27 +194,17 @@ def _gemv_kernel(
     pdl_wait(USE_PDL)
     pdl_release(USE_PDL)
     residual_limit = tl.where(pid == 0, K, 0)  # K for the program that writes it, else 0
-    x_scale = 1.0
-    if X_SCALE:  # a quantized x: its one scale, applied outside the dot product
-        x_scale = tl.load(xs_ptr)
-    elif QUANT_X:  # quantize x here: every program takes the row's max itself (x is in L2)
-        amax = tl.full([BLOCK_K], 0.0, tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + kk, mask=kk < K, other=0.0)
-                                           .to(tl.float32)))
-        x_scale = tl.maximum(reduce_max(amax, 0) / FP8_MAX, FP8_SCALE_FLOOR)
     acc = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
     acc_up = tl.full([BLOCK_N, BLOCK_K], 0.0, tl.float32)
     sumsq = tl.full([BLOCK_K], 0.0, tl.float32)
     acc, acc_up, sumsq = _gemv_chunk(acc, acc_up, sumsq, w, wu, 0, x_ptr, res_ptr, g_ptr,
-                                     res_out_ptr, K, residual_limit, x_scale, GATED, NORM,
-                                     HAS_RES, EVEN_K, BLOCK_K, INT8_CVT, QUANT_X, PRE_ROUND)
+                                     res_out_ptr, K, residual_limit, GATED, NORM, HAS_RES,
+                                     EVEN_K, BLOCK_K, INT8_CVT)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         w, wu = _load_tiles(gate_rows, up_rows, k0, row_mask, K, GATED, EVEN_N, EVEN_K, BLOCK_K)
         acc, acc_up, sumsq = _gemv_chunk(acc, acc_up, sumsq, w, wu, k0, x_ptr, res_ptr, g_ptr,
-                                         res_out_ptr, K, residual_limit, x_scale, GATED, NORM,
-                                         HAS_RES, EVEN_K, BLOCK_K, INT8_CVT, QUANT_X, PRE_ROUND)
+                                         res_out_ptr, K, residual_limit, GATED, NORM, HAS_RES,
+                                         EVEN_K, BLOCK_K, INT8_CVT)
     y = reduce_sum(acc, 1)
     if NORM:
         # RMSNorm's scale is one scalar per row of x, so it factors out of the dot product.
@@ -236,7 +212,9 @@ def _gemv_kernel(
         y *= rstd
     if W_SCALE:  # 8-bit weights: one scale per output row, also outside the dot product
         y *= tl.load(ws_ptr + rows, mask=row_mask, other=0.0)
-    if X_SCALE or QUANT_X:
+    x_scale = 1.0
+    if X_SCALE:  # a quantized x: its one scale, outside the dot product too
+        x_scale = tl.load(xs_ptr)
         y *= x_scale
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
@@ -246,7 +224,7 @@ def _gemv_kernel(
             up *= rstd
         if W_SCALE:
             up *= tl.load(ws_ptr + N + rows, mask=row_mask, other=0.0)
-        if X_SCALE or QUANT_X:
+        if X_SCALE:
             up *= x_scale
         if HAS_BIAS:
             up += tl.load(b_ptr + N + rows, mask=row_mask, other=0.0).to(tl.float32)
@@ -291,15 +269,11 @@ class _Operands:
     weight_scale: torch.Tensor | None
     x_scale: torch.Tensor | None
     out_dtype: torch.dtype
-    quantize_x: bool = False  # fp8 weights, float x: quantize x per token in the kernel
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int,
            weight_scale: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
-           out_dtype: torch.dtype | None = None, quantize_x: bool = False) -> _Operands:
-    if quantize_x and x_scale is not None:
-        raise KernelInputError("pass x quantized with its x_scale, or a float x with "
-                               "quantize_x, not both")
+           out_dtype: torch.dtype | None = None) -> _Operands:
     if x_scale is not None:  # fp8 W8A8: x quantized per token, weight e4m3fn with row scales
         x = check_tensor("x", x, 2, (FP8_KV_DTYPE,))
         x_scale = check_tensor("x_scale", x_scale, x_scale.dim() if isinstance(
@@ -320,11 +294,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row
             raise KernelInputError(f"out_dtype {out_dtype} differs from x's {x.dtype}; only an "
                                    f"fp8 x (with x_scale) writes another dtype")
         out_dtype = x.dtype
-        if quantize_x:  # fp8 W8A8 on a float row: the kernel quantizes it per token
-            if weight_scale is None:
-                raise KernelInputError("quantize_x needs fp8 weights with weight_scale")
-            weight = check_tensor("weight", weight, 2, (FP8_KV_DTYPE,))
-        elif weight_scale is not None:  # int8 weight-only: W = weight * weight_scale[:, None]
+        if weight_scale is not None:  # int8 weight-only: W = weight * weight_scale[:, None]
             weight = check_tensor("weight", weight, 2, (torch.int8,))
         else:
             weight = check_tensor("weight", weight, 2, FLOAT_DTYPES)
@@ -347,7 +317,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row
         check_devices(("x", "weight", "bias"), (x, weight, bias))
     else:
         check_devices(("x", "weight"), (x, weight))
-    return _Operands(x, weight, bias, weight_scale, x_scale, out_dtype, quantize_x)
+    return _Operands(x, weight, bias, weight_scale, x_scale, out_dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -383,8 +353,6 @@ def _launch(ops: _Operands, out: torch.Tensor, n: int, gated: bool,
         HAS_RES=has_res,
         W_SCALE=weight_scale is not None,
         X_SCALE=ops.x_scale is not None,
-        QUANT_X=ops.quantize_x,
-        PRE_ROUND=ops.quantize_x and interpret_mode(),
         INT8_CVT=int(tiles.int8_cvt) if weight.dtype == torch.int8 else 0,
         EVEN_N=n % tiles.block_n == 0,
         EVEN_K=k % tiles.block_k == 0,
@@ -400,8 +368,8 @@ def _launch(ops: _Operands, out: torch.Tensor, n: int, gated: bool,
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          out: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
-         x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-         quantize_x: bool = False) -> torch.Tensor:
+         x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+         ) -> torch.Tensor:
     """`x [1, K] @ weight[N, K]^T (+ bias [N])` -> `[1, N]` (fp32 accumulation).
 
     x and weight must share a dtype and be dense in their last dim (weight's row stride may be
@@ -409,14 +377,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     int8 weight-only quantization; the tile is widened in registers and the scale applied to
     each finished dot product), or fp8 W8A8: x float8 e4m3fn with its float32 `x_scale` (one
     value, as `per_token_quant_fp8` returns it), weight e4m3fn with `weight_scale`, and the
-    result in `out_dtype`; or, with `quantize_x`, the same W8A8 product from a float x that the
-    kernel quantizes per token itself (`per_token_quant_fp8`'s arithmetic: every program takes
-    the row's max, then rounds each chunk to e4m3 as it goes), saving the quantizer's launch.
-    Without `x_scale` the result has x's dtype. Mutates only `out` (a contiguous `[1, N]`
-    buffer, allocated when None).
+    result in `out_dtype`. Without `x_scale` the result has x's dtype. Mutates only `out` (a
+    contiguous `[1, N]` buffer, allocated when None).
     """
     n = weight.shape[0] if weight.dim() == 2 else -1
-    ops = _check(x, weight, bias, n, weight_scale, x_scale, out_dtype, quantize_x)
+    ops = _check(x, weight, bias, n, weight_scale, x_scale, out_dtype)
     if out is None:
         out = torch.empty((1, n), dtype=ops.out_dtype, device=x.device)
     else:
@@ -433,17 +398,16 @@ def _gated_rows(weight: torch.Tensor) -> int:
 
 def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                       weight_scale: torch.Tensor | None = None,
-                      x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                      quantize_x: bool = False) -> torch.Tensor:
+                      x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+                      ) -> torch.Tensor:
     """`silu(g) * u` where `[g | u] = x [1, K] @ weight[2I, K]^T (+ bias [2I])` -> `[1, I]`.
 
     The fused gate/up projection and the MLP activation in one pass over the weight; g and u stay
     in float32 (no rounding between the matmul and the activation).
-    `weight_scale`, `x_scale`, `out_dtype`, `quantize_x`: 8-bit weights and fp8 W8A8, as in
-    `gemv`.
+    `weight_scale`, `x_scale`, `out_dtype`: 8-bit weights and an fp8 x, as in `gemv`.
     """
     rows = _gated_rows(weight)
-    ops = _check(x, weight, bias, rows, weight_scale, x_scale, out_dtype, quantize_x)
+    ops = _check(x, weight, bias, rows, weight_scale, x_scale, out_dtype)
     inter = rows // 2
     out = torch.empty((1, inter), dtype=ops.out_dtype, device=x.device)
     return _launch(ops, out, inter, gated=True)

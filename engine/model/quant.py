@@ -84,15 +84,14 @@ class Fp8Linear(_QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
+        xq, x_scale = self._quantize(x2)
         if self._gemv is not None and x2.shape[0] == 1:
-            # One row (batch-1 decode): the Triton GEMV quantizes the row itself and streams the
-            # e4m3 weight (row-major, the transpose of `weight_t`) at the memory's rate, where
-            # cuBLASLt's fp8 kernels are built for many rows. Same W8A8 arithmetic (the
-            # quantizer's rounding, exact e4m3 products, float32 sums), one launch.
-            y = self._gemv(x2, self.weight_t.t(), self.bias, weight_scale=self.weight_scale[0],
-                           quantize_x=True)
+            # One row (batch-1 decode): the Triton GEMV streams the e4m3 weight (row-major, the
+            # transpose of `weight_t`) at the memory's rate, where cuBLASLt's fp8 kernels are
+            # built for many rows. Same W8A8 arithmetic (exact e4m3 products, float32 sums).
+            y = self._gemv(xq, self.weight_t.t(), self.bias, weight_scale=self.weight_scale[0],
+                           x_scale=x_scale, out_dtype=x.dtype)
         else:
-            xq, x_scale = self._quantize(x2)
             y = torch._scaled_mm(xq, self.weight_t, scale_a=x_scale, scale_b=self.weight_scale,
                                  out_dtype=x.dtype)
             if self.bias is not None:
