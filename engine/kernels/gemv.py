@@ -271,16 +271,21 @@ class _Operands:
     out_dtype: torch.dtype
 
 
+def _describe(t: object) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{t.dtype} of shape {tuple(t.shape)}"
+    return type(t).__name__
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int,
            weight_scale: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None) -> _Operands:
     if x_scale is not None:  # fp8 W8A8: x quantized per token, weight e4m3fn with row scales
         x = check_tensor("x", x, 2, (FP8_KV_DTYPE,))
-        x_scale = check_tensor("x_scale", x_scale, x_scale.dim() if isinstance(
-            x_scale, torch.Tensor) else 1, (torch.float32,))
-        if x_scale.numel() != 1:
-            raise KernelInputError(f"x_scale must hold one float32 (x's row scale), got shape "
-                                   f"{tuple(x_scale.shape)}")
+        if not (isinstance(x_scale, torch.Tensor) and x_scale.dtype == torch.float32
+                and x_scale.numel() == 1):
+            raise KernelInputError(f"x_scale must be a tensor holding one float32 (x's row "
+                                   f"scale), got {_describe(x_scale)}")
         if weight_scale is None:
             raise KernelInputError("an fp8 x (x_scale given) needs fp8 weights with weight_scale")
         weight = check_tensor("weight", weight, 2, (FP8_KV_DTYPE,))
