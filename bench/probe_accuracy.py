@@ -139,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
                         SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
                                        ignore_eos=True))
     sequences = [(q, o.outputs[0].token_ids) for q, o in zip(prompts, outs, strict=True)]
+    if any(len(c) < args.max_tokens for _, c in sequences):
+        raise SystemExit(f"a continuation stopped short of {args.max_tokens} tokens: raise "
+                         f"--max-model-len (prompts of up to {max(map(len, prompts))} tokens)")
     targets = [c for _, c in sequences]
 
     def logits_of(llm: Any) -> list[torch.Tensor]:

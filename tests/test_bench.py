@@ -560,3 +560,27 @@ def test_synthetic_tokenizer_decodes_every_id_of_the_model(tmp_path: Path) -> No
                                    include_stop_str_in_output=False)
     streamed = "".join(detok.add_tokens([i]).text_delta for i in ids) + detok.finish().text_delta
     assert streamed == expected
+
+
+def test_probe_accuracy_compares_variants_with_the_reference(tmp_path: Path) -> None:
+    """bench/probe_accuracy.py: a variant configured as the reference is the reference (top-1
+    1.0, zero error and KL); an int8 KV cache moves the logits a little; a pair compares two
+    variants' own logits (int8 against the reference's twin gives int8's own figures)."""
+    from bench import probe_accuracy
+
+    out = tmp_path / "acc.json"
+    assert probe_accuracy.main([
+        "--out", str(out), "--model", "dummy:tiny", "--max-tokens", "4", "--max-model-len",
+        "600", "--reference", "attention_backend=torch",
+        "--variant", "same:attention_backend=torch", "--variant", "int8:kv_cache_dtype=int8",
+        "--pair", "int8/same"]) == 0
+    doc = json.loads(out.read_text())
+    same, int8 = doc["variants"]["same"], doc["variants"]["int8"]
+    assert doc["positions"] == 8 * 4 and doc["reference_self_agreement"] == 1.0
+    assert same["top1_agreement"] == 1.0 and same["rel_l2_logits_max"] == 0.0
+    assert same["kl_max"] == pytest.approx(0.0, abs=1e-9)
+    assert 0.0 < int8["rel_l2_logits_mean"] < 0.5 and int8["k_scale_range"][0] > 0
+    assert doc["pairs"]["int8/same"]["rel_l2_logits_mean"] == pytest.approx(
+        int8["rel_l2_logits_mean"])
+    with pytest.raises(SystemExit):
+        probe_accuracy.main(["--out", str(out), "--variant", "bad:kv_cache_dtype=fp4"])
