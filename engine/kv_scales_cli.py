@@ -54,9 +54,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from engine.llm_engine import LLMEngine
 
     config = engine_config_from_args(args)
-    # The engine calibrates at start exactly as a worker does; a small cache is enough.
-    config = dataclasses.replace(config, cache=dataclasses.replace(
-        config.cache, kv_scales="calibrate", num_gpu_blocks=16, enable_prefix_caching=False))
+    # The engine calibrates at start exactly as a worker does; a small cache is enough, and no
+    # decode step runs, so no CUDA graphs are captured.
+    config = dataclasses.replace(
+        config, cache=dataclasses.replace(config.cache, kv_scales="calibrate", num_gpu_blocks=16,
+                                          enable_prefix_caching=False),
+        runner=dataclasses.replace(config.runner, enforce_eager=True))
     engine = LLMEngine(config, detokenize=False)
     runner = engine.runner
     tokens = runner.kv_calibration_tokens
