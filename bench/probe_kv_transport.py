@@ -9,6 +9,8 @@ every pulled block bit for bit against the same seeded cache rebuilt here.
 
 Usage (on the GPU machine): PYTHONPATH=. python3 bench/probe_kv_transport.py --out F
     [--blocks 16,64,256] [--repeats 5] [--kv-dtype bf16|fp8]
+On a machine without a GPU, `--device cpu` runs the host transports (shared memory, the gRPC
+stream) between two CPU caches: what the stream's encoding, messages and decoding cost.
 """
 
 from __future__ import annotations
@@ -45,11 +47,11 @@ def spec_for(dtype: torch.dtype) -> BlockSpec:
                      num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype=dtype)
 
 
-def seeded_cache(num_blocks: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """The same values in every process of this GPU for the same arguments."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+def seeded_cache(num_blocks: int, dtype: torch.dtype, seed: int, device: str) -> torch.Tensor:
+    """The same values in every process of this device for the same arguments."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     cache = torch.randn(NUM_LAYERS, 2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
-                        generator=gen, device="cuda", dtype=torch.bfloat16)
+                        generator=gen, device=device, dtype=torch.bfloat16)
     return cache.to(dtype)
 
 
@@ -89,7 +91,7 @@ class Source:
 
     async def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         def read() -> torch.Tensor:
-            idx = torch.tensor(block_ids, device="cuda")
+            idx = torch.tensor(block_ids, device=self._cache.device)
             raw = self._cache.view(torch.uint8).index_select(2, idx).permute(2, 0, 1, 3, 4, 5)
             return raw.cpu().contiguous().view(self._cache.dtype)
         return await asyncio.to_thread(read)
@@ -99,21 +101,22 @@ class Source:
 
 
 class Sink:
-    """`DeviceKvBlockSink` over a cache on this process's GPU."""
+    """`DeviceKvBlockSink` over a cache on this process's device."""
 
     def __init__(self, cache: torch.Tensor) -> None:
         self.cache = cache
-        self._stream = torch.cuda.Stream()
+        self._stream = torch.cuda.Stream() if cache.is_cuda else None
 
     @property
     def device(self) -> torch.device:
         return self.cache.device
 
     def write_blocks(self, block_ids: list[int], tensors: torch.Tensor) -> None:
-        idx = torch.tensor(block_ids, device="cuda")
-        src = tensors.view(torch.uint8).to("cuda").permute(1, 2, 0, 3, 4, 5)
+        idx = torch.tensor(block_ids, device=self.cache.device)
+        src = tensors.view(torch.uint8).to(self.cache.device).permute(1, 2, 0, 3, 4, 5)
         self.cache.view(torch.uint8).index_copy_(2, idx, src)
-        torch.cuda.synchronize()
+        if self.cache.is_cuda:
+            torch.cuda.synchronize()
 
     def copy_blocks_from(self, block_ids: list[int], src_cache: torch.Tensor,
                          src_block_ids: list[int]) -> None:
@@ -123,11 +126,12 @@ class Sink:
 async def serve(args: argparse.Namespace) -> None:
     dtype = DTYPES[args.kv_dtype]
     spec = spec_for(dtype)
-    cache = seeded_cache(SRC_BLOCKS, dtype, seed=0)
+    cache = seeded_cache(SRC_BLOCKS, dtype, seed=0, device=args.device)
     table = leases(_sizes(args), args.repeats, _transports(args))
     server = grpc.aio.server(options=channel_options())
     kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(
-        KvTransferServicer(Source(cache, spec, table), ipc_cache=cache), server)
+        KvTransferServicer(Source(cache, spec, table),
+                           ipc_cache=cache if cache.is_cuda else None), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     print(f"PORT {port}", flush=True)
@@ -137,12 +141,12 @@ async def serve(args: argparse.Namespace) -> None:
 async def pull(args: argparse.Namespace, port: int) -> dict[str, Any]:
     dtype = DTYPES[args.kv_dtype]
     spec = spec_for(dtype)
-    expected = seeded_cache(SRC_BLOCKS, dtype, seed=0).view(torch.uint8)
+    expected = seeded_cache(SRC_BLOCKS, dtype, seed=0, device=args.device).view(torch.uint8)
     table = leases(_sizes(args), args.repeats, _transports(args))
     results: dict[str, Any] = {}
     for transport in _transports(args):
         sink = Sink(torch.zeros(NUM_LAYERS, 2, DST_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
-                                device="cuda", dtype=dtype))
+                                device=args.device, dtype=dtype))
         connector = GrpcPullConnector(spec, sink, asyncio.get_running_loop(), timeout_s=120,
                                       use_ipc=transport == "ipc",
                                       use_shm=transport in ("ipc", "shm"))
@@ -160,8 +164,8 @@ async def pull(args: argparse.Namespace, port: int) -> dict[str, Any]:
                 connector.get_finished_loads()
                 if not result.ok:
                     raise RuntimeError(f"{rid}: {result.reason}")
-                src_idx = torch.tensor(table[rid], device="cuda")
-                dst_idx = torch.tensor(dst_ids, device="cuda")
+                src_idx = torch.tensor(table[rid], device=args.device)
+                dst_idx = torch.tensor(dst_ids, device=args.device)
                 exact &= bool(torch.equal(sink.cache.view(torch.uint8).index_select(2, dst_idx),
                                           expected.index_select(2, src_idx)))
                 if r:
@@ -192,7 +196,9 @@ def _sizes(args: argparse.Namespace) -> list[int]:
 
 
 def _transports(args: argparse.Namespace) -> list[str]:
-    return args.transports.split(",")
+    if args.transports:
+        return args.transports.split(",")
+    return ["ipc", "shm", "stream"] if args.device == "cuda" else ["shm", "stream"]
 
 
 def main() -> int:
@@ -200,7 +206,10 @@ def main() -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--blocks", default="16,64,256")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--transports", default="ipc,shm,stream")
+    p.add_argument("--transports", default="",
+                   help="comma list of ipc,shm,stream (default: all the device allows)")
+    p.add_argument("--device", choices=["cuda", "cpu"],
+                   default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--kv-dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
