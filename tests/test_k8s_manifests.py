@@ -417,7 +417,8 @@ def check_network_policies(objs: list[Obj]) -> None:
 def check_shared_engine_flags(objs: list[Obj]) -> None:
     """Flags bound into the model fingerprint come from one ConfigMap in every pool."""
     by_role = {component(d): container_args(containers(d)[0]) for d in of_kind(objs, "Deployment")}
-    for flag in ("--model", "--dtype", "--block-size", "--load-format", "--max-model-len"):
+    for flag in ("--model", "--dtype", "--block-size", "--load-format", "--max-model-len",
+                 "--quantization", "--kv-cache-dtype"):
         assert by_role["prefill"].one(flag) == by_role["decode"].one(flag), flag
         assert VAR_REF.fullmatch(by_role["prefill"].one(flag)), f"{flag} must come from the ConfigMap"
     assert by_role["gateway"].one("--model") == by_role["decode"].one("--model")
@@ -687,7 +688,7 @@ needs_kustomize = pytest.mark.skipif(kustomize_tool() is None,
 
 
 @needs_kustomize
-@pytest.mark.parametrize("overlay", ["cpu-dev", "gpu", "gpu-tls"])
+@pytest.mark.parametrize("overlay", ["cpu-dev", "gpu", "gpu-tls", "gpu-fp8"])
 def test_rendered_overlay(overlay: str) -> None:
     objs = render(OVERLAYS / overlay)
     namespaces = {o["metadata"].get("namespace") for o in objs if o["kind"] != "Namespace"}
@@ -711,6 +712,35 @@ def test_rendered_gpu_overlay_mounts_the_model_pvc() -> None:
         assert pvc and pvc["claimName"] in claims and pvc["readOnly"] is True, name(dep)
         if component(dep) in WORKER_ROLES:
             assert any(t["key"] == "nvidia.com/gpu" for t in pod_spec(dep)["tolerations"])
+
+
+def worker_engine_configs(objs: list[Obj]) -> dict[str, Any]:
+    """Each worker pool's engine config, from its expanded args through the real parser."""
+    from engine.cli_args import engine_config_from_args
+    from serving.worker_main import build_parser as worker_parser
+
+    out = {}
+    for dep in of_kind(objs, "Deployment"):
+        role = component(dep)
+        if role in WORKER_ROLES:
+            c = containers(dep)[0]
+            env = pod_env(c, objs)
+            argv = [expand(str(a), env) for a in c.get("args", [])]
+            out[role] = engine_config_from_args(worker_parser().parse_args(argv[1:]), role=role)
+    return out
+
+
+@needs_kustomize
+@pytest.mark.parametrize(("overlay", "quantization", "kv_dtype"),
+                         [("gpu", "none", "auto"), ("gpu-fp8", "fp8", "fp8")])
+def test_rendered_overlay_quantization(overlay: str, quantization: str, kv_dtype: str) -> None:
+    """Both worker pools run the overlay's weight quantization and KV dtype (they are part of
+    the KV's fingerprint): bf16 in `gpu`, fp8 W8A8 with an fp8 cache in `gpu-fp8`."""
+    configs = worker_engine_configs(render(OVERLAYS / overlay))
+    assert set(configs) == set(WORKER_ROLES)
+    for role, config in configs.items():
+        assert config.runner.quantization == quantization, role
+        assert config.cache.kv_cache_dtype == kv_dtype, role
 
 
 @needs_kustomize
