@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -149,3 +150,19 @@ class GatewayConfig:
 
     def replace(self, **changes: Any) -> GatewayConfig:
         return dataclasses.replace(self, **changes)
+
+
+def add_public_security_args(parser: argparse.ArgumentParser, role: str = "") -> None:
+    """The flags of the public ports' security, for every process that serves them (the gateway
+    role and the colocated role's in-process gateway); `role` prefixes their help."""
+    note = f"{role}: " if role else ""
+    parser.add_argument("--api-key", default=None,
+                        help=f"{note}require 'Authorization: Bearer KEY' on /v1/* and as gRPC "
+                             f"metadata on Generate")
+    parser.add_argument("--ssl-certfile", default=None,
+                        help=f"{note}serve REST and gRPC over TLS with this PEM certificate "
+                             f"(chain)")
+    parser.add_argument("--ssl-keyfile", default=None, help=f"{note}the PEM key of --ssl-certfile")
+    parser.add_argument("--ssl-ca-certs", default=None,
+                        help=f"{note}require client certificates signed by this PEM CA (mutual "
+                             f"TLS)")

@@ -17,7 +17,12 @@ from collections.abc import Iterator, Sequence
 
 import uvicorn
 
-from gateway.config import GatewayConfig, GatewayConfigError, served_model_name_for
+from gateway.config import (
+    GatewayConfig,
+    GatewayConfigError,
+    add_public_security_args,
+    served_model_name_for,
+)
 from gateway.grpc_server import GrpcFrontend
 from gateway.openai_api import build_app
 from gateway.state import GatewayState
@@ -143,14 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: --model as given, or the "
                         "embedded SmolLM2's name)")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* and as gRPC metadata on "
-                        "Generate")
-    p.add_argument("--ssl-certfile", default=None,
-                   help="serve REST and gRPC over TLS with this PEM certificate (chain)")
-    p.add_argument("--ssl-keyfile", default=None, help="the PEM key of --ssl-certfile")
-    p.add_argument("--ssl-ca-certs", default=None,
-                   help="require client certificates signed by this PEM CA (mutual TLS)")
+    add_public_security_args(p)
     p.add_argument("--max-model-len", type=int, default=d["max_model_len"].default)
     p.add_argument("--max-tokens-cap", type=int, default=d["max_tokens_cap"].default)
     p.add_argument("--request-timeout", type=float, default=d["request_timeout_s"].default)

@@ -133,6 +133,8 @@ def _gateway_default(name: str) -> Any:
 
 def build_serve_parser() -> argparse.ArgumentParser:
     """`build_parser` plus the flags of the colocated role's in-process gateway."""
+    from gateway.config import add_public_security_args  # torch-free, like the gateway role
+
     parser = build_parser()
     parser.add_argument("--grpc-port", type=int, default=50050,
                         help="gateway/colocated: public gRPC port")
@@ -141,13 +143,7 @@ def build_serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name", default=None,
                         help="colocated: the model's name in the API (default: --model as "
                              "given, or the embedded SmolLM2's name)")
-    parser.add_argument("--api-key", default=None,
-                        help="colocated: require 'Authorization: Bearer KEY' on /v1/* and gRPC")
-    parser.add_argument("--ssl-certfile", default=None,
-                        help="colocated: serve REST and gRPC over TLS with this PEM certificate")
-    parser.add_argument("--ssl-keyfile", default=None, help="colocated: its PEM key")
-    parser.add_argument("--ssl-ca-certs", default=None,
-                        help="colocated: require client certificates signed by this PEM CA")
+    add_public_security_args(parser, role="colocated")
     parser.add_argument("--speculative-draft-max-load", type=int, default=_gateway_default(
                             "speculative_draft_max_load"),
                         help="colocated: requests pending on the worker from which its draft "
