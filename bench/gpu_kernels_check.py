@@ -554,18 +554,19 @@ class Checker:
         q, scale = quantize_weight_fp8(self.randn(n, k) * 0.02)
         xq, x_scale = per_token_quant_fp8(self.randn(1, k))
         want = (xq.float() @ q.float().T) * x_scale * scale
-        mm = torch._scaled_mm(xq, q.t(), scale_a=x_scale, scale_b=scale[None, :],
-                              out_dtype=self.dtype)
-        got = gemv(xq, q, weight_scale=scale, x_scale=x_scale, out_dtype=self.dtype)
+
+        def fn() -> torch.Tensor:
+            return gemv(xq, q, weight_scale=scale, x_scale=x_scale, out_dtype=self.dtype)
+
+        def scaled_mm() -> torch.Tensor:
+            return torch._scaled_mm(xq, q.t(), scale_a=x_scale, scale_b=scale[None, :],
+                                    out_dtype=self.dtype)
+
+        got, mm = fn(), scaled_mm()
         result = verdict({"n": n, "k": k, **errors(got, want.to(self.dtype)),
                           "rel_err_vs_scaled_mm": float((got.float() - mm.float()).norm()
                                                         / mm.float().norm())}, self.dtype)
-        return self.timed(result,
-                          lambda: gemv(xq, q, weight_scale=scale, x_scale=x_scale,
-                                       out_dtype=self.dtype),
-                          lambda: torch._scaled_mm(xq, q.t(), scale_a=x_scale,
-                                                   scale_b=scale[None, :], out_dtype=self.dtype),
-                          q.numel())
+        return self.timed(result, fn, scaled_mm, q.numel())
 
     # -- int8 weight-only -----------------------------------------------------------------
 
