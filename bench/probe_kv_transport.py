@@ -1,4 +1,5 @@
-"""KV handoff between two processes on one GPU, by transport: CUDA IPC, shared memory, gRPC stream.
+"""KV handoff between two processes on one GPU, by transport: CUDA IPC, shared memory, the KV
+data port (raw TCP), gRPC stream.
 
 A child process plays the prefill worker's KV side: a KV cache of Llama-3.1-8B's block shape
 (32 layers, 8 KV heads, head_dim 128, 16 tokens: 2 MB per bf16 block) filled from a seed,
@@ -8,9 +9,10 @@ CUDA IPC, as a prefill worker on a GPU offers it). This process pulls each lease
 every pulled block bit for bit against the same seeded cache rebuilt here.
 
 Usage (on the GPU machine): PYTHONPATH=. python3 bench/probe_kv_transport.py --out F
-    [--blocks 16,64,256] [--repeats 5] [--kv-dtype bf16|fp8]
-On a machine without a GPU, `--device cpu` runs the host transports (shared memory, the gRPC
-stream) between two CPU caches: what the stream's encoding, messages and decoding cost.
+    [--blocks 16,64,256] [--repeats 5] [--kv-dtype bf16|fp8] [--transports ipc,shm,tcp,stream]
+On a machine without a GPU, `--device cpu` runs the host transports (shared memory, TCP, the
+gRPC stream) between two CPU caches: what the stream's encoding, messages and decoding cost.
+TCP runs over loopback here; between hosts the network's rate caps it as well.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from engine.kv.hashing import HASH_BYTES
 from engine.runner import copy_cache_blocks
 from kv_transfer.connector import GrpcPullConnector, KvHandle
 from kv_transfer.grpc_transport import KvTransferServicer, LeaseView, channel_options
+from kv_transfer.tcp import KvDataServer
 from kv_transfer.wire import BlockSpec
 from protos.splitserve.v1 import kv_transfer_pb2_grpc
 
@@ -129,9 +132,11 @@ async def serve(args: argparse.Namespace) -> None:
     cache = seeded_cache(SRC_BLOCKS, dtype, seed=0, device=args.device)
     table = leases(_sizes(args), args.repeats, _transports(args))
     server = grpc.aio.server(options=channel_options())
+    source = Source(cache, spec, table)
+    data = KvDataServer(source, asyncio.get_running_loop(), "127.0.0.1")
     kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(
-        KvTransferServicer(Source(cache, spec, table),
-                           ipc_cache=cache if cache.is_cuda else None), server)
+        KvTransferServicer(source, ipc_cache=cache if cache.is_cuda else None,
+                           data_server=data), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     print(f"PORT {port}", flush=True)
@@ -149,7 +154,8 @@ async def pull(args: argparse.Namespace, port: int) -> dict[str, Any]:
                                 device=args.device, dtype=dtype))
         connector = GrpcPullConnector(spec, sink, asyncio.get_running_loop(), timeout_s=120,
                                       use_ipc=transport == "ipc",
-                                      use_shm=transport in ("ipc", "shm"))
+                                      use_shm=transport in ("ipc", "shm"),
+                                      use_tcp=transport in ("ipc", "shm", "tcp"))
         for n in _sizes(args):
             times, exact = [], True
             for r in range(args.repeats + 1):
@@ -188,6 +194,8 @@ def _used(connector: GrpcPullConnector, transport: str, port: int) -> str:
         return "ipc"
     if transport in ("ipc", "shm") and address not in connector._no_shm:
         return "shm"
+    if transport in ("ipc", "shm", "tcp") and address not in connector._no_tcp:
+        return "tcp"
     return "stream"
 
 
@@ -198,7 +206,7 @@ def _sizes(args: argparse.Namespace) -> list[int]:
 def _transports(args: argparse.Namespace) -> list[str]:
     if args.transports:
         return args.transports.split(",")
-    return ["ipc", "shm", "stream"] if args.device == "cuda" else ["shm", "stream"]
+    return ["ipc", "shm", "tcp", "stream"] if args.device == "cuda" else ["shm", "tcp", "stream"]
 
 
 def main() -> int:
@@ -207,7 +215,7 @@ def main() -> int:
     p.add_argument("--blocks", default="16,64,256")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--transports", default="",
-                   help="comma list of ipc,shm,stream (default: all the device allows)")
+                   help="comma list of ipc,shm,tcp,stream (default: all the device allows)")
     p.add_argument("--device", choices=["cuda", "cpu"],
                    default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--kv-dtype", choices=sorted(DTYPES), default="bf16")

@@ -27,6 +27,7 @@ import torch
 
 from kv_transfer.cuda_ipc import CacheExport, IpcUnavailable, device_uuid, export_cache
 from kv_transfer.shm import SHM_PREFIX, ShmError, ShmSegment, valid_name
+from kv_transfer.tcp import TICKET_BYTES, KvDataServer
 from kv_transfer.wire import BlockSpec, DecodedBlock, KvWireError, decode_block, encode_block
 from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from protos.tls import internal_channel
@@ -91,7 +92,9 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
     kv_scales: the cache's per-layer scales [num_layers, 2] float32 for 1-byte KV dtypes (sent
     with every block), None otherwise. ipc_cache: the source's whole KV cache on its GPU
     ([L, 2, num_blocks, ...], the tensor the lease's block ids index), for `PullBlocksIpc`; None
-    (a CPU engine) answers those calls FAILED_PRECONDITION.
+    (a CPU engine) answers those calls FAILED_PRECONDITION. data_server: the worker's KV data
+    port (`kv_transfer.tcp`), which `PullBlocksTcp` issues tickets for; None answers those calls
+    FAILED_PRECONDITION.
     """
 
     def __init__(
@@ -100,6 +103,7 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         fragment_bytes: int = DEFAULT_FRAGMENT_BYTES,
         kv_scales: torch.Tensor | None = None,
         ipc_cache: torch.Tensor | None = None,
+        data_server: KvDataServer | None = None,
     ) -> None:
         if not 1 <= fragment_bytes <= MAX_FRAGMENT_BYTES:
             raise ValueError(f"fragment_bytes must be in [1, {MAX_FRAGMENT_BYTES}], "
@@ -110,6 +114,7 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         self._ipc_cache = ipc_cache if ipc_cache is not None and ipc_cache.is_cuda else None
         self._ipc_uuid = (device_uuid(self._ipc_cache.device) if self._ipc_cache is not None
                           else b"")
+        self._data_server = data_server
 
     async def PullBlocks(
         self,
@@ -228,6 +233,25 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
             block_ids=lease.block_ids[first:], num_tokens=lease.num_tokens,
             block_hashes=list(lease.block_hashes), kv_scales=scales,
             cache=kv_transfer_pb2.CudaIpcCache(**dataclasses.asdict(export)))
+
+    async def PullBlocksTcp(
+        self,
+        request: kv_transfer_pb2.PullBlocksTcpRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> kv_transfer_pb2.PullBlocksTcpResponse:
+        if self._data_server is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this worker has no KV data port")
+        assert self._data_server is not None
+        lease = await self._lease(request.request_id, request.fingerprint, request.first_block,
+                                  context)
+        ids = lease.block_ids[request.first_block:]
+        ticket = self._data_server.issue(request.request_id, request.first_block, ids)
+        scales = [] if self._kv_scales is None else self._kv_scales.reshape(-1).tolist()
+        return kv_transfer_pb2.PullBlocksTcpResponse(
+            num_blocks=len(ids), num_tokens=lease.num_tokens,
+            block_hashes=list(lease.block_hashes), kv_scales=scales,
+            data_port=self._data_server.port, ticket=ticket)
 
     async def Release(
         self,
@@ -486,6 +510,49 @@ async def pull_blocks_shm(target: str, request_id: str, spec: BlockSpec, num_blo
         segment.close()
         raise
     return ShmPull(segment, blocks, response.num_tokens, list(response.block_hashes), scales)
+
+
+@dataclass(frozen=True, slots=True)
+class TcpPull:
+    """A ticket for the lease's blocks from `first_block` on the worker's data port."""
+
+    data_port: int
+    ticket: bytes
+    num_tokens: int
+    block_hashes: list[bytes]
+    kv_scales: torch.Tensor | None
+
+
+async def pull_blocks_tcp(target: str, request_id: str, spec: BlockSpec, num_blocks: int,
+                          timeout_s: float, first_block: int = 0,
+                          metadata: Sequence[tuple[str, str]] = ()) -> TcpPull:
+    """`PullBlocksTcp`: a ticket (nothing is sent yet; `kv_transfer.tcp.receive_blocks` reads
+    the blocks). Raises KvTransferError (reason "tcp_unavailable" when the worker has no data
+    port; the caller falls back to `pull_blocks`)."""
+    n = num_blocks - first_block
+    if n <= 0:
+        raise ValueError(f"first_block {first_block} leaves no blocks of {num_blocks}")
+    try:
+        async with internal_channel(target) as channel:
+            stub = kv_transfer_pb2_grpc.KvTransferStub(channel)
+            response = await stub.PullBlocksTcp(kv_transfer_pb2.PullBlocksTcpRequest(
+                request_id=request_id, fingerprint=spec.fingerprint, first_block=first_block),
+                timeout=timeout_s, metadata=tuple(metadata))
+    except grpc.aio.AioRpcError as err:
+        if err.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
+            raise KvTransferError("tcp_unavailable", err.details() or "", err.code()) from err
+        raise _rpc_failure(err) from err
+    if response.num_blocks != n:
+        raise KvTransferError("count_mismatch", f"the ticket sends {response.num_blocks} blocks, "
+                              f"expected {n}")
+    if num_blocks_for(response.num_tokens, spec.block_size) != num_blocks:
+        raise KvTransferError("count_mismatch", f"the lease holds {response.num_tokens} tokens, "
+                              f"not {num_blocks} blocks of {spec.block_size}")
+    if not 1 <= response.data_port <= 65535 or len(response.ticket) != TICKET_BYTES:
+        raise KvTransferError("protocol", "PullBlocksTcp answered without a usable data port "
+                              "or ticket")
+    return TcpPull(response.data_port, bytes(response.ticket), response.num_tokens,
+                   list(response.block_hashes), _scales(response.kv_scales, spec))
 
 
 @dataclass(frozen=True, slots=True)

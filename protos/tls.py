@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,44 @@ class TlsFiles:
         """A client's: trust the CA, present this process's certificate."""
         return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
                                             certificate_chain=self.cert)
+
+
+@dataclass(frozen=True, slots=True)
+class TlsPaths:
+    """The PEM files of `tls_from_env`, for the `ssl` module (it loads a key from a file)."""
+
+    cert: str
+    key: str
+    ca: str
+    server_name: str
+
+    def server_context(self) -> ssl.SSLContext:
+        """A worker's plain-socket side (the KV data port): the same mutual TLS as its gRPC
+        port: its own certificate, clients must present one from the CA."""
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_cert_chain(self.cert, self.key)
+        ctx.load_verify_locations(cafile=self.ca)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
+    def client_context(self) -> ssl.SSLContext:
+        """A client's plain-socket side: trust the CA, check `server_name`, present this
+        process's certificate. Wrap with `server_hostname=self.server_name`."""
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_cert_chain(self.cert, self.key)
+        ctx.load_verify_locations(cafile=self.ca)
+        return ctx  # PROTOCOL_TLS_CLIENT: CERT_REQUIRED and check_hostname already
+
+
+def tls_paths_from_env() -> TlsPaths | None:
+    """The TLS files of this process (checked as `tls_from_env` checks them), or None."""
+    if tls_from_env() is None:  # raises TlsConfigError for an incomplete or unusable set
+        return None
+    cert, key, ca = (os.environ[name].strip() for name in (TLS_CERT_ENV, TLS_KEY_ENV, TLS_CA_ENV))
+    name = os.environ.get(TLS_SERVER_NAME_ENV, "").strip() or DEFAULT_SERVER_NAME
+    return TlsPaths(cert, key, ca, name)
 
 
 def tls_from_env() -> TlsFiles | None:

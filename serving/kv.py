@@ -148,10 +148,11 @@ class GrpcKvLoader:
 
     def __init__(self, engine: LLMEngine, timeout_s: float = 30.0,
                  kv_metadata: Sequence[tuple[str, str]] = (), use_ipc: bool = True,
-                 use_shm: bool = True) -> None:
+                 use_shm: bool = True, use_tcp: bool = True) -> None:
         """kv_metadata: sent with every pull and release (the cluster's credential). use_ipc /
-        use_shm: whether same-GPU / same-host pulls may use CUDA IPC / shared memory."""
-        self._use_ipc, self._use_shm = use_ipc, use_shm
+        use_shm: whether same-GPU / same-host pulls may use CUDA IPC / shared memory; use_tcp:
+        whether pulls may use the prefill worker's KV data port."""
+        self._use_ipc, self._use_shm, self._use_tcp = use_ipc, use_shm, use_tcp
         self._spec = block_spec(engine)
         self._metadata = tuple(kv_metadata)
         self._kv_scales = kv_scales(engine)
@@ -160,7 +161,7 @@ class GrpcKvLoader:
         self._connector: GrpcPullConnector | None = None
         self.blocks_pulled = 0   # transferred from prefill workers
         self.blocks_reused = 0   # found in this engine's prefix cache instead
-        # Successful pulls per way ("cuda_ipc", "shm", "stream"): count, bytes, seconds.
+        # Successful pulls per way ("cuda_ipc", "shm", "tcp", "stream"): count, bytes, seconds.
         self.transport_stats: dict[str, TransportStats] = {}
 
     def _get_connector(self) -> GrpcPullConnector:
@@ -169,7 +170,8 @@ class GrpcKvLoader:
                                                 timeout_s=self._timeout_s,
                                                 kv_scales=self._kv_scales,
                                                 metadata=self._metadata,
-                                                use_ipc=self._use_ipc, use_shm=self._use_shm)
+                                                use_ipc=self._use_ipc, use_shm=self._use_shm,
+                                                use_tcp=self._use_tcp)
         return self._connector
 
     async def __call__(self, load: KvLoad) -> bool:

@@ -24,6 +24,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from kv_transfer.grpc_transport import KvTransferServicer
+from kv_transfer.tcp import KvDataServer
 from protos.auth import INTERNAL_TOKEN_ENV, BearerAuthInterceptor, bearer_metadata
 from protos.splitserve.v1 import (
     decode_pb2,
@@ -33,7 +34,7 @@ from protos.splitserve.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from protos.tls import add_internal_port
+from protos.tls import add_internal_port, tls_paths_from_env
 from serving import tracing
 from serving.tier_cache import TierConfig, TierPrefixCache
 
@@ -50,10 +51,13 @@ class WorkerHandle:
     aengine: AsyncEngine | None = None
     ready: asyncio.Event | None = None
     load_task: asyncio.Future[None] | None = None
+    kv_data: KvDataServer | None = None  # a prefill worker's KV data port, once loaded
 
     async def stop(self, grace_s: float = 10.0) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+        if self.kv_data is not None:
+            self.kv_data.close()
         if self.aengine is not None:
             await self.aengine.stop()
 
@@ -63,7 +67,8 @@ async def start_worker(config: EngineConfig, host: str, port: int,
                        engine_factory: Callable[[EngineConfig], LLMEngine] | None = None,
                        auth_token: str | None = None,
                        tiers: TierConfig | None = None,
-                       kv_transports: Sequence[str] = ("ipc", "shm", "stream"),
+                       kv_transports: Sequence[str] = ("ipc", "shm", "tcp", "stream"),
+                       kv_data_port: int | None = 0,
                        ) -> WorkerHandle:
     """Start a worker for `config.scheduler.role`; returns once the port is bound. The engine
     loads in the background; `handle.ready` is set when it serves.
@@ -71,8 +76,9 @@ async def start_worker(config: EngineConfig, host: str, port: int,
     auth_token: the cluster's shared secret (protos/auth.py). With it, every call but a health
     check must carry it, and a decode worker sends it with its KV pulls.
     tiers: a prefill worker's CPU/Redis prefix tiers (serving/tier_cache.py); ignored by the
-    other roles. kv_transports: how a decode worker may pull KV ("ipc", "shm"; the gRPC stream
-    always)."""
+    other roles. kv_transports: how a decode worker may pull KV ("ipc", "shm", "tcp"; the gRPC
+    stream always). kv_data_port: a prefill worker's KV data port (kv_transfer/tcp.py) on
+    `host`; 0 picks a free one (decode workers learn it per pull), None serves none."""
     from decode_service.servicer import DecodeServicer
     from prefill_service.servicer import PrefillServicer
 
@@ -120,7 +126,8 @@ async def start_worker(config: EngineConfig, host: str, port: int,
             logger.exception("engine failed to load")
             raise
         loader = (GrpcKvLoader(engine, kv_metadata=kv_metadata,
-                               use_ipc="ipc" in kv_transports, use_shm="shm" in kv_transports)
+                               use_ipc="ipc" in kv_transports, use_shm="shm" in kv_transports,
+                               use_tcp="tcp" in kv_transports)
                   if role == "decode" else None)
         aengine = AsyncEngine(engine, kv_loader=loader)
         if role == "prefill" and tiers is not None and tiers.enabled:
@@ -131,10 +138,16 @@ async def start_worker(config: EngineConfig, host: str, port: int,
         prefill.bind(aengine)
         decode.bind(aengine)
         if role == "prefill":
+            source = EngineBlockSource(aengine)
+            if kv_data_port is not None:
+                tls = tls_paths_from_env()
+                handle.kv_data = KvDataServer(source, asyncio.get_running_loop(), host,
+                                              kv_data_port,
+                                              tls=tls.server_context() if tls else None)
             # A GPU engine's cache also goes out by CUDA IPC to decode workers on its GPU.
-            kv_servicer.bind(KvTransferServicer(EngineBlockSource(aengine),
-                                                kv_scales=kv_scales(engine),
-                                                ipc_cache=engine.runner.kv_cache))
+            kv_servicer.bind(KvTransferServicer(source, kv_scales=kv_scales(engine),
+                                                ipc_cache=engine.runner.kv_cache,
+                                                data_server=handle.kv_data))
         for name in ["", *services]:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         assert handle.ready is not None
@@ -187,6 +200,15 @@ class _LazyKvServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         assert self._inner is not None
         with _serve_span(request, context, "cuda_ipc"):
             return await self._inner.PullBlocksIpc(request, context)
+
+    async def PullBlocksTcp(self, request, context):  # type: ignore[no-untyped-def]
+        if self._inner is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is loading")
+        assert self._inner is not None
+        with _serve_span(request, context, "tcp") as span:
+            response = await self._inner.PullBlocksTcp(request, context)
+            span.set_attribute("splitserve.kv.blocks", response.num_blocks)
+            return response
 
     async def Release(self, request, context):  # type: ignore[no-untyped-def]
         if self._inner is None:

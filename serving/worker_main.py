@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("splitserve.serve")
 
 
-KV_TRANSPORTS = ("ipc", "shm", "stream")
+KV_TRANSPORTS = ("ipc", "shm", "tcp", "stream")
 
 
 def _kv_transports(text: str) -> tuple[str, ...]:
@@ -33,6 +33,18 @@ def _kv_transports(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(f"unknown KV transport(s) {sorted(unknown)}; choose "
                                          f"from {', '.join(KV_TRANSPORTS)}")
     return tuple(t for t in KV_TRANSPORTS if t in chosen or t == "stream")
+
+
+def _data_port(text: str) -> int | None:
+    if text.strip().lower() == "off":
+        return None
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--kv-data-port takes a port or 'off', not {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"--kv-data-port {port} is outside 0..65535")
+    return port
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,9 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info")
     p.add_argument("--kv-transports", type=_kv_transports, default=KV_TRANSPORTS,
                    help="decode role: the ways KV may come from a prefill worker, tried in the "
-                        "order ipc (CUDA IPC, same GPU), shm (shared memory, same host), stream "
-                        "(gRPC, anywhere); comma list, stream always included "
-                        f"(default: {','.join(KV_TRANSPORTS)})")
+                        "order ipc (CUDA IPC, same GPU), shm (shared memory, same host), tcp "
+                        "(the prefill worker's KV data port, any host), stream (gRPC, anywhere); "
+                        f"comma list, stream always included (default: {','.join(KV_TRANSPORTS)})")
+    p.add_argument("--kv-data-port", type=_data_port, default=0,
+                   help="prefill role: the port on --host that serves KV blocks raw to decode "
+                        "workers (their 'tcp' way; same TLS as the gRPC port); 0 picks a free "
+                        "one (default), 'off' serves none")
     tiers = p.add_argument_group("prefix tiers (prefill role): GPU -> CPU -> Redis")
     tiers.add_argument("--kv-tier-cpu-mb", type=int, default=0,
                        help="CPU tier of encoded KV blocks, in MiB (0: none)")
@@ -82,7 +98,8 @@ async def _serve_worker(args: argparse.Namespace) -> None:
     handle = await start_worker(config, args.host, port, advertise_address=args.advertise,
                                 auth_token=internal_token_from_env(),
                                 tiers=tier_config_from_args(args),
-                                kv_transports=args.kv_transports)
+                                kv_transports=args.kv_transports,
+                                kv_data_port=args.kv_data_port)
     await run_until_signal(handle.stop, watch=handle.load_task)
 
 

@@ -176,11 +176,13 @@ def wait_engines_idle(loop: LoopThread, workers: Sequence[WorkerHandle], timeout
 
 
 async def _start_stack(loop: LoopThread, colocated: bool,
-                       speculative: SpeculativeConfig | None) -> Stack:
+                       speculative: SpeculativeConfig | None,
+                       kv_transports: Sequence[str] | None = None) -> Stack:
     roles: list[Role] = ["colocated"] if colocated else ["prefill", "decode"]
     token = None if colocated else INTERNAL_TOKEN
+    ways = {} if kv_transports is None else {"kv_transports": kv_transports}
     workers: dict[str, WorkerHandle] = {
-        r: await start_worker(engine_config(r, speculative), HOST, 0, auth_token=token)
+        r: await start_worker(engine_config(r, speculative), HOST, 0, auth_token=token, **ways)
         for r in roles}
     loads = [w.load_task for w in workers.values() if w.load_task is not None]
     await asyncio.wait_for(asyncio.gather(*loads), LOAD_TIMEOUT_S)
@@ -240,10 +242,13 @@ def worker_channel(stack: Stack, role: str) -> grpc.Channel:
 
 
 def start_stack(loop: LoopThread, colocated: bool,
-                speculative: SpeculativeConfig | None = None) -> Stack:
+                speculative: SpeculativeConfig | None = None,
+                kv_transports: Sequence[str] | None = None) -> Stack:
     """Start workers + gateway and wait (bounded) until the gateway's /health says ok.
-    `speculative`: the workers' speculative decoding (the gateway then asks for it)."""
-    stack = loop.run(_start_stack(loop, colocated, speculative), LOAD_TIMEOUT_S + 30)
+    `speculative`: the workers' speculative decoding (the gateway then asks for it);
+    `kv_transports`: the decode worker's ways to pull KV (default: all)."""
+    stack = loop.run(_start_stack(loop, colocated, speculative, kv_transports),
+                     LOAD_TIMEOUT_S + 30)
     try:
         loop.run(stack.gateway.start(), 120)
         wait_healthy(f"http://{HOST}:{stack.gateway.rest_port}/health", 60)

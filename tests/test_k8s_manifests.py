@@ -155,6 +155,8 @@ def listening_ports(args: Args) -> set[int]:
     ports = {int(args.one("--port"))}
     if "--grpc-port" in args.flags:
         ports.add(int(args.one("--grpc-port")))
+    if "--kv-data-port" in args.flags and args.one("--kv-data-port").lower() != "off":
+        ports.add(int(args.one("--kv-data-port")))  # 0 (a free port) cannot be declared: fails
     return ports
 
 
@@ -387,13 +389,15 @@ def check_internal_token(objs: list[Obj]) -> None:
         assert not ref.get("optional", False), f"{name(dep)}: an optional secret runs unauthenticated"
 
 
-# Which components may connect to each worker role (everything else is refused).
-ALLOWED_CALLERS = {"prefill": {"gateway", "decode"}, "decode": {"gateway"}}
+# Which components may connect to each worker role's ports, by port name (everything else is
+# refused): the KV data port serves raw KV to ticket holders, who are decode pods only.
+ALLOWED_CALLERS = {"prefill": {"grpc": {"gateway", "decode"}, "kv-data": {"decode"}},
+                   "decode": {"grpc": {"gateway"}}}
 
 
 def check_network_policies(objs: list[Obj]) -> None:
-    """Each worker pool is selected by one ingress policy that admits only its callers, on the
-    port the container serves."""
+    """Each worker pool is selected by one ingress policy that admits, on each port the
+    container serves, only that port's callers; the data port is the one the worker binds."""
     policies = of_kind(objs, "NetworkPolicy")
     for dep in of_kind(objs, "Deployment"):
         role = component(dep)
@@ -405,13 +409,20 @@ def check_network_policies(objs: list[Obj]) -> None:
         assert len(covering) == 1, f"{name(dep)}: expected one NetworkPolicy"
         spec = covering[0]["spec"]
         assert spec["policyTypes"] == ["Ingress"]
-        (rule,) = spec["ingress"]
-        callers = {peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
-                   for peer in rule["from"]}
-        assert callers == ALLOWED_CALLERS[role], f"{name(dep)}: callers {callers}"
-        ports = {int(p["port"]) for p in rule["ports"]}
-        served = {int(p["containerPort"]) for c in containers(dep) for p in c.get("ports", [])}
-        assert ports == served, f"{name(dep)}: policy ports {ports} vs served {served}"
+        admitted: dict[int, set[str]] = {}
+        for rule in spec["ingress"]:
+            callers = {peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+                       for peer in rule["from"]}
+            for port in rule["ports"]:
+                admitted.setdefault(int(port["port"]), set()).update(callers)
+        served = {p["name"]: int(p["containerPort"])
+                  for c in containers(dep) for p in c.get("ports", [])}
+        assert set(served) == set(ALLOWED_CALLERS[role]), f"{name(dep)}: ports {served}"
+        expected = {served[port]: callers for port, callers in ALLOWED_CALLERS[role].items()}
+        assert admitted == expected, f"{name(dep)}: admitted {admitted}, expected {expected}"
+        if "kv-data" in served:
+            args = container_args(containers(dep)[0])
+            assert int(args.one("--kv-data-port")) == served["kv-data"], name(dep)
 
 
 def check_shared_engine_flags(objs: list[Obj]) -> None:

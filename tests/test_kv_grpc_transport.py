@@ -31,6 +31,7 @@ from kv_transfer.grpc_transport import (
     release,
 )
 from kv_transfer.shm import SHM_DIR, SHM_PREFIX, ShmError, ShmSegment
+from kv_transfer.tcp import KvDataServer
 from kv_transfer.wire import BlockSpec, DecodedBlock, encode_block
 from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
@@ -69,10 +70,16 @@ class Worker:
     """A prefill worker's KV side: cache + lease table + servicer on an ephemeral port."""
 
     def __init__(self, source: CacheBlockSource, leases: LeaseTable, clock: FakeClock,
-                 server: grpc.aio.Server, address: str) -> None:
+                 server: grpc.aio.Server, address: str,
+                 data: KvDataServer | None = None) -> None:
         self.source, self.leases, self.clock = source, leases, clock
-        self.server, self.address = server, address
+        self.server, self.address, self.data = server, address, data
         self.released: list[Lease] = []
+
+    async def stop(self) -> None:
+        await self.server.stop(None)
+        if self.data is not None:
+            self.data.close()
 
     def grant(self, request_id: str = "req-1") -> Lease:
         return self.leases.grant(request_id, BLOCK_IDS, HASHES, NUM_TOKENS, self.clock() + 30.0)
@@ -80,20 +87,24 @@ class Worker:
 
 async def start_worker(source_cls: type[CacheBlockSource] = CacheBlockSource,
                        spec: BlockSpec | None = None, fragment_bytes: int = 1 << 20,
-                       kv_scales: torch.Tensor | None = None) -> Worker:
+                       kv_scales: torch.Tensor | None = None,
+                       data_port: bool = False, **data_options: Any) -> Worker:
+    """data_port: also serve a KV data port (kv_transfer/tcp.py) with `data_options`."""
     spec = spec or make_spec()
     clock = FakeClock()
     leases = LeaseTable(clock=clock)
     released: list[Lease] = []
     source = source_cls(make_cache(spec), spec, leases, on_release=released.append)
     server = grpc.aio.server(options=channel_options(fragment_bytes))
+    data = (KvDataServer(source, asyncio.get_running_loop(), "127.0.0.1", **data_options)
+            if data_port else None)
     # The cache is offered for CUDA IPC as a GPU worker's is; on the CPU it must be refused.
     kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(
         KvTransferServicer(source, fragment_bytes=fragment_bytes, kv_scales=kv_scales,
-                           ipc_cache=source._kv_cache), server)
+                           ipc_cache=source._kv_cache, data_server=data), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    worker = Worker(source, leases, clock, server, f"127.0.0.1:{port}")
+    worker = Worker(source, leases, clock, server, f"127.0.0.1:{port}", data)
     worker.released = released
     return worker
 
@@ -102,7 +113,7 @@ async def start_worker(source_cls: type[CacheBlockSource] = CacheBlockSource,
 async def worker() -> AsyncIterator[Worker]:
     w = await start_worker()
     yield w
-    await w.server.stop(None)
+    await w.stop()
 
 
 def assert_blocks_match(worker: Worker, blocks: Sequence[DecodedBlock]) -> None:

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -13,13 +15,26 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from fake_block_source import CacheBlockSource
 from fake_lease import LeaseTable
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_kv_grpc_transport import BLOCK_IDS, HASHES, NUM_TOKENS, FakeClock, make_cache, make_spec
+from test_kv_grpc_transport import (
+    BLOCK_IDS,
+    HASHES,
+    NUM_TOKENS,
+    DictSink,
+    FakeClock,
+    handle_for,
+    make_cache,
+    make_spec,
+    start_worker,
+)
 from test_up import ROOT, _alive, _free_ports, complete_four_tokens
 
-from kv_transfer.grpc_transport import KvTransferServicer, pull_all
+from kv_transfer.connector import GrpcPullConnector, LoadResult
+from kv_transfer.grpc_transport import KvTransferServicer, pull_all, pull_blocks_tcp
+from kv_transfer.tcp import TcpTransferError, TcpUnavailable, receive_blocks
 from protos import tls
 from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
@@ -103,6 +118,67 @@ async def test_kv_pull_over_mutual_tls_and_nothing_else(
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await kv_transfer_pb2_grpc.KvTransferStub(rogue).Release(release, timeout=5)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_kv_data_port_over_mutual_tls_and_nothing_else(
+        pki: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """With TLS configured the data port speaks mutual TLS with the same certificates: the
+    connector's pull comes by it, bit for bit; a plaintext client with a valid ticket, and a
+    client whose certificate comes from another CA, do not get a single byte."""
+    _use(monkeypatch, _tls_env(pki["cluster"]))
+    paths = tls.tls_paths_from_env()
+    assert paths is not None and paths.server_name == SERVER_NAME
+    w = await start_worker(data_port=True, tls=paths.server_context())
+    # start_worker binds its gRPC port in plaintext; the TLS under test is the data port's.
+    monkeypatch.setattr("kv_transfer.grpc_transport.internal_channel",
+                        lambda target, **kw: grpc.aio.insecure_channel(target, **kw))
+    try:
+        assert w.data is not None
+        spec = w.source.spec
+        w.grant()
+        sink = DictSink(spec)
+        connector = GrpcPullConnector(spec, sink, asyncio.get_running_loop(), timeout_s=10,
+                                      use_shm=False)
+        connector.start_load_kv("a", handle_for(w), [0, 1, 4])
+        assert await connector.wait_for_load("a") == LoadResult("a", True, transport="tcp")
+        assert torch.equal(sink.cache[:, :, 4].view(torch.uint8),
+                           w.source._kv_cache[:, :, BLOCK_IDS[2]].view(torch.uint8))
+
+        staging = torch.empty(3 * spec.block_nbytes, dtype=torch.uint8)
+        w.grant("req-2")
+        pull = await pull_blocks_tcp(w.address, "req-2", spec, 3, 10)
+        with pytest.raises(TcpTransferError):  # plaintext: the server's handshake fails
+            await asyncio.to_thread(receive_blocks, "127.0.0.1", w.data.port, pull.ticket, 3,
+                                    spec.block_nbytes, staging, lambda a, b: None, 10)
+        # A client that trusts the cluster's CA but presents another CA's certificate: the
+        # server refuses it (TLS 1.3 tells the client at its first read).
+        rogue = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        rogue.load_cert_chain(pki["rogue"] / "leaf.pem", pki["rogue"] / "leaf.key")
+        rogue.load_verify_locations(cafile=pki["cluster"] / "ca.pem")
+        pull = await pull_blocks_tcp(w.address, "req-2", spec, 3, 10)
+        with pytest.raises(TcpTransferError):
+            await asyncio.to_thread(receive_blocks, "127.0.0.1", w.data.port, pull.ticket, 3,
+                                    spec.block_nbytes, staging, lambda a, b: None, 10,
+                                    rogue, SERVER_NAME)
+        _use(monkeypatch, _tls_env(pki["rogue"]))  # and a client trusting only the rogue CA
+        rogue_paths = tls.tls_paths_from_env()
+        assert rogue_paths is not None
+        pull = await pull_blocks_tcp(w.address, "req-2", spec, 3, 10)
+        with pytest.raises(TcpUnavailable, match="TLS"):
+            await asyncio.to_thread(receive_blocks, "127.0.0.1", w.data.port, pull.ticket, 3,
+                                    spec.block_nbytes, staging, lambda a, b: None, 10,
+                                    rogue_paths.client_context(), rogue_paths.server_name)
+        # Nothing above was served: the cluster's client still gets req-2 with a fresh ticket.
+        _use(monkeypatch, _tls_env(pki["cluster"]))
+        pull = await pull_blocks_tcp(w.address, "req-2", spec, 3, 10)
+        await asyncio.to_thread(receive_blocks, "127.0.0.1", w.data.port, pull.ticket, 3,
+                                spec.block_nbytes, staging, lambda a, b: None, 10,
+                                paths.client_context(), SERVER_NAME)
+        assert torch.equal(staging[:spec.block_nbytes],
+                           w.source._kv_cache[:, :, BLOCK_IDS[0]].contiguous()
+                           .view(torch.uint8).reshape(-1))
+    finally:
+        await w.stop()
 
 
 def test_tls_configuration_errors_name_the_variable(

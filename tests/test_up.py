@@ -112,10 +112,22 @@ def test_kv_transports_flag_orders_and_always_keeps_the_stream() -> None:
     from serving.worker_main import build_serve_parser
 
     parse = build_serve_parser().parse_args
-    assert parse(["--role", "decode"]).kv_transports == ("ipc", "shm", "stream")
+    assert parse(["--role", "decode"]).kv_transports == ("ipc", "shm", "tcp", "stream")
     assert parse(["--role", "decode", "--kv-transports", "shm"]).kv_transports == (
         "shm", "stream")
-    assert parse(["--role", "decode", "--kv-transports", "stream,ipc"]).kv_transports == (
-        "ipc", "stream")
+    assert parse(["--role", "decode", "--kv-transports", "stream,tcp,ipc"]).kv_transports == (
+        "ipc", "tcp", "stream")
     with pytest.raises(SystemExit):
         parse(["--role", "decode", "--kv-transports", "rdma"])
+
+
+def test_kv_data_port_flag_takes_a_port_or_off() -> None:
+    from serving.worker_main import build_serve_parser
+
+    parse = build_serve_parser().parse_args
+    assert parse(["--role", "prefill"]).kv_data_port == 0  # a free port, learnt per pull
+    assert parse(["--role", "prefill", "--kv-data-port", "50071"]).kv_data_port == 50071
+    assert parse(["--role", "prefill", "--kv-data-port", "OFF"]).kv_data_port is None
+    for bad in ("-1", "70000", "fast"):
+        with pytest.raises(SystemExit):
+            parse(["--role", "prefill", "--kv-data-port", bad])

@@ -209,6 +209,76 @@ class PullBlocksIpcResponse(_message.Message):
 Global___PullBlocksIpcResponse: _TypeAlias = PullBlocksIpcResponse  # noqa: Y015
 
 @_typing.final
+class PullBlocksTcpRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    FINGERPRINT_FIELD_NUMBER: _builtins.int
+    FIRST_BLOCK_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    fingerprint: _builtins.bytes
+    """as in PullBlocksRequest"""
+    first_block: _builtins.int
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        fingerprint: _builtins.bytes = ...,
+        first_block: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fingerprint", b"fingerprint", "first_block", b"first_block", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PullBlocksTcpRequest: _TypeAlias = PullBlocksTcpRequest  # noqa: Y015
+
+@_typing.final
+class PullBlocksTcpResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    KV_SCALES_FIELD_NUMBER: _builtins.int
+    DATA_PORT_FIELD_NUMBER: _builtins.int
+    TICKET_FIELD_NUMBER: _builtins.int
+    num_blocks: _builtins.int
+    """blocks the ticket sends, from first_block on"""
+    num_tokens: _builtins.int
+    """the lease's prompt tokens"""
+    data_port: _builtins.int
+    """on the host of the worker's KvTransfer address"""
+    ticket: _builtins.bytes
+    """32 random bytes: one connection, within a few seconds"""
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """the lease's full-block hashes, from block 0"""
+
+    @_builtins.property
+    def kv_scales(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """[num_layers * 2] (K, V per layer) for a 1-byte cache"""
+
+    def __init__(
+        self,
+        *,
+        num_blocks: _builtins.int = ...,
+        num_tokens: _builtins.int = ...,
+        block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+        kv_scales: _abc.Iterable[_builtins.float] | None = ...,
+        data_port: _builtins.int = ...,
+        ticket: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "data_port", b"data_port", "kv_scales", b"kv_scales", "num_blocks", b"num_blocks", "num_tokens", b"num_tokens", "ticket", b"ticket"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PullBlocksTcpResponse: _TypeAlias = PullBlocksTcpResponse  # noqa: Y015
+
+@_typing.final
 class PullBlocksRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

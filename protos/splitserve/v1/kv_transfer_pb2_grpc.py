@@ -51,6 +51,11 @@ class KvTransferStub:
                 request_serializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PullBlocksIpcRequest.SerializeToString,
                 response_deserializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PullBlocksIpcResponse.FromString,
                 _registered_method=True)
+        self.PullBlocksTcp = channel.unary_unary(
+                '/splitserve.v1.KvTransfer/PullBlocksTcp',
+                request_serializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PullBlocksTcpRequest.SerializeToString,
+                response_deserializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PullBlocksTcpResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/splitserve.v1.KvTransfer/Release',
                 request_serializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.ReleaseRequest.SerializeToString,
@@ -89,6 +94,17 @@ class KvTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullBlocksTcp(self, request, context):
+        """Any host: a single-use ticket for the lease's blocks on this worker's KV data port
+        (kv_transfer/tcp.py). The puller connects to data_port on this worker's host, sends the
+        ticket, and reads the blocks raw (no wire format, no checksum: TCP's, or TLS's MAC when
+        configured), back to back. FAILED_PRECONDITION when this worker has no data port: the
+        puller then uses PullBlocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -112,6 +128,11 @@ def add_KvTransferServicer_to_server(servicer, server):
                     servicer.PullBlocksIpc,
                     request_deserializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PullBlocksIpcRequest.FromString,
                     response_serializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PullBlocksIpcResponse.SerializeToString,
+            ),
+            'PullBlocksTcp': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullBlocksTcp,
+                    request_deserializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PullBlocksTcpRequest.FromString,
+                    response_serializer=protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PullBlocksTcpResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -202,6 +223,33 @@ class KvTransfer:
             '/splitserve.v1.KvTransfer/PullBlocksIpc',
             protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PullBlocksIpcRequest.SerializeToString,
             protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PullBlocksIpcResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullBlocksTcp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.KvTransfer/PullBlocksTcp',
+            protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PullBlocksTcpRequest.SerializeToString,
+            protos_dot_splitserve_dot_v1_dot_kv__transfer__pb2.PullBlocksTcpResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -48,6 +48,13 @@ class KvTransferStub:
     Release. FAILED_PRECONDITION when the worker's cache is not on the GPU named by
     device_uuid (another GPU, a CPU engine): the puller then uses PullBlocksShm.
     """
+    PullBlocksTcp: _grpc.UnaryUnaryMultiCallable[_kv_transfer_pb2.PullBlocksTcpRequest, _kv_transfer_pb2.PullBlocksTcpResponse]
+    """Any host: a single-use ticket for the lease's blocks on this worker's KV data port
+    (kv_transfer/tcp.py). The puller connects to data_port on this worker's host, sends the
+    ticket, and reads the blocks raw (no wire format, no checksum: TCP's, or TLS's MAC when
+    configured), back to back. FAILED_PRECONDITION when this worker has no data port: the
+    puller then uses PullBlocks.
+    """
     Release: _grpc.UnaryUnaryMultiCallable[_kv_transfer_pb2.ReleaseRequest, _kv_transfer_pb2.ReleaseResponse]
 
 @_typing.type_check_only
@@ -69,6 +76,13 @@ class KvTransferAsyncStub(KvTransferStub):
     cache, which the puller maps once and copies blocks from, device to device, before its
     Release. FAILED_PRECONDITION when the worker's cache is not on the GPU named by
     device_uuid (another GPU, a CPU engine): the puller then uses PullBlocksShm.
+    """
+    PullBlocksTcp: _aio.UnaryUnaryMultiCallable[_kv_transfer_pb2.PullBlocksTcpRequest, _kv_transfer_pb2.PullBlocksTcpResponse]  # type: ignore[assignment]
+    """Any host: a single-use ticket for the lease's blocks on this worker's KV data port
+    (kv_transfer/tcp.py). The puller connects to data_port on this worker's host, sends the
+    ticket, and reads the blocks raw (no wire format, no checksum: TCP's, or TLS's MAC when
+    configured), back to back. FAILED_PRECONDITION when this worker has no data port: the
+    puller then uses PullBlocks.
     """
     Release: _aio.UnaryUnaryMultiCallable[_kv_transfer_pb2.ReleaseRequest, _kv_transfer_pb2.ReleaseResponse]  # type: ignore[assignment]
 
@@ -106,6 +120,19 @@ class KvTransferServicer(metaclass=_abc_1.ABCMeta):
         cache, which the puller maps once and copies blocks from, device to device, before its
         Release. FAILED_PRECONDITION when the worker's cache is not on the GPU named by
         device_uuid (another GPU, a CPU engine): the puller then uses PullBlocksShm.
+        """
+
+    @_abc_1.abstractmethod
+    def PullBlocksTcp(
+        self,
+        request: _kv_transfer_pb2.PullBlocksTcpRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kv_transfer_pb2.PullBlocksTcpResponse, _abc.Awaitable[_kv_transfer_pb2.PullBlocksTcpResponse]]:
+        """Any host: a single-use ticket for the lease's blocks on this worker's KV data port
+        (kv_transfer/tcp.py). The puller connects to data_port on this worker's host, sends the
+        ticket, and reads the blocks raw (no wire format, no checksum: TCP's, or TLS's MAC when
+        configured), back to back. FAILED_PRECONDITION when this worker has no data port: the
+        puller then uses PullBlocks.
         """
 
     @_abc_1.abstractmethod
