@@ -228,8 +228,11 @@ class GrpcPullConnector(KvConnectorWorker):
         self._no_ipc: set[str] = set()  # worker addresses
         self._no_shm: set[str] = set()
         self._no_tcp: set[str] = set()
+        # Pinned when the sink is on a GPU (whether or not IPC is allowed): its copies then
+        # read page-locked memory.
         self._staging = _StagingPool(WRITE_BATCH_BLOCKS * spec.block_nbytes,
-                                     pinned=self._ipc_device is not None)
+                                     pinned=isinstance(device, torch.device)
+                                     and device.type == "cuda")
         self._transports_seen: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
         self._futures: dict[str, concurrent.futures.Future[LoadResult]] = {}
