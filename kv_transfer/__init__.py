@@ -2,9 +2,10 @@
 
 - `wire`            binary format of one block (header + scales + raw bytes, CRC-32); no pickle.
 - `grpc_transport`  KvTransfer servicer (server side) and `pull_blocks` / `pull_blocks_shm` /
-                    `pull_blocks_ipc` / `release` (client).
+                    `pull_blocks_ipc` / `pull_blocks_tcp` / `release` (client).
 - `shm`             shared-memory segments for same-host pulls (`PullBlocksShm`).
 - `cuda_ipc`        a KV cache exported through CUDA IPC for same-GPU pulls (`PullBlocksIpc`).
+- `tcp`             the prefill worker's KV data port: raw blocks to ticket holders (`PullBlocksTcp`).
 - `connector`       scheduler-side / worker-side connector interfaces + GrpcPullConnector.
 - `tiers`           CpuTier (LRU, pinned), RedisTier, TieredStore keyed by block hash.
 """
