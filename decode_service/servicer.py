@@ -28,6 +28,7 @@ from serving.convert import (
     sampling_from_proto,
 )
 from serving.kv import RemoteKvHandle, release_unpulled
+from serving.tier_cache import TierPrefixCache
 
 KV_PULL_TIMEOUT_S = 30.0
 
@@ -38,6 +39,8 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
         super().__init__()
         self._kv_metadata = tuple(kv_metadata)
         self._releases: set[asyncio.Task[None]] = set()  # keeps fire-and-forget tasks alive
+        # Colocated role: CPU/Redis prefix tiers under the engine's cache, when configured.
+        self.tiers: TierPrefixCache | None = None
 
     async def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[decode_pb2.DecodeResponse]:
@@ -67,7 +70,13 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
             remote = self._remote_kv(request, ids, context, tracing.span_context(span))
         except InvalidRequest as e:
             await _abort(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if remote is None and self.tiers is not None and not given:
+            # Colocated: the prompt's prefix from the tiers where the GPU cache lost it.
+            remote = await self.tiers.plan(ids)
+            if remote is not None:
+                span.set_attribute("splitserve.tier_tokens", remote.num_tokens)
         n_out = len(given)
+        generated: list[int] = []
         # Absent: the worker's own default. A value above the engine's limit fails in
         # `generate` (EngineInputError -> INVALID_ARGUMENT below), before anything is queued.
         spec = (request.num_speculative_tokens if request.HasField("num_speculative_tokens")
@@ -79,10 +88,13 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
                                               remote_kv=remote, num_speculative_tokens=spec,
                                               speculative_method=method):
                 n_out += len(out.new_token_ids)
+                generated.extend(out.new_token_ids)
                 yield decode_pb2.DecodeResponse(chunk=decode_pb2.DecodeChunk(
                     token_ids=out.new_token_ids,
                     logprobs=[logprob_to_proto(lp) for lp in out.new_logprobs]))
                 if out.finished:
+                    if self.tiers is not None:  # every token's KV but the last one's exists
+                        self.tiers.spawn_save_tokens([*ids, *given, *generated][:-1])
                     recomputed = remote is None or (
                         isinstance(remote.handle, RemoteKvHandle) and remote.handle.failed)
                     span.set_attribute("splitserve.output_tokens", n_out)
@@ -132,7 +144,11 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
     async def GetLoad(self, request: common_pb2.LoadRequest,
                       context: grpc.aio.ServicerContext) -> common_pb2.LoadReport:
         aengine = await self.engine_or_abort(context)  # UNAVAILABLE while loading
-        return self.load_report(aengine.engine.config.scheduler.role)
+        report = self.load_report(aengine.engine.config.scheduler.role)
+        if self.tiers is not None:
+            report.tier_hit_tokens = self.tiers.stats.loaded_tokens
+            report.tier_saved_blocks = self.tiers.stats.saved_blocks
+        return report
 
 
 def _decode_attributes(request: decode_pb2.DecodeRequest) -> dict[str, int | str | bool]:

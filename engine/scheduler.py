@@ -101,6 +101,8 @@ class Scheduler:
         self.loading: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self.leases: dict[str, Lease] = {}
+        # Cached blocks held by readers off the engine thread (tier saves), by pin id.
+        self.pins: set[str] = set()
         self.num_preemptions = 0
         self.num_draft_tokens = 0      # speculative decoding: drafts verified
         self.num_accepted_tokens = 0   # ... and accepted
@@ -130,6 +132,25 @@ class Scheduler:
         req.status = status
         self._free(req)
         return req
+
+    def pin_cached(self, pin_id: str, hashes: Sequence[bytes]) -> list[tuple[int, bytes]]:
+        """Hold the prefix cache's blocks of `hashes` (those it has) under `pin_id`, so they
+        are neither evicted nor handed to another request while something reads them off the
+        engine thread: a full, hashed block is never written again while it is held. Returns
+        (block id, hash) of the held blocks; `unpin(pin_id)` lets them go."""
+        if pin_id in self.pins or pin_id in self.kv.req_to_blocks or pin_id in self.requests:
+            raise ValueError(f"pin id {pin_id!r} is in use")
+        found = [(b, h) for h in hashes if (b := self.kv.pool.get_cached_block(h)) is not None]
+        if not found:
+            return []
+        self.kv.hold(pin_id, [b for b, _ in found])
+        self.pins.add(pin_id)
+        return [(b.block_id, h) for b, h in found]
+
+    def unpin(self, pin_id: str) -> None:
+        if pin_id in self.pins:
+            self.pins.discard(pin_id)
+            self.kv.free_by_id(pin_id)
 
     def finish_kv_load(self, request_id: str, ok: bool) -> None:
         """Decode role: the KV pull for `request_id` ended. On failure the prompt is recomputed."""
@@ -394,6 +415,7 @@ class Scheduler:
     def check_integrity(self) -> None:
         self.kv.check_integrity()
         holders = set(self.kv.req_to_blocks)
-        live = {r.request_id for r in self.running} | set(self.loading) | set(self.leases)
+        live = ({r.request_id for r in self.running} | set(self.loading) | set(self.leases)
+                | self.pins)
         if not holders <= live:
             raise AssertionError(f"blocks held by unknown requests: {sorted(holders - live)}")

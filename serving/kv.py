@@ -51,6 +51,15 @@ async def read_blocks(engine: LLMEngine, block_ids: list[int]) -> torch.Tensor:
     return await asyncio.to_thread(runner.read_blocks, block_ids)
 
 
+async def read_held_blocks(engine: LLMEngine, block_ids: list[int]) -> torch.Tensor:
+    """`read_blocks` of blocks that no step writes while they are read (leased or pinned full
+    blocks): on a GPU the copy runs beside the engine's queued steps, not after them."""
+    runner = engine.runner
+    if runner.device.type == "cpu":
+        return runner.read_blocks(block_ids)
+    return await asyncio.to_thread(runner.read_leased_blocks, block_ids)
+
+
 class EngineBlockSource:
     """`kv_transfer.grpc_transport.KvBlockSource` over an engine's leases (prefill role).
 
@@ -77,11 +86,7 @@ class EngineBlockSource:
         return (await self.read_blocks([block_id]))[0]
 
     async def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        runner = self._engine.runner
-        if runner.device.type == "cpu":
-            return runner.read_blocks(block_ids)
-        # Leased blocks: read beside the engine's queued steps, not after them.
-        return await asyncio.to_thread(runner.read_leased_blocks, block_ids)
+        return await read_held_blocks(self._engine, block_ids)
 
     def release(self, request_id: str) -> bool:
         lease = self._engine.scheduler.leases.get(request_id)

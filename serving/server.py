@@ -75,9 +75,9 @@ async def start_worker(config: EngineConfig, host: str, port: int,
 
     auth_token: the cluster's shared secret (protos/auth.py). With it, every call but a health
     check must carry it, and a decode worker sends it with its KV pulls.
-    tiers: a prefill worker's CPU/Redis prefix tiers (serving/tier_cache.py); ignored by the
-    other roles. kv_transports: how a decode worker may pull KV ("ipc", "shm", "tcp"; the gRPC
-    stream always). kv_data_port: a prefill worker's KV data port (kv_transfer/tcp.py) on
+    tiers: a prefill or colocated worker's CPU/Redis prefix tiers (serving/tier_cache.py);
+    ignored by the decode role. kv_transports: how a decode worker may pull KV ("ipc", "shm",
+    "tcp"; the gRPC stream always). kv_data_port: a prefill worker's KV data port (kv_transfer/tcp.py) on
     `host`; 0 picks a free one (decode workers learn it per pull), None serves none."""
     from decode_service.servicer import DecodeServicer
     from prefill_service.servicer import PrefillServicer
@@ -130,9 +130,13 @@ async def start_worker(config: EngineConfig, host: str, port: int,
                                use_tcp="tcp" in kv_transports)
                   if role == "decode" else None)
         aengine = AsyncEngine(engine, kv_loader=loader)
-        if role == "prefill" and tiers is not None and tiers.enabled:
-            prefill.tiers = TierPrefixCache.from_config(aengine, tiers)
-            aengine.kv_loader = prefill.tiers.load
+        if role in ("prefill", "colocated") and tiers is not None and tiers.enabled:
+            cache = TierPrefixCache.from_config(aengine, tiers)
+            aengine.kv_loader = cache.load
+            if role == "prefill":
+                prefill.tiers = cache
+            else:
+                decode.tiers = cache
         aengine.start()
         handle.aengine = aengine
         prefill.bind(aengine)

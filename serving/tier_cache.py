@@ -1,4 +1,5 @@
-"""Prefill role: the tiered prefix store (CPU, then Redis) under the engine's GPU prefix cache.
+"""Prefill and colocated roles: the tiered prefix store (CPU, then Redis) under the engine's GPU
+prefix cache.
 
 DESIGN.md §3 step 3: a prefill reuses cached blocks from the GPU, else from the CPU/Redis tier.
 
@@ -16,14 +17,20 @@ wire spec (fingerprint, shape, checksum) and against the hash it was looked up b
 or foreign value is a miss, never data. A load that cannot be served (the GPU evicted blocks the
 plan counted on) returns False, and the engine recomputes the prompt.
 
-`save` reads leased blocks: they cannot be freed while the lease exists, and after the read it
-checks, on the engine thread, that the lease still does; otherwise what it read may already
-belong to another request and is dropped. Only the prefill role holds leases, so only it saves.
+`save` (prefill role) reads leased blocks: they cannot be freed while the lease exists, and after
+the read it checks, on the engine thread, that the lease still does; otherwise what it read may
+already belong to another request and is dropped. A colocated worker holds no leases: when a
+request finishes, `save_tokens` pins the prefix cache's blocks of its prompt and output
+(`Scheduler.pin_cached`: held, so neither evicted nor reused), reads them and unpins them, so a
+later prompt sharing that prefix (the next turn of a chat) finds them in the tiers once the GPU
+cache has evicted them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -35,14 +42,14 @@ from engine.request import RemoteKv
 from engine.scheduler import KvLoad
 from kv_transfer.tiers import CpuTier, RedisTier, TieredStore
 from kv_transfer.wire import BlockSpec, KvWireError, decode_block, encode_block
-from serving.kv import block_spec, kv_scales, read_blocks
+from serving.kv import block_spec, kv_scales, read_blocks, read_held_blocks
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
 class TierConfig:
-    """The tiers of a prefill worker. `cpu_bytes` 0 and no `redis_url`: no tiers."""
+    """The tiers of a prefill or colocated worker. `cpu_bytes` 0 and no `redis_url`: none."""
 
     cpu_bytes: int = 0
     redis_url: str | None = None
@@ -84,8 +91,9 @@ class TierStats:
 
 
 class TierPrefixCache:
-    """The tiered store bound to one prefill engine: `plan` before queueing a prompt, `load` as
-    the engine's KV loader, `save` after the prefill's response (see the module docstring)."""
+    """The tiered store bound to one engine: `plan` before queueing a prompt, `load` as the
+    engine's KV loader, `save` after a prefill's response (prefill role) or `save_tokens` after
+    a request finished (colocated role); see the module docstring."""
 
     def __init__(self, aengine: AsyncEngine, store: TieredStore, min_blocks: int = 1) -> None:
         self._aengine = aengine
@@ -97,6 +105,7 @@ class TierPrefixCache:
         self._root = aengine.engine.scheduler.kv.root
         self._min_blocks = min_blocks
         self._saves: set[asyncio.Task[int]] = set()
+        self._pin_ids = itertools.count()
         self.stats = TierStats()
 
     @classmethod
@@ -198,6 +207,44 @@ class TierPrefixCache:
         await self._store.put_many(items)
         self.stats.saved_blocks += len(items)
         return len(items)
+
+    def spawn_save_tokens(self, token_ids: list[int]) -> None:
+        """`save_tokens` in the background."""
+        task = asyncio.ensure_future(self.save_tokens(token_ids))
+        self._saves.add(task)
+        task.add_done_callback(self._saves.discard)
+
+    async def save_tokens(self, token_ids: list[int]) -> int:
+        """Write the full blocks of `token_ids` (a finished request's prompt and output, whose
+        KV was computed) that the GPU prefix cache holds and the CPU tier lacks; returns how
+        many were saved."""
+        hashes = compute_block_hashes(self._root, token_ids, self._block_size)
+        if not hashes:
+            return 0
+        pin_id = f"tier-save-{next(self._pin_ids)}"
+        todo = await self._aengine.call(self._pin_missing, pin_id, hashes)
+        if not todo:
+            return 0
+        try:
+            blocks = await read_held_blocks(self._engine, [block_id for block_id, _ in todo])
+        finally:
+            with contextlib.suppress(Exception):  # a stopped engine holds nothing any more
+                await self._aengine.call(self._engine.scheduler.unpin, pin_id)
+        # In a thread: a colocated worker's event loop also serves the gateway's streams.
+        items = await asyncio.to_thread(self._encode, todo, blocks)
+        await self._store.put_many(items)
+        self.stats.saved_blocks += len(items)
+        return len(items)
+
+    def _encode(self, todo: list[tuple[int, bytes]], blocks: torch.Tensor
+                ) -> list[tuple[bytes, bytes]]:
+        return [(h, encode_block(self._spec, h, self._block_size, blocks[i], self._scales))
+                for i, (_, h) in enumerate(todo)]
+
+    def _pin_missing(self, pin_id: str, hashes: list[bytes]) -> list[tuple[int, bytes]]:
+        # Engine thread: hold the cached blocks of the hashes the CPU tier lacks.
+        return self._engine.scheduler.pin_cached(
+            pin_id, [h for h in hashes if h not in self._store.cpu])
 
     async def wait_for_saves(self) -> None:
         """Await the saves in flight (tests, shutdown)."""

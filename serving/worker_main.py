@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill role: the port on --host that serves KV blocks raw to decode "
                         "workers (their 'tcp' way; same TLS as the gRPC port); 0 picks a free "
                         "one (default), 'off' serves none")
-    tiers = p.add_argument_group("prefix tiers (prefill role): GPU -> CPU -> Redis")
+    tiers = p.add_argument_group("prefix tiers (prefill and colocated roles): GPU -> CPU -> Redis")
     tiers.add_argument("--kv-tier-cpu-mb", type=int, default=0,
                        help="CPU tier of encoded KV blocks, in MiB (0: none)")
     tiers.add_argument("--kv-tier-redis-url", default=None,
@@ -110,7 +110,8 @@ async def _serve_colocated(argv: list[str], args: argparse.Namespace) -> None:
 
     config = engine_config_from_args(args, role="colocated")
     token = internal_token_from_env()
-    worker = await start_worker(config, "127.0.0.1", 0, auth_token=token)
+    worker = await start_worker(config, "127.0.0.1", 0, auth_token=token,
+                                tiers=tier_config_from_args(args))
     assert worker.ready is not None and worker.load_task is not None
     await worker.load_task
     assert worker.aengine is not None

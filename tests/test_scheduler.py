@@ -329,3 +329,30 @@ def test_async_stop_with_a_step_in_flight_drops_its_token() -> None:
     assert a.output_token_ids == [99]
     s.check_integrity()
     assert not s.kv.req_to_blocks
+
+
+def test_pinned_blocks_are_neither_evicted_nor_reused_until_unpinned() -> None:
+    """A tier save pins a finished request's cached blocks while it reads them off the engine
+    thread: they leave the free queue (no eviction), the integrity check counts the pin, and a
+    request that needs every free block cannot get them until the pin is dropped."""
+    s = _sched(budget=24, blocks=6)
+    req = _req("a", 9, max_tokens=1)  # 2 full blocks + 1 token
+    s.add_request(req)
+    while req.status != RequestStatus.FINISHED_LENGTH:
+        _step(s)
+    hashes = req.block_hashes[:2]
+    assert s.kv.num_free_blocks == 6  # finished: its blocks are free, still cached
+    pinned = s.pin_cached("pin-1", [*hashes, b"\x09" * 32])  # the last one is not cached
+    assert [h for _, h in pinned] == hashes
+    assert s.kv.num_free_blocks == 4
+    s.check_integrity()
+    with pytest.raises(ValueError, match="in use"):
+        s.pin_cached("pin-1", hashes)
+    big = _req("bb", 20, max_tokens=1)  # another prompt, 5 blocks: 4 are free while pinned
+    s.add_request(big)
+    assert s.schedule().scheduled == []
+    s.unpin("pin-1")
+    s.unpin("pin-1")  # twice is harmless
+    assert s.kv.num_free_blocks == 6 and not s.pins
+    assert [x.request.request_id for x in _step(s).scheduled] == ["bb"]
+    assert s.pin_cached("pin-2", [b"\x09" * 32]) == [] and not s.pins  # nothing cached: no pin

@@ -23,7 +23,13 @@ from engine.config import CacheConfig, EngineConfig, LoadConfig, RunnerConfig, S
 from engine.llm_engine import LLMEngine
 from engine.request import RemoteKv
 from engine.scheduler import KvLoad
-from protos.splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from protos.splitserve.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
 from serving.server import WorkerHandle, start_worker
 from serving.tier_cache import TierBlocks, TierConfig, TierPrefixCache
 
@@ -32,11 +38,12 @@ BLOCK_SIZE = 4
 TIMEOUT_S = 60.0
 
 
-def _config(path: Path) -> EngineConfig:
+def _config(path: Path, role: str = "prefill") -> EngineConfig:
     return EngineConfig(
         load=LoadConfig(model=str(path), dtype="float32"),
         cache=CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks=256),
-        scheduler=SchedulerConfig(role="prefill", max_model_len=256, kv_lease_ms=60_000),
+        scheduler=SchedulerConfig(role=role, max_model_len=256,  # type: ignore[arg-type]
+                                  kv_lease_ms=60_000),
         runner=RunnerConfig(device="cpu"))
 
 
@@ -56,8 +63,8 @@ async def redis_prefix() -> AsyncIterator[str]:
     await client.aclose()
 
 
-async def _worker(path: Path, tiers: TierConfig) -> WorkerHandle:
-    handle = await start_worker(_config(path), "127.0.0.1", 0, tiers=tiers,
+async def _worker(path: Path, tiers: TierConfig, role: str = "prefill") -> WorkerHandle:
+    handle = await start_worker(_config(path, role), "127.0.0.1", 0, tiers=tiers,
                                 engine_factory=lambda c: LLMEngine(c, detokenize=False))
     assert handle.load_task is not None
     await asyncio.wait_for(asyncio.shield(handle.load_task), TIMEOUT_S)
@@ -84,8 +91,31 @@ async def _load_report(handle: WorkerHandle) -> common_pb2.LoadReport:
 def _tiers_of(handle: WorkerHandle) -> TierPrefixCache:
     assert handle.aengine is not None
     owner = getattr(handle.aengine.kv_loader, "__self__", None)
-    assert isinstance(owner, TierPrefixCache), "the prefill worker must load through its tiers"
+    assert isinstance(owner, TierPrefixCache), "the worker must load through its tiers"
     return owner
+
+
+async def _decode(handle: WorkerHandle, rid: str, ids: list[int], max_tokens: int = 8
+                  ) -> tuple[list[int], list[float]]:
+    """A colocated worker's Decode without a KV handle: (token ids, their logprobs)."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+        request = decode_pb2.DecodeRequest(
+            request_id=rid, prompt_token_ids=ids,
+            sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                               logprobs=1, ignore_eos=True))
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        async for response in decode_pb2_grpc.DecodeStub(channel).Decode(request,
+                                                                        timeout=TIMEOUT_S):
+            if response.HasField("chunk"):
+                tokens.extend(response.chunk.token_ids)
+                logprobs.extend(lp.logprob for lp in response.chunk.logprobs)
+        return tokens, logprobs
+
+
+async def _evict_gpu_prefix_cache(handle: WorkerHandle) -> None:
+    assert handle.aengine is not None
+    assert await handle.aengine.call(handle.aengine.engine.scheduler.kv.reset_prefix_cache)
 
 
 def _count_computed(handle: WorkerHandle) -> list[int]:
@@ -198,6 +228,55 @@ class _FakeRequest:
     def __init__(self, remote_kv: RemoteKv) -> None:
         self.remote_kv = remote_kv
         self.request_id = "fake"
+
+
+@pytest.mark.asyncio
+async def test_colocated_worker_finds_an_evicted_conversation_in_its_cpu_tier(
+        tiny_model_dirs: dict[str, Path]) -> None:
+    """A colocated worker (no leases) saves a finished request's prompt and output blocks from
+    its prefix cache; once the GPU cache has lost them, the same prompt, and the next turn
+    (prompt + answer + more), load them from the CPU tier instead of computing them, and answer
+    exactly as before."""
+    handle = await _worker(tiny_model_dirs["llama"], TierConfig(cpu_bytes=8 << 20),
+                           role="colocated")
+    try:
+        tiers = _tiers_of(handle)
+        prompt = [(7 * i + 3) % 300 + 1 for i in range(37)]  # 9 full blocks + 1 token
+        first, first_lp = await _decode(handle, "c1", prompt)
+        await tiers.wait_for_saves()
+        # 37 prompt + 8 output tokens, the last one's KV never computed: 44 tokens, 11 blocks.
+        assert tiers.stats.saved_blocks == 11
+        assert handle.aengine is not None
+        await handle.aengine.call(handle.aengine.engine.scheduler.check_integrity)  # no pin left
+        await _evict_gpu_prefix_cache(handle)
+
+        computed = _count_computed(handle)
+        again, again_lp = await _decode(handle, "c2", prompt)
+        assert tiers.stats.loaded_blocks == 9 and tiers.stats.failed_loads == 0
+        # The prompt's last token, then 7 decodes (8 tokens): not the 37 of the prompt.
+        assert sum(computed) == 1 + 7
+        assert again == first
+        assert again_lp == pytest.approx(first_lp, abs=1e-5)
+
+        await tiers.wait_for_saves()
+        await _evict_gpu_prefix_cache(handle)
+        next_turn = [*prompt, *first, 5, 6, 7]  # 48 tokens: the saved 44 + 4 new
+        computed.clear()
+        await _decode(handle, "c3", next_turn, max_tokens=2)
+        assert tiers.stats.loaded_blocks == 9 + 11
+        assert sum(computed) == (len(next_turn) - 44) + 1
+        report = await _colocated_load_report(handle)
+        assert report.tier_hit_tokens == (9 + 11) * BLOCK_SIZE
+        assert report.tier_saved_blocks == tiers.stats.saved_blocks >= 11
+    finally:
+        await handle.stop(grace_s=1.0)
+
+
+async def _colocated_load_report(handle: WorkerHandle) -> common_pb2.LoadReport:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+        report: common_pb2.LoadReport = await decode_pb2_grpc.DecodeStub(channel).GetLoad(
+            common_pb2.LoadRequest(), timeout=TIMEOUT_S)
+        return report
 
 
 def test_tier_config_validation() -> None:

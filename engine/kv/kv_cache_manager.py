@@ -168,6 +168,16 @@ class KVCacheManager:
         self._num_cached_blocks[lease_id] = len(blocks)
         return [b.block_id for b in blocks]
 
+    def hold(self, holder_id: str, blocks: list[Block]) -> None:
+        """Take a reference on `blocks` (cached ones, possibly free) under `holder_id`, which
+        `free_by_id` drops; for readers that must keep blocks in place (Scheduler.pin_cached)."""
+        if holder_id in self.req_to_blocks:
+            raise ValueError(f"{holder_id!r} already holds blocks")
+        self.pool.touch(blocks)
+        self.req_to_blocks[holder_id] = list(blocks)
+        self._req_to_ids[holder_id] = [b.block_id for b in blocks]
+        self._num_cached_blocks[holder_id] = len(blocks)
+
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
 
