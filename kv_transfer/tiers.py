@@ -85,6 +85,22 @@ class CpuTier:
             found.append(data)
         return found
 
+    def get_prefix_entries(self, block_hashes: Sequence[bytes]) -> list[bytes | torch.Tensor]:
+        """`get_prefix` without copies: the stored values themselves (pinned uint8 tensors when
+        pinning). An entry is never written in place (a `put` replaces it), so a caller may
+        read it after it was evicted; it stays alive while referenced."""
+        found: list[bytes | torch.Tensor] = []
+        with self._lock:
+            for block_hash in block_hashes:
+                value = self._blocks.get(block_hash)
+                if value is None:
+                    self.stats["misses"] += 1
+                    break
+                self._blocks.move_to_end(block_hash)
+                self.stats["hits"] += 1
+                found.append(value)
+        return found
+
     def put(self, block_hash: bytes, data: bytes) -> bool:
         """Insert (or refresh) a block, evicting LRU blocks to fit; False if it can never fit."""
         size = len(data)
@@ -238,15 +254,30 @@ class TieredStore:
     async def get_many(self, block_hashes: Sequence[bytes]) -> list[bytes | None]:
         """len(block_hashes) entries: encoded blocks of the longest cached prefix, then None."""
         found: list[bytes | None] = list(self.cpu.get_prefix(block_hashes))
-        rest = block_hashes[len(found):]
-        if rest and self.redis is not None:
-            for block_hash, value in zip(rest, await self.redis.get_many(rest), strict=True):
+        found.extend(await self._redis_prefix(block_hashes[len(found):]))
+        return found + [None] * (len(block_hashes) - len(found))
+
+    async def get_entries(self, block_hashes: Sequence[bytes]
+                          ) -> list[bytes | torch.Tensor | None]:
+        """`get_many` without copying the CPU tier's entries (see `CpuTier.get_prefix_entries`):
+        every entry was verified when it entered the store, so `wire.block_view` reads it."""
+        found: list[bytes | torch.Tensor | None] = list(self.cpu.get_prefix_entries(block_hashes))
+        found.extend(await self._redis_prefix(block_hashes[len(found):]))
+        return found + [None] * (len(block_hashes) - len(found))
+
+    async def _redis_prefix(self, block_hashes: Sequence[bytes]) -> list[bytes]:
+        """Redis's values (verified) of the longest prefix of block_hashes it holds, promoted
+        into the CPU tier; [] without Redis."""
+        found: list[bytes] = []
+        if block_hashes and self.redis is not None:
+            for block_hash, value in zip(block_hashes, await self.redis.get_many(block_hashes),
+                                         strict=True):
                 if value is None:
                     break
                 self.cpu.put(block_hash, value)
                 self._promotions += 1
                 found.append(value)
-        return found + [None] * (len(block_hashes) - len(found))
+        return found
 
     async def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
         """Store (hash, encoded block) pairs in every tier. Each block is verified first (so a

@@ -265,9 +265,37 @@ def decode_block(data: bytes | bytearray | memoryview, spec: BlockSpec) -> Decod
     return DecodedBlock(header.block_hash, header.num_tokens, tensor, scales)
 
 
-def _parse_header(view: memoryview, spec: BlockSpec) -> WireHeader:
+def block_view(data: bytes | torch.Tensor, spec: BlockSpec) -> DecodedBlock:
+    """A block this process verified (`verify_block`) when it took the bytes in, and has kept
+    in its own memory since (a CPU-tier entry): every check of `decode_block` but the checksum
+    (memory is not a lossy channel, and re-reading each block for it slowed tier loads), and
+    for a 1-D uint8 CPU tensor (a pinned entry) the payload as a view of it, without a copy:
+    keep `data` unchanged while the block is in use."""
+    if isinstance(data, torch.Tensor):
+        if data.dtype != torch.uint8 or data.dim() != 1 or data.device.type != "cpu":
+            raise ValueError("block_view takes bytes or a 1-D uint8 CPU tensor")
+        view = memoryview(data.numpy().data).cast("B")
+    else:
+        view = memoryview(data).cast("B")
+    header = _parse_header(view, spec, checksum=False)
+    scales = None
+    if header.num_scales:
+        end = HEADER_BYTES + 4 * header.num_scales
+        values = struct.unpack(f"<{header.num_scales}f", view[HEADER_BYTES:end])
+        scales = torch.tensor(values, dtype=torch.float32).reshape(spec.num_layers, 2)
+    start = HEADER_BYTES + 4 * header.num_scales
+    if isinstance(data, torch.Tensor):
+        raw = data[start:start + header.payload_len]
+    else:  # bytes are read-only: torch.frombuffer needs a writable copy
+        raw = torch.frombuffer(bytearray(view[start:start + header.payload_len]),
+                               dtype=torch.uint8)
+    return DecodedBlock(header.block_hash, header.num_tokens,
+                        raw.view(spec.dtype).reshape(spec.shape), scales)
+
+
+def _parse_header(view: memoryview, spec: BlockSpec, checksum: bool = True) -> WireHeader:
     """Checks in a fixed order (tests rely on it): magic, version, declared sizes, length,
-    checksum, then agreement with the local spec."""
+    checksum (unless `checksum` is False: `block_view`), then agreement with the local spec."""
     if len(view) >= _PREFIX.size:
         magic, version = _PREFIX.unpack_from(view)
         if magic != MAGIC:
@@ -278,12 +306,13 @@ def _parse_header(view: memoryview, spec: BlockSpec) -> WireHeader:
         raise Truncated(f"{len(view)} bytes is shorter than the {HEADER_BYTES}-byte header")
     fields = _HEADER.unpack_from(view)
     (_, _, dtype_code, flags, fingerprint, hash_field, num_layers, block_size, num_kv_heads,
-     head_dim, num_tokens, num_scales, payload_len, checksum) = fields
+     head_dim, num_tokens, num_scales, payload_len, stored_crc) = fields
     _check_sizes(len(view), num_scales, payload_len)
-    head_wo_crc = view[:HEADER_BYTES - _CHECKSUM_BYTES]
-    crc = zlib.crc32(view[HEADER_BYTES:], zlib.crc32(head_wo_crc))
-    if crc != checksum:
-        raise ChecksumMismatch(f"crc32 {crc:#010x} != header checksum {checksum:#010x}")
+    if checksum:
+        head_wo_crc = view[:HEADER_BYTES - _CHECKSUM_BYTES]
+        crc = zlib.crc32(view[HEADER_BYTES:], zlib.crc32(head_wo_crc))
+        if crc != stored_crc:
+            raise ChecksumMismatch(f"crc32 {crc:#010x} != header checksum {stored_crc:#010x}")
     if fingerprint != spec.fingerprint:
         raise FingerprintMismatch(
             f"block fingerprint {bytes(fingerprint).hex()[:16]}… differs from the local "

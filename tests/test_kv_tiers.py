@@ -135,6 +135,24 @@ def test_cpu_tier_lru_eviction_by_bytes() -> None:
     assert cpu.put(h2, block(h2)) and cpu.used_bytes == 2 * size   # refresh, no double count
 
 
+async def test_entries_are_the_stored_values_without_copies(redis_tier: RedisTier) -> None:
+    """`get_entries` (what a tier load reads) gives the CPU tier's own values (pinned tensors
+    on a GPU host, bytes here), stops at the first miss like `get_many`, and takes Redis's
+    verified values after them; an entry stays whole after the tier evicted it."""
+    hashes = chain(4)
+    cpu = CpuTier(capacity_bytes=3 * SPEC.encoded_nbytes, pin_memory=False)
+    store = TieredStore(SPEC, cpu, redis_tier)
+    await store.put_many([(h, block(h)) for h in hashes[:2]])
+    await redis_tier.put_many([(hashes[2], block(hashes[2]))])
+    entries = await store.get_entries(hashes)
+    assert entries == [block(h) for h in hashes[:3]] + [None]
+    assert cpu.get_prefix_entries(hashes[:1])[0] is entries[0]  # the same object: no copy
+    assert hashes[2] in cpu and cpu.stats["hits"] == 3
+    for h in chain(3, salt=b"other"):  # push every earlier entry out of the tier
+        cpu.put(h, block(h))
+    assert hashes[0] not in cpu and entries[0] == block(hashes[0])
+
+
 async def test_tiered_store_stops_at_first_miss_and_promotes(redis_tier: RedisTier) -> None:
     hashes = chain(5)
     cpu = CpuTier(capacity_bytes=10 * SPEC.encoded_nbytes, pin_memory=False)

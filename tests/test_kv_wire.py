@@ -24,6 +24,7 @@ from kv_transfer.wire import (
     TooLarge,
     Truncated,
     VersionMismatch,
+    block_view,
     decode_block,
     encode_block,
     verify_block,
@@ -212,3 +213,37 @@ def test_fuzz_mutated_valid_blocks_never_escape(edits: list[tuple[int, int]], cu
     except KvWireError:
         return
     assert bytes(data) == good and out.num_tokens == spec.block_size  # only a no-op edit passes
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_block_view_reads_a_kept_entry_in_place_with_every_check_but_the_checksum(
+        dtype: torch.dtype) -> None:
+    """A CPU-tier entry (verified when stored) is read as a view of its own memory: the same
+    block as `decode_block`, no copy; the header is still checked (another model's or another
+    block's bytes are refused), the checksum is not: a flipped payload byte goes unnoticed
+    here, which is why only entries verified on the way in may be read this way."""
+    spec = make_spec(dtype)
+    tensor = torch.randn(spec.shape).to(dtype)
+    data = encode_block(spec, HASH, spec.block_size, tensor, scales_for(spec))
+    entry = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    block, want = block_view(entry, spec), decode_block(data, spec)
+    assert torch.equal(block.tensor.view(torch.uint8), want.tensor.view(torch.uint8))
+    assert block.block_hash == HASH and block.num_tokens == spec.block_size
+    assert (block.scales is None) == (want.scales is None)
+    if want.scales is not None:
+        assert block.scales is not None and torch.equal(block.scales, want.scales)
+    start = entry.data_ptr()
+    assert start <= block.tensor.data_ptr() < start + entry.numel()  # a view, not a copy
+    from_bytes = block_view(data, spec)  # bytes are read-only: copied
+    assert torch.equal(from_bytes.tensor.view(torch.uint8), want.tensor.view(torch.uint8))
+
+    entry[-1] ^= 0xFF
+    assert block_view(entry, spec).tensor.view(torch.uint8).reshape(-1)[-1] == entry[-1]
+    with pytest.raises(ChecksumMismatch):
+        decode_block(entry.numpy().tobytes(), spec)
+    with pytest.raises(FingerprintMismatch):
+        block_view(entry, make_spec(dtype, fp=hashlib.sha256(b"model-b").digest()))
+    with pytest.raises(ShapeMismatch):
+        block_view(entry, make_spec(torch.float32 if dtype != torch.float32 else torch.float16))
+    with pytest.raises(ValueError, match="1-D uint8"):
+        block_view(entry.view(torch.int8), spec)
