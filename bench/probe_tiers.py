@@ -16,7 +16,7 @@ says so. The cold run computes the prompt's KV in other kernels, so on random du
 (near-tied logits) its token may differ; `cold_same_token` reports it.
 
 Usage: PYTHONPATH=. python3 bench/probe_tiers.py --out F [--model dummy:llama-3.1-8b]
-       [--lens 1000,4000] [--repeats 3] [--cpu-tier-gb 4]
+       [--lens 1000,4050] [--repeats 3] [--cpu-tier-gb 4]
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def main() -> int:
     p.add_argument("--dtype", default="bfloat16")
     # Not multiples of the block size: a full last block is computed again on a GPU hit but
     # loaded on a tier hit, and the two would then compute different tails.
-    p.add_argument("--lens", type=lambda s: [int(x) for x in s.split(",")], default=[1000, 4000])
+    p.add_argument("--lens", type=lambda s: [int(x) for x in s.split(",")], default=[1000, 4050])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cpu-tier-gb", type=float, default=4.0)
     args = p.parse_args()
