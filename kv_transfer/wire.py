@@ -238,12 +238,14 @@ def verify_block(
     data: bytes | bytearray | memoryview,
     spec: BlockSpec,
     expected_hash: bytes | None = None,
+    checksum: bool = True,
 ) -> WireHeader:
     """Check everything about `data` (lengths, checksum, fingerprint, shape) without building
     a tensor. expected_hash: when given, the block's hash must equal it (ShapeMismatch if not —
-    the bytes name another block)."""
+    the bytes name another block). checksum=False skips the CRC: only for bytes this process
+    has just encoded."""
     view = memoryview(data).cast("B")
-    header = _parse_header(view, spec)
+    header = _parse_header(view, spec, checksum=checksum)
     if expected_hash is not None and header.block_hash != expected_hash:
         raise ShapeMismatch("block hash in the header differs from the hash it was looked up by")
     return header

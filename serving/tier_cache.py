@@ -218,7 +218,7 @@ class TierPrefixCache:
             return 0
         items = [(h, encode_block(self._spec, h, self._block_size, blocks[i], self._scales))
                  for i, (_, h) in enumerate(todo)]
-        await self._store.put_many(items)
+        await self._store.put_many(items, encoded_here=True)
         self.stats.saved_blocks += len(items)
         return len(items)
 
@@ -246,7 +246,7 @@ class TierPrefixCache:
                 await self._aengine.call(self._engine.scheduler.unpin, pin_id)
         # In a thread: a colocated worker's event loop also serves the gateway's streams.
         items = await asyncio.to_thread(self._encode, todo, blocks)
-        await self._store.put_many(items)
+        await self._store.put_many(items, encoded_here=True)
         self.stats.saved_blocks += len(items)
         return len(items)
 

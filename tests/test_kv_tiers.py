@@ -11,7 +11,7 @@ import torch
 from redis import asyncio as aioredis
 from redis.exceptions import RedisError
 
-from kv_transfer.tiers import CpuTier, RedisTier, TieredStore
+from kv_transfer.tiers import CpuTier, PinnedSlots, RedisTier, TieredStore
 from kv_transfer.wire import BlockSpec, encode_block
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -135,6 +135,61 @@ def test_cpu_tier_lru_eviction_by_bytes() -> None:
     assert cpu.put(h2, block(h2)) and cpu.used_bytes == 2 * size   # refresh, no double count
 
 
+def _plain(n: int) -> torch.Tensor:
+    """A slab allocator without pinning (this machine has no CUDA)."""
+    return torch.empty(n, dtype=torch.uint8)
+
+
+def test_slots_come_from_power_of_two_slabs_and_return_with_their_last_reader(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(PinnedSlots, "SLAB_BYTES", 1024)
+    allocated: list[int] = []
+
+    def counting(n: int) -> torch.Tensor:
+        allocated.append(n)
+        return _plain(n)
+
+    pool = PinnedSlots(slot_bytes=100, max_slots=15, allocate=counting)
+    views = [pool.take() for _ in range(15)]
+    assert all(v is not None and v.numel() == 100 for v in views)
+    assert pool.take() is None  # max_slots held
+    assert allocated == [1024, 1024] and pool.reserved_bytes == 2048  # 10 + 5 slots
+    starts = {v.data_ptr() for v in views if v is not None}
+    assert len(starts) == 15  # no two slots overlap
+    reader = views[3][10:20]  # noqa: F841 - a view of the view does not hold the slot...
+    held = views[4]  # ...but a reference to the view itself does
+    del views
+    assert pool.slots_in_use == 1 and held is not None
+    again = [pool.take() for _ in range(14)]
+    assert pool.take() is None and held.data_ptr() not in {v.data_ptr() for v in again if v is not None}
+    del held
+    assert pool.take() is not None
+    assert allocated == [1024, 1024]  # every slot reused, no slab added
+    huge = PinnedSlots(slot_bytes=3000, max_slots=1, allocate=counting)
+    assert huge.take() is not None and allocated[-1] == 4096  # one slot, the next power of two
+
+
+def test_cpu_tier_never_refills_an_entry_a_reader_holds() -> None:
+    """Slotted entries (pinned on a GPU host): an evicted entry that a tier load still reads
+    keeps its slot; with every slot held a put is refused instead of overwriting it."""
+    size = SPEC.encoded_nbytes
+    cpu = CpuTier(capacity_bytes=2 * size, allocate=_plain)
+    h = chain(4)
+    assert cpu.put(h[0], block(h[0])) and cpu.put(h[1], block(h[1]))
+    held = cpu.get_prefix_entries(h[:2])
+    assert all(isinstance(e, torch.Tensor) for e in held)
+    assert not cpu.put(h[2], block(h[2]))  # evicts h0, whose slot is still read; h1 has one
+    assert cpu.stats["rejected"] == 1 and h[0] not in cpu and list(cpu.get_prefix(h[1:2]))
+    assert [e.numpy().tobytes() for e in held if isinstance(e, torch.Tensor)] == [
+        block(h[0]), block(h[1])]
+    del held
+    assert cpu.put(h[2], block(h[2])) and cpu.put(h[3], block(h[3]))
+    assert cpu.get(h[2]) == block(h[2]) and cpu.get(h[3]) == block(h[3])
+    slots = cpu.slots
+    assert slots is not None and slots.reserved_bytes == PinnedSlots.SLAB_BYTES  # not 2x
+    assert cpu.used_bytes == 2 * size
+
+
 async def test_entries_are_the_stored_values_without_copies(redis_tier: RedisTier) -> None:
     """`get_entries` (what a tier load reads) gives the CPU tier's own values (pinned tensors
     on a GPU host, bytes here), stops at the first miss like `get_many`, and takes Redis's
@@ -180,6 +235,15 @@ async def test_tiered_store_write_through_and_rejects_bad_puts(redis_tier: Redis
     assert await redis_tier.get_many([h0, h1]) == [block(h0), None]
     fresh = TieredStore(SPEC, CpuTier(10 * SPEC.encoded_nbytes, pin_memory=False), redis_tier)
     assert await fresh.get_many([h0, h1]) == [block(h0), None]
+    # Blocks this process just encoded skip the second checksum, never the header checks.
+    await store.put_many([(h1, partial)], encoded_here=True)
+    assert store.stats["rejected_puts"] == 2
+    flipped = bytearray(block(h1))
+    flipped[-1] ^= 0xFF  # a payload byte: only the checksum would notice
+    await store.put_many([(h1, bytes(flipped))])
+    assert store.stats["rejected_puts"] == 3 and h1 not in cpu
+    await store.put_many([(h1, bytes(flipped))], encoded_here=True)
+    assert store.stats["rejected_puts"] == 3 and h1 in cpu
 
 
 async def test_tiered_store_without_redis() -> None:
