@@ -496,16 +496,12 @@ async def pull_blocks_shm(target: str, request_id: str, spec: BlockSpec, num_blo
         if response.num_blocks != n:
             raise KvTransferError("count_mismatch", f"the server wrote {response.num_blocks} "
                                   f"blocks, expected {n}")
-        if num_blocks_for(response.num_tokens, spec.block_size) != num_blocks:
-            raise KvTransferError("count_mismatch", f"the lease holds {response.num_tokens} "
-                                  f"tokens, not {num_blocks} blocks of {spec.block_size}")
+        _check_lease_tokens(response.num_tokens, num_blocks, spec)
         scales = _scales(response.kv_scales, spec)
         blocks = segment.tensor(spec.dtype, (n, *spec.shape))
     except grpc.aio.AioRpcError as err:
         segment.close()
-        if err.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
-            raise KvTransferError("shm_unavailable", err.details() or "", err.code()) from err
-        raise _rpc_failure(err) from err
+        raise _raw_pull_failure(err, "shm_unavailable") from err
     except BaseException:
         segment.close()
         raise
@@ -539,15 +535,11 @@ async def pull_blocks_tcp(target: str, request_id: str, spec: BlockSpec, num_blo
                 request_id=request_id, fingerprint=spec.fingerprint, first_block=first_block),
                 timeout=timeout_s, metadata=tuple(metadata))
     except grpc.aio.AioRpcError as err:
-        if err.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
-            raise KvTransferError("tcp_unavailable", err.details() or "", err.code()) from err
-        raise _rpc_failure(err) from err
+        raise _raw_pull_failure(err, "tcp_unavailable") from err
     if response.num_blocks != n:
         raise KvTransferError("count_mismatch", f"the ticket sends {response.num_blocks} blocks, "
                               f"expected {n}")
-    if num_blocks_for(response.num_tokens, spec.block_size) != num_blocks:
-        raise KvTransferError("count_mismatch", f"the lease holds {response.num_tokens} tokens, "
-                              f"not {num_blocks} blocks of {spec.block_size}")
+    _check_lease_tokens(response.num_tokens, num_blocks, spec)
     if not 1 <= response.data_port <= 65535 or len(response.ticket) != TICKET_BYTES:
         raise KvTransferError("protocol", "PullBlocksTcp answered without a usable data port "
                               "or ticket")
@@ -585,15 +577,11 @@ async def pull_blocks_ipc(target: str, request_id: str, spec: BlockSpec, num_blo
                 request_id=request_id, fingerprint=spec.fingerprint, first_block=first_block,
                 device_uuid=uuid), timeout=timeout_s, metadata=tuple(metadata))
     except grpc.aio.AioRpcError as err:
-        if err.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
-            raise KvTransferError("ipc_unavailable", err.details() or "", err.code()) from err
-        raise _rpc_failure(err) from err
+        raise _raw_pull_failure(err, "ipc_unavailable") from err
     if len(response.block_ids) != n:
         raise KvTransferError("count_mismatch", f"the lease has {len(response.block_ids)} blocks "
                               f"from {first_block}, expected {n}")
-    if num_blocks_for(response.num_tokens, spec.block_size) != num_blocks:
-        raise KvTransferError("count_mismatch", f"the lease holds {response.num_tokens} tokens, "
-                              f"not {num_blocks} blocks of {spec.block_size}")
+    _check_lease_tokens(response.num_tokens, num_blocks, spec)
     # The message's fields are the dataclass's, by name.
     export = CacheExport(**{f.name: getattr(response.cache, f.name)
                             for f in dataclasses.fields(CacheExport)})
@@ -602,6 +590,20 @@ async def pull_blocks_ipc(target: str, request_id: str, spec: BlockSpec, num_blo
                               f"{export.num_blocks} blocks")
     return IpcPull(export, list(response.block_ids), response.num_tokens,
                    list(response.block_hashes), _scales(response.kv_scales, spec))
+
+
+def _raw_pull_failure(err: grpc.aio.AioRpcError, unavailable: str) -> KvTransferError:
+    """A raw pull's (shm, tcp, ipc) RPC error: `unavailable` (the caller tries the next way)
+    when the worker cannot serve that way here, else the usual failure."""
+    if err.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
+        return KvTransferError(unavailable, err.details() or "", err.code())
+    return _rpc_failure(err)
+
+
+def _check_lease_tokens(num_tokens: int, num_blocks: int, spec: BlockSpec) -> None:
+    if num_blocks_for(num_tokens, spec.block_size) != num_blocks:
+        raise KvTransferError("count_mismatch", f"the lease holds {num_tokens} tokens, not "
+                              f"{num_blocks} blocks of {spec.block_size}")
 
 
 def _scales(values: Sequence[float], spec: BlockSpec) -> torch.Tensor | None:

@@ -255,12 +255,7 @@ def decode_block(data: bytes | bytearray | memoryview, spec: BlockSpec) -> Decod
     """Verify and deserialize one block into CPU tensors owning their memory."""
     view = memoryview(data).cast("B")
     header = _parse_header(view, spec)
-    scales = None
-    if header.num_scales:
-        end = HEADER_BYTES + 4 * header.num_scales
-        values = struct.unpack(f"<{header.num_scales}f", view[HEADER_BYTES:end])
-        scales = torch.tensor(values, dtype=torch.float32).reshape(spec.num_layers, 2)
-    start = HEADER_BYTES + 4 * header.num_scales
+    scales, start = _scales(view, header, spec)
     # bytearray: a writable copy, so torch.frombuffer owns valid memory with no warning.
     payload = bytearray(view[start:start + header.payload_len])
     tensor = torch.frombuffer(payload, dtype=torch.uint8).view(spec.dtype).reshape(spec.shape)
@@ -280,12 +275,7 @@ def block_view(data: bytes | torch.Tensor, spec: BlockSpec) -> DecodedBlock:
     else:
         view = memoryview(data).cast("B")
     header = _parse_header(view, spec, checksum=False)
-    scales = None
-    if header.num_scales:
-        end = HEADER_BYTES + 4 * header.num_scales
-        values = struct.unpack(f"<{header.num_scales}f", view[HEADER_BYTES:end])
-        scales = torch.tensor(values, dtype=torch.float32).reshape(spec.num_layers, 2)
-    start = HEADER_BYTES + 4 * header.num_scales
+    scales, start = _scales(view, header, spec)
     if isinstance(data, torch.Tensor):
         raw = data[start:start + header.payload_len]
     else:  # bytes are read-only: torch.frombuffer needs a writable copy
@@ -293,6 +283,16 @@ def block_view(data: bytes | torch.Tensor, spec: BlockSpec) -> DecodedBlock:
                                dtype=torch.uint8)
     return DecodedBlock(header.block_hash, header.num_tokens,
                         raw.view(spec.dtype).reshape(spec.shape), scales)
+
+
+def _scales(view: memoryview, header: WireHeader, spec: BlockSpec
+            ) -> tuple[torch.Tensor | None, int]:
+    """The block's [num_layers, 2] scales (None without), and where its payload starts."""
+    start = HEADER_BYTES + 4 * header.num_scales
+    if not header.num_scales:
+        return None, start
+    values = struct.unpack(f"<{header.num_scales}f", view[HEADER_BYTES:start])
+    return torch.tensor(values, dtype=torch.float32).reshape(spec.num_layers, 2), start
 
 
 def _parse_header(view: memoryview, spec: BlockSpec, checksum: bool = True) -> WireHeader:

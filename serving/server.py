@@ -171,10 +171,14 @@ class _LazyKvServicer(kv_transfer_pb2_grpc.KvTransferServicer):
     def bind(self, inner: KvTransferServicer) -> None:
         self._inner = inner
 
-    async def PullBlocks(self, request, context):  # type: ignore[no-untyped-def]
+    async def _ready(self, context: grpc.aio.ServicerContext) -> KvTransferServicer:
         if self._inner is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is loading")
         assert self._inner is not None
+        return self._inner
+
+    async def PullBlocks(self, request, context):  # type: ignore[no-untyped-def]
+        inner = await self._ready(context)
         # A server span under the decode worker's `kv_pull` (traceparent in the metadata).
         fragments = payload = 0
         with tracing.traced_span(
@@ -182,7 +186,7 @@ class _LazyKvServicer(kv_transfer_pb2_grpc.KvTransferServicer):
                 kind=SpanKind.SERVER, passthrough=(grpc.aio.AbortError,),
                 attributes={"splitserve.request_id": request.request_id,
                             "splitserve.kv.first_block": request.first_block}) as span:
-            async for frag in self._inner.PullBlocks(request, context):
+            async for frag in inner.PullBlocks(request, context):
                 fragments += 1
                 payload += len(frag.data)
                 yield frag
@@ -190,35 +194,27 @@ class _LazyKvServicer(kv_transfer_pb2_grpc.KvTransferServicer):
             span.set_attribute("splitserve.kv.bytes", payload)
 
     async def PullBlocksShm(self, request, context):  # type: ignore[no-untyped-def]
-        if self._inner is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is loading")
-        assert self._inner is not None
+        inner = await self._ready(context)
         with _serve_span(request, context, "shm") as span:
-            response = await self._inner.PullBlocksShm(request, context)
+            response = await inner.PullBlocksShm(request, context)
             span.set_attribute("splitserve.kv.bytes", request.shm_bytes)
             return response
 
     async def PullBlocksIpc(self, request, context):  # type: ignore[no-untyped-def]
-        if self._inner is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is loading")
-        assert self._inner is not None
+        inner = await self._ready(context)
         with _serve_span(request, context, "cuda_ipc"):
-            return await self._inner.PullBlocksIpc(request, context)
+            return await inner.PullBlocksIpc(request, context)
 
     async def PullBlocksTcp(self, request, context):  # type: ignore[no-untyped-def]
-        if self._inner is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is loading")
-        assert self._inner is not None
+        inner = await self._ready(context)
         with _serve_span(request, context, "tcp") as span:
-            response = await self._inner.PullBlocksTcp(request, context)
+            response = await inner.PullBlocksTcp(request, context)
             span.set_attribute("splitserve.kv.blocks", response.num_blocks)
             return response
 
     async def Release(self, request, context):  # type: ignore[no-untyped-def]
-        if self._inner is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is loading")
-        assert self._inner is not None
-        return await self._inner.Release(request, context)
+        inner = await self._ready(context)
+        return await inner.Release(request, context)
 
 
 def _serve_span(request: Any, context: grpc.aio.ServicerContext,
