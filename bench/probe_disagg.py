@@ -170,7 +170,7 @@ def main() -> int:
     p.add_argument("--log-dir", default=None, help="where the workers' logs go (default: "
                    "next to --out)")
     p.add_argument("--ready-timeout-s", type=float, default=300)
-    p.add_argument("--kv-transports", default="ipc,shm,stream",
+    p.add_argument("--kv-transports", default="ipc,tcp,shm,stream",
                    help="the decode worker's --kv-transports (e.g. shm: no CUDA IPC)")
     args = p.parse_args()
     token = secrets.token_hex(16)

@@ -9,7 +9,7 @@ CUDA IPC, as a prefill worker on a GPU offers it). This process pulls each lease
 every pulled block bit for bit against the same seeded cache rebuilt here.
 
 Usage (on the GPU machine): PYTHONPATH=. python3 bench/probe_kv_transport.py --out F
-    [--blocks 16,64,256] [--repeats 5] [--kv-dtype bf16|fp8] [--transports ipc,shm,tcp,stream]
+    [--blocks 16,64,256] [--repeats 5] [--kv-dtype bf16|fp8] [--transports ipc,tcp,shm,stream]
 On a machine without a GPU, `--device cpu` runs the host transports (shared memory, TCP, the
 gRPC stream) between two CPU caches: what the stream's encoding, messages and decoding cost.
 TCP runs over loopback here; between hosts the network's rate caps it as well.
@@ -153,9 +153,8 @@ async def pull(args: argparse.Namespace, port: int) -> dict[str, Any]:
         sink = Sink(torch.zeros(NUM_LAYERS, 2, DST_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
                                 device=args.device, dtype=dtype))
         connector = GrpcPullConnector(spec, sink, asyncio.get_running_loop(), timeout_s=120,
-                                      use_ipc=transport == "ipc",
-                                      use_shm=transport in ("ipc", "shm"),
-                                      use_tcp=transport in ("ipc", "shm", "tcp"))
+                                      use_ipc=transport == "ipc", use_shm=transport == "shm",
+                                      use_tcp=transport == "tcp")
         for n in _sizes(args):
             times, exact = [], True
             for r in range(args.repeats + 1):
@@ -190,13 +189,8 @@ async def pull(args: argparse.Namespace, port: int) -> dict[str, Any]:
 def _used(connector: GrpcPullConnector, transport: str, port: int) -> str:
     """Which way the pulls went (a refused way is remembered per worker address)."""
     address = f"127.0.0.1:{port}"
-    if transport == "ipc" and address not in connector._no_ipc:
-        return "ipc"
-    if transport in ("ipc", "shm") and address not in connector._no_shm:
-        return "shm"
-    if transport in ("ipc", "shm", "tcp") and address not in connector._no_tcp:
-        return "tcp"
-    return "stream"
+    refused = {"ipc": connector._no_ipc, "shm": connector._no_shm, "tcp": connector._no_tcp}
+    return transport if address not in refused.get(transport, {address}) else "stream"
 
 
 def _sizes(args: argparse.Namespace) -> list[int]:
@@ -206,7 +200,7 @@ def _sizes(args: argparse.Namespace) -> list[int]:
 def _transports(args: argparse.Namespace) -> list[str]:
     if args.transports:
         return args.transports.split(",")
-    return ["ipc", "shm", "tcp", "stream"] if args.device == "cuda" else ["shm", "tcp", "stream"]
+    return ["ipc", "tcp", "shm", "stream"] if args.device == "cuda" else ["tcp", "shm", "stream"]
 
 
 def main() -> int:
@@ -215,7 +209,8 @@ def main() -> int:
     p.add_argument("--blocks", default="16,64,256")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--transports", default="",
-                   help="comma list of ipc,shm,tcp,stream (default: all the device allows)")
+                   help="comma list of ipc,tcp,shm,stream, each measured alone (default: all the "
+                        "device allows)")
     p.add_argument("--device", choices=["cuda", "cpu"],
                    default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--kv-dtype", choices=sorted(DTYPES), default="bf16")

@@ -141,7 +141,7 @@ class WorkerLoadCollector:
 
 
 def _kv_transport_families(samples: Sequence[WorkerSample]) -> Iterator[Metric]:
-    """Decode workers' KV pulls per way (`transport` label: cuda_ipc, shm, stream)."""
+    """Decode workers' KV pulls per way (`transport` label: cuda_ipc, tcp, shm, stream)."""
     labels = (*WORKER_LABELS, "transport")
     families = {
         "pulls": CounterMetricFamily(

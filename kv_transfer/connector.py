@@ -11,9 +11,10 @@
 `GrpcPullConnector` is the worker side of the decode role over `grpc_transport`: it pulls a
 prefill worker's leased blocks into local blocks through a `KvBlockSink` (in batches of
 `WRITE_BATCH_BLOCKS`), then releases the lease. Between workers of one GPU it copies the blocks
-device to device out of the prefill worker's cache, mapped through CUDA IPC; between workers of
-one host, through a shared-memory segment; otherwise raw over the prefill worker's KV data port
-(TCP), or, where that cannot be reached, over the gRPC stream.
+device to device out of the prefill worker's cache, mapped through CUDA IPC; otherwise raw over
+the prefill worker's KV data port (TCP), which measured faster than a shared-memory segment
+between workers of one host (docs/performance.md, "KV between hosts"); where the data port
+cannot be reached, through shared memory (one host), else over the gRPC stream.
 A failed load is reported, never raised: the engine recomputes the prompt or fails the request.
 """
 
@@ -212,9 +213,8 @@ class GrpcPullConnector(KvConnectorWorker):
         self._loop = loop
         self._timeout_s = timeout_s
         self._kv_scales = kv_scales
-        # Same-host pulls try CUDA IPC (a sink on a GPU), then shared memory; every pull then
-        # tries the data port (TCP), then the stream. A worker that answers a way "unavailable"
-        # is not asked that way again.
+        # Pulls try CUDA IPC (same GPU), the data port (TCP), shared memory (same host), then the
+        # stream. A worker that answers a way "unavailable" is not asked that way again.
         self._use_shm = use_shm and shm_available()
         self._use_tcp = use_tcp
         device = getattr(sink, "device", None)
@@ -275,13 +275,13 @@ class GrpcPullConnector(KvConnectorWorker):
         address = handle.worker_address
         local = is_local_address(address)
         # Ways in order of preference: (name, usable here, workers that refused it, its load,
-        # the KvTransferError reason that means "use the next way"). The first two reach only
-        # this host.
+        # the KvTransferError reason that means "use the next way"). IPC and shared memory
+        # reach only this host.
         ways = (("cuda_ipc", self._ipc_device is not None and local, self._no_ipc,
                  self._load_ipc, "ipc_unavailable"),
+                ("tcp", self._use_tcp, self._no_tcp, self._load_tcp, "tcp_unavailable"),
                 ("shm", self._use_shm and local, self._no_shm, self._load_shm,
-                 "shm_unavailable"),
-                ("tcp", self._use_tcp, self._no_tcp, self._load_tcp, "tcp_unavailable"))
+                 "shm_unavailable"))
         for name, usable, refused, load, unavailable in ways:
             if not usable or address in refused:
                 continue

@@ -116,6 +116,11 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
                           else b"")
         self._data_server = data_server
 
+    @property
+    def block_nbytes(self) -> int:
+        """Raw bytes of one block (what the raw ways send per block)."""
+        return self._source.spec.block_nbytes
+
     async def PullBlocks(
         self,
         request: kv_transfer_pb2.PullBlocksRequest,

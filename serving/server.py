@@ -67,7 +67,7 @@ async def start_worker(config: EngineConfig, host: str, port: int,
                        engine_factory: Callable[[EngineConfig], LLMEngine] | None = None,
                        auth_token: str | None = None,
                        tiers: TierConfig | None = None,
-                       kv_transports: Sequence[str] = ("ipc", "shm", "tcp", "stream"),
+                       kv_transports: Sequence[str] = ("ipc", "tcp", "shm", "stream"),
                        kv_data_port: int | None = 0,
                        ) -> WorkerHandle:
     """Start a worker for `config.scheduler.role`; returns once the port is bound. The engine
@@ -76,8 +76,8 @@ async def start_worker(config: EngineConfig, host: str, port: int,
     auth_token: the cluster's shared secret (protos/auth.py). With it, every call but a health
     check must carry it, and a decode worker sends it with its KV pulls.
     tiers: a prefill or colocated worker's CPU/Redis prefix tiers (serving/tier_cache.py);
-    ignored by the decode role. kv_transports: how a decode worker may pull KV ("ipc", "shm",
-    "tcp"; the gRPC stream always). kv_data_port: a prefill worker's KV data port (kv_transfer/tcp.py) on
+    ignored by the decode role. kv_transports: how a decode worker may pull KV ("ipc", "tcp",
+    "shm"; the gRPC stream always). kv_data_port: a prefill worker's KV data port (kv_transfer/tcp.py) on
     `host`; 0 picks a free one (decode workers learn it per pull), None serves none."""
     from decode_service.servicer import DecodeServicer
     from prefill_service.servicer import PrefillServicer
@@ -209,7 +209,7 @@ class _LazyKvServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         inner = await self._ready(context)
         with _serve_span(request, context, "tcp") as span:
             response = await inner.PullBlocksTcp(request, context)
-            span.set_attribute("splitserve.kv.blocks", response.num_blocks)
+            span.set_attribute("splitserve.kv.bytes", response.num_blocks * inner.block_nbytes)
             return response
 
     async def Release(self, request, context):  # type: ignore[no-untyped-def]

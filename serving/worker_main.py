@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("splitserve.serve")
 
 
-KV_TRANSPORTS = ("ipc", "shm", "tcp", "stream")
+KV_TRANSPORTS = ("ipc", "tcp", "shm", "stream")
 
 
 def _kv_transports(text: str) -> tuple[str, ...]:
@@ -60,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info")
     p.add_argument("--kv-transports", type=_kv_transports, default=KV_TRANSPORTS,
                    help="decode role: the ways KV may come from a prefill worker, tried in the "
-                        "order ipc (CUDA IPC, same GPU), shm (shared memory, same host), tcp "
-                        "(the prefill worker's KV data port, any host), stream (gRPC, anywhere); "
+                        "order ipc (CUDA IPC, same GPU), tcp (the prefill worker's KV data port, "
+                        "any host), shm (shared memory, same host), stream (gRPC, anywhere); "
                         f"comma list, stream always included (default: {','.join(KV_TRANSPORTS)})")
     p.add_argument("--kv-data-port", type=_data_port, default=0,
                    help="prefill role: the port on --host that serves KV blocks raw to decode "

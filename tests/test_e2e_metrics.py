@@ -68,13 +68,13 @@ def test_gateway_metrics_mirror_the_workers_engines(disagg_stack: Stack) -> None
     assert all(0.0 <= v <= 1.0 for v in usage.values()), usage
     healthy = {k[1:]: v for k, v in series.items() if k[0] == "splitserve:worker_healthy"}
     assert set(healthy.values()) == {1.0} and set(healthy) == set(usage)
-    # The decode worker pulled the prompts' KV (same host: shared memory, as the decode log
-    # says) and its totals per way come through too, equal to the loader's own.
+    # The decode worker pulled the prompts' KV (over the prefill worker's data port, as the
+    # decode log says) and its totals per way come through too, equal to the loader's own.
     decode = disagg_stack.workers["decode"]
     assert decode.aengine is not None
     loader = decode.aengine.kv_loader
     stats = dict(loader.transport_stats)  # type: ignore[union-attr]
-    assert set(stats) == {"shm"} and stats["shm"].pulls >= 1
+    assert set(stats) == {"tcp"} and stats["tcp"].pulls >= 1
 
     def pulls_by_way() -> dict[tuple[str, str], float]:
         text = httpx.get(f"http://{HOST}:{disagg_stack.gateway.rest_port}/metrics",
@@ -85,9 +85,9 @@ def test_gateway_metrics_mirror_the_workers_engines(disagg_stack: Stack) -> None
                 and s.labels["worker"] == f"{HOST}:{decode.port}"}
 
     deadline = time.monotonic() + 30  # the next load poll brings the final totals
-    while (pulls := pulls_by_way()).get(("splitserve:kv_pulls_total", "shm")) != stats[
-            "shm"].pulls:
+    while (pulls := pulls_by_way()).get(("splitserve:kv_pulls_total", "tcp")) != stats[
+            "tcp"].pulls:
         assert time.monotonic() < deadline, pulls
         time.sleep(0.1)
-    assert pulls[("splitserve:kv_pull_bytes_total", "shm")] == stats["shm"].bytes > 0
-    assert 0 < pulls[("splitserve:kv_pull_seconds_total", "shm")] < 60
+    assert pulls[("splitserve:kv_pull_bytes_total", "tcp")] == stats["tcp"].bytes > 0
+    assert 0 < pulls[("splitserve:kv_pull_seconds_total", "tcp")] < 60

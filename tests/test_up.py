@@ -112,11 +112,11 @@ def test_kv_transports_flag_orders_and_always_keeps_the_stream() -> None:
     from serving.worker_main import build_serve_parser
 
     parse = build_serve_parser().parse_args
-    assert parse(["--role", "decode"]).kv_transports == ("ipc", "shm", "tcp", "stream")
+    assert parse(["--role", "decode"]).kv_transports == ("ipc", "tcp", "shm", "stream")
     assert parse(["--role", "decode", "--kv-transports", "shm"]).kv_transports == (
         "shm", "stream")
-    assert parse(["--role", "decode", "--kv-transports", "stream,tcp,ipc"]).kv_transports == (
-        "ipc", "tcp", "stream")
+    assert parse(["--role", "decode", "--kv-transports", "shm,stream,tcp,ipc"]).kv_transports == (
+        "ipc", "tcp", "shm", "stream")
     with pytest.raises(SystemExit):
         parse(["--role", "decode", "--kv-transports", "rdma"])
 
