@@ -32,7 +32,9 @@ import asyncio
 import contextlib
 import itertools
 import logging
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -48,6 +50,10 @@ logger = logging.getLogger(__name__)
 
 # A tier load writes this many blocks at a time (256 MB of an 8B model's bf16 KV on a GPU).
 LOAD_SLICE_BLOCKS = 128
+# Saves run behind the responses, ~0.6 GB/s of encoding each on the H200 host: past this many
+# in flight a new one is skipped (counted), so a busy worker sheds tier writes instead of
+# queueing copies of KV without bound.
+MAX_PENDING_SAVES = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +97,7 @@ class TierStats:
     failed_loads: int = 0       # loads refused (engine recomputed the prompt)
     saved_blocks: int = 0       # blocks written to the tiers
     dropped_saves: int = 0      # saves abandoned because the lease ended before the read did
+    skipped_saves: int = 0      # saves not started: MAX_PENDING_SAVES were already running
 
 
 class TierPrefixCache:
@@ -203,7 +210,13 @@ class TierPrefixCache:
 
     def spawn_save(self, request_id: str) -> None:
         """Save the leased prompt's blocks to the tiers in the background."""
-        task = asyncio.ensure_future(self.save(request_id))
+        self._spawn(lambda: self.save(request_id))
+
+    def _spawn(self, save: Callable[[], Coroutine[Any, Any, int]]) -> None:
+        if len(self._saves) >= MAX_PENDING_SAVES:
+            self.stats.skipped_saves += 1
+            return
+        task = asyncio.ensure_future(save())
         self._saves.add(task)
         task.add_done_callback(self._saves.discard)
 
@@ -224,9 +237,7 @@ class TierPrefixCache:
 
     def spawn_save_tokens(self, token_ids: list[int]) -> None:
         """`save_tokens` in the background."""
-        task = asyncio.ensure_future(self.save_tokens(token_ids))
-        self._saves.add(task)
-        task.add_done_callback(self._saves.discard)
+        self._spawn(lambda: self.save_tokens(token_ids))
 
     async def save_tokens(self, token_ids: list[int]) -> int:
         """Write the full blocks of `token_ids` (a finished request's prompt and output, whose

@@ -30,6 +30,7 @@ from protos.splitserve.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
+from serving import tier_cache
 from serving.server import WorkerHandle, start_worker
 from serving.tier_cache import TierBlocks, TierConfig, TierPrefixCache
 
@@ -268,6 +269,27 @@ async def test_colocated_worker_finds_an_evicted_conversation_in_its_cpu_tier(
         report = await _colocated_load_report(handle)
         assert report.tier_hit_tokens == (9 + 11) * BLOCK_SIZE
         assert report.tier_saved_blocks == tiers.stats.saved_blocks >= 11
+    finally:
+        await handle.stop(grace_s=1.0)
+
+
+@pytest.mark.asyncio
+async def test_saves_beyond_the_pending_limit_are_skipped_not_queued(
+        tiny_model_dirs: dict[str, Path]) -> None:
+    handle = await _worker(tiny_model_dirs["llama"], TierConfig(cpu_bytes=8 << 20),
+                           role="colocated")
+    try:
+        tiers = _tiers_of(handle)
+        prompt = [(5 * i + 1) % 300 + 1 for i in range(21)]  # 5 full blocks + 1 token
+        await _decode(handle, "s0", prompt, max_tokens=1)
+        await tiers.wait_for_saves()
+        for _ in range(tier_cache.MAX_PENDING_SAVES + 3):  # none has started yet
+            tiers.spawn_save_tokens(prompt)
+        assert tiers.stats.skipped_saves == 3
+        await tiers.wait_for_saves()
+        assert handle.aengine is not None
+        await handle.aengine.call(handle.aengine.engine.scheduler.check_integrity)
+        assert not handle.aengine.engine.scheduler.pins
     finally:
         await handle.stop(grace_s=1.0)
 
