@@ -52,9 +52,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _spawn(role: str, port: int, engine_args: list[str], log: Path, token: str
-           ) -> subprocess.Popen[bytes]:
+def _spawn(role: str, port: int, engine_args: list[str], log: Path, token: str,
+           visible_devices: str = "") -> subprocess.Popen[bytes]:
     env = {**os.environ, INTERNAL_TOKEN_ENV: token}
+    if visible_devices:  # physical GPU indices; the worker's engine runs on the first
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices
     return subprocess.Popen(
         [sys.executable, "-m", "splitserve", "serve", "--role", role, "--host", HOST,
          "--port", str(port), *engine_args],
@@ -172,6 +174,11 @@ def main() -> int:
     p.add_argument("--ready-timeout-s", type=float, default=300)
     p.add_argument("--kv-transports", default="ipc,tcp,shm,stream",
                    help="the decode worker's --kv-transports (e.g. shm: no CUDA IPC)")
+    p.add_argument("--prefill-gpus", default="",
+                   help="CUDA_VISIBLE_DEVICES of the prefill worker (default: inherited)")
+    p.add_argument("--decode-gpus", default="",
+                   help="CUDA_VISIBLE_DEVICES of the decode worker, e.g. 1,0: its engine on GPU "
+                        "1, the prefill worker's GPU 0 visible for a peer CUDA IPC pull")
     args = p.parse_args()
     token = secrets.token_hex(16)
     log_dir = Path(args.log_dir or Path(args.out).parent)
@@ -180,8 +187,9 @@ def main() -> int:
                    "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     ports = {"prefill": _free_port(), "decode": _free_port()}
     decode_args = [*engine_args, "--kv-transports", args.kv_transports]
+    gpus = {"prefill": args.prefill_gpus, "decode": args.decode_gpus}
     procs = {role: _spawn(role, ports[role], decode_args if role == "decode" else engine_args,
-                          log_dir / f"{role}.log", token)
+                          log_dir / f"{role}.log", token, gpus[role])
              for role in ("prefill", "decode")}
     try:
         async def ready() -> None:

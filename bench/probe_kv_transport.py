@@ -43,6 +43,7 @@ NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 SRC_BLOCKS, DST_BLOCKS = 1024, 512
 FINGERPRINT = b"\x01" * 32
 DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+_PEER_ENV = "SPLITSERVE_PROBE_PEER"
 
 
 def spec_for(dtype: torch.dtype) -> BlockSpec:
@@ -214,13 +215,23 @@ def main() -> int:
     p.add_argument("--device", choices=["cuda", "cpu"],
                    default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--kv-dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--peer", action="store_true",
+                   help="the puller on another GPU than the prefill side (2 GPUs): the serving "
+                        "child sees GPU 0, the pulling process GPUs 1,0")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.peer and not args.serve and os.environ.get(_PEER_ENV) != "1":
+        # CUDA_VISIBLE_DEVICES must be set before CUDA starts: run again under it.
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1,0", _PEER_ENV: "1"}
+        return subprocess.call([sys.executable, *sys.argv], env=env)
     if args.serve:
         asyncio.run(serve(args))
         return 0
+    child_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if args.peer:
+        child_env["CUDA_VISIBLE_DEVICES"] = "0"
     child = subprocess.Popen([sys.executable, *sys.argv, "--serve"], stdout=subprocess.PIPE,
-                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                             env=child_env)
     try:
         assert child.stdout is not None
         line = child.stdout.readline().decode()
@@ -231,6 +242,7 @@ def main() -> int:
         child.terminate()
         child.wait(timeout=30)
     doc = {"probe": "kv_transport", "command": " ".join(["python3", *sys.argv]),
+           "peer": args.peer, "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
            "environment": environment_info(), "kv_dtype": args.kv_dtype,
            "block_bytes": spec_for(DTYPES[args.kv_dtype]).block_nbytes, "results": results}
     if args.out:

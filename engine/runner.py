@@ -756,14 +756,18 @@ class ModelRunner:
 def copy_cache_blocks(dst_cache: torch.Tensor, dst_block_ids: list[int], src_cache: torch.Tensor,
                       src_block_ids: list[int], stream: torch.cuda.Stream | None = None) -> None:
     """dst_cache[:, :, dst_block_ids] = src_cache[:, :, src_block_ids] for two caches
-    [L, 2, num_blocks, block_size, Hkv, D] of one dtype on one device (1-byte caches moved as
-    raw bytes), `_COPY_SLICE_BLOCKS` blocks at a time; on `stream` if given, and then waits for
-    it. Raises ValueError when the caches' blocks differ."""
+    [L, 2, num_blocks, block_size, Hkv, D] of one dtype (1-byte caches moved as raw bytes),
+    `_COPY_SLICE_BLOCKS` blocks at a time; on `stream` if given, and then waits for it. The
+    source may be on another GPU (a peer of the destination's): each slice is gathered there
+    and copied across (torch orders the copy after the gather and before the scatter). Raises
+    ValueError when the caches' blocks differ."""
     if len(dst_block_ids) != len(src_block_ids):
         raise ValueError(f"{len(dst_block_ids)} blocks to fill from {len(src_block_ids)}")
     expected = (*dst_cache.shape[:2], *dst_cache.shape[3:])
     got = (*src_cache.shape[:2], *src_cache.shape[3:])
-    if got != expected or src_cache.dtype != dst_cache.dtype or src_cache.device != dst_cache.device:
+    same_place = src_cache.device == dst_cache.device or (
+        src_cache.device.type == dst_cache.device.type == "cuda")
+    if got != expected or src_cache.dtype != dst_cache.dtype or not same_place:
         raise ValueError(f"source cache {tuple(src_cache.shape)} {src_cache.dtype} on "
                          f"{src_cache.device} does not match the destination's blocks "
                          f"{tuple(dst_cache.shape)} {dst_cache.dtype} on {dst_cache.device}")
@@ -774,7 +778,7 @@ def copy_cache_blocks(dst_cache: torch.Tensor, dst_block_ids: list[int], src_cac
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         for i in range(0, len(dst_block_ids), _COPY_SLICE_BLOCKS):
             dst_idx = to_device(dst_block_ids[i:i + _COPY_SLICE_BLOCKS], torch.long, device)
-            src_idx = to_device(src_block_ids[i:i + _COPY_SLICE_BLOCKS], torch.long, device)
-            dst.index_copy_(2, dst_idx, src.index_select(2, src_idx))
+            src_idx = to_device(src_block_ids[i:i + _COPY_SLICE_BLOCKS], torch.long, src.device)
+            dst.index_copy_(2, dst_idx, src.index_select(2, src_idx).to(device))
     if stream is not None:
         stream.synchronize()

@@ -36,7 +36,7 @@ import torch
 
 from engine.kv.hashing import HASH_BYTES
 from kv_transfer import WRITE_BATCH_BLOCKS
-from kv_transfer.cuda_ipc import CacheImporter, IpcUnavailable, device_uuid
+from kv_transfer.cuda_ipc import CacheImporter, IpcUnavailable, device_uuid, local_device, reachable
 from kv_transfer.grpc_transport import (
     KvTransferError,
     num_blocks_for,
@@ -330,8 +330,9 @@ class GrpcPullConnector(KvConnectorWorker):
 
     async def _load_ipc(self, request_id: str, handle: KvHandle, block_ids: list[int],
                         first_block: int, metadata: tuple[tuple[str, str], ...]) -> LoadResult:
-        """Same GPU: map the prefill worker's cache (once) and copy the lease's blocks device
-        to device. Raises KvTransferError("ipc_unavailable") when another way must be used."""
+        """Same GPU, or a peer GPU of this host: map the prefill worker's cache (once, on its
+        GPU) and copy the lease's blocks device to device. Raises
+        KvTransferError("ipc_unavailable") when another way must be used."""
         device, sink = self._ipc_device, self._ipc_sink
         assert device is not None and sink is not None
         pull = await pull_blocks_ipc(handle.worker_address, handle.request_id, self._spec,
@@ -341,8 +342,14 @@ class GrpcPullConnector(KvConnectorWorker):
                                     pull.block_hashes)
         if problem:
             return LoadResult(request_id, False, problem)
+        src_device = local_device(pull.device_uuid)
+        if src_device is None:
+            raise KvTransferError("ipc_unavailable", "the prefill worker's GPU is not visible here")
+        if not reachable(src_device, device):
+            raise KvTransferError("ipc_unavailable", f"{device} has no peer access to the "
+                                  f"prefill worker's GPU ({src_device})")
         try:
-            src = await asyncio.to_thread(self._importer.open, pull.export, device,
+            src = await asyncio.to_thread(self._importer.open, pull.export, src_device,
                                           self._spec.dtype, self._spec.shape,
                                           handle.worker_address)
         except IpcUnavailable as exc:

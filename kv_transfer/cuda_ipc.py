@@ -60,6 +60,26 @@ def device_uuid(device: torch.device) -> bytes:
     return bytes(raw)
 
 
+def local_device(uuid: bytes) -> torch.device | None:
+    """This process's device of the GPU with `uuid` (another process's, found by UUID since
+    CUDA_VISIBLE_DEVICES numbers GPUs per process), or None if it is not visible here."""
+    if len(uuid) != 16 or not torch.cuda.is_available():
+        return None
+    for index in range(torch.cuda.device_count()):
+        device = torch.device("cuda", index)
+        if device_uuid(device) == uuid:
+            return device
+    return None
+
+
+def reachable(src: torch.device, dst: torch.device) -> bool:
+    """Whether `dst` can copy from memory on `src` directly: the same GPU, or a peer."""
+    if src == dst:
+        return True
+    assert src.index is not None and dst.index is not None
+    return bool(torch.cuda.can_device_access_peer(dst.index, src.index))
+
+
 def export_cache(cache: torch.Tensor) -> CacheExport:
     """Describe `cache` ([L, 2, num_blocks, ...], contiguous, on a GPU) for another process."""
     if cache.device.type != "cuda":

@@ -221,9 +221,9 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         if self._ipc_cache is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this worker's KV cache is not on a GPU")
-        if request.device_uuid != self._ipc_uuid:
+        if len(request.device_uuid) != 16:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "the puller's GPU is not this worker's")
+                                "the puller is not on a GPU (device_uuid must be 16 bytes)")
         lease = await self._lease(request.request_id, request.fingerprint, request.first_block,
                                   context)
         first = request.first_block
@@ -237,7 +237,8 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         return kv_transfer_pb2.PullBlocksIpcResponse(
             block_ids=lease.block_ids[first:], num_tokens=lease.num_tokens,
             block_hashes=list(lease.block_hashes), kv_scales=scales,
-            cache=kv_transfer_pb2.CudaIpcCache(**dataclasses.asdict(export)))
+            cache=kv_transfer_pb2.CudaIpcCache(**dataclasses.asdict(export)),
+            device_uuid=self._ipc_uuid)
 
     async def PullBlocksTcp(
         self,
@@ -561,15 +562,16 @@ class IpcPull:
     num_tokens: int
     block_hashes: list[bytes]
     kv_scales: torch.Tensor | None
+    device_uuid: bytes            # the exporter's GPU
 
 
 async def pull_blocks_ipc(target: str, request_id: str, spec: BlockSpec, num_blocks: int,
                           timeout_s: float, uuid: bytes, first_block: int = 0,
                           metadata: Sequence[tuple[str, str]] = ()) -> IpcPull:
     """`PullBlocksIpc`: the lease's block ids and the exporter's cache handle (nothing is copied
-    yet). uuid: the puller's GPU (`device_uuid`; b"": none). Raises KvTransferError (reason
-    "ipc_unavailable" when the puller or the server has no GPU or they differ; the caller falls
-    back to `pull_blocks_shm`)."""
+    yet), and the GPU it is on. uuid: the puller's GPU (`device_uuid`; b"": none). Raises
+    KvTransferError (reason "ipc_unavailable" when the puller or the server has no GPU; the
+    caller falls back to the next way)."""
     n = num_blocks - first_block
     if n <= 0:
         raise ValueError(f"first_block {first_block} leaves no blocks of {num_blocks}")
@@ -594,7 +596,8 @@ async def pull_blocks_ipc(target: str, request_id: str, spec: BlockSpec, num_blo
         raise KvTransferError("protocol", f"block ids outside the exported cache's "
                               f"{export.num_blocks} blocks")
     return IpcPull(export, list(response.block_ids), response.num_tokens,
-                   list(response.block_hashes), _scales(response.kv_scales, spec))
+                   list(response.block_hashes), _scales(response.kv_scales, spec),
+                   bytes(response.device_uuid))
 
 
 def _raw_pull_failure(err: grpc.aio.AioRpcError, unavailable: str) -> KvTransferError:

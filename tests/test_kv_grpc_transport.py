@@ -19,7 +19,7 @@ import kv_transfer.connector as connector_module
 from engine.kv.hashing import prompt_hash
 from kv_transfer import grpc_transport
 from kv_transfer.connector import GrpcPullConnector, KvHandle, LoadResult
-from kv_transfer.cuda_ipc import CacheExport, CacheImporter, device_uuid
+from kv_transfer.cuda_ipc import CacheExport, CacheImporter, device_uuid, local_device
 from kv_transfer.grpc_transport import (
     KvTransferError,
     KvTransferServicer,
@@ -658,3 +658,11 @@ def test_an_ipc_export_round_trips_through_its_message() -> None:
     wire = kv_transfer_pb2.CudaIpcCache.FromString(message.SerializeToString())
     assert CacheExport(**{f.name: getattr(wire, f.name)
                           for f in dataclasses.fields(CacheExport)}) == export
+
+
+def test_an_exporters_gpu_is_found_by_uuid_or_not_at_all() -> None:
+    """A peer pull maps the exporter's cache on the exporter's GPU, found here by its UUID
+    (indices differ between processes); a GPU this process cannot see means another way."""
+    assert local_device(bytes(range(16))) is None  # no such GPU here (this machine has none)
+    assert local_device(b"short") is None
+    assert local_device(device_uuid(torch.device("cpu"))) is None

@@ -101,7 +101,7 @@ class PullBlocksIpcRequest(_message.Message):
     """as in PullBlocksRequest"""
     first_block: _builtins.int
     device_uuid: _builtins.bytes
-    """the puller's GPU (16 bytes); must be this worker's"""
+    """the puller's GPU (16 bytes)"""
     def __init__(
         self,
         *,
@@ -180,7 +180,10 @@ class PullBlocksIpcResponse(_message.Message):
     BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     KV_SCALES_FIELD_NUMBER: _builtins.int
     CACHE_FIELD_NUMBER: _builtins.int
+    DEVICE_UUID_FIELD_NUMBER: _builtins.int
     num_tokens: _builtins.int
+    device_uuid: _builtins.bytes
+    """the GPU the cache is on (16 bytes)"""
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """the lease's blocks from first_block, in this worker's cache"""
@@ -199,10 +202,11 @@ class PullBlocksIpcResponse(_message.Message):
         block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
         kv_scales: _abc.Iterable[_builtins.float] | None = ...,
         cache: Global___CudaIpcCache | None = ...,
+        device_uuid: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "block_ids", b"block_ids", "cache", b"cache", "kv_scales", b"kv_scales", "num_tokens", b"num_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "block_ids", b"block_ids", "cache", b"cache", "device_uuid", b"device_uuid", "kv_scales", b"kv_scales", "num_tokens", b"num_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -85,10 +85,12 @@ class KvTransferServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PullBlocksIpc(self, request, context):
-        """Same GPU: the lease's block ids in this worker's KV cache and a CUDA IPC handle of that
-        cache, which the puller maps once and copies blocks from, device to device, before its
-        Release. FAILED_PRECONDITION when the worker's cache is not on the GPU named by
-        device_uuid (another GPU, a CPU engine): the puller then uses PullBlocksShm.
+        """Same host, same GPU or a peer GPU: the lease's block ids in this worker's KV cache and a
+        CUDA IPC handle of that cache (and the GPU it is on), which the puller maps once and copies
+        blocks from, device to device (over NVLink/PCIe peer access when the GPUs differ), before
+        its Release. FAILED_PRECONDITION when this worker's cache is not on a GPU (a CPU engine) or
+        the puller is not on one; a puller that cannot open the handle or reach that GPU uses the
+        next way.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -43,10 +43,12 @@ class KvTransferStub:
     be opened here (another host or container): the puller then uses PullBlocks.
     """
     PullBlocksIpc: _grpc.UnaryUnaryMultiCallable[_kv_transfer_pb2.PullBlocksIpcRequest, _kv_transfer_pb2.PullBlocksIpcResponse]
-    """Same GPU: the lease's block ids in this worker's KV cache and a CUDA IPC handle of that
-    cache, which the puller maps once and copies blocks from, device to device, before its
-    Release. FAILED_PRECONDITION when the worker's cache is not on the GPU named by
-    device_uuid (another GPU, a CPU engine): the puller then uses PullBlocksShm.
+    """Same host, same GPU or a peer GPU: the lease's block ids in this worker's KV cache and a
+    CUDA IPC handle of that cache (and the GPU it is on), which the puller maps once and copies
+    blocks from, device to device (over NVLink/PCIe peer access when the GPUs differ), before
+    its Release. FAILED_PRECONDITION when this worker's cache is not on a GPU (a CPU engine) or
+    the puller is not on one; a puller that cannot open the handle or reach that GPU uses the
+    next way.
     """
     PullBlocksTcp: _grpc.UnaryUnaryMultiCallable[_kv_transfer_pb2.PullBlocksTcpRequest, _kv_transfer_pb2.PullBlocksTcpResponse]
     """Any host: a single-use ticket for the lease's blocks on this worker's KV data port
@@ -72,10 +74,12 @@ class KvTransferAsyncStub(KvTransferStub):
     be opened here (another host or container): the puller then uses PullBlocks.
     """
     PullBlocksIpc: _aio.UnaryUnaryMultiCallable[_kv_transfer_pb2.PullBlocksIpcRequest, _kv_transfer_pb2.PullBlocksIpcResponse]  # type: ignore[assignment]
-    """Same GPU: the lease's block ids in this worker's KV cache and a CUDA IPC handle of that
-    cache, which the puller maps once and copies blocks from, device to device, before its
-    Release. FAILED_PRECONDITION when the worker's cache is not on the GPU named by
-    device_uuid (another GPU, a CPU engine): the puller then uses PullBlocksShm.
+    """Same host, same GPU or a peer GPU: the lease's block ids in this worker's KV cache and a
+    CUDA IPC handle of that cache (and the GPU it is on), which the puller maps once and copies
+    blocks from, device to device (over NVLink/PCIe peer access when the GPUs differ), before
+    its Release. FAILED_PRECONDITION when this worker's cache is not on a GPU (a CPU engine) or
+    the puller is not on one; a puller that cannot open the handle or reach that GPU uses the
+    next way.
     """
     PullBlocksTcp: _aio.UnaryUnaryMultiCallable[_kv_transfer_pb2.PullBlocksTcpRequest, _kv_transfer_pb2.PullBlocksTcpResponse]  # type: ignore[assignment]
     """Any host: a single-use ticket for the lease's blocks on this worker's KV data port
@@ -116,10 +120,12 @@ class KvTransferServicer(metaclass=_abc_1.ABCMeta):
         request: _kv_transfer_pb2.PullBlocksIpcRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kv_transfer_pb2.PullBlocksIpcResponse, _abc.Awaitable[_kv_transfer_pb2.PullBlocksIpcResponse]]:
-        """Same GPU: the lease's block ids in this worker's KV cache and a CUDA IPC handle of that
-        cache, which the puller maps once and copies blocks from, device to device, before its
-        Release. FAILED_PRECONDITION when the worker's cache is not on the GPU named by
-        device_uuid (another GPU, a CPU engine): the puller then uses PullBlocksShm.
+        """Same host, same GPU or a peer GPU: the lease's block ids in this worker's KV cache and a
+        CUDA IPC handle of that cache (and the GPU it is on), which the puller maps once and copies
+        blocks from, device to device (over NVLink/PCIe peer access when the GPUs differ), before
+        its Release. FAILED_PRECONDITION when this worker's cache is not on a GPU (a CPU engine) or
+        the puller is not on one; a puller that cannot open the handle or reach that GPU uses the
+        next way.
         """
 
     @_abc_1.abstractmethod
