@@ -10,8 +10,9 @@
 
 `GrpcPullConnector` is the worker side of the decode role over `grpc_transport`: it pulls a
 prefill worker's leased blocks into local blocks through a `KvBlockSink` (in batches of
-`WRITE_BATCH_BLOCKS`), then releases the lease. Between workers of one GPU it copies the blocks
-device to device out of the prefill worker's cache, mapped through CUDA IPC; otherwise raw over
+`WRITE_BATCH_BLOCKS`), then releases the lease. Between workers of one GPU, or of peer GPUs of
+one host, it copies the blocks device to device out of the prefill worker's cache, mapped
+through CUDA IPC; otherwise raw over
 the prefill worker's KV data port (TCP), which measured faster than a shared-memory segment
 between workers of one host (docs/performance.md, "KV between hosts"); where the data port
 cannot be reached, through shared memory (one host), else over the gRPC stream.
@@ -213,7 +214,7 @@ class GrpcPullConnector(KvConnectorWorker):
         self._loop = loop
         self._timeout_s = timeout_s
         self._kv_scales = kv_scales
-        # Pulls try CUDA IPC (same GPU), the data port (TCP), shared memory (same host), then the
+        # Pulls try CUDA IPC (same or peer GPU), the data port (TCP), shared memory (same host), then the
         # stream. A worker that answers a way "unavailable" is not asked that way again.
         self._use_shm = use_shm and shm_available()
         self._use_tcp = use_tcp

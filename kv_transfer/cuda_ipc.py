@@ -1,7 +1,10 @@
-"""Same-GPU KV handoff: a worker's KV cache exported through CUDA IPC, mapped by another process.
+"""KV handoff within one host's GPUs: a worker's KV cache exported through CUDA IPC, mapped by
+another process.
 
-Two workers on one GPU (a prefill and a decode worker beside each other) need not move KV
-through the host at all. The exporting side describes its whole cache tensor with torch's CUDA
+Two workers on one GPU (a prefill and a decode worker beside each other), or on two peer GPUs
+of one host (NVLink or PCIe P2P), need not move KV through the host at all; the importer maps
+the cache on the exporter's GPU (found by UUID: indices differ between processes) and copies
+from it across peer access. The exporting side describes its whole cache tensor with torch's CUDA
 IPC (`UntypedStorage._share_cuda_`, what `torch.multiprocessing` sends between processes); the
 importer maps that allocation once (`_new_shared_cuda`) and copies leased blocks out of it on
 the device. The description travels as plain fields in a protobuf message (`CudaIpcCache`),
