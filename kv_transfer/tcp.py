@@ -87,8 +87,10 @@ class KvDataServer:
 
     source: the KV block source (its coroutines run on `loop`, the service's event loop, as
     gRPC pulls read them). tls: a server context (`TlsPaths.server_context`) or None for
-    plaintext. Threads: one accepting, one per live connection (at most max_connections; more
-    are closed at once). Mutates: its ticket table under `_lock`.
+    plaintext. Threads: one accepting, one per live connection (at most max_connections: past
+    that a new connection waits, up to io_timeout_s, for one to end, and later ones wait in the
+    listen backlog, so many pullers are served in turn rather than refused). Mutates: its
+    ticket table under `_lock`.
     """
 
     def __init__(self, source: DataSource, loop: asyncio.AbstractEventLoop, host: str,
@@ -155,12 +157,20 @@ class KvDataServer:
                     return
                 time.sleep(0.05)  # e.g. EMFILE: do not spin
                 continue
-            if not self._slots.acquire(blocking=False):
-                log.warning("KV data port: too many connections; closing one from %s", peer)
+            if not self._wait_for_slot():
+                log.warning("KV data port: no connection ended in %.0f s; closing one from %s",
+                            self._io_timeout_s, peer)
                 conn.close()
                 continue
             threading.Thread(target=self._serve, args=(conn, peer), name="kv-data-send",
                              daemon=True).start()
+
+    def _wait_for_slot(self) -> bool:
+        deadline = time.monotonic() + self._io_timeout_s
+        while not self._slots.acquire(timeout=0.25):
+            if self._closed.is_set() or time.monotonic() > deadline:
+                return False
+        return True
 
     def _serve(self, conn: socket.socket, peer: Any) -> None:
         sock: socket.socket = conn
