@@ -57,7 +57,8 @@ WORKER_COUNTERS: tuple[tuple[str, str, Callable[[Report], float]], ...] = (
     ("splitserve:num_preemptions_total", "Requests preempted by the worker's scheduler.",
      lambda r: r.num_preemptions),
     ("splitserve:kv_tier_hit_tokens_total",
-     "Prompt tokens a prefill or colocated worker loaded from its CPU/Redis tiers instead of computing.",
+     "Prompt tokens a prefill or colocated worker loaded from its CPU/Redis tiers instead of "
+     "computing.",
      lambda r: r.tier_hit_tokens),
     ("splitserve:kv_tier_saved_blocks_total",
      "KV blocks a prefill or colocated worker wrote to its CPU/Redis tiers.",

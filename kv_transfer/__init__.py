@@ -5,8 +5,8 @@
                     `pull_blocks_ipc` / `pull_blocks_tcp` / `release` (client).
 - `shm`             shared-memory segments for same-host pulls (`PullBlocksShm`).
 - `cuda_ipc`        a KV cache exported through CUDA IPC for same-GPU pulls (`PullBlocksIpc`).
-- `tcp`             the prefill worker's KV data port: raw blocks to ticket holders (`PullBlocksTcp`);
-                    after CUDA IPC, the decode worker's first way.
+- `tcp`             the prefill worker's KV data port: raw blocks to ticket holders
+                    (`PullBlocksTcp`); after CUDA IPC, the decode worker's first way.
 - `connector`       scheduler-side / worker-side connector interfaces + GrpcPullConnector.
 - `tiers`           CpuTier (LRU, pinned), RedisTier, TieredStore keyed by block hash.
 """

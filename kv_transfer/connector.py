@@ -12,10 +12,10 @@
 prefill worker's leased blocks into local blocks through a `KvBlockSink` (in batches of
 `WRITE_BATCH_BLOCKS`), then releases the lease. Between workers of one GPU, or of peer GPUs of
 one host, it copies the blocks device to device out of the prefill worker's cache, mapped
-through CUDA IPC; otherwise raw over
-the prefill worker's KV data port (TCP), which measured faster than a shared-memory segment
-between workers of one host (docs/performance.md, "KV between hosts"); where the data port
-cannot be reached, through shared memory (one host), else over the gRPC stream.
+through CUDA IPC; otherwise raw over the prefill worker's KV data port (TCP), which measured
+faster than a shared-memory segment between workers of one host (docs/performance.md, "KV
+between hosts"); where the data port cannot be reached, through shared memory (one host), else
+over the gRPC stream.
 A failed load is reported, never raised: the engine recomputes the prompt or fails the request.
 """
 
@@ -37,7 +37,13 @@ import torch
 
 from engine.kv.hashing import HASH_BYTES
 from kv_transfer import WRITE_BATCH_BLOCKS
-from kv_transfer.cuda_ipc import CacheImporter, IpcUnavailable, device_uuid, local_device, reachable
+from kv_transfer.cuda_ipc import (
+    CacheImporter,
+    IpcUnavailable,
+    device_uuid,
+    local_device,
+    reachable,
+)
 from kv_transfer.grpc_transport import (
     KvTransferError,
     num_blocks_for,
@@ -214,8 +220,9 @@ class GrpcPullConnector(KvConnectorWorker):
         self._loop = loop
         self._timeout_s = timeout_s
         self._kv_scales = kv_scales
-        # Pulls try CUDA IPC (same or peer GPU), the data port (TCP), shared memory (same host), then the
-        # stream. A worker that answers a way "unavailable" is not asked that way again.
+        # Pulls try CUDA IPC (same or peer GPU), the data port (TCP), shared memory (same
+        # host), then the stream. A worker that answers a way "unavailable" is not asked that
+        # way again.
         self._use_shm = use_shm and shm_available()
         self._use_tcp = use_tcp
         device = getattr(sink, "device", None)

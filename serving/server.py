@@ -77,8 +77,9 @@ async def start_worker(config: EngineConfig, host: str, port: int,
     check must carry it, and a decode worker sends it with its KV pulls.
     tiers: a prefill or colocated worker's CPU/Redis prefix tiers (serving/tier_cache.py);
     ignored by the decode role. kv_transports: how a decode worker may pull KV ("ipc", "tcp",
-    "shm"; the gRPC stream always). kv_data_port: a prefill worker's KV data port (kv_transfer/tcp.py) on
-    `host`; 0 picks a free one (decode workers learn it per pull), None serves none."""
+    "shm"; the gRPC stream always). kv_data_port: a prefill worker's KV data port
+    (kv_transfer/tcp.py) on `host`; 0 picks a free one (decode workers learn it per pull),
+    None serves none."""
     from decode_service.servicer import DecodeServicer
     from prefill_service.servicer import PrefillServicer
 

@@ -41,7 +41,8 @@ def _data_port(text: str) -> int | None:
     try:
         port = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--kv-data-port takes a port or 'off', not {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"--kv-data-port takes a port or 'off', not {text!r}") from None
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"--kv-data-port {port} is outside 0..65535")
     return port
