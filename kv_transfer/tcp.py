@@ -12,14 +12,18 @@ GIL is released while it does.
                                                  the data port, the lease's hashes and scales
     connect(worker host, data port), ticket ──►  the ticket's lease, if still live and still
                                                  the same blocks: n × block_nbytes raw bytes,
-    recv_into staging → sink.write_blocks  ◄───  then close
+    recv_into staging → sink.write_blocks  ◄───  then one status byte: 1 if the lease still
+                                                 held them after the last read (0: it expired
+                                                 meanwhile, the blocks may have been reused),
+                                                 then close
 
 Authentication: the ticket is the capability. It comes over the gRPC call, which carries the
 cluster's credential (protos/auth.py) and is mutual TLS when configured; it opens one
 connection, before it expires. With TLS configured (protos/tls.py) the data connection is
 mutual TLS too, with the same certificates and server name. Integrity: TCP's checksum (TLS's
 MAC when on), no per-block CRC (as for shared memory); the puller checks the byte count, and
-the lease's hashes against its handle before it reads a byte.
+the lease's hashes against its handle before it reads a byte, and the status byte after the
+last one.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ TICKET_WAIT_S = 5.0
 # slice's read running while the current one is sent.
 SEND_SLICE_BLOCKS = 16
 _MAX_TICKETS = 4096  # outstanding; past it the oldest are dropped (each holds a few ids)
+STATUS_OK, STATUS_LEASE_LOST = b"\x01", b"\x00"  # the byte after the blocks
 
 
 class TcpUnavailable(Exception):
@@ -205,6 +210,10 @@ class KvDataServer:
             return None
         return ticket
 
+    def _still_leased(self, ticket: _Ticket) -> bool:
+        lease = self._source.lookup(ticket.request_id)
+        return lease is not None and tuple(lease.block_ids[ticket.first_block:]) == ticket.block_ids
+
     def _send_blocks(self, sock: socket.socket, ticket: _Ticket) -> None:
         ids = list(ticket.block_ids)
         slices = [ids[i:i + SEND_SLICE_BLOCKS] for i in range(0, len(ids), SEND_SLICE_BLOCKS)]
@@ -215,6 +224,9 @@ class KvDataServer:
                 pending = self._read(slices[i + 1])  # read the next slice while this one goes
             raw = blocks.contiguous().view(torch.uint8).reshape(-1)
             sock.sendall(raw.numpy().data)
+        # Every read is done: had the lease ended before one of them, its blocks could have
+        # been handed to another request and the bytes sent would not be this lease's KV.
+        sock.sendall(STATUS_OK if self._still_leased(ticket) else STATUS_LEASE_LOST)
 
     def _read(self, block_ids: list[int]) -> Future[torch.Tensor]:
         return asyncio.run_coroutine_threadsafe(self._source.read_blocks(block_ids), self._loop)
@@ -233,8 +245,9 @@ def receive_blocks(host: str, port: int, ticket: bytes, num_blocks: int, block_n
     batch lands in it, `on_batch(first, count)` is called (blocks [first, first + count) of the
     transfer, in staging[:count * block_nbytes]) and must be done with staging when it returns.
     Blocking: call it in a thread. Raises TcpUnavailable when no connection could be made,
-    TcpTransferError when one broke or ended early (on_batch may have run), TimeoutError past
-    timeout_s in all.
+    TcpTransferError when one broke or ended early, or the server's status byte says the lease
+    ended before its blocks were all read (on_batch may have run: the blocks written are not to
+    be used), TimeoutError past timeout_s in all.
     """
     batch = staging.numel() // block_nbytes
     if staging.dtype != torch.uint8 or staging.device.type != "cpu" or batch < 1:
@@ -263,6 +276,10 @@ def receive_blocks(host: str, port: int, ticket: bytes, num_blocks: int, block_n
                         f"the worker stopped)")
                 got += n
             on_batch(first, count)
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        if _recv_exactly(sock, 1) != STATUS_OK:
+            raise TcpTransferError("the lease ended before the prefill worker read all its "
+                                   "blocks: what arrived may be another request's KV")
     except (ConnectionError, ssl.SSLError) as exc:
         raise TcpTransferError(f"KV data connection broke: {exc}") from exc
     finally:

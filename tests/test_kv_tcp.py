@@ -269,6 +269,33 @@ async def test_a_transfer_cut_short_fails_the_load(worker: Worker,
     assert worker.released == []  # the lease stays until it expires or the engine releases it
 
 
+async def test_a_lease_that_ends_mid_transfer_fails_the_load(
+        worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lease expires (here: is released) after the first block was read: the later blocks
+    may already belong to another request, so the status byte after the blocks says so and the
+    load fails (the engine recomputes) although every byte arrived."""
+    monkeypatch.setattr(tcp_module, "SEND_SLICE_BLOCKS", 1)
+    worker.grant()
+    spec = worker.source.spec
+    real = worker.source.read_blocks
+    reads = 0
+
+    async def releasing(block_ids: list[int]) -> torch.Tensor:
+        nonlocal reads
+        reads += 1
+        blocks = await real(block_ids)
+        if reads == 1:
+            worker.source.release("req-1")
+        return blocks
+
+    monkeypatch.setattr(worker.source, "read_blocks", releasing)
+    connector = GrpcPullConnector(spec, DictSink(spec), asyncio.get_running_loop(),
+                                  timeout_s=TIMEOUT_S, use_shm=False)
+    connector.start_load_kv("local-1", handle_for(worker), [0, 1, 4])
+    assert await connector.wait_for_load("local-1") == LoadResult("local-1", False, "unavailable")
+    assert reads == 3
+
+
 def test_receive_blocks_checks_its_arguments_and_reports_a_refused_port() -> None:
     staging = torch.empty(64, dtype=torch.uint8)
     with pytest.raises(ValueError, match="ticket"):
