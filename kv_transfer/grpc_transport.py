@@ -149,6 +149,17 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
                 yield kv_transfer_pb2.KvFragment(
                     block_index=index, offset=offset, total_bytes=len(data),
                     data=data[offset:offset + self._fragment_bytes])
+        await self._check_still_leased(request.request_id, lease, context)
+
+    async def _check_still_leased(self, request_id: str, lease: LeaseView,
+                                  context: grpc.aio.ServicerContext) -> None:
+        """After a raw or streamed pull's last read: had the lease ended before it (expiry), its
+        blocks could have gone to another request, so the call fails (ABORTED) rather than
+        ending as if the bytes sent were this lease's KV."""
+        now = self._source.lookup(request_id)
+        if now is None or now.block_ids != lease.block_ids:
+            await context.abort(grpc.StatusCode.ABORTED,
+                                f"the KV lease of {request_id!r} ended during the transfer")
 
     async def _encode(self, spec: BlockSpec, lease: LeaseView, index: int) -> bytes:
         """Block `index` of the lease, serialized on the event loop. (Reading the next block
@@ -208,6 +219,7 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
                 await asyncio.to_thread(_copy_into, segment, i * spec.block_nbytes, blocks)
         finally:
             segment.close()
+        await self._check_still_leased(request.request_id, lease, context)
         scales = [] if self._kv_scales is None else self._kv_scales.reshape(-1).tolist()
         return kv_transfer_pb2.PullBlocksShmResponse(
             num_blocks=len(ids), num_tokens=lease.num_tokens,
@@ -297,7 +309,7 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
 class KvTransferError(Exception):
     """A KV pull or release failed; never partial data. `reason` is one of:
     not_found, fingerprint_mismatch, invalid_argument, deadline_exceeded, unavailable,
-    cancelled, rpc_error (other status), protocol (malformed fragment stream), wire (a block
+    cancelled, lease_lost (the lease ended during the transfer), rpc_error (other status), protocol (malformed fragment stream), wire (a block
     failed verification), count_mismatch (not the expected blocks/tokens)."""
 
     def __init__(self, reason: str, message: str, code: grpc.StatusCode | None = None) -> None:
@@ -313,6 +325,7 @@ _REASONS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: "deadline_exceeded",
     grpc.StatusCode.UNAVAILABLE: "unavailable",
     grpc.StatusCode.CANCELLED: "cancelled",
+    grpc.StatusCode.ABORTED: "lease_lost",
 }
 
 

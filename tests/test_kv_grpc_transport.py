@@ -666,3 +666,31 @@ def test_an_exporters_gpu_is_found_by_uuid_or_not_at_all() -> None:
     assert local_device(bytes(range(16))) is None  # no such GPU here (this machine has none)
     assert local_device(b"short") is None
     assert local_device(device_uuid(torch.device("cpu"))) is None
+
+
+@pytest.mark.parametrize("use_shm", [False, True])
+async def test_a_lease_that_ends_during_a_pull_fails_it(worker: Worker, use_shm: bool,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lease is released (as by expiry) after the first read: the blocks read later may
+    belong to another request by then, so the stream and the shared-memory pull end ABORTED
+    after their last read, and the load fails rather than decoding from them."""
+    monkeypatch.setattr(grpc_transport, "SHM_READ_BLOCKS", 1)
+    worker.grant()
+    spec = worker.source.spec
+    real = worker.source.read_block
+    reads = 0
+
+    async def releasing(block_id: int) -> torch.Tensor:
+        nonlocal reads
+        reads += 1
+        block = await real(block_id)
+        if reads == 1:
+            worker.source.release("req-1")
+        return block
+
+    monkeypatch.setattr(worker.source, "read_block", releasing)  # the stream's and shm's read
+    connector = GrpcPullConnector(spec, DictSink(spec), asyncio.get_running_loop(),
+                                  timeout_s=TIMEOUT_S, use_shm=use_shm, use_tcp=False)
+    connector.start_load_kv("local-1", handle_for(worker), [0, 1, 4])
+    assert await connector.wait_for_load("local-1") == LoadResult("local-1", False, "lease_lost")
+    assert reads == 3
