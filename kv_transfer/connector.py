@@ -372,7 +372,11 @@ class GrpcPullConnector(KvConnectorWorker):
             return LoadResult(request_id, False, "sink_error")
         finally:
             del src
-        await self._release(handle)
+        # The copy read the prefill worker's cache directly: only a release that finds the
+        # lease still live proves no other request was given those blocks before it ended.
+        if not await self._release(handle):
+            log.warning("KV load %s: the lease ended before the device copy did", request_id)
+            return LoadResult(request_id, False, "lease_lost")
         return LoadResult(request_id, True)
 
     async def _load_shm(self, request_id: str, handle: KvHandle, block_ids: list[int],
@@ -482,12 +486,14 @@ class GrpcPullConnector(KvConnectorWorker):
         """Into the sink, off the event loop (a GPU write waits for the device)."""
         await asyncio.to_thread(self._sink.write_blocks, ids, tensors)
 
-    async def _release(self, handle: KvHandle) -> None:
+    async def _release(self, handle: KvHandle) -> bool:
+        """Release the lease; whether it was still live (False too when the call failed)."""
         try:
-            await release(handle.worker_address, handle.request_id, self._timeout_s,
-                          self._metadata)
+            return await release(handle.worker_address, handle.request_id, self._timeout_s,
+                                 self._metadata)
         except KvTransferError as exc:  # the lease expires on its own; the data is already here
             log.info("release of KV lease %s failed: %s", handle.request_id, exc)
+            return False
 
     def _on_done(self, request_id: str, future: concurrent.futures.Future[LoadResult]) -> None:
         result = (LoadResult(request_id, False, "cancelled") if future.cancelled()
