@@ -33,7 +33,7 @@ import torch
 from bench.results import environment_info
 from engine.kv.hashing import HASH_BYTES
 from engine.runner import copy_cache_blocks
-from kv_transfer.connector import GrpcPullConnector, KvHandle
+from kv_transfer.connector import DEFAULT_TCP_STREAMS, GrpcPullConnector, KvHandle
 from kv_transfer.grpc_transport import KvTransferServicer, LeaseView, channel_options
 from kv_transfer.tcp import KvDataServer
 from kv_transfer.wire import BlockSpec
@@ -155,7 +155,7 @@ async def pull(args: argparse.Namespace, port: int) -> dict[str, Any]:
                                 device=args.device, dtype=dtype))
         connector = GrpcPullConnector(spec, sink, asyncio.get_running_loop(), timeout_s=120,
                                       use_ipc=transport == "ipc", use_shm=transport == "shm",
-                                      use_tcp=transport == "tcp")
+                                      use_tcp=transport == "tcp", tcp_streams=args.tcp_streams)
         for n in _sizes(args):
             times, exact = [], True
             for r in range(args.repeats + 1):
@@ -215,6 +215,8 @@ def main() -> int:
     p.add_argument("--device", choices=["cuda", "cpu"],
                    default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--kv-dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--tcp-streams", type=int, default=DEFAULT_TCP_STREAMS,
+                   help="connections one data-port pull opens at once")
     p.add_argument("--peer", action="store_true",
                    help="the puller on another GPU than the prefill side (2 GPUs): the serving "
                         "child sees GPU 0, the pulling process GPUs 1,0")
@@ -243,6 +245,7 @@ def main() -> int:
         child.wait(timeout=30)
     doc = {"probe": "kv_transport", "command": " ".join(["python3", *sys.argv]),
            "peer": args.peer, "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+           "tcp_streams": args.tcp_streams,
            "environment": environment_info(), "kv_dtype": args.kv_dtype,
            "block_bytes": spec_for(DTYPES[args.kv_dtype]).block_nbytes, "results": results}
     if args.out:

@@ -54,12 +54,16 @@ from kv_transfer.grpc_transport import (
     release,
 )
 from kv_transfer.shm import shm_available
-from kv_transfer.tcp import TcpTransferError, TcpUnavailable, receive_blocks
+from kv_transfer.tcp import TcpTransferError, TcpUnavailable, receive_blocks, stripes
 from kv_transfer.wire import BlockSpec
 from protos.splitserve.v1 import common_pb2
 from protos.tls import tls_paths_from_env
 
 log = logging.getLogger(__name__)
+
+# Connections a TCP pull opens at once (one stripe of the lease's blocks each): one Python
+# stream stops short of what a loopback or a fast NIC carries (docs/performance.md).
+DEFAULT_TCP_STREAMS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,7 +217,8 @@ class GrpcPullConnector(KvConnectorWorker):
     def __init__(self, spec: BlockSpec, sink: KvBlockSink, loop: asyncio.AbstractEventLoop,
                  timeout_s: float = 30.0, kv_scales: torch.Tensor | None = None,
                  metadata: Sequence[tuple[str, str]] = (), use_shm: bool = True,
-                 use_ipc: bool = True, use_tcp: bool = True) -> None:
+                 use_ipc: bool = True, use_tcp: bool = True,
+                 tcp_streams: int = DEFAULT_TCP_STREAMS) -> None:
         self._spec = spec
         self._metadata = tuple(metadata)
         self._sink = sink
@@ -225,6 +230,7 @@ class GrpcPullConnector(KvConnectorWorker):
         # way again.
         self._use_shm = use_shm and shm_available()
         self._use_tcp = use_tcp
+        self._tcp_streams = tcp_streams
         device = getattr(sink, "device", None)
         on_gpu = (use_ipc and isinstance(device, torch.device) and device.type == "cuda"
                   and hasattr(sink, "copy_blocks_from"))
@@ -240,7 +246,7 @@ class GrpcPullConnector(KvConnectorWorker):
         # read page-locked memory.
         self._staging = _StagingPool(WRITE_BATCH_BLOCKS * spec.block_nbytes,
                                      pinned=isinstance(device, torch.device)
-                                     and device.type == "cuda")
+                                     and device.type == "cuda", keep=2 * tcp_streams)
         self._transports_seen: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
         self._futures: dict[str, concurrent.futures.Future[LoadResult]] = {}
@@ -404,48 +410,74 @@ class GrpcPullConnector(KvConnectorWorker):
 
     async def _load_tcp(self, request_id: str, handle: KvHandle, block_ids: list[int],
                         first_block: int, metadata: tuple[tuple[str, str], ...]) -> LoadResult:
-        """Any host: a ticket over gRPC, then the blocks raw from the worker's data port, each
-        batch into the sink as it lands. Raises KvTransferError("tcp_unavailable") when the
-        stream must be used (no data port, or it cannot be reached: nothing was written)."""
+        """Any host: tickets over gRPC, then the blocks raw from the worker's data port over
+        up to `tcp_streams` connections at once (a contiguous stripe each), each batch into
+        the sink as it lands. Raises KvTransferError("tcp_unavailable") when another way must
+        be used (no data port, or no connection could be made: nothing was written)."""
         pull = await pull_blocks_tcp(handle.worker_address, handle.request_id, self._spec,
-                                     handle.num_blocks, self._timeout_s, first_block, metadata)
+                                     handle.num_blocks, self._timeout_s, first_block, metadata,
+                                     streams=self._tcp_streams)
         problem = self._check_lease(handle, first_block, pull.num_tokens, pull.kv_scales,
                                     pull.block_hashes)
         if problem:
             return LoadResult(request_id, False, problem)
-        spec, sink = self._spec, self._sink
+        spec, sink, staging_pool = self._spec, self._sink, self._staging
         host = handle.worker_address.rsplit(":", 1)[0].strip("[]")
         tls = tls_paths_from_env()
-        staging = self._staging.take()
-        stop = threading.Event()
+        stop = threading.Event()  # set: the load ended (failed, cancelled): write nothing more
 
-        def write(first: int, count: int) -> None:  # in the receiving thread
-            if stop.is_set():
-                raise TcpTransferError("the load was cancelled")
-            blocks = staging[:count * spec.block_nbytes].view(spec.dtype)
-            sink.write_blocks(block_ids[first:first + count], blocks.view(count, *spec.shape))
+        def receive(ticket: bytes, start: int, count: int) -> None:  # one stripe, in a thread
+            staging = staging_pool.take()
 
+            def write(first: int, n: int) -> None:
+                if stop.is_set():
+                    raise TcpTransferError("the load ended")
+                blocks = staging[:n * spec.block_nbytes].view(spec.dtype)
+                ids = block_ids[start + first:start + first + n]
+                sink.write_blocks(ids, blocks.view(n, *spec.shape))
+
+            try:
+                receive_blocks(host, pull.data_port, ticket, count, spec.block_nbytes, staging,
+                               write, self._timeout_s, tls.client_context() if tls else None,
+                               tls.server_name if tls else None)
+            except BaseException:
+                stop.set()  # the other stripes stop at their next batch
+                raise
+            finally:
+                staging_pool.give(staging)  # here: only once this thread is done with it
+
+        parts = stripes(len(block_ids), len(pull.tickets))
         try:
-            await asyncio.to_thread(
-                receive_blocks, host, pull.data_port, pull.ticket, len(block_ids),
-                spec.block_nbytes, staging, write, self._timeout_s,
-                tls.client_context() if tls else None, tls.server_name if tls else None)
-        except TcpUnavailable as exc:
-            raise KvTransferError("tcp_unavailable", str(exc)) from exc
-        except TimeoutError as exc:
-            log.warning("KV load %s over TCP timed out: %s", request_id, exc)
-            return LoadResult(request_id, False, "deadline_exceeded")
-        except TcpTransferError as exc:
-            log.warning("KV load %s over TCP failed: %s", request_id, exc)
-            return LoadResult(request_id, False, "unavailable")
-        except (ValueError, RuntimeError, IndexError) as exc:  # raised by the sink
-            log.error("KV load %s: sink failed: %s", request_id, exc)
-            return LoadResult(request_id, False, "sink_error")
+            outcomes = await asyncio.gather(
+                *(asyncio.to_thread(receive, ticket, start, count)
+                  for ticket, (start, count) in zip(pull.tickets, parts, strict=True)),
+                return_exceptions=True)
         finally:
-            stop.set()  # a cancelled load's thread writes nothing more
-            self._staging.give(staging)
+            stop.set()
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        if errors and all(isinstance(e, TcpUnavailable) for e in outcomes):
+            raise KvTransferError("tcp_unavailable", str(errors[0])) from errors[0]
+        if errors:
+            return self._tcp_failure(request_id, errors)
         await self._release(handle)
         return LoadResult(request_id, True)
+
+    def _tcp_failure(self, request_id: str, errors: list[BaseException]) -> LoadResult:
+        """The failed load of a TCP pull, named by its first telling error (a stripe stopped
+        because another failed says nothing)."""
+        telling = [e for e in errors
+                   if not (isinstance(e, TcpTransferError) and str(e) == "the load ended")]
+        exc = (telling or errors)[0]
+        if isinstance(exc, TimeoutError):
+            log.warning("KV load %s over TCP timed out: %s", request_id, exc)
+            return LoadResult(request_id, False, "deadline_exceeded")
+        if isinstance(exc, (TcpTransferError, TcpUnavailable)):
+            log.warning("KV load %s over TCP failed: %s", request_id, exc)
+            return LoadResult(request_id, False, "unavailable")
+        if isinstance(exc, (ValueError, RuntimeError, IndexError)):  # raised by the sink
+            log.error("KV load %s: sink failed: %s", request_id, exc)
+            return LoadResult(request_id, False, "sink_error")
+        raise exc
 
     async def _load_stream(self, request_id: str, handle: KvHandle, block_ids: list[int],
                            first_block: int, metadata: tuple[tuple[str, str], ...]) -> LoadResult:

@@ -27,7 +27,7 @@ import torch
 
 from kv_transfer.cuda_ipc import CacheExport, IpcUnavailable, device_uuid, export_cache
 from kv_transfer.shm import SHM_PREFIX, ShmError, ShmSegment, valid_name
-from kv_transfer.tcp import TICKET_BYTES, KvDataServer
+from kv_transfer.tcp import TICKET_BYTES, KvDataServer, stripes
 from kv_transfer.wire import BlockSpec, DecodedBlock, KvWireError, decode_block, encode_block
 from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from protos.tls import internal_channel
@@ -264,12 +264,14 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         lease = await self._lease(request.request_id, request.fingerprint, request.first_block,
                                   context)
         ids = lease.block_ids[request.first_block:]
-        ticket = self._data_server.issue(request.request_id, request.first_block, ids)
+        tickets = [self._data_server.issue(request.request_id, request.first_block + start,
+                                           ids[start:start + count])
+                   for start, count in stripes(len(ids), request.streams)]
         scales = [] if self._kv_scales is None else self._kv_scales.reshape(-1).tolist()
         return kv_transfer_pb2.PullBlocksTcpResponse(
             num_blocks=len(ids), num_tokens=lease.num_tokens,
             block_hashes=list(lease.block_hashes), kv_scales=scales,
-            data_port=self._data_server.port, ticket=ticket)
+            data_port=self._data_server.port, tickets=tickets)
 
     async def Release(
         self,
@@ -529,10 +531,11 @@ async def pull_blocks_shm(target: str, request_id: str, spec: BlockSpec, num_blo
 
 @dataclass(frozen=True, slots=True)
 class TcpPull:
-    """A ticket for the lease's blocks from `first_block` on the worker's data port."""
+    """Tickets for the lease's blocks from `first_block` on the worker's data port: ticket i
+    sends `stripes(num_blocks - first_block, len(tickets))[i]` of them."""
 
     data_port: int
-    ticket: bytes
+    tickets: list[bytes]
     num_tokens: int
     block_hashes: list[bytes]
     kv_scales: torch.Tensor | None
@@ -540,10 +543,11 @@ class TcpPull:
 
 async def pull_blocks_tcp(target: str, request_id: str, spec: BlockSpec, num_blocks: int,
                           timeout_s: float, first_block: int = 0,
-                          metadata: Sequence[tuple[str, str]] = ()) -> TcpPull:
-    """`PullBlocksTcp`: a ticket (nothing is sent yet; `kv_transfer.tcp.receive_blocks` reads
-    the blocks). Raises KvTransferError (reason "tcp_unavailable" when the worker has no data
-    port; the caller falls back to `pull_blocks`)."""
+                          metadata: Sequence[tuple[str, str]] = (), streams: int = 1) -> TcpPull:
+    """`PullBlocksTcp`: tickets for `streams` connections at once (nothing is sent yet;
+    `kv_transfer.tcp.receive_blocks` reads each stripe). Raises KvTransferError (reason
+    "tcp_unavailable" when the worker has no data port; the caller falls back to the next
+    way)."""
     n = num_blocks - first_block
     if n <= 0:
         raise ValueError(f"first_block {first_block} leaves no blocks of {num_blocks}")
@@ -551,18 +555,20 @@ async def pull_blocks_tcp(target: str, request_id: str, spec: BlockSpec, num_blo
         async with internal_channel(target) as channel:
             stub = kv_transfer_pb2_grpc.KvTransferStub(channel)
             response = await stub.PullBlocksTcp(kv_transfer_pb2.PullBlocksTcpRequest(
-                request_id=request_id, fingerprint=spec.fingerprint, first_block=first_block),
-                timeout=timeout_s, metadata=tuple(metadata))
+                request_id=request_id, fingerprint=spec.fingerprint, first_block=first_block,
+                streams=streams), timeout=timeout_s, metadata=tuple(metadata))
     except grpc.aio.AioRpcError as err:
         raise _raw_pull_failure(err, "tcp_unavailable") from err
     if response.num_blocks != n:
         raise KvTransferError("count_mismatch", f"the ticket sends {response.num_blocks} blocks, "
                               f"expected {n}")
     _check_lease_tokens(response.num_tokens, num_blocks, spec)
-    if not 1 <= response.data_port <= 65535 or len(response.ticket) != TICKET_BYTES:
+    tickets = [bytes(t) for t in response.tickets]
+    if (not 1 <= response.data_port <= 65535 or len(tickets) != len(stripes(n, streams))
+            or any(len(t) != TICKET_BYTES for t in tickets)):
         raise KvTransferError("protocol", "PullBlocksTcp answered without a usable data port "
-                              "or ticket")
-    return TcpPull(response.data_port, bytes(response.ticket), response.num_tokens,
+                              "or one ticket per stripe")
+    return TcpPull(response.data_port, tickets, response.num_tokens,
                    list(response.block_hashes), _scales(response.kv_scales, spec))
 
 

@@ -54,7 +54,21 @@ TICKET_WAIT_S = 5.0
 # slice's read running while the current one is sent.
 SEND_SLICE_BLOCKS = 16
 _MAX_TICKETS = 4096  # outstanding; past it the oldest are dropped (each holds a few ids)
+MAX_STREAMS = 8  # connections one pull may open at once (one ticket each)
 STATUS_OK, STATUS_LEASE_LOST = b"\x01", b"\x00"  # the byte after the blocks
+
+
+def stripes(num_blocks: int, streams: int) -> list[tuple[int, int]]:
+    """(first, count) of each connection's contiguous share of num_blocks blocks: at most
+    min(streams, MAX_STREAMS, num_blocks) shares, the first ones one block longer."""
+    k = max(1, min(streams, MAX_STREAMS, num_blocks))
+    base, extra = divmod(num_blocks, k)
+    out, first = [], 0
+    for i in range(k):
+        count = base + (1 if i < extra else 0)
+        out.append((first, count))
+        first += count
+    return out
 
 
 class TcpUnavailable(Exception):
@@ -129,7 +143,8 @@ class KvDataServer:
     # ------------------------------------------------------------------ called by the servicer
 
     def issue(self, request_id: str, first_block: int, block_ids: list[int]) -> bytes:
-        """A single-use ticket for these blocks of the lease (from first_block)."""
+        """A single-use ticket for these blocks of the lease: block_ids are the lease's blocks
+        first_block, first_block + 1, ... (a stripe of a pull)."""
         ticket = secrets.token_bytes(TICKET_BYTES)
         now = time.monotonic()
         with self._lock:
@@ -205,14 +220,13 @@ class KvDataServer:
             ticket = self._tickets.pop(raw, None)
         if ticket is None or ticket.deadline <= time.monotonic():
             return None
-        lease = self._source.lookup(ticket.request_id)
-        if lease is None or tuple(lease.block_ids[ticket.first_block:]) != ticket.block_ids:
-            return None
-        return ticket
+        return ticket if self._still_leased(ticket) else None
 
     def _still_leased(self, ticket: _Ticket) -> bool:
+        """Whether the ticket's lease lives and still holds its blocks."""
         lease = self._source.lookup(ticket.request_id)
-        return lease is not None and tuple(lease.block_ids[ticket.first_block:]) == ticket.block_ids
+        end = ticket.first_block + len(ticket.block_ids)
+        return lease is not None and tuple(lease.block_ids[ticket.first_block:end]) == ticket.block_ids
 
     def _send_blocks(self, sock: socket.socket, ticket: _Ticket) -> None:
         ids = list(ticket.block_ids)

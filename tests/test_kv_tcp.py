@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import socket
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,11 +29,13 @@ import kv_transfer.tcp as tcp_module
 from kv_transfer.connector import GrpcPullConnector, LoadResult
 from kv_transfer.grpc_transport import KvTransferError, pull_blocks_tcp
 from kv_transfer.tcp import (
+    MAX_STREAMS,
     TICKET_BYTES,
     KvDataServer,
     TcpTransferError,
     TcpUnavailable,
     receive_blocks,
+    stripes,
 )
 
 
@@ -65,16 +68,28 @@ async def _receive(worker: Worker, ticket: bytes, num_blocks: int,
     return got
 
 
-@pytest.mark.parametrize("first_block", [0, 1])
+def test_stripes_split_blocks_into_contiguous_shares() -> None:
+    assert stripes(10, 3) == [(0, 4), (4, 3), (7, 3)]
+    assert stripes(2, 4) == [(0, 1), (1, 1)]  # never an empty stripe
+    assert stripes(5, 0) == [(0, 5)]
+    assert len(stripes(100, 99)) == MAX_STREAMS
+    for n, k in ((1, 1), (7, 2), (64, 8), (65, 8)):
+        parts = stripes(n, k)
+        assert sum(c for _, c in parts) == n and all(c > 0 for _, c in parts)
+        assert all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(parts))
+
+
+@pytest.mark.parametrize(("first_block", "streams"), [(0, 1), (1, 1), (0, 3), (1, 2)])
 async def test_connector_pulls_over_tcp_bit_for_bit_and_releases(
-        worker: Worker, first_block: int) -> None:
+        worker: Worker, first_block: int, streams: int) -> None:
     """Batches of 2 blocks (the last one partial in tokens, full in bytes) land at the local
-    ids; a puller already holding the first block asks only for the rest."""
+    ids, over one connection or a stripe per connection; a puller already holding the first
+    block asks only for the rest."""
     lease = worker.grant()
     spec = worker.source.spec
     sink = DictSink(spec)
     connector = GrpcPullConnector(spec, sink, asyncio.get_running_loop(), timeout_s=TIMEOUT_S,
-                                  use_shm=False)
+                                  use_shm=False, tcp_streams=streams)
     connector._staging = connector_module._StagingPool(2 * spec.block_nbytes, pinned=False)
     local_ids = [0, 1, 4][first_block:]
     await asyncio.to_thread(connector.start_load_kv, "local-1", handle_for(worker), local_ids,
@@ -94,15 +109,15 @@ async def test_a_ticket_opens_one_connection_for_its_own_blocks(worker: Worker) 
     pull = await pull_blocks_tcp(worker.address, "req-1", spec, len(BLOCK_IDS), TIMEOUT_S,
                                  first_block=1)
     assert (pull.num_tokens, pull.block_hashes, pull.kv_scales) == (NUM_TOKENS, HASHES, None)
-    blocks = await _receive(worker, pull.ticket, 2, batch_blocks=1)
+    blocks = await _receive(worker, pull.tickets[0], 2, batch_blocks=1)
     for got, block_id in zip(blocks, BLOCK_IDS[1:], strict=True):
         assert torch.equal(got.reshape(-1), _cache_block(worker, block_id).reshape(-1))
     with pytest.raises(TcpTransferError, match="closed after 0 of"):
-        await _receive(worker, pull.ticket, 2)  # used
+        await _receive(worker, pull.tickets[0], 2)  # used
     with pytest.raises(TcpTransferError, match="closed after 0 of"):
         await _receive(worker, bytes(TICKET_BYTES), 2)  # never issued
     fresh = await pull_blocks_tcp(worker.address, "req-1", spec, len(BLOCK_IDS), TIMEOUT_S)
-    assert len(await _receive(worker, fresh.ticket, 3)) == 3  # the server still serves
+    assert len(await _receive(worker, fresh.tickets[0], 3)) == 3  # the server still serves
 
 
 async def test_a_ticket_of_a_released_or_changed_lease_sends_nothing(worker: Worker) -> None:
@@ -111,13 +126,13 @@ async def test_a_ticket_of_a_released_or_changed_lease_sends_nothing(worker: Wor
     pull = await pull_blocks_tcp(worker.address, "req-1", spec, len(BLOCK_IDS), TIMEOUT_S)
     worker.source.release("req-1")
     with pytest.raises(TcpTransferError, match="closed after 0 of"):
-        await _receive(worker, pull.ticket, 3)
+        await _receive(worker, pull.tickets[0], 3)
     worker.grant()
     pull = await pull_blocks_tcp(worker.address, "req-1", spec, len(BLOCK_IDS), TIMEOUT_S)
     worker.source.release("req-1")
     worker.leases.grant("req-1", [1, 2, 3], HASHES, NUM_TOKENS, worker.clock() + 30)  # reused id
     with pytest.raises(TcpTransferError, match="closed after 0 of"):
-        await _receive(worker, pull.ticket, 3)
+        await _receive(worker, pull.tickets[0], 3)
 
 
 async def test_tickets_expire(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -127,7 +142,7 @@ async def test_tickets_expire(monkeypatch: pytest.MonkeyPatch) -> None:
         pull = await pull_blocks_tcp(w.address, "req-1", w.source.spec, 3, TIMEOUT_S)
         await asyncio.sleep(0.2)
         with pytest.raises(TcpTransferError, match="closed after 0 of"):
-            await _receive(w, pull.ticket, 3)
+            await _receive(w, pull.tickets[0], 3)
     finally:
         await w.stop()
 
@@ -145,7 +160,7 @@ async def test_silent_connections_are_closed_and_surplus_ones_wait_their_turn(
         idle = socket.create_connection(("127.0.0.1", w.data.port), timeout=10)
         try:
             t0 = asyncio.get_running_loop().time()
-            blocks = await _receive(w, pull.ticket, 3)  # waits behind the idle connection
+            blocks = await _receive(w, pull.tickets[0], 3)  # waits behind the idle connection
             waited = asyncio.get_running_loop().time() - t0
             assert len(blocks) == 3 and waited >= 0.3
             assert await asyncio.to_thread(idle.recv, 1) == b""  # closed: no ticket in time
@@ -263,7 +278,7 @@ async def test_a_transfer_cut_short_fails_the_load(worker: Worker,
 
     monkeypatch.setattr(worker.source, "read_blocks", failing)
     connector = GrpcPullConnector(spec, DictSink(spec), asyncio.get_running_loop(),
-                                  timeout_s=TIMEOUT_S, use_shm=False)
+                                  timeout_s=TIMEOUT_S, use_shm=False, tcp_streams=1)
     connector.start_load_kv("local-1", handle_for(worker), [0, 1, 4])
     assert await connector.wait_for_load("local-1") == LoadResult("local-1", False, "unavailable")
     assert worker.released == []  # the lease stays until it expires or the engine releases it
@@ -290,10 +305,32 @@ async def test_a_lease_that_ends_mid_transfer_fails_the_load(
 
     monkeypatch.setattr(worker.source, "read_blocks", releasing)
     connector = GrpcPullConnector(spec, DictSink(spec), asyncio.get_running_loop(),
-                                  timeout_s=TIMEOUT_S, use_shm=False)
+                                  timeout_s=TIMEOUT_S, use_shm=False, tcp_streams=1)
     connector.start_load_kv("local-1", handle_for(worker), [0, 1, 4])
     assert await connector.wait_for_load("local-1") == LoadResult("local-1", False, "unavailable")
     assert reads == 3
+
+
+async def test_one_failing_stripe_fails_the_load_and_stops_the_others(
+        worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three connections, one stripe each: the prefill side fails reading the last stripe's
+    block; the load fails as a whole (the engine recomputes), and the lease stays."""
+    worker.grant()
+    spec = worker.source.spec
+    real = worker.source.read_blocks
+
+    async def failing(block_ids: list[int]) -> torch.Tensor:
+        if block_ids == [BLOCK_IDS[2]]:
+            raise RuntimeError("device lost")
+        return await real(block_ids)
+
+    monkeypatch.setattr(worker.source, "read_blocks", failing)
+    sink = DictSink(spec)
+    connector = GrpcPullConnector(spec, sink, asyncio.get_running_loop(), timeout_s=TIMEOUT_S,
+                                  use_shm=False, tcp_streams=3)
+    connector.start_load_kv("local-1", handle_for(worker), [0, 1, 4])
+    assert await connector.wait_for_load("local-1") == LoadResult("local-1", False, "unavailable")
+    assert worker.released == [] and worker.address not in connector._no_tcp
 
 
 def test_receive_blocks_checks_its_arguments_and_reports_a_refused_port() -> None:

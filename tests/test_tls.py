@@ -148,7 +148,7 @@ async def test_kv_data_port_over_mutual_tls_and_nothing_else(
         w.grant("req-2")
         pull = await pull_blocks_tcp(w.address, "req-2", spec, 3, 10)
         with pytest.raises(TcpTransferError):  # plaintext: the server's handshake fails
-            await asyncio.to_thread(receive_blocks, "127.0.0.1", w.data.port, pull.ticket, 3,
+            await asyncio.to_thread(receive_blocks, "127.0.0.1", w.data.port, pull.tickets[0], 3,
                                     spec.block_nbytes, staging, lambda a, b: None, 10)
         # A client that trusts the cluster's CA but presents another CA's certificate: the
         # server refuses it (TLS 1.3 tells the client at its first read).
@@ -157,7 +157,7 @@ async def test_kv_data_port_over_mutual_tls_and_nothing_else(
         rogue.load_verify_locations(cafile=pki["cluster"] / "ca.pem")
         pull = await pull_blocks_tcp(w.address, "req-2", spec, 3, 10)
         with pytest.raises(TcpTransferError):
-            await asyncio.to_thread(receive_blocks, "127.0.0.1", w.data.port, pull.ticket, 3,
+            await asyncio.to_thread(receive_blocks, "127.0.0.1", w.data.port, pull.tickets[0], 3,
                                     spec.block_nbytes, staging, lambda a, b: None, 10,
                                     rogue, SERVER_NAME)
         _use(monkeypatch, _tls_env(pki["rogue"]))  # and a client trusting only the rogue CA
@@ -165,13 +165,13 @@ async def test_kv_data_port_over_mutual_tls_and_nothing_else(
         assert rogue_paths is not None
         pull = await pull_blocks_tcp(w.address, "req-2", spec, 3, 10)
         with pytest.raises(TcpUnavailable, match="TLS"):
-            await asyncio.to_thread(receive_blocks, "127.0.0.1", w.data.port, pull.ticket, 3,
+            await asyncio.to_thread(receive_blocks, "127.0.0.1", w.data.port, pull.tickets[0], 3,
                                     spec.block_nbytes, staging, lambda a, b: None, 10,
                                     rogue_paths.client_context(), rogue_paths.server_name)
         # Nothing above was served: the cluster's client still gets req-2 with a fresh ticket.
         _use(monkeypatch, _tls_env(pki["cluster"]))
         pull = await pull_blocks_tcp(w.address, "req-2", spec, 3, 10)
-        await asyncio.to_thread(receive_blocks, "127.0.0.1", w.data.port, pull.ticket, 3,
+        await asyncio.to_thread(receive_blocks, "127.0.0.1", w.data.port, pull.tickets[0], 3,
                                 spec.block_nbytes, staging, lambda a, b: None, 10,
                                 paths.client_context(), SERVER_NAME)
         assert torch.equal(staging[:spec.block_nbytes],

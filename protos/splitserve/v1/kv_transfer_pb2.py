@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&protos/splitserve/v1/kv_transfer.proto\x12\rsplitserve.v1\"y\n\x14PullBlocksShmRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\r\x12\x10\n\x08shm_name\x18\x04 \x01(\t\x12\x11\n\tshm_bytes\x18\x05 \x01(\x04\"h\n\x15PullBlocksShmResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x11\n\tkv_scales\x18\x04 \x03(\x02\"i\n\x14PullBlocksIpcRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\r\x12\x13\n\x0b\x64\x65vice_uuid\x18\x04 \x01(\x0c\"\xed\x01\n\x0c\x43udaIpcCache\x12\x12\n\nmem_handle\x18\x01 \x01(\x0c\x12\x15\n\rstorage_bytes\x18\x02 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x03 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x04 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x05 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x06 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x07 \x01(\x08\x12\x15\n\rtensor_offset\x18\x08 \x01(\x04\x12\x12\n\nnum_blocks\x18\t \x01(\r\"\xa8\x01\n\x15PullBlocksIpcResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x11\n\tkv_scales\x18\x04 \x03(\x02\x12*\n\x05\x63\x61\x63he\x18\x05 \x01(\x0b\x32\x1b.splitserve.v1.CudaIpcCache\x12\x13\n\x0b\x64\x65vice_uuid\x18\x06 \x01(\x0c\"T\n\x14PullBlocksTcpRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\r\"\x8b\x01\n\x15PullBlocksTcpResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x11\n\tkv_scales\x18\x04 \x03(\x02\x12\x11\n\tdata_port\x18\x05 \x01(\r\x12\x0e\n\x06ticket\x18\x06 \x01(\x0c\"Q\n\x11PullBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\r\"T\n\nKvFragment\x12\x13\n\x0b\x62lock_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xb7\x03\n\nKvTransfer\x12K\n\nPullBlocks\x12 .splitserve.v1.PullBlocksRequest\x1a\x19.splitserve.v1.KvFragment0\x01\x12Z\n\rPullBlocksShm\x12#.splitserve.v1.PullBlocksShmRequest\x1a$.splitserve.v1.PullBlocksShmResponse\x12Z\n\rPullBlocksIpc\x12#.splitserve.v1.PullBlocksIpcRequest\x1a$.splitserve.v1.PullBlocksIpcResponse\x12Z\n\rPullBlocksTcp\x12#.splitserve.v1.PullBlocksTcpRequest\x1a$.splitserve.v1.PullBlocksTcpResponse\x12H\n\x07Release\x12\x1d.splitserve.v1.ReleaseRequest\x1a\x1e.splitserve.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&protos/splitserve/v1/kv_transfer.proto\x12\rsplitserve.v1\"y\n\x14PullBlocksShmRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\r\x12\x10\n\x08shm_name\x18\x04 \x01(\t\x12\x11\n\tshm_bytes\x18\x05 \x01(\x04\"h\n\x15PullBlocksShmResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x11\n\tkv_scales\x18\x04 \x03(\x02\"i\n\x14PullBlocksIpcRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\r\x12\x13\n\x0b\x64\x65vice_uuid\x18\x04 \x01(\x0c\"\xed\x01\n\x0c\x43udaIpcCache\x12\x12\n\nmem_handle\x18\x01 \x01(\x0c\x12\x15\n\rstorage_bytes\x18\x02 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x03 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x04 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x05 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x06 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x07 \x01(\x08\x12\x15\n\rtensor_offset\x18\x08 \x01(\x04\x12\x12\n\nnum_blocks\x18\t \x01(\r\"\xa8\x01\n\x15PullBlocksIpcResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x11\n\tkv_scales\x18\x04 \x03(\x02\x12*\n\x05\x63\x61\x63he\x18\x05 \x01(\x0b\x32\x1b.splitserve.v1.CudaIpcCache\x12\x13\n\x0b\x64\x65vice_uuid\x18\x06 \x01(\x0c\"e\n\x14PullBlocksTcpRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\r\x12\x0f\n\x07streams\x18\x04 \x01(\r\"\x8c\x01\n\x15PullBlocksTcpResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x11\n\tkv_scales\x18\x04 \x03(\x02\x12\x11\n\tdata_port\x18\x05 \x01(\r\x12\x0f\n\x07tickets\x18\x06 \x03(\x0c\"Q\n\x11PullBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\r\"T\n\nKvFragment\x12\x13\n\x0b\x62lock_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x32\xb7\x03\n\nKvTransfer\x12K\n\nPullBlocks\x12 .splitserve.v1.PullBlocksRequest\x1a\x19.splitserve.v1.KvFragment0\x01\x12Z\n\rPullBlocksShm\x12#.splitserve.v1.PullBlocksShmRequest\x1a$.splitserve.v1.PullBlocksShmResponse\x12Z\n\rPullBlocksIpc\x12#.splitserve.v1.PullBlocksIpcRequest\x1a$.splitserve.v1.PullBlocksIpcResponse\x12Z\n\rPullBlocksTcp\x12#.splitserve.v1.PullBlocksTcpRequest\x1a$.splitserve.v1.PullBlocksTcpResponse\x12H\n\x07Release\x12\x1d.splitserve.v1.ReleaseRequest\x1a\x1e.splitserve.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,17 +42,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PULLBLOCKSIPCRESPONSE']._serialized_start=634
   _globals['_PULLBLOCKSIPCRESPONSE']._serialized_end=802
   _globals['_PULLBLOCKSTCPREQUEST']._serialized_start=804
-  _globals['_PULLBLOCKSTCPREQUEST']._serialized_end=888
-  _globals['_PULLBLOCKSTCPRESPONSE']._serialized_start=891
-  _globals['_PULLBLOCKSTCPRESPONSE']._serialized_end=1030
-  _globals['_PULLBLOCKSREQUEST']._serialized_start=1032
-  _globals['_PULLBLOCKSREQUEST']._serialized_end=1113
-  _globals['_KVFRAGMENT']._serialized_start=1115
-  _globals['_KVFRAGMENT']._serialized_end=1199
-  _globals['_RELEASEREQUEST']._serialized_start=1201
-  _globals['_RELEASEREQUEST']._serialized_end=1237
-  _globals['_RELEASERESPONSE']._serialized_start=1239
-  _globals['_RELEASERESPONSE']._serialized_end=1274
-  _globals['_KVTRANSFER']._serialized_start=1277
-  _globals['_KVTRANSFER']._serialized_end=1716
+  _globals['_PULLBLOCKSTCPREQUEST']._serialized_end=905
+  _globals['_PULLBLOCKSTCPRESPONSE']._serialized_start=908
+  _globals['_PULLBLOCKSTCPRESPONSE']._serialized_end=1048
+  _globals['_PULLBLOCKSREQUEST']._serialized_start=1050
+  _globals['_PULLBLOCKSREQUEST']._serialized_end=1131
+  _globals['_KVFRAGMENT']._serialized_start=1133
+  _globals['_KVFRAGMENT']._serialized_end=1217
+  _globals['_RELEASEREQUEST']._serialized_start=1219
+  _globals['_RELEASEREQUEST']._serialized_end=1255
+  _globals['_RELEASERESPONSE']._serialized_start=1257
+  _globals['_RELEASERESPONSE']._serialized_end=1292
+  _globals['_KVTRANSFER']._serialized_start=1295
+  _globals['_KVTRANSFER']._serialized_end=1734
 # @@protoc_insertion_point(module_scope)

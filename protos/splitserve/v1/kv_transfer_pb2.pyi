@@ -219,20 +219,24 @@ class PullBlocksTcpRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     FINGERPRINT_FIELD_NUMBER: _builtins.int
     FIRST_BLOCK_FIELD_NUMBER: _builtins.int
+    STREAMS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     fingerprint: _builtins.bytes
     """as in PullBlocksRequest"""
     first_block: _builtins.int
+    streams: _builtins.int
+    """connections the puller opens at once (0 = 1; at most 8)"""
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
         fingerprint: _builtins.bytes = ...,
         first_block: _builtins.int = ...,
+        streams: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fingerprint", b"fingerprint", "first_block", b"first_block", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fingerprint", b"fingerprint", "first_block", b"first_block", "request_id", b"request_id", "streams", b"streams"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -247,15 +251,13 @@ class PullBlocksTcpResponse(_message.Message):
     BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     KV_SCALES_FIELD_NUMBER: _builtins.int
     DATA_PORT_FIELD_NUMBER: _builtins.int
-    TICKET_FIELD_NUMBER: _builtins.int
+    TICKETS_FIELD_NUMBER: _builtins.int
     num_blocks: _builtins.int
     """blocks the ticket sends, from first_block on"""
     num_tokens: _builtins.int
     """the lease's prompt tokens"""
     data_port: _builtins.int
     """on the host of the worker's KvTransfer address"""
-    ticket: _builtins.bytes
-    """32 random bytes: one connection, within a few seconds"""
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """the lease's full-block hashes, from block 0"""
@@ -263,6 +265,12 @@ class PullBlocksTcpResponse(_message.Message):
     @_builtins.property
     def kv_scales(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """[num_layers * 2] (K, V per layer) for a 1-byte cache"""
+
+    @_builtins.property
+    def tickets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """One per connection, 32 random bytes each, good for one connection within a few seconds:
+        ticket i sends stripe i of the blocks from first_block (kv_transfer/tcp.py `stripes`).
+        """
 
     def __init__(
         self,
@@ -272,11 +280,11 @@ class PullBlocksTcpResponse(_message.Message):
         block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
         kv_scales: _abc.Iterable[_builtins.float] | None = ...,
         data_port: _builtins.int = ...,
-        ticket: _builtins.bytes = ...,
+        tickets: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "data_port", b"data_port", "kv_scales", b"kv_scales", "num_blocks", b"num_blocks", "num_tokens", b"num_tokens", "ticket", b"ticket"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "data_port", b"data_port", "kv_scales", b"kv_scales", "num_blocks", b"num_blocks", "num_tokens", b"num_tokens", "tickets", b"tickets"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
