@@ -103,7 +103,8 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
                                        recomputed and request.HasField("kv_handle"))
                     yield decode_pb2.DecodeResponse(complete=decode_pb2.DecodeComplete(
                         finish_reason=finish_reason(out), num_output_tokens=n_out,
-                        kv_recomputed=recomputed and request.HasField("kv_handle")))
+                        kv_recomputed=recomputed and request.HasField("kv_handle"),
+                        num_cached_tokens=out.num_cached_tokens))
         except KvLoadAbort as e:
             await _abort(context, span, grpc.StatusCode.UNAVAILABLE, str(e))
         except (EngineInputError, SamplingParamsError, ValueError) as e:

@@ -45,11 +45,14 @@ class RemoteKv:
     role, serving/tier_cache.py); the engine computes the rest.
 
     `handle` is opaque to the engine (the service's loader reads it); the engine only needs to
-    know how many prompt tokens the KV covers.
+    know how many prompt tokens the KV covers. `cached`: the KV comes from a cache (the tiers),
+    so a successful load counts its tokens as cached ones (`Request.num_cached_tokens`), as
+    prefix-cache hits are; KV transferred from a prefill worker is not.
     """
 
     num_tokens: int
     handle: object = None
+    cached: bool = False
 
 
 @dataclass(slots=True)

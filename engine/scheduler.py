@@ -165,10 +165,11 @@ class Scheduler:
             # Sampling needs the last known token computed here: if the remote KV covers every
             # token (no first token was passed along), recompute the last one.
             req.num_computed_tokens = min(req.remote_kv.num_tokens, req.num_tokens - 1)
+            req.num_cached_tokens = (req.num_computed_tokens if req.remote_kv.cached
+                                     else max(req.num_cached_tokens, 0))
             # The KV is local now: a later preemption recomputes here instead of pulling again
             # from a lease that the completed pull has already released.
             req.remote_kv = None
-            req.num_cached_tokens = max(req.num_cached_tokens, 0)
             self.kv.cache_computed(req, req.num_computed_tokens)
             req.status = RequestStatus.RUNNING
             self.running.append(req)

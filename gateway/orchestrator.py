@@ -331,6 +331,8 @@ class Orchestrator:
                     if stop is not None:
                         return stop  # `finally` cancels the call: the worker frees the KV
                 elif kind == "complete":
+                    if self._config.colocated:  # no prefill ran: the worker's own count
+                        state.num_cached_tokens = response.complete.num_cached_tokens
                     if response.complete.kv_recomputed:
                         # The worker refused the handle (it does not release what it judged
                         # not to be this prompt's) or its pull failed: the lease is unused.

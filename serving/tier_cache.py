@@ -147,7 +147,7 @@ class TierPrefixCache:
             return None
         self.stats.planned_blocks += len(found)
         return RemoteKv(num_tokens=(first + len(found)) * self._block_size,
-                        handle=TierBlocks(first, tuple(found), tuple(hashes)))
+                        handle=TierBlocks(first, tuple(found), tuple(hashes)), cached=True)
 
     def _gpu_prefix(self, hashes: list[bytes]) -> int:
         """How many leading blocks the engine's GPU cache holds now (a hint read off the engine

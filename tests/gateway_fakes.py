@@ -155,7 +155,8 @@ class FakeWorker(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeService
                   else common_pb2.FINISH_REASON_STOP)
         yield decode_pb2.DecodeResponse(complete=decode_pb2.DecodeComplete(
             finish_reason=reason, num_output_tokens=position,
-            kv_recomputed=not request.HasField("kv_handle")))
+            kv_recomputed=not request.HasField("kv_handle"),
+            num_cached_tokens=self.script.num_cached_tokens))
 
     async def PullBlocks(self, request: Any, context: Any) -> Any:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "the fake holds no KV blocks")

@@ -452,10 +452,13 @@ def test_worker_errors_map_to_http(script_ids: list[int]) -> None:
 
 
 def test_colocated_sends_prompt_only(script_ids: list[int]) -> None:
-    with Harness(Script(list(script_ids)), colocated=True) as h:
+    """And reports the worker's cached prompt tokens (no prefill ran to report them)."""
+    with Harness(Script(list(script_ids), num_cached_tokens=4), colocated=True) as h:
         client = OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0)
         r = client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=5)
         assert r.choices[0].text == _text(script_ids[:5])
+        assert r.usage is not None and r.usage.prompt_tokens_details is not None
+        assert r.usage.prompt_tokens_details.cached_tokens == 4
         req = h.decode[0].decode_requests[-1]
         assert not req.HasField("kv_handle") and list(req.output_token_ids) == []
 

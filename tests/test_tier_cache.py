@@ -98,7 +98,8 @@ def _tiers_of(handle: WorkerHandle) -> TierPrefixCache:
 
 async def _decode(handle: WorkerHandle, rid: str, ids: list[int], max_tokens: int = 8
                   ) -> tuple[list[int], list[float]]:
-    """A colocated worker's Decode without a KV handle: (token ids, their logprobs)."""
+    """A colocated worker's Decode without a KV handle: (token ids, their logprobs); the
+    completion's cached prompt tokens go to `_last_cached`."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
         request = decode_pb2.DecodeRequest(
             request_id=rid, prompt_token_ids=ids,
@@ -111,7 +112,12 @@ async def _decode(handle: WorkerHandle, rid: str, ids: list[int], max_tokens: in
             if response.HasField("chunk"):
                 tokens.extend(response.chunk.token_ids)
                 logprobs.extend(lp.logprob for lp in response.chunk.logprobs)
+            elif response.HasField("complete"):
+                _last_cached[handle.port] = response.complete.num_cached_tokens
         return tokens, logprobs
+
+
+_last_cached: dict[int, int] = {}  # worker port -> the last Decode's num_cached_tokens
 
 
 async def _evict_gpu_prefix_cache(handle: WorkerHandle) -> None:
@@ -244,6 +250,7 @@ async def test_colocated_worker_finds_an_evicted_conversation_in_its_cpu_tier(
         tiers = _tiers_of(handle)
         prompt = [(7 * i + 3) % 300 + 1 for i in range(37)]  # 9 full blocks + 1 token
         first, first_lp = await _decode(handle, "c1", prompt)
+        assert _last_cached[handle.port] == 0
         await tiers.wait_for_saves()
         # 37 prompt + 8 output tokens, the last one's KV never computed: 44 tokens, 11 blocks.
         assert tiers.stats.saved_blocks == 11
@@ -258,6 +265,7 @@ async def test_colocated_worker_finds_an_evicted_conversation_in_its_cpu_tier(
         assert sum(computed) == 1 + 7
         assert again == first
         assert again_lp == pytest.approx(first_lp, abs=1e-5)
+        assert _last_cached[handle.port] == 9 * BLOCK_SIZE  # tier hits count as cached
 
         await tiers.wait_for_saves()
         await _evict_gpu_prefix_cache(handle)

@@ -134,21 +134,28 @@ class DecodeComplete(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     KV_RECOMPUTED_FIELD_NUMBER: _builtins.int
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     finish_reason: _common_pb2.FinishReason.ValueType
     num_output_tokens: _builtins.int
     """all output tokens, those given in the request included"""
     kv_recomputed: _builtins.bool
     """the prompt KV was recomputed instead of transferred"""
+    num_cached_tokens: _builtins.int
+    """Prompt tokens this worker did not compute because its prefix cache or its CPU/Redis
+    tiers held them (KV transferred from a prefill worker is not counted): what a colocated
+    gateway reports as usage.prompt_tokens_details.cached_tokens.
+    """
     def __init__(
         self,
         *,
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
         num_output_tokens: _builtins.int = ...,
         kv_recomputed: _builtins.bool = ...,
+        num_cached_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "kv_recomputed", b"kv_recomputed", "num_output_tokens", b"num_output_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "kv_recomputed", b"kv_recomputed", "num_cached_tokens", b"num_cached_tokens", "num_output_tokens", b"num_output_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
