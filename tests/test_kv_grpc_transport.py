@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 import hashlib
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -114,6 +114,24 @@ async def worker() -> AsyncIterator[Worker]:
     w = await start_worker()
     yield w
     await w.stop()
+
+
+def spy_reads(worker: Worker, monkeypatch: pytest.MonkeyPatch, method: str,
+              after: Callable[[int], object]) -> list[int]:
+    """Wrap the worker source's `read_block` or `read_blocks`: after the n-th read (from 1)
+    returns its data, `after(n)` runs (it may raise, or end the lease). Returns a list whose
+    length is the number of reads so far."""
+    real = getattr(worker.source, method)
+    reads: list[int] = []
+
+    async def spied(arg: Any) -> torch.Tensor:
+        reads.append(len(reads) + 1)
+        data = await real(arg)
+        after(len(reads))
+        return data
+
+    monkeypatch.setattr(worker.source, method, spied)
+    return reads
 
 
 def assert_blocks_match(worker: Worker, blocks: Sequence[DecodedBlock]) -> None:
@@ -677,20 +695,10 @@ async def test_a_lease_that_ends_during_a_pull_fails_it(worker: Worker, use_shm:
     monkeypatch.setattr(grpc_transport, "SHM_READ_BLOCKS", 1)
     worker.grant()
     spec = worker.source.spec
-    real = worker.source.read_block
-    reads = 0
-
-    async def releasing(block_id: int) -> torch.Tensor:
-        nonlocal reads
-        reads += 1
-        block = await real(block_id)
-        if reads == 1:
-            worker.source.release("req-1")
-        return block
-
-    monkeypatch.setattr(worker.source, "read_block", releasing)  # the stream's and shm's read
+    reads = spy_reads(worker, monkeypatch, "read_block",  # the stream's and shm's read
+                      lambda n: n == 1 and worker.source.release("req-1"))
     connector = GrpcPullConnector(spec, DictSink(spec), asyncio.get_running_loop(),
                                   timeout_s=TIMEOUT_S, use_shm=use_shm, use_tcp=False)
     connector.start_load_kv("local-1", handle_for(worker), [0, 1, 4])
     assert await connector.wait_for_load("local-1") == LoadResult("local-1", False, "lease_lost")
-    assert reads == 3
+    assert len(reads) == 3

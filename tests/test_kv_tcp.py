@@ -21,6 +21,7 @@ from test_kv_grpc_transport import (
     Worker,
     handle_for,
     make_spec,
+    spy_reads,
     start_worker,
 )
 
@@ -266,17 +267,12 @@ async def test_a_transfer_cut_short_fails_the_load(worker: Worker,
     monkeypatch.setattr(tcp_module, "SEND_SLICE_BLOCKS", 1)
     worker.grant()
     spec = worker.source.spec
-    real = worker.source.read_blocks
-    reads = 0
 
-    async def failing(block_ids: list[int]) -> torch.Tensor:
-        nonlocal reads
-        reads += 1
-        if reads > 1:
+    def fail_after_the_first(n: int) -> None:
+        if n > 1:
             raise RuntimeError("device lost")
-        return await real(block_ids)
 
-    monkeypatch.setattr(worker.source, "read_blocks", failing)
+    spy_reads(worker, monkeypatch, "read_blocks", fail_after_the_first)
     connector = GrpcPullConnector(spec, DictSink(spec), asyncio.get_running_loop(),
                                   timeout_s=TIMEOUT_S, use_shm=False, tcp_streams=1)
     connector.start_load_kv("local-1", handle_for(worker), [0, 1, 4])
@@ -292,23 +288,13 @@ async def test_a_lease_that_ends_mid_transfer_fails_the_load(
     monkeypatch.setattr(tcp_module, "SEND_SLICE_BLOCKS", 1)
     worker.grant()
     spec = worker.source.spec
-    real = worker.source.read_blocks
-    reads = 0
-
-    async def releasing(block_ids: list[int]) -> torch.Tensor:
-        nonlocal reads
-        reads += 1
-        blocks = await real(block_ids)
-        if reads == 1:
-            worker.source.release("req-1")
-        return blocks
-
-    monkeypatch.setattr(worker.source, "read_blocks", releasing)
+    reads = spy_reads(worker, monkeypatch, "read_blocks",
+                      lambda n: n == 1 and worker.source.release("req-1"))
     connector = GrpcPullConnector(spec, DictSink(spec), asyncio.get_running_loop(),
                                   timeout_s=TIMEOUT_S, use_shm=False, tcp_streams=1)
     connector.start_load_kv("local-1", handle_for(worker), [0, 1, 4])
     assert await connector.wait_for_load("local-1") == LoadResult("local-1", False, "unavailable")
-    assert reads == 3
+    assert len(reads) == 3
 
 
 async def test_one_failing_stripe_fails_the_load_and_stops_the_others(
