@@ -174,6 +174,8 @@ def main() -> int:
     p.add_argument("--ready-timeout-s", type=float, default=300)
     p.add_argument("--kv-transports", default="ipc,tcp,shm,stream",
                    help="the decode worker's --kv-transports (e.g. shm: no CUDA IPC)")
+    p.add_argument("--kv-tcp-streams", type=int, default=None,
+                   help="the decode worker's --kv-tcp-streams (default: its own)")
     p.add_argument("--prefill-gpus", default="",
                    help="CUDA_VISIBLE_DEVICES of the prefill worker (default: inherited)")
     p.add_argument("--decode-gpus", default="",
@@ -187,6 +189,8 @@ def main() -> int:
                    "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     ports = {"prefill": _free_port(), "decode": _free_port()}
     decode_args = [*engine_args, "--kv-transports", args.kv_transports]
+    if args.kv_tcp_streams is not None:
+        decode_args += ["--kv-tcp-streams", str(args.kv_tcp_streams)]
     gpus = {"prefill": args.prefill_gpus, "decode": args.decode_gpus}
     procs = {role: _spawn(role, ports[role], decode_args if role == "decode" else engine_args,
                           log_dir / f"{role}.log", token, gpus[role])

@@ -15,3 +15,9 @@
 # write waits for the steps queued on its stream before it (a freed block may still be written
 # by a step in flight, so the write must come after them): one wait per batch, not per block.
 WRITE_BATCH_BLOCKS = 16
+
+# Connections one pull over the data port (`tcp`) opens at once, a contiguous stripe of blocks
+# each: one Python stream stops short of what a loopback or a fast NIC carries
+# (docs/performance.md). Here, not in `tcp`, so that torch-free code (the CLI) can name them.
+DEFAULT_TCP_STREAMS = 4
+MAX_TCP_STREAMS = 8

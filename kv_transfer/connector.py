@@ -36,7 +36,7 @@ from typing import Protocol, cast
 import torch
 
 from engine.kv.hashing import HASH_BYTES
-from kv_transfer import WRITE_BATCH_BLOCKS
+from kv_transfer import DEFAULT_TCP_STREAMS, WRITE_BATCH_BLOCKS
 from kv_transfer.cuda_ipc import (
     CacheImporter,
     IpcUnavailable,
@@ -61,9 +61,6 @@ from protos.tls import tls_paths_from_env
 
 log = logging.getLogger(__name__)
 
-# Connections a TCP pull opens at once (one stripe of the lease's blocks each): one Python
-# stream stops short of what a loopback or a fast NIC carries (docs/performance.md).
-DEFAULT_TCP_STREAMS = 4
 
 
 @dataclass(frozen=True, slots=True)

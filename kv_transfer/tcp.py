@@ -43,6 +43,8 @@ from typing import Any, Protocol
 
 import torch
 
+from kv_transfer import MAX_TCP_STREAMS
+
 log = logging.getLogger(__name__)
 
 TICKET_BYTES = 32
@@ -54,7 +56,7 @@ TICKET_WAIT_S = 5.0
 # slice's read running while the current one is sent.
 SEND_SLICE_BLOCKS = 16
 _MAX_TICKETS = 4096  # outstanding; past it the oldest are dropped (each holds a few ids)
-MAX_STREAMS = 8  # connections one pull may open at once (one ticket each)
+MAX_STREAMS = MAX_TCP_STREAMS  # connections one pull may open at once (one ticket each)
 STATUS_OK, STATUS_LEASE_LOST = b"\x01", b"\x00"  # the byte after the blocks
 
 

@@ -16,7 +16,7 @@ from opentelemetry.trace import SpanKind
 from engine.async_engine import AsyncEngine, KvLoadAbort
 from engine.llm_engine import LLMEngine
 from engine.scheduler import KvLoad
-from kv_transfer.connector import GrpcPullConnector, KvHandle, LoadResult
+from kv_transfer.connector import DEFAULT_TCP_STREAMS, GrpcPullConnector, KvHandle, LoadResult
 from kv_transfer.grpc_transport import KvTransferError, LeaseView, release
 from kv_transfer.wire import BlockSpec
 from protos.splitserve.v1 import common_pb2, decode_pb2
@@ -153,11 +153,13 @@ class GrpcKvLoader:
 
     def __init__(self, engine: LLMEngine, timeout_s: float = 30.0,
                  kv_metadata: Sequence[tuple[str, str]] = (), use_ipc: bool = True,
-                 use_shm: bool = True, use_tcp: bool = True) -> None:
+                 use_shm: bool = True, use_tcp: bool = True,
+                 tcp_streams: int = DEFAULT_TCP_STREAMS) -> None:
         """kv_metadata: sent with every pull and release (the cluster's credential). use_ipc /
         use_shm: whether same-GPU / same-host pulls may use CUDA IPC / shared memory; use_tcp:
-        whether pulls may use the prefill worker's KV data port."""
+        whether pulls may use the prefill worker's KV data port, over tcp_streams connections."""
         self._use_ipc, self._use_shm, self._use_tcp = use_ipc, use_shm, use_tcp
+        self._tcp_streams = tcp_streams
         self._spec = block_spec(engine)
         self._metadata = tuple(kv_metadata)
         self._kv_scales = kv_scales(engine)
@@ -176,7 +178,8 @@ class GrpcKvLoader:
                                                 kv_scales=self._kv_scales,
                                                 metadata=self._metadata,
                                                 use_ipc=self._use_ipc, use_shm=self._use_shm,
-                                                use_tcp=self._use_tcp)
+                                                use_tcp=self._use_tcp,
+                                                tcp_streams=self._tcp_streams)
         return self._connector
 
     async def __call__(self, load: KvLoad) -> bool:

@@ -23,6 +23,7 @@ from opentelemetry.trace import Span, SpanKind
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from kv_transfer.connector import DEFAULT_TCP_STREAMS
 from kv_transfer.grpc_transport import KvTransferServicer
 from kv_transfer.tcp import KvDataServer
 from protos.auth import INTERNAL_TOKEN_ENV, BearerAuthInterceptor, bearer_metadata
@@ -69,6 +70,7 @@ async def start_worker(config: EngineConfig, host: str, port: int,
                        tiers: TierConfig | None = None,
                        kv_transports: Sequence[str] = ("ipc", "tcp", "shm", "stream"),
                        kv_data_port: int | None = 0,
+                       kv_tcp_streams: int = DEFAULT_TCP_STREAMS,
                        ) -> WorkerHandle:
     """Start a worker for `config.scheduler.role`; returns once the port is bound. The engine
     loads in the background; `handle.ready` is set when it serves.
@@ -79,7 +81,7 @@ async def start_worker(config: EngineConfig, host: str, port: int,
     ignored by the decode role. kv_transports: how a decode worker may pull KV ("ipc", "tcp",
     "shm"; the gRPC stream always). kv_data_port: a prefill worker's KV data port
     (kv_transfer/tcp.py) on `host`; 0 picks a free one (decode workers learn it per pull),
-    None serves none."""
+    None serves none. kv_tcp_streams: connections a decode worker's data-port pull opens."""
     from decode_service.servicer import DecodeServicer
     from prefill_service.servicer import PrefillServicer
 
@@ -128,7 +130,7 @@ async def start_worker(config: EngineConfig, host: str, port: int,
             raise
         loader = (GrpcKvLoader(engine, kv_metadata=kv_metadata,
                                use_ipc="ipc" in kv_transports, use_shm="shm" in kv_transports,
-                               use_tcp="tcp" in kv_transports)
+                               use_tcp="tcp" in kv_transports, tcp_streams=kv_tcp_streams)
                   if role == "decode" else None)
         aengine = AsyncEngine(engine, kv_loader=loader)
         if role in ("prefill", "colocated") and tiers is not None and tiers.enabled:

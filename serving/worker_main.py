@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from engine.cli_args import add_engine_args, engine_config_from_args
+from kv_transfer import DEFAULT_TCP_STREAMS, MAX_TCP_STREAMS
 from protos.auth import AuthConfigError, internal_token_from_env
 from protos.tls import tls_from_env
 from serving.tracing import setup_tracing
@@ -33,6 +34,16 @@ def _kv_transports(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(f"unknown KV transport(s) {sorted(unknown)}; choose "
                                          f"from {', '.join(KV_TRANSPORTS)}")
     return tuple(t for t in KV_TRANSPORTS if t in chosen or t == "stream")
+
+
+def _tcp_streams(text: str) -> int:
+    try:
+        streams = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--kv-tcp-streams takes a number, not {text!r}") from None
+    if not 1 <= streams <= MAX_TCP_STREAMS:
+        raise argparse.ArgumentTypeError(f"--kv-tcp-streams must be in 1..{MAX_TCP_STREAMS}")
+    return streams
 
 
 def _data_port(text: str) -> int | None:
@@ -64,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "order ipc (CUDA IPC, same GPU), tcp (the prefill worker's KV data port, "
                         "any host), shm (shared memory, same host), stream (gRPC, anywhere); "
                         f"comma list, stream always included (default: {','.join(KV_TRANSPORTS)})")
+    p.add_argument("--kv-tcp-streams", type=_tcp_streams, default=DEFAULT_TCP_STREAMS,
+                   help="decode role: connections one pull over the prefill worker's data port "
+                        f"opens at once, 1..{MAX_TCP_STREAMS} (default: {DEFAULT_TCP_STREAMS})")
     p.add_argument("--kv-data-port", type=_data_port, default=0,
                    help="prefill role: the port on --host that serves KV blocks raw to decode "
                         "workers (their 'tcp' way; same TLS as the gRPC port); 0 picks a free "
@@ -100,7 +114,8 @@ async def _serve_worker(args: argparse.Namespace) -> None:
                                 auth_token=internal_token_from_env(),
                                 tiers=tier_config_from_args(args),
                                 kv_transports=args.kv_transports,
-                                kv_data_port=args.kv_data_port)
+                                kv_data_port=args.kv_data_port,
+                                kv_tcp_streams=args.kv_tcp_streams)
     await run_until_signal(handle.stop, watch=handle.load_task)
 
 

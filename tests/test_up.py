@@ -121,6 +121,18 @@ def test_kv_transports_flag_orders_and_always_keeps_the_stream() -> None:
         parse(["--role", "decode", "--kv-transports", "rdma"])
 
 
+def test_kv_tcp_streams_flag_is_bounded() -> None:
+    from kv_transfer import DEFAULT_TCP_STREAMS, MAX_TCP_STREAMS
+    from serving.worker_main import build_serve_parser
+
+    parse = build_serve_parser().parse_args
+    assert parse(["--role", "decode"]).kv_tcp_streams == DEFAULT_TCP_STREAMS
+    assert parse(["--role", "decode", "--kv-tcp-streams", "1"]).kv_tcp_streams == 1
+    for bad in ("0", str(MAX_TCP_STREAMS + 1), "many"):
+        with pytest.raises(SystemExit):
+            parse(["--role", "decode", "--kv-tcp-streams", bad])
+
+
 def test_kv_data_port_flag_takes_a_port_or_off() -> None:
     from serving.worker_main import build_serve_parser
 
