@@ -88,7 +88,8 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
                                               remote_kv=remote, num_speculative_tokens=spec,
                                               speculative_method=method):
                 n_out += len(out.new_token_ids)
-                generated.extend(out.new_token_ids)
+                if self.tiers is not None:  # saved with the prompt when the request ends
+                    generated.extend(out.new_token_ids)
                 yield decode_pb2.DecodeResponse(chunk=decode_pb2.DecodeChunk(
                     token_ids=out.new_token_ids,
                     logprobs=[logprob_to_proto(lp) for lp in out.new_logprobs]))

@@ -26,6 +26,7 @@ import concurrent.futures
 import dataclasses
 import ipaddress
 import logging
+import ssl
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -228,6 +229,7 @@ class GrpcPullConnector(KvConnectorWorker):
         self._use_shm = use_shm and shm_available()
         self._use_tcp = use_tcp
         self._tcp_streams = tcp_streams
+        self._tls: tuple[ssl.SSLContext | None, str | None] | None = None  # see _tls_client
         device = getattr(sink, "device", None)
         on_gpu = (use_ipc and isinstance(device, torch.device) and device.type == "cuda"
                   and hasattr(sink, "copy_blocks_from"))
@@ -420,7 +422,7 @@ class GrpcPullConnector(KvConnectorWorker):
             return LoadResult(request_id, False, problem)
         spec, sink, staging_pool = self._spec, self._sink, self._staging
         host = handle.worker_address.rsplit(":", 1)[0].strip("[]")
-        tls = tls_paths_from_env()
+        tls, server_name = self._tls_client()
         stop = threading.Event()  # set: the load ended (failed, cancelled): write nothing more
 
         def receive(ticket: bytes, start: int, count: int) -> None:  # one stripe, in a thread
@@ -435,8 +437,7 @@ class GrpcPullConnector(KvConnectorWorker):
 
             try:
                 receive_blocks(host, pull.data_port, ticket, count, spec.block_nbytes, staging,
-                               write, self._timeout_s, tls.client_context() if tls else None,
-                               tls.server_name if tls else None)
+                               write, self._timeout_s, tls, server_name)
             except BaseException:
                 stop.set()  # the other stripes stop at their next batch
                 raise
@@ -458,6 +459,14 @@ class GrpcPullConnector(KvConnectorWorker):
             return self._tcp_failure(request_id, errors)
         await self._release(handle)
         return LoadResult(request_id, True)
+
+    def _tls_client(self) -> tuple[ssl.SSLContext | None, str | None]:
+        """The data port's TLS client side (context, server name), built at the first TCP pull
+        and kept: building it reads the PEM files."""
+        if self._tls is None:
+            paths = tls_paths_from_env()
+            self._tls = (paths.client_context(), paths.server_name) if paths else (None, None)
+        return self._tls
 
     def _tcp_failure(self, request_id: str, errors: list[BaseException]) -> LoadResult:
         """The failed load of a TCP pull, named by its first telling error (a stripe stopped

@@ -150,14 +150,9 @@ class CpuTier:
         return value if isinstance(value, bytes) else value.numpy().tobytes()
 
     def get_prefix(self, block_hashes: Sequence[bytes]) -> list[bytes]:
-        """Encoded blocks of the longest cached prefix of block_hashes."""
-        found: list[bytes] = []
-        for block_hash in block_hashes:
-            data = self.get(block_hash)
-            if data is None:
-                break
-            found.append(data)
-        return found
+        """Encoded blocks of the longest cached prefix of block_hashes (copies)."""
+        return [value if isinstance(value, bytes) else value.numpy().tobytes()
+                for value in self.get_prefix_entries(block_hashes)]
 
     def get_prefix_entries(self, block_hashes: Sequence[bytes]) -> list[bytes | torch.Tensor]:
         """`get_prefix` without copies: the stored values themselves (slot tensors when

@@ -229,11 +229,7 @@ class TierPrefixCache:
         if not await self._aengine.call(self._has_lease, request_id):
             self.stats.dropped_saves += 1
             return 0
-        items = [(h, encode_block(self._spec, h, self._block_size, blocks[i], self._scales))
-                 for i, (_, h) in enumerate(todo)]
-        await self._store.put_many(items, encoded_here=True)
-        self.stats.saved_blocks += len(items)
-        return len(items)
+        return await self._put(self._encode(todo, blocks))
 
     def spawn_save_tokens(self, token_ids: list[int]) -> None:
         """`save_tokens` in the background."""
@@ -256,7 +252,10 @@ class TierPrefixCache:
             with contextlib.suppress(Exception):  # a stopped engine holds nothing any more
                 await self._aengine.call(self._engine.scheduler.unpin, pin_id)
         # In a thread: a colocated worker's event loop also serves the gateway's streams.
-        items = await asyncio.to_thread(self._encode, todo, blocks)
+        return await self._put(await asyncio.to_thread(self._encode, todo, blocks))
+
+    async def _put(self, items: list[tuple[bytes, bytes]]) -> int:
+        """Write encoded blocks through the tiers; how many."""
         await self._store.put_many(items, encoded_here=True)
         self.stats.saved_blocks += len(items)
         return len(items)
