@@ -335,6 +335,29 @@ def test_smollm2_gguf_matches_transformers() -> None:
         torch.testing.assert_close(got[name], t.float(), rtol=0, atol=1e-6, msg=name)
 
 
+def test_gguf_reader_reads_what_the_stock_reader_reads() -> None:
+    """open_gguf's plain-view reader: every field (types, parts, decoded value) and every tensor
+    (type, shape, offset, bytes) of the default model equal gguf.GGUFReader's."""
+    from engine.loader.gguf_meta import open_gguf
+
+    path = default_model_path()
+    ours, stock = open_gguf(path), gguf.GGUFReader(path, "r")
+    assert type(ours) is not gguf.GGUFReader and list(ours.fields) == list(stock.fields)
+    for key, want in stock.fields.items():
+        got = ours.fields[key]
+        assert (got.offset, got.types, got.data) == (want.offset, want.types, want.data), key
+        assert [(p.dtype, p.tobytes()) for p in got.parts] == [
+            (p.dtype, p.tobytes()) for p in want.parts], key
+        assert got.contents() == want.contents(), key
+    assert len(ours.tensors) == len(stock.tensors) > 0
+    for got_t, want_t in zip(ours.tensors, stock.tensors, strict=True):
+        assert (got_t.name, got_t.tensor_type, got_t.data_offset, got_t.n_bytes) == (
+            want_t.name, want_t.tensor_type, want_t.data_offset, want_t.n_bytes)
+        assert got_t.shape.tolist() == want_t.shape.tolist()
+        assert got_t.data.dtype == want_t.data.dtype and got_t.data.shape == want_t.data.shape
+        assert np.array_equal(got_t.data, want_t.data), got_t.name
+
+
 # ---- dummy --------------------------------------------------------------------------------------
 
 def test_dummy_presets() -> None:

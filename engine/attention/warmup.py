@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels.decode_attention import MAX_SPLITS, combine_tiles, paged_decode_attention
+from engine.kernels.decode_attention import (
+    MAX_SPLITS,
+    choose_decode_tiles,
+    combine_tiles,
+    paged_decode_attention,
+)
 from engine.kernels.prefill_attention import choose_prefill_tiles, paged_prefill_attention
 
 
@@ -46,10 +51,12 @@ def warm_up_attention(kv_cache: torch.Tensor, num_heads: int, dtype: torch.dtype
     scale = head_dim ** -0.5
     launches = 0
     q = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=dev)
-    seq_len = 64 * MAX_SPLITS  # long enough for every split to hold positions
-    tables = torch.zeros(1, -(-seq_len // block_size), dtype=torch.int32, device=dev)  # block 0
-    seq_lens = torch.full((1,), seq_len, dtype=torch.int32, device=dev)
     for splits in decode_split_variants(num_heads // num_kv_heads, head_dim):
+        # One KV tile per split: every split holds positions, and no more is read (under the
+        # interpreter, whose cost is per element, 2,048 positions a launch took ~6 s).
+        seq_len = choose_decode_tiles(head_dim, kv_cache.dtype, splits).block_n * splits
+        tables = torch.zeros(1, -(-seq_len // block_size), dtype=torch.int32, device=dev)
+        seq_lens = torch.full((1,), seq_len, dtype=torch.int32, device=dev)
         paged_decode_attention(q, kv_cache, tables, seq_lens, scale, num_splits=splits,
                                k_scale=k_scale, v_scale=v_scale)
         launches += 1

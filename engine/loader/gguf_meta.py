@@ -7,13 +7,37 @@ knows llama.cpp's key names.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Literal
 
 import gguf
+import numpy as np
+import numpy.typing as npt
 
 from engine.loader.errors import ModelLoadError
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+class _PlainViewReader(gguf.GGUFReader):
+    """`gguf.GGUFReader` whose metadata parts and tensor arrays are plain ndarray views of the
+    file's memmap (it stays open through their `.base`) instead of `np.memmap` slices.
+
+    The stock reader takes one memmap slice per scalar it parses, and every `np.memmap` slice
+    runs Python-level `__getitem__`/`__array_finalize__`: a vocabulary of 49k strings is ~0.5M
+    slices, 2.8 s to open SmolLM2's GGUF on a 2-core machine against 0.7 s for the same
+    values through plain views (the weights' dequantization slices them again). The fields and
+    tensors are equal to the stock reader's (tests/test_loader.py compares them)."""
+
+    def _get(self, offset: int, dtype: npt.DTypeLike, count: int = 1,
+             override_order: Literal["I", "S", "<"] | None = None) -> npt.NDArray[Any]:
+        plain: np.ndarray | None = self.__dict__.get("_plain")
+        if plain is None:  # `self.data` is the memmap the base class opened first
+            plain = self._plain = self.data.view(np.ndarray)
+        count = int(count)
+        dt = np.dtype(dtype)
+        arr = plain[offset:offset + dt.itemsize * count].view(dt)[:count]
+        order = self.byte_order if override_order is None else override_order
+        return arr.view(arr.dtype.newbyteorder(order))
 
 
 def open_gguf(path: str) -> gguf.GGUFReader:
@@ -25,7 +49,7 @@ def open_gguf(path: str) -> gguf.GGUFReader:
     if not os.path.isfile(path):
         raise ModelLoadError(f"GGUF file not found: {path}")
     try:
-        reader = gguf.GGUFReader(path, "r")
+        reader = _PlainViewReader(path, "r")
     except Exception as e:  # the reader raises ValueError/IndexError/struct errors on bad bytes
         raise ModelLoadError(f"{path}: not a valid GGUF file (corrupt or truncated): {e}") from e
     size = os.path.getsize(path)
