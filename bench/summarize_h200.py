@@ -78,15 +78,20 @@ def gap(value: float | None, goal: float, direction: Direction) -> dict[str, Any
             "ratio_to_goal": value / goal, "met": short <= 0}
 
 
-def summarize(out_dir: Path, model: str) -> dict[str, Any]:
+def summarize(out_dir: Path, model: str, commit: str | None = None,
+              dirty: bool | None = None) -> dict[str, Any]:
+    """The summary of `out_dir`'s suite. `commit` (and `dirty`) name the suite's code when the
+    summary is written elsewhere (bench/merge_suite.py); by default, this tree's."""
     suite_path = out_dir / "suite.json"
     suite = json.loads(suite_path.read_text()) if suite_path.exists() else {}
     kernels_path = out_dir / "kernels.json"
     values = headline(suite)
-    info = git_info()
+    if commit is None:
+        info = git_info()
+        commit, dirty = info["commit"], info["dirty"]
     return {
-        "commit": info["commit"],
-        "dirty": info["dirty"],
+        "commit": commit,
+        "dirty": dirty,
         "model": model,
         **values,
         "goals": {name: {"goal": g, "direction": d, "source": src}

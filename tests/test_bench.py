@@ -22,7 +22,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from bench import cli, h200_suite, offline, summarize_h200
+from bench import cli, h200_suite, merge_suite, offline, summarize_h200
 from bench.metrics import (
     MetricsError,
     RequestRecord,
@@ -437,6 +437,54 @@ def test_summary_headline_and_gaps(tmp_path: Path) -> None:
     assert doc["gaps"]["output_tok_s_128x512x128"]["gap"] == pytest.approx(1231.0 - 3000.0)
     assert doc["engine_vs_hf_128x512x128"] == pytest.approx(3.0)
     assert doc["failed_steps"] == {"ttft_4096": "StepTimeout: too slow"}
+
+
+def test_merged_parts_summarise_like_the_committed_headline(tmp_path: Path) -> None:
+    """The committed headline was merged from two parts (a24e667's by hand); split its suite
+    into those parts again, and merge_suite gives back every step and the headline's numbers."""
+    results = Path(__file__).resolve().parents[1] / "bench" / "results"
+    committed = json.loads((results / "h200_llama-3.1-8b.json").read_text())
+    suite = json.loads((results / "h200" / f"suite_{committed['commit']}.json").read_text())
+    part_b = {"throughput_random_fp8", "throughput_random_int8", "throughput_random_w8a8_fp8"}
+    paths = []
+    for label, names in (("A", set(suite["steps"]) - part_b), ("B", part_b)):
+        part = {"environment": suite["environment"], "sizes": suite["sizes"],
+                "steps": {n: e for n, e in suite["steps"].items() if n in names}}
+        path = tmp_path / f"{label}.json"
+        path.write_text(json.dumps(part))
+        paths.append(f"part {label}={path}")
+    out = tmp_path / "merged"
+    assert merge_suite.main(["--out-dir", str(out), *paths]) == 0
+    merged = json.loads((out / "suite.json").read_text())
+    assert merged["steps"] == suite["steps"] and list(merged["parts"]) == ["part A", "part B"]
+    doc = json.loads((out / "h200_llama-3.1-8b.json").read_text())
+    assert doc["commit"] == committed["commit"] and doc["failed_steps"] == {}
+    for key in summarize_h200.headline(suite):
+        assert doc[key] == committed[key], key
+
+
+def test_merge_refuses_parts_of_different_runs() -> None:
+    env = {"commit": "abc", "hostname": "vm", "gpu": "NVIDIA H200", "torch": "2.11.0",
+           "triton": "3.6.0"}
+
+    def part(steps: list[str], **changes: Any) -> dict[str, Any]:
+        return {"environment": {**env, **changes.pop("env", {})},
+                "sizes": {"max_num_seqs": 384, **changes.pop("sizes", {})},
+                "steps": {n: {"ok": True, "result": {}} for n in steps}}
+
+    assert set(merge_suite.merge([("a", part(["x"])), ("b", part(["y"]))])["steps"]) == {"x", "y"}
+    bad = {
+        "commit differs": [("a", part(["x"])), ("b", part(["y"], env={"commit": "def"}))],
+        "gpu differs": [("a", part(["x"])), ("b", part(["y"], env={"gpu": "NVIDIA H100"}))],
+        "sizes differ": [("a", part(["x"])), ("b", part(["y"], sizes={"max_num_seqs": 768}))],
+        "is in 'a' and in 'b'": [("a", part(["x"])), ("b", part(["x"]))],
+        "labels must differ": [("a", part(["x"])), ("a", part(["y"]))],
+        "at least two": [("a", part(["x"]))],
+        "not a suite file": [("a", part(["x"])), ("b", {"steps": {}})],
+    }
+    for message, parts in bad.items():
+        with pytest.raises(merge_suite.MergeError, match=message):
+            merge_suite.merge(parts)
 
 
 def test_suite_builds_the_one_byte_kv_engines_at_their_own_batch() -> None:
