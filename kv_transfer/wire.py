@@ -193,12 +193,13 @@ def encode_block(
     hash_field = _hash_field(spec, block_hash, num_tokens)
     _check_tensor(spec, tensor)
     scale_bytes = _scale_bytes(spec, scales)
-    # .view(uint8) reinterprets the bytes (bf16 included) without numpy dtype support.
+    # .view(uint8) reinterprets the bytes (bf16 included) without numpy dtype support. The
+    # checksum and the join read the tensor's memory in place: the join is the only copy.
     flat = tensor.detach().contiguous().view(torch.uint8).reshape(-1).cpu()
-    payload = flat.numpy().tobytes()
+    payload = flat.numpy().data  # a memoryview of the tensor's bytes
     head = _HEADER.pack(MAGIC, WIRE_VERSION, _DTYPE_CODES[spec.dtype], 0, spec.fingerprint,
                         hash_field, spec.num_layers, spec.block_size, spec.num_kv_heads,
-                        spec.head_dim, num_tokens, spec.num_scales, len(payload), 0)
+                        spec.head_dim, num_tokens, spec.num_scales, payload.nbytes, 0)
     head_wo_crc = head[:-_CHECKSUM_BYTES]
     crc = zlib.crc32(payload, zlib.crc32(scale_bytes, zlib.crc32(head_wo_crc)))
     return b"".join((head_wo_crc, struct.pack("<I", crc), scale_bytes, payload))
