@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import offline
+from bench import probe_ttft
 from bench.results import git_info
 
 
@@ -45,9 +45,7 @@ def main() -> int:
 
     from engine import SamplingParams
 
-    llm = offline.build_llm(offline.EngineSettings(
-        model=args.model, dtype="bfloat16", max_model_len=8192, max_num_seqs=384,
-        max_num_batched_tokens=8192, gpu_memory_utilization=0.92))
+    llm = probe_ttft.build_llm(args.model)
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(11)
     params = SamplingParams(temperature=0.0, max_tokens=1)

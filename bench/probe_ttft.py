@@ -53,6 +53,13 @@ def _analyse(kernels: list[tuple[float, float, str]], wall_us: float, t0_us: flo
     }
 
 
+def build_llm(model: str) -> Any:
+    """The engine both first-token probes time (this one and probe_short_prompts.py)."""
+    return offline.build_llm(offline.EngineSettings(
+        model=model, dtype="bfloat16", max_model_len=8192, max_num_seqs=384,
+        max_num_batched_tokens=8192, gpu_memory_utilization=0.92))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", required=True)
@@ -66,9 +73,7 @@ def main() -> int:
 
     from engine import SamplingParams
 
-    llm = offline.build_llm(offline.EngineSettings(
-        model=args.model, dtype="bfloat16", max_model_len=8192, max_num_seqs=384,
-        max_num_batched_tokens=8192, gpu_memory_utilization=0.92))
+    llm = build_llm(args.model)
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(7)
     params = SamplingParams(temperature=0.0, max_tokens=1)
