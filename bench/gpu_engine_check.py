@@ -91,6 +91,15 @@ def main() -> int:
         fast.engine.proposer = PositionalOracle(
             [q + o.outputs[0].token_ids for q, o in zip(prompts, outs, strict=True)])
         outs = fast.generate([{"prompt_token_ids": q} for q in prompts], params)
+    if spec is None:
+        # Short prompts one at a time, and one that extends the 40-token prompt by 3 tokens (a
+        # prefix hit on its 2 full blocks, an 11-token tail): steps of the prefill graphs.
+        alone = [[rng.randrange(vocab) for _ in range(n)] for n in (3, 12, 16)]
+        alone.append(prompts[-1] + [rng.randrange(vocab) for _ in range(3)])
+        for q in alone:
+            prompts.append(q)
+            outs += fast.generate([{"prompt_token_ids": q}], params)
+    prefill_graph_steps = fast.engine.runner.num_prefill_graph_steps
     graphs = fast.engine.runner.graphs
     replays = graphs.num_replays if graphs is not None else 0
     overlapped = fast.engine.runner.num_overlapped_steps
@@ -127,14 +136,16 @@ def main() -> int:
            "quantization": args.quantization,
            "max_num_seqs": args.max_num_seqs, "load_s": load_s, "graph_replays": replays,
            "decode_overlap_min_batch": args.decode_overlap_min_batch,
-           "overlapped_decode_steps": overlapped, **spec_stats, "ok": ok,
+           "overlapped_decode_steps": overlapped, "prefill_graph_steps": prefill_graph_steps,
+           **spec_stats, "ok": ok,
            "rows": rows, "gpu": torch.cuda.get_device_name()}
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=2)
     for r in rows:
         print(r)
     print(f"engine check: {'OK' if ok else 'MISMATCH'}; graph replays {replays}, "
-          f"overlapped steps {overlapped}; speculation {spec_stats}")
+          f"overlapped steps {overlapped}, prefill graph steps {prefill_graph_steps}; "
+          f"speculation {spec_stats}")
     return 0 if ok else 1
 
 

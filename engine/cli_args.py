@@ -8,6 +8,7 @@ from dataclasses import fields
 from typing import Any
 
 from engine.config import (
+    MAX_PREFILL_GRAPH_TOKENS,
     SPEC_METHODS,
     CacheConfig,
     EngineConfig,
@@ -32,6 +33,17 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _prefill_graph_tokens(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value != 0 and not 2 <= value <= MAX_PREFILL_GRAPH_TOKENS:
+        raise argparse.ArgumentTypeError(
+            f"must be 0 (off) or in [2, {MAX_PREFILL_GRAPH_TOKENS}], got {text!r}")
     return value
 
 
@@ -95,6 +107,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=_default(RunnerConfig, "cuda_graph_max_batch"),
                    help="largest decode batch captured in a CUDA graph (capped at "
                         "--max-num-seqs); larger decode steps run eagerly")
+    g.add_argument("--prefill-graph-tokens", type=_prefill_graph_tokens,
+                   default=_default(RunnerConfig, "prefill_graph_tokens"),
+                   help="steps in which every request computes at most this many tokens (short "
+                        "prompts, prompt tails after a prefix-cache hit) replay a CUDA graph "
+                        "instead of running eagerly; 0 turns it off")
     g.add_argument("--quantization", default=_default(RunnerConfig, "quantization"),
                    choices=["none", "fp8", "int8"],
                    help="fp8: W8A8, e4m3 weights per output channel and activations per token "
@@ -158,6 +175,7 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "colocated") -
                             enforce_eager=args.enforce_eager, cpu_threads=args.cpu_threads,
                             cuda_graph_max_batch=args.cuda_graph_max_batch,
                             decode_overlap_min_batch=args.decode_overlap_min_batch,
+                            prefill_graph_tokens=args.prefill_graph_tokens,
                             quantization=args.quantization),
         speculative=SpeculativeConfig(method=args.speculative_method,
                                       num_speculative_tokens=args.num_speculative_tokens,

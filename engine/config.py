@@ -247,6 +247,23 @@ class RunnerConfig:
     # its tests) on one small machine must split the cores, or spinning thread pools oversubscribe
     # them and small ops get ~100x slower.
     cpu_threads: int | None = None
+    # Steps in which every request computes at most this many tokens (a short prompt, a prompt's
+    # tail after a prefix-cache hit, decodes beside them) replay a CUDA graph of this many query
+    # rows per request instead of running eagerly, whose Python launches cost 15-35 ms per step
+    # on the H200's hosts for an 8B model (docs/performance.md, "Short prompts"). 0: off.
+    # Not captured by a decode-role worker (it computes no prompts).
+    prefill_graph_tokens: int = 16
+
+    def validate(self) -> None:
+        n = self.prefill_graph_tokens
+        if type(n) is not int or not (n == 0 or 2 <= n <= MAX_PREFILL_GRAPH_TOKENS):
+            raise ConfigError(f"prefill_graph_tokens must be 0 (off) or in "
+                              f"[2, {MAX_PREFILL_GRAPH_TOKENS}], got {n!r}")
+
+
+# A graph step's attention is the split decode kernel with this many query rows per sequence
+# (as a speculative verify step's); past a few dozen rows a program's tile outgrows its registers.
+MAX_PREFILL_GRAPH_TOKENS = 32
 
 
 SpecMethod = Literal["none", "ngram", "draft_model"]

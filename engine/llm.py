@@ -53,6 +53,7 @@ class LLM:
         enforce_eager: bool = False,
         cuda_graph_max_batch: int = 512,
         decode_overlap_min_batch: int = 0,
+        prefill_graph_tokens: int = 16,
         quantization: str = "none",
         cpu_threads: int | None = None,
         speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
@@ -86,6 +87,7 @@ class LLM:
                                 enforce_eager=enforce_eager,
                                 cuda_graph_max_batch=cuda_graph_max_batch,
                                 decode_overlap_min_batch=decode_overlap_min_batch,
+                                prefill_graph_tokens=prefill_graph_tokens,
                                 quantization=quantization,  # type: ignore[arg-type]
                                 cpu_threads=cpu_threads),
             speculative=speculative_config or SpeculativeConfig(),

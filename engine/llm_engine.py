@@ -97,6 +97,7 @@ class LLMEngine:
         config.cache.validate()
         config.scheduler.validate()
         config.speculative.validate()
+        config.runner.validate()
         self.config = config
         source = load_model_source(config.load)
         cfg = source.config

@@ -38,6 +38,27 @@ def test_llm_refuses_a_zero_graph_batch() -> None:
         LLM(model="dummy:tiny", dtype="float32", max_model_len=256, cuda_graph_max_batch=0)
 
 
+def test_prefill_graph_tokens_flag_reaches_the_runner_config() -> None:
+    assert engine_config_from_args(_parse()).runner.prefill_graph_tokens == 16
+    for value in (0, 2, 32):
+        cfg = engine_config_from_args(_parse("--prefill-graph-tokens", str(value)))
+        assert cfg.runner.prefill_graph_tokens == value
+
+
+@pytest.mark.parametrize("bad", ["1", "33", "-4", "some"])
+def test_prefill_graph_tokens_flag_rejects_bad_values(bad: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _parse("--prefill-graph-tokens", bad)
+    assert "--prefill-graph-tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", [1, 33, -1])
+def test_llm_refuses_bad_prefill_graph_tokens(bad: int) -> None:
+    with pytest.raises(ConfigError, match="prefill_graph_tokens"):
+        LLM(model="dummy:tiny", dtype="float32", max_model_len=256, prefill_graph_tokens=bad)
+
+
 def test_gc_threshold_flag_reaches_the_scheduler_config() -> None:
     assert engine_config_from_args(_parse()).scheduler.gc_threshold == DEFAULT_GC_THRESHOLD
     cfg = engine_config_from_args(_parse("--gc-threshold", "1000,20,300"))

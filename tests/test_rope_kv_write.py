@@ -351,3 +351,64 @@ def test_graph_capture_only_through_a_capturable_backend(
     with caplog.at_level("WARNING", logger="engine.runner"):
         assert not captures_cuda_graphs(cuda, False, TorchAttentionBackend())
     assert "torch attention backend cannot be captured" in caplog.text
+
+
+def test_engine_short_prompt_steps_take_the_prefill_graph_layout(
+        tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps of short prompts and prompt tails laid out for the prefill graphs (16 rows per
+    sequence; a decode beside them gets 1 real row and 15 padding rows) run the split decode
+    kernel with 16 query tokens and give the torch backend's greedy tokens, prompt alone; a
+    prompt of more than 16 tokens, and a pure-decode step, run as before."""
+    prompts = {
+        "a": [5, 17, 99, 3, 8],
+        "b": [250, 7, 42, 8, 300, 11, 64, 9, 2],
+        "long": [(13 * i + 7) % 300 + 1 for i in range(24)],
+        # b's first two 4-token blocks, then 3 more tokens: a prefix hit, a 3-token tail.
+        "again": [250, 7, 42, 8, 300, 11, 64, 9, 31, 77, 4],
+    }
+    ref = tiny_llm(tiny_model_dirs["llama"], max_model_len=64)
+    want = {}
+    for rid, prompt in prompts.items():
+        ref.engine.add_request(rid, prompt, greedy(6))
+        want[rid] = run_to_end(ref.engine)[rid].request.output_token_ids
+
+    query_lens: list[int] = []
+    decode = K.paged_decode_attention
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        query_lens.append(int(kwargs.get("query_len", 1)))  # type: ignore[call-overload]
+        return decode(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(K, "paged_decode_attention", spy)
+    llm = tiny_llm(tiny_model_dirs["llama"], attention_backend="triton", max_model_len=64)
+    engine, runner = llm.engine, llm.engine.runner
+    assert runner.prefill_graphs is None  # no graphs on the CPU: the layout runs eagerly
+    runner.prefill_q_len = 16
+    got: dict[str, list[int]] = {rid: [] for rid in prompts}
+    cached: dict[str, int] = {}
+
+    def step() -> None:
+        for o in engine.step():
+            got[o.request_id].extend(o.new_token_ids)
+            cached.setdefault(o.request_id, o.num_cached_tokens)
+
+    def steps_taken(rid: str) -> tuple[int, list[int]]:
+        """Add `rid`, run one step; (prefill graph steps it added, query lens it launched)."""
+        before, seen = runner.num_prefill_graph_steps, len(query_lens)
+        engine.add_request(rid, prompts[rid], greedy(6))
+        step()
+        return runner.num_prefill_graph_steps - before, query_lens[seen:]
+
+    assert steps_taken("a") == (1, [16, 16])           # a short prompt alone (2 layers)
+    assert steps_taken("b") == (1, [16, 16])           # beside a's decode
+    assert steps_taken("long")[0] == 0                 # 24 tokens: eager, as before
+    while engine.has_unfinished_requests():
+        step()
+    graph_steps, lens = steps_taken("again")
+    assert graph_steps == 1 and lens == [16, 16] and cached["again"] == 8  # the tail of 3
+    while engine.has_unfinished_requests():
+        before = runner.num_prefill_graph_steps
+        step()
+        assert runner.num_prefill_graph_steps == before  # pure decode: the decode layout
+    assert got == want
+    engine.scheduler.check_integrity()
