@@ -38,6 +38,8 @@ def main() -> int:
     p.add_argument("--lens", default="16,128")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--prefill-graph-tokens", type=int, default=16,
+                   help="the engine's; 0: short prompts' steps run eagerly (the A/B)")
     args = p.parse_args()
     lens = [int(n) for n in args.lens.split(",")]
 
@@ -45,7 +47,7 @@ def main() -> int:
 
     from engine import SamplingParams
 
-    llm = probe_ttft.build_llm(args.model)
+    llm = probe_ttft.build_llm(args.model, args.prefill_graph_tokens)
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(11)
     params = SamplingParams(temperature=0.0, max_tokens=1)
@@ -77,6 +79,8 @@ def main() -> int:
                            "by_cumulative": _top(prof, "cumulative", args.top)}
         print(n, [round(w, 2) for w in walls])
     doc = {**git_info(), "gpu": torch.cuda.get_device_name(), "model": args.model,
+           "prefill_graph_tokens": args.prefill_graph_tokens,
+           "prefill_graph_steps": llm.engine.runner.num_prefill_graph_steps,
            "repeats": args.repeats, "lengths": results}
     Path(args.out).write_text(json.dumps(doc, indent=1))
     for key, r in results.items():

@@ -53,11 +53,12 @@ def _analyse(kernels: list[tuple[float, float, str]], wall_us: float, t0_us: flo
     }
 
 
-def build_llm(model: str) -> Any:
+def build_llm(model: str, prefill_graph_tokens: int = 16) -> Any:
     """The engine both first-token probes time (this one and probe_short_prompts.py)."""
     return offline.build_llm(offline.EngineSettings(
         model=model, dtype="bfloat16", max_model_len=8192, max_num_seqs=384,
-        max_num_batched_tokens=8192, gpu_memory_utilization=0.92))
+        max_num_batched_tokens=8192, gpu_memory_utilization=0.92,
+        prefill_graph_tokens=prefill_graph_tokens))
 
 
 def main() -> int:
