@@ -285,6 +285,19 @@ def test_engine_triton_backend_matches_torch_backend(tiny_model_dirs: dict[str, 
         assert got.request.output_token_ids == want.request.output_token_ids
 
 
+def _record_decode_query_lens(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The `query_len` of every later `paged_decode_attention` launch, appended as they run."""
+    query_lens: list[int] = []
+    decode = K.paged_decode_attention
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        query_lens.append(int(kwargs.get("query_len", 1)))  # type: ignore[call-overload]
+        return decode(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(K, "paged_decode_attention", spy)
+    return query_lens
+
+
 @pytest.mark.parametrize("verify_attention", ["decode", "prefill"])
 def test_engine_verify_steps_through_the_decode_kernel(tiny_model_dirs: dict[str, Path],
                                                        monkeypatch: pytest.MonkeyPatch,
@@ -304,14 +317,7 @@ def test_engine_verify_steps_through_the_decode_kernel(tiny_model_dirs: dict[str
         ref.engine.add_request(rid, prompt, greedy(9))
     for rid, tr in run_to_end(ref.engine).items():
         plain[rid] = tr.request.output_token_ids
-    query_lens: list[int] = []
-    decode = K.paged_decode_attention
-
-    def spy(*args: object, **kwargs: object) -> torch.Tensor:
-        query_lens.append(int(kwargs.get("query_len", 1)))  # type: ignore[call-overload]
-        return decode(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(K, "paged_decode_attention", spy)
+    query_lens = _record_decode_query_lens(monkeypatch)
     llm = tiny_llm(tiny_model_dirs["llama"], attention_backend="triton", max_model_len=32,
                    speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     llm.engine.runner.verify_q_len = 5
@@ -372,14 +378,7 @@ def test_engine_short_prompt_steps_take_the_prefill_graph_layout(
         ref.engine.add_request(rid, prompt, greedy(6))
         want[rid] = run_to_end(ref.engine)[rid].request.output_token_ids
 
-    query_lens: list[int] = []
-    decode = K.paged_decode_attention
-
-    def spy(*args: object, **kwargs: object) -> torch.Tensor:
-        query_lens.append(int(kwargs.get("query_len", 1)))  # type: ignore[call-overload]
-        return decode(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(K, "paged_decode_attention", spy)
+    query_lens = _record_decode_query_lens(monkeypatch)
     llm = tiny_llm(tiny_model_dirs["llama"], attention_backend="triton", max_model_len=64)
     engine, runner = llm.engine, llm.engine.runner
     assert runner.prefill_graphs is None  # no graphs on the CPU: the layout runs eagerly
