@@ -61,6 +61,9 @@ def main() -> int:
                         "plain pass, the checked pass drafts that pass's tokens at each position "
                         "(bench/probe_spec.py PositionalOracle), so its tokens come from verify "
                         "steps (graphs) that accept and reject drafts")
+    p.add_argument("--prefill-graph-tokens", type=int, default=16,
+                   help="the fast engine's prefill graphs (the engine's default is 0, off; the "
+                        "check turns them on so that its short prompts replay them)")
     p.add_argument("--draft-model", default=None,
                    help="the fast engine speculates with this draft model instead (e.g. the "
                         "target itself, so most drafts are accepted), --speculative-tokens "
@@ -80,7 +83,8 @@ def main() -> int:
         spec = {"model": args.draft_model, "num_speculative_tokens": args.speculative_tokens or 4,
                 "draft_gpu_memory_utilization": 0.2}
     fast = LLM(**common, attention_backend="triton", enforce_eager=False,  # type: ignore[arg-type]
-               decode_overlap_min_batch=args.decode_overlap_min_batch, speculative_config=spec)
+               decode_overlap_min_batch=args.decode_overlap_min_batch, speculative_config=spec,
+               prefill_graph_tokens=args.prefill_graph_tokens)
     load_s = time.perf_counter() - t
     vocab = fast.engine.model_config.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lens]

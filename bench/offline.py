@@ -45,7 +45,7 @@ class EngineSettings:
     async_scheduling: bool | None = None  # None: the engine's default (on for CUDA)
     decode_overlap_min_batch: int = 0  # >= 2: two overlapped decode micro-batches
     cuda_graph_max_batch: int = 512  # the engine's default
-    prefill_graph_tokens: int = 16  # the engine's default; 0: steps of short prompts run eagerly
+    prefill_graph_tokens: int = 0  # the engine's default (off); 16: prefill graphs for short prompts
     quantization: str = "none"  # "fp8": W8A8
     # The engine's GC thresholds; None: the interpreter's.
     gc_threshold: tuple[int, int, int] | None = DEFAULT_GC_THRESHOLD

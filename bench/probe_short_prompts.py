@@ -38,8 +38,9 @@ def main() -> int:
     p.add_argument("--lens", default="16,128")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--top", type=int, default=40)
-    p.add_argument("--prefill-graph-tokens", type=int, default=16,
-                   help="the engine's; 0: short prompts' steps run eagerly (the A/B)")
+    p.add_argument("--prefill-graph-tokens", type=int, default=0,
+                   help="the engine's (default 0: off, short prompts' steps run eagerly; "
+                        "16: the prefill graphs)")
     args = p.parse_args()
     lens = [int(n) for n in args.lens.split(",")]
 

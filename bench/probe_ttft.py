@@ -53,7 +53,7 @@ def _analyse(kernels: list[tuple[float, float, str]], wall_us: float, t0_us: flo
     }
 
 
-def build_llm(model: str, prefill_graph_tokens: int = 16) -> Any:
+def build_llm(model: str, prefill_graph_tokens: int = 0) -> Any:
     """The engine both first-token probes time (this one and probe_short_prompts.py)."""
     return offline.build_llm(offline.EngineSettings(
         model=model, dtype="bfloat16", max_model_len=8192, max_num_seqs=384,

@@ -111,7 +111,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=_default(RunnerConfig, "prefill_graph_tokens"),
                    help="steps in which every request computes at most this many tokens (short "
                         "prompts, prompt tails after a prefix-cache hit) replay a CUDA graph "
-                        "instead of running eagerly; 0 turns it off")
+                        "instead of running eagerly (e.g. 16; default 0: off)")
     g.add_argument("--quantization", default=_default(RunnerConfig, "quantization"),
                    choices=["none", "fp8", "int8"],
                    help="fp8: W8A8, e4m3 weights per output channel and activations per token "

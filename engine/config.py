@@ -250,9 +250,11 @@ class RunnerConfig:
     # Steps in which every request computes at most this many tokens (a short prompt, a prompt's
     # tail after a prefix-cache hit, decodes beside them) replay a CUDA graph of this many query
     # rows per request instead of running eagerly, whose Python launches cost 15-35 ms per step
-    # on the H200's hosts for an 8B model (docs/performance.md, "Short prompts"). 0: off.
-    # Not captured by a decode-role worker (it computes no prompts).
-    prefill_graph_tokens: int = 16
+    # on the H200's hosts for an 8B model (16: a 16-token prompt's first token 16.5 -> 6.2 ms;
+    # docs/performance.md, "Short prompts"). Off (0) by default: with them on, decode ITL at
+    # batches 8-64 measured ~0.1 ms higher, for a reason not found. Not captured by a
+    # decode-role worker (it computes no prompts).
+    prefill_graph_tokens: int = 0
 
     def validate(self) -> None:
         n = self.prefill_graph_tokens

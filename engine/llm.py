@@ -53,7 +53,7 @@ class LLM:
         enforce_eager: bool = False,
         cuda_graph_max_batch: int = 512,
         decode_overlap_min_batch: int = 0,
-        prefill_graph_tokens: int = 16,
+        prefill_graph_tokens: int = 0,
         quantization: str = "none",
         cpu_threads: int | None = None,
         speculative_config: SpeculativeConfig | dict[str, Any] | None = None,

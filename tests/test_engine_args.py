@@ -39,8 +39,8 @@ def test_llm_refuses_a_zero_graph_batch() -> None:
 
 
 def test_prefill_graph_tokens_flag_reaches_the_runner_config() -> None:
-    assert engine_config_from_args(_parse()).runner.prefill_graph_tokens == 16
-    for value in (0, 2, 32):
+    assert engine_config_from_args(_parse()).runner.prefill_graph_tokens == 0  # off
+    for value in (0, 2, 16, 32):
         cfg = engine_config_from_args(_parse("--prefill-graph-tokens", str(value)))
         assert cfg.runner.prefill_graph_tokens == value
 
