@@ -33,7 +33,8 @@ import torch
 from bench.results import environment_info
 from engine.kv.hashing import HASH_BYTES
 from engine.runner import copy_cache_blocks
-from kv_transfer.connector import DEFAULT_TCP_STREAMS, GrpcPullConnector, KvHandle
+from kv_transfer import DEFAULT_TCP_STREAMS
+from kv_transfer.connector import GrpcPullConnector, KvHandle
 from kv_transfer.grpc_transport import KvTransferServicer, LeaseView, channel_options
 from kv_transfer.tcp import KvDataServer
 from kv_transfer.wire import BlockSpec

@@ -11,6 +11,7 @@ from engine.config import (
     MAX_PREFILL_GRAPH_TOKENS,
     SPEC_METHODS,
     CacheConfig,
+    ConfigError,
     EngineConfig,
     LoadConfig,
     RunnerConfig,
@@ -37,13 +38,13 @@ def _positive_int(text: str) -> int:
 
 
 def _prefill_graph_tokens(text: str) -> int:
+    """RunnerConfig's own rule, refused at the flag."""
     try:
         value = int(text)
-    except ValueError:
-        value = -1
-    if value != 0 and not 2 <= value <= MAX_PREFILL_GRAPH_TOKENS:
+        RunnerConfig(prefill_graph_tokens=value).validate()
+    except (ValueError, ConfigError):
         raise argparse.ArgumentTypeError(
-            f"must be 0 (off) or in [2, {MAX_PREFILL_GRAPH_TOKENS}], got {text!r}")
+            f"must be 0 (off) or in [2, {MAX_PREFILL_GRAPH_TOKENS}], got {text!r}") from None
     return value
 
 

@@ -16,6 +16,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -50,6 +51,9 @@ from engine.sampler import PendingTokens, Sampler, depends_on_outputs, to_device
 from engine.scheduler import SampledToken, SchedulerOutput
 from engine.spec import needs_sync
 from engine.spec.rejection import PendingVerify, verify
+
+if TYPE_CHECKING:  # engine.cuda_graphs imports this module
+    from engine.cuda_graphs import CudaGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -584,34 +588,32 @@ class ModelRunner:
 
     def _verify_rows(self, out: SchedulerOutput) -> int:
         """Rows per sequence when this step replays a verify graph (else 0): a step with drafts
-        in which every request is at its last known token, small enough for a bucket, and far
-        enough from the context's end for its padding rows."""
+        in which every request is at its last known token."""
         q = self.verify_q_len
-        if not q or not out.has_drafts or (self.verify_graphs is not None
-                                           and not self.verify_graphs.can_run(len(out.scheduled))):
+        if not q or not out.has_drafts or any(s.num_new_tokens != 1 + len(s.draft_token_ids)
+                                               for s in out.scheduled):
             return 0
-        for s in out.scheduled:
-            if (not s.sample or s.num_new_tokens != 1 + len(s.draft_token_ids)
-                    or s.num_computed_tokens + q > self.max_model_len):
-                return 0
-        return q
+        return q if self._fits_uniform(out, q, self.verify_graphs) else 0
 
     def _prefill_graph_rows(self, out: SchedulerOutput) -> int:
         """Rows per sequence when this step replays a prefill graph (else 0): a step with prompt
-        tokens and no drafts in which every request computes at most `prefill_q_len` tokens and
-        samples (a short prompt, or the last chunk of one: its tail after a prefix hit), small
-        enough for a bucket and far enough from the context's end for its padding rows. Its
-        decodes take the same number of rows (one real, the rest padding)."""
+        tokens and no drafts in which every request computes at most `prefill_q_len` tokens (a
+        short prompt, or the last chunk of one: its tail after a prefix hit). Its decodes take
+        the same number of rows (one real, the rest padding)."""
         q = self.prefill_q_len
         if (not q or out.has_drafts or out.is_pure_decode
-                or (self.prefill_graphs is not None
-                    and not self.prefill_graphs.can_run(len(out.scheduled)))):
+                or any(s.num_new_tokens > q for s in out.scheduled)):
             return 0
-        for s in out.scheduled:
-            if (not s.sample or s.num_new_tokens > q
-                    or s.num_computed_tokens + q > self.max_model_len):
-                return 0
-        return q
+        return q if self._fits_uniform(out, q, self.prefill_graphs) else 0
+
+    def _fits_uniform(self, out: SchedulerOutput, q: int,
+                      graphs: CudaGraphRunner | None) -> bool:
+        """Whether a step can be laid out with `q` rows per sequence (`prepare(uniform_q=q)`):
+        every request samples (its logits row is its last real one), the step fits a bucket of
+        `graphs` (when captured), and no padding row reaches past the context's end."""
+        return ((graphs is None or graphs.can_run(len(out.scheduled)))
+                and all(s.sample and s.num_computed_tokens + q <= self.max_model_len
+                        for s in out.scheduled))
 
     def _sample_and_verify(self, logits: torch.Tensor, out: SchedulerOutput) -> PendingStep:
         """Split the logits rows: requests with drafts go to the rejection sampler (all their

@@ -56,14 +56,13 @@ TICKET_WAIT_S = 5.0
 # slice's read running while the current one is sent.
 SEND_SLICE_BLOCKS = 16
 _MAX_TICKETS = 4096  # outstanding; past it the oldest are dropped (each holds a few ids)
-MAX_STREAMS = MAX_TCP_STREAMS  # connections one pull may open at once (one ticket each)
 STATUS_OK, STATUS_LEASE_LOST = b"\x01", b"\x00"  # the byte after the blocks
 
 
 def stripes(num_blocks: int, streams: int) -> list[tuple[int, int]]:
     """(first, count) of each connection's contiguous share of num_blocks blocks: at most
-    min(streams, MAX_STREAMS, num_blocks) shares, the first ones one block longer."""
-    k = max(1, min(streams, MAX_STREAMS, num_blocks))
+    min(streams, MAX_TCP_STREAMS, num_blocks) shares, the first ones one block longer."""
+    k = max(1, min(streams, MAX_TCP_STREAMS, num_blocks))
     base, extra = divmod(num_blocks, k)
     out, first = [], 0
     for i in range(k):

@@ -140,19 +140,12 @@ class CpuTier:
 
     def get(self, block_hash: bytes) -> bytes | None:
         """The encoded block (a copy) and mark it most recently used; None on a miss."""
-        with self._lock:
-            value = self._blocks.get(block_hash)
-            if value is None:
-                self.stats["misses"] += 1
-                return None
-            self._blocks.move_to_end(block_hash)
-            self.stats["hits"] += 1
-        return value if isinstance(value, bytes) else value.numpy().tobytes()
+        found = self.get_prefix([block_hash])
+        return found[0] if found else None
 
     def get_prefix(self, block_hashes: Sequence[bytes]) -> list[bytes]:
         """Encoded blocks of the longest cached prefix of block_hashes (copies)."""
-        return [value if isinstance(value, bytes) else value.numpy().tobytes()
-                for value in self.get_prefix_entries(block_hashes)]
+        return [_as_bytes(value) for value in self.get_prefix_entries(block_hashes)]
 
     def get_prefix_entries(self, block_hashes: Sequence[bytes]) -> list[bytes | torch.Tensor]:
         """`get_prefix` without copies: the stored values themselves (slot tensors when
@@ -209,6 +202,10 @@ class CpuTier:
         if slot is not None:
             slot.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
         return slot
+
+
+def _as_bytes(value: bytes | torch.Tensor) -> bytes:
+    return value if isinstance(value, bytes) else value.numpy().tobytes()
 
 
 def _nbytes(value: bytes | torch.Tensor) -> int:

@@ -16,7 +16,8 @@ from opentelemetry.trace import SpanKind
 from engine.async_engine import AsyncEngine, KvLoadAbort
 from engine.llm_engine import LLMEngine
 from engine.scheduler import KvLoad
-from kv_transfer.connector import DEFAULT_TCP_STREAMS, GrpcPullConnector, KvHandle, LoadResult
+from kv_transfer import DEFAULT_TCP_STREAMS
+from kv_transfer.connector import GrpcPullConnector, KvHandle, LoadResult
 from kv_transfer.grpc_transport import KvTransferError, LeaseView, release
 from kv_transfer.wire import BlockSpec
 from protos.splitserve.v1 import common_pb2, decode_pb2

@@ -23,7 +23,7 @@ from opentelemetry.trace import Span, SpanKind
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from kv_transfer.connector import DEFAULT_TCP_STREAMS
+from kv_transfer import DEFAULT_TCP_STREAMS
 from kv_transfer.grpc_transport import KvTransferServicer
 from kv_transfer.tcp import KvDataServer
 from protos.auth import INTERNAL_TOKEN_ENV, BearerAuthInterceptor, bearer_metadata

@@ -27,10 +27,10 @@ from test_kv_grpc_transport import (
 
 import kv_transfer.connector as connector_module
 import kv_transfer.tcp as tcp_module
+from kv_transfer import MAX_TCP_STREAMS
 from kv_transfer.connector import GrpcPullConnector, LoadResult
 from kv_transfer.grpc_transport import KvTransferError, pull_blocks_tcp
 from kv_transfer.tcp import (
-    MAX_STREAMS,
     TICKET_BYTES,
     KvDataServer,
     TcpTransferError,
@@ -73,7 +73,7 @@ def test_stripes_split_blocks_into_contiguous_shares() -> None:
     assert stripes(10, 3) == [(0, 4), (4, 3), (7, 3)]
     assert stripes(2, 4) == [(0, 1), (1, 1)]  # never an empty stripe
     assert stripes(5, 0) == [(0, 5)]
-    assert len(stripes(100, 99)) == MAX_STREAMS
+    assert len(stripes(100, 99)) == MAX_TCP_STREAMS
     for n, k in ((1, 1), (7, 2), (64, 8), (65, 8)):
         parts = stripes(n, k)
         assert sum(c for _, c in parts) == n and all(c > 0 for _, c in parts)
