@@ -72,6 +72,7 @@ class SuiteSizes:
     # (112,733 blocks of 16 = 900 sequences of 2000 tokens at 0.92), all replayed from graphs.
     fp8_kv_max_num_seqs: int = 768
     quantization: str = "none"  # "fp8": W8A8, "int8": weight-only (the goals: bf16)
+    piecewise_graph_max_tokens: int = 512  # the engine's default; 0: steps with prompts eager
 
     @classmethod
     def small(cls, model: str) -> SuiteSizes:
@@ -136,6 +137,7 @@ class EngineHolder:
                 async_scheduling=s.async_scheduling,
                 decode_overlap_min_batch=s.decode_overlap_min_batch,
                 cuda_graph_max_batch=graph_max,
+                piecewise_graph_max_tokens=s.piecewise_graph_max_tokens,
                 quantization=quantization)
             self._llm = offline.build_llm(settings)
             self._key = key
@@ -287,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="largest decode batch captured in a CUDA graph (the engine's default: 512)")
     p.add_argument("--quantization", default="none", choices=["none", "fp8", "int8"],
                    help="fp8: W8A8 weights and activations; int8: weight-only")
+    p.add_argument("--piecewise-graph-max-tokens", type=int, default=512,
+                   help="the engine's piecewise graphs (its default: 512; 0: off)")
     args = p.parse_args(argv)
     steps = tuple(x for x in args.steps.split(",") if x)
     unknown = [x for x in steps if x not in STEP_LIMITS_S]
@@ -300,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.fp8_kv_max_num_seqs is not None:
         sizes = dataclasses.replace(sizes, fp8_kv_max_num_seqs=args.fp8_kv_max_num_seqs)
     sizes = dataclasses.replace(sizes, quantization=args.quantization,
-                                cuda_graph_max_batch=args.cuda_graph_max_batch)
+                                cuda_graph_max_batch=args.cuda_graph_max_batch,
+                                piecewise_graph_max_tokens=args.piecewise_graph_max_tokens)
     doc = run_suite(Path(args.out_dir), sizes, steps, args.limit_scale)
     return 0 if all(e["ok"] for e in doc["steps"].values()) else 1
 

@@ -8,6 +8,7 @@ from dataclasses import fields
 from typing import Any
 
 from engine.config import (
+    MAX_PIECEWISE_GRAPH_TOKENS,
     MAX_PREFILL_GRAPH_TOKENS,
     SPEC_METHODS,
     CacheConfig,
@@ -45,6 +46,17 @@ def _prefill_graph_tokens(text: str) -> int:
     except (ValueError, ConfigError):
         raise argparse.ArgumentTypeError(
             f"must be 0 (off) or in [2, {MAX_PREFILL_GRAPH_TOKENS}], got {text!r}") from None
+    return value
+
+
+def _piecewise_graph_max_tokens(text: str) -> int:
+    """RunnerConfig's own rule, refused at the flag."""
+    try:
+        value = int(text)
+        RunnerConfig(piecewise_graph_max_tokens=value).validate()
+    except (ValueError, ConfigError):
+        raise argparse.ArgumentTypeError(
+            f"must be 0 (off) or in [16, {MAX_PIECEWISE_GRAPH_TOKENS}], got {text!r}") from None
     return value
 
 
@@ -113,6 +125,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="steps in which every request computes at most this many tokens (short "
                         "prompts, prompt tails after a prefix-cache hit) replay a CUDA graph "
                         "instead of running eagerly (e.g. 16; default 0: off)")
+    g.add_argument("--piecewise-graph-max-tokens", type=_piecewise_graph_max_tokens,
+                   default=_default(RunnerConfig, "piecewise_graph_max_tokens"),
+                   help="other steps of at most this many tokens (prompts and chunks, decodes "
+                        "beside them) replay each layer's norms and matmuls from CUDA graphs, "
+                        "attention launched eagerly between them (default %(default)s; 0: off)")
     g.add_argument("--quantization", default=_default(RunnerConfig, "quantization"),
                    choices=["none", "fp8", "int8"],
                    help="fp8: W8A8, e4m3 weights per output channel and activations per token "
@@ -177,6 +194,7 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "colocated") -
                             cuda_graph_max_batch=args.cuda_graph_max_batch,
                             decode_overlap_min_batch=args.decode_overlap_min_batch,
                             prefill_graph_tokens=args.prefill_graph_tokens,
+                            piecewise_graph_max_tokens=args.piecewise_graph_max_tokens,
                             quantization=args.quantization),
         speculative=SpeculativeConfig(method=args.speculative_method,
                                       num_speculative_tokens=args.num_speculative_tokens,

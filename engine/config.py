@@ -255,13 +255,25 @@ class RunnerConfig:
     # batches 8-64 measured ~0.1 ms higher, for a reason not found. Not captured by a
     # decode-role worker (it computes no prompts).
     prefill_graph_tokens: int = 0
+    # Other steps of at most this many tokens (prompts and chunks, decodes beside them) replay
+    # piecewise CUDA graphs: each layer's norms and matmuls from a graph per token-count bucket,
+    # attention launched eagerly between them (engine/piecewise_graphs.py). 0: off.
+    piecewise_graph_max_tokens: int = 512
 
     def validate(self) -> None:
         n = self.prefill_graph_tokens
         if type(n) is not int or not (n == 0 or 2 <= n <= MAX_PREFILL_GRAPH_TOKENS):
             raise ConfigError(f"prefill_graph_tokens must be 0 (off) or in "
                               f"[2, {MAX_PREFILL_GRAPH_TOKENS}], got {n!r}")
+        n = self.piecewise_graph_max_tokens
+        if type(n) is not int or not (n == 0 or 16 <= n <= MAX_PIECEWISE_GRAPH_TOKENS):
+            raise ConfigError(f"piecewise_graph_max_tokens must be 0 (off) or in "
+                              f"[16, {MAX_PIECEWISE_GRAPH_TOKENS}], got {n!r}")
 
+
+# Past ~2k tokens a step's kernels outlast its eager launches (a 1,024-token prompt: 20.5 ms of
+# kernels against ~2 ms of gaps on the H200), so graphs gain nothing and cost pool memory.
+MAX_PIECEWISE_GRAPH_TOKENS = 2048
 
 # A graph step's attention is the split decode kernel with this many query rows per sequence
 # (as a speculative verify step's); past a few dozen rows a program's tile outgrows its registers.

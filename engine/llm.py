@@ -54,6 +54,7 @@ class LLM:
         cuda_graph_max_batch: int = 512,
         decode_overlap_min_batch: int = 0,
         prefill_graph_tokens: int = 0,
+        piecewise_graph_max_tokens: int = 512,
         quantization: str = "none",
         cpu_threads: int | None = None,
         speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
@@ -88,6 +89,7 @@ class LLM:
                                 cuda_graph_max_batch=cuda_graph_max_batch,
                                 decode_overlap_min_batch=decode_overlap_min_batch,
                                 prefill_graph_tokens=prefill_graph_tokens,
+                                piecewise_graph_max_tokens=piecewise_graph_max_tokens,
                                 quantization=quantization,  # type: ignore[arg-type]
                                 cpu_threads=cpu_threads),
             speculative=speculative_config or SpeculativeConfig(),

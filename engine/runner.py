@@ -46,6 +46,7 @@ from engine.model.layers import RotaryEmbedding
 from engine.model.llama import AttentionBackend, LlamaForCausalLM
 from engine.model.overlap import MicroBatchStreams
 from engine.model.quant import apply_fp8_w8a8, apply_int8_weight_only, check_fp8_supported
+from engine.piecewise_graphs import MIN_PIECEWISE_BUCKET, PiecewiseGraphRunner
 from engine.request import Request
 from engine.sampler import PendingTokens, Sampler, depends_on_outputs, to_device
 from engine.scheduler import SampledToken, SchedulerOutput
@@ -276,6 +277,9 @@ class ModelRunner:
         # Rows per sequence of a step of short prompts laid out for `prefill_graphs` (0: off).
         self.prefill_q_len = 0
         self.num_prefill_graph_steps = 0
+        # Other steps of up to `piecewise_graph_max_tokens` tokens: layers from graphs,
+        # attention eager (engine/piecewise_graphs.py).
+        self.piecewise: PiecewiseGraphRunner | None = None
         if captures_cuda_graphs(self.device, config.runner.enforce_eager, self.backend):
             from engine.cuda_graphs import CudaGraphRunner
             self.graphs = CudaGraphRunner(self)
@@ -297,6 +301,11 @@ class ModelRunner:
                     self, q, min(PREFILL_GRAPH_MAX_BATCH, self.graphs.buckets[-1]),
                     pool=self.graphs.pool)
                 self.prefill_graphs.capture()
+            n = min(config.runner.piecewise_graph_max_tokens,
+                    config.scheduler.max_num_batched_tokens)
+            if n >= MIN_PIECEWISE_BUCKET:
+                self.piecewise = PiecewiseGraphRunner(self, n, pool=self.graphs.pool)
+                self.piecewise.capture()
         self.result = RunnerResult(str(self.device), self.dtype, num_blocks, self.kv_dtype,
                                    self.block_bytes, self.backend.name, self.graphs is not None)
 
@@ -574,6 +583,8 @@ class ModelRunner:
                 if out.is_pure_decode and self.overlaps(len(out.scheduled)):
                     self.num_overlapped_steps += 1
                     hidden = self.forward_overlapped(input_ids, positions, md)
+                elif self.piecewise is not None and self.piecewise.can_run(len(input_ids)):
+                    hidden = self.piecewise.run(input_ids, positions)
                 else:
                     hidden = self.model(input_ids, positions)
             if not sampling_reqs:
@@ -685,6 +696,7 @@ class ModelRunner:
         self.graphs = None
         self.verify_graphs = None
         self.prefill_graphs = None
+        self.piecewise = None
         self._last_tokens = None
         self.kv_caches = []
         self.kv_cache = self.kv_cache.new_empty(0)

@@ -69,6 +69,13 @@ class LlamaAttention(nn.Module):
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor,
                md: AttentionMetadata | None = None) -> torch.Tensor:
         """The rest of `forward` after the QKV projection: RoPE + KV write, attention, O."""
+        return self.o_proj(self.attention_output(positions, qkv, md))
+
+    def attention_output(self, positions: torch.Tensor, qkv: torch.Tensor,
+                         md: AttentionMetadata | None = None) -> torch.Tensor:
+        """RoPE + KV write and attention over the paged cache: [T, heads * head_dim], before the
+        O projection. The only part of a layer that reads the step's metadata (the piece that
+        piecewise CUDA graphs leave out: engine/piecewise_graphs.py)."""
         ctx = get_forward_context()
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
@@ -83,7 +90,7 @@ class LlamaAttention(nn.Module):
         o = self.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx],
                                  ctx.attn_metadata if md is None else md, self.scale, kv_scale,
                                  rope=rope)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return o.reshape(-1, self.q_size)
 
 
 class LlamaMLP(nn.Module):
@@ -130,12 +137,24 @@ class LlamaDecoderLayer(nn.Module):
             qkv, residual = rms_norm_gemv(x, norm.weight, norm.eps, weight, bias,
                                           residual=residual, weight_scale=scale)
             return self.self_attn.attend(positions, qkv, md), residual
+        qkv, residual = self.qkv_block(x, residual)
+        return self.self_attn.attend(positions, qkv, md), residual
+
+    def qkv_block(self, x: torch.Tensor, residual: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input norm (+ residual add) and the QKV projection, for more than one row: what a
+        layer computes before attention. Returns (qkv, residual)."""
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)  # type: ignore[misc]
-        return self.self_attn(positions, h, md), residual  # type: ignore[arg-type]
+        return self.self_attn.qkv_proj(h), residual  # type: ignore[arg-type]
+
+    def post_attention_block(self, o: torch.Tensor, residual: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a layer computes after attention: the O projection, then `mlp_block`."""
+        return self.mlp_block(self.self_attn.o_proj(o), residual)
 
     def mlp_block(self, h: torch.Tensor, residual: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
