@@ -93,11 +93,11 @@ class CudaGraphRunner:
         torch.mm(hidden, r.model.lm_head_weight.t(), out=self.logits_buf[:rows])
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, stream: torch.cuda.Stream) -> None:
+        """Capture every bucket on `stream` (a side stream; the runner's one for all captures)."""
         # This process's allocator, not the device's free memory: another process on the same
         # device (a prefill worker beside a decode worker) allocates while this one captures.
         reserved_before = torch.cuda.memory_reserved()
-        stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for b in reversed(self.buckets):  # largest first: later ones reuse its pool

@@ -102,11 +102,11 @@ class PiecewiseGraphRunner:
         return [functools.partial(self._piece, i, t) for i in range(len(self.layers) + 1)]
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, stream: torch.cuda.Stream) -> None:
+        """Capture every bucket on `stream` (a side stream; the runner's one for all captures)."""
         if not self.use_graphs:
             return
         reserved_before = torch.cuda.memory_reserved()
-        stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for t in reversed(self.buckets):  # largest first: later ones reuse its pool

@@ -266,9 +266,9 @@ class ModelRunner:
             n = warm_up_attention(self.kv_caches[0], cfg.num_attention_heads, self.dtype,
                                   config.scheduler.max_num_batched_tokens, *scales)
             logger.info("attention kernels warmed up: %d variants", n)
-        self.graphs = None
-        self.verify_graphs = None
-        self.prefill_graphs = None
+        self.graphs: CudaGraphRunner | None = None
+        self.verify_graphs: CudaGraphRunner | None = None
+        self.prefill_graphs: CudaGraphRunner | None = None
         # Whether requests may speculate (decides which steps must finish before the next).
         self.speculative = config.speculative.enabled and config.scheduler.role != "prefill"
         # Rows per sequence of a verify step laid out for the verify graphs (0: ragged, eager).
@@ -280,34 +280,48 @@ class ModelRunner:
         # Other steps of up to `piecewise_graph_max_tokens` tokens: layers from graphs,
         # attention eager (engine/piecewise_graphs.py).
         self.piecewise: PiecewiseGraphRunner | None = None
+        self.capture_stream: torch.cuda.Stream | None = None
         if captures_cuda_graphs(self.device, config.runner.enforce_eager, self.backend):
-            from engine.cuda_graphs import CudaGraphRunner
-            self.graphs = CudaGraphRunner(self)
-            self.graphs.capture()
-            spec = config.speculative
-            if self.speculative:
-                # Speculation is for light load (the gateway turns it off above a few requests
-                # per worker): verify graphs up to SPEC_GRAPH_MAX_BATCH sequences, sharing the
-                # decode graphs' pool; bigger verify steps run eagerly.
-                self.verify_q_len = 1 + spec.num_speculative_tokens
-                self.verify_graphs = CudaGraphRunner(
-                    self, self.verify_q_len, min(SPEC_GRAPH_MAX_BATCH, self.graphs.buckets[-1]),
-                    pool=self.graphs.pool)
-                self.verify_graphs.capture()
-            q = config.runner.prefill_graph_tokens
-            if q and config.scheduler.role != "decode":
-                self.prefill_q_len = q
-                self.prefill_graphs = CudaGraphRunner(
-                    self, q, min(PREFILL_GRAPH_MAX_BATCH, self.graphs.buckets[-1]),
-                    pool=self.graphs.pool)
-                self.prefill_graphs.capture()
-            n = min(config.runner.piecewise_graph_max_tokens,
-                    config.scheduler.max_num_batched_tokens)
-            if n >= MIN_PIECEWISE_BUCKET:
-                self.piecewise = PiecewiseGraphRunner(self, n, pool=self.graphs.pool)
-                self.piecewise.capture()
+            self._capture_graphs(config)
         self.result = RunnerResult(str(self.device), self.dtype, num_blocks, self.kv_dtype,
                                    self.block_bytes, self.backend.name, self.graphs is not None)
+
+    def _capture_graphs(self, config: EngineConfig) -> None:
+        """Capture every set of CUDA graphs, all in one pool, on one side stream, the decode
+        graphs last. Last because a kernel launched on a stream other than the one they replay
+        on, once they are captured, measured +0.13-0.15 ms on every later decode step at batch 8
+        and 64 on the H200 (not at batch 1), for the rest of the process; captured after the
+        other sets they keep their speed (bench/probe_stream_cost.py,
+        docs/performance.md "One stream after the decode graphs")."""
+        from engine.cuda_graphs import CudaGraphRunner
+
+        stream = self.capture_stream = torch.cuda.Stream(self.device)
+        max_decode_batch = min(config.runner.cuda_graph_max_batch, config.scheduler.max_num_seqs)
+        pool = None
+        n = min(config.runner.piecewise_graph_max_tokens, config.scheduler.max_num_batched_tokens)
+        if n >= MIN_PIECEWISE_BUCKET:
+            self.piecewise = PiecewiseGraphRunner(self, n, pool=pool)
+            self.piecewise.capture(stream)
+            pool = self.piecewise.pool
+        q = config.runner.prefill_graph_tokens
+        if q and config.scheduler.role != "decode":
+            self.prefill_q_len = q
+            prefill = CudaGraphRunner(self, q, min(PREFILL_GRAPH_MAX_BATCH, max_decode_batch),
+                                      pool=pool)
+            prefill.capture(stream)
+            self.prefill_graphs, pool = prefill, prefill.pool
+        if self.speculative:
+            # Speculation is for light load (the gateway turns it off above a few requests per
+            # worker): verify graphs up to SPEC_GRAPH_MAX_BATCH sequences; bigger verify steps
+            # run eagerly.
+            self.verify_q_len = 1 + config.speculative.num_speculative_tokens
+            verify = CudaGraphRunner(self, self.verify_q_len,
+                                     min(SPEC_GRAPH_MAX_BATCH, max_decode_batch), pool=pool)
+            verify.capture(stream)
+            self.verify_graphs, pool = verify, verify.pool
+        decode = CudaGraphRunner(self, max_batch=max_decode_batch, pool=pool)
+        decode.capture(stream)
+        self.graphs = decode
 
     # ---- quantized KV scales ---------------------------------------------------------------
 

@@ -1,0 +1,108 @@
+"""Does work on another CUDA stream slow the decode graphs' replays? (run on the H200)
+
+Batch-8 decode at 1k context (8 fresh 1024-token prompts, 128 tokens each; the median gap
+between `LLMEngine.step()` returns after the first 5), twice; then one `--variant` action;
+then twice more. The effect found persists for the rest of the process, so run one variant per
+process. Variants:
+
+    none            nothing (the control)
+    side_kernel     three in-place kernels on the runner's capture stream
+    new_stream      three in-place kernels on a new stream
+    side_alloc      a tensor allocated on the capture stream, no kernel
+    side_wait       the streams wait on each other, no kernel
+    side_copy_d2d   a device-to-device copy (copy engine) on the capture stream
+    side_copy_h2d   a pinned host-to-device copy on the capture stream
+
+Usage: PYTHONPATH=. python3 bench/probe_stream_cost.py --variant side_kernel --out F
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+from bench import probe_ttft
+from bench.results import git_info
+
+VARIANTS = ("none", "side_kernel", "new_stream", "side_alloc", "side_wait", "side_copy_d2d",
+            "side_copy_h2d")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="dummy:llama-3.1-8b")
+    p.add_argument("--out", required=True)
+    p.add_argument("--variant", choices=VARIANTS, default="none")
+    p.add_argument("--piecewise-graph-max-tokens", type=int, default=None,
+                   help="the engine's piecewise graphs (default: the engine's; 0: off)")
+    p.add_argument("--prefill-graph-tokens", type=int, default=0)
+    args = p.parse_args()
+
+    import torch
+
+    from engine import SamplingParams
+
+    llm = probe_ttft.build_llm(args.model, args.prefill_graph_tokens,
+                               args.piecewise_graph_max_tokens)
+    engine, runner = llm.engine, llm.engine.runner
+    vocab = engine.model_config.vocab_size
+    rng = random.Random(5)
+    rounds = [0]
+
+    def decode_gap_ms() -> float:
+        rounds[0] += 1
+        for i in range(8):
+            engine.add_request(f"r{rounds[0]}_{i}", [rng.randrange(vocab) for _ in range(1024)],
+                               SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True))
+        gaps, t = [], None
+        while engine.has_unfinished_requests():
+            engine.step()
+            now = time.perf_counter()
+            if t is not None:
+                gaps.append((now - t) * 1e3)
+            t = now
+        return statistics.median(gaps[5:])
+
+    before = [decode_gap_ms(), decode_gap_ms()]
+    side = runner.capture_stream
+    x = torch.zeros(16, 4096, device="cuda", dtype=torch.bfloat16)
+    host = torch.zeros(16, 4096, dtype=torch.bfloat16, pin_memory=True)
+    v = args.variant
+    if v in ("side_kernel", "new_stream"):
+        with torch.cuda.stream(side if v == "side_kernel" else torch.cuda.Stream()):
+            for _ in range(3):
+                x.mul_(1)
+    elif v == "side_alloc":
+        with torch.cuda.stream(side):
+            kept = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        del kept
+    elif v == "side_wait":
+        side.wait_stream(torch.cuda.current_stream())
+        torch.cuda.current_stream().wait_stream(side)
+    elif v == "side_copy_d2d":
+        y = torch.empty_like(x)
+        with torch.cuda.stream(side):
+            y.copy_(x)
+    elif v == "side_copy_h2d":
+        with torch.cuda.stream(side):
+            x.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    after = [decode_gap_ms(), decode_gap_ms()]
+    doc = {**git_info(), "gpu": torch.cuda.get_device_name(), "model": args.model,
+           "variant": v, "piecewise_graph_max_tokens":
+               engine.config.runner.piecewise_graph_max_tokens,
+           "prefill_graph_tokens": args.prefill_graph_tokens,
+           "decode_gap_ms_before": before, "decode_gap_ms_after": after}
+    Path(args.out).write_text(json.dumps(doc, indent=1))
+    print(f"{v}: batch-8 decode step {statistics.mean(before):.3f} -> "
+          f"{statistics.mean(after):.3f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
