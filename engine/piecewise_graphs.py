@@ -7,16 +7,17 @@ for an 8B model: a step of up to a few hundred tokens waits on the host, not the
 (docs/performance.md, "Short prompts"). So, per token-count bucket, everything *between* two
 attentions is captured as one graph:
 
-    piece 0      embedding, layer 0's input norm (+ residual) and QKV projection
-    piece l      layer l-1's O projection, post-attention norm, MLP; layer l's input norm, QKV
+    piece 0      embedding; layer 0's input norm (+ residual), QKV projection, RoPE + KV write
+    piece l      layer l-1's O projection, post-attention norm, MLP;
+                 layer l's input norm, QKV projection, RoPE + KV write
     piece L      layer L-1's O projection, post-attention norm, MLP; the final norm
 
-and a step replays piece 0, then per layer launches attention (RoPE + KV write, the paged
-kernels, as in an eager step: `LlamaAttention.attention_output`) on its real rows and replays
-the next piece. Pieces read and write static buffers of the largest bucket; rows past the
-step's tokens are padding, and every op in a piece works row by row, so padding never reaches
-a real row (attention, the one op across rows, never sees it). vLLM V1's piecewise graphs
-(torch.compile split at attention) are the same idea.
+and a step replays piece 0, then per layer launches attention over the paged cache (the
+kernels an eager step runs: `LlamaAttention.attend_cached`) on its real rows and replays the
+next piece. Pieces read and write static buffers of the largest bucket; rows past the step's
+tokens are padding: their KV slot is -1 (not written), and every other op in a piece works row
+by row, so padding never reaches a real row (attention, the one op across rows, never sees
+it). vLLM V1's piecewise graphs (torch.compile split at attention) are the same idea.
 
 All pieces of all buckets share one graph pool: they are captured and replayed in the same
 order, and each piece's own temporaries are dead once it has copied its results into the
@@ -32,6 +33,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+
+from engine.attention.forward_context import AttentionMetadata
 
 if TYPE_CHECKING:
     from engine.model.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -71,6 +74,8 @@ class PiecewiseGraphRunner:
         q_size = cfg.num_attention_heads * cfg.head_dim
         qkv_size = q_size + 2 * cfg.num_key_value_heads * cfg.head_dim
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=dev)
         self.qkv = torch.zeros(n, qkv_size, dtype=dtype, device=dev)
         self.attn = torch.zeros(n, q_size, dtype=dtype, device=dev)
         self.residual = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=dev)
@@ -83,7 +88,7 @@ class PiecewiseGraphRunner:
 
     def _piece(self, i: int, t: int) -> None:
         """Piece `i` at bucket `t`: reads `input_ids` (piece 0) or `attn` + `residual`, writes
-        `qkv` + `residual` (or `hidden`, the last piece)."""
+        `qkv` + `residual` and layer i's KV (or `hidden`, the last piece)."""
         if i == 0:
             h = self.model.embed_tokens(self.input_ids[:t])
             qkv, residual = self.layers[0].qkv_block(h, None)
@@ -97,6 +102,15 @@ class PiecewiseGraphRunner:
             qkv, residual = self.layers[i].qkv_block(h, residual)
         self.qkv[:t].copy_(qkv)
         self.residual[:t].copy_(residual)
+        attn = self.layers[i].self_attn
+        r = self.runner
+        kv_scale = r.kv_scale_values[i] if r.kv_scale_values is not None else (1.0, 1.0)
+        q, k, _ = attn.rotate_and_write_kv(self.positions[:t], self.qkv[:t], r.kv_caches[i],
+                                           self.slot_mapping[:t], kv_scale)
+        q_buf, k_buf, _ = attn.split_qkv(self.qkv[:t])
+        if q.data_ptr() != q_buf.data_ptr():  # rotated out of place (a backend without RoPE)
+            q_buf.copy_(q)
+            k_buf.copy_(k)
 
     def _pieces(self, t: int) -> list[Callable[[], None]]:
         return [functools.partial(self._piece, i, t) for i in range(len(self.layers) + 1)]
@@ -136,15 +150,21 @@ class PiecewiseGraphRunner:
     def can_run(self, num_tokens: int) -> bool:
         return 0 < num_tokens <= self.buckets[-1]
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The model's forward pass for one step of `T = len(input_ids)` tokens, inside the
-        step's forward context (attention reads its metadata). Returns the final hidden states
-        [T, hidden]: a view of the static buffer, valid until the next step."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
+            ) -> torch.Tensor:
+        """The model's forward pass for one step of `T = len(input_ids)` tokens laid out as
+        `md` says. Returns the final hidden states [T, hidden]: a view of the static buffer,
+        valid until the next step."""
         num_tokens = input_ids.shape[0]
         t = self.buckets[bisect.bisect_left(self.buckets, num_tokens)]
         self.input_ids[:num_tokens].copy_(input_ids, non_blocking=True)
+        self.positions[:num_tokens].copy_(positions, non_blocking=True)
+        self.slot_mapping[:num_tokens].copy_(md.slot_mapping, non_blocking=True)
+        if t > num_tokens:
+            self.slot_mapping[num_tokens:t].fill_(-1)  # padding rows write no KV
         replay = self.graphs[t] if self.use_graphs else None
         pieces = self._pieces(t) if replay is None else None
+        r = self.runner
         for i in range(len(self.layers) + 1):
             if replay is not None:
                 replay[i].replay()
@@ -152,7 +172,10 @@ class PiecewiseGraphRunner:
                 assert pieces is not None
                 pieces[i]()
             if i < len(self.layers):
-                o = self.layers[i].self_attn.attention_output(positions, self.qkv[:num_tokens])
+                attn = self.layers[i].self_attn
+                q, k, v = attn.split_qkv(self.qkv[:num_tokens])
+                kv_scale = r.kv_scale_values[i] if r.kv_scale_values is not None else (1.0, 1.0)
+                o = attn.attend_cached(q, k, v, r.kv_caches[i], md, kv_scale)
                 self.attn[:num_tokens].copy_(o)
         self.num_steps += 1
         return self.hidden[:num_tokens]

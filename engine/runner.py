@@ -598,7 +598,7 @@ class ModelRunner:
                     self.num_overlapped_steps += 1
                     hidden = self.forward_overlapped(input_ids, positions, md)
                 elif self.piecewise is not None and self.piecewise.can_run(len(input_ids)):
-                    hidden = self.piecewise.run(input_ids, positions)
+                    hidden = self.piecewise.run(input_ids, positions, md)
                 else:
                     hidden = self.model(input_ids, positions)
             if not sampling_reqs:

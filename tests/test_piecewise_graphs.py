@@ -16,7 +16,6 @@ from conftest import Trace, drive, greedy, tiny_llm
 # autouse fixture (re-exported so that it applies to this module's tests too).
 from test_kernels import _interpret  # noqa: F401
 
-from engine.attention.forward_context import ForwardContext, forward_context
 from engine.config import ConfigError, RunnerConfig
 from engine.llm_engine import LLMEngine
 from engine.piecewise_graphs import PiecewiseGraphRunner, piecewise_buckets
@@ -49,8 +48,7 @@ def _piecewise_logits(runner: ModelRunner, out: SchedulerOutput) -> torch.Tensor
     assert runner.piecewise is not None
     input_ids, positions, md, _ = runner.prepare(out)
     assert runner.piecewise.can_run(len(input_ids)), "the step must fit a bucket"
-    with forward_context(ForwardContext(md, runner.kv_caches, runner.kv_scale_values)):
-        hidden = runner.piecewise.run(input_ids, positions)
+    hidden = runner.piecewise.run(input_ids, positions, md)
     assert hidden.shape[0] == len(input_ids)
     return runner.model.compute_logits(hidden)
 

@@ -66,11 +66,25 @@ class TorchAttentionBackend:
         """q: [T, H, D], k/v: [T, Hkv, D] (this step's tokens, already rotated) → out [T, H, D].
 
         `rope` must be None (`fuses_rope` is False: the model rotates with its torch path)."""
+        self.write_kv(q, k, v, kv_cache, md.slot_mapping, kv_scale, rope=rope)
+        return self.attend(q, k, v, kv_cache, md, scale, kv_scale)
+
+    def write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 kv_scale: tuple[float, float] = (1.0, 1.0), *,
+                 rope: RopeInputs | None = None) -> None:
+        """The first half of `forward`: write k, v at `slot_mapping` (-1: not written)."""
         if rope is not None:
             raise ValueError("the torch attention backend does not fuse RoPE (fuses_rope is "
                              "False): rotate q and k before calling it and pass rope=None")
         scales = kv_scale if is_quantized(kv_cache) else (1.0, 1.0)
-        write_kv_torch(k, v, kv_cache, md.slot_mapping, *scales)
+        write_kv_torch(k, v, kv_cache, slot_mapping, *scales)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               md: AttentionMetadata, scale: float,
+               kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+        """The second half of `forward`: attention over the cache `write_kv` filled."""
+        scales = kv_scale if is_quantized(kv_cache) else (1.0, 1.0)
         out = torch.empty_like(q)
         nd = md.num_decodes
         if nd > 0:

@@ -49,16 +49,33 @@ class TritonAttentionBackend:
         """q: [T, H, D], k/v: [T, Hkv, D] → out [T, H, D]. Sequences are ordered decodes first.
 
         With `rope`, q and k arrive unrotated and are rotated in place; without, already rotated."""
+        self.write_kv(q, k, v, kv_cache, md.slot_mapping, kv_scale, rope=rope)
+        return self.attend(q, k, v, kv_cache, md, scale, kv_scale)
+
+    def write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 kv_scale: tuple[float, float] = (1.0, 1.0), *,
+                 rope: RopeInputs | None = None) -> None:
+        """The first half of `forward`: rotate q and k in place (given `rope`) and write k, v
+        at `slot_mapping` (-1: a padding row, not written). Reads no step layout from the host,
+        so piecewise CUDA graphs capture it."""
+        ks, vs = kv_scale if is_quantized(kv_cache) else (None, None)
+        if rope is None:
+            self._k.write_kv(k, v, kv_cache, slot_mapping, ks, vs)
+        else:
+            self._k.rotary_and_write_kv(rope.positions, q, k, v, rope.cos_sin_cache, kv_cache,
+                                        slot_mapping, ks, vs, is_neox=rope.is_neox)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               md: AttentionMetadata, scale: float,
+               kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+        """The second half of `forward`: attention over the cache `write_kv` filled (k and v
+        are read too: a fresh prompt's SDPA path attends to them directly)."""
         kern = self._k
         ks: float | None = None
         vs: float | None = None
         if is_quantized(kv_cache):
             ks, vs = kv_scale
-        if rope is None:
-            kern.write_kv(k, v, kv_cache, md.slot_mapping, ks, vs)
-        else:
-            kern.rotary_and_write_kv(rope.positions, q, k, v, rope.cos_sin_cache, kv_cache,
-                                     md.slot_mapping, ks, vs, is_neox=rope.is_neox)
         if md.uniform_query_len > 1 and self._verify_by_decode_kernel:
             # A verify step: the split decode kernel, uniform_query_len rows per sequence.
             return kern.paged_decode_attention(

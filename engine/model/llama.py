@@ -39,7 +39,22 @@ class AttentionBackend(Protocol):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float,
                 kv_scale: tuple[float, float] = (1.0, 1.0), *,
-                rope: RopeInputs | None = None) -> torch.Tensor: ...
+                rope: RopeInputs | None = None) -> torch.Tensor:
+        """`write_kv`, then `attend`."""
+        ...
+
+    def write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 kv_scale: tuple[float, float] = (1.0, 1.0), *,
+                 rope: RopeInputs | None = None) -> None:
+        """Rotate (given `rope`) and write this step's K/V at `slot_mapping` (-1: skipped)."""
+        ...
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               md: AttentionMetadata, scale: float,
+               kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+        """Attention over the cache `write_kv` filled."""
+        ...
 
 
 class LlamaAttention(nn.Module):
@@ -74,22 +89,42 @@ class LlamaAttention(nn.Module):
     def attention_output(self, positions: torch.Tensor, qkv: torch.Tensor,
                          md: AttentionMetadata | None = None) -> torch.Tensor:
         """RoPE + KV write and attention over the paged cache: [T, heads * head_dim], before the
-        O projection. The only part of a layer that reads the step's metadata (the piece that
-        piecewise CUDA graphs leave out: engine/piecewise_graphs.py)."""
+        O projection. The part of a layer that reads the step's metadata."""
         ctx = get_forward_context()
+        md = ctx.attn_metadata if md is None else md
+        kv_cache = ctx.kv_caches[self.layer_idx]
+        kv_scale = ctx.kv_scales[self.layer_idx] if ctx.kv_scales is not None else (1.0, 1.0)
+        q, k, v = self.rotate_and_write_kv(positions, qkv, kv_cache, md.slot_mapping, kv_scale)
+        return self.attend_cached(q, k, v, kv_cache, md, kv_scale)
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views [T, H, D], [T, Hkv, D], [T, Hkv, D] of a fused QKV projection [T, q + 2 kv]."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(-1, self.num_heads, self.head_dim)
-        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        return (q.reshape(-1, self.num_heads, self.head_dim),
+                k.reshape(-1, self.num_kv_heads, self.head_dim),
+                v.reshape(-1, self.num_kv_heads, self.head_dim))
+
+    def rotate_and_write_kv(self, positions: torch.Tensor, qkv: torch.Tensor,
+                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                            kv_scale: tuple[float, float]
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """RoPE on q and k and k, v into the cache at `slot_mapping`; returns (q, k, v) rotated:
+        views of `qkv` rotated in place when the backend fuses RoPE, new tensors otherwise.
+        Reads nothing else of the step, so piecewise CUDA graphs capture it with the layers."""
+        q, k, v = self.split_qkv(qkv)
         rope: RopeInputs | None = None
         if self.backend.fuses_rope:  # RotaryEmbedding is neox style
             rope = RopeInputs(positions, self.rope.cos_sin_cache, is_neox=True)
         else:
             q, k = self.rope(positions, q, k)
-        kv_scale = ctx.kv_scales[self.layer_idx] if ctx.kv_scales is not None else (1.0, 1.0)
-        o = self.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx],
-                                 ctx.attn_metadata if md is None else md, self.scale, kv_scale,
-                                 rope=rope)
+        self.backend.write_kv(q, k, v, kv_cache, slot_mapping, kv_scale, rope=rope)
+        return q, k, v
+
+    def attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      kv_cache: torch.Tensor, md: AttentionMetadata,
+                      kv_scale: tuple[float, float]) -> torch.Tensor:
+        """Attention after `rotate_and_write_kv`: [T, heads * head_dim]."""
+        o = self.backend.attend(q, k, v, kv_cache, md, self.scale, kv_scale)
         return o.reshape(-1, self.q_size)
 
 
