@@ -248,16 +248,16 @@ class RunnerConfig:
     # them and small ops get ~100x slower.
     cpu_threads: int | None = None
     # Steps in which every request computes at most this many tokens (a short prompt, a prompt's
-    # tail after a prefix-cache hit, decodes beside them) replay a CUDA graph of this many query
-    # rows per request instead of running eagerly, whose Python launches cost 15-35 ms per step
-    # on the H200's hosts for an 8B model (16: a 16-token prompt's first token 16.5 -> 6.2 ms;
-    # docs/performance.md, "Short prompts"). Off (0) by default: with them on, decode ITL at
-    # batches 8-64 measured ~0.1 ms higher, for a reason not found. Not captured by a
-    # decode-role worker (it computes no prompts).
+    # tail after a prefix-cache hit, decodes beside them) replay one CUDA graph of this many query
+    # rows per request (16: a 16-token prompt's first token 16.5 -> 6.2 ms eager on the H200).
+    # Off (0) by default: the piecewise graphs below do better (5.3 ms; docs/performance.md,
+    # "Piecewise CUDA graphs"). Not captured by a decode-role worker (it computes no prompts).
     prefill_graph_tokens: int = 0
     # Other steps of at most this many tokens (prompts and chunks, decodes beside them) replay
-    # piecewise CUDA graphs: each layer's norms and matmuls from a graph per token-count bucket,
-    # attention launched eagerly between them (engine/piecewise_graphs.py). 0: off.
+    # piecewise CUDA graphs: each layer's norms, matmuls, RoPE and KV write from a graph per
+    # token-count bucket, attention launched eagerly between them (engine/piecewise_graphs.py).
+    # On the H200 (8B): a prompt's first token 15-17 ms eager -> 5.3-12.2 ms for 5-512 tokens.
+    # 0: off.
     piecewise_graph_max_tokens: int = 512
 
     def validate(self) -> None:

@@ -4,8 +4,9 @@ Buckets 1, 2, 4, 8, then every 8 up to the max decode batch, share one memory po
 n decodes replays the smallest bucket >= n: inputs are copied into static buffers (padding rows
 write no KV: slot -1) and the graph runs the model *and* the LM head, so a greedy decode step is
 one replay plus one argmax. Buckets from `decode_overlap_min_batch` up are captured as two
-micro-batches on two streams (engine/model/overlap.py). Anything else (prefill chunks, batches
-over the largest bucket) runs eagerly.
+micro-batches on two streams (engine/model/overlap.py). Steps with prompt tokens go to the
+piecewise graphs (engine/piecewise_graphs.py) when they fit, else eagerly. The decode graphs are
+captured after every other set (`ModelRunner._capture_graphs` says why).
 
 Speculative decoding's verify steps get a second set (`q_len` = 1 + the engine's drafts per
 step): every sequence owns `q_len` query rows, its last known token, its drafts, then padding
