@@ -28,6 +28,7 @@ def test_cuda_graph_max_batch_flag_reaches_the_runner_config() -> None:
 BAD_FLAG_VALUES = [
     *(("--cuda-graph-max-batch", bad) for bad in ("0", "-8", "many")),
     *(("--prefill-graph-tokens", bad) for bad in ("1", "33", "-4", "some")),
+    *(("--piecewise-graph-max-tokens", bad) for bad in ("8", "4096", "-16", "lots")),
     *(("--gc-threshold", bad) for bad in ("700,10", "700,10,-1", "a,b,c", "1,2,3,4")),
 ]
 
@@ -55,6 +56,18 @@ def test_prefill_graph_tokens_flag_reaches_the_runner_config() -> None:
 def test_llm_refuses_bad_prefill_graph_tokens(bad: int) -> None:
     with pytest.raises(ConfigError, match="prefill_graph_tokens"):
         LLM(model="dummy:tiny", dtype="float32", max_model_len=256, prefill_graph_tokens=bad)
+
+
+def test_piecewise_graph_max_tokens_flag_reaches_the_runner_config() -> None:
+    assert engine_config_from_args(_parse()).runner.piecewise_graph_max_tokens == 512  # on
+    for value in (0, 16, 100, 2048):
+        cfg = engine_config_from_args(_parse("--piecewise-graph-max-tokens", str(value)))
+        assert cfg.runner.piecewise_graph_max_tokens == value
+
+
+def test_llm_refuses_bad_piecewise_graph_max_tokens() -> None:
+    with pytest.raises(ConfigError, match="piecewise_graph_max_tokens"):
+        LLM(model="dummy:tiny", dtype="float32", max_model_len=256, piecewise_graph_max_tokens=8)
 
 
 def test_gc_threshold_flag_reaches_the_scheduler_config() -> None:

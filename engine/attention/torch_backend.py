@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.attention.backend import PagedAttentionBackend
 from engine.attention.forward_context import AttentionMetadata, RopeInputs
 from engine.attention.kv_quant import dequantize_kv, is_quantized, quantize_kv
 
@@ -50,7 +51,7 @@ def _gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int,
     return kv[0], kv[1]
 
 
-class TorchAttentionBackend:
+class TorchAttentionBackend(PagedAttentionBackend):
     """Reference backend; a quantized (fp8 or int8) cache is quantized on write and dequantized
     on read with the layer's `kv_scale` (k_scale, v_scale). Does not fuse RoPE: q and k arrive rotated."""
 
@@ -58,16 +59,6 @@ class TorchAttentionBackend:
     fuses_rope = False
     # Reads lengths and masks back to the host (per-sequence loops): eager only.
     captures_cuda_graphs = False
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                md: AttentionMetadata, scale: float,
-                kv_scale: tuple[float, float] = (1.0, 1.0), *,
-                rope: RopeInputs | None = None) -> torch.Tensor:
-        """q: [T, H, D], k/v: [T, Hkv, D] (this step's tokens, already rotated) → out [T, H, D].
-
-        `rope` must be None (`fuses_rope` is False: the model rotates with its torch path)."""
-        self.write_kv(q, k, v, kv_cache, md.slot_mapping, kv_scale, rope=rope)
-        return self.attend(q, k, v, kv_cache, md, scale, kv_scale)
 
     def write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: torch.Tensor, slot_mapping: torch.Tensor,

@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from engine.attention.backend import PagedAttentionBackend
 from engine.attention.forward_context import AttentionMetadata, RopeInputs
 from engine.attention.kv_quant import is_quantized
 from engine.attention.prefill_plan import plan_prefill
@@ -27,7 +28,7 @@ from engine.attention.sdpa_prefill import (
 )
 
 
-class TritonAttentionBackend:
+class TritonAttentionBackend(PagedAttentionBackend):
     """GPU backend; a quantized cache uses the layer's `kv_scale` (k_scale, v_scale). Fuses RoPE
     into the KV write: given `rope`, it rotates q and k (in place) itself."""
 
@@ -41,16 +42,6 @@ class TritonAttentionBackend:
         self._k = kernels
         self._fresh_prefill_sdpa = fresh_prefill_enabled()
         self._verify_by_decode_kernel = verify_by_decode_kernel()
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                md: AttentionMetadata, scale: float,
-                kv_scale: tuple[float, float] = (1.0, 1.0), *,
-                rope: RopeInputs | None = None) -> torch.Tensor:
-        """q: [T, H, D], k/v: [T, Hkv, D] → out [T, H, D]. Sequences are ordered decodes first.
-
-        With `rope`, q and k arrive unrotated and are rotated in place; without, already rotated."""
-        self.write_kv(q, k, v, kv_cache, md.slot_mapping, kv_scale, rope=rope)
-        return self.attend(q, k, v, kv_cache, md, scale, kv_scale)
 
     def write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_cache: torch.Tensor, slot_mapping: torch.Tensor,

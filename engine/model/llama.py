@@ -8,11 +8,12 @@ step's metadata and KV cache from the forward context. QKV and gate/up projectio
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol, cast
+from typing import cast
 
 import torch
 from torch import nn
 
+from engine.attention.backend import PagedAttentionBackend
 from engine.attention.forward_context import AttentionMetadata, RopeInputs, get_forward_context
 from engine.config import ModelConfig
 from engine.model.layers import Linear, RMSNorm, RotaryEmbedding, gemv_enabled, silu_and_mul
@@ -23,38 +24,8 @@ class MissingWeightsError(ValueError):
     """A checkpoint lacks parameters the model needs (names listed) or has unknown ones."""
 
 
-class AttentionBackend(Protocol):
-    """What a backend provides (engine/attention/{torch,triton}_backend.py): write this step's
-    K/V into the paged cache, then attend. Mutates `kv_cache` only, and q and k when given `rope`.
-
-    A backend with `fuses_rope` rotates q and k itself (fused with its KV write): the model then
-    passes `rope` and unrotated q, k. Otherwise q and k arrive rotated and `rope` is None.
-    A backend with `captures_cuda_graphs` never reads device values on the host, so a decode
-    step through it can be captured in a CUDA graph."""
-
-    name: str
-    fuses_rope: bool
-    captures_cuda_graphs: bool
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                md: AttentionMetadata, scale: float,
-                kv_scale: tuple[float, float] = (1.0, 1.0), *,
-                rope: RopeInputs | None = None) -> torch.Tensor:
-        """`write_kv`, then `attend`."""
-        ...
-
-    def write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                 kv_scale: tuple[float, float] = (1.0, 1.0), *,
-                 rope: RopeInputs | None = None) -> None:
-        """Rotate (given `rope`) and write this step's K/V at `slot_mapping` (-1: skipped)."""
-        ...
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-               md: AttentionMetadata, scale: float,
-               kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
-        """Attention over the cache `write_kv` filled."""
-        ...
+# What a backend provides (engine/attention/backend.py): the model calls `write_kv` and `attend`.
+AttentionBackend = PagedAttentionBackend
 
 
 class LlamaAttention(nn.Module):
