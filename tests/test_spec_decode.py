@@ -22,6 +22,7 @@ from engine import LLM, SamplingParams
 from engine.config import ConfigError, SpeculativeConfig
 from engine.llm_engine import EngineInputError
 from engine.outputs import StepOutput
+from engine.piecewise_graphs import PiecewiseGraphRunner
 from engine.request import Request
 from engine.sampler import filter_probs
 from engine.spec import SequenceProposer
@@ -201,6 +202,22 @@ def test_ngram_greedy_matches_plain_decoding(tiny_model_dirs: dict[str, Path],
     sched = llm.engine.scheduler
     assert sched.num_draft_tokens > 0  # the loops in the prompts were found and verified
     assert 0 <= sched.num_accepted_tokens <= sched.num_draft_tokens
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_verify_steps_through_piecewise_pieces_match_plain_decoding(
+        tiny_model_dirs: dict[str, Path], plain: dict[str, list[int]], padded: bool) -> None:
+    """Verify steps that no verify graph takes run through the piecewise graphs' pieces (here
+    uncaptured, on the CPU): ragged, and laid out as the verify graphs lay them out."""
+    llm = _spec_llm(tiny_model_dirs["llama"], padded)
+    runner = llm.engine.runner
+    pieces = runner.piecewise = PiecewiseGraphRunner(runner, 128, capture=False)
+    outs, steps = _run(llm, _greedy(24, 17, 30, 9, 21))
+    assert _tokens(outs) == plain
+    assert llm.engine.scheduler.num_draft_tokens > 0
+    assert pieces.num_steps == steps  # every step fits 128 tokens
+    assert (runner.num_uniform_verify_steps > 0) == padded
+    llm.engine.scheduler.check_integrity()
 
 
 @pytest.mark.parametrize("padded", [False, True])
