@@ -17,7 +17,9 @@ kernels an eager step runs: `LlamaAttention.attend_cached`) on its real rows and
 next piece. Pieces read and write static buffers of the largest bucket; rows past the step's
 tokens are padding: their KV slot is -1 (not written), and every other op in a piece works row
 by row, so padding never reaches a real row (attention, the one op across rows, never sees
-it). vLLM V1's piecewise graphs (torch.compile split at attention) are the same idea.
+it). vLLM V1's piecewise graphs (torch.compile split at attention) are the same idea. On the
+H200 (8B, bf16) a prompt's first token went from 15-17 ms eager to 5.3 ms (16 tokens), 6.2 ms
+(128) and 12.2 ms (512) (docs/performance.md, "Piecewise CUDA graphs").
 
 All pieces of all buckets share one graph pool: they are captured and replayed in the same
 order, and each piece's own temporaries are dead once it has copied its results into the
