@@ -375,7 +375,7 @@ def test_engine_short_prompt_steps_take_the_prefill_graph_layout(
     ref = tiny_llm(tiny_model_dirs["llama"], max_model_len=64)
     want = {}
     for rid, prompt in prompts.items():
-        ref.engine.add_request(rid, prompt, greedy(6))
+        ref.engine.add_request(rid, prompt, greedy(3))
         want[rid] = run_to_end(ref.engine)[rid].request.output_token_ids
 
     query_lens = _record_decode_query_lens(monkeypatch)
@@ -394,7 +394,7 @@ def test_engine_short_prompt_steps_take_the_prefill_graph_layout(
     def steps_taken(rid: str) -> tuple[int, list[int]]:
         """Add `rid`, run one step; (prefill graph steps it added, query lens it launched)."""
         before, seen = runner.num_prefill_graph_steps, len(query_lens)
-        engine.add_request(rid, prompts[rid], greedy(6))
+        engine.add_request(rid, prompts[rid], greedy(3))
         step()
         return runner.num_prefill_graph_steps - before, query_lens[seen:]
 
