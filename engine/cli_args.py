@@ -4,6 +4,7 @@ from the config dataclasses, never restated here."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
@@ -38,26 +39,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _prefill_graph_tokens(text: str) -> int:
-    """RunnerConfig's own rule, refused at the flag."""
-    try:
-        value = int(text)
-        RunnerConfig(prefill_graph_tokens=value).validate()
-    except (ValueError, ConfigError):
-        raise argparse.ArgumentTypeError(
-            f"must be 0 (off) or in [2, {MAX_PREFILL_GRAPH_TOKENS}], got {text!r}") from None
-    return value
-
-
-def _piecewise_graph_max_tokens(text: str) -> int:
-    """RunnerConfig's own rule, refused at the flag."""
-    try:
-        value = int(text)
-        RunnerConfig(piecewise_graph_max_tokens=value).validate()
-    except (ValueError, ConfigError):
-        raise argparse.ArgumentTypeError(
-            f"must be 0 (off) or in [16, {MAX_PIECEWISE_GRAPH_TOKENS}], got {text!r}") from None
-    return value
+def _runner_int(field: str, allowed: str) -> Callable[[str], int]:
+    """A flag type for the integer RunnerConfig field `field`: RunnerConfig's own rule, refused
+    at the flag (`allowed` words the rule for the message)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+            changes: dict[str, Any] = {field: value}
+            RunnerConfig(**changes).validate()
+        except (ValueError, ConfigError):
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}") from None
+        return value
+    return parse
 
 
 def _gc_threshold(text: str) -> tuple[int, int, int] | None:
@@ -120,12 +113,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=_default(RunnerConfig, "cuda_graph_max_batch"),
                    help="largest decode batch captured in a CUDA graph (capped at "
                         "--max-num-seqs); larger decode steps run eagerly")
-    g.add_argument("--prefill-graph-tokens", type=_prefill_graph_tokens,
+    g.add_argument("--prefill-graph-tokens",
+                   type=_runner_int("prefill_graph_tokens",
+                                    f"0 (off) or in [2, {MAX_PREFILL_GRAPH_TOKENS}]"),
                    default=_default(RunnerConfig, "prefill_graph_tokens"),
                    help="steps in which every request computes at most this many tokens (short "
                         "prompts, prompt tails after a prefix-cache hit) replay a CUDA graph "
                         "instead of running eagerly (e.g. 16; default 0: off)")
-    g.add_argument("--piecewise-graph-max-tokens", type=_piecewise_graph_max_tokens,
+    g.add_argument("--piecewise-graph-max-tokens",
+                   type=_runner_int("piecewise_graph_max_tokens",
+                                    f"0 (off) or in [16, {MAX_PIECEWISE_GRAPH_TOKENS}]"),
                    default=_default(RunnerConfig, "piecewise_graph_max_tokens"),
                    help="other steps of at most this many tokens (prompts and chunks, decodes "
                         "beside them) replay each layer's norms and matmuls from CUDA graphs, "

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from engine.attention.forward_context import AttentionMetadata
+from engine.attention.forward_context import AttentionMetadata, layer_kv_scale
 
 if TYPE_CHECKING:
     from engine.model.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -66,7 +66,6 @@ class PiecewiseGraphRunner:
 
     def __init__(self, runner: ModelRunner, max_tokens: int, pool: Any = None,
                  capture: bool = True) -> None:
-        self.runner = runner
         self.model = cast("LlamaForCausalLM", runner.model)
         self.layers = cast("list[LlamaDecoderLayer]", list(self.model.layers))
         self.buckets = piecewise_buckets(max_tokens)
@@ -82,6 +81,10 @@ class PiecewiseGraphRunner:
         self.attn = torch.zeros(n, q_size, dtype=dtype, device=dev)
         self.residual = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=dev)
         self.hidden = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=dev)
+        # Per layer: its cache and (k_scale, v_scale), fixed for the engine's life.
+        self.kv_caches = runner.kv_caches
+        self.kv_scales = [layer_kv_scale(runner.kv_scale_values, i)
+                          for i in range(len(self.layers))]
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.pool: Any = pool
         self.num_steps = 0
@@ -105,10 +108,8 @@ class PiecewiseGraphRunner:
         self.qkv[:t].copy_(qkv)
         self.residual[:t].copy_(residual)
         attn = self.layers[i].self_attn
-        r = self.runner
-        kv_scale = r.kv_scale_values[i] if r.kv_scale_values is not None else (1.0, 1.0)
-        q, k, _ = attn.rotate_and_write_kv(self.positions[:t], self.qkv[:t], r.kv_caches[i],
-                                           self.slot_mapping[:t], kv_scale)
+        q, k, _ = attn.rotate_and_write_kv(self.positions[:t], self.qkv[:t], self.kv_caches[i],
+                                           self.slot_mapping[:t], self.kv_scales[i])
         q_buf, k_buf, _ = attn.split_qkv(self.qkv[:t])
         if q.data_ptr() != q_buf.data_ptr():  # rotated out of place (a backend without RoPE)
             q_buf.copy_(q)
@@ -164,20 +165,12 @@ class PiecewiseGraphRunner:
         self.slot_mapping[:num_tokens].copy_(md.slot_mapping, non_blocking=True)
         if t > num_tokens:
             self.slot_mapping[num_tokens:t].fill_(-1)  # padding rows write no KV
-        replay = self.graphs[t] if self.use_graphs else None
-        pieces = self._pieces(t) if replay is None else None
-        r = self.runner
-        for i in range(len(self.layers) + 1):
-            if replay is not None:
-                replay[i].replay()
-            else:
-                assert pieces is not None
-                pieces[i]()
-            if i < len(self.layers):
-                attn = self.layers[i].self_attn
-                q, k, v = attn.split_qkv(self.qkv[:num_tokens])
-                kv_scale = r.kv_scale_values[i] if r.kv_scale_values is not None else (1.0, 1.0)
-                o = attn.attend_cached(q, k, v, r.kv_caches[i], md, kv_scale)
-                self.attn[:num_tokens].copy_(o)
+        pieces = ([g.replay for g in self.graphs[t]] if self.use_graphs else self._pieces(t))
+        for i, layer in enumerate(self.layers):
+            pieces[i]()
+            q, k, v = layer.self_attn.split_qkv(self.qkv[:num_tokens])
+            o = layer.self_attn.attend_cached(q, k, v, self.kv_caches[i], md, self.kv_scales[i])
+            self.attn[:num_tokens].copy_(o)
+        pieces[-1]()
         self.num_steps += 1
         return self.hidden[:num_tokens]

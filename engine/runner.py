@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from engine.attention.backend import PagedAttentionBackend
 from engine.attention.forward_context import (
     AttentionMetadata,
     ForwardContext,
@@ -43,7 +44,7 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
 from engine.kernels._checks import is_quantized_kv
 from engine.model.layers import RotaryEmbedding
-from engine.model.llama import AttentionBackend, LlamaForCausalLM
+from engine.model.llama import LlamaForCausalLM
 from engine.model.overlap import MicroBatchStreams
 from engine.model.quant import apply_fp8_w8a8, apply_int8_weight_only, check_fp8_supported
 from engine.piecewise_graphs import MIN_PIECEWISE_BUCKET, PiecewiseGraphRunner
@@ -105,7 +106,7 @@ def check_decode_overlap(min_batch: int) -> int:
     return min_batch
 
 
-def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+def make_attention_backend(name: str, device: torch.device) -> PagedAttentionBackend:
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
@@ -117,7 +118,7 @@ def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
 
 
 def captures_cuda_graphs(device: torch.device, enforce_eager: bool,
-                         backend: AttentionBackend) -> bool:
+                         backend: PagedAttentionBackend) -> bool:
     """Whether decode steps are captured in CUDA graphs: on CUDA unless `enforce_eager`, and
     only through a backend that can be captured (the torch backend reads device values back
     to the host, which a capture forbids: that engine runs eagerly, with a warning)."""

@@ -81,6 +81,15 @@ class ForwardContext:
     # Python floats: constant for an engine's life, so CUDA graphs bake them in.
     kv_scales: list[tuple[float, float]] | None = None
 
+    def kv_scale(self, layer: int) -> tuple[float, float]:
+        return layer_kv_scale(self.kv_scales, layer)
+
+
+def layer_kv_scale(kv_scales: list[tuple[float, float]] | None, layer: int
+                   ) -> tuple[float, float]:
+    """Layer `layer`'s (k_scale, v_scale); (1.0, 1.0) for an unquantized cache."""
+    return kv_scales[layer] if kv_scales is not None else (1.0, 1.0)
+
 
 class _Local(threading.local):
     current: ForwardContext | None = None

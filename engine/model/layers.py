@@ -103,7 +103,7 @@ class RotaryEmbedding(nn.Module):
     """Neox-style RoPE (rotate halves) with a precomputed cos/sin cache [max_pos, D].
 
     `forward` is the torch path (the reference backend); the Triton backend reads the table and
-    rotates inside its fused RoPE + KV-write kernel (`AttentionBackend.fuses_rope`)."""
+    rotates inside its fused RoPE + KV-write kernel (`PagedAttentionBackend.fuses_rope`)."""
 
     cos_sin_cache: torch.Tensor
 

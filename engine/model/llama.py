@@ -24,13 +24,9 @@ class MissingWeightsError(ValueError):
     """A checkpoint lacks parameters the model needs (names listed) or has unknown ones."""
 
 
-# What a backend provides (engine/attention/backend.py): the model calls `write_kv` and `attend`.
-AttentionBackend = PagedAttentionBackend
-
-
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, rope: RotaryEmbedding,
-                 backend: AttentionBackend, use_triton: bool = False) -> None:
+                 backend: PagedAttentionBackend, use_triton: bool = False) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = cfg.num_attention_heads
@@ -64,7 +60,7 @@ class LlamaAttention(nn.Module):
         ctx = get_forward_context()
         md = ctx.attn_metadata if md is None else md
         kv_cache = ctx.kv_caches[self.layer_idx]
-        kv_scale = ctx.kv_scales[self.layer_idx] if ctx.kv_scales is not None else (1.0, 1.0)
+        kv_scale = ctx.kv_scale(self.layer_idx)
         q, k, v = self.rotate_and_write_kv(positions, qkv, kv_cache, md.slot_mapping, kv_scale)
         return self.attend_cached(q, k, v, kv_cache, md, kv_scale)
 
@@ -117,7 +113,7 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, rope: RotaryEmbedding,
-                 backend: AttentionBackend, use_triton: bool) -> None:
+                 backend: PagedAttentionBackend, use_triton: bool) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx, rope, backend, use_triton)
         self.mlp = LlamaMLP(cfg, use_triton)
@@ -177,7 +173,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_position: int,
+    def __init__(self, cfg: ModelConfig, backend: PagedAttentionBackend, max_position: int,
                  use_triton: bool = False) -> None:
         super().__init__()
         self.config = cfg
