@@ -12,6 +12,10 @@ process. Variants:
     side_wait       the streams wait on each other, no kernel
     side_copy_d2d   a device-to-device copy (copy engine) on the capture stream
     side_copy_h2d   a pinned host-to-device copy on the capture stream
+    kv_copy         the runner's own KV handoff copy (`copy_blocks_from`, 4 blocks)
+    kv_read         the runner's own leased-block read (`read_leased_blocks`, 4 blocks)
+
+`--engine-stream` builds and runs the engine on a stream of its own instead of the default one.
 
 Usage: PYTHONPATH=. python3 bench/probe_stream_cost.py --variant side_kernel --out F
 """
@@ -29,7 +33,7 @@ from bench import probe_ttft
 from bench.results import git_info
 
 VARIANTS = ("none", "side_kernel", "new_stream", "side_alloc", "side_wait", "side_copy_d2d",
-            "side_copy_h2d")
+            "side_copy_h2d", "kv_copy", "kv_read")
 
 
 def main() -> int:
@@ -41,12 +45,16 @@ def main() -> int:
     p.add_argument("--piecewise-graph-max-tokens", type=int, default=None,
                    help="the engine's piecewise graphs (default: the engine's; 0: off)")
     p.add_argument("--prefill-graph-tokens", type=int, default=0)
+    p.add_argument("--engine-stream", action="store_true",
+                   help="build and step the engine on a stream of its own")
     args = p.parse_args()
 
     import torch
 
     from engine import SamplingParams
 
+    if args.engine_stream:
+        torch.cuda.set_stream(torch.cuda.Stream())
     llm = probe_ttft.build_llm(args.model, args.prefill_graph_tokens,
                                args.piecewise_graph_max_tokens)
     engine, runner = llm.engine, llm.engine.runner
@@ -91,15 +99,22 @@ def main() -> int:
     elif v == "side_copy_h2d":
         with torch.cuda.stream(side):
             x.copy_(host, non_blocking=True)
+    elif v in ("kv_copy", "kv_read"):
+        last = runner.kv_cache.shape[2] - 1  # blocks no request of this probe holds
+        if v == "kv_copy":
+            runner.copy_blocks_from([last - i for i in range(4)], runner.kv_cache,
+                                    [last - 4 - i for i in range(4)])
+        else:
+            runner.read_leased_blocks([last - i for i in range(4)])
     torch.cuda.synchronize()
     after = [decode_gap_ms(), decode_gap_ms()]
     doc = {**git_info(), "gpu": torch.cuda.get_device_name(), "model": args.model,
-           "variant": v, "piecewise_graph_max_tokens":
+           "variant": v, "engine_stream": args.engine_stream, "piecewise_graph_max_tokens":
                engine.config.runner.piecewise_graph_max_tokens,
            "prefill_graph_tokens": args.prefill_graph_tokens,
            "decode_gap_ms_before": before, "decode_gap_ms_after": after}
     Path(args.out).write_text(json.dumps(doc, indent=1))
-    print(f"{v}: batch-8 decode step {statistics.mean(before):.3f} -> "
+    print(f"{v}{' (engine stream)' if args.engine_stream else ''}: batch-8 decode step {statistics.mean(before):.3f} -> "
           f"{statistics.mean(after):.3f} ms")
     return 0
 
