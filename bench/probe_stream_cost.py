@@ -12,6 +12,8 @@ process. Variants:
     side_wait       the streams wait on each other, no kernel
     side_copy_d2d   a device-to-device copy (copy engine) on the capture stream
     side_copy_h2d   a pinned host-to-device copy on the capture stream
+    side_graph      a one-kernel CUDA graph (captured on a new stream) replayed on that stream
+    thread_kernel   three in-place kernels on the engine's stream from another thread
     kv_copy         the runner's own KV handoff copy (`copy_blocks_from`, 4 blocks)
     kv_read         the runner's own leased-block read (`read_leased_blocks`, 4 blocks)
 
@@ -26,6 +28,7 @@ import argparse
 import json
 import random
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -33,7 +36,7 @@ from bench import probe_ttft
 from bench.results import git_info
 
 VARIANTS = ("none", "side_kernel", "new_stream", "side_alloc", "side_wait", "side_copy_d2d",
-            "side_copy_h2d", "kv_copy", "kv_read")
+            "side_copy_h2d", "side_graph", "thread_kernel", "kv_copy", "kv_read")
 
 
 def main() -> int:
@@ -99,6 +102,24 @@ def main() -> int:
     elif v == "side_copy_h2d":
         with torch.cuda.stream(side):
             x.copy_(host, non_blocking=True)
+    elif v == "side_graph":
+        other = torch.cuda.Stream()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=other):
+            x.mul_(1)
+        with torch.cuda.stream(other):
+            graph.replay()
+    elif v == "thread_kernel":
+        engine_stream = torch.cuda.current_stream()
+
+        def launch() -> None:
+            with torch.cuda.stream(engine_stream):
+                for _ in range(3):
+                    x.mul_(1)
+
+        worker = threading.Thread(target=launch)
+        worker.start()
+        worker.join()
     elif v in ("kv_copy", "kv_read"):
         last = runner.kv_cache.shape[2] - 1  # blocks no request of this probe holds
         if v == "kv_copy":

@@ -17,6 +17,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from engine.llm_engine import LLMEngine
 from engine.outputs import StepOutput
 from engine.request import RemoteKv
@@ -180,6 +182,8 @@ class AsyncEngine:
 
     def _run(self) -> None:
         eng = self.engine
+        if eng.runner.step_stream is not None:  # this thread's own current stream is the default
+            torch.cuda.set_stream(eng.runner.step_stream)
         checked = False  # integrity is checked once per idle period (it is O(num_blocks))
         try:
             while not self._stopped.is_set():

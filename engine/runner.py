@@ -16,7 +16,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -243,6 +243,13 @@ class ModelRunner:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # the full-precision weights just freed
         self.sampler = Sampler()
+        # The stream this runner's steps and graph replays run on: the one current where it was
+        # built (AsyncEngine's thread makes it current there too). KV written into this cache
+        # from other threads goes on it as well, never on a side stream: a kernel on any other
+        # stream, once the decode graphs are captured, slows every later decode step
+        # (`copy_blocks_from`).
+        self.step_stream: torch.cuda.Stream | None = (
+            torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None)
         self._copy_stream: torch.cuda.Stream | None = None  # read_leased_blocks' side stream
         # The last launched step's sampled tokens (on the device) and their row per request.
         self._last_tokens: torch.Tensor | None = None
@@ -730,8 +737,9 @@ class ModelRunner:
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """→ CPU tensor [n, num_layers, 2, block_size, Hkv, D] in the cache dtype (a copy; fp8 and
         int8 blocks are the stored values: multiply by `kv_scales` [L, 2] to get K/V)."""
-        blocks = self._gather_blocks(torch.tensor(block_ids, dtype=torch.long, device=self.device))
-        host = blocks.to("cpu").contiguous()
+        with self._on_step_stream():
+            idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+            host = self._gather_blocks(idx).to("cpu").contiguous()
         return host.view(self.kv_dtype) if self.kv_is_quantized else host
 
     def _gather_blocks(self, idx: torch.Tensor) -> torch.Tensor:
@@ -762,12 +770,17 @@ class ModelRunner:
         """Blocks `src_block_ids` of another cache of this layout on this device (another
         process's, mapped through CUDA IPC) → this cache's `block_ids`; returns when done.
 
-        The copy runs on the side stream: the destination blocks belong to a load no step reads
-        before it completes, and the source blocks are leased (nobody writes them)."""
-        copy_cache_blocks(self.kv_cache, block_ids, src_cache, src_block_ids, self._side_stream())
+        The copy runs on the step stream, after the steps already queued there, so the caller
+        waits for those too (a step or two). On a side stream it would not wait, but measured
+        +0.14 ms on every later batch-8 decode step of this process after the first handoff
+        (bench/probe_stream_cost.py --variant kv_copy, docs/performance.md "One stream after
+        the decode graphs"): a decode worker would pay that on every step for a few
+        milliseconds saved once per request."""
+        copy_cache_blocks(self.kv_cache, block_ids, src_cache, src_block_ids, self.step_stream)
 
     def _side_stream(self) -> torch.cuda.Stream | None:
-        """The stream KV handoff copies run on beside the engine's steps (None on a CPU)."""
+        """The stream `read_leased_blocks` runs on beside the engine's steps (None on a CPU).
+        Only a prefill worker reads leased blocks, and its steps are not decode graphs."""
         if self.device.type != "cuda":
             return None
         if self._copy_stream is None:
@@ -785,19 +798,26 @@ class ModelRunner:
         expected = (len(block_ids), *self.kv_shape_per_block)
         if tuple(blocks.shape) != expected:
             raise ValueError(f"KV blocks have shape {tuple(blocks.shape)}, expected {expected}")
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        if self.kv_is_quantized:
-            raw = self._quantize_blocks(blocks, scales).to(self.device, non_blocking=True)
-            self.kv_cache.view(torch.uint8).index_copy_(2, idx, raw.permute(1, 2, 0, 3, 4, 5))
-        else:
-            if scales is not None:
-                raise ValueError(f"scales are only for fp8 and int8 KV caches, this one is "
-                                 f"{self.kv_dtype}")
-            src = blocks.to(self.device, self.dtype, non_blocking=True).permute(1, 2, 0, 3, 4, 5)
-            self.kv_cache.index_copy_(2, idx, src)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
+        with self._on_step_stream():  # in order with the steps (step_stream says why)
+            idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+            if self.kv_is_quantized:
+                raw = self._quantize_blocks(blocks, scales).to(self.device, non_blocking=True)
+                self.kv_cache.view(torch.uint8).index_copy_(2, idx,
+                                                            raw.permute(1, 2, 0, 3, 4, 5))
+            else:
+                if scales is not None:
+                    raise ValueError(f"scales are only for fp8 and int8 KV caches, this one is "
+                                     f"{self.kv_dtype}")
+                src = blocks.to(self.device, self.dtype, non_blocking=True)
+                self.kv_cache.index_copy_(2, idx, src.permute(1, 2, 0, 3, 4, 5))
+        if self.step_stream is not None:
+            self.step_stream.synchronize()  # `blocks` may be a staging buffer reused after
 
+    def _on_step_stream(self) -> contextlib.AbstractContextManager[Any]:
+        """Makes `step_stream` current in a thread other than the engine's (a no-op on a CPU)."""
+        if self.step_stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self.step_stream)
 
     def _quantize_blocks(self, blocks: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
         """blocks [n, L, 2, bs, Hkv, D] → the uint8 bytes of this cache's values (fp8 or int8)
