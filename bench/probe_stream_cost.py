@@ -55,6 +55,7 @@ def main() -> int:
     import torch
 
     from engine import SamplingParams
+    from engine.kv.dma_copy import dma_available
 
     if args.engine_stream:
         torch.cuda.set_stream(torch.cuda.Stream())
@@ -84,6 +85,7 @@ def main() -> int:
     x = torch.zeros(16, 4096, device="cuda", dtype=torch.bfloat16)
     host = torch.zeros(16, 4096, dtype=torch.bfloat16, pin_memory=True)
     v = args.variant
+    extra: dict[str, object] = {}
     if v in ("side_kernel", "new_stream"):
         with torch.cuda.stream(side if v == "side_kernel" else torch.cuda.Stream()):
             for _ in range(3):
@@ -121,22 +123,33 @@ def main() -> int:
         worker.start()
         worker.join()
     elif v in ("kv_copy", "kv_read"):
-        last = runner.kv_cache.shape[2] - 1  # blocks no request of this probe holds
+        # Blocks no request of this probe holds, filled with random values first; the copy's
+        # destinations run backwards, so every block is a run of its own.
+        last = runner.kv_cache.shape[2] - 1
+        src_ids, dst_ids = [last - 7, last - 6, last - 5, last - 4], [last - i for i in range(4)]
+        cache = runner.kv_cache.view(torch.uint8)
+        cache[:, :, src_ids] = torch.randint_like(cache[:, :, src_ids], 0, 256)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
         if v == "kv_copy":
-            runner.copy_blocks_from([last - i for i in range(4)], runner.kv_cache,
-                                    [last - 4 - i for i in range(4)])
+            runner.copy_blocks_from(dst_ids, runner.kv_cache, src_ids)
+            exact = torch.equal(cache[:, :, dst_ids], cache[:, :, src_ids])
         else:
-            runner.read_leased_blocks([last - i for i in range(4)])
+            host = runner.read_leased_blocks(src_ids)
+            exact = torch.equal(host.view(torch.uint8),
+                                cache[:, :, src_ids].permute(2, 0, 1, 3, 4, 5).cpu())
+        extra = {"copy_ms": (time.perf_counter() - t0) * 1e3, "copy_exact": exact,
+                 "dma": dma_available()}
     torch.cuda.synchronize()
     after = [decode_gap_ms(), decode_gap_ms()]
     doc = {**git_info(), "gpu": torch.cuda.get_device_name(), "model": args.model,
            "variant": v, "engine_stream": args.engine_stream, "piecewise_graph_max_tokens":
                engine.config.runner.piecewise_graph_max_tokens,
            "prefill_graph_tokens": args.prefill_graph_tokens,
-           "decode_gap_ms_before": before, "decode_gap_ms_after": after}
+           "decode_gap_ms_before": before, "decode_gap_ms_after": after, **extra}
     Path(args.out).write_text(json.dumps(doc, indent=1))
     print(f"{v}{' (engine stream)' if args.engine_stream else ''}: batch-8 decode step {statistics.mean(before):.3f} -> "
-          f"{statistics.mean(after):.3f} ms")
+          f"{statistics.mean(after):.3f} ms {extra}")
     return 0
 
 

@@ -43,6 +43,7 @@ from engine.attention.kv_quant import (
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
 from engine.kernels._checks import is_quantized_kv
+from engine.kv.dma_copy import copy_blocks_dma, dma_available, read_blocks_dma
 from engine.model.layers import RotaryEmbedding
 from engine.model.llama import LlamaForCausalLM
 from engine.model.overlap import MicroBatchStreams
@@ -244,10 +245,10 @@ class ModelRunner:
                 torch.cuda.empty_cache()  # the full-precision weights just freed
         self.sampler = Sampler()
         # The stream this runner's steps and graph replays run on: the one current where it was
-        # built (AsyncEngine's thread makes it current there too). KV written into this cache
-        # from other threads goes on it as well, never on a side stream: a kernel on any other
-        # stream, once the decode graphs are captured, slows every later decode step
-        # (`copy_blocks_from`).
+        # built (AsyncEngine's thread makes it current there too). Kernels that write KV into
+        # this cache from other threads go on it as well, never on a side stream: a kernel on
+        # any other stream, once the decode graphs are captured, slows every later decode step
+        # (engine/kv/dma_copy.py; side-stream copies go by copy engine).
         self.step_stream: torch.cuda.Stream | None = (
             torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None)
         self._copy_stream: torch.cuda.Stream | None = None  # read_leased_blocks' side stream
@@ -754,10 +755,19 @@ class ModelRunner:
 
         On a GPU the copy runs on a side stream and the host waits for the copy alone. Through
         the engine's stream (`read_blocks`) it waited for every step queued before it: on a
-        busy prefill worker, up to a step per call, for every block a decode worker pulls."""
+        busy prefill worker, up to a step per call, for every block a decode worker pulls. The
+        copy engines move the blocks straight into pinned memory (engine/kv/dma_copy.py says
+        why no kernel); without them (no CUDA runtime to call) a gather kernel does, on the
+        same side stream."""
         stream = self._side_stream()
         if stream is None:
             return self.read_blocks(block_ids)
+        if dma_available():
+            host = torch.empty((len(block_ids), *self.kv_shape_per_block), dtype=self.kv_dtype,
+                               pin_memory=True)
+            read_blocks_dma(self.kv_cache, block_ids, host, stream)
+            stream.synchronize()
+            return host
         with torch.cuda.stream(stream):
             blocks = self._gather_blocks(to_device(block_ids, torch.long, self.device))
             host = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=True)
@@ -767,20 +777,23 @@ class ModelRunner:
 
     def copy_blocks_from(self, block_ids: list[int], src_cache: torch.Tensor,
                          src_block_ids: list[int]) -> None:
-        """Blocks `src_block_ids` of another cache of this layout on this device (another
-        process's, mapped through CUDA IPC) → this cache's `block_ids`; returns when done.
+        """Blocks `src_block_ids` of another cache of this layout (another process's, mapped
+        through CUDA IPC, on this GPU or a peer) → this cache's `block_ids`; returns when done.
 
-        The copy runs on the step stream, after the steps already queued there, so the caller
-        waits for those too (a step or two). On a side stream it would not wait, but measured
-        +0.14 ms on every later batch-8 decode step of this process after the first handoff
-        (bench/probe_stream_cost.py --variant kv_copy, docs/performance.md "One stream after
-        the decode graphs"): a decode worker would pay that on every step for a few
-        milliseconds saved once per request."""
-        copy_cache_blocks(self.kv_cache, block_ids, src_cache, src_block_ids, self.step_stream)
+        From this GPU: by the copy engines on the side stream, waiting for no step. Otherwise
+        (a peer GPU's cache, or no CUDA runtime to call) by kernels on the step stream, after
+        the steps already queued there: a kernel on a side stream, once the decode graphs are
+        captured, measured +0.14 ms on every later batch-8 decode step of this process
+        (bench/probe_stream_cost.py --variant kv_copy; engine/kv/dma_copy.py)."""
+        if src_cache.device == self.device and dma_available():
+            copy_cache_blocks(self.kv_cache, block_ids, src_cache, src_block_ids,
+                              self._side_stream(), dma=True)
+        else:
+            copy_cache_blocks(self.kv_cache, block_ids, src_cache, src_block_ids,
+                              self.step_stream)
 
     def _side_stream(self) -> torch.cuda.Stream | None:
-        """The stream `read_leased_blocks` runs on beside the engine's steps (None on a CPU).
-        Only a prefill worker reads leased blocks, and its steps are not decode graphs."""
+        """The stream KV handoff copies run on beside the engine's steps (None on a CPU)."""
         if self.device.type != "cuda":
             return None
         if self._copy_stream is None:
@@ -840,13 +853,16 @@ class ModelRunner:
 
 
 def copy_cache_blocks(dst_cache: torch.Tensor, dst_block_ids: list[int], src_cache: torch.Tensor,
-                      src_block_ids: list[int], stream: torch.cuda.Stream | None = None) -> None:
+                      src_block_ids: list[int], stream: torch.cuda.Stream | None = None,
+                      dma: bool = False) -> None:
     """dst_cache[:, :, dst_block_ids] = src_cache[:, :, src_block_ids] for two caches
     [L, 2, num_blocks, block_size, Hkv, D] of one dtype (1-byte caches moved as raw bytes),
     `_COPY_SLICE_BLOCKS` blocks at a time; on `stream` if given, and then waits for it. The
     source may be on another GPU (a peer of the destination's): each slice is gathered there
-    and copied across (torch orders the copy after the gather and before the scatter). Raises
-    ValueError when the caches' blocks differ."""
+    and copied across (torch orders the copy after the gather and before the scatter).
+    `dma`: by the copy engines instead, one 2-D copy per run of consecutive blocks (both caches
+    on one GPU, `stream` given; engine/kv/dma_copy.py). Raises ValueError when the caches'
+    blocks differ, IndexError for a block id out of range."""
     if len(dst_block_ids) != len(src_block_ids):
         raise ValueError(f"{len(dst_block_ids)} blocks to fill from {len(src_block_ids)}")
     expected = (*dst_cache.shape[:2], *dst_cache.shape[3:])
@@ -857,6 +873,12 @@ def copy_cache_blocks(dst_cache: torch.Tensor, dst_block_ids: list[int], src_cac
         raise ValueError(f"source cache {tuple(src_cache.shape)} {src_cache.dtype} on "
                          f"{src_cache.device} does not match the destination's blocks "
                          f"{tuple(dst_cache.shape)} {dst_cache.dtype} on {dst_cache.device}")
+    if dma:
+        if stream is None or src_cache.device != dst_cache.device:
+            raise ValueError("a DMA block copy needs a stream and both caches on one GPU")
+        copy_blocks_dma(dst_cache, dst_block_ids, src_cache, src_block_ids, stream)
+        stream.synchronize()
+        return
     one_byte = dst_cache.element_size() == 1  # fp8 / int8: index kernels work on the raw bytes
     dst = dst_cache.view(torch.uint8) if one_byte else dst_cache
     src = src_cache.view(torch.uint8) if one_byte else src_cache

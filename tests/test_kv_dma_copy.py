@@ -1,0 +1,84 @@
+"""KV block copies by copy engine (engine/kv/dma_copy.py): the run splitting everywhere, the
+copies themselves where a GPU is present (the H200 runs them; CI has none)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from engine.kv.dma_copy import block_runs, copy_blocks_dma, dma_available, read_blocks_dma
+from engine.runner import copy_cache_blocks
+
+
+def test_block_runs_merges_pairs_consecutive_on_both_sides() -> None:
+    assert block_runs([4, 5, 6, 9, 10], [0, 1, 2, 3, 4]) == [(4, 0, 3), (9, 3, 2)]
+    # consecutive on one side only: no run
+    assert block_runs([1, 2, 3], [7, 9, 10]) == [(1, 7, 1), (2, 9, 2)]
+    assert block_runs([3, 2, 1], [0, 1, 2]) == [(3, 0, 1), (2, 1, 1), (1, 2, 1)]
+    assert block_runs([], []) == []
+
+
+def test_block_runs_rejects_unequal_lists() -> None:
+    with pytest.raises(ValueError, match="2 blocks to fill from 1"):
+        block_runs([0, 1], [0])
+
+
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), max_size=30))
+def test_block_runs_cover_every_pair_in_order(pairs: list[tuple[int, int]]) -> None:
+    dst, src = [d for d, _ in pairs], [s for _, s in pairs]
+    runs = block_runs(dst, src)
+    expanded = [(d + i, s + i) for d, s, n in runs for i in range(n)]
+    assert expanded == pairs
+    # maximal: no two neighbouring runs could have been one
+    for (d0, s0, n0), (d1, s1, _) in itertools.pairwise(runs):
+        assert not (d1 == d0 + n0 and s1 == s0 + n0)
+
+
+def test_a_dma_copy_needs_a_stream_and_one_device() -> None:
+    cache = torch.zeros(2, 2, 4, 2, 1, 8)
+    with pytest.raises(ValueError, match="needs a stream"):
+        copy_cache_blocks(cache, [0], cache.clone(), [1], dma=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
+def test_no_dma_without_a_cuda_runtime() -> None:
+    assert not dma_available()
+
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.int8])
+def test_dma_copy_and_read_match_the_kernels_bit_for_bit(dtype: torch.dtype) -> None:
+    assert dma_available()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    src = torch.randint(0, 256, (3, 2, 40, 16, 2, 64), dtype=torch.uint8, device="cuda",
+                        generator=gen).view(dtype)
+    dst = torch.zeros(3, 2, 50, 16, 2, 64, dtype=torch.uint8, device="cuda").view(dtype)
+    dst_ids, src_ids = [10, 11, 12, 3, 49, 48], [0, 1, 2, 39, 7, 8]
+    stream = torch.cuda.Stream()
+    copy_cache_blocks(dst, dst_ids, src, src_ids, stream, dma=True)
+    raw_dst, raw_src = dst.view(torch.uint8), src.view(torch.uint8)
+    assert torch.equal(raw_dst[:, :, dst_ids], raw_src[:, :, src_ids])
+    untouched = [b for b in range(50) if b not in dst_ids]
+    assert not raw_dst[:, :, untouched].any()
+
+    host = torch.empty((len(src_ids), 3, 2, 16, 2, 64), dtype=dtype, pin_memory=True)
+    read_blocks_dma(src, src_ids, host, stream)
+    stream.synchronize()
+    assert torch.equal(host.view(torch.uint8),
+                       raw_src[:, :, src_ids].permute(2, 0, 1, 3, 4, 5).cpu())
+
+
+@needs_gpu
+def test_dma_copies_refuse_block_ids_out_of_range() -> None:
+    cache = torch.zeros(2, 2, 4, 16, 1, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(IndexError, match="source block ids out of range"):
+        copy_blocks_dma(cache, [0], cache, [4], torch.cuda.Stream())
+    with pytest.raises(IndexError, match="destination block ids out of range"):
+        copy_blocks_dma(cache, [-1], cache, [0], torch.cuda.Stream())
