@@ -68,7 +68,8 @@ def test_dma_copy_and_read_match_the_kernels_bit_for_bit(dtype: torch.dtype) -> 
     untouched = [b for b in range(50) if b not in dst_ids]
     assert not raw_dst[:, :, untouched].any()
 
-    host = torch.empty((len(src_ids), 3, 2, 16, 2, 64), dtype=dtype, pin_memory=True)
+    host = torch.empty((len(src_ids), *src.shape[:2], *src.shape[3:]), dtype=dtype,
+                       pin_memory=True)
     read_blocks_dma(src, src_ids, host, stream)
     stream.synchronize()
     assert torch.equal(host.view(torch.uint8),
