@@ -71,6 +71,9 @@ SPEC_GRAPH_MAX_BATCH = 64
 PREFILL_GRAPH_MAX_BATCH = 8
 # A same-GPU KV copy gathers this many blocks at a time (128 MB of an 8B model's bf16 KV).
 _COPY_SLICE_BLOCKS = 64
+# Streams a same-GPU KV handoff copy is spread over (copy engines working at once):
+# bench/probe_kv_dma.py measured the choice.
+KV_COPY_STREAMS = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,7 +254,8 @@ class ModelRunner:
         # (engine/kv/dma_copy.py; side-stream copies go by copy engine).
         self.step_stream: torch.cuda.Stream | None = (
             torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None)
-        self._copy_stream: torch.cuda.Stream | None = None  # read_leased_blocks' side stream
+        self._copy_stream: torch.cuda.Stream | None = None  # KV handoff copies' side stream
+        self._copy_streams: list[torch.cuda.Stream] = []  # ... and more for DMA copies
         # The last launched step's sampled tokens (on the device) and their row per request.
         self._last_tokens: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
@@ -787,10 +791,20 @@ class ModelRunner:
         (bench/probe_stream_cost.py --variant kv_copy; engine/kv/dma_copy.py)."""
         if src_cache.device == self.device and dma_available():
             copy_cache_blocks(self.kv_cache, block_ids, src_cache, src_block_ids,
-                              self._side_stream(), dma=True)
+                              dma_streams=self._dma_streams())
         else:
             copy_cache_blocks(self.kv_cache, block_ids, src_cache, src_block_ids,
                               self.step_stream)
+
+    def _dma_streams(self) -> list[torch.cuda.Stream]:
+        """The side stream and `KV_COPY_STREAMS - 1` more: device-to-device KV copies spread
+        over them, so that several copy engines work at once."""
+        if len(self._copy_streams) < KV_COPY_STREAMS:
+            side = self._side_stream()
+            assert side is not None
+            self._copy_streams = [side] + [torch.cuda.Stream(self.device)
+                                           for _ in range(KV_COPY_STREAMS - 1)]
+        return self._copy_streams
 
     def _side_stream(self) -> torch.cuda.Stream | None:
         """The stream KV handoff copies run on beside the engine's steps (None on a CPU)."""
@@ -854,14 +868,15 @@ class ModelRunner:
 
 def copy_cache_blocks(dst_cache: torch.Tensor, dst_block_ids: list[int], src_cache: torch.Tensor,
                       src_block_ids: list[int], stream: torch.cuda.Stream | None = None,
-                      dma: bool = False) -> None:
+                      dma_streams: Sequence[torch.cuda.Stream] = ()) -> None:
     """dst_cache[:, :, dst_block_ids] = src_cache[:, :, src_block_ids] for two caches
     [L, 2, num_blocks, block_size, Hkv, D] of one dtype (1-byte caches moved as raw bytes),
     `_COPY_SLICE_BLOCKS` blocks at a time; on `stream` if given, and then waits for it. The
     source may be on another GPU (a peer of the destination's): each slice is gathered there
     and copied across (torch orders the copy after the gather and before the scatter).
-    `dma`: by the copy engines instead, one 2-D copy per run of consecutive blocks (both caches
-    on one GPU, `stream` given; engine/kv/dma_copy.py). Raises ValueError when the caches'
+    `dma_streams`: by the copy engines instead, on those streams (`stream` unused), one 2-D
+    copy per run of consecutive blocks and stream (both caches on one GPU;
+    engine/kv/dma_copy.py). Raises ValueError when the caches'
     blocks differ, IndexError for a block id out of range."""
     if len(dst_block_ids) != len(src_block_ids):
         raise ValueError(f"{len(dst_block_ids)} blocks to fill from {len(src_block_ids)}")
@@ -873,11 +888,12 @@ def copy_cache_blocks(dst_cache: torch.Tensor, dst_block_ids: list[int], src_cac
         raise ValueError(f"source cache {tuple(src_cache.shape)} {src_cache.dtype} on "
                          f"{src_cache.device} does not match the destination's blocks "
                          f"{tuple(dst_cache.shape)} {dst_cache.dtype} on {dst_cache.device}")
-    if dma:
-        if stream is None or src_cache.device != dst_cache.device:
-            raise ValueError("a DMA block copy needs a stream and both caches on one GPU")
-        copy_blocks_dma(dst_cache, dst_block_ids, src_cache, src_block_ids, stream)
-        stream.synchronize()
+    if dma_streams:
+        if src_cache.device != dst_cache.device or dst_cache.device.type != "cuda":
+            raise ValueError("a DMA block copy needs both caches on one GPU")
+        copy_blocks_dma(dst_cache, dst_block_ids, src_cache, src_block_ids, dma_streams)
+        for s in dma_streams:
+            s.synchronize()
         return
     one_byte = dst_cache.element_size() == 1  # fp8 / int8: index kernels work on the raw bytes
     dst = dst_cache.view(torch.uint8) if one_byte else dst_cache

@@ -38,10 +38,11 @@ def test_block_runs_cover_every_pair_in_order(pairs: list[tuple[int, int]]) -> N
         assert not (d1 == d0 + n0 and s1 == s0 + n0)
 
 
-def test_a_dma_copy_needs_a_stream_and_one_device() -> None:
+def test_a_dma_copy_needs_both_caches_on_one_device() -> None:
     cache = torch.zeros(2, 2, 4, 2, 1, 8)
-    with pytest.raises(ValueError, match="needs a stream"):
-        copy_cache_blocks(cache, [0], cache.clone(), [1], dma=True)
+    with pytest.raises(ValueError, match="both caches on one GPU"):
+        copy_cache_blocks(cache, [0], cache.clone(), [1],
+                          dma_streams=[None])  # type: ignore[list-item]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
@@ -62,7 +63,7 @@ def test_dma_copy_and_read_match_the_kernels_bit_for_bit(dtype: torch.dtype) -> 
     dst = torch.zeros(3, 2, 50, 16, 2, 64, dtype=torch.uint8, device="cuda").view(dtype)
     dst_ids, src_ids = [10, 11, 12, 3, 49, 48], [0, 1, 2, 39, 7, 8]
     stream = torch.cuda.Stream()
-    copy_cache_blocks(dst, dst_ids, src, src_ids, stream, dma=True)
+    copy_cache_blocks(dst, dst_ids, src, src_ids, dma_streams=[stream, torch.cuda.Stream()])
     raw_dst, raw_src = dst.view(torch.uint8), src.view(torch.uint8)
     assert torch.equal(raw_dst[:, :, dst_ids], raw_src[:, :, src_ids])
     untouched = [b for b in range(50) if b not in dst_ids]
@@ -80,6 +81,6 @@ def test_dma_copy_and_read_match_the_kernels_bit_for_bit(dtype: torch.dtype) -> 
 def test_dma_copies_refuse_block_ids_out_of_range() -> None:
     cache = torch.zeros(2, 2, 4, 16, 1, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(IndexError, match="source block ids out of range"):
-        copy_blocks_dma(cache, [0], cache, [4], torch.cuda.Stream())
+        copy_blocks_dma(cache, [0], cache, [4], [torch.cuda.Stream()])
     with pytest.raises(IndexError, match="destination block ids out of range"):
-        copy_blocks_dma(cache, [-1], cache, [0], torch.cuda.Stream())
+        copy_blocks_dma(cache, [-1], cache, [0], [torch.cuda.Stream()])

@@ -99,21 +99,32 @@ def _planes(cache: torch.Tensor) -> tuple[int, int, int]:
 
 
 def copy_blocks_dma(dst_cache: torch.Tensor, dst_ids: Sequence[int], src_cache: torch.Tensor,
-                    src_ids: Sequence[int], stream: torch.cuda.Stream) -> None:
+                    src_ids: Sequence[int], streams: Sequence[torch.cuda.Stream]) -> None:
     """dst_cache[:, :, dst_ids] = src_cache[:, :, src_ids], one 2-D copy per run of consecutive
-    blocks, queued on `stream` (the caller waits for it). Both caches on one GPU, of one layout
-    and dtype (checked by the caller); the block ids are checked here: a DMA copy has no
-    bounds."""
+    blocks and stream, queued on `streams` (the caller waits for them all): each stream copies a
+    share of the planes, so several copy engines can work at once. Both caches on one GPU, of
+    one layout and dtype (checked by the caller); the block ids are checked here: a DMA copy has
+    no bounds."""
     planes, dst_blocks, piece = _planes(dst_cache)
     src_planes, src_blocks, src_piece = _planes(src_cache)
     if (src_planes, src_piece) != (planes, piece):
         raise ValueError("the caches' blocks differ")
+    if not streams:
+        raise ValueError("no stream to copy on")
     _check_ids(dst_ids, dst_blocks, "destination")
     _check_ids(src_ids, src_blocks, "source")
     dst_base, src_base = dst_cache.data_ptr(), src_cache.data_ptr()
-    for d, s, n in block_runs(dst_ids, src_ids):
-        _memcpy_2d(dst_base + d * piece, dst_blocks * piece, src_base + s * piece,
-                   src_blocks * piece, n * piece, planes, stream)
+    share = -(-planes // len(streams))
+    runs = block_runs(dst_ids, src_ids)
+    for k, stream in enumerate(streams):
+        first = k * share
+        height = min(share, planes - first)
+        if height <= 0:
+            break
+        for d, s, n in runs:
+            _memcpy_2d(dst_base + (first * dst_blocks + d) * piece, dst_blocks * piece,
+                       src_base + (first * src_blocks + s) * piece, src_blocks * piece,
+                       n * piece, height, stream)
 
 
 def read_blocks_dma(cache: torch.Tensor, block_ids: Sequence[int], host: torch.Tensor,
