@@ -133,6 +133,13 @@ def _summary(rows: list[dict[str, Any]], wall: float) -> dict[str, Any]:
             "kv_recomputed": sum(bool(r["kv_recomputed"]) for r in rows)}
 
 
+async def _pulls(decode: decode_pb2_grpc.DecodeStub,
+                 md: tuple[tuple[str, str], ...]) -> dict[str, tuple[int, float]]:
+    """The decode worker's KV pulls so far, per way: (count, seconds)."""
+    report = await decode.GetLoad(common_pb2.LoadRequest(), metadata=md)
+    return {t.transport: (t.pulls, t.seconds) for t in report.kv_transports}
+
+
 async def _run(args: argparse.Namespace, token: str, ports: dict[str, int]) -> dict[str, Any]:
     md = bearer_metadata(token)
     async with grpc.aio.insecure_channel(f"{HOST}:{ports['prefill']}") as pch, \
@@ -150,11 +157,18 @@ async def _run(args: argparse.Namespace, token: str, ports: dict[str, int]) -> d
                                             prefill, decode, md) for i, p in enumerate(warm)))
                 prompts = [[rng.randrange(args.vocab) for _ in range(args.input_len)]
                            for _ in range(c)]
+                before = await _pulls(decode, md)
                 t0 = time.perf_counter()
                 rows = await asyncio.gather(*(
                     _one(i, f"{mode}{c}", p, args.output_len, mode == "disaggregated",
                          prefill, decode, md) for i, p in enumerate(prompts)))
                 out[f"{mode}_c{c}"] = _summary(list(rows), time.perf_counter() - t0)
+                after = await _pulls(decode, md)
+                for way, (n, sec) in after.items():
+                    n0, sec0 = before.get(way, (0, 0.0))
+                    if n > n0:  # the decode worker's own timing of its loads (start to done)
+                        out[f"{mode}_c{c}"][f"kv_pull_ms_mean_{way}"] = round(
+                            (sec - sec0) / (n - n0) * 1e3, 2)
                 print(f"{mode} c={c}", json.dumps(out[f"{mode}_c{c}"]), flush=True)
         return out
 
