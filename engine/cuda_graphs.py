@@ -33,6 +33,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Eager runs of a bucket before it is captured: one compiles its Triton kernels and loads every
+# module it launches (nothing here autotunes); a second one only cost start-up time.
+WARMUP_RUNS = 1
+
 
 def bucket_sizes(max_batch: int) -> list[int]:
     sizes = [b for b in (1, 2, 4, 8) if b <= max_batch]
@@ -102,7 +106,7 @@ class CudaGraphRunner:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for b in reversed(self.buckets):  # largest first: later ones reuse its pool
-                for _ in range(2):  # warm up: Triton autotuning / compilation off the graph
+                for _ in range(WARMUP_RUNS):  # kernel compilation and module loads off the graph
                     self._forward(b)
                 torch.cuda.synchronize()
                 g = torch.cuda.CUDAGraph()

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from engine.attention.forward_context import AttentionMetadata, layer_kv_scale
+from engine.cuda_graphs import WARMUP_RUNS
 
 if TYPE_CHECKING:
     from engine.model.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -128,7 +129,7 @@ class PiecewiseGraphRunner:
         with torch.cuda.stream(stream):
             for t in reversed(self.buckets):  # largest first: later ones reuse its pool
                 pieces = self._pieces(t)
-                for _ in range(2):  # warm up: kernel compilation and autotuning off the graph
+                for _ in range(WARMUP_RUNS):  # kernel compilation off the graph
                     for piece in pieces:
                         piece()
                 torch.cuda.synchronize()

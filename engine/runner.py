@@ -254,6 +254,8 @@ class ModelRunner:
         # (engine/kv/dma_copy.py; side-stream copies go by copy engine).
         self.step_stream: torch.cuda.Stream | None = (
             torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None)
+        if self.device.type == "cuda":
+            dma_available()  # finds the CUDA runtime now, not during the first KV handoff
         self._copy_stream: torch.cuda.Stream | None = None  # KV handoff copies' side stream
         self._copy_streams: list[torch.cuda.Stream] = []  # ... and more for DMA copies
         # The last launched step's sampled tokens (on the device) and their row per request.
