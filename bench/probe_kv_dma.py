@@ -1,4 +1,4 @@
-"""KV block copies on one GPU: copy engines (engine/kv/dma_copy.py) over 1..N streams against
+"""KV block copies on one GPU: copy engines (engine/dma_copy.py) over 1..N streams against
 the gather/scatter kernels, on Llama-3.1-8B-shaped bf16 caches (2 MB blocks). Device to device
 (a same-GPU handoff: `copy_blocks_from`) with the blocks in one run or scattered, and device to
 pinned host (a leased read: `read_leased_blocks`). Each case: median wall time of 5 calls after
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from bench.results import git_info
-from engine.kv.dma_copy import dma_available, read_blocks_dma
+from engine.dma_copy import dma_available, read_blocks_dma
 from engine.runner import copy_cache_blocks
 
 SHAPE = (32, 2, 1024, 16, 8, 128)  # [L, 2, num_blocks, block_size, Hkv, D]: 2 MB blocks in bf16

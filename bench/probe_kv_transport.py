@@ -31,7 +31,7 @@ import grpc
 import torch
 
 from bench.results import environment_info
-from engine.kv.dma_copy import dma_available
+from engine.dma_copy import dma_available
 from engine.kv.hashing import HASH_BYTES
 from engine.runner import copy_cache_blocks
 from kv_transfer import DEFAULT_TCP_STREAMS
@@ -128,7 +128,8 @@ class Sink:
                          src_block_ids: list[int]) -> None:
         # As the engine's runner does: by copy engine when both caches are on this GPU.
         dma = src_cache.device == self.cache.device and self.cache.is_cuda and dma_available()
-        copy_cache_blocks(self.cache, block_ids, src_cache, src_block_ids, self._stream, dma=dma)
+        copy_cache_blocks(self.cache, block_ids, src_cache, src_block_ids, self._stream,
+                          dma_streams=[self._stream] if dma and self._stream else ())
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -55,7 +55,7 @@ def main() -> int:
     import torch
 
     from engine import SamplingParams
-    from engine.kv.dma_copy import dma_available
+    from engine.dma_copy import dma_available
 
     if args.engine_stream:
         torch.cuda.set_stream(torch.cuda.Stream())

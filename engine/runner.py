@@ -42,8 +42,8 @@ from engine.attention.kv_quant import (
 )
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
+from engine.dma_copy import copy_blocks_dma, dma_available, read_blocks_dma
 from engine.kernels._checks import is_quantized_kv
-from engine.kv.dma_copy import copy_blocks_dma, dma_available, read_blocks_dma
 from engine.model.layers import RotaryEmbedding
 from engine.model.llama import LlamaForCausalLM
 from engine.model.overlap import MicroBatchStreams
@@ -251,7 +251,7 @@ class ModelRunner:
         # built (AsyncEngine's thread makes it current there too). Kernels that write KV into
         # this cache from other threads go on it as well, never on a side stream: a kernel on
         # any other stream, once the decode graphs are captured, slows every later decode step
-        # (engine/kv/dma_copy.py; side-stream copies go by copy engine).
+        # (engine/dma_copy.py; side-stream copies go by copy engine).
         self.step_stream: torch.cuda.Stream | None = (
             torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None)
         if self.device.type == "cuda":
@@ -762,7 +762,7 @@ class ModelRunner:
         On a GPU the copy runs on a side stream and the host waits for the copy alone. Through
         the engine's stream (`read_blocks`) it waited for every step queued before it: on a
         busy prefill worker, up to a step per call, for every block a decode worker pulls. The
-        copy engines move the blocks straight into pinned memory (engine/kv/dma_copy.py says
+        copy engines move the blocks straight into pinned memory (engine/dma_copy.py says
         why no kernel); without them (no CUDA runtime to call) a gather kernel does, on the
         same side stream."""
         stream = self._side_stream()
@@ -790,7 +790,7 @@ class ModelRunner:
         (a peer GPU's cache, or no CUDA runtime to call) by kernels on the step stream, after
         the steps already queued there: a kernel on a side stream, once the decode graphs are
         captured, measured +0.14 ms on every later batch-8 decode step of this process
-        (bench/probe_stream_cost.py --variant kv_copy; engine/kv/dma_copy.py)."""
+        (bench/probe_stream_cost.py --variant kv_copy; engine/dma_copy.py)."""
         if src_cache.device == self.device and dma_available():
             copy_cache_blocks(self.kv_cache, block_ids, src_cache, src_block_ids,
                               dma_streams=self._dma_streams())
@@ -878,7 +878,7 @@ def copy_cache_blocks(dst_cache: torch.Tensor, dst_block_ids: list[int], src_cac
     and copied across (torch orders the copy after the gather and before the scatter).
     `dma_streams`: by the copy engines instead, on those streams (`stream` unused), one 2-D
     copy per run of consecutive blocks and stream (both caches on one GPU;
-    engine/kv/dma_copy.py). Raises ValueError when the caches'
+    engine/dma_copy.py). Raises ValueError when the caches'
     blocks differ, IndexError for a block id out of range."""
     if len(dst_block_ids) != len(src_block_ids):
         raise ValueError(f"{len(dst_block_ids)} blocks to fill from {len(src_block_ids)}")

@@ -1,4 +1,4 @@
-"""KV block copies by copy engine (engine/kv/dma_copy.py): the run splitting everywhere, the
+"""KV block copies by copy engine (engine/dma_copy.py): the run splitting everywhere, the
 copies themselves where a GPU is present (the H200 runs them; CI has none)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.kv.dma_copy import block_runs, copy_blocks_dma, dma_available, read_blocks_dma
+from engine.dma_copy import block_runs, copy_blocks_dma, dma_available, read_blocks_dma
 from engine.runner import copy_cache_blocks
 
 
