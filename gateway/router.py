@@ -144,7 +144,18 @@ class WorkerPool:
 
     def pick_for_prefix(self, block_hashes: Sequence[bytes], exclude: Sequence[str] = ()) -> Worker:
         """Longest cached prefix first, unless that worker is busier than the least-loaded one
-        by more than `max_imbalance` pending requests; then least loaded."""
+        by more than `max_imbalance` pending requests; then least loaded.
+
+        The chosen worker is recorded as holding the prompt's blocks at once, not when its
+        prefill answers (as SGLang's router inserts at dispatch): requests sharing a prefix that
+        arrive while the first of them is computed then follow it to that worker (until the
+        imbalance rule spills them), instead of each computing the prefix somewhere else."""
+        worker = self._pick_for_prefix(block_hashes, exclude)
+        if block_hashes:
+            self.prefix_index.record(worker.address, block_hashes)
+        return worker
+
+    def _pick_for_prefix(self, block_hashes: Sequence[bytes], exclude: Sequence[str]) -> Worker:
         candidates = [w for w in self.workers if w.healthy and w.address not in exclude]
         if not block_hashes or len(candidates) < 2:
             return self.pick(exclude)

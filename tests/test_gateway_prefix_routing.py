@@ -62,6 +62,31 @@ async def test_router_prefers_prefix_then_load() -> None:
         await pool.close()
 
 
+async def test_a_burst_sharing_a_new_prefix_follows_the_first_pick() -> None:
+    """Nothing is cached yet and no prefill has answered: the first request of a burst goes to
+    the least-loaded worker, the rest of the burst that shares its prefix follow it (each pick
+    counts as pending load) until `max_imbalance` spills one; another prompt goes by load."""
+    pool = WorkerPool("prefill", ["127.0.0.1:1", "127.0.0.1:2"])
+    try:
+        a, b = pool.workers
+        for w in pool.workers:
+            w.healthy = True
+        a.load = common_pb2.LoadReport(block_size=4, fingerprint=FP, num_running=2)
+        b.load = common_pb2.LoadReport(block_size=4, fingerprint=FP, num_running=0)
+        shared = list(range(100, 132))  # 8 blocks, then each request's own tokens
+        burst = [pool.prompt_hashes([*shared, 1000 + i, 2000 + i, 3000 + i, 4000 + i])
+                 for i in range(8)]
+        picks = [pool.pick_for_prefix(h).address for h in burst]
+        # b: 0 pending; each pick adds one; b may run max_imbalance (4) ahead of a's 2
+        assert picks[:7] == [b.address] * 7
+        assert picks[7] == a.address  # b is 7 pending against a's 2: spilled
+        assert pool.prefix_index.match(b.address, burst[0]) == len(burst[0])
+        other = pool.prompt_hashes(list(range(500, 540)))
+        assert pool.pick_for_prefix(other).address == a.address  # a: 3 pending, b: 7
+    finally:
+        await pool.close()
+
+
 def test_gateway_prefix_routing_imports_no_torch() -> None:
     import subprocess
     import sys
