@@ -61,9 +61,6 @@ def main() -> int:
                         "plain pass, the checked pass drafts that pass's tokens at each position "
                         "(bench/probe_spec.py PositionalOracle), so its tokens come from verify "
                         "steps (graphs) that accept and reject drafts")
-    p.add_argument("--prefill-graph-tokens", type=int, default=16,
-                   help="the fast engine's prefill graphs (the engine's default is 0, off; the "
-                        "check turns them on so that its short prompts replay them)")
     p.add_argument("--piecewise-graph-max-tokens", type=int, default=2048,
                    help="the fast engine's piecewise graphs (the engine's default is 512; 2048 "
                         "also sends the batched pass's second step, ~950 prompt tokens beside "
@@ -88,7 +85,6 @@ def main() -> int:
                 "draft_gpu_memory_utilization": 0.2}
     fast = LLM(**common, attention_backend="triton", enforce_eager=False,  # type: ignore[arg-type]
                decode_overlap_min_batch=args.decode_overlap_min_batch, speculative_config=spec,
-               prefill_graph_tokens=args.prefill_graph_tokens,
                piecewise_graph_max_tokens=args.piecewise_graph_max_tokens)
     load_s = time.perf_counter() - t
     vocab = fast.engine.model_config.vocab_size
@@ -101,17 +97,15 @@ def main() -> int:
             [q + o.outputs[0].token_ids for q, o in zip(prompts, outs, strict=True)])
         outs = fast.generate([{"prompt_token_ids": q} for q in prompts], params)
     if spec is None:
-        # Short prompts one at a time, and one that extends the 40-token prompt by 3 tokens (a
-        # prefix hit on its 2 full blocks, an 11-token tail): steps of the prefill graphs. Then
-        # prompts of 17-300 tokens and a 64-token tail after the 100-token prompt's 6 blocks:
-        # steps of the piecewise graphs.
+        # Prompts of 3-300 tokens one at a time, one that extends the 40-token prompt by 3
+        # tokens (a prefix hit on its 2 full blocks, an 11-token tail) and a 64-token tail after
+        # the 100-token prompt's 6 blocks: steps of the piecewise graphs.
         alone = [[rng.randrange(vocab) for _ in range(n)] for n in (3, 12, 16, 17, 120, 300)]
         alone.append(prompts[-1] + [rng.randrange(vocab) for _ in range(3)])
         alone.append(prompts[2] + [rng.randrange(vocab) for _ in range(60)])
         for q in alone:
             prompts.append(q)
             outs += fast.generate([{"prompt_token_ids": q}], params)
-    prefill_graph_steps = fast.engine.runner.num_prefill_graph_steps
     pieces = fast.engine.runner.piecewise
     piecewise_steps = pieces.num_steps if pieces is not None else 0
     del pieces
@@ -154,7 +148,7 @@ def main() -> int:
            "quantization": args.quantization,
            "max_num_seqs": args.max_num_seqs, "load_s": load_s, "graph_replays": replays,
            "decode_overlap_min_batch": args.decode_overlap_min_batch,
-           "overlapped_decode_steps": overlapped, "prefill_graph_steps": prefill_graph_steps,
+           "overlapped_decode_steps": overlapped,
            "piecewise_graph_max_tokens": args.piecewise_graph_max_tokens,
            "piecewise_steps": piecewise_steps,
            **spec_stats, "ok": ok,
@@ -164,7 +158,7 @@ def main() -> int:
     for r in rows:
         print(r)
     print(f"engine check: {'OK' if ok else 'MISMATCH'}; graph replays {replays}, "
-          f"overlapped steps {overlapped}, prefill graph steps {prefill_graph_steps}, "
+          f"overlapped steps {overlapped}, "
           f"piecewise steps {piecewise_steps}; "
           f"speculation {spec_stats}")
     return 0 if ok else 1

@@ -45,7 +45,6 @@ class EngineSettings:
     async_scheduling: bool | None = None  # None: the engine's default (on for CUDA)
     decode_overlap_min_batch: int = 0  # >= 2: two overlapped decode micro-batches
     cuda_graph_max_batch: int = 512  # the engine's default
-    prefill_graph_tokens: int = 0  # the engine's default (off); 16: prefill graphs for short prompts
     piecewise_graph_max_tokens: int = 512  # the engine's default; 0: steps with prompts eager
     quantization: str = "none"  # "fp8": W8A8
     # The engine's GC thresholds; None: the interpreter's.

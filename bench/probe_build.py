@@ -42,7 +42,7 @@ def main() -> int:
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
-    llm = probe_ttft.build_llm(args.model, 0, args.piecewise_graph_max_tokens)
+    llm = probe_ttft.build_llm(args.model, args.piecewise_graph_max_tokens)
     prof.disable()
     build_s = time.perf_counter() - t0
     stats = pstats.Stats(prof)

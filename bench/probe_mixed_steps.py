@@ -41,7 +41,7 @@ def main() -> int:
 
     from engine import SamplingParams
 
-    llm = probe_ttft.build_llm(args.model, 0, args.piecewise_graph_max_tokens)
+    llm = probe_ttft.build_llm(args.model, args.piecewise_graph_max_tokens)
     engine = llm.engine
     vocab = engine.model_config.vocab_size
     rng = random.Random(5)

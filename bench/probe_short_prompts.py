@@ -38,9 +38,6 @@ def main() -> int:
     p.add_argument("--lens", default="16,128")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--top", type=int, default=40)
-    p.add_argument("--prefill-graph-tokens", type=int, default=0,
-                   help="the engine's (default 0: off, short prompts' steps run eagerly; "
-                        "16: the prefill graphs)")
     p.add_argument("--piecewise-graph-max-tokens", type=int, default=None,
                    help="the engine's piecewise graphs (default: the engine's, 512; 0: off, "
                         "steps with prompt tokens run eagerly)")
@@ -51,8 +48,7 @@ def main() -> int:
 
     from engine import SamplingParams
 
-    llm = probe_ttft.build_llm(args.model, args.prefill_graph_tokens,
-                               args.piecewise_graph_max_tokens)
+    llm = probe_ttft.build_llm(args.model, args.piecewise_graph_max_tokens)
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(11)
     params = SamplingParams(temperature=0.0, max_tokens=1)
@@ -84,8 +80,6 @@ def main() -> int:
                            "by_cumulative": _top(prof, "cumulative", args.top)}
         print(n, [round(w, 2) for w in walls])
     doc = {**git_info(), "gpu": torch.cuda.get_device_name(), "model": args.model,
-           "prefill_graph_tokens": args.prefill_graph_tokens,
-           "prefill_graph_steps": llm.engine.runner.num_prefill_graph_steps,
            "piecewise_graph_max_tokens": llm.engine.config.runner.piecewise_graph_max_tokens,
            "piecewise_steps": (llm.engine.runner.piecewise.num_steps
                                if llm.engine.runner.piecewise is not None else 0),

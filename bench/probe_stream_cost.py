@@ -47,7 +47,6 @@ def main() -> int:
     p.add_argument("--variant", choices=VARIANTS, default="none")
     p.add_argument("--piecewise-graph-max-tokens", type=int, default=None,
                    help="the engine's piecewise graphs (default: the engine's; 0: off)")
-    p.add_argument("--prefill-graph-tokens", type=int, default=0)
     p.add_argument("--engine-stream", action="store_true",
                    help="build and step the engine on a stream of its own")
     args = p.parse_args()
@@ -59,8 +58,7 @@ def main() -> int:
 
     if args.engine_stream:
         torch.cuda.set_stream(torch.cuda.Stream())
-    llm = probe_ttft.build_llm(args.model, args.prefill_graph_tokens,
-                               args.piecewise_graph_max_tokens)
+    llm = probe_ttft.build_llm(args.model, args.piecewise_graph_max_tokens)
     engine, runner = llm.engine, llm.engine.runner
     vocab = engine.model_config.vocab_size
     rng = random.Random(5)
@@ -145,7 +143,6 @@ def main() -> int:
     doc = {**git_info(), "gpu": torch.cuda.get_device_name(), "model": args.model,
            "variant": v, "engine_stream": args.engine_stream, "piecewise_graph_max_tokens":
                engine.config.runner.piecewise_graph_max_tokens,
-           "prefill_graph_tokens": args.prefill_graph_tokens,
            "decode_gap_ms_before": before, "decode_gap_ms_after": after, **extra}
     Path(args.out).write_text(json.dumps(doc, indent=1))
     print(f"{v}{' (engine stream)' if args.engine_stream else ''}: batch-8 decode step {statistics.mean(before):.3f} -> "

@@ -54,14 +54,12 @@ def _analyse(kernels: list[tuple[float, float, str]], wall_us: float, t0_us: flo
     }
 
 
-def build_llm(model: str, prefill_graph_tokens: int = 0,
-              piecewise_graph_max_tokens: int | None = None) -> Any:
+def build_llm(model: str, piecewise_graph_max_tokens: int | None = None) -> Any:
     """The engine both first-token probes time (this one and probe_short_prompts.py);
     `piecewise_graph_max_tokens` None: the engine's default."""
     settings = offline.EngineSettings(
         model=model, dtype="bfloat16", max_model_len=8192, max_num_seqs=384,
-        max_num_batched_tokens=8192, gpu_memory_utilization=0.92,
-        prefill_graph_tokens=prefill_graph_tokens)
+        max_num_batched_tokens=8192, gpu_memory_utilization=0.92)
     if piecewise_graph_max_tokens is not None:
         settings = dataclasses.replace(settings,
                                        piecewise_graph_max_tokens=piecewise_graph_max_tokens)

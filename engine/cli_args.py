@@ -10,7 +10,6 @@ from typing import Any
 
 from engine.config import (
     MAX_PIECEWISE_GRAPH_TOKENS,
-    MAX_PREFILL_GRAPH_TOKENS,
     SPEC_METHODS,
     CacheConfig,
     ConfigError,
@@ -113,13 +112,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=_default(RunnerConfig, "cuda_graph_max_batch"),
                    help="largest decode batch captured in a CUDA graph (capped at "
                         "--max-num-seqs); larger decode steps run eagerly")
-    g.add_argument("--prefill-graph-tokens",
-                   type=_runner_int("prefill_graph_tokens",
-                                    f"0 (off) or in [2, {MAX_PREFILL_GRAPH_TOKENS}]"),
-                   default=_default(RunnerConfig, "prefill_graph_tokens"),
-                   help="steps in which every request computes at most this many tokens (short "
-                        "prompts, prompt tails after a prefix-cache hit) replay a CUDA graph "
-                        "instead of running eagerly (e.g. 16; default 0: off)")
     g.add_argument("--piecewise-graph-max-tokens",
                    type=_runner_int("piecewise_graph_max_tokens",
                                     f"0 (off) or in [16, {MAX_PIECEWISE_GRAPH_TOKENS}]"),
@@ -190,7 +182,6 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "colocated") -
                             enforce_eager=args.enforce_eager, cpu_threads=args.cpu_threads,
                             cuda_graph_max_batch=args.cuda_graph_max_batch,
                             decode_overlap_min_batch=args.decode_overlap_min_batch,
-                            prefill_graph_tokens=args.prefill_graph_tokens,
                             piecewise_graph_max_tokens=args.piecewise_graph_max_tokens,
                             quantization=args.quantization),
         speculative=SpeculativeConfig(method=args.speculative_method,

@@ -247,12 +247,6 @@ class RunnerConfig:
     # its tests) on one small machine must split the cores, or spinning thread pools oversubscribe
     # them and small ops get ~100x slower.
     cpu_threads: int | None = None
-    # Steps in which every request computes at most this many tokens (a short prompt, a prompt's
-    # tail after a prefix-cache hit, decodes beside them) replay one CUDA graph of this many query
-    # rows per request (16: a 16-token prompt's first token 16.5 -> 6.2 ms eager on the H200).
-    # Off (0) by default: the piecewise graphs below do better (5.3 ms; docs/performance.md,
-    # "Piecewise CUDA graphs"). Not captured by a decode-role worker (it computes no prompts).
-    prefill_graph_tokens: int = 0
     # Other steps of at most this many tokens (prompts and chunks, decodes beside them) replay
     # piecewise CUDA graphs: each layer's norms, matmuls, RoPE and KV write from a graph per
     # token-count bucket, attention launched eagerly between them (engine/piecewise_graphs.py).
@@ -261,10 +255,6 @@ class RunnerConfig:
     piecewise_graph_max_tokens: int = 512
 
     def validate(self) -> None:
-        n = self.prefill_graph_tokens
-        if type(n) is not int or not (n == 0 or 2 <= n <= MAX_PREFILL_GRAPH_TOKENS):
-            raise ConfigError(f"prefill_graph_tokens must be 0 (off) or in "
-                              f"[2, {MAX_PREFILL_GRAPH_TOKENS}], got {n!r}")
         n = self.piecewise_graph_max_tokens
         if type(n) is not int or not (n == 0 or 16 <= n <= MAX_PIECEWISE_GRAPH_TOKENS):
             raise ConfigError(f"piecewise_graph_max_tokens must be 0 (off) or in "
@@ -274,10 +264,6 @@ class RunnerConfig:
 # Past ~2k tokens a step's kernels outlast its eager launches (a 1,024-token prompt: 20.5 ms of
 # kernels against ~2 ms of gaps on the H200), so graphs gain nothing and cost pool memory.
 MAX_PIECEWISE_GRAPH_TOKENS = 2048
-
-# A graph step's attention is the split decode kernel with this many query rows per sequence
-# (as a speculative verify step's); past a few dozen rows a program's tile outgrows its registers.
-MAX_PREFILL_GRAPH_TOKENS = 32
 
 
 SpecMethod = Literal["none", "ngram", "draft_model"]

@@ -53,7 +53,6 @@ class LLM:
         enforce_eager: bool = False,
         cuda_graph_max_batch: int = 512,
         decode_overlap_min_batch: int = 0,
-        prefill_graph_tokens: int = 0,
         piecewise_graph_max_tokens: int = 512,
         quantization: str = "none",
         cpu_threads: int | None = None,
@@ -88,7 +87,6 @@ class LLM:
                                 enforce_eager=enforce_eager,
                                 cuda_graph_max_batch=cuda_graph_max_batch,
                                 decode_overlap_min_batch=decode_overlap_min_batch,
-                                prefill_graph_tokens=prefill_graph_tokens,
                                 piecewise_graph_max_tokens=piecewise_graph_max_tokens,
                                 quantization=quantization,  # type: ignore[arg-type]
                                 cpu_threads=cpu_threads),

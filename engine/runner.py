@@ -65,10 +65,6 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 # Largest verify step (sequences) captured in a CUDA graph. Each of its rows is a logits row:
 # 64 x (1 + 4 drafts) x a 128k vocabulary is 82 MB of bf16 logits buffer.
 SPEC_GRAPH_MAX_BATCH = 64
-# Largest step of short prompts and tails (sequences) captured in a CUDA graph: the case is
-# light load, and every sequence of such a step, decodes included, owns
-# `prefill_graph_tokens` rows.
-PREFILL_GRAPH_MAX_BATCH = 8
 # A same-GPU KV copy gathers this many blocks at a time (128 MB of an 8B model's bf16 KV).
 _COPY_SLICE_BLOCKS = 64
 # Streams a same-GPU KV handoff copy is spread over (copy engines working at once):
@@ -283,15 +279,11 @@ class ModelRunner:
             logger.info("attention kernels warmed up: %d variants", n)
         self.graphs: CudaGraphRunner | None = None
         self.verify_graphs: CudaGraphRunner | None = None
-        self.prefill_graphs: CudaGraphRunner | None = None
         # Whether requests may speculate (decides which steps must finish before the next).
         self.speculative = config.speculative.enabled and config.scheduler.role != "prefill"
         # Rows per sequence of a verify step laid out for the verify graphs (0: ragged, eager).
         self.verify_q_len = 0
         self.num_uniform_verify_steps = 0
-        # Rows per sequence of a step of short prompts laid out for `prefill_graphs` (0: off).
-        self.prefill_q_len = 0
-        self.num_prefill_graph_steps = 0
         # Other steps of up to `piecewise_graph_max_tokens` tokens: layers from graphs,
         # attention eager (engine/piecewise_graphs.py).
         self.piecewise: PiecewiseGraphRunner | None = None
@@ -318,13 +310,6 @@ class ModelRunner:
             self.piecewise = PiecewiseGraphRunner(self, n, pool=pool)
             self.piecewise.capture(stream)
             pool = self.piecewise.pool
-        q = config.runner.prefill_graph_tokens
-        if q and config.scheduler.role != "decode":
-            self.prefill_q_len = q
-            prefill = CudaGraphRunner(self, q, min(PREFILL_GRAPH_MAX_BATCH, max_decode_batch),
-                                      pool=pool)
-            prefill.capture(stream)
-            self.prefill_graphs, pool = prefill, prefill.pool
         if self.speculative:
             # Speculation is for light load (the gateway turns it off above a few requests per
             # worker): verify graphs up to SPEC_GRAPH_MAX_BATCH sequences; bigger verify steps
@@ -592,16 +577,12 @@ class ModelRunner:
         `keep_probs`: the sampled tokens keep their distributions (a draft model's steps)."""
         if out.is_empty:
             return None
-        uniform_q, graphs = self._verify_rows(out), self.verify_graphs
-        if uniform_q:
-            self.num_uniform_verify_steps += 1
-        else:
-            uniform_q, graphs = self._prefill_graph_rows(out), self.prefill_graphs
-            self.num_prefill_graph_steps += bool(uniform_q)
+        uniform_q = self._verify_rows(out)
+        self.num_uniform_verify_steps += bool(uniform_q)
         input_ids, positions, md, logit_rows = self.prepare(out, uniform_q)
         sampling_reqs = [s.request for s in out.scheduled if s.sample]
-        if uniform_q and graphs is not None:
-            logits = graphs.run(input_ids, positions, md).index_select(0, logit_rows)
+        if uniform_q and self.verify_graphs is not None:
+            logits = self.verify_graphs.run(input_ids, positions, md).index_select(0, logit_rows)
         elif (self.graphs is not None and out.is_pure_decode
                 and len(sampling_reqs) == len(out.scheduled)
                 and self.graphs.can_run(len(out.scheduled))):
@@ -634,17 +615,6 @@ class ModelRunner:
                                                for s in out.scheduled):
             return 0
         return q if self._fits_uniform(out, q, self.verify_graphs) else 0
-
-    def _prefill_graph_rows(self, out: SchedulerOutput) -> int:
-        """Rows per sequence when this step replays a prefill graph (else 0): a step with prompt
-        tokens and no drafts in which every request computes at most `prefill_q_len` tokens (a
-        short prompt, or the last chunk of one: its tail after a prefix hit). Its decodes take
-        the same number of rows (one real, the rest padding)."""
-        q = self.prefill_q_len
-        if (not q or out.has_drafts or out.is_pure_decode
-                or any(s.num_new_tokens > q for s in out.scheduled)):
-            return 0
-        return q if self._fits_uniform(out, q, self.prefill_graphs) else 0
 
     def _fits_uniform(self, out: SchedulerOutput, q: int,
                       graphs: CudaGraphRunner | None) -> bool:
@@ -724,7 +694,6 @@ class ModelRunner:
         unusable after (its engine refuses to step)."""
         self.graphs = None
         self.verify_graphs = None
-        self.prefill_graphs = None
         self.piecewise = None
         self._last_tokens = None
         self.kv_caches = []

@@ -27,7 +27,6 @@ def test_cuda_graph_max_batch_flag_reaches_the_runner_config() -> None:
 
 BAD_FLAG_VALUES = [
     *(("--cuda-graph-max-batch", bad) for bad in ("0", "-8", "many")),
-    *(("--prefill-graph-tokens", bad) for bad in ("1", "33", "-4", "some")),
     *(("--piecewise-graph-max-tokens", bad) for bad in ("8", "4096", "-16", "lots")),
     *(("--gc-threshold", bad) for bad in ("700,10", "700,10,-1", "a,b,c", "1,2,3,4")),
 ]
@@ -43,19 +42,6 @@ def test_flag_rejects_bad_values(flag: str, bad: str, capsys: pytest.CaptureFixt
 def test_llm_refuses_a_zero_graph_batch() -> None:
     with pytest.raises(ConfigError, match="cuda_graph_max_batch"):
         LLM(model="dummy:tiny", dtype="float32", max_model_len=256, cuda_graph_max_batch=0)
-
-
-def test_prefill_graph_tokens_flag_reaches_the_runner_config() -> None:
-    assert engine_config_from_args(_parse()).runner.prefill_graph_tokens == 0  # off
-    for value in (0, 2, 16, 32):
-        cfg = engine_config_from_args(_parse("--prefill-graph-tokens", str(value)))
-        assert cfg.runner.prefill_graph_tokens == value
-
-
-@pytest.mark.parametrize("bad", [1, 33, -1])
-def test_llm_refuses_bad_prefill_graph_tokens(bad: int) -> None:
-    with pytest.raises(ConfigError, match="prefill_graph_tokens"):
-        LLM(model="dummy:tiny", dtype="float32", max_model_len=256, prefill_graph_tokens=bad)
 
 
 def test_piecewise_graph_max_tokens_flag_reaches_the_runner_config() -> None:

@@ -88,11 +88,10 @@ def draft_runner_config(target: EngineConfig) -> EngineConfig:
         scheduler=SchedulerConfig(
             max_num_seqs=target.scheduler.max_num_seqs,
             max_num_batched_tokens=target.scheduler.max_num_batched_tokens, gc_threshold=None),
-        # No prefill or piecewise graphs: the draft's steps follow the target's rounds (not
-        # measured with them on the GPU).
+        # No piecewise graphs: the draft's steps follow the target's rounds (not measured with
+        # them on the GPU).
         runner=dataclasses.replace(target.runner, quantization="none",
-                                   decode_overlap_min_batch=0, prefill_graph_tokens=0,
-                                   piecewise_graph_max_tokens=0),
+                                   decode_overlap_min_batch=0, piecewise_graph_max_tokens=0),
         speculative=SpeculativeConfig(),
     )
 
