@@ -74,7 +74,7 @@ def _cudart() -> ctypes.CDLL | None:
 
 
 def dma_available() -> bool:
-    """Whether `copy_blocks_dma` / `read_blocks_dma` can run in this process."""
+    """Whether `copy_blocks_dma`, `read_blocks_dma` and `write_blocks_dma` can run here."""
     return _cudart() is not None
 
 
@@ -142,6 +142,27 @@ def read_blocks_dma(cache: torch.Tensor, block_ids: Sequence[int], host: torch.T
     base, out = cache.data_ptr(), host.data_ptr()
     for i, b in enumerate(block_ids):
         _memcpy_2d(out + i * planes * piece, piece, base + b * piece, blocks * piece, piece,
+                   planes, stream)
+
+
+def write_blocks_dma(cache: torch.Tensor, block_ids: Sequence[int], src: torch.Tensor,
+                     stream: torch.cuda.Stream) -> None:
+    """cache[:, :, block_ids[i]] = src[i] for a contiguous `src` [n, L, 2, ...] of the cache's
+    dtype, in host memory (pinned: asynchronous; pageable: the runtime stages it) or on the
+    cache's GPU: one 2-D copy per block, queued on `stream` (the caller waits for it)."""
+    planes, blocks, piece = _planes(cache)
+    if not src.is_contiguous() or src.dtype != cache.dtype:
+        raise ValueError(f"DMA writes take contiguous {cache.dtype} blocks, got "
+                         f"{'' if src.is_contiguous() else 'strided '}{src.dtype}")
+    if src.device.type != "cpu" and src.device != cache.device:
+        raise ValueError(f"blocks on {src.device} cannot be copied into a cache on {cache.device}")
+    if src.numel() * src.element_size() != len(block_ids) * planes * piece:
+        raise ValueError(f"{src.numel() * src.element_size()} bytes of blocks for "
+                         f"{len(block_ids)} blocks of {planes * piece}")
+    _check_ids(block_ids, blocks, "destination")
+    base, data = cache.data_ptr(), src.data_ptr()
+    for i, b in enumerate(block_ids):
+        _memcpy_2d(base + b * piece, blocks * piece, data + i * planes * piece, piece, piece,
                    planes, stream)
 
 

@@ -42,7 +42,7 @@ from engine.attention.kv_quant import (
 )
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
-from engine.dma_copy import copy_blocks_dma, dma_available, read_blocks_dma
+from engine.dma_copy import copy_blocks_dma, dma_available, read_blocks_dma, write_blocks_dma
 from engine.kernels._checks import is_quantized_kv
 from engine.model.layers import RotaryEmbedding
 from engine.model.llama import LlamaForCausalLM
@@ -67,9 +67,6 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 SPEC_GRAPH_MAX_BATCH = 64
 # A same-GPU KV copy gathers this many blocks at a time (128 MB of an 8B model's bf16 KV).
 _COPY_SLICE_BLOCKS = 64
-# Streams a same-GPU KV handoff copy is spread over (copy engines working at once):
-# bench/probe_kv_dma.py measured the choice.
-KV_COPY_STREAMS = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,7 +250,6 @@ class ModelRunner:
         if self.device.type == "cuda":
             dma_available()  # finds the CUDA runtime now, not during the first KV handoff
         self._copy_stream: torch.cuda.Stream | None = None  # KV handoff copies' side stream
-        self._copy_streams: list[torch.cuda.Stream] = []  # ... and more for DMA copies
         # The last launched step's sampled tokens (on the device) and their row per request.
         self._last_tokens: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
@@ -760,22 +756,13 @@ class ModelRunner:
         the steps already queued there: a kernel on a side stream, once the decode graphs are
         captured, measured +0.14 ms on every later batch-8 decode step of this process
         (bench/probe_stream_cost.py --variant kv_copy; engine/dma_copy.py)."""
-        if src_cache.device == self.device and dma_available():
+        side = self._side_stream()
+        if side is not None and src_cache.device == self.device and dma_available():
             copy_cache_blocks(self.kv_cache, block_ids, src_cache, src_block_ids,
-                              dma_streams=self._dma_streams())
+                              dma_streams=[side])
         else:
             copy_cache_blocks(self.kv_cache, block_ids, src_cache, src_block_ids,
                               self.step_stream)
-
-    def _dma_streams(self) -> list[torch.cuda.Stream]:
-        """The side stream and `KV_COPY_STREAMS - 1` more: device-to-device KV copies spread
-        over them, so that several copy engines work at once."""
-        if len(self._copy_streams) < KV_COPY_STREAMS:
-            side = self._side_stream()
-            assert side is not None
-            self._copy_streams = [side] + [torch.cuda.Stream(self.device)
-                                           for _ in range(KV_COPY_STREAMS - 1)]
-        return self._copy_streams
 
     def _side_stream(self) -> torch.cuda.Stream | None:
         """The stream KV handoff copies run on beside the engine's steps (None on a CPU)."""
@@ -792,22 +779,33 @@ class ModelRunner:
         Quantized (fp8 or int8) cache: blocks of its dtype are stored values under `scales`
         ([L, 2]; None = this runner's `kv_scales`) and are re-quantized when those differ from
         ours; float blocks are real K/V values, quantized with our scales (saturating at ±448 or
-        ±127 times the scale)."""
+        ±127 times the scale). Called from threads other than the engine's; returns when the
+        blocks are in the cache."""
         expected = (len(block_ids), *self.kv_shape_per_block)
         if tuple(blocks.shape) != expected:
             raise ValueError(f"KV blocks have shape {tuple(blocks.shape)}, expected {expected}")
-        with self._on_step_stream():  # in order with the steps (step_stream says why)
+        if self.kv_is_quantized:
+            src, cache = self._quantize_blocks(blocks, scales), self.kv_cache.view(torch.uint8)
+        elif scales is not None:
+            raise ValueError(f"scales are only for fp8 and int8 KV caches, this one is "
+                             f"{self.kv_dtype}")
+        else:
+            src, cache = blocks, self.kv_cache
+        stream = self._side_stream()
+        if (stream is not None and src.device.type == "cpu" and src.dtype == cache.dtype
+                and dma_available()):
+            # From the host by copy engine on the side stream: the blocks belong to a load no
+            # step reads before it completes, so this waits for none of the queued steps (a
+            # kernel would: on the step stream, engine/dma_copy.py says why).
+            write_blocks_dma(cache, block_ids, src.contiguous(), stream)
+            stream.synchronize()  # `blocks` may be a staging buffer reused after
+            return
+        if self.step_stream is not None:  # after what the caller queued on its own stream
+            self.step_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with self._on_step_stream():
             idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-            if self.kv_is_quantized:
-                raw = self._quantize_blocks(blocks, scales).to(self.device, non_blocking=True)
-                self.kv_cache.view(torch.uint8).index_copy_(2, idx,
-                                                            raw.permute(1, 2, 0, 3, 4, 5))
-            else:
-                if scales is not None:
-                    raise ValueError(f"scales are only for fp8 and int8 KV caches, this one is "
-                                     f"{self.kv_dtype}")
-                src = blocks.to(self.device, self.dtype, non_blocking=True)
-                self.kv_cache.index_copy_(2, idx, src.permute(1, 2, 0, 3, 4, 5))
+            dev = src.to(self.device, cache.dtype, non_blocking=True)
+            cache.index_copy_(2, idx, dev.permute(1, 2, 0, 3, 4, 5))
         if self.step_stream is not None:
             self.step_stream.synchronize()  # `blocks` may be a staging buffer reused after
 
@@ -846,9 +844,9 @@ def copy_cache_blocks(dst_cache: torch.Tensor, dst_block_ids: list[int], src_cac
     source may be on another GPU (a peer of the destination's): each slice is gathered there
     and copied across (torch orders the copy after the gather and before the scatter).
     `dma_streams`: by the copy engines instead, on those streams (`stream` unused), one 2-D
-    copy per run of consecutive blocks and stream (both caches on one GPU;
-    engine/dma_copy.py). Raises ValueError when the caches'
-    blocks differ, IndexError for a block id out of range."""
+    copy per run of consecutive blocks and stream (both caches on one GPU; engine/dma_copy.py;
+    more than one stream measured slower, bench/probe_kv_dma.py). Raises ValueError when the
+    caches' blocks differ, IndexError for a block id out of range."""
     if len(dst_block_ids) != len(src_block_ids):
         raise ValueError(f"{len(dst_block_ids)} blocks to fill from {len(src_block_ids)}")
     expected = (*dst_cache.shape[:2], *dst_cache.shape[3:])

@@ -2,7 +2,8 @@
 
 Approximate by design (as SGLang's cache-aware router): the gateway remembers the block hashes
 of the prompts it sent each worker (when it picks the worker) and those the worker reported
-back (`KvHandle.block_hashes`), per worker in an LRU of bounded size. A worker may since have evicted a block; then the request just recomputes it.
+back (`KvHandle.block_hashes`), per worker in an LRU of bounded size. A worker may since have
+evicted a block; then the request just recomputes it.
 Hashes are the engine's chained block hashes (DESIGN.md §4), computed with the torch-free
 `engine.kv.hashing` from the fingerprint and block size the workers report.
 """

@@ -10,7 +10,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.dma_copy import block_runs, copy_blocks_dma, dma_available, read_blocks_dma
+from engine.dma_copy import (
+    block_runs,
+    copy_blocks_dma,
+    dma_available,
+    read_blocks_dma,
+    write_blocks_dma,
+)
 from engine.runner import copy_cache_blocks
 
 
@@ -43,6 +49,20 @@ def test_a_dma_copy_needs_both_caches_on_one_device() -> None:
     with pytest.raises(ValueError, match="both caches on one GPU"):
         copy_cache_blocks(cache, [0], cache.clone(), [1],
                           dma_streams=[None])  # type: ignore[list-item]
+
+
+def test_dma_writes_check_the_blocks_before_any_copy() -> None:
+    """Refused before the runtime is called (so on a CPU too): a DMA copy has no bounds."""
+    cache = torch.zeros(2, 2, 4, 2, 1, 8, dtype=torch.bfloat16)
+    blocks = torch.zeros(1, 2, 2, 2, 1, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"contiguous torch\.bfloat16 blocks, got torch\.float32"):
+        write_blocks_dma(cache, [0], blocks.float(), None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="strided"):
+        write_blocks_dma(cache, [0], blocks.transpose(1, 2), None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="for 2 blocks"):
+        write_blocks_dma(cache, [0, 1], blocks, None)  # type: ignore[arg-type]
+    with pytest.raises(IndexError, match="destination block ids out of range"):
+        write_blocks_dma(cache, [4], blocks, None)  # type: ignore[arg-type]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
@@ -84,3 +104,41 @@ def test_dma_copies_refuse_block_ids_out_of_range() -> None:
         copy_blocks_dma(cache, [0], cache, [4], [torch.cuda.Stream()])
     with pytest.raises(IndexError, match="destination block ids out of range"):
         copy_blocks_dma(cache, [-1], cache, [0], [torch.cuda.Stream()])
+
+
+@needs_gpu
+@pytest.mark.parametrize("where", ["pinned", "pageable", "device"])
+def test_dma_write_matches_the_blocks_bit_for_bit(where: str) -> None:
+    cache = torch.zeros(3, 2, 50, 16, 2, 64, dtype=torch.bfloat16, device="cuda")
+    ids = [7, 8, 9, 30, 2]
+    blocks = torch.randn(len(ids), 3, 2, 16, 2, 64, dtype=torch.bfloat16)
+    src = {"pinned": blocks.pin_memory(), "pageable": blocks, "device": blocks.cuda()}[where]
+    stream = torch.cuda.Stream()
+    write_blocks_dma(cache, ids, src, stream)
+    stream.synchronize()
+    assert torch.equal(cache[:, :, ids].permute(2, 0, 1, 3, 4, 5).cpu(), blocks)
+    untouched = [b for b in range(50) if b not in ids]
+    assert not cache[:, :, untouched].any()
+
+
+@needs_gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_runner_writes_reads_and_copies_blocks_through_dma(kv_cache_dtype: str) -> None:
+    """The runner's own paths (write_blocks from pinned host blocks, read_leased_blocks,
+    copy_blocks_from another cache on this GPU) round-trip blocks exactly."""
+    from engine import LLM
+
+    llm = LLM(model="dummy:tiny", dtype="bfloat16", max_model_len=256,
+              kv_cache_dtype=kv_cache_dtype, enforce_eager=True, gpu_memory_utilization=0.05)
+    runner = llm.engine.runner
+    n, d = 3, runner.kv_shape_per_block[-1] * runner.kv_dtype.itemsize
+    blocks = torch.randint(0, 256, (n, *runner.kv_shape_per_block[:-1], d), dtype=torch.uint8)
+    blocks = blocks.view(runner.kv_dtype).pin_memory()  # any bytes: compared as bytes
+    last = runner.kv_cache.shape[2]  # blocks from the end: no request holds them
+    ids = [last - 1, last - 3, last - 2]
+    runner.write_blocks(ids, blocks)
+    back = runner.read_leased_blocks(ids)
+    assert torch.equal(back.view(torch.uint8), blocks.view(torch.uint8))
+    runner.copy_blocks_from([last - 6, last - 5, last - 4], runner.kv_cache, ids)
+    assert torch.equal(runner.kv_cache.view(torch.uint8)[:, :, [last - 6, last - 5, last - 4]],
+                       runner.kv_cache.view(torch.uint8)[:, :, ids])
