@@ -46,13 +46,13 @@ from protos.splitserve.v1 import (
 HOST = "127.0.0.1"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return int(s.getsockname()[1])
 
 
-def _spawn(role: str, port: int, engine_args: list[str], log: Path, token: str,
+def spawn_worker(role: str, port: int, engine_args: list[str], log: Path, token: str,
            visible_devices: str = "") -> subprocess.Popen[bytes]:
     env = {**os.environ, INTERNAL_TOKEN_ENV: token}
     if visible_devices:  # physical GPU indices; the worker's engine runs on the first
@@ -63,7 +63,7 @@ def _spawn(role: str, port: int, engine_args: list[str], log: Path, token: str,
         stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
 
 
-async def _wait_ready(stub: Any, md: tuple[tuple[str, str], ...], proc: subprocess.Popen[bytes],
+async def wait_ready(stub: Any, md: tuple[tuple[str, str], ...], proc: subprocess.Popen[bytes],
                       timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -201,12 +201,12 @@ def main() -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     engine_args = ["--model", args.model, "--max-model-len", str(args.max_model_len),
                    "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-    ports = {"prefill": _free_port(), "decode": _free_port()}
+    ports = {"prefill": free_port(), "decode": free_port()}
     decode_args = [*engine_args, "--kv-transports", args.kv_transports]
     if args.kv_tcp_streams is not None:
         decode_args += ["--kv-tcp-streams", str(args.kv_tcp_streams)]
     gpus = {"prefill": args.prefill_gpus, "decode": args.decode_gpus}
-    procs = {role: _spawn(role, ports[role], decode_args if role == "decode" else engine_args,
+    procs = {role: spawn_worker(role, ports[role], decode_args if role == "decode" else engine_args,
                           log_dir / f"{role}.log", token, gpus[role])
              for role in ("prefill", "decode")}
     try:
@@ -214,9 +214,9 @@ def main() -> int:
             md = bearer_metadata(token)
             async with grpc.aio.insecure_channel(f"{HOST}:{ports['prefill']}") as pch, \
                     grpc.aio.insecure_channel(f"{HOST}:{ports['decode']}") as dch:
-                await _wait_ready(prefill_pb2_grpc.PrefillStub(pch), md, procs["prefill"],
+                await wait_ready(prefill_pb2_grpc.PrefillStub(pch), md, procs["prefill"],
                                   args.ready_timeout_s)
-                await _wait_ready(decode_pb2_grpc.DecodeStub(dch), md, procs["decode"],
+                await wait_ready(decode_pb2_grpc.DecodeStub(dch), md, procs["decode"],
                                   args.ready_timeout_s)
 
         t = time.perf_counter()

@@ -34,7 +34,7 @@ from typing import Any
 
 import grpc
 
-from bench.probe_disagg import HOST, _free_port, _spawn, _wait_ready
+from bench.probe_disagg import HOST, free_port, spawn_worker, wait_ready
 from bench.results import git_info
 from protos.auth import INTERNAL_TOKEN_ENV, bearer_metadata
 from protos.splitserve.v1 import (
@@ -146,11 +146,11 @@ def main() -> int:
     engine = ["--block-size", str(args.block_size), "--cpu-threads", str(args.cpu_threads)]
     if args.model:
         engine += ["--model", args.model]
-    ports = {"prefill0": _free_port(), "prefill1": _free_port(), "decode": _free_port()}
-    procs = {name: _spawn(name.rstrip("01"), port, engine, log_dir / f"{name}.log", token)
+    ports = {"prefill0": free_port(), "prefill1": free_port(), "decode": free_port()}
+    procs = {name: spawn_worker(name.rstrip("01"), port, engine, log_dir / f"{name}.log", token)
              for name, port in ports.items()}
     prefill = [f"{HOST}:{ports['prefill0']}", f"{HOST}:{ports['prefill1']}"]
-    rest_port, grpc_port = _free_port(), _free_port()
+    rest_port, grpc_port = free_port(), free_port()
     env = {**os.environ, INTERNAL_TOKEN_ENV: token}
     if args.gateway_pythonpath:
         env["PYTHONPATH"] = args.gateway_pythonpath
@@ -168,7 +168,7 @@ def main() -> int:
         async def ready() -> None:
             for address, name in ((prefill[0], "prefill0"), (prefill[1], "prefill1")):
                 async with grpc.aio.insecure_channel(address) as ch:
-                    await _wait_ready(prefill_pb2_grpc.PrefillStub(ch), md, procs[name],
+                    await wait_ready(prefill_pb2_grpc.PrefillStub(ch), md, procs[name],
                                       args.ready_timeout_s)
             async with grpc.aio.insecure_channel(prefill[0]) as ch:
                 load = await prefill_pb2_grpc.PrefillStub(ch).GetLoad(common_pb2.LoadRequest(),
