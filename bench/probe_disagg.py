@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,18 @@ def spawn_worker(role: str, port: int, engine_args: list[str], log: Path, token:
         [sys.executable, "-m", "splitserve", "serve", "--role", role, "--host", HOST,
          "--port", str(port), *engine_args],
         stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+
+
+def stop_processes(procs: Iterable[subprocess.Popen[bytes]]) -> None:
+    """Terminate, give each 30 s to exit, then kill."""
+    procs = list(procs)
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 async def wait_ready(stub: Any, md: tuple[tuple[str, str], ...], proc: subprocess.Popen[bytes],
@@ -224,13 +237,7 @@ def main() -> int:
         start_s = time.perf_counter() - t
         results = asyncio.run(_run(args, token, ports))
     finally:
-        for proc in procs.values():
-            proc.terminate()
-        for proc in procs.values():
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(procs.values())
     # What the workers logged about the KV handoff: which way it came, and any errors (a load
     # that failed is recomputed by the decode worker, which would void the comparison).
     worker_log = {role: [line.strip() for line in (log_dir / f"{role}.log").read_text(

@@ -34,7 +34,7 @@ from typing import Any
 
 import grpc
 
-from bench.probe_disagg import HOST, free_port, spawn_worker, wait_ready
+from bench.probe_disagg import HOST, free_port, spawn_worker, stop_processes, wait_ready
 from bench.results import git_info
 from protos.auth import INTERNAL_TOKEN_ENV, bearer_metadata
 from protos.splitserve.v1 import (
@@ -191,13 +191,7 @@ def main() -> int:
         asyncio.run(ready())
         results = asyncio.run(_run(args, grpc_port, prefill, md))
     finally:
-        for proc in procs.values():
-            proc.terminate()
-        for proc in procs.values():
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(procs.values())
     doc = {**git_info(), "gateway_pythonpath": args.gateway_pythonpath,
            "gateway_commit": subprocess.run(
                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,

@@ -130,40 +130,39 @@ def copy_blocks_dma(dst_cache: torch.Tensor, dst_ids: Sequence[int], src_cache: 
 def read_blocks_dma(cache: torch.Tensor, block_ids: Sequence[int], host: torch.Tensor,
                     stream: torch.cuda.Stream) -> None:
     """host[i] = cache[:, :, block_ids[i]] for a pinned, contiguous `host` [n, L, 2, ...] of the
-    cache's dtype: one 2-D copy per block (a block's planes are `piece` bytes apart on the host
-    and `num_blocks * piece` on the device), queued on `stream` (the caller waits for it)."""
-    planes, blocks, piece = _planes(cache)
+    cache's dtype, queued on `stream` (the caller waits for it)."""
     if not (host.is_contiguous() and host.is_pinned()):
         raise ValueError("the host buffer for DMA reads must be pinned and contiguous")
-    if host.numel() * host.element_size() != len(block_ids) * planes * piece:
-        raise ValueError(f"host buffer of {host.numel() * host.element_size()} bytes for "
-                         f"{len(block_ids)} blocks of {planes * piece}")
-    _check_ids(block_ids, blocks, "source")
-    base, out = cache.data_ptr(), host.data_ptr()
-    for i, b in enumerate(block_ids):
-        _memcpy_2d(out + i * planes * piece, piece, base + b * piece, blocks * piece, piece,
-                   planes, stream)
+    _per_block(cache, block_ids, host, stream, into_cache=False)
 
 
 def write_blocks_dma(cache: torch.Tensor, block_ids: Sequence[int], src: torch.Tensor,
                      stream: torch.cuda.Stream) -> None:
     """cache[:, :, block_ids[i]] = src[i] for a contiguous `src` [n, L, 2, ...] of the cache's
     dtype, in host memory (pinned: asynchronous; pageable: the runtime stages it) or on the
-    cache's GPU: one 2-D copy per block, queued on `stream` (the caller waits for it)."""
-    planes, blocks, piece = _planes(cache)
+    cache's GPU, queued on `stream` (the caller waits for it)."""
     if not src.is_contiguous() or src.dtype != cache.dtype:
         raise ValueError(f"DMA writes take contiguous {cache.dtype} blocks, got "
                          f"{'' if src.is_contiguous() else 'strided '}{src.dtype}")
     if src.device.type != "cpu" and src.device != cache.device:
         raise ValueError(f"blocks on {src.device} cannot be copied into a cache on {cache.device}")
-    if src.numel() * src.element_size() != len(block_ids) * planes * piece:
-        raise ValueError(f"{src.numel() * src.element_size()} bytes of blocks for "
+    _per_block(cache, block_ids, src, stream, into_cache=True)
+
+
+def _per_block(cache: torch.Tensor, block_ids: Sequence[int], buf: torch.Tensor,
+               stream: torch.cuda.Stream, into_cache: bool) -> None:
+    """One 2-D copy per block between the cache and `buf` (the blocks one after another): a
+    block's planes are `piece` bytes apart in `buf` and `num_blocks * piece` in the cache."""
+    planes, blocks, piece = _planes(cache)
+    if buf.numel() * buf.element_size() != len(block_ids) * planes * piece:
+        raise ValueError(f"{buf.numel() * buf.element_size()} bytes of blocks for "
                          f"{len(block_ids)} blocks of {planes * piece}")
-    _check_ids(block_ids, blocks, "destination")
-    base, data = cache.data_ptr(), src.data_ptr()
+    _check_ids(block_ids, blocks, "destination" if into_cache else "source")
+    base, other = cache.data_ptr(), buf.data_ptr()
     for i, b in enumerate(block_ids):
-        _memcpy_2d(base + b * piece, blocks * piece, data + i * planes * piece, piece, piece,
-                   planes, stream)
+        in_cache, in_buf = (base + b * piece, blocks * piece), (other + i * planes * piece, piece)
+        dst, src = (in_cache, in_buf) if into_cache else (in_buf, in_cache)
+        _memcpy_2d(dst[0], dst[1], src[0], src[1], piece, planes, stream)
 
 
 def _check_ids(ids: Sequence[int], num_blocks: int, side: str) -> None:
