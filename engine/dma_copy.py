@@ -80,6 +80,8 @@ def dma_available() -> bool:
 
 def _memcpy_2d(dst: int, dpitch: int, src: int, spitch: int, width: int, height: int,
                stream: torch.cuda.Stream) -> None:
+    """Queue one 2-D copy on `stream`. The caller makes the stream's GPU current (the runtime
+    takes the calling thread's device; a worker thread's is GPU 0 whatever the cache's)."""
     lib = _cudart()
     if lib is None:
         raise RuntimeError("no CUDA runtime loaded: DMA copies are unavailable")
@@ -116,15 +118,16 @@ def copy_blocks_dma(dst_cache: torch.Tensor, dst_ids: Sequence[int], src_cache: 
     dst_base, src_base = dst_cache.data_ptr(), src_cache.data_ptr()
     share = -(-planes // len(streams))
     runs = block_runs(dst_ids, src_ids)
-    for k, stream in enumerate(streams):
-        first = k * share
-        height = min(share, planes - first)
-        if height <= 0:
-            break
-        for d, s, n in runs:
-            _memcpy_2d(dst_base + (first * dst_blocks + d) * piece, dst_blocks * piece,
-                       src_base + (first * src_blocks + s) * piece, src_blocks * piece,
-                       n * piece, height, stream)
+    with torch.cuda.device(dst_cache.device):
+        for k, stream in enumerate(streams):
+            first = k * share
+            height = min(share, planes - first)
+            if height <= 0:
+                break
+            for d, s, n in runs:
+                _memcpy_2d(dst_base + (first * dst_blocks + d) * piece, dst_blocks * piece,
+                           src_base + (first * src_blocks + s) * piece, src_blocks * piece,
+                           n * piece, height, stream)
 
 
 def read_blocks_dma(cache: torch.Tensor, block_ids: Sequence[int], host: torch.Tensor,
@@ -159,10 +162,12 @@ def _per_block(cache: torch.Tensor, block_ids: Sequence[int], buf: torch.Tensor,
                          f"{len(block_ids)} blocks of {planes * piece}")
     _check_ids(block_ids, blocks, "destination" if into_cache else "source")
     base, other = cache.data_ptr(), buf.data_ptr()
-    for i, b in enumerate(block_ids):
-        in_cache, in_buf = (base + b * piece, blocks * piece), (other + i * planes * piece, piece)
-        dst, src = (in_cache, in_buf) if into_cache else (in_buf, in_cache)
-        _memcpy_2d(dst[0], dst[1], src[0], src[1], piece, planes, stream)
+    with torch.cuda.device(cache.device):
+        for i, b in enumerate(block_ids):
+            in_cache = (base + b * piece, blocks * piece)
+            in_buf = (other + i * planes * piece, piece)
+            dst, src = (in_cache, in_buf) if into_cache else (in_buf, in_cache)
+            _memcpy_2d(dst[0], dst[1], src[0], src[1], piece, planes, stream)
 
 
 def _check_ids(ids: Sequence[int], num_blocks: int, side: str) -> None:
