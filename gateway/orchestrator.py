@@ -276,10 +276,16 @@ class Orchestrator:
                       sampling: common_pb2.SamplingParams,
                       queue: asyncio.Queue[Event | BaseException | None],
                       metadata: tuple[tuple[str, str], ...] = (), span: Span | None = None) -> str:
-        """Stream decode tokens until finished; resume elsewhere if the worker dies."""
+        """Stream decode tokens until finished; resume elsewhere if the worker dies.
+
+        The decode worker is chosen as a prefill worker is: the one believed to hold the
+        longest prefix of the prompt, within the load-imbalance bound. It then pulls only the
+        blocks it lacks, and colocated workers (no prefill pool) compute only those."""
         tried: list[str] = []
+        pool = self._router.decode
+        hashes = pool.prompt_hashes(job.prompt_token_ids)
         while True:
-            worker = self._router.decode.pick(exclude=tried)
+            worker = pool.pick_for_prefix(hashes, exclude=tried)
             try:
                 return await self._decode_on(worker, job, state, sampling, queue, metadata, span)
             except grpc.aio.AioRpcError as err:

@@ -4,6 +4,9 @@ worker holding the longest prefix unless that costs too much load balance."""
 from __future__ import annotations
 
 import os
+import time
+
+import grpc
 
 from engine.kv.hashing import model_fingerprint, root_hash
 from engine.kv.kv_cache_manager import KVCacheManager
@@ -85,6 +88,33 @@ async def test_a_burst_sharing_a_new_prefix_follows_the_first_pick() -> None:
         assert pool.pick_for_prefix(other).address == a.address  # a: 3 pending, b: 7
     finally:
         await pool.close()
+
+
+def test_gateway_sends_requests_sharing_a_prefix_to_one_decode_worker() -> None:
+    """Colocated (the decode workers compute prompts): requests that share a prefix go to the
+    worker that got the first of them, not round-robin over equally loaded workers."""
+    from gateway_fakes import Harness, Script
+
+    from protos.splitserve.v1 import gateway_pb2, gateway_pb2_grpc
+
+    with Harness(Script([1, 2, 3]), colocated=True, num_decode=2) as h:
+        for w in h.decode:
+            w.report = common_pb2.LoadReport(block_size=4, fingerprint=FP)
+        time.sleep(0.5)  # a load poll: the pool learns the block layout
+        with grpc.insecure_channel(h.grpc_target) as ch:
+            stub = gateway_pb2_grpc.GatewayStub(ch)
+            for prefix in (list(range(10, 42)), list(range(100, 132))):
+                for own in range(3):
+                    req = gateway_pb2.GenerateRequest(
+                        token_ids=gateway_pb2.TokenIds(ids=[*prefix, 200 + own]),
+                        sampling=common_pb2.SamplingParams(max_tokens=2))
+                    list(stub.Generate(req, timeout=20))
+        by_prefix: dict[int, set[str]] = {}
+        for w in h.decode:
+            for r in w.decode_requests:
+                by_prefix.setdefault(r.prompt_token_ids[0], set()).add(w.address)
+        assert sorted(by_prefix) == [10, 100]
+        assert all(len(workers) == 1 for workers in by_prefix.values()), by_prefix
 
 
 def test_gateway_prefix_routing_imports_no_torch() -> None:
