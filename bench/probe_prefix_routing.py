@@ -2,14 +2,17 @@
 two prefill workers, one decode worker and the gateway run as processes; `--groups` groups of
 `--per-group` requests, each group's prompts sharing a prefix of `--prefix-len` tokens and then
 `--suffix-len` tokens of their own, are sent through the gateway's gRPC `Generate` all at once,
-in `--rounds` rounds of new prefixes. Reported: the prompt tokens the prefill workers found in
+in `--rounds` rounds of new prefixes. Reported: the prompt tokens the routed workers found in
 their prefix caches (`Usage.cached_tokens` summed over the requests, and the workers' own
 counters from GetLoad), against the most a router could reach (every prompt but the first of
 each group served its prefix from cache).
 
-`--busy-len N` first gives each prefill worker a long prompt, so that the burst is routed while
+`--busy-len N` first gives each routed worker a long prompt, so that the burst is routed while
 they are busy: on an idle small CPU machine the workers' own CPU work delays the gateway until
 each group's first prefill has answered, which hides routing differences.
+
+`--colocated`: two decode workers that compute prompts themselves (the gateway's `--colocated`
+mode) instead of two prefill workers and a decode worker: the decode workers' routing.
 
 `--gateway-pythonpath DIR` runs the gateway from another tree (an A/B of routing code against
 the same workers).
@@ -39,6 +42,7 @@ from bench.results import git_info
 from protos.auth import INTERNAL_TOKEN_ENV, bearer_metadata
 from protos.splitserve.v1 import (
     common_pb2,
+    decode_pb2_grpc,
     gateway_pb2,
     gateway_pb2_grpc,
     prefill_pb2_grpc,
@@ -62,19 +66,23 @@ async def _generate(stub: Any, prompt: list[int]) -> int:
     return int(cached)
 
 
-async def _worker_counters(addresses: list[str], md: tuple[tuple[str, str], ...]
-                           ) -> dict[str, tuple[int, int]]:
-    """Per prefill worker: (prompt tokens looked up in its prefix cache, tokens found)."""
+def _stub(channel: grpc.aio.Channel, colocated: bool) -> Any:
+    """The routed workers' service: Decode for colocated workers, else Prefill."""
+    return (decode_pb2_grpc.DecodeStub if colocated else prefill_pb2_grpc.PrefillStub)(channel)
+
+
+async def _worker_counters(addresses: list[str], md: tuple[tuple[str, str], ...],
+                           colocated: bool) -> dict[str, tuple[int, int]]:
+    """Per routed worker: (prompt tokens looked up in its prefix cache, tokens found)."""
     out = {}
     for address in addresses:
         async with grpc.aio.insecure_channel(address) as ch:
-            r = await prefill_pb2_grpc.PrefillStub(ch).GetLoad(common_pb2.LoadRequest(),
-                                                               metadata=md)
+            r = await _stub(ch, colocated).GetLoad(common_pb2.LoadRequest(), metadata=md)
             out[address] = (r.prefix_cache_queries, r.prefix_cache_hits)
     return out
 
 
-async def _run(args: argparse.Namespace, grpc_port: int, prefill: list[str],
+async def _run(args: argparse.Namespace, grpc_port: int, workers: list[str],
                md: tuple[tuple[str, str], ...]) -> dict[str, Any]:
     vocab = args.vocab
     rng = random.Random(0)
@@ -85,7 +93,7 @@ async def _run(args: argparse.Namespace, grpc_port: int, prefill: list[str],
         await asyncio.gather(*(_generate(stub, [rng.randrange(vocab) for _ in range(64)])
                                for _ in range(2)))
         for r in range(args.rounds):
-            before = await _worker_counters(prefill, md)
+            before = await _worker_counters(workers, md, args.colocated)
             prompts = []
             for _ in range(args.groups):
                 prefix = [rng.randrange(vocab) for _ in range(args.prefix_len)]
@@ -102,9 +110,9 @@ async def _run(args: argparse.Namespace, grpc_port: int, prefill: list[str],
             cached = await asyncio.gather(*(_generate(stub, p) for p in prompts))
             wall = time.perf_counter() - t0
             await asyncio.gather(*busy)
-            after = await _worker_counters(prefill, md)
+            after = await _worker_counters(workers, md, args.colocated)
             per_worker = {a: {"queried (busy prompts included)": after[a][0] - before[a][0],
-                              "hit": after[a][1] - before[a][1]} for a in prefill}
+                              "hit": after[a][1] - before[a][1]} for a in workers}
             reachable = args.groups * (args.per_group - 1) * (
                 args.prefix_len // args.block_size * args.block_size)
             rounds.append({"round": r, "wall_s": round(wall, 2),
@@ -126,7 +134,7 @@ def main() -> int:
     p.add_argument("--suffix-len", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--busy-len", type=int, default=0,
-                   help="before each burst, one prompt of this many tokens per prefill worker "
+                   help="before each burst, one prompt of this many tokens per routed worker "
                         "(0: none; the burst then meets idle workers)")
     p.add_argument("--busy-lead-s", type=float, default=0.5,
                    help="how long the busy prompts run before the burst is sent")
@@ -134,6 +142,8 @@ def main() -> int:
     p.add_argument("--vocab", type=int, default=32000,
                    help="prompt token ids are drawn below this (SmolLM2 has 49,152)")
     p.add_argument("--cpu-threads", type=int, default=1, help="each worker's, on a CPU")
+    p.add_argument("--colocated", action="store_true",
+                   help="two decode workers computing prompts (no prefill workers)")
     p.add_argument("--gateway-pythonpath", default=None,
                    help="run the gateway from this tree (default: this one)")
     p.add_argument("--ready-timeout-s", type=float, default=300)
@@ -146,17 +156,19 @@ def main() -> int:
     engine = ["--block-size", str(args.block_size), "--cpu-threads", str(args.cpu_threads)]
     if args.model:
         engine += ["--model", args.model]
-    ports = {"prefill0": free_port(), "prefill1": free_port(), "decode": free_port()}
+    routed = ("decode0", "decode1") if args.colocated else ("prefill0", "prefill1")
+    ports = {name: free_port() for name in (*routed, *(() if args.colocated else ("decode",)))}
     procs = {name: spawn_worker(name.rstrip("01"), port, engine, log_dir / f"{name}.log", token)
              for name, port in ports.items()}
-    prefill = [f"{HOST}:{ports['prefill0']}", f"{HOST}:{ports['prefill1']}"]
+    workers = [f"{HOST}:{ports[name]}" for name in routed]  # the workers the router chooses
     rest_port, grpc_port = free_port(), free_port()
     env = {**os.environ, INTERNAL_TOKEN_ENV: token}
     if args.gateway_pythonpath:
         env["PYTHONPATH"] = args.gateway_pythonpath
     gateway_cmd = [sys.executable, "-m", "splitserve", "serve", "--role", "gateway",
                    "--host", HOST, "--port", str(rest_port), "--grpc-port", str(grpc_port),
-                   "--prefill", ",".join(prefill), "--decode", f"{HOST}:{ports['decode']}"]
+                   *(["--colocated", "--decode", ",".join(workers)] if args.colocated else
+                     ["--prefill", ",".join(workers), "--decode", f"{HOST}:{ports['decode']}"])]
     if args.model:
         gateway_cmd += ["--model", args.model]
     # `python -m` puts the working directory first on sys.path: the other tree's, or it would
@@ -166,13 +178,13 @@ def main() -> int:
                                         cwd=args.gateway_pythonpath)
     try:
         async def ready() -> None:
-            for address, name in ((prefill[0], "prefill0"), (prefill[1], "prefill1")):
+            for address, name in zip(workers, routed, strict=True):
                 async with grpc.aio.insecure_channel(address) as ch:
-                    await wait_ready(prefill_pb2_grpc.PrefillStub(ch), md, procs[name],
-                                      args.ready_timeout_s)
-            async with grpc.aio.insecure_channel(prefill[0]) as ch:
-                load = await prefill_pb2_grpc.PrefillStub(ch).GetLoad(common_pb2.LoadRequest(),
-                                                                       metadata=md)
+                    await wait_ready(_stub(ch, args.colocated), md, procs[name],
+                                     args.ready_timeout_s)
+            async with grpc.aio.insecure_channel(workers[0]) as ch:
+                load = await _stub(ch, args.colocated).GetLoad(common_pb2.LoadRequest(),
+                                                               metadata=md)
             deadline = time.monotonic() + args.ready_timeout_s
             while time.monotonic() < deadline:  # the gateway answers once it saw the workers
                 if procs["gateway"].poll() is not None:
@@ -189,7 +201,7 @@ def main() -> int:
                 raise RuntimeError(f"the workers' blocks are {load.block_size} tokens")
 
         asyncio.run(ready())
-        results = asyncio.run(_run(args, grpc_port, prefill, md))
+        results = asyncio.run(_run(args, grpc_port, workers, md))
     finally:
         stop_processes(procs.values())
     doc = {**git_info(), "gateway_pythonpath": args.gateway_pythonpath,
@@ -198,8 +210,8 @@ def main() -> int:
                cwd=args.gateway_pythonpath).stdout.strip() or None,
            "settings": {k: v for k, v in vars(args).items() if k != "out"}, **results,
            "command": "PYTHONPATH=. python3 bench/probe_prefix_routing.py " + " ".join(
-               f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-               if k not in ("out",) and v is not None)}
+               f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+               for k, v in vars(args).items() if k != "out" and v is not None and v is not False)}
     Path(args.out).write_text(json.dumps(doc, indent=1))
     return 0
 
