@@ -271,6 +271,8 @@ class Orchestrator:
                     raise GatewayError.from_rpc(err, "prefill") from None
                 self._router.prefill.mark_failed(worker.address)
                 tried.append(worker.address)
+            finally:
+                pool.done(worker)
 
     async def _decode(self, job: GenerationJob, state: _Completion,
                       sampling: common_pb2.SamplingParams,
@@ -301,6 +303,8 @@ class Orchestrator:
                 # The new worker recomputes prompt + tokens sent so far: nobody will pull the
                 # lease (the failed worker may have; releasing again is harmless).
                 self._drop_kv_handle(state)
+            finally:
+                pool.done(worker)
 
     async def _decode_on(self, worker: Worker, job: GenerationJob, state: _Completion,
                          sampling: common_pb2.SamplingParams,

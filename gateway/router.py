@@ -49,11 +49,16 @@ class Worker:
     healthy: bool = False
     reported: bool = False      # answered at least one poll (`load` is a real report)
     load: common_pb2.LoadReport = field(default_factory=common_pb2.LoadReport)
-    picks_since_poll: int = 0   # requests sent since the last load report (not yet in it)
+    # This gateway's requests started on it minus those ended since its last load report.
+    routed_since_poll: int = 0
 
     def routing_key(self) -> tuple[int, float]:
-        pending = self.load.num_running + self.load.num_waiting + self.picks_since_poll
-        return pending, self.load.kv_cache_usage
+        """(pending requests, KV usage): the last report's running + waiting, corrected by what
+        this gateway started and saw end there since. Without the ends, a report taken during a
+        burst kept the worker looking busy until the next poll (a second burst then went
+        elsewhere wholesale: bench/results/cpu_prefix_routing/README.md)."""
+        pending = self.load.num_running + self.load.num_waiting + self.routed_since_poll
+        return max(0, pending), self.load.kv_cache_usage
 
 
 class WorkerPool:
@@ -113,7 +118,7 @@ class WorkerPool:
             worker.healthy = False
             return
         worker.load = report
-        worker.picks_since_poll = 0
+        worker.routed_since_poll = 0
         worker.healthy = True
         worker.reported = True
 
@@ -123,7 +128,8 @@ class WorkerPool:
         return sum(w.healthy for w in self.workers)
 
     def pick(self, exclude: Sequence[str] = ()) -> Worker:
-        """The least-loaded healthy worker not in `exclude`; UNAVAILABLE when there is none."""
+        """The least-loaded healthy worker not in `exclude`; UNAVAILABLE when there is none.
+        Counted as pending on it until `done(worker)`."""
         candidates = [w for w in self.workers if w.healthy and w.address not in exclude]
         if not candidates:
             raise GatewayError(grpc.StatusCode.UNAVAILABLE,
@@ -132,8 +138,13 @@ class WorkerPool:
         tied = [w for w in candidates if w.routing_key() == best]
         worker = tied[self._rr % len(tied)]
         self._rr += 1
-        worker.picks_since_poll += 1
+        worker.routed_since_poll += 1
         return worker
+
+    @staticmethod
+    def done(worker: Worker) -> None:
+        """The call a pick was for has ended (answered, failed or cancelled)."""
+        worker.routed_since_poll -= 1
 
     def prompt_hashes(self, prompt_token_ids: Sequence[int]) -> list[bytes]:
         """Block hashes of a prompt under the pool's KV layout (from the workers' load reports)."""
@@ -165,7 +176,7 @@ class WorkerPool:
         least = min(w.routing_key()[0] for w in candidates)
         if best.routing_key()[0] - least > self.max_imbalance:
             return self.pick(exclude)
-        best.picks_since_poll += 1
+        best.routed_since_poll += 1
         return best
 
     def mark_failed(self, address: str) -> None:

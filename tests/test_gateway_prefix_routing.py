@@ -90,6 +90,26 @@ async def test_a_burst_sharing_a_new_prefix_follows_the_first_pick() -> None:
         await pool.close()
 
 
+async def test_a_load_report_from_a_finished_burst_is_corrected_by_the_ends_seen_since() -> None:
+    pool = WorkerPool("decode", ["127.0.0.1:1", "127.0.0.1:2"])
+    try:
+        a, b = pool.workers
+        for w in pool.workers:
+            w.healthy = True
+        a.load = common_pb2.LoadReport(num_running=1)
+        b.load = common_pb2.LoadReport(num_running=5)  # polled while 5 of ours ran there
+        assert pool.pick().address == a.address
+        for _ in range(5):  # they end before the next poll
+            pool.done(b)
+        assert b.routing_key()[0] == 0
+        assert pool.pick().address == b.address  # a: 1 reported + 1 routed since
+        pool.done(a)
+        pool.done(b)
+        assert (a.routing_key()[0], b.routing_key()[0]) == (1, 0)
+    finally:
+        await pool.close()
+
+
 def test_gateway_sends_requests_sharing_a_prefix_to_one_decode_worker() -> None:
     """Colocated (the decode workers compute prompts): requests that share a prefix go to the
     worker that got the first of them, not round-robin over equally loaded workers."""
