@@ -10,7 +10,9 @@ request speculated. Greedy speculation must not change a single token.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
@@ -221,20 +223,31 @@ def test_gateway_turns_speculation_off_under_load(
         loop_thread: LoopThread, worker: WorkerHandle, spec_tokenizer: Tokenizer,
         stub: decode_pb2_grpc.DecodeStub, prompt_ids: list[int],
         plain_tokens: list[int]) -> None:
-    """No load poll after start-up: the router counts each request routed to the worker since
-    its last report, so the third request finds 2 pending and, at speculative_max_load=2, is
-    decoded without drafts."""
+    """No load poll after start-up: the router counts the requests it has in flight on the
+    worker, so a request routed while two long ones still decode finds 2 pending and, at
+    speculative_max_load=2, is decoded without drafts; once they have ended, the next one
+    speculates again (requests that ended are no longer counted, poll or not)."""
     gateway = _start_gateway(loop_thread, worker, spec_tokenizer, speculative_tokens=4,
                              speculative_max_load=2, load_poll_interval_s=600.0)
+    target = f"{HOST}:{gateway.grpc_port}"
+    assert gateway.state is not None
+    decode_worker = gateway.state.router.decode.workers[0]
     try:
-        grew = []
-        for _ in range(3):
-            before = _drafts(stub)[0]
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            # 400 tokens each (EOS ignored): seconds on this CPU, the third is routed in ms.
+            long_ones = [pool.submit(generate, target, prompt_ids[:8], 400) for _ in range(2)]
+            deadline = time.monotonic() + RPC_TIMEOUT_S
+            while decode_worker.routed_since_poll < 2:
+                assert time.monotonic() < deadline, "the two long requests were never routed"
+                time.sleep(0.01)
             assert _gateway_generate(gateway, prompt_ids) == plain_tokens
-            grew.append(_drafts(stub)[0] > before)
-        assert grew == [True, True, False]
+            assert [len(f.result().token_ids) for f in long_ones] == [400, 400]
         assert _decisions(gateway) == {"draft_model": 0.0, "ngram": 2.0, "default": 0.0,
                                        "off": 1.0}
+        before = _drafts(stub)[0]
+        assert _gateway_generate(gateway, prompt_ids) == plain_tokens
+        assert _drafts(stub)[0] > before
+        assert _decisions(gateway)["ngram"] == 3.0
     finally:
         loop_thread.run(gateway.stop(), 60)
 
