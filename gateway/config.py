@@ -65,7 +65,7 @@ class GatewayConfig:
     # Speculative decoding policy (gateway/spec_policy.py), decided per Decode call: ask for
     # this many drafts per step while the chosen decode worker has fewer than
     # `speculative_max_load` other requests pending (running + waiting as of its last load
-    # report + routed to it since), 0 (off) from there on. speculative_tokens=0: never ask
+    # report, + routed to it since − ended since), 0 (off) from there on. speculative_tokens=0: never ask
     # (every call sends 0). A worker started without --speculative-method ignores it; one with
     # a smaller --num-speculative-tokens caps it.
     speculative_tokens: int = 4

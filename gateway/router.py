@@ -4,10 +4,11 @@ Each pool (prefill or decode) owns one `grpc.aio` channel per worker. A backgrou
 `GetLoad` every `poll_interval_s`; a worker whose last poll failed is excluded until a later
 poll succeeds (or until `mark_failed` is undone by the next good poll).
 
-Routing key: (num_running + num_waiting + picks since the last poll, kv_cache_usage), lowest
-first; ties are broken round-robin. Prefix-aware routing plugs in at `pick_for_prefix`, which
-takes the prompt's block hashes: it is load-only today, and is where a per-worker prefix index
-(block hash → workers that hold it) will rank workers by longest cached prefix before load.
+Routing key: (num_running + num_waiting as last reported, corrected by the requests this gateway
+started and saw end there since; kv_cache_usage), lowest first; ties are broken round-robin.
+`pick_for_prefix` ranks workers by the longest prefix of the prompt's block hashes they are
+believed to hold (`PrefixIndex`, recorded when a worker is picked and from prefill answers)
+before load, within `max_imbalance` pending requests of the least loaded.
 """
 
 from __future__ import annotations
