@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Literal
 
 import grpc
 
@@ -13,7 +14,7 @@ from engine.kv.kv_cache_manager import KVCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from gateway.prefix_index import PrefixIndex, prompt_block_hashes
-from gateway.router import WorkerPool
+from gateway.router import Worker, WorkerPool
 from protos.splitserve.v1 import common_pb2
 
 FP = model_fingerprint({"arch": "test"}, dtype="float32", kv_cache_dtype="auto", block_size=4)
@@ -43,12 +44,18 @@ def test_prefix_index_matches_leading_blocks_and_evicts_lru() -> None:
     assert index.match("b", hs) == 0
 
 
+def _two_healthy(role: Literal["prefill", "decode"]) -> tuple[WorkerPool, Worker, Worker]:
+    """A pool of two workers marked healthy (no poll: the tests set their load reports)."""
+    pool = WorkerPool(role, ["127.0.0.1:1", "127.0.0.1:2"])
+    for w in pool.workers:
+        w.healthy = True
+    return pool, pool.workers[0], pool.workers[1]
+
+
 async def test_router_prefers_prefix_then_load() -> None:
-    pool = WorkerPool("prefill", ["127.0.0.1:1", "127.0.0.1:2"])
+    pool, a, b = _two_healthy("prefill")
     try:
-        a, b = pool.workers
         for w in pool.workers:
-            w.healthy = True
             w.load = common_pb2.LoadReport(block_size=4, fingerprint=FP)
         ids = list(range(100, 140))
         hashes = pool.prompt_hashes(ids)
@@ -69,11 +76,8 @@ async def test_a_burst_sharing_a_new_prefix_follows_the_first_pick() -> None:
     """Nothing is cached yet and no prefill has answered: the first request of a burst goes to
     the least-loaded worker, the rest of the burst that shares its prefix follow it (each pick
     counts as pending load) until `max_imbalance` spills one; another prompt goes by load."""
-    pool = WorkerPool("prefill", ["127.0.0.1:1", "127.0.0.1:2"])
+    pool, a, b = _two_healthy("prefill")
     try:
-        a, b = pool.workers
-        for w in pool.workers:
-            w.healthy = True
         a.load = common_pb2.LoadReport(block_size=4, fingerprint=FP, num_running=2)
         b.load = common_pb2.LoadReport(block_size=4, fingerprint=FP, num_running=0)
         shared = list(range(100, 132))  # 8 blocks, then each request's own tokens
@@ -91,11 +95,8 @@ async def test_a_burst_sharing_a_new_prefix_follows_the_first_pick() -> None:
 
 
 async def test_a_load_report_from_a_finished_burst_is_corrected_by_the_ends_seen_since() -> None:
-    pool = WorkerPool("decode", ["127.0.0.1:1", "127.0.0.1:2"])
+    pool, a, b = _two_healthy("decode")
     try:
-        a, b = pool.workers
-        for w in pool.workers:
-            w.healthy = True
         a.load = common_pb2.LoadReport(num_running=1)
         b.load = common_pb2.LoadReport(num_running=5)  # polled while 5 of ours ran there
         assert pool.pick().address == a.address
