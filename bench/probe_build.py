@@ -9,21 +9,13 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
 import json
-import pstats
 import time
 from pathlib import Path
 
 from bench import probe_ttft
+from bench.probe_host import profile_text
 from bench.results import git_info
-
-
-def _top(stats: pstats.Stats, key: str, n: int) -> str:
-    buf = io.StringIO()
-    stats.stream = buf  # type: ignore[attr-defined]
-    stats.sort_stats(key).print_stats(n)
-    return buf.getvalue()
 
 
 def main() -> int:
@@ -45,15 +37,14 @@ def main() -> int:
     llm = probe_ttft.build_llm(args.model, args.piecewise_graph_max_tokens)
     prof.disable()
     build_s = time.perf_counter() - t0
-    stats = pstats.Stats(prof)
     runner = llm.engine.runner
     doc = {**git_info(), "gpu": torch.cuda.get_device_name(), "model": args.model,
            "piecewise_graph_max_tokens": llm.engine.config.runner.piecewise_graph_max_tokens,
            "piecewise_buckets": runner.piecewise.buckets if runner.piecewise else [],
            "decode_buckets": runner.graphs.buckets if runner.graphs else [],
            "build_s": build_s,
-           "top_cumulative": _top(stats, "cumulative", args.top),
-           "top_own": _top(stats, "tottime", args.top)}
+           "top_cumulative": profile_text(prof, "cumulative", args.top),
+           "top_own": profile_text(prof, "tottime", args.top)}
     Path(args.out).write_text(json.dumps(doc, indent=1))
     print(f"{args.model}: LLM built in {build_s:.1f} s")
     print(doc["top_cumulative"][:6000])

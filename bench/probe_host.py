@@ -42,7 +42,8 @@ def _timed(parts: dict[str, list[float]], name: str, fn: Callable[..., Any]) -> 
     return wrapper
 
 
-def _profile_text(prof: cProfile.Profile, sort: str, rows: int) -> str:
+def profile_text(prof: cProfile.Profile, sort: str, rows: int) -> str:
+    """The `rows` top functions of a profile, sorted by `sort`, as pstats prints them."""
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats(sort).print_stats(rows)
     return buf.getvalue()
@@ -136,7 +137,7 @@ def main() -> int:
     for _ in range(20):
         eng.step()
     prof.disable()
-    decode_profile = _profile_text(prof, "tottime", 35)
+    decode_profile = profile_text(prof, "tottime", 35)
     for rid in list(eng.scheduler.requests):
         eng.abort_request(rid)
     while eng.has_unfinished_requests() or eng.has_step_in_flight:
@@ -151,7 +152,7 @@ def main() -> int:
     prof.enable()
     llm.generate(ids, one)
     prof.disable()
-    ttft_profile = _profile_text(prof, "cumulative", 45)
+    ttft_profile = profile_text(prof, "cumulative", 45)
 
     doc = {
         **git_info(), "gpu": torch.cuda.get_device_name(), "settings": vars(args),

@@ -67,6 +67,10 @@ class GenerationJob:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     arrival_time: float = field(default_factory=time.monotonic)
+    # The prompt's block hashes per KV layout (fingerprint, block size), computed once for both
+    # pools and all `n` completions (WorkerPool.prompt_hashes).
+    block_hashes: dict[tuple[bytes, int], list[bytes]] = field(
+        default_factory=dict, repr=False, compare=False)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -250,7 +254,7 @@ class Orchestrator:
             request_id=f"{job.request_id}-{index}", prompt_token_ids=job.prompt_token_ids,
             sampling=sampling)
         pool = self._router.prefill
-        hashes = pool.prompt_hashes(job.prompt_token_ids)
+        hashes = pool.prompt_hashes(job.prompt_token_ids, job.block_hashes)
         tried: list[str] = []
         while True:
             worker = pool.pick_for_prefix(hashes, exclude=tried)
@@ -285,7 +289,7 @@ class Orchestrator:
         blocks it lacks, and colocated workers (no prefill pool) compute only those."""
         tried: list[str] = []
         pool = self._router.decode
-        hashes = pool.prompt_hashes(job.prompt_token_ids)
+        hashes = pool.prompt_hashes(job.prompt_token_ids, job.block_hashes)
         while True:
             worker = pool.pick_for_prefix(hashes, exclude=tried)
             try:

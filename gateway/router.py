@@ -147,11 +147,19 @@ class WorkerPool:
         """The call a pick was for has ended (answered, failed or cancelled)."""
         worker.routed_since_poll -= 1
 
-    def prompt_hashes(self, prompt_token_ids: Sequence[int]) -> list[bytes]:
-        """Block hashes of a prompt under the pool's KV layout (from the workers' load reports)."""
+    def prompt_hashes(self, prompt_token_ids: Sequence[int],
+                      memo: dict[tuple[bytes, int], list[bytes]] | None = None) -> list[bytes]:
+        """Block hashes of a prompt under the pool's KV layout (from the workers' load reports).
+        `memo`: the prompt's hashes by layout, filled here (a request's prefill and decode pools
+        and its completions then hash it once)."""
         for w in self.workers:
             if w.healthy and w.load.block_size:
-                return prompt_block_hashes(prompt_token_ids, w.load.fingerprint, w.load.block_size)
+                layout = (w.load.fingerprint, w.load.block_size)
+                if memo is None:
+                    return prompt_block_hashes(prompt_token_ids, *layout)
+                if layout not in memo:
+                    memo[layout] = prompt_block_hashes(prompt_token_ids, *layout)
+                return memo[layout]
         return []
 
     def pick_for_prefix(self, block_hashes: Sequence[bytes], exclude: Sequence[str] = ()) -> Worker:

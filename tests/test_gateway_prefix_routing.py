@@ -60,6 +60,9 @@ async def test_router_prefers_prefix_then_load() -> None:
         ids = list(range(100, 140))
         hashes = pool.prompt_hashes(ids)
         assert hashes == prompt_block_hashes(ids, FP, 4)
+        memo: dict[tuple[bytes, int], list[bytes]] = {}
+        assert pool.prompt_hashes(ids, memo) == hashes and memo == {(FP, 4): hashes}
+        assert pool.prompt_hashes(ids, memo) is memo[(FP, 4)]  # hashed once per layout
         pool.prefix_index.record(b.address, hashes[:6])
         a.load = common_pb2.LoadReport(block_size=4, fingerprint=FP, num_running=1)
         b.load = common_pb2.LoadReport(block_size=4, fingerprint=FP, num_running=3)
