@@ -18,10 +18,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+
+from engine.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +76,21 @@ def _cudart() -> ctypes.CDLL | None:
     return None
 
 
+@functools.cache
+def dma_requested() -> bool:
+    """`SPLITSERVE_KV_DMA` (default 1), read once per process: 0 keeps every KV handoff copy on
+    kernels, the path a process without a CUDA runtime to call takes anyway (for A/Bs, and as
+    a way back should a driver's copies misbehave)."""
+    value = os.environ.get("SPLITSERVE_KV_DMA", "1").strip()
+    if value not in ("0", "1"):
+        raise ConfigError(f"SPLITSERVE_KV_DMA must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def dma_available() -> bool:
-    """Whether `copy_blocks_dma`, `read_blocks_dma` and `write_blocks_dma` can run here."""
-    return _cudart() is not None
+    """Whether `copy_blocks_dma`, `read_blocks_dma` and `write_blocks_dma` can run here (and
+    are wanted: `dma_requested`)."""
+    return dma_requested() and _cudart() is not None
 
 
 def _memcpy_2d(dst: int, dpitch: int, src: int, spitch: int, width: int, height: int,

@@ -10,10 +10,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from engine.config import ConfigError
 from engine.dma_copy import (
     block_runs,
     copy_blocks_dma,
     dma_available,
+    dma_requested,
     read_blocks_dma,
     write_blocks_dma,
 )
@@ -68,6 +70,32 @@ def test_dma_writes_check_the_blocks_before_any_copy() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
 def test_no_dma_without_a_cuda_runtime() -> None:
     assert not dma_available()
+
+
+@pytest.mark.parametrize(("value", "wanted"), [(None, True), ("1", True), (" 0 ", False)])
+def test_kv_dma_can_be_turned_off(monkeypatch: pytest.MonkeyPatch, value: str | None,
+                                  wanted: bool) -> None:
+    if value is None:
+        monkeypatch.delenv("SPLITSERVE_KV_DMA", raising=False)
+    else:
+        monkeypatch.setenv("SPLITSERVE_KV_DMA", value)
+    dma_requested.cache_clear()
+    try:
+        assert dma_requested() is wanted
+        if not wanted:
+            assert not dma_available()
+    finally:
+        dma_requested.cache_clear()
+
+
+def test_kv_dma_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPLITSERVE_KV_DMA", "yes")
+    dma_requested.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match="SPLITSERVE_KV_DMA must be 0 or 1, got 'yes'"):
+            dma_requested()
+    finally:
+        dma_requested.cache_clear()
 
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
