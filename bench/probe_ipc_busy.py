@@ -8,9 +8,11 @@ Llama-3.1-8B-shaped bf16 cache and exports it through `kv_transfer.cuda_ipc`; th
 method copies the blocks of a 2,000-token prompt (125 blocks of 2 MB) scattered, and in one
 run, under four loads: nobody else busy, the owner busy (bf16 matmuls back to back on its GPU
 context, as a prefill computes), this process busy (the same on its default stream, as the
-decode worker's steps), both. Methods: copy engine on a side stream (`copy_blocks_dma`, the
-product's path), the gather/scatter kernels on a side stream (the path before), the copy engine
-and the kernels from a local cache (no IPC), and one tiny kernel (how long any work of this
+decode worker's steps), both. Methods (`--methods`): copy engine on a side stream
+(`copy_blocks_dma`, the product's path: a 2-D copy per run of blocks), the gather/scatter
+kernels on a side stream (the path before), the same copies as one `cudaMemcpyBatchAsync` call
+with and without the hint to overlap compute; each from the mapped cache and from a local one
+(no IPC); and one tiny kernel (how long any work of this
 process waits for the GPU). Per case, median of `--repeats` after one: the host's time to queue
 the copies, the GPU time between two events on the copy's stream, the wall time until it is
 done, and a bit-for-bit check.
@@ -21,6 +23,7 @@ Usage: PYTHONPATH=. python3 bench/probe_ipc_busy.py --out F [--blocks 125] [--re
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import functools
 import json
@@ -34,10 +37,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from bench.results import git_info
-from engine.dma_copy import copy_blocks_dma, dma_available
+from engine.dma_copy import _cudart, block_runs, copy_blocks_dma, dma_available
 from kv_transfer.cuda_ipc import CacheExport, CacheImporter, export_cache
 
 SHAPE = (32, 2, 2048, 16, 8, 128)  # [L, 2, num_blocks, block_size, Hkv, D]: 2 MB bf16 blocks
@@ -136,6 +140,9 @@ def main() -> int:
     p.add_argument("--out")
     p.add_argument("--blocks", type=int, default=125)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--methods", default="dma,kernels",
+                   help="of dma, kernels, batch (cudaMemcpyBatchAsync, preferring to overlap "
+                        "compute), batch_plain (the same without that flag)")
     p.add_argument("--role", choices=("importer", "owner"), default="importer")
     args = p.parse_args()
     if args.role == "owner":
@@ -179,8 +186,9 @@ def main() -> int:
                 load.start()
             time.sleep(0.5)
             for layout, (src_ids, dst_ids) in layouts.items():
-                cases = {"dma_ipc": (_dma, src), "kernels_ipc": (_kernels, src),
-                         "dma_local": (_dma, local), "kernels_local": (_kernels, local)}
+                cases = {f"{method}_{where}": (METHODS[method], source)
+                         for method in args.methods.split(",")
+                         for where, source in (("ipc", src), ("local", local))}
                 for name, (copy, source) in cases.items():
                     dst.zero_()
                     torch.cuda.synchronize()
@@ -201,7 +209,7 @@ def main() -> int:
     doc = {"shape": SHAPE, "blocks": n, "repeats": args.repeats, "rows": rows,
            "gpu": torch.cuda.get_device_name(), "git": git_info(),
            "command": f"PYTHONPATH=. python3 bench/probe_ipc_busy.py --blocks {n} "
-                      f"--repeats {args.repeats} --out F"}
+                      f"--repeats {args.repeats} --methods {args.methods} --out F"}
     Path(args.out).write_text(json.dumps(doc, indent=2))
     return 0
 
@@ -220,6 +228,66 @@ def _kernels(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor, src_ids: 
         idx_d = torch.tensor(dst_ids, device="cuda")
         idx_s = torch.tensor(src_ids, device="cuda")
         dst.index_copy_(2, idx_d, src.index_select(2, idx_s))
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", _MemLocation),
+                ("dstLocHint", _MemLocation), ("flags", ctypes.c_uint)]
+
+
+_SRC_ACCESS_ORDER_STREAM = 1
+_MEM_LOCATION_DEVICE = 1
+_PREFER_OVERLAP_WITH_COMPUTE = 1
+
+
+@functools.cache
+def _batch_api() -> tuple[Any, bool]:
+    """cudaMemcpyBatchAsync and whether it takes CUDA 12.8's `failIdx` (gone in 13.0)."""
+    lib = _cudart()
+    assert lib is not None
+    version = ctypes.c_int()
+    assert lib.cudaRuntimeGetVersion(ctypes.byref(version)) == 0
+    fn = lib.cudaMemcpyBatchAsync
+    fail_idx = version.value < 13000
+    args: list[Any] = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+            ctypes.POINTER(_MemcpyAttributes), ctypes.c_void_p, ctypes.c_size_t]
+    fn.argtypes = [*args, ctypes.c_void_p, ctypes.c_void_p] if fail_idx else [
+        *args, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    print("cudart", version.value, "failIdx" if fail_idx else "no failIdx", flush=True)
+    return fn, fail_idx
+
+
+def _batched(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor, src_ids: list[int],
+             stream: torch.cuda.Stream, flags: int = _PREFER_OVERLAP_WITH_COMPUTE) -> None:
+    """One cudaMemcpyBatchAsync call: a 1-D copy per plane and run of consecutive blocks."""
+    fn, fail_idx = _batch_api()
+    planes, blocks = dst.shape[0] * dst.shape[1], dst.shape[2]
+    src_blocks = src.shape[2]
+    piece = dst[0, 0, 0].numel() * dst.element_size()
+    runs = np.array(block_runs(dst_ids, src_ids), dtype=np.uint64).reshape(-1, 3)
+    plane = np.arange(planes, dtype=np.uint64)[:, None]
+    dsts = (dst.data_ptr() + (plane * blocks + runs[:, 0]) * piece).ravel()
+    srcs = (src.data_ptr() + (plane * src_blocks + runs[:, 1]) * piece).ravel()
+    sizes = np.broadcast_to(runs[:, 2] * piece, (planes, len(runs))).ravel().copy()
+    attrs = _MemcpyAttributes(_SRC_ACCESS_ORDER_STREAM,
+                              _MemLocation(_MEM_LOCATION_DEVICE, dst.device.index or 0),
+                              _MemLocation(_MEM_LOCATION_DEVICE, dst.device.index or 0), flags)
+    first = (ctypes.c_size_t * 1)(0)
+    tail: list[Any] = [None] if fail_idx else []
+    err = fn(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, len(sizes),
+             ctypes.byref(attrs), first, 1, *tail, stream.cuda_stream)
+    if err != 0:
+        raise RuntimeError(f"cudaMemcpyBatchAsync failed ({err})")
+
+
+METHODS: dict[str, Callable[..., None]] = {
+    "dma": _dma, "kernels": _kernels, "batch": _batched,
+    "batch_plain": functools.partial(_batched, flags=0)}
 
 
 if __name__ == "__main__":

@@ -133,6 +133,7 @@ def copy_blocks_dma(dst_cache: torch.Tensor, dst_ids: Sequence[int], src_cache: 
     dst_base, src_base = dst_cache.data_ptr(), src_cache.data_ptr()
     share = -(-planes // len(streams))
     runs = block_runs(dst_ids, src_ids)
+    logger.debug("KV copy: %d blocks in %d runs", len(dst_ids), len(runs))
     with torch.cuda.device(dst_cache.device):
         for k, stream in enumerate(streams):
             first = k * share

@@ -25,6 +25,7 @@ from hypothesis.stateful import (
 )
 
 from engine.config import SchedulerConfig
+from engine.dma_copy import block_runs
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.request import RemoteKv, Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -207,6 +208,23 @@ def test_prefix_cached_blocks_are_reused() -> None:
     assert kv.get_computed_blocks(c)[1] == 8
     kv.free(b)
     assert kv.num_free_blocks == NUM_BLOCKS
+    kv.check_integrity()
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_new_blocks_come_in_ascending_order(caching: bool) -> None:
+    """A freed request's blocks return reversed; handed out again they are ascending, so a
+    prompt's positions take consecutive blocks: one KV handoff copy per run (dma_copy)."""
+    kv = KVCacheManager(NUM_BLOCKS, BS, enable_prefix_caching=caching, root=ROOT)
+    a, b = Request("a", [0] * 8, SamplingParams()), Request("b", [1] * 12, SamplingParams())
+    assert kv.allocate_slots(a, 8) is not None and kv.allocate_slots(b, 12) is not None
+    assert kv.block_ids("b") == [2, 3, 4]
+    kv.free(b)
+    assert [blk.block_id for blk in kv.pool.free_queue] == [5, 6, 7, 8, 9, 4, 3, 2]
+    c = Request("c", [2] * 32, SamplingParams())
+    assert kv.allocate_slots(c, 32) is not None
+    assert kv.block_ids("c") == list(range(2, 10))  # the 8 least recently used, ascending
+    assert block_runs(kv.block_ids("c"), list(range(100, 108))) == [(2, 100, 8)]
     kv.check_integrity()
 
 
