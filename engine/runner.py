@@ -757,7 +757,9 @@ class ModelRunner:
         captured, measured +0.14 ms on every later batch-8 decode step of this process
         (bench/probe_stream_cost.py --variant kv_copy; engine/dma_copy.py)."""
         side = self._side_stream()
-        if side is not None and src_cache.device == self.device and dma_available():
+        # The cache's device, not `self.device`: that may be "cuda" without an index, which
+        # never equals a mapped cache's "cuda:0" (so every IPC pull took the kernels once).
+        if side is not None and src_cache.device == self.kv_cache.device and dma_available():
             copy_cache_blocks(self.kv_cache, block_ids, src_cache, src_block_ids,
                               dma_streams=[side])
         else:

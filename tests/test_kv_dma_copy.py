@@ -4,6 +4,7 @@ copies themselves where a GPU is present (the H200 runs them; CI has none)."""
 from __future__ import annotations
 
 import itertools
+import logging
 
 import pytest
 import torch
@@ -170,3 +171,24 @@ def test_runner_writes_reads_and_copies_blocks_through_dma(kv_cache_dtype: str) 
     runner.copy_blocks_from([last - 6, last - 5, last - 4], runner.kv_cache, ids)
     assert torch.equal(runner.kv_cache.view(torch.uint8)[:, :, [last - 6, last - 5, last - 4]],
                        runner.kv_cache.view(torch.uint8)[:, :, ids])
+
+
+@needs_gpu
+def test_runner_copies_another_cache_on_its_gpu_by_dma(caplog: pytest.LogCaptureFixture) -> None:
+    """A cache mapped from another process is "cuda:0" where the runner's device may be plain
+    "cuda": the copy must still go by copy engine on the side stream (it once fell back to the
+    step stream's kernels, waiting for every queued step, on every same-GPU pull)."""
+    from engine import LLM
+
+    llm = LLM(model="dummy:tiny", dtype="bfloat16", max_model_len=256, enforce_eager=True,
+              gpu_memory_utilization=0.05)
+    runner = llm.engine.runner
+    assert runner.device == torch.device("cuda")  # unindexed: the case that went wrong
+    other = torch.randn_like(runner.kv_cache[:, :, :8])
+    assert other.device == torch.device("cuda", torch.cuda.current_device())
+    last = runner.kv_cache.shape[2]
+    dst = [last - 3, last - 2, last - 1]
+    with caplog.at_level(logging.DEBUG, logger="engine.dma_copy"):
+        runner.copy_blocks_from(dst, other, [5, 6, 7])
+    assert "KV copy: 3 blocks in 1 runs" in caplog.text
+    assert torch.equal(runner.kv_cache[:, :, dst], other[:, :, 5:8])
