@@ -4,8 +4,9 @@ Each pool (prefill or decode) owns one `grpc.aio` channel per worker. A backgrou
 `GetLoad` every `poll_interval_s`; a worker whose last poll failed is excluded until a later
 poll succeeds (or until `mark_failed` is undone by the next good poll).
 
-Routing key: (num_running + num_waiting as last reported, corrected by the requests this gateway
-started and saw end there since; kv_cache_usage), lowest first; ties are broken round-robin.
+Routing key: (pending requests: this gateway's own in flight on the worker, plus the rest of the
+last report's num_running + num_waiting; kv_cache_usage), lowest first; ties are broken
+round-robin.
 `pick_for_prefix` ranks workers by the longest prefix of the prompt's block hashes they are
 believed to hold (`PrefixIndex`, recorded when a worker is picked and from prefill answers)
 before load, within `max_imbalance` pending requests of the least loaded.
@@ -50,16 +51,27 @@ class Worker:
     healthy: bool = False
     reported: bool = False      # answered at least one poll (`load` is a real report)
     load: common_pb2.LoadReport = field(default_factory=common_pb2.LoadReport)
-    # This gateway's requests started on it minus those ended since its last load report.
-    routed_since_poll: int = 0
+    in_flight: int = 0          # this gateway's calls on it now: picked, not yet `done`
+    in_flight_at_poll: int = 0  # the same when `load` arrived
 
     def routing_key(self) -> tuple[int, float]:
-        """(pending requests, KV usage): the last report's running + waiting, corrected by what
-        this gateway started and saw end there since. Without the ends, a report taken during a
-        burst kept the worker looking busy until the next poll (a second burst then went
-        elsewhere wholesale: bench/results/cpu_prefix_routing/README.md)."""
-        pending = self.load.num_running + self.load.num_waiting + self.routed_since_poll
-        return max(0, pending), self.load.kv_cache_usage
+        """(pending requests, KV usage): this gateway's own calls in flight there, exact at
+        any moment, plus the last report's running + waiting less ours then (others' load:
+        other gateways', direct clients').
+
+        Ours are counted here, not read from the report: a report taken during a burst kept the
+        worker looking busy until the next poll (a second burst then went elsewhere wholesale:
+        bench/results/cpu_prefix_routing/README.md), and correcting the report by the picks
+        and ends since it undercounted a request that was on its way when it was taken."""
+        others = self.load.num_running + self.load.num_waiting - self.in_flight_at_poll
+        return max(0, others) + self.in_flight, self.load.kv_cache_usage
+
+    def apply_report(self, report: common_pb2.LoadReport) -> None:
+        """A `GetLoad` answer has arrived."""
+        self.load = report
+        self.in_flight_at_poll = self.in_flight
+        self.healthy = True
+        self.reported = True
 
 
 class WorkerPool:
@@ -118,10 +130,7 @@ class WorkerPool:
                 log.warning("%s worker %s failed GetLoad: %s", self.role, worker.address, err.code())
             worker.healthy = False
             return
-        worker.load = report
-        worker.routed_since_poll = 0
-        worker.healthy = True
-        worker.reported = True
+        worker.apply_report(report)
 
     # -- picking ---------------------------------------------------------------------------
     @property
@@ -139,13 +148,13 @@ class WorkerPool:
         tied = [w for w in candidates if w.routing_key() == best]
         worker = tied[self._rr % len(tied)]
         self._rr += 1
-        worker.routed_since_poll += 1
+        worker.in_flight += 1
         return worker
 
     @staticmethod
     def done(worker: Worker) -> None:
         """The call a pick was for has ended (answered, failed or cancelled)."""
-        worker.routed_since_poll -= 1
+        worker.in_flight = max(0, worker.in_flight - 1)
 
     def prompt_hashes(self, prompt_token_ids: Sequence[int],
                       memo: dict[tuple[bytes, int], list[bytes]] | None = None) -> list[bytes]:
@@ -185,7 +194,7 @@ class WorkerPool:
         least = min(w.routing_key()[0] for w in candidates)
         if best.routing_key()[0] - least > self.max_imbalance:
             return self.pick(exclude)
-        best.routed_since_poll += 1
+        best.in_flight += 1
         return best
 
     def mark_failed(self, address: str) -> None:

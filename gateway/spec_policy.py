@@ -60,10 +60,9 @@ def speculative_tokens_for_load(load: int, speculative_tokens: int, max_load: in
 
 
 def worker_load(worker: Worker) -> int:
-    """Requests pending on a decode worker besides the one being routed: running + waiting as
-    of its last load report, plus the requests routed to it since less those ended since.
-    `WorkerPool.pick` has already counted the request being routed (in `routed_since_poll`), so
-    it is taken off again."""
+    """Requests pending on a decode worker besides the one being routed (`Worker.routing_key`:
+    this gateway's in flight there plus the others of its last load report). `WorkerPool.pick`
+    has already counted the request being routed (in `in_flight`), so it is taken off again."""
     pending, _ = worker.routing_key()
     return max(0, pending - 1)
 

@@ -237,7 +237,7 @@ def test_gateway_turns_speculation_off_under_load(
             # 400 tokens each (EOS ignored): seconds on this CPU, the third is routed in ms.
             long_ones = [pool.submit(generate, target, prompt_ids[:8], 400) for _ in range(2)]
             deadline = time.monotonic() + RPC_TIMEOUT_S
-            while decode_worker.routed_since_poll < 2:
+            while decode_worker.in_flight < 2:
                 assert time.monotonic() < deadline, "the two long requests were never routed"
                 time.sleep(0.01)
             assert _gateway_generate(gateway, prompt_ids) == plain_tokens

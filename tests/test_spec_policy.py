@@ -203,7 +203,8 @@ def _wait_polled(h: Harness, num_running: int) -> None:
     assert h.gateway is not None and h.gateway.state is not None
     worker = h.gateway.state.router.decode.workers[0]
     deadline = time.monotonic() + 10
-    while worker.load.num_running != num_running or worker.routed_since_poll:
+    while (worker.load.num_running != num_running
+           or worker.in_flight != worker.in_flight_at_poll):
         assert time.monotonic() < deadline, "the router never polled the new load"
         time.sleep(0.02)
 
