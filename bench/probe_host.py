@@ -21,14 +21,13 @@ import pstats
 import random
 import statistics
 import time
-import traceback
-import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from bench import offline
+from bench.profiling import sync_calls
 from bench.results import git_info
 
 
@@ -111,26 +110,11 @@ def main() -> int:
         if obj is not None:
             setattr(obj, attr, saved[name])
 
-    syncs: list[dict[str, Any]] = []
+    def two_steps() -> None:
+        for _ in range(2):
+            eng.step()
 
-    def record(message: Any, category: Any, filename: str, lineno: int,
-               file: Any = None, line: Any = None) -> None:
-        stack = [f"{f.filename.split('/')[-1]}:{f.lineno} {f.name}"
-                 for f in traceback.extract_stack()[:-1] if "/engine/" in f.filename]
-        syncs.append({"message": str(message)[:120], "stack": stack[-6:]})
-
-    old_show = warnings.showwarning
-    warnings.showwarning = record
-    torch.cuda.set_sync_debug_mode(1)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            for _ in range(2):
-                eng.step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-        warnings.showwarning = old_show
+    syncs = sync_calls(two_steps)
 
     prof = cProfile.Profile()
     prof.enable()

@@ -3,7 +3,8 @@
 Profiles `generate` of one fresh prompt (default 4096 tokens, 1 output token) with
 torch.profiler and splits its wall time into: host time before the first kernel, kernel time
 (the union of kernel intervals), device idle gaps between kernels (with the kernels on either
-side of the largest ones), and host time after the last kernel. Kernel totals by name too.
+side of the largest ones), and host time after the last kernel. Kernel totals by name too, and
+the synchronizing CUDA calls of one more (unprofiled) `generate`.
 
 Usage: PYTHONPATH=. python3 bench/probe_ttft.py --out F [--input-len 4096] [--repeats 3]
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import offline
-from bench.profiling import GcPauses, rank_by_name
+from bench.profiling import GcPauses, rank_by_name, sync_calls
 from bench.results import git_info
 
 MARK = "ttft_generate"
@@ -98,6 +99,8 @@ def main() -> int:
             llm.generate(ids, params)
             plain.append((time.perf_counter() - t) * 1e3)
         plain_gc.append(pauses.summary())
+    ids = prompt()
+    syncs = sync_calls(lambda: llm.generate(ids, params))
     runs = []
     for _ in range(args.repeats):
         ids = prompt()
@@ -117,7 +120,8 @@ def main() -> int:
                      "gc": pauses.summary()})
     doc = {**git_info(), "gpu": torch.cuda.get_device_name(), "input_len": args.input_len,
            "generate_ms_unprofiled": plain, "gc_unprofiled": plain_gc,
-           "median_generate_ms_unprofiled": statistics.median(plain), "profiled": runs}
+           "median_generate_ms_unprofiled": statistics.median(plain), "profiled": runs,
+           "sync_calls_in_one_generate": syncs}
     Path(args.out).write_text(json.dumps(doc, indent=1))
     for r in runs:
         print({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()
@@ -125,6 +129,7 @@ def main() -> int:
     print(json.dumps(runs[-1]["largest_gaps"], indent=1))
     print(json.dumps(runs[-1]["kernels"], indent=1))
     print("unprofiled generate ms", plain, plain_gc)
+    print("synchronizing calls in one generate:", json.dumps(syncs, indent=1))
     return 0
 
 

@@ -1,10 +1,13 @@
 """Shared pieces of the H200 probes: garbage-collector pauses during a measured region
-(`gc.callbacks`) and per-name totals of profiled kernels."""
+(`gc.callbacks`), per-name totals of profiled kernels, the synchronizing CUDA calls of a
+region."""
 
 from __future__ import annotations
 
 import gc
 import time
+import traceback
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from types import TracebackType
@@ -73,3 +76,30 @@ def graph_replay_ms(fn: Callable[[], object], timer: Callable[[Callable[[], obje
         for _ in range(calls):
             fn()
     return timer(graph.replay) / calls
+
+
+def sync_calls(fn: Callable[[], object]) -> list[dict[str, Any]]:
+    """Run `fn` under `torch.cuda.set_sync_debug_mode(1)`; → each synchronizing CUDA call it
+    made: the warning and the engine frames that led to it (the innermost six)."""
+    import torch
+
+    syncs: list[dict[str, Any]] = []
+
+    def record(message: Any, category: Any, filename: str, lineno: int,
+               file: Any = None, line: Any = None) -> None:
+        stack = [f"{f.filename.split('/')[-1]}:{f.lineno} {f.name}"
+                 for f in traceback.extract_stack()[:-1] if "/engine/" in f.filename]
+        syncs.append({"message": str(message)[:120], "stack": stack[-6:]})
+
+    old_show = warnings.showwarning
+    torch.cuda.set_sync_debug_mode(1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = old_show
+    return syncs
+
