@@ -358,6 +358,8 @@ class LLMEngine:
             raise RuntimeError("the engine was shut down")
         self.scheduler.expire_leases()
         out = self.scheduler.schedule()
+        if out.kv_loads:
+            self.runner.fence_kv_loads()  # before this step: see there
         self._kv_loads.extend(out.kv_loads)
         pending = self.runner.launch(out)
         prev, self._inflight = self._inflight, None

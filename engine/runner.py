@@ -250,6 +250,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             dma_available()  # finds the CUDA runtime now, not during the first KV handoff
         self._copy_stream: torch.cuda.Stream | None = None  # KV handoff copies' side stream
+        # Recorded on the step stream by `fence_kv_loads` when blocks for KV loads were handed
+        # out; the side stream's writes into them wait for it (see there).
+        self._load_fence: torch.cuda.Event | None = None
         # The last launched step's sampled tokens (on the device) and their row per request.
         self._last_tokens: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
@@ -751,12 +754,13 @@ class ModelRunner:
         """Blocks `src_block_ids` of another cache of this layout (another process's, mapped
         through CUDA IPC, on this GPU or a peer) → this cache's `block_ids`; returns when done.
 
-        From this GPU: by the copy engines on the side stream, waiting for no step. Otherwise
+        From this GPU: by the copy engines on the side stream, waiting only for the steps that
+        may still write these blocks stale (`fence_kv_loads`). Otherwise
         (a peer GPU's cache, or no CUDA runtime to call) by kernels on the step stream, after
         the steps already queued there: a kernel on a side stream, once the decode graphs are
         captured, measured +0.14 ms on every later batch-8 decode step of this process
         (bench/probe_stream_cost.py --variant kv_copy; engine/dma_copy.py)."""
-        side = self._side_stream()
+        side = self._side_stream_for_loads()
         # The cache's device, not `self.device`: that may be "cuda" without an index, which
         # never equals a mapped cache's "cuda:0" (so every IPC pull took the kernels once).
         if side is not None and src_cache.device == self.kv_cache.device and dma_available():
@@ -766,6 +770,21 @@ class ModelRunner:
             copy_cache_blocks(self.kv_cache, block_ids, src_cache, src_block_ids,
                               self.step_stream)
 
+    def fence_kv_loads(self) -> None:
+        """Called by the engine's thread after a schedule handed out blocks for KV loads and
+        before it launches the step: records where the step stream is.
+
+        A block freed by the host can still be written by a step already launched (a request
+        that finished or was preempted while its next token was in flight writes that token's
+        K/V). The loads write their blocks from the side stream, unordered with the steps, so
+        each write first waits for this event: for the steps launched before its blocks were
+        handed out, which alone can hold a stale write to them, and not for the ones after."""
+        if self.device.type != "cuda":
+            return
+        fence = torch.cuda.Event()
+        fence.record(self.step_stream or torch.cuda.current_stream(self.device))
+        self._load_fence = fence
+
     def _side_stream(self) -> torch.cuda.Stream | None:
         """The stream KV handoff copies run on beside the engine's steps (None on a CPU)."""
         if self.device.type != "cuda":
@@ -773,6 +792,15 @@ class ModelRunner:
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
         return self._copy_stream
+
+    def _side_stream_for_loads(self) -> torch.cuda.Stream | None:
+        """The side stream, made to wait (on the device) for the last `fence_kv_loads`: the
+        stream that writes a KV load's blocks."""
+        stream = self._side_stream()
+        fence = self._load_fence
+        if stream is not None and fence is not None:
+            stream.wait_event(fence)
+        return stream
 
     def write_blocks(self, block_ids: list[int], blocks: torch.Tensor,
                      scales: torch.Tensor | None = None) -> None:
@@ -793,12 +821,13 @@ class ModelRunner:
                              f"{self.kv_dtype}")
         else:
             src, cache = blocks, self.kv_cache
-        stream = self._side_stream()
+        stream = self._side_stream_for_loads()
         if (stream is not None and src.device.type == "cpu" and src.dtype == cache.dtype
                 and dma_available()):
             # From the host by copy engine on the side stream: the blocks belong to a load no
-            # step reads before it completes, so this waits for none of the queued steps (a
-            # kernel would: on the step stream, engine/dma_copy.py says why).
+            # step reads before it completes, so this waits only for the steps that may still
+            # write them stale (`fence_kv_loads`), not for every queued one (a kernel would: on
+            # the step stream, engine/dma_copy.py says why).
             write_blocks_dma(cache, block_ids, src.contiguous(), stream)
             stream.synchronize()  # `blocks` may be a staging buffer reused after
             return

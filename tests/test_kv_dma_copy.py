@@ -192,3 +192,29 @@ def test_runner_copies_another_cache_on_its_gpu_by_dma(caplog: pytest.LogCapture
         runner.copy_blocks_from(dst, other, [5, 6, 7])
     assert "KV copy: 3 blocks in 1 runs" in caplog.text
     assert torch.equal(runner.kv_cache[:, :, dst], other[:, :, 5:8])
+
+
+@needs_gpu
+@pytest.mark.parametrize("way", ["host_write", "device_copy"])
+def test_a_kv_load_lands_after_a_stale_write_from_a_launched_step(way: str) -> None:
+    """A step launched before a load's blocks were handed out may still write one of them (the
+    K/V of a finished request's dropped token); the load, on the side stream, must land after
+    that write, not before it (`ModelRunner.fence_kv_loads`)."""
+    from engine import LLM
+
+    llm = LLM(model="dummy:tiny", dtype="bfloat16", max_model_len=256, enforce_eager=True,
+              gpu_memory_utilization=0.05)
+    runner = llm.engine.runner
+    b = runner.kv_cache.shape[2] - 1
+    blocks = torch.randn((1, *runner.kv_shape_per_block), dtype=torch.bfloat16).pin_memory()
+    other = blocks.permute(1, 2, 0, 3, 4, 5).to("cuda").contiguous()  # a cache of one block
+    with torch.cuda.stream(runner.step_stream or torch.cuda.current_stream()):
+        torch.cuda._sleep(200_000_000)  # a step still running (~0.1 s)
+        runner.kv_cache[:, :, b].fill_(0)  # its stale write into the freed block
+    runner.fence_kv_loads()  # the engine's thread: the load's blocks are handed out
+    if way == "host_write":
+        runner.write_blocks([b], blocks)
+    else:
+        runner.copy_blocks_from([b], other, [0])
+    torch.cuda.synchronize()
+    assert torch.equal(runner.kv_cache[:, :, b].cpu(), blocks[0])
