@@ -199,7 +199,11 @@ def test_runner_copies_another_cache_on_its_gpu_by_dma(caplog: pytest.LogCapture
 def test_a_kv_load_lands_after_a_stale_write_from_a_launched_step(way: str) -> None:
     """A step launched before a load's blocks were handed out may still write one of them (the
     K/V of a finished request's dropped token); the load, on the side stream, must land after
-    that write, not before it (`ModelRunner.fence_kv_loads`)."""
+    that write, not before it (`ModelRunner.fence_kv_loads`).
+
+    On the H200 the same sequence without the fence also kept the load's bytes, once
+    (bench/results/h200/kv_ipc_pull_fix/5_fence_389f8b8/): this test has not yet been seen to
+    fail there; `bench/probe_side_stream_order.py` is to say what ordered the two."""
     from engine import LLM
 
     llm = LLM(model="dummy:tiny", dtype="bfloat16", max_model_len=256, enforce_eager=True,
