@@ -760,10 +760,11 @@ class ModelRunner:
         the steps already queued there: a kernel on a side stream, once the decode graphs are
         captured, measured +0.14 ms on every later batch-8 decode step of this process
         (bench/probe_stream_cost.py --variant kv_copy; engine/dma_copy.py)."""
-        side = self._side_stream_for_loads()
+        side = self._side_stream()
         # The cache's device, not `self.device`: that may be "cuda" without an index, which
         # never equals a mapped cache's "cuda:0" (so every IPC pull took the kernels once).
         if side is not None and src_cache.device == self.kv_cache.device and dma_available():
+            self._wait_for_load_fence(side)
             copy_cache_blocks(self.kv_cache, block_ids, src_cache, src_block_ids,
                               dma_streams=[side])
         else:
@@ -793,14 +794,12 @@ class ModelRunner:
             self._copy_stream = torch.cuda.Stream(self.device)
         return self._copy_stream
 
-    def _side_stream_for_loads(self) -> torch.cuda.Stream | None:
-        """The side stream, made to wait (on the device) for the last `fence_kv_loads`: the
-        stream that writes a KV load's blocks."""
-        stream = self._side_stream()
+    def _wait_for_load_fence(self, stream: torch.cuda.Stream) -> None:
+        """Make `stream` wait (on the device) for the last `fence_kv_loads`, before it writes a
+        KV load's blocks."""
         fence = self._load_fence
-        if stream is not None and fence is not None:
+        if fence is not None:
             stream.wait_event(fence)
-        return stream
 
     def write_blocks(self, block_ids: list[int], blocks: torch.Tensor,
                      scales: torch.Tensor | None = None) -> None:
@@ -821,13 +820,14 @@ class ModelRunner:
                              f"{self.kv_dtype}")
         else:
             src, cache = blocks, self.kv_cache
-        stream = self._side_stream_for_loads()
+        stream = self._side_stream()
         if (stream is not None and src.device.type == "cpu" and src.dtype == cache.dtype
                 and dma_available()):
             # From the host by copy engine on the side stream: the blocks belong to a load no
             # step reads before it completes, so this waits only for the steps that may still
             # write them stale (`fence_kv_loads`), not for every queued one (a kernel would: on
             # the step stream, engine/dma_copy.py says why).
+            self._wait_for_load_fence(stream)
             write_blocks_dma(cache, block_ids, src.contiguous(), stream)
             stream.synchronize()  # `blocks` may be a staging buffer reused after
             return
