@@ -1,6 +1,8 @@
 """Control for tests/test_kv_dma_copy.py's fence test: the same sequence without the fence."""
 import torch
+
 from engine import LLM
+
 llm = LLM(model="dummy:tiny", dtype="bfloat16", max_model_len=256, enforce_eager=True,
           gpu_memory_utilization=0.05)
 runner = llm.engine.runner
