@@ -79,12 +79,15 @@ def simulate(pool: BlockPool, args: argparse.Namespace) -> list[int]:
     while live:
         for r in list(live):
             if r.tokens % bs == 0:  # the next token starts a block
-                r.blocks.extend(pool.get_new_blocks(1))
+                if not r.extra:  # `--growth-chunk` blocks at a time, the rest held for later
+                    r.extra = pool.get_new_blocks(min(args.growth_chunk,
+                                                      -(-r.remaining // bs)))
+                r.blocks.append(r.extra.pop(0))
             r.tokens += 1
             r.remaining -= 1
             if r.remaining == 0:
                 live.remove(r)
-                pool.free_blocks(list(reversed(r.blocks)))
+                pool.free_blocks(list(reversed(r.blocks + r.extra)))
         admit()
     return out
 
@@ -110,6 +113,9 @@ def main() -> int:
     p.add_argument("--min-output", type=int, default=64)
     p.add_argument("--max-output", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--growth-chunk", type=int, default=1,
+                   help="decode blocks taken at a time (1: the engine's way; more: a what-if, "
+                        "the extra ones held by the request until it needs them)")
     args = p.parse_args()
     rows: dict[str, Any] = {}
     for name, cls in (("ascending", BlockPool), ("lru_order", LruOrderPool)):
