@@ -58,14 +58,15 @@ class GatewayConfig:
     max_body_bytes: int = 4 << 20             # REST request body limit (413 above it)
     max_prompt_tokens: int = 8192             # hard prompt limit, independent of max_model_len
     max_n: int = 8                            # completions per request
+    max_prompts_per_request: int = 32         # prompts in one /v1/completions batch
     max_tokens_cap: int = 4096                # largest max_tokens a request may ask for
     request_timeout_s: float = 600.0          # whole-request deadline passed to every hop
     kv_failure_policy: KvFailurePolicyName = "recompute"
     decode_retries: int = 1                   # resumes on another decode worker after UNAVAILABLE
     # Speculative decoding policy (gateway/spec_policy.py), decided per Decode call: ask for
     # this many drafts per step while the chosen decode worker has fewer than
-    # `speculative_max_load` other requests pending (running + waiting as of its last load
-    # report, + routed to it since − ended since), 0 (off) from there on. speculative_tokens=0: never ask
+    # `speculative_max_load` other requests pending (this gateway's own calls in flight there
+    # plus the rest of its last load report: `Worker.routing_key`), 0 (off) from there on. speculative_tokens=0: never ask
     # (every call sends 0). A worker started without --speculative-method ignores it; one with
     # a smaller --num-speculative-tokens caps it.
     speculative_tokens: int = 4
@@ -110,7 +111,7 @@ class GatewayConfig:
             raise GatewayConfigError(
                 "prefill_addresses: at least one prefill worker is required unless colocated=True")
         for name in ("max_model_len", "max_body_bytes", "max_prompt_tokens", "max_n",
-                     "max_tokens_cap"):
+                     "max_prompts_per_request", "max_tokens_cap"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise GatewayConfigError(f"{name} must be an integer >= 1, got {value!r}")

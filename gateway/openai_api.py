@@ -33,7 +33,7 @@ from gateway.openai_protocol import (
     completion_logprobs,
     error_body,
     parse_request,
-    prompt_input,
+    prompt_inputs,
     usage_dict,
 )
 from gateway.orchestrator import Event, Finished, GenerationJob, TokenDelta, usage_totals
@@ -70,9 +70,9 @@ def build_app(state: GatewayState) -> FastAPI:
         body = await _read_json(request, state)
         req = parse_request(CompletionRequest, body)
         _check_model(req.model, state)
-        job = await _completion_job(req, state)
-        view = _View("cmpl", "text_completion", state, job, req.include_usage,
-                     req.continuous_usage, chat=False, num_top=req.logprobs or 0)
+        jobs = await _completion_jobs(req, state)
+        view = _View("text_completion", state, jobs, req.include_usage, req.continuous_usage,
+                     chat=False, num_top=req.logprobs or 0)
         return await _respond(view, request, "completions", req.stream)
 
     @app.post("/v1/chat/completions")
@@ -81,8 +81,8 @@ def build_app(state: GatewayState) -> FastAPI:
         req = parse_request(ChatCompletionRequest, body)
         _check_model(req.model, state)
         job = await _chat_job(req, state)
-        view = _View("chatcmpl", "chat.completion", state, job, req.include_usage,
-                     req.continuous_usage, chat=True, num_top=req.top_logprobs or 0)
+        view = _View("chat.completion", state, [job], req.include_usage, req.continuous_usage,
+                     chat=True, num_top=req.top_logprobs or 0)
         return await _respond(view, request, "chat", req.stream)
 
     return app
@@ -91,7 +91,7 @@ def build_app(state: GatewayState) -> FastAPI:
 async def _respond(view: _View, request: Request, api: str, stream: bool) -> Response:
     """Count the accepted request, then answer it as SSE or as one JSON body."""
     view.state.metrics.requests_received.labels(api=api).inc()
-    view.state.metrics.prompt_tokens.inc(len(view.job.prompt_token_ids))
+    view.state.metrics.prompt_tokens.inc(sum(len(j.prompt_token_ids) for j in view.jobs))
     if stream:
         return await _stream(view, request)
     return JSONResponse(await _complete(view, request))
@@ -154,17 +154,25 @@ def _check_model(model: str | None, state: GatewayState) -> None:
                            param="model", error_code="model_not_found")
 
 
-async def _completion_job(req: CompletionRequest, state: GatewayState) -> GenerationJob:
+async def _completion_jobs(req: CompletionRequest, state: GatewayState) -> list[GenerationJob]:
+    """One job per prompt of the request (a batch: several), all validated before any runs.
+    A batch's jobs are `<id>-<i>`; the response carries `<id>`."""
     if req.echo:
         raise GatewayError.invalid("echo", "echo=true is not supported")
     if req.best_of is not None and req.best_of != req.n:
         raise GatewayError.invalid("best_of", "best_of is not supported (it must equal n)")
-    prompt = prompt_input(req.prompt)
+    prompts = prompt_inputs(req.prompt, state.config.max_prompts_per_request)
     pre = state.preprocessor
-    ids = (await pre.encode_text(prompt, "prompt") if isinstance(prompt, str)
-           else pre.check_token_ids(prompt, "prompt"))
     options = req.sampling_options() | {"max_tokens": req.max_tokens, "logprobs": req.logprobs}
-    return pre.build_job(ids, options, request_id=f"cmpl-{uuid.uuid4().hex}")
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    jobs = []
+    for i, prompt in enumerate(prompts):
+        param = "prompt" if len(prompts) == 1 else f"prompt.{i}"
+        ids = (await pre.encode_text(prompt, param) if isinstance(prompt, str)
+               else pre.check_token_ids(prompt, param))
+        jobs.append(pre.build_job(ids, options, request_id=request_id if len(prompts) == 1
+                                  else f"{request_id}-{i}"))
+    return jobs
 
 
 async def _chat_job(req: ChatCompletionRequest, state: GatewayState) -> GenerationJob:
@@ -193,12 +201,13 @@ class _Choice:
 
 @dataclass(slots=True)
 class _View:
-    """Renders one request's events as OpenAI completion or chat objects."""
+    """Renders one request's events as OpenAI completion or chat objects. `jobs`: one per
+    prompt (a completions batch: several); their choices are numbered across them in order,
+    as `Orchestrator.generate_batch` numbers the events."""
 
-    id_prefix: str
     object: str
     state: GatewayState
-    job: GenerationJob
+    jobs: list[GenerationJob]
     include_usage: bool
     continuous_usage: bool
     chat: bool
@@ -206,17 +215,20 @@ class _View:
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     choices: dict[int, _Choice] = field(default_factory=dict)
+    wants_logprobs: bool = False
 
     def __post_init__(self) -> None:
-        self.id = self.job.request_id
-        self.choices = {i: _Choice() for i in range(self.job.n)}
+        first = self.jobs[0].request_id  # a batch's jobs are <id>-<i>
+        self.id = first if len(self.jobs) == 1 else first.rsplit("-", 1)[0]
+        self.choices = {i: _Choice() for i in range(sum(j.n for j in self.jobs))}
+        self.wants_logprobs = self.jobs[0].wants_logprobs  # one sampling for the whole batch
 
     def header(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created,
                 "model": self.state.config.served_model_name, "system_fingerprint": None}
 
     def logprobs(self, lps: list[common_pb2.TokenLogprob], offset: int) -> dict[str, Any] | None:
-        if not self.job.wants_logprobs:
+        if not self.wants_logprobs:
             return None
         text_of = lambda t: token_text(self.state.tokenizer, t)  # noqa: E731
         if self.chat:
@@ -233,9 +245,15 @@ class _View:
             choice.finished = event
 
     def usage(self) -> dict[str, Any]:
-        done = [c.finished for c in self.choices.values() if c.finished is not None]
-        prompt, _, cached = usage_totals(done)
-        prompt = prompt or len(self.job.prompt_token_ids)
+        """Each prompt counted once (its n completions share it), completions summed."""
+        prompt = cached = 0
+        first = 0
+        for job in self.jobs:
+            mine = [self.choices[i].finished for i in range(first, first + job.n)]
+            p, _, c = usage_totals([f for f in mine if f is not None])
+            prompt += p or len(job.prompt_token_ids)
+            cached += c
+            first += job.n
         completion = sum(c.num_tokens for c in self.choices.values())
         return usage_dict(prompt, completion, cached)
 
@@ -271,7 +289,7 @@ class _View:
         if isinstance(event, TokenDelta):
             offset = choice.text_len
             choice.text_len += len(event.text)
-            if not event.text and not (event.logprobs and self.job.wants_logprobs):
+            if not event.text and not (event.logprobs and self.wants_logprobs):
                 return None  # text held back (possible stop string): nothing to send yet
             item: dict[str, Any] = {"index": event.index,
                                     "logprobs": self.logprobs(event.logprobs, offset),
@@ -294,7 +312,7 @@ class _View:
 async def _complete(view: _View, request: Request) -> dict[str, Any]:
     """Run to the end; a client disconnect cancels the generation (and the gRPC calls)."""
     async def consume() -> None:
-        async for event in view.state.orchestrator.generate(view.job):
+        async for event in view.state.orchestrator.generate_batch(view.jobs):
             view.record(event)
 
     consumer = asyncio.create_task(consume())
@@ -320,7 +338,7 @@ async def _wait_disconnect(request: Request) -> None:
 async def _stream(view: _View, request: Request) -> Response:
     """SSE. The first event is awaited before answering, so early failures get a real status."""
     del request  # Starlette's StreamingResponse cancels the body iterator on disconnect
-    events = view.state.orchestrator.generate(view.job)
+    events = view.state.orchestrator.generate_batch(view.jobs)
     try:
         first = await anext(events)
     except BaseException:
@@ -333,7 +351,7 @@ async def _stream(view: _View, request: Request) -> Response:
 async def _sse(view: _View, first: Event, events: AsyncGenerator[Event, None]) -> AsyncIterator[str]:
     try:
         if view.chat:
-            for index in range(view.job.n):
+            for index in range(len(view.choices)):
                 yield _data(view.role_chunk(index))
         event: Event | None = first
         while event is not None:

@@ -82,7 +82,7 @@ class _SamplingFields(_Open):
 
 
 class CompletionRequest(_SamplingFields):
-    """`POST /v1/completions`. `prompt` is checked by `prompt_input` for a precise message."""
+    """`POST /v1/completions`. `prompt` is checked by `prompt_inputs` for a precise message."""
 
     prompt: Any = None
     max_tokens: int | None = 16
@@ -128,26 +128,29 @@ def parse_request(model: type[M], body: dict[str, Any]) -> M:
 # -- prompt forms ------------------------------------------------------------------------------
 PromptInput = str | list[int]
 
-_PROMPT_FORMS = ("a string, a list of token ids, or a list holding one string or one list of "
-                 "token ids")
+_PROMPT_FORMS = ("a string, a list of token ids, or a list of strings or of lists of token "
+                 "ids (a batch)")
 
 
-def prompt_input(prompt: Any) -> PromptInput:
-    """`prompt` as a string or token ids; batches of more than one prompt are refused."""
+def prompt_inputs(prompt: Any, max_prompts: int) -> list[PromptInput]:
+    """`prompt` as one or more prompts (strings or token ids), as OpenAI's `prompt` takes them:
+    a string, token ids, or a batch of either (at most `max_prompts`)."""
     if isinstance(prompt, str):
-        return prompt
+        return [prompt]
     if isinstance(prompt, list) and prompt:
         if all(_is_token_id(t) for t in prompt):
-            return list(prompt)
-        if len(prompt) == 1 and isinstance(prompt[0], str):
-            return str(prompt[0])
-        if len(prompt) == 1 and isinstance(prompt[0], list) and \
-                all(_is_token_id(t) for t in prompt[0]) and prompt[0]:
-            return list(prompt[0])
-        if len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
-            raise GatewayError.invalid(
-                "prompt", f"prompt: batches of {len(prompt)} prompts are not supported; send "
-                          "one prompt per request")
+            return [list(prompt)]
+        batch: list[PromptInput] | None = None
+        if all(isinstance(p, str) for p in prompt):
+            batch = [str(p) for p in prompt]
+        elif all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in prompt):
+            batch = [list(p) for p in prompt]
+        if batch is not None:
+            if len(batch) > max_prompts:
+                raise GatewayError.invalid(
+                    "prompt", f"prompt: at most {max_prompts} prompts per request, got "
+                              f"{len(batch)}")
+            return batch
     if prompt is None:
         raise GatewayError.invalid("prompt", "prompt is required")
     raise GatewayError.invalid("prompt", f"prompt must be {_PROMPT_FORMS}")

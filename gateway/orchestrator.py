@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, Sequence
@@ -160,6 +161,43 @@ class Orchestrator:
                 for t in tasks:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def generate_batch(self, jobs: Sequence[GenerationJob]) -> AsyncGenerator[Event, None]:
+        """Events of several jobs (a batch of prompts in one request), interleaved, their
+        completions numbered across the batch in order: job i's completion j is completion
+        (n of the jobs before i) + j. Raises `GatewayError` if one fails; closing or cancelling
+        the iterator cancels them all."""
+        if len(jobs) == 1:
+            async for event in self.generate(jobs[0]):
+                yield event
+            return
+        queue: asyncio.Queue[Event | Exception | None] = asyncio.Queue()
+
+        async def pump(job: GenerationJob, offset: int) -> None:
+            try:
+                async for event in self.generate(job):
+                    queue.put_nowait(dataclasses.replace(event, index=event.index + offset))
+            except Exception as exc:  # handed to the consumer, which raises it
+                queue.put_nowait(exc)
+            queue.put_nowait(None)
+
+        offsets = [sum(j.n for j in jobs[:i]) for i in range(len(jobs))]
+        tasks = [asyncio.create_task(pump(job, offset))
+                 for job, offset in zip(jobs, offsets, strict=True)]
+        try:
+            remaining = len(jobs)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def _request_attributes(self, job: GenerationJob) -> dict[str, AttributeValue]:
         """GenAI semantic-convention request attributes of the `gen_ai.generate` span."""

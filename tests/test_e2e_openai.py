@@ -104,6 +104,21 @@ def test_completion_token_id_prompt(client: OpenAI, tokenizer: Tokenizer) -> Non
     assert by_ids.usage is not None and by_ids.usage.prompt_tokens == len(ids)
 
 
+def test_a_batch_of_prompts_answers_each_as_alone(client: OpenAI) -> None:
+    """A batched `prompt`: choice i is what prompt i gets alone (greedy), in order."""
+    prompts = ["The three primary colors are", "Once upon a time", "My favourite fruit is"]
+    alone = [client.completions.create(model=MODEL_NAME, prompt=p, temperature=0, max_tokens=8)
+             for p in prompts]
+    batch = client.completions.create(model=MODEL_NAME, prompt=prompts, temperature=0,
+                                      max_tokens=8)
+    by_index = sorted(batch.choices, key=lambda c: c.index)
+    assert [c.index for c in by_index] == [0, 1, 2]
+    assert [c.text for c in by_index] == [r.choices[0].text for r in alone]
+    assert batch.usage is not None
+    assert batch.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in alone if r.usage)
+    assert batch.usage.completion_tokens == sum(r.usage.completion_tokens for r in alone if r.usage)
+
+
 def test_n_greedy_completions_agree(client: OpenAI) -> None:
     resp = client.completions.create(model=MODEL_NAME, prompt="My favourite fruit is", n=2,
                                      temperature=0, max_tokens=8, extra_body={"ignore_eos": True})

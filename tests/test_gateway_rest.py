@@ -115,6 +115,38 @@ def test_n_two(gw: Harness, client: OpenAI, script_ids: list[int]) -> None:
         assert text == _text(script_ids[:4])
 
 
+def test_a_batch_of_prompts(gw: Harness, client: OpenAI, script_ids: list[int]) -> None:
+    """OpenAI's `prompt` may be a batch: one choice per prompt (and per n), numbered across the
+    batch in order; each prompt is prefilled as itself; usage counts every prompt once."""
+    prompts = ["The capital of France", "x"]
+    r = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=4, n=2)
+    assert r.id.startswith("cmpl-") and "-" not in r.id.removeprefix("cmpl-")
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+    assert all(c.text == _text(script_ids[:4]) for c in r.choices)
+    assert r.usage is not None
+    assert r.usage.prompt_tokens == sum(_num_prompt(p) for p in prompts)
+    assert r.usage.completion_tokens == 16
+    sent = sorted(tuple(req.prompt_token_ids) for req in gw.prefill[0].prefill_requests[-4:])
+    tok = smollm2_tokenizer()
+    assert sent == sorted(tuple(tok.encode(p)) for p in prompts for _ in range(2))
+    ids = client.completions.create(model=MODEL_NAME, prompt=[[1, 2, 3], [4, 5]], max_tokens=3)
+    assert [c.index for c in sorted(ids.choices, key=lambda c: c.index)] == [0, 1]
+    assert ids.usage is not None and ids.usage.prompt_tokens == 5
+
+
+def test_a_batch_of_prompts_streams_every_choice(client: OpenAI, script_ids: list[int]) -> None:
+    chunks = list(client.completions.create(
+        model=MODEL_NAME, prompt=[[1, 2, 3], [4, 5], [6]], max_tokens=5, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (6, 15)
+    for index in (0, 1, 2):
+        mine = [c.choices[0] for c in chunks[:-1] if c.choices[0].index == index]
+        assert "".join(c.text for c in mine) == _text(script_ids[:5])
+        assert mine[-1].finish_reason == "length"
+    assert {c.choices[0].index for c in chunks[:-1]} == {0, 1, 2}
+
+
 def test_stop_string_cancels_decode(gw: Harness, client: OpenAI) -> None:
     gw.decode[0].cancelled.clear()
     gw.script.token_delay_s = 0.02  # so the decode stream is still running at the stop string
@@ -306,7 +338,10 @@ MSG = [{"role": "user", "content": "hi"}]
     (CMPL, {"model": MODEL_NAME, "prompt": "x", "max_tokens": 0}, 400, ["max_tokens", ">= 1"]),
     (CMPL, {"model": MODEL_NAME, "prompt": "x", "max_tokens": -3}, 400, ["max_tokens"]),
     (CMPL, {"model": "gpt-9", "prompt": "x"}, 404, ["gpt-9", "does not exist"]),
-    (CMPL, {"model": MODEL_NAME, "prompt": ["a", "b"]}, 400, ["prompt", "batches"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": ["a", [1, 2]]}, 400, ["prompt must be", "batch"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": ["x"] * 33}, 400, ["at most 32 prompts", "got 33"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": [[1, 2], []]}, 400, ["prompt must be"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": [[1, 2], [99999999]]}, 400, ["prompt.1[0]", "49152"]),
     (CMPL, {"model": MODEL_NAME, "prompt": {"text": "x"}}, 400, ["prompt must be"]),
     (CMPL, {"model": MODEL_NAME, "prompt": [1, -2]}, 400, ["prompt[1]"]),
     (CMPL, {"model": MODEL_NAME, "prompt": [99999999]}, 400, ["prompt[0]", "49152"]),
