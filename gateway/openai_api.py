@@ -70,9 +70,9 @@ def build_app(state: GatewayState) -> FastAPI:
         body = await _read_json(request, state)
         req = parse_request(CompletionRequest, body)
         _check_model(req.model, state)
-        jobs = await _completion_jobs(req, state)
-        view = _View("text_completion", state, jobs, req.include_usage, req.continuous_usage,
-                     chat=False, num_top=req.logprobs or 0)
+        request_id, jobs = await _completion_jobs(req, state)
+        view = _View(request_id, "text_completion", state, jobs, req.include_usage,
+                     req.continuous_usage, chat=False, num_top=req.logprobs or 0)
         return await _respond(view, request, "completions", req.stream)
 
     @app.post("/v1/chat/completions")
@@ -81,8 +81,8 @@ def build_app(state: GatewayState) -> FastAPI:
         req = parse_request(ChatCompletionRequest, body)
         _check_model(req.model, state)
         job = await _chat_job(req, state)
-        view = _View("chat.completion", state, [job], req.include_usage, req.continuous_usage,
-                     chat=True, num_top=req.top_logprobs or 0)
+        view = _View(job.request_id, "chat.completion", state, [job], req.include_usage,
+                     req.continuous_usage, chat=True, num_top=req.top_logprobs or 0)
         return await _respond(view, request, "chat", req.stream)
 
     return app
@@ -154,9 +154,10 @@ def _check_model(model: str | None, state: GatewayState) -> None:
                            param="model", error_code="model_not_found")
 
 
-async def _completion_jobs(req: CompletionRequest, state: GatewayState) -> list[GenerationJob]:
-    """One job per prompt of the request (a batch: several), all validated before any runs.
-    A batch's jobs are `<id>-<i>`; the response carries `<id>`."""
+async def _completion_jobs(req: CompletionRequest, state: GatewayState
+                           ) -> tuple[str, list[GenerationJob]]:
+    """(the response's id, one job per prompt of the request: a batch, several), all validated
+    before any runs. A batch's jobs are `<id>-<i>`."""
     if req.echo:
         raise GatewayError.invalid("echo", "echo=true is not supported")
     if req.best_of is not None and req.best_of != req.n:
@@ -172,7 +173,7 @@ async def _completion_jobs(req: CompletionRequest, state: GatewayState) -> list[
                else pre.check_token_ids(prompt, param))
         jobs.append(pre.build_job(ids, options, request_id=request_id if len(prompts) == 1
                                   else f"{request_id}-{i}"))
-    return jobs
+    return request_id, jobs
 
 
 async def _chat_job(req: ChatCompletionRequest, state: GatewayState) -> GenerationJob:
@@ -205,6 +206,7 @@ class _View:
     prompt (a completions batch: several); their choices are numbered across them in order,
     as `Orchestrator.generate_batch` numbers the events."""
 
+    id: str
     object: str
     state: GatewayState
     jobs: list[GenerationJob]
@@ -212,14 +214,11 @@ class _View:
     continuous_usage: bool
     chat: bool
     num_top: int
-    id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     choices: dict[int, _Choice] = field(default_factory=dict)
     wants_logprobs: bool = False
 
     def __post_init__(self) -> None:
-        first = self.jobs[0].request_id  # a batch's jobs are <id>-<i>
-        self.id = first if len(self.jobs) == 1 else first.rsplit("-", 1)[0]
         self.choices = {i: _Choice() for i in range(sum(j.n for j in self.jobs))}
         self.wants_logprobs = self.jobs[0].wants_logprobs  # one sampling for the whole batch
 
