@@ -466,6 +466,17 @@ def test_dead_decode_worker_resumes_without_duplicates(script_ids: list[int]) ->
         h.run(_wait_for(lambda: h.prefill[0].released == [rid]))
 
 
+def test_a_failed_prompt_fails_its_batch_and_cancels_the_others(script_ids: list[int]) -> None:
+    """One prompt of a batch loses its only decode worker mid-stream: the request fails, and
+    the other prompt's decode call is cancelled rather than left running."""
+    script = Script(list(script_ids), endless=True, token_delay_s=0.01, die_after=5)
+    with Harness(script) as h:
+        r = _post(h, CMPL, {"model": MODEL_NAME, "prompt": ["x", "y"], "max_tokens": 150})
+        _error(r, 503, "decode")
+        assert len(h.decode[0].decode_requests) == 2
+        assert h.decode[0].cancelled.wait(10), "the other prompt's decode was not cancelled"
+
+
 def test_failed_decode_releases_the_prefill_lease(script_ids: list[int]) -> None:
     """A decode error (not retried) ends the request: nobody would ever pull the lease."""
     with Harness(Script(list(script_ids), decode_error=grpc.StatusCode.INTERNAL)) as h:
