@@ -144,23 +144,14 @@ class Orchestrator:
             self._metrics.num_requests_in_flight.inc()
             finished: list[Finished] = []
             try:
-                remaining = job.n
-                while remaining:
-                    item = await queue.get()
-                    if item is None:
-                        remaining -= 1
-                    elif isinstance(item, BaseException):
-                        raise item
-                    else:
-                        if isinstance(item, Finished):
-                            finished.append(item)
-                        yield item
+                async with contextlib.aclosing(_fan_in(queue, tasks)) as events:
+                    async for event in events:
+                        if isinstance(event, Finished):
+                            finished.append(event)
+                        yield event
             finally:
                 _record_usage(span, job, finished)
                 self._metrics.num_requests_in_flight.dec()
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
 
     async def generate_batch(self, jobs: Sequence[GenerationJob]) -> AsyncGenerator[Event, None]:
         """Events of several jobs (a batch of prompts in one request), interleaved, their
@@ -171,7 +162,7 @@ class Orchestrator:
             async for event in self.generate(jobs[0]):
                 yield event
             return
-        queue: asyncio.Queue[Event | Exception | None] = asyncio.Queue()
+        queue: asyncio.Queue[Event | BaseException | None] = asyncio.Queue()
 
         async def pump(job: GenerationJob, offset: int) -> None:
             try:
@@ -184,20 +175,9 @@ class Orchestrator:
         offsets = [sum(j.n for j in jobs[:i]) for i in range(len(jobs))]
         tasks = [asyncio.create_task(pump(job, offset))
                  for job, offset in zip(jobs, offsets, strict=True)]
-        try:
-            remaining = len(jobs)
-            while remaining:
-                item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    yield item
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        async with contextlib.aclosing(_fan_in(queue, tasks)) as events:
+            async for event in events:
+                yield event
 
     def _request_attributes(self, job: GenerationJob) -> dict[str, AttributeValue]:
         """GenAI semantic-convention request attributes of the `gen_ai.generate` span."""
@@ -479,6 +459,26 @@ def _record_usage(span: Span, job: GenerationJob, finished: Sequence[Finished]) 
     if finished:
         by_index = sorted(finished, key=lambda f: f.index)
         span.set_attribute("gen_ai.response.finish_reasons", [f.finish_reason for f in by_index])
+
+
+async def _fan_in(queue: asyncio.Queue[Event | BaseException | None],
+                  producers: Sequence[asyncio.Task[None]]) -> AsyncGenerator[Event, None]:
+    """The events `producers` put on `queue` until each has put its None; an exception one put
+    is raised here. Closing this (or its failing) cancels the producers and waits for them."""
+    try:
+        remaining = len(producers)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in producers:
+            t.cancel()
+        await asyncio.gather(*producers, return_exceptions=True)
 
 
 def usage_totals(finished: Sequence[Finished]) -> tuple[int, int, int]:
