@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from bench import probe_ttft
-from bench.probe_host import profile_text
+from bench.profiling import profile_text
 from bench.results import git_info
 
 

@@ -54,7 +54,7 @@ def free_port() -> int:
 
 
 def spawn_worker(role: str, port: int, engine_args: list[str], log: Path, token: str,
-           visible_devices: str = "") -> subprocess.Popen[bytes]:
+                 visible_devices: str = "") -> subprocess.Popen[bytes]:
     env = {**os.environ, INTERNAL_TOKEN_ENV: token}
     if visible_devices:  # physical GPU indices; the worker's engine runs on the first
         env["CUDA_VISIBLE_DEVICES"] = visible_devices
@@ -77,7 +77,7 @@ def stop_processes(procs: Iterable[subprocess.Popen[bytes]]) -> None:
 
 
 async def wait_ready(stub: Any, md: tuple[tuple[str, str], ...], proc: subprocess.Popen[bytes],
-                      timeout_s: float) -> None:
+                     timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -219,8 +219,9 @@ def main() -> int:
     if args.kv_tcp_streams is not None:
         decode_args += ["--kv-tcp-streams", str(args.kv_tcp_streams)]
     gpus = {"prefill": args.prefill_gpus, "decode": args.decode_gpus}
-    procs = {role: spawn_worker(role, ports[role], decode_args if role == "decode" else engine_args,
-                          log_dir / f"{role}.log", token, gpus[role])
+    procs = {role: spawn_worker(role, ports[role],
+                                decode_args if role == "decode" else engine_args,
+                                log_dir / f"{role}.log", token, gpus[role])
              for role in ("prefill", "decode")}
     try:
         async def ready() -> None:
@@ -228,9 +229,9 @@ def main() -> int:
             async with grpc.aio.insecure_channel(f"{HOST}:{ports['prefill']}") as pch, \
                     grpc.aio.insecure_channel(f"{HOST}:{ports['decode']}") as dch:
                 await wait_ready(prefill_pb2_grpc.PrefillStub(pch), md, procs["prefill"],
-                                  args.ready_timeout_s)
+                                 args.ready_timeout_s)
                 await wait_ready(decode_pb2_grpc.DecodeStub(dch), md, procs["decode"],
-                                  args.ready_timeout_s)
+                                 args.ready_timeout_s)
 
         t = time.perf_counter()
         asyncio.run(ready())

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
 import json
-import pstats
 import random
 import statistics
 import time
@@ -27,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import offline
-from bench.profiling import sync_calls
+from bench.profiling import profile_text, sync_calls
 from bench.results import git_info
 
 
@@ -39,13 +37,6 @@ def _timed(parts: dict[str, list[float]], name: str, fn: Callable[..., Any]) -> 
         finally:
             parts[name].append((time.perf_counter() - t) * 1e3)
     return wrapper
-
-
-def profile_text(prof: cProfile.Profile, sort: str, rows: int) -> str:
-    """The `rows` top functions of a profile, sorted by `sort`, as pstats prints them."""
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats(sort).print_stats(rows)
-    return buf.getvalue()
 
 
 def main() -> int:

@@ -1,10 +1,13 @@
 """Shared pieces of the H200 probes: garbage-collector pauses during a measured region
 (`gc.callbacks`), per-name totals of profiled kernels, the synchronizing CUDA calls of a
-region."""
+region, a cProfile's top functions as text."""
 
 from __future__ import annotations
 
+import cProfile
 import gc
+import io
+import pstats
 import time
 import traceback
 import warnings
@@ -103,3 +106,9 @@ def sync_calls(fn: Callable[[], object]) -> list[dict[str, Any]]:
         warnings.showwarning = old_show
     return syncs
 
+
+def profile_text(prof: cProfile.Profile, sort: str, rows: int) -> str:
+    """The `rows` top functions of a profile, sorted by `sort`, as pstats prints them."""
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats(sort).print_stats(rows)
+    return buf.getvalue()

@@ -66,9 +66,9 @@ class GatewayConfig:
     # Speculative decoding policy (gateway/spec_policy.py), decided per Decode call: ask for
     # this many drafts per step while the chosen decode worker has fewer than
     # `speculative_max_load` other requests pending (this gateway's own calls in flight there
-    # plus the rest of its last load report: `Worker.routing_key`), 0 (off) from there on. speculative_tokens=0: never ask
-    # (every call sends 0). A worker started without --speculative-method ignores it; one with
-    # a smaller --num-speculative-tokens caps it.
+    # plus the rest of its last load report: `Worker.routing_key`), 0 (off) from there on.
+    # speculative_tokens=0: never ask (every call sends 0). A worker started without
+    # --speculative-method ignores it; one with a smaller --num-speculative-tokens caps it.
     speculative_tokens: int = 4
     speculative_max_load: int = 4
     # Below this many other pending requests a worker that has a draft model is asked to draft

@@ -140,15 +140,23 @@ class WorkerPool:
     def pick(self, exclude: Sequence[str] = ()) -> Worker:
         """The least-loaded healthy worker not in `exclude`; UNAVAILABLE when there is none.
         Counted as pending on it until `done(worker)`."""
+        worker = self._least_loaded(self._candidates(exclude))
+        worker.in_flight += 1
+        return worker
+
+    def _candidates(self, exclude: Sequence[str]) -> list[Worker]:
+        """The healthy workers not in `exclude`; UNAVAILABLE when there is none."""
         candidates = [w for w in self.workers if w.healthy and w.address not in exclude]
         if not candidates:
             raise GatewayError(grpc.StatusCode.UNAVAILABLE,
                                f"no healthy {self.role} worker is available")
+        return candidates
+
+    def _least_loaded(self, candidates: list[Worker]) -> Worker:
         best = min(w.routing_key() for w in candidates)
         tied = [w for w in candidates if w.routing_key() == best]
         worker = tied[self._rr % len(tied)]
         self._rr += 1
-        worker.in_flight += 1
         return worker
 
     @staticmethod
@@ -161,11 +169,10 @@ class WorkerPool:
         """Block hashes of a prompt under the pool's KV layout (from the workers' load reports).
         `memo`: the prompt's hashes by layout, filled here (a request's prefill and decode pools
         and its completions then hash it once)."""
+        memo = {} if memo is None else memo
         for w in self.workers:
             if w.healthy and w.load.block_size:
                 layout = (w.load.fingerprint, w.load.block_size)
-                if memo is None:
-                    return prompt_block_hashes(prompt_token_ids, *layout)
                 if layout not in memo:
                     memo[layout] = prompt_block_hashes(prompt_token_ids, *layout)
                 return memo[layout]
@@ -179,22 +186,21 @@ class WorkerPool:
         prefill answers (as SGLang's router inserts at dispatch): requests sharing a prefix that
         arrive while the first of them is computed then follow it to that worker (until the
         imbalance rule spills them), instead of each computing the prefix somewhere else."""
-        worker = self._pick_for_prefix(block_hashes, exclude)
+        worker = self._pick_for_prefix(block_hashes, self._candidates(exclude))
+        worker.in_flight += 1
         if block_hashes:
             self.prefix_index.record(worker.address, block_hashes)
         return worker
 
-    def _pick_for_prefix(self, block_hashes: Sequence[bytes], exclude: Sequence[str]) -> Worker:
-        candidates = [w for w in self.workers if w.healthy and w.address not in exclude]
+    def _pick_for_prefix(self, block_hashes: Sequence[bytes], candidates: list[Worker]) -> Worker:
         if not block_hashes or len(candidates) < 2:
-            return self.pick(exclude)
-        best = max(candidates, key=lambda w: self.prefix_index.match(w.address, block_hashes))
-        if self.prefix_index.match(best.address, block_hashes) == 0:
-            return self.pick(exclude)
+            return self._least_loaded(candidates)
+        matched = {w.address: self.prefix_index.match(w.address, block_hashes)
+                   for w in candidates}
+        best = max(candidates, key=lambda w: matched[w.address])
         least = min(w.routing_key()[0] for w in candidates)
-        if best.routing_key()[0] - least > self.max_imbalance:
-            return self.pick(exclude)
-        best.in_flight += 1
+        if matched[best.address] == 0 or best.routing_key()[0] - least > self.max_imbalance:
+            return self._least_loaded(candidates)
         return best
 
     def mark_failed(self, address: str) -> None:
