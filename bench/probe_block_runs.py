@@ -10,11 +10,12 @@ simulates that life: up to `--concurrency` requests decode together, one token p
 new one first takes its prompt's blocks at once (the pull), then a block every `--block-size`
 tokens; a finished one frees its blocks (in reverse, as the engine does) and the next one is
 admitted when its prompt fits beside room for the running ones' growth. For each
-pulled prompt it counts the runs of its block ids, with the pool's ascending order (since
-d29ac28) and with the LRU order the pool handed out before, over the same arrivals.
+pulled prompt it counts the runs of its block ids, over the same arrivals, with three pools:
+`RunKeepingBlockPool` (what the prefill and decode roles use), the LRU pool with its
+ascending order (colocated engines; since d29ac28) and the LRU order before that.
 
 Usage: PYTHONPATH=. python3 bench/probe_block_runs.py --out F [--num-blocks 19670]
-       [--concurrency 64] [--requests 4000]
+       [--concurrency 64] [--requests 4000] [--old-fraction 0.5]
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ import argparse
 import json
 import random
 import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bench.results import git_info
-from engine.kv.block_pool import Block, BlockPool
+from engine.kv.block_pool import Block, BlockPool, RunKeepingBlockPool
 
 
 class LruOrderPool(BlockPool):
@@ -113,15 +115,23 @@ def main() -> int:
     p.add_argument("--min-output", type=int, default=64)
     p.add_argument("--max-output", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--old-fraction", type=float, default=0.5,
+                   help="RunKeepingBlockPool's share of older free blocks (its default: 0.5)")
     p.add_argument("--growth-chunk", type=int, default=1,
                    help="decode blocks taken at a time (1: the engine's way; more: a what-if, "
                         "the extra ones held by the request until it needs them)")
     args = p.parse_args()
     rows: dict[str, Any] = {}
-    for name, cls in (("ascending", BlockPool), ("lru_order", LruOrderPool)):
-        values = simulate(cls(args.num_blocks, enable_caching=True), args)
+    pools = (("run_keeping", lambda: RunKeepingBlockPool(args.num_blocks, True,
+                                                          args.old_fraction)),
+             ("ascending", lambda: BlockPool(args.num_blocks, True)),
+             ("lru_order", lambda: LruOrderPool(args.num_blocks, True)))
+    for name, make in pools:
+        start = time.perf_counter()
+        values = simulate(make(), args)
         # The first `concurrency` pulls come from a fresh pool: the steady state is after.
-        rows[name] = {"first_pulls": summary(values[:args.concurrency], 0),
+        rows[name] = {"seconds": round(time.perf_counter() - start, 2),  # pool + simulation
+                      "first_pulls": summary(values[:args.concurrency], 0),
                       "steady": summary(values, args.concurrency),
                       # mean runs per window of 250 pulls: how fast a fresh pool fragments
                       "mean_runs_by_250": [round(statistics.fmean(values[i:i + 250]), 1)

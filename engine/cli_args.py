@@ -79,6 +79,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--block-size", type=int, default=_default(CacheConfig, "block_size"))
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--block-allocation", default=_default(CacheConfig, "block_allocation"),
+                   choices=["auto", "lru", "runs"],
+                   help="which free KV blocks are handed out: lru = least recently freed "
+                        "first; runs = prompts kept in runs of consecutive blocks, so a KV "
+                        "handoff copies a few runs instead of a block at a time; auto = runs "
+                        "for the prefill and decode roles, lru otherwise")
     g.add_argument("--num-gpu-blocks", type=int, default=None)
     g.add_argument("--gpu-memory-utilization", type=float,
                    default=_default(CacheConfig, "gpu_memory_utilization"))
@@ -169,7 +175,7 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "colocated") -
                           num_gpu_blocks=args.num_gpu_blocks,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           kv_cache_dtype=args.kv_cache_dtype, kv_scales=args.kv_scales,
-                          **cache_kwargs),
+                          block_allocation=args.block_allocation, **cache_kwargs),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=not args.no_chunked_prefill,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 Role = Literal["colocated", "prefill", "decode"]
+BlockAllocation = Literal["auto", "lru", "runs"]
 AttentionBackendName = Literal["torch", "triton", "auto"]
 KvCacheDtype = Literal["auto", "fp8", "int8"]
 
@@ -179,8 +180,16 @@ class CacheConfig:
     # a JSON file (`splitserve kv-scales` writes one).
     kv_scales: str | None = None
     tenant_salt: str = ""
+    # Which free blocks are handed out: "lru" (least recently freed first), "runs" (prompts
+    # kept in runs of consecutive ids, RunKeepingBlockPool: a KV handoff copies one run at a
+    # time), "auto" (runs for the prefill and decode roles, whose prompts' KV is copied between
+    # caches; lru for colocated engines).
+    block_allocation: BlockAllocation = "auto"
 
     def validate(self) -> None:
+        if self.block_allocation not in ("auto", "lru", "runs"):
+            raise ConfigError(f"block_allocation must be 'auto', 'lru' or 'runs', got "
+                              f"{self.block_allocation!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -338,3 +347,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+
+    def keeps_block_runs(self) -> bool:
+        """Whether the KV pool keeps prompts in runs of consecutive blocks (CacheConfig's
+        `block_allocation`; "auto": where KV is handed to or from another cache)."""
+        mode = self.cache.block_allocation
+        return mode == "runs" or (mode == "auto" and self.scheduler.role != "colocated")

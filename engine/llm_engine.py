@@ -142,7 +142,8 @@ class LLMEngine:
             self.runner.max_model_len = capacity
         self.kv = KVCacheManager(self.runner.result.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching,
-                                 root_hash(self.fingerprint, config.cache.tenant_salt))
+                                 root_hash(self.fingerprint, config.cache.tenant_salt),
+                                 keep_runs=config.keeps_block_runs())
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.detokenize = detokenize and self.tokenizer is not None
         self._detoks: dict[str, IncrementalDetokenizer] = {}

@@ -84,9 +84,13 @@ class ShadowKv:
 class KVManagerMachine(RuleBasedStateMachine):
     """Drives the manager the way the scheduler does, with prefill computed in one go."""
 
+    KEEP_RUNS = False
+
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVCacheManager(NUM_BLOCKS, BS, enable_prefix_caching=True, root=ROOT)
+        self.kv = KVCacheManager(NUM_BLOCKS, BS, enable_prefix_caching=True, root=ROOT,
+                                 keep_runs=self.KEEP_RUNS)
+        self._check_turns()
         self.shadow = ShadowKv()
         self.live: dict[str, Request] = {}
         self.parked: list[Request] = []  # preempted or refused: hold no blocks
@@ -115,6 +119,24 @@ class KVManagerMachine(RuleBasedStateMachine):
 
     def _pick(self, i: int) -> Request:
         return list(self.live.values())[i % len(self.live)]
+
+    def _check_turns(self) -> None:
+        """Watch every `get_new_blocks`: with LRU it hands out the `n` least recently freed
+        blocks; keeping runs, those or any of the older free blocks, never a younger block
+        out of its turn."""
+        pool = self.kv.pool
+        get_new_blocks = pool.get_new_blocks
+
+        def checked(n: int) -> list[Any]:
+            queue = [b.block_id for b in pool.free_queue]
+            allowed = set(queue[:n]) | {b.block_id for b in pool.free_queue if b.old}
+            new = get_new_blocks(n)
+            ids = {b.block_id for b in new}
+            assert len(new) == n and ids <= allowed, f"handed out {sorted(ids - allowed)} out of turn"
+            if not self.KEEP_RUNS:
+                assert ids == set(queue[:n])
+            return new
+        pool.get_new_blocks = checked  # type: ignore[method-assign]
 
     @rule(prompt=PROMPTS)
     def admit(self, prompt: list[int]) -> None:
@@ -192,6 +214,16 @@ TestKVManager = KVManagerMachine.TestCase
 TestKVManager.settings = SETTINGS
 
 
+class RunKeepingKVManagerMachine(KVManagerMachine):
+    """The same traffic over `RunKeepingBlockPool` (the prefill and decode roles' pool)."""
+
+    KEEP_RUNS = True
+
+
+TestRunKeepingKVManager = RunKeepingKVManagerMachine.TestCase
+TestRunKeepingKVManager.settings = SETTINGS
+
+
 def test_prefix_cached_blocks_are_reused() -> None:
     kv = KVCacheManager(NUM_BLOCKS, BS, enable_prefix_caching=True, root=ROOT)
     a = Request("a", list(range(13)), SamplingParams())
@@ -260,7 +292,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget,
                               enable_chunked_prefill=chunked, role=role,  # type: ignore[arg-type]
                               max_model_len=32)
-        self.kv = KVCacheManager(NUM_BLOCKS, BS, caching, ROOT)
+        # The pool the engine gives each role (EngineConfig.keeps_block_runs).
+        self.kv = KVCacheManager(NUM_BLOCKS, BS, caching, ROOT, keep_runs=role != "colocated")
         self.sched = Scheduler(cfg, self.kv, max_model_len=32)
         self.role = role
 

@@ -7,10 +7,14 @@
 
 A block with ref_cnt == 0 sits in the free queue; if it has a hash it stays in the cached map
 until the queue hands it out again (eviction). Not thread-safe: owned by the scheduler thread.
+
+`RunKeepingBlockPool` chooses which free blocks to hand out so that a prompt's blocks stay in
+runs of consecutive ids (for workers whose KV is copied between caches, one copy per run).
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 
@@ -22,6 +26,10 @@ class Block:
     # Links of the free queue; both None when the block is not in it (or is its only member).
     prev_free: Block | None = field(default=None, repr=False)
     next_free: Block | None = field(default=None, repr=False)
+    # RunKeepingBlockPool: whether the block is free and among the older free blocks, and the
+    # number of times it became so (its heap entries carry the count: older ones are stale).
+    old: bool = field(default=False, repr=False)
+    old_epoch: int = field(default=0, repr=False)
 
 
 class FreeBlockQueue:
@@ -37,11 +45,21 @@ class FreeBlockQueue:
             self.append(b)
 
     def popleft(self) -> Block:
-        first = self._head.next_free
-        if first is None or first is self._tail:
+        first = self.first()
+        if first is None:
             raise IndexError("no free blocks")
         self.remove(first)
         return first
+
+    def first(self) -> Block | None:
+        """The least recently freed block, or None when the queue is empty."""
+        first = self._head.next_free
+        return None if first is self._tail else first
+
+    def after(self, block: Block) -> Block | None:
+        """The block freed next after `block` (in the queue), or None at the end."""
+        nxt = block.next_free
+        return None if nxt is self._tail else nxt
 
     def append(self, block: Block) -> None:
         last = self._tail.prev_free
@@ -104,22 +122,35 @@ class BlockPool:
             raise ValueError(f"asked for {n} blocks, {self.num_free_blocks} free")
         out = []
         for _ in range(n):
-            b = self.free_queue.popleft()
-            if b.block_hash is not None:
-                if self.cached.get(b.block_hash) is b:
-                    del self.cached[b.block_hash]
-                b.block_hash = None
-                self.num_evictions += 1
-            b.ref_cnt = 1
+            b = self.free_queue.first()
+            assert b is not None
+            self._take(b)
             out.append(b)
         out.sort(key=lambda b: b.block_id)
         return out
+
+    def _take(self, b: Block) -> None:
+        """Hand out free block `b`: out of the free queue, its cached hash evicted."""
+        self._dequeue(b)
+        if b.block_hash is not None:
+            if self.cached.get(b.block_hash) is b:
+                del self.cached[b.block_hash]
+            b.block_hash = None
+            self.num_evictions += 1
+        b.ref_cnt = 1
+
+    # The free queue changes only through these two (a subclass tracks them).
+    def _dequeue(self, b: Block) -> None:
+        self.free_queue.remove(b)
+
+    def _enqueue(self, b: Block) -> None:
+        self.free_queue.append(b)
 
     def touch(self, blocks: list[Block]) -> None:
         """Take a reference on cache-hit blocks, pulling free ones out of the free queue."""
         for b in blocks:
             if b.ref_cnt == 0:
-                self.free_queue.remove(b)
+                self._dequeue(b)
             b.ref_cnt += 1
 
     def free_blocks(self, blocks_in_eviction_order: list[Block]) -> None:
@@ -129,7 +160,7 @@ class BlockPool:
                 raise ValueError(f"double free of block {b.block_id}")
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
-                self.free_queue.append(b)
+                self._enqueue(b)
 
     def cache_block(self, block: Block, block_hash: bytes) -> None:
         """Register a full block under its hash (first writer wins for duplicate content)."""
@@ -166,3 +197,118 @@ class BlockPool:
         for h, b in self.cached.items():
             if b.block_hash != h:
                 raise AssertionError(f"cached map entry for block {b.block_id} has a stale hash")
+
+
+class RunKeepingBlockPool(BlockPool):
+    """A pool that keeps prompts in runs of consecutive block ids, for the prefill and decode
+    roles, whose prompts' KV is copied from cache to cache: one copy per run of blocks
+    consecutive on both sides (engine/dma_copy.py), each copy ~50-100 us behind a busy GPU's
+    kernels (bench/results/h200/kv_ipc_pull_fix/).
+
+    Plain LRU handing-out fragments a long-lived decode worker: every decode step takes single
+    blocks from the front of the free queue, inside the runs that freed prompts left there, so
+    after some hundreds of requests a pulled prompt is about one run per block
+    (bench/probe_block_runs.py). Here
+
+    - the *older* free blocks (the least recently freed `old_fraction` of the queue) may be
+      taken out of LRU order; the younger ones (the likelier prefix-cache hits) are not;
+    - a block at a time (decode growth) comes from the highest-numbered older block, so
+      growth gathers at the top of the id range, away from the runs that prompts take;
+    - several blocks at once (a prompt) start from the least recently freed block and take the
+      older free blocks beside it, up then down, before the next seed.
+
+    Costs: O(log n) per single block (a heap of the older blocks' ids), and a prefix-cache hit
+    can be lost to a block that LRU would have evicted later, but only from the older part.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool,
+                 old_fraction: float = 0.5) -> None:
+        if not 0.0 < old_fraction <= 1.0:
+            raise ValueError(f"old_fraction must be in (0, 1], got {old_fraction}")
+        self.old_fraction = old_fraction
+        self.num_old = 0
+        self._boundary: Block | None = None  # the first younger block in the queue, or None
+        self._old_ids: list[tuple[int, int]] = []  # max-heap of (-block_id, old_epoch)
+        super().__init__(num_blocks, enable_caching)
+        self._boundary = self.free_queue.first()
+        self._age()
+
+    def get_new_blocks(self, n: int) -> list[Block]:
+        if n > self.num_free_blocks:
+            raise ValueError(f"asked for {n} blocks, {self.num_free_blocks} free")
+        out: list[Block] = []
+        top = self._pop_highest_old() if n == 1 else None
+        if top is not None:
+            self._take(top)
+            out.append(top)
+        while len(out) < n:
+            seed = self.free_queue.first()
+            assert seed is not None
+            self._take(seed)
+            out.append(seed)
+            for step in (1, -1):
+                j = seed.block_id + step
+                while len(out) < n and 0 <= j < self.num_blocks and self.blocks[j].old:
+                    self._take(self.blocks[j])
+                    out.append(self.blocks[j])
+                    j += step
+        self._age()
+        out.sort(key=lambda b: b.block_id)
+        return out
+
+    def free_blocks(self, blocks_in_eviction_order: list[Block]) -> None:
+        super().free_blocks(blocks_in_eviction_order)
+        self._age()
+
+    def touch(self, blocks: list[Block]) -> None:
+        super().touch(blocks)
+        self._age()
+
+    def _pop_highest_old(self) -> Block | None:
+        while self._old_ids:
+            neg_id, epoch = heapq.heappop(self._old_ids)
+            b = self.blocks[-neg_id]
+            if b.old and b.old_epoch == epoch:
+                return b
+        return None
+
+    def _dequeue(self, b: Block) -> None:
+        if b is self._boundary:
+            self._boundary = self.free_queue.after(b)
+        if b.old:
+            b.old = False
+            self.num_old -= 1
+        super()._dequeue(b)
+
+    def _enqueue(self, b: Block) -> None:
+        super()._enqueue(b)
+        if self._boundary is None:
+            self._boundary = b
+
+    def _age(self) -> None:
+        """Mark blocks older, in queue order, until `old_fraction` of the free ones are."""
+        want = self.old_fraction * self.num_free_blocks
+        while self.num_old < want and self._boundary is not None:
+            b = self._boundary
+            b.old = True
+            b.old_epoch += 1
+            self.num_old += 1
+            heapq.heappush(self._old_ids, (-b.block_id, b.old_epoch))
+            self._boundary = self.free_queue.after(b)
+        if len(self._old_ids) > 2 * self.num_old + 64:
+            # Entries of blocks taken by other means go stale; a pool that seldom hands out
+            # single blocks (a prefill worker) would otherwise grow the heap without end.
+            self._old_ids = [(-b.block_id, b.old_epoch) for b in self.blocks if b.old]
+            heapq.heapify(self._old_ids)
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        queue = list(self.free_queue)
+        flags = [b.old for b in queue]
+        if flags != sorted(flags, reverse=True):
+            raise AssertionError("an older block sits behind a younger one in the free queue")
+        if sum(flags) != self.num_old or any(b.old for b in self.blocks if b.ref_cnt > 0):
+            raise AssertionError("older-block count or flags out of step with the queue")
+        first_young = next((b for b in queue if not b.old), None)
+        if first_young is not self._boundary:
+            raise AssertionError("the boundary is not the first younger block")

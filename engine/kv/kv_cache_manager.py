@@ -10,18 +10,21 @@ A request's block list covers positions [0, num_tokens) in order:
 
 from __future__ import annotations
 
-from engine.kv.block_pool import Block, BlockPool
+from engine.kv.block_pool import Block, BlockPool, RunKeepingBlockPool
 from engine.kv.hashing import compute_block_hashes
 from engine.request import Request
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 root: bytes) -> None:
+                 root: bytes, keep_runs: bool = False) -> None:
+        """`keep_runs`: hand out blocks so that prompts stay in runs of consecutive ids
+        (`RunKeepingBlockPool`; for engines whose KV is copied to or from another cache)."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.root = root
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.pool = (RunKeepingBlockPool if keep_runs else BlockPool)(
+            num_blocks, enable_prefix_caching)
         self.req_to_blocks: dict[str, list[Block]] = {}
         # The same lists as block ids, kept in step: the runner reads them every step.
         self._req_to_ids: dict[str, list[int]] = {}
