@@ -11,8 +11,14 @@ pull-and-first-step time (Decode call to its first chunk after a prefill), TPOT 
 decode stream's tokens, and whether the KV was recomputed instead of transferred. Greedy,
 EOS ignored; warm-up requests use other prompts (no prefix-cache hits).
 
+`--age N` first sends N disaggregated requests of random prompt (a quarter of `--input-len` to
+all of it) and output (16 to 4 × `--output-len`) lengths, `--age-concurrency` at a time, so
+that the workers' KV pools have lived a while before the measured rounds (a long-lived decode
+worker's free blocks are scattered unless the pool keeps runs: bench/probe_block_runs.py).
+
 Usage: PYTHONPATH=. python3 bench/probe_disagg.py --out F [--model dummy:llama-3.1-8b]
-       [--concurrency 1,16] [--input-len 2000] [--output-len 128]
+       [--concurrency 1,16] [--input-len 2000] [--output-len 128] [--age 800]
+       [--block-allocation lru|runs] [--decode-num-gpu-blocks 8000]
 """
 
 from __future__ import annotations
@@ -153,6 +159,23 @@ async def _pulls(decode: decode_pb2_grpc.DecodeStub,
     return {t.transport: (t.pulls, t.seconds) for t in report.kv_transports}
 
 
+async def _age(args: argparse.Namespace, prefill: Any, decode: Any,
+               md: tuple[tuple[str, str], ...], rng: random.Random) -> dict[str, Any]:
+    """`args.age` disaggregated requests of random lengths, `args.age_concurrency` at once."""
+    gate = asyncio.Semaphore(args.age_concurrency)
+
+    async def one(i: int) -> dict[str, Any]:
+        prompt = [rng.randrange(args.vocab)
+                  for _ in range(rng.randint(args.input_len // 4, args.input_len))]
+        async with gate:
+            return await _one(i, "age", prompt, rng.randint(16, 4 * args.output_len), True,
+                              prefill, decode, md)
+    t0 = time.perf_counter()
+    rows = await asyncio.gather(*(one(i) for i in range(args.age)))
+    return {"requests": len(rows), "wall_s": round(time.perf_counter() - t0, 1),
+            "kv_recomputed": sum(bool(r["kv_recomputed"]) for r in rows)}
+
+
 async def _run(args: argparse.Namespace, token: str, ports: dict[str, int]) -> dict[str, Any]:
     md = bearer_metadata(token)
     async with grpc.aio.insecure_channel(f"{HOST}:{ports['prefill']}") as pch, \
@@ -161,6 +184,9 @@ async def _run(args: argparse.Namespace, token: str, ports: dict[str, int]) -> d
         decode = decode_pb2_grpc.DecodeStub(dch)
         rng = random.Random(0)
         out: dict[str, Any] = {}
+        if args.age:
+            out["age"] = await _age(args, prefill, decode, md, rng)
+            print("age", json.dumps(out["age"]), flush=True)
         for c in [int(x) for x in args.concurrency.split(",")]:
             for mode in ("disaggregated", "colocated"):
                 # Warm-up on other prompts (no prefix-cache hits for the measured ones).
@@ -203,6 +229,13 @@ def main() -> int:
                    help="the decode worker's --kv-transports (e.g. shm: no CUDA IPC)")
     p.add_argument("--kv-tcp-streams", type=int, default=None,
                    help="the decode worker's --kv-tcp-streams (default: its own)")
+    p.add_argument("--age", type=int, default=0,
+                   help="requests of random lengths sent first (the module docstring)")
+    p.add_argument("--age-concurrency", type=int, default=32)
+    p.add_argument("--block-allocation", default=None, choices=["auto", "lru", "runs"],
+                   help="both workers' --block-allocation (default: their own)")
+    p.add_argument("--decode-num-gpu-blocks", type=int, default=None,
+                   help="the decode worker's --num-gpu-blocks (default: from memory)")
     p.add_argument("--prefill-gpus", default="",
                    help="CUDA_VISIBLE_DEVICES of the prefill worker (default: inherited)")
     p.add_argument("--decode-gpus", default="",
@@ -214,8 +247,12 @@ def main() -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     engine_args = ["--model", args.model, "--max-model-len", str(args.max_model_len),
                    "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    if args.block_allocation:
+        engine_args += ["--block-allocation", args.block_allocation]
     ports = {"prefill": free_port(), "decode": free_port()}
     decode_args = [*engine_args, "--kv-transports", args.kv_transports]
+    if args.decode_num_gpu_blocks is not None:
+        decode_args += ["--num-gpu-blocks", str(args.decode_num_gpu_blocks)]
     if args.kv_tcp_streams is not None:
         decode_args += ["--kv-tcp-streams", str(args.kv_tcp_streams)]
     gpus = {"prefill": args.prefill_gpus, "decode": args.decode_gpus}

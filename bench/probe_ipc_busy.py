@@ -143,6 +143,10 @@ def main() -> int:
     p.add_argument("--methods", default="dma,kernels",
                    help="of dma, kernels, batch (cudaMemcpyBatchAsync, preferring to overlap "
                         "compute), batch_plain (the same without that flag)")
+    p.add_argument("--runs", default="",
+                   help="comma-separated run counts: also copy the blocks as that many runs "
+                        "(both sides), e.g. 3,11 for the run-keeping pool's simulated p50 and "
+                        "p90 (bench/results/cpu_block_runs/)")
     p.add_argument("--role", choices=("importer", "owner"), default="importer")
     args = p.parse_args()
     if args.role == "owner":
@@ -171,6 +175,8 @@ def main() -> int:
         rng = random.Random(0)
         layouts = {"scattered": (rng.sample(range(SHAPE[2]), n), rng.sample(range(SHAPE[2]), n)),
                    "one_run": (list(range(n)), list(range(1024, 1024 + n)))}
+        for k in (int(x) for x in args.runs.split(",") if x):
+            layouts[f"runs_{k}"] = (_in_runs(n, k, SHAPE[2], rng), _in_runs(n, k, SHAPE[2], rng))
         side = torch.cuda.Stream()
         tiny = torch.zeros(1, device="cuda")
 
@@ -209,9 +215,24 @@ def main() -> int:
     doc = {"shape": SHAPE, "blocks": n, "repeats": args.repeats, "rows": rows,
            "gpu": torch.cuda.get_device_name(), "git": git_info(),
            "command": f"PYTHONPATH=. python3 bench/probe_ipc_busy.py --blocks {n} "
-                      f"--repeats {args.repeats} --methods {args.methods} --out F"}
+                      f"--repeats {args.repeats} --methods {args.methods}"
+                      + (f" --runs {args.runs}" if args.runs else "") + " --out F"}
     Path(args.out).write_text(json.dumps(doc, indent=2))
     return 0
+
+
+def _in_runs(n: int, k: int, num_blocks: int, rng: random.Random) -> list[int]:
+    """`n` block ids as `k` runs of consecutive ids (sizes as equal as can be), one in each
+    of `k` equal slices of the cache, at a random place in it."""
+    sizes = [n // k + (i < n % k) for i in range(k)]
+    slot = num_blocks // k
+    if max(sizes) > slot:
+        raise ValueError(f"{k} runs of up to {max(sizes)} blocks do not fit {num_blocks}")
+    ids: list[int] = []
+    for i, size in enumerate(sizes):
+        start = i * slot + rng.randrange(slot - size + 1)
+        ids.extend(range(start, start + size))
+    return ids
 
 
 def _dma(dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor, src_ids: list[int],

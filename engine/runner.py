@@ -83,9 +83,15 @@ class RunnerResult:
 
 
 def resolve_device(name: str) -> torch.device:
+    """The runner's device, a GPU always with its index: tensors report "cuda:0", and a bare
+    "cuda" compares unequal to it (every same-GPU IPC pull once fell back to kernels on the
+    step stream for that)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def resolve_dtype(name: str, default: torch.dtype, device: torch.device) -> torch.dtype:
@@ -761,8 +767,6 @@ class ModelRunner:
         captured, measured +0.14 ms on every later batch-8 decode step of this process
         (bench/probe_stream_cost.py --variant kv_copy; engine/dma_copy.py)."""
         side = self._side_stream()
-        # The cache's device, not `self.device`: that may be "cuda" without an index, which
-        # never equals a mapped cache's "cuda:0" (so every IPC pull took the kernels once).
         if side is not None and src_cache.device == self.kv_cache.device and dma_available():
             self._wait_for_load_fence(side)
             copy_cache_blocks(self.kv_cache, block_ids, src_cache, src_block_ids,

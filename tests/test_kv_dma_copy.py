@@ -20,7 +20,7 @@ from engine.dma_copy import (
     read_blocks_dma,
     write_blocks_dma,
 )
-from engine.runner import copy_cache_blocks
+from engine.runner import copy_cache_blocks, resolve_device
 
 
 def test_block_runs_merges_pairs_consecutive_on_both_sides() -> None:
@@ -175,15 +175,17 @@ def test_runner_writes_reads_and_copies_blocks_through_dma(kv_cache_dtype: str) 
 
 @needs_gpu
 def test_runner_copies_another_cache_on_its_gpu_by_dma(caplog: pytest.LogCaptureFixture) -> None:
-    """A cache mapped from another process is "cuda:0" where the runner's device may be plain
-    "cuda": the copy must still go by copy engine on the side stream (it once fell back to the
-    step stream's kernels, waiting for every queued step, on every same-GPU pull)."""
+    """A cache mapped from another process is "cuda:0": a runner built on the default device
+    must copy from it by copy engine on the side stream (it once fell back to the step stream's
+    kernels, waiting for every queued step, on every same-GPU pull, because its device was a
+    bare "cuda"; `resolve_device` now indexes it)."""
     from engine import LLM
 
     llm = LLM(model="dummy:tiny", dtype="bfloat16", max_model_len=256, enforce_eager=True,
               gpu_memory_utilization=0.05)
     runner = llm.engine.runner
-    assert runner.device == torch.device("cuda")  # unindexed: the case that went wrong
+    assert runner.device == torch.device("cuda", torch.cuda.current_device())
+    assert resolve_device("cuda") == resolve_device("auto") == runner.device
     other = torch.randn_like(runner.kv_cache[:, :, :8])
     assert other.device == torch.device("cuda", torch.cuda.current_device())
     last = runner.kv_cache.shape[2]
@@ -222,3 +224,12 @@ def test_a_kv_load_lands_after_a_stale_write_from_a_launched_step(way: str) -> N
         runner.copy_blocks_from([b], other, [0])
     torch.cuda.synchronize()
     assert torch.equal(runner.kv_cache[:, :, b].cpu(), blocks[0])
+
+
+def test_resolve_device_names_the_gpu_by_index() -> None:
+    assert resolve_device("cpu") == torch.device("cpu")
+    if torch.cuda.is_available():
+        assert resolve_device("cuda").index == torch.cuda.current_device()
+        assert resolve_device("cuda:0") == torch.device("cuda", 0)
+    else:
+        assert resolve_device("auto") == torch.device("cpu")
