@@ -198,14 +198,16 @@ def test_runner_copies_another_cache_on_its_gpu_by_dma(caplog: pytest.LogCapture
 
 @needs_gpu
 @pytest.mark.parametrize("way", ["host_write", "device_copy"])
-def test_a_kv_load_lands_after_a_stale_write_from_a_launched_step(way: str) -> None:
+@pytest.mark.parametrize("fenced", [True, False])
+def test_a_kv_load_lands_after_a_stale_write_from_a_launched_step(way: str, fenced: bool) -> None:
     """A step launched before a load's blocks were handed out may still write one of them (the
     K/V of a finished request's dropped token); the load, on the side stream, must land after
     that write, not before it (`ModelRunner.fence_kv_loads`).
 
-    On the H200 the same sequence without the fence also kept the load's bytes, once
-    (bench/results/h200/kv_ipc_pull_fix/5_fence_389f8b8/): this test has not yet been seen to
-    fail there; `bench/probe_side_stream_order.py` is to say what ordered the two."""
+    The unfenced case is the control: without the fence the side stream's copy does not wait
+    for the step stream, and the stale write lands last (bench/probe_side_stream_order.py on
+    the H200: the copy done ~100 ms before the fill). The first DMA call of a process did wait
+    (lazy loading synchronizes), which hid that from this test until it warmed up first."""
     from engine import LLM
 
     llm = LLM(model="dummy:tiny", dtype="bfloat16", max_model_len=256, enforce_eager=True,
@@ -214,16 +216,30 @@ def test_a_kv_load_lands_after_a_stale_write_from_a_launched_step(way: str) -> N
     b = runner.kv_cache.shape[2] - 1
     blocks = torch.randn((1, *runner.kv_shape_per_block), dtype=torch.bfloat16).pin_memory()
     other = blocks.permute(1, 2, 0, 3, 4, 5).to("cuda").contiguous()  # a cache of one block
-    with torch.cuda.stream(runner.step_stream or torch.cuda.current_stream()):
+
+    def load() -> None:
+        if way == "host_write":
+            runner.write_blocks([b], blocks)
+        else:
+            runner.copy_blocks_from([b], other, [0])
+
+    step = runner.step_stream or torch.cuda.current_stream()
+    with torch.cuda.stream(step):  # warm up: the sleep kernel, the fill, the copy path
+        torch.cuda._sleep(1000)
+        runner.kv_cache[:, :, b].fill_(0)
+    load()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(step):
         torch.cuda._sleep(200_000_000)  # a step still running (~0.1 s)
         runner.kv_cache[:, :, b].fill_(0)  # its stale write into the freed block
-    runner.fence_kv_loads()  # the engine's thread: the load's blocks are handed out
-    if way == "host_write":
-        runner.write_blocks([b], blocks)
-    else:
-        runner.copy_blocks_from([b], other, [0])
+    if fenced:
+        runner.fence_kv_loads()  # the engine's thread: the load's blocks are handed out
+    load()
     torch.cuda.synchronize()
-    assert torch.equal(runner.kv_cache[:, :, b].cpu(), blocks[0])
+    kept = torch.equal(runner.kv_cache[:, :, b].cpu(), blocks[0])
+    assert kept is fenced, ("the load was overwritten by the step's stale write" if fenced else
+                            "without the fence the load still landed last: this test cannot "
+                            "tell a missing fence on this machine")
 
 
 def test_resolve_device_names_the_gpu_by_index() -> None:
