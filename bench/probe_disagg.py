@@ -187,28 +187,33 @@ async def _run(args: argparse.Namespace, token: str, ports: dict[str, int]) -> d
         if args.age:
             out["age"] = await _age(args, prefill, decode, md, rng)
             print("age", json.dumps(out["age"]), flush=True)
-        for c in [int(x) for x in args.concurrency.split(",")]:
+        levels = [int(x) for x in args.concurrency.split(",")]
+        for k, c in enumerate(levels):
+            # A level given more than once is measured as many rounds: c1, c1_2, c1_3, ...
+            nth = levels[:k + 1].count(c)
+            level = f"c{c}" + (f"_{nth}" if nth > 1 else "")
             for mode in ("disaggregated", "colocated"):
                 # Warm-up on other prompts (no prefix-cache hits for the measured ones).
                 warm = [[rng.randrange(args.vocab) for _ in range(args.input_len)]
                         for _ in range(min(c, 4))]
-                await asyncio.gather(*(_one(i, f"w{mode}{c}", p, 4, mode == "disaggregated",
+                await asyncio.gather(*(_one(i, f"w{mode}{level}", p, 4, mode == "disaggregated",
                                             prefill, decode, md) for i, p in enumerate(warm)))
                 prompts = [[rng.randrange(args.vocab) for _ in range(args.input_len)]
                            for _ in range(c)]
                 before = await _pulls(decode, md)
                 t0 = time.perf_counter()
                 rows = await asyncio.gather(*(
-                    _one(i, f"{mode}{c}", p, args.output_len, mode == "disaggregated",
+                    _one(i, f"{mode}{level}", p, args.output_len, mode == "disaggregated",
                          prefill, decode, md) for i, p in enumerate(prompts)))
-                out[f"{mode}_c{c}"] = _summary(list(rows), time.perf_counter() - t0)
+                key = f"{mode}_{level}"
+                out[key] = _summary(list(rows), time.perf_counter() - t0)
                 after = await _pulls(decode, md)
                 for way, (n, sec) in after.items():
                     n0, sec0 = before.get(way, (0, 0.0))
                     if n > n0:  # the decode worker's own timing of its loads (start to done)
-                        out[f"{mode}_c{c}"][f"kv_pull_ms_mean_{way}"] = round(
+                        out[key][f"kv_pull_ms_mean_{way}"] = round(
                             (sec - sec0) / (n - n0) * 1e3, 2)
-                print(f"{mode} c={c}", json.dumps(out[f"{mode}_c{c}"]), flush=True)
+                print(f"{mode} {level}", json.dumps(out[key]), flush=True)
         return out
 
 
