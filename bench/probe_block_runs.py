@@ -55,27 +55,60 @@ class Live:
     extra: list[Block] = field(default_factory=list)
 
 
-def simulate(pool: BlockPool, args: argparse.Namespace) -> list[int]:
-    """→ the runs of each pulled prompt, in arrival order."""
+def simulate(pool: BlockPool, args: argparse.Namespace,
+             stats: dict[str, int] | None = None) -> list[int]:
+    """→ the runs of each pulled prompt (its blocks not found in the prefix cache), in arrival
+    order. With `args.shared_prefixes` > 0 each prompt starts with one of that many prefixes
+    (Zipf-popular, 256-1,024 tokens each), whose full blocks are cached and looked up as the
+    engine does; `stats` then gets the prefix blocks asked for and found."""
     rng = random.Random(args.seed)
     bs = args.block_size
     live: list[Live] = []
     out: list[int] = []
     arrivals = 0
+    num_prefixes = getattr(args, "shared_prefixes", 0)
+    prefix_rng = random.Random(args.seed + 1)  # apart: the prompts' lengths stay as without
+    prefix_blocks = [prefix_rng.randint(256, 1024) // bs for _ in range(num_prefixes)]
+    popularity = [1.0 / (k + 1) for k in range(num_prefixes)]
+    counts = stats if stats is not None else {}
+    counts.update(prefix_blocks=0, hit_blocks=0)
 
     # Room kept for the running requests' growth, as a scheduler admits only what fits.
     reserve = args.concurrency * -(-args.max_output // bs)
     next_prompt = rng.randint(args.min_prompt, args.max_prompt)
 
+    def draw_prefix() -> int:
+        return prefix_rng.choices(range(num_prefixes), popularity)[0] if num_prefixes else -1
+
+    next_prefix = draw_prefix()
+
     def admit() -> None:
-        nonlocal arrivals, next_prompt
-        while (len(live) < args.concurrency and arrivals < args.requests
-               and pool.num_free_blocks >= -(-next_prompt // bs) + reserve):
-            blocks = pool.get_new_blocks(-(-next_prompt // bs))
+        nonlocal arrivals, next_prompt, next_prefix
+        while len(live) < args.concurrency and arrivals < args.requests:
+            # The prompt: the prefix's blocks (if any), then its own `next_prompt` tokens.
+            hashes = ([f"{next_prefix}/{i}".encode() for i in range(prefix_blocks[next_prefix])]
+                      if next_prefix >= 0 else [])
+            hits: list[Block] = []
+            for h in hashes:
+                b = pool.get_cached_block(h)
+                if b is None:
+                    break
+                hits.append(b)
+            new = len(hashes) + -(-next_prompt // bs) - len(hits)
+            if pool.num_free_blocks < new + sum(b.ref_cnt == 0 for b in hits) + reserve:
+                return
+            pool.touch(hits)
+            blocks = pool.get_new_blocks(new)
             out.append(runs([b.block_id for b in blocks]))
-            live.append(Live(blocks, next_prompt, rng.randint(args.min_output, args.max_output)))
+            for b, h in zip(blocks, hashes[len(hits):], strict=False):
+                pool.cache_block(b, h)
+            counts["prefix_blocks"] += len(hashes)
+            counts["hit_blocks"] += len(hits)
+            live.append(Live(hits + blocks, next_prompt + len(hashes) * bs,
+                             rng.randint(args.min_output, args.max_output)))
             arrivals += 1
             next_prompt = rng.randint(args.min_prompt, args.max_prompt)
+            next_prefix = draw_prefix()
 
     admit()
     while live:
@@ -115,6 +148,8 @@ def main() -> int:
     p.add_argument("--min-output", type=int, default=64)
     p.add_argument("--max-output", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shared-prefixes", type=int, default=0,
+                   help="prompts start with one of this many cached prefixes (0: none)")
     p.add_argument("--old-fraction", type=float, default=0.5,
                    help="RunKeepingBlockPool's share of older free blocks (its default: 0.5)")
     p.add_argument("--growth-chunk", type=int, default=1,
@@ -128,9 +163,12 @@ def main() -> int:
              ("lru_order", lambda: LruOrderPool(args.num_blocks, True)))
     for name, make in pools:
         start = time.perf_counter()
-        values = simulate(make(), args)
+        counts: dict[str, int] = {}
+        values = simulate(make(), args, counts)
         # The first `concurrency` pulls come from a fresh pool: the steady state is after.
         rows[name] = {"seconds": round(time.perf_counter() - start, 2),  # pool + simulation
+                      "prefix_hit_rate": (round(counts["hit_blocks"] / counts["prefix_blocks"], 4)
+                                          if counts["prefix_blocks"] else None),
                       "first_pulls": summary(values[:args.concurrency], 0),
                       "steady": summary(values, args.concurrency),
                       # mean runs per window of 250 pulls: how fast a fresh pool fragments
