@@ -230,6 +230,10 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if type(t) is not int or not 0 <= t < vocab]
         if bad:
             raise EngineInputError(f"prompt_token_ids contains ids outside [0, {vocab}): {bad[:5]}")
+        beyond = params.token_ids_beyond(vocab)
+        if beyond:
+            raise EngineInputError(f"logit_bias / allowed_token_ids name token ids outside "
+                                   f"[0, {vocab}): {beyond[:5]}")
         n = len(prompt_token_ids) + num_output_tokens
         if n >= self.max_model_len:
             raise EngineInputError(
@@ -298,10 +302,12 @@ class LLMEngine:
 
     def _speculative_tokens(self, req: Request, requested: int | None) -> int:
         """Drafts per step for a request: the engine's cap, lowered by the request's; none for
-        sampling that reads its own output history (penalties, min_tokens) or reports
-        logprobs, which are defined token by token (vLLM's n-gram path has the same limits)."""
-        if (not self.proposers or depends_on_outputs(req)
-                or req.sampling_params.logprobs is not None):
+        sampling that reads its own output history (penalties, min_tokens), reports logprobs,
+        which are defined token by token (vLLM's n-gram path has the same limits), or shapes
+        the logits (a bias or an allow-list, which the rejection sampler does not apply)."""
+        sp = req.sampling_params
+        if (not self.proposers or depends_on_outputs(req) or sp.logprobs is not None
+                or sp.shapes_logits):
             return 0
         cap = self.config.speculative.num_speculative_tokens
         return cap if requested is None else min(cap, requested)

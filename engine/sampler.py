@@ -1,5 +1,6 @@
-"""Sampling from float32 logits: penalties, greedy, temperature, top-k, top-p, min-p, per-request
-seeds, and top-n logprobs (from the raw model distribution, as vLLM reports them).
+"""Sampling from float32 logits: penalties, logit bias and allowed tokens, greedy, temperature,
+top-k, top-p, min-p, per-request seeds, and top-n logprobs (from the raw model distribution, as
+vLLM reports them).
 
 Seeded requests draw from their own generator, so a request's samples do not depend on what it
 is batched with.
@@ -77,6 +78,37 @@ def apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tens
             counts = torch.zeros(vocab, dtype=row.dtype, device=row.device)
             counts.index_add_(0, out, torch.ones_like(out, dtype=row.dtype))
             row -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(row.dtype)
+    return logits
+
+
+def shape_logits(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    """`logit_bias` added and tokens outside `allowed_token_ids` masked, for the rows whose
+    requests ask (ids are checked against the vocabulary when a request is added): one batched
+    scatter for each. logits: [N, V], modified in place and returned."""
+    bias_rows: list[int] = []
+    bias_ids: list[int] = []
+    biases: list[float] = []
+    allow_rows: list[int] = []
+    allow_ids: list[int] = []
+    for i, req in enumerate(reqs):
+        sp = req.sampling_params
+        bias_rows.extend([i] * len(sp.logit_bias))
+        bias_ids.extend(sp.logit_bias)
+        biases.extend(sp.logit_bias.values())
+        if sp.allowed_token_ids is not None:
+            allow_rows.extend([i] * len(sp.allowed_token_ids))
+            allow_ids.extend(sp.allowed_token_ids)
+    dev = logits.device
+    if allow_rows:
+        allowed = torch.zeros_like(logits, dtype=torch.bool)
+        allowed[to_device(allow_rows, torch.long, dev), to_device(allow_ids, torch.long, dev)] = True
+        limited = torch.zeros(logits.shape[0], dtype=torch.bool, device=dev)
+        limited[to_device(sorted(set(allow_rows)), torch.long, dev)] = True
+        logits.masked_fill_(limited[:, None] & ~allowed, float("-inf"))
+    if biases:
+        logits.index_put_((to_device(bias_rows, torch.long, dev),
+                           to_device(bias_ids, torch.long, dev)),
+                          to_device(biases, torch.float32, dev).to(logits.dtype), accumulate=True)
     return logits
 
 
@@ -235,24 +267,27 @@ class Sampler:
                keep_probs: bool = False) -> PendingTokens:
         """logits: [N, V], one row per request → tokens on the device, copies started.
 
-        Any float dtype: an all-greedy batch without penalties, min_tokens or logprobs takes
-        its argmax on the logits as given (exact: widening is monotonic); anything else first
-        widens them to float32. `keep_probs`: also keep the distribution each token was drawn
+        Any float dtype: an all-greedy batch without penalties, bias, allow-lists, min_tokens or
+        logprobs takes its argmax on the logits as given (exact: widening is monotonic);
+        anything else first widens them to float32. `keep_probs`: also keep the distribution each token was drawn
         from (a draft model's q for the rejection sampler)."""
         greedy: list[bool] = []
-        penalties = min_tokens = logprobs = False
+        penalties = shaped = min_tokens = logprobs = False
         for r in reqs:  # one pass: this runs once per step over the whole batch
             sp = r.sampling_params
             greedy.append(sp.greedy)
             penalties = penalties or sp.has_penalties
+            shaped = shaped or sp.shapes_logits
             min_tokens = min_tokens or _needs_min_tokens_mask(r)
             logprobs = logprobs or sp.logprobs is not None
-        if logits.dtype != torch.float32 and (penalties or min_tokens or logprobs
+        if logits.dtype != torch.float32 and (penalties or shaped or min_tokens or logprobs
                                               or not all(greedy)):
             logits = logits.float()
         raw = logits
         if penalties:
             logits = apply_penalties(logits.clone(), reqs)
+        if shaped:
+            logits = shape_logits(logits.clone() if logits is raw else logits, reqs)
         if min_tokens:
             logits = mask_min_tokens(logits.clone() if logits is raw else logits, reqs)
         kept = None

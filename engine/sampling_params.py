@@ -4,6 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# OpenAI's range for a logit bias; vLLM clamps to the same.
+LOGIT_BIAS_LIMIT = 100.0
+# Entries of `logit_bias` one request may carry (a bound on the request's size and on the work
+# the sampler does per step for it; OpenAI documents no limit, and 300 is what clients send at
+# most in practice).
+MAX_LOGIT_BIAS_ENTRIES = 1024
+
 
 class SamplingParamsError(ValueError):
     """An invalid sampling parameter; the message names the field and the allowed range."""
@@ -28,6 +35,11 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per sampled token (0: sampled token only)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Added to the model's logits before sampling (OpenAI `logit_bias`): token id -> bias in
+    # [-100, 100]. Logprobs stay those of the model's own distribution.
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    # Only these tokens may be sampled (vLLM's `allowed_token_ids`); None: any.
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,6 +80,28 @@ class SamplingParams:
             raise bad("stop", self.stop, "a list of non-empty strings")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
+        if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise bad("logit_bias", _short(self.logit_bias),
+                      f"a map of at most {MAX_LOGIT_BIAS_ENTRIES} token ids to biases")
+        for t, v in self.logit_bias.items():
+            if not _is_token_id(t) or not _is_number(v) or not abs(v) <= LOGIT_BIAS_LIMIT:
+                raise bad("logit_bias", {t: v}, f"token ids >= 0 mapped to biases in "
+                          f"[-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                or not all(_is_token_id(t) for t in self.allowed_token_ids)):
+            raise bad("allowed_token_ids", _short(self.allowed_token_ids),
+                      "a non-empty list of token ids >= 0")
+
+    def token_ids_beyond(self, vocab_size: int) -> list[int]:
+        """The token ids `logit_bias` and `allowed_token_ids` name that the model lacks."""
+        ids = [*self.logit_bias, *(self.allowed_token_ids or ())]
+        return sorted({t for t in ids if t >= vocab_size})
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether the logits are changed before sampling by a bias or an allow-list."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def greedy(self) -> bool:
@@ -77,6 +111,15 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+def _is_token_id(t: object) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+
+
+def _short(value: object) -> object:
+    text = repr(value)
+    return value if len(text) <= 80 else text[:77] + "..."
 
 
 def _is_number(v: object) -> bool:

@@ -74,7 +74,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
 _PARAM_NAMES = {name: f"sampling.{name}" for name in (
     "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens",
-    "stop_token_ids", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs")}
+    "stop_token_ids", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs",
+    "logit_bias", "allowed_token_ids")}
 
 
 def _sampling_options(request: gateway_pb2.GenerateRequest) -> dict[str, object]:
@@ -96,6 +97,8 @@ def _sampling_options(request: gateway_pb2.GenerateRequest) -> dict[str, object]
         "presence_penalty": s.presence_penalty,
         "frequency_penalty": s.frequency_penalty,
         "logprobs": s.logprobs if s.HasField("logprobs") else None,
+        "logit_bias": dict(s.logit_bias),
+        "allowed_token_ids": list(s.allowed_token_ids) or None,
         "skip_special_tokens": request.skip_special_tokens,
     }
 

@@ -158,6 +158,7 @@ async def _completion_jobs(req: CompletionRequest, state: GatewayState
                            ) -> tuple[str, list[GenerationJob]]:
     """(the response's id, one job per prompt of the request: a batch, several), all validated
     before any runs. A batch's jobs are `<id>-<i>`."""
+    req.check_supported()
     if req.echo:
         raise GatewayError.invalid("echo", "echo=true is not supported")
     if req.best_of is not None and req.best_of != req.n:
@@ -177,6 +178,7 @@ async def _completion_jobs(req: CompletionRequest, state: GatewayState
 
 
 async def _chat_job(req: ChatCompletionRequest, state: GatewayState) -> GenerationJob:
+    req.check_supported()
     if req.top_logprobs is not None and not req.logprobs:
         raise GatewayError.invalid("top_logprobs", "top_logprobs requires logprobs=true")
     max_tokens, param = req.max_tokens, "max_tokens"

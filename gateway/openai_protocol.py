@@ -27,6 +27,25 @@ class StreamOptions(_Open):
     continuous_usage_stats: bool = False
 
 
+# Fields of OpenAI's API (and vLLM's extras) that change what comes back and that this server
+# does not implement, with what a client can do instead.
+_UNSUPPORTED_FIELDS = {
+    "response_format": "only {\"type\": \"text\"}; no JSON mode or JSON schema",
+    "tools": "no tool calling",
+    "tool_choice": "no tool calling; only \"none\"",
+    "functions": "no function calling",
+    "function_call": "no function calling",
+    "suffix": "no insertion; send the text before it as the prompt",
+    "prompt_logprobs": "only sampled tokens' logprobs",
+    "guided_json": "no guided decoding",
+    "guided_regex": "no guided decoding",
+    "guided_choice": "no guided decoding; allowed_token_ids limits single tokens",
+    "guided_grammar": "no guided decoding",
+    "structured_outputs": "no guided decoding",
+    "audio": "text output only",
+}
+
+
 class _SamplingFields(_Open):
     """Fields shared by completions and chat completions (vLLM's extras included)."""
 
@@ -49,6 +68,8 @@ class _SamplingFields(_Open):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
+    logit_bias: dict[str, float] | None = None   # JSON keys are strings: {"50256": -100}
+    allowed_token_ids: list[int] | None = None   # vLLM's extra
 
     def sampling_options(self) -> dict[str, Any]:
         """Engine `SamplingParams` keyword arguments (max_tokens and logprobs added by callers)."""
@@ -69,7 +90,25 @@ class _SamplingFields(_Open):
             "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "logit_bias": _token_keys(self.logit_bias or {}, "logit_bias"),
+            "allowed_token_ids": self.allowed_token_ids,
         }
+
+    def check_supported(self) -> None:
+        """Refuse (400) what this server would otherwise silently ignore: unknown fields are
+        accepted for benchmark clients' extras, but a client asking for constrained output,
+        tools or prompt logprobs must not get plain text as if they had been applied."""
+        extra = self.model_extra or {}
+        for name in _UNSUPPORTED_FIELDS:
+            value = extra.get(name)
+            if value is None or value == [] or value == "" or value == {}:
+                continue
+            if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
+                continue
+            if name == "tool_choice" and value == "none":
+                continue
+            raise GatewayError.invalid(name, f"{name} is not supported by this server "
+                                             f"({_UNSUPPORTED_FIELDS[name]})")
 
     @property
     def include_usage(self) -> bool:
@@ -79,6 +118,18 @@ class _SamplingFields(_Open):
     def continuous_usage(self) -> bool:
         return self.include_usage and self.stream_options is not None and \
             self.stream_options.continuous_usage_stats
+
+
+def _token_keys(mapping: dict[str, float], param: str) -> dict[int, float]:
+    """A JSON object keyed by token ids ("50256") → keyed by ints; a key that is not a
+    non-negative integer is the client's error."""
+    out: dict[int, float] = {}
+    for key, value in mapping.items():
+        if not (key.isascii() and key.isdigit()) or len(key) > 10:
+            raise GatewayError.invalid(param, f"{param} keys must be token ids (non-negative "
+                                              f"integers as strings), got {key[:20]!r}")
+        out[int(key)] = value
+    return out
 
 
 class CompletionRequest(_SamplingFields):

@@ -77,6 +77,12 @@ class Preprocessor:
         """
         names = param_names or {}
         sp = _sampling_params(params, names)
+        beyond = sp.token_ids_beyond(self._vocab_size) if self._vocab_size else []
+        if beyond:
+            field = "logit_bias" if beyond[0] in sp.logit_bias else "allowed_token_ids"
+            raise GatewayError.invalid(names.get(field, field), (
+                f"{names.get(field, field)} names token ids outside the vocabulary "
+                f"[0, {self._vocab_size}): {beyond[:5]}"))
         num_prompt = len(prompt_token_ids)
         self._check_prompt_len(num_prompt)
         max_tokens = self._resolve_max_tokens(sp.max_tokens, num_prompt, names.get("max_tokens",
@@ -143,4 +149,7 @@ def _to_proto(sp: SamplingParams, max_tokens: int) -> common_pb2.SamplingParams:
         proto.seed = sp.seed % (1 << 64)  # negative seeds wrap into uint64
     if sp.logprobs is not None:
         proto.logprobs = sp.logprobs
+    proto.logit_bias.update(sp.logit_bias)
+    if sp.allowed_token_ids is not None:
+        proto.allowed_token_ids.extend(sp.allowed_token_ids)
     return proto

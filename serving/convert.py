@@ -42,6 +42,8 @@ def sampling_from_proto(sp: common_pb2.SamplingParams) -> SamplingParams:
             presence_penalty=sp.presence_penalty,
             frequency_penalty=sp.frequency_penalty,
             logprobs=sp.logprobs if sp.HasField("logprobs") else None,
+            logit_bias=dict(sp.logit_bias),
+            allowed_token_ids=list(sp.allowed_token_ids) or None,
         )
     except SamplingParamsError as e:
         raise InvalidRequest(f"sampling.{e}") from e

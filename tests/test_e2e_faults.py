@@ -41,6 +41,7 @@ from gateway.server import GatewayServer  # noqa: E402
 from kv_transfer.grpc_transport import MAX_FRAGMENT_BYTES, channel_options  # noqa: E402
 from protos.auth import bearer_metadata  # noqa: E402
 from protos.splitserve.v1 import (  # noqa: E402
+    common_pb2,
     decode_pb2,
     decode_pb2_grpc,
     gateway_pb2,
@@ -225,6 +226,10 @@ def test_worker_rejects_bad_prefill_and_decode(disagg_stack: Stack) -> None:
             (prefill_pb2.PrefillRequest(request_id="r", prompt_token_ids=[1] * MAX_MODEL_LEN),
              "max_model_len"),
             (prefill_pb2.PrefillRequest(request_id="r", prompt_token_ids=[10_000_000]), "prompt"),
+            (prefill_pb2.PrefillRequest(request_id="r", prompt_token_ids=[1], sampling=(
+                common_pb2.SamplingParams(logit_bias={10_000_000: 1.0}))), "logit_bias"),
+            (prefill_pb2.PrefillRequest(request_id="r", prompt_token_ids=[1], sampling=(
+                common_pb2.SamplingParams(logit_bias={5: -1e9}))), "logit_bias"),
         ]:
             with pytest.raises(grpc.RpcError) as info:
                 stub.Prefill(request, timeout=RPC_TIMEOUT_S)

@@ -141,3 +141,29 @@ def test_stop_string_mid_decode_cancels_the_rest(client: OpenAI, disagg_stack: S
     assert cut.choices[0].text == text[:text.index(stop)]
     assert cut.usage is not None and cut.usage.completion_tokens < 16
     disagg_stack.wait_idle()  # the decode call was cancelled at the stop string: KV freed
+
+
+def test_logit_bias_and_allowed_token_ids_steer_the_real_model(client: OpenAI,
+                                                                tokenizer: Tokenizer) -> None:
+    """Applied on both workers: the prefill worker samples the first token, the decode worker
+    the rest (greedy, so any token not steered would be the model's own choice)."""
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=CAPITAL_QUESTION,
+                                           temperature=0, max_tokens=6)
+    assert "Paris" in (plain.choices[0].message.content or "")
+    paris = [tokenizer.encode(w, add_special_tokens=False)[0] for w in (" Paris", "Paris")]
+    banned = client.chat.completions.create(model=MODEL_NAME, messages=CAPITAL_QUESTION,
+                                            temperature=0, max_tokens=6,
+                                            logit_bias={str(t): -100 for t in paris})
+    assert "Paris" not in (banned.choices[0].message.content or "")
+    [cat] = tokenizer.encode(" cat", add_special_tokens=False)
+    [dog] = tokenizer.encode(" dog", add_special_tokens=False)
+    forced = client.completions.create(model=MODEL_NAME, prompt="The weather today is",
+                                       temperature=0, max_tokens=5, logit_bias={str(cat): 100},
+                                       extra_body={"ignore_eos": True})
+    assert forced.choices[0].text == " cat" * 5
+    allowed = client.completions.create(model=MODEL_NAME, prompt="My favourite pet is a",
+                                        temperature=0.8, seed=3, max_tokens=8,
+                                        extra_body={"ignore_eos": True,
+                                                    "allowed_token_ids": [cat, dog]})
+    words = allowed.choices[0].text.split()
+    assert len(words) == 8 and set(words) <= {"cat", "dog"}, allowed.choices[0].text

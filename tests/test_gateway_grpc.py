@@ -79,6 +79,13 @@ def test_generate_logprobs(channel: grpc.Channel) -> None:
     assert len(lps) == 3 and all(len(lp.top) == 2 for lp in lps)
 
 
+def test_generate_passes_logit_bias_and_allowed_token_ids(gw: Harness, channel: grpc.Channel) -> None:
+    _generate(channel, text="x", sampling=common_pb2.SamplingParams(
+        max_tokens=2, logit_bias={7: -3.5}, allowed_token_ids=[7, 8]))
+    sent = gw.prefill[0].prefill_requests[-1].sampling
+    assert dict(sent.logit_bias) == {7: -3.5} and list(sent.allowed_token_ids) == [7, 8]
+
+
 @pytest.mark.parametrize(("fields", "code", "words"), [
     ({}, grpc.StatusCode.INVALID_ARGUMENT, ["input"]),
     ({"token_ids": gateway_pb2.TokenIds(ids=[])}, grpc.StatusCode.INVALID_ARGUMENT, ["token_ids.ids"]),
@@ -93,6 +100,10 @@ def test_generate_logprobs(channel: grpc.Channel) -> None:
     ({"token_ids": gateway_pb2.TokenIds(ids=[5] * 400)}, grpc.StatusCode.INVALID_ARGUMENT,
      ["400", "prompt"]),
     ({"chat": gateway_pb2.ChatMessages()}, grpc.StatusCode.INVALID_ARGUMENT, ["chat.messages"]),
+    ({"text": "x", "sampling": common_pb2.SamplingParams(logit_bias={3: 150.0})},
+     grpc.StatusCode.INVALID_ARGUMENT, ["sampling.logit_bias", "[-100, 100]"]),
+    ({"text": "x", "sampling": common_pb2.SamplingParams(allowed_token_ids=[10**6])},
+     grpc.StatusCode.INVALID_ARGUMENT, ["sampling.allowed_token_ids", "vocabulary"]),
 ])
 def test_generate_validation(channel: grpc.Channel, fields: dict[str, object],
                              code: grpc.StatusCode, words: list[str]) -> None:

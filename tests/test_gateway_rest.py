@@ -356,6 +356,32 @@ MSG = [{"role": "user", "content": "hi"}]
      ["256", "300", "100 in the prompt", "200"]),
     (CMPL, {"model": MODEL_NAME, "prompt": [5] * 300}, 400, ["300", "255"]),
     (CMPL, {"model": MODEL_NAME, "prompt": "x", "echo": True}, 400, ["echo"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": "x", "logit_bias": {"7": 101}}, 400,
+     ["logit_bias", "[-100, 100]"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": "x", "logit_bias": {"a7": 1}}, 400,
+     ["logit_bias", "token ids"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": "x", "logit_bias": {"-7": 1}}, 400,
+     ["logit_bias", "token ids"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": "x", "logit_bias": {"99999999": 1}}, 400,
+     ["logit_bias", "49152", "99999999"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": "x", "logit_bias": [1]}, 400, ["logit_bias"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": "x", "allowed_token_ids": []}, 400,
+     ["allowed_token_ids", "non-empty"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": "x", "allowed_token_ids": [5, 49152]}, 400,
+     ["allowed_token_ids", "49152"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": "x", "suffix": "y"}, 400, ["suffix", "not supported"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": "x", "prompt_logprobs": 1}, 400, ["prompt_logprobs"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": "x", "guided_json": {"type": "object"}}, 400,
+     ["guided_json", "not supported"]),
+    (CHAT, {"model": MODEL_NAME, "messages": MSG, "response_format": {"type": "json_object"}},
+     400, ["response_format", "not supported"]),
+    (CHAT, {"model": MODEL_NAME, "messages": MSG, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400,
+     ["tools", "not supported"]),
+    (CHAT, {"model": MODEL_NAME, "messages": MSG, "tool_choice": "required"}, 400,
+     ["tool_choice"]),
+    (CHAT, {"model": MODEL_NAME, "messages": MSG, "logit_bias": {"1": "much"}}, 400,
+     ["logit_bias"]),
     (CHAT, {"model": MODEL_NAME}, 400, ["messages is required"]),
     (CHAT, {"model": MODEL_NAME, "messages": []}, 400, ["messages"]),
     (CHAT, {"model": MODEL_NAME, "messages": [{"content": "x"}]}, 400, ["messages.0.role"]),
@@ -405,6 +431,20 @@ def test_openai_client_sees_errors(client: OpenAI) -> None:
         client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=0)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="unknown-model", prompt="x")
+
+
+def test_logit_bias_and_allowed_token_ids_reach_the_workers(gw: Harness, client: OpenAI) -> None:
+    client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2,
+                              logit_bias={"11": -100, "42": 7.5},
+                              extra_body={"allowed_token_ids": [11, 42, 43]})
+    sent = gw.prefill[0].prefill_requests[-1].sampling
+    assert dict(sent.logit_bias) == {11: -100.0, 42: 7.5}
+    assert list(sent.allowed_token_ids) == [11, 42, 43]
+    client.chat.completions.create(model=MODEL_NAME, messages=MSG, max_tokens=2,  # type: ignore[arg-type]
+                                   logit_bias={"3": 1}, response_format={"type": "text"},
+                                   tool_choice="none")
+    sent = gw.prefill[0].prefill_requests[-1].sampling
+    assert dict(sent.logit_bias) == {3: 1.0} and not sent.allowed_token_ids
 
 
 def test_unknown_fields_accepted(gw: Harness, script_ids: list[int]) -> None:

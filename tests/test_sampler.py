@@ -207,3 +207,65 @@ def test_bf16_logits_greedy_on_them_and_everything_else_widened() -> None:
     want_tokens, want_lps = Sampler()(wide, mixed)
     assert got_tokens == want_tokens and got_lps == want_lps
     assert got_lps[0] is not None and isinstance(got_lps[0].logprob, float)
+
+
+def test_logit_bias_adds_to_the_named_tokens_of_its_row_only() -> None:
+    logits = _logits(3)
+    low = int(logits[1].argmin())
+    reqs = [_req("a", temperature=0.0), _req("b", temperature=0.0, logit_bias={low: 100.0}),
+            _req("c", temperature=0.0, logit_bias={0: -100.0, 1: -100.0})]
+    tokens, _ = Sampler()(logits.clone(), reqs)
+    assert tokens[0] == int(logits[0].argmax())
+    assert tokens[1] == low  # the least likely token, pushed to the top
+    expected = logits[2].clone()
+    expected[[0, 1]] -= 100.0
+    assert tokens[2] == int(expected.argmax())
+
+
+def test_logit_bias_on_bf16_logits_and_logprobs_stay_the_models() -> None:
+    logits = _logits(2).to(torch.bfloat16)
+    low = int(logits[0].float().argmin())
+    pending = Sampler().sample(logits, [_req("a", temperature=0.0, logprobs=0,
+                                             logit_bias={low: 100.0}),
+                                        _req("b", temperature=0.0)])
+    tokens, lps = pending.result()
+    assert tokens == [low, int(logits[1].float().argmax())]
+    raw = logits.float().log_softmax(-1)
+    assert lps[0] is not None and lps[0].logprob == pytest.approx(float(raw[0, low]), abs=1e-5)
+
+
+def test_allowed_token_ids_limit_greedy_and_random_rows() -> None:
+    logits = _logits(4)
+    allowed = [3, 17, 29]
+    reqs = [_req("g", temperature=0.0, allowed_token_ids=allowed),
+            _req("r", temperature=1.0, seed=1, allowed_token_ids=allowed),
+            _req("free", temperature=0.0),
+            _req("both", temperature=0.0, allowed_token_ids=[5, 6],
+                 logit_bias={6: 100.0, 7: 100.0})]  # 7 is biased but not allowed
+    sampler = Sampler()
+    for _ in range(20):
+        tokens, _ = sampler(logits.clone(), reqs)
+        assert tokens[0] == max(allowed, key=lambda t: float(logits[0, t]))
+        assert tokens[1] in allowed
+        assert tokens[2] == int(logits[2].argmax())
+        assert tokens[3] == 6
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"logit_bias": {1: 101.0}}, "logit_bias"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+    ({"logit_bias": {True: 1.0}}, "logit_bias"),
+    ({"logit_bias": {1: float("nan")}}, "logit_bias"),
+    ({"logit_bias": {i: 1.0 for i in range(1025)}}, "logit_bias"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [1, -2]}, "allowed_token_ids"),
+])
+def test_logit_bias_and_allowed_token_ids_are_validated(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_token_ids_beyond_the_vocabulary_are_named() -> None:
+    sp = SamplingParams(logit_bias={5: 1.0, 40: 2.0}, allowed_token_ids=[1, 33])
+    assert sp.token_ids_beyond(32) == [33, 40]
+    assert sp.token_ids_beyond(64) == []

@@ -300,7 +300,8 @@ def test_per_request_caps_and_ineligible_sampling(tiny_model_dirs: dict[str, Pat
     assert eng.add_request("d", [1, 2], _greedy(4)[0],
                            num_speculative_tokens=0).num_speculative_tokens == 0
     ineligible: list[dict[str, Any]] = [{"logprobs": 1}, {"repetition_penalty": 1.2},
-                                        {"min_tokens": 2}]
+                                        {"min_tokens": 2}, {"logit_bias": {3: 1.0}},
+                                        {"allowed_token_ids": [1, 2]}]
     for i, kw in enumerate(ineligible):
         req = eng.add_request(f"x{i}", [1, 2], _greedy(4, **kw)[0])
         assert req.num_speculative_tokens == 0
