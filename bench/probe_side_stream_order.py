@@ -4,8 +4,9 @@
 `tests/test_kv_dma_copy.py::test_a_kv_load_lands_after_a_stale_write_from_a_launched_step`
 passed on the H200, but so did the same sequence without the fence (a sleeping kernel, then a
 fill of the block, on the default stream; then a pinned host-to-device DMA write of the block on
-a side stream): the write still landed last. The engine's contract does not rely on that, so the
-fence stays; this probe says what orders the two where the test cannot tell. For the default
+a side stream): the write still landed last. This probe found why (bench/results/h200/
+block_runs/1_*): only a process's first DMA call waits for the device; every later copy ran
+~100 ms ahead of the fill, so the test now warms up first and checks an unfenced control. For the default
 stream and for a pool stream as the "step stream", twice each: the host's time to queue the
 DMA write, whether it was done 10 ms later (while the 0.1 s kernel still runs), the device
 time from the fill to the write's completion (negative: the write finished first), whether the

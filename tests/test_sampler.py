@@ -269,3 +269,18 @@ def test_token_ids_beyond_the_vocabulary_are_named() -> None:
     sp = SamplingParams(logit_bias={5: 1.0, 40: 2.0}, allowed_token_ids=[1, 33])
     assert sp.token_ids_beyond(32) == [33, 40]
     assert sp.token_ids_beyond(64) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_shaped_rows_on_the_gpu_match_the_cpu() -> None:
+    """Bias and allow-lists scattered on the device (pinned index copies, no sync) pick what the
+    CPU picks, on bf16 logits as the CUDA graphs hand them over."""
+    logits = _logits(5).to(torch.bfloat16)
+    reqs = [_req("a", temperature=0.0, logit_bias={3: 100.0, 4: -100.0}),
+            _req("b", temperature=0.0, allowed_token_ids=[7, 9, 11]),
+            _req("c", temperature=0.0),
+            _req("d", temperature=0.0, logit_bias={int(logits[3].float().argmax()): -100.0}),
+            _req("e", temperature=0.0, allowed_token_ids=[1, 2], logit_bias={2: 50.0})]
+    cpu, _ = Sampler()(logits.clone(), reqs)
+    gpu, _ = Sampler()(logits.cuda(), reqs)
+    assert gpu == cpu and cpu[0] == 3 and cpu[4] == 2 and cpu[1] in (7, 9, 11)
