@@ -109,6 +109,9 @@ class Request:
         self.stop_reason: int | str | None = None
         # Seeded sampling state lives with the request so batching does not change its draws.
         self.generator: object | None = None
+        # Its logit bias and allowed token ids as device tensors, made on first use
+        # (engine/sampler.py `ShapingTensors`): not rebuilt from Python lists every step.
+        self.shaping_tensors: object | None = None
         # Speculative decoding (engine/spec/): drafts per step at most (0: off), the drafts
         # proposed for the next step, and what verification made of them.
         self.num_speculative_tokens = 0

@@ -81,35 +81,78 @@ def apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tens
     return logits
 
 
+@dataclass(slots=True)
+class ShapingTensors:
+    """A request's logit bias (ids, values) and allowed ids on one device; None where unset."""
+
+    device: torch.device
+    bias_ids: torch.Tensor | None
+    bias_values: torch.Tensor | None
+    allowed_ids: torch.Tensor | None
+
+
+def shaping_tensors(req: Request, device: torch.device) -> ShapingTensors:
+    """The request's `ShapingTensors` on `device`, made once (its lists can be long)."""
+    cached = req.shaping_tensors
+    if isinstance(cached, ShapingTensors) and cached.device == device:
+        return cached
+    sp = req.sampling_params
+    bias = sp.logit_bias
+    made = ShapingTensors(
+        device,
+        to_device(list(bias), torch.long, device) if bias else None,
+        to_device(list(bias.values()), torch.float32, device) if bias else None,
+        (to_device(sp.allowed_token_ids, torch.long, device)
+         if sp.allowed_token_ids is not None else None))
+    req.shaping_tensors = made
+    return made
+
+
 def shape_logits(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     """`logit_bias` added and tokens outside `allowed_token_ids` masked, for the rows whose
-    requests ask (ids are checked against the vocabulary when a request is added): one batched
-    scatter for each. logits: [N, V], modified in place and returned."""
+    requests ask (ids are checked against the vocabulary when a request is added): the rows'
+    cached id tensors concatenated, then one scatter for each kind, with no host sync.
+    logits: [N, V], modified in place and returned."""
+    dev = logits.device
     bias_rows: list[int] = []
-    bias_ids: list[int] = []
-    biases: list[float] = []
+    bias_counts: list[int] = []
+    bias_ids: list[torch.Tensor] = []
+    bias_values: list[torch.Tensor] = []
     allow_rows: list[int] = []
-    allow_ids: list[int] = []
+    allow_counts: list[int] = []
+    allow_ids: list[torch.Tensor] = []
     for i, req in enumerate(reqs):
         sp = req.sampling_params
-        bias_rows.extend([i] * len(sp.logit_bias))
-        bias_ids.extend(sp.logit_bias)
-        biases.extend(sp.logit_bias.values())
-        if sp.allowed_token_ids is not None:
-            allow_rows.extend([i] * len(sp.allowed_token_ids))
-            allow_ids.extend(sp.allowed_token_ids)
-    dev = logits.device
+        if not sp.shapes_logits:
+            continue
+        t = shaping_tensors(req, dev)
+        if t.bias_ids is not None and t.bias_values is not None:
+            bias_rows.append(i)
+            bias_counts.append(len(sp.logit_bias))
+            bias_ids.append(t.bias_ids)
+            bias_values.append(t.bias_values)
+        if t.allowed_ids is not None:
+            allow_rows.append(i)
+            allow_counts.append(len(t.allowed_ids))
+            allow_ids.append(t.allowed_ids)
     if allow_rows:
+        rows = _rows(allow_rows, allow_counts, dev)
         allowed = torch.zeros_like(logits, dtype=torch.bool)
-        allowed[to_device(allow_rows, torch.long, dev), to_device(allow_ids, torch.long, dev)] = True
+        allowed[rows, torch.cat(allow_ids)] = True
         limited = torch.zeros(logits.shape[0], dtype=torch.bool, device=dev)
-        limited[to_device(sorted(set(allow_rows)), torch.long, dev)] = True
+        limited[to_device(allow_rows, torch.long, dev)] = True
         logits.masked_fill_(limited[:, None] & ~allowed, float("-inf"))
-    if biases:
-        logits.index_put_((to_device(bias_rows, torch.long, dev),
-                           to_device(bias_ids, torch.long, dev)),
-                          to_device(biases, torch.float32, dev).to(logits.dtype), accumulate=True)
+    if bias_rows:
+        logits.index_put_((_rows(bias_rows, bias_counts, dev), torch.cat(bias_ids)),
+                          torch.cat(bias_values).to(logits.dtype), accumulate=True)
     return logits
+
+
+def _rows(rows: list[int], counts: list[int], device: torch.device) -> torch.Tensor:
+    """Row i repeated counts[i] times, on the device (its size given: no sync)."""
+    return torch.repeat_interleave(to_device(rows, torch.long, device),
+                                   to_device(counts, torch.long, device),
+                                   output_size=sum(counts))
 
 
 def _needs_min_tokens_mask(req: Request) -> bool:
@@ -269,8 +312,8 @@ class Sampler:
 
         Any float dtype: an all-greedy batch without penalties, bias, allow-lists, min_tokens or
         logprobs takes its argmax on the logits as given (exact: widening is monotonic);
-        anything else first widens them to float32. `keep_probs`: also keep the distribution each token was drawn
-        from (a draft model's q for the rejection sampler)."""
+        anything else first widens them to float32. `keep_probs`: also keep the distribution
+        each token was drawn from (a draft model's q for the rejection sampler)."""
         greedy: list[bool] = []
         penalties = shaped = min_tokens = logprobs = False
         for r in reqs:  # one pass: this runs once per step over the whole batch

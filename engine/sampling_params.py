@@ -10,6 +10,10 @@ LOGIT_BIAS_LIMIT = 100.0
 # the sampler does per step for it; OpenAI documents no limit, and 300 is what clients send at
 # most in practice).
 MAX_LOGIT_BIAS_ENTRIES = 1024
+# Ids one `allowed_token_ids` may list: a quarter of a 128k vocabulary (a list beyond that is
+# better said as a logit bias against the rest). Bounds a request's size; the sampler keeps the
+# list on the device once (engine/sampler.py `shaping_tensors`).
+MAX_ALLOWED_TOKEN_IDS = 1 << 15
 
 
 class SamplingParamsError(ValueError):
@@ -89,9 +93,10 @@ class SamplingParams:
                           f"[-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
         if self.allowed_token_ids is not None and (
                 not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                or len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS
                 or not all(_is_token_id(t) for t in self.allowed_token_ids)):
             raise bad("allowed_token_ids", _short(self.allowed_token_ids),
-                      "a non-empty list of token ids >= 0")
+                      f"a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} token ids >= 0")
 
     def token_ids_beyond(self, vocab_size: int) -> list[int]:
         """The token ids `logit_bias` and `allowed_token_ids` name that the model lacks."""

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from engine.sampling_params import MAX_LOGIT_BIAS_ENTRIES
 from gateway.errors import GatewayError
 from protos.splitserve.v1 import common_pb2
 
@@ -123,6 +124,9 @@ class _SamplingFields(_Open):
 def _token_keys(mapping: dict[str, float], param: str) -> dict[int, float]:
     """A JSON object keyed by token ids ("50256") → keyed by ints; a key that is not a
     non-negative integer is the client's error."""
+    if len(mapping) > MAX_LOGIT_BIAS_ENTRIES:  # before the keys are parsed
+        raise GatewayError.invalid(param, f"{param} may name at most {MAX_LOGIT_BIAS_ENTRIES} "
+                                          f"tokens, got {len(mapping)}")
     out: dict[int, float] = {}
     for key, value in mapping.items():
         if not (key.isascii() and key.isdigit()) or len(key) > 10:

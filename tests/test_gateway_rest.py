@@ -365,6 +365,8 @@ MSG = [{"role": "user", "content": "hi"}]
     (CMPL, {"model": MODEL_NAME, "prompt": "x", "logit_bias": {"99999999": 1}}, 400,
      ["logit_bias", "49152", "99999999"]),
     (CMPL, {"model": MODEL_NAME, "prompt": "x", "logit_bias": [1]}, 400, ["logit_bias"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}},
+     400, ["logit_bias", "at most 1024", "1025"]),
     (CMPL, {"model": MODEL_NAME, "prompt": "x", "allowed_token_ids": []}, 400,
      ["allowed_token_ids", "non-empty"]),
     (CMPL, {"model": MODEL_NAME, "prompt": "x", "allowed_token_ids": [5, 49152]}, 400,

@@ -284,3 +284,12 @@ def test_shaped_rows_on_the_gpu_match_the_cpu() -> None:
     cpu, _ = Sampler()(logits.clone(), reqs)
     gpu, _ = Sampler()(logits.cuda(), reqs)
     assert gpu == cpu and cpu[0] == 3 and cpu[4] == 2 and cpu[1] in (7, 9, 11)
+
+
+def test_a_requests_shaping_tensors_are_made_once() -> None:
+    req = _req(temperature=0.0, logit_bias={1: 1.0}, allowed_token_ids=[1, 2, 3])
+    sampler = Sampler()
+    sampler(_logits(1), [req])
+    first = req.shaping_tensors
+    sampler(_logits(1, seed=2), [req])
+    assert first is not None and req.shaping_tensors is first
