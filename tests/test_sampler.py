@@ -293,3 +293,29 @@ def test_a_requests_shaping_tensors_are_made_once() -> None:
     first = req.shaping_tensors
     sampler(_logits(1, seed=2), [req])
     assert first is not None and req.shaping_tensors is first
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_shaped_requests_through_the_engine_with_graphs_and_async_scheduling() -> None:
+    """Bias and allow-lists beside plain greedy requests in decode steps replayed from CUDA
+    graphs with async scheduling (the sampler runs on the graphs' bf16 logits)."""
+    from engine import LLM
+
+    llm = LLM(model="dummy:tiny", dtype="bfloat16", max_model_len=256,
+              gpu_memory_utilization=0.05)
+    assert llm.engine.async_scheduling and llm.engine.runner.graphs is not None
+    prompts = [[1 + i, 2, 3, 4 + i] for i in range(6)]
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                             logit_bias={77: 100.0}),
+              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                             allowed_token_ids=[5, 6, 7]),
+              SamplingParams(temperature=0.9, seed=4, max_tokens=12, ignore_eos=True,
+                             allowed_token_ids=[300, 301]),
+              plain, plain, plain]
+    outs = llm.generate(prompts, params)
+    alone = llm.generate(prompts[3:], [plain] * 3)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    assert tokens[0] == [77] * 12
+    assert set(tokens[1]) <= {5, 6, 7} and set(tokens[2]) <= {300, 301}
+    assert tokens[3:] == [o.outputs[0].token_ids for o in alone]  # neighbours untouched
