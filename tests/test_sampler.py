@@ -295,16 +295,19 @@ def test_a_requests_shaping_tensors_are_made_once() -> None:
     assert first is not None and req.shaping_tensors is first
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_shaped_requests_through_the_engine_with_graphs_and_async_scheduling() -> None:
-    """Bias and allow-lists beside plain greedy requests in decode steps replayed from CUDA
-    graphs with async scheduling (the sampler runs on the graphs' bf16 logits)."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))])
+def test_shaped_requests_through_the_engine(device: str) -> None:
+    """Bias and allow-lists beside plain greedy requests; on the GPU in decode steps replayed
+    from CUDA graphs with async scheduling (the sampler runs on the graphs' bf16 logits)."""
     from engine import LLM
 
-    llm = LLM(model="dummy:tiny", dtype="bfloat16", max_model_len=256,
+    llm = LLM(model="dummy:tiny", device=device, max_model_len=256,
+              dtype="bfloat16" if device == "cuda" else "float32",
               gpu_memory_utilization=0.05)
-    assert llm.engine.async_scheduling and llm.engine.runner.graphs is not None
-    prompts = [[1 + i, 2, 3, 4 + i] for i in range(6)]
+    if device == "cuda":
+        assert llm.engine.async_scheduling and llm.engine.runner.graphs is not None
+    prompts: list[Any] = [{"prompt_token_ids": [1 + i, 2, 3, 4 + i]} for i in range(6)]
     plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
                              logit_bias={77: 100.0}),
