@@ -1,4 +1,5 @@
-"""OpenAI-compatible REST API (FastAPI): completions, chat completions, models, health, metrics.
+"""OpenAI-compatible REST API (FastAPI): completions, chat completions, models, health, metrics,
+and vLLM's tokenize / detokenize.
 
 Bodies are read and parsed here, not by FastAPI, so every client error has an OpenAI-shaped
 body and the right status: size (413, by Content-Length and by bytes actually received),
@@ -28,6 +29,8 @@ from gateway.errors import GatewayError
 from gateway.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     chat_logprobs,
     chat_messages,
     completion_logprobs,
@@ -84,6 +87,25 @@ def build_app(state: GatewayState) -> FastAPI:
         view = _View(job.request_id, "chat.completion", state, [job], req.include_usage,
                      req.continuous_usage, chat=True, num_top=req.top_logprobs or 0)
         return await _respond(view, request, "chat", req.stream)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        req = parse_request(TokenizeRequest, await _read_json(request, state))
+        _check_model(req.model, state)
+        pre = state.preprocessor
+        if (req.prompt is None) == (req.messages is None):
+            raise GatewayError.invalid("prompt", "send either prompt or messages")
+        ids = (await pre.encode_chat(chat_messages(req.messages)) if req.messages is not None
+               else await pre.encode_text(req.prompt or "", "prompt", req.add_special_tokens))
+        return JSONResponse({"count": len(ids), "max_model_len": state.config.max_model_len,
+                             "tokens": ids})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        req = parse_request(DetokenizeRequest, await _read_json(request, state))
+        _check_model(req.model, state)
+        ids = state.preprocessor.check_token_ids(req.tokens, "tokens")
+        return JSONResponse({"prompt": state.tokenizer.decode(ids, skip_special_tokens=False)})
 
     return app
 

@@ -166,6 +166,22 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
 
 
+class TokenizeRequest(_Open):
+    """vLLM's `/tokenize`: a prompt, or chat messages through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageIn] | None = None
+    add_special_tokens: bool = True  # for a prompt (the chat template has its own)
+
+
+class DetokenizeRequest(_Open):
+    """vLLM's `/detokenize`."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 def parse_request(model: type[M], body: dict[str, Any]) -> M:
     """Validate a JSON object; the first error becomes a 400 naming the field."""
     try:

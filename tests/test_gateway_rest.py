@@ -449,6 +449,37 @@ def test_logit_bias_and_allowed_token_ids_reach_the_workers(gw: Harness, client:
     assert dict(sent.logit_bias) == {3: 1.0} and not sent.allowed_token_ids
 
 
+def test_tokenize_and_detokenize(gw: Harness, client: OpenAI) -> None:
+    tok = smollm2_tokenizer()
+    r = _post(gw, "/tokenize", {"model": MODEL_NAME, "prompt": TEXT})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == tok.encode(TEXT) and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == 256
+    bare = _post(gw, "/tokenize", {"prompt": TEXT, "add_special_tokens": False}).json()
+    assert bare["tokens"] == tok.encode(TEXT, add_special_tokens=False)
+    back = _post(gw, "/detokenize", {"model": MODEL_NAME, "tokens": bare["tokens"]}).json()
+    assert back == {"prompt": TEXT}
+    # Chat messages: the same ids a chat completion sends to the prefill worker.
+    chat = _post(gw, "/tokenize", {"messages": MSG}).json()["tokens"]
+    client.chat.completions.create(model=MODEL_NAME, messages=MSG, max_tokens=1)  # type: ignore[arg-type]
+    assert list(gw.prefill[0].prefill_requests[-1].prompt_token_ids) == chat
+
+
+@pytest.mark.parametrize(("path", "body", "status", "words"), [
+    ("/tokenize", {"prompt": "x", "messages": MSG}, 400, ["either prompt or messages"]),
+    ("/tokenize", {}, 400, ["either prompt or messages"]),
+    ("/tokenize", {"prompt": 5}, 400, ["prompt"]),
+    ("/tokenize", {"model": "other", "prompt": "x"}, 404, ["other"]),
+    ("/detokenize", {"tokens": [1, 49152]}, 400, ["tokens[1]", "49152"]),
+    ("/detokenize", {"tokens": []}, 400, ["tokens must not be empty"]),
+    ("/detokenize", {"tokens": "abc"}, 400, ["tokens"]),
+])
+def test_tokenize_errors(gw: Harness, path: str, body: object, status: int,
+                         words: list[str]) -> None:
+    _error(_post(gw, path, body), status, *words)
+
+
 def test_unknown_fields_accepted(gw: Harness, script_ids: list[int]) -> None:
     r = _post(gw, CMPL, {"model": MODEL_NAME, "prompt": "x", "max_tokens": 3, "ignore_eos": True,
                          "stream": True, "future_field": {"a": 1},
@@ -555,6 +586,10 @@ def test_api_key(script_ids: list[int]) -> None:
     with Harness(Script(list(script_ids)), api_key="sekret") as h:
         assert httpx.get(h.base_url + "/health").status_code == 200
         _error(_post(h, CMPL, {"model": MODEL_NAME, "prompt": "x"}), 401, "API key")
+        _error(_post(h, "/tokenize", {"prompt": "x"}), 401, "API key")
+        _error(_post(h, "/detokenize", {"tokens": [1]}), 401, "API key")
+        assert _post(h, "/tokenize", {"prompt": "x"},
+                     headers={"authorization": "Bearer sekret"}).status_code == 200
         bad = OpenAI(base_url=h.base_url + "/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
