@@ -153,6 +153,10 @@ def _kv_transport_families(samples: Sequence[WorkerSample]) -> Iterator[Metric]:
         "seconds": CounterMetricFamily(
             "splitserve:kv_pull_seconds", "Time decode workers spent pulling KV (from asking to "
             "the blocks in their cache), by way.", labels=labels),
+        "block_runs": CounterMetricFamily(
+            "splitserve:kv_pull_block_runs", "Runs of consecutive block ids the pulled KV took "
+            "in decode workers' caches, by way: per pull ~1 unless the pool is fragmented (a "
+            "same-GPU pull copies at least one per run).", labels=labels),
     }
     for s in samples:
         for t in s.load.kv_transports if s.load is not None else ():

@@ -54,5 +54,5 @@ def _kv_transports(aengine: AsyncEngine) -> list[common_pb2.KvTransportStats]:
     if not isinstance(loader, GrpcKvLoader):
         return []
     return [common_pb2.KvTransportStats(transport=name, pulls=st.pulls, bytes=st.bytes,
-                                        seconds=st.seconds)
+                                        seconds=st.seconds, block_runs=st.block_runs)
             for name, st in sorted(dict(loader.transport_stats).items())]  # a copy: atomic

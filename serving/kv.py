@@ -14,6 +14,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
 
 from engine.async_engine import AsyncEngine, KvLoadAbort
+from engine.dma_copy import block_runs
 from engine.llm_engine import LLMEngine
 from engine.scheduler import KvLoad
 from kv_transfer import DEFAULT_TCP_STREAMS
@@ -111,6 +112,7 @@ class TransportStats:
     pulls: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    block_runs: int = 0  # runs of consecutive ids the pulled blocks took here
 
 
 @dataclass(slots=True)
@@ -235,6 +237,7 @@ class GrpcKvLoader:
                 stats.pulls += 1
                 stats.bytes += len(load.block_ids) * self._spec.block_nbytes
                 stats.seconds += time.perf_counter() - start
+                stats.block_runs += len(block_runs(load.block_ids, load.block_ids))
         return result
 
 

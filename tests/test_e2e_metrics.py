@@ -90,4 +90,8 @@ def test_gateway_metrics_mirror_the_workers_engines(disagg_stack: Stack) -> None
         assert time.monotonic() < deadline, pulls
         time.sleep(0.1)
     assert pulls[("splitserve:kv_pull_bytes_total", "tcp")] == stats["tcp"].bytes > 0
+    # Each pulled prompt took at least one run of blocks, at most one per block.
+    runs = pulls[("splitserve:kv_pull_block_runs_total", "tcp")]
+    assert runs == stats["tcp"].block_runs
+    assert stats["tcp"].pulls <= runs <= stats["tcp"].bytes // loader._spec.block_nbytes  # type: ignore[union-attr]
     assert 0 < pulls[("splitserve:kv_pull_seconds_total", "tcp")] < 60

@@ -411,6 +411,7 @@ class KvTransportStats(_message.Message):
     PULLS_FIELD_NUMBER: _builtins.int
     BYTES_FIELD_NUMBER: _builtins.int
     SECONDS_FIELD_NUMBER: _builtins.int
+    BLOCK_RUNS_FIELD_NUMBER: _builtins.int
     transport: _builtins.str
     """"cuda_ipc", "shm" or "stream" """
     pulls: _builtins.int
@@ -419,6 +420,11 @@ class KvTransportStats(_message.Message):
     """KV bytes they moved"""
     seconds: _builtins.float
     """their time, from asking to the blocks in the cache"""
+    block_runs: _builtins.int
+    """Runs of consecutive block ids the pulled blocks took in this worker's cache (a same-GPU
+    pull copies at least one per run): per pull ~1 in a pool that keeps runs, ~one per block
+    in a fragmented one.
+    """
     def __init__(
         self,
         *,
@@ -426,10 +432,11 @@ class KvTransportStats(_message.Message):
         pulls: _builtins.int = ...,
         bytes: _builtins.int = ...,
         seconds: _builtins.float = ...,
+        block_runs: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "pulls", b"pulls", "seconds", b"seconds", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_runs", b"block_runs", "bytes", b"bytes", "pulls", b"pulls", "seconds", b"seconds", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
