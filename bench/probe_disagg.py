@@ -41,6 +41,7 @@ from typing import Any
 import grpc
 
 from bench.results import git_info
+from engine.config import BLOCK_ALLOCATIONS
 from protos.auth import INTERNAL_TOKEN_ENV, bearer_metadata
 from protos.splitserve.v1 import (
     common_pb2,
@@ -237,7 +238,7 @@ def main() -> int:
     p.add_argument("--age", type=int, default=0,
                    help="requests of random lengths sent first (the module docstring)")
     p.add_argument("--age-concurrency", type=int, default=32)
-    p.add_argument("--block-allocation", default=None, choices=["auto", "lru", "runs"],
+    p.add_argument("--block-allocation", default=None, choices=BLOCK_ALLOCATIONS,
                    help="both workers' --block-allocation (default: their own)")
     p.add_argument("--decode-num-gpu-blocks", type=int, default=None,
                    help="the decode worker's --num-gpu-blocks (default: from memory)")

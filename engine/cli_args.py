@@ -9,6 +9,7 @@ from dataclasses import fields
 from typing import Any
 
 from engine.config import (
+    BLOCK_ALLOCATIONS,
     MAX_PIECEWISE_GRAPH_TOKENS,
     SPEC_METHODS,
     CacheConfig,
@@ -80,7 +81,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=_default(CacheConfig, "block_size"))
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--block-allocation", default=_default(CacheConfig, "block_allocation"),
-                   choices=["auto", "lru", "runs"],
+                   choices=BLOCK_ALLOCATIONS,
                    help="which free KV blocks are handed out: lru = least recently freed "
                         "first; runs = prompts kept in runs of consecutive blocks, so a KV "
                         "handoff copies a few runs instead of a block at a time; auto = runs "

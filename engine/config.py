@@ -13,6 +13,7 @@ from typing import Any, Literal, get_args
 
 Role = Literal["colocated", "prefill", "decode"]
 BlockAllocation = Literal["auto", "lru", "runs"]
+BLOCK_ALLOCATIONS: tuple[BlockAllocation, ...] = get_args(BlockAllocation)
 AttentionBackendName = Literal["torch", "triton", "auto"]
 KvCacheDtype = Literal["auto", "fp8", "int8"]
 
@@ -187,9 +188,9 @@ class CacheConfig:
     block_allocation: BlockAllocation = "auto"
 
     def validate(self) -> None:
-        if self.block_allocation not in ("auto", "lru", "runs"):
-            raise ConfigError(f"block_allocation must be 'auto', 'lru' or 'runs', got "
-                              f"{self.block_allocation!r}")
+        if self.block_allocation not in BLOCK_ALLOCATIONS:
+            raise ConfigError(f"block_allocation must be one of {', '.join(BLOCK_ALLOCATIONS)}, "
+                              f"got {self.block_allocation!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
