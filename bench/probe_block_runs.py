@@ -127,6 +127,31 @@ def simulate(pool: BlockPool, args: argparse.Namespace,
     return out
 
 
+def _timed(pool: BlockPool) -> dict[str, list[float]]:
+    """Time the pool's `get_new_blocks` and `free_blocks` (wrapped on the instance): kind ->
+    [seconds, blocks]; kinds "single", "prompt" and "free"."""
+    calls: dict[str, list[float]] = {"single": [0.0, 0], "prompt": [0.0, 0], "free": [0.0, 0]}
+    get_new_blocks, free_blocks = pool.get_new_blocks, pool.free_blocks
+
+    def timed_get(n: int) -> list[Block]:
+        t = time.perf_counter()
+        out = get_new_blocks(n)
+        c = calls["single" if n == 1 else "prompt"]
+        c[0] += time.perf_counter() - t
+        c[1] += n
+        return out
+
+    def timed_free(blocks_in_eviction_order: list[Block]) -> None:
+        t = time.perf_counter()
+        free_blocks(blocks_in_eviction_order)
+        calls["free"][0] += time.perf_counter() - t
+        calls["free"][1] += len(blocks_in_eviction_order)
+
+    pool.get_new_blocks = timed_get  # type: ignore[method-assign]
+    pool.free_blocks = timed_free  # type: ignore[method-assign]
+    return calls
+
+
 def summary(values: list[int], skip: int) -> dict[str, Any]:
     steady = sorted(values[skip:])
     pick = lambda q: steady[min(len(steady) - 1, int(q * len(steady)))]  # noqa: E731
@@ -164,9 +189,15 @@ def main() -> int:
     for name, make in pools:
         start = time.perf_counter()
         counts: dict[str, int] = {}
-        values = simulate(make(), args, counts)
+        pool = make()
+        calls = _timed(pool)
+        values = simulate(pool, args, counts)
         # The first `concurrency` pulls come from a fresh pool: the steady state is after.
         rows[name] = {"seconds": round(time.perf_counter() - start, 2),  # pool + simulation
+                      # host time inside the pool per block: handed out alone (decode growth),
+                      # with others (a prompt), freed
+                      "us_per_block": {k: round(sec / n * 1e6, 2) for k, (sec, n) in calls.items()
+                                       if n},
                       "prefix_hit_rate": (round(counts["hit_blocks"] / counts["prefix_blocks"], 4)
                                           if counts["prefix_blocks"] else None),
                       "first_pulls": summary(values[:args.concurrency], 0),

@@ -218,7 +218,7 @@ class RunKeepingBlockPool(BlockPool):
     - several blocks at once (a prompt) start from the least recently freed block and take the
       older free blocks beside it, up then down, before the next seed.
 
-    Costs: O(log n) per single block (a heap of the older blocks' ids), ~2 us more host time
+    Costs: O(log n) per single block (a heap of the older blocks' ids), 0.5-1.8 us more host time
     per block handed out; a prefix-cache hit can be lost to a block that LRU would have evicted
     later, but only from the older part (simulated with shared prefixes: LRU's hit rate kept,
     bench/results/cpu_block_runs/).
