@@ -32,12 +32,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
+import grpc
 import torch
 
 from engine.kv.hashing import HASH_BYTES
 from kv_transfer import DEFAULT_TCP_STREAMS, WRITE_BATCH_BLOCKS
+from kv_transfer.channels import ChannelCache
 from kv_transfer.cuda_ipc import (
     CacheImporter,
     IpcUnavailable,
@@ -46,7 +48,9 @@ from kv_transfer.cuda_ipc import (
     reachable,
 )
 from kv_transfer.grpc_transport import (
+    MAX_FRAGMENT_BYTES,
     KvTransferError,
+    channel_options,
     num_blocks_for,
     pull_blocks,
     pull_blocks_ipc,
@@ -247,6 +251,8 @@ class GrpcPullConnector(KvConnectorWorker):
                                      pinned=isinstance(device, torch.device)
                                      and device.type == "cuda", keep=2 * tcp_streams)
         self._transports_seen: set[tuple[str, str]] = set()
+        # Channels to the prefill workers, kept across pulls (made on `loop`, used there only).
+        self._channels = ChannelCache()
         self._lock = threading.Lock()
         self._futures: dict[str, concurrent.futures.Future[LoadResult]] = {}
         self._finished: list[LoadResult] = []
@@ -263,6 +269,14 @@ class GrpcPullConnector(KvConnectorWorker):
         with self._lock:
             self._futures[request_id] = future
         future.add_done_callback(lambda f: self._on_done(request_id, f))
+
+    def _channel(self, handle: KvHandle,
+                 options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+        return self._channels.get(handle.worker_address, options)
+
+    async def aclose(self) -> None:
+        """Close the kept channels (on the connector's loop; loads still running may fail)."""
+        await self._channels.aclose()
 
     def _check_handle(self, handle: KvHandle, block_ids: Sequence[int],
                       first_block: int = 0) -> str | None:
@@ -283,8 +297,8 @@ class GrpcPullConnector(KvConnectorWorker):
         log.warning("KV load %s refused: %s", request_id, problem)
         return LoadResult(request_id, False, "spec_mismatch")
 
-    async def _load(self, request_id: str, handle: KvHandle, block_ids: list[int],
-                    first_block: int, metadata: tuple[tuple[str, str], ...]) -> LoadResult:
+    async def _load_ways(self, request_id: str, handle: KvHandle, block_ids: list[int],
+                         first_block: int, metadata: tuple[tuple[str, str], ...]) -> LoadResult:
         address = handle.worker_address
         local = is_local_address(address)
         # Ways in order of preference: (name, usable here, workers that refused it, its load,
@@ -314,6 +328,19 @@ class GrpcPullConnector(KvConnectorWorker):
             refused.add(address)  # the lease is still held: the next way pulls it whole
         result = await self._load_stream(request_id, handle, block_ids, first_block, metadata)
         return self._came_by(address, "stream", result)
+
+    async def _load(self, request_id: str, handle: KvHandle, block_ids: list[int],
+                    first_block: int, metadata: tuple[tuple[str, str], ...]) -> LoadResult:
+        try:
+            result = await self._load_ways(request_id, handle, block_ids, first_block, metadata)
+        except BaseException:
+            self._channels.drop(handle.worker_address)
+            raise
+        if not result.ok:
+            # The worker may have restarted or be gone: the next load connects afresh rather
+            # than through a channel waiting out its reconnection backoff.
+            self._channels.drop(handle.worker_address)
+        return result
 
     def _check_lease(self, handle: KvHandle, first_block: int, num_tokens: int,
                      kv_scales: torch.Tensor | None, block_hashes: Sequence[bytes]) -> str | None:
@@ -348,7 +375,7 @@ class GrpcPullConnector(KvConnectorWorker):
         KvTransferError("ipc_unavailable") when another way must be used."""
         device, sink = self._ipc_device, self._ipc_sink
         assert device is not None and sink is not None
-        pull = await pull_blocks_ipc(handle.worker_address, handle.request_id, self._spec,
+        pull = await pull_blocks_ipc(self._channel(handle), handle.request_id, self._spec,
                                      handle.num_blocks, self._timeout_s, self._ipc_uuid,
                                      first_block, metadata)
         problem = self._check_lease(handle, first_block, pull.num_tokens, pull.kv_scales,
@@ -388,7 +415,7 @@ class GrpcPullConnector(KvConnectorWorker):
                         first_block: int, metadata: tuple[tuple[str, str], ...]) -> LoadResult:
         """Same host: the blocks arrive raw in a shared-memory segment, then go into the sink
         in batches. Raises KvTransferError("shm_unavailable") when the stream must be used."""
-        pull = await pull_blocks_shm(handle.worker_address, handle.request_id, self._spec,
+        pull = await pull_blocks_shm(self._channel(handle), handle.request_id, self._spec,
                                      handle.num_blocks, self._timeout_s, first_block, metadata)
         try:
             problem = self._check_lease(handle, first_block, pull.num_tokens, pull.kv_scales,
@@ -413,7 +440,7 @@ class GrpcPullConnector(KvConnectorWorker):
         up to `tcp_streams` connections at once (a contiguous stripe each), each batch into
         the sink as it lands. Raises KvTransferError("tcp_unavailable") when another way must
         be used (no data port, or no connection could be made: nothing was written)."""
-        pull = await pull_blocks_tcp(handle.worker_address, handle.request_id, self._spec,
+        pull = await pull_blocks_tcp(self._channel(handle), handle.request_id, self._spec,
                                      handle.num_blocks, self._timeout_s, first_block, metadata,
                                      streams=self._tcp_streams)
         problem = self._check_lease(handle, first_block, pull.num_tokens, pull.kv_scales,
@@ -487,7 +514,8 @@ class GrpcPullConnector(KvConnectorWorker):
 
     async def _load_stream(self, request_id: str, handle: KvHandle, block_ids: list[int],
                            first_block: int, metadata: tuple[tuple[str, str], ...]) -> LoadResult:
-        blocks = pull_blocks(handle.worker_address, handle.request_id, self._spec,
+        blocks = pull_blocks(self._channel(handle, channel_options(MAX_FRAGMENT_BYTES)),
+                             handle.request_id, self._spec,
                              handle.num_blocks, self._timeout_s,
                              num_tokens_expected=handle.num_tokens, first_block=first_block,
                              metadata=metadata)
@@ -527,7 +555,7 @@ class GrpcPullConnector(KvConnectorWorker):
     async def _release(self, handle: KvHandle) -> bool:
         """Release the lease; whether it was still live (False too when the call failed)."""
         try:
-            return await release(handle.worker_address, handle.request_id, self._timeout_s,
+            return await release(self._channel(handle), handle.request_id, self._timeout_s,
                                  self._metadata)
         except KvTransferError as exc:  # the lease expires on its own; the data is already here
             log.info("release of KV lease %s failed: %s", handle.request_id, exc)

@@ -18,9 +18,9 @@ import asyncio
 import dataclasses
 import math
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from contextlib import AsyncExitStack, aclosing
+from contextlib import AsyncExitStack, aclosing, asynccontextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 import torch
@@ -425,10 +425,8 @@ async def pull_blocks(
         raise ValueError(f"{num_tokens_expected} tokens do not fill {num_blocks_expected} "
                          f"blocks of {spec.block_size}")
     async with AsyncExitStack() as stack:
-        channel = target
-        if isinstance(target, str):
-            channel = await stack.enter_async_context(
-                internal_channel(target, options=channel_options(MAX_FRAGMENT_BYTES)))
+        channel = await stack.enter_async_context(
+            _channel(target, channel_options(MAX_FRAGMENT_BYTES)))
         items = await stack.enter_async_context(aclosing(
             _pull(channel, request_id, spec, num_blocks_expected, timeout_s, num_tokens_expected,
                   first_block, metadata)))
@@ -494,7 +492,7 @@ class ShmPull:
     kv_scales: torch.Tensor | None
 
 
-async def pull_blocks_shm(target: str, request_id: str, spec: BlockSpec, num_blocks: int,
+async def pull_blocks_shm(target: str | grpc.aio.Channel, request_id: str, spec: BlockSpec, num_blocks: int,
                           timeout_s: float, first_block: int = 0,
                           metadata: Sequence[tuple[str, str]] = ()) -> ShmPull:
     """`PullBlocksShm` into a new segment. Raises KvTransferError (reason "shm_unavailable"
@@ -508,7 +506,7 @@ async def pull_blocks_shm(target: str, request_id: str, spec: BlockSpec, num_blo
     except ShmError as exc:
         raise KvTransferError("shm_unavailable", str(exc)) from exc
     try:
-        async with internal_channel(target) as channel:
+        async with _channel(target) as channel:
             stub = kv_transfer_pb2_grpc.KvTransferStub(channel)
             response = await stub.PullBlocksShm(kv_transfer_pb2.PullBlocksShmRequest(
                 request_id=request_id, fingerprint=spec.fingerprint, first_block=first_block,
@@ -541,7 +539,7 @@ class TcpPull:
     kv_scales: torch.Tensor | None
 
 
-async def pull_blocks_tcp(target: str, request_id: str, spec: BlockSpec, num_blocks: int,
+async def pull_blocks_tcp(target: str | grpc.aio.Channel, request_id: str, spec: BlockSpec, num_blocks: int,
                           timeout_s: float, first_block: int = 0,
                           metadata: Sequence[tuple[str, str]] = (), streams: int = 1) -> TcpPull:
     """`PullBlocksTcp`: tickets for `streams` connections at once (nothing is sent yet;
@@ -552,7 +550,7 @@ async def pull_blocks_tcp(target: str, request_id: str, spec: BlockSpec, num_blo
     if n <= 0:
         raise ValueError(f"first_block {first_block} leaves no blocks of {num_blocks}")
     try:
-        async with internal_channel(target) as channel:
+        async with _channel(target) as channel:
             stub = kv_transfer_pb2_grpc.KvTransferStub(channel)
             response = await stub.PullBlocksTcp(kv_transfer_pb2.PullBlocksTcpRequest(
                 request_id=request_id, fingerprint=spec.fingerprint, first_block=first_block,
@@ -584,7 +582,7 @@ class IpcPull:
     device_uuid: bytes            # the exporter's GPU
 
 
-async def pull_blocks_ipc(target: str, request_id: str, spec: BlockSpec, num_blocks: int,
+async def pull_blocks_ipc(target: str | grpc.aio.Channel, request_id: str, spec: BlockSpec, num_blocks: int,
                           timeout_s: float, uuid: bytes, first_block: int = 0,
                           metadata: Sequence[tuple[str, str]] = ()) -> IpcPull:
     """`PullBlocksIpc`: the lease's block ids and the exporter's cache handle (nothing is copied
@@ -597,7 +595,7 @@ async def pull_blocks_ipc(target: str, request_id: str, spec: BlockSpec, num_blo
     if not uuid:
         raise KvTransferError("ipc_unavailable", "the puller is not on a GPU")
     try:
-        async with internal_channel(target) as channel:
+        async with _channel(target) as channel:
             stub = kv_transfer_pb2_grpc.KvTransferStub(channel)
             response = await stub.PullBlocksIpc(kv_transfer_pb2.PullBlocksIpcRequest(
                 request_id=request_id, fingerprint=spec.fingerprint, first_block=first_block,
@@ -617,6 +615,18 @@ async def pull_blocks_ipc(target: str, request_id: str, spec: BlockSpec, num_blo
     return IpcPull(export, list(response.block_ids), response.num_tokens,
                    list(response.block_hashes), _scales(response.kv_scales, spec),
                    bytes(response.device_uuid))
+
+
+@asynccontextmanager
+async def _channel(target: str | grpc.aio.Channel, options: Sequence[tuple[str, Any]] = ()
+                   ) -> AsyncIterator[grpc.aio.Channel]:
+    """A channel for one call: `target` itself when it is one (the caller keeps it: see
+    kv_transfer/channels.py), else a new one to that address, closed afterwards."""
+    if isinstance(target, str):
+        async with internal_channel(target, options=options) as channel:
+            yield channel
+    else:
+        yield target
 
 
 def _raw_pull_failure(err: grpc.aio.AioRpcError, unavailable: str) -> KvTransferError:
@@ -645,10 +655,8 @@ def _scales(values: Sequence[float], spec: BlockSpec) -> torch.Tensor | None:
 async def release(target: str | grpc.aio.Channel, request_id: str, timeout_s: float = 5.0,
                   metadata: Sequence[tuple[str, str]] = ()) -> bool:
     """Ask the prefill worker to drop the lease; False if it had none (released or expired)."""
-    if isinstance(target, str):
-        async with internal_channel(target) as channel:
-            return await _release(channel, request_id, timeout_s, metadata)
-    return await _release(target, request_id, timeout_s, metadata)
+    async with _channel(target) as channel:
+        return await _release(channel, request_id, timeout_s, metadata)
 
 
 async def _release(channel: grpc.aio.Channel, request_id: str, timeout_s: float,

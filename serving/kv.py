@@ -185,6 +185,11 @@ class GrpcKvLoader:
                                                 tcp_streams=self._tcp_streams)
         return self._connector
 
+    async def aclose(self) -> None:
+        """Close the connector's kept channels (the worker is stopping)."""
+        if self._connector is not None:
+            await self._connector.aclose()
+
     async def __call__(self, load: KvLoad) -> bool:
         remote = load.request.remote_kv
         assert remote is not None and isinstance(remote.handle, RemoteKvHandle)

@@ -61,6 +61,11 @@ class WorkerHandle:
             self.kv_data.close()
         if self.aengine is not None:
             await self.aengine.stop()
+            from serving.kv import GrpcKvLoader  # as in `load` below
+
+            loader = self.aengine.kv_loader
+            if isinstance(loader, GrpcKvLoader):
+                await loader.aclose()  # its kept channels to the prefill workers
 
 
 async def start_worker(config: EngineConfig, host: str, port: int,

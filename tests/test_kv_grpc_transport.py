@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import hashlib
 import os
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -88,8 +89,9 @@ class Worker:
 async def start_worker(source_cls: type[CacheBlockSource] = CacheBlockSource,
                        spec: BlockSpec | None = None, fragment_bytes: int = 1 << 20,
                        kv_scales: torch.Tensor | None = None,
-                       data_port: bool = False, **data_options: Any) -> Worker:
-    """data_port: also serve a KV data port (kv_transfer/tcp.py) with `data_options`."""
+                       data_port: bool = False, port: int = 0, **data_options: Any) -> Worker:
+    """data_port: also serve a KV data port (kv_transfer/tcp.py) with `data_options`; port: the
+    gRPC port (0: any free one)."""
     spec = spec or make_spec()
     clock = FakeClock()
     leases = LeaseTable(clock=clock)
@@ -102,7 +104,7 @@ async def start_worker(source_cls: type[CacheBlockSource] = CacheBlockSource,
     kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(
         KvTransferServicer(source, fragment_bytes=fragment_bytes, kv_scales=kv_scales,
                            ipc_cache=source._kv_cache, data_server=data), server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     worker = Worker(source, leases, clock, server, f"127.0.0.1:{port}", data)
     worker.released = released
@@ -485,6 +487,54 @@ async def test_shm_pull_returns_the_lease_and_refuses_foreign_names(
                     request_id="req-1", fingerprint=spec.fingerprint, shm_name=bad,
                     shm_bytes=spec.block_nbytes))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def _pull_ok(connector: GrpcPullConnector, worker: Worker, name: str) -> None:
+    worker.grant(name)
+    connector.start_load_kv(name, handle_for(worker, name), [0, 1, 4])
+    result = await connector.wait_for_load(name)
+    assert result.ok, result
+
+
+async def test_pulls_keep_their_channels_and_a_failed_load_drops_them(worker: Worker) -> None:
+    spec = worker.source.spec
+    connector = GrpcPullConnector(spec, DictSink(spec), asyncio.get_running_loop(),
+                                  timeout_s=TIMEOUT_S, use_shm=False)
+    try:
+        await _pull_ok(connector, worker, "req-1")
+        first = dict(connector._channels._channels)
+        assert len(first) == 2  # the stream's (large messages) and the release's
+        await _pull_ok(connector, worker, "req-2")
+        assert dict(connector._channels._channels) == first  # the same channel objects
+        connector.start_load_kv("gone", handle_for(worker, "no-such-lease"), [0, 1, 2])
+        assert (await connector.wait_for_load("gone")).reason == "not_found"
+        assert len(connector._channels) == 0  # the next load connects afresh
+        await _pull_ok(connector, worker, "req-3")
+    finally:
+        await connector.aclose()
+    assert len(connector._channels) == 0
+
+
+async def test_a_restarted_prefill_worker_is_pulled_from_at_once() -> None:
+    """A kept channel reconnects to a worker restarted on the same address, with no wait for
+    gRPC's reconnection backoff: the first pull after the restart succeeds."""
+    worker = await start_worker()
+    spec = worker.source.spec
+    connector = GrpcPullConnector(spec, DictSink(spec), asyncio.get_running_loop(),
+                                  timeout_s=TIMEOUT_S, use_shm=False)
+    try:
+        await _pull_ok(connector, worker, "before")
+        await worker.stop()
+        port = int(worker.address.rsplit(":", 1)[1])
+        connector.start_load_kv("down", handle_for(worker, "down"), [0, 1, 4])
+        assert (await connector.wait_for_load("down")).reason == "unavailable"
+        worker = await start_worker(port=port)
+        started = time.monotonic()
+        await _pull_ok(connector, worker, "after")
+        assert time.monotonic() - started < 2.0
+    finally:
+        await connector.aclose()
+        await worker.stop()
 
 
 async def test_connector_reports_failures_instead_of_raising(worker: Worker) -> None:
