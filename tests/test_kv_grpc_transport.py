@@ -19,9 +19,11 @@ from fake_lease import Lease, LeaseError, LeaseTable
 import kv_transfer.connector as connector_module
 from engine.kv.hashing import prompt_hash
 from kv_transfer import grpc_transport
+from kv_transfer.channels import ChannelCache
 from kv_transfer.connector import GrpcPullConnector, KvHandle, LoadResult
 from kv_transfer.cuda_ipc import CacheExport, CacheImporter, device_uuid, local_device
 from kv_transfer.grpc_transport import (
+    MAX_FRAGMENT_BYTES,
     KvTransferError,
     KvTransferServicer,
     channel_options,
@@ -513,6 +515,25 @@ async def test_pulls_keep_their_channels_and_a_failed_load_drops_them(worker: Wo
     finally:
         await connector.aclose()
     assert len(connector._channels) == 0
+
+
+async def test_the_channel_cache_keys_bounds_and_closes(worker: Worker) -> None:
+    cache = ChannelCache(max_channels=2, close_grace_s=1.0)
+    a = cache.get(worker.address)
+    assert cache.get(worker.address) is a
+    big = cache.get(worker.address, channel_options(MAX_FRAGMENT_BYTES))
+    assert big is not a and len(cache) == 2
+    assert cache.get(worker.address) is a  # now the most recently used
+    other = cache.get("127.0.0.1:1")  # past the bound: the least recently used (big) goes
+    assert len(cache) == 2 and cache.get(worker.address) is a and other is not a
+    worker.grant()
+    assert await release(a, "req-1")  # a kept channel serves calls
+    cache.drop(worker.address)
+    assert len(cache) == 1 and cache.get(worker.address) is not a
+    await cache.aclose()
+    assert len(cache) == 0 and not cache._closing
+    with pytest.raises(Exception):  # noqa: B017 - grpc raises its own usage error type
+        await release(a, "req-1")
 
 
 async def test_a_restarted_prefill_worker_is_pulled_from_at_once() -> None:
