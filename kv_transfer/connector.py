@@ -206,6 +206,10 @@ class DeviceKvBlockSink(KvBlockSink, Protocol):
         ...
 
 
+# Load failures that say the connection to the prefill worker is in doubt (not its answer).
+_CONNECTION_FAILURES = frozenset({"unavailable", "deadline_exceeded", "rpc_error"})
+
+
 class GrpcPullConnector(KvConnectorWorker):
     """Decode-role worker side over gRPC: pull blocks from the prefill worker as they arrive,
     write them into the sink in batches, then release the lease (best effort: it expires anyway).
@@ -331,12 +335,8 @@ class GrpcPullConnector(KvConnectorWorker):
 
     async def _load(self, request_id: str, handle: KvHandle, block_ids: list[int],
                     first_block: int, metadata: tuple[tuple[str, str], ...]) -> LoadResult:
-        try:
-            result = await self._load_ways(request_id, handle, block_ids, first_block, metadata)
-        except BaseException:
-            self._channels.drop(handle.worker_address)
-            raise
-        if not result.ok:
+        result = await self._load_ways(request_id, handle, block_ids, first_block, metadata)
+        if result.reason in _CONNECTION_FAILURES:
             # The worker may have restarted or be gone: the next load connects afresh rather
             # than through a channel waiting out its reconnection backoff.
             self._channels.drop(handle.worker_address)

@@ -498,7 +498,8 @@ async def _pull_ok(connector: GrpcPullConnector, worker: Worker, name: str) -> N
     assert result.ok, result
 
 
-async def test_pulls_keep_their_channels_and_a_failed_load_drops_them(worker: Worker) -> None:
+async def test_pulls_keep_their_channels_until_the_connection_fails() -> None:
+    worker = await start_worker()
     spec = worker.source.spec
     connector = GrpcPullConnector(spec, DictSink(spec), asyncio.get_running_loop(),
                                   timeout_s=TIMEOUT_S, use_shm=False)
@@ -507,13 +508,16 @@ async def test_pulls_keep_their_channels_and_a_failed_load_drops_them(worker: Wo
         first = dict(connector._channels._channels)
         assert len(first) == 2  # the stream's (large messages) and the release's
         await _pull_ok(connector, worker, "req-2")
-        assert dict(connector._channels._channels) == first  # the same channel objects
         connector.start_load_kv("gone", handle_for(worker, "no-such-lease"), [0, 1, 2])
-        assert (await connector.wait_for_load("gone")).reason == "not_found"
+        assert (await connector.wait_for_load("gone")).reason == "not_found"  # an answer
+        assert dict(connector._channels._channels) == first  # the same channel objects
+        await worker.stop()
+        connector.start_load_kv("down", handle_for(worker, "down"), [0, 1, 4])
+        assert (await connector.wait_for_load("down")).reason == "unavailable"
         assert len(connector._channels) == 0  # the next load connects afresh
-        await _pull_ok(connector, worker, "req-3")
     finally:
         await connector.aclose()
+        await worker.stop()
     assert len(connector._channels) == 0
 
 
