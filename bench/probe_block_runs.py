@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.results import git_info
-from engine.kv.block_pool import Block, BlockPool, RunKeepingBlockPool
+from engine.kv.block_pool import Block, BlockPool, RunKeepingBlockPool, count_runs
 
 
 class LruOrderPool(BlockPool):
@@ -40,11 +40,6 @@ class LruOrderPool(BlockPool):
         order = [b.block_id for _, b in zip(range(n), self.free_queue, strict=False)]
         blocks = {b.block_id: b for b in super().get_new_blocks(n)}
         return [blocks[i] for i in order]
-
-
-def runs(ids: list[int]) -> int:
-    """Maximal runs of ascending consecutive ids (what one 2-D copy moves, one side)."""
-    return sum(1 for i, b in enumerate(ids) if i == 0 or b != ids[i - 1] + 1)
 
 
 @dataclass
@@ -99,7 +94,7 @@ def simulate(pool: BlockPool, args: argparse.Namespace,
                 return
             pool.touch(hits)
             blocks = pool.get_new_blocks(new)
-            out.append(runs([b.block_id for b in blocks]))
+            out.append(count_runs([b.block_id for b in blocks]))
             for b, h in zip(blocks, hashes[len(hits):], strict=False):
                 pool.cache_block(b, h)
             counts["prefix_blocks"] += len(hashes)

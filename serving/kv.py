@@ -14,7 +14,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
 
 from engine.async_engine import AsyncEngine, KvLoadAbort
-from engine.dma_copy import block_runs
+from engine.kv.block_pool import count_runs
 from engine.llm_engine import LLMEngine
 from engine.scheduler import KvLoad
 from kv_transfer import DEFAULT_TCP_STREAMS
@@ -242,7 +242,7 @@ class GrpcKvLoader:
                 stats.pulls += 1
                 stats.bytes += len(load.block_ids) * self._spec.block_nbytes
                 stats.seconds += time.perf_counter() - start
-                stats.block_runs += len(block_runs(load.block_ids, load.block_ids))
+                stats.block_runs += count_runs(load.block_ids)
         return result
 
 

@@ -498,11 +498,21 @@ async def _pull_ok(connector: GrpcPullConnector, worker: Worker, name: str) -> N
     assert result.ok, result
 
 
+def _stream_connector(worker: Worker) -> GrpcPullConnector:
+    spec = worker.source.spec
+    return GrpcPullConnector(spec, DictSink(spec), asyncio.get_running_loop(),
+                             timeout_s=TIMEOUT_S, use_shm=False)
+
+
+async def _pull_fails_once_stopped(connector: GrpcPullConnector, worker: Worker) -> None:
+    await worker.stop()
+    connector.start_load_kv("down", handle_for(worker, "down"), [0, 1, 4])
+    assert (await connector.wait_for_load("down")).reason == "unavailable"
+
+
 async def test_pulls_keep_their_channels_until_the_connection_fails() -> None:
     worker = await start_worker()
-    spec = worker.source.spec
-    connector = GrpcPullConnector(spec, DictSink(spec), asyncio.get_running_loop(),
-                                  timeout_s=TIMEOUT_S, use_shm=False)
+    connector = _stream_connector(worker)
     try:
         await _pull_ok(connector, worker, "req-1")
         first = dict(connector._channels._channels)
@@ -511,9 +521,7 @@ async def test_pulls_keep_their_channels_until_the_connection_fails() -> None:
         connector.start_load_kv("gone", handle_for(worker, "no-such-lease"), [0, 1, 2])
         assert (await connector.wait_for_load("gone")).reason == "not_found"  # an answer
         assert dict(connector._channels._channels) == first  # the same channel objects
-        await worker.stop()
-        connector.start_load_kv("down", handle_for(worker, "down"), [0, 1, 4])
-        assert (await connector.wait_for_load("down")).reason == "unavailable"
+        await _pull_fails_once_stopped(connector, worker)
         assert len(connector._channels) == 0  # the next load connects afresh
     finally:
         await connector.aclose()
@@ -544,16 +552,11 @@ async def test_a_restarted_prefill_worker_is_pulled_from_at_once() -> None:
     """A kept channel reconnects to a worker restarted on the same address, with no wait for
     gRPC's reconnection backoff: the first pull after the restart succeeds."""
     worker = await start_worker()
-    spec = worker.source.spec
-    connector = GrpcPullConnector(spec, DictSink(spec), asyncio.get_running_loop(),
-                                  timeout_s=TIMEOUT_S, use_shm=False)
+    connector = _stream_connector(worker)
     try:
         await _pull_ok(connector, worker, "before")
-        await worker.stop()
-        port = int(worker.address.rsplit(":", 1)[1])
-        connector.start_load_kv("down", handle_for(worker, "down"), [0, 1, 4])
-        assert (await connector.wait_for_load("down")).reason == "unavailable"
-        worker = await start_worker(port=port)
+        await _pull_fails_once_stopped(connector, worker)
+        worker = await start_worker(port=int(worker.address.rsplit(":", 1)[1]))
         started = time.monotonic()
         await _pull_ok(connector, worker, "after")
         assert time.monotonic() - started < 2.0
