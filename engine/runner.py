@@ -42,6 +42,7 @@ from engine.attention.kv_quant import (
 )
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
+from engine.devices import indexed_device
 from engine.dma_copy import copy_blocks_dma, dma_available, read_blocks_dma, write_blocks_dma
 from engine.kernels._checks import is_quantized_kv
 from engine.model.layers import RotaryEmbedding
@@ -83,15 +84,10 @@ class RunnerResult:
 
 
 def resolve_device(name: str) -> torch.device:
-    """The runner's device, a GPU always with its index: tensors report "cuda:0", and a bare
-    "cuda" compares unequal to it (every same-GPU IPC pull once fell back to kernels on the
-    step stream for that)."""
+    """The runner's device, a GPU always with its index (`indexed_device`)."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
+    return indexed_device(torch.device(name))
 
 
 def resolve_dtype(name: str, default: torch.dtype, device: torch.device) -> torch.dtype:

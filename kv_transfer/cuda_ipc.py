@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.devices import indexed_device
+
 
 class IpcUnavailable(Exception):
     """CUDA IPC cannot serve this pull (no CUDA, another GPU, a handle that will not open)."""
@@ -75,16 +77,9 @@ def local_device(uuid: bytes) -> torch.device | None:
     return None
 
 
-def indexed(device: torch.device) -> torch.device:
-    """`device` with its index ("cuda" is this process's current GPU)."""
-    if device.type != "cuda" or device.index is not None:
-        return device
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 def reachable(src: torch.device, dst: torch.device) -> bool:
     """Whether `dst` can copy from memory on `src` directly: the same GPU, or a peer."""
-    src, dst = indexed(src), indexed(dst)
+    src, dst = indexed_device(src), indexed_device(dst)
     if src == dst:
         return True
     assert src.index is not None and dst.index is not None
