@@ -178,8 +178,10 @@ class LLM:
         for (text, ids), sp in zip(tokenized, params, strict=True):
             rid = str(next(self._ids))
             for i in range(sp.n):
+                # The prompt is scored once, by the first child (its logprobs are the prompt's).
                 child = sp if sp.n == 1 else dataclasses.replace(
-                    sp, n=1, seed=None if sp.seed is None else sp.seed + i)
+                    sp, n=1, seed=None if sp.seed is None else sp.seed + i,
+                    prompt_logprobs=sp.prompt_logprobs if i == 0 else None)
                 self.engine.enqueue(f"{rid}:{i}", ids, child)
             items.append((rid, RequestOutput(rid, text, ids, [
                 CompletionOutput(i, "", [], [] if sp.logprobs is not None else None, None)
@@ -223,6 +225,8 @@ class LLM:
         if comp.logprobs is not None:
             comp.logprobs.extend(s.new_logprobs)
         out.num_cached_tokens = max(out.num_cached_tokens, s.num_cached_tokens)
+        if s.prompt_logprobs is not None:
+            out.prompt_logprobs = [None, *s.prompt_logprobs]
         if s.finished:
             comp.finish_reason = s.finish_reason
             comp.stop_reason = s.stop_reason

@@ -274,6 +274,9 @@ class LLMEngine:
                 or not 0 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS):
             raise EngineInputError(f"num_speculative_tokens must be an integer in [0, "
                                    f"{MAX_SPECULATIVE_TOKENS}], got {num_speculative_tokens!r}")
+        if remote_kv is not None and params.prompt_logprobs is not None:
+            raise EngineInputError("prompt_logprobs needs the prompt computed by this engine; "
+                                   "it cannot come with remote KV")
         if remote_kv is not None and not 0 < remote_kv.num_tokens <= len(prompt_token_ids):
             # A prefix: the whole prompt (a prefill worker's KV) or its first blocks (a tier).
             raise EngineInputError(
@@ -381,6 +384,9 @@ class LLMEngine:
 
     def _finish_step(self, step: tuple[SchedulerOutput, PendingStep]) -> list[StepOutput]:
         out, pending = step
+        if pending.prompt is not None:  # before the tokens: a first token carries them out
+            for req, lps in pending.prompt.result():
+                req.prompt_logprobs.extend(lps)
         changed = self.scheduler.update_from_output(out, pending.result())
         outputs = [self._step_output(req, toks) for req, toks in changed]
         if self.proposers:
@@ -424,8 +430,12 @@ class LLMEngine:
             detok = self._detoks.pop(req.request_id, None)
             if detok is not None and not detok.finished:
                 text += detok.finish().text_delta  # flush text held back for stop strings
+        prompt_lps = None
+        if req.sampling_params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            prompt_lps, req.prompt_logprobs_sent = req.prompt_logprobs, True
         return StepOutput(
             request_id=req.request_id, new_token_ids=tokens, new_logprobs=lp,
+            prompt_logprobs=prompt_lps,
             finished=req.is_finished, finish_reason=req.status.finish_reason,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
             text_delta=text, stop_reason=req.stop_reason,

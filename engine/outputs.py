@@ -22,6 +22,9 @@ class StepOutput:
     stop_reason: int | str | None = None
     kv_held: bool = False              # prefill role: prompt KV is held under a lease
     metrics: RequestMetrics | None = None  # set when finished
+    # Asked for (SamplingParams.prompt_logprobs): prompt tokens 1, 2, ... each scored given the
+    # ones before it, in the request's first output only.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(slots=True)
@@ -44,4 +47,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # As vLLM's: one entry per prompt token, None for the first (nothing precedes it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     children_metrics: list[RequestMetrics] = field(default_factory=list)

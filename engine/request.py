@@ -105,6 +105,14 @@ class Request:
         self.remote_kv = remote_kv
         self.num_preemptions = 0
         self.logprobs: list[TokenLogprob] = []
+        # Prompt logprobs (engine/prompt_logprobs.py): those of prompt tokens 1, 2, ... that
+        # reached the host, how many are launched, and whether any are still to be launched
+        # (until then the prompt is computed here: no prefix-cache hits, no remote KV).
+        self.prompt_logprobs: list[TokenLogprob] = []
+        self.num_prompt_logprobs_planned = 0
+        self.prompt_logprobs_sent = False  # carried out by the request's first StepOutput
+        self.scores_prompt = (sampling_params.prompt_logprobs is not None
+                              and len(self.prompt_token_ids) > 1)
         self.metrics = RequestMetrics(arrival_time if arrival_time is not None else time.perf_counter())
         self.stop_reason: int | str | None = None
         # Seeded sampling state lives with the request so batching does not change its draws.

@@ -50,6 +50,7 @@ from engine.model.llama import LlamaForCausalLM
 from engine.model.overlap import MicroBatchStreams
 from engine.model.quant import apply_fp8_w8a8, apply_int8_weight_only, check_fp8_supported
 from engine.piecewise_graphs import MIN_PIECEWISE_BUCKET, PiecewiseGraphRunner
+from engine.prompt_logprobs import PendingPromptLogprobs, plan_prompt_rows, score_prompt_rows
 from engine.request import Request
 from engine.sampler import PendingTokens, Sampler, depends_on_outputs, to_device
 from engine.scheduler import SampledToken, SchedulerOutput
@@ -134,11 +135,13 @@ class PendingStep:
     """A launched step whose sampled tokens (and verified drafts) have not reached the host."""
 
     def __init__(self, tokens: PendingTokens | None, verify: PendingVerify | None = None,
-                 speculative: bool = False) -> None:
+                 speculative: bool = False, prompt: PendingPromptLogprobs | None = None) -> None:
         """speculative: the engine speculates, so requests may need their tokens on the host
-        before the next step is scheduled (`needs_sync`); without it that check is skipped."""
+        before the next step is scheduled (`needs_sync`); without it that check is skipped.
+        prompt: the step's prompt logprobs, when it scored prompt tokens."""
         self.tokens = tokens
         self.verify = verify
+        self.prompt = prompt
         reqs = (tokens.reqs if tokens is not None else []) + (verify.reqs if verify else [])
         # Sampling that reads the requests' output history needs every earlier token on the
         # host first, and so does drafting the next tokens (speculative decoding): such a step
@@ -582,9 +585,12 @@ class ModelRunner:
         self.num_uniform_verify_steps += bool(uniform_q)
         input_ids, positions, md, logit_rows = self.prepare(out, uniform_q)
         sampling_reqs = [s.request for s in out.scheduled if s.sample]
+        # (A uniform verify step holds no prompt rows: every request in it is decoding.)
+        prompt_rows = [] if uniform_q else plan_prompt_rows(out.scheduled)
+        prompt: PendingPromptLogprobs | None = None
         if uniform_q and self.verify_graphs is not None:
             logits = self.verify_graphs.run(input_ids, positions, md).index_select(0, logit_rows)
-        elif (self.graphs is not None and out.is_pure_decode
+        elif (self.graphs is not None and out.is_pure_decode and not prompt_rows
                 and len(sampling_reqs) == len(out.scheduled)
                 and self.graphs.can_run(len(out.scheduled))):
             # Every decode samples, so the graph's logits rows are the sampling rows.
@@ -598,15 +604,17 @@ class ModelRunner:
                     hidden = self.piecewise.run(input_ids, positions, md)
                 else:
                     hidden = self.model(input_ids, positions)
+            if prompt_rows:
+                prompt = score_prompt_rows(hidden, prompt_rows, self.model.compute_logits)
             if not sampling_reqs:
-                return None
+                return None if prompt is None else PendingStep(None, prompt=prompt)
             logits = self.model.compute_logits(hidden.index_select(0, logit_rows))
         if out.has_drafts:
-            return self._sample_and_verify(logits, out)
+            return self._sample_and_verify(logits, out, prompt)
         tokens = self.sampler.sample(logits, sampling_reqs, keep_probs)
         self._last_tokens = tokens.tokens
         self._last_rows = {r.request_id: i for i, r in enumerate(sampling_reqs)}
-        return PendingStep(tokens, speculative=self.speculative)
+        return PendingStep(tokens, speculative=self.speculative, prompt=prompt)
 
     def _verify_rows(self, out: SchedulerOutput) -> int:
         """Rows per sequence when this step replays a verify graph (else 0): a step with drafts
@@ -626,7 +634,8 @@ class ModelRunner:
                 and all(s.sample and s.num_computed_tokens + q <= self.max_model_len
                         for s in out.scheduled))
 
-    def _sample_and_verify(self, logits: torch.Tensor, out: SchedulerOutput) -> PendingStep:
+    def _sample_and_verify(self, logits: torch.Tensor, out: SchedulerOutput,
+                           prompt: PendingPromptLogprobs | None = None) -> PendingStep:
         """Split the logits rows: requests with drafts go to the rejection sampler (all their
         rows), the others to the sampler (their one row)."""
         plain_rows: list[int] = []
@@ -661,7 +670,7 @@ class ModelRunner:
         spec_logits = logits.index_select(0, spec_idx)
         return PendingStep(tokens, verify(spec_logits, spec_reqs, drafts,
                                           _draft_probs(spec_logits, spec_reqs, drafts)),
-                           speculative=True)
+                           speculative=True, prompt=prompt)
 
     def overlaps(self, num_decodes: int) -> bool:
         """Whether a pure-decode batch this large runs as two overlapped micro-batches."""

@@ -249,7 +249,7 @@ def _logprob_tensors(raw_logits: torch.Tensor, tokens: torch.Tensor, reqs: Seque
     return _LogprobTensors(chosen, top_vals, top_ids)
 
 
-def _to_host(t: torch.Tensor) -> torch.Tensor:
+def to_host(t: torch.Tensor) -> torch.Tensor:
     """Start a device-to-host copy without waiting (pinned destination on CUDA)."""
     return t.to("cpu", non_blocking=True)
 
@@ -267,11 +267,11 @@ class PendingTokens:
         # [N, V] float32 on the device when asked for (`Sampler.sample(keep_probs=True)`): the
         # distribution each token was drawn from (one-hot for greedy rows).
         self.probs = probs
-        self._tokens_host = _to_host(tokens)
+        self._tokens_host = to_host(tokens)
         self._lp = None if logprobs is None else _LogprobTensors(
-            _to_host(logprobs.chosen),
-            None if logprobs.top_vals is None else _to_host(logprobs.top_vals),
-            None if logprobs.top_ids is None else _to_host(logprobs.top_ids))
+            to_host(logprobs.chosen),
+            None if logprobs.top_vals is None else to_host(logprobs.top_vals),
+            None if logprobs.top_ids is None else to_host(logprobs.top_ids))
         self._event: torch.cuda.Event | None = None
         if tokens.is_cuda:
             self._event = torch.cuda.Event()

@@ -37,6 +37,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # top-n logprobs per sampled token (0: sampled token only)
+    # Logprobs of the prompt's tokens (each given the ones before it) with the top-n at each
+    # position (0: the prompt token's only); the engine then computes the whole prompt itself
+    # (engine/prompt_logprobs.py).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Added to the model's logits before sampling (OpenAI `logit_bias`): token id -> bias in
@@ -78,6 +82,9 @@ class SamplingParams:
                 raise bad(name, v, "in [-2, 2]")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", self.logprobs, "an integer in [0, 20]")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            raise bad("prompt_logprobs", self.prompt_logprobs, "an integer in [0, 20]")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", self.seed, "an integer")
         if not all(isinstance(s, str) and s for s in self.stop):

@@ -241,7 +241,9 @@ class Scheduler:
                 if not self._start_kv_load(req, out):
                     break
                 continue
-            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            # A prompt still to be scored (prompt logprobs) is computed from its first token.
+            hits, num_hit_tokens = (([], 0) if req.scores_prompt
+                                    else self.kv.get_computed_blocks(req))
             num_new = req.num_tokens - num_hit_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break

@@ -1,0 +1,120 @@
+"""Prompt logprobs: the log-probability the model gives each prompt token after the tokens
+before it (vLLM's `prompt_logprobs`; OpenAI's `echo` with `logprobs`, which lm-eval's
+log-likelihood tasks read).
+
+The hidden state at prompt position p scores token p + 1, so a prefill chunk over positions
+[start, end) scores tokens start + 1 .. min(end, P - 1) of a P-token prompt (position P - 1 is
+the sampling row: it scores the first output token). The engine computes every position of
+such a request itself: the scheduler gives it no prefix-cache hits and the services no remote
+KV until its prompt is scored (`Request.scores_prompt`). Each chunk's rows are planned once at
+launch (`Request.num_prompt_logprobs_planned`), so a prompt recomputed after a preemption is
+not scored twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import Request, TokenLogprob
+from engine.sampler import to_device, to_host
+from engine.scheduler import ScheduledRequest
+
+# Rows turned into logits at a time: 512 rows of a 128k vocabulary are 256 MB of float32.
+_ROWS_PER_SLICE = 512
+
+
+@dataclass(frozen=True, slots=True)
+class PromptRows:
+    """`count` rows of a step's hidden states, from `row` on, that score a request's prompt
+    tokens `first_target`, `first_target + 1`, ..."""
+
+    request: Request
+    first_target: int
+    row: int
+    count: int
+
+
+def plan_prompt_rows(scheduled: Sequence[ScheduledRequest]) -> list[PromptRows]:
+    """The rows of this step (laid out as `ModelRunner.prepare` lays them: each request's new
+    tokens in order) that score prompt tokens, marked planned on their requests."""
+    plans: list[PromptRows] = []
+    row = 0
+    for s in scheduled:
+        req = s.request
+        if req.scores_prompt:
+            first = max(s.num_computed_tokens, req.num_prompt_logprobs_planned)
+            end = min(s.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens - 1)
+            if first < end:
+                plans.append(PromptRows(req, first + 1, row + first - s.num_computed_tokens,
+                                        end - first))
+                req.num_prompt_logprobs_planned = end
+                req.scores_prompt = end < req.num_prompt_tokens - 1
+        row += s.num_new_tokens
+    return plans
+
+
+class PendingPromptLogprobs:
+    """One step's prompt logprobs, still on the device until `result()`."""
+
+    def __init__(self, plans: list[PromptRows], chosen: torch.Tensor,
+                 top_vals: torch.Tensor | None, top_ids: torch.Tensor | None) -> None:
+        """Starts the copies to the host; `result()` waits for them only (under async
+        scheduling a later step is already queued behind them)."""
+        self.plans = plans
+        self._chosen = to_host(chosen)
+        self._top_vals = None if top_vals is None else to_host(top_vals)
+        self._top_ids = None if top_ids is None else to_host(top_ids)
+        self._event: torch.cuda.Event | None = None
+        if chosen.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> list[tuple[Request, list[TokenLogprob]]]:
+        """Per planned request, its scored tokens' logprobs in prompt order."""
+        if self._event is not None:
+            self._event.synchronize()
+        chosen: list[float] = self._chosen.tolist()
+        vals = self._top_vals.tolist() if self._top_vals is not None else None
+        ids = self._top_ids.tolist() if self._top_ids is not None else None
+        out: list[tuple[Request, list[TokenLogprob]]] = []
+        i = 0
+        for p in self.plans:
+            k = p.request.sampling_params.prompt_logprobs or 0
+            targets = p.request.prompt_token_ids[p.first_target:p.first_target + p.count]
+            lps = []
+            for j, token in enumerate(targets):
+                top = (list(zip(ids[i + j][:k], vals[i + j][:k], strict=True))
+                       if k and ids is not None and vals is not None else [])
+                lps.append(TokenLogprob(token, chosen[i + j], top))
+            out.append((p.request, lps))
+            i += p.count
+        return out
+
+
+def score_prompt_rows(hidden: torch.Tensor, plans: list[PromptRows],
+                      compute_logits: Callable[[torch.Tensor], torch.Tensor]
+                      ) -> PendingPromptLogprobs:
+    """Log-softmax of the model's raw logits at the planned rows (no temperature, penalty or
+    bias: the model's own distribution, as sampled tokens' logprobs are), the scored tokens'
+    values and each row's top-k (k: the largest any planned request asked for). Logits are
+    made `_ROWS_PER_SLICE` rows at a time so a long chunk never holds them all."""
+    dev = hidden.device
+    rows = to_device([p.row + j for p in plans for j in range(p.count)], torch.long, dev)
+    targets = to_device([t for p in plans for t in
+                         p.request.prompt_token_ids[p.first_target:p.first_target + p.count]],
+                        torch.long, dev)
+    k = max(p.request.sampling_params.prompt_logprobs or 0 for p in plans)
+    n = rows.shape[0]
+    chosen = torch.empty(n, dtype=torch.float32, device=dev)
+    top_vals = torch.empty((n, k), dtype=torch.float32, device=dev) if k else None
+    top_ids = torch.empty((n, k), dtype=torch.long, device=dev) if k else None
+    for start in range(0, n, _ROWS_PER_SLICE):
+        end = min(start + _ROWS_PER_SLICE, n)
+        logp = compute_logits(hidden.index_select(0, rows[start:end])).float().log_softmax(-1)
+        chosen[start:end] = logp.gather(1, targets[start:end, None]).squeeze(1)
+        if top_vals is not None and top_ids is not None:
+            top_vals[start:end], top_ids[start:end] = logp.topk(k, dim=-1)
+    return PendingPromptLogprobs(plans, chosen, top_vals, top_ids)
