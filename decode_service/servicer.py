@@ -24,7 +24,7 @@ from serving.convert import (
     check_prompt,
     check_request_id,
     finish_reason,
-    logprob_to_proto,
+    logprobs_to_proto,
     sampling_from_proto,
 )
 from serving.kv import RemoteKvHandle, release_unpulled
@@ -70,7 +70,8 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
             remote = self._remote_kv(request, ids, context, tracing.span_context(span))
         except InvalidRequest as e:
             await _abort(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if remote is None and self.tiers is not None and not given:
+        if (remote is None and self.tiers is not None and not given
+                and params.prompt_logprobs is None):  # a prompt to be scored is computed here
             # Colocated: the prompt's prefix from the tiers where the GPU cache lost it.
             remote = await self.tiers.plan(ids)
             if remote is not None:
@@ -92,7 +93,8 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
                     generated.extend(out.new_token_ids)
                 yield decode_pb2.DecodeResponse(chunk=decode_pb2.DecodeChunk(
                     token_ids=out.new_token_ids,
-                    logprobs=[logprob_to_proto(lp) for lp in out.new_logprobs]))
+                    logprobs=logprobs_to_proto(out.new_logprobs),
+                    prompt_logprobs=logprobs_to_proto(out.prompt_logprobs)))
                 if out.finished:
                     if self.tiers is not None:  # every token's KV but the last one's exists
                         self.tiers.spawn_save_tokens([*ids, *given, *generated][:-1])

@@ -59,12 +59,13 @@ def plan_prompt_rows(scheduled: Sequence[ScheduledRequest]) -> list[PromptRows]:
 class PendingPromptLogprobs:
     """One step's prompt logprobs, still on the device until `result()`."""
 
-    def __init__(self, plans: list[PromptRows], chosen: torch.Tensor,
+    def __init__(self, plans: list[PromptRows], chosen: torch.Tensor, ranks: torch.Tensor,
                  top_vals: torch.Tensor | None, top_ids: torch.Tensor | None) -> None:
         """Starts the copies to the host; `result()` waits for them only (under async
         scheduling a later step is already queued behind them)."""
         self.plans = plans
         self._chosen = to_host(chosen)
+        self._ranks = to_host(ranks)
         self._top_vals = None if top_vals is None else to_host(top_vals)
         self._top_ids = None if top_ids is None else to_host(top_ids)
         self._event: torch.cuda.Event | None = None
@@ -77,6 +78,7 @@ class PendingPromptLogprobs:
         if self._event is not None:
             self._event.synchronize()
         chosen: list[float] = self._chosen.tolist()
+        ranks: list[int] = self._ranks.tolist()
         vals = self._top_vals.tolist() if self._top_vals is not None else None
         ids = self._top_ids.tolist() if self._top_ids is not None else None
         out: list[tuple[Request, list[TokenLogprob]]] = []
@@ -88,7 +90,7 @@ class PendingPromptLogprobs:
             for j, token in enumerate(targets):
                 top = (list(zip(ids[i + j][:k], vals[i + j][:k], strict=True))
                        if k and ids is not None and vals is not None else [])
-                lps.append(TokenLogprob(token, chosen[i + j], top))
+                lps.append(TokenLogprob(token, chosen[i + j], top, ranks[i + j]))
             out.append((p.request, lps))
             i += p.count
         return out
@@ -99,7 +101,7 @@ def score_prompt_rows(hidden: torch.Tensor, plans: list[PromptRows],
                       ) -> PendingPromptLogprobs:
     """Log-softmax of the model's raw logits at the planned rows (no temperature, penalty or
     bias: the model's own distribution, as sampled tokens' logprobs are), the scored tokens'
-    values and each row's top-k (k: the largest any planned request asked for). Logits are
+    values and ranks, and each row's top-k (k: the largest any planned request asked for). Logits are
     made `_ROWS_PER_SLICE` rows at a time so a long chunk never holds them all."""
     dev = hidden.device
     rows = to_device([p.row + j for p in plans for j in range(p.count)], torch.long, dev)
@@ -109,12 +111,14 @@ def score_prompt_rows(hidden: torch.Tensor, plans: list[PromptRows],
     k = max(p.request.sampling_params.prompt_logprobs or 0 for p in plans)
     n = rows.shape[0]
     chosen = torch.empty(n, dtype=torch.float32, device=dev)
+    ranks = torch.empty(n, dtype=torch.long, device=dev)
     top_vals = torch.empty((n, k), dtype=torch.float32, device=dev) if k else None
     top_ids = torch.empty((n, k), dtype=torch.long, device=dev) if k else None
     for start in range(0, n, _ROWS_PER_SLICE):
         end = min(start + _ROWS_PER_SLICE, n)
         logp = compute_logits(hidden.index_select(0, rows[start:end])).float().log_softmax(-1)
         chosen[start:end] = logp.gather(1, targets[start:end, None]).squeeze(1)
+        ranks[start:end] = (logp > chosen[start:end, None]).sum(-1) + 1
         if top_vals is not None and top_ids is not None:
             top_vals[start:end], top_ids[start:end] = logp.topk(k, dim=-1)
-    return PendingPromptLogprobs(plans, chosen, top_vals, top_ids)
+    return PendingPromptLogprobs(plans, chosen, ranks, top_vals, top_ids)

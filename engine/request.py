@@ -60,6 +60,9 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    # 1-based rank of token_id in the model's distribution (1: the most likely); None: not
+    # computed (sampled tokens' logprobs do not; prompt logprobs do, as vLLM reports them).
+    rank: int | None = None
 
 
 @dataclass(slots=True)

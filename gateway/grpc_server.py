@@ -75,7 +75,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 _PARAM_NAMES = {name: f"sampling.{name}" for name in (
     "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens",
     "stop_token_ids", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs",
-    "logit_bias", "allowed_token_ids")}
+    "logit_bias", "allowed_token_ids", "prompt_logprobs")}
 
 
 def _sampling_options(request: gateway_pb2.GenerateRequest) -> dict[str, object]:
@@ -97,6 +97,7 @@ def _sampling_options(request: gateway_pb2.GenerateRequest) -> dict[str, object]
         "presence_penalty": s.presence_penalty,
         "frequency_penalty": s.frequency_penalty,
         "logprobs": s.logprobs if s.HasField("logprobs") else None,
+        "prompt_logprobs": s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
         "logit_bias": dict(s.logit_bias),
         "allowed_token_ids": list(s.allowed_token_ids) or None,
         "skip_special_tokens": request.skip_special_tokens,
@@ -106,7 +107,8 @@ def _sampling_options(request: gateway_pb2.GenerateRequest) -> dict[str, object]
 def _response(event: TokenDelta | Finished) -> gateway_pb2.GenerateResponse:
     if isinstance(event, TokenDelta):
         return gateway_pb2.GenerateResponse(chunk=gateway_pb2.GenerateChunk(
-            index=event.index, token_ids=event.token_ids, text=event.text, logprobs=event.logprobs))
+            index=event.index, token_ids=event.token_ids, text=event.text, logprobs=event.logprobs,
+            prompt_logprobs=event.prompt_logprobs or ()))
     return gateway_pb2.GenerateResponse(complete=gateway_pb2.GenerateComplete(
         index=event.index, finish_reason=_FINISH_ENUM[event.finish_reason],
         usage=common_pb2.Usage(prompt_tokens=event.num_prompt_tokens,

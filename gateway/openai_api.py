@@ -34,9 +34,11 @@ from gateway.openai_protocol import (
     chat_logprobs,
     chat_messages,
     completion_logprobs,
+    echo_logprobs,
     error_body,
     parse_request,
     prompt_inputs,
+    prompt_logprobs_entries,
     usage_dict,
 )
 from gateway.orchestrator import Event, Finished, GenerationJob, TokenDelta, usage_totals
@@ -73,9 +75,11 @@ def build_app(state: GatewayState) -> FastAPI:
         body = await _read_json(request, state)
         req = parse_request(CompletionRequest, body)
         _check_model(req.model, state)
-        request_id, jobs = await _completion_jobs(req, state)
+        request_id, jobs, echoes = await _completion_jobs(req, state)
         view = _View(request_id, "text_completion", state, jobs, req.include_usage,
-                     req.continuous_usage, chat=False, num_top=req.logprobs or 0)
+                     req.continuous_usage, chat=False, num_top=req.logprobs or 0,
+                     num_prompt_top=req.prompt_logprobs, echoes=echoes,
+                     hide_output=req.max_tokens == 0)
         return await _respond(view, request, "completions", req.stream)
 
     @app.post("/v1/chat/completions")
@@ -85,7 +89,8 @@ def build_app(state: GatewayState) -> FastAPI:
         _check_model(req.model, state)
         job = await _chat_job(req, state)
         view = _View(job.request_id, "chat.completion", state, [job], req.include_usage,
-                     req.continuous_usage, chat=True, num_top=req.top_logprobs or 0)
+                     req.continuous_usage, chat=True, num_top=req.top_logprobs or 0,
+                     num_prompt_top=req.prompt_logprobs)
         return await _respond(view, request, "chat", req.stream)
 
     @app.post("/tokenize")
@@ -177,17 +182,28 @@ def _check_model(model: str | None, state: GatewayState) -> None:
 
 
 async def _completion_jobs(req: CompletionRequest, state: GatewayState
-                           ) -> tuple[str, list[GenerationJob]]:
-    """(the response's id, one job per prompt of the request: a batch, several), all validated
-    before any runs. A batch's jobs are `<id>-<i>`."""
+                           ) -> tuple[str, list[GenerationJob], list[str] | None]:
+    """(the response's id, one job per prompt of the request: a batch, several, the prompts'
+    texts when they are echoed), all validated before any runs. A batch's jobs are
+    `<id>-<i>`."""
     req.check_supported()
-    if req.echo:
-        raise GatewayError.invalid("echo", "echo=true is not supported")
     if req.best_of is not None and req.best_of != req.n:
         raise GatewayError.invalid("best_of", "best_of is not supported (it must equal n)")
+    max_tokens = req.max_tokens
+    if max_tokens == 0:
+        if not req.echo:
+            raise GatewayError.invalid("max_tokens", "max_tokens must be at least 1 (0 only "
+                                                     "with echo=true: the prompt alone)")
+        max_tokens = 1  # the prompt is scored with the first token, which is not shown
+    if req.stream and req.echo and req.logprobs is not None and req.n > 1:
+        # Completion 0 scores the prompt; the others' first chunks could come before it.
+        raise GatewayError.invalid("n", "a stream that echoes the prompt with logprobs takes "
+                                        "n = 1 (send the request once per completion, or "
+                                        "without stream)")
     prompts = prompt_inputs(req.prompt, state.config.max_prompts_per_request)
     pre = state.preprocessor
-    options = req.sampling_options() | {"max_tokens": req.max_tokens, "logprobs": req.logprobs}
+    options = req.sampling_options() | {"max_tokens": max_tokens, "logprobs": req.logprobs,
+                                        "prompt_logprobs": req.prompt_scoring()}
     request_id = f"cmpl-{uuid.uuid4().hex}"
     jobs = []
     for i, prompt in enumerate(prompts):
@@ -196,7 +212,11 @@ async def _completion_jobs(req: CompletionRequest, state: GatewayState
                else pre.check_token_ids(prompt, param))
         jobs.append(pre.build_job(ids, options, request_id=request_id if len(prompts) == 1
                                   else f"{request_id}-{i}"))
-    return request_id, jobs
+    echoes = None
+    if req.echo:  # the prompt as sent; token ids as their text
+        echoes = [p if isinstance(p, str) else state.tokenizer.decode(p, skip_special_tokens=False)
+                  for p in prompts]
+    return request_id, jobs, echoes
 
 
 async def _chat_job(req: ChatCompletionRequest, state: GatewayState) -> GenerationJob:
@@ -222,13 +242,19 @@ class _Choice:
     num_tokens: int = 0
     text_len: int = 0
     finished: Finished | None = None
+    started: bool = False  # a delta of it was recorded (a stream echoes in the first)
 
 
 @dataclass(slots=True)
 class _View:
     """Renders one request's events as OpenAI completion or chat objects. `jobs`: one per
     prompt (a completions batch: several); their choices are numbered across them in order,
-    as `Orchestrator.generate_batch` numbers the events."""
+    as `Orchestrator.generate_batch` numbers the events.
+
+    `echoes`: each job's prompt text, put before its choices' text (completions `echo`), with
+    its scored tokens before their logprobs. `hide_output`: the completion's tokens are not
+    shown (`max_tokens` 0 with echo: one token is generated to score the prompt).
+    `num_prompt_top`: vLLM's `prompt_logprobs` asked for, with this many top entries."""
 
     id: str
     object: str
@@ -238,32 +264,66 @@ class _View:
     continuous_usage: bool
     chat: bool
     num_top: int
+    num_prompt_top: int | None = None
+    echoes: list[str] | None = None
+    hide_output: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     choices: dict[int, _Choice] = field(default_factory=dict)
     wants_logprobs: bool = False
+    job_of: list[int] = field(default_factory=list)  # choice index -> its job's index
+    scored: dict[int, list[common_pb2.TokenLogprob]] = field(default_factory=dict)  # by job
 
     def __post_init__(self) -> None:
         self.choices = {i: _Choice() for i in range(sum(j.n for j in self.jobs))}
         self.wants_logprobs = self.jobs[0].wants_logprobs  # one sampling for the whole batch
+        self.job_of = [j for j, job in enumerate(self.jobs) for _ in range(job.n)]
 
     def header(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created,
                 "model": self.state.config.served_model_name, "system_fingerprint": None}
 
+    def _text_of(self, token_id: int) -> str:
+        return token_text(self.state.tokenizer, token_id)
+
     def logprobs(self, lps: list[common_pb2.TokenLogprob], offset: int) -> dict[str, Any] | None:
         if not self.wants_logprobs:
             return None
-        text_of = lambda t: token_text(self.state.tokenizer, t)  # noqa: E731
         if self.chat:
-            return chat_logprobs(lps, text_of, self.num_top)
-        return completion_logprobs(lps, text_of, offset)
+            return chat_logprobs(lps, self._text_of, self.num_top)
+        return completion_logprobs(lps, self._text_of, offset)
+
+    def echoed(self, index: int, text: str, lps: list[common_pb2.TokenLogprob]
+               ) -> tuple[str, dict[str, Any] | None]:
+        """Choice `index`'s text and logprobs with its prompt before them (echo)."""
+        out = self.logprobs(lps, 0)
+        if self.echoes is None:
+            return text, out
+        j = self.job_of[index]
+        text = self.echoes[j] + text
+        if out is None:
+            return text, None
+        echo = echo_logprobs(self.jobs[j].prompt_token_ids, self.scored.get(j, []),
+                             self._text_of, self.num_top)
+        end = echo["text_offset"][-1] + len(echo["tokens"][-1])
+        return text, {key: echo[key] + value for key, value in
+                      completion_logprobs(lps, self._text_of, end).items()}
+
+    def prompt_logprobs(self, index: int) -> list[Any] | None:
+        """vLLM's `prompt_logprobs` of choice `index`'s prompt (None: not asked for)."""
+        if self.num_prompt_top is None:
+            return None
+        return prompt_logprobs_entries(self.scored.get(self.job_of[index], []), self._text_of,
+                                       self.num_prompt_top)
 
     def record(self, event: Event) -> None:
         choice = self.choices[event.index]
         if isinstance(event, TokenDelta):
-            choice.text.append(event.text)
-            choice.logprobs.extend(event.logprobs)
-            choice.num_tokens += len(event.token_ids)
+            if event.prompt_logprobs is not None:
+                self.scored[self.job_of[event.index]] = event.prompt_logprobs
+            if not self.hide_output:
+                choice.text.append(event.text)
+                choice.logprobs.extend(event.logprobs)
+                choice.num_tokens += len(event.token_ids)
         else:
             choice.finished = event
 
@@ -284,17 +344,28 @@ class _View:
     def final(self) -> dict[str, Any]:
         choices = []
         for index, c in sorted(self.choices.items()):
-            text = "".join(c.text)
+            text, logprobs = self.echoed(index, "".join(c.text), c.logprobs)
             f = c.finished
-            item: dict[str, Any] = {"index": index, "logprobs": self.logprobs(c.logprobs, 0),
-                                    "finish_reason": f.finish_reason if f else None,
+            item: dict[str, Any] = {"index": index, "logprobs": logprobs,
+                                    "finish_reason": self._finish_reason(f),
                                     "stop_reason": f.stop_reason if f else None}
             if self.chat:
                 item["message"] = {"role": "assistant", "content": text}
             else:
                 item["text"] = text
+                if self.num_prompt_top is not None:
+                    item["prompt_logprobs"] = self.prompt_logprobs(index)
             choices.append(item)
-        return self.header(self.object) | {"choices": choices, "usage": self.usage()}
+        out = self.header(self.object) | {"choices": choices, "usage": self.usage()}
+        if self.chat and self.num_prompt_top is not None:  # vLLM: the response's, in chat
+            out["prompt_logprobs"] = self.prompt_logprobs(0)
+        return out
+
+    def _finish_reason(self, f: Finished | None) -> str | None:
+        if f is None:
+            return None
+        # The prompt alone was asked for: its one scoring token ended it by length.
+        return "length" if self.hide_output and f.finish_reason != "abort" else f.finish_reason
 
     # -- stream
     def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -308,24 +379,35 @@ class _View:
                             "logprobs": None, "finish_reason": None}])
 
     def event_chunk(self, event: Event) -> dict[str, Any] | None:
+        """The chunk of a recorded event (None: nothing to send yet). A choice's first delta
+        carries its echoed prompt, and completion 0's its prompt's `prompt_logprobs`."""
         choice = self.choices[event.index]
+        extra: dict[str, Any] = {}
         if isinstance(event, TokenDelta):
-            offset = choice.text_len
-            choice.text_len += len(event.text)
-            if not event.text and not (event.logprobs and self.wants_logprobs):
+            first, choice.started = not choice.started, True
+            text = "" if self.hide_output else event.text
+            lps = [] if self.hide_output else event.logprobs
+            if first and self.echoes is not None:
+                text, logprobs = self.echoed(event.index, text, lps)
+            else:
+                logprobs = self.logprobs(lps, choice.text_len)
+            choice.text_len += len(text)
+            if event.prompt_logprobs is not None and self.num_prompt_top is not None:
+                extra["prompt_logprobs"] = self.prompt_logprobs(event.index)
+            if not text and not (lps and self.wants_logprobs) and not extra:
                 return None  # text held back (possible stop string): nothing to send yet
-            item: dict[str, Any] = {"index": event.index,
-                                    "logprobs": self.logprobs(event.logprobs, offset),
+            item: dict[str, Any] = {"index": event.index, "logprobs": logprobs,
                                     "finish_reason": None}
         else:
-            item = {"index": event.index, "logprobs": None, "finish_reason": event.finish_reason,
+            text = ""
+            item = {"index": event.index, "logprobs": None,
+                    "finish_reason": self._finish_reason(event),
                     "stop_reason": event.stop_reason}
-        text = event.text if isinstance(event, TokenDelta) else ""
         if self.chat:
             item["delta"] = {"content": text} if isinstance(event, TokenDelta) else {}
-        else:
-            item["text"] = text
-        return self.chunk([item])
+            return self.chunk([item]) | extra  # vLLM: the response's, in chat
+        item["text"] = text
+        return self.chunk([item | extra])
 
     def usage_chunk(self) -> dict[str, Any]:
         return self.header(self.object + (".chunk" if self.chat else "")) | {

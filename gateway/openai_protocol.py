@@ -37,7 +37,7 @@ _UNSUPPORTED_FIELDS = {
     "functions": "no function calling",
     "function_call": "no function calling",
     "suffix": "no insertion; send the text before it as the prompt",
-    "prompt_logprobs": "only sampled tokens' logprobs",
+    "echo": "chat completions do not echo; /v1/completions does",
     "guided_json": "no guided decoding",
     "guided_regex": "no guided decoding",
     "guided_choice": "no guided decoding; allowed_token_ids limits single tokens",
@@ -71,6 +71,7 @@ class _SamplingFields(_Open):
     user: str | None = None
     logit_bias: dict[str, float] | None = None   # JSON keys are strings: {"50256": -100}
     allowed_token_ids: list[int] | None = None   # vLLM's extra
+    prompt_logprobs: int | None = None           # vLLM's extra: score the prompt, top-n each
 
     def sampling_options(self) -> dict[str, Any]:
         """Engine `SamplingParams` keyword arguments (max_tokens and logprobs added by callers)."""
@@ -93,12 +94,13 @@ class _SamplingFields(_Open):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "logit_bias": _token_keys(self.logit_bias or {}, "logit_bias"),
             "allowed_token_ids": self.allowed_token_ids,
+            "prompt_logprobs": self.prompt_logprobs,
         }
 
     def check_supported(self) -> None:
         """Refuse (400) what this server would otherwise silently ignore: unknown fields are
         accepted for benchmark clients' extras, but a client asking for constrained output,
-        tools or prompt logprobs must not get plain text as if they had been applied."""
+        or tools must not get plain text as if they had been applied."""
         extra = self.model_extra or {}
         for name in _UNSUPPORTED_FIELDS:
             value = extra.get(name)
@@ -140,10 +142,17 @@ class CompletionRequest(_SamplingFields):
     """`POST /v1/completions`. `prompt` is checked by `prompt_inputs` for a precise message."""
 
     prompt: Any = None
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16   # 0 with echo: the prompt alone (scored, with logprobs)
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
+
+    def prompt_scoring(self) -> int | None:
+        """Top logprobs to score each prompt token with (None: not scored): `prompt_logprobs`,
+        and `logprobs` when the prompt is echoed with logprobs."""
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None)
+                  if k is not None]
+        return max(wanted) if wanted else None
 
 
 class TextPart(_Open):
@@ -284,6 +293,44 @@ def completion_logprobs(logprobs: Sequence[common_pb2.TokenLogprob], token_text:
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
             "text_offset": offsets}
+
+
+def echo_logprobs(prompt_ids: Sequence[int], scored: Sequence[common_pb2.TokenLogprob],
+                  token_text: TokenText, num_top: int) -> dict[str, Any]:
+    """Legacy completions logprobs of an echoed prompt (`echo` with `logprobs`): its first token
+    has none (null), the others are scored given the tokens before them (`scored`, tokens
+    1..); each position lists its `num_top` most likely tokens and the prompt's own."""
+    first = token_text(prompt_ids[0])
+    out = completion_logprobs([_top_limited(lp, num_top) for lp in scored], token_text,
+                              len(first))
+    return {"tokens": [first, *out["tokens"]],
+            "token_logprobs": [None, *out["token_logprobs"]],
+            "top_logprobs": [None, *out["top_logprobs"]],
+            "text_offset": [0, *out["text_offset"]]}
+
+
+def _top_limited(lp: common_pb2.TokenLogprob, num_top: int) -> common_pb2.TokenLogprob:
+    if len(lp.top) <= num_top:
+        return lp
+    return common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+                                   top=lp.top[:num_top])
+
+
+def prompt_logprobs_entries(scored: Sequence[common_pb2.TokenLogprob], token_text: TokenText,
+                            num_top: int) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, None for the first, then a map from token id
+    (a string: JSON keys) to {logprob, rank, decoded_token} holding the prompt's token and
+    the `num_top` most likely ones."""
+    def entry(logprob: float, rank: int | None, token_id: int) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": token_text(token_id)}
+
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for lp in scored:
+        item = {str(lp.token_id): entry(lp.logprob, lp.rank or None, lp.token_id)}
+        for i, t in enumerate(lp.top[:num_top]):
+            item.setdefault(str(t.token_id), entry(t.logprob, i + 1, t.token_id))
+        out.append(item)
+    return out
 
 
 def chat_logprobs(logprobs: Sequence[common_pb2.TokenLogprob], token_text: TokenText,

@@ -78,6 +78,10 @@ class GenerationJob:
     def wants_logprobs(self) -> bool:
         return self.sampling.HasField("logprobs")
 
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling.HasField("prompt_logprobs")
+
 
 @dataclass(slots=True)
 class TokenDelta:
@@ -87,6 +91,8 @@ class TokenDelta:
     token_ids: list[int]
     text: str
     logprobs: list[common_pb2.TokenLogprob]
+    # Prompt tokens 1.. scored (sampling.prompt_logprobs): in completion 0's first delta only.
+    prompt_logprobs: list[common_pb2.TokenLogprob] | None = None
 
 
 @dataclass(slots=True)
@@ -116,6 +122,7 @@ class _Completion:
     trace_parent: Context | None = None           # the request's `gen_ai.generate` span
     stop_reason: str | None = None
     last_emit: float | None = None
+    scores_prompt: bool = False   # its prompt logprobs are asked for and have not arrived yet
 
 
 class Orchestrator:
@@ -218,14 +225,16 @@ class Orchestrator:
             self._tokenizer, job.prompt_token_ids, skip_special_tokens=job.skip_special_tokens,
             stop=job.stop, include_stop_str_in_output=job.include_stop_str_in_output),
             trace_parent=trace_parent)
-        sampling = _seeded(job.sampling, index)
+        sampling = _for_completion(job.sampling, index)
+        state.scores_prompt = sampling.HasField("prompt_logprobs")
         finish: str | None = None
         if not self._config.colocated:
             prefill = await self._traced_prefill(job, state, sampling)
             state.num_cached_tokens = prefill.num_cached_tokens
             state.kv_handle = prefill.kv_handle if prefill.HasField("kv_handle") else None
             logprobs = [prefill.logprob] if prefill.HasField("logprob") else []
-            finish = self._accept(job, state, [prefill.first_token_id], logprobs, queue)
+            finish = self._accept(job, state, [prefill.first_token_id], logprobs, queue,
+                                  list(prefill.prompt_logprobs))
             finish = finish or _FINISH_NAMES.get(prefill.finish_reason)
             if finish is not None:
                 # Decode will never pull this KV: free the lease now rather than at expiry.
@@ -345,7 +354,10 @@ class Orchestrator:
             span.set_attribute("splitserve.decode_worker_load", spec.load)
         request = decode_pb2.DecodeRequest(
             request_id=f"{job.request_id}-{state.index}", prompt_token_ids=job.prompt_token_ids,
-            output_token_ids=state.output_ids, sampling=sampling,
+            output_token_ids=state.output_ids,
+            # The prompt is scored once: by the prefill worker, or by the first decode worker
+            # (colocated) — not again on a resume, nor where the prompt's KV is pulled.
+            sampling=sampling if state.scores_prompt else _unscored(sampling),
             kv_failure_policy=(decode_pb2.KV_FAILURE_POLICY_FAIL
                                if self._config.kv_failure_policy == "fail"
                                else decode_pb2.KV_FAILURE_POLICY_RECOMPUTE),
@@ -361,7 +373,8 @@ class Orchestrator:
                 kind = response.WhichOneof("response")
                 if kind == "chunk":
                     stop = self._accept(job, state, list(response.chunk.token_ids),
-                                        list(response.chunk.logprobs), queue)
+                                        list(response.chunk.logprobs), queue,
+                                        list(response.chunk.prompt_logprobs))
                     if stop is not None:
                         return stop  # `finally` cancels the call: the worker frees the KV
                 elif kind == "complete":
@@ -383,10 +396,16 @@ class Orchestrator:
     # -- tokens out ------------------------------------------------------------------------
     def _accept(self, job: GenerationJob, state: _Completion, token_ids: list[int],
                 logprobs: list[common_pb2.TokenLogprob],
-                queue: asyncio.Queue[Event | BaseException | None]) -> str | None:
-        """Detokenize new tokens and emit them; returns "stop" when a stop string matched."""
+                queue: asyncio.Queue[Event | BaseException | None],
+                prompt_logprobs: list[common_pb2.TokenLogprob] | None = None) -> str | None:
+        """Detokenize new tokens and emit them; returns "stop" when a stop string matched.
+        `prompt_logprobs`: what came with them; the first tokens of a completion that scores
+        its prompt carry its prompt's."""
         if not token_ids:
             return None
+        scored = None
+        if state.scores_prompt:
+            scored, state.scores_prompt = prompt_logprobs or [], False
         result = state.detok.add_tokens(token_ids)
         state.output_ids.extend(token_ids)
         now = time.monotonic()
@@ -396,7 +415,7 @@ class Orchestrator:
             self._metrics.inter_token_latency.observe(now - state.last_emit)
         state.last_emit = now
         queue.put_nowait(TokenDelta(state.index, token_ids, result.text_delta,
-                                    logprobs if job.wants_logprobs else []))
+                                    logprobs if job.wants_logprobs else [], scored))
         matched = result.stop_matched
         if matched:
             state.stop_reason = matched if isinstance(matched, str) else None
@@ -444,13 +463,27 @@ class Orchestrator:
         await asyncio.gather(*self._background, return_exceptions=True)
 
 
-def _seeded(sampling: common_pb2.SamplingParams, index: int) -> common_pb2.SamplingParams:
-    """Completion `index` of n gets seed + index, so seeded n > 1 completions differ."""
-    if index == 0 or not sampling.HasField("seed"):
+def _for_completion(sampling: common_pb2.SamplingParams, index: int
+                    ) -> common_pb2.SamplingParams:
+    """Completion `index` of n: seed + index, so seeded n > 1 completions differ; only
+    completion 0 scores the prompt (prompt logprobs are the prompt's, not a completion's)."""
+    if index == 0:
         return sampling
     copy = common_pb2.SamplingParams()
     copy.CopyFrom(sampling)
-    copy.seed = (sampling.seed + index) % (1 << 64)
+    copy.ClearField("prompt_logprobs")
+    if sampling.HasField("seed"):
+        copy.seed = (sampling.seed + index) % (1 << 64)
+    return copy
+
+
+def _unscored(sampling: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
+    """`sampling` without prompt logprobs (itself when it asks for none)."""
+    if not sampling.HasField("prompt_logprobs"):
+        return sampling
+    copy = common_pb2.SamplingParams()
+    copy.CopyFrom(sampling)
+    copy.ClearField("prompt_logprobs")
     return copy
 
 

@@ -149,6 +149,8 @@ def _to_proto(sp: SamplingParams, max_tokens: int) -> common_pb2.SamplingParams:
         proto.seed = sp.seed % (1 << 64)  # negative seeds wrap into uint64
     if sp.logprobs is not None:
         proto.logprobs = sp.logprobs
+    if sp.prompt_logprobs is not None:
+        proto.prompt_logprobs = sp.prompt_logprobs
     proto.logit_bias.update(sp.logit_bias)
     if sp.allowed_token_ids is not None:
         proto.allowed_token_ids.extend(sp.allowed_token_ids)

@@ -22,6 +22,7 @@ from serving.convert import (
     check_request_id,
     finish_reason,
     logprob_to_proto,
+    logprobs_to_proto,
     sampling_from_proto,
 )
 from serving.tier_cache import TierPrefixCache
@@ -58,7 +59,9 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
         except InvalidRequest as e:
             await _abort(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         last: StepOutput | None = None
-        remote_kv = await self.tiers.plan(ids) if self.tiers is not None else None
+        # A prompt to be scored (prompt logprobs) is computed here whole: no tier prefix.
+        remote_kv = (await self.tiers.plan(ids)
+                     if self.tiers is not None and params.prompt_logprobs is None else None)
         if remote_kv is not None:
             span.set_attribute("splitserve.tier_tokens", remote_kv.num_tokens)
         try:
@@ -91,6 +94,7 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
             finish_reason=finish_reason(out) if not out.kv_held else common_pb2.FINISH_REASON_UNSPECIFIED)
         if out.new_logprobs:
             resp.logprob.CopyFrom(logprob_to_proto(out.new_logprobs[0]))
+        resp.prompt_logprobs.extend(logprobs_to_proto(out.prompt_logprobs))
         lease = eng.scheduler.leases.get(rid) if out.kv_held else None
         if lease is not None:
             remaining = max(0.0, lease.deadline - time.monotonic())

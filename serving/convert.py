@@ -42,6 +42,7 @@ def sampling_from_proto(sp: common_pb2.SamplingParams) -> SamplingParams:
             presence_penalty=sp.presence_penalty,
             frequency_penalty=sp.frequency_penalty,
             logprobs=sp.logprobs if sp.HasField("logprobs") else None,
+            prompt_logprobs=sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
             logit_bias=dict(sp.logit_bias),
             allowed_token_ids=list(sp.allowed_token_ids) or None,
         )
@@ -65,8 +66,12 @@ def check_prompt(ids: list[int]) -> list[int]:
 
 def logprob_to_proto(lp: TokenLogprob) -> common_pb2.TokenLogprob:
     return common_pb2.TokenLogprob(
-        token_id=lp.token_id, logprob=lp.logprob,
+        token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank or 0,
         top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+
+
+def logprobs_to_proto(lps: list[TokenLogprob] | None) -> list[common_pb2.TokenLogprob]:
+    return [logprob_to_proto(lp) for lp in lps or ()]
 
 
 def finish_reason(out: StepOutput) -> common_pb2.FinishReason.ValueType:

@@ -40,6 +40,7 @@ def _check(out: RequestOutput, ref: torch.Tensor, prompt: list[int], k: int = K)
         assert isinstance(lp, TokenLogprob)
         assert lp.token_id == prompt[i]
         assert lp.logprob == pytest.approx(ref[i - 1, prompt[i]].item(), abs=1e-4)
+        assert lp.rank == int((ref[i - 1] > ref[i - 1, prompt[i]]).sum()) + 1
         want_vals, want_ids = ref[i - 1].topk(k)
         assert [t for t, _ in lp.top] == want_ids.tolist()
         assert [v for _, v in lp.top] == pytest.approx(want_vals.tolist(), abs=1e-4)

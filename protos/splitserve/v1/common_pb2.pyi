@@ -112,6 +112,7 @@ class SamplingParams(_message.Message):
     MIN_TOKENS_FIELD_NUMBER: _builtins.int
     LOGIT_BIAS_FIELD_NUMBER: _builtins.int
     ALLOWED_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """0 = greedy"""
     top_p: _builtins.float
@@ -132,6 +133,10 @@ class SamplingParams(_message.Message):
     logprobs: _builtins.int
     """number of top logprobs per sampled token (0 = only the sampled one)"""
     min_tokens: _builtins.int
+    prompt_logprobs: _builtins.int
+    """Score the prompt: each prompt token's logprob given the ones before it, with this many top
+    alternatives (0: the prompt token's only). The worker then computes the whole prompt.
+    """
     @_builtins.property
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -160,17 +165,22 @@ class SamplingParams(_message.Message):
         min_tokens: _builtins.int = ...,
         logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
         allowed_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        prompt_logprobs: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_seed", b"_seed", "logprobs", b"logprobs", "seed", b"seed"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_seed", b"_seed", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "seed", b"seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_seed", b"_seed", "allowed_token_ids", b"allowed_token_ids", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_seed", b"_seed", "allowed_token_ids", b"allowed_token_ids", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
     _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
+    _WhichOneofReturnType__prompt_logprobs: _TypeAlias = _typing.Literal["prompt_logprobs"]  # noqa: Y015
+    _WhichOneofArgType__prompt_logprobs: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__logprobs) -> _WhichOneofReturnType__logprobs | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt_logprobs) -> _WhichOneofReturnType__prompt_logprobs | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
 
@@ -207,8 +217,11 @@ class TokenLogprob(_message.Message):
     TOKEN_ID_FIELD_NUMBER: _builtins.int
     LOGPROB_FIELD_NUMBER: _builtins.int
     TOP_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
     token_id: _builtins.int
     logprob: _builtins.float
+    rank: _builtins.int
+    """1-based rank of token_id in the distribution; 0 = not computed"""
     @_builtins.property
     def top(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprob]: ...
     def __init__(
@@ -217,10 +230,11 @@ class TokenLogprob(_message.Message):
         token_id: _builtins.int = ...,
         logprob: _builtins.float = ...,
         top: _abc.Iterable[Global___TopLogprob] | None = ...,
+        rank: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "token_id", b"token_id", "top", b"top"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "rank", b"rank", "token_id", b"token_id", "top", b"top"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

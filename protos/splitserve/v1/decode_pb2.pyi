@@ -109,19 +109,27 @@ class DecodeChunk(_message.Message):
 
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]: ...
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
+        """Prompt tokens 1.., in the first chunk, when sampling.prompt_logprobs is set (colocated: no
+        prefill worker scored the prompt; a request with a kv_handle may not ask for them).
+        """
+
     def __init__(
         self,
         *,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
+        prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

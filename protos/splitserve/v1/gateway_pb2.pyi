@@ -146,6 +146,7 @@ class GenerateChunk(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """which of the n completions"""
     text: _builtins.str
@@ -154,6 +155,12 @@ class GenerateChunk(_message.Message):
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]: ...
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
+        """When sampling.prompt_logprobs is set: prompt tokens 1.. (the first has nothing before it),
+        in completion 0's first chunk.
+        """
+
     def __init__(
         self,
         *,
@@ -161,10 +168,11 @@ class GenerateChunk(_message.Message):
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         text: _builtins.str = ...,
         logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
+        prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

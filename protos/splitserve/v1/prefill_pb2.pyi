@@ -59,6 +59,7 @@ class PrefillResponse(_message.Message):
     KV_HANDLE_FIELD_NUMBER: _builtins.int
     NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     first_token_id: _builtins.int
     num_cached_tokens: _builtins.int
     """prompt tokens that hit the prefix cache"""
@@ -70,6 +71,10 @@ class PrefillResponse(_message.Message):
 
     @_builtins.property
     def kv_handle(self) -> _common_pb2.KvHandle: ...
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
+        """prompt tokens 1.. when sampling.prompt_logprobs is set"""
+
     def __init__(
         self,
         *,
@@ -78,10 +83,11 @@ class PrefillResponse(_message.Message):
         kv_handle: _common_pb2.KvHandle | None = ...,
         num_cached_tokens: _builtins.int = ...,
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
+        prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv_handle", b"kv_handle", "logprob", b"logprob"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "first_token_id", b"first_token_id", "kv_handle", b"kv_handle", "logprob", b"logprob", "num_cached_tokens", b"num_cached_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "first_token_id", b"first_token_id", "kv_handle", b"kv_handle", "logprob", b"logprob", "num_cached_tokens", b"num_cached_tokens", "prompt_logprobs", b"prompt_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
