@@ -241,7 +241,10 @@ class GrpcKvLoader:
                 stats = self.transport_stats.setdefault(result.transport, TransportStats())
                 stats.pulls += 1
                 stats.bytes += len(load.block_ids) * self._spec.block_nbytes
-                stats.seconds += time.perf_counter() - start
+                elapsed = time.perf_counter() - start
+                stats.seconds += elapsed
+                logger.debug("KV pull %s: %.2f ms start to done by %s", rid, elapsed * 1e3,
+                             result.transport)
                 stats.block_runs += count_runs(load.block_ids)
         return result
 
