@@ -105,6 +105,18 @@ def build_app(state: GatewayState) -> FastAPI:
         return JSONResponse({"count": len(ids), "max_model_len": state.config.max_model_len,
                              "tokens": ids})
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> Response:
+        """vLLM's tokenizer description: what a client needs to tokenize as the server does
+        (lm-eval's remote tokenizer reads it, then calls /tokenize and /detokenize)."""
+        _check_auth(request, state)
+        tok = state.tokenizer
+        return JSONResponse({"tokenizer_class": "PreTrainedTokenizerFast",
+                             **tok.special_tokens,
+                             "add_bos_token": tok.add_bos_token,
+                             "chat_template": tok.chat_template,
+                             "model_max_length": state.config.max_model_len})
+
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         req = parse_request(DetokenizeRequest, await _read_json(request, state))

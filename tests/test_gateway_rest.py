@@ -472,6 +472,19 @@ def test_tokenize_and_detokenize(gw: Harness, client: OpenAI) -> None:
     assert list(gw.prefill[0].prefill_requests[-1].prompt_token_ids) == chat
 
 
+def test_tokenizer_info_lets_a_client_tokenize_as_the_server(gw: Harness) -> None:
+    """vLLM's /tokenizer_info, as lm-eval's remote tokenizer reads it: the special tokens'
+    text (encoded through /tokenize they give the model's ids) and the chat template."""
+    r = httpx.get(gw.base_url + "/tokenizer_info", timeout=10)
+    assert r.status_code == 200, r.text
+    info = r.json()
+    tok = smollm2_tokenizer()
+    eos = _post(gw, "/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False})
+    assert eos.json()["tokens"][0] in tok.eos_token_ids
+    assert info["chat_template"] == tok.chat_template and "{%" in info["chat_template"]
+    assert info["model_max_length"] == 256 and info["add_bos_token"] is False
+
+
 @pytest.mark.parametrize(("path", "body", "status", "words"), [
     ("/tokenize", {"prompt": "x", "messages": MSG}, 400, ["either prompt or messages"]),
     ("/tokenize", {}, 400, ["either prompt or messages"]),
@@ -594,6 +607,7 @@ def test_api_key(script_ids: list[int]) -> None:
         _error(_post(h, CMPL, {"model": MODEL_NAME, "prompt": "x"}), 401, "API key")
         _error(_post(h, "/tokenize", {"prompt": "x"}), 401, "API key")
         _error(_post(h, "/detokenize", {"tokens": [1]}), 401, "API key")
+        _error(httpx.get(h.base_url + "/tokenizer_info"), 401, "API key")
         assert _post(h, "/tokenize", {"prompt": "x"},
                      headers={"authorization": "Bearer sekret"}).status_code == 200
         bad = OpenAI(base_url=h.base_url + "/v1", api_key="wrong", max_retries=0)
