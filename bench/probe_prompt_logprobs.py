@@ -8,7 +8,11 @@ fresh random prompts (so the unscored runs get no cache hits either):
 - a batch of `--batch` prompts of `--batch-len` tokens (as lm-eval sends them), unscored and
   scored with k = 1 (lm-eval's `logprobs=1`).
 
+`--profile F`: also profile one scored (k = 5) single prompt with torch.profiler and write its
+kernel and host-op tables to F.
+
 Usage: PYTHONPATH=. python3 bench/probe_prompt_logprobs.py --out F [--model M] [--repeats 5]
+       [--profile F]
 """
 
 from __future__ import annotations
@@ -30,13 +34,26 @@ from engine import SamplingParams
 
 def _time(llm: Any, prompts: list[list[int]], k: int | None) -> float:
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=k)
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     t = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     elapsed = time.perf_counter() - t
     if k is not None:  # what was timed is what was asked for
         assert all(len(o.prompt_logprobs) == len(p) for o, p in zip(outs, prompts, strict=True))
     return elapsed
+
+
+def _profile(llm: Any, prompts: list[list[int]], path: str) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        elapsed = _time(llm, prompts, 5)
+    table = prof.key_averages()
+    Path(path).write_text(
+        f"one scored prompt of {len(prompts[0])} tokens, k = 5: {elapsed * 1e3:.2f} ms profiled\n\n"
+        + table.table(sort_by="self_cuda_time_total", row_limit=25) + "\n\n"
+        + table.table(sort_by="self_cpu_time_total", row_limit=25))
 
 
 def main() -> int:
@@ -47,9 +64,11 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--batch-len", type=int, default=512)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--profile", default=None)
+    p.add_argument("--max-model-len", type=int, default=8192)
     args = p.parse_args()
     llm = offline.build_llm(offline.EngineSettings(
-        model=args.model, max_model_len=8192, max_num_batched_tokens=8192,
+        model=args.model, max_model_len=args.max_model_len, max_num_batched_tokens=8192,
         gpu_memory_utilization=0.9))
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(0)
@@ -73,7 +92,9 @@ def main() -> int:
     results = {name: {"median_ms": round(statistics.median(v) * 1e3, 2),
                       "min_ms": round(min(v) * 1e3, 2), "runs_ms": [round(x * 1e3, 2) for x in v]}
                for name, v in times.items()}
-    doc = {**git_info(), "gpu": torch.cuda.get_device_name(), "model": args.model,
+    if args.profile:
+        _profile(llm, fresh(1, args.input_len), args.profile)
+    doc = {**git_info(), "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "model": args.model,
            "input_len": args.input_len, "batch": args.batch, "batch_len": args.batch_len,
            "repeats": args.repeats, "results": results,
            "command": "PYTHONPATH=. python3 bench/probe_prompt_logprobs.py --out F"}
