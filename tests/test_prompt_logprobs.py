@@ -112,12 +112,14 @@ def test_prompt_logprobs_survive_a_preemption(tiny_model_dirs: dict[str, Path],
     _check(out[1], ref_llama(second), second)
 
 
-def test_one_token_prompt_and_top_zero(tiny_model_dirs: dict[str, Path],
+def test_one_token_prompt_and_top_zero_and_one(tiny_model_dirs: dict[str, Path],
                                        ref_llama: Callable[[list[int]], torch.Tensor]) -> None:
     llm = tiny_llm(tiny_model_dirs["llama"])
-    single, zero = llm.generate(_ids([42], PROMPT), [_params(), _params(0)])
+    single, zero, one = llm.generate(_ids([42], PROMPT, PROMPT), [_params(), _params(0),
+                                                                  _params(1)])
     assert single.prompt_logprobs == [None]
     _check(zero, ref_llama(PROMPT), PROMPT, k=0)
+    _check(one, ref_llama(PROMPT), PROMPT, k=1)  # a max, not a top-k
     assert all(lp is None or lp.top == [] for lp in zero.prompt_logprobs or [])
 
 
