@@ -18,6 +18,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import GatewayError
 from gateway.orchestrator import GenerationJob
 from gateway.tokenization import TokenizerLike, check_encodable
+from protos.limits import MAX_PROMPT_LOGPROBS_BYTES, prompt_logprobs_bytes
 from protos.splitserve.v1 import common_pb2
 
 # Above this many characters, tokenization runs in a thread so the loop keeps streaming.
@@ -85,6 +86,9 @@ class Preprocessor:
                 f"[0, {self._vocab_size}): {beyond[:5]}"))
         num_prompt = len(prompt_token_ids)
         self._check_prompt_len(num_prompt)
+        if sp.prompt_logprobs is not None:
+            _check_scoring_size(num_prompt, sp.prompt_logprobs,
+                                names.get("prompt_logprobs", "prompt_logprobs"))
         max_tokens = self._resolve_max_tokens(sp.max_tokens, num_prompt, names.get("max_tokens",
                                                                                    "max_tokens"))
         if sp.n > self._config.max_n:
@@ -137,6 +141,17 @@ def _sampling_params(params: dict[str, Any], names: dict[str, str]) -> SamplingP
         if client_field != field:
             message = client_field + message[len(field):]
         raise GatewayError.invalid(client_field, message) from None
+
+
+def _check_scoring_size(num_prompt: int, num_top: int, param: str) -> None:
+    """A scored prompt's logprobs must fit one worker response (protos/limits.py)."""
+    size = prompt_logprobs_bytes(num_prompt, num_top)
+    if size > MAX_PROMPT_LOGPROBS_BYTES:
+        raise GatewayError.invalid(param, (
+            f"{param}: scoring {num_prompt} prompt tokens with {num_top} top logprobs each "
+            f"makes up to {size >> 20} MiB of logprobs; the limit is "
+            f"{MAX_PROMPT_LOGPROBS_BYTES >> 20} MiB (ask for fewer top logprobs or score a "
+            "shorter prompt)"))
 
 
 def _to_proto(sp: SamplingParams, max_tokens: int) -> common_pb2.SamplingParams:

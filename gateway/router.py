@@ -26,6 +26,7 @@ import grpc
 from gateway.errors import GatewayError
 from gateway.prefix_index import PrefixIndex, prompt_block_hashes
 from protos.auth import client_interceptors
+from protos.limits import message_size_options
 from protos.splitserve.v1 import (
     common_pb2,
     decode_pb2_grpc,
@@ -39,7 +40,8 @@ log = logging.getLogger(__name__)
 
 def worker_channel(address: str, internal_token: str | None) -> grpc.aio.Channel:
     """A channel to a worker whose calls carry the cluster's secret when there is one."""
-    return internal_channel(address, interceptors=client_interceptors(internal_token))
+    return internal_channel(address, options=message_size_options(),
+                            interceptors=client_interceptors(internal_token))
 
 
 @dataclass(slots=True)

@@ -27,6 +27,7 @@ from kv_transfer import DEFAULT_TCP_STREAMS
 from kv_transfer.grpc_transport import KvTransferServicer
 from kv_transfer.tcp import KvDataServer
 from protos.auth import INTERNAL_TOKEN_ENV, BearerAuthInterceptor, bearer_metadata
+from protos.limits import message_size_options
 from protos.splitserve.v1 import (
     decode_pb2,
     decode_pb2_grpc,
@@ -40,8 +41,6 @@ from serving import tracing
 from serving.tier_cache import TierConfig, TierPrefixCache
 
 logger = logging.getLogger(__name__)
-
-MAX_MESSAGE_BYTES = 64 << 20  # prompts of up to ~16M token ids; KV fragments are far smaller
 
 
 @dataclass
@@ -91,8 +90,7 @@ async def start_worker(config: EngineConfig, host: str, port: int,
     from prefill_service.servicer import PrefillServicer
 
     role = config.scheduler.role
-    opts = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.so_reuseport", 0)]
+    opts = [*message_size_options(), ("grpc.so_reuseport", 0)]
     interceptors = (None if auth_token is None
                     else [BearerAuthInterceptor(auth_token, INTERNAL_TOKEN_ENV)])
     server = grpc.aio.server(options=opts, interceptors=interceptors)

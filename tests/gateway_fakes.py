@@ -123,6 +123,11 @@ class FakeWorker(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeService
                                           num_tokens=len(request.prompt_token_ids)))
         if request.sampling.HasField("logprobs"):
             response.logprob.CopyFrom(_logprob(first, request.sampling))
+        if request.sampling.HasField("prompt_logprobs"):  # each prompt token scored -1, rank 1
+            response.prompt_logprobs.extend(
+                common_pb2.TokenLogprob(token_id=t, logprob=-1.0, rank=1, top=[
+                    common_pb2.TopLogprob(token_id=t, logprob=-1.0)
+                ] * request.sampling.prompt_logprobs) for t in request.prompt_token_ids[1:])
         if request.sampling.max_tokens <= 1:
             response.finish_reason = common_pb2.FINISH_REASON_LENGTH
         elif self.script.token_at(1) is None:

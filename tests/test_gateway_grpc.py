@@ -188,3 +188,23 @@ def test_router_least_loaded_round_robin_and_exclusion(script_ids: list[int]) ->
         assert sorted(chosen[:4]) == sorted([idle_a.address, idle_b.address] * 2)
         assert chosen[4] == idle_b.address   # idle_a is excluded after a failure
         assert chosen[5] == busy.address     # the only healthy one left
+
+
+def test_a_long_scored_prompt_fits_and_a_too_long_one_is_refused(script_ids: list[int]) -> None:
+    """A scored 200k-token prompt's logprobs (~6 MB, above gRPC's default 4 MB) reach the client
+    through the gateway; scoring one so long with 20 top logprobs each would outgrow a worker's
+    message limit: refused up front, naming the field."""
+    limits = {"max_model_len": 400_000, "max_prompt_tokens": 400_000}
+    ids = [(7 * i) % 1000 + 1 for i in range(200_000)]
+    with Harness(Script(list(script_ids)), **limits) as h, grpc.insecure_channel(
+            h.grpc_target, options=[("grpc.max_receive_message_length", 64 << 20)]) as ch:
+        out = _generate(ch, token_ids=gateway_pb2.TokenIds(ids=ids),
+                        sampling=common_pb2.SamplingParams(max_tokens=1, prompt_logprobs=1))
+        scored = [r.chunk.prompt_logprobs for r in out if r.WhichOneof("response") == "chunk"]
+        assert [lp.token_id for lp in scored[0]] == ids[1:]
+        with pytest.raises(grpc.RpcError) as err:
+            _generate(ch, token_ids=gateway_pb2.TokenIds(ids=ids),
+                      sampling=common_pb2.SamplingParams(max_tokens=1, prompt_logprobs=20))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "sampling.prompt_logprobs" in (err.value.details() or "")
+        assert "MiB" in (err.value.details() or "")
