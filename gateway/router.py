@@ -26,6 +26,7 @@ import grpc
 from gateway.errors import GatewayError
 from gateway.prefix_index import PrefixIndex, prompt_block_hashes
 from protos.auth import client_interceptors
+from protos.channels import ChannelCache
 from protos.limits import message_size_options
 from protos.splitserve.v1 import (
     common_pb2,
@@ -214,12 +215,14 @@ class WorkerPool:
 
 
 class Router:
-    """The prefill and decode pools plus cached KvTransfer channels for lease release."""
+    """The prefill and decode pools plus kept KvTransfer channels for lease releases (to the
+    addresses handles name that are not a pool's: LRU-bounded, as a decode worker's are)."""
 
     def __init__(self, prefill: WorkerPool | None, decode: WorkerPool) -> None:
         self.prefill = prefill
         self.decode = decode
-        self._kv_channels: dict[str, grpc.aio.Channel] = {}
+        self._kv_channels = ChannelCache(
+            interceptors=client_interceptors(decode.internal_token), close_grace_s=5.0)
 
     async def start(self) -> None:
         pools = [p for p in (self.prefill, self.decode) if p is not None]
@@ -228,7 +231,7 @@ class Router:
     async def close(self) -> None:
         pools = [p for p in (self.prefill, self.decode) if p is not None]
         await asyncio.gather(*(p.close() for p in pools))
-        await asyncio.gather(*(c.close() for c in self._kv_channels.values()))
+        await self._kv_channels.aclose()
 
     def prefill_stub(self, worker: Worker) -> prefill_pb2_grpc.PrefillStub:
         return prefill_pb2_grpc.PrefillStub(worker.channel)
@@ -242,6 +245,4 @@ class Router:
             for w in pool.workers if pool is not None else ():
                 if w.address == address:
                     return kv_transfer_pb2_grpc.KvTransferStub(w.channel)
-        if address not in self._kv_channels:
-            self._kv_channels[address] = worker_channel(address, self.decode.internal_token)
-        return kv_transfer_pb2_grpc.KvTransferStub(self._kv_channels[address])
+        return kv_transfer_pb2_grpc.KvTransferStub(self._kv_channels.get(address))

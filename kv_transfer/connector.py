@@ -41,7 +41,6 @@ import torch
 
 from engine.kv.hashing import HASH_BYTES
 from kv_transfer import DEFAULT_TCP_STREAMS, WRITE_BATCH_BLOCKS
-from kv_transfer.channels import ChannelCache
 from kv_transfer.cuda_ipc import (
     CacheImporter,
     IpcUnavailable,
@@ -63,6 +62,7 @@ from kv_transfer.grpc_transport import (
 from kv_transfer.shm import shm_available
 from kv_transfer.tcp import TcpTransferError, TcpUnavailable, receive_blocks, stripes
 from kv_transfer.wire import BlockSpec
+from protos.channels import ChannelCache
 from protos.splitserve.v1 import common_pb2
 from protos.tls import tls_paths_from_env
 

@@ -621,7 +621,7 @@ async def pull_blocks_ipc(target: str | grpc.aio.Channel, request_id: str, spec:
 async def _channel(target: str | grpc.aio.Channel, options: Sequence[tuple[str, Any]] = ()
                    ) -> AsyncIterator[grpc.aio.Channel]:
     """A channel for one call: `target` itself when it is one (the caller keeps it: see
-    kv_transfer/channels.py), else a new one to that address, closed afterwards."""
+    protos/channels.py), else a new one to that address, closed afterwards."""
     if isinstance(target, str):
         async with internal_channel(target, options=options) as channel:
             yield channel

@@ -19,7 +19,6 @@ from fake_lease import Lease, LeaseError, LeaseTable
 import kv_transfer.connector as connector_module
 from engine.kv.hashing import prompt_hash
 from kv_transfer import grpc_transport
-from kv_transfer.channels import ChannelCache
 from kv_transfer.connector import GrpcPullConnector, KvHandle, LoadResult
 from kv_transfer.cuda_ipc import CacheExport, CacheImporter, device_uuid, local_device
 from kv_transfer.grpc_transport import (
@@ -36,6 +35,7 @@ from kv_transfer.grpc_transport import (
 from kv_transfer.shm import SHM_DIR, SHM_PREFIX, ShmError, ShmSegment
 from kv_transfer.tcp import KvDataServer
 from kv_transfer.wire import BlockSpec, DecodedBlock, encode_block
+from protos.channels import ChannelCache
 from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 FP = hashlib.sha256(b"model-a").digest()

@@ -130,7 +130,7 @@ async def test_kv_data_port_over_mutual_tls_and_nothing_else(
     assert paths is not None and paths.server_name == SERVER_NAME
     w = await start_worker(data_port=True, tls=paths.server_context())
     # start_worker binds its gRPC port in plaintext; the TLS under test is the data port's.
-    for module in ("kv_transfer.grpc_transport", "kv_transfer.channels"):
+    for module in ("kv_transfer.grpc_transport", "protos.channels"):
         monkeypatch.setattr(f"{module}.internal_channel",
                             lambda target, **kw: grpc.aio.insecure_channel(target, **kw))
     try:

@@ -1,4 +1,5 @@
-"""gRPC channels to prefill workers, kept across a decode worker's KV pulls.
+"""gRPC channels to prefill workers, kept across a decode worker's KV pulls and the gateway's
+lease releases.
 
 A fresh channel per call costs a connection and, under mutual TLS, a handshake: 3.24 against
 0.78 ms per call on the development CPU (bench/probe_channel_reuse.py,
@@ -34,13 +35,16 @@ RECONNECT_OPTIONS: tuple[tuple[str, Any], ...] = (
 
 class ChannelCache:
     """Channels by (worker address, channel options), least recently used evicted past
-    `max_channels`. Used from one event loop (the one its channels were made on)."""
+    `max_channels`. Used from one event loop (the one its channels were made on).
+    `interceptors`: the client interceptors of every channel (the cluster secret's)."""
 
-    def __init__(self, max_channels: int = 64, close_grace_s: float = 30.0) -> None:
+    def __init__(self, max_channels: int = 64, close_grace_s: float = 30.0,
+                 interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None) -> None:
         if max_channels < 1:
             raise ValueError(f"max_channels must be >= 1, got {max_channels}")
         self._max = max_channels
         self._grace = close_grace_s
+        self._interceptors = interceptors
         self._channels: OrderedDict[tuple[str, tuple[tuple[str, Any], ...]],
                                     grpc.aio.Channel] = OrderedDict()
         self._closing: set[asyncio.Task[None]] = set()
@@ -53,7 +57,8 @@ class ChannelCache:
         key = (address, tuple(options))
         channel = self._channels.get(key)
         if channel is None:
-            channel = internal_channel(address, options=[*RECONNECT_OPTIONS, *options])
+            channel = internal_channel(address, options=[*RECONNECT_OPTIONS, *options],
+                                       interceptors=self._interceptors)
             self._channels[key] = channel
             while len(self._channels) > self._max:
                 self._close(self._channels.popitem(last=False)[1])
