@@ -535,6 +535,49 @@ def test_silu_and_mul_matches_reference() -> None:
         assert_close_for(K.silu_and_mul(x), R.silu_and_mul_ref(x), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [None, 512])
+def test_score_rows_matches_reference_and_a_naive_loop(dtype: torch.dtype,
+                                                       block: int | None) -> None:
+    """One pass per row (block 512: five blocks and a masked tail), rows of a padded tensor,
+    equal maxima (the first wins, as torch.max), targets that are the max, the min, and ties."""
+    gen = torch.Generator().manual_seed(9)
+    wide = (3 * torch.randn(5, 2600, generator=gen)).to(dtype)
+    logits = wide[:, :2500]  # row stride 2600
+    logits[0, 10] = logits[0, 1500] = logits[0, 2300] = logits[0].max() + 1
+    logits[1, 7] = logits[1, 8] = 0.5  # the target ties another token
+    targets = torch.tensor([10, 7, int(logits[2].argmin()), 2499, 1234])
+    got = K.score_rows(logits, targets, block=block)
+    want = R.score_rows_ref(logits, targets)
+    for g, w in zip(got, want, strict=True):
+        if g.dtype == torch.int64:
+            assert torch.equal(g, w)
+        else:
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    x = logits.double()
+    for r in range(5):  # independently: a log-softmax in float64 and a count
+        row = x[r]
+        lse = row.exp().sum().log().item()
+        t = int(targets[r])
+        assert got[0][r].item() == pytest.approx(row[t].item() - lse, abs=1e-4)
+        assert got[2][r].item() == pytest.approx(lse, abs=1e-4)
+        assert int(got[1][r]) == sum(1 for v in row.tolist() if v > row[t].item()) + 1
+        assert int(got[3][r]) == row.tolist().index(max(row.tolist()))
+    assert int(got[3][0]) == 10 and int(got[1][0]) == 1
+
+
+def test_score_rows_rejects_bad_inputs() -> None:
+    x = torch.randn(3, 40)
+    with pytest.raises(KernelInputError, match="targets"):
+        K.score_rows(x, torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(KernelInputError, match="targets"):
+        K.score_rows(x, torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(KernelInputError, match="dense"):
+        K.score_rows(torch.randn(40, 3).t(), torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(KernelInputError, match="power of two"):
+        K.score_rows(x, torch.zeros(3, dtype=torch.int64), block=48)
+
+
 # ----------------------------------------------------------------------------- validation
 
 

@@ -15,6 +15,7 @@ Check `triton_available()` before calling a kernel.
                         k_scale=None, v_scale=None, is_neox=True)   -> None (rotary, then write_kv)
     silu_and_mul(x)                                                  -> [T, I]
     per_token_quant_fp8(x)                       -> (q [T, K] float8 e4m3fn, scale [T, 1] fp32)
+    score_rows(logits, targets)        -> (target logprob, rank, log-sum-exp, argmax), [R] each
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from engine.kernels.quant_fp8 import per_token_quant_fp8
     from engine.kernels.rope_kv_write import rotary_and_write_kv
     from engine.kernels.rotary import rotary_embedding
+    from engine.kernels.score import score_rows
 
 # public name -> module that defines it (module names differ from function names so importing a
 # submodule never shadows the function attribute of this package)
@@ -47,6 +49,7 @@ _LAZY: dict[str, str] = {
     "rotary_and_write_kv": "engine.kernels.rope_kv_write",
     "silu_and_mul": "engine.kernels.activation",
     "per_token_quant_fp8": "engine.kernels.quant_fp8",
+    "score_rows": "engine.kernels.score",
 }
 
 __all__ = [
@@ -58,6 +61,7 @@ __all__ = [
     "rms_norm",
     "rotary_and_write_kv",
     "rotary_embedding",
+    "score_rows",
     "silu_and_mul",
     "triton_available",
     "write_kv",

@@ -20,6 +20,11 @@ def _maximum(a, b):
 
 
 @triton.jit
+def _minimum(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
 def _add(a, b):
     return a + b
 
@@ -31,8 +36,14 @@ def reduce_max(x, axis: tl.constexpr):
 
 
 @triton.jit
+def reduce_min(x, axis: tl.constexpr):
+    """Min along `axis` (like `tl.min`)."""
+    return tl.reduce(x, axis, _minimum)
+
+
+@triton.jit
 def reduce_sum(x, axis: tl.constexpr):
-    """Sum of a float32 tensor along `axis` (like `tl.sum`)."""
+    """Sum of a float32 (or integer) tensor along `axis` (like `tl.sum`)."""
     return tl.reduce(x, axis, _add)
 
 

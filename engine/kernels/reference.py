@@ -210,6 +210,16 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate) * up).to(x.dtype)
 
 
+def score_rows_ref(logits: torch.Tensor, targets: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(target logprob, 1-based rank by logit, log-sum-exp, argmax) per row, in float32."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    t_logit = x.gather(1, targets[:, None]).squeeze(1)
+    rank = (x > t_logit[:, None]).sum(-1) + 1
+    return t_logit - lse, rank, lse, x.argmax(dim=-1)
+
+
 # Floor of a per-row fp8 scale: only an all-zero row reaches it (its values stay 0), so every
 # other row, however small, spans the whole e4m3 range.
 FP8_MIN_SCALE = torch.finfo(torch.float32).tiny

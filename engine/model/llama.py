@@ -229,9 +229,11 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] → float32 logits [N, vocab]."""
-        return torch.nn.functional.linear(hidden, self.lm_head_weight).float()
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """hidden: [N, hidden] → logits [N, vocab]: float32, or in the model's dtype for a
+        consumer that widens them itself as it reads them (prompt scoring's kernel)."""
+        logits = torch.nn.functional.linear(hidden, self.lm_head_weight)
+        return logits.float() if float32 else logits
 
     # ---- weights ---------------------------------------------------------------------------
 
