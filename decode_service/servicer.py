@@ -24,7 +24,8 @@ from serving.convert import (
     check_prompt,
     check_request_id,
     finish_reason,
-    logprobs_to_proto,
+    logprob_to_proto,
+    prompt_logprobs_to_proto,
     sampling_from_proto,
 )
 from serving.kv import RemoteKvHandle, release_unpulled
@@ -91,10 +92,12 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
                 n_out += len(out.new_token_ids)
                 if self.tiers is not None:  # saved with the prompt when the request ends
                     generated.extend(out.new_token_ids)
-                yield decode_pb2.DecodeResponse(chunk=decode_pb2.DecodeChunk(
+                chunk = decode_pb2.DecodeChunk(
                     token_ids=out.new_token_ids,
-                    logprobs=logprobs_to_proto(out.new_logprobs),
-                    prompt_logprobs=logprobs_to_proto(out.prompt_logprobs)))
+                    logprobs=[logprob_to_proto(lp) for lp in out.new_logprobs])
+                if out.prompt_logprobs is not None:
+                    chunk.prompt_logprobs.CopyFrom(prompt_logprobs_to_proto(out.prompt_logprobs))
+                yield decode_pb2.DecodeResponse(chunk=chunk)
                 if out.finished:
                     if self.tiers is not None:  # every token's KV but the last one's exists
                         self.tiers.spawn_save_tokens([*ids, *given, *generated][:-1])

@@ -226,7 +226,7 @@ class LLM:
             comp.logprobs.extend(s.new_logprobs)
         out.num_cached_tokens = max(out.num_cached_tokens, s.num_cached_tokens)
         if s.prompt_logprobs is not None:
-            out.prompt_logprobs = [None, *s.prompt_logprobs]
+            out.prompt_logprobs = [None, *s.prompt_logprobs.entries()]
         if s.finished:
             comp.finish_reason = s.finish_reason
             comp.stop_reason = s.stop_reason

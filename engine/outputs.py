@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.request import RequestMetrics, TokenLogprob
+from engine.request import PromptLogprobs, RequestMetrics, TokenLogprob
 
 
 @dataclass(slots=True)
@@ -24,7 +24,7 @@ class StepOutput:
     metrics: RequestMetrics | None = None  # set when finished
     # Asked for (SamplingParams.prompt_logprobs): prompt tokens 1, 2, ... each scored given the
     # ones before it, in the request's first output only.
-    prompt_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(slots=True)

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.request import Request, TokenLogprob
+from engine.kernels.reference import score_rows_ref
+from engine.request import PromptLogprobs, Request
 from engine.sampler import to_device, to_host
 from engine.scheduler import ScheduledRequest
 
@@ -73,39 +74,39 @@ class PendingPromptLogprobs:
             self._event = torch.cuda.Event()
             self._event.record()
 
-    def result(self) -> list[tuple[Request, list[TokenLogprob]]]:
-        """Per planned request, its scored tokens' logprobs in prompt order."""
+    def result(self) -> list[tuple[Request, PromptLogprobs]]:
+        """Per planned request, its scored tokens in prompt order (column slices: no object
+        per token)."""
         if self._event is not None:
             self._event.synchronize()
-        chosen: list[float] = self._chosen.tolist()
-        ranks: list[int] = self._ranks.tolist()
-        vals = self._top_vals.tolist() if self._top_vals is not None else None
-        ids = self._top_ids.tolist() if self._top_ids is not None else None
-        out: list[tuple[Request, list[TokenLogprob]]] = []
+        out: list[tuple[Request, PromptLogprobs]] = []
         i = 0
         for p in self.plans:
             k = p.request.sampling_params.prompt_logprobs or 0
-            targets = p.request.prompt_token_ids[p.first_target:p.first_target + p.count]
-            lps = []
-            for j, token in enumerate(targets):
-                top = (list(zip(ids[i + j][:k], vals[i + j][:k], strict=True))
-                       if k and ids is not None and vals is not None else [])
-                lps.append(TokenLogprob(token, chosen[i + j], top, ranks[i + j]))
-            out.append((p.request, lps))
+            rows = slice(i, i + p.count)
+            scored = PromptLogprobs(
+                k, p.request.prompt_token_ids[p.first_target:p.first_target + p.count],
+                self._chosen[rows].tolist(), self._ranks[rows].tolist())
+            if k and self._top_ids is not None and self._top_vals is not None:
+                scored.top_ids = self._top_ids[rows, :k].reshape(-1).tolist()
+                scored.top_logprobs = self._top_vals[rows, :k].reshape(-1).tolist()
+            out.append((p.request, scored))
             i += p.count
         return out
 
 
 def score_prompt_rows(hidden: torch.Tensor, plans: list[PromptRows],
-                      compute_logits: Callable[[torch.Tensor], torch.Tensor]
+                      compute_logits: Callable[[torch.Tensor, bool], torch.Tensor]
                       ) -> PendingPromptLogprobs:
-    """Log-softmax of the model's raw logits at the planned rows (no temperature, penalty or
-    bias: the model's own distribution, as sampled tokens' logprobs are), the scored tokens'
-    values and ranks, and each row's top-k (k: the largest any planned request asked for). Logits are
-    made `_ROWS_PER_SLICE` rows at a time so a long chunk never holds them all. The top-1
-    (lm-eval's `logprobs=1`) is a max, not a top-k: one reduction instead of a radix select
-    (H200, 8B, 32 x 512 tokens scored: 85.6 ms over plain prefill against 99.7 ms with top-k;
-    bench/results/h200/prompt_logprobs/)."""
+    """The scored tokens' logprobs and ranks and each row's top-k (k: the largest any planned
+    request asked for) from the model's raw logits at the planned rows (no temperature,
+    penalty or bias: the model's own distribution, as sampled tokens' logprobs are).
+
+    Logits are made `_ROWS_PER_SLICE` rows at a time, in the model's dtype, so a long chunk
+    never holds them all; on a GPU one Triton pass per row (engine/kernels/score.py) finds the
+    log-sum-exp, the target's logprob and rank and the argmax, instead of a float32 copy, a
+    log-softmax and a comparison over the whole slice. The top-1 (lm-eval's `logprobs=1`) is
+    that argmax; a top-k beyond it is `topk` on the slice's logits less the log-sum-exp."""
     dev = hidden.device
     rows = to_device([p.row + j for p in plans for j in range(p.count)], torch.long, dev)
     targets = to_device([t for p in plans for t in
@@ -117,15 +118,23 @@ def score_prompt_rows(hidden: torch.Tensor, plans: list[PromptRows],
     ranks = torch.empty(n, dtype=torch.long, device=dev)
     top_vals = torch.empty((n, k), dtype=torch.float32, device=dev) if k else None
     top_ids = torch.empty((n, k), dtype=torch.long, device=dev) if k else None
+    score = _fused_scores if dev.type == "cuda" else score_rows_ref
     for start in range(0, n, _ROWS_PER_SLICE):
         end = min(start + _ROWS_PER_SLICE, n)
-        logp = compute_logits(hidden.index_select(0, rows[start:end])).log_softmax(-1)
-        chosen[start:end] = logp.gather(1, targets[start:end, None]).squeeze(1)
-        ranks[start:end] = (logp > chosen[start:end, None]).sum(-1) + 1
+        logits = compute_logits(hidden.index_select(0, rows[start:end]), False)
+        chosen[start:end], ranks[start:end], lse, best = score(logits, targets[start:end])
         if top_vals is not None and top_ids is not None:
             if k == 1:
-                best = logp.max(dim=-1, keepdim=True)
-                top_vals[start:end], top_ids[start:end] = best.values, best.indices
+                top_ids[start:end, 0] = best
+                top_vals[start:end, 0] = logits.gather(1, best[:, None]).squeeze(1).float() - lse
             else:
-                top_vals[start:end], top_ids[start:end] = logp.topk(k, dim=-1)
+                vals, ids = logits.topk(k, dim=-1)
+                top_vals[start:end], top_ids[start:end] = vals.float() - lse[:, None], ids
     return PendingPromptLogprobs(plans, chosen, ranks, top_vals, top_ids)
+
+
+def _fused_scores(logits: torch.Tensor, targets: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from engine.kernels import score_rows  # Triton: GPU engines only
+
+    return score_rows(logits, targets)

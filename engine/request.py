@@ -66,6 +66,40 @@ class TokenLogprob:
 
 
 @dataclass(slots=True)
+class PromptLogprobs:
+    """A prompt's scored tokens (prompt tokens 1, 2, ...; the first has nothing before it),
+    column by column: a long prompt's thousands of entries cost a few list operations, not an
+    object each, on the engine thread and in the services (`PromptLogprobs` in the protos).
+    `top_ids` / `top_logprobs` hold `num_top` entries per token, row after row."""
+
+    num_top: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)  # 1-based rank in the distribution
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def extend(self, other: PromptLogprobs) -> None:
+        self.token_ids += other.token_ids
+        self.logprobs += other.logprobs
+        self.ranks += other.ranks
+        self.top_ids += other.top_ids
+        self.top_logprobs += other.top_logprobs
+
+    def entries(self) -> list[TokenLogprob]:
+        """One `TokenLogprob` per scored token (the offline API's form)."""
+        k = self.num_top
+        return [TokenLogprob(t, lp, list(zip(self.top_ids[i * k:(i + 1) * k],
+                                             self.top_logprobs[i * k:(i + 1) * k], strict=True)),
+                             rank)
+                for i, (t, lp, rank) in enumerate(zip(self.token_ids, self.logprobs, self.ranks,
+                                                      strict=True))]
+
+
+@dataclass(slots=True)
 class RequestMetrics:
     """perf_counter timestamps (seconds)."""
 
@@ -111,7 +145,7 @@ class Request:
         # Prompt logprobs (engine/prompt_logprobs.py): those of prompt tokens 1, 2, ... that
         # reached the host, how many are launched, and whether any are still to be launched
         # (until then the prompt is computed here: no prefix-cache hits, no remote KV).
-        self.prompt_logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs = PromptLogprobs(sampling_params.prompt_logprobs or 0)
         self.num_prompt_logprobs_planned = 0
         self.prompt_logprobs_sent = False  # carried out by the request's first StepOutput
         self.scores_prompt = (sampling_params.prompt_logprobs is not None

@@ -106,9 +106,11 @@ def _sampling_options(request: gateway_pb2.GenerateRequest) -> dict[str, object]
 
 def _response(event: TokenDelta | Finished) -> gateway_pb2.GenerateResponse:
     if isinstance(event, TokenDelta):
-        return gateway_pb2.GenerateResponse(chunk=gateway_pb2.GenerateChunk(
-            index=event.index, token_ids=event.token_ids, text=event.text, logprobs=event.logprobs,
-            prompt_logprobs=event.prompt_logprobs or ()))
+        chunk = gateway_pb2.GenerateChunk(index=event.index, token_ids=event.token_ids,
+                                          text=event.text, logprobs=event.logprobs)
+        if event.prompt_logprobs is not None:
+            chunk.prompt_logprobs.CopyFrom(event.prompt_logprobs)
+        return gateway_pb2.GenerateResponse(chunk=chunk)
     return gateway_pb2.GenerateResponse(complete=gateway_pb2.GenerateComplete(
         index=event.index, finish_reason=_FINISH_ENUM[event.finish_reason],
         usage=common_pb2.Usage(prompt_tokens=event.num_prompt_tokens,

@@ -36,6 +36,7 @@ from gateway.openai_protocol import (
     completion_logprobs,
     echo_logprobs,
     error_body,
+    logprob_rows,
     parse_request,
     prompt_inputs,
     prompt_logprobs_entries,
@@ -43,7 +44,6 @@ from gateway.openai_protocol import (
 )
 from gateway.orchestrator import Event, Finished, GenerationJob, TokenDelta, usage_totals
 from gateway.state import GatewayState
-from gateway.tokenization import token_text
 from protos.splitserve.v1 import common_pb2
 
 
@@ -283,7 +283,7 @@ class _View:
     choices: dict[int, _Choice] = field(default_factory=dict)
     wants_logprobs: bool = False
     job_of: list[int] = field(default_factory=list)  # choice index -> its job's index
-    scored: dict[int, list[common_pb2.TokenLogprob]] = field(default_factory=dict)  # by job
+    scored: dict[int, common_pb2.PromptLogprobs] = field(default_factory=dict)  # by job
 
     def __post_init__(self) -> None:
         self.choices = {i: _Choice() for i in range(sum(j.n for j in self.jobs))}
@@ -295,14 +295,14 @@ class _View:
                 "model": self.state.config.served_model_name, "system_fingerprint": None}
 
     def _text_of(self, token_id: int) -> str:
-        return token_text(self.state.tokenizer, token_id)
+        return self.state.token_texts(token_id)
 
     def logprobs(self, lps: list[common_pb2.TokenLogprob], offset: int) -> dict[str, Any] | None:
         if not self.wants_logprobs:
             return None
         if self.chat:
             return chat_logprobs(lps, self._text_of, self.num_top)
-        return completion_logprobs(lps, self._text_of, offset)
+        return completion_logprobs(logprob_rows(lps), self._text_of, offset)
 
     def echoed(self, index: int, text: str, lps: list[common_pb2.TokenLogprob]
                ) -> tuple[str, dict[str, Any] | None]:
@@ -314,18 +314,20 @@ class _View:
         text = self.echoes[j] + text
         if out is None:
             return text, None
-        echo = echo_logprobs(self.jobs[j].prompt_token_ids, self.scored.get(j, []),
-                             self._text_of, self.num_top)
+        echo = echo_logprobs(self.jobs[j].prompt_token_ids,
+                             self.scored.get(j, common_pb2.PromptLogprobs()), self._text_of,
+                             self.num_top)
         end = echo["text_offset"][-1] + len(echo["tokens"][-1])
         return text, {key: echo[key] + value for key, value in
-                      completion_logprobs(lps, self._text_of, end).items()}
+                      completion_logprobs(logprob_rows(lps), self._text_of, end).items()}
 
     def prompt_logprobs(self, index: int) -> list[Any] | None:
         """vLLM's `prompt_logprobs` of choice `index`'s prompt (None: not asked for)."""
         if self.num_prompt_top is None:
             return None
-        return prompt_logprobs_entries(self.scored.get(self.job_of[index], []), self._text_of,
-                                       self.num_prompt_top)
+        return prompt_logprobs_entries(
+            self.scored.get(self.job_of[index], common_pb2.PromptLogprobs()), self._text_of,
+            self.num_prompt_top)
 
     def record(self, event: Event) -> None:
         choice = self.choices[event.index]

@@ -7,7 +7,7 @@ dicts in the exact shape the `openai` Python package parses.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -275,19 +275,26 @@ def error_body(message: str, type_: str, param: str | None, code: str | int | No
 
 
 TokenText = Callable[[int], str]
+# A token's id, its logprob and its top alternatives (id, logprob).
+LogprobRow = tuple[int, float, Sequence[tuple[int, float]]]
 
 
-def completion_logprobs(logprobs: Sequence[common_pb2.TokenLogprob], token_text: TokenText,
+def logprob_rows(logprobs: Sequence[common_pb2.TokenLogprob]) -> Iterator[LogprobRow]:
+    for lp in logprobs:
+        yield lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top]
+
+
+def completion_logprobs(rows: Iterable[LogprobRow], token_text: TokenText,
                         text_offset_start: int = 0) -> dict[str, Any]:
     """Legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
     offset = text_offset_start
-    for lp in logprobs:
-        text = token_text(lp.token_id)
+    for token_id, logprob, top_pairs in rows:
+        text = token_text(token_id)
         tokens.append(text)
-        token_logprobs.append(lp.logprob)
-        top = {token_text(t.token_id): t.logprob for t in lp.top}
-        top.setdefault(text, lp.logprob)  # the sampled token is always listed (as vLLM)
+        token_logprobs.append(logprob)
+        top = {token_text(t): v for t, v in top_pairs}
+        top.setdefault(text, logprob)  # the sampled token is always listed (as vLLM)
         tops.append(top)
         offsets.append(offset)
         offset += len(text)
@@ -295,40 +302,45 @@ def completion_logprobs(logprobs: Sequence[common_pb2.TokenLogprob], token_text:
             "text_offset": offsets}
 
 
-def echo_logprobs(prompt_ids: Sequence[int], scored: Sequence[common_pb2.TokenLogprob],
+def _scored_rows(scored: common_pb2.PromptLogprobs, num_top: int
+                 ) -> Iterator[tuple[int, float, int, list[tuple[int, float]]]]:
+    """(token id, logprob, rank, its first `num_top` top entries) per scored prompt token."""
+    k = scored.num_top
+    top_ids, top_lps = scored.top_token_ids, scored.top_logprobs
+    n = min(k, num_top)
+    for i, (token, logprob, rank) in enumerate(zip(scored.token_ids, scored.logprobs,
+                                                    scored.ranks, strict=True)):
+        yield token, logprob, rank, list(zip(top_ids[i * k:i * k + n],
+                                             top_lps[i * k:i * k + n], strict=True))
+
+
+def echo_logprobs(prompt_ids: Sequence[int], scored: common_pb2.PromptLogprobs,
                   token_text: TokenText, num_top: int) -> dict[str, Any]:
     """Legacy completions logprobs of an echoed prompt (`echo` with `logprobs`): its first token
-    has none (null), the others are scored given the tokens before them (`scored`, tokens
-    1..); each position lists its `num_top` most likely tokens and the prompt's own."""
+    has none (null), the others are scored given the tokens before them; each position lists
+    its `num_top` most likely tokens and the prompt's own."""
     first = token_text(prompt_ids[0])
-    out = completion_logprobs([_top_limited(lp, num_top) for lp in scored], token_text,
-                              len(first))
+    out = completion_logprobs(((t, lp, top) for t, lp, _, top in _scored_rows(scored, num_top)),
+                              token_text, len(first))
     return {"tokens": [first, *out["tokens"]],
             "token_logprobs": [None, *out["token_logprobs"]],
             "top_logprobs": [None, *out["top_logprobs"]],
             "text_offset": [0, *out["text_offset"]]}
 
 
-def _top_limited(lp: common_pb2.TokenLogprob, num_top: int) -> common_pb2.TokenLogprob:
-    if len(lp.top) <= num_top:
-        return lp
-    return common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
-                                   top=lp.top[:num_top])
-
-
-def prompt_logprobs_entries(scored: Sequence[common_pb2.TokenLogprob], token_text: TokenText,
+def prompt_logprobs_entries(scored: common_pb2.PromptLogprobs, token_text: TokenText,
                             num_top: int) -> list[dict[str, dict[str, Any]] | None]:
     """vLLM's `prompt_logprobs`: per prompt token, None for the first, then a map from token id
     (a string: JSON keys) to {logprob, rank, decoded_token} holding the prompt's token and
     the `num_top` most likely ones."""
-    def entry(logprob: float, rank: int | None, token_id: int) -> dict[str, Any]:
+    def entry(logprob: float, rank: int, token_id: int) -> dict[str, Any]:
         return {"logprob": logprob, "rank": rank, "decoded_token": token_text(token_id)}
 
     out: list[dict[str, dict[str, Any]] | None] = [None]
-    for lp in scored:
-        item = {str(lp.token_id): entry(lp.logprob, lp.rank or None, lp.token_id)}
-        for i, t in enumerate(lp.top[:num_top]):
-            item.setdefault(str(t.token_id), entry(t.logprob, i + 1, t.token_id))
+    for token, logprob, rank, top in _scored_rows(scored, num_top):
+        item = {str(token): entry(logprob, rank, token)}
+        for i, (t, v) in enumerate(top):
+            item.setdefault(str(t), entry(v, i + 1, t))
         out.append(item)
     return out
 

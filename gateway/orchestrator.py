@@ -78,10 +78,6 @@ class GenerationJob:
     def wants_logprobs(self) -> bool:
         return self.sampling.HasField("logprobs")
 
-    @property
-    def wants_prompt_logprobs(self) -> bool:
-        return self.sampling.HasField("prompt_logprobs")
-
 
 @dataclass(slots=True)
 class TokenDelta:
@@ -91,8 +87,8 @@ class TokenDelta:
     token_ids: list[int]
     text: str
     logprobs: list[common_pb2.TokenLogprob]
-    # Prompt tokens 1.. scored (sampling.prompt_logprobs): in completion 0's first delta only.
-    prompt_logprobs: list[common_pb2.TokenLogprob] | None = None
+    # The prompt scored (sampling.prompt_logprobs): in completion 0's first delta only.
+    prompt_logprobs: common_pb2.PromptLogprobs | None = None
 
 
 @dataclass(slots=True)
@@ -234,7 +230,7 @@ class Orchestrator:
             state.kv_handle = prefill.kv_handle if prefill.HasField("kv_handle") else None
             logprobs = [prefill.logprob] if prefill.HasField("logprob") else []
             finish = self._accept(job, state, [prefill.first_token_id], logprobs, queue,
-                                  list(prefill.prompt_logprobs))
+                                  prefill.prompt_logprobs)
             finish = finish or _FINISH_NAMES.get(prefill.finish_reason)
             if finish is not None:
                 # Decode will never pull this KV: free the lease now rather than at expiry.
@@ -374,7 +370,7 @@ class Orchestrator:
                 if kind == "chunk":
                     stop = self._accept(job, state, list(response.chunk.token_ids),
                                         list(response.chunk.logprobs), queue,
-                                        list(response.chunk.prompt_logprobs))
+                                        response.chunk.prompt_logprobs)
                     if stop is not None:
                         return stop  # `finally` cancels the call: the worker frees the KV
                 elif kind == "complete":
@@ -397,7 +393,7 @@ class Orchestrator:
     def _accept(self, job: GenerationJob, state: _Completion, token_ids: list[int],
                 logprobs: list[common_pb2.TokenLogprob],
                 queue: asyncio.Queue[Event | BaseException | None],
-                prompt_logprobs: list[common_pb2.TokenLogprob] | None = None) -> str | None:
+                prompt_logprobs: common_pb2.PromptLogprobs | None = None) -> str | None:
         """Detokenize new tokens and emit them; returns "stop" when a stop string matched.
         `prompt_logprobs`: what came with them; the first tokens of a completion that scores
         its prompt carry its prompt's."""
@@ -405,7 +401,7 @@ class Orchestrator:
             return None
         scored = None
         if state.scores_prompt:
-            scored, state.scores_prompt = prompt_logprobs or [], False
+            scored, state.scores_prompt = prompt_logprobs or common_pb2.PromptLogprobs(), False
         result = state.detok.add_tokens(token_ids)
         state.output_ids.extend(token_ids)
         now = time.monotonic()

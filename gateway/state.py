@@ -11,7 +11,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.orchestrator import Orchestrator
 from gateway.preprocess import Preprocessor
 from gateway.router import Router, WorkerPool
-from gateway.tokenization import TokenizerLike
+from gateway.tokenization import TokenizerLike, TokenTexts
 
 
 @dataclass(slots=True)
@@ -24,6 +24,7 @@ class GatewayState:
     orchestrator: Orchestrator
     preprocessor: Preprocessor
     metrics: GatewayMetrics
+    token_texts: TokenTexts  # each token's text, for logprobs
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
 
@@ -44,7 +45,8 @@ class GatewayState:
         vocab_size = getattr(tokenizer, "vocab_size", None)
         return cls(config=config, tokenizer=tokenizer, router=router,
                    orchestrator=Orchestrator(config, router, tokenizer, metrics),
-                   preprocessor=Preprocessor(config, tokenizer, vocab_size), metrics=metrics)
+                   preprocessor=Preprocessor(config, tokenizer, vocab_size), metrics=metrics,
+                   token_texts=TokenTexts(tokenizer))
 
     @property
     def healthy(self) -> bool:

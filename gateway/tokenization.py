@@ -83,9 +83,24 @@ def make_detokenizer(tokenizer: TokenizerLike, prompt_token_ids: Sequence[int], 
     return detok
 
 
-def token_text(tokenizer: TokenizerLike, token_id: int) -> str:
-    """One token's own text (for logprobs); special tokens are kept."""
-    return tokenizer.decode([token_id], skip_special_tokens=False)
+class TokenTexts:
+    """Each token's own text (for logprobs; special tokens kept), decoded once per id: a scored
+    prompt's logprobs name thousands of tokens, each a tokenizer call otherwise, on the
+    gateway's event loop. Bounded: cleared past `max_entries` (a vocabulary's worth)."""
+
+    def __init__(self, tokenizer: TokenizerLike, max_entries: int = 1 << 18) -> None:
+        self._tokenizer = tokenizer
+        self._max = max_entries
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            if len(self._texts) >= self._max:
+                self._texts.clear()
+            text = self._texts[token_id] = self._tokenizer.decode([token_id],
+                                                                  skip_special_tokens=False)
+        return text
 
 
 def check_encodable(text: str, param: str) -> None:

@@ -22,7 +22,7 @@ from serving.convert import (
     check_request_id,
     finish_reason,
     logprob_to_proto,
-    logprobs_to_proto,
+    prompt_logprobs_to_proto,
     sampling_from_proto,
 )
 from serving.tier_cache import TierPrefixCache
@@ -94,7 +94,8 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
             finish_reason=finish_reason(out) if not out.kv_held else common_pb2.FINISH_REASON_UNSPECIFIED)
         if out.new_logprobs:
             resp.logprob.CopyFrom(logprob_to_proto(out.new_logprobs[0]))
-        resp.prompt_logprobs.extend(logprobs_to_proto(out.prompt_logprobs))
+        if out.prompt_logprobs is not None:
+            resp.prompt_logprobs.CopyFrom(prompt_logprobs_to_proto(out.prompt_logprobs))
         lease = eng.scheduler.leases.get(rid) if out.kv_held else None
         if lease is not None:
             remaining = max(0.0, lease.deadline - time.monotonic())

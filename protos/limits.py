@@ -19,6 +19,7 @@ def message_size_options() -> list[tuple[str, int]]:
 
 
 def prompt_logprobs_bytes(num_tokens: int, num_top: int) -> int:
-    """An upper bound of the wire size of a prompt's logprobs (`TokenLogprob` per scored
-    token: id, logprob and rank in at most 19 bytes, each top entry at most 13)."""
-    return max(0, num_tokens - 1) * (19 + 13 * num_top)
+    """An upper bound of the wire size of a prompt's logprobs (`PromptLogprobs`, packed: per
+    scored token an id and a rank of at most 5 bytes each and a 4-byte logprob, per top entry
+    an id and a logprob)."""
+    return max(0, num_tokens - 1) * (14 + 9 * num_top)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 
 from engine.outputs import StepOutput
-from engine.request import TokenLogprob
+from engine.request import PromptLogprobs, TokenLogprob
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from protos.splitserve.v1 import common_pb2
 
@@ -66,12 +66,15 @@ def check_prompt(ids: list[int]) -> list[int]:
 
 def logprob_to_proto(lp: TokenLogprob) -> common_pb2.TokenLogprob:
     return common_pb2.TokenLogprob(
-        token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank or 0,
+        token_id=lp.token_id, logprob=lp.logprob,
         top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
 
 
-def logprobs_to_proto(lps: list[TokenLogprob] | None) -> list[common_pb2.TokenLogprob]:
-    return [logprob_to_proto(lp) for lp in lps or ()]
+def prompt_logprobs_to_proto(scored: PromptLogprobs) -> common_pb2.PromptLogprobs:
+    """Column by column (bulk copies into packed fields)."""
+    return common_pb2.PromptLogprobs(
+        num_top=scored.num_top, token_ids=scored.token_ids, logprobs=scored.logprobs,
+        ranks=scored.ranks, top_token_ids=scored.top_ids, top_logprobs=scored.top_logprobs)
 
 
 def finish_reason(out: StepOutput) -> common_pb2.FinishReason.ValueType:

@@ -124,10 +124,11 @@ class FakeWorker(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeService
         if request.sampling.HasField("logprobs"):
             response.logprob.CopyFrom(_logprob(first, request.sampling))
         if request.sampling.HasField("prompt_logprobs"):  # each prompt token scored -1, rank 1
-            response.prompt_logprobs.extend(
-                common_pb2.TokenLogprob(token_id=t, logprob=-1.0, rank=1, top=[
-                    common_pb2.TopLogprob(token_id=t, logprob=-1.0)
-                ] * request.sampling.prompt_logprobs) for t in request.prompt_token_ids[1:])
+            k, scored = request.sampling.prompt_logprobs, request.prompt_token_ids[1:]
+            response.prompt_logprobs.CopyFrom(common_pb2.PromptLogprobs(
+                num_top=k, token_ids=scored, logprobs=[-1.0] * len(scored),
+                ranks=[1] * len(scored), top_token_ids=[t for t in scored for _ in range(k)],
+                top_logprobs=[-1.0] * (k * len(scored))))
         if request.sampling.max_tokens <= 1:
             response.finish_reason = common_pb2.FINISH_REASON_LENGTH
         elif self.script.token_at(1) is None:

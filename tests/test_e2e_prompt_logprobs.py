@@ -153,13 +153,14 @@ def test_grpc_prompt_logprobs(disagg_stack: Stack, tokenizer: Tokenizer, referen
         chunks = [r.chunk for r in stub.Generate(gateway_pb2.GenerateRequest(
             token_ids=gateway_pb2.TokenIds(ids=ids), sampling=sampling, n=2), timeout=120)
             if r.WhichOneof("response") == "chunk"]
-    scored = [c for c in chunks if c.prompt_logprobs]
+    scored = [c for c in chunks if c.HasField("prompt_logprobs")]
     assert [c.index for c in scored] == [0]  # completion 0's first chunk, once
     lps = scored[0].prompt_logprobs
-    assert [lp.token_id for lp in lps] == ids[1:]
-    assert [lp.logprob for lp in lps] == pytest.approx(
+    assert list(lps.token_ids) == ids[1:] and lps.num_top == 1
+    assert list(lps.logprobs) == pytest.approx(
         [ref[i - 1, ids[i]].item() for i in range(1, len(ids))], abs=2e-3)
-    assert all(len(lp.top) == 1 and lp.rank >= 1 for lp in lps)
+    assert list(lps.top_token_ids) == [int(ref[i - 1].argmax()) for i in range(1, len(ids))]
+    assert all(r >= 1 for r in lps.ranks)
     disagg_stack.wait_idle()
 
 

@@ -191,19 +191,20 @@ def test_router_least_loaded_round_robin_and_exclusion(script_ids: list[int]) ->
 
 
 def test_a_long_scored_prompt_fits_and_a_too_long_one_is_refused(script_ids: list[int]) -> None:
-    """A scored 200k-token prompt's logprobs (~6 MB, above gRPC's default 4 MB) reach the client
-    through the gateway; scoring one so long with 20 top logprobs each would outgrow a worker's
-    message limit: refused up front, naming the field."""
+    """A scored 200k-token prompt's logprobs (~7 MB with 5 top entries, above gRPC's default
+    4 MB) reach the client through the gateway; scoring 300k tokens with 20 top logprobs each
+    could outgrow a worker's message limit: refused up front, naming the field."""
     limits = {"max_model_len": 400_000, "max_prompt_tokens": 400_000}
     ids = [(7 * i) % 1000 + 1 for i in range(200_000)]
     with Harness(Script(list(script_ids)), **limits) as h, grpc.insecure_channel(
             h.grpc_target, options=[("grpc.max_receive_message_length", 64 << 20)]) as ch:
         out = _generate(ch, token_ids=gateway_pb2.TokenIds(ids=ids),
-                        sampling=common_pb2.SamplingParams(max_tokens=1, prompt_logprobs=1))
+                        sampling=common_pb2.SamplingParams(max_tokens=1, prompt_logprobs=5))
         scored = [r.chunk.prompt_logprobs for r in out if r.WhichOneof("response") == "chunk"]
-        assert [lp.token_id for lp in scored[0]] == ids[1:]
+        assert list(scored[0].token_ids) == ids[1:] and scored[0].num_top == 5
+        assert len(scored[0].top_logprobs) == 5 * len(ids[1:])
         with pytest.raises(grpc.RpcError) as err:
-            _generate(ch, token_ids=gateway_pb2.TokenIds(ids=ids),
+            _generate(ch, token_ids=gateway_pb2.TokenIds(ids=[*ids, *ids[:100_000]]),
                       sampling=common_pb2.SamplingParams(max_tokens=1, prompt_logprobs=20))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "sampling.prompt_logprobs" in (err.value.details() or "")

@@ -217,11 +217,8 @@ class TokenLogprob(_message.Message):
     TOKEN_ID_FIELD_NUMBER: _builtins.int
     LOGPROB_FIELD_NUMBER: _builtins.int
     TOP_FIELD_NUMBER: _builtins.int
-    RANK_FIELD_NUMBER: _builtins.int
     token_id: _builtins.int
     logprob: _builtins.float
-    rank: _builtins.int
-    """1-based rank of token_id in the distribution; 0 = not computed"""
     @_builtins.property
     def top(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprob]: ...
     def __init__(
@@ -230,15 +227,65 @@ class TokenLogprob(_message.Message):
         token_id: _builtins.int = ...,
         logprob: _builtins.float = ...,
         top: _abc.Iterable[Global___TopLogprob] | None = ...,
-        rank: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "rank", b"rank", "token_id", b"token_id", "top", b"top"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "token_id", b"token_id", "top", b"top"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TokenLogprob: _TypeAlias = TokenLogprob  # noqa: Y015
+
+@_typing.final
+class PromptLogprobs(_message.Message):
+    """A scored prompt (sampling.prompt_logprobs): prompt tokens 1, 2, ... (the first has nothing
+    before it), each given the tokens before it, column by column (packed: a long prompt costs a
+    few bulk copies, not a message per token).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_TOP_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    RANKS_FIELD_NUMBER: _builtins.int
+    TOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    num_top: _builtins.int
+    """top entries per token"""
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """the prompt's tokens 1.."""
+
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    @_builtins.property
+    def ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """1-based rank of each in the model's distribution"""
+
+    @_builtins.property
+    def top_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """num_top per token, token after token"""
+
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    def __init__(
+        self,
+        *,
+        num_top: _builtins.int = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        ranks: _abc.Iterable[_builtins.int] | None = ...,
+        top_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        top_logprobs: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "num_top", b"num_top", "ranks", b"ranks", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PromptLogprobs: _TypeAlias = PromptLogprobs  # noqa: Y015
 
 @_typing.final
 class Usage(_message.Message):

@@ -115,9 +115,9 @@ class DecodeChunk(_message.Message):
     @_builtins.property
     def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]: ...
     @_builtins.property
-    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
-        """Prompt tokens 1.., in the first chunk, when sampling.prompt_logprobs is set (colocated: no
-        prefill worker scored the prompt; a request with a kv_handle may not ask for them).
+    def prompt_logprobs(self) -> _common_pb2.PromptLogprobs:
+        """In the first chunk, when sampling.prompt_logprobs is set (colocated: no prefill worker
+        scored the prompt; a request with a kv_handle may not ask for them).
         """
 
     def __init__(
@@ -125,9 +125,9 @@ class DecodeChunk(_message.Message):
         *,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
-        prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
+        prompt_logprobs: _common_pb2.PromptLogprobs | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["prompt_logprobs", b"prompt_logprobs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
     _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...

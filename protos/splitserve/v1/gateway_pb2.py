@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.splitserve.v1 import common_pb2 as protos_dot_splitserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/splitserve/v1/gateway.proto\x12\rsplitserve.v1\x1a!protos/splitserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\"\x8f\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\t\n\x01n\x18\x07 \x01(\r\x12\r\n\x05model\x18\x08 \x01(\t\x12\x1b\n\x13skip_special_tokens\x18\t \x01(\x08\x42\x07\n\x05input\"\xa4\x01\n\rGenerateChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x34\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\"\x8f\x01\n\x10GenerateComplete\x12\r\n\x05index\x18\x01 \x01(\r\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\x13\n\x0bstop_reason\x18\x04 \x01(\t\"\xaf\x01\n\x10GenerateResponse\x12-\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1c.splitserve.v1.GenerateChunkH\x00\x12\x33\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x1f.splitserve.v1.GenerateCompleteH\x00\x12+\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.splitserve.v1.StreamErrorH\x00\x42\n\n\x08response2X\n\x07Gateway\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/splitserve/v1/gateway.proto\x12\rsplitserve.v1\x1a!protos/splitserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\"\x8f\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\t\n\x01n\x18\x07 \x01(\r\x12\r\n\x05model\x18\x08 \x01(\t\x12\x1b\n\x13skip_special_tokens\x18\t \x01(\x08\x42\x07\n\x05input\"\xa6\x01\n\rGenerateChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x36\n\x0fprompt_logprobs\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.PromptLogprobs\"\x8f\x01\n\x10GenerateComplete\x12\r\n\x05index\x18\x01 \x01(\r\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\x13\n\x0bstop_reason\x18\x04 \x01(\t\"\xaf\x01\n\x10GenerateResponse\x12-\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1c.splitserve.v1.GenerateChunkH\x00\x12\x33\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x1f.splitserve.v1.GenerateCompleteH\x00\x12+\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.splitserve.v1.StreamErrorH\x00\x42\n\n\x08response2X\n\x07Gateway\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,11 +41,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=222
   _globals['_GENERATEREQUEST']._serialized_end=493
   _globals['_GENERATECHUNK']._serialized_start=496
-  _globals['_GENERATECHUNK']._serialized_end=660
-  _globals['_GENERATECOMPLETE']._serialized_start=663
-  _globals['_GENERATECOMPLETE']._serialized_end=806
-  _globals['_GENERATERESPONSE']._serialized_start=809
-  _globals['_GENERATERESPONSE']._serialized_end=984
-  _globals['_GATEWAY']._serialized_start=986
-  _globals['_GATEWAY']._serialized_end=1074
+  _globals['_GENERATECHUNK']._serialized_end=662
+  _globals['_GENERATECOMPLETE']._serialized_start=665
+  _globals['_GENERATECOMPLETE']._serialized_end=808
+  _globals['_GENERATERESPONSE']._serialized_start=811
+  _globals['_GENERATERESPONSE']._serialized_end=986
+  _globals['_GATEWAY']._serialized_start=988
+  _globals['_GATEWAY']._serialized_end=1076
 # @@protoc_insertion_point(module_scope)

@@ -156,10 +156,8 @@ class GenerateChunk(_message.Message):
     @_builtins.property
     def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]: ...
     @_builtins.property
-    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
-        """When sampling.prompt_logprobs is set: prompt tokens 1.. (the first has nothing before it),
-        in completion 0's first chunk.
-        """
+    def prompt_logprobs(self) -> _common_pb2.PromptLogprobs:
+        """When sampling.prompt_logprobs is set: the prompt's, in completion 0's first chunk."""
 
     def __init__(
         self,
@@ -168,9 +166,9 @@ class GenerateChunk(_message.Message):
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         text: _builtins.str = ...,
         logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
-        prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
+        prompt_logprobs: _common_pb2.PromptLogprobs | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["prompt_logprobs", b"prompt_logprobs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
     _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...

@@ -72,8 +72,8 @@ class PrefillResponse(_message.Message):
     @_builtins.property
     def kv_handle(self) -> _common_pb2.KvHandle: ...
     @_builtins.property
-    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
-        """prompt tokens 1.. when sampling.prompt_logprobs is set"""
+    def prompt_logprobs(self) -> _common_pb2.PromptLogprobs:
+        """set when sampling.prompt_logprobs is"""
 
     def __init__(
         self,
@@ -83,9 +83,9 @@ class PrefillResponse(_message.Message):
         kv_handle: _common_pb2.KvHandle | None = ...,
         num_cached_tokens: _builtins.int = ...,
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
-        prompt_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
+        prompt_logprobs: _common_pb2.PromptLogprobs | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["kv_handle", b"kv_handle", "logprob", b"logprob"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kv_handle", b"kv_handle", "logprob", b"logprob", "prompt_logprobs", b"prompt_logprobs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
     _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "first_token_id", b"first_token_id", "kv_handle", b"kv_handle", "logprob", b"logprob", "num_cached_tokens", b"num_cached_tokens", "prompt_logprobs", b"prompt_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
