@@ -58,6 +58,7 @@ class Shapes:
     varlen_q_lens: tuple[int, ...]
     varlen_prefixes: tuple[int, ...]
     elementwise_tokens: int
+    vocab: int = 128256  # score_rows: a slice of prompt scoring's logits
 
 
 REAL = Shapes(
@@ -76,6 +77,7 @@ TINY = Shapes(
     varlen_q_lens=(17, 1, 9),
     varlen_prefixes=(0, 30, 12),
     elementwise_tokens=8,
+    vocab=1000,
 )
 
 
@@ -500,6 +502,26 @@ class Checker:
         moved = x.numel() * x.element_size() * 3 // 2
         return self.timed(result, lambda: silu_and_mul(x), lambda: silu_and_mul_ref(x), moved)
 
+    def score(self) -> dict[str, Any]:
+        """Prompt scoring's kernel on one 512-row slice of logits (the engine's slice): logprobs
+        and log-sum-exp against the reference, ranks and argmax exactly."""
+        from engine.kernels import score_rows
+        from engine.kernels.reference import score_rows_ref
+
+        rows, vocab = min(512, self.s.elementwise_tokens), self.s.vocab
+        logits = 4 * self.randn(rows, vocab)
+        targets = torch.randint(0, vocab, (rows,), generator=self.gen, device=self.device)
+        got, want = score_rows(logits, targets), score_rows_ref(logits, targets)
+        result = {"rows": rows, "vocab": vocab, **errors(got[0], want[0]),
+                  "lse_max_abs_err": (got[2] - want[2]).abs().max().item(),
+                  "ranks_equal": bool(torch.equal(got[1], want[1])),
+                  "argmax_equal": bool(torch.equal(got[3], want[3]))}
+        verdict(result, torch.float32)  # fp32 math on both sides: the fp32 tolerance
+        result["ok"] = bool(result["ok"] and result["ranks_equal"] and result["argmax_equal"])
+        moved = logits.numel() * logits.element_size()
+        return self.timed(result, lambda: score_rows(logits, targets),
+                          lambda: score_rows_ref(logits, targets), moved)
+
     def write_kv(self) -> dict[str, Any]:
         from engine.kernels import write_kv
         from engine.kernels.reference import write_kv_ref
@@ -760,6 +782,7 @@ def run_all(checker: Checker, only: set[str]) -> None:
         checker.run("rms_norm_residual", lambda: checker.rms_norm(True))
         checker.run("rotary_embedding", checker.rotary)
         checker.run("silu_and_mul", checker.silu)
+        checker.run("score_rows", checker.score)
     if want("decode"):
         checker.run("decode_forced_splits", checker.decode_forced_splits)
         for batch in s.decode_batches:
