@@ -158,3 +158,18 @@ def test_prompt_logprobs_on_the_gpu(tiny_model_dirs: dict[str, Path],
     _check(out[4], ref_llama(PROMPT), PROMPT, tol=1e-3)
     _check(out[5], ref_llama(OTHER), OTHER, k=2, tol=1e-3)
     llm.engine.scheduler.check_integrity()
+
+
+def test_scoring_is_unbiased_against_float64() -> None:
+    """Scored logprobs are `logit - logsumexp` in float32: within 3e-6 of float64 and unbiased
+    (torch's float32 `log_softmax` on the CPU runs ~8e-6 high: a bias that sums over a long
+    text; bench/results/cpu_logsoftmax_bias.json)."""
+    from engine.kernels.reference import score_rows_ref
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(256, 49152, generator=gen) * 4 + 5
+    targets = torch.randint(0, 49152, (256,), generator=gen)
+    exact = logits.double().log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
+    err = score_rows_ref(logits, targets)[0].double() - exact
+    assert err.abs().max().item() < 3e-6
+    assert abs(err.mean().item()) < 3e-7
