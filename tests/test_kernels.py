@@ -535,8 +535,7 @@ def test_silu_and_mul_matches_reference() -> None:
         assert_close_for(K.silu_and_mul(x), R.silu_and_mul_ref(x), dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block", [None, 512])
+@pytest.mark.parametrize(("dtype", "block"), [(torch.float32, None), (torch.bfloat16, 512)])
 def test_score_rows_matches_reference_and_a_naive_loop(dtype: torch.dtype,
                                                        block: int | None) -> None:
     """One pass per row (block 512: five blocks and a masked tail), rows of a padded tensor,
