@@ -632,3 +632,26 @@ def test_graceful_shutdown_drains_in_flight_stream(script_ids: list[int]) -> Non
         text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
         assert text == _text(script_ids[:15])
         assert h.gateway.state is not None and not h.gateway.state.healthy
+
+
+def test_streamed_echo_of_the_prompt_alone(client: OpenAI, gw: Harness) -> None:
+    """`max_tokens` 0 with `echo` in a stream: one chunk with the prompt's text and its scored
+    logprobs (the first token's null), the scoring token never shown or counted; the worker was
+    asked for one token and the prompt's logprobs with the same top count."""
+    prompt = [500, 1700, 300, 4200]
+    chunks = list(client.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=2, stream=True,
+        stream_options={"include_usage": True}))
+    texted = [c for c in chunks if c.choices and c.choices[0].text]
+    assert len(texted) == 1
+    assert texted[0].choices[0].text == smollm2_tokenizer().decode(prompt, skip_special_tokens=False)
+    lp = texted[0].choices[0].logprobs
+    assert lp is not None and lp.token_logprobs == [None, -1.0, -1.0, -1.0]
+    assert lp.top_logprobs is not None and lp.top_logprobs[0] is None
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and
+              c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 0
+    sent = gw.prefill[0].prefill_requests[-1].sampling
+    assert sent.max_tokens == 1 and sent.prompt_logprobs == 2 and sent.logprobs == 2
