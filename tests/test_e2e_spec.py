@@ -234,14 +234,17 @@ def test_gateway_turns_speculation_off_under_load(
     decode_worker = gateway.state.router.decode.workers[0]
     try:
         with ThreadPoolExecutor(max_workers=2) as pool:
-            # 400 tokens each (EOS ignored): seconds on this CPU, the third is routed in ms.
-            long_ones = [pool.submit(generate, target, prompt_ids[:8], 400) for _ in range(2)]
+            # 200 tokens each (EOS ignored): seconds on this CPU, the third is routed in ms
+            # once both are in flight. Their own deadline is generous: on a slow, shared
+            # 2-core machine 2 x 400 tokens once ran past 120 s (2026-12-02).
+            long_ones = [pool.submit(generate, target, prompt_ids[:8], 200, 4 * RPC_TIMEOUT_S)
+                         for _ in range(2)]
             deadline = time.monotonic() + RPC_TIMEOUT_S
             while decode_worker.in_flight < 2:
                 assert time.monotonic() < deadline, "the two long requests were never routed"
                 time.sleep(0.01)
             assert _gateway_generate(gateway, prompt_ids) == plain_tokens
-            assert [len(f.result().token_ids) for f in long_ones] == [400, 400]
+            assert [len(f.result().token_ids) for f in long_ones] == [200, 200]
         assert _decisions(gateway) == {"draft_model": 0.0, "ngram": 2.0, "default": 0.0,
                                        "off": 1.0}
         before = _drafts(stub)[0]
