@@ -20,7 +20,7 @@ import torch
 
 from engine.kernels.reference import score_rows_ref
 from engine.request import PromptLogprobs, Request
-from engine.sampler import to_device, to_host
+from engine.sampler import copies_queued, to_device, to_host
 from engine.scheduler import ScheduledRequest
 
 # Rows turned into logits at a time: 512 rows of a 128k vocabulary are 128 MB of bf16 logits
@@ -70,10 +70,7 @@ class PendingPromptLogprobs:
         self._ranks = to_host(ranks)
         self._top_vals = None if top_vals is None else to_host(top_vals)
         self._top_ids = None if top_ids is None else to_host(top_ids)
-        self._event: torch.cuda.Event | None = None
-        if chosen.is_cuda:
-            self._event = torch.cuda.Event()
-            self._event.record()
+        self._event = copies_queued(chosen)
 
     def result(self) -> list[tuple[Request, PromptLogprobs]]:
         """Per planned request, its scored tokens in prompt order (column slices: no object

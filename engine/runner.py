@@ -586,7 +586,8 @@ class ModelRunner:
         input_ids, positions, md, logit_rows = self.prepare(out, uniform_q)
         sampling_reqs = [s.request for s in out.scheduled if s.sample]
         # (A uniform verify step holds no prompt rows: every request in it is decoding.)
-        prompt_rows = [] if uniform_q else plan_prompt_rows(out.scheduled)
+        prompt_rows = (plan_prompt_rows(out.scheduled) if out.scores_prompt and not uniform_q
+                       else [])
         prompt: PendingPromptLogprobs | None = None
         if uniform_q and self.verify_graphs is not None:
             logits = self.verify_graphs.run(input_ids, positions, md).index_select(0, logit_rows)

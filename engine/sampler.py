@@ -254,6 +254,16 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     return t.to("cpu", non_blocking=True)
 
 
+def copies_queued(t: torch.Tensor) -> torch.cuda.Event | None:
+    """An event recorded after the device-to-host copies just queued from `t`'s stream (None
+    on the CPU, where they are done): a pending result waits on it, not on the whole device."""
+    if not t.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
 class PendingTokens:
     """Sampled tokens (and logprobs) still on their way to the host.
 
@@ -272,10 +282,7 @@ class PendingTokens:
             to_host(logprobs.chosen),
             None if logprobs.top_vals is None else to_host(logprobs.top_vals),
             None if logprobs.top_ids is None else to_host(logprobs.top_ids))
-        self._event: torch.cuda.Event | None = None
-        if tokens.is_cuda:
-            self._event = torch.cuda.Event()
-            self._event.record()
+        self._event = copies_queued(tokens)
 
     def result(self) -> tuple[list[int], list[TokenLogprob | None]]:
         if self._event is not None:

@@ -62,6 +62,9 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     kv_loads: list[KvLoad] = field(default_factory=list)       # to start this step
     preempted_ids: list[str] = field(default_factory=list)
+    # A scheduled request still has prompt tokens to score (engine/prompt_logprobs.py): only
+    # then does the runner look for their rows (not on every decode step).
+    scores_prompt: bool = False
 
     @property
     def is_pure_decode(self) -> bool:
@@ -263,6 +266,8 @@ class Scheduler:
         for s in scheduled:
             if s.request.metrics.first_scheduled_time is None:
                 s.request.metrics.first_scheduled_time = now
+            if s.request.scores_prompt:
+                out.scores_prompt = True
         # Decodes first (CUDA-graph friendly layout), then prefill chunks; stable otherwise.
         out.scheduled = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
         out.num_batched_tokens = self.token_budget - budget

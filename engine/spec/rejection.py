@@ -23,7 +23,14 @@ from collections.abc import Sequence
 import torch
 
 from engine.request import Request
-from engine.sampler import argmax_rows, draw_tokens, filter_probs, request_generator, to_device
+from engine.sampler import (
+    argmax_rows,
+    copies_queued,
+    draw_tokens,
+    filter_probs,
+    request_generator,
+    to_device,
+)
 
 
 class PendingVerify:
@@ -35,10 +42,7 @@ class PendingVerify:
         self.drafts = [list(d) for d in drafts]
         self._tokens = tokens.to("cpu", non_blocking=True)
         self._accepted = accepted.to("cpu", non_blocking=True)
-        self._event: torch.cuda.Event | None = None
-        if tokens.is_cuda:
-            self._event = torch.cuda.Event()
-            self._event.record()
+        self._event = copies_queued(tokens)
 
     def result(self) -> list[list[int]]:
         """The tokens each request emits: its accepted drafts, then one token of the target's."""
