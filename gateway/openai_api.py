@@ -306,13 +306,13 @@ class _View:
 
     def echoed(self, index: int, text: str, lps: list[common_pb2.TokenLogprob]
                ) -> tuple[str, dict[str, Any] | None]:
-        """Choice `index`'s text and logprobs with its prompt before them (echo)."""
-        out = self.logprobs(lps, 0)
+        """Choice `index`'s text and logprobs with its prompt before them (echo; completions
+        only: chat refuses it)."""
         if self.echoes is None:
-            return text, out
+            return text, self.logprobs(lps, 0)
         j = self.job_of[index]
         text = self.echoes[j] + text
-        if out is None:
+        if not self.wants_logprobs:
             return text, None
         echo = echo_logprobs(self.jobs[j].prompt_token_ids,
                              self.scored.get(j, common_pb2.PromptLogprobs()), self._text_of,

@@ -465,17 +465,17 @@ def _for_completion(sampling: common_pb2.SamplingParams, index: int
     completion 0 scores the prompt (prompt logprobs are the prompt's, not a completion's)."""
     if index == 0:
         return sampling
-    copy = common_pb2.SamplingParams()
-    copy.CopyFrom(sampling)
-    copy.ClearField("prompt_logprobs")
+    copy = _unscored(sampling, always_copy=True)
     if sampling.HasField("seed"):
         copy.seed = (sampling.seed + index) % (1 << 64)
     return copy
 
 
-def _unscored(sampling: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
-    """`sampling` without prompt logprobs (itself when it asks for none)."""
-    if not sampling.HasField("prompt_logprobs"):
+def _unscored(sampling: common_pb2.SamplingParams, always_copy: bool = False
+              ) -> common_pb2.SamplingParams:
+    """`sampling` without prompt logprobs (itself when it asks for none, unless
+    `always_copy`: the caller changes the copy)."""
+    if not always_copy and not sampling.HasField("prompt_logprobs"):
         return sampling
     copy = common_pb2.SamplingParams()
     copy.CopyFrom(sampling)
