@@ -104,12 +104,17 @@ class AsyncEngine:
                                   num_speculative_tokens, speculative_method)
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight")
+        grammar = None
+        if params.structured_outputs is not None:  # compiling may take a while: not on the loop
+            grammar = await asyncio.to_thread(self.engine.make_grammar, params, output_token_ids)
+            if request_id in self._queues:
+                raise ValueError(f"request id {request_id!r} is already in flight")
         q: asyncio.Queue[StepOutput | _Failure] = asyncio.Queue()
         self._queues[request_id] = q
         self._submit(self.engine.enqueue, (request_id, prompt_token_ids, params),
                      kwargs={"output_token_ids": output_token_ids, "remote_kv": remote_kv,
                              "num_speculative_tokens": num_speculative_tokens,
-                             "speculative_method": speculative_method})
+                             "speculative_method": speculative_method, "grammar": grammar})
         finished = False
         try:
             while True:

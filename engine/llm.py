@@ -174,6 +174,7 @@ class LLM:
         tokenized = [self._tokenize(prompt) for prompt in plist]
         for (_, ids), sp in zip(tokenized, params, strict=True):
             self.engine.check_request(ids, sp)
+            self.engine.make_grammar(sp)  # compiles (and checks) a constraint; cached for below
         items = []
         for (text, ids), sp in zip(tokenized, params, strict=True):
             rid = str(next(self._ids))
@@ -182,7 +183,8 @@ class LLM:
                 child = sp if sp.n == 1 else dataclasses.replace(
                     sp, n=1, seed=None if sp.seed is None else sp.seed + i,
                     prompt_logprobs=sp.prompt_logprobs if i == 0 else None)
-                self.engine.enqueue(f"{rid}:{i}", ids, child)
+                self.engine.enqueue(f"{rid}:{i}", ids, child,
+                                    grammar=self.engine.make_grammar(child))  # one per child
             items.append((rid, RequestOutput(rid, text, ids, [
                 CompletionOutput(i, "", [], [] if sp.logprobs is not None else None, None)
                 for i in range(sp.n)], finished=False)))

@@ -32,6 +32,7 @@ from engine.scheduler import KvLoad, Lease, SampledToken, Scheduler, SchedulerOu
 from engine.spec import Proposer, propose_all
 from engine.spec.draft_model import DraftModelProposer
 from engine.spec.ngram import NgramProposer
+from engine.structured import GrammarCompiler, RequestGrammar, StructuredOutputError
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -145,6 +146,8 @@ class LLMEngine:
                                  root_hash(self.fingerprint, config.cache.tenant_salt),
                                  keep_runs=config.keeps_block_runs())
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        # Structured outputs' constraints, compiled against this model's vocabulary on first use.
+        self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.detokenize = detokenize and self.tokenizer is not None
         self._detoks: dict[str, IncrementalDetokenizer] = {}
         self._kv_loads: list[KvLoad] = []
@@ -245,7 +248,8 @@ class LLMEngine:
                     arrival_time: float | None = None,
                     num_speculative_tokens: int | None = None,
                     speculative_method: str | None = None) -> Request:
-        """Queue a request. Raises EngineInputError / SamplingParamsError on bad input.
+        """Queue a request. Raises EngineInputError / SamplingParamsError on bad input
+        (a constraint that does not compile: EngineInputError).
 
         `num_speculative_tokens` caps this request's drafts per step (0: no speculation; None:
         the engine's `SpeculativeConfig`); it never exceeds the engine's own cap.
@@ -256,7 +260,23 @@ class LLMEngine:
         return self.enqueue(request_id, prompt_token_ids, params, output_token_ids=output_token_ids,
                             remote_kv=remote_kv, arrival_time=arrival_time,
                             num_speculative_tokens=num_speculative_tokens,
-                            speculative_method=speculative_method)
+                            speculative_method=speculative_method,
+                            grammar=self.make_grammar(params, output_token_ids))
+
+    def make_grammar(self, params: SamplingParams, output_token_ids: list[int] | None = None
+                     ) -> RequestGrammar | None:
+        """The request's grammar state when it asks for structured outputs (None otherwise),
+        advanced by the tokens it already has. Compiling may take milliseconds to seconds
+        (the first call also imports xgrammar): services call it off the engine thread; it is
+        thread-safe. Raises EngineInputError when the constraint does not compile or the
+        tokens break it."""
+        spec = params.structured_outputs
+        if spec is None:
+            return None
+        try:
+            return self.grammars.grammar(spec, output_token_ids or ())
+        except StructuredOutputError as e:
+            raise EngineInputError(str(e)) from None
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
                       output_token_ids: list[int] | None = None,
@@ -287,12 +307,18 @@ class LLMEngine:
                 *, output_token_ids: list[int] | None = None, remote_kv: RemoteKv | None = None,
                 arrival_time: float | None = None,
                 num_speculative_tokens: int | None = None,
-                speculative_method: str | None = None) -> Request:
+                speculative_method: str | None = None,
+                grammar: RequestGrammar | None = None) -> Request:
         """Queue a request that passed `check_request` (callers validate off the engine thread,
-        so the step loop does not scan the prompt twice)."""
+        so the step loop does not scan the prompt twice), with its grammar from `make_grammar`
+        when it asks for structured outputs."""
+        if (grammar is None) != (params.structured_outputs is None):
+            raise EngineInputError("a request with structured_outputs is queued with its "
+                                   "grammar (LLMEngine.make_grammar), and only such a request")
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, self.max_model_len,
                       output_token_ids=output_token_ids, remote_kv=remote_kv,
                       arrival_time=arrival_time)
+        req.grammar = grammar
         req.num_speculative_tokens = self._speculative_tokens(req, num_speculative_tokens)
         req.spec_method = (speculative_method if speculative_method in self.proposers
                            else self.config.speculative.method)
@@ -307,10 +333,11 @@ class LLMEngine:
         """Drafts per step for a request: the engine's cap, lowered by the request's; none for
         sampling that reads its own output history (penalties, min_tokens), reports logprobs,
         which are defined token by token (vLLM's n-gram path has the same limits), or shapes
-        the logits (a bias or an allow-list, which the rejection sampler does not apply)."""
+        the logits (a bias, an allow-list or a grammar, which the rejection sampler does not
+        apply)."""
         sp = req.sampling_params
         if (not self.proposers or depends_on_outputs(req) or sp.logprobs is not None
-                or sp.shapes_logits):
+                or sp.shapes_logits or sp.structured_outputs is not None):
             return 0
         cap = self.config.speculative.num_speculative_tokens
         return cap if requested is None else min(cap, requested)

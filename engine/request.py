@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):  # IntEnum: C-level hashing on the per-step hot path
@@ -157,6 +161,8 @@ class Request:
         # Its logit bias and allowed token ids as device tensors, made on first use
         # (engine/sampler.py `ShapingTensors`): not rebuilt from Python lists every step.
         self.shaping_tensors: object | None = None
+        # Its place in `structured_outputs`' language (engine/structured.py); None: free text.
+        self.grammar: RequestGrammar | None = None
         # Speculative decoding (engine/spec/): drafts per step at most (0: off), the drafts
         # proposed for the next step, and what verification made of them.
         self.num_speculative_tokens = 0
@@ -191,6 +197,8 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     def max_output_tokens(self) -> int:
         """Output tokens allowed by max_tokens and by the context length."""
@@ -207,6 +215,12 @@ class Request:
         if n_out == 0:
             return None
         last = self.output_token_ids[-1]
+        if self.grammar is not None:
+            if self.grammar.failed:  # no allowed token was left to sample (see there)
+                return RequestStatus.FINISHED_ABORTED
+            if self.grammar.is_terminated:  # the string is complete and its EOS accepted
+                self.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
         if n_out >= sp.min_tokens:
             if not sp.ignore_eos and last in self.eos_token_ids:
                 self.stop_reason = None

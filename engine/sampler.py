@@ -16,6 +16,7 @@ import torch
 
 from engine.request import Request, TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.structured import mask_logits
 
 # Greedy decoding's argmax in two levels. One `[N, V]` row reduced by one torch kernel is one
 # thread block streaming V floats: 27 us per step for V = 128,256 on the H200, against ~10 us
@@ -306,10 +307,11 @@ class PendingTokens:
 
 
 def depends_on_outputs(req: Request) -> bool:
-    """Whether sampling reads the request's own output history (penalties, min_tokens): such a
+    """Whether sampling reads the request's own output history (penalties, min_tokens, a
+    grammar's state): such a
     request's next token cannot be sampled before its last one reached the host."""
     sp = req.sampling_params
-    return sp.has_penalties or sp.min_tokens > 0
+    return sp.has_penalties or sp.min_tokens > 0 or req.grammar is not None
 
 
 class Sampler:
@@ -317,21 +319,22 @@ class Sampler:
                keep_probs: bool = False) -> PendingTokens:
         """logits: [N, V], one row per request → tokens on the device, copies started.
 
-        Any float dtype: an all-greedy batch without penalties, bias, allow-lists, min_tokens or
-        logprobs takes its argmax on the logits as given (exact: widening is monotonic);
+        Any float dtype: an all-greedy batch without penalties, bias, allow-lists, min_tokens,
+        grammars or logprobs takes its argmax on the logits as given (exact: widening is monotonic);
         anything else first widens them to float32. `keep_probs`: also keep the distribution
         each token was drawn from (a draft model's q for the rejection sampler)."""
         greedy: list[bool] = []
-        penalties = shaped = min_tokens = logprobs = False
+        penalties = shaped = min_tokens = logprobs = constrained = False
         for r in reqs:  # one pass: this runs once per step over the whole batch
             sp = r.sampling_params
             greedy.append(sp.greedy)
             penalties = penalties or sp.has_penalties
             shaped = shaped or sp.shapes_logits
+            constrained = constrained or r.grammar is not None
             min_tokens = min_tokens or _needs_min_tokens_mask(r)
             logprobs = logprobs or sp.logprobs is not None
         if logits.dtype != torch.float32 and (penalties or shaped or min_tokens or logprobs
-                                              or not all(greedy)):
+                                              or constrained or not all(greedy)):
             logits = logits.float()
         raw = logits
         if penalties:
@@ -340,6 +343,8 @@ class Sampler:
             logits = shape_logits(logits.clone() if logits is raw else logits, reqs)
         if min_tokens:
             logits = mask_min_tokens(logits.clone() if logits is raw else logits, reqs)
+        if constrained:  # last: a bias must not lift a token the grammar forbids
+            logits = mask_logits(logits.clone() if logits is raw else logits, reqs)
         kept = None
         if not any(greedy):  # every row draws: no argmax, no row selection
             probs = filter_probs(logits, [r.sampling_params for r in reqs])

@@ -14,6 +14,64 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 # better said as a logit bias against the rest). Bounds a request's size; the sampler keeps the
 # list on the device once (engine/sampler.py `shaping_tensors`).
 MAX_ALLOWED_TOKEN_IDS = 1 << 15
+# Structured outputs (engine/structured.py): a JSON schema, regex or grammar's text at most this
+# long (vLLM sets none; a schema this large is already far beyond what clients send), and a
+# `choice` list this many strings of at most this many characters.
+MAX_STRUCTURED_CHARS = 1 << 17
+MAX_CHOICES = 1024
+MAX_CHOICE_CHARS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputs:
+    """Constrain the output to a language (vLLM's `StructuredOutputsParams`): exactly one of a
+    JSON schema (as JSON text), any JSON object, a regular expression, one of `choice`'s
+    strings, or an EBNF grammar (xgrammar's dialect of GBNF, rule `root` first). The output ends
+    when the language's string is complete (the model's EOS is then the only token allowed)."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: "json", "json_object", "regex", "choice" or "grammar"."""
+        return self._set()[0]
+
+    def _set(self) -> list[str]:
+        return [name for name, value in (("json", self.json), ("json_object", self.json_object),
+                                         ("regex", self.regex), ("choice", self.choice),
+                                         ("grammar", self.grammar))
+                if value is not None and value is not False]
+
+    def validate(self) -> None:
+        given = self._set()
+        if len(given) != 1:
+            raise SamplingParamsError(
+                "structured_outputs must set exactly one of json, json_object, regex, choice, "
+                f"grammar; got {given or 'none'}")
+        for name in ("json", "regex", "grammar"):
+            text = getattr(self, name)
+            if text is not None and (not isinstance(text, str) or not text
+                                     or len(text) > MAX_STRUCTURED_CHARS):
+                raise SamplingParamsError(f"structured_outputs.{name} must be a non-empty string "
+                                          f"of at most {MAX_STRUCTURED_CHARS} characters")
+        if self.json_object is not False and self.json_object is not True:
+            raise SamplingParamsError("structured_outputs.json_object must be a boolean")
+        if self.choice is not None and (
+                not isinstance(self.choice, tuple) or not 0 < len(self.choice) <= MAX_CHOICES
+                or not all(isinstance(c, str) and 0 < len(c) <= MAX_CHOICE_CHARS
+                           for c in self.choice)):
+            raise SamplingParamsError(
+                f"structured_outputs.choice must be 1 to {MAX_CHOICES} non-empty strings of at "
+                f"most {MAX_CHOICE_CHARS} characters")
 
 
 class SamplingParamsError(ValueError):
@@ -48,6 +106,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     # Only these tokens may be sampled (vLLM's `allowed_token_ids`); None: any.
     allowed_token_ids: list[int] | None = None
+    # The output must be a string of this language (engine/structured.py); None: free text.
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -104,6 +164,22 @@ class SamplingParams:
                 or not all(_is_token_id(t) for t in self.allowed_token_ids)):
             raise bad("allowed_token_ids", _short(self.allowed_token_ids),
                       f"a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} token ids >= 0")
+        if self.structured_outputs is not None:
+            self._validate_structured()
+
+    def _validate_structured(self) -> None:
+        if not isinstance(self.structured_outputs, StructuredOutputs):
+            raise SamplingParamsError("structured_outputs must be a StructuredOutputs, got "
+                                      f"{type(self.structured_outputs).__name__}")
+        self.structured_outputs.validate()
+        # Both would fight the grammar: a minimum length bans the EOS that ends a complete
+        # string, and an allow-list may leave no token the grammar accepts.
+        if self.min_tokens > 0:
+            raise SamplingParamsError("min_tokens cannot be combined with structured_outputs "
+                                      "(the grammar decides where the output ends)")
+        if self.allowed_token_ids is not None:
+            raise SamplingParamsError("allowed_token_ids cannot be combined with "
+                                      "structured_outputs (the grammar decides the allowed tokens)")
 
     def token_ids_beyond(self, vocab_size: int) -> list[int]:
         """The token ids `logit_bias` and `allowed_token_ids` name that the model lacks."""

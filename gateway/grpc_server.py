@@ -19,6 +19,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import GatewayError
 from gateway.orchestrator import Finished, GenerationJob, TokenDelta
 from gateway.state import GatewayState
+from gateway.structured import structured_from_proto
 from protos.auth import BearerAuthInterceptor
 from protos.splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from protos.tls import read_pem
@@ -100,6 +101,7 @@ def _sampling_options(request: gateway_pb2.GenerateRequest) -> dict[str, object]
         "prompt_logprobs": s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
         "logit_bias": dict(s.logit_bias),
         "allowed_token_ids": list(s.allowed_token_ids) or None,
+        "structured_outputs": structured_from_proto(s),
         "skip_special_tokens": request.skip_special_tokens,
     }
 

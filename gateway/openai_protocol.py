@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.sampling_params import MAX_LOGIT_BIAS_ENTRIES
 from gateway.errors import GatewayError
+from gateway.structured import structured_from_request
 from protos.splitserve.v1 import common_pb2
 
 M = TypeVar("M", bound=BaseModel)
@@ -31,18 +32,12 @@ class StreamOptions(_Open):
 # Fields of OpenAI's API (and vLLM's extras) that change what comes back and that this server
 # does not implement, with what a client can do instead.
 _UNSUPPORTED_FIELDS = {
-    "response_format": "only {\"type\": \"text\"}; no JSON mode or JSON schema",
     "tools": "no tool calling",
     "tool_choice": "no tool calling; only \"none\"",
     "functions": "no function calling",
     "function_call": "no function calling",
     "suffix": "no insertion; send the text before it as the prompt",
     "echo": "chat completions do not echo; /v1/completions does",
-    "guided_json": "no guided decoding",
-    "guided_regex": "no guided decoding",
-    "guided_choice": "no guided decoding; allowed_token_ids limits single tokens",
-    "guided_grammar": "no guided decoding",
-    "structured_outputs": "no guided decoding",
     "audio": "text output only",
 }
 
@@ -95,18 +90,18 @@ class _SamplingFields(_Open):
             "logit_bias": _token_keys(self.logit_bias or {}, "logit_bias"),
             "allowed_token_ids": self.allowed_token_ids,
             "prompt_logprobs": self.prompt_logprobs,
+            # response_format, structured_outputs, guided_*: gateway/structured.py
+            "structured_outputs": structured_from_request(self.model_extra or {}),
         }
 
     def check_supported(self) -> None:
         """Refuse (400) what this server would otherwise silently ignore: unknown fields are
-        accepted for benchmark clients' extras, but a client asking for constrained output,
-        or tools must not get plain text as if they had been applied."""
+        accepted for benchmark clients' extras, but a client asking for tools must not get
+        plain text as if they had been applied."""
         extra = self.model_extra or {}
         for name in _UNSUPPORTED_FIELDS:
             value = extra.get(name)
             if value is None or value == [] or value == "" or value == {}:
-                continue
-            if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
                 continue
             if name == "tool_choice" and value == "none":
                 continue

@@ -17,6 +17,7 @@ from engine.sampling_params import SamplingParams, SamplingParamsError
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError
 from gateway.orchestrator import GenerationJob
+from gateway.structured import structured_to_proto
 from gateway.tokenization import TokenizerLike, check_encodable
 from protos.limits import MAX_PROMPT_LOGPROBS_BYTES, prompt_logprobs_bytes
 from protos.splitserve.v1 import common_pb2
@@ -169,4 +170,6 @@ def _to_proto(sp: SamplingParams, max_tokens: int) -> common_pb2.SamplingParams:
     proto.logit_bias.update(sp.logit_bias)
     if sp.allowed_token_ids is not None:
         proto.allowed_token_ids.extend(sp.allowed_token_ids)
+    if sp.structured_outputs is not None:
+        structured_to_proto(sp.structured_outputs, proto.structured_outputs)
     return proto

@@ -6,7 +6,7 @@ import grpc
 
 from engine.outputs import StepOutput
 from engine.request import PromptLogprobs, TokenLogprob
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputs
 from protos.splitserve.v1 import common_pb2
 
 MAX_PROMPT_TOKENS = 1 << 20
@@ -45,9 +45,30 @@ def sampling_from_proto(sp: common_pb2.SamplingParams) -> SamplingParams:
             prompt_logprobs=sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
             logit_bias=dict(sp.logit_bias),
             allowed_token_ids=list(sp.allowed_token_ids) or None,
+            structured_outputs=structured_from_proto(sp),
         )
     except SamplingParamsError as e:
         raise InvalidRequest(f"sampling.{e}") from e
+
+
+def structured_from_proto(sp: common_pb2.SamplingParams) -> StructuredOutputs | None:
+    """The request's constraint (None: unset); SamplingParamsError when it sets none."""
+    if not sp.HasField("structured_outputs"):
+        return None
+    so = sp.structured_outputs
+    kind = so.WhichOneof("constraint")
+    if kind == "json_schema":
+        return StructuredOutputs(json=so.json_schema)
+    if kind == "json_object":
+        return StructuredOutputs(json_object=so.json_object)
+    if kind == "regex":
+        return StructuredOutputs(regex=so.regex)
+    if kind == "choice":
+        return StructuredOutputs(choice=tuple(so.choice.values))
+    if kind == "grammar":
+        return StructuredOutputs(grammar=so.grammar)
+    raise SamplingParamsError("structured_outputs must set one of json_schema, json_object, "
+                              "regex, choice, grammar")
 
 
 def check_request_id(request_id: str) -> str:

@@ -379,10 +379,23 @@ MSG = [{"role": "user", "content": "hi"}]
      ["prompt_logprobs", "[0, 20]"]),
     (CHAT, {"model": MODEL_NAME, "messages": MSG, "prompt_logprobs": -1}, 400,
      ["prompt_logprobs"]),
-    (CMPL, {"model": MODEL_NAME, "prompt": "x", "guided_json": {"type": "object"}}, 400,
-     ["guided_json", "not supported"]),
-    (CHAT, {"model": MODEL_NAME, "messages": MSG, "response_format": {"type": "json_object"}},
-     400, ["response_format", "not supported"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": "x", "guided_json": 5}, 400,
+     ["guided_json", "JSON schema"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": "x", "guided_choice": []}, 400, ["guided_choice"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": "x", "guided_whitespace_pattern": " "}, 400,
+     ["guided_whitespace_pattern", "not supported"]),
+    (CHAT, {"model": MODEL_NAME, "messages": MSG, "response_format": {"type": "yaml"}},
+     400, ["response_format", "yaml", "not supported"]),
+    (CHAT, {"model": MODEL_NAME, "messages": MSG, "response_format": "json"},
+     400, ["response_format", "an object"]),
+    (CHAT, {"model": MODEL_NAME, "messages": MSG, "response_format": {"type": "json_object"},
+            "guided_regex": "a"}, 400, ["guided_regex", "one output constraint"]),
+    (CHAT, {"model": MODEL_NAME, "messages": MSG, "structured_outputs": {"regx": "a"}}, 400,
+     ["structured_outputs", "regx"]),
+    (CHAT, {"model": MODEL_NAME, "messages": MSG, "structured_outputs": {"json_object": 1}},
+     400, ["structured_outputs.json_object", "true"]),
+    (CHAT, {"model": MODEL_NAME, "messages": MSG, "guided_regex": "a" * 131073}, 400,
+     ["guided_regex", "131072"]),
     (CHAT, {"model": MODEL_NAME, "messages": MSG, "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400,
      ["tools", "not supported"]),
@@ -453,6 +466,33 @@ def test_logit_bias_and_allowed_token_ids_reach_the_workers(gw: Harness, client:
                                    tool_choice="none")
     sent = gw.prefill[0].prefill_requests[-1].sampling
     assert dict(sent.logit_bias) == {3: 1.0} and not sent.allowed_token_ids
+
+
+def test_structured_outputs_reach_the_workers(gw: Harness, client: OpenAI) -> None:
+    """Each way of asking (OpenAI's response_format, vLLM's structured_outputs and guided_*)
+    becomes the one `StructuredOutputs` message the workers compile."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    client.chat.completions.create(
+        model=MODEL_NAME, messages=MSG, max_tokens=2,  # type: ignore[arg-type]
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    sent = gw.prefill[0].prefill_requests[-1].sampling.structured_outputs
+    assert json.loads(sent.json_schema) == schema
+    client.chat.completions.create(model=MODEL_NAME, messages=MSG, max_tokens=2,  # type: ignore[arg-type]
+                                   response_format={"type": "json_object"})
+    assert gw.prefill[0].prefill_requests[-1].sampling.structured_outputs.json_object
+    for extra, field, value in [
+            ({"guided_choice": ["x", "y"]}, "choice", ["x", "y"]),
+            ({"structured_outputs": {"choice": ["z"]}}, "choice", ["z"]),
+            ({"guided_regex": "a+"}, "regex", "a+"),
+            ({"structured_outputs": {"grammar": 'root ::= "a"'}}, "grammar", 'root ::= "a"'),
+            ({"guided_json": json.dumps(schema)}, "json_schema", json.dumps(schema))]:
+        client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2, extra_body=extra)
+        so = gw.prefill[0].prefill_requests[-1].sampling.structured_outputs
+        assert so.WhichOneof("constraint") == field, extra
+        got = list(so.choice.values) if field == "choice" else getattr(so, field)
+        assert got == value, extra
+    client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2)
+    assert not gw.prefill[0].prefill_requests[-1].sampling.HasField("structured_outputs")
 
 
 def test_tokenize_and_detokenize(gw: Harness, client: OpenAI) -> None:

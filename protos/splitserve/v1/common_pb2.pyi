@@ -113,6 +113,7 @@ class SamplingParams(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _builtins.int
     ALLOWED_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    STRUCTURED_OUTPUTS_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """0 = greedy"""
     top_p: _builtins.float
@@ -147,6 +148,10 @@ class SamplingParams(_message.Message):
     def allowed_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """only these may be sampled; empty: any"""
 
+    @_builtins.property
+    def structured_outputs(self) -> Global___StructuredOutputs:
+        """The output must be a string of this language; unset: free text."""
+
     def __init__(
         self,
         *,
@@ -166,10 +171,11 @@ class SamplingParams(_message.Message):
         logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
         allowed_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         prompt_logprobs: _builtins.int | None = ...,
+        structured_outputs: Global___StructuredOutputs | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_seed", b"_seed", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "seed", b"seed"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_seed", b"_seed", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "seed", b"seed", "structured_outputs", b"structured_outputs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_seed", b"_seed", "allowed_token_ids", b"allowed_token_ids", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_seed", b"_seed", "allowed_token_ids", b"allowed_token_ids", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "structured_outputs", b"structured_outputs", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
     _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
@@ -185,6 +191,69 @@ class SamplingParams(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
+
+@_typing.final
+class StructuredOutputs(_message.Message):
+    """A constraint on the output (vLLM's structured outputs): exactly one is set. The output ends
+    when the string is complete (the model's EOS is then the only token allowed).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JSON_SCHEMA_FIELD_NUMBER: _builtins.int
+    JSON_OBJECT_FIELD_NUMBER: _builtins.int
+    REGEX_FIELD_NUMBER: _builtins.int
+    CHOICE_FIELD_NUMBER: _builtins.int
+    GRAMMAR_FIELD_NUMBER: _builtins.int
+    json_schema: _builtins.str
+    """a JSON schema, as JSON text"""
+    json_object: _builtins.bool
+    """any JSON object"""
+    regex: _builtins.str
+    grammar: _builtins.str
+    """EBNF (xgrammar's GBNF dialect; the rule `root` is the start)"""
+    @_builtins.property
+    def choice(self) -> Global___Choices:
+        """exactly one of these strings"""
+
+    def __init__(
+        self,
+        *,
+        json_schema: _builtins.str = ...,
+        json_object: _builtins.bool = ...,
+        regex: _builtins.str = ...,
+        choice: Global___Choices | None = ...,
+        grammar: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "constraint", b"constraint", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "regex", b"regex"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "constraint", b"constraint", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "regex", b"regex"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_constraint: _TypeAlias = _typing.Literal["json_schema", "json_object", "regex", "choice", "grammar"]  # noqa: Y015
+    _WhichOneofArgType_constraint: _TypeAlias = _typing.Literal["constraint", b"constraint"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_constraint) -> _WhichOneofReturnType_constraint | None: ...
+
+Global___StructuredOutputs: _TypeAlias = StructuredOutputs  # noqa: Y015
+
+@_typing.final
+class Choices(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VALUES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def values(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        values: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["values", b"values"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Choices: _TypeAlias = Choices  # noqa: Y015
 
 @_typing.final
 class TopLogprob(_message.Message):

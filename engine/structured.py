@@ -1,0 +1,208 @@
+"""Structured outputs: the output constrained to a JSON schema, a regex, a choice or a grammar.
+
+xgrammar compiles the constraint against the model's vocabulary once (an automaton whose
+token masks are mostly precomputed) and keeps a matcher per request; each step the matcher's
+mask of allowed next tokens goes into that request's logits row (`mask_logits`) and the sampled
+token advances it (`RequestGrammar.accept`). This is what vLLM and SGLang use by default.
+
+A request's grammar state is a function of its output tokens only, so a decode worker that
+receives a prefill worker's first token, or a request resumed elsewhere, rebuilds it by
+accepting the tokens it already has. Its next token depends on the previous one having reached
+the host (the mask), so its steps are not overlapped with the next one's scheduling
+(`engine.sampler.depends_on_outputs`), and it does not speculate.
+
+xgrammar (which imports transformers) is imported on the first structured request, off the
+engine thread where the services call it (`AsyncEngine` compiles in a worker thread).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.sampling_params import StructuredOutputs
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from engine.request import Request
+    from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+# Compiled grammars kept (xgrammar keeps its own cache too; this one also skips re-parsing the
+# key's text). A JSON schema's compiled form is ~10-100 KB.
+_COMPILED_CACHE = 256
+
+
+class StructuredOutputError(ValueError):
+    """A constraint that does not compile, or tokens the constraint does not accept."""
+
+
+class RequestGrammar:
+    """One request's position in its constraint's language."""
+
+    __slots__ = ("_matcher", "failed")
+
+    def __init__(self, matcher: Any) -> None:
+        self._matcher = matcher
+        self.failed = False  # a token was sampled that the grammar rejects (see `accept`)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by a sampled token; False (and `failed`) when the grammar rejects it, which
+        the mask rules out unless the logits row had no allowed token left (NaN logits)."""
+        if self.failed:
+            return False
+        ok = bool(self._matcher.accept_token(token_id))
+        if not ok:
+            self.failed = True
+        return ok
+
+    @property
+    def is_terminated(self) -> bool:
+        """The string is complete and a stop token was accepted: nothing may follow."""
+        return bool(self._matcher.is_terminated())
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write this request's allowed next tokens into `bitmask[row]` (int32 words, bit t of
+        word w allows token 32 w + t)."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+
+class GrammarCompiler:
+    """Compiles constraints against one model's vocabulary; thread-safe."""
+
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int,
+                 stop_token_ids: Sequence[int]) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._stop_token_ids = list(stop_token_ids)
+        self._lock = threading.Lock()
+        self._compiler: Any = None
+        self._compiled: OrderedDict[StructuredOutputs, Any] = OrderedDict()
+
+    def grammar(self, spec: StructuredOutputs, output_token_ids: Sequence[int] = ()
+                ) -> RequestGrammar:
+        """A matcher at the start of `spec`'s language, advanced by tokens already generated
+        (a decode worker's first token from prefill, a resumed request's outputs)."""
+        import xgrammar as xgr
+
+        grammar = RequestGrammar(xgr.GrammarMatcher(self.compile(spec)))
+        for i, token in enumerate(output_token_ids):
+            if not grammar.accept(token):
+                raise StructuredOutputError(
+                    f"output_token_ids[{i}] = {token} is not allowed by structured_outputs "
+                    f"({spec.kind}) after the tokens before it")
+        return grammar
+
+    def compile(self, spec: StructuredOutputs) -> Any:
+        """The compiled constraint (cached); raises StructuredOutputError naming the field."""
+        with self._lock:
+            hit = self._compiled.get(spec)
+            if hit is not None:
+                self._compiled.move_to_end(spec)
+                return hit
+        compiled = self._compile(spec)
+        with self._lock:
+            self._compiled[spec] = compiled
+            while len(self._compiled) > _COMPILED_CACHE:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def _compile(self, spec: StructuredOutputs) -> Any:
+        compiler = self._xgrammar_compiler()
+        field = f"structured_outputs.{spec.kind}"
+        try:
+            if spec.json is not None:
+                json.loads(spec.json)  # xgrammar's message for bad JSON names no position
+                return compiler.compile_json_schema(spec.json, any_whitespace=True)
+            if spec.json_object:  # OpenAI's JSON mode: an object (vLLM's reading too)
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=True)
+            if spec.regex is not None:
+                return compiler.compile_regex(spec.regex)
+            if spec.choice is not None:
+                return compiler.compile_grammar(choice_grammar(spec.choice))
+            assert spec.grammar is not None
+            return compiler.compile_grammar(spec.grammar)
+        except ValueError as e:  # json.JSONDecodeError
+            raise StructuredOutputError(f"{field} is not valid JSON: {e}") from None
+        except RuntimeError as e:  # xgrammar's parse errors: "[time] file.cc:line: message"
+            raise StructuredOutputError(f"{field} does not compile: {_xgrammar_message(e)}"
+                                        ) from None
+
+    def _xgrammar_compiler(self) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                if self._tokenizer is None:
+                    raise StructuredOutputError(
+                        "structured_outputs needs the model's tokenizer, and this engine has none")
+                self._compiler = _make_compiler(self._tokenizer, self.vocab_size,
+                                                self._stop_token_ids)
+            return self._compiler
+
+
+def _make_compiler(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]) -> Any:
+    import xgrammar as xgr
+    from transformers import PreTrainedTokenizerFast
+
+    # xgrammar reads the vocabulary's encoding (byte-level, byte-fallback) from the HF form.
+    hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend)
+    detected = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size,
+                                                  stop_token_ids=stop_token_ids)
+    # Special tokens ("<|im_start|>") must never appear inside a constrained string, but a
+    # byte-level vocabulary spells them in printable characters that xgrammar would take for
+    # text; as empty strings they count as special and are never allowed (the stop tokens
+    # still end a complete string). Ids beyond the tokenizer's (padding rows of the LM head)
+    # stay empty as well.
+    vocab: list[bytes | str] = [""] * vocab_size
+    for text, i in tokenizer.backend.get_vocab(with_added_tokens=True).items():
+        if i < vocab_size:
+            vocab[i] = text
+    for i in tokenizer.all_special_ids:
+        if i < vocab_size:
+            vocab[i] = ""
+    info = xgr.TokenizerInfo.from_vocab_and_metadata(vocab, detected.dump_metadata())
+    logger.info("structured outputs: xgrammar over %d tokens (%s), stop tokens %s",
+                vocab_size, info.vocab_type.name, info.stop_token_ids)
+    return xgr.GrammarCompiler(info, max_threads=2)
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """An EBNF grammar whose strings are exactly `choices` (JSON string escapes are also
+    EBNF's: quotes, backslashes, control characters, \\uXXXX)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _xgrammar_message(e: Exception) -> str:
+    text = str(e).strip()
+    return text.split(": ", 1)[1] if text.startswith("[") and ": " in text else text
+
+
+def mask_logits(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    """Tokens the rows' grammars do not allow next set to -inf, for the rows whose requests
+    have a grammar (the others untouched). One host bitmask for those rows, copied without a
+    sync, unpacked and applied on the device. logits: [N, V], modified in place and returned."""
+    rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    if not rows:
+        return logits
+    vocab = logits.shape[1]
+    words = (vocab + 31) // 32
+    bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)
+    for k, i in enumerate(rows):
+        grammar = reqs[i].grammar
+        assert grammar is not None
+        grammar.fill_mask(bitmask, k)
+    dev = logits.device
+    if dev.type == "cuda":  # from pinned memory: queued, no sync (engine/sampler.py to_device)
+        bitmask = bitmask.pin_memory().to(dev, non_blocking=True)
+    bits = torch.arange(32, dtype=torch.int32, device=dev)
+    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().view(len(rows), words * 32)[:, :vocab]
+    idx = torch.tensor(rows, dtype=torch.long)
+    idx = idx.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else idx
+    sub = logits.index_select(0, idx).masked_fill_(~allowed, float("-inf"))
+    return logits.index_copy_(0, idx, sub)

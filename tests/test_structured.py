@@ -1,0 +1,195 @@
+"""Structured outputs in the engine (real SmolLM2, real xgrammar): every output is a string of
+the asked language — JSON schema, any JSON object, regex, choice, EBNF grammar — greedy and
+sampled, in batches with free-text requests (which must not change), with async scheduling,
+rebuilt from tokens already generated (a decode worker's or a resumed request's), and refused
+with a clear error when the constraint does not compile."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.llm_engine import EngineInputError
+from engine.request import Request
+from engine.sampling_params import SamplingParamsError, StructuredOutputs
+from engine.structured import choice_grammar, mask_logits
+
+pytestmark = pytest.mark.slow
+
+PERSON = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "pet": {"enum": ["cat", "dog", "none"]}},
+          "required": ["name", "age", "pet"], "additionalProperties": False}
+ASK_PERSON = [{"role": "user", "content": "Describe a person as JSON."}]
+
+
+def _check_person(text: str) -> None:
+    value = json.loads(text)
+    assert set(value) == {"name", "age", "pet"}, value
+    assert isinstance(value["name"], str) and len(value["name"]) <= 12
+    assert type(value["age"]) is int and 0 <= value["age"] <= 120
+    assert value["pet"] in ("cat", "dog", "none")
+
+
+def _params(spec: StructuredOutputs, **kw: object) -> SamplingParams:
+    opts: dict[str, object] = {"temperature": 0.0, "max_tokens": 96} | kw
+    return SamplingParams(structured_outputs=spec, **opts)  # type: ignore[arg-type]
+
+
+def test_json_schema_greedy_and_sampled(smollm2: LLM) -> None:
+    spec = StructuredOutputs(json=json.dumps(PERSON))
+    [greedy] = smollm2.chat(ASK_PERSON, _params(spec))
+    [sampled] = smollm2.chat(ASK_PERSON, _params(spec, temperature=1.0, top_p=0.95, n=4, seed=7))
+    for out in [*greedy.outputs, *sampled.outputs]:
+        assert out.finish_reason == "stop", out
+        _check_person(out.text)
+    # The constraint changed what the model says: unconstrained, it does not answer in JSON.
+    [free] = smollm2.chat(ASK_PERSON, SamplingParams(temperature=0.0, max_tokens=20))
+    with pytest.raises(ValueError):
+        _check_person(free.outputs[0].text)
+
+
+@pytest.mark.parametrize(("spec", "check", "prompt"), [
+    (StructuredOutputs(json_object=True), lambda t: isinstance(json.loads(t), dict),
+     "A JSON object with a city's name:"),
+    (StructuredOutputs(regex=r"\d{3}-\d{4}"), lambda t: re.fullmatch(r"\d{3}-\d{4}", t),
+     "My phone number is"),
+    (StructuredOutputs(choice=("yes", "no", 'say "maybe"\n')),
+     lambda t: t in ("yes", "no", 'say "maybe"\n'), "Answer: is the sky blue?"),
+    (StructuredOutputs(grammar='root ::= ("red" | "green") " " [0-9]{1,3} ("," [0-9]{1,3}){0,3}'),
+     lambda t: re.fullmatch(r"(red|green) \d{1,3}(,\d{1,3}){0,3}", t), "A color and numbers:"),
+], ids=["json_object", "regex", "choice", "grammar"])
+def test_each_kind_of_constraint(smollm2: LLM, spec: StructuredOutputs, check: object,
+                                 prompt: str) -> None:
+    params = [_params(spec), _params(spec, temperature=0.9, seed=3)]
+    for out in smollm2.generate([prompt, prompt], params):
+        text = out.outputs[0].text
+        assert out.outputs[0].finish_reason == "stop", (text, out.outputs[0])
+        assert callable(check) and check(text), text
+
+
+def test_choice_grammar_escapes() -> None:
+    assert choice_grammar(['a"b', "c\\d", "é\n"]) == 'root ::= "a\\"b" | "c\\\\d" | "é\\n"'
+
+
+def test_truncated_by_max_tokens(smollm2: LLM) -> None:
+    [out] = smollm2.chat(ASK_PERSON, _params(StructuredOutputs(json=json.dumps(PERSON)),
+                                             max_tokens=5))
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 5
+    assert out.outputs[0].text.startswith("{")
+
+
+def test_special_tokens_never_inside_a_string(smollm2: LLM) -> None:
+    """A byte-level vocabulary spells "<|im_start|>" in printable characters; it is a control
+    token and must never be allowed as text, and EOS only once the string is complete."""
+    engine = smollm2.engine
+    tok = engine.tokenizer
+    assert tok is not None
+    grammar = engine.grammars.grammar(StructuredOutputs(json_object=True),
+                                      tok.encode('{"a": "', add_special_tokens=False))
+    req = Request("r", [1, 2], _params(StructuredOutputs(json_object=True)))
+    req.grammar = grammar
+    logits = torch.zeros(1, engine.model_config.vocab_size)
+    allowed = torch.isfinite(mask_logits(logits, [req])[0])
+    assert allowed.sum() > 1000  # a string's content: most of the vocabulary
+    assert not allowed[tok.all_special_ids].any()
+    for token in tok.encode('b"}', add_special_tokens=False):
+        assert grammar.accept(token)
+    allowed = torch.isfinite(mask_logits(torch.zeros_like(logits), [req])[0])
+    # Complete: whitespace may follow the object, then EOS ends it.
+    assert allowed[list(engine.eos_token_ids)].all()
+    assert not allowed[tok.encode("x", add_special_tokens=False)].any()
+    assert grammar.accept(engine.eos_token_ids[0]) and grammar.is_terminated
+
+
+def test_mask_touches_only_constrained_rows(smollm2: LLM) -> None:
+    engine = smollm2.engine
+    spec = StructuredOutputs(choice=("yes", "no"))
+    free, constrained = (Request(name, [1], _params(spec)) for name in ("a", "b"))
+    free.sampling_params = SamplingParams(temperature=0.0)
+    constrained.grammar = engine.grammars.grammar(spec)
+    logits = torch.randn(3, engine.model_config.vocab_size)
+    want = logits.clone()
+    out = mask_logits(logits, [free, constrained, free])
+    assert torch.equal(out[0], want[0]) and torch.equal(out[2], want[2])
+    finite = torch.isfinite(out[1]).nonzero().flatten().tolist()
+    tok = engine.tokenizer
+    assert tok is not None
+    # Exactly the tokens that start "yes" or "no".
+    assert {tok.decode([t]) for t in finite} <= {"y", "ye", "yes", "n", "no"}, finite
+    assert torch.equal(out[1, finite], want[1, finite])
+
+
+def test_mixed_batch_sync_and_async(smollm2: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Constrained and free requests in one batch: the free ones' tokens are those they get
+    alone, and async scheduling (which waits for a constrained request's token before
+    sampling its next) gives the same tokens as synchronous."""
+    spec = StructuredOutputs(json=json.dumps(PERSON))
+    prompts = ["The weather today is", "Describe a person as JSON:", "Once upon a time",
+               "JSON for a person:"]
+    free = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    params = [free, _params(spec), free, _params(spec, temperature=1.0, seed=11)]
+    alone = [o.outputs[0].token_ids for o in smollm2.generate(prompts[::2], free)]
+    sync = smollm2.generate(prompts, params)
+    monkeypatch.setattr(smollm2.engine, "async_scheduling", True)
+    asynced = smollm2.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in asynced] == [o.outputs[0].token_ids for o in sync]
+    assert [sync[0].outputs[0].token_ids, sync[2].outputs[0].token_ids] == alone
+    for out in (sync[1], sync[3]):
+        _check_person(out.outputs[0].text)
+
+
+def test_rebuilt_from_output_tokens(smollm2: LLM) -> None:
+    """A decode worker gets the first token from prefill; a resumed request its outputs so
+    far: the grammar is advanced by them, and the rest is what one engine would have made."""
+    engine = smollm2.engine
+    spec = StructuredOutputs(json=json.dumps(PERSON))
+    [whole] = smollm2.chat(ASK_PERSON, _params(spec))
+    tokens = whole.outputs[0].token_ids
+    prompt = whole.prompt_token_ids
+    engine.add_request("resumed", prompt, _params(spec), output_token_ids=tokens[:4])
+    rest: list[int] = []
+    while engine.has_unfinished_requests():
+        for step in engine.step():
+            rest += step.new_token_ids
+    assert tokens[:4] + rest == tokens
+    bad = smollm2.engine.tokenizer.encode("hello", add_special_tokens=False)  # type: ignore[union-attr]
+    with pytest.raises(EngineInputError, match=r"output_token_ids\[0\].*not allowed"):
+        engine.add_request("bad", prompt, _params(spec), output_token_ids=bad)
+    assert not engine.scheduler.requests
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    (StructuredOutputs(json='{"type": "object",'), r"structured_outputs\.json is not valid JSON"),
+    (StructuredOutputs(json='{"type": "objectx"}'), r"structured_outputs\.json does not compile"),
+    (StructuredOutputs(regex="(ab"), r"structured_outputs\.regex does not compile.*parenthesis"),
+    (StructuredOutputs(grammar="root ::= foo"), r"grammar does not compile.*foo"),
+])
+def test_bad_constraints_refused(smollm2: LLM, spec: StructuredOutputs, message: str) -> None:
+    with pytest.raises(EngineInputError, match=message):
+        smollm2.generate("Hi", _params(spec))
+    assert not smollm2.engine.scheduler.requests
+
+
+def test_params_validation() -> None:
+    with pytest.raises(SamplingParamsError, match="exactly one"):
+        StructuredOutputs()
+    with pytest.raises(SamplingParamsError, match="exactly one"):
+        StructuredOutputs(regex="a", choice=("a",))
+    with pytest.raises(SamplingParamsError, match="choice"):
+        StructuredOutputs(choice=())
+    with pytest.raises(SamplingParamsError, match="choice"):
+        StructuredOutputs(choice=("a", ""))
+    with pytest.raises(SamplingParamsError, match="regex"):
+        StructuredOutputs(regex="x" * ((1 << 17) + 1))
+    spec = StructuredOutputs(regex="a+")
+    with pytest.raises(SamplingParamsError, match="min_tokens cannot be combined"):
+        SamplingParams(min_tokens=2, structured_outputs=spec)
+    with pytest.raises(SamplingParamsError, match="allowed_token_ids cannot be combined"):
+        SamplingParams(allowed_token_ids=[1], structured_outputs=spec)
+    assert StructuredOutputs(choice=["a"]).choice == ("a",)  # hashable: the compile cache's key
