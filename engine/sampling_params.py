@@ -34,6 +34,10 @@ class StructuredOutputs:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    # JSON (`json`, `json_object`): any whitespace between tokens, as vLLM allows by default;
+    # False (vLLM's `disable_any_whitespace`): one fixed layout, so that a model given to
+    # newlines cannot spend its tokens on them.
+    any_whitespace: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.choice, list):
@@ -63,8 +67,9 @@ class StructuredOutputs:
                                      or len(text) > MAX_STRUCTURED_CHARS):
                 raise SamplingParamsError(f"structured_outputs.{name} must be a non-empty string "
                                           f"of at most {MAX_STRUCTURED_CHARS} characters")
-        if self.json_object is not False and self.json_object is not True:
-            raise SamplingParamsError("structured_outputs.json_object must be a boolean")
+        for name in ("json_object", "any_whitespace"):
+            if getattr(self, name) is not False and getattr(self, name) is not True:
+                raise SamplingParamsError(f"structured_outputs.{name} must be a boolean")
         if self.choice is not None and (
                 not isinstance(self.choice, tuple) or not 0 < len(self.choice) <= MAX_CHOICES
                 or not all(isinstance(c, str) and 0 < len(c) <= MAX_CHOICE_CHARS

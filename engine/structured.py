@@ -120,9 +120,10 @@ class GrammarCompiler:
         try:
             if spec.json is not None:
                 json.loads(spec.json)  # xgrammar's message for bad JSON names no position
-                return compiler.compile_json_schema(spec.json, any_whitespace=True)
+                return compiler.compile_json_schema(spec.json, any_whitespace=spec.any_whitespace)
             if spec.json_object:  # OpenAI's JSON mode: an object (vLLM's reading too)
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=True)
+                return compiler.compile_json_schema('{"type": "object"}',
+                                                    any_whitespace=spec.any_whitespace)
             if spec.regex is not None:
                 return compiler.compile_regex(spec.regex)
             if spec.choice is not None:

@@ -80,6 +80,8 @@ def _structured_outputs(so: object) -> StructuredOutputs:
     for key in so:
         if key in _UNSUPPORTED.values():
             raise GatewayError.invalid(param, f"{param}.{key} is not supported by this server")
+        # disable_fallback: vLLM's choice of another backend when one cannot compile; this
+        # server has one, so it changes nothing.
         if key not in _KEYS and key not in ("disable_any_whitespace", "disable_fallback"):
             raise GatewayError.invalid(param, f"{param}.{key} is not a known constraint "
                                        f"(one of {', '.join(_KEYS)})")
@@ -88,11 +90,15 @@ def _structured_outputs(so: object) -> StructuredOutputs:
         raise GatewayError.invalid(param, f"{param} must set exactly one of "
                                    f"{', '.join(_KEYS)}; got {sorted(given) or 'none'}")
     [(key, value)] = given.items()
+    compact = so.get("disable_any_whitespace", False)
+    if not isinstance(compact, bool):
+        raise GatewayError.invalid(param, f"{param}.disable_any_whitespace must be a boolean")
     if key == "json_object":
         if value is not True:
             raise GatewayError.invalid(param, f"{param}.json_object must be true")
-        return StructuredOutputs(json_object=True)
-    return _spec(param, **{key: _text(f"{param}.{key}", value, key)})
+        return StructuredOutputs(json_object=True, any_whitespace=not compact)
+    extra = {"any_whitespace": not compact} if key == "json" else {}
+    return _spec(param, **{key: _text(f"{param}.{key}", value, key)}, **extra)
 
 
 def _text(param: str, value: object, key: str) -> Any:
@@ -122,6 +128,7 @@ def _spec(param: str, **fields: Any) -> StructuredOutputs:
 
 def structured_to_proto(spec: StructuredOutputs, proto: common_pb2.StructuredOutputs) -> None:
     """Write `spec` into `proto` (a field of a SamplingParams message)."""
+    proto.disable_any_whitespace = not spec.any_whitespace
     if spec.json is not None:
         proto.json_schema = spec.json
     elif spec.json_object:
@@ -146,4 +153,6 @@ def structured_from_proto(sp: common_pb2.SamplingParams) -> StructuredOutputs | 
     if kind == "choice":
         return _spec(param, choice=tuple(so.choice.values))
     value = getattr(so, kind)
-    return _spec(param, **{"json" if kind == "json_schema" else kind: value})
+    extra = ({"any_whitespace": not so.disable_any_whitespace}
+             if kind in ("json_schema", "json_object") else {})
+    return _spec(param, **{"json" if kind == "json_schema" else kind: value}, **extra)

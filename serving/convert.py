@@ -57,10 +57,11 @@ def structured_from_proto(sp: common_pb2.SamplingParams) -> StructuredOutputs | 
         return None
     so = sp.structured_outputs
     kind = so.WhichOneof("constraint")
+    ws = not so.disable_any_whitespace
     if kind == "json_schema":
-        return StructuredOutputs(json=so.json_schema)
+        return StructuredOutputs(json=so.json_schema, any_whitespace=ws)
     if kind == "json_object":
-        return StructuredOutputs(json_object=so.json_object)
+        return StructuredOutputs(json_object=so.json_object, any_whitespace=ws)
     if kind == "regex":
         return StructuredOutputs(regex=so.regex)
     if kind == "choice":

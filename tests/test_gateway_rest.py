@@ -491,6 +491,11 @@ def test_structured_outputs_reach_the_workers(gw: Harness, client: OpenAI) -> No
         assert so.WhichOneof("constraint") == field, extra
         got = list(so.choice.values) if field == "choice" else getattr(so, field)
         assert got == value, extra
+    assert not so.disable_any_whitespace
+    client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2, extra_body={
+        "structured_outputs": {"json": schema, "disable_any_whitespace": True}})
+    so = gw.prefill[0].prefill_requests[-1].sampling.structured_outputs
+    assert json.loads(so.json_schema) == schema and so.disable_any_whitespace
     client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2)
     assert not gw.prefill[0].prefill_requests[-1].sampling.HasField("structured_outputs")
 

@@ -205,6 +205,7 @@ class StructuredOutputs(_message.Message):
     REGEX_FIELD_NUMBER: _builtins.int
     CHOICE_FIELD_NUMBER: _builtins.int
     GRAMMAR_FIELD_NUMBER: _builtins.int
+    DISABLE_ANY_WHITESPACE_FIELD_NUMBER: _builtins.int
     json_schema: _builtins.str
     """a JSON schema, as JSON text"""
     json_object: _builtins.bool
@@ -212,6 +213,8 @@ class StructuredOutputs(_message.Message):
     regex: _builtins.str
     grammar: _builtins.str
     """EBNF (xgrammar's GBNF dialect; the rule `root` is the start)"""
+    disable_any_whitespace: _builtins.bool
+    """JSON in one fixed layout instead of any whitespace between tokens (vLLM's option)."""
     @_builtins.property
     def choice(self) -> Global___Choices:
         """exactly one of these strings"""
@@ -224,10 +227,11 @@ class StructuredOutputs(_message.Message):
         regex: _builtins.str = ...,
         choice: Global___Choices | None = ...,
         grammar: _builtins.str = ...,
+        disable_any_whitespace: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "constraint", b"constraint", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "regex", b"regex"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "constraint", b"constraint", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "regex", b"regex"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "constraint", b"constraint", "disable_any_whitespace", b"disable_any_whitespace", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "regex", b"regex"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_constraint: _TypeAlias = _typing.Literal["json_schema", "json_object", "regex", "choice", "grammar"]  # noqa: Y015
     _WhichOneofArgType_constraint: _TypeAlias = _typing.Literal["constraint", b"constraint"]  # noqa: Y015
