@@ -65,13 +65,18 @@ def _run(llm: Any, prompts: list[list[int]], params: list[Any]) -> dict[str, Any
         times = o.metrics.token_times if o.metrics is not None else []
         itls += [(b - a) * 1e3 for a, b in itertools.pairwise(times)]
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    # The texts without the EOS that ended them: a synthetic vocabulary may spell an EOS id as
+    # a word (it marks only Llama 3's <|eot_id|> special), which is not the output's text.
+    tok, eos = llm.engine.tokenizer, set(llm.engine.eos_token_ids)
+    texts = [tok.decode([t for i, t in enumerate(ids) if i < len(ids) - 1 or t not in eos])
+             for ids in (o.outputs[0].token_ids for o in outs)]
     reasons: dict[str, int] = {}
     for o in outs:
         reasons[str(o.outputs[0].finish_reason)] = reasons.get(str(o.outputs[0].finish_reason), 0) + 1
     return {"output_tokens": tokens, "wall_s": round(wall, 4),
             "output_tok_s": round(tokens / wall, 1),
             "median_itl_ms": round(statistics.median(itls), 3) if itls else None,
-            "finish_reasons": reasons, "texts": [o.outputs[0].text for o in outs]}
+            "finish_reasons": reasons, "texts": texts}
 
 
 def _mask_cost(llm: Any, batch: int, repeats: int) -> dict[str, float]:

@@ -389,7 +389,9 @@ class LLMEngine:
         finished instead (its tokens returned), so this step's scheduling, input preparation and
         launch overlap the device's work on the previous one. A request that stopped in the
         previous step (EOS, stop string) may have been scheduled once more: that extra token is
-        dropped. Steps whose sampling reads output history (penalties, min_tokens) finish at once.
+        dropped. Steps whose sampling reads output history (penalties, min_tokens) finish at once;
+        a step sampling under a grammar finishes the previous one between its forward pass and
+        its sampling (`ModelRunner.launch`'s `settle`).
         """
         if self.is_shut_down:
             raise RuntimeError("the engine was shut down")
@@ -398,9 +400,17 @@ class LLMEngine:
         if out.kv_loads:
             self.runner.fence_kv_loads()  # before this step: see there
         self._kv_loads.extend(out.kv_loads)
-        pending = self.runner.launch(out)
         prev, self._inflight = self._inflight, None
-        outputs = self._finish_step(prev) if prev is not None else []
+        outputs: list[StepOutput] = []
+
+        def settle() -> None:  # the previous step's tokens to the host, its grammars advanced
+            nonlocal prev
+            if prev is not None:
+                finished, prev = prev, None
+                outputs.extend(self._finish_step(finished))
+
+        pending = self.runner.launch(out, settle=settle)
+        settle()
         if pending is not None:
             if self.async_scheduling and pending.overlappable:
                 self._inflight = (out, pending)

@@ -573,12 +573,16 @@ class ModelRunner:
         return {} if pending is None else pending.result()
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput, keep_probs: bool = False) -> PendingStep | None:
+    def launch(self, out: SchedulerOutput, keep_probs: bool = False,
+               settle: Callable[[], None] | None = None) -> PendingStep | None:
         """Enqueue one step's forward pass and sampling without waiting for the device.
 
         The sampled tokens stay on the device too, so the next step may take them as inputs
         before they reach the host (async scheduling). None when nothing is sampled.
-        `keep_probs`: the sampled tokens keep their distributions (a draft model's steps)."""
+        `keep_probs`: the sampled tokens keep their distributions (a draft model's steps).
+        `settle`: finishes the step still in flight (async scheduling); called after the
+        forward pass is queued and before sampling when a sampled request has a grammar,
+        whose mask needs that step's token (engine/structured.py)."""
         if out.is_empty:
             return None
         uniform_q = self._verify_rows(out)
@@ -610,6 +614,8 @@ class ModelRunner:
             if not sampling_reqs:
                 return None if prompt is None else PendingStep(None, prompt=prompt)
             logits = self.model.compute_logits(hidden.index_select(0, logit_rows))
+        if settle is not None and any(r.grammar is not None for r in sampling_reqs):
+            settle()
         if out.has_drafts:
             return self._sample_and_verify(logits, out, prompt)
         tokens = self.sampler.sample(logits, sampling_reqs, keep_probs)

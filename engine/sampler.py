@@ -307,11 +307,10 @@ class PendingTokens:
 
 
 def depends_on_outputs(req: Request) -> bool:
-    """Whether sampling reads the request's own output history (penalties, min_tokens, a
-    grammar's state): such a
+    """Whether sampling reads the request's own output history (penalties, min_tokens): such a
     request's next token cannot be sampled before its last one reached the host."""
     sp = req.sampling_params
-    return sp.has_penalties or sp.min_tokens > 0 or req.grammar is not None
+    return sp.has_penalties or sp.min_tokens > 0
 
 
 class Sampler:

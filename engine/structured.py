@@ -7,9 +7,11 @@ token advances it (`RequestGrammar.accept`). This is what vLLM and SGLang use by
 
 A request's grammar state is a function of its output tokens only, so a decode worker that
 receives a prefill worker's first token, or a request resumed elsewhere, rebuilds it by
-accepting the tokens it already has. Its next token depends on the previous one having reached
-the host (the mask), so its steps are not overlapped with the next one's scheduling
-(`engine.sampler.depends_on_outputs`), and it does not speculate.
+accepting the tokens it already has. Its next mask needs its previous token on the host: under
+async scheduling the engine queues step n+1's forward pass first, then finishes step n (its
+tokens reach the host, the grammars advance), then fills the masks and queues the sampling
+(`ModelRunner.launch`'s `settle`), so the host work still overlaps the device's. It does not
+speculate.
 
 xgrammar (which imports transformers) is imported on the first structured request, off the
 engine thread where the services call it (`AsyncEngine` compiles in a worker thread).
@@ -188,7 +190,9 @@ def mask_logits(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     """Tokens the rows' grammars do not allow next set to -inf, for the rows whose requests
     have a grammar (the others untouched). One host bitmask for those rows, copied without a
     sync, unpacked and applied on the device. logits: [N, V], modified in place and returned."""
-    rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    # A request that finished in the previous step (its grammar terminated) may be in this one
+    # under async scheduling; its token is dropped, so its row stays as it is.
+    rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.is_finished]
     if not rows:
         return logits
     vocab = logits.shape[1]
