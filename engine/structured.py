@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
@@ -46,13 +47,24 @@ class StructuredOutputError(ValueError):
     """A constraint that does not compile, or tokens the constraint does not accept."""
 
 
+# Raw C0 control characters JSON never allows (RFC 8259: escaped inside strings; outside them
+# only space, \t, \n, \r). xgrammar 0.2.9 lets them into strings bounded by minLength /
+# maxLength (mlc-ai/xgrammar#800, open), so tokens holding one are masked for every JSON
+# constraint. \t goes too: that rule admits a raw tab inside such strings, and outside them it
+# is only optional whitespace. \n and \r stay (that rule excludes them).
+_JSON_FORBIDDEN_BYTES = re.compile(rb"[\x00-\x09\x0b\x0c\x0e-\x1f]")
+
+
 class RequestGrammar:
     """One request's position in its constraint's language."""
 
-    __slots__ = ("_matcher", "failed")
+    __slots__ = ("_allowed", "_matcher", "failed")
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, allowed: torch.Tensor | None = None) -> None:
+        """allowed: int32 bitmask words of the tokens the constraint may ever use (None: all),
+        ANDed into every mask."""
         self._matcher = matcher
+        self._allowed = allowed
         self.failed = False  # a token was sampled that the grammar rejects (see `accept`)
 
     def accept(self, token_id: int) -> bool:
@@ -74,6 +86,8 @@ class RequestGrammar:
         """Write this request's allowed next tokens into `bitmask[row]` (int32 words, bit t of
         word w allows token 32 w + t)."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        if self._allowed is not None:
+            bitmask[row] &= self._allowed
 
 
 class GrammarCompiler:
@@ -86,6 +100,7 @@ class GrammarCompiler:
         self._stop_token_ids = list(stop_token_ids)
         self._lock = threading.Lock()
         self._compiler: Any = None
+        self._json_allowed: torch.Tensor | None = None  # see _JSON_FORBIDDEN_BYTES
         self._compiled: OrderedDict[StructuredOutputs, Any] = OrderedDict()
 
     def grammar(self, spec: StructuredOutputs, output_token_ids: Sequence[int] = ()
@@ -94,7 +109,10 @@ class GrammarCompiler:
         (a decode worker's first token from prefill, a resumed request's outputs)."""
         import xgrammar as xgr
 
-        grammar = RequestGrammar(xgr.GrammarMatcher(self.compile(spec)))
+        compiled = self.compile(spec)
+        is_json = spec.json is not None or spec.json_object
+        grammar = RequestGrammar(xgr.GrammarMatcher(compiled),
+                                 self._json_allowed if is_json else None)
         for i, token in enumerate(output_token_ids):
             if not grammar.accept(token):
                 raise StructuredOutputError(
@@ -144,12 +162,14 @@ class GrammarCompiler:
                 if self._tokenizer is None:
                     raise StructuredOutputError(
                         "structured_outputs needs the model's tokenizer, and this engine has none")
-                self._compiler = _make_compiler(self._tokenizer, self.vocab_size,
-                                                self._stop_token_ids)
+                self._compiler, self._json_allowed = _make_compiler(
+                    self._tokenizer, self.vocab_size, self._stop_token_ids)
             return self._compiler
 
 
-def _make_compiler(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]) -> Any:
+def _make_compiler(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]
+                   ) -> tuple[Any, torch.Tensor]:
+    """The compiler over the vocabulary, and the bitmask of the tokens JSON may use."""
     import xgrammar as xgr
     from transformers import PreTrainedTokenizerFast
 
@@ -172,7 +192,17 @@ def _make_compiler(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[i
     info = xgr.TokenizerInfo.from_vocab_and_metadata(vocab, detected.dump_metadata())
     logger.info("structured outputs: xgrammar over %d tokens (%s), stop tokens %s",
                 vocab_size, info.vocab_type.name, info.stop_token_ids)
-    return xgr.GrammarCompiler(info, max_threads=2)
+    usable = torch.ones(-(-vocab_size // 32) * 32, dtype=torch.bool)
+    forbidden = [i for i, text in enumerate(info.decoded_vocab)
+                 if _JSON_FORBIDDEN_BYTES.search(text)]
+    usable[forbidden] = False
+    return xgr.GrammarCompiler(info, max_threads=2), pack_bits(usable)
+
+
+def pack_bits(flags: torch.Tensor) -> torch.Tensor:
+    """[32 k] booleans → k int32 words, bit t of word w = flags[32 w + t] (xgrammar's layout)."""
+    words = (flags.view(-1, 32).long() << torch.arange(32)).sum(dim=1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
 
 def choice_grammar(choices: Sequence[str]) -> str:

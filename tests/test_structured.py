@@ -16,7 +16,7 @@ from engine import LLM, SamplingParams
 from engine.llm_engine import EngineInputError
 from engine.request import Request
 from engine.sampling_params import SamplingParamsError, StructuredOutputs
-from engine.structured import choice_grammar, mask_logits
+from engine.structured import choice_grammar, mask_logits, pack_bits
 
 pytestmark = pytest.mark.slow
 
@@ -119,6 +119,41 @@ def test_special_tokens_never_inside_a_string(smollm2: LLM) -> None:
     assert allowed[list(engine.eos_token_ids)].all()
     assert not allowed[tok.encode("x", add_special_tokens=False)].any()
     assert grammar.accept(engine.eos_token_ids[0]) and grammar.is_terminated
+
+
+def test_json_never_holds_raw_control_characters(smollm2: LLM) -> None:
+    """An adversarial 'model' that prefers tokens holding C0 control characters: xgrammar
+    0.2.9 admits them raw into strings bounded by maxLength (mlc-ai/xgrammar#800), which
+    strict JSON parsers refuse; every walk must still parse."""
+    engine = smollm2.engine
+    tok = engine.tokenizer
+    assert tok is not None
+    vocab = engine.model_config.vocab_size
+    control = [i for i in range(vocab)
+               if any(ord(c) < 32 and c not in "\n\r" for c in tok.decode([i]))]
+    assert len(control) > 20  # the byte tokens, tabs, ...
+    spec = StructuredOutputs(json=json.dumps(PERSON), any_whitespace=False)  # bounded walks
+    gen = torch.Generator().manual_seed(0)
+    for walk in range(12):
+        req = Request(f"w{walk}", [1], _params(spec))
+        req.grammar = engine.grammars.grammar(spec)
+        ids: list[int] = []
+        while not (req.grammar.is_terminated or len(ids) > 200):
+            logits = torch.randn(1, vocab, generator=gen)
+            logits[0, control] += 8.0
+            token = int(mask_logits(logits, [req]).argmax())
+            assert req.grammar.accept(token), (walk, ids)
+            ids.append(token)
+        _check_person(tok.decode([t for t in ids if t not in engine.eos_token_ids]))
+
+
+def test_pack_bits_is_the_unpacked_layout() -> None:
+    flags = torch.rand(96, generator=torch.Generator().manual_seed(3)) < 0.5
+    flags[31] = flags[63] = True  # the sign bits
+    words = pack_bits(flags)
+    bits = torch.arange(32, dtype=torch.int32)
+    assert words.dtype == torch.int32
+    assert torch.equal(((words[:, None] >> bits) & 1).bool().flatten(), flags)
 
 
 def test_mask_touches_only_constrained_rows(smollm2: LLM) -> None:
