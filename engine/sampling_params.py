@@ -22,6 +22,10 @@ MAX_CHOICES = 1024
 MAX_CHOICE_CHARS = 1024
 
 
+class SamplingParamsError(ValueError):
+    """An invalid sampling parameter; the message names the field and the allowed range."""
+
+
 @dataclass(frozen=True, slots=True)
 class StructuredOutputs:
     """Constrain the output to a language (vLLM's `StructuredOutputsParams`): exactly one of a
@@ -77,10 +81,6 @@ class StructuredOutputs:
             raise SamplingParamsError(
                 f"structured_outputs.choice must be 1 to {MAX_CHOICES} non-empty strings of at "
                 f"most {MAX_CHOICE_CHARS} characters")
-
-
-class SamplingParamsError(ValueError):
-    """An invalid sampling parameter; the message names the field and the allowed range."""
 
 
 @dataclass(slots=True)
