@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +76,10 @@ class AsyncEngine:
         self._idle_check = idle_integrity_check
         self.dead: BaseException | None = None
         self._load_tasks: set[asyncio.Future[None]] = set()
+        # Structured outputs' constraints compile here (milliseconds to seconds each): a few
+        # threads of their own, so a burst of new schemas cannot take the loop's default
+        # executor from the KV block reads that share it.
+        self._compiles = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -88,6 +93,7 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
+        self._compiles.shutdown(wait=False, cancel_futures=True)
 
     # ---- public API (event loop side) ------------------------------------------------------
 
@@ -106,7 +112,8 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in flight")
         grammar = None
         if params.structured_outputs is not None:  # compiling may take a while: not on the loop
-            grammar = await asyncio.to_thread(self.engine.make_grammar, params, output_token_ids)
+            grammar = await asyncio.get_running_loop().run_in_executor(
+                self._compiles, self.engine.make_grammar, params, output_token_ids)
             if request_id in self._queues:
                 raise ValueError(f"request id {request_id!r} is already in flight")
         q: asyncio.Queue[StepOutput | _Failure] = asyncio.Queue()

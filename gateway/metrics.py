@@ -208,6 +208,10 @@ class GatewayMetrics:
             "Decode calls by the speculative policy's choice for the worker's load: off (no "
             "drafts), draft_model, ngram, or default (drafts from the worker's own method).",
             ["speculation"], registry=r)
+        self.structured_output_requests = Counter(
+            "splitserve:structured_output_requests",
+            "Requests whose output is constrained, by constraint: json_schema, json_object, "
+            "regex, choice or grammar.", ["constraint"], registry=r)
         self.workers = WorkerLoadCollector()
         r.register(self.workers)
 

@@ -146,6 +146,9 @@ class Orchestrator:
             tasks = [asyncio.create_task(self._run_guarded(job, i, queue, parent))
                      for i in range(job.n)]
             self._metrics.num_requests_in_flight.inc()
+            constraint = _constraint(job)
+            if constraint is not None:
+                self._metrics.structured_output_requests.labels(constraint=constraint).inc()
             finished: list[Finished] = []
             try:
                 async with contextlib.aclosing(_fan_in(queue, tasks)) as events:
@@ -195,6 +198,9 @@ class Orchestrator:
         }
         if job.n != 1:
             attrs["gen_ai.request.choice.count"] = job.n
+        constraint = _constraint(job)
+        if constraint is not None:
+            attrs["splitserve.structured_output"] = constraint
         return attrs
 
     async def _run_guarded(self, job: GenerationJob, index: int,
@@ -521,3 +527,11 @@ def usage_totals(finished: Sequence[Finished]) -> tuple[int, int, int]:
         return 0, 0, 0
     return (finished[0].num_prompt_tokens, sum(f.num_output_tokens for f in finished),
             max(f.num_cached_tokens for f in finished))
+
+
+def _constraint(job: GenerationJob) -> str | None:
+    """The kind of output constraint the job carries (json_schema, json_object, regex, choice,
+    grammar), None for free text."""
+    if not job.sampling.HasField("structured_outputs"):
+        return None
+    return job.sampling.structured_outputs.WhichOneof("constraint")

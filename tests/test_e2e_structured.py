@@ -11,6 +11,7 @@ import re
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 
 pytest.register_assert_rewrite("e2e_stack")  # before the import below: its asserts explain
@@ -92,6 +93,20 @@ def test_completions_with_vllm_fields(disagg_stack: Stack, extra: dict[str, Any]
     for choice in resp.choices:
         assert choice.finish_reason == "stop", choice
         assert check(choice.text), choice.text
+    disagg_stack.wait_idle()
+
+
+def test_constrained_requests_are_counted(disagg_stack: Stack) -> None:
+    def count() -> float:
+        text = httpx.get(f"{disagg_stack.rest_url.removesuffix('/v1')}/metrics", timeout=10).text
+        line = 'splitserve:structured_output_requests_total{constraint="choice"}'
+        return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(line))
+
+    before = count()
+    _client(disagg_stack).completions.create(model=MODEL_NAME, prompt="Yes or no?", max_tokens=4,
+                                             extra_body={"guided_choice": ["yes", "no"]})
+    _client(disagg_stack).completions.create(model=MODEL_NAME, prompt="Yes or no?", max_tokens=4)
+    assert count() == before + 1
     disagg_stack.wait_idle()
 
 
