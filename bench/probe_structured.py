@@ -6,6 +6,8 @@ every output token is a step of the whole batch):
 - `regex_all`: every request under the regex `[a-z ]+` (a mask every step for every row);
 - `regex_one`: one such request among free ones (a constrained request's steps finish before
   the next is scheduled, so under async scheduling the whole batch loses the overlap);
+- `penalty_one`: one request with a repetition penalty among free ones (its sampling reads its
+  output history too, and settles the previous step the same way);
 - `json`: every request under a JSON schema in its fixed layout (`any_whitespace=False`: any
   whitespace would let random weights spend every token on it; with bounded fields, each output
   ends by itself): how many outputs parse and match it.
@@ -149,6 +151,8 @@ def main() -> int:
     free = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     regex = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
                            structured_outputs=StructuredOutputs(regex=FREE_REGEX))
+    penalized = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
+                               repetition_penalty=1.1)
     schema = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
                             structured_outputs=StructuredOutputs(json=json.dumps(SCHEMA),
                                                                 any_whitespace=False))
@@ -159,8 +163,10 @@ def main() -> int:
     for b in batches:
         row: dict[str, Any] = {}
         for name, params in (("plain", [free] * b), ("regex_all", [regex] * b),
-                             ("regex_one", [regex] + [free] * (b - 1)), ("json", [schema] * b)):
-            if name == "regex_one" and b == 1:
+                             ("regex_one", [regex] + [free] * (b - 1)),
+                             ("penalty_one", [penalized] + [free] * (b - 1)),
+                             ("json", [schema] * b)):
+            if name.endswith("_one") and b == 1:
                 continue
             prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(b)]
             res = _run(llm, prompts, params)

@@ -389,9 +389,9 @@ class LLMEngine:
         finished instead (its tokens returned), so this step's scheduling, input preparation and
         launch overlap the device's work on the previous one. A request that stopped in the
         previous step (EOS, stop string) may have been scheduled once more: that extra token is
-        dropped. Steps whose sampling reads output history (penalties, min_tokens) finish at once;
-        a step sampling under a grammar finishes the previous one between its forward pass and
-        its sampling (`ModelRunner.launch`'s `settle`).
+        dropped. A step whose sampling reads output history (penalties, min_tokens, a grammar)
+        finishes the previous one between its forward pass and its sampling
+        (`ModelRunner.launch`'s `settle`).
         """
         if self.is_shut_down:
             raise RuntimeError("the engine was shut down")

@@ -143,14 +143,15 @@ class PendingStep:
         self.verify = verify
         self.prompt = prompt
         reqs = (tokens.reqs if tokens is not None else []) + (verify.reqs if verify else [])
-        # Sampling that reads the requests' output history needs every earlier token on the
-        # host first, and so does drafting the next tokens (speculative decoding): such a step
-        # is finished before the next one is scheduled.
+        # Drafting the next tokens (speculative decoding) needs every earlier token on the host
+        # first: such a step is finished before the next one is scheduled. (Sampling that reads
+        # the output history — penalties, min_tokens, a grammar — gets it from `launch`'s
+        # `settle` instead, between the next step's forward pass and its sampling.)
         if speculative:
-            sync = [depends_on_outputs(r) | needs_sync(r) for r in reqs]  # every counter ticks
+            sync = [needs_sync(r) for r in reqs]  # every counter ticks
             self.overlappable = not any(sync)
         else:
-            self.overlappable = not any(depends_on_outputs(r) for r in reqs)
+            self.overlappable = True
 
     def result(self) -> dict[str, SampledToken]:
         out: dict[str, SampledToken] = {}
@@ -581,8 +582,8 @@ class ModelRunner:
         before they reach the host (async scheduling). None when nothing is sampled.
         `keep_probs`: the sampled tokens keep their distributions (a draft model's steps).
         `settle`: finishes the step still in flight (async scheduling); called after the
-        forward pass is queued and before sampling when a sampled request has a grammar,
-        whose mask needs that step's token (engine/structured.py)."""
+        forward pass is queued and before sampling when a sampled request reads its output
+        history (a grammar's mask, penalties, min_tokens), which needs that step's token."""
         if out.is_empty:
             return None
         uniform_q = self._verify_rows(out)
@@ -614,7 +615,8 @@ class ModelRunner:
             if not sampling_reqs:
                 return None if prompt is None else PendingStep(None, prompt=prompt)
             logits = self.model.compute_logits(hidden.index_select(0, logit_rows))
-        if settle is not None and any(r.grammar is not None for r in sampling_reqs):
+        if settle is not None and any(r.grammar is not None or depends_on_outputs(r)
+                                      for r in sampling_reqs):
             settle()
         if out.has_drafts:
             return self._sample_and_verify(logits, out, prompt)

@@ -308,7 +308,8 @@ class PendingTokens:
 
 def depends_on_outputs(req: Request) -> bool:
     """Whether sampling reads the request's own output history (penalties, min_tokens): such a
-    request's next token cannot be sampled before its last one reached the host."""
+    request's next token cannot be sampled before its last one reached the host (under async
+    scheduling the runner settles the previous step first: `ModelRunner.launch`)."""
     sp = req.sampling_params
     return sp.has_penalties or sp.min_tokens > 0
 

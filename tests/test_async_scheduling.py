@@ -1,6 +1,7 @@
 """Async scheduling (step n+1 scheduled and launched before step n's tokens reach the host) gives
 exactly what synchronous scheduling gives: tokens, stops, logprobs, seeded sampling, preemption,
-aborts, penalties (which fall back to finishing each step at once), and no leaked KV blocks.
+aborts, penalties and min_tokens (whose sampling waits for the previous step's tokens between
+the next forward pass and its sampling), and no leaked KV blocks.
 
 The tiny float32 Llama on the CPU is deterministic, so the two modes must agree token for token.
 """
@@ -68,8 +69,9 @@ def test_async_matches_sync_greedy_lengths_and_stops(tiny_model_dirs: dict[str, 
 
 
 def test_async_matches_sync_with_logprobs_seeds_and_penalties(
-        tiny_model_dirs: dict[str, Path]) -> None:
+        tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     sync, fast = _pair(tiny_model_dirs["llama"])
+    gathered = _count_inflight_inputs(fast, monkeypatch)
     params = [
         SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=3),
         SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=9, ignore_eos=True),
@@ -80,6 +82,8 @@ def test_async_matches_sync_with_logprobs_seeds_and_penalties(
     want, _ = _run(sync, params)
     got, _ = _run(fast, params)
     assert _tokens(got) == _tokens(want)
+    # The penalized requests did not make their steps synchronous: inputs came from the device.
+    assert sum(gathered) > 0
     for rid in want:
         lw = [lp for o in want[rid] for lp in o.new_logprobs]
         lg = [lp for o in got[rid] for lp in o.new_logprobs]
