@@ -174,6 +174,8 @@ def main() -> int:
             if name == "json":
                 res["valid_json"] = sum(_matches_schema(t) for t in texts)
                 res["example"] = texts[0][:200]
+                # What an invalid one looked like (a run at 41e58b0 had 255 of 256 without it).
+                res["invalid"] = [t[:300] for t in texts if not _matches_schema(t)][:5]
             if name == "regex_all":
                 res["all_match"] = all(t and set(t) <= set("abcdefghijklmnopqrstuvwxyz ")
                                        for t in texts)
