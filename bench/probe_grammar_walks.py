@@ -7,7 +7,7 @@ until the grammar accepts a stop token. Every walk's text (without that stop tok
 or ours) independently of what a model prefers.
 
 Usage: PYTHONPATH=. python3 bench/probe_grammar_walks.py --out F [--tokenizer T] [--vocab-size V]
-           [--walks 300] [--scale 3] [--seed 1]
+           [--walks 300] [--scale 3] [--seed 1] [--boost-high-bytes 6]
 (default tokenizer: `python -m bench.synthetic_tokenizer --vocab-size 128256 --out-dir /tmp/tok`)
 """
 
@@ -30,6 +30,9 @@ def main() -> int:
     p.add_argument("--walks", type=int, default=300)
     p.add_argument("--scale", type=float, default=3.0, help="logits ~ N(0, scale^2)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--boost-high-bytes", type=float, default=0.0,
+                   help="added to the logits of the single-byte tokens 0x80-0xFF (byte-level "
+                        "vocabularies): walks that spell multi-byte characters byte by byte")
     args = p.parse_args()
 
     import torch
@@ -37,9 +40,11 @@ def main() -> int:
     from engine.request import Request
     from engine.sampling_params import SamplingParams, StructuredOutputs
     from engine.structured import GrammarCompiler, mask_logits
-    from engine.tokenizer import Tokenizer
+    from engine.tokenizer import Tokenizer, _bytes_to_unicode
 
     tok = Tokenizer.from_file(args.tokenizer)
+    spell = _bytes_to_unicode()
+    high = [i for b in range(0x80, 0x100) if (i := tok.backend.token_to_id(spell[b])) is not None]
     stops = [int(t) for t in args.stop_ids.split(",")]
     compiler = GrammarCompiler(tok, args.vocab_size, stops)
     spec = StructuredOutputs(json=json.dumps(SCHEMA), any_whitespace=False)
@@ -52,6 +57,8 @@ def main() -> int:
         ids: list[int] = []
         while not grammar.is_terminated and len(ids) < 400:
             logits = torch.randn(1, args.vocab_size, generator=gen) * args.scale
+            if args.boost_high_bytes:
+                logits[0, high] += args.boost_high_bytes
             token = int(mask_logits(logits, [req]).argmax())
             if not grammar.accept(token):
                 break
@@ -64,6 +71,7 @@ def main() -> int:
             invalid.append(text[:300])
     out = {"probe": "grammar_walks", **git_info(), "tokenizer": args.tokenizer,
            "walks": args.walks, "scale": args.scale, "seed": args.seed,
+           "boost_high_bytes": args.boost_high_bytes,
            "unfinished": unfinished, "invalid": len(invalid), "invalid_texts": invalid[:10]}
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(json.dumps({k: v for k, v in out.items() if k != "invalid_texts"}))
