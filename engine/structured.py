@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.sampling_params import StructuredOutputs
+from engine.utf8_state import BOUNDARY, Utf8Table
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -56,24 +57,35 @@ _JSON_FORBIDDEN_BYTES = re.compile(rb"[\x00-\x09\x0b\x0c\x0e-\x1f]")
 
 
 class RequestGrammar:
-    """One request's position in its constraint's language."""
+    """One request's position in its constraint's language, and in UTF-8 (engine/utf8_state.py)."""
 
-    __slots__ = ("_allowed", "_matcher", "failed")
+    __slots__ = ("_masks", "_matcher", "_state", "_utf8", "failed")
 
-    def __init__(self, matcher: Any, allowed: torch.Tensor | None = None) -> None:
-        """allowed: int32 bitmask words of the tokens the constraint may ever use (None: all),
-        ANDed into every mask."""
+    def __init__(self, matcher: Any, masks: Sequence[torch.Tensor], utf8: Utf8Table) -> None:
+        """masks: per UTF-8 state, int32 bitmask words of the tokens the constraint may use
+        from it, ANDed into the grammar's mask."""
         self._matcher = matcher
-        self._allowed = allowed
+        self._masks = masks
+        self._utf8 = utf8
+        self._state = BOUNDARY
         self.failed = False  # a token was sampled that the grammar rejects (see `accept`)
 
+    @property
+    def allowed(self) -> torch.Tensor:
+        """The static mask for the next token (the constraint's, at this UTF-8 state)."""
+        return self._masks[self._state]
+
     def accept(self, token_id: int) -> bool:
-        """Advance by a sampled token; False (and `failed`) when the grammar rejects it, which
-        the mask rules out unless the logits row had no allowed token left (NaN logits)."""
+        """Advance by a sampled token; False (and `failed`) when the grammar rejects it or it
+        leaves ill-formed UTF-8, which the masks rule out unless the logits row had no
+        allowed token left (NaN logits)."""
         if self.failed:
             return False
-        ok = bool(self._matcher.accept_token(token_id))
-        if not ok:
+        state = self._utf8.advance(self._state, token_id)
+        ok = state >= 0 and bool(self._matcher.accept_token(token_id))
+        if ok:
+            self._state = state
+        else:
             self.failed = True
         return ok
 
@@ -89,22 +101,20 @@ class RequestGrammar:
 
 
 def fill_masks(grammars: Sequence[RequestGrammar], bitmask: torch.Tensor) -> None:
-    """Row i of `bitmask` ← grammar i's allowed next tokens, ANDed with its constraint's static
-    mask: once for all rows when they share it (the usual batch: an AND per row took 2.5 ms of
+    """Row i of `bitmask` ← grammar i's allowed next tokens, ANDed with its static mask (the
+    constraint's, at its UTF-8 state): once for all rows when they share it (the usual batch: an AND per row took 2.5 ms of
     host time at 256 rows on the H200, advanced indexing as long on the CPU), else row by row.
     Filled on this thread: xgrammar's `BatchGrammarMatcher` took ~4 ms even for one row there
     (bench/results/h200/structured/)."""
     for row, g in enumerate(grammars):
         g._matcher.fill_next_token_bitmask(bitmask, row)
-    masks = {id(g._allowed): g._allowed for g in grammars}
+    masks = {id(g.allowed): g.allowed for g in grammars}
     if len(masks) == 1:
         [allowed] = masks.values()
-        if allowed is not None:
-            bitmask[:len(grammars)] &= allowed
+        bitmask[:len(grammars)] &= allowed
         return
     for row, g in enumerate(grammars):
-        if g._allowed is not None:
-            bitmask[row] &= g._allowed
+        bitmask[row] &= g.allowed
 
 
 class GrammarCompiler:
@@ -117,7 +127,9 @@ class GrammarCompiler:
         self._stop_token_ids = list(stop_token_ids)
         self._lock = threading.Lock()
         self._compiler: Any = None
-        self._json_allowed: torch.Tensor | None = None  # see _JSON_FORBIDDEN_BYTES
+        # Per UTF-8 state, the tokens any constraint / a JSON one may use (_make_compiler).
+        self._masks: dict[bool, list[torch.Tensor]] = {}
+        self._utf8: Utf8Table | None = None
         self._compiled: OrderedDict[StructuredOutputs, Any] = OrderedDict()
 
     def grammar(self, spec: StructuredOutputs, output_token_ids: Sequence[int] = ()
@@ -127,9 +139,9 @@ class GrammarCompiler:
         import xgrammar as xgr
 
         compiled = self.compile(spec)
+        assert self._utf8 is not None  # made with the compiler
         is_json = spec.json is not None or spec.json_object
-        grammar = RequestGrammar(xgr.GrammarMatcher(compiled),
-                                 self._json_allowed if is_json else None)
+        grammar = RequestGrammar(xgr.GrammarMatcher(compiled), self._masks[is_json], self._utf8)
         for i, token in enumerate(output_token_ids):
             if not grammar.accept(token):
                 raise StructuredOutputError(
@@ -179,14 +191,15 @@ class GrammarCompiler:
                 if self._tokenizer is None:
                     raise StructuredOutputError(
                         "structured_outputs needs the model's tokenizer, and this engine has none")
-                self._compiler, self._json_allowed = _make_compiler(
+                self._compiler, self._masks, self._utf8 = _make_compiler(
                     self._tokenizer, self.vocab_size, self._stop_token_ids)
             return self._compiler
 
 
 def _make_compiler(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]
-                   ) -> tuple[Any, torch.Tensor]:
-    """The compiler over the vocabulary, and the bitmask of the tokens JSON may use."""
+                   ) -> tuple[Any, dict[bool, list[torch.Tensor]], Utf8Table]:
+    """The compiler over the vocabulary; per UTF-8 state the bitmask of the tokens any
+    constraint (False) and a JSON one (True) may use; the UTF-8 table."""
     import xgrammar as xgr
     from transformers import PreTrainedTokenizerFast
 
@@ -209,11 +222,13 @@ def _make_compiler(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[i
     info = xgr.TokenizerInfo.from_vocab_and_metadata(vocab, detected.dump_metadata())
     logger.info("structured outputs: xgrammar over %d tokens (%s), stop tokens %s",
                 vocab_size, info.vocab_type.name, info.stop_token_ids)
-    usable = torch.ones(-(-vocab_size // 32) * 32, dtype=torch.bool)
-    forbidden = [i for i, text in enumerate(info.decoded_vocab)
-                 if _JSON_FORBIDDEN_BYTES.search(text)]
-    usable[forbidden] = False
-    return xgr.GrammarCompiler(info, max_threads=2), pack_bits(usable)
+    decoded: list[bytes] = info.decoded_vocab
+    utf8 = Utf8Table(decoded, vocab_size)
+    json_usable = torch.ones(utf8.valid.shape[1], dtype=torch.bool)
+    json_usable[[i for i, text in enumerate(decoded) if _JSON_FORBIDDEN_BYTES.search(text)]] = False
+    masks = {False: [pack_bits(v) for v in utf8.valid],
+             True: [pack_bits(v & json_usable) for v in utf8.valid]}
+    return xgr.GrammarCompiler(info, max_threads=2), masks, utf8
 
 
 def pack_bits(flags: torch.Tensor) -> torch.Tensor:

@@ -6,17 +6,23 @@ with a clear error when the constraint does not compile."""
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
 from engine.llm_engine import EngineInputError
 from engine.request import Request
 from engine.sampling_params import SamplingParamsError, StructuredOutputs
 from engine.structured import choice_grammar, mask_logits, pack_bits
+from engine.tokenizer import _bytes_to_unicode
+from engine.utf8_state import BOUNDARY
+from engine.utf8_state import step as utf8_step
 
 pytestmark = pytest.mark.slow
 
@@ -121,16 +127,24 @@ def test_special_tokens_never_inside_a_string(smollm2: LLM) -> None:
     assert grammar.accept(engine.eos_token_ids[0]) and grammar.is_terminated
 
 
-def test_json_never_holds_raw_control_characters(smollm2: LLM) -> None:
-    """An adversarial 'model' that prefers tokens holding C0 control characters: xgrammar
-    0.2.9 admits them raw into strings bounded by maxLength (mlc-ai/xgrammar#800), which
-    strict JSON parsers refuse; every walk must still parse."""
+@pytest.mark.parametrize("favoured", ["control", "high_bytes"])
+def test_json_never_holds_raw_control_characters(smollm2: LLM, favoured: str) -> None:
+    """An adversarial 'model' that prefers tokens holding C0 control characters (xgrammar
+    0.2.9 admits them raw into strings bounded by maxLength, mlc-ai/xgrammar#800, which strict
+    JSON parsers refuse), or single bytes 0x80-0xFF (spelled byte by byte, xgrammar takes some
+    ill-formed UTF-8 for one character, which decoders replace by several): every walk must
+    still parse, match the schema and decode without replacement characters."""
     engine = smollm2.engine
     tok = engine.tokenizer
     assert tok is not None
     vocab = engine.model_config.vocab_size
-    control = [i for i in range(vocab)
-               if any(ord(c) < 32 and c not in "\n\r" for c in tok.decode([i]))]
+    if favoured == "control":
+        control = [i for i in range(vocab)
+                   if any(ord(c) < 32 and c not in "\n\r" for c in tok.decode([i]))]
+    else:
+        spell = _bytes_to_unicode()
+        control = [i for b in range(0x80, 0x100)
+                   if (i := tok.backend.token_to_id(spell[b])) is not None]
     assert len(control) > 20  # the byte tokens, tabs, ...
     spec = StructuredOutputs(json=json.dumps(PERSON), any_whitespace=False)  # bounded walks
     gen = torch.Generator().manual_seed(0)
@@ -144,7 +158,44 @@ def test_json_never_holds_raw_control_characters(smollm2: LLM) -> None:
             token = int(mask_logits(logits, [req]).argmax())
             assert req.grammar.accept(token), (walk, ids)
             ids.append(token)
-        _check_person(tok.decode([t for t in ids if t not in engine.eos_token_ids]))
+        text = tok.decode([t for t in ids if t not in engine.eos_token_ids])
+        assert "\ufffd" not in text, text
+        _check_person(text)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(min_size=1, max_size=7).map(
+    lambda b: bytes(x if x & 0x80 else x | 0x80 for x in b)))
+def test_utf8_state_agrees_with_the_decoder(data: bytes) -> None:
+    """`engine.utf8_state` against Python's decoder: complete at a boundary iff the bytes
+    decode, alive iff they are a prefix of well-formed UTF-8 (high bytes only, where the
+    ill-formed cases are: surrogates, overlongs, beyond U+10FFFF, lone continuations)."""
+    state = BOUNDARY
+    for byte in data:
+        state = utf8_step(state, byte) if state >= 0 else -1
+    try:
+        data.decode("utf-8")
+        whole = True
+    except UnicodeDecodeError:
+        whole = False
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(data, final=False)
+        prefix = True
+    except UnicodeDecodeError:
+        prefix = False
+    assert (state == BOUNDARY) == whole and (state >= 0) == prefix, (data.hex(" "), state)
+
+
+def test_utf8_known_sequences() -> None:
+    def walk(hexes: str) -> int:
+        state = BOUNDARY
+        for byte in bytes.fromhex(hexes):
+            state = utf8_step(state, byte) if state >= 0 else -1
+        return state
+    assert walk("ed 9f bf") == BOUNDARY and walk("ed a0 80") == -1  # U+D7FF; a surrogate
+    assert walk("e0 80 80") == -1 and walk("c0 80") == -1  # overlong
+    assert walk("f4 8f bf bf") == BOUNDARY and walk("f4 90 80 80") == -1  # U+10FFFF; beyond
+    assert walk("f0 9f 98") > BOUNDARY  # three bytes of an emoji: one still owed
 
 
 def test_pack_bits_is_the_unpacked_layout() -> None:
