@@ -38,8 +38,9 @@ def main() -> int:
     import torch
 
     from engine.request import Request
+    from engine.sampler import mask_logits
     from engine.sampling_params import SamplingParams, StructuredOutputs
-    from engine.structured import GrammarCompiler, mask_logits
+    from engine.structured import GrammarCompiler
     from engine.tokenizer import Tokenizer, _bytes_to_unicode
 
     tok = Tokenizer.from_file(args.tokenizer)

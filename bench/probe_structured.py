@@ -85,8 +85,8 @@ def _mask_cost(llm: Any, batch: int, repeats: int) -> dict[str, float]:
     import torch
 
     from engine.request import Request
+    from engine.sampler import mask_logits
     from engine.sampling_params import SamplingParams, StructuredOutputs
-    from engine.structured import mask_logits
 
     eng = llm.engine
     spec = StructuredOutputs(json=json.dumps(SCHEMA))

@@ -16,7 +16,7 @@ import torch
 
 from engine.request import Request, TokenLogprob
 from engine.sampling_params import SamplingParams
-from engine.structured import mask_logits
+from engine.structured import fill_masks
 
 # Greedy decoding's argmax in two levels. One `[N, V]` row reduced by one torch kernel is one
 # thread block streaming V floats: 27 us per step for V = 128,256 on the H200, against ~10 us
@@ -154,6 +154,30 @@ def _rows(rows: list[int], counts: list[int], device: torch.device) -> torch.Ten
     return torch.repeat_interleave(to_device(rows, torch.long, device),
                                    to_device(counts, torch.long, device),
                                    output_size=sum(counts))
+
+
+def mask_logits(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    """Structured outputs (engine/structured.py): tokens the rows' grammars do not allow next
+    set to -inf, for the rows whose requests
+    have a grammar (the others untouched). One host bitmask for those rows, copied without a
+    sync, unpacked and applied on the device. logits: [N, V], modified in place and returned."""
+    # A request that finished in the previous step (its grammar terminated) may be in this one
+    # under async scheduling; its token is dropped, so its row stays as it is.
+    rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.is_finished]
+    if not rows:
+        return logits
+    vocab = logits.shape[1]
+    words = (vocab + 31) // 32
+    bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)
+    fill_masks([g for i in rows if (g := reqs[i].grammar) is not None], bitmask)
+    dev = logits.device
+    if dev.type == "cuda":  # from pinned memory: queued, no sync (see `to_device`)
+        bitmask = bitmask.pin_memory().to(dev, non_blocking=True)
+    bits = torch.arange(32, dtype=torch.int32, device=dev)
+    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().view(len(rows), words * 32)[:, :vocab]
+    idx = to_device(rows, torch.long, dev)
+    sub = logits.index_select(0, idx).masked_fill_(~allowed, float("-inf"))
+    return logits.index_copy_(0, idx, sub)
 
 
 def _needs_min_tokens_mask(req: Request) -> bool:

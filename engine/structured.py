@@ -11,7 +11,7 @@ accepting the tokens it already has. Its next mask needs its previous token on t
 async scheduling the engine queues step n+1's forward pass first, then finishes step n (its
 tokens reach the host, the grammars advance), then fills the masks and queues the sampling
 (`ModelRunner.launch`'s `settle`), so the host work still overlaps the device's. It does not
-speculate.
+speculate. The masks are applied by `engine.sampler.mask_logits`.
 
 xgrammar (which imports transformers) is imported on the first structured request, off the
 engine thread where the services call it (`AsyncEngine` compiles in a worker thread).
@@ -34,7 +34,6 @@ from engine.utf8_state import BOUNDARY, Utf8Table
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from engine.request import Request
     from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -94,14 +93,10 @@ class RequestGrammar:
         """The string is complete and a stop token was accepted: nothing may follow."""
         return bool(self._matcher.is_terminated())
 
-    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write this request's allowed next tokens into `bitmask[row]` (int32 words, bit t of
-        word w allows token 32 w + t). `fill_masks` does a step's rows."""
-        fill_masks([self], bitmask[row:row + 1])
-
 
 def fill_masks(grammars: Sequence[RequestGrammar], bitmask: torch.Tensor) -> None:
-    """Row i of `bitmask` ← grammar i's allowed next tokens, ANDed with its static mask (the
+    """Row i of `bitmask` (int32 words, bit t of word w allows token 32 w + t) ← grammar i's
+    allowed next tokens, ANDed with its static mask (the
     constraint's, at its UTF-8 state): once for all rows when they share it (the usual batch: an AND per row took 2.5 ms of
     host time at 256 rows on the H200, advanced indexing as long on the CPU), else row by row.
     Filled on this thread: xgrammar's `BatchGrammarMatcher` took ~4 ms even for one row there
@@ -246,27 +241,3 @@ def choice_grammar(choices: Sequence[str]) -> str:
 def _xgrammar_message(e: Exception) -> str:
     text = str(e).strip()
     return text.split(": ", 1)[1] if text.startswith("[") and ": " in text else text
-
-
-def mask_logits(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
-    """Tokens the rows' grammars do not allow next set to -inf, for the rows whose requests
-    have a grammar (the others untouched). One host bitmask for those rows, copied without a
-    sync, unpacked and applied on the device. logits: [N, V], modified in place and returned."""
-    # A request that finished in the previous step (its grammar terminated) may be in this one
-    # under async scheduling; its token is dropped, so its row stays as it is.
-    rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.is_finished]
-    if not rows:
-        return logits
-    vocab = logits.shape[1]
-    words = (vocab + 31) // 32
-    bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)
-    fill_masks([g for i in rows if (g := reqs[i].grammar) is not None], bitmask)
-    dev = logits.device
-    if dev.type == "cuda":  # from pinned memory: queued, no sync (engine/sampler.py to_device)
-        bitmask = bitmask.pin_memory().to(dev, non_blocking=True)
-    bits = torch.arange(32, dtype=torch.int32, device=dev)
-    allowed = ((bitmask[:, :, None] >> bits) & 1).bool().view(len(rows), words * 32)[:, :vocab]
-    idx = torch.tensor(rows, dtype=torch.long)
-    idx = idx.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else idx
-    sub = logits.index_select(0, idx).masked_fill_(~allowed, float("-inf"))
-    return logits.index_copy_(0, idx, sub)

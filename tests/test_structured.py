@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from engine import LLM, SamplingParams
 from engine.llm_engine import EngineInputError
 from engine.request import Request
+from engine.sampler import mask_logits
 from engine.sampling_params import SamplingParamsError, StructuredOutputs
-from engine.structured import choice_grammar, mask_logits, pack_bits
+from engine.structured import choice_grammar, pack_bits
 from engine.tokenizer import _bytes_to_unicode
 from engine.utf8_state import BOUNDARY
 from engine.utf8_state import step as utf8_step
