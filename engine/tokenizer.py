@@ -216,14 +216,17 @@ class Tokenizer:
     # --- chat ---------------------------------------------------------------------------------
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tokenize: bool = False, **kwargs: Any) -> str | list[int]:
-        """Render `messages` with the model's chat template (text, or ids when tokenize=True).
+                            tokenize: bool = False, chat_template: str | None = None,
+                            **kwargs: Any) -> str | list[int]:
+        """Render `messages` with the model's chat template, or `chat_template` in its place
+        (text, or ids when tokenize=True); `kwargs` are template variables (`tools`, ...).
 
         Like transformers, the rendered text is tokenized without adding BOS again: the
         template writes any BOS itself.
         """
-        if self.chat_template is None:
+        template = chat_template or self.chat_template
+        if template is None:
             raise ChatTemplateError("this model has no chat template; send a plain prompt")
-        text = render_chat_template(self.chat_template, messages, add_generation_prompt,
+        text = render_chat_template(template, messages, add_generation_prompt,
                                     self.special_tokens, **kwargs)
         return self.encode(text, add_special_tokens=False) if tokenize else text

@@ -16,6 +16,8 @@ from protos.tls import TlsConfigError, read_pem
 MAX_SPECULATIVE_TOKENS = 16
 
 KvFailurePolicyName = Literal["recompute", "fail"]
+# How `tool_choice: "auto"` output is parsed into tool calls (gateway/tools.py).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 
 
 class GatewayConfigError(ValueError):
@@ -75,6 +77,11 @@ class GatewayConfig:
     # with it; from here up to `speculative_max_load`, with n-gram lookup (its drafts cost no
     # model steps, which start to weigh once the verify batch grows; docs/performance.md).
     speculative_draft_max_load: int = 2
+    # Tool calling: the parser of `tool_choice: "auto"` output (None: "auto" is refused; named
+    # and "required" choices need none) and a chat template used in place of the model's (its
+    # text: `--chat-template` reads the file), for models whose own does not show tools.
+    tool_call_parser: str | None = None
+    chat_template: str | None = None
     load_poll_interval_s: float = 1.0         # router GetLoad period
     load_poll_timeout_s: float = 1.0
     shutdown_grace_s: float = 10.0            # drain time for in-flight requests on shutdown
@@ -129,6 +136,9 @@ class GatewayConfig:
                 check_secret(self.internal_token, "internal_token")
             except AuthConfigError as e:
                 raise GatewayConfigError(str(e)) from None
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise GatewayConfigError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got "
+                                     f"{self.tool_call_parser!r}")
         if self.decode_retries < 0:
             raise GatewayConfigError(f"decode_retries must be >= 0, got {self.decode_retries}")
         if (not isinstance(self.speculative_tokens, int) or isinstance(self.speculative_tokens, bool)
@@ -151,6 +161,33 @@ class GatewayConfig:
 
     def replace(self, **changes: Any) -> GatewayConfig:
         return dataclasses.replace(self, **changes)
+
+
+def add_chat_args(parser: argparse.ArgumentParser, role: str = "") -> None:
+    """The flags of chat rendering and tool calling, for every process that serves the REST
+    API (the gateway role and the colocated role's in-process gateway)."""
+    note = f"{role}: " if role else ""
+    parser.add_argument("--chat-template", default=None,
+                        help=f"{note}a Jinja2 chat template file used in place of the model's "
+                             f"(e.g. gateway/chat_templates/chatml_hermes_tools.jinja: ChatML "
+                             f"with tools)")
+    parser.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                        help=f"{note}parse tool calls out of the model's output, enabling "
+                             f"tool_choice \"auto\" (hermes: <tool_call> blocks; llama3_json: "
+                             f"Llama 3.x JSON calls)")
+
+
+def chat_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """GatewayConfig fields of `add_chat_args`' flags (the template file read and checked)."""
+    from gateway.tokenization import load_chat_template
+
+    template = None
+    if args.chat_template:
+        try:
+            template = load_chat_template(args.chat_template)
+        except ValueError as err:
+            raise GatewayConfigError(str(err)) from None
+    return {"chat_template": template, "tool_call_parser": args.tool_call_parser}
 
 
 def add_public_security_args(parser: argparse.ArgumentParser, role: str = "") -> None:

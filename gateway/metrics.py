@@ -212,6 +212,10 @@ class GatewayMetrics:
             "splitserve:structured_output_requests",
             "Requests whose output is constrained, by constraint: json_schema, json_object, "
             "regex, choice or grammar.", ["constraint"], registry=r)
+        self.tool_call_requests = Counter(
+            "splitserve:tool_call_requests",
+            "Chat requests that sent tools, by tool_choice: none, auto, required or named.",
+            ["tool_choice"], registry=r)
         self.workers = WorkerLoadCollector()
         r.register(self.workers)
 

@@ -44,6 +44,14 @@ from gateway.openai_protocol import (
 )
 from gateway.orchestrator import Event, Finished, GenerationJob, TokenDelta, usage_totals
 from gateway.state import GatewayState
+from gateway.tools import (
+    HermesOutput,
+    ToolCalling,
+    ToolOutput,
+    template_tools_from_request,
+    tool_calling_from_request,
+    tool_constraint,
+)
 from protos.splitserve.v1 import common_pb2
 
 
@@ -87,10 +95,10 @@ def build_app(state: GatewayState) -> FastAPI:
         body = await _read_json(request, state)
         req = parse_request(ChatCompletionRequest, body)
         _check_model(req.model, state)
-        job = await _chat_job(req, state)
+        job, calling = await _chat_job(req, state)
         view = _View(job.request_id, "chat.completion", state, [job], req.include_usage,
                      req.continuous_usage, chat=True, num_top=req.top_logprobs or 0,
-                     num_prompt_top=req.prompt_logprobs)
+                     num_prompt_top=req.prompt_logprobs, tool_calling=calling)
         return await _respond(view, request, "chat", req.stream)
 
     @app.post("/tokenize")
@@ -100,8 +108,11 @@ def build_app(state: GatewayState) -> FastAPI:
         pre = state.preprocessor
         if (req.prompt is None) == (req.messages is None):
             raise GatewayError.invalid("prompt", "send either prompt or messages")
-        ids = (await pre.encode_chat(chat_messages(req.messages)) if req.messages is not None
-               else await pre.encode_text(req.prompt or "", "prompt", req.add_special_tokens))
+        if req.messages is not None:
+            ids = await pre.encode_chat(chat_messages(req.messages), tools=(
+                template_tools_from_request(req.model_extra or {})))
+        else:
+            ids = await pre.encode_text(req.prompt or "", "prompt", req.add_special_tokens)
         return JSONResponse({"count": len(ids), "max_model_len": state.config.max_model_len,
                              "tokens": ids})
 
@@ -231,19 +242,52 @@ async def _completion_jobs(req: CompletionRequest, state: GatewayState
     return request_id, jobs, echoes
 
 
-async def _chat_job(req: ChatCompletionRequest, state: GatewayState) -> GenerationJob:
+async def _chat_job(req: ChatCompletionRequest, state: GatewayState
+                    ) -> tuple[GenerationJob, ToolCalling | None]:
     req.check_supported()
     if req.top_logprobs is not None and not req.logprobs:
         raise GatewayError.invalid("top_logprobs", "top_logprobs requires logprobs=true")
     max_tokens, param = req.max_tokens, "max_tokens"
     if req.max_completion_tokens is not None:
         max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
-    ids = await state.preprocessor.encode_chat(chat_messages(req.messages))
+    calling = tool_calling_from_request(req.model_extra or {}, state.config.tool_call_parser)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     options = req.sampling_options() | {"max_tokens": max_tokens, "logprobs": logprobs}
-    return state.preprocessor.build_job(ids, options, request_id=f"chatcmpl-{uuid.uuid4().hex}",
-                                        param_names={"max_tokens": param,
-                                                     "logprobs": "top_logprobs"})
+    if calling is not None:
+        options |= _tool_options(calling, options, state)
+    ids = await state.preprocessor.encode_chat(
+        chat_messages(req.messages),
+        tools=calling.template_tools() if calling is not None else None)
+    job = state.preprocessor.build_job(ids, options, request_id=f"chatcmpl-{uuid.uuid4().hex}",
+                                       param_names={"max_tokens": param,
+                                                    "logprobs": "top_logprobs"})
+    if calling is not None:
+        state.metrics.tool_call_requests.labels(tool_choice=calling.mode).inc()
+    return job, calling
+
+
+def _tool_options(calling: ToolCalling, options: dict[str, Any], state: GatewayState
+                  ) -> dict[str, Any]:
+    """Sampling options a tool choice changes: a named or required choice constrains the output
+    (then no other constraint may be asked for); the hermes parser needs its tags in the text
+    where a tokenizer has them as special tokens."""
+    changes: dict[str, Any] = {}
+    constraint = tool_constraint(calling)
+    if constraint is not None:
+        if options.get("structured_outputs") is not None:
+            raise GatewayError.invalid("tool_choice", f"tool_choice {calling.mode!r} constrains "
+                                       "the output to tool calls; it cannot be combined with "
+                                       "response_format or structured outputs")
+        changes["structured_outputs"] = constraint
+    if calling.parser == "hermes" and _special_text(state, HermesOutput.START):
+        changes["skip_special_tokens"] = False
+    return changes
+
+
+def _special_text(state: GatewayState, text: str) -> bool:
+    """Whether decoding that skips special tokens would drop `text`."""
+    tok = state.tokenizer
+    return tok.decode(tok.encode(text, add_special_tokens=False), skip_special_tokens=True) != text
 
 
 # -- responses ----------------------------------------------------------------------------------
@@ -266,7 +310,9 @@ class _View:
     `echoes`: each job's prompt text, put before its choices' text (completions `echo`), with
     its scored tokens before their logprobs. `hide_output`: the completion's tokens are not
     shown (`max_tokens` 0 with echo: one token is generated to score the prompt).
-    `num_prompt_top`: vLLM's `prompt_logprobs` asked for, with this many top entries."""
+    `num_prompt_top`: vLLM's `prompt_logprobs` asked for, with this many top entries.
+    `tool_calling`: a chat request's tools; unless `tool_choice` is "none", each choice's text
+    goes through a `ToolOutput` (content and tool calls)."""
 
     id: str
     object: str
@@ -284,9 +330,13 @@ class _View:
     wants_logprobs: bool = False
     job_of: list[int] = field(default_factory=list)  # choice index -> its job's index
     scored: dict[int, common_pb2.PromptLogprobs] = field(default_factory=dict)  # by job
+    tool_calling: ToolCalling | None = None
+    tool_outputs: dict[int, ToolOutput] = field(default_factory=dict)  # by choice
 
     def __post_init__(self) -> None:
         self.choices = {i: _Choice() for i in range(sum(j.n for j in self.jobs))}
+        if self.tool_calling is not None and self.tool_calling.mode != "none":
+            self.tool_outputs = {i: self.tool_calling.output() for i in self.choices}
         self.wants_logprobs = self.jobs[0].wants_logprobs  # one sampling for the whole batch
         self.job_of = [j for j, job in enumerate(self.jobs) for _ in range(job.n)]
 
@@ -365,6 +415,12 @@ class _View:
                                     "stop_reason": f.stop_reason if f else None}
             if self.chat:
                 item["message"] = {"role": "assistant", "content": text}
+                tools = self.tool_outputs.get(index)
+                if tools is not None:
+                    tools.feed(text)
+                    tools.finish()
+                    item["message"] = self._tool_message(tools)
+                    item["finish_reason"] = self._tool_finish_reason(f, tools)
             else:
                 item["text"] = text
                 if self.num_prompt_top is not None:
@@ -381,6 +437,18 @@ class _View:
         # The prompt alone was asked for: its one scoring token ended it by length.
         return "length" if self.hide_output and f.finish_reason != "abort" else f.finish_reason
 
+    def _tool_finish_reason(self, f: Finished | None, tools: ToolOutput) -> str | None:
+        """A completion that stopped in tool calls ends with "tool_calls" (auto, required)."""
+        reason = self._finish_reason(f)
+        return (tools.finish_reason or reason) if reason == "stop" else reason
+
+    @staticmethod
+    def _tool_message(tools: ToolOutput) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": tools.content}
+        if tools.tool_calls:
+            message["tool_calls"] = tools.tool_calls
+        return message
+
     # -- stream
     def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         out = self.header(self.object + (".chunk" if self.chat else "")) | {"choices": choices}
@@ -396,6 +464,9 @@ class _View:
         """The chunk of a recorded event (None: nothing to send yet). A choice's first delta
         carries its echoed prompt, and completion 0's its prompt's `prompt_logprobs`."""
         choice = self.choices[event.index]
+        tools = self.tool_outputs.get(event.index)
+        if tools is not None:
+            return self._tool_chunk(event, tools)
         extra: dict[str, Any] = {}
         if isinstance(event, TokenDelta):
             first, choice.started = not choice.started, True
@@ -422,6 +493,29 @@ class _View:
             return self.chunk([item]) | extra  # vLLM: the response's, in chat
         item["text"] = text
         return self.chunk([item | extra])
+
+    def _tool_chunk(self, event: Event, tools: ToolOutput) -> dict[str, Any] | None:
+        """A chat chunk of a choice whose text goes through a tool-call parser: content and
+        tool-call deltas as they become known; what the end settles comes with the finish."""
+        if isinstance(event, TokenDelta):
+            delta = tools.feed(event.text)
+            logprobs = self.logprobs(event.logprobs, 0)
+            if not delta and not (event.logprobs and self.wants_logprobs):
+                return None
+            item: dict[str, Any] = {"index": event.index, "logprobs": logprobs,
+                                    "finish_reason": None}
+        else:
+            delta = tools.finish()
+            item = {"index": event.index, "logprobs": None,
+                    "finish_reason": self._tool_finish_reason(event, tools),
+                    "stop_reason": event.stop_reason}
+        body: dict[str, Any] = {}
+        if delta.content:
+            body["content"] = delta.content
+        if delta.calls:
+            body["tool_calls"] = delta.calls
+        item["delta"] = body
+        return self.chunk([item])
 
     def usage_chunk(self) -> dict[str, Any]:
         return self.header(self.object + (".chunk" if self.chat else "")) | {

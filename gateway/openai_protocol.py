@@ -7,8 +7,9 @@ dicts in the exact shape the `openai` Python package parses.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -32,10 +33,10 @@ class StreamOptions(_Open):
 # Fields of OpenAI's API (and vLLM's extras) that change what comes back and that this server
 # does not implement, with what a client can do instead.
 _UNSUPPORTED_FIELDS = {
-    "tools": "no tool calling",
-    "tool_choice": "no tool calling; only \"none\"",
-    "functions": "no function calling",
-    "function_call": "no function calling",
+    "tools": "tool calling is a chat completions feature",
+    "tool_choice": "tool calling is a chat completions feature",
+    "functions": "the deprecated functions API; send tools",
+    "function_call": "the deprecated functions API; send tool_choice",
     "suffix": "no insertion; send the text before it as the prompt",
     "echo": "chat completions do not echo; /v1/completions does",
     "audio": "text output only",
@@ -94,12 +95,15 @@ class _SamplingFields(_Open):
             "structured_outputs": structured_from_request(self.model_extra or {}),
         }
 
+    # Fields of `_UNSUPPORTED_FIELDS` this request type implements.
+    _supported: ClassVar[frozenset[str]] = frozenset()
+
     def check_supported(self) -> None:
         """Refuse (400) what this server would otherwise silently ignore: unknown fields are
         accepted for benchmark clients' extras, but a client asking for tools must not get
         plain text as if they had been applied."""
         extra = self.model_extra or {}
-        for name in _UNSUPPORTED_FIELDS:
+        for name in _UNSUPPORTED_FIELDS.keys() - self._supported:
             value = extra.get(name)
             if value is None or value == [] or value == "" or value == {}:
                 continue
@@ -155,13 +159,29 @@ class TextPart(_Open):
     text: str | None = None
 
 
+class ToolCallFunction(_Open):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(_Open):
+    id: str
+    type: str = "function"
+    function: ToolCallFunction
+
+
 class ChatMessageIn(_Open):
     role: str
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None             # a tool message: the call it answers
 
 
 class ChatCompletionRequest(_SamplingFields):
     """`POST /v1/chat/completions`."""
+
+    _supported: ClassVar[frozenset[str]] = frozenset({"tools", "tool_choice"})  # gateway/tools.py
 
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_tokens: int | None = None
@@ -236,23 +256,49 @@ def _is_token_id(t: Any) -> bool:
 
 
 def chat_messages(messages: Sequence[ChatMessageIn]) -> list[dict[str, Any]]:
-    """Messages as `{role, content: str}` for the chat template (text parts joined)."""
+    """Messages as `{role, content: str}` for the chat template (text parts joined), with an
+    assistant's `tool_calls` (their arguments as objects, as transformers' templates take them)
+    and a tool message's `tool_call_id` and `name`."""
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
-        if isinstance(m.content, list):
-            texts = []
-            for j, part in enumerate(m.content):
-                if part.type != "text" or part.text is None:
-                    raise GatewayError.invalid(
-                        f"messages.{i}.content.{j}",
-                        f"messages.{i}.content.{j}: only {{'type': 'text', 'text': ...}} parts "
-                        f"are supported, got type {part.type!r}")
-                texts.append(part.text)
-            content = "\n".join(texts)
-        else:
-            content = m.content or ""
-        out.append({"role": m.role, "content": content})
+        message: dict[str, Any] = {"role": m.role, "content": _message_text(m, i)}
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise GatewayError.invalid(f"messages.{i}.tool_calls",
+                                           f"messages.{i}.tool_calls: only assistant messages "
+                                           f"make tool calls (role {m.role!r})")
+            message["tool_calls"] = [_template_call(c, f"messages.{i}.tool_calls.{j}")
+                                     for j, c in enumerate(m.tool_calls)]
+        for key in ("tool_call_id", "name"):
+            if getattr(m, key) is not None:
+                message[key] = getattr(m, key)
+        out.append(message)
     return out
+
+
+def _template_call(call: ToolCallIn, param: str) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except json.JSONDecodeError as err:
+        raise GatewayError.invalid(f"{param}.function.arguments",
+                                   f"{param}.function.arguments is not JSON: {err}") from None
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.function.name, "arguments": arguments}}
+
+
+def _message_text(m: ChatMessageIn, i: int) -> str:
+    """A message's content as one string (text parts joined; none: empty)."""
+    if isinstance(m.content, list):
+        texts = []
+        for j, part in enumerate(m.content):
+            if part.type != "text" or part.text is None:
+                raise GatewayError.invalid(
+                    f"messages.{i}.content.{j}",
+                    f"messages.{i}.content.{j}: only {{'type': 'text', 'text': ...}} parts "
+                    f"are supported, got type {part.type!r}")
+            texts.append(part.text)
+        return "\n".join(texts)
+    return m.content or ""
 
 
 # -- responses ---------------------------------------------------------------------------------

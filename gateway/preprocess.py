@@ -44,14 +44,18 @@ class Preprocessor:
             return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return await asyncio.to_thread(self._tokenizer.encode, text, add_special_tokens)
 
-    async def encode_chat(self, messages: list[dict[str, Any]], param: str = "messages") -> list[int]:
+    async def encode_chat(self, messages: list[dict[str, Any]], param: str = "messages",
+                          tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The chat template (the gateway's `--chat-template`, else the model's) rendered with
+        `messages` and `tools` (transformers' form), tokenized."""
         if not messages:
             raise GatewayError.invalid(param, f"{param} must contain at least one message")
         for i, m in enumerate(messages):
             check_encodable(m["content"], f"{param}[{i}].content")
         try:
-            text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                       tokenize=False)
+            text = self._tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False,
+                chat_template=self._config.chat_template, tools=tools)
         except Exception as err:  # template errors (e.g. role alternation) are the client's
             raise GatewayError.invalid(param, f"{param}: chat template failed: {err}") from None
         # The template already contains the special tokens (BOS, role markers).

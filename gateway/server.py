@@ -20,7 +20,9 @@ import uvicorn
 from gateway.config import (
     GatewayConfig,
     GatewayConfigError,
+    add_chat_args,
     add_public_security_args,
+    chat_settings,
     served_model_name_for,
 )
 from gateway.grpc_server import GrpcFrontend
@@ -149,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model's name in the API (default: --model as given, or the "
                         "embedded SmolLM2's name)")
     add_public_security_args(p)
+    add_chat_args(p)
     p.add_argument("--max-model-len", type=int, default=d["max_model_len"].default)
     p.add_argument("--max-tokens-cap", type=int, default=d["max_tokens_cap"].default)
     p.add_argument("--request-timeout", type=float, default=d["request_timeout_s"].default)
@@ -181,7 +184,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         speculative_tokens=args.speculative_tokens,
         speculative_max_load=args.speculative_max_load,
         speculative_draft_max_load=args.speculative_draft_max_load,
-        internal_token=internal_token_from_env())
+        internal_token=internal_token_from_env(), **chat_settings(args))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

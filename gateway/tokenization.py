@@ -38,7 +38,8 @@ class TokenizerLike(Protocol):
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True,
-                            tokenize: bool = False) -> Any: ...
+                            tokenize: bool = False, chat_template: str | None = None,
+                            **kwargs: Any) -> Any: ...
 
 
 class DetokenizerLike(Protocol):
@@ -69,6 +70,28 @@ def load_tokenizer(path: str) -> TokenizerLike:
 
     tokenizer: TokenizerLike = Tokenizer.from_file(path or default_model_path())
     return tokenizer
+
+
+MAX_CHAT_TEMPLATE_BYTES = 1 << 20
+
+
+def load_chat_template(path: str) -> str:
+    """A chat template file (Jinja2) to use in place of the model's, checked to compile."""
+    from engine.chat_template import ChatTemplateError, compile_template
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_CHAT_TEMPLATE_BYTES + 1)
+    except OSError as err:
+        raise ValueError(f"chat template {path!r} cannot be read: {err.strerror}") from None
+    if len(data) > MAX_CHAT_TEMPLATE_BYTES:
+        raise ValueError(f"chat template {path!r} is over {MAX_CHAT_TEMPLATE_BYTES} bytes")
+    try:
+        text = data.decode("utf-8")
+        compile_template(text)
+    except (UnicodeDecodeError, ChatTemplateError) as err:
+        raise ValueError(f"chat template {path!r}: {err}") from None
+    return text
 
 
 def make_detokenizer(tokenizer: TokenizerLike, prompt_token_ids: Sequence[int], *,

@@ -120,7 +120,7 @@ async def _serve_worker(args: argparse.Namespace) -> None:
 
 
 async def _serve_colocated(argv: list[str], args: argparse.Namespace) -> None:
-    from gateway.config import GatewayConfig, served_model_name_for
+    from gateway.config import GatewayConfig, chat_settings, served_model_name_for
     from gateway.server import GatewayServer
     from serving.server import run_until_signal, start_worker
 
@@ -144,7 +144,8 @@ async def _serve_colocated(argv: list[str], args: argparse.Namespace) -> None:
                               speculative_max_load=args.speculative_max_load,
                               speculative_draft_max_load=args.speculative_draft_max_load,
                               api_key=args.api_key, ssl_certfile=args.ssl_certfile,
-                              ssl_keyfile=args.ssl_keyfile, ssl_ca_certs=args.ssl_ca_certs)
+                              ssl_keyfile=args.ssl_keyfile, ssl_ca_certs=args.ssl_ca_certs,
+                              **chat_settings(args))
     gw = GatewayServer(gw_config, rest_host=args.gateway_host, rest_port=args.port or 8000,
                        grpc_host=args.gateway_host, grpc_port=args.grpc_port)
     await gw.start()
@@ -167,7 +168,7 @@ def _gateway_default(name: str) -> Any:
 
 def build_serve_parser() -> argparse.ArgumentParser:
     """`build_parser` plus the flags of the colocated role's in-process gateway."""
-    from gateway.config import add_public_security_args  # torch-free, like the gateway role
+    from gateway.config import add_chat_args, add_public_security_args  # torch-free
 
     parser = build_parser()
     parser.add_argument("--grpc-port", type=int, default=50050,
@@ -178,6 +179,7 @@ def build_serve_parser() -> argparse.ArgumentParser:
                         help="colocated: the model's name in the API (default: --model as "
                              "given, or the embedded SmolLM2's name)")
     add_public_security_args(parser, role="colocated")
+    add_chat_args(parser, role="colocated")
     parser.add_argument("--speculative-draft-max-load", type=int, default=_gateway_default(
                             "speculative_draft_max_load"),
                         help="colocated: requests pending on the worker from which its draft "
@@ -204,6 +206,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         tls_from_env()  # a broken TLS set-up fails now, not after the model loaded
         if args.role == "colocated":
+            from gateway.config import chat_settings
+
+            chat_settings(args)  # a bad --chat-template fails now, not after the model loaded
             asyncio.run(_serve_colocated(argv, args))
         else:
             asyncio.run(_serve_worker(args))

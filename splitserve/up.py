@@ -54,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-draft-max-load", type=int, default=None,
                    help="gateway: pending requests on the decode worker from which its draft "
                         "model gives way to n-gram lookup")
+    p.add_argument("--chat-template", default=None,
+                   help="gateway: a Jinja2 chat template file used in place of the model's")
+    p.add_argument("--tool-call-parser", default=None,
+                   help="gateway: parse tool calls out of the output (hermes, llama3_json), "
+                        "enabling tool_choice \"auto\"")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--exit-after-ready", action="store_true",
                    help="stop everything once healthy (smoke test)")
@@ -182,6 +187,10 @@ def service_argv(args: argparse.Namespace, engine_args: list[str]) -> dict[str, 
         gw += ["--speculative-max-load", str(args.speculative_max_load)]
     if args.speculative_draft_max_load is not None:
         gw += ["--speculative-draft-max-load", str(args.speculative_draft_max_load)]
+    if args.chat_template:
+        gw += ["--chat-template", str(Path(args.chat_template).resolve())]
+    if args.tool_call_parser:
+        gw += ["--tool-call-parser", args.tool_call_parser]
     return {"prefill": ["--role", "prefill", "--port", str(args.prefill_port), *engine_args],
             "decode": ["--role", "decode", "--port", str(args.decode_port), *engine_args],
             "gateway": gw}

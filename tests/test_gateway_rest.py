@@ -10,6 +10,7 @@ import json
 import socket
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 import httpx
@@ -398,9 +399,12 @@ MSG = [{"role": "user", "content": "hi"}]
      ["guided_regex", "131072"]),
     (CHAT, {"model": MODEL_NAME, "messages": MSG, "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400,
-     ["tools", "not supported"]),
+     ["tool_choice", "--tool-call-parser"]),  # auto, and this gateway has no parser
     (CHAT, {"model": MODEL_NAME, "messages": MSG, "tool_choice": "required"}, 400,
-     ["tool_choice"]),
+     ["tool_choice", "needs tools"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": "x", "tools": [
+        {"type": "function", "function": {"name": "f"}}]}, 400,
+     ["tools", "chat completions feature"]),
     (CHAT, {"model": MODEL_NAME, "messages": MSG, "logit_bias": {"1": "much"}}, 400,
      ["logit_bias"]),
     (CHAT, {"model": MODEL_NAME}, 400, ["messages is required"]),
@@ -466,6 +470,25 @@ def test_logit_bias_and_allowed_token_ids_reach_the_workers(gw: Harness, client:
                                    tool_choice="none")
     sent = gw.prefill[0].prefill_requests[-1].sampling
     assert dict(sent.logit_bias) == {3: 1.0} and not sent.allowed_token_ids
+
+
+def test_tool_choices_reach_the_workers_as_constraints(gw: Harness, client: OpenAI) -> None:
+    """A named function asks the workers for its parameters' schema, "required" for an array
+    of calls; "none" for nothing."""
+    params = {"type": "object", "properties": {"q": {"type": "string"}}}
+    tools = [{"type": "function", "function": {"name": "search", "parameters": params}}]
+    ask: dict[str, Any] = {"model": MODEL_NAME, "messages": MSG, "max_tokens": 2, "tools": tools}
+    client.chat.completions.create(
+        **ask, tool_choice={"type": "function", "function": {"name": "search"}})
+    sent = gw.prefill[0].prefill_requests[-1].sampling.structured_outputs
+    assert json.loads(sent.json_schema) == params
+    client.chat.completions.create(**ask, tool_choice="required")
+    sent = gw.prefill[0].prefill_requests[-1].sampling.structured_outputs
+    schema = json.loads(sent.json_schema)
+    assert schema["type"] == "array" and schema["minItems"] == 1
+    assert schema["items"]["properties"]["name"] == {"type": "string", "enum": ["search"]}
+    client.chat.completions.create(**ask, tool_choice="none")
+    assert not gw.prefill[0].prefill_requests[-1].sampling.HasField("structured_outputs")
 
 
 def test_structured_outputs_reach_the_workers(gw: Harness, client: OpenAI) -> None:

@@ -725,6 +725,22 @@ def test_rendered_gpu_overlay_mounts_the_model_pvc() -> None:
             assert any(t["key"] == "nvidia.com/gpu" for t in pod_spec(dep)["tolerations"])
 
 
+@needs_kustomize
+@pytest.mark.parametrize(("overlay", "parser"), [("cpu-dev", None), ("gpu", "llama3_json"),
+                                                 ("gpu-tls", "llama3_json"),
+                                                 ("gpu-fp8", "llama3_json")])
+def test_rendered_gateway_tool_call_parser(overlay: str, parser: str | None) -> None:
+    """The GPU overlays (Llama-3.1-8B-Instruct, whose template shows tools) parse its JSON tool
+    calls for tool_choice "auto"; SmolLM2's template does not show tools: none in cpu-dev."""
+    from gateway.server import build_parser as gateway_parser
+
+    objs = render(OVERLAYS / overlay)
+    gateway = next(d for d in of_kind(objs, "Deployment") if component(d) == "gateway")
+    c = containers(gateway)[0]
+    argv = [expand(str(a), pod_env(c, objs)) for a in c.get("args", [])]
+    assert gateway_parser().parse_args(argv[3:]).tool_call_parser == parser
+
+
 def worker_engine_configs(objs: list[Obj]) -> dict[str, Any]:
     """Each worker pool's engine config, from its expanded args through the real parser."""
     from engine.cli_args import engine_config_from_args
