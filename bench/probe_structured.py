@@ -1,6 +1,6 @@
 """What structured outputs cost the engine's decode steps, and that they hold on the device.
 
-For each batch size, one `generate` of that many fresh prompts in each of four workloads (greedy;
+For each batch size, one `generate` of that many fresh prompts in each workload (greedy;
 every output token is a step of the whole batch):
 - `plain`: free text;
 - `regex_all`: every request under the regex `[a-z ]+` (a mask every step for every row);
@@ -8,6 +8,7 @@ every output token is a step of the whole batch):
   the next is scheduled, so under async scheduling the whole batch loses the overlap);
 - `penalty_one`: one request with a repetition penalty among free ones (its sampling reads its
   output history too, and settles the previous step the same way);
+- `penalty_all`: every request with repetition, frequency and presence penalties;
 - `json`: every request under a JSON schema in its fixed layout (`any_whitespace=False`: any
   whitespace would let random weights spend every token on it; with bounded fields, each output
   ends by itself): how many outputs parse and match it.
@@ -44,6 +45,7 @@ SCHEMA = {"type": "object",
                          "ok": {"type": "boolean"}},
           "required": ["name", "age", "tags", "ok"], "additionalProperties": False}
 FREE_REGEX = "[a-z ]+"
+WORKLOADS = ("plain", "regex_all", "regex_one", "penalty_one", "penalty_all", "json")
 
 
 def _matches_schema(text: str) -> bool:
@@ -126,6 +128,8 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--mask-repeats", type=int, default=50)
+    p.add_argument("--workloads", default=",".join(WORKLOADS),
+                   help=f"a subset of {','.join(WORKLOADS)}")
     args = p.parse_args()
 
     from engine import LLM, SamplingParams
@@ -153,6 +157,13 @@ def main() -> int:
                            structured_outputs=StructuredOutputs(regex=FREE_REGEX))
     penalized = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
                                repetition_penalty=1.1)
+    all_penalties = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
+                                   repetition_penalty=1.1, frequency_penalty=0.2,
+                                   presence_penalty=0.1)
+    wanted = args.workloads.split(",")
+    unknown = set(wanted) - set(WORKLOADS)
+    if unknown:
+        p.error(f"unknown workloads {sorted(unknown)}; choose from {WORKLOADS}")
     schema = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
                             structured_outputs=StructuredOutputs(json=json.dumps(SCHEMA),
                                                                 any_whitespace=False))
@@ -165,8 +176,9 @@ def main() -> int:
         for name, params in (("plain", [free] * b), ("regex_all", [regex] * b),
                              ("regex_one", [regex] + [free] * (b - 1)),
                              ("penalty_one", [penalized] + [free] * (b - 1)),
+                             ("penalty_all", [all_penalties] * b),
                              ("json", [schema] * b)):
-            if name.endswith("_one") and b == 1:
+            if (name.endswith("_one") and b == 1) or name not in wanted:
                 continue
             prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(b)]
             res = _run(llm, prompts, params)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.devices import to_device
+from engine.penalties import PenaltyState
 from engine.request import Request, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.structured import fill_masks
@@ -42,44 +44,6 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     values, idx = logits.view(n, vocab // chunk, chunk).max(dim=-1)
     best = values.argmax(dim=-1, keepdim=True)  # [N, 1]
     return (best * chunk + idx.gather(1, best)).squeeze(1)
-
-
-def to_device(values: Sequence[int] | Sequence[float] | Sequence[bool], dtype: torch.dtype,
-              device: torch.device) -> torch.Tensor:
-    """A small host list as a device tensor without waiting for the device.
-
-    `torch.tensor(values, device="cuda")` copies from pageable memory as a blocking copy, which
-    synchronizes the stream: the host then waits for the whole forward pass queued before it,
-    and async scheduling loses its overlap for that step. From pinned memory the copy is
-    queued like the rest (the caching host allocator keeps the buffer until it is done)."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-def apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
-    """Repetition penalty (HF semantics, over prompt + output) and presence/frequency penalties
-    (OpenAI semantics, over output tokens). logits: [N, V], modified in place and returned."""
-    vocab = logits.shape[1]
-    for i, req in enumerate(reqs):
-        sp = req.sampling_params
-        if not sp.has_penalties:
-            continue
-        row = logits[i]
-        if sp.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long, device=row.device)
-            seen = seen[seen < vocab]
-            vals = row[seen]
-            row[seen] = torch.where(vals > 0, vals / sp.repetition_penalty,
-                                    vals * sp.repetition_penalty)
-        if sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0:
-            out = torch.tensor(req.output_token_ids, dtype=torch.long, device=row.device)
-            out = out[out < vocab]
-            counts = torch.zeros(vocab, dtype=row.dtype, device=row.device)
-            counts.index_add_(0, out, torch.ones_like(out, dtype=row.dtype))
-            row -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(row.dtype)
-    return logits
 
 
 @dataclass(slots=True)
@@ -339,6 +303,15 @@ def depends_on_outputs(req: Request) -> bool:
 
 
 class Sampler:
+    def __init__(self) -> None:
+        self._penalties: PenaltyState | None = None
+
+    def _penalty_state(self, logits: torch.Tensor) -> PenaltyState:
+        state = self._penalties
+        if state is None or state.vocab != logits.shape[1] or state.device != logits.device:
+            state = self._penalties = PenaltyState(logits.shape[1], logits.device)
+        return state
+
     def sample(self, logits: torch.Tensor, reqs: Sequence[Request],
                keep_probs: bool = False) -> PendingTokens:
         """logits: [N, V], one row per request → tokens on the device, copies started.
@@ -362,7 +335,7 @@ class Sampler:
             logits = logits.float()
         raw = logits
         if penalties:
-            logits = apply_penalties(logits.clone(), reqs)
+            logits = self._penalty_state(logits).apply(logits.clone(), reqs)
         if shaped:
             logits = shape_logits(logits.clone() if logits is raw else logits, reqs)
         if min_tokens:

@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 import torch
 
+from engine.penalties import penalties_reference as apply_penalties
 from engine.request import Request
-from engine.sampler import Sampler, apply_penalties, argmax_rows, filter_probs
+from engine.sampler import Sampler, argmax_rows, filter_probs
 from engine.sampling_params import SamplingParams
 
 V = 32
@@ -322,3 +323,51 @@ def test_shaped_requests_through_the_engine(device: str) -> None:
     assert tokens[0] == [77] * 12
     assert set(tokens[1]) <= {5, 6, 7} and set(tokens[2]) <= {300, 301}
     assert tokens[3:] == [o.outputs[0].token_ids for o in alone]  # neighbours untouched
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                         reason="needs a GPU"))])
+def test_penalty_state_matches_the_reference_step_by_step(device: str) -> None:
+    """Requests join (some resumed with outputs), generate, finish and leave over many steps;
+    slots are reused and the buffers grow past their first size. Every step, the batched
+    device-resident penalties equal the row-by-row reference."""
+    from engine.penalties import PenaltyState
+    from engine.request import RequestStatus
+
+    gen = torch.Generator().manual_seed(7)
+    vocab = 48
+    state = PenaltyState(vocab, torch.device(device))
+    live: list[Request] = []
+    made = 0
+    for step in range(60):
+        while len(live) < 4 + step % 13:  # up to 16 at once: past the first 8 slots
+            kind = made % 4
+            params: dict[str, Any] = [
+                {"repetition_penalty": 1.3}, {"presence_penalty": 0.7, "frequency_penalty": 0.2},
+                {"repetition_penalty": 0.8, "frequency_penalty": -0.5}, {}][kind]
+            prompt = torch.randint(0, vocab + 3, (5,), generator=gen).tolist()  # some >= vocab
+            out = torch.randint(0, vocab, (made % 3,), generator=gen).tolist()  # resumed ones
+            live.append(_req(f"r{made}", prompt=prompt, out=out, **params))
+            made += 1
+        logits = (torch.randn(len(live), vocab, generator=gen) * 3).to(device)
+        got = state.apply(logits.clone(), live)
+        torch.testing.assert_close(got, apply_penalties(logits.clone(), live), rtol=0, atol=1e-6)
+        for r in live:
+            r.append_output_token(int(torch.randint(0, vocab, (1,), generator=gen)))
+        for r in live[::5]:  # a few finish each step
+            r.status = RequestStatus.FINISHED_STOPPED
+        live = [r for r in live if not r.is_finished]
+    assert state.counts.shape[0] == 16 and state.num_active <= 16
+
+
+def test_sampler_penalizes_through_its_state() -> None:
+    logits = torch.tensor([[5.0, 4.9, 0.0, 4.95]])
+    req = _req("r", prompt=[0], temperature=0.0, frequency_penalty=1.0)
+    sampler = Sampler()
+    tokens = []
+    for _ in range(3):  # each chosen token is penalized on the next step
+        token = sampler(logits.clone(), [req])[0][0]
+        tokens.append(token)
+        req.append_output_token(token)
+    assert tokens == [0, 3, 1]
