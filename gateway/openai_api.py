@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import time
@@ -262,7 +263,7 @@ async def _chat_job(req: ChatCompletionRequest, state: GatewayState
                                        param_names={"max_tokens": param,
                                                     "logprobs": "top_logprobs"})
     if calling is not None:
-        state.metrics.tool_call_requests.labels(tool_choice=calling.mode).inc()
+        job = dataclasses.replace(job, tool_choice=calling.mode)
     return job, calling
 
 

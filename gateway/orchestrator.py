@@ -68,6 +68,9 @@ class GenerationJob:
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # A chat request's tool_choice when it sent tools (none, auto, required, named): the
+    # output's parsing is the REST layer's; here it is observed (metric, span attribute).
+    tool_choice: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     # The prompt's block hashes per KV layout (fingerprint, block size), computed once for both
     # pools and all `n` completions (WorkerPool.prompt_hashes).
@@ -149,6 +152,8 @@ class Orchestrator:
             constraint = _constraint(job)
             if constraint is not None:
                 self._metrics.structured_output_requests.labels(constraint=constraint).inc()
+            if job.tool_choice is not None:
+                self._metrics.tool_call_requests.labels(tool_choice=job.tool_choice).inc()
             finished: list[Finished] = []
             try:
                 async with contextlib.aclosing(_fan_in(queue, tasks)) as events:
@@ -201,6 +206,8 @@ class Orchestrator:
         constraint = _constraint(job)
         if constraint is not None:
             attrs["splitserve.structured_output"] = constraint
+        if job.tool_choice is not None:
+            attrs["splitserve.tool_choice"] = job.tool_choice
         return attrs
 
     async def _run_guarded(self, job: GenerationJob, index: int,
