@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from engine.sampling_params import StructuredOutputs
+from engine.sampling_params import SamplingParamsError, StructuredOutputs
 from gateway.errors import GatewayError
 
 MAX_TOOLS = 128  # OpenAI's limit
@@ -173,8 +173,7 @@ def tool_constraint(calling: ToolCalling) -> StructuredOutputs | None:
     """The output constraint of a named or required tool choice (None for none / auto)."""
     if calling.mode == "named":
         assert calling.name is not None
-        schema = calling.tool(calling.name).parameters or _ANY_OBJECT
-        return StructuredOutputs(json=json.dumps(schema))
+        return _json_constraint(calling.tool(calling.name).parameters or _ANY_OBJECT)
     if calling.mode != "required":
         return None
     calls = [{"type": "object",
@@ -186,7 +185,14 @@ def tool_constraint(calling: ToolCalling) -> StructuredOutputs | None:
                              "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
     if not calling.parallel:
         array["maxItems"] = 1
-    return StructuredOutputs(json=json.dumps(array))
+    return _json_constraint(array)
+
+
+def _json_constraint(schema: dict[str, Any]) -> StructuredOutputs:
+    try:
+        return StructuredOutputs(json=json.dumps(schema))
+    except SamplingParamsError as err:  # e.g. the schemas together past the size limit
+        raise GatewayError.invalid("tools", f"tools: {err}") from None
 
 
 # -- the output --------------------------------------------------------------------------------

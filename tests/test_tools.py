@@ -160,6 +160,15 @@ def test_required_constraint_is_an_array_of_calls() -> None:
     assert not _accepts(single, f"[{one}, {two}]")
 
 
+def test_constraint_past_the_size_limit_is_the_clients_error() -> None:
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(60)}}
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": big}}
+             for i in range(MAX_TOOLS)]
+    with pytest.raises(GatewayError) as err:
+        tool_constraint(_calling("required", tools=tools))
+    assert err.value.param == "tools" and "characters" in err.value.message, err.value.message
+
+
 # -- the output ----------------------------------------------------------------------------------
 def _run(out: ToolOutput, pieces: list[str]) -> tuple[str, list[dict[str, Any]]]:
     """Feed `pieces`, then finish; the content and the calls a client rebuilds from the deltas."""
