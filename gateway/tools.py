@@ -65,7 +65,7 @@ class ToolCalling:
             assert self.name is not None
             return NamedOutput(self.name)
         if self.mode == "required":
-            return RequiredOutput(self.parallel)
+            return RequiredOutput()
         if self.mode == "auto":
             cls = HermesOutput if self.parser == "hermes" else Llama3JsonOutput
             return cls(self.parallel)
@@ -294,13 +294,13 @@ class RequiredOutput(_Calls):
     each element becomes a call once it is complete. Text left when the array did not close
     (max_tokens) is content."""
 
-    def __init__(self, parallel: bool) -> None:
+    def __init__(self) -> None:  # parallel_tool_calls is the constraint's (maxItems)
         super().__init__()
         self._buf = ""
         self._pos = 0          # where the next element (or the closing bracket) starts
         self._opened = False
         self._closed = False
-        self._decoder = json.JSONDecoder()
+        self._decode = _ObjectDecoder()
 
     def feed(self, text: str) -> OutputDelta:
         self._buf += text
@@ -317,10 +317,10 @@ class RequiredOutput(_Calls):
             if self._buf[i] == "]":
                 self._closed, self._pos = True, i + 1
                 break
-            try:
-                value, end = self._decoder.raw_decode(self._buf, i)
-            except json.JSONDecodeError:
+            decoded = self._decode(self._buf, i)
+            if decoded is None:
                 break  # the element is not complete yet
+            value, end = decoded
             args = _arguments(value.get("parameters")) if isinstance(value, dict) else None
             if args is None or not isinstance(value.get("name"), str):
                 break
@@ -379,6 +379,26 @@ class _AutoOutput(_Calls):
     @property
     def finish_reason(self) -> str | None:
         return "tool_calls" if self.calls else None
+
+
+class _ObjectDecoder:
+    """`json.JSONDecoder.raw_decode` of a JSON object growing delta by delta: tried again only
+    once a `}` has arrived since the last failure (an object can end only there), so a long
+    call is not parsed from its start at every token."""
+
+    def __init__(self) -> None:
+        self._decoder = json.JSONDecoder()
+        self._start = -1
+        self._tried = 0  # the buffer's length at the last failed attempt at `_start`
+
+    def __call__(self, buf: str, start: int) -> tuple[Any, int] | None:
+        if start == self._start and "}" not in buf[self._tried:]:
+            return None
+        try:
+            return self._decoder.raw_decode(buf, start)  # type: ignore[no-any-return]
+        except json.JSONDecodeError:
+            self._start, self._tried = start, len(buf)
+            return None
 
 
 def _named_call(obj: object, args_keys: tuple[str, ...]) -> tuple[str, str] | None:
@@ -459,7 +479,7 @@ class Llama3JsonOutput(_AutoOutput):
         self._buf = ""
         self._pos = 0
         self._mode: Literal["undecided", "calls", "text"] = "undecided"
-        self._decoder = json.JSONDecoder()
+        self._decode = _ObjectDecoder()
 
     def feed(self, text: str) -> OutputDelta:
         out = OutputDelta()
@@ -497,10 +517,10 @@ class Llama3JsonOutput(_AutoOutput):
             if self._buf[i] != "{":
                 self._to_text(self._pos, out)
                 return
-            try:
-                obj, end = self._decoder.raw_decode(self._buf, i)
-            except json.JSONDecodeError:
+            decoded = self._decode(self._buf, i)
+            if decoded is None:
                 return  # not complete yet (finish() decides)
+            obj, end = decoded
             call = _named_call(obj, ("parameters", "arguments"))
             if call is None:
                 self._to_text(self._pos, out)

@@ -286,13 +286,13 @@ REQUIRED = ('[{"name": "get_weather", "parameters": {"city": "Oslo"}},\n '
 @settings(max_examples=60, deadline=None)
 @given(cuts=st.lists(st.integers(0, 200), max_size=10))
 def test_required_in_pieces(cuts: list[int]) -> None:
-    assert _run(RequiredOutput(parallel=True), _split(REQUIRED, cuts)) == (
+    assert _run(RequiredOutput(), _split(REQUIRED, cuts)) == (
         "", [{"name": "get_weather", "arguments": {"city": "Oslo"}},
              {"name": "get_time", "arguments": {}}])
 
 
 def test_required_cut_short_keeps_the_rest_as_content() -> None:
-    out = RequiredOutput(parallel=True)
+    out = RequiredOutput()
     content, calls = _run(out, [REQUIRED[:70]])
     assert calls == [{"name": "get_weather", "arguments": {"city": "Oslo"}}]
     assert content == REQUIRED[:70].split("},", 1)[1].lstrip(" ,\n")
