@@ -150,16 +150,24 @@ def _needs_min_tokens_mask(req: Request) -> bool:
 
 def mask_min_tokens(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     """Before `min_tokens` outputs exist, EOS (unless ignore_eos) and stop_token_ids cannot be
-    sampled (vLLM / HF `min_new_tokens` semantics). logits: [N, V], modified in place."""
+    sampled (vLLM / HF `min_new_tokens` semantics). logits: [N, V], modified in place: one
+    index_put for all rows, its indices copied without a blocking copy (`to_device`)."""
     vocab = logits.shape[1]
+    rows: list[int] = []
+    ids: list[int] = []
     for i, req in enumerate(reqs):
         if not _needs_min_tokens_mask(req):
             continue
         sp = req.sampling_params
         banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(req.eos_token_ids))
-        ids = [t for t in banned if 0 <= t < vocab]
-        if ids:
-            logits[i, ids] = float("-inf")
+        for t in banned:
+            if 0 <= t < vocab:
+                rows.append(i)
+                ids.append(t)
+    if rows:
+        dev = logits.device
+        index = (to_device(rows, torch.long, dev), to_device(ids, torch.long, dev))
+        logits.index_put_(index, logits.new_full((), float("-inf")))  # a fill, not a copy
     return logits
 
 

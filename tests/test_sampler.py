@@ -149,6 +149,16 @@ def test_min_tokens_blocks_eos_and_stop_ids() -> None:
     assert Sampler()(logits, [ignore])[0] == [1]  # ignore_eos: EOS is an ordinary token
 
 
+def test_min_tokens_masks_each_row_its_own_ids() -> None:
+    logits = torch.tensor([[0.0, 9.0, 8.0, 7.0, 1.0]] * 3)
+    reqs = [_req("a", eos=(1,), temperature=0.0, min_tokens=2, stop_token_ids=[2]),
+            _req("b", eos=(1,), temperature=0.0),  # no min_tokens: EOS allowed
+            _req("c", eos=(1,), temperature=0.0, min_tokens=3, stop_token_ids=[3, 99],
+                 ignore_eos=True)]  # 99 is outside the vocabulary: skipped
+    tokens, _ = Sampler()(logits, reqs)
+    assert tokens == [3, 1, 1]
+
+
 @pytest.mark.parametrize("n", [0, 1, 5])
 def test_logprobs_sorted_and_match_log_softmax(n: int) -> None:
     logits = _logits(3, seed=7)
