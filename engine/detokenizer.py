@@ -116,11 +116,17 @@ class IncrementalDetokenizer:
         return best
 
     def _holdback(self, text: str) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-        longest = 0
-        for stop in self._stop:
-            for n in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:n]):
-                    longest = n
-                    break
-        return longest
+        return holdback(text, self._stop)
+
+
+def holdback(text: str, markers: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `markers`: what
+    a stream must hold back until it knows whether a marker (a stop string, a tool-call tag)
+    starts there."""
+    longest = 0
+    for marker in markers:
+        for n in range(min(len(marker) - 1, len(text)), longest, -1):
+            if text.endswith(marker[:n]):
+                longest = n
+                break
+    return longest

@@ -24,6 +24,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from engine.detokenizer import holdback
 from engine.sampling_params import SamplingParamsError, StructuredOutputs
 from gateway.errors import GatewayError
 
@@ -439,7 +440,7 @@ class HermesOutput(_AutoOutput):
                 self._content(self._buf[:start], out)
                 self._buf, self._in_call = self._buf[start + len(self.START):], True
                 continue
-            keep = _partial_suffix(self._buf, self.START)
+            keep = holdback(self._buf, (self.START,))
             self._content(self._buf[:len(self._buf) - keep], out)
             self._buf = self._buf[len(self._buf) - keep:]
             break
@@ -545,11 +546,3 @@ class Llama3JsonOutput(_AutoOutput):
         self._buf = ""
         self._flush_space(out)
         return out
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
