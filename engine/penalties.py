@@ -8,8 +8,11 @@ copied them over every step: ~10 kernels and two blocking copies a row (+1.1 ms 
 one penalized request among 255 on the H200, docs/performance.md).
 
 Slots are released once their request has finished (checked at each step that penalizes), and
-the buffers grow by doubling: S rows cost S × V × 5 bytes (641 KB a request at V = 128,256),
-outside the KV cache's budget.
+the buffers grow by doubling up to a capacity (the runner's max_num_seqs): S rows cost
+S × V × 5 bytes (641 KB a request at V = 128,256), and the runner keeps the capacity's worth out
+of the KV cache's budget (`PenaltyState.bytes_for`). With every slot taken, a request outside
+the step being sampled (preempted, or not scheduled this step) gives its slot up; its counts are
+rebuilt from its output list when it is sampled again.
 """
 
 from __future__ import annotations
@@ -22,23 +25,37 @@ from engine.devices import to_device
 from engine.request import Request
 
 _FIRST_SLOTS = 8
+_BYTES_PER_ENTRY = 4 + 1  # a float32 count and a bool prompt mark per slot and token id
 
 
 class PenaltyState:
-    """The penalized requests' token history on one device, for one vocabulary size."""
+    """The penalized requests' token history on one device, for one vocabulary size, in at most
+    `capacity` slots (None: unbounded)."""
 
-    def __init__(self, vocab: int, device: torch.device) -> None:
+    def __init__(self, vocab: int, device: torch.device, capacity: int | None = None) -> None:
+        if capacity is not None and capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.vocab = vocab
         self.device = device
+        self.capacity = capacity
         self.counts = torch.zeros(0, vocab, dtype=torch.float32, device=device)
         self.prompt_seen = torch.zeros(0, vocab, dtype=torch.bool, device=device)
         self.owners: list[Request | None] = []
         self._slots: dict[int, int] = {}      # id(request) -> slot
         self._counted: dict[int, int] = {}    # id(request) -> its outputs in `counts`
 
+    @staticmethod
+    def bytes_for(slots: int, vocab: int) -> int:
+        """Device memory of `slots` slots over a vocabulary of `vocab` ids."""
+        return slots * vocab * _BYTES_PER_ENTRY
+
     @property
     def num_active(self) -> int:
         return len(self._slots)
+
+    @property
+    def num_slots(self) -> int:
+        return self.counts.shape[0]
 
     def apply(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
         """Penalize the rows of `reqs` that ask for it (HF repetition penalty over prompt and
@@ -48,7 +65,10 @@ class PenaltyState:
         if not rows:
             return logits
         self._release_finished()
-        slots = [self._slot(reqs[i]) for i in rows]
+        if self.capacity is not None and len(rows) > self.capacity:
+            raise ValueError(f"{len(rows)} penalized rows in one step, capacity {self.capacity}")
+        batch = {id(reqs[i]) for i in rows}
+        slots = [self._slot(reqs[i], batch) for i in rows]
         self._count_new_outputs([reqs[i] for i in rows], slots)
         params = [(reqs[i].sampling_params.repetition_penalty,
                    reqs[i].sampling_params.frequency_penalty,
@@ -67,7 +87,9 @@ class PenaltyState:
         logits.index_copy_(0, row_idx, sub)
         return logits
 
-    def _slot(self, req: Request) -> int:
+    def _slot(self, req: Request, batch: set[int]) -> int:
+        """`req`'s slot, taking a free one (or growing, or taking one whose owner is not in
+        `batch`, the ids of this step's penalized requests) on its first step."""
         key = id(req)  # unique while the slot's owner list keeps `req` alive
         slot = self._slots.get(key)
         if slot is not None:
@@ -76,7 +98,12 @@ class PenaltyState:
             slot = self.owners.index(None)
         except ValueError:
             slot = len(self.owners)
-            self._grow(slot + 1)
+            if self.capacity is None or slot < self.capacity:
+                self._grow(slot + 1)
+            else:
+                slot = next(i for i, o in enumerate(self.owners)
+                            if o is not None and id(o) not in batch)
+                self._release(slot)
         self.owners[slot] = req
         self._slots[key] = slot
         self._counted[key] = 0
@@ -111,14 +138,21 @@ class PenaltyState:
     def _release_finished(self) -> None:
         for slot, owner in enumerate(self.owners):
             if owner is not None and owner.is_finished:
-                self.owners[slot] = None
-                del self._slots[id(owner)]
-                del self._counted[id(owner)]
+                self._release(slot)
+
+    def _release(self, slot: int) -> None:
+        owner = self.owners[slot]
+        assert owner is not None
+        self.owners[slot] = None
+        del self._slots[id(owner)]
+        del self._counted[id(owner)]
 
     def _grow(self, needed: int) -> None:
         size = max(_FIRST_SLOTS, self.counts.shape[0])
         while size < needed:
             size *= 2
+        if self.capacity is not None:
+            size = min(size, self.capacity)
         if size > self.counts.shape[0]:
             old = self.counts.shape[0]
             counts = torch.zeros(size, self.vocab, dtype=torch.float32, device=self.device)

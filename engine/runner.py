@@ -49,6 +49,7 @@ from engine.model.layers import RotaryEmbedding
 from engine.model.llama import LlamaForCausalLM
 from engine.model.overlap import MicroBatchStreams
 from engine.model.quant import apply_fp8_w8a8, apply_int8_weight_only, check_fp8_supported
+from engine.penalties import PenaltyState
 from engine.piecewise_graphs import MIN_PIECEWISE_BUCKET, PiecewiseGraphRunner
 from engine.prompt_logprobs import PendingPromptLogprobs, plan_prompt_rows, score_prompt_rows
 from engine.request import Request
@@ -245,7 +246,7 @@ class ModelRunner:
             logger.info("%s quantization: %d linear layers swapped", quant, n)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # the full-precision weights just freed
-        self.sampler = Sampler()
+        self.sampler = Sampler(penalty_capacity=self.config.scheduler.max_num_seqs)
         # The stream this runner's steps and graph replays run on: the one current where it was
         # built (AsyncEngine's thread makes it current there too). Kernels that write KV into
         # this cache from other threads go on it as well, never on a side stream: a kernel on
@@ -426,8 +427,12 @@ class ModelRunner:
         del scratch, h
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(self.device).total_memory
-        # Headroom for CUDA graphs' pools and the allocator's fragmentation.
+        # Headroom for CUDA graphs' pools and the allocator's fragmentation, and the sampler's
+        # penalty history, which grows as penalized requests arrive up to one slot per running
+        # request (engine/penalties.py): kept out of the cache before it can be needed.
         reserve = 2 << 30 if not self.config.runner.enforce_eager else 512 << 20
+        reserve += PenaltyState.bytes_for(self.config.scheduler.max_num_seqs,
+                                          self.model.lm_head_weight.shape[0])
         budget = int(total * self.config.cache.gpu_memory_utilization) - peak - reserve
         # The share above assumes this process's tensors are the device's only users; memory
         # held elsewhere (another process, an engine of this one not yet freed) must not be

@@ -311,13 +311,17 @@ def depends_on_outputs(req: Request) -> bool:
 
 
 class Sampler:
-    def __init__(self) -> None:
+    def __init__(self, penalty_capacity: int | None = None) -> None:
+        """penalty_capacity: most requests whose penalty history stays on the device at once
+        (the runner's max_num_seqs, whose memory it keeps out of the KV cache); None: any."""
+        self._penalty_capacity = penalty_capacity
         self._penalties: PenaltyState | None = None
 
     def _penalty_state(self, logits: torch.Tensor) -> PenaltyState:
         state = self._penalties
         if state is None or state.vocab != logits.shape[1] or state.device != logits.device:
-            state = self._penalties = PenaltyState(logits.shape[1], logits.device)
+            state = self._penalties = PenaltyState(logits.shape[1], logits.device,
+                                                   self._penalty_capacity)
         return state
 
     def sample(self, logits: torch.Tensor, reqs: Sequence[Request],

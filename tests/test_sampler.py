@@ -371,6 +371,48 @@ def test_penalty_state_matches_the_reference_step_by_step(device: str) -> None:
     assert state.counts.shape[0] == 16 and state.num_active <= 16
 
 
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                         reason="needs a GPU"))])
+def test_penalty_state_holds_to_its_capacity(device: str) -> None:
+    """More live penalized requests than slots, each step sampling a window of at most
+    `capacity` of them (the others preempted or not scheduled): the buffers never pass the
+    capacity, slots move to the step's requests, and a request that lost its slot gets its
+    counts back whole — every step equals the row-by-row reference."""
+    from engine.penalties import PenaltyState
+
+    gen = torch.Generator().manual_seed(11)
+    vocab, capacity = 40, 5
+    state = PenaltyState(vocab, torch.device(device), capacity=capacity)
+    live = [_req(f"r{i}", prompt=torch.randint(0, vocab, (4,), generator=gen).tolist(),
+                 frequency_penalty=0.3 + 0.1 * i, repetition_penalty=1.2) for i in range(9)]
+    for step in range(40):
+        start = (step * 3) % len(live)
+        window = [live[(start + j) % len(live)] for j in range(1 + step % capacity)]
+        logits = (torch.randn(len(window), vocab, generator=gen) * 3).to(device)
+        got = state.apply(logits.clone(), window)
+        torch.testing.assert_close(got, apply_penalties(logits.clone(), window),
+                                   rtol=0, atol=1e-6)
+        assert state.num_slots <= capacity and state.num_active <= capacity
+        for r in window:
+            r.append_output_token(int(torch.randint(0, vocab, (1,), generator=gen)))
+    assert state.num_slots == capacity
+    with pytest.raises(ValueError, match="capacity"):
+        state.apply(torch.zeros(capacity + 1, vocab, device=device), live[:capacity + 1])
+
+
+def test_penalty_state_memory_is_kept_out_of_the_kv_budget() -> None:
+    """What the runner keeps aside for the penalty history is what the state can grow to."""
+    from engine.penalties import PenaltyState
+
+    state = PenaltyState(1000, torch.device("cpu"), capacity=3)
+    reqs = [_req(f"r{i}", frequency_penalty=1.0) for i in range(3)]
+    state.apply(torch.zeros(3, 1000), reqs)
+    held = (state.counts.numel() * state.counts.element_size()
+            + state.prompt_seen.numel() * state.prompt_seen.element_size())
+    assert held == PenaltyState.bytes_for(3, 1000)
+
+
 def test_sampler_penalizes_through_its_state() -> None:
     logits = torch.tensor([[5.0, 4.9, 0.0, 4.95]])
     req = _req("r", prompt=[0], temperature=0.0, frequency_penalty=1.0)
