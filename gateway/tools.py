@@ -13,7 +13,11 @@
   `gateway/chat_templates/chatml_hermes_tools.jinja` for ChatML models).
 
 One `ToolOutput` per choice turns the completion's text deltas into content deltas and tool-call
-deltas; a non-streamed response is the same deltas joined, so the two forms agree.
+deltas; a non-streamed response is the same deltas joined, so the two forms agree. Streamed, the
+`auto` parsers send a call as soon as its name is known and then its arguments' text as the
+model writes it (`incremental`, as vLLM streams them); a call is then a call even if the model
+breaks its JSON later. Not streamed, a call is parsed whole, and one that does not parse stays
+content.
 """
 
 from __future__ import annotations
@@ -60,8 +64,10 @@ class ToolCalling:
     def tool(self, name: str) -> Tool:
         return next(t for t in self.tools if t.name == name)
 
-    def output(self) -> ToolOutput:
-        """A fresh parser of one choice's output (None-mode requests have no parser)."""
+    def output(self, incremental: bool = False) -> ToolOutput:
+        """A fresh parser of one choice's output (None-mode requests have no parser);
+        `incremental`: `auto` calls are sent name first, then their arguments as they come
+        (for a stream), not once whole."""
         if self.mode == "named":
             assert self.name is not None
             return NamedOutput(self.name)
@@ -69,7 +75,7 @@ class ToolCalling:
             return RequiredOutput()
         if self.mode == "auto":
             cls = HermesOutput if self.parser == "hermes" else Llama3JsonOutput
-            return cls(self.parallel)
+            return cls(self.parallel, incremental)
         raise ValueError(f"tool_choice {self.mode!r} has no tool-call output")
 
 
@@ -239,11 +245,17 @@ class _Calls:
         self.text: list[str] = []
 
     def call(self, name: str, arguments: str) -> dict[str, Any]:
-        """Record a whole call; its stream delta."""
-        call = {"id": new_call_id(), "type": "function",
-                "function": {"name": name, "arguments": arguments}}
+        """Record a call (whole, or the start of its arguments); its stream delta."""
+        call: dict[str, Any] = {"id": new_call_id(), "type": "function",
+                                "function": {"name": name, "arguments": arguments}}
         self.calls.append(call)
-        return {"index": len(self.calls) - 1, **call}
+        # The delta's own `function`: the message's grows as later arguments arrive.
+        return {"index": len(self.calls) - 1, **call, "function": dict(call["function"])}
+
+    def more_arguments(self, text: str) -> dict[str, Any]:
+        """Append to the last call's arguments; the stream delta."""
+        self.calls[-1]["function"]["arguments"] += text
+        return {"index": len(self.calls) - 1, "function": {"arguments": text}}
 
     @property
     def content(self) -> str | None:
@@ -269,16 +281,13 @@ class NamedOutput(_Calls):
     def __init__(self, name: str) -> None:
         super().__init__()
         self._name = name
-        self._args: list[str] = []
 
     def feed(self, text: str) -> OutputDelta:
         if not text:
             return OutputDelta()
-        self._args.append(text)
         if not self.calls:
             return OutputDelta(calls=[self.call(self._name, text)])
-        self.calls[0]["function"]["arguments"] = "".join(self._args)
-        return OutputDelta(calls=[{"index": 0, "function": {"arguments": text}}])
+        return OutputDelta(calls=[self.more_arguments(text)])
 
     def finish(self) -> OutputDelta:
         if not self.calls:  # nothing generated (max_tokens reached at once): an empty call
@@ -350,11 +359,13 @@ class _AutoOutput(_Calls):
     """Shared by the `auto` parsers: content is streamed as it comes, except whitespace, which
     waits for the next text (whitespace around tool calls is dropped, as when the whole output
     is parsed at once) and a possible start of a tool call, which waits until it is one or
-    not. Without `parallel`, calls after the first are dropped."""
+    not. Without `parallel`, calls after the first are dropped. `incremental`: a call's name is
+    sent once known, then its arguments' text as it comes (`_CallStream`)."""
 
-    def __init__(self, parallel: bool) -> None:
+    def __init__(self, parallel: bool, incremental: bool = False) -> None:
         super().__init__()
         self._parallel = parallel
+        self._incremental = incremental
         self._held_space = ""
 
     def _content(self, text: str, out: OutputDelta) -> None:
@@ -370,6 +381,17 @@ class _AutoOutput(_Calls):
     def _call(self, name: str, arguments: str, out: OutputDelta) -> None:
         if self._parallel or not self.calls:
             out.calls.append(self.call(name, arguments))
+
+    def _stream_call(self, stream: _CallStream, text: str, out: OutputDelta) -> None:
+        """Send what `stream` found new in `text` (the call object's text so far): the call's
+        opening with its first arguments, then more arguments; nothing for a dropped call."""
+        name, args = stream.advance(text)
+        if name is not None:
+            stream.dropped = not (self._parallel or not self.calls)
+            if not stream.dropped:
+                out.calls.append(self.call(name, args))
+        elif args and not stream.dropped:
+            out.calls.append(self.more_arguments(args))
 
     def _flush_space(self, out: OutputDelta) -> None:
         if self._held_space and not self.calls:
@@ -402,6 +424,48 @@ class _ObjectDecoder:
             return None
 
 
+class _CallStream:
+    """One call object `{"name": "...", "<arguments key>": {...}, ...}` arriving in pieces: its
+    name once the arguments' `{` follows it, then the arguments' text up to the end of that
+    object (found by `_ObjectDecoder`, so a `}` inside a string does not end it). An object that
+    starts otherwise (another key first, arguments that are not an object) never opens: its
+    parser takes it whole when it ends."""
+
+    def __init__(self, args_keys: tuple[str, ...]) -> None:
+        keys = "|".join(re.escape(k) for k in args_keys)
+        self._head = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:'
+                                + keys + r')"\s*:\s*(?=\{)')
+        self._decode = _ObjectDecoder()
+        self.opened = False
+        self.dropped = False  # opened, but not sent (a call after the first without parallel)
+        self._args_start = -1  # where the arguments object starts, once opened
+        self._sent = 0         # where the arguments' text not sent yet starts
+        self.args_end = -1     # where the arguments object ends, once it has
+
+    def advance(self, text: str) -> tuple[str | None, str]:
+        """(the name, when it is first known; the arguments' text not sent before). `text`: the
+        object's text so far, from its start (it may run past the object's end)."""
+        name = None
+        if not self.opened:
+            m = self._head.match(text)
+            if m is None:
+                return None, ""
+            try:
+                name = json.loads(f'"{m.group(1)}"')
+            except json.JSONDecodeError:
+                return None, ""
+            self.opened = True
+            self._args_start = self._sent = m.end()
+        if self.args_end < 0:
+            decoded = self._decode(text, self._args_start)
+            if decoded is not None:
+                self.args_end = decoded[1]
+        limit = self.args_end if self.args_end >= 0 else len(text)
+        args = text[self._sent:limit] if limit > self._sent else ""
+        self._sent = max(self._sent, limit)
+        return name, args
+
+
 def _named_call(obj: object, args_keys: tuple[str, ...]) -> tuple[str, str] | None:
     """(name, arguments JSON) of a parsed `{"name": ..., <args key>: {...}}` object."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -415,30 +479,40 @@ def _named_call(obj: object, args_keys: tuple[str, ...]) -> tuple[str, str] | No
 
 class HermesOutput(_AutoOutput):
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; text outside them is
-    content, a block whose JSON does not parse stays content."""
+    content. Whole (not `incremental`), a block whose JSON does not parse stays content."""
 
     START, END = "<tool_call>", "</tool_call>"
+    _ARGS_KEYS = ("arguments", "parameters")
 
-    def __init__(self, parallel: bool) -> None:
-        super().__init__(parallel)
+    def __init__(self, parallel: bool, incremental: bool = False) -> None:
+        super().__init__(parallel, incremental)
         self._buf = ""
         self._in_call = False
+        self._searched = 0  # the block's text searched for END so far
+        self._stream = _CallStream(self._ARGS_KEYS)
 
     def feed(self, text: str) -> OutputDelta:
         self._buf += text
         out = OutputDelta()
         while True:
             if self._in_call:
-                end = self._buf.find(self.END)
+                end = self._buf.find(self.END, max(0, self._searched - len(self.END) + 1))
+                self._searched = len(self._buf)
+                if self._incremental:
+                    inner = (self._buf[:end] if end >= 0 else
+                             self._buf[:len(self._buf) - holdback(self._buf, (self.END,))])
+                    self._stream_call(self._stream, inner, out)
                 if end < 0:
                     break
-                self._block(self._buf[:end], closed=True, out=out)
-                self._buf, self._in_call = self._buf[end + len(self.END):], False
+                self._close(self._buf[:end], closed=True, out=out)
+                self._buf = self._buf[end + len(self.END):]
                 continue
             start = self._buf.find(self.START)
             if start >= 0:
                 self._content(self._buf[:start], out)
-                self._buf, self._in_call = self._buf[start + len(self.START):], True
+                self._buf = self._buf[start + len(self.START):]
+                self._in_call, self._searched = True, 0
+                self._stream = _CallStream(self._ARGS_KEYS)
                 continue
             keep = holdback(self._buf, (self.START,))
             self._content(self._buf[:len(self._buf) - keep], out)
@@ -446,9 +520,13 @@ class HermesOutput(_AutoOutput):
             break
         return out
 
-    def _block(self, inner: str, closed: bool, out: OutputDelta) -> None:
+    def _close(self, inner: str, closed: bool, out: OutputDelta) -> None:
+        """The block ends: a call already sent stays one; otherwise it is parsed whole."""
+        self._in_call = False
+        if self._stream.opened:
+            return
         try:
-            parsed = _named_call(json.loads(inner), ("arguments", "parameters"))
+            parsed = _named_call(json.loads(inner), self._ARGS_KEYS)
         except json.JSONDecodeError:
             parsed = None
         if parsed is None:
@@ -459,7 +537,9 @@ class HermesOutput(_AutoOutput):
     def finish(self) -> OutputDelta:
         out = OutputDelta()
         if self._in_call:
-            self._block(self._buf, closed=False, out=out)
+            if self._incremental:
+                self._stream_call(self._stream, self._buf, out)  # a held-back tag start
+            self._close(self._buf, closed=False, out=out)
         else:
             self._content(self._buf, out)
         self._buf = ""
@@ -474,13 +554,16 @@ class Llama3JsonOutput(_AutoOutput):
     streamed from there; so is an object that is not a call, and what follows it."""
 
     TAG = "<|python_tag|>"
+    _ARGS_KEYS = ("parameters", "arguments")
 
-    def __init__(self, parallel: bool) -> None:
-        super().__init__(parallel)
+    def __init__(self, parallel: bool, incremental: bool = False) -> None:
+        super().__init__(parallel, incremental)
         self._buf = ""
         self._pos = 0
         self._mode: Literal["undecided", "calls", "text"] = "undecided"
         self._decode = _ObjectDecoder()
+        self._stream: _CallStream | None = None  # the object after `_pos`, when incremental
+        self._after_call = False  # `_pos` is past a call
 
     def feed(self, text: str) -> OutputDelta:
         out = OutputDelta()
@@ -506,7 +589,7 @@ class Llama3JsonOutput(_AutoOutput):
     def _calls(self, out: OutputDelta) -> None:
         while self._mode == "calls":
             i = self._skip(self._pos)
-            if self.calls:  # after a call: `;` then the next, or the end
+            if self._after_call:  # `;` then the next, or the end
                 if i >= len(self._buf):
                     return
                 if self._buf[i] != ";":
@@ -518,16 +601,22 @@ class Llama3JsonOutput(_AutoOutput):
             if self._buf[i] != "{":
                 self._to_text(self._pos, out)
                 return
+            if self._incremental:
+                if self._stream is None:
+                    self._stream = _CallStream(self._ARGS_KEYS)
+                self._stream_call(self._stream, self._buf[i:], out)
             decoded = self._decode(self._buf, i)
             if decoded is None:
                 return  # not complete yet (finish() decides)
             obj, end = decoded
-            call = _named_call(obj, ("parameters", "arguments"))
-            if call is None:
-                self._to_text(self._pos, out)
-                return
-            self._call(*call, out)
-            self._pos = end
+            sent, self._stream = self._stream is not None and self._stream.opened, None
+            if not sent:
+                call = _named_call(obj, self._ARGS_KEYS)
+                if call is None:
+                    self._to_text(self._pos, out)
+                    return
+                self._call(*call, out)
+            self._pos, self._after_call = end, True
 
     def _skip(self, i: int) -> int:
         while i < len(self._buf) and self._buf[i].isspace():
@@ -541,7 +630,8 @@ class Llama3JsonOutput(_AutoOutput):
 
     def finish(self) -> OutputDelta:
         out = OutputDelta()
-        if self._mode != "text" and self._buf[self._pos:].strip():
+        sent = self._stream is not None and self._stream.opened  # cut short: it stays a call
+        if self._mode != "text" and not sent and self._buf[self._pos:].strip():
             self._to_text(self._pos, out)  # an object that never completed
         self._buf = ""
         self._flush_space(out)

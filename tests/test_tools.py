@@ -214,18 +214,68 @@ HERMES_CASES = [
 ]
 
 
+@pytest.mark.parametrize("incremental", [False, True])
 @pytest.mark.parametrize(("text", "content", "calls"), HERMES_CASES)
-def test_hermes_whole(text: str, content: str, calls: list[dict[str, Any]]) -> None:
-    got_content, got_calls = _run(HermesOutput(parallel=True), [text])
+def test_hermes_whole(text: str, content: str, calls: list[dict[str, Any]],
+                      incremental: bool) -> None:
+    got_content, got_calls = _run(HermesOutput(parallel=True, incremental=incremental), [text])
     assert (got_content, got_calls) == (content, calls)
 
 
 @settings(max_examples=60, deadline=None)
-@given(case=st.sampled_from(HERMES_CASES), cuts=st.lists(st.integers(0, 400), max_size=12))
+@given(case=st.sampled_from(HERMES_CASES), cuts=st.lists(st.integers(0, 400), max_size=12),
+       incremental=st.booleans())
 def test_hermes_in_pieces_ends_where_whole_does(case: tuple[str, str, list[Any]],
-                                                cuts: list[int]) -> None:
+                                                cuts: list[int], incremental: bool) -> None:
     text, content, calls = case
-    assert _run(HermesOutput(parallel=True), _split(text, cuts)) == (content, calls)
+    out = HermesOutput(parallel=True, incremental=incremental)
+    assert _run(out, _split(text, cuts)) == (content, calls)
+
+
+def _arguments_deltas(out: ToolOutput, pieces: list[str]) -> list[tuple[str | None, str]]:
+    """Each call delta as (its name if it opens a call, its arguments' text)."""
+    return [(part.get("function", {}).get("name"), part["function"].get("arguments", ""))
+            for delta in [*(out.feed(p) for p in pieces), out.finish()] for part in delta.calls]
+
+
+def test_hermes_incremental_sends_the_name_then_the_arguments_as_they_come() -> None:
+    pieces = ["<tool_call>\n{\"name\": \"get_", "weather\", \"arguments\": ", "{\"city\": \"P",
+              "aris}\", \"n\": {\"d\": ", "1}", "}", "}\n</tool_", "call>\nDone."]
+    out = HermesOutput(parallel=True, incremental=True)
+    deltas = _arguments_deltas(out, pieces)
+    # The name as soon as the arguments' object starts; then each piece of it, a `}` in a string
+    # and a nested object's end included, and nothing of the block's own end.
+    assert deltas == [("get_weather", "{\"city\": \"P"), (None, "aris}\", \"n\": {\"d\": "),
+                      (None, "1}"), (None, "}")]
+    assert out.tool_calls[0]["function"]["arguments"] == '{"city": "Paris}", "n": {"d": 1}}'
+    assert out.content == "\nDone." and out.finish_reason == "tool_calls"
+    whole = HermesOutput(parallel=True)  # not streamed: the call once its block has ended
+    assert [d for p in pieces[:-2] for d in whole.feed(p).calls] == []
+
+
+def test_hermes_incremental_call_cut_short_stays_a_call() -> None:
+    text = '<tool_call>{"name": "a", "arguments": {"k": [1, 2'
+    out = HermesOutput(parallel=True, incremental=True)
+    assert _arguments_deltas(out, [text]) == [("a", '{"k": [1, 2')]
+    assert out.content is None and out.finish_reason == "tool_calls"
+    whole = HermesOutput(parallel=True)  # not streamed, it is content, as it never parsed
+    whole.feed(text)
+    whole.finish()
+    assert whole.content == text and whole.tool_calls == []
+
+
+def test_hermes_incremental_without_parallel_calls_drops_the_later_ones() -> None:
+    out = HermesOutput(parallel=False, incremental=True)
+    text = HERMES_CASES[1][0]
+    assert _run(out, _split(text, list(range(0, len(text), 7))))[1] == [
+        {"name": "a", "arguments": {}}]
+
+
+def test_hermes_incremental_takes_an_unusual_block_whole() -> None:
+    """Arguments before the name, or not an object: nothing to stream; parsed at the end."""
+    out = HermesOutput(parallel=True, incremental=True)
+    text = '<tool_call>{"arguments": {"q": 1}, "name": "f"}</tool_call>'
+    assert _run(out, list(text)) == ("", [{"name": "f", "arguments": {"q": 1}}])
 
 
 def test_hermes_streams_content_before_the_call_ends() -> None:
@@ -256,19 +306,38 @@ LLAMA_CASES = [
      [{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"y": 2}}]),
     ("The answer is 4.", "The answer is 4.", []),
     ('{"answer": 4}', '{"answer": 4}', []),
-    ('  {"name": "a", "parameters": {"k": "v"', '{"name": "a", "parameters": {"k": "v"', []),
     ('{"name": "a", "parameters": {}} and then text', " and then text",
      [{"name": "a", "arguments": {}}]),
+    ('{"parameters": {"z": 0}, "name": "c"}', "", [{"name": "c", "arguments": {"z": 0}}]),
 ]
+LLAMA_CUT = '  {"name": "a", "parameters": {"k": "v"'  # max_tokens ended it
 
 
 @settings(max_examples=60, deadline=None)
-@given(case=st.sampled_from(LLAMA_CASES), cuts=st.lists(st.integers(0, 200), max_size=10))
+@given(case=st.sampled_from(LLAMA_CASES), cuts=st.lists(st.integers(0, 200), max_size=10),
+       incremental=st.booleans())
 def test_llama3_json_in_pieces_ends_where_whole_does(case: tuple[str, str, list[Any]],
-                                                     cuts: list[int]) -> None:
+                                                     cuts: list[int], incremental: bool) -> None:
     text, content, calls = case
-    assert _run(Llama3JsonOutput(parallel=True), [text]) == (content, calls)
-    assert _run(Llama3JsonOutput(parallel=True), _split(text, cuts)) == (content, calls)
+    assert _run(Llama3JsonOutput(parallel=True, incremental=incremental), [text]) == (content,
+                                                                                      calls)
+    out = Llama3JsonOutput(parallel=True, incremental=incremental)
+    assert _run(out, _split(text, cuts)) == (content, calls)
+
+
+def test_llama3_json_cut_short() -> None:
+    """Whole, an object that never completed is content; streamed, its call was sent."""
+    assert _run(Llama3JsonOutput(parallel=True), [LLAMA_CUT]) == (LLAMA_CUT.strip(), [])
+    out = Llama3JsonOutput(parallel=True, incremental=True)
+    assert _arguments_deltas(out, [LLAMA_CUT[:20], LLAMA_CUT[20:]]) == [("a", '{"k": "v"')]
+    assert out.content is None
+
+
+def test_llama3_json_incremental_streams_the_arguments() -> None:
+    out = Llama3JsonOutput(parallel=True, incremental=True)
+    pieces = ['{"name": "a", "parameters": {"k": ', '1}', '}; {"name": "b", ', '"arguments": {}}']
+    assert _arguments_deltas(out, pieces) == [("a", '{"k": '), (None, "1}"), ("b", "{}")]
+    assert [c["function"]["arguments"] for c in out.tool_calls] == ['{"k": 1}', "{}"]
 
 
 def test_llama3_json_streams_each_call_when_complete() -> None:
