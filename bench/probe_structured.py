@@ -117,6 +117,11 @@ def _mask_cost(llm: Any, batch: int, repeats: int) -> dict[str, float]:
             "device_equals_cpu": same}
 
 
+def _penalty_slots(llm: Any) -> int:
+    state = llm.engine.runner.sampler._penalties
+    return 0 if state is None else int(state.num_slots)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", required=True)
@@ -201,7 +206,12 @@ def main() -> int:
            "max_tokens": args.max_tokens, "prompt_len": args.prompt_len,
            "async_scheduling": llm.engine.async_scheduling,
            "first_compile_s": round(first_compile_s, 3),
-           "schema_compile_s": round(schema_compile_s, 4), "batches": results}
+           "schema_compile_s": round(schema_compile_s, 4),
+           # The KV cache's size, and the penalty history's slots after the runs (at most
+           # max_num_seqs, kept out of the cache's budget: engine/penalties.py).
+           "num_gpu_blocks": llm.engine.runner.result.num_blocks,
+           "max_num_seqs": max(batches),
+           "penalty_slots": _penalty_slots(llm), "batches": results}
     Path(args.out).write_text(json.dumps(out, indent=1))
     return 0
 
