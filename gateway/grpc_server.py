@@ -3,30 +3,41 @@
 Validation failures end the call with INVALID_ARGUMENT and a message naming the field. A
 failure after streaming began is sent in-band (`GenerateResponse.error`) and also ends the
 call with its status. Cancelling the call cancels the downstream prefill/decode calls.
+
+Tool calling (chat input) is REST's (gateway/chat_tools.py, gateway/grpc_tools.py): unless
+tool_choice is none, each completion's text goes through a `ToolOutput` (incremental, as vLLM
+streams calls: an `auto` call is sent once its name is known, then its arguments as they
+come), its chunks carry the content as `text` and the calls as `tool_calls` deltas (the token
+ids unchanged), and what the output's end settles comes in a last chunk before the
+completion's `GenerateComplete`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gateway.chat_tools import chat_job, tool_finish_reason
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError
+from gateway.grpc_tools import call_deltas, chat_messages_from_proto, tool_calling_from_proto
 from gateway.orchestrator import Finished, GenerationJob, TokenDelta
 from gateway.state import GatewayState
 from gateway.structured import structured_from_proto
+from gateway.tools import ToolCalling, ToolOutput
 from protos.auth import BearerAuthInterceptor
 from protos.splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from protos.tls import read_pem
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 _FINISH_ENUM = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
-                "abort": common_pb2.FINISH_REASON_ABORT}
+                "abort": common_pb2.FINISH_REASON_ABORT,
+                "tool_calls": common_pb2.FINISH_REASON_TOOL_CALLS}
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -38,20 +49,25 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Generate(self, request: gateway_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         try:
-            job = await self._job(request)
+            job, calling = await self._job(request)
         except GatewayError as err:
             await context.abort(err.code, err.message)
         self._state.metrics.requests_received.labels(api="grpc").inc()
         self._state.metrics.prompt_tokens.inc(len(job.prompt_token_ids))
+        outputs: dict[int, ToolOutput] = {}
+        if calling is not None and calling.mode != "none":  # a stream: calls sent as they come
+            outputs = {i: calling.output(incremental=True) for i in range(job.n)}
         try:
             async for event in self._state.orchestrator.generate(job):
-                yield _response(event)
+                for response in _responses(event, outputs.get(event.index)):
+                    yield response
         except GatewayError as err:
             yield gateway_pb2.GenerateResponse(
                 error=common_pb2.StreamError(code=err.code.value[0], message=err.message))
             await context.abort(err.code, err.message)
 
-    async def _job(self, request: gateway_pb2.GenerateRequest) -> GenerationJob:
+    async def _job(self, request: gateway_pb2.GenerateRequest
+                   ) -> tuple[GenerationJob, ToolCalling | None]:
         state = self._state
         if request.model and request.model != state.config.served_model_name:
             raise GatewayError(grpc.StatusCode.NOT_FOUND,
@@ -59,18 +75,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                f"{state.config.served_model_name!r}", param="model")
         pre = state.preprocessor
         kind = request.WhichOneof("input")
+        calling = tool_calling_from_proto(request, state.config.tool_call_parser)
+        request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
+        if kind == "chat":
+            messages = chat_messages_from_proto(request.chat.messages)
+            job = await chat_job(state, messages, _sampling_options(request), calling,
+                                 request_id=request_id, param="chat.messages",
+                                 param_names=_PARAM_NAMES)
+            return job, calling
         if kind == "text":
             ids = await pre.encode_text(request.text, "text")
         elif kind == "token_ids":
             ids = pre.check_token_ids(list(request.token_ids.ids), "token_ids.ids")
-        elif kind == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            ids = await pre.encode_chat(messages, "chat.messages")
         else:
             raise GatewayError.invalid("input", "input is required: set one of text, token_ids, chat")
-        return pre.build_job(ids, _sampling_options(request),
-                             request_id=request.request_id or f"gen-{uuid.uuid4().hex}",
-                             param_names=_PARAM_NAMES)
+        return pre.build_job(ids, _sampling_options(request), request_id=request_id,
+                             param_names=_PARAM_NAMES), None
 
 
 _PARAM_NAMES = {name: f"sampling.{name}" for name in (
@@ -106,19 +126,39 @@ def _sampling_options(request: gateway_pb2.GenerateRequest) -> dict[str, object]
     }
 
 
-def _response(event: TokenDelta | Finished) -> gateway_pb2.GenerateResponse:
+def _responses(event: TokenDelta | Finished, tools: ToolOutput | None
+               ) -> Iterator[gateway_pb2.GenerateResponse]:
+    """The responses of one event; with `tools` (the completion's parser), the chunks' text is
+    its content and the calls come as deltas."""
     if isinstance(event, TokenDelta):
-        chunk = gateway_pb2.GenerateChunk(index=event.index, token_ids=event.token_ids,
-                                          text=event.text, logprobs=event.logprobs)
-        if event.prompt_logprobs is not None:
-            chunk.prompt_logprobs.CopyFrom(event.prompt_logprobs)
-        return gateway_pb2.GenerateResponse(chunk=chunk)
-    return gateway_pb2.GenerateResponse(complete=gateway_pb2.GenerateComplete(
-        index=event.index, finish_reason=_FINISH_ENUM[event.finish_reason],
+        if tools is None:
+            yield _chunk(event, event.text)
+        else:
+            delta = tools.feed(event.text)
+            yield _chunk(event, delta.content, call_deltas(delta.calls))
+        return
+    reason = event.finish_reason
+    if tools is not None:
+        delta = tools.finish()
+        if delta:
+            yield gateway_pb2.GenerateResponse(chunk=gateway_pb2.GenerateChunk(
+                index=event.index, text=delta.content, tool_calls=call_deltas(delta.calls)))
+        reason = tool_finish_reason(reason, tools) or reason
+    yield gateway_pb2.GenerateResponse(complete=gateway_pb2.GenerateComplete(
+        index=event.index, finish_reason=_FINISH_ENUM[reason],
         usage=common_pb2.Usage(prompt_tokens=event.num_prompt_tokens,
                                completion_tokens=event.num_output_tokens,
                                cached_tokens=event.num_cached_tokens),
         stop_reason=event.stop_reason or ""))
+
+
+def _chunk(event: TokenDelta, text: str, tool_calls: list[gateway_pb2.ToolCallDelta] | None = None
+           ) -> gateway_pb2.GenerateResponse:
+    chunk = gateway_pb2.GenerateChunk(index=event.index, token_ids=event.token_ids, text=text,
+                                      logprobs=event.logprobs, tool_calls=tool_calls)
+    if event.prompt_logprobs is not None:
+        chunk.prompt_logprobs.CopyFrom(event.prompt_logprobs)
+    return gateway_pb2.GenerateResponse(chunk=chunk)
 
 
 def public_credentials(config: GatewayConfig) -> grpc.ServerCredentials | None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hmac
 import json
 import time
@@ -26,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.chat_tools import chat_job, tool_finish_reason
 from gateway.errors import GatewayError
 from gateway.openai_protocol import (
     ChatCompletionRequest,
@@ -46,12 +46,10 @@ from gateway.openai_protocol import (
 from gateway.orchestrator import Event, Finished, GenerationJob, TokenDelta, usage_totals
 from gateway.state import GatewayState
 from gateway.tools import (
-    HermesOutput,
     ToolCalling,
     ToolOutput,
     template_tools_from_request,
     tool_calling_from_request,
-    tool_constraint,
 )
 from protos.splitserve.v1 import common_pb2
 
@@ -254,41 +252,10 @@ async def _chat_job(req: ChatCompletionRequest, state: GatewayState
     calling = tool_calling_from_request(req.model_extra or {}, state.config.tool_call_parser)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     options = req.sampling_options() | {"max_tokens": max_tokens, "logprobs": logprobs}
-    if calling is not None:
-        options |= _tool_options(calling, options, state)
-    ids = await state.preprocessor.encode_chat(
-        chat_messages(req.messages),
-        tools=calling.template_tools() if calling is not None else None)
-    job = state.preprocessor.build_job(ids, options, request_id=f"chatcmpl-{uuid.uuid4().hex}",
-                                       param_names={"max_tokens": param,
-                                                    "logprobs": "top_logprobs"})
-    if calling is not None:
-        job = dataclasses.replace(job, tool_choice=calling.mode)
+    job = await chat_job(state, chat_messages(req.messages), options, calling,
+                         request_id=f"chatcmpl-{uuid.uuid4().hex}",
+                         param_names={"max_tokens": param, "logprobs": "top_logprobs"})
     return job, calling
-
-
-def _tool_options(calling: ToolCalling, options: dict[str, Any], state: GatewayState
-                  ) -> dict[str, Any]:
-    """Sampling options a tool choice changes: a named or required choice constrains the output
-    (then no other constraint may be asked for); the hermes parser needs its tags in the text
-    where a tokenizer has them as special tokens."""
-    changes: dict[str, Any] = {}
-    constraint = tool_constraint(calling)
-    if constraint is not None:
-        if options.get("structured_outputs") is not None:
-            raise GatewayError.invalid("tool_choice", f"tool_choice {calling.mode!r} constrains "
-                                       "the output to tool calls; it cannot be combined with "
-                                       "response_format or structured outputs")
-        changes["structured_outputs"] = constraint
-    if calling.parser == "hermes" and _special_text(state, HermesOutput.START):
-        changes["skip_special_tokens"] = False
-    return changes
-
-
-def _special_text(state: GatewayState, text: str) -> bool:
-    """Whether decoding that skips special tokens would drop `text`."""
-    tok = state.tokenizer
-    return tok.decode(tok.encode(text, add_special_tokens=False), skip_special_tokens=True) != text
 
 
 # -- responses ----------------------------------------------------------------------------------
@@ -439,9 +406,7 @@ class _View:
         return "length" if self.hide_output and f.finish_reason != "abort" else f.finish_reason
 
     def _tool_finish_reason(self, f: Finished | None, tools: ToolOutput) -> str | None:
-        """A completion that stopped in tool calls ends with "tool_calls" (auto, required)."""
-        reason = self._finish_reason(f)
-        return (tools.finish_reason or reason) if reason == "stop" else reason
+        return tool_finish_reason(self._finish_reason(f), tools)
 
     @staticmethod
     def _tool_message(tools: ToolOutput) -> dict[str, Any]:

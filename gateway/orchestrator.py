@@ -69,7 +69,8 @@ class GenerationJob:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # A chat request's tool_choice when it sent tools (none, auto, required, named): the
-    # output's parsing is the REST layer's; here it is observed (metric, span attribute).
+    # output's parsing is the front door's (REST or gRPC); here it is observed (metric, span
+    # attribute).
     tool_choice: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     # The prompt's block hashes per KV layout (fingerprint, block size), computed once for both

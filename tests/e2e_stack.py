@@ -13,6 +13,9 @@ session fixtures exist once for the whole run) plus helpers:
   Loading an engine takes ~5-20 s on 2 shared cores, so the fixtures `disagg_stack` and
   `colocated_stack` are session-scoped and shared by every e2e test; `loop_thread` runs them
   and stops everything at the end.
+- Tool calling: `tools_gateway_server` (module-scoped), a second gateway in front of the
+  disaggregated workers with `--tool-call-parser hermes` and the bundled ChatML tools template,
+  and the tools the tests send (`WEATHER`, `TIME`, `FORCED_CALL`).
 
 Every wait is bounded (`LOAD_TIMEOUT_S`, `IDLE_TIMEOUT_S`, gRPC/HTTP timeouts).
 """
@@ -25,6 +28,7 @@ import time
 from collections.abc import Coroutine, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -43,6 +47,7 @@ from engine.llm_engine import LLMEngine
 from engine.tokenizer import Tokenizer
 from gateway.config import GatewayConfig
 from gateway.server import GatewayServer
+from gateway.tokenization import load_chat_template
 from protos.auth import bearer_metadata
 from protos.splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from serving.server import WorkerHandle, start_worker
@@ -381,3 +386,38 @@ ORACLE_MAX_TOKENS = 8
 def oracle(colocated_stack: Stack, prompts: list[list[int]]) -> list[Generated]:
     """Colocated greedy outputs of `prompts`, sent one by one (ORACLE_MAX_TOKENS each)."""
     return generate_many(colocated_stack.grpc_target, prompts, ORACLE_MAX_TOKENS, concurrent=False)
+
+
+# ---- tool calling ------------------------------------------------------------------------------
+
+TOOLS_TEMPLATE = (Path(__file__).parent.parent / "gateway" / "chat_templates"
+                  / "chatml_hermes_tools.jinja")
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object",
+                   "properties": {"city": {"type": "string", "maxLength": 20},
+                                  "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                   "required": ["city"], "additionalProperties": False}}}
+# The model writes text, then a call (a regex makes it: the parser is under test, not SmolLM2,
+# which rarely calls a tool by itself).
+FORCED_CALL = (r'Let me check\.\n<tool_call>\n\{"name": "get_weather", "arguments": '
+               r'\{"city": "[A-Z][a-z]{1,10}", "unit": "(celsius|fahrenheit)"\}\}\n</tool_call>')
+
+
+@pytest.fixture(scope="module")
+def tools_gateway_server(disagg_stack: Stack) -> Iterator[GatewayServer]:
+    """A second gateway in front of the disaggregated stack's workers, with tool calling."""
+    config = disagg_stack.gateway.config.replace(
+        tool_call_parser="hermes", chat_template=load_chat_template(str(TOOLS_TEMPLATE)))
+    gateway = GatewayServer(config, rest_host=HOST, rest_port=0, grpc_host=HOST, grpc_port=0,
+                            tokenizer=disagg_stack.tokenizer)
+    disagg_stack.loop.run(gateway.start(), 120)
+    try:
+        wait_healthy(f"http://{HOST}:{gateway.rest_port}/health", 60)
+        yield gateway
+    finally:
+        disagg_stack.loop.run(gateway.stop(), 60)

@@ -9,8 +9,6 @@ and what cannot work is refused with a 400."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,43 +16,22 @@ import pytest
 
 pytest.register_assert_rewrite("e2e_stack")  # before the import below: its asserts explain
 
-from e2e_stack import HOST, MODEL_NAME, Stack, wait_healthy  # noqa: E402
+from e2e_stack import FORCED_CALL, HOST, MODEL_NAME, TIME, WEATHER, Stack  # noqa: E402
 from openai import BadRequestError, OpenAI  # noqa: E402
 
 from gateway.server import GatewayServer  # noqa: E402
-from gateway.tokenization import load_chat_template  # noqa: E402
 
 pytest_plugins = ["e2e_stack"]
 pytestmark = pytest.mark.slow
 
-TEMPLATE = Path(__file__).parent.parent / "gateway" / "chat_templates" / "chatml_hermes_tools.jinja"
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city",
-    "parameters": {"type": "object",
-                   "properties": {"city": {"type": "string", "maxLength": 20},
-                                  "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "The local time in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
-                   "required": ["city"], "additionalProperties": False}}}
 TOOLS = [WEATHER, TIME]
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 
 @pytest.fixture(scope="module")
-def tools_gateway(disagg_stack: Stack) -> Iterator[str]:
-    """A second gateway in front of the disaggregated stack's workers, with tool calling."""
-    config = disagg_stack.gateway.config.replace(
-        tool_call_parser="hermes", chat_template=load_chat_template(str(TEMPLATE)))
-    gateway = GatewayServer(config, rest_host=HOST, rest_port=0, grpc_host=HOST, grpc_port=0,
-                            tokenizer=disagg_stack.tokenizer)
-    disagg_stack.loop.run(gateway.start(), 120)
-    try:
-        wait_healthy(f"http://{HOST}:{gateway.rest_port}/health", 60)
-        yield f"http://{HOST}:{gateway.rest_port}/v1"
-    finally:
-        disagg_stack.loop.run(gateway.stop(), 60)
+def tools_gateway(tools_gateway_server: GatewayServer) -> str:
+    """The tool-calling gateway's REST base URL."""
+    return f"http://{HOST}:{tools_gateway_server.rest_port}/v1"
 
 
 def _client(url: str) -> OpenAI:
@@ -130,11 +107,6 @@ def test_required(tools_gateway: str, disagg_stack: Stack) -> None:
     single = _create(tools_gateway, tool_choice="required", parallel_tool_calls=False)
     assert len(single.choices[0].message.tool_calls) == 1
     disagg_stack.wait_idle()
-
-
-# The model writes text, then a call (a regex makes it: the parser is under test, not SmolLM2).
-FORCED_CALL = (r'Let me check\.\n<tool_call>\n\{"name": "get_weather", "arguments": '
-               r'\{"city": "[A-Z][a-z]{1,10}", "unit": "(celsius|fahrenheit)"\}\}\n</tool_call>')
 
 
 def test_auto_parses_the_models_calls(tools_gateway: str) -> None:

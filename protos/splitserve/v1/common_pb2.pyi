@@ -35,6 +35,10 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     """max_tokens or context length"""
     FINISH_REASON_ABORT: _FinishReason.ValueType  # 3
     """cancelled"""
+    FINISH_REASON_TOOL_CALLS: _FinishReason.ValueType  # 4
+    """The completion stopped in tool calls (tool_choice auto or required; the gateway's, never a
+    worker's: a named function's call ends with STOP, as in OpenAI).
+    """
 
 class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper): ...
 
@@ -46,6 +50,10 @@ FINISH_REASON_LENGTH: FinishReason.ValueType  # 2
 """max_tokens or context length"""
 FINISH_REASON_ABORT: FinishReason.ValueType  # 3
 """cancelled"""
+FINISH_REASON_TOOL_CALLS: FinishReason.ValueType  # 4
+"""The completion stopped in tool calls (tool_choice auto or required; the gateway's, never a
+worker's: a named function's call ends with STOP, as in OpenAI).
+"""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
 class _SpeculativeMethod:

@@ -1,0 +1,62 @@
+"""Tool calling as both front doors (REST chat completions, gRPC `Gateway.Generate`) apply it:
+a chat request's job and a choice's finish reason.
+
+What a request may ask (`tool_calling_from_request`) and how a choice's output becomes content
+and calls (`ToolOutput`) are gateway/tools.py's; this module only joins them to a job, so the
+two front doors cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from gateway.errors import GatewayError
+from gateway.orchestrator import GenerationJob
+from gateway.state import GatewayState
+from gateway.tools import HermesOutput, ToolCalling, ToolOutput, tool_constraint
+
+
+async def chat_job(state: GatewayState, messages: list[dict[str, Any]], options: dict[str, Any],
+                   calling: ToolCalling | None, *, request_id: str, param: str = "messages",
+                   param_names: dict[str, str] | None = None) -> GenerationJob:
+    """A chat request's validated job: the chat template rendered with `messages` (the
+    template's form, `chat_messages`) and the tools, the sampling `options` as a tool choice
+    changes them, and the tool choice recorded on the job (metric, span attribute)."""
+    if calling is not None:
+        options = options | _tool_options(calling, options, state)
+    ids = await state.preprocessor.encode_chat(
+        messages, param, tools=calling.template_tools() if calling is not None else None)
+    job = state.preprocessor.build_job(ids, options, request_id=request_id,
+                                       param_names=param_names)
+    return job if calling is None else dataclasses.replace(job, tool_choice=calling.mode)
+
+
+def _tool_options(calling: ToolCalling, options: dict[str, Any], state: GatewayState
+                  ) -> dict[str, Any]:
+    """Sampling options a tool choice changes: a named or required choice constrains the output
+    (then no other constraint may be asked for); the hermes parser needs its tags in the text
+    where a tokenizer has them as special tokens."""
+    changes: dict[str, Any] = {}
+    constraint = tool_constraint(calling)
+    if constraint is not None:
+        if options.get("structured_outputs") is not None:
+            raise GatewayError.invalid("tool_choice", f"tool_choice {calling.mode!r} constrains "
+                                       "the output to tool calls; it cannot be combined with "
+                                       "response_format or structured outputs")
+        changes["structured_outputs"] = constraint
+    if calling.parser == "hermes" and _special_text(state, HermesOutput.START):
+        changes["skip_special_tokens"] = False
+    return changes
+
+
+def _special_text(state: GatewayState, text: str) -> bool:
+    """Whether decoding that skips special tokens would drop `text`."""
+    tok = state.tokenizer
+    return tok.decode(tok.encode(text, add_special_tokens=False), skip_special_tokens=True) != text
+
+
+def tool_finish_reason(reason: str | None, tools: ToolOutput) -> str | None:
+    """A choice's finish reason once its output went through `tools`: a completion that stopped
+    in tool calls ends with "tool_calls" (auto, required; a named call stops, as in OpenAI)."""
+    return (tools.finish_reason or reason) if reason == "stop" else reason
