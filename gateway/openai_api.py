@@ -97,7 +97,8 @@ def build_app(state: GatewayState) -> FastAPI:
         job, calling = await _chat_job(req, state)
         view = _View(job.request_id, "chat.completion", state, [job], req.include_usage,
                      req.continuous_usage, chat=True, num_top=req.top_logprobs or 0,
-                     num_prompt_top=req.prompt_logprobs, tool_calling=calling)
+                     num_prompt_top=req.prompt_logprobs, tool_calling=calling,
+                     stream=req.stream)
         return await _respond(view, request, "chat", req.stream)
 
     @app.post("/tokenize")
@@ -300,11 +301,13 @@ class _View:
     scored: dict[int, common_pb2.PromptLogprobs] = field(default_factory=dict)  # by job
     tool_calling: ToolCalling | None = None
     tool_outputs: dict[int, ToolOutput] = field(default_factory=dict)  # by choice
+    stream: bool = False  # streamed: `auto` tool calls stream their arguments as they come
 
     def __post_init__(self) -> None:
         self.choices = {i: _Choice() for i in range(sum(j.n for j in self.jobs))}
         if self.tool_calling is not None and self.tool_calling.mode != "none":
-            self.tool_outputs = {i: self.tool_calling.output() for i in self.choices}
+            self.tool_outputs = {i: self.tool_calling.output(incremental=self.stream)
+                                 for i in self.choices}
         self.wants_logprobs = self.jobs[0].wants_logprobs  # one sampling for the whole batch
         self.job_of = [j for j, job in enumerate(self.jobs) for _ in range(job.n)]
 

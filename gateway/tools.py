@@ -466,14 +466,24 @@ class _CallStream:
         return name, args
 
 
-def _named_call(obj: object, args_keys: tuple[str, ...]) -> tuple[str, str] | None:
-    """(name, arguments JSON) of a parsed `{"name": ..., <args key>: {...}}` object."""
+def _named_call(obj: object, args_keys: tuple[str, ...], text: str | None = None
+                ) -> tuple[str, str] | None:
+    """(name, arguments JSON) of a parsed `{"name": ..., <args key>: {...}}` object. `text`: the
+    object's own text; the arguments are then as the model wrote them, as a stream sends them
+    (`_CallStream`), when the object has that shape."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     for key in args_keys:
         if key in obj:
             args = _arguments(obj[key])
-            return None if args is None else (obj["name"], args)
+            if args is None:
+                return None
+            if text is not None:
+                stream = _CallStream(args_keys)
+                name, raw = stream.advance(text)
+                if name == obj["name"] and stream.args_end >= 0 and json.loads(raw) == obj[key]:
+                    args = raw
+            return obj["name"], args
     return obj["name"], "{}"
 
 
@@ -526,7 +536,7 @@ class HermesOutput(_AutoOutput):
         if self._stream.opened:
             return
         try:
-            parsed = _named_call(json.loads(inner), self._ARGS_KEYS)
+            parsed = _named_call(json.loads(inner), self._ARGS_KEYS, inner)
         except json.JSONDecodeError:
             parsed = None
         if parsed is None:
@@ -611,7 +621,7 @@ class Llama3JsonOutput(_AutoOutput):
             obj, end = decoded
             sent, self._stream = self._stream is not None and self._stream.opened, None
             if not sent:
-                call = _named_call(obj, self._ARGS_KEYS)
+                call = _named_call(obj, self._ARGS_KEYS, self._buf[i:end])
                 if call is None:
                     self._to_text(self._pos, out)
                     return

@@ -53,8 +53,10 @@ def _streamed(url: str, **kw: Any) -> tuple[str, list[dict[str, Any]], str | Non
         delta = chunk.choices[0].delta
         content += delta.content or ""
         for part in delta.tool_calls or []:
-            call = calls.setdefault(part.index, {"id": None, "name": "", "arguments": ""})
+            call = calls.setdefault(part.index, {"id": None, "name": "", "arguments": "",
+                                                 "parts": 0})
             call["id"] = part.id or call["id"]
+            call["parts"] += 1
             if part.function is not None:
                 call["name"] += part.function.name or ""
                 call["arguments"] += part.function.arguments or ""
@@ -121,6 +123,7 @@ def test_auto_parses_the_models_calls(tools_gateway: str) -> None:
     content, streamed, finish = _streamed(tools_gateway, **forced)
     assert (content, finish) == ("Let me check.", "tool_calls")
     _same_calls(streamed, calls)
+    assert streamed[0]["parts"] > 3  # the arguments came as the model wrote them, not at the end
     # Without a call in the output, auto is plain chat: the text comes back as content.
     plain = _create(tools_gateway, max_tokens=12)
     assert plain.choices[0].message.tool_calls is None

@@ -253,6 +253,23 @@ def test_hermes_incremental_sends_the_name_then_the_arguments_as_they_come() -> 
     assert [d for p in pieces[:-2] for d in whole.feed(p).calls] == []
 
 
+@pytest.mark.parametrize("cls", [HermesOutput, Llama3JsonOutput])
+def test_streamed_and_whole_arguments_are_the_same_text(cls: type[HermesOutput]) -> None:
+    """The arguments as the model wrote them, streamed or not (a client comparing the two sees
+    the same string); a duplicated key (the parsed object's is the last) falls back to JSON."""
+    body = '{"name": "f", "arguments": {"a" :1,\n  "b": [1,2]}}'
+    text = f"<tool_call>{body}</tool_call>" if cls is HermesOutput else body
+    whole, streamed = cls(parallel=True), cls(parallel=True, incremental=True)
+    _run(whole, [text])
+    _run(streamed, list(text))
+    assert (whole.tool_calls[0]["function"]["arguments"]
+            == streamed.tool_calls[0]["function"]["arguments"] == '{"a" :1,\n  "b": [1,2]}')
+    twice = body.replace('{"a"', '{"b": 0}, "arguments": {"a"')
+    out = cls(parallel=True)
+    _run(out, [f"<tool_call>{twice}</tool_call>" if cls is HermesOutput else twice])
+    assert json.loads(out.tool_calls[0]["function"]["arguments"]) == {"a": 1, "b": [1, 2]}
+
+
 def test_hermes_incremental_call_cut_short_stays_a_call() -> None:
     text = '<tool_call>{"name": "a", "arguments": {"k": [1, 2'
     out = HermesOutput(parallel=True, incremental=True)
