@@ -24,7 +24,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, SmolLM2).
+    """Architecture of a Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2).
 
     Field names follow Hugging Face `config.json` so `from_hf_dict` is a thin mapping.
     """
@@ -44,6 +44,7 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2-style q/k/v bias
+    qk_norm: bool = False         # Qwen3-style RMSNorm over each head of q and k, before RoPE
     mlp_bias: bool = False
     # Mistral v0.1-style sliding-window attention; only exact while contexts fit the window.
     sliding_window: int | None = None
@@ -56,6 +57,7 @@ class ModelConfig:
         "LlamaForCausalLM",
         "MistralForCausalLM",
         "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
     )
 
     @property
@@ -104,6 +106,7 @@ class ModelConfig:
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", is_qwen2)),
+            qk_norm=arch == "Qwen3ForCausalLM",
             mlp_bias=bool(d.get("mlp_bias", False)),
             sliding_window=(int(d["sliding_window"]) if d.get("sliding_window")
                             and d.get("use_sliding_window", True) else None),
@@ -118,8 +121,8 @@ class ModelConfig:
         """The equivalent HF config dict (used to build the `transformers` reference in tests)."""
         d: dict[str, Any] = {
             "architectures": [self.architecture],
-            "model_type": {"Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}.get(
-                self.architecture, "llama"),
+            "model_type": {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                           "MistralForCausalLM": "mistral"}.get(self.architecture, "llama"),
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -147,6 +150,8 @@ class ModelConfig:
             )
         if self.head_dim <= 0 or self.head_dim % 2 != 0:
             raise ConfigError(f"head_dim must be a positive even integer, got {self.head_dim}")
+        if self.qk_norm != (self.architecture == "Qwen3ForCausalLM"):
+            raise ConfigError(f"qk_norm is Qwen3's (architecture {self.architecture!r})")
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)

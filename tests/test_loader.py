@@ -12,7 +12,14 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from engine.config import ConfigError, LoadConfig
 from engine.loader import ModelLoadError, ModelSource, load_model_source
@@ -66,6 +73,18 @@ def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Qwen2ForCausal
     return model, path
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Qwen3ForCausalLM, Path]:
+    """Qwen3: q/k norms, head_dim 32 over a hidden size of 64 with 4 heads (not hidden / heads)."""
+    torch.manual_seed(2)
+    rope = {"rope_type": "default", "rope_theta": 1e6}
+    model = Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True,
+                                         rope_parameters=rope))
+    path = tmp_path_factory.mktemp("qwen3")
+    model.save_pretrained(path, safe_serialization=True)
+    return model, path
+
+
 # ---- Hugging Face directories ------------------------------------------------------------------
 
 @pytest.mark.parametrize("layout", ["single", "sharded"])
@@ -106,6 +125,21 @@ def test_hf_qwen2_bias_and_tied(tiny_qwen2: tuple) -> None:
     c = source.config
     assert c.architecture == "Qwen2ForCausalLM" and c.attention_bias and c.tie_word_embeddings
     assert c.rope_theta == 1e6 and c.rope_scaling is None
+
+
+def test_hf_qwen3_norms_and_head_dim(tiny_qwen3: tuple) -> None:
+    model, path = tiny_qwen3
+    source = load_model_source(LoadConfig(model=str(path)))
+    got, want = _weights(source), _expected_state(model, tied=True)
+    assert set(got) == set(want)
+    assert "model.layers.1.self_attn.q_norm.weight" in got
+    c = source.config
+    assert c.architecture == "Qwen3ForCausalLM" and c.qk_norm and not c.attention_bias
+    assert (c.num_attention_heads, c.head_dim, c.hidden_size) == (4, 32, 64)
+    # A checkpoint without the norms is refused by name, not loaded with norms of ones.
+    from engine.loader.source import check_weight_names
+    with pytest.raises(ModelLoadError, match="q_norm"):
+        check_weight_names({n for n in got if "q_norm" not in n}, c, "ckpt")
 
 
 def test_weights_stream_is_lazy_and_repeatable(tiny_llama: tuple) -> None:
@@ -214,7 +248,8 @@ def test_unpermute_inverts_llama_cpp_permute() -> None:
 _GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-               "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+               "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 
 
 def _to_gguf_name(hf: str) -> str:
@@ -236,6 +271,9 @@ def _write_gguf(path: Path, arch: str, state: dict[str, torch.Tensor], cfg: dict
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
+    if "head_dim" in cfg:
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(cfg["rope_theta"])
     w.add_vocab_size(cfg["vocab_size"])
@@ -254,14 +292,16 @@ def _write_gguf(path: Path, arch: str, state: dict[str, torch.Tensor], cfg: dict
     w.close()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_tiny_gguf_roundtrip(tiny_llama: tuple, tiny_qwen2: tuple, tmp_path: Path,
-                             arch: str) -> None:
-    model = tiny_llama[0] if arch == "llama" else tiny_qwen2[0]
-    tied = arch == "qwen2"
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tiny_gguf_roundtrip(tiny_llama: tuple, tiny_qwen2: tuple, tiny_qwen3: tuple,
+                             tmp_path: Path, arch: str) -> None:
+    model = {"llama": tiny_llama, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3}[arch][0]
+    tied = arch != "llama"
+    head_dim = 32 if arch == "qwen3" else 16
     want = _expected_state(model, tied=tied)
     path = tmp_path / f"tiny-{arch}.gguf"
-    _write_gguf(path, arch, want, {**TINY, "rope_theta": 5000.0})
+    extra = {"head_dim": head_dim} if arch == "qwen3" else {}
+    _write_gguf(path, arch, want, {**TINY, "rope_theta": 5000.0, **extra})
     source = load_model_source(LoadConfig(model=str(path)))
     got = _weights(source)
     assert set(got) == set(want)
@@ -269,10 +309,13 @@ def test_tiny_gguf_roundtrip(tiny_llama: tuple, tiny_qwen2: tuple, tmp_path: Pat
         assert got[name].dtype == torch.float32
         torch.testing.assert_close(got[name], t, rtol=0, atol=0, msg=name)
     c = source.config
-    assert c.architecture == ("LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM")
+    assert c.architecture == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                              "qwen3": "Qwen3ForCausalLM"}[arch]
     assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (64, 96, 2)
-    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size) == (4, 2, 16, 128)
-    assert c.tie_word_embeddings == tied and c.attention_bias == tied
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size) == (
+        4, 2, head_dim, 128)
+    assert c.tie_word_embeddings == tied and c.attention_bias == (arch == "qwen2")
+    assert c.qk_norm == (arch == "qwen3")
     assert c.rope_theta == 5000.0 and c.max_position_embeddings == 256
     assert c.bos_token_id == 1 and c.eos_token_ids == (2,)
     assert source.default_dtype == torch.float32 and source.tokenizer_source == str(path)
@@ -384,6 +427,14 @@ def test_dummy_presets() -> None:
     assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (896, 4864, 24)
     assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size) == (14, 2, 64, 151936)
     assert c.rope_theta == 1e6
+
+    c = load_model_source(LoadConfig(model="dummy:qwen3-8b")).config
+    assert c.architecture == "Qwen3ForCausalLM" and c.qk_norm and not c.attention_bias
+    assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (4096, 12288, 36)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size) == (
+        32, 8, 128, 151936)
+    c = load_model_source(LoadConfig(model="dummy:qwen3-0.6b")).config
+    assert (c.hidden_size, c.num_attention_heads, c.head_dim) == (1024, 16, 128)  # 2048 q features
 
     c = load_model_source(LoadConfig(model="dummy:tiny")).config
     assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (64, 128, 2)

@@ -70,13 +70,16 @@ def _traces(engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: int
     return traces, steps
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+# Qwen3 on Triton: tests/test_qwen3_triton.py (the interpreter is slow).
+@pytest.mark.parametrize(("backend", "name"), [("torch", "llama"), ("triton", "llama"),
+                                              ("torch", "qwen3")])
 def test_every_position_matches_the_model_forward(tiny_model_dirs: dict[str, Path],
                                                   monkeypatch: pytest.MonkeyPatch,
-                                                  backend: str) -> None:
+                                                  backend: str, name: str) -> None:
     """Prompts (fresh, a prefix hit's tail, chunks of a long one), decodes beside them, each step
     padded up to 16 or 32 rows: the same logits as the model's own forward pass. With the Triton
-    backend RoPE rotates q and k in place, inside the pieces' static QKV buffer."""
+    backend RoPE rotates q and k in place, inside the pieces' static QKV buffer (Qwen3: q and k
+    normalised out of place first, then copied back into it)."""
     prompts = {
         "a": [5, 17, 99, 3, 8],
         "b": [250, 7, 42, 8, 300, 11, 64, 9, 2],
@@ -87,9 +90,9 @@ def test_every_position_matches_the_model_forward(tiny_model_dirs: dict[str, Pat
     n = 4 if backend == "torch" else 2  # the interpreter is slow
     if backend == "triton":  # a fresh prompt, one beside a decode, a prefix hit's tail
         prompts = {rid: prompts[rid] for rid in ("a", "b", "again")}
-    want, _ = _traces(tiny_llm(tiny_model_dirs["llama"], **kwargs).engine, prompts, n)
+    want, _ = _traces(tiny_llm(tiny_model_dirs[name], **kwargs).engine, prompts, n)
 
-    llm = tiny_llm(tiny_model_dirs["llama"], **kwargs)
+    llm = tiny_llm(tiny_model_dirs[name], **kwargs)
     runner = llm.engine.runner
     runner.piecewise = PiecewiseGraphRunner(runner, 32, capture=False)
     monkeypatch.setattr(runner, "logits_for", lambda out: _piecewise_logits(runner, out))

@@ -26,6 +26,8 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",   # Qwen3
+    "attn_k_norm": "self_attn.k_norm",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
               "output": "lm_head"}
@@ -118,7 +120,8 @@ def load_gguf(path: str, weights_id: str) -> ModelSource:
     if unknown:
         raise ModelLoadError(f"{path}: unexpected GGUF tensors {unknown[:8]}")
     check_weight_names({n for n in map(hf_name, names) if n}, config, path)
-    permuted = d["model_type"] == "llama"  # llama.cpp permutes Q/K for llama only, not qwen2
+    # llama.cpp permutes Q/K for llama only, not qwen2 / qwen3
+    permuted = d["model_type"] == "llama"
     generation: dict[str, Any] = {"bos_token_id": d["bos_token_id"],
                                   "eos_token_id": list(config.eos_token_ids)}
     return ModelSource(

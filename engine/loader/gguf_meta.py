@@ -15,7 +15,8 @@ import numpy.typing as npt
 
 from engine.loader.errors import ModelLoadError
 
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                      "qwen3": "Qwen3ForCausalLM"}
 
 
 class _PlainViewReader(gguf.GGUFReader):

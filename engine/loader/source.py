@@ -43,6 +43,8 @@ def expected_weight_names(config: ModelConfig) -> list[str]:
             names.append(f"{p}self_attn.{proj}.weight")
         if config.attention_bias:
             names += [f"{p}self_attn.{proj}.bias" for proj in ("q_proj", "k_proj", "v_proj")]
+        if config.qk_norm:
+            names += [f"{p}self_attn.q_norm.weight", f"{p}self_attn.k_norm.weight"]
         for proj in ("gate_proj", "up_proj", "down_proj"):
             names.append(f"{p}mlp.{proj}.weight")
             if config.mlp_bias:

@@ -1,4 +1,5 @@
-"""Llama-family decoder over a paged KV cache: Llama 2/3/3.1, Mistral, Qwen2 (QKV bias), SmolLM2.
+"""Llama-family decoder over a paged KV cache: Llama 2/3/3.1, Mistral, Qwen2 (QKV bias), Qwen3
+(RMSNorm over each head of q and k), SmolLM2.
 
 Input is one flattened varlen batch (`input_ids: [T]`, `positions: [T]`); attention reads the
 step's metadata and KV cache from the forward context. QKV and gate/up projections are fused;
@@ -39,6 +40,10 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
                                cfg.attention_bias, use_gemv)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, False, use_gemv)
+        # Qwen3: each head of q and k normalised over head_dim (one weight shared by the heads)
+        # before RoPE.
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, use_triton) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, use_triton) if cfg.qk_norm else None
         self.rope = rope
         self.backend = backend
 
@@ -79,6 +84,9 @@ class LlamaAttention(nn.Module):
         views of `qkv` rotated in place when the backend fuses RoPE, new tensors otherwise.
         Reads nothing else of the step, so piecewise CUDA graphs capture it with the layers."""
         q, k, v = self.split_qkv(qkv)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self._head_norm(self.q_norm, q)
+            k = self._head_norm(self.k_norm, k)
         rope: RopeInputs | None = None
         if self.backend.fuses_rope:  # RotaryEmbedding is neox style
             rope = RopeInputs(positions, self.rope.cos_sin_cache, is_neox=True)
@@ -86,6 +94,12 @@ class LlamaAttention(nn.Module):
             q, k = self.rope(positions, q, k)
         self.backend.write_kv(q, k, v, kv_cache, slot_mapping, kv_scale, rope=rope)
         return q, k, v
+
+    @staticmethod
+    def _head_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of each head of x [T, H, D] over D: a new contiguous [T, H, D]."""
+        t, h, d = x.shape
+        return cast(torch.Tensor, norm(x.reshape(t * h, d))).view(t, h, d)
 
     def attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       kv_cache: torch.Tensor, md: AttentionMetadata,
