@@ -13,20 +13,25 @@ from typing import Any
 
 from gateway.errors import GatewayError
 from gateway.orchestrator import GenerationJob
+from gateway.reasoning import END as REASONING_END
 from gateway.state import GatewayState
 from gateway.tools import HermesOutput, ToolCalling, ToolOutput, tool_constraint
 
 
 async def chat_job(state: GatewayState, messages: list[dict[str, Any]], options: dict[str, Any],
                    calling: ToolCalling | None, *, request_id: str, param: str = "messages",
-                   param_names: dict[str, str] | None = None) -> GenerationJob:
+                   param_names: dict[str, str] | None = None,
+                   template_kwargs: dict[str, Any] | None = None) -> GenerationJob:
     """A chat request's validated job: the chat template rendered with `messages` (the
     template's form, `chat_messages`) and the tools, the sampling `options` as a tool choice
     changes them, and the tool choice recorded on the job (metric, span attribute)."""
     if calling is not None:
         options = options | _tool_options(calling, options, state)
+    if state.config.reasoning_parser is not None and _special_text(state, REASONING_END):
+        options = options | {"skip_special_tokens": False}  # the parser reads the tags
     ids = await state.preprocessor.encode_chat(
-        messages, param, tools=calling.template_tools() if calling is not None else None)
+        messages, param, tools=calling.template_tools() if calling is not None else None,
+        template_kwargs=template_kwargs)
     job = state.preprocessor.build_job(ids, options, request_id=request_id,
                                        param_names=param_names)
     return job if calling is None else dataclasses.replace(job, tool_choice=calling.mode)

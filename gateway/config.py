@@ -18,6 +18,8 @@ MAX_SPECULATIVE_TOKENS = 16
 KvFailurePolicyName = Literal["recompute", "fail"]
 # How `tool_choice: "auto"` output is parsed into tool calls (gateway/tools.py).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+# How a thinking model's <think> text is split off a chat answer (gateway/reasoning.py).
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 class GatewayConfigError(ValueError):
@@ -82,6 +84,9 @@ class GatewayConfig:
     # text: `--chat-template` reads the file), for models whose own does not show tools.
     tool_call_parser: str | None = None
     chat_template: str | None = None
+    # Reasoning outputs: the parser that splits a thinking model's <think> text off a chat
+    # answer into `reasoning` (gateway/reasoning.py; None: the text is all content).
+    reasoning_parser: str | None = None
     load_poll_interval_s: float = 1.0         # router GetLoad period
     load_poll_timeout_s: float = 1.0
     shutdown_grace_s: float = 10.0            # drain time for in-flight requests on shutdown
@@ -139,6 +144,9 @@ class GatewayConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise GatewayConfigError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got "
                                      f"{self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise GatewayConfigError(f"reasoning_parser must be one of {REASONING_PARSERS}, got "
+                                     f"{self.reasoning_parser!r}")
         if self.decode_retries < 0:
             raise GatewayConfigError(f"decode_retries must be >= 0, got {self.decode_retries}")
         if (not isinstance(self.speculative_tokens, int) or isinstance(self.speculative_tokens, bool)
@@ -175,6 +183,10 @@ def add_chat_args(parser: argparse.ArgumentParser, role: str = "") -> None:
                         help=f"{note}parse tool calls out of the model's output, enabling "
                              f"tool_choice \"auto\" (hermes: <tool_call> blocks; llama3_json: "
                              f"Llama 3.x JSON calls)")
+    parser.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                        help=f"{note}split a thinking model's <think>...</think> text off chat "
+                             f"answers into `reasoning` (deepseek_r1: the output starts in it; "
+                             f"qwen3: when it starts with <think> or the prompt left one open)")
 
 
 def chat_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -187,7 +199,8 @@ def chat_settings(args: argparse.Namespace) -> dict[str, Any]:
             template = load_chat_template(args.chat_template)
         except ValueError as err:
             raise GatewayConfigError(str(err)) from None
-    return {"chat_template": template, "tool_call_parser": args.tool_call_parser}
+    return {"chat_template": template, "tool_call_parser": args.tool_call_parser,
+            "reasoning_parser": args.reasoning_parser}
 
 
 def add_public_security_args(parser: argparse.ArgumentParser, role: str = "") -> None:

@@ -44,10 +44,10 @@ from gateway.openai_protocol import (
     usage_dict,
 )
 from gateway.orchestrator import Event, Finished, GenerationJob, TokenDelta, usage_totals
+from gateway.reasoning import ChatOutput, ReasoningSplitter, prompt_opens_reasoning
 from gateway.state import GatewayState
 from gateway.tools import (
     ToolCalling,
-    ToolOutput,
     template_tools_from_request,
     tool_calling_from_request,
 )
@@ -110,7 +110,8 @@ def build_app(state: GatewayState) -> FastAPI:
             raise GatewayError.invalid("prompt", "send either prompt or messages")
         if req.messages is not None:
             ids = await pre.encode_chat(chat_messages(req.messages), tools=(
-                template_tools_from_request(req.model_extra or {})))
+                template_tools_from_request(req.model_extra or {})),
+                template_kwargs=req.chat_template_kwargs)
         else:
             ids = await pre.encode_text(req.prompt or "", "prompt", req.add_special_tokens)
         return JSONResponse({"count": len(ids), "max_model_len": state.config.max_model_len,
@@ -255,7 +256,8 @@ async def _chat_job(req: ChatCompletionRequest, state: GatewayState
     options = req.sampling_options() | {"max_tokens": max_tokens, "logprobs": logprobs}
     job = await chat_job(state, chat_messages(req.messages), options, calling,
                          request_id=f"chatcmpl-{uuid.uuid4().hex}",
-                         param_names={"max_tokens": param, "logprobs": "top_logprobs"})
+                         param_names={"max_tokens": param, "logprobs": "top_logprobs"},
+                         template_kwargs=req.chat_template_kwargs)
     return job, calling
 
 
@@ -281,7 +283,9 @@ class _View:
     shown (`max_tokens` 0 with echo: one token is generated to score the prompt).
     `num_prompt_top`: vLLM's `prompt_logprobs` asked for, with this many top entries.
     `tool_calling`: a chat request's tools; unless `tool_choice` is "none", each choice's text
-    goes through a `ToolOutput` (content and tool calls)."""
+    goes through a `ToolOutput` (content and tool calls). With the gateway's reasoning parser, a
+    chat choice's `<think>` text is split off first (`gateway/reasoning.py`); each such choice's
+    text goes through a `ChatOutput`."""
 
     id: str
     object: str
@@ -300,14 +304,21 @@ class _View:
     job_of: list[int] = field(default_factory=list)  # choice index -> its job's index
     scored: dict[int, common_pb2.PromptLogprobs] = field(default_factory=dict)  # by job
     tool_calling: ToolCalling | None = None
-    tool_outputs: dict[int, ToolOutput] = field(default_factory=dict)  # by choice
+    outputs: dict[int, ChatOutput] = field(default_factory=dict)  # by choice
     stream: bool = False  # streamed: `auto` tool calls stream their arguments as they come
 
     def __post_init__(self) -> None:
         self.choices = {i: _Choice() for i in range(sum(j.n for j in self.jobs))}
-        if self.tool_calling is not None and self.tool_calling.mode != "none":
-            self.tool_outputs = {i: self.tool_calling.output(incremental=self.stream)
-                                 for i in self.choices}
+        calling = self.tool_calling
+        tools = calling is not None and calling.mode != "none"
+        parser = self.state.config.reasoning_parser if self.chat else None
+        if tools or parser:
+            opens = parser is not None and prompt_opens_reasoning(
+                self.state.tokenizer, self.jobs[0].prompt_token_ids)
+            self.outputs = {i: ChatOutput(
+                ReasoningSplitter(parser, opens) if parser else None,
+                calling.output(incremental=self.stream) if calling and tools else None)
+                for i in self.choices}
         self.wants_logprobs = self.jobs[0].wants_logprobs  # one sampling for the whole batch
         self.job_of = [j for j, job in enumerate(self.jobs) for _ in range(job.n)]
 
@@ -386,12 +397,12 @@ class _View:
                                     "stop_reason": f.stop_reason if f else None}
             if self.chat:
                 item["message"] = {"role": "assistant", "content": text}
-                tools = self.tool_outputs.get(index)
-                if tools is not None:
-                    tools.feed(text)
-                    tools.finish()
-                    item["message"] = self._tool_message(tools)
-                    item["finish_reason"] = self._tool_finish_reason(f, tools)
+                output = self.outputs.get(index)
+                if output is not None:
+                    output.feed(text)
+                    output.finish()
+                    item["message"] = output.message()
+                    item["finish_reason"] = self._parsed_finish_reason(f, output)
             else:
                 item["text"] = text
                 if self.num_prompt_top is not None:
@@ -408,15 +419,9 @@ class _View:
         # The prompt alone was asked for: its one scoring token ended it by length.
         return "length" if self.hide_output and f.finish_reason != "abort" else f.finish_reason
 
-    def _tool_finish_reason(self, f: Finished | None, tools: ToolOutput) -> str | None:
-        return tool_finish_reason(self._finish_reason(f), tools)
-
-    @staticmethod
-    def _tool_message(tools: ToolOutput) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": tools.content}
-        if tools.tool_calls:
-            message["tool_calls"] = tools.tool_calls
-        return message
+    def _parsed_finish_reason(self, f: Finished | None, output: ChatOutput) -> str | None:
+        reason = self._finish_reason(f)
+        return reason if output.tools is None else tool_finish_reason(reason, output.tools)
 
     # -- stream
     def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -433,9 +438,9 @@ class _View:
         """The chunk of a recorded event (None: nothing to send yet). A choice's first delta
         carries its echoed prompt, and completion 0's its prompt's `prompt_logprobs`."""
         choice = self.choices[event.index]
-        tools = self.tool_outputs.get(event.index)
-        if tools is not None:
-            return self._tool_chunk(event, tools)
+        output = self.outputs.get(event.index)
+        if output is not None:
+            return self._parsed_chunk(event, output)
         extra: dict[str, Any] = {}
         if isinstance(event, TokenDelta):
             first, choice.started = not choice.started, True
@@ -463,22 +468,25 @@ class _View:
         item["text"] = text
         return self.chunk([item | extra])
 
-    def _tool_chunk(self, event: Event, tools: ToolOutput) -> dict[str, Any] | None:
-        """A chat chunk of a choice whose text goes through a tool-call parser: content and
-        tool-call deltas as they become known; what the end settles comes with the finish."""
+    def _parsed_chunk(self, event: Event, output: ChatOutput) -> dict[str, Any] | None:
+        """A chat chunk of a choice whose text goes through the gateway's parsers: reasoning,
+        content and tool-call deltas as they become known; what the end settles comes with the
+        finish."""
         if isinstance(event, TokenDelta):
-            delta = tools.feed(event.text)
+            delta = output.feed(event.text)
             logprobs = self.logprobs(event.logprobs, 0)
             if not delta and not (event.logprobs and self.wants_logprobs):
                 return None
             item: dict[str, Any] = {"index": event.index, "logprobs": logprobs,
                                     "finish_reason": None}
         else:
-            delta = tools.finish()
+            delta = output.finish()
             item = {"index": event.index, "logprobs": None,
-                    "finish_reason": self._tool_finish_reason(event, tools),
+                    "finish_reason": self._parsed_finish_reason(event, output),
                     "stop_reason": event.stop_reason}
         body: dict[str, Any] = {}
+        if delta.reasoning:
+            body["reasoning"] = body["reasoning_content"] = delta.reasoning
         if delta.content:
             body["content"] = delta.content
         if delta.calls:

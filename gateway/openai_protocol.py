@@ -11,7 +11,7 @@ import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from engine.sampling_params import MAX_LOGIT_BIAS_ENTRIES
 from gateway.errors import GatewayError
@@ -178,7 +178,38 @@ class ChatMessageIn(_Open):
     tool_call_id: str | None = None             # a tool message: the call it answers
 
 
-class ChatCompletionRequest(_SamplingFields):
+# Template variables the renderer sets itself: `chat_template_kwargs` may not replace them.
+RESERVED_TEMPLATE_VARIABLES = frozenset({
+    "messages", "add_generation_prompt", "tools", "bos_token", "eos_token", "unk_token",
+    "pad_token"})
+MAX_TEMPLATE_KWARGS = 32
+
+
+def check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """vLLM's `chat_template_kwargs` (e.g. `{"enable_thinking": false}` for Qwen3): extra
+    variables for the chat template, at most 32, none of the renderer's own."""
+    if value is None:
+        return None
+    if len(value) > MAX_TEMPLATE_KWARGS:
+        raise ValueError(f"at most {MAX_TEMPLATE_KWARGS} template variables")
+    for key in value:
+        if not key.isidentifier():
+            raise ValueError(f"{key!r} is not a template variable name")
+        if key in RESERVED_TEMPLATE_VARIABLES:
+            raise ValueError(f"{key!r} is set by the server, not by chat_template_kwargs")
+    return value
+
+
+class _ChatTemplateFields(_Open):
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_template_kwargs(value)
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     """`POST /v1/chat/completions`."""
 
     _supported: ClassVar[frozenset[str]] = frozenset({"tools", "tool_choice"})  # gateway/tools.py
@@ -190,7 +221,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
 
 
-class TokenizeRequest(_Open):
+class TokenizeRequest(_ChatTemplateFields):
     """vLLM's `/tokenize`: a prompt, or chat messages through the chat template."""
 
     model: str | None = None

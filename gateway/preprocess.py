@@ -45,9 +45,11 @@ class Preprocessor:
         return await asyncio.to_thread(self._tokenizer.encode, text, add_special_tokens)
 
     async def encode_chat(self, messages: list[dict[str, Any]], param: str = "messages",
-                          tools: list[dict[str, Any]] | None = None) -> list[int]:
+                          tools: list[dict[str, Any]] | None = None,
+                          template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The chat template (the gateway's `--chat-template`, else the model's) rendered with
-        `messages` and `tools` (transformers' form), tokenized."""
+        `messages`, `tools` (transformers' form) and the request's `template_kwargs` (its
+        `chat_template_kwargs`, checked by the protocol), tokenized."""
         if not messages:
             raise GatewayError.invalid(param, f"{param} must contain at least one message")
         for i, m in enumerate(messages):
@@ -55,7 +57,7 @@ class Preprocessor:
         try:
             text = self._tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=False,
-                chat_template=self._config.chat_template, tools=tools)
+                chat_template=self._config.chat_template, tools=tools, **(template_kwargs or {}))
         except Exception as err:  # template errors (e.g. role alternation) are the client's
             raise GatewayError.invalid(param, f"{param}: chat template failed: {err}") from None
         # The template already contains the special tokens (BOS, role markers).

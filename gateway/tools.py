@@ -30,11 +30,11 @@ from typing import Any, Literal, Protocol
 
 from engine.detokenizer import holdback
 from engine.sampling_params import SamplingParamsError, StructuredOutputs
+from gateway.config import TOOL_CALL_PARSERS
 from gateway.errors import GatewayError
 
 MAX_TOOLS = 128  # OpenAI's limit
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 ToolChoiceMode = Literal["none", "auto", "required", "named"]
 
 

@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default=None,
                    help="gateway: parse tool calls out of the output (hermes, llama3_json), "
                         "enabling tool_choice \"auto\"")
+    p.add_argument("--reasoning-parser", default=None,
+                   help="gateway: split <think> text off chat answers into `reasoning` "
+                        "(deepseek_r1, qwen3)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--exit-after-ready", action="store_true",
                    help="stop everything once healthy (smoke test)")
@@ -191,6 +194,8 @@ def service_argv(args: argparse.Namespace, engine_args: list[str]) -> dict[str, 
         gw += ["--chat-template", str(Path(args.chat_template).resolve())]
     if args.tool_call_parser:
         gw += ["--tool-call-parser", args.tool_call_parser]
+    if args.reasoning_parser:
+        gw += ["--reasoning-parser", args.reasoning_parser]
     return {"prefill": ["--role", "prefill", "--port", str(args.prefill_port), *engine_args],
             "decode": ["--role", "decode", "--port", str(args.decode_port), *engine_args],
             "gateway": gw}
