@@ -1,9 +1,10 @@
-"""Tool calling as both front doors (REST chat completions, gRPC `Gateway.Generate`) apply it:
-a chat request's job and a choice's finish reason.
+"""Chat as both front doors (REST chat completions, gRPC `Gateway.Generate`) apply it: a chat
+request's job, each choice's output parsers, and a choice's finish reason.
 
 What a request may ask (`tool_calling_from_request`) and how a choice's output becomes content
-and calls (`ToolOutput`) are gateway/tools.py's; this module only joins them to a job, so the
-two front doors cannot drift apart.
+and calls (`ToolOutput`) are gateway/tools.py's, how reasoning is split off it
+(`ReasoningSplitter`, `ChatOutput`) gateway/reasoning.py's; this module only joins them to a
+job, so the two front doors cannot drift apart.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 from gateway.errors import GatewayError
 from gateway.orchestrator import GenerationJob
 from gateway.reasoning import END as REASONING_END
+from gateway.reasoning import ChatOutput, ReasoningSplitter, prompt_opens_reasoning
 from gateway.state import GatewayState
 from gateway.tools import HermesOutput, ToolCalling, ToolOutput, tool_constraint
 
@@ -59,6 +61,28 @@ def _special_text(state: GatewayState, text: str) -> bool:
     """Whether decoding that skips special tokens would drop `text`."""
     tok = state.tokenizer
     return tok.decode(tok.encode(text, add_special_tokens=False), skip_special_tokens=True) != text
+
+
+def chat_outputs(state: GatewayState, job: GenerationJob, calling: ToolCalling | None,
+                 num_choices: int, *, incremental: bool) -> dict[int, ChatOutput]:
+    """Each choice's parsers of a chat request's output, by choice index: the gateway's reasoning
+    parser splits off the `<think>` text (read from where `job`'s prompt left off), then tools
+    with a tool choice other than none parse the rest (`incremental`: `auto` calls' arguments as
+    the model writes them, for streams). Empty when neither applies: the text is all content."""
+    tools = calling if calling is not None and calling.mode != "none" else None
+    parser = state.config.reasoning_parser
+    if tools is None and parser is None:
+        return {}
+    opens = parser is not None and prompt_opens_reasoning(state.tokenizer, job.prompt_token_ids)
+    return {i: ChatOutput(None if parser is None else ReasoningSplitter(parser, opens),
+                          None if tools is None else tools.output(incremental=incremental))
+            for i in range(num_choices)}
+
+
+def chat_finish_reason(reason: str | None, output: ChatOutput) -> str | None:
+    """A choice's finish reason once its output went through `output` (see
+    `tool_finish_reason`)."""
+    return reason if output.tools is None else tool_finish_reason(reason, output.tools)
 
 
 def tool_finish_reason(reason: str | None, tools: ToolOutput) -> str | None:

@@ -4,12 +4,14 @@ Validation failures end the call with INVALID_ARGUMENT and a message naming the 
 failure after streaming began is sent in-band (`GenerateResponse.error`) and also ends the
 call with its status. Cancelling the call cancels the downstream prefill/decode calls.
 
-Tool calling (chat input) is REST's (gateway/chat_tools.py, gateway/grpc_tools.py): unless
-tool_choice is none, each completion's text goes through a `ToolOutput` (incremental, as vLLM
-streams calls: an `auto` call is sent once its name is known, then its arguments as they
-come), its chunks carry the content as `text` and the calls as `tool_calls` deltas (the token
-ids unchanged), and what the output's end settles comes in a last chunk before the
-completion's `GenerateComplete`.
+Chat input is parsed as over REST (gateway/chat_tools.py, gateway/grpc_tools.py): with the
+gateway's reasoning parser, or tools and a tool_choice other than none, each completion's text
+goes through a `ChatOutput` (the `<think>` text split off, then the rest through a `ToolOutput`,
+incremental as vLLM streams calls: an `auto` call is sent once its name is known, then its
+arguments as they come); its chunks carry the reasoning as `reasoning`, the content as `text`
+and the calls as `tool_calls` deltas (the token ids unchanged), and what the output's end
+settles comes in a last chunk before the completion's `GenerateComplete`.
+`chat_template_kwargs` reach the chat template, checked as REST's.
 """
 
 from __future__ import annotations
@@ -22,14 +24,20 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gateway.chat_tools import chat_job, tool_finish_reason
+from gateway.chat_tools import chat_finish_reason, chat_job, chat_outputs
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError
-from gateway.grpc_tools import call_deltas, chat_messages_from_proto, tool_calling_from_proto
+from gateway.grpc_tools import (
+    call_deltas,
+    chat_messages_from_proto,
+    template_kwargs_from_proto,
+    tool_calling_from_proto,
+)
 from gateway.orchestrator import Finished, GenerationJob, TokenDelta
+from gateway.reasoning import ChatOutput
 from gateway.state import GatewayState
 from gateway.structured import structured_from_proto
-from gateway.tools import ToolCalling, ToolOutput
+from gateway.tools import ToolCalling
 from protos.auth import BearerAuthInterceptor
 from protos.splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from protos.tls import read_pem
@@ -54,9 +62,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await context.abort(err.code, err.message)
         self._state.metrics.requests_received.labels(api="grpc").inc()
         self._state.metrics.prompt_tokens.inc(len(job.prompt_token_ids))
-        outputs: dict[int, ToolOutput] = {}
-        if calling is not None and calling.mode != "none":  # a stream: calls sent as they come
-            outputs = {i: calling.output(incremental=True) for i in range(job.n)}
+        outputs: dict[int, ChatOutput] = {}
+        if request.WhichOneof("input") == "chat":
+            # A stream: reasoning and calls sent as they come.
+            outputs = chat_outputs(self._state, job, calling, job.n, incremental=True)
         try:
             async for event in self._state.orchestrator.generate(job):
                 for response in _responses(event, outputs.get(event.index)):
@@ -76,12 +85,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         pre = state.preprocessor
         kind = request.WhichOneof("input")
         calling = tool_calling_from_proto(request, state.config.tool_call_parser)
+        template_kwargs = template_kwargs_from_proto(request)
         request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
         if kind == "chat":
             messages = chat_messages_from_proto(request.chat.messages)
             job = await chat_job(state, messages, _sampling_options(request), calling,
                                  request_id=request_id, param="chat.messages",
-                                 param_names=_PARAM_NAMES)
+                                 param_names=_PARAM_NAMES, template_kwargs=template_kwargs)
             return job, calling
         if kind == "text":
             ids = await pre.encode_text(request.text, "text")
@@ -126,24 +136,25 @@ def _sampling_options(request: gateway_pb2.GenerateRequest) -> dict[str, object]
     }
 
 
-def _responses(event: TokenDelta | Finished, tools: ToolOutput | None
+def _responses(event: TokenDelta | Finished, output: ChatOutput | None
                ) -> Iterator[gateway_pb2.GenerateResponse]:
-    """The responses of one event; with `tools` (the completion's parser), the chunks' text is
-    its content and the calls come as deltas."""
+    """The responses of one event; with `output` (the completion's parsers), the chunks' text is
+    its content, and the reasoning and the calls come as their own deltas."""
     if isinstance(event, TokenDelta):
-        if tools is None:
+        if output is None:
             yield _chunk(event, event.text)
         else:
-            delta = tools.feed(event.text)
-            yield _chunk(event, delta.content, call_deltas(delta.calls))
+            delta = output.feed(event.text)
+            yield _chunk(event, delta.content, delta.reasoning, call_deltas(delta.calls))
         return
     reason = event.finish_reason
-    if tools is not None:
-        delta = tools.finish()
+    if output is not None:
+        delta = output.finish()
         if delta:
             yield gateway_pb2.GenerateResponse(chunk=gateway_pb2.GenerateChunk(
-                index=event.index, text=delta.content, tool_calls=call_deltas(delta.calls)))
-        reason = tool_finish_reason(reason, tools) or reason
+                index=event.index, text=delta.content, reasoning=delta.reasoning,
+                tool_calls=call_deltas(delta.calls)))
+        reason = chat_finish_reason(reason, output) or reason
     yield gateway_pb2.GenerateResponse(complete=gateway_pb2.GenerateComplete(
         index=event.index, finish_reason=_FINISH_ENUM[reason],
         usage=common_pb2.Usage(prompt_tokens=event.num_prompt_tokens,
@@ -152,10 +163,12 @@ def _responses(event: TokenDelta | Finished, tools: ToolOutput | None
         stop_reason=event.stop_reason or ""))
 
 
-def _chunk(event: TokenDelta, text: str, tool_calls: list[gateway_pb2.ToolCallDelta] | None = None
+def _chunk(event: TokenDelta, text: str, reasoning: str = "",
+           tool_calls: list[gateway_pb2.ToolCallDelta] | None = None
            ) -> gateway_pb2.GenerateResponse:
     chunk = gateway_pb2.GenerateChunk(index=event.index, token_ids=event.token_ids, text=text,
-                                      logprobs=event.logprobs, tool_calls=tool_calls)
+                                      reasoning=reasoning, logprobs=event.logprobs,
+                                      tool_calls=tool_calls)
     if event.prompt_logprobs is not None:
         chunk.prompt_logprobs.CopyFrom(event.prompt_logprobs)
     return gateway_pb2.GenerateResponse(chunk=chunk)

@@ -1,11 +1,11 @@
-"""Tool calling over gRPC: `GenerateRequest`'s tools and chat messages into what
-gateway/tools.py and the chat template take, and a choice's tool-call deltas into
+"""Chat input over gRPC: `GenerateRequest`'s tools, chat messages and chat template variables
+into what gateway/tools.py and the chat template take, and a choice's tool-call deltas into
 `GenerateChunk.tool_calls`.
 
 The proto fields are turned into OpenAI's JSON form and checked by the same functions as REST
-(`tool_calling_from_request`, `chat_messages`), so both front doors accept and refuse the same
-requests; only the field paths in the errors are this API's (`tools.0.name`, not
-`tools.0.function.name`).
+(`tool_calling_from_request`, `chat_messages`, `check_template_kwargs`), so both front doors
+accept and refuse the same requests; only the field paths in the errors are this API's
+(`tools.0.name`, not `tools.0.function.name`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,16 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from google.protobuf import struct_pb2
+
 from gateway.errors import GatewayError
-from gateway.openai_protocol import ChatMessageIn, ToolCallFunction, ToolCallIn, chat_messages
+from gateway.openai_protocol import (
+    ChatMessageIn,
+    ToolCallFunction,
+    ToolCallIn,
+    chat_messages,
+    check_template_kwargs,
+)
 from gateway.tools import ToolCalling, tool_calling_from_request
 from protos.splitserve.v1 import gateway_pb2
 
@@ -60,6 +68,37 @@ def chat_messages_from_proto(messages: Sequence[gateway_pb2.ChatMessage]) -> lis
         return chat_messages(rest)
     except GatewayError as err:
         raise _renamed(err) from None
+
+
+def template_kwargs_from_proto(request: gateway_pb2.GenerateRequest) -> dict[str, Any] | None:
+    """The request's `chat_template_kwargs` as REST's (None: unset), checked by the same
+    function. GatewayError (INVALID_ARGUMENT) naming the field when they are not allowed, or
+    sent with an input other than chat."""
+    if not request.HasField("chat_template_kwargs"):
+        return None
+    if request.WhichOneof("input") != "chat":
+        raise GatewayError.invalid("chat_template_kwargs", "chat_template_kwargs need chat input "
+                                   "(chat.messages): they are the chat template's variables")
+    kwargs = {key: _json(value) for key, value in request.chat_template_kwargs.fields.items()}
+    try:
+        return check_template_kwargs(kwargs)
+    except ValueError as err:
+        raise GatewayError.invalid("chat_template_kwargs",
+                                   f"chat_template_kwargs: {err}") from None
+
+
+def _json(value: struct_pb2.Value) -> Any:
+    """A `Value` as the JSON value it stands for; a whole number as an int (a Struct holds every
+    number as a double, JSON and REST keep `1` an integer)."""
+    kind = value.WhichOneof("kind")
+    if kind == "number_value":
+        number = value.number_value
+        return int(number) if number.is_integer() else number
+    if kind == "struct_value":
+        return {k: _json(v) for k, v in value.struct_value.fields.items()}
+    if kind == "list_value":
+        return [_json(v) for v in value.list_value.values]
+    return None if kind in (None, "null_value") else getattr(value, kind)
 
 
 def call_deltas(calls: Sequence[dict[str, Any]]) -> list[gateway_pb2.ToolCallDelta]:

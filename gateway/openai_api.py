@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.chat_tools import chat_job, tool_finish_reason
+from gateway.chat_tools import chat_finish_reason, chat_job, chat_outputs
 from gateway.errors import GatewayError
 from gateway.openai_protocol import (
     ChatCompletionRequest,
@@ -44,7 +44,7 @@ from gateway.openai_protocol import (
     usage_dict,
 )
 from gateway.orchestrator import Event, Finished, GenerationJob, TokenDelta, usage_totals
-from gateway.reasoning import ChatOutput, ReasoningSplitter, prompt_opens_reasoning
+from gateway.reasoning import ChatOutput
 from gateway.state import GatewayState
 from gateway.tools import (
     ToolCalling,
@@ -309,16 +309,9 @@ class _View:
 
     def __post_init__(self) -> None:
         self.choices = {i: _Choice() for i in range(sum(j.n for j in self.jobs))}
-        calling = self.tool_calling
-        tools = calling is not None and calling.mode != "none"
-        parser = self.state.config.reasoning_parser if self.chat else None
-        if tools or parser:
-            opens = parser is not None and prompt_opens_reasoning(
-                self.state.tokenizer, self.jobs[0].prompt_token_ids)
-            self.outputs = {i: ChatOutput(
-                ReasoningSplitter(parser, opens) if parser else None,
-                calling.output(incremental=self.stream) if calling and tools else None)
-                for i in self.choices}
+        if self.chat:
+            self.outputs = chat_outputs(self.state, self.jobs[0], self.tool_calling,
+                                        len(self.choices), incremental=self.stream)
         self.wants_logprobs = self.jobs[0].wants_logprobs  # one sampling for the whole batch
         self.job_of = [j for j, job in enumerate(self.jobs) for _ in range(job.n)]
 
@@ -420,8 +413,7 @@ class _View:
         return "length" if self.hide_output and f.finish_reason != "abort" else f.finish_reason
 
     def _parsed_finish_reason(self, f: Finished | None, output: ChatOutput) -> str | None:
-        reason = self._finish_reason(f)
-        return reason if output.tools is None else tool_finish_reason(reason, output.tools)
+        return chat_finish_reason(self._finish_reason(f), output)
 
     # -- stream
     def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:

@@ -4,24 +4,31 @@ The splitter on its own (whole outputs and the same cut in arbitrary pieces, bot
 and without a `<think>` the prompt left open, then composed with a tool-call parser), and through
 a real gateway whose fake workers play a scripted output to the real `openai` client: the
 message's `reasoning` / `reasoning_content`, the streamed deltas adding up to it, and
-`chat_template_kwargs` reaching the template (Qwen3's `enable_thinking` switch).
+`chat_template_kwargs` reaching the template (Qwen3's `enable_thinking` switch). Over gRPC
+(`Gateway.Generate` on the same gateway): `reasoning` and `text` deltas joining into REST's
+message, the template variables as a Struct, checked as REST's, and reasoning with a tool call.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 from gateway_fakes import MODEL_NAME, Harness, Script, smollm2_tokenizer
+from google.protobuf import struct_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai import OpenAI
 
 from gateway.config import GatewayConfig, GatewayConfigError
+from gateway.grpc_tools import template_kwargs_from_proto
 from gateway.reasoning import ChatOutput, ReasoningSplitter, prompt_opens_reasoning
 from gateway.tools import HermesOutput
+from protos.splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 # (parser, prompt left <think> open, output, reasoning, content)
 CASES: list[tuple[str, bool, str, str | None, str]] = [
@@ -185,3 +192,111 @@ def test_bad_chat_template_kwargs_are_refused(gw: Harness, kwargs: object, words
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"].startswith("chat_template_kwargs") and words in error["message"]
+
+
+# -- over gRPC (Gateway.Generate) --------------------------------------------------------------
+def _grpc(gw: Harness, **fields: Any) -> list[gateway_pb2.GenerateResponse]:
+    with grpc.insecure_channel(gw.grpc_target) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        return list(stub.Generate(gateway_pb2.GenerateRequest(**fields), timeout=20))
+
+
+def _chat(messages: list[dict[str, str]]) -> gateway_pb2.ChatMessages:
+    return gateway_pb2.ChatMessages(messages=[
+        gateway_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages])
+
+
+def _kwargs(value: dict[str, Any]) -> struct_pb2.Struct:
+    kwargs = struct_pb2.Struct()
+    kwargs.update(value)
+    return kwargs
+
+
+def _chunks(out: list[gateway_pb2.GenerateResponse]) -> list[gateway_pb2.GenerateChunk]:
+    return [r.chunk for r in out if r.WhichOneof("response") == "chunk"]
+
+
+GRPC_ASK = {"chat": _chat(ASK), "sampling": common_pb2.SamplingParams(max_tokens=100)}
+
+
+def test_grpc_deltas_add_up_to_the_rest_message(gw: Harness) -> None:
+    """The same request over both front doors: gRPC's `reasoning` and `text` deltas join into
+    REST's message, streamed as the tokens come; the token ids stay the model's."""
+    rest: Any = _client(gw).chat.completions.create(model=MODEL_NAME, messages=ASK,  # type: ignore[arg-type]
+                                                    max_tokens=100).choices[0].message
+    out = _grpc(gw, **GRPC_ASK)
+    chunks = _chunks(out)
+    assert "".join(c.reasoning for c in chunks) == rest.reasoning == "Capital of France: Paris.\n"
+    assert "".join(c.text for c in chunks) == rest.content == "Paris."
+    assert [t for c in chunks for t in c.token_ids] == gw.script.token_ids
+    assert sum(bool(c.reasoning) for c in chunks) > 4  # token by token, not at the end
+    assert not any(c.reasoning and c.text for c in chunks)  # "</think>" itself is neither
+    assert out[-1].complete.finish_reason == common_pb2.FINISH_REASON_STOP
+
+
+def test_grpc_chat_template_kwargs_reach_the_template(gw: Harness) -> None:
+    """`enable_thinking: false` closes the block in the prompt: the same output is all content."""
+    out = _grpc(gw, **GRPC_ASK, chat_template_kwargs=_kwargs({"enable_thinking": False}))
+    chunks = _chunks(out)
+    assert "".join(c.text for c in chunks) == SCRIPT
+    assert not any(c.reasoning for c in chunks)
+    prompt = gw.prefill[0].prefill_requests[-1].prompt_token_ids
+    assert smollm2_tokenizer().decode(list(prompt), skip_special_tokens=False).endswith(
+        "assistant\n<think>\n\n</think>\n\n")
+
+
+def test_grpc_chat_template_kwargs_keep_json_values() -> None:
+    """A Struct holds numbers as doubles: whole ones reach the template as ints, as over REST."""
+    value = {"n": 3, "x": 2.5, "on": True, "none": None, "nested": {"k": [1, "a", 0.5]}}
+    request = gateway_pb2.GenerateRequest(chat=_chat(ASK), chat_template_kwargs=_kwargs(value))
+    kwargs = template_kwargs_from_proto(request)
+    assert kwargs == value and type(kwargs["n"]) is int and type(kwargs["nested"]["k"][0]) is int
+    assert template_kwargs_from_proto(gateway_pb2.GenerateRequest(chat=_chat(ASK))) is None
+
+
+@pytest.mark.parametrize(("fields", "words"), [
+    ({"chat_template_kwargs": _kwargs({"messages": []})}, "set by the server"),
+    ({"chat_template_kwargs": _kwargs({"add_generation_prompt": False})}, "set by the server"),
+    ({"chat_template_kwargs": _kwargs({"not a name": 1})}, "not a template variable"),
+    ({"chat_template_kwargs": _kwargs({f"k{i}": i for i in range(33)})}, "at most 32"),
+    ({"chat": None, "text": "hi", "chat_template_kwargs": _kwargs({})}, "chat input"),
+    ({"chat": None, "token_ids": gateway_pb2.TokenIds(ids=[1, 2]),
+      "chat_template_kwargs": _kwargs({"enable_thinking": False})}, "chat input"),
+])
+def test_grpc_bad_chat_template_kwargs_are_refused(gw: Harness, fields: dict[str, Any],
+                                                   words: str) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        _grpc(gw, **({k: v for k, v in GRPC_ASK.items() if k not in fields} | fields))
+    err: grpc.Call = info.value  # type: ignore[assignment]
+    details = err.details() or ""
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert details.startswith("chat_template_kwargs") and words in details, details
+
+
+TOOL_SCRIPT = ('The user wants weather.</think>\n\nChecking.\n<tool_call>\n{"name": "get_weather", '
+               '"arguments": {"city": "Oslo"}}\n</tool_call>')
+
+
+def test_grpc_reasoning_then_a_tool_call() -> None:
+    """Reasoning, content and an `auto` call (hermes) in one output, over gRPC as over REST."""
+    ids = smollm2_tokenizer().encode(TOOL_SCRIPT, add_special_tokens=False)
+    tool: dict[str, Any] = {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}}}}
+    with Harness(Script(ids), reasoning_parser="qwen3", tool_call_parser="hermes",
+                 chat_template=TEMPLATE) as h:
+        out = _grpc(h, **GRPC_ASK, tools=[gateway_pb2.Tool(
+            name=tool["name"], parameters=json.dumps(tool["parameters"]))])
+        rest: Any = _client(h).chat.completions.create(
+            model=MODEL_NAME, messages=ASK, max_tokens=100,  # type: ignore[arg-type]
+            tools=[{"type": "function", "function": tool}]).choices[0]  # type: ignore[typeddict-item]
+    chunks = _chunks(out)
+    calls = [c for chunk in chunks for c in chunk.tool_calls]
+    assert "".join(c.reasoning for c in chunks) == rest.message.reasoning == "The user wants weather."
+    assert "".join(c.text for c in chunks) == rest.message.content == "Checking."
+    assert calls[0].name == rest.message.tool_calls[0].function.name == "get_weather"
+    assert calls[0].id and {c.index for c in calls} == {0}
+    assert "".join(c.arguments for c in calls) == rest.message.tool_calls[0].function.arguments
+    assert json.loads("".join(c.arguments for c in calls)) == {"city": "Oslo"}
+    assert [t for c in chunks for t in c.token_ids] == ids
+    assert out[-1].complete.finish_reason == common_pb2.FINISH_REASON_TOOL_CALLS
+    assert rest.finish_reason == "tool_calls"

@@ -6,6 +6,7 @@ isort:skip_file
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from protos.splitserve.v1 import common_pb2 as _common_pb2
@@ -225,6 +226,7 @@ class GenerateRequest(_message.Message):
     TOOLS_FIELD_NUMBER: _builtins.int
     TOOL_CHOICE_FIELD_NUMBER: _builtins.int
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """optional; the gateway makes one when empty"""
     text: _builtins.str
@@ -257,6 +259,14 @@ class GenerateRequest(_message.Message):
 
     @_builtins.property
     def tool_choice(self) -> Global___ToolChoice: ...
+    @_builtins.property
+    def chat_template_kwargs(self) -> _struct_pb2.Struct:
+        """Extra variables for the chat template (chat input only), as vLLM's `chat_template_kwargs`:
+        e.g. {"enable_thinking": false} turns Qwen3's thinking off. At most 32, each a template
+        variable name the renderer does not set itself (not messages, tools, add_generation_prompt,
+        bos_token, ...). Numbers are doubles on the wire; whole ones reach the template as integers.
+        """
+
     def __init__(
         self,
         *,
@@ -272,10 +282,11 @@ class GenerateRequest(_message.Message):
         tools: _abc.Iterable[Global___Tool] | None = ...,
         tool_choice: Global___ToolChoice | None = ...,
         parallel_tool_calls: _builtins.bool | None = ...,
+        chat_template_kwargs: _struct_pb2.Struct | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "chat", b"chat", "input", b"input", "parallel_tool_calls", b"parallel_tool_calls", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids", "tool_choice", b"tool_choice"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "chat", b"chat", "chat_template_kwargs", b"chat_template_kwargs", "input", b"input", "parallel_tool_calls", b"parallel_tool_calls", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids", "tool_choice", b"tool_choice"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "chat", b"chat", "input", b"input", "model", b"model", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "request_id", b"request_id", "sampling", b"sampling", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "text", b"text", "token_ids", b"token_ids", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "chat", b"chat", "chat_template_kwargs", b"chat_template_kwargs", "input", b"input", "model", b"model", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "request_id", b"request_id", "sampling", b"sampling", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "text", b"text", "token_ids", b"token_ids", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__parallel_tool_calls: _TypeAlias = _typing.Literal["parallel_tool_calls"]  # noqa: Y015
     _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
@@ -334,14 +345,21 @@ class GenerateChunk(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    REASONING_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """which of the n completions"""
     text: _builtins.str
-    """detokenized text delta (with tools: the content alone)"""
+    """detokenized text delta (with tools or a reasoning parser:"""
+    reasoning: _builtins.str
+    """Chat input on a gateway with --reasoning-parser: the part of the text delta that is the
+    model's reasoning (its <think> text, tags left out); `text` then carries the answer alone.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
-    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]: ...
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
+        """the content alone)"""
+
     @_builtins.property
     def prompt_logprobs(self) -> _common_pb2.PromptLogprobs:
         """When sampling.prompt_logprobs is set: the prompt's, in completion 0's first chunk."""
@@ -361,10 +379,11 @@ class GenerateChunk(_message.Message):
         logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
         prompt_logprobs: _common_pb2.PromptLogprobs | None = ...,
         tool_calls: _abc.Iterable[Global___ToolCallDelta] | None = ...,
+        reasoning: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["prompt_logprobs", b"prompt_logprobs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "reasoning", b"reasoning", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
