@@ -51,6 +51,15 @@ class GatewayError(Exception):
     def http_status(self) -> int:
         return self._http if self._http is not None else http_status(self.code)
 
+    def renamed(self, param: str | None) -> GatewayError:
+        """The same error naming its field `param` (for a front door that names the request's
+        fields otherwise: the Responses API's `max_output_tokens` is chat's `max_tokens`)."""
+        message = self.message
+        if self.param and param and param != self.param:
+            message = message.replace(self.param, param)
+        return GatewayError(self.code, message, param=param, error_code=self.error_code,
+                            http=self._http)
+
     @classmethod
     def invalid(cls, param: str | None, message: str) -> GatewayError:
         return cls(grpc.StatusCode.INVALID_ARGUMENT, message, param=param)

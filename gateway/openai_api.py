@@ -45,6 +45,7 @@ from gateway.openai_protocol import (
 )
 from gateway.orchestrator import Event, Finished, GenerationJob, TokenDelta, usage_totals
 from gateway.reasoning import ChatOutput
+from gateway.responses_api import ResponsesRequest, ResponseWriter, responses_param
 from gateway.state import GatewayState
 from gateway.tools import (
     ToolCalling,
@@ -100,6 +101,35 @@ def build_app(state: GatewayState) -> FastAPI:
                      num_prompt_top=req.prompt_logprobs, tool_calling=calling,
                      stream=req.stream)
         return await _respond(view, request, "chat", req.stream)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        body = await _read_json(request, state)
+        req = parse_request(ResponsesRequest, body)
+        _check_model(req.model, state)
+        try:
+            chat = parse_request(ChatCompletionRequest, req.chat_body())
+            if chat.n != 1:
+                raise GatewayError.invalid("n", "n: a response has one output")
+            job, calling = await _chat_job(chat, state)
+        except GatewayError as err:  # named as the Responses API names the field
+            raise err.renamed(responses_param(err.param)) from None
+        view = _View(job.request_id, "chat.completion", state, [job], include_usage=False,
+                     continuous_usage=False, chat=True, num_top=0, tool_calling=calling,
+                     stream=req.stream)
+        writer = ResponseWriter(req, state.config.served_model_name)
+        state.metrics.requests_received.labels(api="responses").inc()
+        state.metrics.prompt_tokens.inc(len(job.prompt_token_ids))
+        if req.stream:
+            return await _stream_response(view, writer)
+        final = await _complete(view, request)
+        choice = final["choices"][0]
+        message = choice["message"]
+        writer.delta({"reasoning": message.get("reasoning"), "content": message.get("content"),
+                      "tool_calls": [{"index": i, **call} for i, call in
+                                     enumerate(message.get("tool_calls") or [])]})
+        writer.finish(choice["finish_reason"], final["usage"])
+        return JSONResponse(writer.response)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -550,6 +580,47 @@ async def _sse(view: _View, first: Event, events: AsyncGenerator[Event, None]) -
     finally:
         await events.aclose()
     yield "data: [DONE]\n\n"
+
+
+async def _stream_response(view: _View, writer: ResponseWriter) -> Response:
+    """The Responses API's SSE stream (typed events, no [DONE]); the first engine event is
+    awaited before answering, as for chat."""
+    events = view.state.orchestrator.generate_batch(view.jobs)
+    try:
+        first = await anext(events)
+    except BaseException:
+        await events.aclose()
+        raise
+    return StreamingResponse(_response_events(view, writer, first, events),
+                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _response_events(view: _View, writer: ResponseWriter, first: Event,
+                           events: AsyncGenerator[Event, None]) -> AsyncIterator[str]:
+    finish_reason: str | None = None
+    try:
+        for e in writer.start():
+            yield _typed(e)
+        event: Event | None = first
+        while event is not None:
+            view.record(event)
+            chunk = view.event_chunk(event)
+            for choice in (chunk or {}).get("choices", []):
+                for e in writer.delta(choice.get("delta") or {}):
+                    yield _typed(e)
+                finish_reason = choice.get("finish_reason") or finish_reason
+            event = await anext(events, None)
+        for e in writer.finish(finish_reason, view.usage()):
+            yield _typed(e)
+    except GatewayError as err:
+        yield _typed(writer.error(err.message, err.error_code or err.http_status,
+                                  responses_param(err.param)))
+    finally:
+        await events.aclose()
+
+
+def _typed(event: dict[str, Any]) -> str:
+    return f"event: {event['type']}\n{_data(event)}"
 
 
 def _data(obj: dict[str, Any]) -> str:

@@ -1,0 +1,382 @@
+"""OpenAI's Responses API (`POST /v1/responses`) over the chat path, as vLLM and SGLang serve it.
+
+A request becomes a chat completion request (`ResponsesRequest.chat_body`): `instructions` a
+system message, `input` (a string, or items: messages with text parts, earlier
+`function_call`s and their `function_call_output`s; `reasoning` items are not shown to the
+template, as chat templates drop earlier reasoning), `max_output_tokens`, function `tools` and
+`tool_choice`, `text.format` as `response_format`, and vLLM's `chat_template_kwargs`. The chat
+path's parsers (reasoning, tool calls) then shape the output, which `ResponseWriter` turns into
+output items — a `reasoning` item, a `message` with one `output_text` part, `function_call`
+items — either whole or as the stream's events (`response.created` … `response.completed`,
+each with its `sequence_number`), one writer for both so the two agree.
+
+Responses are not stored: `previous_response_id`, `conversation`, `background` and item
+references are refused (400), as are fields this server cannot honour (non-function tools,
+image or file inputs, `reasoning.effort`, `truncation: "auto"`, `max_tool_calls`,
+`top_logprobs`), rather than ignored.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from gateway.errors import GatewayError
+from gateway.openai_protocol import _Open, check_template_kwargs
+
+MAX_METADATA_KEYS = 16
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponsesRequest(_Open):
+    """`POST /v1/responses` (unknown fields accepted, as in the chat API)."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Refused when set to what would need stored responses or change the answer (see module).
+    previous_response_id: str | None = None
+    conversation: Any = None
+    background: bool | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: str | None = None
+    max_tool_calls: int | None = None
+    top_logprobs: int | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_template_kwargs(value)
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is not None and len(value) > MAX_METADATA_KEYS:
+            raise ValueError(f"at most {MAX_METADATA_KEYS} metadata keys")
+        return value
+
+    def check_supported(self) -> None:
+        for name, why in (("previous_response_id", "responses are not stored"),
+                          ("conversation", "responses are not stored"),
+                          ("max_tool_calls", "not supported"),
+                          ("top_logprobs", "not supported on /v1/responses")):
+            if getattr(self, name) not in (None, 0):
+                raise GatewayError.invalid(name, f"{name}: {why}")
+        if self.background:
+            raise GatewayError.invalid("background", "background: responses are not stored")
+        if self.truncation not in (None, "disabled"):
+            raise GatewayError.invalid("truncation", "truncation: only 'disabled' (a prompt "
+                                       "past the context is an error, not cut)")
+        if self.reasoning and self.reasoning.get("effort") is not None:
+            raise GatewayError.invalid("reasoning.effort", "reasoning.effort is not supported; "
+                                       "chat_template_kwargs switch a model's thinking (e.g. "
+                                       "Qwen3's enable_thinking)")
+
+    def chat_body(self) -> dict[str, Any]:
+        """The equivalent chat completion request's JSON body."""
+        self.check_supported()
+        messages: list[dict[str, Any]] = []
+        if self.instructions:
+            messages.append({"role": "system", "content": self.instructions})
+        if isinstance(self.input, str):
+            messages.append({"role": "user", "content": self.input})
+        else:
+            for i, item in enumerate(self.input):
+                _add_item(messages, item, f"input.{i}")
+        body: dict[str, Any] = {"model": self.model, "messages": messages}
+        for ours, chat in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"),
+                           ("top_p", "top_p"), ("parallel_tool_calls", "parallel_tool_calls"),
+                           ("chat_template_kwargs", "chat_template_kwargs")):
+            if getattr(self, ours) is not None:
+                body[chat] = getattr(self, ours)
+        if self.tools:
+            body["tools"] = [_chat_tool(t, f"tools.{i}") for i, t in enumerate(self.tools)]
+        if self.tool_choice is not None:
+            body["tool_choice"] = _chat_tool_choice(self.tool_choice)
+        fmt = (self.text or {}).get("format")
+        if fmt is not None:
+            body["response_format"] = _response_format(fmt)
+        # Sampling extensions the chat API takes (seed, stop, top_k, ...) pass through.
+        for key, value in (self.model_extra or {}).items():
+            if key not in body and key not in _RESPONSES_ONLY:
+                body[key] = value
+        return body
+
+
+# Fields of the Responses API with no chat counterpart that change nothing here.
+_RESPONSES_ONLY = frozenset({"store", "include", "user", "safety_identifier", "service_tier",
+                             "prompt_cache_key", "prompt_cache_retention", "stream_options"})
+
+
+def _text_of(content: Any, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise GatewayError.invalid(param, f"{param} must be a string or a list of parts")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text"):
+            raise GatewayError.invalid(f"{param}.{j}", f"{param}.{j}: only text parts are "
+                                       f"supported (got {kind!r})")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise GatewayError.invalid(f"{param}.{j}.text", f"{param}.{j}.text must be a string")
+        texts.append(text)
+    return "".join(texts)
+
+
+def _add_item(messages: list[dict[str, Any]], item: Any, param: str) -> None:
+    """One input item → the chat messages it stands for."""
+    if not isinstance(item, dict):
+        raise GatewayError.invalid(param, f"{param} must be an object")
+    kind = item.get("type", "message" if "role" in item else None)
+    if kind == "message":
+        role = item.get("role")
+        if role not in ("user", "system", "developer", "assistant"):
+            raise GatewayError.invalid(f"{param}.role", f"{param}.role must be user, system, "
+                                       f"developer or assistant (got {role!r})")
+        messages.append({"role": "system" if role == "developer" else role,
+                         "content": _text_of(item.get("content"), f"{param}.content")})
+    elif kind == "function_call":
+        call = {"id": item.get("call_id"), "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+        last = messages[-1] if messages else None
+        if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
+            last["tool_calls"].append(call)  # parallel calls: one assistant turn
+        else:
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    elif kind == "function_call_output":
+        output = item.get("output")
+        messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                         "content": _text_of(output, f"{param}.output")})
+    elif kind == "reasoning":
+        return  # earlier reasoning is not shown to the model (chat templates drop it)
+    else:
+        raise GatewayError.invalid(f"{param}.type", f"{param}: input items of type {kind!r} "
+                                   "are not supported (messages, function_call, "
+                                   "function_call_output, reasoning)")
+
+
+def _chat_tool(tool: Any, param: str) -> dict[str, Any]:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        got = tool.get("type") if isinstance(tool, dict) else tool
+        raise GatewayError.invalid(param, f"{param}: only function tools are supported "
+                                   f"(got {got!r})")
+    fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+    return {"type": "function", "function": fn}
+
+
+def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice  # "none" / "auto" / "required", or something the chat path refuses
+
+
+def _response_format(fmt: Any) -> dict[str, Any]:
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return {"type": "text"}
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": spec}
+    raise GatewayError.invalid("text.format", "text.format.type must be text, json_object or "
+                               f"json_schema (got {kind!r})")
+
+
+# Chat request fields as the Responses API names them (for error messages).
+RESPONSES_PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format",
+                    "messages": "input"}
+
+
+def responses_param(param: str | None) -> str | None:
+    """A chat request field's name as the Responses API names it."""
+    if param is None:
+        return None
+    m = re.match(r"[A-Za-z_]+", param)
+    head = m.group(0) if m else ""
+    return RESPONSES_PARAMS.get(head, head) + param[len(head):]
+
+
+# -- the output --------------------------------------------------------------------------------
+class ResponseWriter:
+    """A response's output items from the chat deltas of its one choice, and the stream's events
+    on the way (`start`, `delta`, `finish`); the finished object is `response`."""
+
+    def __init__(self, req: ResponsesRequest, model: str) -> None:
+        self.id = _new_id("resp")
+        self._seq = 0
+        self._items: list[dict[str, Any]] = []
+        self._open: dict[str, Any] | None = None  # the item deltas are going to
+        self._calls: dict[int, dict[str, Any]] = {}  # chat tool-call index -> its item
+        self.response: dict[str, Any] = {
+            "id": self.id, "object": "response", "created_at": int(time.time()),
+            "status": "in_progress", "model": model, "output": [], "error": None,
+            "incomplete_details": None, "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens, "temperature": req.temperature,
+            "top_p": req.top_p, "tools": req.tools or [],
+            "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+            "parallel_tool_calls": (req.parallel_tool_calls
+                                    if req.parallel_tool_calls is not None else True),
+            "text": req.text or {"format": {"type": "text"}}, "metadata": req.metadata or {},
+            "previous_response_id": None, "reasoning": None, "store": False,
+            "truncation": "disabled", "usage": None}
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        self._seq += 1
+        return {"type": kind, "sequence_number": self._seq - 1, **fields}
+
+    def error(self, message: str, code: str | int, param: str | None) -> dict[str, Any]:
+        """The stream's event for a failure after it started."""
+        return self._event("error", code=str(code), message=message, param=param)
+
+    def start(self) -> list[dict[str, Any]]:
+        snapshot = dict(self.response)
+        return [self._event("response.created", response=snapshot),
+                self._event("response.in_progress", response=snapshot)]
+
+    def delta(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+        """Events of one chat delta (`reasoning`, `content`, `tool_calls`)."""
+        out: list[dict[str, Any]] = []
+        if delta.get("reasoning"):
+            item = self._item(out, "reasoning")
+            item["content"][0]["text"] += delta["reasoning"]
+            out.append(self._event("response.reasoning_text.delta", item_id=item["id"],
+                                   output_index=self._index(item), content_index=0,
+                                   delta=delta["reasoning"]))
+        if delta.get("content"):
+            item = self._item(out, "message")
+            item["content"][0]["text"] += delta["content"]
+            out.append(self._event("response.output_text.delta", item_id=item["id"],
+                                   output_index=self._index(item), content_index=0,
+                                   delta=delta["content"], logprobs=[]))
+        for part in delta.get("tool_calls") or []:
+            call = self._calls.get(part["index"])
+            if call is None:
+                self._close(out)
+                self._close_calls(out)
+                call = self._calls[part["index"]] = self._add(out, {
+                    "type": "function_call", "id": _new_id("fc"), "call_id": part.get("id"),
+                    "name": part["function"].get("name", ""), "arguments": "",
+                    "status": "in_progress"})
+            args = part["function"].get("arguments") or ""
+            if args:
+                call["arguments"] += args
+                out.append(self._event("response.function_call_arguments.delta",
+                                       item_id=call["id"], output_index=self._index(call),
+                                       delta=args))
+        return out
+
+    def finish(self, finish_reason: str | None, usage: dict[str, Any]) -> list[dict[str, Any]]:
+        """The closing events; `response` is then the finished object."""
+        out: list[dict[str, Any]] = []
+        self._close(out)
+        self._close_calls(out)
+        incomplete = finish_reason == "length"
+        self.response.update(
+            status="incomplete" if incomplete else "completed", output=list(self._items),
+            incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
+            usage={"input_tokens": usage["prompt_tokens"],
+                   "input_tokens_details": {"cached_tokens": (usage.get(
+                       "prompt_tokens_details") or {}).get("cached_tokens", 0)},
+                   "output_tokens": usage["completion_tokens"],
+                   "output_tokens_details": {"reasoning_tokens": 0},
+                   "total_tokens": usage["total_tokens"]})
+        kind = "response.incomplete" if incomplete else "response.completed"
+        out.append(self._event(kind, response=self.response))
+        return out
+
+    # -- items
+    def _index(self, item: dict[str, Any]) -> int:
+        return next(i for i, it in enumerate(self._items) if it is item)
+
+    def _add(self, out: list[dict[str, Any]], item: dict[str, Any]) -> dict[str, Any]:
+        self._items.append(item)
+        out.append(self._event("response.output_item.added", output_index=len(self._items) - 1,
+                               item=_copy(item)))
+        return item
+
+    def _item(self, out: list[dict[str, Any]], kind: Literal["reasoning", "message"]
+              ) -> dict[str, Any]:
+        """The open item of `kind`, opened (and the ones before closed) if need be."""
+        if self._open is not None and self._open["type"] == kind:
+            return self._open
+        self._close(out)
+        self._close_calls(out)
+        if kind == "reasoning":
+            item = self._add(out, {"type": "reasoning", "id": _new_id("rs"), "summary": [],
+                                   "content": [{"type": "reasoning_text", "text": ""}],
+                                   "status": "in_progress"})
+            out.append(self._event("response.content_part.added", item_id=item["id"],
+                                   output_index=self._index(item), content_index=0,
+                                   part={"type": "reasoning_text", "text": ""}))
+        else:
+            item = self._add(out, {"type": "message", "id": _new_id("msg"), "role": "assistant",
+                                   "status": "in_progress", "content": [
+                                       {"type": "output_text", "text": "", "annotations": [],
+                                        "logprobs": []}]})
+            out.append(self._event("response.content_part.added", item_id=item["id"],
+                                   output_index=self._index(item), content_index=0,
+                                   part={"type": "output_text", "text": "", "annotations": [],
+                                         "logprobs": []}))
+        self._open = item
+        return item
+
+    def _close(self, out: list[dict[str, Any]]) -> None:
+        item, self._open = self._open, None
+        if item is None:
+            return
+        part = item["content"][0]
+        index = self._index(item)
+        if item["type"] == "reasoning":
+            out.append(self._event("response.reasoning_text.done", item_id=item["id"],
+                                   output_index=index, content_index=0, text=part["text"]))
+        else:
+            out.append(self._event("response.output_text.done", item_id=item["id"],
+                                   output_index=index, content_index=0, text=part["text"],
+                                   logprobs=[]))
+        out.append(self._event("response.content_part.done", item_id=item["id"],
+                               output_index=index, content_index=0, part=_copy(part)))
+        self._done(out, item)
+
+    def _close_calls(self, out: list[dict[str, Any]]) -> None:
+        for item in self._calls.values():
+            if item["status"] == "in_progress":
+                self._done(out, item)
+
+    def _done(self, out: list[dict[str, Any]], item: dict[str, Any]) -> None:
+        item["status"] = "completed"
+        index = self._index(item)
+        if item["type"] == "function_call":
+            out.append(self._event("response.function_call_arguments.done", item_id=item["id"],
+                                   output_index=index, name=item["name"],
+                                   arguments=item["arguments"]))
+        out.append(self._event("response.output_item.done", output_index=index,
+                               item=_copy(item)))
+
+
+def _copy(item: dict[str, Any]) -> dict[str, Any]:
+    """A snapshot of an item as it is now (later deltas must not change what was sent)."""
+    out = dict(item)
+    if "content" in out:
+        out["content"] = [dict(p) for p in out["content"]]
+    return out
