@@ -44,7 +44,7 @@ from gateway.openai_protocol import (
     usage_dict,
 )
 from gateway.orchestrator import Event, Finished, GenerationJob, TokenDelta, usage_totals
-from gateway.reasoning import ChatOutput
+from gateway.reasoning import ChatOutput, reasoning_token_count
 from gateway.responses_api import ResponsesRequest, ResponseWriter, responses_param
 from gateway.state import GatewayState
 from gateway.tools import (
@@ -297,6 +297,7 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
     num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     text_len: int = 0
     finished: Finished | None = None
     started: bool = False  # a delta of it was recorded (a stream echoes in the first)
@@ -393,6 +394,7 @@ class _View:
                 choice.text.append(event.text)
                 choice.logprobs.extend(event.logprobs)
                 choice.num_tokens += len(event.token_ids)
+                choice.token_ids.extend(event.token_ids)
         else:
             choice.finished = event
 
@@ -407,7 +409,13 @@ class _View:
             cached += c
             first += job.n
         completion = sum(c.num_tokens for c in self.choices.values())
-        return usage_dict(prompt, completion, cached)
+        usage = usage_dict(prompt, completion, cached)
+        if self.chat and self.state.config.reasoning_parser is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": sum(
+                reasoning_token_count(self.state.tokenizer, c.token_ids, out.splitter)
+                for i, c in self.choices.items()
+                if (out := self.outputs.get(i)) is not None and out.splitter is not None)}
+        return usage
 
     # -- non-stream
     def final(self) -> dict[str, Any]:

@@ -62,6 +62,7 @@ class ReasoningSplitter:
         self.reasoning_parts: list[str] = []
         self.content_parts: list[str] = []
         self.entered = opens  # whether any of the output is reasoning
+        self.closed = False   # whether its </think> came
 
     def feed(self, text: str) -> ReasoningDelta:
         out = ReasoningDelta()
@@ -85,6 +86,7 @@ class ReasoningSplitter:
                     break
                 self._reasoning(self._buf[:end], out)
                 self._mode, self._buf = "content", self._buf[end + len(END):]
+                self.closed = True
                 continue
             self._content(self._buf, out)
             self._buf = ""
@@ -115,6 +117,26 @@ class ReasoningSplitter:
     @property
     def reasoning(self) -> str | None:
         return "".join(self.reasoning_parts) if self.entered else None
+
+
+def reasoning_token_count(tokenizer: _Decoder, output_ids: Sequence[int],
+                          splitter: ReasoningSplitter) -> int:
+    """How many of a finished choice's output tokens are its reasoning (OpenAI's
+    `reasoning_tokens`): up to and including the token that completes `</think>` (the fewest
+    whose text holds it: containment only grows with the prefix), all of them when the block
+    never closed, none when there was none."""
+    if not splitter.entered:
+        return 0
+    if not splitter.closed:
+        return len(output_ids)
+    lo, hi = 1, len(output_ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if END in tokenizer.decode(list(output_ids[:mid]), skip_special_tokens=False):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 @dataclass(slots=True)

@@ -299,7 +299,8 @@ class ResponseWriter:
                    "input_tokens_details": {"cached_tokens": (usage.get(
                        "prompt_tokens_details") or {}).get("cached_tokens", 0)},
                    "output_tokens": usage["completion_tokens"],
-                   "output_tokens_details": {"reasoning_tokens": 0},
+                   "output_tokens_details": {"reasoning_tokens": (usage.get(
+                       "completion_tokens_details") or {}).get("reasoning_tokens", 0)},
                    "total_tokens": usage["total_tokens"]})
         kind = "response.incomplete" if incomplete else "response.completed"
         out.append(self._event(kind, response=self.response))

@@ -147,6 +147,23 @@ def test_message_carries_the_reasoning(gw: Harness) -> None:
     assert message.content == "Paris."
     assert message.reasoning == message.reasoning_content == "Capital of France: Paris.\n"
     assert resp.choices[0].finish_reason == "stop"
+    # reasoning_tokens: the output's first k tokens, the fewest whose text holds </think>.
+    assert resp.usage is not None and resp.usage.completion_tokens_details is not None
+    k = resp.usage.completion_tokens_details.reasoning_tokens
+    assert k is not None
+    tok = smollm2_tokenizer()
+    ids = tok.encode(SCRIPT, add_special_tokens=False)
+    assert 0 < k < len(ids) == resp.usage.completion_tokens
+    assert "</think>" in tok.decode(ids[:k]) and "</think>" not in tok.decode(ids[:k - 1])
+    off = _client(gw).chat.completions.create(
+        model=MODEL_NAME, messages=ASK, max_tokens=100,  # type: ignore[arg-type]
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off.usage is not None and off.usage.completion_tokens_details is not None
+    assert off.usage.completion_tokens_details.reasoning_tokens == 0
+    cut = _client(gw).chat.completions.create(model=MODEL_NAME, messages=ASK,  # type: ignore[arg-type]
+                                              max_tokens=3)  # cut short while thinking
+    assert cut.usage is not None and cut.usage.completion_tokens_details is not None
+    assert cut.usage.completion_tokens_details.reasoning_tokens == 3
 
 
 def test_stream_adds_up_to_the_message(gw: Harness) -> None:

@@ -128,6 +128,9 @@ def test_reasoning_and_a_function_call(thinking: Harness) -> None:
     call: Any = resp.output[2]
     assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Oslo"})
     assert call.call_id.startswith("call_") and call.status == "completed"
+    assert resp.usage is not None
+    think = resp.usage.output_tokens_details.reasoning_tokens
+    assert 0 < think < resp.usage.output_tokens  # the tokens up to </think>
     with client.responses.stream(model=MODEL_NAME, input="Weather in Oslo?", tools=[WEATHER],  # type: ignore[list-item]
                                  max_output_tokens=100) as stream:
         events = list(stream)
