@@ -29,7 +29,7 @@ async def chat_job(state: GatewayState, messages: list[dict[str, Any]], options:
     changes them, and the tool choice recorded on the job (metric, span attribute)."""
     if calling is not None:
         options = options | _tool_options(calling, options, state)
-    if state.config.reasoning_parser is not None and _special_text(state, REASONING_END):
+    if state.config.reasoning_parser is not None and state.is_special_text(REASONING_END):
         options = options | {"skip_special_tokens": False}  # the parser reads the tags
     ids = await state.preprocessor.encode_chat(
         messages, param, tools=calling.template_tools() if calling is not None else None,
@@ -52,15 +52,9 @@ def _tool_options(calling: ToolCalling, options: dict[str, Any], state: GatewayS
                                        "the output to tool calls; it cannot be combined with "
                                        "response_format or structured outputs")
         changes["structured_outputs"] = constraint
-    if calling.parser == "hermes" and _special_text(state, HermesOutput.START):
+    if calling.parser == "hermes" and state.is_special_text(HermesOutput.START):
         changes["skip_special_tokens"] = False
     return changes
-
-
-def _special_text(state: GatewayState, text: str) -> bool:
-    """Whether decoding that skips special tokens would drop `text`."""
-    tok = state.tokenizer
-    return tok.decode(tok.encode(text, add_special_tokens=False), skip_special_tokens=True) != text
 
 
 def chat_outputs(state: GatewayState, job: GenerationJob, calling: ToolCalling | None,

@@ -27,6 +27,17 @@ class GatewayState:
     token_texts: TokenTexts  # each token's text, for logprobs
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
+    _special: dict[str, bool] = field(default_factory=dict)
+
+    def is_special_text(self, text: str) -> bool:
+        """Whether decoding that skips special tokens drops `text` (a parser's tag the tokenizer
+        holds as a special token), found once per text."""
+        known = self._special.get(text)
+        if known is None:
+            tok = self.tokenizer
+            ids = tok.encode(text, add_special_tokens=False)
+            known = self._special[text] = tok.decode(ids, skip_special_tokens=True) != text
+        return known
 
     @classmethod
     def build(cls, config: GatewayConfig, tokenizer: TokenizerLike) -> GatewayState:

@@ -317,3 +317,15 @@ def test_grpc_reasoning_then_a_tool_call() -> None:
     assert [t for c in chunks for t in c.token_ids] == ids
     assert out[-1].complete.finish_reason == common_pb2.FINISH_REASON_TOOL_CALLS
     assert rest.finish_reason == "tool_calls"
+
+
+def test_parser_tags_that_are_special_tokens_are_found() -> None:
+    """A parser's tag the tokenizer holds as a special token would vanish from the text: the
+    gateway then decodes with special tokens (found once per tag and gateway)."""
+    from gateway.state import GatewayState
+
+    config = GatewayConfig(prefill_addresses=("127.0.0.1:1",), decode_addresses=("127.0.0.1:2",))
+    state = GatewayState.build(config, smollm2_tokenizer())
+    assert state.is_special_text("<|im_start|>")  # SmolLM2's control token
+    assert not state.is_special_text("</think>") and not state.is_special_text("<tool_call>")
+    assert state.is_special_text("<|im_start|>")  # the remembered answer
