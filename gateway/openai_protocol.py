@@ -176,6 +176,10 @@ class ChatMessageIn(_Open):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None             # a tool message: the call it answers
+    # An assistant's earlier reasoning, as vLLM (`reasoning`) and SGLang (`reasoning_content`)
+    # take it back; the template decides whether to show it (Qwen3's keeps the last turn's).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 # Template variables the renderer sets itself: `chat_template_kwargs` may not replace them.
@@ -289,7 +293,8 @@ def _is_token_id(t: Any) -> bool:
 def chat_messages(messages: Sequence[ChatMessageIn]) -> list[dict[str, Any]]:
     """Messages as `{role, content: str}` for the chat template (text parts joined), with an
     assistant's `tool_calls` (their arguments as objects, as transformers' templates take them)
-    and a tool message's `tool_call_id` and `name`."""
+    and reasoning (as `reasoning_content`, the name templates read, and `reasoning`), and a tool
+    message's `tool_call_id` and `name`."""
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         message: dict[str, Any] = {"role": m.role, "content": _message_text(m, i)}
@@ -303,6 +308,13 @@ def chat_messages(messages: Sequence[ChatMessageIn]) -> list[dict[str, Any]]:
         for key in ("tool_call_id", "name"):
             if getattr(m, key) is not None:
                 message[key] = getattr(m, key)
+        reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if reasoning is not None:
+            if m.role != "assistant":
+                raise GatewayError.invalid(f"messages.{i}.reasoning_content",
+                                           f"messages.{i}: only assistant messages carry "
+                                           f"reasoning (role {m.role!r})")
+            message["reasoning_content"] = message["reasoning"] = reasoning
         out.append(message)
     return out
 

@@ -2,8 +2,9 @@
 
 A request becomes a chat completion request (`ResponsesRequest.chat_body`): `instructions` a
 system message, `input` (a string, or items: messages with text parts, earlier
-`function_call`s and their `function_call_output`s; `reasoning` items are not shown to the
-template, as chat templates drop earlier reasoning), `max_output_tokens`, function `tools` and
+`function_call`s and their `function_call_output`s; a `reasoning` item's text goes with the
+assistant turn after it as `reasoning_content`, for the template to show or drop),
+`max_output_tokens`, function `tools` and
 `tool_choice`, `text.format` as `response_format`, and vLLM's `chat_template_kwargs`. The chat
 path's parsers (reasoning, tool calls) then shape the output, which `ResponseWriter` turns into
 output items — a `reasoning` item, a `message` with one `output_text` part, `function_call`
@@ -98,8 +99,9 @@ class ResponsesRequest(_Open):
         if isinstance(self.input, str):
             messages.append({"role": "user", "content": self.input})
         else:
+            turns = _Turns(messages)
             for i, item in enumerate(self.input):
-                _add_item(messages, item, f"input.{i}")
+                turns.add(item, f"input.{i}")
         body: dict[str, Any] = {"model": self.model, "messages": messages}
         for ours, chat in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"),
                            ("top_p", "top_p"), ("parallel_tool_calls", "parallel_tool_calls"),
@@ -143,36 +145,55 @@ def _text_of(content: Any, param: str) -> str:
     return "".join(texts)
 
 
-def _add_item(messages: list[dict[str, Any]], item: Any, param: str) -> None:
-    """One input item → the chat messages it stands for."""
-    if not isinstance(item, dict):
-        raise GatewayError.invalid(param, f"{param} must be an object")
-    kind = item.get("type", "message" if "role" in item else None)
-    if kind == "message":
-        role = item.get("role")
-        if role not in ("user", "system", "developer", "assistant"):
-            raise GatewayError.invalid(f"{param}.role", f"{param}.role must be user, system, "
-                                       f"developer or assistant (got {role!r})")
-        messages.append({"role": "system" if role == "developer" else role,
-                         "content": _text_of(item.get("content"), f"{param}.content")})
-    elif kind == "function_call":
-        call = {"id": item.get("call_id"), "type": "function",
-                "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
-        last = messages[-1] if messages else None
-        if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
-            last["tool_calls"].append(call)  # parallel calls: one assistant turn
+class _Turns:
+    """Input items → chat messages. A `reasoning` item's text goes with the assistant turn right
+    after it (`reasoning_content`; the template decides whether to show it) and is dropped
+    before anything else."""
+
+    def __init__(self, messages: list[dict[str, Any]]) -> None:
+        self.messages = messages
+        self._reasoning: str | None = None
+
+    def add(self, item: Any, param: str) -> None:
+        if not isinstance(item, dict):
+            raise GatewayError.invalid(param, f"{param} must be an object")
+        kind = item.get("type", "message" if "role" in item else None)
+        reasoning, self._reasoning = self._reasoning, None
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise GatewayError.invalid(f"{param}.role", f"{param}.role must be user, "
+                                           f"system, developer or assistant (got {role!r})")
+            self._append({"role": "system" if role == "developer" else role,
+                          "content": _text_of(item.get("content"), f"{param}.content")},
+                         reasoning)
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            last = self.messages[-1] if self.messages else None
+            if (reasoning is None and last is not None and last["role"] == "assistant"
+                    and last.get("tool_calls")):
+                last["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                self._append({"role": "assistant", "content": None, "tool_calls": [call]},
+                             reasoning)
+        elif kind == "function_call_output":
+            self._append({"role": "tool", "tool_call_id": item.get("call_id"),
+                          "content": _text_of(item.get("output"), f"{param}.output")}, None)
+        elif kind == "reasoning":
+            parts = item.get("content") or []
+            self._reasoning = "".join(
+                p["text"] for p in parts if isinstance(p, dict)
+                and p.get("type") == "reasoning_text" and isinstance(p.get("text"), str))
         else:
-            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-    elif kind == "function_call_output":
-        output = item.get("output")
-        messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                         "content": _text_of(output, f"{param}.output")})
-    elif kind == "reasoning":
-        return  # earlier reasoning is not shown to the model (chat templates drop it)
-    else:
-        raise GatewayError.invalid(f"{param}.type", f"{param}: input items of type {kind!r} "
-                                   "are not supported (messages, function_call, "
-                                   "function_call_output, reasoning)")
+            raise GatewayError.invalid(f"{param}.type", f"{param}: input items of type "
+                                       f"{kind!r} are not supported (messages, function_call, "
+                                       "function_call_output, reasoning)")
+
+    def _append(self, message: dict[str, Any], reasoning: str | None) -> None:
+        if reasoning and message["role"] == "assistant":
+            message["reasoning_content"] = reasoning
+        self.messages.append(message)
 
 
 def _chat_tool(tool: Any, param: str) -> dict[str, Any]:

@@ -18,7 +18,9 @@ from gateway_fakes import MODEL_NAME, Harness, Script, smollm2_tokenizer
 from openai import OpenAI
 
 ANSWER = "Paris is the capital of France."
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content %}{{ m.content }}"
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n"
+            "{% if m.reasoning_content %}[{{ m.reasoning_content }}]{% endif %}"
+            "{% if m.content %}{{ m.content }}"
             "{% endif %}{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }} "
             "{{ c.function.arguments | tojson }}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
             "{{ '<|im_start|>assistant\n' }}")
@@ -92,10 +94,12 @@ def test_max_output_tokens_makes_it_incomplete(gw: Harness) -> None:
 
 
 def test_input_items_reach_the_prompt(gw: Harness) -> None:
-    """Messages with text parts, an earlier call and its output; earlier reasoning is dropped."""
+    """Messages with text parts, an earlier call and its output; a reasoning item goes with the
+    assistant turn after it (this template shows it)."""
     items: Any = [
         {"role": "user", "content": [{"type": "input_text", "text": "Weather in Oslo?"}]},
-        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "Look it up."}]},
         {"type": "function_call", "call_id": "call_1", "name": "get_weather",
          "arguments": json.dumps({"city": "Oslo"})},
         {"type": "function_call_output", "call_id": "call_1", "output": "-3C, snow"},
@@ -104,7 +108,8 @@ def test_input_items_reach_the_prompt(gw: Harness) -> None:
                                  tool_choice="none", max_output_tokens=4)
     assert _prompt(gw) == (
         "<|im_start|>user\nWeather in Oslo?<|im_end|>\n"
-        '<|im_start|>assistant\n<tool_call>get_weather {"city": "Oslo"}</tool_call><|im_end|>\n'
+        '<|im_start|>assistant\n[Look it up.]<tool_call>get_weather {"city": "Oslo"}</tool_call>'
+        "<|im_end|>\n"
         "<|im_start|>tool\n-3C, snow<|im_end|>\n<|im_start|>system\nBe brief.<|im_end|>\n"
         "<|im_start|>assistant\n")
 

@@ -414,6 +414,16 @@ def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return chat_messages(ChatCompletionRequest.model_validate({"messages": messages}).messages)
 
 
+def test_earlier_reasoning_reaches_the_template() -> None:
+    """vLLM's `reasoning` and SGLang's `reasoning_content` on an assistant turn: the template
+    reads `reasoning_content` (Qwen3's shows the last turn's)."""
+    for key in ("reasoning", "reasoning_content"):
+        got = _messages([{"role": "user", "content": "q"},
+                         {"role": "assistant", "content": "a", key: "because"}])[1]
+        assert got["reasoning_content"] == got["reasoning"] == "because"
+    assert "reasoning_content" not in _messages([{"role": "assistant", "content": "a"}])[0]
+
+
 def test_messages_carry_calls_and_results() -> None:
     messages = _messages(CONVERSATION)
     assert messages[1]["content"] == ""
@@ -448,6 +458,8 @@ def test_template_without_tools_is_plain_chatml() -> None:
     ([{"role": "user", "content": "x", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}],
      "messages.0.tool_calls", "only assistant messages"),
+    ([{"role": "user", "content": "x", "reasoning": "hm"}], "messages.0.reasoning_content",
+     "only assistant messages carry reasoning"),
 ])
 def test_bad_messages_are_refused(messages: list[dict[str, Any]], param: str, words: str) -> None:
     with pytest.raises(GatewayError) as err:
