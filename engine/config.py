@@ -24,7 +24,8 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, SmolLM2).
+    """Architecture of a Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, Phi-3/Phi-4,
+    SmolLM2).
 
     Field names follow Hugging Face `config.json` so `from_hf_dict` is a thin mapping.
     """
@@ -58,6 +59,7 @@ class ModelConfig:
         "MistralForCausalLM",
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
+        "Phi3ForCausalLM",
     )
 
     @property
@@ -90,6 +92,13 @@ class ModelConfig:
             if rp.get("rope_type", "default") != "default":
                 rs = {k: v for k, v in rp.items() if k != "rope_theta"}
         rope_scaling = tuple(sorted(rs.items())) if isinstance(rs, dict) else None
+        partial = (rp if isinstance(rp, dict) else d).get("partial_rotary_factor") or 1.0
+        if float(partial) != 1.0:  # Phi-4-mini rotates 3/4 of each head
+            raise ConfigError(f"config.json: partial_rotary_factor {partial} is not supported "
+                              "(every head dimension is rotated)")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"config.json: hidden_act {d['hidden_act']!r} is not supported "
+                              "(the MLP is SiLU-gated)")
         is_qwen2 = arch == "Qwen2ForCausalLM"
         cfg = cls(
             architecture=arch,
@@ -122,7 +131,8 @@ class ModelConfig:
         d: dict[str, Any] = {
             "architectures": [self.architecture],
             "model_type": {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                           "MistralForCausalLM": "mistral"}.get(self.architecture, "llama"),
+                           "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3"}.get(
+                               self.architecture, "llama"),
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -152,6 +162,12 @@ class ModelConfig:
             raise ConfigError(f"head_dim must be a positive even integer, got {self.head_dim}")
         if self.qk_norm != (self.architecture == "Qwen3ForCausalLM"):
             raise ConfigError(f"qk_norm is Qwen3's (architecture {self.architecture!r})")
+
+    @property
+    def fused_checkpoint(self) -> bool:
+        """Whether checkpoints hold the fused `qkv_proj` and `gate_up_proj` (Phi-3) rather
+        than q/k/v and gate/up apart."""
+        return self.architecture == "Phi3ForCausalLM"
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)

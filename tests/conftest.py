@@ -1,6 +1,6 @@
 """Shared fixtures for the engine tests: tiny random Hugging Face model directories (Llama with
 plain RoPE, Llama with llama3 RoPE scaling and tied embeddings, Qwen2 with QKV bias, Qwen3 with
-q/k norms and a head_dim that is not hidden / heads), one
+q/k norms and a head_dim that is not hidden / heads, Phi-3 with fused checkpoint weights), one
 session-wide SmolLM2 engine, and a scheduler-level driver that records every position's logits.
 
 The tiny models are written with transformers' `save_pretrained(safe_serialization=True)`, so
@@ -21,6 +21,8 @@ import torch
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -45,7 +47,7 @@ TINY_ARCH: dict[str, Any] = dict(
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
-TINY_MODELS = ("llama", "llama3", "qwen2", "qwen3")
+TINY_MODELS = ("llama", "llama3", "qwen2", "qwen3", "phi3")
 
 
 def _randomize(model: PreTrainedModel, seed: int) -> None:
@@ -77,6 +79,8 @@ def _build(name: str) -> PreTrainedModel:
         rope["rope_theta"] = 1e6  # head_dim 32: 4 heads x 32 = 128 query features, hidden 64
         return Qwen3ForCausalLM(Qwen3Config(**TINY_ARCH, **rope, head_dim=32,
                                             tie_word_embeddings=True))
+    if name == "phi3":
+        return Phi3ForCausalLM(Phi3Config(**TINY_ARCH, **rope, tie_word_embeddings=False))
     raise ValueError(f"unknown tiny model {name!r}")
 
 
@@ -100,8 +104,8 @@ def hf_reference(tiny_model_dirs: dict[str, Path]) -> Callable[[str], PreTrained
 
     def get(name: str) -> PreTrainedModel:
         if name not in cache:
-            cls = {"qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}.get(name,
-                                                                          LlamaForCausalLM)
+            cls = {"qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
+                   "phi3": Phi3ForCausalLM}.get(name, LlamaForCausalLM)
             model = cls.from_pretrained(tiny_model_dirs[name], attn_implementation="eager",
                                         dtype=torch.float32)
             cache[name] = model.eval()

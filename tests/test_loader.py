@@ -127,6 +127,34 @@ def test_hf_qwen2_bias_and_tied(tiny_qwen2: tuple) -> None:
     assert c.rope_theta == 1e6 and c.rope_scaling is None
 
 
+@pytest.mark.parametrize(("change", "words"), [
+    ({"partial_rotary_factor": 0.75}, "partial_rotary_factor"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                          "partial_rotary_factor": 0.75}}, "partial_rotary_factor"),
+    ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act"),
+])
+def test_unsupported_variants_are_refused_by_name(change: dict[str, Any], words: str) -> None:
+    """Phi-4-mini's partial rotary and a non-SiLU MLP would load and compute something else:
+    refused when the config is read."""
+    from engine.config import ConfigError, ModelConfig
+
+    base = {"architectures": ["Phi3ForCausalLM"], **TINY}
+    ModelConfig.from_hf_dict(base)  # the plain one loads
+    with pytest.raises(ConfigError, match=words):
+        ModelConfig.from_hf_dict({**base, **change})
+
+
+def test_phi3_checkpoint_names_are_the_fused_ones() -> None:
+    from engine.config import ModelConfig
+    from engine.loader.source import expected_weight_names
+
+    names = expected_weight_names(ModelConfig.from_hf_dict(
+        {"architectures": ["Phi3ForCausalLM"], **TINY}))
+    assert "model.layers.1.self_attn.qkv_proj.weight" in names
+    assert "model.layers.1.mlp.gate_up_proj.weight" in names
+    assert not any(".q_proj." in n or ".gate_proj." in n for n in names)
+
+
 def test_hf_qwen3_norms_and_head_dim(tiny_qwen3: tuple) -> None:
     model, path = tiny_qwen3
     source = load_model_source(LoadConfig(model=str(path)))
@@ -435,6 +463,11 @@ def test_dummy_presets() -> None:
         32, 8, 128, 151936)
     c = load_model_source(LoadConfig(model="dummy:qwen3-0.6b")).config
     assert (c.hidden_size, c.num_attention_heads, c.head_dim) == (1024, 16, 128)  # 2048 q features
+
+    c = load_model_source(LoadConfig(model="dummy:phi-4")).config
+    assert c.architecture == "Phi3ForCausalLM" and c.fused_checkpoint and not c.qk_norm
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.head_dim) == (
+        5120, 40, 40, 128)
 
     c = load_model_source(LoadConfig(model="dummy:tiny")).config
     assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (64, 128, 2)

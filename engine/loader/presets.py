@@ -104,6 +104,23 @@ PRESETS: dict[str, dict[str, Any]] = {
         "eos_token_id": [151645, 151643],
         "torch_dtype": "bfloat16",
     },
+    # Phi-4 (14B): Phi3ForCausalLM, checkpoints with fused qkv_proj and gate_up_proj.
+    "phi-4": {
+        "architectures": ["Phi3ForCausalLM"],
+        "hidden_size": 5120,
+        "intermediate_size": 17920,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 10,
+        "vocab_size": 100352,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 250000.0,
+        "max_position_embeddings": 16384,
+        "tie_word_embeddings": False,
+        "bos_token_id": 100257,
+        "eos_token_id": 100265,
+        "torch_dtype": "bfloat16",
+    },
     "tiny": {
         "architectures": ["LlamaForCausalLM"],
         "hidden_size": 64,

@@ -39,13 +39,17 @@ def expected_weight_names(config: ModelConfig) -> list[str]:
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        attn = ("qkv_proj", "o_proj") if config.fused_checkpoint else (
+            "q_proj", "k_proj", "v_proj", "o_proj")
+        for proj in attn:
             names.append(f"{p}self_attn.{proj}.weight")
         if config.attention_bias:
             names += [f"{p}self_attn.{proj}.bias" for proj in ("q_proj", "k_proj", "v_proj")]
         if config.qk_norm:
             names += [f"{p}self_attn.q_norm.weight", f"{p}self_attn.k_norm.weight"]
-        for proj in ("gate_proj", "up_proj", "down_proj"):
+        mlp = ("gate_up_proj", "down_proj") if config.fused_checkpoint else (
+            "gate_proj", "up_proj", "down_proj")
+        for proj in mlp:
             names.append(f"{p}mlp.{proj}.weight")
             if config.mlp_bias:
                 names.append(f"{p}mlp.{proj}.bias")

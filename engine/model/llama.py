@@ -1,5 +1,5 @@
 """Llama-family decoder over a paged KV cache: Llama 2/3/3.1, Mistral, Qwen2 (QKV bias), Qwen3
-(RMSNorm over each head of q and k), SmolLM2.
+(RMSNorm over each head of q and k), Phi-3/Phi-4 (checkpoints already fused), SmolLM2.
 
 Input is one flattened varlen batch (`input_ids: [T]`, `positions: [T]`); attention reads the
 step's metadata and KV cache from the forward context. QKV and gate/up projections are fused;
@@ -268,10 +268,11 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the (fused) parameters; checks completeness."""
         params = dict(self.named_parameters())
+        stacked = () if self.config.fused_checkpoint else self._STACKED
         expected: set[str] = set()
         for name in params:
             matched = False
-            for fused, hf, _ in self._STACKED:
+            for fused, hf, _ in stacked:
                 if f".{fused}." in name:
                     expected.add(name.replace(fused, hf))
                     matched = True
@@ -286,7 +287,7 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied embeddings: some checkpoints still ship a copy
             target, rows = name, None
-            for fused, hf, shard in self._STACKED:
+            for fused, hf, shard in stacked:
                 if f".{hf}." in name:
                     target = name.replace(hf, fused)
                     rows = self._shard_range(fused, shard)
