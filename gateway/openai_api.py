@@ -298,6 +298,7 @@ class _Choice:
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
     num_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
+    delta_sizes: list[int] = field(default_factory=list)  # tokens of each delta in `text`
     text_len: int = 0
     finished: Finished | None = None
     started: bool = False  # a delta of it was recorded (a stream echoes in the first)
@@ -395,6 +396,7 @@ class _View:
                 choice.logprobs.extend(event.logprobs)
                 choice.num_tokens += len(event.token_ids)
                 choice.token_ids.extend(event.token_ids)
+                choice.delta_sizes.append(len(event.token_ids))
         else:
             choice.finished = event
 
@@ -412,7 +414,8 @@ class _View:
         usage = usage_dict(prompt, completion, cached)
         if self.chat and self.state.config.reasoning_parser is not None:
             usage["completion_tokens_details"] = {"reasoning_tokens": sum(
-                reasoning_token_count(self.state.tokenizer, c.token_ids, out.splitter)
+                reasoning_token_count(self.state.tokenizer, c.token_ids, c.text, c.delta_sizes,
+                                      out.splitter)
                 for i, c in self.choices.items()
                 if (out := self.outputs.get(i)) is not None and out.splitter is not None)}
         return usage

@@ -329,3 +329,23 @@ def test_parser_tags_that_are_special_tokens_are_found() -> None:
     assert state.is_special_text("<|im_start|>")  # SmolLM2's control token
     assert not state.is_special_text("</think>") and not state.is_special_text("<tool_call>")
     assert state.is_special_text("<|im_start|>")  # the remembered answer
+
+
+def test_reasoning_tokens_whatever_the_deltas() -> None:
+    """Deltas of several tokens (a spec-decoding burst, text held back for a stop string): the
+    count is the same as with one token a delta — the fewest tokens whose text holds </think>."""
+    from gateway.reasoning import reasoning_token_count
+
+    tok = smollm2_tokenizer()
+    ids = tok.encode("<think>Let me think: 2 + 2 = 4.</think>\n\nIt is 4.", add_special_tokens=False)
+    want = next(k for k in range(1, len(ids) + 1) if "</think>" in tok.decode(ids[:k]))
+    assert 1 < want < len(ids)
+    for size in range(1, 6):
+        groups = [ids[i:i + size] for i in range(0, len(ids), size)]
+        splitter = ReasoningSplitter("qwen3", prompt_opens=False)
+        texts = [tok.decode(g) for g in groups]
+        for t in texts:
+            splitter.feed(t)
+        splitter.finish()
+        got = reasoning_token_count(tok, ids, texts, [len(g) for g in groups], splitter)
+        assert got == want, size
