@@ -415,7 +415,7 @@ class _View:
         if self.chat and self.state.config.reasoning_parser is not None:
             usage["completion_tokens_details"] = {"reasoning_tokens": sum(
                 reasoning_token_count(self.state.tokenizer, c.token_ids, c.text, c.delta_sizes,
-                                      out.splitter)
+                                      out.splitter, held_back=bool(self.jobs[0].stop))
                 for i, c in self.choices.items()
                 if (out := self.outputs.get(i)) is not None and out.splitter is not None)}
         return usage

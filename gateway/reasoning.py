@@ -120,33 +120,38 @@ class ReasoningSplitter:
 
 
 def reasoning_token_count(tokenizer: _Decoder, output_ids: Sequence[int], texts: Sequence[str],
-                          sizes: Sequence[int], splitter: ReasoningSplitter) -> int:
+                          sizes: Sequence[int], splitter: ReasoningSplitter,
+                          held_back: bool = False) -> int:
     """How many of a finished choice's output tokens are its reasoning (OpenAI's
     `reasoning_tokens`): up to and including the token that completes the first `</think>`, all
     of them when the block never closed, none when there was none. `texts` and `sizes`: the
-    output's text deltas and the tokens each came with; the delta whose text completes the tag
-    settles it, and only when it brought several tokens are prefixes of the output decoded to
-    find which (a few decodes, not one per token)."""
+    output's text deltas and the tokens each came with. Each token's text comes with it (ASCII
+    tags are never held as part of a character), so the delta whose text completes the tag
+    holds that token: only a delta of several tokens decodes a few prefixes to find which.
+    `held_back`: the detokenizer may have held text back for a stop string, so any earlier
+    token may be the one (the whole output is searched: log2(n) decodes)."""
     if not splitter.entered:
         return 0
     end = "".join(texts).find(END)
     if not splitter.closed or end < 0:
         return len(output_ids)
     end += len(END)
-    seen_text = seen_tokens = 0
-    for text, n in zip(texts, sizes, strict=True):
-        if seen_text + len(text) >= end:
-            lo, hi = seen_tokens + 1, seen_tokens + n
-            while lo < hi:  # containment only grows with the prefix
-                mid = (lo + hi) // 2
-                if END in tokenizer.decode(list(output_ids[:mid]), skip_special_tokens=False):
-                    hi = mid
-                else:
-                    lo = mid + 1
-            return max(lo, seen_tokens)
-        seen_text += len(text)
-        seen_tokens += n
-    return len(output_ids)
+    lo, hi = 1, len(output_ids)
+    if not held_back:
+        seen_text = seen_tokens = 0
+        for text, n in zip(texts, sizes, strict=True):
+            if seen_text + len(text) >= end:
+                lo, hi = seen_tokens + 1, seen_tokens + n
+                break
+            seen_text += len(text)
+            seen_tokens += n
+    while lo < hi:  # containment only grows with the prefix
+        mid = (lo + hi) // 2
+        if END in tokenizer.decode(list(output_ids[:mid]), skip_special_tokens=False):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 @dataclass(slots=True)
