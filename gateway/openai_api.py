@@ -558,17 +558,27 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-async def _stream(view: _View, request: Request) -> Response:
-    """SSE. The first event is awaited before answering, so early failures get a real status."""
-    del request  # Starlette's StreamingResponse cancels the body iterator on disconnect
+async def _started(view: _View) -> tuple[Event, AsyncGenerator[Event, None]]:
+    """The view's events with the first one awaited, so an early failure gets a real status."""
     events = view.state.orchestrator.generate_batch(view.jobs)
     try:
-        first = await anext(events)
+        return await anext(events), events
     except BaseException:
         await events.aclose()
         raise
-    return StreamingResponse(_sse(view, first, events), media_type="text/event-stream",
+
+
+def _event_stream(body: AsyncIterator[str]) -> StreamingResponse:
+    # Starlette's StreamingResponse cancels the body iterator on a client disconnect.
+    return StreamingResponse(body, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
+
+
+async def _stream(view: _View, request: Request) -> Response:
+    """SSE of chat or completion chunks, ending `[DONE]`."""
+    del request
+    first, events = await _started(view)
+    return _event_stream(_sse(view, first, events))
 
 
 async def _sse(view: _View, first: Event, events: AsyncGenerator[Event, None]) -> AsyncIterator[str]:
@@ -594,16 +604,9 @@ async def _sse(view: _View, first: Event, events: AsyncGenerator[Event, None]) -
 
 
 async def _stream_response(view: _View, writer: ResponseWriter) -> Response:
-    """The Responses API's SSE stream (typed events, no [DONE]); the first engine event is
-    awaited before answering, as for chat."""
-    events = view.state.orchestrator.generate_batch(view.jobs)
-    try:
-        first = await anext(events)
-    except BaseException:
-        await events.aclose()
-        raise
-    return StreamingResponse(_response_events(view, writer, first, events),
-                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    """The Responses API's SSE stream: typed events, no [DONE]."""
+    first, events = await _started(view)
+    return _event_stream(_response_events(view, writer, first, events))
 
 
 async def _response_events(view: _View, writer: ResponseWriter, first: Event,
