@@ -32,8 +32,6 @@ from bench.probe_accuracy import compare
 from bench.results import git_info
 
 PROMPT_LENS = (7, 64, 300, 1000)
-HF_CLASSES = {"LlamaForCausalLM": "LlamaForCausalLM", "Qwen2ForCausalLM": "Qwen2ForCausalLM",
-              "Qwen3ForCausalLM": "Qwen3ForCausalLM", "MistralForCausalLM": "MistralForCausalLM"}
 
 
 def build_hf(preset: str, layers: int, path: Path) -> dict[str, Any]:
@@ -48,7 +46,7 @@ def build_hf(preset: str, layers: int, path: Path) -> dict[str, Any]:
     cfg.pop("torch_dtype", None)
     arch = cfg["architectures"][0]
     config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
-    model = getattr(transformers, HF_CLASSES[arch])(config_cls(**cfg))
+    model = getattr(transformers, arch)(config_cls(**cfg))  # the preset's own class
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
