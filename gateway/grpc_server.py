@@ -68,7 +68,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             outputs = chat_outputs(self._state, job, calling, job.n, incremental=True)
         try:
             async for event in self._state.orchestrator.generate(job):
-                for response in _responses(event, outputs.get(event.index)):
+                output = outputs.get(event.index)
+                if output is None:
+                    yield _plain(event)
+                    continue
+                for response in _parsed(event, output):
+                    if response.HasField("complete") and output.splitter is not None:
+                        response.complete.usage.reasoning_tokens = output.reasoning_tokens(
+                            self._state.tokenizer, held_back=bool(job.stop))
                     yield response
         except GatewayError as err:
             yield gateway_pb2.GenerateResponse(
@@ -136,26 +143,32 @@ def _sampling_options(request: gateway_pb2.GenerateRequest) -> dict[str, object]
     }
 
 
-def _responses(event: TokenDelta | Finished, output: ChatOutput | None
-               ) -> Iterator[gateway_pb2.GenerateResponse]:
-    """The responses of one event; with `output` (the completion's parsers), the chunks' text is
-    its content, and the reasoning and the calls come as their own deltas."""
+def _plain(event: TokenDelta | Finished) -> gateway_pb2.GenerateResponse:
+    """The response of one event as the engine produced it."""
     if isinstance(event, TokenDelta):
-        if output is None:
-            yield _chunk(event, event.text)
-        else:
-            delta = output.feed(event.text)
-            yield _chunk(event, delta.content, delta.reasoning, call_deltas(delta.calls))
+        return _chunk(event, event.text)
+    return _complete(event, event.finish_reason)
+
+
+def _parsed(event: TokenDelta | Finished, output: ChatOutput
+            ) -> Iterator[gateway_pb2.GenerateResponse]:
+    """The responses of one event through the completion's parsers: the chunks' text is its
+    content, and the reasoning and the calls come as their own deltas; what the end settles
+    comes in a last chunk."""
+    if isinstance(event, TokenDelta):
+        delta = output.feed(event.text, event.token_ids)
+        yield _chunk(event, delta.content, delta.reasoning, call_deltas(delta.calls))
         return
-    reason = event.finish_reason
-    if output is not None:
-        delta = output.finish()
-        if delta:
-            yield gateway_pb2.GenerateResponse(chunk=gateway_pb2.GenerateChunk(
-                index=event.index, text=delta.content, reasoning=delta.reasoning,
-                tool_calls=call_deltas(delta.calls)))
-        reason = chat_finish_reason(reason, output) or reason
-    yield gateway_pb2.GenerateResponse(complete=gateway_pb2.GenerateComplete(
+    delta = output.finish()
+    if delta:
+        yield gateway_pb2.GenerateResponse(chunk=gateway_pb2.GenerateChunk(
+            index=event.index, text=delta.content, reasoning=delta.reasoning,
+            tool_calls=call_deltas(delta.calls)))
+    yield _complete(event, chat_finish_reason(event.finish_reason, output) or event.finish_reason)
+
+
+def _complete(event: Finished, reason: str) -> gateway_pb2.GenerateResponse:
+    return gateway_pb2.GenerateResponse(complete=gateway_pb2.GenerateComplete(
         index=event.index, finish_reason=_FINISH_ENUM[reason],
         usage=common_pb2.Usage(prompt_tokens=event.num_prompt_tokens,
                                completion_tokens=event.num_output_tokens,

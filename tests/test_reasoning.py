@@ -239,8 +239,9 @@ GRPC_ASK = {"chat": _chat(ASK), "sampling": common_pb2.SamplingParams(max_tokens
 def test_grpc_deltas_add_up_to_the_rest_message(gw: Harness) -> None:
     """The same request over both front doors: gRPC's `reasoning` and `text` deltas join into
     REST's message, streamed as the tokens come; the token ids stay the model's."""
-    rest: Any = _client(gw).chat.completions.create(model=MODEL_NAME, messages=ASK,  # type: ignore[arg-type]
-                                                    max_tokens=100).choices[0].message
+    resp: Any = _client(gw).chat.completions.create(model=MODEL_NAME, messages=ASK,  # type: ignore[arg-type]
+                                                    max_tokens=100)
+    rest = resp.choices[0].message
     out = _grpc(gw, **GRPC_ASK)
     chunks = _chunks(out)
     assert "".join(c.reasoning for c in chunks) == rest.reasoning == "Capital of France: Paris.\n"
@@ -249,6 +250,10 @@ def test_grpc_deltas_add_up_to_the_rest_message(gw: Harness) -> None:
     assert sum(bool(c.reasoning) for c in chunks) > 4  # token by token, not at the end
     assert not any(c.reasoning and c.text for c in chunks)  # "</think>" itself is neither
     assert out[-1].complete.finish_reason == common_pb2.FINISH_REASON_STOP
+    usage = out[-1].complete.usage
+    assert usage.reasoning_tokens == resp.usage.completion_tokens_details.reasoning_tokens > 0
+    plain = _grpc(gw, **GRPC_ASK, chat_template_kwargs=_kwargs({"enable_thinking": False}))
+    assert plain[-1].complete.usage.reasoning_tokens == 0
 
 
 def test_grpc_chat_template_kwargs_reach_the_template(gw: Harness) -> None:
