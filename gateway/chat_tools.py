@@ -64,7 +64,11 @@ def chat_outputs(state: GatewayState, job: GenerationJob, calling: ToolCalling |
     with a tool choice other than none parse the rest (`incremental`: `auto` calls' arguments as
     the model writes them, for streams). Empty when neither applies: the text is all content."""
     tools = calling if calling is not None and calling.mode != "none" else None
-    parser = state.config.reasoning_parser
+    # A constrained output (structured outputs, a named or required tool choice) is in the
+    # constraint's language from its first token: the model does not think, and nothing of it
+    # is reasoning, even where the prompt left a <think> open.
+    constrained = job.sampling.HasField("structured_outputs")
+    parser = None if constrained else state.config.reasoning_parser
     if tools is None and parser is None:
         return {}
     opens = parser is not None and prompt_opens_reasoning(state.tokenizer, job.prompt_token_ids)

@@ -196,6 +196,18 @@ def test_chat_template_kwargs_reach_the_template(gw: Harness) -> None:
         assert tok.decode(ids, skip_special_tokens=False).endswith("assistant\n" + tail)
 
 
+def test_a_constrained_output_is_all_content(gw: Harness) -> None:
+    """Structured outputs constrain from the first token, so the model does not think: with the
+    prompt's <think> left open, the output is still content (the fake workers play the script
+    whatever the constraint)."""
+    resp = _client(gw).chat.completions.create(model=MODEL_NAME, messages=ASK,  # type: ignore[arg-type]
+                                               max_tokens=100,
+                                               response_format={"type": "json_object"})
+    message: Any = resp.choices[0].message
+    assert getattr(message, "reasoning", None) is None and message.content == SCRIPT
+    assert gw.prefill[0].prefill_requests[-1].sampling.structured_outputs.json_object
+
+
 @pytest.mark.parametrize(("kwargs", "words"), [
     ({"messages": []}, "set by the server"),
     ({"add_generation_prompt": False}, "set by the server"),
