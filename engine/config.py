@@ -92,10 +92,11 @@ class ModelConfig:
             if rp.get("rope_type", "default") != "default":
                 rs = {k: v for k, v in rp.items() if k != "rope_theta"}
         rope_scaling = tuple(sorted(rs.items())) if isinstance(rs, dict) else None
-        partial = (rp if isinstance(rp, dict) else d).get("partial_rotary_factor") or 1.0
-        if float(partial) != 1.0:  # Phi-4-mini rotates 3/4 of each head
-            raise ConfigError(f"config.json: partial_rotary_factor {partial} is not supported "
-                              "(every head dimension is rotated)")
+        for partial in (d.get("partial_rotary_factor"),
+                        rp.get("partial_rotary_factor") if isinstance(rp, dict) else None):
+            if partial is not None and float(partial) != 1.0:  # Phi-4-mini rotates 3/4
+                raise ConfigError(f"config.json: partial_rotary_factor {partial} is not "
+                                  "supported (every head dimension is rotated)")
         if d.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"config.json: hidden_act {d['hidden_act']!r} is not supported "
                               "(the MLP is SiLU-gated)")

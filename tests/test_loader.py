@@ -131,6 +131,9 @@ def test_hf_qwen2_bias_and_tied(tiny_qwen2: tuple) -> None:
     ({"partial_rotary_factor": 0.75}, "partial_rotary_factor"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
                           "partial_rotary_factor": 0.75}}, "partial_rotary_factor"),
+    ({"partial_rotary_factor": 0.75, "rope_parameters": {"rope_type": "default",
+                                                          "rope_theta": 1e4}},
+     "partial_rotary_factor"),
     ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act"),
 ])
 def test_unsupported_variants_are_refused_by_name(change: dict[str, Any], words: str) -> None:
