@@ -11,6 +11,7 @@ message, the template variables as a Struct, checked as REST's, and reasoning wi
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -342,7 +343,11 @@ def test_parser_tags_that_are_special_tokens_are_found() -> None:
     from gateway.state import GatewayState
 
     config = GatewayConfig(prefill_addresses=("127.0.0.1:1",), decode_addresses=("127.0.0.1:2",))
-    state = GatewayState.build(config, smollm2_tokenizer())
+
+    async def build() -> GatewayState:  # its router's channels belong to an event loop
+        return GatewayState.build(config, smollm2_tokenizer())
+
+    state = asyncio.run(build())
     assert state.is_special_text("<|im_start|>")  # SmolLM2's control token
     assert not state.is_special_text("</think>") and not state.is_special_text("<tool_call>")
     assert state.is_special_text("<|im_start|>")  # the remembered answer
