@@ -156,7 +156,8 @@ def _parsed(event: TokenDelta | Finished, output: ChatOutput
     content, and the reasoning and the calls come as their own deltas; what the end settles
     comes in a last chunk."""
     if isinstance(event, TokenDelta):
-        delta = output.feed(event.text, event.token_ids)
+        output.note(event.text, event.token_ids)
+        delta = output.feed(event.text)
         yield _chunk(event, delta.content, delta.reasoning, call_deltas(delta.calls))
         return
     delta = output.finish()

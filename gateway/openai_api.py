@@ -44,7 +44,7 @@ from gateway.openai_protocol import (
     usage_dict,
 )
 from gateway.orchestrator import Event, Finished, GenerationJob, TokenDelta, usage_totals
-from gateway.reasoning import ChatOutput, reasoning_token_count
+from gateway.reasoning import ChatOutput
 from gateway.responses_api import ResponsesRequest, ResponseWriter, responses_param
 from gateway.state import GatewayState
 from gateway.tools import (
@@ -297,8 +297,6 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
     num_tokens: int = 0
-    token_ids: list[int] = field(default_factory=list)
-    delta_sizes: list[int] = field(default_factory=list)  # tokens of each delta in `text`
     text_len: int = 0
     finished: Finished | None = None
     started: bool = False  # a delta of it was recorded (a stream echoes in the first)
@@ -395,8 +393,9 @@ class _View:
                 choice.text.append(event.text)
                 choice.logprobs.extend(event.logprobs)
                 choice.num_tokens += len(event.token_ids)
-                choice.token_ids.extend(event.token_ids)
-                choice.delta_sizes.append(len(event.token_ids))
+                output = self.outputs.get(event.index)
+                if output is not None:
+                    output.note(event.text, event.token_ids)
         else:
             choice.finished = event
 
@@ -413,11 +412,10 @@ class _View:
         completion = sum(c.num_tokens for c in self.choices.values())
         usage = usage_dict(prompt, completion, cached)
         if self.chat and self.state.config.reasoning_parser is not None:
+            held_back = bool(self.jobs[0].stop)  # a stop string may hold text back
             usage["completion_tokens_details"] = {"reasoning_tokens": sum(
-                reasoning_token_count(self.state.tokenizer, c.token_ids, c.text, c.delta_sizes,
-                                      out.splitter, held_back=bool(self.jobs[0].stop))
-                for i, c in self.choices.items()
-                if (out := self.outputs.get(i)) is not None and out.splitter is not None)}
+                out.reasoning_tokens(self.state.tokenizer, held_back)
+                for out in self.outputs.values())}
         return usage
 
     # -- non-stream

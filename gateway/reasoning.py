@@ -175,22 +175,25 @@ class ChatOutput:
         self.splitter = reasoning
         self.tools = tools
         self._content: list[str] = []
-        # The tokens behind each fed text (when given), for `reasoning_tokens`.
+        # The output's text deltas and their tokens (`note`), for `reasoning_tokens`.
         self._ids: list[int] = []
         self._texts: list[str] = []
         self._sizes: list[int] = []
 
-    def feed(self, text: str, token_ids: Sequence[int] | None = None) -> ChatDelta:
-        """One text delta (with the tokens it came with, to count reasoning tokens)."""
-        if token_ids is not None:
+    def note(self, text: str, token_ids: Sequence[int]) -> None:
+        """One of the output's deltas as the engine sent it (kept only with a reasoning parser,
+        to count reasoning tokens; parsing is `feed`'s, which may take the text whole)."""
+        if self.splitter is not None:
             self._ids.extend(token_ids)
             self._texts.append(text)
             self._sizes.append(len(token_ids))
+
+    def feed(self, text: str) -> ChatDelta:
         return self._through(self.splitter.feed(text) if self.splitter else
                              ReasoningDelta(content=text), finish=False)
 
     def reasoning_tokens(self, tokenizer: _Decoder, held_back: bool) -> int:
-        """`reasoning_token_count` over the tokens fed with their text (0 without a parser)."""
+        """`reasoning_token_count` over the noted deltas (0 without a parser)."""
         if self.splitter is None:
             return 0
         return reasoning_token_count(tokenizer, self._ids, self._texts, self._sizes,
