@@ -56,37 +56,27 @@ def build_hf(preset: str, layers: int, path: Path) -> dict[str, Any]:
     return cfg
 
 
-def hf_logits(path: Path, dtype: torch.dtype, device: str, seqs: list[list[int]]
-              ) -> list[torch.Tensor]:
+def hf_outputs(path: Path, dtype: torch.dtype, device: str, seqs: list[list[int]],
+               prompts: list[list[int]] | None = None, n: int = 0
+               ) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """`transformers` in `dtype`, loaded once: logits of every position of each of `seqs`, and
+    (given `prompts`) `n` greedy tokens after each."""
     import transformers
 
     model: Any = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model = model.to(device).eval()
-    out = []
+    logits, tokens = [], []
     with torch.no_grad():
         for ids in seqs:
-            out.append(model(torch.tensor([ids], device=device)).logits[0].float().cpu())
-    del model
-    gc.collect()
-    return out
-
-
-def hf_generate(path: Path, dtype: torch.dtype, device: str, prompts: list[list[int]],
-                n: int) -> list[list[int]]:
-    import transformers
-
-    model: Any = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    model = model.to(device).eval()
-    outs = []
-    with torch.no_grad():
-        for ids in prompts:
+            logits.append(model(torch.tensor([ids], device=device)).logits[0].float().cpu())
+        for ids in prompts or []:
             x = torch.tensor([ids], device=device)
             seq = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
                                  min_new_tokens=n, do_sample=False, pad_token_id=0)
-            outs.append(seq[0, len(ids):].tolist())
+            tokens.append(seq[0, len(ids):].tolist())
     del model
     gc.collect()
-    return outs
+    return logits, tokens
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -131,9 +121,8 @@ def main() -> int:
         llm.engine.shutdown()
         del llm, runner
         gc.collect()
-        ref = hf_logits(path, torch.float32, args.device, seqs)
-        hf_low = hf_logits(path, dtype, args.device, seqs)
-        hf_tokens = hf_generate(path, dtype, args.device, prompts, args.max_tokens)
+        ref, _ = hf_outputs(path, torch.float32, args.device, seqs)
+        hf_low, hf_tokens = hf_outputs(path, dtype, args.device, seqs, prompts, args.max_tokens)
 
     # Positions whose next token is known: the last prompt position onwards (the continuation).
     targets = [s[len(ids):] for s, ids in zip(seqs, prompts, strict=True)]
