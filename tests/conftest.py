@@ -114,6 +114,15 @@ def hf_reference(tiny_model_dirs: dict[str, Path]) -> Callable[[str], PreTrained
     return get
 
 
+def interpret_or_skip(monkeypatch: pytest.MonkeyPatch, kernel: object) -> None:
+    """Run this test's Triton kernels under the interpreter; skip it when `kernel` (one of the
+    module's, imported through `interpreted_kernel_imports`) was compiled for a GPU because
+    another module imported the kernels first with the interpreter off."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if type(kernel).__name__ != "InterpretedFunction":
+        pytest.skip("kernels were compiled for a GPU before this module set TRITON_INTERPRET")
+
+
 @contextlib.contextmanager
 def interpreted_kernel_imports() -> Iterator[None]:
     """Kernel modules imported inside see TRITON_INTERPRET=1 (Triton decides at decoration time

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import interpreted_kernel_imports, run_to_end, tiny_llm
+from conftest import interpret_or_skip, interpreted_kernel_imports, run_to_end, tiny_llm
 from torch import nn
 
 from engine.attention.kv_quant import FP8_KV_DTYPE as FP8_DTYPE
@@ -29,9 +29,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 @pytest.fixture()
 def _interpret(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    if type(quant_fp8._per_token_quant_kernel).__name__ != "InterpretedFunction":
-        pytest.skip("kernels were compiled for a GPU before this module set TRITON_INTERPRET")
+    interpret_or_skip(monkeypatch, quant_fp8._per_token_quant_kernel)
 
 
 @pytest.mark.usefixtures("_interpret")

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import interpreted_kernel_imports
+from conftest import interpret_or_skip, interpreted_kernel_imports
 
 # The autouse fixture below turns the interpreter on again for the tests of this module only.
 with interpreted_kernel_imports():
@@ -31,10 +31,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(autouse=True)
 def _interpret(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    if type(decode_mod._decode_split_kernel).__name__ != "InterpretedFunction":
-        # Another module imported the kernels with the interpreter off; they would need a GPU.
-        pytest.skip("kernels were compiled for a GPU before this module set TRITON_INTERPRET")
+    interpret_or_skip(monkeypatch, decode_mod._decode_split_kernel)
     yield
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import interpreted_kernel_imports, run_to_end, tiny_llm
+from conftest import interpret_or_skip, interpreted_kernel_imports, run_to_end, tiny_llm
 
 from engine.model.layers import RMSNorm
 from engine.sampling_params import SamplingParams
@@ -25,9 +25,7 @@ with interpreted_kernel_imports():
 
 @pytest.fixture()
 def _interpret(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    if type(norm_module._rms_norm_kernel).__name__ != "InterpretedFunction":
-        pytest.skip("kernels were compiled for a GPU before this module set TRITON_INTERPRET")
+    interpret_or_skip(monkeypatch, norm_module._rms_norm_kernel)
 
 
 @pytest.mark.usefixtures("_interpret")
