@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
 
 # DESIGN.md §8: status ↔ HTTP.
@@ -51,14 +53,13 @@ class GatewayError(Exception):
     def http_status(self) -> int:
         return self._http if self._http is not None else http_status(self.code)
 
-    def renamed(self, param: str | None) -> GatewayError:
-        """The same error naming its field `param` (for a front door that names the request's
-        fields otherwise: the Responses API's `max_output_tokens` is chat's `max_tokens`)."""
-        message = self.message
-        if self.param and param and param != self.param:
-            message = message.replace(self.param, param)
-        return GatewayError(self.code, message, param=param, error_code=self.error_code,
-                            http=self._http)
+    def renamed(self, rename: Callable[[str], str]) -> GatewayError:
+        """The same error with the field paths in its `param` and message renamed, for a front
+        door that names the request's fields otherwise than the checks that raised it (gRPC's
+        `chat.messages.0`, the Responses API's `max_output_tokens` for chat's `max_tokens`)."""
+        return GatewayError(self.code, rename(self.message),
+                            param=None if self.param is None else rename(self.param),
+                            error_code=self.error_code, http=self._http)
 
     @classmethod
     def invalid(cls, param: str | None, message: str) -> GatewayError:

@@ -52,7 +52,7 @@ def tool_calling_from_proto(request: gateway_pb2.GenerateRequest, parser: str | 
     try:
         return tool_calling_from_request(fields, parser)
     except GatewayError as err:
-        raise _renamed(err) from None
+        raise err.renamed(_grpc_paths) from None
 
 
 def chat_messages_from_proto(messages: Sequence[gateway_pb2.ChatMessage]) -> list[dict[str, Any]]:
@@ -67,7 +67,7 @@ def chat_messages_from_proto(messages: Sequence[gateway_pb2.ChatMessage]) -> lis
     try:
         return chat_messages(rest)
     except GatewayError as err:
-        raise _renamed(err) from None
+        raise err.renamed(_grpc_paths) from None
 
 
 def template_kwargs_from_proto(request: gateway_pb2.GenerateRequest) -> dict[str, Any] | None:
@@ -137,12 +137,8 @@ def _tool_choice(choice: gateway_pb2.ToolChoice) -> str | dict[str, Any] | None:
     return _MODES[choice.mode]
 
 
-def _renamed(err: GatewayError) -> GatewayError:
-    def rename(text: str) -> str:
-        for pattern, replacement in _PATHS:
-            text = pattern.sub(replacement, text)
-        return text
-
-    return GatewayError(err.code, rename(err.message),
-                        param=None if err.param is None else rename(err.param),
-                        error_code=err.error_code)
+def _grpc_paths(text: str) -> str:
+    """REST's field paths in `text` as this API names them."""
+    for pattern, replacement in _PATHS:
+        text = pattern.sub(replacement, text)
+    return text

@@ -45,7 +45,7 @@ from gateway.openai_protocol import (
 )
 from gateway.orchestrator import Event, Finished, GenerationJob, TokenDelta, usage_totals
 from gateway.reasoning import ChatOutput
-from gateway.responses_api import ResponsesRequest, ResponseWriter, responses_param
+from gateway.responses_api import ResponsesRequest, ResponseWriter, responses_paths
 from gateway.state import GatewayState
 from gateway.tools import (
     ToolCalling,
@@ -113,7 +113,7 @@ def build_app(state: GatewayState) -> FastAPI:
                 raise GatewayError.invalid("n", "n: a response has one output")
             job, calling = await _chat_job(chat, state)
         except GatewayError as err:  # named as the Responses API names the field
-            raise err.renamed(responses_param(err.param)) from None
+            raise err.renamed(responses_paths) from None
         view = _View(job.request_id, "chat.completion", state, [job], include_usage=False,
                      continuous_usage=False, chat=True, num_top=0, tool_calling=calling,
                      stream=req.stream)
@@ -625,8 +625,8 @@ async def _response_events(view: _View, writer: ResponseWriter, first: Event,
         for e in writer.finish(finish_reason, view.usage()):
             yield _typed(e)
     except GatewayError as err:
-        yield _typed(writer.error(err.message, err.error_code or err.http_status,
-                                  responses_param(err.param)))
+        err = err.renamed(responses_paths)
+        yield _typed(writer.error(err.message, err.error_code or err.http_status, err.param))
     finally:
         await events.aclose()
 

@@ -225,17 +225,16 @@ def _response_format(fmt: Any) -> dict[str, Any]:
 
 
 # Chat request fields as the Responses API names them (for error messages).
-RESPONSES_PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format",
-                    "messages": "input"}
+_PATHS = ((re.compile(r"\bmax_tokens\b"), "max_output_tokens"),
+          (re.compile(r"\bresponse_format\b"), "text.format"),
+          (re.compile(r"(?<![\w.])messages(?=[.\[])"), "input"))
 
 
-def responses_param(param: str | None) -> str | None:
-    """A chat request field's name as the Responses API names it."""
-    if param is None:
-        return None
-    m = re.match(r"[A-Za-z_]+", param)
-    head = m.group(0) if m else ""
-    return RESPONSES_PARAMS.get(head, head) + param[len(head):]
+def responses_paths(text: str) -> str:
+    """The chat request's field paths in `text` as the Responses API names them."""
+    for pattern, replacement in _PATHS:
+        text = pattern.sub(replacement, text)
+    return text
 
 
 # -- the output --------------------------------------------------------------------------------
