@@ -27,7 +27,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from gateway.errors import GatewayError
-from gateway.openai_protocol import _Open, check_template_kwargs
+from gateway.openai_protocol import _ChatTemplateFields
 
 MAX_METADATA_KEYS = 16
 
@@ -36,7 +36,7 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-class ResponsesRequest(_Open):
+class ResponsesRequest(_ChatTemplateFields):
     """`POST /v1/responses` (unknown fields accepted, as in the chat API)."""
 
     model: str | None = None
@@ -51,7 +51,6 @@ class ResponsesRequest(_Open):
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
     # Refused when set to what would need stored responses or change the answer (see module).
     previous_response_id: str | None = None
     conversation: Any = None
@@ -60,11 +59,6 @@ class ResponsesRequest(_Open):
     truncation: str | None = None
     max_tool_calls: int | None = None
     top_logprobs: int | None = None
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _template_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        return check_template_kwargs(value)
 
     @field_validator("metadata")
     @classmethod

@@ -158,6 +158,7 @@ def test_reasoning_and_a_function_call(thinking: Harness) -> None:
     ({"reasoning": {"effort": "high"}}, "reasoning.effort", "chat_template_kwargs"),
     ({"text": {"format": {"type": "yaml"}}}, "text.format", "json_schema"),
     ({"truncation": "auto"}, "truncation", "disabled"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "set by the server"),
 ])
 def test_what_is_not_served_is_refused(gw: Harness, body: dict[str, Any], param: str,
                                        words: str) -> None:
