@@ -235,8 +235,9 @@ class LLMEngine:
             raise EngineInputError(f"prompt_token_ids contains ids outside [0, {vocab}): {bad[:5]}")
         beyond = params.token_ids_beyond(vocab)
         if beyond:
-            raise EngineInputError(f"logit_bias / allowed_token_ids name token ids outside "
-                                   f"[0, {vocab}): {beyond[:5]}")
+            raise EngineInputError(f"logit_bias / allowed_token_ids / structured_outputs' "
+                                   f"reasoning tokens name token ids outside [0, {vocab}): "
+                                   f"{beyond[:5]}")
         n = len(prompt_token_ids) + num_output_tokens
         if n >= self.max_model_len:
             raise EngineInputError(

@@ -127,7 +127,9 @@ def mask_logits(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     sync, unpacked and applied on the device. logits: [N, V], modified in place and returned."""
     # A request that finished in the previous step (its grammar terminated) may be in this one
     # under async scheduling; its token is dropped, so its row stays as it is.
-    rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.is_finished]
+    # A grammar whose request is still reasoning leaves its row free.
+    rows = [i for i, r in enumerate(reqs)
+            if r.grammar is not None and r.grammar.active and not r.is_finished]
     if not rows:
         return logits
     vocab = logits.shape[1]
@@ -339,7 +341,7 @@ class Sampler:
             greedy.append(sp.greedy)
             penalties = penalties or sp.has_penalties
             shaped = shaped or sp.shapes_logits
-            constrained = constrained or r.grammar is not None
+            constrained = constrained or (r.grammar is not None and r.grammar.active)
             min_tokens = min_tokens or _needs_min_tokens_mask(r)
             logprobs = logprobs or sp.logprobs is not None
         if logits.dtype != torch.float32 and (penalties or shaped or min_tokens or logprobs

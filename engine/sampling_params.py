@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 # OpenAI's range for a logit bias; vLLM clamps to the same.
@@ -42,11 +43,27 @@ class StructuredOutputs:
     # False (vLLM's `disable_any_whitespace`): one fixed layout, so that a model given to
     # newlines cannot spend its tokens on them.
     any_whitespace: bool = True
+    # Where the constraint starts, for a thinking model (set by the gateway from its reasoning
+    # parser, as vLLM's engine does from its own): the output is free text up to and including
+    # `reasoning_end_token_id` (</think>), in the language after it. With
+    # `reasoning_start_token_id` as well, the output starts in the language unless its first
+    # token is that one (<think>: Qwen3 opens the block itself), which starts the free part.
+    # None: the language from the first token.
+    reasoning_end_token_id: int | None = None
+    reasoning_start_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.choice, list):
             object.__setattr__(self, "choice", tuple(self.choice))
         self.validate()
+
+    @property
+    def constraint(self) -> StructuredOutputs:
+        """The language alone, without where it starts (what compiles, and its cache key)."""
+        if self.reasoning_end_token_id is None:
+            return self
+        return dataclasses.replace(self, reasoning_end_token_id=None,
+                                   reasoning_start_token_id=None)
 
     @property
     def kind(self) -> str:
@@ -71,6 +88,15 @@ class StructuredOutputs:
                                      or len(text) > MAX_STRUCTURED_CHARS):
                 raise SamplingParamsError(f"structured_outputs.{name} must be a non-empty string "
                                           f"of at most {MAX_STRUCTURED_CHARS} characters")
+        for name in ("reasoning_end_token_id", "reasoning_start_token_id"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 0):
+                raise SamplingParamsError(f"structured_outputs.{name} must be a token id (an "
+                                          "integer >= 0)")
+        if self.reasoning_start_token_id is not None and (
+                self.reasoning_end_token_id in (None, self.reasoning_start_token_id)):
+            raise SamplingParamsError("structured_outputs.reasoning_start_token_id needs a "
+                                      "different reasoning_end_token_id")
         for name in ("json_object", "any_whitespace"):
             if getattr(self, name) is not False and getattr(self, name) is not True:
                 raise SamplingParamsError(f"structured_outputs.{name} must be a boolean")
@@ -187,8 +213,12 @@ class SamplingParams:
                                       "structured_outputs (the grammar decides the allowed tokens)")
 
     def token_ids_beyond(self, vocab_size: int) -> list[int]:
-        """The token ids `logit_bias` and `allowed_token_ids` name that the model lacks."""
-        ids = [*self.logit_bias, *(self.allowed_token_ids or ())]
+        """The token ids `logit_bias`, `allowed_token_ids` and `structured_outputs` name that
+        the model lacks."""
+        so = self.structured_outputs
+        marks = () if so is None else (so.reasoning_end_token_id, so.reasoning_start_token_id)
+        ids = [*self.logit_bias, *(self.allowed_token_ids or ()),
+               *(t for t in marks if t is not None)]
         return sorted({t for t in ids if t >= vocab_size})
 
     @property

@@ -13,6 +13,10 @@ tokens reach the host, the grammars advance), then fills the masks and queues th
 (`ModelRunner.launch`'s `settle`), so the host work still overlaps the device's. It does not
 speculate. The masks are applied by `engine.sampler.mask_logits`.
 
+A thinking model reasons first and answers in the language after its `</think>` token (the
+request's `reasoning_end_token_id`, which the gateway's reasoning parser sets, as vLLM's
+reasoning-aware structured outputs do): until then its rows are not masked.
+
 xgrammar (which imports transformers) is imported on the first structured request, off the
 engine thread where the services call it (`AsyncEngine` compiles in a worker thread).
 """
@@ -56,18 +60,36 @@ _JSON_FORBIDDEN_BYTES = re.compile(rb"[\x00-\x09\x0b\x0c\x0e-\x1f]")
 
 
 class RequestGrammar:
-    """One request's position in its constraint's language, and in UTF-8 (engine/utf8_state.py)."""
+    """One request's position in its constraint's language, and in UTF-8 (engine/utf8_state.py).
 
-    __slots__ = ("_masks", "_matcher", "_state", "_utf8", "failed")
+    For a thinking model the language may start later (`StructuredOutputs`'
+    `reasoning_end_token_id`): until that token the output is free — its rows are not masked
+    (`active`) and its tokens do not reach the matcher — and the language starts right after it.
+    With a start token too, the first token may be that one (it opens the free part) or one
+    the language allows."""
 
-    def __init__(self, matcher: Any, masks: Sequence[torch.Tensor], utf8: Utf8Table) -> None:
+    __slots__ = ("_end", "_masks", "_matcher", "_phase", "_start", "_state", "_utf8", "failed")
+
+    def __init__(self, matcher: Any, masks: Sequence[torch.Tensor], utf8: Utf8Table,
+                 reasoning_end: int | None = None, reasoning_start: int | None = None) -> None:
         """masks: per UTF-8 state, int32 bitmask words of the tokens the constraint may use
         from it, ANDed into the grammar's mask."""
         self._matcher = matcher
         self._masks = masks
         self._utf8 = utf8
         self._state = BOUNDARY
+        self._end = reasoning_end
+        self._start = reasoning_start
+        # "on": in the language; "free": reasoning, until `_end`; "first": the next token is
+        # the output's first, and `_start` may open reasoning.
+        self._phase = ("on" if reasoning_end is None
+                       else "free" if reasoning_start is None else "first")
         self.failed = False  # a token was sampled that the grammar rejects (see `accept`)
+
+    @property
+    def active(self) -> bool:
+        """Whether the next token is constrained (False while the model reasons)."""
+        return self._phase != "free"
 
     @property
     def allowed(self) -> torch.Tensor:
@@ -80,6 +102,15 @@ class RequestGrammar:
         allowed token left (NaN logits)."""
         if self.failed:
             return False
+        if self._phase == "first":  # the output's first token: it opens reasoning, or not
+            if token_id == self._start:
+                self._phase = "free"
+                return True
+            self._phase = "on"
+        if self._phase == "free":  # reasoning: the language starts after its end token
+            if token_id == self._end:
+                self._phase = "on"
+            return True
         state = self._utf8.advance(self._state, token_id)
         ok = state >= 0 and bool(self._matcher.accept_token(token_id))
         if ok:
@@ -91,7 +122,7 @@ class RequestGrammar:
     @property
     def is_terminated(self) -> bool:
         """The string is complete and a stop token was accepted: nothing may follow."""
-        return bool(self._matcher.is_terminated())
+        return self._phase == "on" and bool(self._matcher.is_terminated())
 
 
 def fill_masks(grammars: Sequence[RequestGrammar], bitmask: torch.Tensor) -> None:
@@ -100,16 +131,26 @@ def fill_masks(grammars: Sequence[RequestGrammar], bitmask: torch.Tensor) -> Non
     constraint's, at its UTF-8 state): once for all rows when they share it (the usual batch: an AND per row took 2.5 ms of
     host time at 256 rows on the H200, advanced indexing as long on the CPU), else row by row.
     Filled on this thread: xgrammar's `BatchGrammarMatcher` took ~4 ms even for one row there
-    (bench/results/h200/structured/)."""
+    (bench/results/h200/structured/). Every grammar is `active`; one at its output's first
+    token with a reasoning start token also allows that token."""
     for row, g in enumerate(grammars):
         g._matcher.fill_next_token_bitmask(bitmask, row)
     masks = {id(g.allowed): g.allowed for g in grammars}
     if len(masks) == 1:
         [allowed] = masks.values()
         bitmask[:len(grammars)] &= allowed
-        return
+    else:
+        for row, g in enumerate(grammars):
+            bitmask[row] &= g.allowed
     for row, g in enumerate(grammars):
-        bitmask[row] &= g.allowed
+        if g._phase == "first" and g._start is not None:
+            word, bit = divmod(g._start, 32)
+            bitmask[row, word] |= _bit_word(bit)
+
+
+def _bit_word(bit: int) -> int:
+    """The int32 word with only `bit` (0..31) set, as a signed value (bit 31 is the sign)."""
+    return -(1 << 31) if bit == 31 else 1 << bit
 
 
 class GrammarCompiler:
@@ -129,14 +170,16 @@ class GrammarCompiler:
 
     def grammar(self, spec: StructuredOutputs, output_token_ids: Sequence[int] = ()
                 ) -> RequestGrammar:
-        """A matcher at the start of `spec`'s language, advanced by tokens already generated
-        (a decode worker's first token from prefill, a resumed request's outputs)."""
+        """A matcher at the start of `spec`'s output (its language, or the reasoning before it),
+        advanced by tokens already generated (a decode worker's first token from prefill, a
+        resumed request's outputs)."""
         import xgrammar as xgr
 
-        compiled = self.compile(spec)
+        compiled = self.compile(spec.constraint)
         assert self._utf8 is not None  # made with the compiler
         is_json = spec.json is not None or spec.json_object
-        grammar = RequestGrammar(xgr.GrammarMatcher(compiled), self._masks[is_json], self._utf8)
+        grammar = RequestGrammar(xgr.GrammarMatcher(compiled), self._masks[is_json], self._utf8,
+                                 spec.reasoning_end_token_id, spec.reasoning_start_token_id)
         for i, token in enumerate(output_token_ids):
             if not grammar.accept(token):
                 raise StructuredOutputError(

@@ -15,7 +15,8 @@ from typing import Any
 from gateway.errors import GatewayError
 from gateway.orchestrator import GenerationJob
 from gateway.reasoning import END as REASONING_END
-from gateway.reasoning import ChatOutput, ReasoningSplitter, prompt_opens_reasoning
+from gateway.reasoning import START as REASONING_START
+from gateway.reasoning import ChatOutput, ReasoningSplitter, prompt_reasoning
 from gateway.state import GatewayState
 from gateway.tools import HermesOutput, ToolCalling, ToolOutput, tool_constraint
 
@@ -34,9 +35,32 @@ async def chat_job(state: GatewayState, messages: list[dict[str, Any]], options:
     ids = await state.preprocessor.encode_chat(
         messages, param, tools=calling.template_tools() if calling is not None else None,
         template_kwargs=template_kwargs)
+    spec = options.get("structured_outputs")
+    if spec is not None and (gate := reasoning_gate(state, ids)) is not None:
+        options = options | {"structured_outputs": dataclasses.replace(
+            spec, reasoning_end_token_id=gate[0], reasoning_start_token_id=gate[1])}
     job = state.preprocessor.build_job(ids, options, request_id=request_id,
                                        param_names=param_names)
     return job if calling is None else dataclasses.replace(job, tool_choice=calling.mode)
+
+
+def reasoning_gate(state: GatewayState, prompt_ids: list[int]
+                   ) -> tuple[int, int | None] | None:
+    """Where a constrained chat output's language starts with the gateway's reasoning parser:
+    (the `</think>` token after which it starts, the `<think>` token that may open the output's
+    reasoning, if any), as the parser reads the output (`ReasoningSplitter`). None: from the
+    first token — no parser, a tag that is not one token in this vocabulary (the engine watches
+    tokens, as vLLM's does), or a prompt that closed the block (`enable_thinking: false`)."""
+    parser = state.config.reasoning_parser
+    if parser is None:
+        return None
+    start, end = state.token_id_of(REASONING_START), state.token_id_of(REASONING_END)
+    if start is None or end is None:
+        return None
+    where = prompt_reasoning(state.tokenizer, prompt_ids)
+    if parser == "deepseek_r1" or where == "open":
+        return end, None
+    return None if where == "closed" else (end, start)
 
 
 def _tool_options(calling: ToolCalling, options: dict[str, Any], state: GatewayState
@@ -64,14 +88,17 @@ def chat_outputs(state: GatewayState, job: GenerationJob, calling: ToolCalling |
     with a tool choice other than none parse the rest (`incremental`: `auto` calls' arguments as
     the model writes them, for streams). Empty when neither applies: the text is all content."""
     tools = calling if calling is not None and calling.mode != "none" else None
-    # A constrained output (structured outputs, a named or required tool choice) is in the
-    # constraint's language from its first token: the model does not think, and nothing of it
-    # is reasoning, even where the prompt left a <think> open.
-    constrained = job.sampling.HasField("structured_outputs")
-    parser = None if constrained else state.config.reasoning_parser
+    # A constrained output (structured outputs, a named or required tool choice) reasons first
+    # where `reasoning_gate` let it (the language starts after </think>); otherwise it is in
+    # the language from its first token, and nothing of it is reasoning, even where the prompt
+    # left a <think> open.
+    so = job.sampling.structured_outputs
+    held = job.sampling.HasField("structured_outputs") and not so.HasField("reasoning_end_token_id")
+    parser = None if held else state.config.reasoning_parser
     if tools is None and parser is None:
         return {}
-    opens = parser is not None and prompt_opens_reasoning(state.tokenizer, job.prompt_token_ids)
+    opens = parser is not None and prompt_reasoning(state.tokenizer,
+                                                    job.prompt_token_ids) == "open"
     return {i: ChatOutput(None if parser is None else ReasoningSplitter(parser, opens),
                           None if tools is None else tools.output(incremental=incremental))
             for i in range(num_choices)}

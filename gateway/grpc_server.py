@@ -113,7 +113,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 _PARAM_NAMES = {name: f"sampling.{name}" for name in (
     "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens",
     "stop_token_ids", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs",
-    "logit_bias", "allowed_token_ids", "prompt_logprobs")}
+    "logit_bias", "allowed_token_ids", "prompt_logprobs", "structured_outputs")}
 
 
 def _sampling_options(request: gateway_pb2.GenerateRequest) -> dict[str, object]:

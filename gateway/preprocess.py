@@ -87,7 +87,8 @@ class Preprocessor:
         sp = _sampling_params(params, names)
         beyond = sp.token_ids_beyond(self._vocab_size) if self._vocab_size else []
         if beyond:
-            field = "logit_bias" if beyond[0] in sp.logit_bias else "allowed_token_ids"
+            field = ("logit_bias" if beyond[0] in sp.logit_bias else "allowed_token_ids"
+                     if beyond[0] in (sp.allowed_token_ids or ()) else "structured_outputs")
             raise GatewayError.invalid(names.get(field, field), (
                 f"{names.get(field, field)} names token ids outside the vocabulary "
                 f"[0, {self._vocab_size}): {beyond[:5]}"))

@@ -34,10 +34,15 @@ class _Decoder(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
 
 
-def prompt_opens_reasoning(tokenizer: _Decoder, prompt_ids: Sequence[int]) -> bool:
-    """Whether the rendered prompt ends inside a `<think>` block (the model answers in it)."""
+def prompt_reasoning(tokenizer: _Decoder, prompt_ids: Sequence[int]
+                     ) -> Literal["open", "closed"] | None:
+    """Where the rendered prompt leaves the model's reasoning: "open" (it ends inside a
+    `<think>` block: the model answers in it), "closed" (it ends with `</think>`: the template
+    closed an empty block, Qwen3's `enable_thinking: false`), else None."""
     tail = tokenizer.decode(list(prompt_ids[-_PROMPT_TAIL_TOKENS:]), skip_special_tokens=False)
-    return tail.rfind(START) > tail.rfind(END)
+    if tail.rfind(START) > tail.rfind(END):
+        return "open"
+    return "closed" if tail.rstrip().endswith(END) else None
 
 
 @dataclass(slots=True)

@@ -28,6 +28,7 @@ class GatewayState:
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     _special: dict[str, bool] = field(default_factory=dict)
+    _single: dict[str, int | None] = field(default_factory=dict)
 
     def is_special_text(self, text: str) -> bool:
         """Whether decoding that skips special tokens drops `text` (a parser's tag the tokenizer
@@ -38,6 +39,14 @@ class GatewayState:
             ids = tok.encode(text, add_special_tokens=False)
             known = self._special[text] = tok.decode(ids, skip_special_tokens=True) != text
         return known
+
+    def token_id_of(self, text: str) -> int | None:
+        """The one token `text` encodes to (a parser's tag: "</think>"), or None when it takes
+        several; found once per text."""
+        if text not in self._single:
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            self._single[text] = ids[0] if len(ids) == 1 else None
+        return self._single[text]
 
     @classmethod
     def build(cls, config: GatewayConfig, tokenizer: TokenizerLike) -> GatewayState:

@@ -139,6 +139,10 @@ def structured_to_proto(spec: StructuredOutputs, proto: common_pb2.StructuredOut
         proto.choice.values.extend(spec.choice)
     elif spec.grammar is not None:
         proto.grammar = spec.grammar
+    if spec.reasoning_end_token_id is not None:
+        proto.reasoning_end_token_id = spec.reasoning_end_token_id
+    if spec.reasoning_start_token_id is not None:
+        proto.reasoning_start_token_id = spec.reasoning_start_token_id
 
 
 def structured_from_proto(sp: common_pb2.SamplingParams) -> StructuredOutputs | None:
@@ -150,9 +154,12 @@ def structured_from_proto(sp: common_pb2.SamplingParams) -> StructuredOutputs | 
     param = "sampling.structured_outputs"
     if kind is None:
         raise GatewayError.invalid(param, f"{param} must set one constraint")
+    # Where the language starts, when the client says (a chat request's is the gateway's
+    # reasoning parser's: gateway/chat_tools.py).
+    extra: dict[str, Any] = {name: getattr(so, name) for name in (
+        "reasoning_end_token_id", "reasoning_start_token_id") if so.HasField(name)}
     if kind == "choice":
-        return _spec(param, choice=tuple(so.choice.values))
-    value = getattr(so, kind)
-    extra = ({"any_whitespace": not so.disable_any_whitespace}
-             if kind in ("json_schema", "json_object") else {})
-    return _spec(param, **{"json" if kind == "json_schema" else kind: value}, **extra)
+        return _spec(param, choice=tuple(so.choice.values), **extra)
+    if kind in ("json_schema", "json_object"):
+        extra["any_whitespace"] = not so.disable_any_whitespace
+    return _spec(param, **{"json" if kind == "json_schema" else kind: getattr(so, kind)}, **extra)

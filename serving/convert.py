@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 from engine.outputs import StepOutput
@@ -57,17 +59,16 @@ def structured_from_proto(sp: common_pb2.SamplingParams) -> StructuredOutputs | 
         return None
     so = sp.structured_outputs
     kind = so.WhichOneof("constraint")
-    ws = not so.disable_any_whitespace
-    if kind == "json_schema":
-        return StructuredOutputs(json=so.json_schema, any_whitespace=ws)
-    if kind == "json_object":
-        return StructuredOutputs(json_object=so.json_object, any_whitespace=ws)
-    if kind == "regex":
-        return StructuredOutputs(regex=so.regex)
+    # Where the language starts (a thinking model's answer after its reasoning).
+    fields: dict[str, Any] = {name: getattr(so, name) if so.HasField(name) else None for name in (
+        "reasoning_end_token_id", "reasoning_start_token_id")}
+    if kind in ("json_schema", "json_object"):
+        fields["any_whitespace"] = not so.disable_any_whitespace
     if kind == "choice":
-        return StructuredOutputs(choice=tuple(so.choice.values))
-    if kind == "grammar":
-        return StructuredOutputs(grammar=so.grammar)
+        return StructuredOutputs(choice=tuple(so.choice.values), **fields)
+    if kind is not None:
+        name = "json" if kind == "json_schema" else kind
+        return StructuredOutputs(**{name: getattr(so, kind)}, **fields)
     raise SamplingParamsError("structured_outputs must set one of json_schema, json_object, "
                               "regex, choice, grammar")
 

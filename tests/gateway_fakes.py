@@ -177,8 +177,10 @@ class Harness:
     """Fake workers + a real `GatewayServer` on ephemeral 127.0.0.1 ports, in a loop thread."""
 
     def __init__(self, script: Script, *, num_prefill: int = 1, num_decode: int = 1,
-                 colocated: bool = False, dead_decode: bool = False, **config: Any) -> None:
+                 colocated: bool = False, dead_decode: bool = False,
+                 tokenizer: TokenizerLike | None = None, **config: Any) -> None:
         self.script = script
+        self.tokenizer = tokenizer if tokenizer is not None else smollm2_tokenizer()
         self.prefill = [] if colocated else [FakeWorker(script, "prefill") for _ in range(num_prefill)]
         self.decode = [FakeWorker(script, "decode") for _ in range(num_decode)]
         self._colocated = colocated
@@ -218,7 +220,7 @@ class Harness:
                                **settings)
         self.gateway = GatewayServer(config, rest_host="127.0.0.1", rest_port=0,
                                      grpc_host="127.0.0.1", grpc_port=0,
-                                     tokenizer=smollm2_tokenizer())
+                                     tokenizer=self.tokenizer)
         await self.gateway.start()
 
     async def _stop(self) -> None:

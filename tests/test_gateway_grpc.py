@@ -104,6 +104,12 @@ def test_generate_passes_logit_bias_and_allowed_token_ids(gw: Harness, channel: 
      grpc.StatusCode.INVALID_ARGUMENT, ["sampling.logit_bias", "[-100, 100]"]),
     ({"text": "x", "sampling": common_pb2.SamplingParams(allowed_token_ids=[10**6])},
      grpc.StatusCode.INVALID_ARGUMENT, ["sampling.allowed_token_ids", "vocabulary"]),
+    ({"text": "x", "sampling": common_pb2.SamplingParams(structured_outputs=common_pb2.StructuredOutputs(
+        json_object=True, reasoning_end_token_id=10**6))},
+     grpc.StatusCode.INVALID_ARGUMENT, ["sampling.structured_outputs", "vocabulary", "1000000"]),
+    ({"text": "x", "sampling": common_pb2.SamplingParams(structured_outputs=common_pb2.StructuredOutputs(
+        regex="a+", reasoning_start_token_id=3))},
+     grpc.StatusCode.INVALID_ARGUMENT, ["sampling.structured_outputs", "needs a different"]),
 ])
 def test_generate_validation(channel: grpc.Channel, fields: dict[str, object],
                              code: grpc.StatusCode, words: list[str]) -> None:

@@ -12,6 +12,7 @@ message, the template variables as a Struct, checked as REST's, and reasoning wi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -27,7 +28,7 @@ from openai import OpenAI
 
 from gateway.config import GatewayConfig, GatewayConfigError
 from gateway.grpc_tools import template_kwargs_from_proto
-from gateway.reasoning import ChatOutput, ReasoningSplitter, prompt_opens_reasoning
+from gateway.reasoning import ChatOutput, ReasoningSplitter, prompt_reasoning
 from gateway.tools import HermesOutput
 from protos.splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -92,13 +93,18 @@ def test_unknown_parser_is_refused() -> None:
                       reasoning_parser="granite")
 
 
-def test_prompt_left_open_is_read_from_its_tail() -> None:
+def test_where_the_prompt_leaves_reasoning_is_read_from_its_tail() -> None:
     tok = smollm2_tokenizer()
-    opened = tok.encode("<|im_start|>assistant\n<think>\n", add_special_tokens=False)
-    closed = tok.encode("<|im_start|>assistant\n<think>\n\n</think>\n\n", add_special_tokens=False)
-    assert prompt_opens_reasoning(tok, opened)
-    assert not prompt_opens_reasoning(tok, closed)
-    assert not prompt_opens_reasoning(tok, tok.encode("plain prompt", add_special_tokens=False))
+
+    def where(text: str) -> str | None:
+        return prompt_reasoning(tok, tok.encode(text, add_special_tokens=False))
+
+    assert where("<|im_start|>assistant\n<think>\n") == "open"
+    assert where("<|im_start|>assistant\n<think>\n\n</think>\n\n") == "closed"
+    assert where("plain prompt") is None
+    # An earlier turn's block is not this turn's: the prompt must end with the closing tag.
+    assert where("<think>a</think>b<|im_end|>\n<|im_start|>assistant\n") is None
+    assert where("x " * 100 + "<think>\n") == "open"  # only the tail is read
 
 
 @settings(max_examples=40, deadline=None)
@@ -198,15 +204,96 @@ def test_chat_template_kwargs_reach_the_template(gw: Harness) -> None:
 
 
 def test_a_constrained_output_is_all_content(gw: Harness) -> None:
-    """Structured outputs constrain from the first token, so the model does not think: with the
-    prompt's <think> left open, the output is still content (the fake workers play the script
-    whatever the constraint)."""
+    """Where the tags are not one token each (SmolLM2's vocabulary), the engine cannot see where
+    the reasoning ends: the constraint holds from the first token, so the model does not think,
+    and with the prompt's <think> left open the output is still content (the fake workers play
+    the script whatever the constraint)."""
     resp = _client(gw).chat.completions.create(model=MODEL_NAME, messages=ASK,  # type: ignore[arg-type]
                                                max_tokens=100,
                                                response_format={"type": "json_object"})
     message: Any = resp.choices[0].message
     assert getattr(message, "reasoning", None) is None and message.content == SCRIPT
-    assert gw.prefill[0].prefill_requests[-1].sampling.structured_outputs.json_object
+    sent = gw.prefill[0].prefill_requests[-1].sampling.structured_outputs
+    assert sent.json_object and not sent.HasField("reasoning_end_token_id")
+
+
+# -- a vocabulary with <think> and </think> as tokens (Qwen3's, DeepSeek-R1's) -------------------
+def thinking_tokenizer() -> Any:
+    """SmolLM2's tokenizer with `<think>` and `</think>` added as single tokens, as Qwen3 has them
+    (added, not special: they stay in decoded text)."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as BackendTokenizer
+
+    base = smollm2_tokenizer()
+    backend = BackendTokenizer.from_str(base.backend.to_str())  # type: ignore[attr-defined]
+    backend.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
+    return dataclasses.replace(base, backend=backend)  # type: ignore[type-var]
+
+
+# Thinking on (the prompt opens the block), off (it closes one), or left to the model (no tag).
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% elif not (model_opens is defined and model_opens) %}<think>\n"
+    "{% endif %}")
+ANSWER = '{"capital": "Paris"}'
+
+
+@pytest.fixture(scope="module")
+def thinking_gw() -> Iterator[Harness]:
+    tok = thinking_tokenizer()
+    ids = tok.encode("The capital is Paris.</think>" + ANSWER, add_special_tokens=False)
+    with Harness(Script(ids), tokenizer=tok, reasoning_parser="qwen3",
+                 chat_template=THINKING_TEMPLATE) as h:
+        yield h
+
+
+@pytest.mark.parametrize(("kwargs", "gate"), [
+    ({}, ("</think>", None)),                                # reasons from the first token
+    ({"model_opens": True}, ("</think>", "<think>")),        # reasons if it writes <think>
+    ({"enable_thinking": False}, None),                      # the language from the first token
+])
+def test_a_constrained_answer_follows_the_reasoning(thinking_gw: Harness, kwargs: dict[str, Any],
+                                                    gate: tuple[str, str | None] | None) -> None:
+    """With one token for each tag, a constrained chat output reasons first and is in the
+    language after `</think>` (vLLM's reasoning-aware structured outputs): the gateway tells
+    the workers which token ends the reasoning (and which may open it, when the prompt left
+    that to the model), reading where the prompt left it as the parser does."""
+    tok = thinking_gw.tokenizer
+    resp = _client(thinking_gw).chat.completions.create(
+        model=MODEL_NAME, messages=ASK, max_tokens=100,  # type: ignore[arg-type]
+        response_format={"type": "json_object"}, extra_body={"chat_template_kwargs": kwargs})
+    message: Any = resp.choices[0].message
+    sent = thinking_gw.prefill[0].prefill_requests[-1].sampling.structured_outputs
+    assert sent.json_object
+    if gate is None:
+        assert not sent.HasField("reasoning_end_token_id")
+        assert not sent.HasField("reasoning_start_token_id")
+        assert getattr(message, "reasoning", None) is None
+        return
+    end, start = (tok.encode(t, add_special_tokens=False) if t else None for t in gate)
+    assert end == [sent.reasoning_end_token_id]
+    assert (start is None) == (not sent.HasField("reasoning_start_token_id"))
+    assert start is None or start == [sent.reasoning_start_token_id]
+    if start is None:  # the script's reasoning has no <think>: with the model to open it, content
+        assert message.reasoning == "The capital is Paris." and message.content == ANSWER
+        assert json.loads(message.content) == {"capital": "Paris"}
+
+
+def test_a_tool_choice_follows_the_reasoning_over_grpc(thinking_gw: Harness) -> None:
+    """gRPC's chat goes the same way, and so does a named tool choice (a constraint too)."""
+    tool = gateway_pb2.Tool(name="capital", parameters=json.dumps(
+        {"type": "object", "properties": {"capital": {"type": "string"}}}))
+    out = _grpc(thinking_gw, **GRPC_ASK, tools=[tool],
+                tool_choice=gateway_pb2.ToolChoice(function_name="capital"))
+    sent = thinking_gw.prefill[0].prefill_requests[-1].sampling.structured_outputs
+    assert sent.json_schema and [sent.reasoning_end_token_id] == thinking_gw.tokenizer.encode(
+        "</think>", add_special_tokens=False)
+    chunks = _chunks(out)
+    assert "".join(c.reasoning for c in chunks) == "The capital is Paris."
+    calls = [call for c in chunks for call in c.tool_calls]
+    assert calls and calls[0].name == "capital"
+    assert json.loads("".join(call.arguments for call in calls)) == {"capital": "Paris"}
 
 
 @pytest.mark.parametrize(("kwargs", "words"), [

@@ -7,6 +7,7 @@ with a clear error when the constraint does not compile."""
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import json
 import re
 
@@ -294,3 +295,103 @@ def test_params_validation() -> None:
     with pytest.raises(SamplingParamsError, match="allowed_token_ids cannot be combined"):
         SamplingParams(allowed_token_ids=[1], structured_outputs=spec)
     assert StructuredOutputs(choice=["a"]).choice == ("a",)  # hashable: the compile cache's key
+
+
+# -- a thinking model: the language after its reasoning ------------------------------------------
+def test_language_starts_after_the_reasoning_end_token(smollm2: LLM,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to and including `reasoning_end_token_id` the output is the model's own (one of its
+    greedy tokens stands in for </think>), then in the language; with a start token, a first
+    token that is it opens the free part, any other means the language from the first token.
+    Async scheduling (the free part ends on the previous step's token) gives the same."""
+    def ids(spec: StructuredOutputs | None) -> list[int]:
+        params = (SamplingParams(temperature=0.0, max_tokens=16) if spec is None
+                  else _params(spec))
+        [out] = smollm2.chat(ASK_PERSON, params)
+        assert spec is None or out.outputs[0].finish_reason == "stop"
+        return out.outputs[0].token_ids
+
+    free = ids(None)
+    i = next(k for k in range(3, len(free)) if free[k] not in free[:k])
+    plain = StructuredOutputs(json=json.dumps(PERSON))
+    gated = dataclasses.replace(plain, reasoning_end_token_id=free[i])
+    out = ids(gated)
+    tok = smollm2.engine.tokenizer
+    assert tok is not None
+    assert out[:i + 1] == free[:i + 1]
+    _check_person(tok.decode(out[i + 1:]))
+    assert ids(dataclasses.replace(gated, reasoning_start_token_id=free[0])) == out
+    unopened = ids(dataclasses.replace(gated, reasoning_start_token_id=tok.bos_token_id or 1))
+    assert unopened == ids(plain) != out
+    monkeypatch.setattr(smollm2.engine, "async_scheduling", True)
+    assert ids(gated) == out
+
+
+def test_reasoning_gate_masks_and_rebuilds(smollm2: LLM) -> None:
+    """The masks through each phase (the start token's bit is the word's sign bit here), and a
+    grammar rebuilt from output tokens in each phase; tokens after the end token that the
+    language refuses are refused."""
+    engine = smollm2.engine
+    tok = engine.tokenizer
+    assert tok is not None
+    start, end = 31, tok.encode("!", add_special_tokens=False)[0]
+    spec = StructuredOutputs(json_object=True, reasoning_end_token_id=end,
+                             reasoning_start_token_id=start)
+    req = Request("r", [1, 2], _params(spec))
+    req.grammar = grammar = engine.grammars.grammar(spec)
+
+    def allowed() -> torch.Tensor:
+        return torch.isfinite(mask_logits(torch.zeros(1, engine.model_config.vocab_size),
+                                          [req])[0])
+
+    first = allowed()
+    assert first[start] and first[tok.encode("{", add_special_tokens=False)].all()
+    assert not first[end] and first.sum() < 100
+    for token in (start, *tok.encode("I think", add_special_tokens=False)):
+        assert grammar.accept(token) and grammar.active is False
+        assert allowed().all()  # reasoning: the row is the model's
+    assert grammar.accept(end) and grammar.active
+    after = allowed()
+    assert not after[start] and not after[end] and after.sum() < 100
+    reasoned = [start, *tok.encode("Hm", add_special_tokens=False), end]
+    answer = tok.encode('{"a": 1}', add_special_tokens=False)
+    whole = engine.grammars.grammar(spec, [*reasoned, *answer, engine.eos_token_ids[0]])
+    assert whole.is_terminated
+    assert engine.grammars.grammar(spec, answer).active  # no start token: the language at once
+    bad = tok.encode("hello", add_special_tokens=False)
+    with pytest.raises(EngineInputError, match=rf"output_token_ids\[{len(reasoned)}\]"):
+        engine.add_request("bad", [1, 2], _params(spec), output_token_ids=[*reasoned, *bad])
+    assert not engine.scheduler.requests
+
+
+def test_reasoning_gate_validation(smollm2: LLM) -> None:
+    with pytest.raises(SamplingParamsError, match="reasoning_start_token_id needs"):
+        StructuredOutputs(json_object=True, reasoning_start_token_id=5)
+    with pytest.raises(SamplingParamsError, match="reasoning_start_token_id needs"):
+        StructuredOutputs(json_object=True, reasoning_end_token_id=5, reasoning_start_token_id=5)
+    with pytest.raises(SamplingParamsError, match="reasoning_end_token_id must be a token id"):
+        StructuredOutputs(json_object=True, reasoning_end_token_id=-1)
+    vocab = smollm2.engine.model_config.vocab_size
+    spec = StructuredOutputs(json_object=True, reasoning_end_token_id=vocab)
+    with pytest.raises(EngineInputError, match=rf"reasoning tokens name token ids outside .*\[{vocab}\]"):
+        smollm2.generate("Hi", _params(spec))
+    # The language is compiled once, wherever it starts.
+    assert spec.constraint == StructuredOutputs(json_object=True)
+
+
+@pytest.mark.parametrize("spec", [
+    StructuredOutputs(json='{"type": "object"}', any_whitespace=False, reasoning_end_token_id=7),
+    StructuredOutputs(choice=("a", "b"), reasoning_end_token_id=7, reasoning_start_token_id=0),
+    StructuredOutputs(regex="a+"),
+])
+def test_wire_round_trip(spec: StructuredOutputs) -> None:
+    """The gateway writes a constraint and where it starts; the workers (and the gateway's own
+    gRPC front door) read back the same."""
+    from gateway.structured import structured_from_proto as from_client
+    from gateway.structured import structured_to_proto
+    from protos.splitserve.v1 import common_pb2
+    from serving.convert import structured_from_proto as from_gateway
+
+    proto = common_pb2.SamplingParams()
+    structured_to_proto(spec, proto.structured_outputs)
+    assert from_gateway(proto) == spec == from_client(proto)

@@ -214,6 +214,8 @@ class StructuredOutputs(_message.Message):
     CHOICE_FIELD_NUMBER: _builtins.int
     GRAMMAR_FIELD_NUMBER: _builtins.int
     DISABLE_ANY_WHITESPACE_FIELD_NUMBER: _builtins.int
+    REASONING_END_TOKEN_ID_FIELD_NUMBER: _builtins.int
+    REASONING_START_TOKEN_ID_FIELD_NUMBER: _builtins.int
     json_schema: _builtins.str
     """a JSON schema, as JSON text"""
     json_object: _builtins.bool
@@ -223,6 +225,15 @@ class StructuredOutputs(_message.Message):
     """EBNF (xgrammar's GBNF dialect; the rule `root` is the start)"""
     disable_any_whitespace: _builtins.bool
     """JSON in one fixed layout instead of any whitespace between tokens (vLLM's option)."""
+    reasoning_end_token_id: _builtins.int
+    """For a thinking model: the output is free up to and including this token (</think>) and in
+    the constraint's language after it; unset: in the language from its first token. The
+    gateway sets it (and the next) from its reasoning parser for chat requests.
+    """
+    reasoning_start_token_id: _builtins.int
+    """With reasoning_end_token_id: the output starts in the language unless its first token is
+    this one (<think>, which the model may write itself), which starts the free part.
+    """
     @_builtins.property
     def choice(self) -> Global___Choices:
         """exactly one of these strings"""
@@ -236,13 +247,24 @@ class StructuredOutputs(_message.Message):
         choice: Global___Choices | None = ...,
         grammar: _builtins.str = ...,
         disable_any_whitespace: _builtins.bool = ...,
+        reasoning_end_token_id: _builtins.int | None = ...,
+        reasoning_start_token_id: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "constraint", b"constraint", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "regex", b"regex"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_reasoning_end_token_id", b"_reasoning_end_token_id", "_reasoning_start_token_id", b"_reasoning_start_token_id", "choice", b"choice", "constraint", b"constraint", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "reasoning_end_token_id", b"reasoning_end_token_id", "reasoning_start_token_id", b"reasoning_start_token_id", "regex", b"regex"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "constraint", b"constraint", "disable_any_whitespace", b"disable_any_whitespace", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "regex", b"regex"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_reasoning_end_token_id", b"_reasoning_end_token_id", "_reasoning_start_token_id", b"_reasoning_start_token_id", "choice", b"choice", "constraint", b"constraint", "disable_any_whitespace", b"disable_any_whitespace", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "reasoning_end_token_id", b"reasoning_end_token_id", "reasoning_start_token_id", b"reasoning_start_token_id", "regex", b"regex"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__reasoning_end_token_id: _TypeAlias = _typing.Literal["reasoning_end_token_id"]  # noqa: Y015
+    _WhichOneofArgType__reasoning_end_token_id: _TypeAlias = _typing.Literal["_reasoning_end_token_id", b"_reasoning_end_token_id"]  # noqa: Y015
+    _WhichOneofReturnType__reasoning_start_token_id: _TypeAlias = _typing.Literal["reasoning_start_token_id"]  # noqa: Y015
+    _WhichOneofArgType__reasoning_start_token_id: _TypeAlias = _typing.Literal["_reasoning_start_token_id", b"_reasoning_start_token_id"]  # noqa: Y015
     _WhichOneofReturnType_constraint: _TypeAlias = _typing.Literal["json_schema", "json_object", "regex", "choice", "grammar"]  # noqa: Y015
     _WhichOneofArgType_constraint: _TypeAlias = _typing.Literal["constraint", b"constraint"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reasoning_end_token_id) -> _WhichOneofReturnType__reasoning_end_token_id | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reasoning_start_token_id) -> _WhichOneofReturnType__reasoning_start_token_id | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType_constraint) -> _WhichOneofReturnType_constraint | None: ...
 
 Global___StructuredOutputs: _TypeAlias = StructuredOutputs  # noqa: Y015
