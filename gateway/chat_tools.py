@@ -24,17 +24,19 @@ from gateway.tools import HermesOutput, ToolCalling, ToolOutput, tool_constraint
 async def chat_job(state: GatewayState, messages: list[dict[str, Any]], options: dict[str, Any],
                    calling: ToolCalling | None, *, request_id: str, param: str = "messages",
                    param_names: dict[str, str] | None = None,
-                   template_kwargs: dict[str, Any] | None = None) -> GenerationJob:
-    """A chat request's validated job: the chat template rendered with `messages` (the
-    template's form, `chat_messages`) and the tools, the sampling `options` as a tool choice
-    changes them, and the tool choice recorded on the job (metric, span attribute)."""
+                   template_kwargs: dict[str, Any] | None = None,
+                   chat_template: str | None = None) -> GenerationJob:
+    """A chat request's validated job: the chat template (the request's own `chat_template` if
+    it sent one) rendered with `messages` (the template's form, `chat_messages`) and the tools,
+    the sampling `options` as a tool choice changes them, and the tool choice recorded on the
+    job (metric, span attribute)."""
     if calling is not None:
         options = options | _tool_options(calling, options, state)
     if state.config.reasoning_parser is not None and state.is_special_text(REASONING_END):
         options = options | {"skip_special_tokens": False}  # the parser reads the tags
     ids = await state.preprocessor.encode_chat(
         messages, param, tools=calling.template_tools() if calling is not None else None,
-        template_kwargs=template_kwargs)
+        template_kwargs=template_kwargs, chat_template=chat_template)
     spec = options.get("structured_outputs")
     if spec is not None and (gate := reasoning_gate(state, ids)) is not None:
         options = options | {"structured_outputs": dataclasses.replace(

@@ -84,6 +84,10 @@ class GatewayConfig:
     # text: `--chat-template` reads the file), for models whose own does not show tools.
     tool_call_parser: str | None = None
     chat_template: str | None = None
+    # vLLM's --trust-request-chat-template: a request may send its own `chat_template` (a Jinja2
+    # template run, sandboxed, in place of the one above). Off: such a request is a 400, since
+    # the template is code the gateway runs and can spend its CPU and memory.
+    trust_request_chat_template: bool = False
     # Reasoning outputs: the parser that splits a thinking model's <think> text off a chat
     # answer into `reasoning` (gateway/reasoning.py; None: the text is all content).
     reasoning_parser: str | None = None
@@ -179,6 +183,10 @@ def add_chat_args(parser: argparse.ArgumentParser, role: str = "") -> None:
                         help=f"{note}a Jinja2 chat template file used in place of the model's "
                              f"(e.g. gateway/chat_templates/chatml_hermes_tools.jinja: ChatML "
                              f"with tools)")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help=f"{note}accept a request's own `chat_template` (a Jinja2 template "
+                             f"the server runs, sandboxed, in place of its own); without it "
+                             f"such a request is refused")
     parser.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                         help=f"{note}parse tool calls out of the model's output, enabling "
                              f"tool_choice \"auto\" (hermes: <tool_call> blocks; llama3_json: "
@@ -200,7 +208,8 @@ def chat_settings(args: argparse.Namespace) -> dict[str, Any]:
         except ValueError as err:
             raise GatewayConfigError(str(err)) from None
     return {"chat_template": template, "tool_call_parser": args.tool_call_parser,
-            "reasoning_parser": args.reasoning_parser}
+            "reasoning_parser": args.reasoning_parser,
+            "trust_request_chat_template": args.trust_request_chat_template}
 
 
 def add_public_security_args(parser: argparse.ArgumentParser, role: str = "") -> None:

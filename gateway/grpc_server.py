@@ -11,7 +11,8 @@ incremental as vLLM streams calls: an `auto` call is sent once its name is known
 arguments as they come); its chunks carry the reasoning as `reasoning`, the content as `text`
 and the calls as `tool_calls` deltas (the token ids unchanged), and what the output's end
 settles comes in a last chunk before the completion's `GenerateComplete`.
-`chat_template_kwargs` reach the chat template, checked as REST's.
+`chat_template_kwargs` reach the chat template, and a request's own `chat_template` replaces
+it (with --trust-request-chat-template), checked as REST's.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from gateway.errors import GatewayError
 from gateway.grpc_tools import (
     call_deltas,
     chat_messages_from_proto,
+    chat_template_from_proto,
     template_kwargs_from_proto,
     tool_calling_from_proto,
 )
@@ -93,12 +95,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         kind = request.WhichOneof("input")
         calling = tool_calling_from_proto(request, state.config.tool_call_parser)
         template_kwargs = template_kwargs_from_proto(request)
+        chat_template = chat_template_from_proto(request)
         request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
         if kind == "chat":
             messages = chat_messages_from_proto(request.chat.messages)
             job = await chat_job(state, messages, _sampling_options(request), calling,
                                  request_id=request_id, param="chat.messages",
-                                 param_names=_PARAM_NAMES, template_kwargs=template_kwargs)
+                                 param_names=_PARAM_NAMES, template_kwargs=template_kwargs,
+                                 chat_template=chat_template)
             return job, calling
         if kind == "text":
             ids = await pre.encode_text(request.text, "text")

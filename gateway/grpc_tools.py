@@ -1,6 +1,6 @@
-"""Chat input over gRPC: `GenerateRequest`'s tools, chat messages and chat template variables
-into what gateway/tools.py and the chat template take, and a choice's tool-call deltas into
-`GenerateChunk.tool_calls`.
+"""Chat input over gRPC: `GenerateRequest`'s tools, chat messages, chat template variables and
+own chat template into what gateway/tools.py and the chat template take, and a choice's
+tool-call deltas into `GenerateChunk.tool_calls`.
 
 The proto fields are turned into OpenAI's JSON form and checked by the same functions as REST
 (`tool_calling_from_request`, `chat_messages`, `check_template_kwargs`), so both front doors
@@ -85,6 +85,17 @@ def template_kwargs_from_proto(request: gateway_pb2.GenerateRequest) -> dict[str
     except ValueError as err:
         raise GatewayError.invalid("chat_template_kwargs",
                                    f"chat_template_kwargs: {err}") from None
+
+
+def chat_template_from_proto(request: gateway_pb2.GenerateRequest) -> str | None:
+    """The request's own `chat_template` (None: unset), for chat input only; the rest of its
+    checks are REST's (`Preprocessor.encode_chat`)."""
+    if not request.HasField("chat_template"):
+        return None
+    if request.WhichOneof("input") != "chat":
+        raise GatewayError.invalid("chat_template", "chat_template needs chat input "
+                                   "(chat.messages): it renders the messages")
+    return request.chat_template
 
 
 def _json(value: struct_pb2.Value) -> Any:

@@ -141,7 +141,10 @@ def build_app(state: GatewayState) -> FastAPI:
         if req.messages is not None:
             ids = await pre.encode_chat(chat_messages(req.messages), tools=(
                 template_tools_from_request(req.model_extra or {})),
-                template_kwargs=req.chat_template_kwargs)
+                template_kwargs=req.chat_template_kwargs, chat_template=req.chat_template)
+        elif req.chat_template is not None:
+            raise GatewayError.invalid("chat_template", "chat_template renders messages; a "
+                                                        "prompt is tokenized as it is")
         else:
             ids = await pre.encode_text(req.prompt or "", "prompt", req.add_special_tokens)
         return JSONResponse({"count": len(ids), "max_model_len": state.config.max_model_len,
@@ -287,7 +290,8 @@ async def _chat_job(req: ChatCompletionRequest, state: GatewayState
     job = await chat_job(state, chat_messages(req.messages), options, calling,
                          request_id=f"chatcmpl-{uuid.uuid4().hex}",
                          param_names={"max_tokens": param, "logprobs": "top_logprobs"},
-                         template_kwargs=req.chat_template_kwargs)
+                         template_kwargs=req.chat_template_kwargs,
+                         chat_template=req.chat_template)
     return job, calling
 
 

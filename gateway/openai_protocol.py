@@ -201,11 +201,17 @@ def check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None
             raise ValueError(f"{key!r} is not a template variable name")
         if key in RESERVED_TEMPLATE_VARIABLES:
             raise ValueError(f"{key!r} is set by the server, not by chat_template_kwargs")
+        if key == "chat_template":
+            raise ValueError("a request's own template is the chat_template field, not a "
+                             "template variable")
     return value
 
 
 class _ChatTemplateFields(_Open):
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's per-request template, in place of the server's: served only with
+    # --trust-request-chat-template, and checked then (`check_request_chat_template`).
+    chat_template: str | None = None
 
     @field_validator("chat_template_kwargs")
     @classmethod

@@ -7,8 +7,9 @@ field and says what is allowed.
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -18,7 +19,12 @@ from gateway.config import GatewayConfig
 from gateway.errors import GatewayError
 from gateway.orchestrator import GenerationJob
 from gateway.structured import structured_to_proto
-from gateway.tokenization import TokenizerLike, check_encodable
+from gateway.tokenization import (
+    TokenizerLike,
+    check_encodable,
+    check_request_chat_template,
+    compile_request_chat_template,
+)
 from protos.limits import MAX_PROMPT_LOGPROBS_BYTES, prompt_logprobs_bytes
 from protos.splitserve.v1 import common_pb2
 
@@ -46,22 +52,48 @@ class Preprocessor:
 
     async def encode_chat(self, messages: list[dict[str, Any]], param: str = "messages",
                           tools: list[dict[str, Any]] | None = None,
-                          template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        """The chat template (the gateway's `--chat-template`, else the model's) rendered with
-        `messages`, `tools` (transformers' form) and the request's `template_kwargs` (its
-        `chat_template_kwargs`, checked by the protocol), tokenized."""
+                          template_kwargs: dict[str, Any] | None = None,
+                          chat_template: str | None = None) -> list[int]:
+        """The chat template rendered with `messages`, `tools` (transformers' form) and the
+        request's `template_kwargs` (its `chat_template_kwargs`, checked by the protocol),
+        tokenized. The template: the request's own `chat_template` (checked here, refused unless
+        the gateway trusts request templates), else the gateway's `--chat-template`, else the
+        model's."""
+        if chat_template is not None:
+            check_request_chat_template(chat_template, self._config.trust_request_chat_template)
         if not messages:
             raise GatewayError.invalid(param, f"{param} must contain at least one message")
         for i, m in enumerate(messages):
             check_encodable(m["content"], f"{param}[{i}].content")
+        text = await self._render(messages, tools, template_kwargs, chat_template,
+                                  param if chat_template is None else "chat_template")
+        # The template already contains the special tokens (BOS, role markers).
+        return await self.encode_text(text, param, add_special_tokens=False)
+
+    async def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                      template_kwargs: dict[str, Any] | None, chat_template: str | None,
+                      param: str) -> str:
+        """The prompt text; a template failure, or nothing rendered, names `param` (the
+        request's template when it sent one: its text failed)."""
+        render = functools.partial(
+            self._tokenizer.apply_chat_template, messages, add_generation_prompt=True,
+            tokenize=False, chat_template=chat_template or self._config.chat_template,
+            tools=tools, **(template_kwargs or {}))
         try:
-            text = self._tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False,
-                chat_template=self._config.chat_template, tools=tools, **(template_kwargs or {}))
+            if chat_template is None:
+                text = render()
+            else:
+                # The client's code: compiled and rendered off the loop, so that a slow one
+                # holds up its own request, not the gateway's other streams.
+                text = await asyncio.to_thread(_compiled_then_rendered, chat_template, render)
+        except GatewayError:
+            raise
         except Exception as err:  # template errors (e.g. role alternation) are the client's
             raise GatewayError.invalid(param, f"{param}: chat template failed: {err}") from None
-        # The template already contains the special tokens (BOS, role markers).
-        return await self.encode_text(str(text), param, add_special_tokens=False)
+        if not text:
+            raise GatewayError.invalid(param, f"{param}: the chat template rendered an empty "
+                                              f"prompt")
+        return str(text)
 
     def check_token_ids(self, ids: Sequence[int], param: str) -> list[int]:
         if not ids:
@@ -136,6 +168,11 @@ class Preprocessor:
                 f"{requested} for {param}); reduce the prompt or {param}",
                 param=param, error_code="context_length_exceeded")
         return requested
+
+
+def _compiled_then_rendered(template: str, render: Callable[[], Any]) -> Any:
+    compile_request_chat_template(template)
+    return render()
 
 
 def _sampling_params(params: dict[str, Any], names: dict[str, str]) -> SamplingParams:

@@ -5,7 +5,8 @@ system message, `input` (a string, or items: messages with text parts, earlier
 `function_call`s and their `function_call_output`s; a `reasoning` item's text goes with the
 assistant turn after it as `reasoning_content`, for the template to show or drop),
 `max_output_tokens`, function `tools` and
-`tool_choice`, `text.format` as `response_format`, and vLLM's `chat_template_kwargs`. The chat
+`tool_choice`, `text.format` as `response_format`, and vLLM's `chat_template_kwargs` and
+`chat_template` (a request's own template, with --trust-request-chat-template). The chat
 path's parsers (reasoning, tool calls) then shape the output, which `ResponseWriter` turns into
 output items — a `reasoning` item, a `message` with one `output_text` part, `function_call`
 items — either whole or as the stream's events (`response.created` … `response.completed`,
@@ -99,7 +100,8 @@ class ResponsesRequest(_ChatTemplateFields):
         body: dict[str, Any] = {"model": self.model, "messages": messages}
         for ours, chat in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"),
                            ("top_p", "top_p"), ("parallel_tool_calls", "parallel_tool_calls"),
-                           ("chat_template_kwargs", "chat_template_kwargs")):
+                           ("chat_template_kwargs", "chat_template_kwargs"),
+                           ("chat_template", "chat_template")):
             if getattr(self, ours) is not None:
                 body[chat] = getattr(self, ours)
         if self.tools:

@@ -94,6 +94,47 @@ def load_chat_template(path: str) -> str:
     return text
 
 
+# A request's own template (`chat_template`, with --trust-request-chat-template): far above real
+# templates (a few KiB; the largest published ones, with tool formats, under 20), well under a
+# file's limit: compiling a new one costs about 10 ms per KiB.
+MAX_REQUEST_CHAT_TEMPLATE_BYTES = 64 << 10
+
+
+def check_request_chat_template(template: str, trusted: bool, param: str = "chat_template"
+                                ) -> None:
+    """A request's own chat template (vLLM's `chat_template` field) allowed: the gateway trusts
+    request templates, and it is non-empty UTF-8 of at most `MAX_REQUEST_CHAT_TEMPLATE_BYTES`.
+    GatewayError (INVALID_ARGUMENT) naming `param` otherwise."""
+    if not trusted:
+        raise GatewayError.invalid(param, (
+            f"{param}: this server does not accept a request's own chat template; start the "
+            f"gateway with --trust-request-chat-template to allow it (the template is code the "
+            f"server runs)"))
+    if not template:
+        raise GatewayError.invalid(param, f"{param} is empty (omit it to use the server's chat "
+                                          f"template)")
+    check_encodable(template, param)
+    size = len(template.encode("utf-8"))
+    if size > MAX_REQUEST_CHAT_TEMPLATE_BYTES:
+        raise GatewayError.invalid(param, f"{param} is {size} bytes; the limit is "
+                                          f"{MAX_REQUEST_CHAT_TEMPLATE_BYTES} bytes")
+
+
+def compile_request_chat_template(template: str, param: str = "chat_template") -> None:
+    """Compile a request's template in the server templates' sandbox (`compile_template`, whose
+    LRU cache keyed by the text keeps it for the next request sending it and for the render).
+    Blocking (a new long template takes a while): call it off the event loop. GatewayError
+    (INVALID_ARGUMENT) naming `param` when it does not compile."""
+    from engine.chat_template import ChatTemplateError, compile_template
+
+    try:
+        compile_template(template)
+    except ChatTemplateError as err:
+        raise GatewayError.invalid(param, f"{param}: {err}") from None
+    except Exception as err:  # jinja2 may raise others on odd input (RecursionError): never a 500
+        raise GatewayError.invalid(param, f"{param} does not compile: {err}") from None
+
+
 def make_detokenizer(tokenizer: TokenizerLike, prompt_token_ids: Sequence[int], *,
                      skip_special_tokens: bool, stop: Sequence[str],
                      include_stop_str_in_output: bool) -> DetokenizerLike:

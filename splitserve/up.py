@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "model gives way to n-gram lookup")
     p.add_argument("--chat-template", default=None,
                    help="gateway: a Jinja2 chat template file used in place of the model's")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="gateway: accept a request's own chat_template (code the server runs)")
     p.add_argument("--tool-call-parser", default=None,
                    help="gateway: parse tool calls out of the output (hermes, llama3_json), "
                         "enabling tool_choice \"auto\"")
@@ -192,6 +194,8 @@ def service_argv(args: argparse.Namespace, engine_args: list[str]) -> dict[str, 
         gw += ["--speculative-draft-max-load", str(args.speculative_draft_max_load)]
     if args.chat_template:
         gw += ["--chat-template", str(Path(args.chat_template).resolve())]
+    if args.trust_request_chat_template:
+        gw += ["--trust-request-chat-template"]
     if args.tool_call_parser:
         gw += ["--tool-call-parser", args.tool_call_parser]
     if args.reasoning_parser:
