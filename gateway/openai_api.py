@@ -45,7 +45,7 @@ from gateway.openai_protocol import (
 )
 from gateway.orchestrator import Event, Finished, GenerationJob, TokenDelta, usage_totals
 from gateway.reasoning import ChatOutput
-from gateway.responses_api import ResponsesRequest, ResponseWriter, responses_paths
+from gateway.responses_api import ResponsesPaths, ResponsesRequest, ResponseWriter
 from gateway.state import GatewayState
 from gateway.tools import (
     ToolCalling,
@@ -107,13 +107,15 @@ def build_app(state: GatewayState) -> FastAPI:
         body = await _read_json(request, state)
         req = parse_request(ResponsesRequest, body)
         _check_model(req.model, state)
+        paths = ResponsesPaths()  # until the input is converted (its errors name its items)
         try:
-            chat = parse_request(ChatCompletionRequest, req.chat_body())
+            body, paths = req.chat_body()
+            chat = parse_request(ChatCompletionRequest, body)
             if chat.n != 1:
                 raise GatewayError.invalid("n", "n: a response has one output")
             job, calling = await _chat_job(chat, state)
-        except GatewayError as err:  # named as the Responses API names the field
-            raise err.renamed(responses_paths) from None
+        except GatewayError as err:  # named as the request names the field (an input item)
+            raise err.renamed(paths) from None
         view = _View(job.request_id, "chat.completion", state, [job], include_usage=False,
                      continuous_usage=False, chat=True, num_top=0, tool_calling=calling,
                      stream=req.stream)
@@ -629,7 +631,7 @@ async def _response_events(view: _View, writer: ResponseWriter, first: Event,
         for e in writer.finish(finish_reason, view.usage()):
             yield _typed(e)
     except GatewayError as err:
-        err = err.renamed(responses_paths)
+        err = err.renamed(ResponsesPaths())
         yield _typed(writer.error(err.message, err.error_code or err.http_status, err.param))
     finally:
         await events.aclose()

@@ -12,6 +12,9 @@ output items — a `reasoning` item, a `message` with one `output_text` part, `f
 items — either whole or as the stream's events (`response.created` … `response.completed`,
 each with its `sequence_number`), one writer for both so the two agree.
 
+Errors the chat path finds name the request's fields: a chat message's path as the input item
+(or `instructions`) it came from (`ResponsesPaths`).
+
 Responses are not stored: `previous_response_id`, `conversation`, `background` and item
 references are refused (400), as are fields this server cannot honour (non-function tools,
 image or file inputs, `reasoning.effort`, `truncation: "auto"`, `max_tool_calls`,
@@ -85,19 +88,20 @@ class ResponsesRequest(_ChatTemplateFields):
                                        "chat_template_kwargs switch a model's thinking (e.g. "
                                        "Qwen3's enable_thinking)")
 
-    def chat_body(self) -> dict[str, Any]:
-        """The equivalent chat completion request's JSON body."""
+    def chat_body(self) -> tuple[dict[str, Any], ResponsesPaths]:
+        """The equivalent chat completion request's JSON body, and how this request names the
+        body's field paths (for the chat path's errors: `GatewayError.renamed`)."""
         self.check_supported()
-        messages: list[dict[str, Any]] = []
+        turns = _Turns()
         if self.instructions:
-            messages.append({"role": "system", "content": self.instructions})
+            turns.append({"role": "system", "content": self.instructions}, "instructions",
+                         {"content": ""})
         if isinstance(self.input, str):
-            messages.append({"role": "user", "content": self.input})
+            turns.append({"role": "user", "content": self.input}, "input", {"content": ""})
         else:
-            turns = _Turns(messages)
             for i, item in enumerate(self.input):
                 turns.add(item, f"input.{i}")
-        body: dict[str, Any] = {"model": self.model, "messages": messages}
+        body: dict[str, Any] = {"model": self.model, "messages": turns.messages}
         for ours, chat in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"),
                            ("top_p", "top_p"), ("parallel_tool_calls", "parallel_tool_calls"),
                            ("chat_template_kwargs", "chat_template_kwargs"),
@@ -115,7 +119,7 @@ class ResponsesRequest(_ChatTemplateFields):
         for key, value in (self.model_extra or {}).items():
             if key not in body and key not in _RESPONSES_ONLY:
                 body[key] = value
-        return body
+        return body, ResponsesPaths(turns.origins)
 
 
 # Fields of the Responses API with no chat counterpart that change nothing here.
@@ -141,13 +145,24 @@ def _text_of(content: Any, param: str) -> str:
     return "".join(texts)
 
 
+# A chat message's and a tool call's fields named otherwise in the input item they came from
+# ("": the item itself).
+_OUTPUT_FIELDS = {"content": "output", "tool_call_id": "call_id"}
+_CALL_FIELDS = {"id": "call_id", "function": "", "function.name": "name",
+                "function.arguments": "arguments"}
+
+
 class _Turns:
     """Input items → chat messages. A `reasoning` item's text goes with the assistant turn right
     after it (`reasoning_content`; the template decides whether to show it) and is dropped
-    before anything else."""
+    before anything else. `origins` maps each message's chat path (`messages.3`, a merged call's
+    `messages.3.tool_calls.1`, their fields) to where the request has it (`input.5`,
+    `input.5.arguments`, `instructions`): indices differ once `instructions` adds a message or
+    several `function_call` items make one turn."""
 
-    def __init__(self, messages: list[dict[str, Any]]) -> None:
-        self.messages = messages
+    def __init__(self) -> None:
+        self.messages: list[dict[str, Any]] = []
+        self.origins: dict[str, str] = {}
         self._reasoning: str | None = None
 
     def add(self, item: Any, param: str) -> None:
@@ -160,9 +175,9 @@ class _Turns:
             if role not in ("user", "system", "developer", "assistant"):
                 raise GatewayError.invalid(f"{param}.role", f"{param}.role must be user, "
                                            f"system, developer or assistant (got {role!r})")
-            self._append({"role": "system" if role == "developer" else role,
-                          "content": _text_of(item.get("content"), f"{param}.content")},
-                         reasoning)
+            self.append({"role": "system" if role == "developer" else role,
+                         "content": _text_of(item.get("content"), f"{param}.content")},
+                        param, reasoning=reasoning)
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
@@ -171,11 +186,14 @@ class _Turns:
                     and last.get("tool_calls")):
                 last["tool_calls"].append(call)  # parallel calls: one assistant turn
             else:
-                self._append({"role": "assistant", "content": None, "tool_calls": [call]},
-                             reasoning)
+                self.append({"role": "assistant", "content": None, "tool_calls": [call]},
+                            param, reasoning=reasoning)
+            self._name(f"messages.{len(self.messages) - 1}.tool_calls."
+                       f"{len(self.messages[-1]['tool_calls']) - 1}", param, _CALL_FIELDS)
         elif kind == "function_call_output":
-            self._append({"role": "tool", "tool_call_id": item.get("call_id"),
-                          "content": _text_of(item.get("output"), f"{param}.output")}, None)
+            self.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                         "content": _text_of(item.get("output"), f"{param}.output")},
+                        param, _OUTPUT_FIELDS)
         elif kind == "reasoning":
             parts = item.get("content") or []
             self._reasoning = "".join(
@@ -186,10 +204,18 @@ class _Turns:
                                        f"{kind!r} are not supported (messages, function_call, "
                                        "function_call_output, reasoning)")
 
-    def _append(self, message: dict[str, Any], reasoning: str | None) -> None:
+    def append(self, message: dict[str, Any], origin: str, fields: dict[str, str] | None = None,
+               *, reasoning: str | None = None) -> None:
+        """Add `message`, which the request has at `origin` (its `fields` named as there)."""
         if reasoning and message["role"] == "assistant":
             message["reasoning_content"] = reasoning
+        self._name(f"messages.{len(self.messages)}", origin, fields or {})
         self.messages.append(message)
+
+    def _name(self, path: str, origin: str, fields: dict[str, str]) -> None:
+        self.origins[path] = origin
+        for chat, ours in fields.items():
+            self.origins[f"{path}.{chat}"] = f"{origin}.{ours}" if ours else origin
 
 
 def _chat_tool(tool: Any, param: str) -> dict[str, Any]:
@@ -223,14 +249,35 @@ def _response_format(fmt: Any) -> dict[str, Any]:
 # Chat request fields as the Responses API names them (for error messages).
 _PATHS = ((re.compile(r"\bmax_tokens\b"), "max_output_tokens"),
           (re.compile(r"\bresponse_format\b"), "text.format"),
-          (re.compile(r"(?<![\w.])messages(?=[.\[])"), "input"))
+          (re.compile(r"(?<![\w.])messages(?=[.\[:]|$)"), "input"))  # the list as a whole
+# A path into one chat message, as the chat checks write it: `messages.3.tool_calls.1.id`,
+# `messages[3].content`.
+_MESSAGE_PATH = re.compile(r"(?<![\w.])messages(?:\.(\d+)|\[(\d+)\])((?:\.\w+)*)")
 
 
-def responses_paths(text: str) -> str:
-    """The chat request's field paths in `text` as the Responses API names them."""
-    for pattern, replacement in _PATHS:
-        text = pattern.sub(replacement, text)
-    return text
+class ResponsesPaths:
+    """The chat request's field paths in a text (an error's message or param) as a Responses
+    request names them: a chat message's path as the request field it came from (`_Turns`'
+    `origins`: `input.5.arguments` for `messages.3.tool_calls.1.function.arguments`), then the
+    other fields (`max_tokens` → `max_output_tokens`, ...). Without origins (before or apart
+    from converting the input), `messages.N` is `input.N`."""
+
+    def __init__(self, origins: dict[str, str] | None = None) -> None:
+        self._origins = origins or {}
+
+    def __call__(self, text: str) -> str:
+        text = _MESSAGE_PATH.sub(self._origin, text)
+        for pattern, replacement in _PATHS:
+            text = pattern.sub(replacement, text)
+        return text
+
+    def _origin(self, match: re.Match[str]) -> str:
+        parts = ["messages", match[1] or match[2], *match[3].split(".")[1:]]
+        for n in range(len(parts), 1, -1):  # the longest path with a known origin
+            origin = self._origins.get(".".join(parts[:n]))
+            if origin is not None:
+                return ".".join([origin, *parts[n:]])
+        return ".".join(["input", *parts[1:]])
 
 
 # -- the output --------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 whose fake workers play a scripted output, read by the real `openai` client: `responses.create`
 (whole), `responses.stream` (the SDK's own accumulator checks the event sequence and rebuilds the
 response), input items reaching the prompt, reasoning and function-call items, structured
-output, and the 400s for what is not served.
+output, the 400s for what is not served, and errors naming the input item at fault (not the
+chat message it became).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import openai
 import pytest
 from gateway_fakes import MODEL_NAME, Harness, Script, smollm2_tokenizer
 from openai import OpenAI
+
+from gateway.responses_api import ResponsesPaths
 
 ANSWER = "Paris is the capital of France."
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n"
@@ -169,3 +172,51 @@ def test_what_is_not_served_is_refused(gw: Harness, body: dict[str, Any], param:
     assert error["param"] == param and words in error["message"], error
     with pytest.raises(openai.BadRequestError):
         _client(gw).responses.create(model=MODEL_NAME, input="x", extra_body=body)
+
+
+def _call(call_id: str, arguments: str = '{"city": "Oslo"}', **fields: Any) -> dict[str, Any]:
+    return {"type": "function_call", "call_id": call_id, "name": "get_weather",
+            "arguments": arguments, **fields}
+
+
+def _output(call_id: str, output: str = "12 C") -> dict[str, Any]:
+    return {"type": "function_call_output", "call_id": call_id, "output": output}
+
+
+ASK = {"role": "user", "content": "Weather in Oslo and Bergen?"}
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    # `instructions` is chat message 0: each input item is one message further on.
+    ({"instructions": "Be brief.", "input": [ASK, _call("c1", "not json")]}, "input.1.arguments"),
+    ({"instructions": "Be brief.", "input": [ASK, {"role": "user", "content": "\ud800"}]},
+     "input.1.content"),
+    # Two function_call items make one assistant turn: the items after it are one message back.
+    ({"input": [ASK, _call("c1"), _call("c2"), _output("c1"), _output("c2"),
+                _call("c3", "not json")]}, "input.5.arguments"),
+    ({"input": [ASK, _call("c1"), _call("c2"), _output("c1"), _output("c2", "\ud800")]},
+     "input.4.output"),
+    ({"input": [ASK, _call("c1"), _call("c2", name=None)]}, "input.2.name"),  # in the merged turn
+    ({"instructions": "Be brief.", "input": [ASK, _call("c1"), {**_call("c2"), "call_id": 7}]},
+     "input.2.call_id"),
+])
+def test_errors_name_the_input_item(gw: Harness, body: dict[str, Any], param: str) -> None:
+    """An error the chat path finds names the input item it came from (and its field as the
+    item has it), not the chat message the item became."""
+    r = httpx.post(f"{gw.base_url}/v1/responses", timeout=10,
+                   headers={"content-type": "application/json"},
+                   content=json.dumps({"model": MODEL_NAME, **body}))  # \ud800 escaped
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"].startswith(param), error
+
+
+def test_paths_without_an_item_name_the_input() -> None:
+    """The chat path's errors about the messages as a whole (a template's refusal) name
+    `input`; prose is left alone."""
+    paths = ResponsesPaths()
+    assert paths("messages") == "input"
+    assert paths("messages: chat template failed") == "input: chat template failed"
+    assert paths("messages must contain at least one message") == (
+        "messages must contain at least one message")
+    assert paths("messages[2].content, max_tokens") == "input.2.content, max_output_tokens"
