@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,14 +58,14 @@ def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     return byte_level  # "gpt2", "default" and unknown types: llama.cpp's GPT-2 regex
 
 
-def gguf_backend(meta: dict[str, Any], path: str) -> BackendTokenizer:
+def gguf_backend(meta: Mapping[str, Any], path: str) -> BackendTokenizer:
     """An HF `tokenizers` byte-level BPE equivalent to the GGUF `tokenizer.ggml.*` metadata."""
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise ModelLoadError(f"{path}: GGUF tokenizer.ggml.model {kind!r} is not supported; "
                              "supported: 'gpt2' (byte-level BPE)")
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    tokens: Sequence[str] = meta["tokenizer.ggml.tokens"]
+    types: Sequence[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     alphabet = set(_bytes_to_unicode().values())
     spell = _bytes_to_unicode()
     vocab: dict[str, int] = {}
@@ -129,12 +129,11 @@ class Tokenizer:
 
     @classmethod
     def _from_gguf(cls, path: str) -> Tokenizer:
-        from engine.loader.gguf_meta import open_gguf
+        from engine.loader.gguf_meta import read_metadata
 
-        reader = open_gguf(path)
-        meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+        meta = read_metadata(path).values
         backend = gguf_backend(meta, path)
-        tokens: list[str] = meta["tokenizer.ggml.tokens"]
+        tokens: Sequence[str] = meta["tokenizer.ggml.tokens"]
 
         def tok(key: str) -> str | None:
             i = meta.get(f"tokenizer.ggml.{key}")

@@ -236,11 +236,14 @@ def test_model_layers_dispatch_one_row_to_gemv(with_bias: bool) -> None:
 
     torch.manual_seed(0)
     fast, plain = Linear(48, 40, with_bias, use_gemv=True), Linear(48, 40, with_bias)
-    plain.load_state_dict(fast.state_dict())
     cfg = SimpleNamespace(hidden_size=48, intermediate_size=24, mlp_bias=with_bias)
     mlp_fast = LlamaMLP(cfg, use_triton=True, use_gemv=True)  # type: ignore[arg-type]
     mlp_plain = LlamaMLP(cfg, use_triton=False)  # type: ignore[arg-type]
     assert mlp_fast.use_gemv and not mlp_plain.use_gemv
+    with torch.no_grad():  # `Linear` leaves its parameters uninitialised (a model loads them)
+        for p in (*fast.parameters(), *mlp_fast.parameters()):
+            p.normal_(0.0, 0.2)
+    plain.load_state_dict(fast.state_dict())
     mlp_plain.load_state_dict(mlp_fast.state_dict())
     with torch.no_grad():
         for rows in (1, 3):

@@ -432,6 +432,36 @@ def test_gguf_reader_reads_what_the_stock_reader_reads() -> None:
         assert np.array_equal(got_t.data, want_t.data), got_t.name
 
 
+def test_gguf_metadata_is_read_once_per_version_of_the_file(tmp_path: Path) -> None:
+    """`read_metadata` holds every field's value as the stock reader decodes it; the weights'
+    reader that skips the fields (to where the metadata said the tensors start) has the same
+    tensors as the stock reader; a changed file is read again."""
+    from engine.loader.gguf_meta import open_gguf, read_metadata
+
+    path = str(tmp_path / "model.gguf")
+    shutil.copyfile(default_model_path(), path)
+    stock = gguf.GGUFReader(path, "r")
+    meta = read_metadata(path)
+    assert read_metadata(path) is meta
+    assert list(meta.values) == list(stock.fields)
+    for key, field in stock.fields.items():
+        want = field.contents()
+        assert meta.values[key] == (tuple(want) if isinstance(want, list) else want), key
+    assert meta.tensor_names == {t.name for t in stock.tensors}
+    skipping = open_gguf(path, meta)
+    assert list(skipping.fields) == ["GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"] + (
+        ["general.alignment"] if "general.alignment" in stock.fields else [])
+    assert skipping.data_offset == stock.data_offset
+    for got_t, want_t in zip(skipping.tensors, stock.tensors, strict=True):
+        assert (got_t.name, got_t.tensor_type, got_t.data_offset, got_t.n_bytes) == (
+            want_t.name, want_t.tensor_type, want_t.data_offset, want_t.n_bytes)
+        assert np.array_equal(got_t.data, want_t.data), got_t.name
+    del stock, skipping
+    with open(path, "ab") as f:  # another version of the file: its metadata is read again
+        f.write(b"\0" * 64)
+    assert read_metadata(path) is not meta
+
+
 # ---- dummy --------------------------------------------------------------------------------------
 
 def test_dummy_presets() -> None:

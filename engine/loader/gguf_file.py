@@ -12,7 +12,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.loader.errors import ModelLoadError
-from engine.loader.gguf_meta import field_value, hf_config_dict, open_gguf
+from engine.loader.gguf_meta import field_value, hf_config_dict, open_gguf, read_metadata
 from engine.loader.source import ModelSource, check_weight_names
 
 # llama.cpp tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
@@ -92,7 +92,8 @@ def _llama3_rope_scaling(freqs: np.ndarray, head_dim: int, theta: float,
 
 
 def _iter_weights(path: str, config: ModelConfig, permuted: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    reader = open_gguf(path)  # re-open per stream: the memmap is released when the stream ends
+    # Re-opened per stream (the memmap is released when the stream ends), past the metadata.
+    reader = open_gguf(path, read_metadata(path))
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
@@ -109,11 +110,12 @@ def _iter_weights(path: str, config: ModelConfig, permuted: bool) -> Iterator[tu
 
 def load_gguf(path: str, weights_id: str) -> ModelSource:
     """ModelSource for GGUF file `path` (validated up front; weights dequantized lazily)."""
-    reader = open_gguf(path)
-    d = hf_config_dict(reader, path)
-    names = {t.name for t in reader.tensors}
+    meta = read_metadata(path)
+    d = hf_config_dict(meta, path)
+    names = meta.tensor_names
     if "rope_freqs.weight" in names and d["rope_scaling"] is None:
-        freqs = next(dequantize(t) for t in reader.tensors if t.name == "rope_freqs.weight")
+        freqs = next(dequantize(t) for t in open_gguf(path).tensors
+                     if t.name == "rope_freqs.weight")
         d["rope_scaling"] = _llama3_rope_scaling(freqs, d["head_dim"], d["rope_theta"], path)
     config = ModelConfig.from_hf_dict(d, weights_id=weights_id)
     unknown = sorted(n for n in names if hf_name(n) is None and n not in _IGNORED)
@@ -128,7 +130,7 @@ def load_gguf(path: str, weights_id: str) -> ModelSource:
         config=config,
         weights=lambda: _iter_weights(path, config, permuted),
         tokenizer_source=path,
-        chat_template=field_value(reader, "tokenizer.chat_template"),
+        chat_template=field_value(meta, "tokenizer.chat_template"),
         generation_config=generation,
         default_dtype=torch.float32,
     )

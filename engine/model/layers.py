@@ -33,7 +33,15 @@ def gemv_enabled() -> bool:
 class Linear(nn.Linear):
     """`nn.Linear` whose one-row inputs (batch-1 decode) run through the Triton GEMV when
     `use_gemv` is set (engine/kernels/gemv.py). The weight layout and `load_weights` are
-    unchanged."""
+    unchanged.
+
+    Its parameters start uninitialised: a model's are all loaded or filled right after it is
+    built (`LlamaForCausalLM.load_weights` / `init_dummy_weights` check or cover every one), and
+    `nn.Linear`'s random init of weights about to be overwritten took a second of SmolLM2's
+    start on a 2-core CPU."""
+
+    def reset_parameters(self) -> None:
+        pass
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
                  use_gemv: bool = False) -> None:
