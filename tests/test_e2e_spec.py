@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
@@ -44,7 +43,13 @@ from engine.loader.load import default_model_path  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 from gateway.config import GatewayConfig  # noqa: E402
 from gateway.server import GatewayServer  # noqa: E402
-from protos.splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc  # noqa: E402
+from protos.splitserve.v1 import (  # noqa: E402
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    gateway_pb2,
+    gateway_pb2_grpc,
+)
 from serving.server import WorkerHandle, start_worker  # noqa: E402
 
 pytest_plugins = ["e2e_stack"]
@@ -232,19 +237,26 @@ def test_gateway_turns_speculation_off_under_load(
     target = f"{HOST}:{gateway.grpc_port}"
     assert gateway.state is not None
     decode_worker = gateway.state.router.decode.workers[0]
+    long_request = gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=prompt_ids[:8]),
+                                               sampling=greedy_sampling(400))
     try:
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            # 200 tokens each (EOS ignored): seconds on this CPU, the third is routed in ms
-            # once both are in flight. Their own deadline is generous: on a slow, shared
-            # 2-core machine 2 x 400 tokens once ran past 120 s (2026-12-02).
-            long_ones = [pool.submit(generate, target, prompt_ids[:8], 200, 4 * RPC_TIMEOUT_S)
+        with grpc.insecure_channel(target) as channel:
+            # Two long streams (400 tokens, EOS ignored: far longer than the third request),
+            # each read to its first chunk, so both are in flight on the worker; cancelled once
+            # the third has been routed and answered, which ends them as finishing would.
+            stub_gw = gateway_pb2_grpc.GatewayStub(channel)
+            long_ones = [stub_gw.Generate(long_request, timeout=4 * RPC_TIMEOUT_S)
                          for _ in range(2)]
-            deadline = time.monotonic() + RPC_TIMEOUT_S
-            while decode_worker.in_flight < 2:
-                assert time.monotonic() < deadline, "the two long requests were never routed"
-                time.sleep(0.01)
+            for call in long_ones:
+                assert next(call).WhichOneof("response") == "chunk"
+            assert decode_worker.in_flight == 2
             assert _gateway_generate(gateway, prompt_ids) == plain_tokens
-            assert [len(f.result().token_ids) for f in long_ones] == [200, 200]
+            for call in long_ones:
+                call.cancel()
+        deadline = time.monotonic() + RPC_TIMEOUT_S
+        while decode_worker.in_flight:
+            assert time.monotonic() < deadline, "the cancelled streams are still counted"
+            time.sleep(0.01)
         assert _decisions(gateway) == {"draft_model": 0.0, "ngram": 2.0, "default": 0.0,
                                        "off": 1.0}
         before = _drafts(stub)[0]
@@ -271,8 +283,9 @@ def test_disagg_with_speculation_equals_colocated(disagg_spec_stack: Stack,
                                                   prompts: list[list[int]]) -> None:
     """DESIGN.md §2's oracle holds with speculative decoding on the decode worker: the KV pulled
     from the prefill worker, then verify steps; greedy tokens equal colocated plain decoding."""
-    chosen = [p for p in prompts if len(p) > 40][:4]  # the long ones repeat their own lines
-    want = generate_many(colocated_stack.grpc_target, chosen, 32, concurrent=False)
+    chosen = [p for p in prompts if len(p) > 40][:3]  # the long ones repeat their own lines
+    # The oracle batched (colocated batched = one by one: test_e2e_disagg.py).
+    want = generate_many(colocated_stack.grpc_target, chosen, 32, concurrent=True)
     got = generate_many(disagg_spec_stack.grpc_target, chosen, 32, concurrent=True)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     decode = disagg_spec_stack.workers["decode"].aengine
@@ -299,7 +312,7 @@ def test_disagg_with_a_draft_model_equals_colocated(disagg_draft_stack: Stack,
     worker, its draft computes the prompt on the first proposal; greedy tokens equal colocated
     plain decoding's, and the target as its own draft has its drafts accepted."""
     chosen = prompts[:3]
-    want = generate_many(colocated_stack.grpc_target, chosen, 24, concurrent=False)
+    want = generate_many(colocated_stack.grpc_target, chosen, 24, concurrent=True)
     got = generate_many(disagg_draft_stack.grpc_target, chosen, 24, concurrent=True)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
     decode = disagg_draft_stack.workers["decode"].aengine
