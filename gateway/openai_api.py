@@ -148,7 +148,8 @@ def build_app(state: GatewayState) -> FastAPI:
             raise GatewayError.invalid("chat_template", "chat_template renders messages; a "
                                                         "prompt is tokenized as it is")
         else:
-            ids = await pre.encode_text(req.prompt or "", "prompt", req.add_special_tokens)
+            ids = await pre.encode_text(req.prompt or "", "prompt", req.add_special_tokens,
+                                        allow_empty=True)
         return JSONResponse({"count": len(ids), "max_model_len": state.config.max_model_len,
                              "tokens": ids})
 

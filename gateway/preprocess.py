@@ -42,13 +42,21 @@ class Preprocessor:
         self._vocab_size = vocab_size
 
     # -- prompt ----------------------------------------------------------------------------
-    async def encode_text(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    async def encode_text(self, text: str, param: str, add_special_tokens: bool = True,
+                          allow_empty: bool = False) -> list[int]:
+        """`text`'s token ids; a prompt that encodes to none is refused unless `allow_empty`
+        (/tokenize)."""
         check_encodable(text, param)
         if len(text) > self._config.max_body_bytes:
             raise GatewayError.invalid(param, f"{param} is longer than the request size limit")
         if len(text) <= _INLINE_ENCODE_CHARS:
-            return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return await asyncio.to_thread(self._tokenizer.encode, text, add_special_tokens)
+            ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        else:
+            ids = await asyncio.to_thread(self._tokenizer.encode, text, add_special_tokens)
+        if not ids and not allow_empty:  # a worker has nothing to compute (vLLM refuses it too)
+            raise GatewayError.invalid(param, f"{param} must not be empty: it encodes to no "
+                                              f"tokens")
+        return ids
 
     async def encode_chat(self, messages: list[dict[str, Any]], param: str = "messages",
                           tools: list[dict[str, Any]] | None = None,

@@ -92,6 +92,7 @@ def test_generate_passes_logit_bias_and_allowed_token_ids(gw: Harness, channel: 
     ({"token_ids": gateway_pb2.TokenIds(ids=[4, 10**6])}, grpc.StatusCode.INVALID_ARGUMENT,
      ["token_ids.ids[1]"]),
     ({"text": "x", "model": "other"}, grpc.StatusCode.NOT_FOUND, ["other"]),
+    ({"text": ""}, grpc.StatusCode.INVALID_ARGUMENT, ["text must not be empty"]),
     ({"text": "x", "n": 50}, grpc.StatusCode.INVALID_ARGUMENT, ["n must be at most"]),
     ({"text": "x", "sampling": common_pb2.SamplingParams(temperature=-1)},
      grpc.StatusCode.INVALID_ARGUMENT, ["sampling.temperature"]),

@@ -371,6 +371,8 @@ MSG = [{"role": "user", "content": "hi"}]
     (CMPL, {"model": MODEL_NAME, "prompt": "x", "logit_bias": [1]}, 400, ["logit_bias"]),
     (CMPL, {"model": MODEL_NAME, "prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}},
      400, ["logit_bias", "at most 1024", "1025"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": ""}, 400, ["prompt", "must not be empty"]),
+    (CMPL, {"model": MODEL_NAME, "prompt": ["x", ""]}, 400, ["prompt", "must not be empty"]),
     (CMPL, {"model": MODEL_NAME, "prompt": "x", "allowed_token_ids": []}, 400,
      ["allowed_token_ids", "non-empty"]),
     (CMPL, {"model": MODEL_NAME, "prompt": "x", "allowed_token_ids": [5, 49152]}, 400,
@@ -534,6 +536,9 @@ def test_tokenize_and_detokenize(gw: Harness, client: OpenAI) -> None:
     assert bare["tokens"] == tok.encode(TEXT, add_special_tokens=False)
     back = _post(gw, "/detokenize", {"model": MODEL_NAME, "tokens": bare["tokens"]}).json()
     assert back == {"prompt": TEXT}
+    # An empty prompt tokenizes (to nothing, SmolLM2 adding no BOS) where a completion refuses it.
+    empty = _post(gw, "/tokenize", {"prompt": "", "add_special_tokens": False}).json()
+    assert empty["tokens"] == [] and empty["count"] == 0
     # Chat messages: the same ids a chat completion sends to the prefill worker.
     chat = _post(gw, "/tokenize", {"messages": MSG}).json()["tokens"]
     client.chat.completions.create(model=MODEL_NAME, messages=MSG, max_tokens=1)  # type: ignore[arg-type]
