@@ -91,6 +91,11 @@ class GatewayConfig:
     # Reasoning outputs: the parser that splits a thinking model's <think> text off a chat
     # answer into `reasoning` (gateway/reasoning.py; None: the text is all content).
     reasoning_parser: str | None = None
+    # Stored responses of the Responses API (gateway/response_store.py), in this process's
+    # memory: at most this many, of at most this many bytes together (their JSON), the least
+    # recently used out first. 0 (either): nothing is stored; `store: true` is taken as false.
+    responses_store_max_entries: int = 1024
+    responses_store_max_bytes: int = 64 << 20
     load_poll_interval_s: float = 1.0         # router GetLoad period
     load_poll_timeout_s: float = 1.0
     shutdown_grace_s: float = 10.0            # drain time for in-flight requests on shutdown
@@ -131,6 +136,11 @@ class GatewayConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise GatewayConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("responses_store_max_entries", "responses_store_max_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise GatewayConfigError(f"{name} must be an integer >= 0 (0: store no "
+                                         f"responses), got {value!r}")
         for name in ("request_timeout_s", "load_poll_interval_s", "load_poll_timeout_s"):
             if getattr(self, name) <= 0:
                 raise GatewayConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
@@ -176,9 +186,11 @@ class GatewayConfig:
 
 
 def add_chat_args(parser: argparse.ArgumentParser, role: str = "") -> None:
-    """The flags of chat rendering and tool calling, for every process that serves the REST
-    API (the gateway role and the colocated role's in-process gateway)."""
+    """The flags of chat rendering, tool calling and the Responses API's store, for every
+    process that serves the REST API (the gateway role and the colocated role's in-process
+    gateway)."""
     note = f"{role}: " if role else ""
+    d = GatewayConfig.__dataclass_fields__
     parser.add_argument("--chat-template", default=None,
                         help=f"{note}a Jinja2 chat template file used in place of the model's "
                              f"(e.g. gateway/chat_templates/chatml_hermes_tools.jinja: ChatML "
@@ -195,6 +207,15 @@ def add_chat_args(parser: argparse.ArgumentParser, role: str = "") -> None:
                         help=f"{note}split a thinking model's <think>...</think> text off chat "
                              f"answers into `reasoning` (deepseek_r1: the output starts in it; "
                              f"qwen3: when it starts with <think> or the prompt left one open)")
+    parser.add_argument("--responses-store-max-entries", type=int,
+                        default=d["responses_store_max_entries"].default,
+                        help=f"{note}responses (POST /v1/responses with store) kept in memory "
+                             f"for GET /v1/responses/ID and previous_response_id, least "
+                             f"recently used out first (0: none; store is then taken as false)")
+    parser.add_argument("--responses-store-max-bytes", type=int,
+                        default=d["responses_store_max_bytes"].default,
+                        help=f"{note}bytes of stored responses (their JSON with their "
+                             f"conversations) kept in memory (0: none)")
 
 
 def chat_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -209,7 +230,9 @@ def chat_settings(args: argparse.Namespace) -> dict[str, Any]:
             raise GatewayConfigError(str(err)) from None
     return {"chat_template": template, "tool_call_parser": args.tool_call_parser,
             "reasoning_parser": args.reasoning_parser,
-            "trust_request_chat_template": args.trust_request_chat_template}
+            "trust_request_chat_template": args.trust_request_chat_template,
+            "responses_store_max_entries": args.responses_store_max_entries,
+            "responses_store_max_bytes": args.responses_store_max_bytes}
 
 
 def add_public_security_args(parser: argparse.ArgumentParser, role: str = "") -> None:

@@ -26,6 +26,7 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from gateway.response_store import ResponseStore
 from protos.splitserve.v1 import common_pb2
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -216,8 +217,20 @@ class GatewayMetrics:
             "splitserve:tool_call_requests",
             "Chat requests that sent tools, by tool_choice: none, auto, required or named.",
             ["tool_choice"], registry=r)
+        self.stored_responses = Gauge(
+            "splitserve:responses_stored",
+            "Responses API responses the gateway keeps (GET /v1/responses/ID, "
+            "previous_response_id).", registry=r)
+        self.stored_response_bytes = Gauge(
+            "splitserve:responses_stored_bytes",
+            "Bytes the stored responses count against --responses-store-max-bytes.", registry=r)
         self.workers = WorkerLoadCollector()
         r.register(self.workers)
+
+    def observe_response_store(self, store: ResponseStore) -> None:
+        """Read the stored responses' count and bytes from `store` at each scrape."""
+        self.stored_responses.set_function(lambda: len(store))
+        self.stored_response_bytes.set_function(lambda: store.num_bytes)
 
     def observe_workers(self, role: str, workers: Iterable[PolledWorker]) -> None:
         """Replace `role`'s worker series with the pool's state after a poll round."""

@@ -1,5 +1,6 @@
-"""OpenAI-compatible REST API (FastAPI): completions, chat completions, models, health, metrics,
-and vLLM's tokenize / detokenize.
+"""OpenAI-compatible REST API (FastAPI): completions, chat completions, responses (and their
+stored ones: retrieve, delete, input items), models, health, metrics, and vLLM's tokenize /
+detokenize.
 
 Bodies are read and parsed here, not by FastAPI, so every client error has an OpenAI-shaped
 body and the right status: size (413, by Content-Length and by bytes actually received),
@@ -11,11 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +47,14 @@ from gateway.openai_protocol import (
 )
 from gateway.orchestrator import Event, Finished, GenerationJob, TokenDelta, usage_totals
 from gateway.reasoning import ChatOutput
-from gateway.responses_api import ResponsesPaths, ResponsesRequest, ResponseWriter
+from gateway.response_store import StoredResponse
+from gateway.responses_api import (
+    ResponsesPaths,
+    ResponsesRequest,
+    ResponseWriter,
+    input_item_page,
+    response_not_found,
+)
 from gateway.state import GatewayState
 from gateway.tools import (
     ToolCalling,
@@ -107,9 +116,10 @@ def build_app(state: GatewayState) -> FastAPI:
         body = await _read_json(request, state)
         req = parse_request(ResponsesRequest, body)
         _check_model(req.model, state)
+        previous = _previous_response(req, state)
         paths = ResponsesPaths()  # until the input is converted (its errors name its items)
         try:
-            body, paths = req.chat_body()
+            body, paths = req.chat_body(previous.conversation if previous else ())
             chat = parse_request(ChatCompletionRequest, body)
             if chat.n != 1:
                 raise GatewayError.invalid("n", "n: a response has one output")
@@ -119,11 +129,14 @@ def build_app(state: GatewayState) -> FastAPI:
         view = _View(job.request_id, "chat.completion", state, [job], include_usage=False,
                      continuous_usage=False, chat=True, num_top=0, tool_calling=calling,
                      stream=req.stream)
-        writer = ResponseWriter(req, state.config.served_model_name)
+        store = req.wants_store and state.responses.enabled
+        writer = ResponseWriter(req, state.config.served_model_name, store=store)
+        keep: _Keep = (functools.partial(state.responses.put, input_items=req.input_items(),
+                                         previous=previous) if store else _keep_nothing)
         state.metrics.requests_received.labels(api="responses").inc()
         state.metrics.prompt_tokens.inc(len(job.prompt_token_ids))
         if req.stream:
-            return await _stream_response(view, writer)
+            return await _stream_response(view, writer, keep)
         final = await _complete(view, request)
         choice = final["choices"][0]
         message = choice["message"]
@@ -131,7 +144,29 @@ def build_app(state: GatewayState) -> FastAPI:
                       "tool_calls": [{"index": i, **call} for i, call in
                                      enumerate(message.get("tool_calls") or [])]})
         writer.finish(choice["finish_reason"], final["usage"])
+        keep(writer.response)
         return JSONResponse(writer.response)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, request: Request) -> Response:
+        _check_auth(request, state)
+        if request.query_params.get("stream", "false").lower() not in ("false", "0"):
+            raise GatewayError.invalid("stream", "stream: a stored response is retrieved "
+                                                 "whole (responses do not run in the background)")
+        return JSONResponse(_stored_response(response_id, state).response)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request) -> Response:
+        _check_auth(request, state)
+        if not state.responses.delete(response_id):
+            raise response_not_found(response_id, storing=state.responses.enabled)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, request: Request) -> Response:
+        _check_auth(request, state)
+        items = _stored_response(response_id, state).input_items
+        return JSONResponse(input_item_page(items, request.query_params))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -182,6 +217,32 @@ async def _respond(view: _View, request: Request, api: str, stream: bool) -> Res
     if stream:
         return await _stream(view, request)
     return JSONResponse(await _complete(view, request))
+
+
+# -- stored responses ---------------------------------------------------------------------------
+_Keep = Callable[[dict[str, Any]], object]  # stores a finished response (or not)
+
+
+def _keep_nothing(response: dict[str, Any]) -> None:
+    del response
+
+
+def _stored_response(response_id: str, state: GatewayState) -> StoredResponse:
+    stored = state.responses.get(response_id)
+    if stored is None:
+        raise response_not_found(response_id, storing=state.responses.enabled)
+    return stored
+
+
+def _previous_response(req: ResponsesRequest, state: GatewayState) -> StoredResponse | None:
+    """The stored response `previous_response_id` names (None: none named); 404 if unknown."""
+    if req.previous_response_id is None:
+        return None
+    stored = state.responses.get(req.previous_response_id)
+    if stored is None:
+        raise response_not_found(req.previous_response_id, storing=state.responses.enabled,
+                                 param="previous_response_id")
+    return stored
 
 
 # -- request reading ----------------------------------------------------------------------------
@@ -608,14 +669,17 @@ async def _sse(view: _View, first: Event, events: AsyncGenerator[Event, None]) -
     yield "data: [DONE]\n\n"
 
 
-async def _stream_response(view: _View, writer: ResponseWriter) -> Response:
+async def _stream_response(view: _View, writer: ResponseWriter, keep: _Keep) -> Response:
     """The Responses API's SSE stream: typed events, no [DONE]."""
     first, events = await _started(view)
-    return _event_stream(_response_events(view, writer, first, events))
+    return _event_stream(_response_events(view, writer, first, events, keep))
 
 
 async def _response_events(view: _View, writer: ResponseWriter, first: Event,
-                           events: AsyncGenerator[Event, None]) -> AsyncIterator[str]:
+                           events: AsyncGenerator[Event, None], keep: _Keep
+                           ) -> AsyncIterator[str]:
+    """The stream's events; the finished response is kept (`keep`) before its last event goes
+    out, so a client that has it can retrieve it at once. A failed or cut stream keeps none."""
     finish_reason: str | None = None
     try:
         for e in writer.start():
@@ -629,7 +693,9 @@ async def _response_events(view: _View, writer: ResponseWriter, first: Event,
                     yield _typed(e)
                 finish_reason = choice.get("finish_reason") or finish_reason
             event = await anext(events, None)
-        for e in writer.finish(finish_reason, view.usage()):
+        closing = writer.finish(finish_reason, view.usage())
+        keep(writer.response)
+        for e in closing:
             yield _typed(e)
     except GatewayError as err:
         err = err.renamed(ResponsesPaths())

@@ -12,13 +12,22 @@ output items — a `reasoning` item, a `message` with one `output_text` part, `f
 items — either whole or as the stream's events (`response.created` … `response.completed`,
 each with its `sequence_number`), one writer for both so the two agree.
 
+Stored responses (gateway/response_store.py): unless the request sets `store: false` (OpenAI's
+default is to store) or the gateway stores nothing (`--responses-store-max-entries 0`: then
+`store: true` is taken as false, as vLLM does without VLLM_ENABLE_RESPONSES_API_STORE), a
+completed or incomplete response is kept with its conversation — its input items (`input_items`:
+as the request gave them, with ids added) after those of its previous response, then its output
+items; a failed or cancelled one is not. `GET` / `DELETE /v1/responses/{id}` and
+`GET /v1/responses/{id}/input_items` read and drop them. `previous_response_id` puts the stored
+conversation before the request's `input` (output items turned back into input as above); the
+previous response's `instructions` are not carried over, as in OpenAI's API.
+
 Errors the chat path finds name the request's fields: a chat message's path as the input item
 (or `instructions`) it came from (`ResponsesPaths`).
 
-Responses are not stored: `previous_response_id`, `conversation`, `background` and item
-references are refused (400), as are fields this server cannot honour (non-function tools,
-image or file inputs, `reasoning.effort`, `truncation: "auto"`, `max_tool_calls`,
-`top_logprobs`), rather than ignored.
+Refused (400) rather than ignored: `conversation`, `background` and item references, and fields
+this server cannot honour (non-function tools, image or file inputs, `reasoning.effort`,
+`truncation: "auto"`, `max_tool_calls`, `top_logprobs`).
 """
 
 from __future__ import annotations
@@ -26,8 +35,10 @@ from __future__ import annotations
 import re
 import time
 import uuid
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+import grpc
 from pydantic import Field, field_validator
 
 from gateway.errors import GatewayError
@@ -55,8 +66,9 @@ class ResponsesRequest(_ChatTemplateFields):
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
-    # Refused when set to what would need stored responses or change the answer (see module).
+    store: bool | None = None  # None: OpenAI's default, true
     previous_response_id: str | None = None
+    # Refused when set to what this server does not keep or would change the answer (module).
     conversation: Any = None
     background: bool | None = None
     reasoning: dict[str, Any] | None = None
@@ -72,14 +84,15 @@ class ResponsesRequest(_ChatTemplateFields):
         return value
 
     def check_supported(self) -> None:
-        for name, why in (("previous_response_id", "responses are not stored"),
-                          ("conversation", "responses are not stored"),
+        for name, why in (("conversation", "conversations are not supported; chain "
+                                           "responses with previous_response_id"),
                           ("max_tool_calls", "not supported"),
                           ("top_logprobs", "not supported on /v1/responses")):
             if getattr(self, name) not in (None, 0):
                 raise GatewayError.invalid(name, f"{name}: {why}")
         if self.background:
-            raise GatewayError.invalid("background", "background: responses are not stored")
+            raise GatewayError.invalid("background", "background: not supported (a response "
+                                       "runs while its request is open)")
         if self.truncation not in (None, "disabled"):
             raise GatewayError.invalid("truncation", "truncation: only 'disabled' (a prompt "
                                        "past the context is an error, not cut)")
@@ -88,14 +101,31 @@ class ResponsesRequest(_ChatTemplateFields):
                                        "chat_template_kwargs switch a model's thinking (e.g. "
                                        "Qwen3's enable_thinking)")
 
-    def chat_body(self) -> tuple[dict[str, Any], ResponsesPaths]:
+    @property
+    def wants_store(self) -> bool:
+        return self.store is not False
+
+    def input_items(self) -> list[dict[str, Any]]:
+        """`input` as items, each with an id (a string: one user message), as a stored
+        response keeps them and `input_items` lists them."""
+        if isinstance(self.input, str):
+            return [{"type": "message", "id": _new_id("msg"), "role": "user",
+                     "content": [{"type": "input_text", "text": self.input}]}]
+        return [_with_id(item) for item in self.input]
+
+    def chat_body(self, previous: Sequence[dict[str, Any]] = ()
+                  ) -> tuple[dict[str, Any], ResponsesPaths]:
         """The equivalent chat completion request's JSON body, and how this request names the
-        body's field paths (for the chat path's errors: `GatewayError.renamed`)."""
+        body's field paths (for the chat path's errors: `GatewayError.renamed`). `previous`:
+        the stored conversation `previous_response_id` continues, put after `instructions`
+        (this request's own) and before `input`."""
         self.check_supported()
         turns = _Turns()
         if self.instructions:
             turns.append({"role": "system", "content": self.instructions}, "instructions",
                          {"content": ""})
+        for item in previous:
+            turns.add(item, "previous_response_id")
         if isinstance(self.input, str):
             turns.append({"role": "user", "content": self.input}, "input", {"content": ""})
         else:
@@ -123,8 +153,21 @@ class ResponsesRequest(_ChatTemplateFields):
 
 
 # Fields of the Responses API with no chat counterpart that change nothing here.
-_RESPONSES_ONLY = frozenset({"store", "include", "user", "safety_identifier", "service_tier",
+_RESPONSES_ONLY = frozenset({"include", "user", "safety_identifier", "service_tier",
                              "prompt_cache_key", "prompt_cache_retention", "stream_options"})
+
+
+_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                "reasoning": "rs"}
+
+
+def _with_id(item: Any) -> Any:
+    """An input item with an id (its own string id, else a new one); anything else as it is
+    (the conversion refuses it)."""
+    if not isinstance(item, dict) or isinstance(item.get("id"), str):
+        return item
+    kind = str(item.get("type", "message" if "role" in item else ""))
+    return {**item, "id": _new_id(_ID_PREFIXES.get(kind, "item"))}
 
 
 def _text_of(content: Any, param: str) -> str:
@@ -280,12 +323,54 @@ class ResponsesPaths:
         return ".".join(["input", *parts[1:]])
 
 
+# -- stored responses -------------------------------------------------------------------------
+MAX_ITEMS_PER_PAGE = 100
+
+
+def response_not_found(response_id: str, *, storing: bool,
+                       param: str = "response_id") -> GatewayError:
+    """The 404 of an unknown (or evicted, deleted, never stored) response id; `storing`: whether
+    this gateway stores responses at all (if not, the message says so)."""
+    what = "Previous response" if param == "previous_response_id" else "Response"
+    why = "" if storing else (" (this server stores no responses: --responses-store-max-entries "
+                              "or --responses-store-max-bytes is 0)")
+    return GatewayError(grpc.StatusCode.NOT_FOUND,
+                        f"{what} with id '{response_id}' not found.{why}", param=param,
+                        error_code=f"{what.lower().replace(' ', '_')}_not_found")
+
+
+def input_item_page(items: Sequence[dict[str, Any]], query: Mapping[str, str]
+                    ) -> dict[str, Any]:
+    """One page of a stored response's input items, as OpenAI lists them: `limit` (1-100,
+    default 20) items in `order` (`asc`, or `desc`: the default, newest first) after the item
+    whose id is `after`."""
+    limit_text = query.get("limit", "20")
+    limit = int(limit_text) if limit_text.isdigit() else 0
+    if not 1 <= limit <= MAX_ITEMS_PER_PAGE:
+        raise GatewayError.invalid("limit", f"limit must be an integer from 1 to "
+                                            f"{MAX_ITEMS_PER_PAGE}, got {limit_text!r}")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise GatewayError.invalid("order", f"order must be 'asc' or 'desc', got {order!r}")
+    listed = list(items) if order == "asc" else list(reversed(items))
+    after = query.get("after")
+    if after is not None:
+        ids = [item.get("id") for item in listed]
+        if after not in ids:
+            raise GatewayError.invalid("after", f"after: no input item with id {after!r} in "
+                                                "this response")
+        listed = listed[ids.index(after) + 1:]
+    page = listed[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(listed) > limit}
+
+
 # -- the output --------------------------------------------------------------------------------
 class ResponseWriter:
     """A response's output items from the chat deltas of its one choice, and the stream's events
     on the way (`start`, `delta`, `finish`); the finished object is `response`."""
 
-    def __init__(self, req: ResponsesRequest, model: str) -> None:
+    def __init__(self, req: ResponsesRequest, model: str, *, store: bool) -> None:
         self.id = _new_id("resp")
         self._seq = 0
         self._items: list[dict[str, Any]] = []
@@ -301,7 +386,7 @@ class ResponseWriter:
             "parallel_tool_calls": (req.parallel_tool_calls
                                     if req.parallel_tool_calls is not None else True),
             "text": req.text or {"format": {"type": "text"}}, "metadata": req.metadata or {},
-            "previous_response_id": None, "reasoning": None, "store": False,
+            "previous_response_id": req.previous_response_id, "reasoning": None, "store": store,
             "truncation": "disabled", "usage": None}
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""What the REST and gRPC front ends share: config, tokenizer, router, orchestrator, metrics."""
+"""What the REST and gRPC front ends share: config, tokenizer, router, orchestrator, metrics,
+stored responses."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.orchestrator import Orchestrator
 from gateway.preprocess import Preprocessor
+from gateway.response_store import ResponseStore
 from gateway.router import Router, WorkerPool
 from gateway.tokenization import TokenizerLike, TokenTexts
 
@@ -25,6 +27,7 @@ class GatewayState:
     preprocessor: Preprocessor
     metrics: GatewayMetrics
     token_texts: TokenTexts  # each token's text, for logprobs
+    responses: ResponseStore  # the Responses API's stored responses (this gateway's own)
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     _special: dict[str, bool] = field(default_factory=dict)
@@ -63,10 +66,13 @@ class GatewayState:
             if p is not None:
                 p.add_listener(functools.partial(_observe_pool, metrics, p))
         vocab_size = getattr(tokenizer, "vocab_size", None)
+        responses = ResponseStore(config.responses_store_max_entries,
+                                  config.responses_store_max_bytes)
+        metrics.observe_response_store(responses)
         return cls(config=config, tokenizer=tokenizer, router=router,
                    orchestrator=Orchestrator(config, router, tokenizer, metrics),
                    preprocessor=Preprocessor(config, tokenizer, vocab_size), metrics=metrics,
-                   token_texts=TokenTexts(tokenizer))
+                   token_texts=TokenTexts(tokenizer), responses=responses)
 
     @property
     def healthy(self) -> bool:

@@ -3,7 +3,9 @@ whose fake workers play a scripted output, read by the real `openai` client: `re
 (whole), `responses.stream` (the SDK's own accumulator checks the event sequence and rebuilds the
 response), input items reaching the prompt, reasoning and function-call items, structured
 output, the 400s for what is not served, and errors naming the input item at fault (not the
-chat message it became).
+chat message it became). Stored responses: `responses.retrieve` / `delete` /
+`input_items.list`, `previous_response_id` chains reaching the prompt, `store: false`, the 404s,
+eviction (gateway/response_store.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import pytest
 from gateway_fakes import MODEL_NAME, Harness, Script, smollm2_tokenizer
 from openai import OpenAI
 
+from gateway.config import GatewayConfig, GatewayConfigError
+from gateway.response_store import ResponseStore
 from gateway.responses_api import ResponsesPaths
 
 ANSWER = "Paris is the capital of France."
@@ -150,8 +154,8 @@ def test_reasoning_and_a_function_call(thinking: Harness) -> None:
 
 
 @pytest.mark.parametrize(("body", "param", "words"), [
-    ({"previous_response_id": "resp_1"}, "previous_response_id", "not stored"),
-    ({"background": True}, "background", "not stored"),
+    ({"background": True}, "background", "not supported"),
+    ({"conversation": "conv_1"}, "conversation", "previous_response_id"),
     ({"tools": [{"type": "web_search"}]}, "tools.0", "only function tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input.0.content.0", "only text parts"),
@@ -220,3 +224,229 @@ def test_paths_without_an_item_name_the_input() -> None:
     assert paths("messages must contain at least one message") == (
         "messages must contain at least one message")
     assert paths("messages[2].content, max_tokens") == "input.2.content, max_output_tokens"
+
+
+# -- stored responses ------------------------------------------------------------------------
+KEY = "store-test-key"
+
+
+@pytest.fixture(scope="module")
+def small() -> Iterator[Harness]:
+    """A store of two responses, behind an API key."""
+    with Harness(Script(_ids(ANSWER)), chat_template=TEMPLATE, api_key=KEY,
+                 responses_store_max_entries=2) as h:
+        yield h
+
+
+def _error(r: httpx.Response, status: int) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    error: dict[str, Any] = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+def test_a_stored_response_is_retrieved_as_created(gw: Harness) -> None:
+    client = _client(gw)
+    resp = client.responses.create(model=MODEL_NAME, input="The capital of France?",
+                                   max_output_tokens=50, metadata={"k": "v"})
+    assert resp.model_dump()["store"] is True and resp.previous_response_id is None
+    assert client.responses.retrieve(resp.id).model_dump() == resp.model_dump()
+    base = f"{gw.base_url}/v1/responses/{resp.id}"
+    assert _error(httpx.get(f"{base}?stream=true", timeout=10), 400)["param"] == "stream"
+    assert _error(httpx.get(f"{base}/input_items?limit=0", timeout=10), 400)["param"] == "limit"
+
+
+def test_previous_response_id_continues_the_conversation(gw: Harness) -> None:
+    """The stored turn (its input, then its output) comes before the new input; the earlier
+    `instructions` do not; a chain of chains keeps every turn; `input_items` lists what the
+    model was given, pages by `after`."""
+    client = _client(gw)
+    first = client.responses.create(model=MODEL_NAME, input="The capital of France?",
+                                    instructions="Answer briefly.", max_output_tokens=50)
+    second = client.responses.create(model=MODEL_NAME, input="And of Italy?",
+                                     instructions="Speak French.", max_output_tokens=50,
+                                     previous_response_id=first.id)
+    assert second.previous_response_id == first.id and second.instructions == "Speak French."
+    turn = (f"<|im_start|>user\nThe capital of France?<|im_end|>\n"
+            f"<|im_start|>assistant\n{ANSWER}<|im_end|>\n")
+    assert _prompt(gw) == ("<|im_start|>system\nSpeak French.<|im_end|>\n" + turn +
+                           "<|im_start|>user\nAnd of Italy?<|im_end|>\n<|im_start|>assistant\n")
+    client.responses.create(model=MODEL_NAME, input=[{"role": "user", "content": "Spain?"}],
+                            max_output_tokens=50, previous_response_id=second.id, store=False)
+    assert _prompt(gw) == (turn + "<|im_start|>user\nAnd of Italy?<|im_end|>\n"
+                           f"<|im_start|>assistant\n{ANSWER}<|im_end|>\n"
+                           "<|im_start|>user\nSpain?<|im_end|>\n<|im_start|>assistant\n")
+    items: list[Any] = list(client.responses.input_items.list(second.id, order="asc", limit=1))
+    assert [item.type for item in items] == ["message", "message", "message"]
+    texts = [item.content[0].text for item in items]
+    assert texts == ["The capital of France?", ANSWER, "And of Italy?"]
+    assert items[1].id == first.output[0].id and len({item.id for item in items}) == 3
+    newest = client.responses.input_items.list(second.id)  # default: desc, 20
+    assert [item.id for item in newest.data] == [item.id for item in reversed(items)]
+
+
+def test_a_chained_function_call_reaches_the_prompt(thinking: Harness) -> None:
+    """Reasoning, message and function_call output items become input again, as when a client
+    sends them back itself; the call's output follows."""
+    client = _client(thinking)
+    first = client.responses.create(model=MODEL_NAME, input="Weather in Oslo?", tools=[WEATHER],  # type: ignore[list-item]
+                                    max_output_tokens=100)
+    call: Any = first.output[2]
+    follow_up: Any = [_output(call.call_id, "-3C")]
+    client.responses.create(model=MODEL_NAME, previous_response_id=first.id, tools=[WEATHER],  # type: ignore[call-overload]
+                            input=follow_up, tool_choice="none", max_output_tokens=4)
+    assert _prompt(thinking) == (
+        "<|im_start|>user\nWeather in Oslo?<|im_end|>\n"
+        "<|im_start|>assistant\n[The user wants weather.]Checking.<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>get_weather {"city": "Oslo"}</tool_call><|im_end|>\n'
+        "<|im_start|>tool\n-3C<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_store_false_keeps_nothing(gw: Harness) -> None:
+    client = _client(gw)
+    resp = client.responses.create(model=MODEL_NAME, input="x", max_output_tokens=2, store=False)
+    assert resp.model_dump()["store"] is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(resp.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=MODEL_NAME, input="y", previous_response_id=resp.id)
+
+
+def test_unknown_ids_are_404s(gw: Harness) -> None:
+    base = f"{gw.base_url}/v1/responses"
+    for r in (httpx.get(f"{base}/resp_nope", timeout=10),
+              httpx.delete(f"{base}/resp_nope", timeout=10),
+              httpx.get(f"{base}/resp_nope/input_items", timeout=10)):
+        error = _error(r, 404)
+        assert error["param"] == "response_id" and "resp_nope" in error["message"], error
+    error = _error(httpx.post(base, timeout=10, json={
+        "model": MODEL_NAME, "input": "x", "previous_response_id": "resp_nope"}), 404)
+    assert error["param"] == "previous_response_id" and "resp_nope" in error["message"], error
+    assert error["code"] == "previous_response_not_found"
+    client = _client(gw)
+    for call in (client.responses.retrieve, client.responses.delete):
+        with pytest.raises(openai.NotFoundError):
+            call("resp_nope")
+
+
+def test_delete_forgets_it(gw: Harness) -> None:
+    client = _client(gw)
+    resp = client.responses.create(model=MODEL_NAME, input="x", max_output_tokens=2)
+    r = httpx.delete(f"{gw.base_url}/v1/responses/{resp.id}", timeout=10)
+    assert r.status_code == 200 and r.json() == {"id": resp.id, "object": "response",
+                                                 "deleted": True}
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(resp.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(resp.id)
+    kept = client.responses.create(model=MODEL_NAME, input="x", max_output_tokens=2)
+    client.responses.delete(kept.id)  # the SDK's way (it reads no body)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(kept.id)
+
+
+def test_a_streamed_response_is_stored_once_complete(gw: Harness) -> None:
+    client = _client(gw)
+    events: list[Any] = list(client.responses.create(
+        model=MODEL_NAME, input="The capital of France?", max_output_tokens=50, stream=True))
+    completed = events[-1]
+    assert completed.type == "response.completed" and completed.response.store is True
+    stored = client.responses.retrieve(completed.response.id)
+    assert stored.model_dump() == completed.response.model_dump()
+    assert stored.output_text == ANSWER
+
+
+def test_a_cut_stream_is_not_stored(gw: Harness) -> None:
+    """Not while it runs, nor once the client has left (the generation cancelled)."""
+    client = _client(gw)
+    state = gw.gateway.state if gw.gateway is not None else None
+    assert state is not None
+    num_stored = len(state.responses)
+    gw.script.endless, gw.script.token_delay_s = True, 0.02
+    gw.decode[0].cancelled.clear()
+    try:
+        with client.responses.create(model=MODEL_NAME, input="Go on", max_output_tokens=200,
+                                     stream=True) as stream:
+            events: Iterator[Any] = iter(stream)
+            created = next(events)
+            assert created.response.store is True
+            assert next(events).type == "response.in_progress"
+            with pytest.raises(openai.NotFoundError):
+                client.responses.retrieve(created.response.id)
+        assert gw.decode[0].cancelled.wait(5)
+    finally:
+        gw.script.endless, gw.script.token_delay_s = False, 0.0
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(created.response.id)
+    assert len(state.responses) == num_stored
+
+
+def test_a_chain_past_the_prompt_limit_is_refused(gw: Harness) -> None:
+    """The chat path's prompt limit (256 tokens here) holds for the stored turns too."""
+    client = _client(gw)
+    long_text = "word " * 150
+    first = client.responses.create(model=MODEL_NAME, input=long_text, max_output_tokens=10)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL_NAME, input=long_text, max_output_tokens=10,
+                                previous_response_id=first.id)
+    assert err.value.code == "context_length_exceeded"
+
+
+def test_the_store_evicts_the_least_recently_used(small: Harness) -> None:
+    client = OpenAI(base_url=small.base_url + "/v1", api_key=KEY, max_retries=0)
+    a, b, c = (client.responses.create(model=MODEL_NAME, input=t, max_output_tokens=2)
+               for t in "abc")
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(a.id)
+    client.responses.retrieve(b.id)  # b is now used after c
+    d = client.responses.create(model=MODEL_NAME, input="d", max_output_tokens=2,
+                                previous_response_id=b.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(c.id)
+    assert {client.responses.retrieve(r.id).id for r in (b, d)} == {b.id, d.id}
+    metrics = httpx.get(f"{small.base_url}/metrics", timeout=10).text
+    assert "splitserve:responses_stored 2.0" in metrics
+    r = httpx.get(f"{small.base_url}/v1/responses/{b.id}", timeout=10)  # no key
+    assert _error(r, 401)["code"] == "invalid_api_key"
+    r = httpx.delete(f"{small.base_url}/v1/responses/{b.id}", timeout=10)
+    assert r.status_code == 401
+
+
+def test_storing_off_takes_store_as_false() -> None:
+    with Harness(Script(_ids("ok")), responses_store_max_entries=0) as h:
+        client = _client(h)
+        resp = client.responses.create(model=MODEL_NAME, input="x", max_output_tokens=2)
+        assert resp.model_dump()["store"] is False
+        error = _error(httpx.get(f"{h.base_url}/v1/responses/{resp.id}", timeout=10), 404)
+        assert "stores no responses" in error["message"]
+
+
+def _response(n: int, text: str = "x") -> dict[str, Any]:
+    return {"id": f"resp_{n}", "output": [{"type": "message", "id": f"msg_{n}",
+                                           "content": [{"type": "output_text", "text": text}]}]}
+
+
+def test_the_store_bounds_bytes_and_keeps_chains_whole() -> None:
+    store = ResponseStore(max_entries=10, max_bytes=1000)
+    first = store.put(_response(1), [{"role": "user", "content": "hi"}], None)
+    assert first is not None and store.num_bytes == first.num_bytes > 0
+    second = store.put(_response(2), [{"role": "user", "content": "again"}], first)
+    assert second is not None
+    assert [i.get("id") or i["content"] for i in second.conversation] == [
+        "hi", "msg_1", "again", "msg_2"]
+    assert second.conversation[1] is first.conversation[1]  # shared, not copied
+    assert store.delete("resp_1") and store.get("resp_2") is second  # the chain stays whole
+    assert store.put(_response(3, "y" * 1000), [], None) is None  # alone over the bound
+    assert store.get("resp_3") is None and len(store) == 1
+    for n in range(4, 20):  # past the bytes before the count
+        store.put(_response(n, "z" * 150), [], None)
+    assert 0 < store.num_bytes <= 1000 and len(store) < 10
+    assert store.get("resp_19") is not None and store.get("resp_2") is None
+    assert not ResponseStore(0, 1000).enabled and ResponseStore(0, 1000).put(
+        _response(1), [], None) is None
+
+
+def test_store_bounds_are_checked() -> None:
+    with pytest.raises(GatewayConfigError, match="responses_store_max_bytes"):
+        GatewayConfig(decode_addresses=("127.0.0.1:1",), colocated=True,
+                      responses_store_max_bytes=-1)
