@@ -154,5 +154,5 @@ def test_malformed_constraints_are_400s(disagg_stack: Stack, extra: dict[str, An
         body = err.value.body
         assert isinstance(body, dict) and body.get("param") == param, body
     disagg_stack.wait_idle()
-    # The workers are fine afterwards.
-    assert _schema_chat(disagg_stack).choices[0].finish_reason == "stop"
+    if param is None:  # the workers refused it (the constraint did not compile): fine afterwards
+        assert _schema_chat(disagg_stack).choices[0].finish_reason == "stop"

@@ -150,11 +150,13 @@ def test_a_batch_of_prompts_streams_every_choice(client: OpenAI, script_ids: lis
 
 def test_stop_string_cancels_decode(gw: Harness, client: OpenAI) -> None:
     gw.decode[0].cancelled.clear()
-    gw.script.token_delay_s = 0.02  # so the decode stream is still running at the stop string
+    # The decode stream runs until cancelled (cycling the script), however late the gateway
+    # reads the stop string on a loaded machine.
+    gw.script.token_delay_s, gw.script.endless = 0.02, True
     try:
-        r = client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=50, stop=["France"])
+        r = client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=200, stop=["France"])
     finally:
-        gw.script.token_delay_s = 0.0
+        gw.script.token_delay_s, gw.script.endless = 0.0, False
     assert r.choices[0].text == " Paris is the capital of "
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].model_extra is not None and r.choices[0].model_extra["stop_reason"] == "France"
