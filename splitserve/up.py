@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning-parser", default=None,
                    help="gateway: split <think> text off chat answers into `reasoning` "
                         "(deepseek_r1, qwen3)")
+    p.add_argument("--responses-store-max-entries", type=int, default=None,
+                   help="gateway: stored Responses API responses kept at most (0: none stored)")
+    p.add_argument("--responses-store-max-bytes", type=int, default=None,
+                   help="gateway: bytes of stored Responses API responses kept at most")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--exit-after-ready", action="store_true",
                    help="stop everything once healthy (smoke test)")
@@ -200,6 +204,9 @@ def service_argv(args: argparse.Namespace, engine_args: list[str]) -> dict[str, 
         gw += ["--tool-call-parser", args.tool_call_parser]
     if args.reasoning_parser:
         gw += ["--reasoning-parser", args.reasoning_parser]
+    for flag in ("responses_store_max_entries", "responses_store_max_bytes"):
+        if getattr(args, flag) is not None:
+            gw += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     return {"prefill": ["--role", "prefill", "--port", str(args.prefill_port), *engine_args],
             "decode": ["--role", "decode", "--port", str(args.decode_port), *engine_args],
             "gateway": gw}

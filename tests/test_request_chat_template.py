@@ -145,7 +145,7 @@ def test_where_a_request_template_does_not_belong(trusted: Harness) -> None:
     assert "chat input" in (rpc.value.details() or "")
 
 
-def test_up_passes_the_flag_to_the_gateway() -> None:
+def test_up_passes_the_gateway_flags() -> None:
     from gateway.server import build_parser as gateway_parser
     from gateway.server import config_from_args
     from splitserve.up import build_parser, service_argv
@@ -155,3 +155,9 @@ def test_up_passes_the_flag_to_the_gateway() -> None:
         gw_argv = service_argv(args, engine_args)["gateway"]
         config = config_from_args(gateway_parser().parse_args(gw_argv[2:]))
         assert config.trust_request_chat_template is trust
+    # The Responses API's store bounds go the same way (absent: the gateway's defaults).
+    args, engine_args = build_parser().parse_known_args(
+        ["--responses-store-max-entries", "7", "--responses-store-max-bytes", "4096"])
+    config = config_from_args(gateway_parser().parse_args(service_argv(args, engine_args)[
+        "gateway"][2:]))
+    assert (config.responses_store_max_entries, config.responses_store_max_bytes) == (7, 4096)
