@@ -15,6 +15,8 @@ import torch
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -83,6 +85,15 @@ def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Qwen3ForCausal
     path = tmp_path_factory.mktemp("qwen3")
     model.save_pretrained(path, safe_serialization=True)
     return model, path
+
+
+@pytest.fixture(scope="module")
+def tiny_phi3() -> Phi3ForCausalLM:
+    """Phi-3: fused qkv_proj and gate_up_proj, untied output."""
+    torch.manual_seed(3)
+    rope = {"rope_type": "default", "rope_theta": 1e4}
+    return Phi3ForCausalLM(Phi3Config(**TINY, tie_word_embeddings=False, rope_parameters=rope,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2))
 
 
 # ---- Hugging Face directories ------------------------------------------------------------------
@@ -280,14 +291,15 @@ _GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
                "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 
 
 def _to_gguf_name(hf: str) -> str:
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
            "output_norm.weight", "lm_head.weight": "output.weight"}
-    if hf in top:
-        return top[hf]
+    if not hf.startswith("model.layers."):
+        return top.get(hf, hf)  # llama.cpp's own tensors (rope_factors_long.weight) as they are
     _, _, layer, rest = hf.split(".", 3)
     module, _, suffix = rest.rpartition(".")
     return f"blk.{layer}.{_GGUF_NAMES[module]}.{suffix}"
@@ -307,11 +319,15 @@ def _write_gguf(path: Path, arch: str, state: dict[str, torch.Tensor], cfg: dict
         w.add_value_length(cfg["head_dim"])
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(cfg["rope_theta"])
+    if "rope_dims" in cfg:
+        w.add_rope_dimension_count(cfg["rope_dims"])
+    if cfg.get("sliding_window"):
+        w.add_sliding_window(cfg["sliding_window"])
     w.add_vocab_size(cfg["vocab_size"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     for name, t in state.items():
-        a = t.numpy().astype(np.float32)
+        a = t.detach().numpy().astype(np.float32)
         if arch == "llama" and ".q_proj." in name:
             a = _llama_cpp_permute(a, cfg["num_attention_heads"])
         elif arch == "llama" and ".k_proj." in name:
@@ -350,6 +366,33 @@ def test_tiny_gguf_roundtrip(tiny_llama: tuple, tiny_qwen2: tuple, tiny_qwen3: t
     assert c.rope_theta == 5000.0 and c.max_position_embeddings == 256
     assert c.bos_token_id == 1 and c.eos_token_ids == (2,)
     assert source.default_dtype == torch.float32 and source.tokenizer_source == str(path)
+
+
+def test_tiny_phi3_gguf_roundtrip(tiny_phi3: Phi3ForCausalLM, tmp_path: Path) -> None:
+    """llama.cpp's "phi3" (Phi-3, Phi-4): fused attn_qkv / ffn_up tensors become the fused
+    checkpoint's qkv_proj / gate_up_proj as they are (not permuted), the sliding window comes
+    along; partial rotary and LongRoPE are refused by name."""
+    want = _expected_state(tiny_phi3, tied=False)
+    assert any(".gate_up_proj." in n for n in want) and any(".qkv_proj." in n for n in want)
+    cfg = {**TINY, "rope_theta": 1e4, "rope_dims": 16, "sliding_window": 200}
+    path = tmp_path / "tiny-phi3.gguf"
+    _write_gguf(path, "phi3", want, cfg)
+    source = load_model_source(LoadConfig(model=str(path)))
+    got = _weights(source)
+    assert set(got) == set(want)
+    for name, t in want.items():
+        torch.testing.assert_close(got[name], t, rtol=0, atol=0, msg=name)
+    c = source.config
+    assert c.architecture == "Phi3ForCausalLM" and c.fused_checkpoint
+    assert (c.head_dim, c.sliding_window, c.tie_word_embeddings) == (16, 200, False)
+    partial = tmp_path / "partial.gguf"
+    _write_gguf(partial, "phi3", want, {**cfg, "rope_dims": 12})
+    with pytest.raises(ModelLoadError, match=r"rope\.dimension_count 12 .* partial rotary"):
+        load_model_source(LoadConfig(model=str(partial)))
+    longrope = tmp_path / "longrope.gguf"
+    _write_gguf(longrope, "phi3", {**want, "rope_factors_long.weight": torch.ones(8)}, cfg)
+    with pytest.raises(ModelLoadError, match="LongRoPE"):
+        load_model_source(LoadConfig(model=str(longrope)))
 
 
 def test_corrupt_gguf_named(tiny_llama: tuple, tmp_path: Path) -> None:

@@ -29,6 +29,9 @@ _BLOCK_NAMES = {
     "attn_q_norm": "self_attn.q_norm",   # Qwen3
     "attn_k_norm": "self_attn.k_norm",
 }
+# Phi-3 / Phi-4 (llama.cpp's "phi3"): the fused projections, stored as Hugging Face has them
+# (`gate_up_proj` is gate rows then up rows, as llama.cpp's SwiGLU split reads `ffn_up`).
+_FUSED_BLOCK_NAMES = _BLOCK_NAMES | {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
               "output": "lm_head"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -36,11 +39,12 @@ _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _IGNORED = {"rope_freqs.weight"}
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """HF parameter name for a llama.cpp tensor name; None if it has no HF counterpart."""
+def hf_name(gguf_name: str, fused: bool = False) -> str | None:
+    """HF parameter name for a llama.cpp tensor name; None if it has no HF counterpart.
+    `fused`: a checkpoint with fused QKV and gate/up projections (Phi-3)."""
     m = _BLOCK_RE.fullmatch(gguf_name)
     if m:
-        inner = _BLOCK_NAMES.get(m.group(2))
+        inner = (_FUSED_BLOCK_NAMES if fused else _BLOCK_NAMES).get(m.group(2))
         return f"model.layers.{m.group(1)}.{inner}.{m.group(3)}" if inner else None
     base, _, suffix = gguf_name.rpartition(".")
     top = _TOP_NAMES.get(base)
@@ -95,7 +99,7 @@ def _iter_weights(path: str, config: ModelConfig, permuted: bool) -> Iterator[tu
     # Re-opened per stream (the memmap is released when the stream ends), past the metadata.
     reader = open_gguf(path, read_metadata(path))
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, config.fused_checkpoint)
         if name is None:
             continue
         w = dequantize(t)
@@ -117,12 +121,16 @@ def load_gguf(path: str, weights_id: str) -> ModelSource:
         freqs = next(dequantize(t) for t in open_gguf(path).tensors
                      if t.name == "rope_freqs.weight")
         d["rope_scaling"] = _llama3_rope_scaling(freqs, d["head_dim"], d["rope_theta"], path)
+    if any(n.startswith("rope_factors_") for n in names):
+        raise ModelLoadError(f"{path}: LongRoPE (rope_factors_long / rope_factors_short: Phi-3's "
+                             "128k-context models) is not supported")
     config = ModelConfig.from_hf_dict(d, weights_id=weights_id)
-    unknown = sorted(n for n in names if hf_name(n) is None and n not in _IGNORED)
+    fused = config.fused_checkpoint
+    unknown = sorted(n for n in names if hf_name(n, fused) is None and n not in _IGNORED)
     if unknown:
         raise ModelLoadError(f"{path}: unexpected GGUF tensors {unknown[:8]}")
-    check_weight_names({n for n in map(hf_name, names) if n}, config, path)
-    # llama.cpp permutes Q/K for llama only, not qwen2 / qwen3
+    check_weight_names({h for n in names if (h := hf_name(n, fused))}, config, path)
+    # llama.cpp permutes Q/K for llama only, not qwen2 / qwen3 / phi3
     permuted = d["model_type"] == "llama"
     generation: dict[str, Any] = {"bos_token_id": d["bos_token_id"],
                                   "eos_token_id": list(config.eos_token_ids)}

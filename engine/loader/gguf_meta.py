@@ -21,7 +21,7 @@ import numpy.typing as npt
 from engine.loader.errors import ModelLoadError
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                      "qwen3": "Qwen3ForCausalLM"}
+                      "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 class _PlainViewReader(gguf.GGUFReader):
@@ -182,6 +182,12 @@ def hf_config_dict(meta: GGUFMetadata, path: str) -> dict[str, Any]:
 
     n_heads = int(need("attention.head_count"))
     hidden = int(need("embedding_length"))
+    head_dim = int(field_value(meta, f"{arch}.attention.key_length", hidden // n_heads))
+    rotated = field_value(meta, f"{arch}.rope.dimension_count")
+    if rotated is not None and int(rotated) != head_dim:  # Phi-4-mini rotates 3/4 of each head
+        raise ModelLoadError(f"{path}: GGUF {arch}.rope.dimension_count {rotated} of a head "
+                             f"dimension of {head_dim}: partial rotary is not supported")
+    window = field_value(meta, f"{arch}.attention.sliding_window")
     tokens = field_value(meta, "tokenizer.ggml.tokens")
     vocab = field_value(meta, f"{arch}.vocab_size") or (len(tokens) if tokens else None)
     names = meta.tensor_names
@@ -196,11 +202,12 @@ def hf_config_dict(meta: GGUFMetadata, path: str) -> dict[str, Any]:
         "num_hidden_layers": int(need("block_count")),
         "num_attention_heads": n_heads,
         "num_key_value_heads": int(field_value(meta, f"{arch}.attention.head_count_kv", n_heads)),
-        "head_dim": int(field_value(meta, f"{arch}.attention.key_length", hidden // n_heads)),
+        "head_dim": head_dim,
         "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(field_value(meta, f"{arch}.rope.freq_base", 10000.0)),
         "rope_scaling": _rope_scaling(meta, arch),
         "max_position_embeddings": int(need("context_length")),
+        "sliding_window": int(window) if window else None,
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
         "bos_token_id": field_value(meta, "tokenizer.ggml.bos_token_id"),
