@@ -1,9 +1,10 @@
 """Text <-> token ids, from a `tokenizer.json` (HF) or the vocabulary inside a GGUF file.
 
-Torch-free and transformers-free: the gateway imports it. A GGUF stores a byte-level BPE
-vocabulary as llama.cpp metadata; `gguf_backend` rebuilds the equivalent HF `tokenizers`
-pipeline (pre-tokenizer regex chosen by `tokenizer.ggml.pre`, byte-level decoder, control
-tokens as added special tokens so text like "<|im_start|>" is never split).
+Torch-free and transformers-free: the gateway imports it. A GGUF stores a byte-level BPE or a
+SentencePiece BPE vocabulary as llama.cpp metadata; `gguf_backend` rebuilds the equivalent HF
+`tokenizers` pipeline (byte-level: the pre-tokenizer regex chosen by `tokenizer.ggml.pre` and a
+byte-level decoder; SentencePiece: "▁" for spaces, merges ranked by score, byte fallback), with
+control tokens as added special tokens so text like "<|im_start|>" is never split).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from engine.chat_template import ChatTemplateError, render_chat_template
 from engine.loader.errors import ModelLoadError
 
 # llama.cpp token types (llama_token_type): 1 normal, 2 unknown, 3 control, 4 user-defined, 6 byte.
-_CONTROL, _USER_DEFINED = 3, 4
+_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
+_SPACE = "\u2581"  # SentencePiece's "▁"
 
 # Pre-tokenizer split regexes as in llama.cpp's llm_tokenizer_bpe / the models' tokenizer.json.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -59,13 +61,28 @@ def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
 
 
 def gguf_backend(meta: Mapping[str, Any], path: str) -> BackendTokenizer:
-    """An HF `tokenizers` byte-level BPE equivalent to the GGUF `tokenizer.ggml.*` metadata."""
+    """An HF `tokenizers` pipeline equivalent to the GGUF `tokenizer.ggml.*` metadata: byte-level
+    BPE (llama.cpp's "gpt2": Llama 3, Qwen, SmolLM2, Phi-4) or SentencePiece BPE ("llama": Llama
+    2, Mistral, TinyLlama, Phi-3)."""
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ModelLoadError(f"{path}: GGUF tokenizer.ggml.model {kind!r} is not supported; "
-                             "supported: 'gpt2' (byte-level BPE)")
     tokens: Sequence[str] = meta["tokenizer.ggml.tokens"]
     types: Sequence[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if kind == "gpt2":
+        backend = _byte_level_bpe(meta, tokens, types)
+    elif kind == "llama":
+        backend = _sentencepiece_bpe(meta, tokens, types, path)
+    else:
+        raise ModelLoadError(f"{path}: GGUF tokenizer.ggml.model {kind!r} is not supported; "
+                             "supported: 'gpt2' (byte-level BPE), 'llama' (SentencePiece BPE)")
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, ty in zip(tokens, types, strict=True) if ty == _CONTROL])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, ty in zip(tokens, types, strict=True) if ty == _USER_DEFINED])
+    return backend
+
+
+def _byte_level_bpe(meta: Mapping[str, Any], tokens: Sequence[str], types: Sequence[int]
+                    ) -> BackendTokenizer:
     alphabet = set(_bytes_to_unicode().values())
     spell = _bytes_to_unicode()
     vocab: dict[str, int] = {}
@@ -80,11 +97,49 @@ def gguf_backend(meta: Mapping[str, Any], path: str) -> BackendTokenizer:
         backend.normalizer = normalizers.NFC()
     backend.pre_tokenizer = _pre_tokenizer(pre)
     backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, ty in zip(tokens, types, strict=True) if ty == _CONTROL])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                        for t, ty in zip(tokens, types, strict=True) if ty == _USER_DEFINED])
     return backend
+
+
+def _sentencepiece_bpe(meta: Mapping[str, Any], tokens: Sequence[str], types: Sequence[int],
+                       path: str) -> BackendTokenizer:
+    """SentencePiece BPE as llama.cpp stores it: pieces spell a space "▁", bytes without a piece
+    fall back to their `<0xXX>` tokens, and a piece's score ranks the merge that makes it (the
+    GGUF holds no merges list). The pipeline is Hugging Face's for these models (and what
+    `transformers` builds from the same metadata): "▁" before the text and for each space, BPE
+    with byte fallback, and a decoder that undoes both and drops the leading space."""
+    scores: Sequence[float] | None = meta.get("tokenizer.ggml.scores")
+    if scores is None or len(scores) != len(tokens):
+        raise ModelLoadError(f"{path}: a SentencePiece GGUF vocabulary needs one "
+                             "tokenizer.ggml.scores entry per token")
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)
+    unknown = next((t for t, ty in zip(tokens, types, strict=True) if ty == _UNKNOWN), None)
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=_merges_by_score(tokens, scores, vocab),
+                                          unk_token=unknown, fuse_unk=True, byte_fallback=True))
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement=_SPACE, prepend_scheme="first" if prefix else "never", split=False)
+    steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    return backend
+
+
+def _merges_by_score(tokens: Sequence[str], scores: Sequence[float], vocab: Mapping[str, int]
+                     ) -> list[tuple[str, str]]:
+    """Every split of a piece into two pieces of the vocabulary is a merge; merges that make a
+    higher-scoring piece apply first (then longer left, then longer right halves; a piece's own
+    splits in the order of their halves' ids)."""
+    ranked: list[tuple[float, int, int, str, str]] = []
+    for piece, score in zip(tokens, scores, strict=True):
+        splits = sorted((vocab[piece[:k]], vocab[piece[k:]], piece[:k], piece[k:])
+                         for k in range(1, len(piece))
+                         if piece[:k] in vocab and piece[k:] in vocab)
+        ranked += [(float(score), len(left), len(right), left, right)
+                   for _, _, left, right in splits]
+    # Stable: equal keys keep the order above.
+    ranked.sort(key=lambda m: (m[0], m[1], m[2]), reverse=True)
+    return [(left, right) for _, _, _, left, right in ranked]
 
 
 def _token_text(value: Any) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -169,3 +170,105 @@ def test_import_is_torch_free() -> None:
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root)}
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env=env)
+
+
+# -- a SentencePiece vocabulary (llama.cpp's "llama": Llama 2, Mistral, TinyLlama, Phi-3) ---------
+SPM_TEXTS = [t for t in TEXTS if "<|" not in t] + ["a</s>b <s> c", "Hello\nworld", "x  y"]
+
+
+@pytest.fixture(scope="module")
+def spm_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A GGUF holding a SentencePiece BPE vocabulary trained here: <unk>, <s>, </s>, the 256 byte
+    tokens, then the pieces, each scored by the rank of the merge that makes it (as
+    SentencePiece scores them; single characters below every merge)."""
+    import gguf
+    import numpy as np
+    from tokenizers import SentencePieceBPETokenizer
+
+    trainer = SentencePieceBPETokenizer()
+    corpus = [t for t in TEXTS if t.strip()] * 3 + [
+        "the quick brown fox jumps over the lazy dog " * 3, "hello world, hello there"]
+    trainer.train_from_iterator(corpus, vocab_size=400, min_frequency=1, show_progress=False)
+    model = json.loads(trainer._tokenizer.to_str())["model"]
+    rank = {"".join(m.split(" ") if isinstance(m, str) else m): i
+            for i, m in enumerate(model["merges"])}
+    pieces = sorted((p for p in model["vocab"] if p != "<unk>"),  # the trainer's own <unk>
+                    key=lambda p: rank.get(p, len(rank) + model["vocab"][p]))
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    scores = [0.0] * 259 + [-float(rank.get(p, len(rank) + model["vocab"][p])) for p in pieces]
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+    path = tmp_path_factory.mktemp("spm") / "spm.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    # A tiny random Llama around it, so that an engine can load the file (F32, 1 layer).
+    hidden, ff, vocab = 32, 64, len(tokens)
+    for key, value in (("block_count", 1), ("context_length", 128), ("embedding_length", hidden),
+                       ("feed_forward_length", ff), ("head_count", 2), ("head_count_kv", 2)):
+        getattr(w, f"add_{key}")(value)
+    w.add_layer_norm_rms_eps(1e-5)
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,),
+              "output.weight": (vocab, hidden), "blk.0.attn_norm.weight": (hidden,),
+              "blk.0.ffn_norm.weight": (hidden,), "blk.0.attn_q.weight": (hidden, hidden),
+              "blk.0.attn_k.weight": (hidden, hidden), "blk.0.attn_v.weight": (hidden, hidden),
+              "blk.0.attn_output.weight": (hidden, hidden), "blk.0.ffn_gate.weight": (ff, hidden),
+              "blk.0.ffn_up.weight": (ff, hidden), "blk.0.ffn_down.weight": (hidden, ff)}
+    for name, shape in shapes.items():
+        w.add_tensor(name, (np.ones(shape) if "norm" in name
+                            else rng.normal(0, 0.2, shape)).astype(np.float32))
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def test_sentencepiece_gguf_matches_transformers(spm_gguf: str) -> None:
+    """The pipeline rebuilt from a SentencePiece GGUF tokenizes and decodes as `transformers`
+    does from the same file: spaces as "▁" (one before the text), merges by score, bytes of
+    characters without a piece as <0xXX> tokens, <s> / </s> as control tokens, BOS first."""
+    from transformers import AutoTokenizer
+
+    ours = Tokenizer.from_file(spm_gguf)
+    folder, filename = os.path.split(spm_gguf)
+    ref = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+    assert ours.bos_token_id == 1 and ours.eos_token_ids == (2,)
+    merged = 0
+    for text in SPM_TEXTS:
+        ids = ours.encode(text)
+        assert ids == ref.encode(text), text
+        assert ids[:1] == [1]
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(
+                ids, skip_special_tokens=skip), text
+        merged += sum(len(t) > 2 and not t.startswith("<0x") for t in
+                      ref.convert_ids_to_tokens(ids))
+    assert merged > 20  # the vocabulary's merges were used, not characters and bytes alone
+    unseen = ours.encode("✓", add_special_tokens=False)  # no piece holds it: its three bytes
+    assert ours.convert_ids_to_tokens(unseen)[-3:] == ["<0xE2>", "<0x9C>", "<0x93>"]
+    assert ours.decode(unseen) == "✓"
+
+
+def test_an_engine_runs_on_a_sentencepiece_gguf(spm_gguf: str) -> None:
+    """The engine loads the file (weights and vocabulary), streams text, and a structured-output
+    constraint compiles against the SentencePiece vocabulary and holds (random weights)."""
+    from engine import LLM, SamplingParams
+    from engine.sampling_params import StructuredOutputs
+
+    llm = LLM(spm_gguf, device="cpu", max_model_len=128, num_gpu_blocks=32)
+    free = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    [out] = llm.generate("hello world", free)
+    assert len(out.outputs[0].token_ids) == 6
+    assert out.outputs[0].text == llm.engine.tokenizer.decode(out.outputs[0].token_ids)  # type: ignore[union-attr]
+    digits = SamplingParams(temperature=0.0, max_tokens=8,
+                            structured_outputs=StructuredOutputs(regex=r"[0-9]{2} ok"))
+    [out] = llm.generate("hello world", digits)
+    assert out.outputs[0].finish_reason == "stop"
+    assert re.fullmatch(r"[0-9]{2} ok", out.outputs[0].text), out.outputs[0].text
