@@ -327,7 +327,7 @@ _TOPICS = ["the ocean", "a small robot", "mountains in winter", "the history of 
            "an old library", "the first day of spring"]
 
 
-def varied_prompts(tokenizer: Tokenizer, count: int = 20) -> list[list[int]]:
+def varied_prompts(tokenizer: Tokenizer, count: int = 12) -> list[list[int]]:
     """`count` distinct prompts: short ones (< 1 block), several blocks, and multi-hundred tokens."""
     prompts: list[list[int]] = []
     for i in range(count):
