@@ -197,7 +197,8 @@ def build_app(state: GatewayState) -> FastAPI:
         return JSONResponse({"tokenizer_class": "PreTrainedTokenizerFast",
                              **tok.special_tokens,
                              "add_bos_token": tok.add_bos_token,
-                             "chat_template": tok.chat_template,
+                             # the template chat requests use: the gateway's, else the model's
+                             "chat_template": state.config.chat_template or tok.chat_template,
                              "model_max_length": state.config.max_model_len})
 
     @app.post("/detokenize")

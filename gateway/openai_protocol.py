@@ -184,8 +184,8 @@ class ChatMessageIn(_Open):
 
 # Template variables the renderer sets itself: `chat_template_kwargs` may not replace them.
 RESERVED_TEMPLATE_VARIABLES = frozenset({
-    "messages", "add_generation_prompt", "tools", "bos_token", "eos_token", "unk_token",
-    "pad_token"})
+    "messages", "add_generation_prompt", "tools", "tokenize", "bos_token", "eos_token",
+    "unk_token", "pad_token"})
 MAX_TEMPLATE_KWARGS = 32
 
 

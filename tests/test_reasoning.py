@@ -197,6 +197,8 @@ def test_chat_template_kwargs_reach_the_template(gw: Harness) -> None:
     message: Any = resp.choices[0].message
     assert message.reasoning is None and message.content == SCRIPT
     tok = smollm2_tokenizer()
+    # /tokenizer_info shows the template chat requests use: the gateway's --chat-template.
+    assert httpx.get(f"{gw.base_url}/tokenizer_info", timeout=10).json()["chat_template"] == TEMPLATE
     for kwargs, tail in (({}, "<think>\n"), (off, "<think>\n\n</think>\n\n")):
         ids = httpx.post(f"{gw.base_url}/tokenize", json={"messages": ASK, **kwargs},
                          timeout=10).json()["tokens"]
@@ -299,6 +301,7 @@ def test_a_tool_choice_follows_the_reasoning_over_grpc(thinking_gw: Harness) -> 
 @pytest.mark.parametrize(("kwargs", "words"), [
     ({"messages": []}, "set by the server"),
     ({"add_generation_prompt": False}, "set by the server"),
+    ({"tokenize": True}, "set by the server"),
     ({"not a name": 1}, "not a template variable"),
     ({f"k{i}": i for i in range(33)}, "at most 32"),
     ([1, 2], "dictionary"),
