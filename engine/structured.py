@@ -133,8 +133,11 @@ def fill_masks(grammars: Sequence[RequestGrammar], bitmask: torch.Tensor) -> Non
     Filled on this thread: xgrammar's `BatchGrammarMatcher` took ~4 ms even for one row there
     (bench/results/h200/structured/). Every grammar is `active`; one at its output's first
     token with a reasoning start token also allows that token."""
+    opening: list[tuple[int, int]] = []  # (row, start token) of outputs that may open reasoning
     for row, g in enumerate(grammars):
         g._matcher.fill_next_token_bitmask(bitmask, row)
+        if g._phase == "first" and g._start is not None:
+            opening.append((row, g._start))
     masks = {id(g.allowed): g.allowed for g in grammars}
     if len(masks) == 1:
         [allowed] = masks.values()
@@ -142,10 +145,9 @@ def fill_masks(grammars: Sequence[RequestGrammar], bitmask: torch.Tensor) -> Non
     else:
         for row, g in enumerate(grammars):
             bitmask[row] &= g.allowed
-    for row, g in enumerate(grammars):
-        if g._phase == "first" and g._start is not None:
-            word, bit = divmod(g._start, 32)
-            bitmask[row, word] |= _bit_word(bit)
+    for row, start in opening:  # after the ANDs: the start token is not the language's
+        word, bit = divmod(start, 32)
+        bitmask[row, word] |= _bit_word(bit)
 
 
 def _bit_word(bit: int) -> int:
