@@ -16,6 +16,7 @@ from engine.config import (
     ConfigError,
     EngineConfig,
     LoadConfig,
+    ParallelConfig,
     RunnerConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -115,6 +116,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default=_default(RunnerConfig, "attention_backend"),
                    choices=["auto", "torch", "triton"])
     g.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+    g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int,
+                   default=_default(ParallelConfig, "tensor_parallel_size"),
+                   help="split the model's heads and MLP over this many processes, one GPU "
+                        "each (cuda:0, cuda:1, ...; CPU processes on a CPU host); it must divide "
+                        "the model's attention heads, KV heads and intermediate size")
     g.add_argument("--cuda-graph-max-batch", type=_positive_int,
                    default=_default(RunnerConfig, "cuda_graph_max_batch"),
                    help="largest decode batch captured in a CUDA graph (capped at "
@@ -191,6 +197,7 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "colocated") -
                             decode_overlap_min_batch=args.decode_overlap_min_batch,
                             piecewise_graph_max_tokens=args.piecewise_graph_max_tokens,
                             quantization=args.quantization),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
         speculative=SpeculativeConfig(method=args.speculative_method,
                                       num_speculative_tokens=args.num_speculative_tokens,
                                       prompt_lookup_min=args.prompt_lookup_min,

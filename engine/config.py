@@ -363,6 +363,38 @@ class SpeculativeConfig:
                               f"{self.prompt_lookup_max}")
 
 
+# Beyond a host's GPUs; a ceiling that catches a typo before it spawns processes.
+MAX_TENSOR_PARALLEL_SIZE = 16
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """Tensor parallelism (engine/parallel/): the model's attention heads and MLP columns split
+    over `tensor_parallel_size` processes, one device each (`cuda:0` … on a GPU host; CPU
+    processes otherwise), as Megatron-LM lays a decoder out and vLLM's `--tensor-parallel-size`
+    does. The engine's process is rank 0: it schedules, samples and holds its own shard; the
+    other ranks are worker processes that run each forward pass on theirs."""
+
+    tensor_parallel_size: int = 1
+    # How long a collective (a step's all-reduce, a command's broadcast) may wait for the other
+    # ranks before it fails instead of hanging: a dead or stuck worker turns into an error.
+    collective_timeout_s: float = 300.0
+
+    @property
+    def layout(self) -> str:
+        """The parallel layout's name in the model fingerprint (DESIGN.md §4)."""
+        return f"tp{self.tensor_parallel_size}"
+
+    def validate(self) -> None:
+        n = self.tensor_parallel_size
+        if type(n) is not int or not 1 <= n <= MAX_TENSOR_PARALLEL_SIZE:
+            raise ConfigError(f"tensor_parallel_size must be an integer in "
+                              f"[1, {MAX_TENSOR_PARALLEL_SIZE}], got {n!r}")
+        if not self.collective_timeout_s > 0:
+            raise ConfigError(f"collective_timeout_s must be > 0, got "
+                              f"{self.collective_timeout_s!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     load: LoadConfig = field(default_factory=LoadConfig)
@@ -370,6 +402,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def keeps_block_runs(self) -> bool:
         """Whether the KV pool keeps prompts in runs of consecutive blocks (CacheConfig's

@@ -12,6 +12,7 @@ from engine.config import (
     CacheConfig,
     EngineConfig,
     LoadConfig,
+    ParallelConfig,
     RunnerConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -56,6 +57,7 @@ class LLM:
         piecewise_graph_max_tokens: int = 512,
         quantization: str = "none",
         cpu_threads: int | None = None,
+        tensor_parallel_size: int = 1,
         speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
     ) -> None:
         """`speculative_config` as in vLLM: e.g. {"method": "ngram", "num_speculative_tokens":
@@ -91,6 +93,7 @@ class LLM:
                                 quantization=quantization,  # type: ignore[arg-type]
                                 cpu_threads=cpu_threads),
             speculative=speculative_config or SpeculativeConfig(),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()

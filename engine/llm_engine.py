@@ -99,6 +99,7 @@ class LLMEngine:
         config.scheduler.validate()
         config.speculative.validate()
         config.runner.validate()
+        config.parallel.validate()
         self.config = config
         source = load_model_source(config.load)
         cfg = source.config
@@ -133,7 +134,7 @@ class LLMEngine:
             {**cfg.to_hf_dict(), "weights_id": cfg.weights_id,
              **({"quantization": quant} if quant != "none" else {})},
             dtype=str(self.runner.dtype), kv_cache_dtype=config.cache.kv_cache_dtype,
-            block_size=config.cache.block_size)
+            block_size=config.cache.block_size, parallel_layout=config.parallel.layout)
         capacity = self.runner.result.num_blocks * config.cache.block_size
         if capacity < self.max_model_len:
             # One sequence must always fit the whole cache, or it could never be scheduled.

@@ -49,6 +49,9 @@ from engine.model.layers import RotaryEmbedding
 from engine.model.llama import LlamaForCausalLM
 from engine.model.overlap import MicroBatchStreams
 from engine.model.quant import apply_fp8_w8a8, apply_int8_weight_only, check_fp8_supported
+from engine.parallel.protocol import Cache, Op
+from engine.parallel.shard import TensorShard, shard_model_config
+from engine.parallel.step import broadcast_step, step_header
 from engine.penalties import PenaltyState
 from engine.piecewise_graphs import MIN_PIECEWISE_BUCKET, PiecewiseGraphRunner
 from engine.prompt_logprobs import PendingPromptLogprobs, plan_prompt_rows, score_prompt_rows
@@ -60,6 +63,7 @@ from engine.spec.rejection import PendingVerify, verify
 
 if TYPE_CHECKING:  # engine.cuda_graphs imports this module
     from engine.cuda_graphs import CudaGraphRunner
+    from engine.parallel.driver import TensorParallelDriver
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +134,85 @@ def captures_cuda_graphs(device: torch.device, enforce_eager: bool,
                        "every step eagerly", backend.name)
         return False
     return True
+
+
+def build_model(config: EngineConfig, full: ModelConfig, shard: TensorShard,
+                device: torch.device, dtype: torch.dtype, backend: PagedAttentionBackend,
+                max_model_len: int, weights: object, dummy_seed: int | None) -> LlamaForCausalLM:
+    """The model (or, with tensor parallelism, rank `shard.rank`'s share of it) on `device`,
+    its weights loaded (or random for `weights=None`) and quantized as `config` says."""
+    use_triton = backend.name == "triton"
+    cfg = shard_model_config(full, shard.size)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg, backend, max_model_len, use_triton, shard, full)
+    model = model.to(dtype)
+    # RoPE tables stay in fp32 whatever the model dtype.
+    for m in model.modules():
+        if isinstance(m, RotaryEmbedding):
+            m.rebuild_fp32()
+    if weights is not None:
+        model.load_weights(weights())  # type: ignore[operator]
+    else:
+        model.init_dummy_weights((dummy_seed or 0) + shard.rank)
+    model.eval()
+    quant = config.runner.quantization
+    if quant != "none":
+        if quant == "fp8":
+            check_fp8_supported(device, dtype)
+        apply = apply_fp8_w8a8 if quant == "fp8" else apply_int8_weight_only
+        n = apply(model, use_triton)
+        logger.info("%s quantization: %d linear layers swapped", quant, n)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the full-precision weights just freed
+    return model
+
+
+def cpu_kv_blocks(config: EngineConfig, block_bytes: int, max_model_len: int) -> int:
+    """KV blocks of `block_bytes` a CPU engine holds: its byte budget, capped at every sequence
+    at full length."""
+    n = config.cache.cpu_kv_cache_bytes // block_bytes
+    cap = config.scheduler.max_num_seqs * (-(-max_model_len // config.cache.block_size)) + 1
+    return max(1, min(n, cap))
+
+
+def gpu_kv_blocks(config: EngineConfig, device: torch.device, peak: int, block_bytes: int,
+                  vocab_size: int) -> int:
+    """KV blocks of `block_bytes` that fit the device once a worst-case forward peaked at
+    `peak` bytes."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    # Headroom for CUDA graphs' pools and the allocator's fragmentation, and the sampler's
+    # penalty history, which grows as penalized requests arrive up to one slot per running
+    # request (engine/penalties.py): kept out of the cache before it can be needed.
+    reserve = 2 << 30 if not config.runner.enforce_eager else 512 << 20
+    reserve += PenaltyState.bytes_for(config.scheduler.max_num_seqs, vocab_size)
+    budget = int(total * config.cache.gpu_memory_utilization) - peak - reserve
+    # The share above assumes this process's tensors are the device's only users; memory
+    # held elsewhere (another process, an engine of this one not yet freed) must not be
+    # promised to the cache, or allocating it fails outright.
+    free, _ = torch.cuda.mem_get_info(device)
+    if budget > free - reserve:
+        logger.warning("GPU memory in use elsewhere: %.1f GiB free of %.1f GiB; the KV cache "
+                       "gets %.1f GiB instead of %.1f GiB", free / 2**30, total / 2**30,
+                       max(0, free - reserve) / 2**30, budget / 2**30)
+        budget = free - reserve
+    if budget < block_bytes * 16:
+        raise ConfigError("not enough GPU memory for the KV cache; lower max_num_batched_tokens "
+                          "or raise gpu_memory_utilization")
+    return budget // block_bytes
+
+
+def check_tensor_parallel(config: EngineConfig, device: torch.device) -> None:
+    """ConfigError for what a tensor-parallel engine does not do (yet): named, not silent."""
+    if config.parallel.tensor_parallel_size == 1:
+        return
+    if config.runner.decode_overlap_min_batch:
+        raise ConfigError("decode_overlap_min_batch cannot be combined with tensor parallelism")
+    if config.speculative.method == "draft_model":
+        raise ConfigError("a draft model cannot be combined with tensor parallelism yet; use "
+                          "speculative method 'ngram'")
+    if device.type == "cuda" and not config.runner.enforce_eager:
+        logger.warning("tensor parallelism runs every step eagerly: CUDA graphs are not "
+                       "captured across ranks yet")
 
 
 class PendingStep:
@@ -225,27 +308,26 @@ class ModelRunner:
         self.micro_batches = (MicroBatchStreams(self.device) if self.decode_overlap_min_batch
                               else None)
         self.num_overlapped_steps = 0  # eager steps and graph replays
-        with torch.device(self.device):
-            model = LlamaForCausalLM(model_config, self.backend, max_model_len, use_triton)
-        self.model = model.to(self.dtype)
-        # RoPE tables stay in fp32 whatever the model dtype.
-        for m in self.model.modules():
-            if isinstance(m, RotaryEmbedding):
-                m.rebuild_fp32()
-        if weights is not None:
-            self.model.load_weights(weights())  # type: ignore[operator]
-        else:
-            self.model.init_dummy_weights(dummy_seed or 0)
-        self.model.eval()
-        quant = config.runner.quantization
-        if quant != "none":
-            if quant == "fp8":
-                check_fp8_supported(self.device, self.dtype)
-            apply = apply_fp8_w8a8 if quant == "fp8" else apply_int8_weight_only
-            n = apply(self.model, use_triton)
-            logger.info("%s quantization: %d linear layers swapped", quant, n)
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()  # the full-precision weights just freed
+        # Tensor parallelism: this process is rank 0 of `tp_size`; the driver runs the others.
+        config.parallel.validate()
+        check_tensor_parallel(config, self.device)
+        tp_size = config.parallel.tensor_parallel_size
+        self.shard = TensorShard(0, tp_size)
+        # This rank's architecture (its heads, KV heads and MLP columns; the model's own at 1).
+        self.shard_config = shard_model_config(model_config, tp_size)
+        self.tp: TensorParallelDriver | None = None
+        if tp_size > 1:
+            from engine.parallel.driver import TensorParallelDriver
+            self.tp = TensorParallelDriver(config, self.device, self.dtype, max_model_len)
+        try:
+            self.model = build_model(config, model_config, self.shard, self.device, self.dtype,
+                                     self.backend, max_model_len, weights, dummy_seed)
+            if self.tp is not None:
+                self.tp.wait_ready()
+        except BaseException:
+            if self.tp is not None:
+                self.tp.shutdown()
+            raise
         self.sampler = Sampler(penalty_capacity=self.config.scheduler.max_num_seqs)
         # The stream this runner's steps and graph replays run on: the one current where it was
         # built (AsyncEngine's thread makes it current there too). Kernels that write KV into
@@ -263,18 +345,13 @@ class ModelRunner:
         # The last launched step's sampled tokens (on the device) and their row per request.
         self._last_tokens: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
-        cfg = model_config
-        self.kv_shape_per_block = (cfg.num_hidden_layers, 2, self.block_size,
-                                   cfg.num_key_value_heads, cfg.head_dim)
-        self.block_bytes = (2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads
-                            * cfg.head_dim * self.kv_dtype.itemsize)
-        if is_quantized_kv(self.kv_dtype):
-            self.kv_scales = self._kv_scales_for(config.cache, kv_calibration_ids)
-            self.kv_scale_values = [(k, v) for k, v in self.kv_scales.tolist()]
-        num_blocks = self._num_kv_blocks()
-        self.kv_cache = torch.zeros(cfg.num_hidden_layers, 2, num_blocks, self.block_size,
-                                    cfg.num_key_value_heads, cfg.head_dim,
-                                    dtype=self.kv_dtype, device=self.device)
+        try:
+            num_blocks = self._set_up_kv_cache(config, kv_calibration_ids)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.shutdown()
+            raise
+        cfg = self.shard_config
         self.kv_caches = list(self.kv_cache.unbind(0))
         if self.device.type == "cuda" and use_triton:
             from engine.attention.warmup import warm_up_attention
@@ -294,10 +371,48 @@ class ModelRunner:
         # attention eager (engine/piecewise_graphs.py).
         self.piecewise: PiecewiseGraphRunner | None = None
         self.capture_stream: torch.cuda.Stream | None = None
-        if captures_cuda_graphs(self.device, config.runner.enforce_eager, self.backend):
+        if (captures_cuda_graphs(self.device, config.runner.enforce_eager, self.backend)
+                and self.tp is None):
             self._capture_graphs(config)
         self.result = RunnerResult(str(self.device), self.dtype, num_blocks, self.kv_dtype,
                                    self.block_bytes, self.backend.name, self.graphs is not None)
+
+    def _set_up_kv_cache(self, config: EngineConfig,
+                         kv_calibration_ids: Callable[[], list[int]] | None) -> int:
+        """Scales (a quantized cache), size and allocation of the KV cache, on every rank;
+        returns the number of blocks."""
+        full, cfg = self.model_config, self.shard_config
+        # A block as it leaves the engine (transfer, tiers): every KV head, whatever the split.
+        self.kv_shape_per_block = (full.num_hidden_layers, 2, self.block_size,
+                                   full.num_key_value_heads, full.head_dim)
+        # A block as this rank holds it (its KV heads): what its memory is sized by.
+        self.block_bytes = (2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads
+                            * cfg.head_dim * self.kv_dtype.itemsize)
+        if is_quantized_kv(self.kv_dtype):
+            self.kv_scales = self._kv_scales_for(config.cache, kv_calibration_ids)
+            self.kv_scale_values = [(k, v) for k, v in self.kv_scales.tolist()]
+            if self.tp is not None:
+                self.tp.set_kv_scales(self.kv_scales)
+        num_blocks = self._num_kv_blocks()
+        if self.tp is not None:
+            num_blocks = self.tp.capacity(num_blocks)
+            self.tp.allocate_kv(num_blocks)
+        self.kv_cache = torch.zeros(cfg.num_hidden_layers, 2, num_blocks, self.block_size,
+                                    cfg.num_key_value_heads, cfg.head_dim,
+                                    dtype=self.kv_dtype, device=self.device)
+        return num_blocks
+
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                  md: AttentionMetadata, cache: Cache = Cache.ENGINE,
+                  scratch_blocks: int = 0) -> torch.Tensor:
+        """The model's forward pass (inside a forward context over `md`): with tensor
+        parallelism the workers get the step first and run their shards beside this one."""
+        if self.tp is None:
+            return self.model(input_ids, positions)
+        header = step_header(input_ids, md, cache, scratch_blocks)
+        with self.tp.command(Op.FORWARD, header.fields()):
+            broadcast_step(input_ids, positions, md)
+            return self.model(input_ids, positions)
 
     def _capture_graphs(self, config: EngineConfig) -> None:
         """Capture every set of CUDA graphs, all in one pool, on one side stream, the decode
@@ -362,8 +477,13 @@ class ModelRunner:
     def measure_kv_amax(self, token_ids: list[int]) -> torch.Tensor:
         """One prefill of `token_ids` with a float cache → each layer's largest |K| (as cached:
         after RoPE) and |V|, `[L, 2]` float32 on the CPU."""
-        _, scratch = self._scratch_prefill(token_ids, self.dtype, None)
-        amax = scratch.abs().amax(dim=(2, 3, 4, 5)).float().cpu()
+        _, scratch = self._scratch_prefill(token_ids, self.dtype, None, Cache.SCRATCH_FLOAT)
+        amax = scratch.abs().amax(dim=(2, 3, 4, 5)).float()
+        if self.tp is not None:  # the largest over every rank's heads
+            import torch.distributed as dist
+            with self.tp.command(Op.KV_AMAX):
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+        amax = amax.cpu()
         if not bool(torch.isfinite(amax).all()):
             raise ConfigError("the KV calibration pass produced non-finite K/V; the model's "
                               "activations overflow its dtype")
@@ -374,24 +494,26 @@ class ModelRunner:
         """Logits `[n, vocab]` (float32, CPU) of every position of one prefill of `token_ids`
         over a scratch cache of this runner's KV dtype and scales: every position reads its own
         and earlier K/V back from the cache, as decoding does (accuracy probes)."""
-        hidden, _ = self._scratch_prefill(token_ids, self.kv_dtype, self.kv_scale_values)
+        hidden, _ = self._scratch_prefill(token_ids, self.kv_dtype, self.kv_scale_values,
+                                          Cache.SCRATCH_KV)
         return self.model.compute_logits(hidden).float().cpu()
 
     def _scratch_prefill(self, token_ids: list[int], kv_dtype: torch.dtype,
-                         scales: list[tuple[float, float]] | None
+                         scales: list[tuple[float, float]] | None, cache: Cache
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """One prefill of `token_ids` into a fresh cache of `kv_dtype` (not the engine's) →
         (hidden states [n, hidden], that cache [L, 2, blocks, bs, Hkv, D])."""
         n = len(token_ids)
         if n == 0:
             raise ValueError("a scratch prefill needs at least one token")
-        scratch = torch.zeros(self.model_config.num_hidden_layers, 2, -(-n // self.block_size),
-                              *self.kv_shape_per_block[2:], dtype=kv_dtype, device=self.device)
+        blocks = -(-n // self.block_size)
+        scratch = torch.zeros(self.shard_config.num_hidden_layers, 2, blocks,
+                              *self._local_block_shape, dtype=kv_dtype, device=self.device)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device)
-        with forward_context(ForwardContext(self._metadata_for_profile(n),
-                                            list(scratch.unbind(0)), scales)):
-            hidden = self.model(ids, pos)
+        md = self._metadata_for_profile(n)
+        with forward_context(ForwardContext(md, list(scratch.unbind(0)), scales)):
+            hidden = self.run_model(ids, pos, md, cache, blocks)
         return hidden, scratch
 
     # ---- sizing ----------------------------------------------------------------------------
@@ -401,11 +523,14 @@ class ModelRunner:
         if cache.num_gpu_blocks is not None:
             return cache.num_gpu_blocks
         if self.device.type != "cuda":
-            n = cache.cpu_kv_cache_bytes // self.block_bytes
-            # No point holding more than every sequence at full length.
-            cap = self.config.scheduler.max_num_seqs * (-(-self.max_model_len // self.block_size)) + 1
-            return max(1, min(n, cap))
+            return cpu_kv_blocks(self.config, self.block_bytes, self.max_model_len)
         return self._profile_gpu_blocks()
+
+    @property
+    def _local_block_shape(self) -> tuple[int, int, int]:
+        """(block_size, KV heads, head_dim) of a block of this rank's cache."""
+        cfg = self.shard_config
+        return (self.block_size, cfg.num_key_value_heads, cfg.head_dim)
 
     @torch.inference_mode()
     def _profile_gpu_blocks(self) -> int:
@@ -415,38 +540,19 @@ class ModelRunner:
         n = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device)
-        scratch = torch.zeros(self.model_config.num_hidden_layers, 2, -(-n // self.block_size) + 1,
-                              *self.kv_shape_per_block[2:], dtype=self.kv_dtype,
-                              device=self.device)
+        blocks = -(-n // self.block_size) + 1
+        scratch = torch.zeros(self.shard_config.num_hidden_layers, 2, blocks,
+                              *self._local_block_shape, dtype=self.kv_dtype, device=self.device)
         md = self._metadata_for_profile(n)
         with forward_context(ForwardContext(md, list(scratch.unbind(0)), self.kv_scale_values)):
-            h = self.model(ids, pos)
+            h = self.run_model(ids, pos, md, Cache.PROFILE, blocks)
             self.model.compute_logits(h[-min(n, self.config.scheduler.max_num_seqs):])
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         del scratch, h
         torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        # Headroom for CUDA graphs' pools and the allocator's fragmentation, and the sampler's
-        # penalty history, which grows as penalized requests arrive up to one slot per running
-        # request (engine/penalties.py): kept out of the cache before it can be needed.
-        reserve = 2 << 30 if not self.config.runner.enforce_eager else 512 << 20
-        reserve += PenaltyState.bytes_for(self.config.scheduler.max_num_seqs,
-                                          self.model.lm_head_weight.shape[0])
-        budget = int(total * self.config.cache.gpu_memory_utilization) - peak - reserve
-        # The share above assumes this process's tensors are the device's only users; memory
-        # held elsewhere (another process, an engine of this one not yet freed) must not be
-        # promised to the cache, or allocating it fails outright.
-        free, _ = torch.cuda.mem_get_info(self.device)
-        if budget > free - reserve:
-            logger.warning("GPU memory in use elsewhere: %.1f GiB free of %.1f GiB; the KV cache "
-                           "gets %.1f GiB instead of %.1f GiB", free / 2**30, total / 2**30,
-                           max(0, free - reserve) / 2**30, budget / 2**30)
-            budget = free - reserve
-        if budget < self.block_bytes * 16:
-            raise ConfigError("not enough GPU memory for the KV cache; lower max_num_batched_tokens "
-                              "or raise gpu_memory_utilization")
-        return budget // self.block_bytes
+        return gpu_kv_blocks(self.config, self.device, peak, self.block_bytes,
+                             self.model.lm_head_weight.shape[0])
 
     def _metadata_for_profile(self, n: int) -> AttentionMetadata:
         nb = -(-n // self.block_size)
@@ -614,7 +720,7 @@ class ModelRunner:
                 elif self.piecewise is not None and self.piecewise.can_run(len(input_ids)):
                     hidden = self.piecewise.run(input_ids, positions, md)
                 else:
-                    hidden = self.model(input_ids, positions)
+                    hidden = self.run_model(input_ids, positions, md)
             if prompt_rows:
                 prompt = score_prompt_rows(hidden, prompt_rows, self.model.compute_logits)
             if not sampling_reqs:
@@ -709,13 +815,15 @@ class ModelRunner:
         """Forward one scheduled step and return the logits of every token (tests/oracles)."""
         input_ids, positions, md, _ = self.prepare(out)
         with forward_context(ForwardContext(md, self.kv_caches, self.kv_scale_values)):
-            hidden = self.model(input_ids, positions)
+            hidden = self.run_model(input_ids, positions, md)
         return self.model.compute_logits(hidden)
 
     def release(self) -> None:
         """Give back the device memory this runner holds (captured graphs and their pools, the
         KV cache, the weights), without waiting for the garbage collector; the runner is
         unusable after (its engine refuses to step)."""
+        if self.tp is not None:
+            self.tp.shutdown()
         self.graphs = None
         self.verify_graphs = None
         self.piecewise = None
@@ -739,8 +847,23 @@ class ModelRunner:
         int8 blocks are the stored values: multiply by `kv_scales` [L, 2] to get K/V)."""
         with self._on_step_stream():
             idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-            host = self._gather_blocks(idx).to("cpu").contiguous()
+            if self.tp is not None:
+                host = self._gather_sharded_blocks(idx).to("cpu").contiguous()
+            else:
+                host = self._gather_blocks(idx).to("cpu").contiguous()
         return host.view(self.kv_dtype) if self.kv_is_quantized else host
+
+    def _gather_sharded_blocks(self, idx: torch.Tensor) -> torch.Tensor:
+        """`_gather_blocks` over every rank: each holds its KV heads of the blocks; they are
+        gathered here and laid side by side, in rank order, as the model's KV heads are."""
+        assert self.tp is not None
+        import torch.distributed as dist
+        with self.tp.command(Op.READ_BLOCKS, [int(idx.shape[0])]):
+            dist.broadcast(idx, src=0)
+            local = self._gather_blocks(idx).contiguous()
+            parts = [torch.empty_like(local) for _ in range(self.shard.size)]
+            dist.gather(local, parts, dst=0)
+        return torch.cat(parts, dim=4)
 
     def _gather_blocks(self, idx: torch.Tensor) -> torch.Tensor:
         """The cache's blocks `idx` as [n, num_layers, 2, block_size, Hkv, D] on the device
@@ -759,7 +882,7 @@ class ModelRunner:
         why no kernel); without them (no CUDA runtime to call) a gather kernel does, on the
         same side stream."""
         stream = self._side_stream()
-        if stream is None:
+        if stream is None or self.tp is not None:
             return self.read_blocks(block_ids)
         if dma_available():
             host = torch.empty((len(block_ids), *self.kv_shape_per_block), dtype=self.kv_dtype,
@@ -785,6 +908,9 @@ class ModelRunner:
         the steps already queued there: a kernel on a side stream, once the decode graphs are
         captured, measured +0.14 ms on every later batch-8 decode step of this process
         (bench/probe_stream_cost.py --variant kv_copy; engine/dma_copy.py)."""
+        if self.tp is not None:
+            raise ValueError("a tensor-parallel engine's cache is split over its ranks; its KV "
+                             "travels by shared memory or gRPC, not by one cache's IPC handle")
         side = self._side_stream()
         if side is not None and src_cache.device == self.kv_cache.device and dma_available():
             self._wait_for_load_fence(side)
@@ -843,6 +969,9 @@ class ModelRunner:
                              f"{self.kv_dtype}")
         else:
             src, cache = blocks, self.kv_cache
+        if self.tp is not None:
+            self._scatter_sharded_blocks(block_ids, src, cache)
+            return
         stream = self._side_stream()
         if (stream is not None and src.device.type == "cpu" and src.dtype == cache.dtype
                 and dma_available()):
@@ -862,6 +991,24 @@ class ModelRunner:
             cache.index_copy_(2, idx, dev.permute(1, 2, 0, 3, 4, 5))
         if self.step_stream is not None:
             self.step_stream.synchronize()  # `blocks` may be a staging buffer reused after
+
+    def _scatter_sharded_blocks(self, block_ids: list[int], src: torch.Tensor,
+                                cache: torch.Tensor) -> None:
+        """`write_blocks` over every rank: blocks of every KV head (`src`, in `cache`'s dtype or
+        its bytes) are cut by head into the ranks' shares and each rank writes its own."""
+        assert self.tp is not None
+        import torch.distributed as dist
+        comm = self.device
+        idx = torch.tensor(block_ids, dtype=torch.long, device=comm)
+        parts = [p.to(comm, cache.dtype).contiguous()
+                 for p in src.chunk(self.shard.size, dim=4)]
+        with self._on_step_stream(), self.tp.command(Op.WRITE_BLOCKS, [len(block_ids)]):
+            dist.broadcast(idx, src=0)
+            mine = torch.empty_like(parts[0])
+            dist.scatter(mine, parts, src=0)
+            cache.index_copy_(2, idx, mine.permute(1, 2, 0, 3, 4, 5))
+        if self.step_stream is not None:
+            self.step_stream.synchronize()
 
     def _on_step_stream(self) -> contextlib.AbstractContextManager[Any]:
         """Makes `step_stream` current in a thread other than the engine's (a no-op on a CPU)."""

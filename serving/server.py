@@ -154,9 +154,11 @@ async def start_worker(config: EngineConfig, host: str, port: int,
                 handle.kv_data = KvDataServer(source, asyncio.get_running_loop(), host,
                                               kv_data_port,
                                               tls=tls.server_context() if tls else None)
-            # A GPU engine's cache also goes out by CUDA IPC to decode workers on its GPU.
+            # A GPU engine's cache also goes out by CUDA IPC to decode workers on its GPU
+            # (not a tensor-parallel one's: each rank holds a share of every block's heads).
+            ipc = engine.runner.kv_cache if engine.runner.tp is None else None
             kv_servicer.bind(KvTransferServicer(source, kv_scales=kv_scales(engine),
-                                                ipc_cache=engine.runner.kv_cache,
+                                                ipc_cache=ipc,
                                                 data_server=handle.kv_data))
         for name in ["", *services]:
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

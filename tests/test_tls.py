@@ -30,7 +30,7 @@ from test_kv_grpc_transport import (
     make_spec,
     start_worker,
 )
-from test_up import ROOT, _alive, _free_ports, complete_four_tokens
+from test_up import ROOT, _alive, _free_ports, complete_greedy
 
 from kv_transfer.connector import GrpcPullConnector, LoadResult
 from kv_transfer.grpc_transport import KvTransferServicer, pull_all, pull_blocks_tcp
@@ -223,7 +223,7 @@ def test_the_whole_stack_over_mutual_tls(pki: dict[str, Path], tmp_path: Path) -
             if "ready" in line or "exited" in line:
                 break
         assert any("ready" in ln for ln in lines), "".join(lines)
-        assert complete_four_tokens(rest)["usage"]["completion_tokens"] == 4
+        assert complete_greedy(rest)["usage"]["completion_tokens"] == 4
         decode_log = (tmp_path / "logs" / "decode.log").read_text()
         assert "KV from 127.0.0.1:" in decode_log  # the prompt's KV came from the prefill worker
         # The exec probe for TLS workers: SERVING with the certificates, refused without.

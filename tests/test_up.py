@@ -16,6 +16,9 @@ from typing import Any
 
 import pytest
 
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -34,10 +37,13 @@ def _alive(marker: str) -> list[str]:
     return [p for p in out.stdout.split() if p and int(p) != os.getpid()]
 
 
-def complete_four_tokens(rest_port: int) -> dict[str, Any]:
-    """A greedy 4-token completion from the stack's REST API."""
-    body = json.dumps({"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is",
-                       "max_tokens": 4, "temperature": 0}).encode()
+PROMPT_IDS = [504, 3575, 282, 4649, 314]  # "The capital of France is" in SmolLM2's vocabulary
+
+
+def complete_greedy(rest_port: int, max_tokens: int = 4) -> dict[str, Any]:
+    """A greedy completion of PROMPT_IDS from the stack's REST API."""
+    body = json.dumps({"model": "SmolLM2-135M-Instruct", "prompt": PROMPT_IDS,
+                       "max_tokens": max_tokens, "temperature": 0}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{rest_port}/v1/completions", data=body,
                                  headers={"content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as r:
@@ -45,12 +51,24 @@ def complete_four_tokens(rest_port: int) -> dict[str, Any]:
     return out
 
 
+def _spawned_children(pid: str) -> list[str]:
+    """`pid`'s children started by multiprocessing's spawn (not its resource tracker)."""
+    out = subprocess.run(["pgrep", "-P", pid], capture_output=True, text=True)
+    return [c for c in out.stdout.split()
+            if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
 @pytest.mark.timeout(400)
-def test_up_serves_and_stops_all_children(tmp_path: Path) -> None:
+def test_up_serves_and_stops_all_children(tmp_path: Path, smollm2: LLM) -> None:
+    """The stack with each worker's model split over three processes (tensor parallelism:
+    SmolLM2's 9 heads, 3 KV heads, 1,536 MLP columns), the prompt's KV handed from the prefill
+    worker's three ranks to the decode worker's whole: greedy tokens equal the one-process
+    engine's, and every process — the workers' ranks too — is gone after SIGTERM."""
     rest, grpc_port, prefill, decode = _free_ports(4)
     cmd = [sys.executable, "-m", "splitserve", "up", "--port", str(rest), "--grpc-port",
            str(grpc_port), "--prefill-port", str(prefill), "--decode-port", str(decode),
-           "--log-dir", str(tmp_path / "logs"), "--max-model-len", "1024"]
+           "--log-dir", str(tmp_path / "logs"), "--max-model-len", "1024",
+           "--tensor-parallel-size", "3", "--cpu-threads", "1"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     marker = f"--port {prefill}"  # unique to this test's prefill worker
@@ -63,8 +81,15 @@ def test_up_serves_and_stops_all_children(tmp_path: Path) -> None:
             if "ready" in line or time.monotonic() > deadline:
                 break
         assert any("ready" in ln for ln in lines), "".join(lines)
-        assert complete_four_tokens(rest)["usage"]["completion_tokens"] == 4
-        assert _alive(marker), "the prefill worker should be running"
+        got = complete_greedy(rest, max_tokens=8)
+        want = smollm2.generate([{"prompt_token_ids": PROMPT_IDS}],
+                                SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[0]
+        assert got["choices"][0]["text"] == want.text
+        assert got["usage"]["completion_tokens"] == len(want.token_ids)
+        workers = _alive(marker)
+        assert workers, "the prefill worker should be running"
+        ranks = [c for pid in workers for c in _spawned_children(pid)]
+        assert len(ranks) == 2, f"the prefill worker's ranks 1 and 2: {ranks}"
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)  # the repeat must not abort the orderly stop
@@ -73,6 +98,7 @@ def test_up_serves_and_stops_all_children(tmp_path: Path) -> None:
         while _alive(marker) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert not _alive(marker), "a worker outlived `splitserve up`"
+        assert not [r for r in ranks if Path(f"/proc/{r}").exists()], "a rank outlived its worker"
         for name in ("prefill", "decode", "gateway"):
             assert (tmp_path / "logs" / f"{name}.log").stat().st_size > 0
     finally:

@@ -19,16 +19,26 @@ from engine.attention.forward_context import AttentionMetadata, RopeInputs, get_
 from engine.config import ModelConfig
 from engine.model.layers import Linear, RMSNorm, RotaryEmbedding, gemv_enabled, silu_and_mul
 from engine.model.overlap import MicroBatchStreams
+from engine.parallel.group import all_reduce_
+from engine.parallel.shard import TensorShard, shard_weight
 
 
 class MissingWeightsError(ValueError):
     """A checkpoint lacks parameters the model needs (names listed) or has unknown ones."""
 
 
+def _row_parallel_sum(shard: TensorShard) -> bool:
+    """Whether a row-parallel projection's output is a partial sum to add over the ranks."""
+    return shard.is_split
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, rope: RotaryEmbedding,
-                 backend: PagedAttentionBackend, use_triton: bool = False) -> None:
+                 backend: PagedAttentionBackend, use_triton: bool = False,
+                 shard: TensorShard = TensorShard()) -> None:
+        """cfg: this rank's architecture (`shard_model_config`: its heads and KV heads)."""
         super().__init__()
+        self.reduce = _row_parallel_sum(shard)
         self.layer_idx = layer_idx
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -56,7 +66,12 @@ class LlamaAttention(nn.Module):
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor,
                md: AttentionMetadata | None = None) -> torch.Tensor:
         """The rest of `forward` after the QKV projection: RoPE + KV write, attention, O."""
-        return self.o_proj(self.attention_output(positions, qkv, md))
+        return self.project_output(self.attention_output(positions, qkv, md))
+
+    def project_output(self, o: torch.Tensor) -> torch.Tensor:
+        """The O projection of attention's output, summed over the tensor-parallel ranks."""
+        out = self.o_proj(o)
+        return all_reduce_(out) if self.reduce else out
 
     def attention_output(self, positions: torch.Tensor, qkv: torch.Tensor,
                          md: AttentionMetadata | None = None) -> torch.Tensor:
@@ -110,8 +125,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, use_triton: bool, use_gemv: bool | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, use_triton: bool, use_gemv: bool | None = None,
+                 shard: TensorShard = TensorShard()) -> None:
         super().__init__()
+        self.reduce = _row_parallel_sum(shard)
         self.use_gemv = use_triton and gemv_enabled() if use_gemv is None else use_gemv
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias,
                                    self.use_gemv)
@@ -121,16 +138,22 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A one-row batch in the model never gets here with the GEMV on: the decoder layer runs
-        # norm + gate/up + SiLU as one kernel (`mlp_block`) and calls `down_proj` itself.
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.use_triton))
+        # norm + gate/up + SiLU as one kernel (`mlp_block`) and calls `project_down` itself.
+        return self.project_down(silu_and_mul(self.gate_up_proj(x), self.use_triton))
+
+    def project_down(self, act: torch.Tensor) -> torch.Tensor:
+        """The down projection, summed over the tensor-parallel ranks."""
+        out = self.down_proj(act)
+        return all_reduce_(out) if self.reduce else out
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, rope: RotaryEmbedding,
-                 backend: PagedAttentionBackend, use_triton: bool) -> None:
+                 backend: PagedAttentionBackend, use_triton: bool,
+                 shard: TensorShard = TensorShard()) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, rope, backend, use_triton)
-        self.mlp = LlamaMLP(cfg, use_triton)
+        self.self_attn = LlamaAttention(cfg, layer_idx, rope, backend, use_triton, shard)
+        self.mlp = LlamaMLP(cfg, use_triton, shard=shard)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton)
         # Batch-1 rows fold each RMSNorm into the projection after it (one GEMV kernel reads
@@ -170,7 +193,7 @@ class LlamaDecoderLayer(nn.Module):
     def post_attention_block(self, o: torch.Tensor, residual: torch.Tensor
                              ) -> tuple[torch.Tensor, torch.Tensor]:
         """What a layer computes after attention: the O projection, then `mlp_block`."""
-        return self.mlp_block(self.self_attn.o_proj(o), residual)
+        return self.mlp_block(self.self_attn.project_output(o), residual)
 
     def mlp_block(self, h: torch.Tensor, residual: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,20 +204,26 @@ class LlamaDecoderLayer(nn.Module):
             weight, bias, scale = self.mlp.gate_up_proj.gemv_operands()
             act, residual = rms_norm_gemv(h, norm.weight, norm.eps, weight, bias,
                                           residual=residual, gated=True, weight_scale=scale)
-            return self.mlp.down_proj(act), residual
+            return self.mlp.project_down(act), residual
         h, residual = self.post_attention_layernorm(h, residual)  # type: ignore[misc]
         return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: PagedAttentionBackend, max_position: int,
-                 use_triton: bool = False) -> None:
+                 use_triton: bool = False, shard: TensorShard = TensorShard(),
+                 full_config: ModelConfig | None = None) -> None:
+        """cfg: the architecture this process builds — the whole model's, or with tensor
+        parallelism one rank's share (`shard_model_config`), `full_config` then being the
+        whole model's (what checkpoints hold)."""
         super().__init__()
         self.config = cfg
+        self.full_config = full_config or cfg
+        self.shard = shard
         rope = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling_dict)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(cfg, i, rope, backend, use_triton)
+            [LlamaDecoderLayer(cfg, i, rope, backend, use_triton, shard)
              for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton)
         self.lm_head = (None if cfg.tie_word_embeddings
@@ -266,7 +295,8 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors into the (fused) parameters; checks completeness."""
+        """Copy Hugging Face-named tensors into the (fused) parameters; checks completeness.
+        With tensor parallelism each tensor is first cut to this rank's slice (`shard_weight`)."""
         params = dict(self.named_parameters())
         stacked = () if self.config.fused_checkpoint else self._STACKED
         expected: set[str] = set()
@@ -297,6 +327,12 @@ class LlamaForCausalLM(nn.Module):
                 unknown.append(hf_name)
                 continue
             dst = param if rows is None else param[rows[0]:rows[1]]
+            part = shard_weight(hf_name, tensor, self.full_config, self.shard)
+            if part is None:  # a row-parallel bias another rank adds
+                dst.zero_()
+                loaded.add(name)
+                continue
+            tensor = part
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise MissingWeightsError(
                     f"weight {hf_name}: shape {tuple(tensor.shape)} does not match the model's "

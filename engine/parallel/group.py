@@ -1,0 +1,69 @@
+"""The tensor-parallel process group of this process, and the all-reduce the model calls.
+
+One group per process (torch.distributed's default group), as in vLLM: an engine with
+`tensor_parallel_size > 1` owns it from start to `shutdown`, and a second such engine in the
+same process is refused while the first lives. Gloo on CPUs, NCCL on GPUs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import threading
+
+import torch
+import torch.distributed as dist
+
+from engine.config import ConfigError
+
+_lock = threading.Lock()
+_owner: object | None = None  # what holds this process's group (its engine's driver)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now (the group's rendezvous; only local ranks join)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_group(owner: object, rank: int, size: int, port: int, device: torch.device,
+               timeout_s: float) -> None:
+    """Join the group of `size` ranks meeting at 127.0.0.1:`port` (blocks until all have)."""
+    global _owner
+    with _lock:
+        if _owner is not None or dist.is_initialized():
+            raise ConfigError("this process already holds a tensor-parallel group (one "
+                              "tensor-parallel engine per process; shut the other down first)")
+        _owner = owner
+    try:
+        dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{port}",
+                                rank=rank, world_size=size,
+                                timeout=datetime.timedelta(seconds=timeout_s),
+                                # binds NCCL to this rank's GPU at once
+                                device_id=device if device.type == "cuda" else None)
+    except BaseException:
+        with _lock:
+            _owner = None
+        raise
+
+
+def destroy_group(owner: object) -> None:
+    """Leave the group `owner` created (no-op when it holds none)."""
+    global _owner
+    with _lock:
+        if _owner is not owner:
+            return
+        _owner = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_(x: torch.Tensor) -> torch.Tensor:
+    """Sum `x` over the ranks, in place (the row-parallel projections' partial products)."""
+    dist.all_reduce(x)
+    return x
