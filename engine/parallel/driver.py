@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import ConfigError, EngineConfig
-from engine.parallel.group import destroy_group, free_port, init_group
+from engine.parallel.group import destroy_group, free_port, init_group, one_device_check
 from engine.parallel.protocol import Op, pack
 
 logger = logging.getLogger(__name__)
@@ -51,8 +51,9 @@ class WorkerFailed(RuntimeError):
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank `rank`'s device: the next GPUs after rank 0's, or the CPU."""
-    if device.type != "cuda":
+    """Rank `rank`'s device: the next GPUs after rank 0's, or the CPU (every rank on rank 0's
+    GPU under `one_device_check`)."""
+    if device.type != "cuda" or one_device_check():
         return device
     index = (device.index or 0) + rank
     if index >= torch.cuda.device_count():

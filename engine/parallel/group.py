@@ -8,6 +8,7 @@ same process is refused while the first lives. Gloo on CPUs, NCCL on GPUs.
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 import threading
 
@@ -27,8 +28,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def one_device_check() -> bool:
+    """`SPLITSERVE_TP_ONE_DEVICE=1`: every rank on rank 0's GPU, the group on Gloo — to check
+    the split's numerics on a host with one GPU (NCCL refuses two ranks on one device). Slow
+    (collectives through the host); never for serving."""
+    return os.environ.get("SPLITSERVE_TP_ONE_DEVICE", "0") == "1"
+
+
 def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
+    return "nccl" if device.type == "cuda" and not one_device_check() else "gloo"
 
 
 def init_group(owner: object, rank: int, size: int, port: int, device: torch.device,
@@ -45,7 +53,7 @@ def init_group(owner: object, rank: int, size: int, port: int, device: torch.dev
                                 rank=rank, world_size=size,
                                 timeout=datetime.timedelta(seconds=timeout_s),
                                 # binds NCCL to this rank's GPU at once
-                                device_id=device if device.type == "cuda" else None)
+                                device_id=device if backend_for(device) == "nccl" else None)
     except BaseException:
         with _lock:
             _owner = None

@@ -1,0 +1,131 @@
+"""Tensor parallelism on a GPU: the model split over two ranks against one process, on a host
+with one GPU (both ranks on it, the group on Gloo: `SPLITSERVE_TP_ONE_DEVICE=1`).
+
+Checks the split's numerics through the GPU path — Triton attention on each rank's heads, the
+batch-1 GEMV on sharded weights, the all-reduces, KV blocks gathered from the ranks — not its
+speed (Gloo's collectives go through the host). A random Llama checkpoint of a real layout
+(16 heads over 8 KV heads, GQA) is written first, so both engines load the same weights.
+
+Usage: PYTHONPATH=. python3 bench/gpu_tp_check.py --out $OUT/tp_check.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import random
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from engine import LLM, SamplingParams
+
+
+def write_checkpoint(path: Path, seed: int) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                      num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
+                      max_position_embeddings=4096)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.05)
+    cast(Any, model).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+
+
+def run(path: Path, tp: int, dtype: str, prompts: list[list[int]], max_tokens: int,
+        device: str) -> dict[str, Any]:
+    llm = LLM(str(path), dtype=dtype, tensor_parallel_size=tp, num_gpu_blocks=4096,
+              max_model_len=2048, max_num_seqs=16, device=device)
+    try:
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                           ignore_eos=True))
+        gen_s = time.perf_counter() - t0
+        runner = llm.engine.runner
+        logits = runner.prefill_logits(prompts[0]).float()
+        # The first prompt's full blocks, as the cache holds them after a one-token request.
+        llm.engine.add_request("kv", prompts[0], SamplingParams(temperature=0.0, max_tokens=2))
+        llm.engine.step()
+        blocks = runner.read_blocks(llm.engine.kv.block_ids("kv")[:8]).float()
+        return {"tokens": [o.outputs[0].token_ids for o in outs], "logits": logits,
+                "blocks": blocks, "generate_s": round(gen_s, 2),
+                "backend": runner.backend.name, "cuda_graphs": runner.result.cuda_graphs,
+                "shard_heads": runner.shard_config.num_attention_heads}
+    finally:
+        llm.shutdown()
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def compare(one: dict[str, Any], two: dict[str, Any]) -> dict[str, Any]:
+    same_prefix = []
+    for a, b in zip(one["tokens"], two["tokens"], strict=True):
+        n = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+        same_prefix.append(n)
+    la, lb = one["logits"], two["logits"]
+    return {
+        "sequences_identical": sum(a == b for a, b in zip(one["tokens"], two["tokens"],
+                                                          strict=True)),
+        "sequences": len(one["tokens"]),
+        "tokens_before_first_divergence": same_prefix,
+        "prefill_logits_max_abs_diff": float((la - lb).abs().max()),
+        "prefill_logits_scale": float(la.abs().max()),
+        "prefill_argmax_agreement": float((la.argmax(-1) == lb.argmax(-1)).float().mean()),
+        "kv_blocks_shape": list(one["blocks"].shape),
+        "kv_blocks_max_abs_diff": float((one["blocks"] - two["blocks"]).abs().max()),
+        "kv_blocks_scale": float(one["blocks"].abs().max()),
+        "tp1": {k: one[k] for k in ("generate_s", "backend", "cuda_graphs", "shard_heads")},
+        "tp2": {k: two[k] for k in ("generate_s", "backend", "cuda_graphs", "shard_heads")},
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", required=True)
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--device", default="cuda", help="cpu: a dry run of the script")
+    args = p.parse_args()
+    os.environ["SPLITSERVE_TP_ONE_DEVICE"] = "1"
+    rng = random.Random(0)
+    prompts = [[rng.randrange(32000) for _ in range(rng.randrange(64, 600))]
+               for _ in range(args.num_prompts)]
+    doc: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else "",
+                           "commit": os.environ.get("SPLITSERVE_COMMIT", ""),
+                           "torch": torch.__version__, "num_prompts": len(prompts),
+                           "max_tokens": args.max_tokens, "results": {}}
+    with contextlib.suppress(OSError):
+        doc["nvidia_smi"] = subprocess.run(["nvidia-smi", "-L"], capture_output=True,
+                                           text=True).stdout.strip()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "ckpt"
+        write_checkpoint(path, seed=0)
+        for dtype in args.dtypes.split(","):
+            try:
+                one = run(path, 1, dtype, prompts, args.max_tokens, args.device)
+                two = run(path, 2, dtype, prompts, args.max_tokens, args.device)
+                doc["results"][dtype] = compare(one, two)
+            except Exception as e:  # recorded, the other dtype still runs
+                doc["results"][dtype] = {"error": f"{type(e).__name__}: {e}"}
+            print(dtype, json.dumps(doc["results"][dtype])[:800], flush=True)
+    Path(args.out).write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
