@@ -115,14 +115,25 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "ckpt"
         write_checkpoint(path, seed=0)
+        exact: torch.Tensor | None = None  # one process's float32 prefill logits
         for dtype in args.dtypes.split(","):
             try:
                 one = run(path, 1, dtype, prompts, args.max_tokens, args.device)
                 two = run(path, 2, dtype, prompts, args.max_tokens, args.device)
                 doc["results"][dtype] = compare(one, two)
+                if dtype == "float32":
+                    exact = one["logits"]
+                elif exact is not None:
+                    # How far each is from float32: the split's rounding against the dtype's.
+                    doc["results"][dtype]["against_float32"] = {
+                        f"tp{n}": {"max_abs_diff": float((r["logits"] - exact).abs().max()),
+                                   "argmax_agreement": float(
+                                       (r["logits"].argmax(-1) == exact.argmax(-1))
+                                       .float().mean())}
+                        for n, r in ((1, one), (2, two))}
             except Exception as e:  # recorded, the other dtype still runs
                 doc["results"][dtype] = {"error": f"{type(e).__name__}: {e}"}
-            print(dtype, json.dumps(doc["results"][dtype])[:800], flush=True)
+            print(dtype, json.dumps(doc["results"][dtype])[:1200], flush=True)
     Path(args.out).write_text(json.dumps(doc, indent=1))
     return 0
 
