@@ -207,9 +207,6 @@ def check_tensor_parallel(config: EngineConfig, device: torch.device) -> None:
         return
     if config.runner.decode_overlap_min_batch:
         raise ConfigError("decode_overlap_min_batch cannot be combined with tensor parallelism")
-    if config.speculative.method == "draft_model":
-        raise ConfigError("a draft model cannot be combined with tensor parallelism yet; use "
-                          "speculative method 'ngram'")
     if device.type == "cuda" and not config.runner.enforce_eager:
         logger.warning("tensor parallelism runs every step eagerly: CUDA graphs are not "
                        "captured across ranks yet")

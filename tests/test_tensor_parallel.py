@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_MODELS, drive, greedy, run_to_end, tiny_llm
+from test_spec_decode import PROMPTS as SPEC_PROMPTS
 from transformers import PreTrainedModel
 
 from engine.config import ConfigError, ModelConfig, ParallelConfig
@@ -146,11 +147,36 @@ def test_what_does_not_split_is_refused_by_name(tiny_model_dirs: dict[str, Path]
                                        intermediate_size=64), 4)
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
         ParallelConfig(tensor_parallel_size=0).validate()
-    with pytest.raises(ConfigError, match="draft model"):
-        tp_llm(path, speculative_config={"model": str(path), "num_speculative_tokens": 2})
     # The process can still start a tensor-parallel engine after those refusals.
     llm = tp_llm(path)
     llm.shutdown()
+
+
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 3},
+                                  {"model": "SELF", "num_speculative_tokens": 3}],
+                         ids=["ngram", "draft_model"])
+def test_speculative_decoding_verifies_on_the_split_model(
+        tiny_model_dirs: dict[str, Path], spec: dict[str, object]) -> None:
+    """Verify steps (several rows per sequence) run on both ranks; a draft model runs whole
+    beside rank 0's shard. Greedy output equals the one-process engine's without drafts."""
+    path = tiny_model_dirs["llama"]
+    if spec.get("model") == "SELF":  # the target drafting for itself: every draft accepted
+        spec = {**spec, "model": str(path)}
+    # test_spec_decode's prompts: loops the n-gram proposer finds in this model's output.
+    prompts = [{"prompt_token_ids": p} for p in SPEC_PROMPTS]
+    one = tiny_llm(path)
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, greedy(20))]
+    one.shutdown()
+    two = tp_llm(path, speculative_config=spec)
+    try:
+        got = [o.outputs[0].token_ids for o in two.generate(prompts, greedy(20))]
+        sched = two.engine.scheduler
+        assert sched.num_draft_tokens > 0  # verify steps ran on both ranks
+        if "model" in spec:
+            assert sched.num_accepted_tokens == sched.num_draft_tokens
+    finally:
+        two.shutdown()
+    assert got == want
 
 
 def test_a_dead_worker_fails_the_next_step_instead_of_hanging(
