@@ -8,6 +8,7 @@ discovered at run time (e.g. the number of KV blocks after memory profiling) liv
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -363,6 +364,46 @@ class SpeculativeConfig:
                               f"{self.prompt_lookup_max}")
 
 
+# Adapters' ranks above this are refused (vLLM's --max-lora-rank default is 16; PEFT adapters in
+# use rarely exceed 64, and each rank costs every adapted row two thin matmuls per projection).
+DEFAULT_MAX_LORA_RANK = 64
+_LORA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAConfig:
+    """Multi-LoRA serving (engine/lora/): PEFT adapters loaded at start, each request choosing
+    one by name (or none) — vLLM's `--enable-lora --lora-modules name=path`. The adapters'
+    deltas are added to the projections they target (q/k/v/o, gate/up/down) for the rows of
+    the requests that chose them; every other row computes the base model."""
+
+    modules: tuple[tuple[str, str], ...] = ()  # (name, adapter directory)
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.modules)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.modules)
+
+    def validate(self) -> None:
+        if type(self.max_lora_rank) is not int or not 1 <= self.max_lora_rank <= 1024:
+            raise ConfigError(f"max_lora_rank must be an integer in [1, 1024], got "
+                              f"{self.max_lora_rank!r}")
+        seen: set[str] = set()
+        for name, path in self.modules:
+            if not isinstance(name, str) or not _LORA_NAME.match(name):
+                raise ConfigError(f"LoRA adapter name {name!r} must be 1-128 characters of "
+                                  "letters, digits and . _ : - (starting with a letter or digit)")
+            if name in seen:
+                raise ConfigError(f"LoRA adapter name {name!r} is given twice")
+            if not isinstance(path, str) or not path:
+                raise ConfigError(f"LoRA adapter {name!r} needs a directory")
+            seen.add(name)
+
+
 # Beyond a host's GPUs; a ceiling that catches a typo before it spawns processes.
 MAX_TENSOR_PARALLEL_SIZE = 16
 
@@ -403,6 +444,7 @@ class EngineConfig:
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def keeps_block_runs(self) -> bool:
         """Whether the KV pool keeps prompts in runs of consecutive blocks (CacheConfig's

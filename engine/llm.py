@@ -9,15 +9,18 @@ from typing import Any
 
 from engine.config import (
     DEFAULT_GC_THRESHOLD,
+    DEFAULT_MAX_LORA_RANK,
     CacheConfig,
     EngineConfig,
     LoadConfig,
+    LoRAConfig,
     ParallelConfig,
     RunnerConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
 from engine.llm_engine import EngineInputError, LLMEngine
+from engine.lora import LoRARequest, lora_name_of
 from engine.outputs import CompletionOutput, RequestOutput, StepOutput
 from engine.request import RequestMetrics
 from engine.sampling_params import SamplingParams
@@ -58,11 +61,15 @@ class LLM:
         quantization: str = "none",
         cpu_threads: int | None = None,
         tensor_parallel_size: int = 1,
+        lora_modules: dict[str, str] | None = None,
+        max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
         speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
     ) -> None:
         """`speculative_config` as in vLLM: e.g. {"method": "ngram", "num_speculative_tokens":
         4, "prompt_lookup_max": 4} (the fields of `SpeculativeConfig`), or {"model": <draft>,
-        "num_speculative_tokens": 4} for a draft model (the method follows from `model`)."""
+        "num_speculative_tokens": 4} for a draft model (the method follows from `model`).
+        `lora_modules`: LoRA adapters by name -> PEFT directory, loaded now; `generate(...,
+        lora_request=name)` runs a prompt with one."""
         if isinstance(speculative_config, dict):
             if "model" in speculative_config and "method" not in speculative_config:
                 speculative_config = {**speculative_config, "method": "draft_model"}
@@ -94,6 +101,8 @@ class LLM:
                                 cpu_threads=cpu_threads),
             speculative=speculative_config or SpeculativeConfig(),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            lora=LoRAConfig(modules=tuple((lora_modules or {}).items()),
+                            max_lora_rank=max_lora_rank),
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
@@ -117,9 +126,13 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the order of `prompts`."""
-        items = self._submit(prompts, sampling_params)
+                 use_tqdm: bool = False,
+                 lora_request: LoRARequest | str | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of `prompts`.
+        `lora_request`: the loaded LoRA adapter (by name, or vLLM's `LoRARequest`) every prompt
+        runs with; None: the base model."""
+        items = self._submit(prompts, sampling_params, lora_name_of(
+            lora_request, dict(self.engine.config.lora.modules)))
         for _ in self._run():
             pass
         for _, out in items:
@@ -160,8 +173,8 @@ class LLM:
     # ---- internals -------------------------------------------------------------------------
 
     def _submit(self, prompts: PromptType | Sequence[PromptType],
-                sampling_params: SamplingParams | Sequence[SamplingParams] | None
-                ) -> list[tuple[str, RequestOutput]]:
+                sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                lora_name: str | None = None) -> list[tuple[str, RequestOutput]]:
         plist: list[PromptType] = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         if sampling_params is None:
             params: list[SamplingParams] = [SamplingParams()] * len(plist)
@@ -176,7 +189,7 @@ class LLM:
         # others queued in the engine.
         tokenized = [self._tokenize(prompt) for prompt in plist]
         for (_, ids), sp in zip(tokenized, params, strict=True):
-            self.engine.check_request(ids, sp)
+            self.engine.check_request(ids, sp, lora_name=lora_name)
             self.engine.make_grammar(sp)  # compiles (and checks) a constraint; cached for below
         items = []
         for (text, ids), sp in zip(tokenized, params, strict=True):
@@ -186,7 +199,7 @@ class LLM:
                 child = sp if sp.n == 1 else dataclasses.replace(
                     sp, n=1, seed=None if sp.seed is None else sp.seed + i,
                     prompt_logprobs=sp.prompt_logprobs if i == 0 else None)
-                self.engine.enqueue(f"{rid}:{i}", ids, child,
+                self.engine.enqueue(f"{rid}:{i}", ids, child, lora_name=lora_name,
                                     grammar=self.engine.make_grammar(child))  # one per child
             items.append((rid, RequestOutput(rid, text, ids, [
                 CompletionOutput(i, "", [], [] if sp.logprobs is not None else None, None)

@@ -100,6 +100,7 @@ class LLMEngine:
         config.speculative.validate()
         config.runner.validate()
         config.parallel.validate()
+        config.lora.validate()
         self.config = config
         source = load_model_source(config.load)
         cfg = source.config
@@ -147,6 +148,14 @@ class LLMEngine:
                                  root_hash(self.fingerprint, config.cache.tenant_salt),
                                  keep_runs=config.keeps_block_runs())
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        # Each adapter's KV differs from the base model's for the same tokens: its prompts'
+        # block hashes chain from a root of their own (the adapter's name and files).
+        self._lora_roots: dict[int, bytes] = {}
+        if self.runner.lora is not None:
+            for slot, adapter in enumerate(self.runner.lora.adapters, start=1):
+                self._lora_roots[slot] = root_hash(
+                    self.fingerprint, f"{config.cache.tenant_salt}\x00lora\x00{adapter.name}"
+                    f"\x00{adapter.weights_id}")
         # Structured outputs' constraints, compiled against this model's vocabulary on first use.
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.detokenize = detokenize and self.tokenizer is not None
@@ -249,21 +258,26 @@ class LLMEngine:
                     *, output_token_ids: list[int] | None = None, remote_kv: RemoteKv | None = None,
                     arrival_time: float | None = None,
                     num_speculative_tokens: int | None = None,
-                    speculative_method: str | None = None) -> Request:
+                    speculative_method: str | None = None,
+                    lora_name: str | None = None) -> Request:
         """Queue a request. Raises EngineInputError / SamplingParamsError on bad input
         (a constraint that does not compile: EngineInputError).
+
+        `lora_name`: one of the engine's LoRA adapters (`LoRAConfig.modules`) to run it with;
+        None: the base model.
 
         `num_speculative_tokens` caps this request's drafts per step (0: no speculation; None:
         the engine's `SpeculativeConfig`); it never exceeds the engine's own cap.
         `speculative_method` ("ngram" / "draft_model") picks the proposer among the engine's;
         None, or a method the engine lacks: its configured one."""
         self.check_request(prompt_token_ids, params, output_token_ids, remote_kv,
-                           num_speculative_tokens, speculative_method)
+                           num_speculative_tokens, speculative_method, lora_name)
         return self.enqueue(request_id, prompt_token_ids, params, output_token_ids=output_token_ids,
                             remote_kv=remote_kv, arrival_time=arrival_time,
                             num_speculative_tokens=num_speculative_tokens,
                             speculative_method=speculative_method,
-                            grammar=self.make_grammar(params, output_token_ids))
+                            grammar=self.make_grammar(params, output_token_ids),
+                            lora_name=lora_name)
 
     def make_grammar(self, params: SamplingParams, output_token_ids: list[int] | None = None
                      ) -> RequestGrammar | None:
@@ -284,8 +298,10 @@ class LLMEngine:
                       output_token_ids: list[int] | None = None,
                       remote_kv: RemoteKv | None = None,
                       num_speculative_tokens: int | None = None,
-                      speculative_method: str | None = None) -> None:
+                      speculative_method: str | None = None,
+                      lora_name: str | None = None) -> None:
         """Every check `add_request` makes; reads config only, so any thread may call it."""
+        self.lora_slot(lora_name)
         if speculative_method is not None and speculative_method not in SPEC_METHODS[1:]:
             raise EngineInputError("speculative_method must be 'ngram' or 'draft_model', got "
                                    f"{speculative_method!r}")
@@ -310,7 +326,8 @@ class LLMEngine:
                 arrival_time: float | None = None,
                 num_speculative_tokens: int | None = None,
                 speculative_method: str | None = None,
-                grammar: RequestGrammar | None = None) -> Request:
+                grammar: RequestGrammar | None = None,
+                lora_name: str | None = None) -> Request:
         """Queue a request that passed `check_request` (callers validate off the engine thread,
         so the step loop does not scan the prompt twice), with its grammar from `make_grammar`
         when it asks for structured outputs."""
@@ -321,6 +338,9 @@ class LLMEngine:
                       output_token_ids=output_token_ids, remote_kv=remote_kv,
                       arrival_time=arrival_time)
         req.grammar = grammar
+        req.lora_slot = self.lora_slot(lora_name)
+        if req.lora_slot:
+            req.hash_root = self._lora_roots[req.lora_slot]
         req.num_speculative_tokens = self._speculative_tokens(req, num_speculative_tokens)
         req.spec_method = (speculative_method if speculative_method in self.proposers
                            else self.config.speculative.method)
@@ -330,6 +350,21 @@ class LLMEngine:
                 self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
                 params.include_stop_str_in_output)
         return req
+
+    def lora_slot(self, lora_name: str | None) -> int:
+        """The runner's slot of adapter `lora_name` (0: None, the base model);
+        EngineInputError naming the loaded adapters otherwise."""
+        if lora_name is None:
+            return 0
+        stack = self.runner.lora
+        if stack is None:
+            raise EngineInputError(f"LoRA adapter {lora_name!r} asked for, but this engine "
+                                   "serves none (start it with --lora-modules NAME=PATH)")
+        try:
+            return stack.slot(lora_name)
+        except KeyError:
+            raise EngineInputError(f"unknown LoRA adapter {lora_name!r}; this engine serves "
+                                   f"{sorted(stack.slots)}") from None
 
     def _speculative_tokens(self, req: Request, requested: int | None) -> int:
         """Drafts per step for a request: the engine's cap, lowered by the request's; none for

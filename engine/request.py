@@ -142,6 +142,10 @@ class Request:
         self.num_inflight = 0
         self.num_cached_tokens = -1  # prompt tokens served by the prefix cache; -1 = unknown yet
         self.block_hashes: list[bytes] = []
+        # The LoRA adapter it runs (its slot in the runner's `LoRAStack`; 0: the base model) and
+        # the root its block hashes chain from (None: the engine's; an adapter's KV differs).
+        self.lora_slot = 0
+        self.hash_root: bytes | None = None
         self.status = RequestStatus.WAITING
         self.remote_kv = remote_kv
         self.num_preemptions = 0

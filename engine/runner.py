@@ -45,6 +45,7 @@ from engine.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
 from engine.devices import indexed_device
 from engine.dma_copy import copy_blocks_dma, dma_available, read_blocks_dma, write_blocks_dma
 from engine.kernels._checks import is_quantized_kv
+from engine.lora import LoRABatch, LoRAStack, load_adapter
 from engine.model.layers import RotaryEmbedding
 from engine.model.llama import LlamaForCausalLM
 from engine.model.overlap import MicroBatchStreams
@@ -201,6 +202,24 @@ def gpu_kv_blocks(config: EngineConfig, device: torch.device, peak: int, block_b
     return budget // block_bytes
 
 
+def build_lora(config: EngineConfig, cfg: ModelConfig, device: torch.device,
+               dtype: torch.dtype) -> LoRAStack | None:
+    """The configured LoRA adapters, read, checked against `cfg` and on the device."""
+    lora = config.lora
+    lora.validate()
+    if not lora.enabled:
+        return None
+    if config.parallel.tensor_parallel_size > 1:
+        raise ConfigError("LoRA adapters cannot be combined with tensor parallelism yet")
+    if config.runner.decode_overlap_min_batch:
+        raise ConfigError("LoRA adapters cannot be combined with decode_overlap_min_batch")
+    adapters = [load_adapter(name, path, cfg, lora.max_lora_rank) for name, path in lora.modules]
+    for a in adapters:
+        logger.info("LoRA adapter %s: rank %d, scaling %.4g, %s (%s)", a.name, a.rank,
+                    a.scaling, ", ".join(sorted(a.targets)), a.path)
+    return LoRAStack(adapters, cfg, device, dtype)
+
+
 def check_tensor_parallel(config: EngineConfig, device: torch.device) -> None:
     """ConfigError for what a tensor-parallel engine does not do (yet): named, not silent."""
     if config.parallel.tensor_parallel_size == 1:
@@ -325,6 +344,9 @@ class ModelRunner:
             if self.tp is not None:
                 self.tp.shutdown()
             raise
+        # LoRA adapters: steps with rows that run one go eagerly (`launch`).
+        self.lora = build_lora(config, model_config, self.device, self.dtype)
+        self.num_lora_steps = 0
         self.sampler = Sampler(penalty_capacity=self.config.scheduler.max_num_seqs)
         # The stream this runner's steps and graph replays run on: the one current where it was
         # built (AsyncEngine's thread makes it current there too). Kernels that write KV into
@@ -702,16 +724,21 @@ class ModelRunner:
         prompt_rows = (plan_prompt_rows(out.scheduled) if out.scores_prompt and not uniform_q
                        else [])
         prompt: PendingPromptLogprobs | None = None
+        lora = self._lora_for(out, md)
         if uniform_q and self.verify_graphs is not None:
             logits = self.verify_graphs.run(input_ids, positions, md).index_select(0, logit_rows)
-        elif (self.graphs is not None and out.is_pure_decode and not prompt_rows
+        elif lora is None and (self.graphs is not None and out.is_pure_decode and not prompt_rows
                 and len(sampling_reqs) == len(out.scheduled)
                 and self.graphs.can_run(len(out.scheduled))):
             # Every decode samples, so the graph's logits rows are the sampling rows.
             logits = self.graphs.run(input_ids, positions, md)
         else:
-            with forward_context(ForwardContext(md, self.kv_caches, self.kv_scale_values)):
-                if out.is_pure_decode and self.overlaps(len(out.scheduled)):
+            with forward_context(ForwardContext(md, self.kv_caches, self.kv_scale_values,
+                                                lora)):
+                if lora is not None:
+                    self.num_lora_steps += 1
+                    hidden = self.run_model(input_ids, positions, md)
+                elif out.is_pure_decode and self.overlaps(len(out.scheduled)):
                     self.num_overlapped_steps += 1
                     hidden = self.forward_overlapped(input_ids, positions, md)
                 elif self.piecewise is not None and self.piecewise.can_run(len(input_ids)):
@@ -738,7 +765,7 @@ class ModelRunner:
         in which every request is at its last known token."""
         q = self.verify_q_len
         if not q or not out.has_drafts or any(s.num_new_tokens != 1 + len(s.draft_token_ids)
-                                               for s in out.scheduled):
+                                               or s.request.lora_slot for s in out.scheduled):
             return 0
         return q if self._fits_uniform(out, q, self.verify_graphs) else 0
 
@@ -789,6 +816,22 @@ class ModelRunner:
                                           _draft_probs(spec_logits, spec_reqs, drafts)),
                            speculative=True, prompt=prompt)
 
+    def _lora_for(self, out: SchedulerOutput, md: AttentionMetadata) -> tuple[
+            LoRAStack, LoRABatch] | None:
+        """The step's rows grouped by the LoRA adapter they run (None: none runs one)."""
+        if self.lora is None:
+            return None
+        rows: dict[int, list[int]] = {}
+        qsl = md.query_start_loc_cpu
+        for i, s in enumerate(out.scheduled):
+            slot = s.request.lora_slot
+            if slot:
+                rows.setdefault(slot, []).extend(range(qsl[i], qsl[i + 1]))
+        if not rows:
+            return None
+        groups = [(slot, to_device(r, torch.long, self.device)) for slot, r in rows.items()]
+        return self.lora, LoRABatch(groups)
+
     def overlaps(self, num_decodes: int) -> bool:
         """Whether a pure-decode batch this large runs as two overlapped micro-batches."""
         return 0 < self.decode_overlap_min_batch <= num_decodes
@@ -811,7 +854,8 @@ class ModelRunner:
     def logits_for(self, out: SchedulerOutput) -> torch.Tensor:
         """Forward one scheduled step and return the logits of every token (tests/oracles)."""
         input_ids, positions, md, _ = self.prepare(out)
-        with forward_context(ForwardContext(md, self.kv_caches, self.kv_scale_values)):
+        with forward_context(ForwardContext(md, self.kv_caches, self.kv_scale_values,
+                                            self._lora_for(out, md))):
             hidden = self.run_model(input_ids, positions, md)
         return self.model.compute_logits(hidden)
 

@@ -17,6 +17,7 @@ import torch
 
 if TYPE_CHECKING:
     from engine.attention.prefill_plan import PrefillRun
+    from engine.lora import LoRABatch, LoRAStack
 
 
 @dataclass(slots=True)
@@ -80,6 +81,8 @@ class ForwardContext:
     # Per layer (k_scale, v_scale) of an fp8 or int8 cache; None: unquantized (scale 1.0).
     # Python floats: constant for an engine's life, so CUDA graphs bake them in.
     kv_scales: list[tuple[float, float]] | None = None
+    # The step's LoRA adapters and the rows that run each (None: every row runs the base model).
+    lora: tuple[LoRAStack, LoRABatch] | None = None
 
     def kv_scale(self, layer: int) -> tuple[float, float]:
         return layer_kv_scale(self.kv_scales, layer)
@@ -114,3 +117,9 @@ def get_forward_context() -> ForwardContext:
     if ctx is None:
         raise RuntimeError("attention called outside a forward context")
     return ctx
+
+
+def current_lora() -> tuple[LoRAStack, LoRABatch] | None:
+    """The running step's adapters (None outside a forward context or without any)."""
+    ctx = _local.current
+    return None if ctx is None else ctx.lora

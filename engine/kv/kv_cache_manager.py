@@ -52,7 +52,8 @@ class KVCacheManager:
 
     def update_hashes(self, req: Request) -> list[bytes]:
         """Extend `req.block_hashes` to cover all full blocks of its tokens (mutates req)."""
-        req.block_hashes = compute_block_hashes(self.root, req.all_token_ids, self.block_size,
+        root = self.root if req.hash_root is None else req.hash_root
+        req.block_hashes = compute_block_hashes(root, req.all_token_ids, self.block_size,
                                                 req.block_hashes)
         return req.block_hashes
 

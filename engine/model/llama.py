@@ -15,7 +15,12 @@ import torch
 from torch import nn
 
 from engine.attention.backend import PagedAttentionBackend
-from engine.attention.forward_context import AttentionMetadata, RopeInputs, get_forward_context
+from engine.attention.forward_context import (
+    AttentionMetadata,
+    RopeInputs,
+    current_lora,
+    get_forward_context,
+)
 from engine.config import ModelConfig
 from engine.model.layers import Linear, RMSNorm, RotaryEmbedding, gemv_enabled, silu_and_mul
 from engine.model.overlap import MicroBatchStreams
@@ -25,6 +30,21 @@ from engine.parallel.shard import TensorShard, shard_weight
 
 class MissingWeightsError(ValueError):
     """A checkpoint lacks parameters the model needs (names listed) or has unknown ones."""
+
+
+def _with_lora(layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y = the base projection `fused` of x, plus the step's LoRA deltas on their rows."""
+    lora = current_lora()
+    if lora is None:
+        return y
+    stack, batch = lora
+    return stack.apply(layer, fused, x, y, batch)
+
+
+def _one_row_fused(use_gemv: bool, x: torch.Tensor) -> bool:
+    """Whether a one-row batch folds its RMSNorm into the projection's GEMV: not when a LoRA
+    adapter runs in the step (its delta needs the normalised input)."""
+    return use_gemv and x.shape[0] == 1 and current_lora() is None
 
 
 def _row_parallel_sum(shard: TensorShard) -> bool:
@@ -61,7 +81,11 @@ class LlamaAttention(nn.Module):
                 md: AttentionMetadata | None = None) -> torch.Tensor:
         """x: [T, hidden]. `md`: this batch's metadata when it is not the forward context's
         (one micro-batch of an overlapped step)."""
-        return self.attend(positions, self.qkv_proj(x), md)
+        return self.attend(positions, self.project_qkv(x), md)
+
+    def project_qkv(self, h: torch.Tensor) -> torch.Tensor:
+        """The fused QKV projection of the normalised input (with the step's LoRA deltas)."""
+        return _with_lora(self.layer_idx, "qkv_proj", h, self.qkv_proj(h))
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor,
                md: AttentionMetadata | None = None) -> torch.Tensor:
@@ -69,8 +93,9 @@ class LlamaAttention(nn.Module):
         return self.project_output(self.attention_output(positions, qkv, md))
 
     def project_output(self, o: torch.Tensor) -> torch.Tensor:
-        """The O projection of attention's output, summed over the tensor-parallel ranks."""
-        out = self.o_proj(o)
+        """The O projection of attention's output (with the step's LoRA deltas), summed over the
+        tensor-parallel ranks."""
+        out = _with_lora(self.layer_idx, "o_proj", o, self.o_proj(o))
         return all_reduce_(out) if self.reduce else out
 
     def attention_output(self, positions: torch.Tensor, qkv: torch.Tensor,
@@ -126,8 +151,9 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, use_triton: bool, use_gemv: bool | None = None,
-                 shard: TensorShard = TensorShard()) -> None:
+                 shard: TensorShard = TensorShard(), layer_idx: int = 0) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.reduce = _row_parallel_sum(shard)
         self.use_gemv = use_triton and gemv_enabled() if use_gemv is None else use_gemv
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias,
@@ -139,11 +165,13 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A one-row batch in the model never gets here with the GEMV on: the decoder layer runs
         # norm + gate/up + SiLU as one kernel (`mlp_block`) and calls `project_down` itself.
-        return self.project_down(silu_and_mul(self.gate_up_proj(x), self.use_triton))
+        gate_up = _with_lora(self.layer_idx, "gate_up_proj", x, self.gate_up_proj(x))
+        return self.project_down(silu_and_mul(gate_up, self.use_triton))
 
     def project_down(self, act: torch.Tensor) -> torch.Tensor:
-        """The down projection, summed over the tensor-parallel ranks."""
-        out = self.down_proj(act)
+        """The down projection (with the step's LoRA deltas), summed over the tensor-parallel
+        ranks."""
+        out = _with_lora(self.layer_idx, "down_proj", act, self.down_proj(act))
         return all_reduce_(out) if self.reduce else out
 
 
@@ -153,7 +181,7 @@ class LlamaDecoderLayer(nn.Module):
                  shard: TensorShard = TensorShard()) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx, rope, backend, use_triton, shard)
-        self.mlp = LlamaMLP(cfg, use_triton, shard=shard)
+        self.mlp = LlamaMLP(cfg, use_triton, shard=shard, layer_idx=layer_idx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton)
         # Batch-1 rows fold each RMSNorm into the projection after it (one GEMV kernel reads
@@ -169,7 +197,7 @@ class LlamaDecoderLayer(nn.Module):
                         residual: torch.Tensor | None, md: AttentionMetadata | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """Input norm (+ residual add), QKV, RoPE + KV write, attention, O projection."""
-        if self.use_gemv and x.shape[0] == 1:
+        if _one_row_fused(self.use_gemv, x):
             from engine.kernels.gemv import rms_norm_gemv
             norm = self.input_layernorm
             weight, bias, scale = self.self_attn.qkv_proj.gemv_operands()
@@ -188,7 +216,7 @@ class LlamaDecoderLayer(nn.Module):
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)  # type: ignore[misc]
-        return self.self_attn.qkv_proj(h), residual  # type: ignore[arg-type]
+        return self.self_attn.project_qkv(h), residual  # type: ignore[arg-type]
 
     def post_attention_block(self, o: torch.Tensor, residual: torch.Tensor
                              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,7 +226,7 @@ class LlamaDecoderLayer(nn.Module):
     def mlp_block(self, h: torch.Tensor, residual: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """Post-attention norm (+ residual add), gate/up, SiLU-and-mul, down."""
-        if self.use_gemv and h.shape[0] == 1:
+        if _one_row_fused(self.use_gemv, h):
             from engine.kernels.gemv import rms_norm_gemv
             norm = self.post_attention_layernorm
             weight, bias, scale = self.mlp.gate_up_proj.gemv_operands()

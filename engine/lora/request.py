@@ -1,0 +1,29 @@
+"""vLLM's `LoRARequest`, for offline code written against it: here adapters are loaded when the
+engine starts (`LLM(lora_modules=...)`), so a request names one; a path, when given, must be the
+one that name was loaded from."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class LoRARequest:
+    lora_name: str
+    lora_int_id: int = 0   # vLLM's adapter id; unused (names identify adapters here)
+    lora_path: str = ""
+
+
+def lora_name_of(request: LoRARequest | str | None,
+                 loaded: dict[str, str] | None = None) -> str | None:
+    """The adapter name a request asks for; ValueError when its path is not the one `loaded`
+    (name -> path) has under that name."""
+    if request is None or isinstance(request, str):
+        return request
+    if request.lora_path and loaded is not None:
+        have = loaded.get(request.lora_name)
+        if have is not None and os.path.realpath(have) != os.path.realpath(request.lora_path):
+            raise ValueError(f"LoRA adapter {request.lora_name!r} was loaded from {have}, not "
+                             f"{request.lora_path} (adapters are loaded when the engine starts)")
+    return request.lora_name
