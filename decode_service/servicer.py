@@ -17,7 +17,7 @@ from engine.request import RemoteKv
 from engine.sampling_params import SamplingParamsError
 from protos.splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from serving import tracing
-from serving.common import EngineBound
+from serving.common import EngineBound, check_lora_name
 from serving.convert import (
     SPEC_METHOD_NAMES,
     InvalidRequest,
@@ -68,13 +68,19 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
             if params.max_tokens is not None and len(given) >= params.max_tokens:
                 raise InvalidRequest(f"output_token_ids already has {len(given)} tokens; "
                                      f"sampling.max_tokens is {params.max_tokens}")
-            remote = self._remote_kv(request, ids, context, tracing.span_context(span))
+            lora = check_lora_name(aengine.engine, request.lora_name)
+            remote = self._remote_kv(request, ids, context, tracing.span_context(span), lora)
         except InvalidRequest as e:
             await _abort(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if (remote is None and self.tiers is not None and not given
+        # The tiers hold the base model's KV under its hashes: an adapter's request neither
+        # loads from them nor saves into them.
+        tiers = self.tiers if lora is None else None
+        if lora is not None:
+            span.set_attribute("splitserve.lora_name", lora)
+        if (remote is None and tiers is not None and not given
                 and params.prompt_logprobs is None):  # a prompt to be scored is computed here
             # Colocated: the prompt's prefix from the tiers where the GPU cache lost it.
-            remote = await self.tiers.plan(ids)
+            remote = await tiers.plan(ids)
             if remote is not None:
                 span.set_attribute("splitserve.tier_tokens", remote.num_tokens)
         n_out = len(given)
@@ -88,9 +94,9 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
         try:
             async for out in aengine.generate(rid, ids, params, output_token_ids=given,
                                               remote_kv=remote, num_speculative_tokens=spec,
-                                              speculative_method=method):
+                                              speculative_method=method, lora_name=lora):
                 n_out += len(out.new_token_ids)
-                if self.tiers is not None:  # saved with the prompt when the request ends
+                if tiers is not None:  # saved with the prompt when the request ends
                     generated.extend(out.new_token_ids)
                 chunk = decode_pb2.DecodeChunk(
                     token_ids=out.new_token_ids,
@@ -99,8 +105,8 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
                     chunk.prompt_logprobs.CopyFrom(prompt_logprobs_to_proto(out.prompt_logprobs))
                 yield decode_pb2.DecodeResponse(chunk=chunk)
                 if out.finished:
-                    if self.tiers is not None:  # every token's KV but the last one's exists
-                        self.tiers.spawn_save_tokens([*ids, *given, *generated][:-1])
+                    if tiers is not None:  # every token's KV but the last one's exists
+                        tiers.spawn_save_tokens([*ids, *given, *generated][:-1])
                     recomputed = remote is None or (
                         isinstance(remote.handle, RemoteKvHandle) and remote.handle.failed)
                     span.set_attribute("splitserve.output_tokens", n_out)
@@ -134,11 +140,12 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
 
     def _remote_kv(self, request: decode_pb2.DecodeRequest, ids: list[int],
                    context: grpc.aio.ServicerContext,
-                   trace_parent: Context | None = None) -> RemoteKv | None:
+                   trace_parent: Context | None = None,
+                   lora: str | None = None) -> RemoteKv | None:
         if not request.HasField("kv_handle"):
             return None
         assert self.aengine is not None
-        problem = _handle_problem(request.kv_handle, ids, self.aengine.engine)
+        problem = _handle_problem(request.kv_handle, ids, self.aengine.engine, lora)
         if problem is not None:
             if request.kv_failure_policy == decode_pb2.KV_FAILURE_POLICY_FAIL:
                 raise InvalidRequest(problem)
@@ -178,11 +185,13 @@ async def _abort(context: grpc.aio.ServicerContext, span: Span, code: grpc.Statu
     await context.abort(code, message)
 
 
-def _handle_problem(h: common_pb2.KvHandle, ids: list[int], eng: LLMEngine) -> str | None:
+def _handle_problem(h: common_pb2.KvHandle, ids: list[int], eng: LLMEngine,
+                    lora: str | None = None) -> str | None:
     """Why the KV a handle names cannot be this prompt's, or None. The full blocks' chained
-    hashes (rooted in the fingerprint) must equal this prompt's, and so must the prompt hash,
-    which also covers the partial last block: a handle of another prompt of the same length
-    would otherwise be decoded from silently."""
+    hashes (rooted in the fingerprint, or in the request's LoRA adapter's root) must equal this
+    prompt's, and so must the prompt hash, which also covers the partial last block: a handle
+    of another prompt of the same length, or of the same prompt under another adapter, would
+    otherwise be decoded from silently."""
     block_size = eng.config.cache.block_size
     if h.fingerprint != eng.fingerprint:
         return "kv_handle.fingerprint does not match this worker's model"
@@ -192,9 +201,10 @@ def _handle_problem(h: common_pb2.KvHandle, ids: list[int], eng: LLMEngine) -> s
         return f"kv_handle.num_tokens {h.num_tokens} != prompt length {len(ids)}"
     if not h.worker_address or not h.request_id:
         return "kv_handle needs worker_address and request_id"
-    if list(h.block_hashes) != compute_block_hashes(eng.kv.root, ids, block_size):
-        return "kv_handle.block_hashes do not match the prompt's blocks (KV of another prompt)"
-    if h.prompt_hash != prompt_hash(eng.fingerprint, ids):
+    if list(h.block_hashes) != compute_block_hashes(eng.hash_root(lora), ids, block_size):
+        return ("kv_handle.block_hashes do not match the prompt's blocks (KV of another prompt "
+                "or LoRA adapter)")
+    if h.prompt_hash != prompt_hash(eng.prompt_key(lora), ids):
         return ("kv_handle.prompt_hash does not match this prompt (KV of another prompt, or a "
                 "handle without prompt_hash)")
     return None

@@ -101,13 +101,15 @@ class AsyncEngine:
                        *, output_token_ids: list[int] | None = None,
                        remote_kv: RemoteKv | None = None,
                        num_speculative_tokens: int | None = None,
-                       speculative_method: str | None = None) -> AsyncIterator[StepOutput]:
+                       speculative_method: str | None = None,
+                       lora_name: str | None = None) -> AsyncIterator[StepOutput]:
         """Stream a request's step outputs. Validation errors raise before anything is queued.
         Cancelling the consumer (or closing the generator) aborts the request and frees its KV.
-        `num_speculative_tokens`, `speculative_method`: see `LLMEngine.add_request`."""
+        `num_speculative_tokens`, `speculative_method`, `lora_name`: see
+        `LLMEngine.add_request`."""
         self._check_alive()
         self.engine.check_request(prompt_token_ids, params, output_token_ids, remote_kv,
-                                  num_speculative_tokens, speculative_method)
+                                  num_speculative_tokens, speculative_method, lora_name)
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight")
         grammar = None
@@ -121,7 +123,8 @@ class AsyncEngine:
         self._submit(self.engine.enqueue, (request_id, prompt_token_ids, params),
                      kwargs={"output_token_ids": output_token_ids, "remote_kv": remote_kv,
                              "num_speculative_tokens": num_speculative_tokens,
-                             "speculative_method": speculative_method, "grammar": grammar})
+                             "speculative_method": speculative_method, "grammar": grammar,
+                             "lora_name": lora_name})
         finished = False
         try:
             while True:

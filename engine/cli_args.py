@@ -16,6 +16,7 @@ from engine.config import (
     ConfigError,
     EngineConfig,
     LoadConfig,
+    LoRAConfig,
     ParallelConfig,
     RunnerConfig,
     SchedulerConfig,
@@ -68,6 +69,14 @@ def _gc_threshold(text: str) -> tuple[int, int, int] | None:
     return values  # type: ignore[return-value]
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    """NAME=PATH (vLLM's --lora-modules form)."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=_default(LoadConfig, "model"),
@@ -116,6 +125,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default=_default(RunnerConfig, "attention_backend"),
                    choices=["auto", "torch", "triton"])
     g.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+    g.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[],
+                   metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) loaded at start; a request runs one "
+                        "by naming it as its model")
+    g.add_argument("--max-lora-rank", type=_positive_int,
+                   default=_default(LoRAConfig, "max_lora_rank"),
+                   help="adapters of a higher rank are refused")
     g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int,
                    default=_default(ParallelConfig, "tensor_parallel_size"),
                    help="split the model's heads and MLP over this many processes, one GPU "
@@ -198,6 +214,7 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "colocated") -
                             piecewise_graph_max_tokens=args.piecewise_graph_max_tokens,
                             quantization=args.quantization),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
+        lora=LoRAConfig(modules=tuple(args.lora_modules), max_lora_rank=args.max_lora_rank),
         speculative=SpeculativeConfig(method=args.speculative_method,
                                       num_speculative_tokens=args.num_speculative_tokens,
                                       prompt_lookup_min=args.prompt_lookup_min,

@@ -351,6 +351,17 @@ class LLMEngine:
                 params.include_stop_str_in_output)
         return req
 
+    def hash_root(self, lora_name: str | None = None) -> bytes:
+        """The root a prompt's block hashes chain from: the engine's, or adapter `lora_name`'s
+        (EngineInputError for an adapter it does not serve)."""
+        slot = self.lora_slot(lora_name)
+        return self._lora_roots[slot] if slot else self.kv.root
+
+    def prompt_key(self, lora_name: str | None = None) -> bytes:
+        """What a KV handle's prompt hash binds besides the tokens (`prompt_hash`): the
+        model's fingerprint, or for an adapter's prompt its root (32 bytes either way)."""
+        return self.hash_root(lora_name) if lora_name else self.fingerprint
+
     def lora_slot(self, lora_name: str | None) -> int:
         """The runner's slot of adapter `lora_name` (0: None, the base model);
         EngineInputError naming the loaded adapters otherwise."""

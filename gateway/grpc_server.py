@@ -18,6 +18,7 @@ it (with --trust-request-chat-template), checked as REST's.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -87,10 +88,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def _job(self, request: gateway_pb2.GenerateRequest
                    ) -> tuple[GenerationJob, ToolCalling | None]:
         state = self._state
-        if request.model and request.model != state.config.served_model_name:
+        # `model` may name a LoRA adapter the workers serve (as over REST).
+        lora = state.lora_name_for(request.model or None)
+        if lora is None:
+            served = [state.config.served_model_name, *sorted(state.lora_adapters())]
             raise GatewayError(grpc.StatusCode.NOT_FOUND,
                                f"model {request.model!r} is not served; this server serves "
-                               f"{state.config.served_model_name!r}", param="model")
+                               f"{', '.join(repr(m) for m in served)}", param="model")
+        job, calling = await self._unrouted_job(request)
+        return dataclasses.replace(job, lora_name=lora), calling
+
+    async def _unrouted_job(self, request: gateway_pb2.GenerateRequest
+                            ) -> tuple[GenerationJob, ToolCalling | None]:
+        state = self._state
         pre = state.preprocessor
         kind = request.WhichOneof("input")
         calling = tool_calling_from_proto(request, state.config.tool_call_parser)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import hmac
 import json
@@ -83,16 +84,22 @@ def build_app(state: GatewayState) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         _check_auth(request, state)
-        return JSONResponse({"object": "list", "data": [{
-            "id": state.config.served_model_name, "object": "model", "created": state.created,
-            "owned_by": "splitserve", "max_model_len": state.config.max_model_len}]})
+        base = state.config.served_model_name
+        card = {"object": "model", "created": state.created, "owned_by": "splitserve",
+                "max_model_len": state.config.max_model_len}
+        # LoRA adapters the workers serve, as vLLM lists them: their parent is the base model.
+        return JSONResponse({"object": "list", "data": [
+            {"id": base, **card, "root": base, "parent": None},
+            *({"id": name, **card, "root": name, "parent": base}
+              for name in sorted(state.lora_adapters()))]})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await _read_json(request, state)
         req = parse_request(CompletionRequest, body)
-        _check_model(req.model, state)
+        lora = _check_model(req.model, state)
         request_id, jobs, echoes = await _completion_jobs(req, state)
+        jobs = [dataclasses.replace(j, lora_name=lora) for j in jobs]
         view = _View(request_id, "text_completion", state, jobs, req.include_usage,
                      req.continuous_usage, chat=False, num_top=req.logprobs or 0,
                      num_prompt_top=req.prompt_logprobs, echoes=echoes,
@@ -103,8 +110,9 @@ def build_app(state: GatewayState) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         body = await _read_json(request, state)
         req = parse_request(ChatCompletionRequest, body)
-        _check_model(req.model, state)
+        lora = _check_model(req.model, state)
         job, calling = await _chat_job(req, state)
+        job = dataclasses.replace(job, lora_name=lora)
         view = _View(job.request_id, "chat.completion", state, [job], req.include_usage,
                      req.continuous_usage, chat=True, num_top=req.top_logprobs or 0,
                      num_prompt_top=req.prompt_logprobs, tool_calling=calling,
@@ -115,7 +123,7 @@ def build_app(state: GatewayState) -> FastAPI:
     async def responses(request: Request) -> Response:
         body = await _read_json(request, state)
         req = parse_request(ResponsesRequest, body)
-        _check_model(req.model, state)
+        lora = _check_model(req.model, state)
         previous = _previous_response(req, state)
         paths = ResponsesPaths()  # until the input is converted (its errors name its items)
         try:
@@ -124,13 +132,14 @@ def build_app(state: GatewayState) -> FastAPI:
             if chat.n != 1:
                 raise GatewayError.invalid("n", "n: a response has one output")
             job, calling = await _chat_job(chat, state)
+            job = dataclasses.replace(job, lora_name=lora)
         except GatewayError as err:  # named as the request names the field (an input item)
             raise err.renamed(paths) from None
         view = _View(job.request_id, "chat.completion", state, [job], include_usage=False,
                      continuous_usage=False, chat=True, num_top=0, tool_calling=calling,
                      stream=req.stream)
         store = req.wants_store and state.responses.enabled
-        writer = ResponseWriter(req, state.config.served_model_name, store=store)
+        writer = ResponseWriter(req, lora or state.config.served_model_name, store=store)
         keep: _Keep = (functools.partial(state.responses.put, input_items=req.input_items(),
                                          previous=previous) if store else _keep_nothing)
         state.metrics.requests_received.labels(api="responses").inc()
@@ -295,12 +304,17 @@ def _too_large(size: int, limit: int) -> GatewayError:
                         http=413, error_code="request_too_large")
 
 
-def _check_model(model: str | None, state: GatewayState) -> None:
-    if model is not None and model != state.config.served_model_name:
+def _check_model(model: str | None, state: GatewayState) -> str:
+    """The LoRA adapter `model` names ("" for the base model or no model); NOT_FOUND for a
+    name that is neither (as vLLM answers)."""
+    lora = state.lora_name_for(model)
+    if lora is None:
+        served = [state.config.served_model_name, *sorted(state.lora_adapters())]
         raise GatewayError(grpc.StatusCode.NOT_FOUND,
                            f"The model `{model}` does not exist; this server serves "
-                           f"`{state.config.served_model_name}`",
+                           + ", ".join(f"`{m}`" for m in served),
                            param="model", error_code="model_not_found")
+    return lora
 
 
 async def _completion_jobs(req: CompletionRequest, state: GatewayState
@@ -416,7 +430,9 @@ class _View:
 
     def header(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created,
-                "model": self.state.config.served_model_name, "system_fingerprint": None}
+                # The model asked for: a LoRA adapter's name when one ran (as vLLM answers).
+                "model": self.jobs[0].lora_name or self.state.config.served_model_name,
+                "system_fingerprint": None}
 
     def _text_of(self, token_id: int) -> str:
         return self.state.token_texts(token_id)

@@ -41,7 +41,7 @@ from opentelemetry.util.types import AttributeValue
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, status_code_from_int
 from gateway.metrics import GatewayMetrics
-from gateway.router import Router, Worker
+from gateway.router import Router, Worker, WorkerPool
 from gateway.spec_policy import decide
 from gateway.tokenization import DetokenizerLike, TokenizerLike, make_detokenizer
 from protos.splitserve.v1 import common_pb2, decode_pb2, kv_transfer_pb2, prefill_pb2
@@ -72,6 +72,8 @@ class GenerationJob:
     # output's parsing is the front door's (REST or gRPC); here it is observed (metric, span
     # attribute).
     tool_choice: str | None = None
+    # The LoRA adapter it runs with (the request's `model` naming one); "": the base model.
+    lora_name: str = ""
     arrival_time: float = field(default_factory=time.monotonic)
     # The prompt's block hashes per KV layout (fingerprint, block size), computed once for both
     # pools and all `n` completions (WorkerPool.prompt_hashes).
@@ -284,6 +286,14 @@ class Orchestrator:
             span.set_attribute("splitserve.output_tokens", len(state.output_ids))
             return finish
 
+    @staticmethod
+    def _prefix_hashes(pool: WorkerPool, job: GenerationJob) -> list[bytes]:
+        """The prompt's block hashes for prefix routing: none for a LoRA adapter's request
+        (the index holds the base model's KV; an adapter's is hashed under its own root)."""
+        if job.lora_name:
+            return []
+        return pool.prompt_hashes(job.prompt_token_ids, job.block_hashes)
+
     async def _prefill(self, job: GenerationJob, index: int, sampling: common_pb2.SamplingParams,
                        metadata: tuple[tuple[str, str], ...] = ()
                        ) -> prefill_pb2.PrefillResponse:
@@ -291,12 +301,12 @@ class Orchestrator:
         assert self._router.prefill is not None  # not colocated
         request = prefill_pb2.PrefillRequest(
             request_id=f"{job.request_id}-{index}", prompt_token_ids=job.prompt_token_ids,
-            sampling=sampling)
+            sampling=sampling, lora_name=job.lora_name)
         pool = self._router.prefill
-        hashes = pool.prompt_hashes(job.prompt_token_ids, job.block_hashes)
+        hashes = self._prefix_hashes(pool, job)
         tried: list[str] = []
         while True:
-            worker = pool.pick_for_prefix(hashes, exclude=tried)
+            worker = pool.pick_for_prefix(hashes, exclude=tried, lora_name=job.lora_name)
             try:
                 response = await self._router.prefill_stub(worker).Prefill(
                     request, timeout=self._remaining(job), metadata=metadata)
@@ -328,9 +338,9 @@ class Orchestrator:
         blocks it lacks, and colocated workers (no prefill pool) compute only those."""
         tried: list[str] = []
         pool = self._router.decode
-        hashes = pool.prompt_hashes(job.prompt_token_ids, job.block_hashes)
+        hashes = self._prefix_hashes(pool, job)
         while True:
-            worker = pool.pick_for_prefix(hashes, exclude=tried)
+            worker = pool.pick_for_prefix(hashes, exclude=tried, lora_name=job.lora_name)
             try:
                 return await self._decode_on(worker, job, state, sampling, queue, metadata, span)
             except grpc.aio.AioRpcError as err:
@@ -373,7 +383,7 @@ class Orchestrator:
                                else decode_pb2.KV_FAILURE_POLICY_RECOMPUTE),
             # Always set, 0 included: absent would mean the worker's own default.
             num_speculative_tokens=spec.num_speculative_tokens,
-            speculative_method=spec.method)
+            speculative_method=spec.method, lora_name=job.lora_name)
         if state.kv_handle is not None:
             request.kv_handle.CopyFrom(state.kv_handle)
         call = self._router.decode_stub(worker).Decode(request, timeout=self._remaining(job),

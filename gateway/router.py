@@ -140,20 +140,28 @@ class WorkerPool:
     def num_healthy(self) -> int:
         return sum(w.healthy for w in self.workers)
 
-    def pick(self, exclude: Sequence[str] = ()) -> Worker:
-        """The least-loaded healthy worker not in `exclude`; UNAVAILABLE when there is none.
-        Counted as pending on it until `done(worker)`."""
-        worker = self._least_loaded(self._candidates(exclude))
+    def pick(self, exclude: Sequence[str] = (), lora_name: str = "") -> Worker:
+        """The least-loaded healthy worker not in `exclude` (serving LoRA adapter `lora_name`,
+        when one is named); UNAVAILABLE when there is none. Counted as pending on it until
+        `done(worker)`."""
+        worker = self._least_loaded(self._candidates(exclude, lora_name))
         worker.in_flight += 1
         return worker
 
-    def _candidates(self, exclude: Sequence[str]) -> list[Worker]:
-        """The healthy workers not in `exclude`; UNAVAILABLE when there is none."""
-        candidates = [w for w in self.workers if w.healthy and w.address not in exclude]
+    def _candidates(self, exclude: Sequence[str], lora_name: str = "") -> list[Worker]:
+        """The healthy workers not in `exclude` that serve `lora_name` (when named);
+        UNAVAILABLE when there is none."""
+        candidates = [w for w in self.workers if w.healthy and w.address not in exclude
+                      and (not lora_name or lora_name in w.load.lora_adapters)]
         if not candidates:
+            what = f" serving LoRA adapter {lora_name!r}" if lora_name else ""
             raise GatewayError(grpc.StatusCode.UNAVAILABLE,
-                               f"no healthy {self.role} worker is available")
+                               f"no healthy {self.role} worker{what} is available")
         return candidates
+
+    def lora_adapters(self) -> set[str]:
+        """The LoRA adapters the pool's healthy workers report serving."""
+        return {name for w in self.workers if w.healthy for name in w.load.lora_adapters}
 
     def _least_loaded(self, candidates: list[Worker]) -> Worker:
         best = min(w.routing_key() for w in candidates)
@@ -181,15 +189,18 @@ class WorkerPool:
                 return memo[layout]
         return []
 
-    def pick_for_prefix(self, block_hashes: Sequence[bytes], exclude: Sequence[str] = ()) -> Worker:
+    def pick_for_prefix(self, block_hashes: Sequence[bytes], exclude: Sequence[str] = (),
+                        lora_name: str = "") -> Worker:
         """Longest cached prefix first, unless that worker is busier than the least-loaded one
         by more than `max_imbalance` pending requests; then least loaded.
 
         The chosen worker is recorded as holding the prompt's blocks at once, not when its
         prefill answers (as SGLang's router inserts at dispatch): requests sharing a prefix that
         arrive while the first of them is computed then follow it to that worker (until the
-        imbalance rule spills them), instead of each computing the prefix somewhere else."""
-        worker = self._pick_for_prefix(block_hashes, self._candidates(exclude))
+        imbalance rule spills them), instead of each computing the prefix somewhere else.
+        A LoRA adapter's request (`lora_name`) comes with no hashes: its KV is the adapter's,
+        not what the index (the base model's hashes) knows; it goes by load."""
+        worker = self._pick_for_prefix(block_hashes, self._candidates(exclude, lora_name))
         worker.in_flight += 1
         if block_hashes:
             self.prefix_index.record(worker.address, block_hashes)

@@ -33,6 +33,21 @@ class GatewayState:
     _special: dict[str, bool] = field(default_factory=dict)
     _single: dict[str, int | None] = field(default_factory=dict)
 
+    def lora_adapters(self) -> set[str]:
+        """The LoRA adapters requests may name as their `model`: those every pool a request
+        goes through has a healthy worker serving (decode, and prefill when disaggregated)."""
+        pools = [p for p in (self.router.prefill, self.router.decode) if p is not None]
+        if not pools:
+            return set()
+        return set.intersection(*(p.lora_adapters() for p in pools))
+
+    def lora_name_for(self, model: str | None) -> str | None:
+        """A request's `model`: "" for the base model (or none given), the adapter's name for
+        a LoRA adapter the workers serve, None for anything else."""
+        if model is None or model == self.config.served_model_name:
+            return ""
+        return model if model in self.lora_adapters() else None
+
     def is_special_text(self, text: str) -> bool:
         """Whether decoding that skips special tokens drops `text` (a parser's tag the tokenizer
         holds as a special token), found once per text."""

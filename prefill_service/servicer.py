@@ -15,7 +15,7 @@ from engine.outputs import StepOutput
 from engine.sampling_params import SamplingParamsError
 from protos.splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from serving import tracing
-from serving.common import EngineBound
+from serving.common import EngineBound, check_lora_name
 from serving.convert import (
     InvalidRequest,
     check_prompt,
@@ -56,16 +56,22 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
             rid = check_request_id(request.request_id)
             ids = check_prompt(list(request.prompt_token_ids))
             params = sampling_from_proto(request.sampling)
+            lora = check_lora_name(aengine.engine, request.lora_name)
         except InvalidRequest as e:
             await _abort(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         last: StepOutput | None = None
+        # The tiers hold the base model's KV: an adapter's prompt neither loads nor saves there.
+        tiers = self.tiers if lora is None else None
+        if lora is not None:
+            span.set_attribute("splitserve.lora_name", lora)
         # A prompt to be scored (prompt logprobs) is computed here whole: no tier prefix.
-        remote_kv = (await self.tiers.plan(ids)
-                     if self.tiers is not None and params.prompt_logprobs is None else None)
+        remote_kv = (await tiers.plan(ids)
+                     if tiers is not None and params.prompt_logprobs is None else None)
         if remote_kv is not None:
             span.set_attribute("splitserve.tier_tokens", remote_kv.num_tokens)
         try:
-            async for out in aengine.generate(rid, ids, params, remote_kv=remote_kv):
+            async for out in aengine.generate(rid, ids, params, remote_kv=remote_kv,
+                                              lora_name=lora):
                 last = out
         except (InvalidRequest, EngineInputError, SamplingParamsError, ValueError) as e:
             await _abort(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -80,13 +86,13 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
         if last is None:
             await _abort(context, span, grpc.StatusCode.INTERNAL, "engine returned no output")
         assert last is not None
-        response = self._response(rid, ids, last, request.lease_ms)
-        if self.tiers is not None and response.HasField("kv_handle"):
-            self.tiers.spawn_save(rid)  # reads the leased blocks, so before any release
+        response = self._response(rid, ids, last, request.lease_ms, lora)
+        if tiers is not None and response.HasField("kv_handle"):
+            tiers.spawn_save(rid)  # reads the leased blocks, so before any release
         return response
 
     def _response(self, rid: str, ids: list[int], out: StepOutput,
-                  lease_ms: int) -> prefill_pb2.PrefillResponse:
+                  lease_ms: int, lora: str | None = None) -> prefill_pb2.PrefillResponse:
         assert self.aengine is not None
         eng = self.aengine.engine
         resp = prefill_pb2.PrefillResponse(
@@ -107,7 +113,7 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
                 lease_deadline_unix_ms=int((time.time() + remaining) * 1000),
                 fingerprint=eng.fingerprint, block_size=eng.config.cache.block_size,
                 # Binds the handle to the exact prompt, partial last block included.
-                prompt_hash=prompt_hash(eng.fingerprint, ids)))
+                prompt_hash=prompt_hash(eng.prompt_key(lora), ids)))
         return resp
 
     async def GetLoad(self, request: common_pb2.LoadRequest,

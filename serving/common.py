@@ -5,9 +5,9 @@ from __future__ import annotations
 import grpc
 
 from engine.async_engine import AsyncEngine
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import EngineInputError, LLMEngine
 from protos.splitserve.v1 import common_pb2
-from serving.convert import SPEC_METHOD_ENUMS
+from serving.convert import SPEC_METHOD_ENUMS, InvalidRequest
 from serving.kv import GrpcKvLoader
 
 
@@ -39,7 +39,20 @@ class EngineBound:
             num_preemptions=s.num_preemptions, num_leases=s.num_leases, num_blocks=s.num_blocks,
             spec_draft_tokens=s.spec_draft_tokens, spec_accepted_tokens=s.spec_accepted_tokens,
             speculative_methods=[SPEC_METHOD_ENUMS[m] for m in _own_first(eng)],
-            kv_transports=_kv_transports(self.aengine))
+            kv_transports=_kv_transports(self.aengine),
+            lora_adapters=list(eng.config.lora.names))
+
+
+def check_lora_name(engine: LLMEngine, name: str) -> str | None:
+    """A request's `lora_name` ("" = the base model: None); InvalidRequest for an adapter the
+    engine does not serve."""
+    if not name:
+        return None
+    try:
+        engine.lora_slot(name)
+    except EngineInputError as e:
+        raise InvalidRequest(str(e)) from None
+    return name
 
 
 def _own_first(engine: LLMEngine) -> list[str]:

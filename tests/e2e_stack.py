@@ -38,6 +38,7 @@ import pytest
 from engine.config import (
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     Role,
     RunnerConfig,
     SchedulerConfig,
@@ -70,12 +71,14 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 INTERNAL_TOKEN = "e2e-internal-token-0123456789abcdef"
 
 
-def engine_config(role: Role, speculative: SpeculativeConfig | None = None) -> EngineConfig:
+def engine_config(role: Role, speculative: SpeculativeConfig | None = None,
+                  lora: LoRAConfig | None = None) -> EngineConfig:
     """The default model (LoadConfig(model="") = the embedded SmolLM2 GGUF) on the CPU."""
     return EngineConfig(
         cache=CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks=NUM_BLOCKS),
         scheduler=SchedulerConfig(role=role, max_model_len=MAX_MODEL_LEN, kv_lease_ms=KV_LEASE_MS),
-        runner=RunnerConfig(device="cpu"), speculative=speculative or SpeculativeConfig())
+        runner=RunnerConfig(device="cpu"), speculative=speculative or SpeculativeConfig(),
+        lora=lora or LoRAConfig())
 
 
 class LoopThread:
@@ -182,12 +185,14 @@ def wait_engines_idle(loop: LoopThread, workers: Sequence[WorkerHandle], timeout
 
 async def _start_stack(loop: LoopThread, colocated: bool,
                        speculative: SpeculativeConfig | None,
-                       kv_transports: Sequence[str] | None = None) -> Stack:
+                       kv_transports: Sequence[str] | None = None,
+                       lora: LoRAConfig | None = None) -> Stack:
     roles: list[Role] = ["colocated"] if colocated else ["prefill", "decode"]
     token = None if colocated else INTERNAL_TOKEN
     ways = {} if kv_transports is None else {"kv_transports": kv_transports}
     workers: dict[str, WorkerHandle] = {
-        r: await start_worker(engine_config(r, speculative), HOST, 0, auth_token=token, **ways)
+        r: await start_worker(engine_config(r, speculative, lora), HOST, 0, auth_token=token,
+                              **ways)
         for r in roles}
     loads = [w.load_task for w in workers.values() if w.load_task is not None]
     await asyncio.wait_for(asyncio.gather(*loads), LOAD_TIMEOUT_S)
@@ -248,11 +253,12 @@ def worker_channel(stack: Stack, role: str) -> grpc.Channel:
 
 def start_stack(loop: LoopThread, colocated: bool,
                 speculative: SpeculativeConfig | None = None,
-                kv_transports: Sequence[str] | None = None) -> Stack:
+                kv_transports: Sequence[str] | None = None,
+                lora: LoRAConfig | None = None) -> Stack:
     """Start workers + gateway and wait (bounded) until the gateway's /health says ok.
     `speculative`: the workers' speculative decoding (the gateway then asks for it);
     `kv_transports`: the decode worker's ways to pull KV (default: all)."""
-    stack = loop.run(_start_stack(loop, colocated, speculative, kv_transports),
+    stack = loop.run(_start_stack(loop, colocated, speculative, kv_transports, lora),
                      LOAD_TIMEOUT_S + 30)
     try:
         loop.run(stack.gateway.start(), 120)

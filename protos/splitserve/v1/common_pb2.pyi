@@ -500,6 +500,7 @@ class LoadReport(_message.Message):
     SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
     SPECULATIVE_METHODS_FIELD_NUMBER: _builtins.int
     KV_TRANSPORTS_FIELD_NUMBER: _builtins.int
+    LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
     num_running: _builtins.int
     num_waiting: _builtins.int
     kv_cache_usage: _builtins.float
@@ -541,6 +542,10 @@ class LoadReport(_message.Message):
     def kv_transports(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvTransportStats]:
         """Decode workers: KV pulled from prefill workers, per way (cumulative, like the counters above)."""
 
+    @_builtins.property
+    def lora_adapters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The LoRA adapters it serves (requests name one in lora_name; the gateway's `model`)."""
+
     def __init__(
         self,
         *,
@@ -562,10 +567,11 @@ class LoadReport(_message.Message):
         spec_accepted_tokens: _builtins.int = ...,
         speculative_methods: _abc.Iterable[Global___SpeculativeMethod.ValueType] | None = ...,
         kv_transports: _abc.Iterable[Global___KvTransportStats] | None = ...,
+        lora_adapters: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "fingerprint", b"fingerprint", "kv_cache_usage", b"kv_cache_usage", "kv_transports", b"kv_transports", "num_blocks", b"num_blocks", "num_free_blocks", b"num_free_blocks", "num_leases", b"num_leases", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "speculative_methods", b"speculative_methods", "tier_hit_tokens", b"tier_hit_tokens", "tier_saved_blocks", b"tier_saved_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "fingerprint", b"fingerprint", "kv_cache_usage", b"kv_cache_usage", "kv_transports", b"kv_transports", "lora_adapters", b"lora_adapters", "num_blocks", b"num_blocks", "num_free_blocks", b"num_free_blocks", "num_leases", b"num_leases", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "speculative_methods", b"speculative_methods", "tier_hit_tokens", b"tier_hit_tokens", "tier_saved_blocks", b"tier_saved_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
