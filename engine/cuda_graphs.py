@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.attention.forward_context import AttentionMetadata, ForwardContext, forward_context
+from engine.lora import LoRABatch
 
 if TYPE_CHECKING:
     from engine.runner import ModelRunner
@@ -66,6 +67,10 @@ class CudaGraphRunner:
         self.seq_lens = torch.full((n,), q_len, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros((n, self.max_blocks), dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(0, rows + 1, q_len, dtype=torch.int32, device=dev)
+        # With LoRA adapters loaded, each row's adapter slot (0: the base model): the graphs
+        # add every row's own adapter's delta (engine/lora/stack.py), whatever the mix.
+        self.token_slots = (torch.zeros(rows, dtype=torch.long, device=dev)
+                            if runner.lora is not None else None)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # One logits buffer shared by every bucket (a per-bucket output would cost
         # vocab x sum(buckets) floats: gigabytes for a 128k vocabulary).
@@ -89,7 +94,9 @@ class CudaGraphRunner:
         r = self.runner
         md = self._metadata(b)
         rows = b * self.q_len
-        with forward_context(ForwardContext(md, r.kv_caches, r.kv_scale_values)):
+        lora = (None if self.token_slots is None or r.lora is None
+                else (r.lora, LoRABatch(self.token_slots[:rows])))
+        with forward_context(ForwardContext(md, r.kv_caches, r.kv_scale_values, lora)):
             if self.q_len == 1 and r.overlaps(b):  # both streams: the replay overlaps the halves
                 hidden = r.forward_overlapped(self.input_ids[:b], self.positions[:b], md)
             else:
@@ -123,11 +130,12 @@ class CudaGraphRunner:
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.buckets[-1]
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
-            ) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
+            token_slots: torch.Tensor | None = None) -> torch.Tensor:
         """Replay for `n` sequences (`n * q_len` rows, laid out as `_metadata` says); returns
         their logits [n * q_len, vocab] in the model dtype: a view of the shared buffer, valid
-        until the next replay (the sampler reads it in stream order).
+        until the next replay (the sampler reads it in stream order). `token_slots`: the rows'
+        LoRA adapters (None: every row the base model).
         Not widened to float32 here: greedy rows take their argmax on it as it is (the sampler
         widens only for rows that need more), which saved a copy of the whole [n, vocab] block
         per step (0.3 ms at 768 rows on the H200, probe_tput_fp8_768g_d18ba9a.json)."""
@@ -141,6 +149,12 @@ class CudaGraphRunner:
         self.seq_lens[:n].copy_(md.seq_lens, non_blocking=True)
         w = md.block_tables.shape[1]
         self.block_tables[:n, :w].copy_(md.block_tables, non_blocking=True)
+        if self.token_slots is not None:
+            if token_slots is None:
+                self.token_slots.zero_()
+            else:
+                self.token_slots[:rows].copy_(token_slots, non_blocking=True)
+                self.token_slots[rows:].zero_()
         if b > n:  # padding sequences: write no KV, attend over their own (garbage) rows
             self.slot_mapping[rows:b * q].fill_(-1)
             self.seq_lens[n:b].fill_(q)

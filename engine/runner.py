@@ -725,18 +725,22 @@ class ModelRunner:
                        else [])
         prompt: PendingPromptLogprobs | None = None
         lora = self._lora_for(out, md)
+        slots = None if lora is None else lora[1].token_slots
+        self.num_lora_steps += lora is not None
         if uniform_q and self.verify_graphs is not None:
-            logits = self.verify_graphs.run(input_ids, positions, md).index_select(0, logit_rows)
-        elif lora is None and (self.graphs is not None and out.is_pure_decode and not prompt_rows
+            logits = self.verify_graphs.run(input_ids, positions, md, slots).index_select(
+                0, logit_rows)
+        elif (self.graphs is not None and out.is_pure_decode and not prompt_rows
                 and len(sampling_reqs) == len(out.scheduled)
                 and self.graphs.can_run(len(out.scheduled))):
-            # Every decode samples, so the graph's logits rows are the sampling rows.
-            logits = self.graphs.run(input_ids, positions, md)
+            # Every decode samples, so the graph's logits rows are the sampling rows. (With
+            # LoRA adapters loaded the graphs add each row's adapter delta: `lora` gives the
+            # rows' adapters, none when it is None.)
+            logits = self.graphs.run(input_ids, positions, md, slots)
         else:
             with forward_context(ForwardContext(md, self.kv_caches, self.kv_scale_values,
                                                 lora)):
-                if lora is not None:
-                    self.num_lora_steps += 1
+                if lora is not None:  # the piecewise graphs hold no LoRA deltas
                     hidden = self.run_model(input_ids, positions, md)
                 elif out.is_pure_decode and self.overlaps(len(out.scheduled)):
                     self.num_overlapped_steps += 1
@@ -765,7 +769,7 @@ class ModelRunner:
         in which every request is at its last known token."""
         q = self.verify_q_len
         if not q or not out.has_drafts or any(s.num_new_tokens != 1 + len(s.draft_token_ids)
-                                               or s.request.lora_slot for s in out.scheduled):
+                                               for s in out.scheduled):
             return 0
         return q if self._fits_uniform(out, q, self.verify_graphs) else 0
 
@@ -818,19 +822,14 @@ class ModelRunner:
 
     def _lora_for(self, out: SchedulerOutput, md: AttentionMetadata) -> tuple[
             LoRAStack, LoRABatch] | None:
-        """The step's rows grouped by the LoRA adapter they run (None: none runs one)."""
-        if self.lora is None:
+        """Each of the step's rows' LoRA adapter slot (None: no row runs an adapter)."""
+        if self.lora is None or not any(s.request.lora_slot for s in out.scheduled):
             return None
-        rows: dict[int, list[int]] = {}
         qsl = md.query_start_loc_cpu
+        slots = np.zeros(qsl[-1], dtype=np.int64)
         for i, s in enumerate(out.scheduled):
-            slot = s.request.lora_slot
-            if slot:
-                rows.setdefault(slot, []).extend(range(qsl[i], qsl[i + 1]))
-        if not rows:
-            return None
-        groups = [(slot, to_device(r, torch.long, self.device)) for slot, r in rows.items()]
-        return self.lora, LoRABatch(groups)
+            slots[qsl[i]:qsl[i + 1]] = s.request.lora_slot
+        return self.lora, LoRABatch(torch.from_numpy(slots).to(self.device, non_blocking=True))
 
     def overlaps(self, num_decodes: int) -> bool:
         """Whether a pure-decode batch this large runs as two overlapped micro-batches."""

@@ -177,3 +177,30 @@ def test_offline_api_and_refusals(tiny_model_dirs: dict[str, Path],
         tiny_llm(path, lora_modules={"bad name!": str(made["attn"][0])})
     with pytest.raises(ConfigError, match="tensor parallelism"):
         tiny_llm(path, lora_modules={"attn": str(made["attn"][0])}, tensor_parallel_size=2)
+
+
+def test_adapters_under_speculative_decoding(
+        tiny_model_dirs: dict[str, Path],
+        adapters: Callable[[str], dict[str, tuple[Path, dict, float]]]) -> None:
+    """Verify steps carry adapter rows too (n-gram drafts): greedy output equals the same
+    adapters' without speculation, request by request in one mixed batch."""
+    from test_spec_decode import PROMPTS as SPEC_PROMPTS
+
+    made = adapters("llama")
+    modules = {k: str(v[0]) for k, v in made.items()}
+    names = [None, "attn", "all", "attn", None]
+    outs = []
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3}):
+        llm = tiny_llm(tiny_model_dirs["llama"], lora_modules=modules, speculative_config=spec)
+        for i, (prompt, name) in enumerate(zip(SPEC_PROMPTS, names, strict=True)):
+            llm.engine.add_request(f"r{i}", prompt, greedy(30), lora_name=name)
+        tokens: dict[str, list[int]] = {}
+        while llm.engine.has_unfinished_requests():
+            for o in llm.engine.step():
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if spec is not None:
+            assert llm.engine.scheduler.num_draft_tokens > 0
+        outs.append(tokens)
+        llm.shutdown()
+    assert outs[0] == outs[1]
+    assert outs[0]["r1"] != outs[0]["r0"]

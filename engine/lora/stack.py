@@ -2,13 +2,17 @@
 their application to one step's rows.
 
 A fused projection (QKV: q | k | v; gate/up: gate | up) takes an adapter as one pair
-`A_cat [in, R]`, `B_cat [R, out]`: the targeted parts' A stacked along the rank, their B
-(times the adapter's scaling) placed block-diagonally at their output columns, zero where a
-part is not targeted. So one adapter costs two thin matmuls per projection whatever it targets.
+`A [in, R]`, `B [R, out]`: the targeted parts' A stacked along the rank, their B (times the
+adapter's scaling) placed block-diagonally at their output columns, zero where a part is not
+targeted. Every adapter's pair is then stacked once more, along the rank, into `A_all [in, C]`
+and `B_all [C, out]`, with `col_slot [C]` naming each column's adapter. A step's rows carry their
+adapter's slot (`LoRABatch.token_slots`, 0 for the base model), and a projection adds
 
-A step groups its rows by adapter (`LoRABatch`, built where the step's inputs are), and each
-group adds `(x[rows] @ A_cat) @ B_cat` into the projection's output rows. Such a step runs
-eagerly: its groups are data, not shapes a captured graph could hold.
+    ((x @ A_all) * (token_slots[:, None] == col_slot)) @ B_all
+
+— each row's own adapter's delta, exactly (the other columns are multiplied by zero): two thin
+matmuls and a mask per projection whatever the mix of adapters in the step, with no shape that
+depends on it, so decode steps with adapters replay CUDA graphs like any other.
 """
 
 from __future__ import annotations
@@ -28,9 +32,9 @@ FUSED_PARTS: dict[str, tuple[str, ...]] = {
 
 @dataclass(slots=True)
 class LoRABatch:
-    """One step's rows that run an adapter: (adapter slot, row indices [n] on the device)."""
+    """One step's rows' adapters: `token_slots [T]` (int64 on the device; 0: the base model)."""
 
-    groups: list[tuple[int, torch.Tensor]]
+    token_slots: torch.Tensor
 
 
 class LoRAStack:
@@ -39,14 +43,24 @@ class LoRAStack:
         """Slot i + 1 is `adapters[i]` (slot 0: no adapter)."""
         self.adapters = adapters
         self.slots = {a.name: i + 1 for i, a in enumerate(adapters)}
-        # [layer][fused] -> per slot (A_cat, B_cat) or None (the adapter leaves it alone)
-        self.weights: list[dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]]] = []
+        # [layer][fused] -> (A_all [in, C], B_all [C, out], col_slot [C]), or None where no
+        # adapter touches the projection.
+        self.weights: list[dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]] = []
         for layer in range(cfg.num_hidden_layers):
-            per_fused: dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]] = {}
+            per_fused: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = {}
             for fused, parts in FUSED_PARTS.items():
-                slots: list[tuple[torch.Tensor, torch.Tensor] | None] = [None]
-                slots.extend(_fuse(a, layer, parts, cfg, device, dtype) for a in adapters)
-                per_fused[fused] = slots
+                pairs = [(slot, _fuse(a, layer, parts, cfg))
+                         for slot, a in enumerate(adapters, start=1)]
+                present = [(slot, ab) for slot, ab in pairs if ab is not None]
+                if not present:
+                    per_fused[fused] = None
+                    continue
+                a_all = torch.cat([ab[0] for _, ab in present], dim=1)
+                b_all = torch.cat([ab[1] for _, ab in present], dim=0)
+                cols = torch.cat([torch.full((ab[0].shape[1],), slot, dtype=torch.long)
+                                  for slot, ab in present])
+                per_fused[fused] = (a_all.to(device, dtype), b_all.to(device, dtype),
+                                    cols.to(device))
             self.weights.append(per_fused)
 
     def slot(self, name: str) -> int:
@@ -55,21 +69,20 @@ class LoRAStack:
 
     def apply(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor,
               batch: LoRABatch) -> torch.Tensor:
-        """y [T, out] (the base projection of x [T, in]) plus each group's delta, in place."""
-        per_slot = self.weights[layer][fused]
-        for slot, rows in batch.groups:
-            w = per_slot[slot]
-            if w is None:
-                continue
-            a, b = w
-            delta = (x.index_select(0, rows) @ a) @ b
-            y.index_add_(0, rows, delta.to(y.dtype))
-        return y
+        """y [T, out] (the base projection of x [T, in]) plus each row's adapter's delta."""
+        w = self.weights[layer][fused]
+        if w is None:
+            return y
+        a_all, b_all, cols = w
+        h = x @ a_all
+        h = h * (batch.token_slots[:, None] == cols[None, :]).to(h.dtype)
+        return y.add_((h @ b_all).to(y.dtype))
 
 
-def _fuse(adapter: LoRAAdapter, layer: int, parts: tuple[str, ...], cfg: ModelConfig,
-          device: torch.device, dtype: torch.dtype
+def _fuse(adapter: LoRAAdapter, layer: int, parts: tuple[str, ...], cfg: ModelConfig
           ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The adapter's (A [in, R], B [R, out]) for one fused projection (float32, CPU), the
+    scaling folded into B; None when it targets none of the parts."""
     present = [p for p in parts if (layer, p) in adapter.weights]
     if not present:
         return None
@@ -86,7 +99,7 @@ def _fuse(adapter: LoRAAdapter, layer: int, parts: tuple[str, ...], cfg: ModelCo
         a_cat[:, k * r:(k + 1) * r] = a.T
         b_cat[k * r:(k + 1) * r, offset:offset + b.shape[0]] = (b * adapter.scaling).T
         k += 1
-    return a_cat.to(device, dtype), b_cat.to(device, dtype)
+    return a_cat, b_cat
 
 
 def _offsets(sizes: list[int]) -> list[int]:
