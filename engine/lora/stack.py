@@ -17,7 +17,7 @@ depends on it, so decode steps with adapters replay CUDA graphs like any other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +35,17 @@ class LoRABatch:
     """One step's rows' adapters: `token_slots [T]` (int64 on the device; 0: the base model)."""
 
     token_slots: torch.Tensor
+    # Row x column masks made this step, by column layout (`LoRAStack` shares one layout
+    # tensor between the projections of every layer that have it): made at the first layer,
+    # reused by the others.
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, cols: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[T, C]: 1 where the row's adapter owns the column, else 0."""
+        m = self.masks.get(id(cols))
+        if m is None:
+            m = self.masks[id(cols)] = (self.token_slots[:, None] == cols[None, :]).to(dtype)
+        return m
 
 
 class LoRAStack:
@@ -46,6 +57,7 @@ class LoRAStack:
         # [layer][fused] -> (A_all [in, C], B_all [C, out], col_slot [C]), or None where no
         # adapter touches the projection.
         self.weights: list[dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]] = []
+        layouts: dict[tuple[tuple[int, int], ...], torch.Tensor] = {}  # one tensor per layout
         for layer in range(cfg.num_hidden_layers):
             per_fused: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = {}
             for fused, parts in FUSED_PARTS.items():
@@ -57,10 +69,13 @@ class LoRAStack:
                     continue
                 a_all = torch.cat([ab[0] for _, ab in present], dim=1)
                 b_all = torch.cat([ab[1] for _, ab in present], dim=0)
-                cols = torch.cat([torch.full((ab[0].shape[1],), slot, dtype=torch.long)
-                                  for slot, ab in present])
-                per_fused[fused] = (a_all.to(device, dtype), b_all.to(device, dtype),
-                                    cols.to(device))
+                layout = tuple((slot, ab[0].shape[1]) for slot, ab in present)
+                cols = layouts.get(layout)
+                if cols is None:
+                    cols = layouts[layout] = torch.cat(
+                        [torch.full((width,), slot, dtype=torch.long) for slot, width in layout]
+                    ).to(device)
+                per_fused[fused] = (a_all.to(device, dtype), b_all.to(device, dtype), cols)
             self.weights.append(per_fused)
 
     def slot(self, name: str) -> int:
@@ -74,9 +89,8 @@ class LoRAStack:
         if w is None:
             return y
         a_all, b_all, cols = w
-        h = x @ a_all
-        h = h * (batch.token_slots[:, None] == cols[None, :]).to(h.dtype)
-        return y.add_((h @ b_all).to(y.dtype))
+        h = (x @ a_all).mul_(batch.mask(cols, x.dtype))
+        return y.addmm_(h, b_all)
 
 
 def _fuse(adapter: LoRAAdapter, layer: int, parts: tuple[str, ...], cfg: ModelConfig
