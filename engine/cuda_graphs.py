@@ -48,9 +48,10 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 class CudaGraphRunner:
     def __init__(self, runner: ModelRunner, q_len: int = 1, max_batch: int | None = None,
-                 pool: Any = None) -> None:
+                 pool: Any = None, with_lora: bool = False) -> None:
         """q_len: query rows per sequence (1: decode; 1 + drafts: speculative verification).
-        pool: another runner's graph pool to share (steps never run two graphs at once)."""
+        pool: another runner's graph pool to share (steps never run two graphs at once).
+        with_lora: the graphs add each row's LoRA adapter delta (the runner's adapters)."""
         self.runner = runner
         self.q_len = q_len
         cfg = runner.config
@@ -70,7 +71,7 @@ class CudaGraphRunner:
         # With LoRA adapters loaded, each row's adapter slot (0: the base model): the graphs
         # add every row's own adapter's delta (engine/lora/stack.py), whatever the mix.
         self.token_slots = (torch.zeros(rows, dtype=torch.long, device=dev)
-                            if runner.lora is not None else None)
+                            if with_lora and runner.lora is not None else None)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # One logits buffer shared by every bucket (a per-bucket output would cost
         # vocab x sum(buckets) floats: gigabytes for a 128k vocabulary).
@@ -124,8 +125,9 @@ class CudaGraphRunner:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         used = torch.cuda.memory_reserved() - reserved_before
-        logger.info("captured %d CUDA graphs (batch 1..%d, %d rows per sequence) using %.2f GiB",
-                    len(self.graphs), self.buckets[-1], self.q_len, used / 2**30)
+        logger.info("captured %d CUDA graphs (batch 1..%d, %d rows per sequence%s) using "
+                    "%.2f GiB", len(self.graphs), self.buckets[-1], self.q_len,
+                    ", LoRA" if self.token_slots is not None else "", used / 2**30)
 
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.buckets[-1]
