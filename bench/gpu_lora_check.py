@@ -84,8 +84,9 @@ def correctness(ckpt: Path, adapters: dict[str, str], dtype: str, tol: float
     names: list[str | None] = [None, "attn", "every", None, "every", "attn"]
     fast = LLM(str(ckpt), dtype=dtype, lora_modules=adapters, max_model_len=2048,
                num_gpu_blocks=2048, max_num_seqs=16, cuda_graph_max_batch=16)
-    graphs = fast.engine.runner.graphs
-    before = graphs.num_replays if graphs is not None else 0
+    runner = fast.engine.runner
+    sets = {"base": runner.graphs, "lora": runner.lora_graphs}
+    before = {k: g.num_replays for k, g in sets.items() if g is not None}
     eng = fast.engine
     for i, (p, name) in enumerate(zip(prompts, names, strict=True)):
         eng.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=32,
@@ -95,7 +96,7 @@ def correctness(ckpt: Path, adapters: dict[str, str], dtype: str, tol: float
         for o in eng.step():
             tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
     doc: dict[str, Any] = {
-        "graph_replays": (graphs.num_replays - before) if graphs is not None else 0,
+        "graph_replays": {k: g.num_replays - before[k] for k, g in sets.items() if g is not None},
         "lora_steps": fast.engine.runner.num_lora_steps,
         "cuda_graphs": fast.engine.runner.result.cuda_graphs}
     fast.shutdown()
