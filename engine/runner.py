@@ -344,7 +344,8 @@ class ModelRunner:
             if self.tp is not None:
                 self.tp.shutdown()
             raise
-        # LoRA adapters: steps with rows that run one go eagerly (`launch`).
+        # LoRA adapters (engine/lora/): decode and verify steps with adapter rows replay graphs
+        # that add the deltas (`lora_graphs`, `verify_graphs`); other such steps run eagerly.
         self.lora = build_lora(config, model_config, self.device, self.dtype)
         self.num_lora_steps = 0
         self.sampler = Sampler(penalty_capacity=self.config.scheduler.max_num_seqs)

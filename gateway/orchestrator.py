@@ -310,7 +310,8 @@ class Orchestrator:
             try:
                 response = await self._router.prefill_stub(worker).Prefill(
                     request, timeout=self._remaining(job), metadata=metadata)
-                pool.prefix_index.record(worker.address, response.kv_handle.block_hashes)
+                if not job.lora_name:  # an adapter's hashes are not the index's (base model)
+                    pool.prefix_index.record(worker.address, response.kv_handle.block_hashes)
                 return response
             except asyncio.CancelledError:
                 # The worker may have granted the lease and sent a response we will never read
