@@ -25,6 +25,7 @@ from engine.attention.backend import PagedAttentionBackend
 from engine.attention.forward_context import (
     AttentionMetadata,
     ForwardContext,
+    current_lora,
     forward_context,
     split_decode_metadata,
 )
@@ -203,21 +204,20 @@ def gpu_kv_blocks(config: EngineConfig, device: torch.device, peak: int, block_b
 
 
 def build_lora(config: EngineConfig, cfg: ModelConfig, device: torch.device,
-               dtype: torch.dtype) -> LoRAStack | None:
-    """The configured LoRA adapters, read, checked against `cfg` and on the device."""
+               dtype: torch.dtype, shard: TensorShard = TensorShard()) -> LoRAStack | None:
+    """The configured LoRA adapters, read, checked against `cfg` (the whole model) and on the
+    device (rank `shard.rank`'s share of them under tensor parallelism)."""
     lora = config.lora
     lora.validate()
     if not lora.enabled:
         return None
-    if config.parallel.tensor_parallel_size > 1:
-        raise ConfigError("LoRA adapters cannot be combined with tensor parallelism yet")
     if config.runner.decode_overlap_min_batch:
         raise ConfigError("LoRA adapters cannot be combined with decode_overlap_min_batch")
     adapters = [load_adapter(name, path, cfg, lora.max_lora_rank) for name, path in lora.modules]
     for a in adapters:
         logger.info("LoRA adapter %s: rank %d, scaling %.4g, %s (%s)", a.name, a.rank,
                     a.scaling, ", ".join(sorted(a.targets)), a.path)
-    return LoRAStack(adapters, cfg, device, dtype)
+    return LoRAStack(adapters, cfg, device, dtype, shard)
 
 
 def check_tensor_parallel(config: EngineConfig, device: torch.device) -> None:
@@ -346,7 +346,7 @@ class ModelRunner:
             raise
         # LoRA adapters (engine/lora/): decode and verify steps with adapter rows replay graphs
         # that add the deltas (`lora_graphs`, `verify_graphs`); other such steps run eagerly.
-        self.lora = build_lora(config, model_config, self.device, self.dtype)
+        self.lora = build_lora(config, model_config, self.device, self.dtype, self.shard)
         self.num_lora_steps = 0
         self.sampler = Sampler(penalty_capacity=self.config.scheduler.max_num_seqs)
         # The stream this runner's steps and graph replays run on: the one current where it was
@@ -430,9 +430,11 @@ class ModelRunner:
         parallelism the workers get the step first and run their shards beside this one."""
         if self.tp is None:
             return self.model(input_ids, positions)
-        header = step_header(input_ids, md, cache, scratch_blocks)
+        lora = current_lora()
+        slots = None if lora is None else lora[1].token_slots
+        header = step_header(input_ids, md, cache, scratch_blocks, lora=slots is not None)
         with self.tp.command(Op.FORWARD, header.fields()):
-            broadcast_step(input_ids, positions, md)
+            broadcast_step(input_ids, positions, md, slots)
             return self.model(input_ids, positions)
 
     def _capture_graphs(self, config: EngineConfig) -> None:

@@ -175,8 +175,6 @@ def test_offline_api_and_refusals(tiny_model_dirs: dict[str, Path],
         tiny_llm(path, lora_modules={"w": str(wrong)})
     with pytest.raises(ConfigError, match="name"):
         tiny_llm(path, lora_modules={"bad name!": str(made["attn"][0])})
-    with pytest.raises(ConfigError, match="tensor parallelism"):
-        tiny_llm(path, lora_modules={"attn": str(made["attn"][0])}, tensor_parallel_size=2)
 
 
 def test_adapters_under_speculative_decoding(
@@ -204,3 +202,29 @@ def test_adapters_under_speculative_decoding(
         llm.shutdown()
     assert outs[0] == outs[1]
     assert outs[0]["r1"] != outs[0]["r0"]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_adapters_on_a_split_model(
+        tiny_model_dirs: dict[str, Path], hf_reference: Callable[[str], PreTrainedModel],
+        adapters: Callable[[str], dict[str, tuple[Path, dict, float]]], name: str) -> None:
+    """Tensor parallelism (two ranks): each rank holds its share of every adapter (B's output
+    slice where the projection splits its outputs, A's input slice where it splits its inputs
+    and the all-reduce adds the partial deltas). Every position equals HF with the adapter
+    merged, base and adapter rows in the same steps."""
+    made = adapters(name)
+    llm = tiny_llm(tiny_model_dirs[name], max_num_batched_tokens=6, tensor_parallel_size=2,
+                   cpu_threads=1, lora_modules={k: str(v[0]) for k, v in made.items()})
+    try:
+        base = hf_reference(name)
+        oracles = {"base": base, **{k: merged(base, w, s) for k, (_, w, s) in made.items()}}
+        for rid, prompt in PROMPTS.items():
+            llm.engine.add_request(rid, prompt, greedy(4),
+                                   lora_name=None if rid == "base" else rid)
+        for rid, tr in run_to_end(llm.engine).items():
+            r = tr.request
+            want = _hf_logits(oracles[rid], r.all_token_ids[:-1])[r.num_cached_tokens:]
+            torch.testing.assert_close(tr.logits_matrix(r.num_cached_tokens), want,
+                                       atol=ATOL, rtol=RTOL, msg=rid)
+    finally:
+        llm.shutdown()

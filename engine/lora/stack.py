@@ -23,11 +23,17 @@ import torch
 
 from engine.config import ModelConfig
 from engine.lora.adapter import LoRAAdapter, target_shape
+from engine.parallel.shard import TensorShard
 
 # Fused projection -> its parts in output order.
 FUSED_PARTS: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
     "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+# Under tensor parallelism (engine/parallel/shard.py): a column-parallel projection's rank
+# holds its slice of each part's outputs, so of each B; a row-parallel one's holds its slice of
+# the inputs, so of A, and its partial delta joins the partial products the all-reduce adds
+# (the mask is per element, so the ranks' partial deltas sum to the whole one).
+ROW_PARALLEL = ("o_proj", "down_proj")
 
 
 @dataclass(slots=True)
@@ -50,8 +56,9 @@ class LoRABatch:
 
 class LoRAStack:
     def __init__(self, adapters: list[LoRAAdapter], cfg: ModelConfig, device: torch.device,
-                 dtype: torch.dtype) -> None:
-        """Slot i + 1 is `adapters[i]` (slot 0: no adapter)."""
+                 dtype: torch.dtype, shard: TensorShard = TensorShard()) -> None:
+        """Slot i + 1 is `adapters[i]` (slot 0: no adapter). `cfg`: the whole model's
+        architecture; `shard`: this rank's share of each projection (tensor parallelism)."""
         self.adapters = adapters
         self.slots = {a.name: i + 1 for i, a in enumerate(adapters)}
         # [layer][fused] -> (A_all [in, C], B_all [C, out], col_slot [C]), or None where no
@@ -61,7 +68,7 @@ class LoRAStack:
         for layer in range(cfg.num_hidden_layers):
             per_fused: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = {}
             for fused, parts in FUSED_PARTS.items():
-                pairs = [(slot, _fuse(a, layer, parts, cfg))
+                pairs = [(slot, _fuse(a, layer, parts, cfg, shard, fused in ROW_PARALLEL))
                          for slot, a in enumerate(adapters, start=1)]
                 present = [(slot, ab) for slot, ab in pairs if ab is not None]
                 if not present:
@@ -93,15 +100,16 @@ class LoRAStack:
         return y.addmm_(h, b_all)
 
 
-def _fuse(adapter: LoRAAdapter, layer: int, parts: tuple[str, ...], cfg: ModelConfig
-          ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The adapter's (A [in, R], B [R, out]) for one fused projection (float32, CPU), the
-    scaling folded into B; None when it targets none of the parts."""
+def _fuse(adapter: LoRAAdapter, layer: int, parts: tuple[str, ...], cfg: ModelConfig,
+          shard: TensorShard, row_parallel: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The adapter's (A [in, R], B [R, out]) for one fused projection (float32, CPU) as rank
+    `shard.rank` holds it, the scaling folded into B; None when it targets none of the parts."""
     present = [p for p in parts if (layer, p) in adapter.weights]
     if not present:
         return None
-    n_in = target_shape(cfg, parts[0])[0]
-    outs = [target_shape(cfg, p)[1] for p in parts]
+    n, rank = shard.size, shard.rank
+    n_in = target_shape(cfg, parts[0])[0] // (n if row_parallel else 1)
+    outs = [target_shape(cfg, p)[1] // (1 if row_parallel else n) for p in parts]
     r = adapter.rank
     a_cat = torch.zeros(n_in, r * len(present))
     b_cat = torch.zeros(r * len(present), sum(outs))
@@ -110,6 +118,10 @@ def _fuse(adapter: LoRAAdapter, layer: int, parts: tuple[str, ...], cfg: ModelCo
         if part not in present:
             continue
         a, b = adapter.weights[(layer, part)]
+        if row_parallel:
+            a = a.chunk(n, dim=1)[rank]
+        else:
+            b = b.chunk(n, dim=0)[rank]
         a_cat[:, k * r:(k + 1) * r] = a.T
         b_cat[k * r:(k + 1) * r, offset:offset + b.shape[0]] = (b * adapter.scaling).T
         k += 1

@@ -50,15 +50,16 @@ class ForwardHeader:
     uniform_query_len: int
     cache: Cache
     scratch_blocks: int = 0
+    lora: bool = False  # the rows' LoRA adapter slots follow the step's tensors
 
     def fields(self) -> list[int]:
         return [self.num_tokens, self.num_seqs, self.max_blocks, self.num_decodes,
                 self.max_query_len, self.max_seq_len, self.uniform_query_len, int(self.cache),
-                self.scratch_blocks]
+                self.scratch_blocks, int(self.lora)]
 
     @classmethod
     def from_fields(cls, f: list[int]) -> ForwardHeader:
-        return cls(f[0], f[1], f[2], f[3], f[4], f[5], f[6], Cache(f[7]), f[8])
+        return cls(f[0], f[1], f[2], f[3], f[4], f[5], f[6], Cache(f[7]), f[8], bool(f[9]))
 
 
 def pack(op: Op, fields: list[int] | tuple[int, ...] = ()) -> bytes:

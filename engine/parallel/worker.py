@@ -42,7 +42,7 @@ class ShardWorker:
         from engine.loader import load_model_source
         from engine.parallel.group import init_group
         from engine.parallel.shard import TensorShard
-        from engine.runner import _DTYPES, build_model, make_attention_backend
+        from engine.runner import _DTYPES, build_lora, build_model, make_attention_backend
 
         config = spec.config
         self.config = config
@@ -62,6 +62,8 @@ class ShardWorker:
         self.model = build_model(config, source.config, self.shard, self.device, self.dtype,
                                  self.backend, spec.max_model_len, source.weights,
                                  source.dummy_seed)
+        # LoRA adapters: this rank's share of each (the rows' slots come with each step).
+        self.lora = build_lora(config, source.config, self.device, self.dtype, self.shard)
         cfg = self.model.config
         self.block_shape = (config.cache.block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.num_layers = cfg.num_hidden_layers
@@ -106,11 +108,15 @@ class ShardWorker:
 
     def _forward(self, fields: list[int]) -> None:
         from engine.attention.forward_context import ForwardContext, forward_context
+        from engine.lora import LoRABatch
         from engine.parallel.protocol import Cache, ForwardHeader
         from engine.parallel.step import receive_step
 
         h = ForwardHeader.from_fields(fields)
-        ids, positions, md = receive_step(h, self.device)
+        ids, positions, md, slots = receive_step(h, self.device)
+        if slots is not None and self.lora is None:
+            raise RuntimeError("a step with LoRA rows on a rank without adapters")
+        lora = None if slots is None or self.lora is None else (self.lora, LoRABatch(slots))
         scratch: torch.Tensor | None = None
         if h.cache is Cache.ENGINE:
             if self.kv_cache is None:
@@ -125,7 +131,7 @@ class ShardWorker:
                                   dtype=dtype, device=self.device)
             caches = list(scratch.unbind(0))
             scales = None if h.cache is Cache.SCRATCH_FLOAT else self.kv_scale_values
-        with forward_context(ForwardContext(md, caches, scales)):
+        with forward_context(ForwardContext(md, caches, scales, lora)):
             self.model(ids, positions)
         if h.cache is Cache.SCRATCH_FLOAT and scratch is not None:
             self._amax = scratch.abs().amax(dim=(2, 3, 4, 5)).float()
