@@ -72,15 +72,15 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
             remote = self._remote_kv(request, ids, context, tracing.span_context(span), lora)
         except InvalidRequest as e:
             await _abort(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        # The tiers hold the base model's KV under its hashes: an adapter's request neither
-        # loads from them nor saves into them.
-        tiers = self.tiers if lora is None else None
+        tiers = self.tiers
+        # An adapter's KV is keyed in the tiers by hashes under its own root, as in the cache.
+        root = aengine.engine.hash_root(lora) if lora is not None else None
         if lora is not None:
             span.set_attribute("splitserve.lora_name", lora)
         if (remote is None and tiers is not None and not given
                 and params.prompt_logprobs is None):  # a prompt to be scored is computed here
             # Colocated: the prompt's prefix from the tiers where the GPU cache lost it.
-            remote = await tiers.plan(ids)
+            remote = await tiers.plan(ids, root)
             if remote is not None:
                 span.set_attribute("splitserve.tier_tokens", remote.num_tokens)
         n_out = len(given)
@@ -106,7 +106,7 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
                 yield decode_pb2.DecodeResponse(chunk=chunk)
                 if out.finished:
                     if tiers is not None:  # every token's KV but the last one's exists
-                        tiers.spawn_save_tokens([*ids, *given, *generated][:-1])
+                        tiers.spawn_save_tokens([*ids, *given, *generated][:-1], root)
                     recomputed = remote is None or (
                         isinstance(remote.handle, RemoteKvHandle) and remote.handle.failed)
                     span.set_attribute("splitserve.output_tokens", n_out)

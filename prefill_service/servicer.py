@@ -60,12 +60,14 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
         except InvalidRequest as e:
             await _abort(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         last: StepOutput | None = None
-        # The tiers hold the base model's KV: an adapter's prompt neither loads nor saves there.
-        tiers = self.tiers if lora is None else None
+        tiers = self.tiers
         if lora is not None:
             span.set_attribute("splitserve.lora_name", lora)
-        # A prompt to be scored (prompt logprobs) is computed here whole: no tier prefix.
-        remote_kv = (await tiers.plan(ids)
+        # A prompt to be scored (prompt logprobs) is computed here whole: no tier prefix. An
+        # adapter's prompt is looked up under its hashes (its own root); its lease's hashes,
+        # which the save below writes under, are the same.
+        root = aengine.engine.hash_root(lora) if lora is not None else None
+        remote_kv = (await tiers.plan(ids, root)
                      if tiers is not None and params.prompt_logprobs is None else None)
         if remote_kv is not None:
             span.set_attribute("splitserve.tier_tokens", remote_kv.num_tokens)

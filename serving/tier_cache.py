@@ -132,9 +132,13 @@ class TierPrefixCache:
 
     # ---- before the request is queued ------------------------------------------------------
 
-    async def plan(self, prompt_token_ids: list[int]) -> RemoteKv | None:
-        """The prompt's prefix to load from the tiers, or None (nothing worth fetching)."""
-        hashes = compute_block_hashes(self._root, prompt_token_ids, self._block_size)
+    async def plan(self, prompt_token_ids: list[int], root: bytes | None = None
+                   ) -> RemoteKv | None:
+        """The prompt's prefix to load from the tiers, or None (nothing worth fetching).
+        `root`: the root its blocks' hashes chain from when not the engine's (a LoRA adapter's
+        prompt: `LLMEngine.hash_root`); the tiers key blocks by those hashes, so an adapter's KV
+        and the base model's never answer for each other."""
+        hashes = compute_block_hashes(root or self._root, prompt_token_ids, self._block_size)
         first = self._gpu_prefix(hashes)
         if len(hashes) - first < self._min_blocks:
             return None
@@ -231,15 +235,15 @@ class TierPrefixCache:
             return 0
         return await self._put(self._encode(todo, blocks))
 
-    def spawn_save_tokens(self, token_ids: list[int]) -> None:
+    def spawn_save_tokens(self, token_ids: list[int], root: bytes | None = None) -> None:
         """`save_tokens` in the background."""
-        self._spawn(lambda: self.save_tokens(token_ids))
+        self._spawn(lambda: self.save_tokens(token_ids, root))
 
-    async def save_tokens(self, token_ids: list[int]) -> int:
+    async def save_tokens(self, token_ids: list[int], root: bytes | None = None) -> int:
         """Write the full blocks of `token_ids` (a finished request's prompt and output, whose
         KV was computed) that the GPU prefix cache holds and the CPU tier lacks; returns how
-        many were saved."""
-        hashes = compute_block_hashes(self._root, token_ids, self._block_size)
+        many were saved. `root`: as for `plan`."""
+        hashes = compute_block_hashes(root or self._root, token_ids, self._block_size)
         if not hashes:
             return 0
         pin_id = f"tier-save-{next(self._pin_ids)}"

@@ -19,8 +19,16 @@ import pytest
 import pytest_asyncio
 from redis import asyncio as aioredis
 
-from engine.config import CacheConfig, EngineConfig, LoadConfig, RunnerConfig, SchedulerConfig
+from engine.config import (
+    CacheConfig,
+    EngineConfig,
+    LoadConfig,
+    LoRAConfig,
+    RunnerConfig,
+    SchedulerConfig,
+)
 from engine.llm_engine import LLMEngine
+from engine.loader import load_model_source
 from engine.request import RemoteKv
 from engine.scheduler import KvLoad
 from protos.splitserve.v1 import (
@@ -39,13 +47,13 @@ BLOCK_SIZE = 4
 TIMEOUT_S = 60.0
 
 
-def _config(path: Path, role: str = "prefill") -> EngineConfig:
+def _config(path: Path, role: str = "prefill", lora: LoRAConfig | None = None) -> EngineConfig:
     return EngineConfig(
         load=LoadConfig(model=str(path), dtype="float32"),
         cache=CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks=256),
         scheduler=SchedulerConfig(role=role, max_model_len=256,  # type: ignore[arg-type]
                                   kv_lease_ms=60_000),
-        runner=RunnerConfig(device="cpu"))
+        runner=RunnerConfig(device="cpu"), lora=lora or LoRAConfig())
 
 
 @pytest_asyncio.fixture
@@ -64,8 +72,9 @@ async def redis_prefix() -> AsyncIterator[str]:
     await client.aclose()
 
 
-async def _worker(path: Path, tiers: TierConfig, role: str = "prefill") -> WorkerHandle:
-    handle = await start_worker(_config(path, role), "127.0.0.1", 0, tiers=tiers,
+async def _worker(path: Path, tiers: TierConfig, role: str = "prefill",
+                  lora: LoRAConfig | None = None) -> WorkerHandle:
+    handle = await start_worker(_config(path, role, lora), "127.0.0.1", 0, tiers=tiers,
                                 engine_factory=lambda c: LLMEngine(c, detokenize=False))
     assert handle.load_task is not None
     await asyncio.wait_for(asyncio.shield(handle.load_task), TIMEOUT_S)
@@ -96,15 +105,16 @@ def _tiers_of(handle: WorkerHandle) -> TierPrefixCache:
     return owner
 
 
-async def _decode(handle: WorkerHandle, rid: str, ids: list[int], max_tokens: int = 8
-                  ) -> tuple[list[int], list[float]]:
+async def _decode(handle: WorkerHandle, rid: str, ids: list[int], max_tokens: int = 8,
+                  lora_name: str = "") -> tuple[list[int], list[float]]:
     """A colocated worker's Decode without a KV handle: (token ids, their logprobs); the
     completion's cached prompt tokens go to `_last_cached`."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
         request = decode_pb2.DecodeRequest(
             request_id=rid, prompt_token_ids=ids,
             sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                               logprobs=1, ignore_eos=True))
+                                               logprobs=1, ignore_eos=True),
+            lora_name=lora_name)
         tokens: list[int] = []
         logprobs: list[float] = []
         async for response in decode_pb2_grpc.DecodeStub(channel).Decode(request,
@@ -280,6 +290,38 @@ async def test_colocated_worker_finds_an_evicted_conversation_in_its_cpu_tier(
         report = await _colocated_load_report(handle)
         assert report.tier_hit_tokens == (9 + 11) * BLOCK_SIZE
         assert report.tier_saved_blocks == tiers.stats.saved_blocks == 12
+    finally:
+        await handle.stop(grace_s=1.0)
+
+
+@pytest.mark.asyncio
+async def test_an_adapters_kv_is_tiered_under_its_own_hashes(
+        tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """A LoRA adapter's conversation comes back from the CPU tier for that adapter, and the
+    base model asking for the same prompt finds none of it (another model's KV)."""
+    from test_lora import write_adapter
+
+    path = tiny_model_dirs["llama"]
+    cfg = load_model_source(LoadConfig(model=str(path))).config
+    write_adapter(tmp_path / "ad", cfg, ("q_proj", "v_proj", "down_proj"), 4, 8, 5)
+    handle = await _worker(path, TierConfig(cpu_bytes=8 << 20), role="colocated",
+                           lora=LoRAConfig(modules=(("ad", str(tmp_path / "ad")),)))
+    try:
+        tiers = _tiers_of(handle)
+        prompt = [(3 * i + 2) % 300 + 1 for i in range(21)]  # 5 full blocks + 1 token
+        first, _ = await _decode(handle, "a1", prompt, lora_name="ad")
+        await tiers.wait_for_saves()
+        saved = tiers.stats.saved_blocks
+        assert saved == 7  # 21 + 8 tokens, the last one's KV never computed: 28 tokens
+        await _evict_gpu_prefix_cache(handle)
+        base, _ = await _decode(handle, "b1", prompt)
+        assert tiers.stats.loaded_blocks == 0 and _last_cached[handle.port] == 0
+        assert base != first
+        await tiers.wait_for_saves()
+        await _evict_gpu_prefix_cache(handle)
+        again, _ = await _decode(handle, "a2", prompt, lora_name="ad")
+        assert tiers.stats.loaded_blocks == 5 and tiers.stats.failed_loads == 0
+        assert again == first and _last_cached[handle.port] == 5 * BLOCK_SIZE
     finally:
         await handle.stop(grace_s=1.0)
 
