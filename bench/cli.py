@@ -71,6 +71,13 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                         '"num_speculative_tokens": 4}\' (the fields of SpeculativeConfig)')
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
+
+
 def _json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
@@ -93,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     online.add_argument("--max-concurrency", type=int, default=None)
     online.add_argument("--request-timeout", type=_positive_float, default=600.0)
     online.add_argument("--total-timeout", type=_positive_float, default=3600.0)
+    online.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME",
+                        help="LoRA adapters the server serves: each request names one at random "
+                             "as its model (as vllm bench serve does)")
     online.add_argument("--allow-remote", action="store_true",
                         help="allow a non-loopback --base-url")
     _add_workload(online)
@@ -101,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     offline = sub.add_parser("offline", help="the engine in-process")
     offline.add_argument("--mode", choices=("throughput", "latency"), default="throughput")
     offline.add_argument("--batch-size", type=int, default=1, help="latency mode: batch size")
+    offline.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[],
+                         metavar="NAME=PATH",
+                         help="LoRA adapters to load; each request runs one of them, chosen "
+                              "at random")
     _add_engine(offline)
     _add_workload(offline)
     _add_common(offline)
@@ -157,7 +171,8 @@ def cmd_online(args: argparse.Namespace) -> int:
     from bench.online import OnlineSettings, check_target, run_online
 
     check_target(args.base_url, args.allow_remote)  # refuse before building any workload
-    requests = make_requests(args, _vocab_size(args))
+    requests = workloads.assign_adapters(make_requests(args, _vocab_size(args)),
+                                         args.lora_modules, seed=args.seed)
     offsets = workloads.arrival_times(len(requests), args.request_rate, args.burstiness,
                                       seed=args.seed)
     settings = OnlineSettings(args.base_url, args.model, args.request_rate, args.burstiness,
@@ -176,7 +191,8 @@ def cmd_offline(args: argparse.Namespace) -> int:
                               args.max_num_seqs, args.max_num_batched_tokens,
                               args.attention_backend,
                               gpu_memory_utilization=args.gpu_memory_utilization,
-                              speculative_config=args.speculative_config)
+                              speculative_config=args.speculative_config,
+                              lora_modules=dict(args.lora_modules) or None)
     llm = build_llm(settings)
     # The engine in hand knows its vocabulary (any model it loads, the embedded default too).
     engine = getattr(llm, "engine", None)
@@ -184,12 +200,14 @@ def cmd_offline(args: argparse.Namespace) -> int:
              else _vocab_size(args))
     if args.mode == "latency":
         result = run_latency(llm, args.batch_size, args.input_len, args.output_len, vocab,
-                             seed=args.seed)
+                             seed=args.seed, lora_names=[name for name, _ in args.lora_modules])
         for key, value in dataclasses.asdict(result).items():
             print(f"{key + ':':<24}{value}")
         _finish(args, args.model, dataclasses.asdict(result))
         return 0
-    records, duration = run_throughput(llm, make_requests(args, vocab))
+    requests = workloads.assign_adapters(make_requests(args, vocab),
+                                         [name for name, _ in args.lora_modules], seed=args.seed)
+    records, duration = run_throughput(llm, requests)
     metrics = _summarise(args, records, duration, "Offline Benchmark Result")
     doc = metrics.to_dict()
     if args.speculative_config:

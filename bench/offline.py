@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from bench.metrics import RequestRecord
-from bench.workloads import BenchRequest, random_requests
+from bench.workloads import BenchRequest, assign_adapters, random_requests
 from engine.config import DEFAULT_GC_THRESHOLD
 
 WARMUP_SEED_OFFSET = 1_000_003
@@ -51,6 +51,8 @@ class EngineSettings:
     gc_threshold: tuple[int, int, int] | None = DEFAULT_GC_THRESHOLD
     # Speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4}; None: off.
     speculative_config: dict[str, Any] | None = None
+    # LoRA adapters to load, name -> PEFT directory (requests pick among them); None: none.
+    lora_modules: dict[str, str] | None = None
 
     def llm_kwargs(self) -> dict[str, Any]:
         kwargs = asdict(self)
@@ -83,6 +85,9 @@ def generate(llm: Any, requests: list[BenchRequest]) -> list[Any]:
               for r in requests]
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     same = len({r.output_len for r in requests}) == 1
+    if any(r.lora_name for r in requests):  # one LoRA adapter (or None) per prompt
+        return list(llm.generate(prompts, params[0] if same else params,
+                                 lora_request=[r.lora_name for r in requests]))
     return list(llm.generate(prompts, params[0] if same else params))
 
 
@@ -156,17 +161,22 @@ def step_itls(records: list[RequestRecord]) -> tuple[list[float], str]:
 
 
 def run_latency(llm: Any, batch_size: int, input_len: int, output_len: int, vocab_size: int,
-                seed: int = 0, warmup: bool = True) -> LatencyResult:
-    """B requests of I input / O output tokens at once (after a short warm-up of the same B, I).
+                seed: int = 0, warmup: bool = True,
+                lora_names: list[str] | None = None) -> LatencyResult:
+    """B requests of I input / O output tokens at once (after a short warm-up of the same B, I);
+    `lora_names`: LoRA adapters the requests pick among at random (None: the base model).
 
     Callers measuring several runs must use distinct seeds: equal prompts hit the prefix cache.
     """
-    requests = random_requests(batch_size, input_len, output_len, vocab_size, seed=seed)
+    names = lora_names or []
+    requests = assign_adapters(random_requests(batch_size, input_len, output_len, vocab_size,
+                                               seed=seed), names, seed)
     if warmup:
         # Other prompts than the measured ones (a seed no caller uses for measured runs), so
         # the prefix cache cannot shorten their prefill.
-        generate(llm, random_requests(batch_size, input_len, min(output_len, 4), vocab_size,
-                                      seed=seed + WARMUP_SEED_OFFSET))
+        generate(llm, assign_adapters(random_requests(
+            batch_size, input_len, min(output_len, 4), vocab_size,
+            seed=seed + WARMUP_SEED_OFFSET), names, seed))
     records, duration = run_throughput(llm, requests)
     gaps, source = step_itls(records)
     gaps_ms = np.asarray(gaps, dtype=np.float64) * 1000.0

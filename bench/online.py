@@ -101,7 +101,7 @@ class _StreamState:
 
 def build_payload(model: str, request: BenchRequest) -> dict[str, Any]:
     return {
-        "model": model,
+        "model": request.lora_name or model,  # a LoRA adapter is named as the model
         "prompt": request.prompt_token_ids,
         "max_tokens": request.output_len,
         "temperature": 0.0,

@@ -11,7 +11,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import random
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +29,7 @@ class BenchRequest:
 
     prompt_token_ids: list[int]
     output_len: int
+    lora_name: str | None = None  # the LoRA adapter it runs (its `model`); None: the base model
 
     @property
     def prompt_len(self) -> int:
@@ -128,3 +131,13 @@ def arrival_times(
     if normalize and not math.isinf(request_rate) and offsets[-1] > 0:
         offsets = offsets * ((num_requests / request_rate) / offsets[-1])
     return [float(t) for t in offsets]
+
+
+def assign_adapters(requests: list[BenchRequest], names: list[str], seed: int = 0
+                    ) -> list[BenchRequest]:
+    """Each request runs one of the LoRA adapters `names`, chosen at random (seeded), as
+    `vllm bench serve --lora-modules` picks them; no names: the requests as they are."""
+    if not names:
+        return requests
+    rng = random.Random(seed)
+    return [dataclasses.replace(r, lora_name=rng.choice(names)) for r in requests]

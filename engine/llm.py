@@ -127,12 +127,17 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False,
-                 lora_request: LoRARequest | str | None = None) -> list[RequestOutput]:
+                 lora_request: LoRARequest | str | Sequence[LoRARequest | str | None] | None
+                 = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of `prompts`.
-        `lora_request`: the loaded LoRA adapter (by name, or vLLM's `LoRARequest`) every prompt
-        runs with; None: the base model."""
-        items = self._submit(prompts, sampling_params, lora_name_of(
-            lora_request, dict(self.engine.config.lora.modules)))
+        `lora_request`: the loaded LoRA adapter (by name, or vLLM's `LoRARequest`) the prompts
+        run with, or one per prompt (as vLLM accepts); None: the base model."""
+        loaded = dict(self.engine.config.lora.modules)
+        if isinstance(lora_request, (list, tuple)):
+            names: list[str | None] | str | None = [lora_name_of(r, loaded) for r in lora_request]
+        else:
+            names = lora_name_of(lora_request, loaded)  # type: ignore[arg-type]
+        items = self._submit(prompts, sampling_params, names)
         for _ in self._run():
             pass
         for _, out in items:
@@ -174,7 +179,8 @@ class LLM:
 
     def _submit(self, prompts: PromptType | Sequence[PromptType],
                 sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-                lora_name: str | None = None) -> list[tuple[str, RequestOutput]]:
+                lora_name: str | Sequence[str | None] | None = None
+                ) -> list[tuple[str, RequestOutput]]:
         plist: list[PromptType] = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         if sampling_params is None:
             params: list[SamplingParams] = [SamplingParams()] * len(plist)
@@ -185,21 +191,27 @@ class LLM:
             if len(params) != len(plist):
                 raise EngineInputError(
                     f"got {len(params)} sampling params for {len(plist)} prompts")
+        if lora_name is None or isinstance(lora_name, str):
+            loras: list[str | None] = [lora_name] * len(plist)
+        else:
+            loras = list(lora_name)
+            if len(loras) != len(plist):
+                raise EngineInputError(f"got {len(loras)} LoRA requests for {len(plist)} prompts")
         # Tokenize and validate every prompt before queueing any: a bad one must not leave the
         # others queued in the engine.
         tokenized = [self._tokenize(prompt) for prompt in plist]
-        for (_, ids), sp in zip(tokenized, params, strict=True):
-            self.engine.check_request(ids, sp, lora_name=lora_name)
+        for (_, ids), sp, lora in zip(tokenized, params, loras, strict=True):
+            self.engine.check_request(ids, sp, lora_name=lora)
             self.engine.make_grammar(sp)  # compiles (and checks) a constraint; cached for below
         items = []
-        for (text, ids), sp in zip(tokenized, params, strict=True):
+        for (text, ids), sp, lora in zip(tokenized, params, loras, strict=True):
             rid = str(next(self._ids))
             for i in range(sp.n):
                 # The prompt is scored once, by the first child (its logprobs are the prompt's).
                 child = sp if sp.n == 1 else dataclasses.replace(
                     sp, n=1, seed=None if sp.seed is None else sp.seed + i,
                     prompt_logprobs=sp.prompt_logprobs if i == 0 else None)
-                self.engine.enqueue(f"{rid}:{i}", ids, child, lora_name=lora_name,
+                self.engine.enqueue(f"{rid}:{i}", ids, child, lora_name=lora,
                                     grammar=self.engine.make_grammar(child))  # one per child
             items.append((rid, RequestOutput(rid, text, ids, [
                 CompletionOutput(i, "", [], [] if sp.logprobs is not None else None, None)

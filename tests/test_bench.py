@@ -632,3 +632,39 @@ def test_probe_accuracy_compares_variants_with_the_reference(tmp_path: Path) -> 
         int8["rel_l2_logits_mean"])
     with pytest.raises(SystemExit):
         probe_accuracy.main(["--out", str(out), "--variant", "bad:kv_cache_dtype=fp4"])
+
+
+def test_requests_pick_lora_adapters_at_random_and_name_them_as_the_model() -> None:
+    from bench.online import build_payload
+    from bench.workloads import assign_adapters
+
+    requests = [BenchRequest([1, 2], 3) for _ in range(200)]
+    assert assign_adapters(requests, []) is requests
+    picked = assign_adapters(requests, ["a", "b"], seed=3)
+    assert picked == assign_adapters(requests, ["a", "b"], seed=3)  # seeded
+    counts = {n: sum(r.lora_name == n for r in picked) for n in ("a", "b")}
+    assert counts["a"] + counts["b"] == 200 and min(counts.values()) > 60
+    assert build_payload("base", picked[0])["model"] == picked[0].lora_name
+    assert build_payload("base", requests[0])["model"] == "base"
+
+
+def test_cli_offline_lora_modules_reach_the_engine(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.sampling_params import SamplingParams
+
+    seen: dict[str, Any] = {}
+
+    class _LoRAFake(_FakeLLM):
+        def generate(self, prompts: list[dict[str, list[int]]], params: Any,
+                     lora_request: Any = None) -> list[SimpleNamespace]:
+            seen["kwargs"], seen["lora"] = self.kwargs, lora_request
+            return super().generate(prompts, params)
+
+    monkeypatch.setattr(offline, "_engine_attr",
+                        {"LLM": _LoRAFake, "SamplingParams": SamplingParams}.__getitem__)
+    rc = cli.main(["offline", "--model", "dummy:tiny", "--num-prompts", "6", "--input-len", "4",
+                   "--output-len", "2", "--lora-modules", "x=/a", "y=/b",
+                   "--out", str(tmp_path / "o.json")])
+    assert rc == 0
+    assert seen["kwargs"]["lora_modules"] == {"x": "/a", "y": "/b"}
+    assert len(seen["lora"]) == 6 and set(seen["lora"]) <= {"x", "y"}

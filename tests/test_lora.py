@@ -141,6 +141,11 @@ def test_offline_api_and_refusals(tiny_model_dirs: dict[str, Path],
         "attn", 1, str(made["attn"][0])))[0].outputs[0].token_ids
     without = llm.generate(prompt, greedy(6))[0].outputs[0].token_ids
     assert with_lora == as_vllm != without
+    # One adapter (or none) per prompt, as vLLM accepts a list.
+    mixed = llm.generate(prompt * 2, greedy(6), lora_request=["attn", None])
+    assert [o.outputs[0].token_ids for o in mixed] == [with_lora, without]
+    with pytest.raises(EngineInputError, match="1 LoRA requests for 2 prompts"):
+        llm.generate(prompt * 2, greedy(2), lora_request=["attn"])
     assert llm.engine.runner.num_lora_steps > 0  # its steps ran eagerly, with the deltas
     with pytest.raises(EngineInputError, match=r"unknown LoRA adapter 'nope'.*attn"):
         llm.generate(prompt, greedy(2), lora_request="nope")
