@@ -226,6 +226,10 @@ class CacheConfig:
                               "int8), not to 'auto'")
         if self.kv_scales is not None and not self.kv_scales.strip():
             raise ConfigError("kv_scales must be 'calibrate' or the path of a JSON file")
+        if self.num_gpu_blocks is not None and (type(self.num_gpu_blocks) is not int
+                                                or self.num_gpu_blocks < 1):
+            raise ConfigError(f"num_gpu_blocks must be an integer >= 1 (or unset: sized from "
+                              f"memory), got {self.num_gpu_blocks!r}")
 
 
 # CPython's default thresholds (700, 10, 10) run a full collection every ~100 young ones, and a

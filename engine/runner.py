@@ -297,6 +297,21 @@ class ModelRunner:
                  kv_calibration_ids: Callable[[], list[int]] | None = None) -> None:
         """kv_calibration_ids: the prompt a quantized cache's scales are calibrated on (called
         only when they are; default: pseudo-random ids from a fixed seed)."""
+        self.tp: TensorParallelDriver | None = None
+        try:
+            self._build(config, model_config, max_model_len, weights, dummy_seed, default_dtype,
+                        kv_calibration_ids)
+        except BaseException:
+            # Whatever failed after the tensor-parallel workers started (a weight, an adapter,
+            # the cache's size, a capture): they and the process's group go with it, or the
+            # next engine of this process could not start its own.
+            if self.tp is not None:
+                self.tp.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
+               weights: object, dummy_seed: int | None, default_dtype: torch.dtype,
+               kv_calibration_ids: Callable[[], list[int]] | None) -> None:
         self.config = config
         self.model_config = model_config
         self.device = resolve_device(config.runner.device)
@@ -331,19 +346,13 @@ class ModelRunner:
         self.shard = TensorShard(0, tp_size)
         # This rank's architecture (its heads, KV heads and MLP columns; the model's own at 1).
         self.shard_config = shard_model_config(model_config, tp_size)
-        self.tp: TensorParallelDriver | None = None
         if tp_size > 1:
             from engine.parallel.driver import TensorParallelDriver
             self.tp = TensorParallelDriver(config, self.device, self.dtype, max_model_len)
-        try:
-            self.model = build_model(config, model_config, self.shard, self.device, self.dtype,
-                                     self.backend, max_model_len, weights, dummy_seed)
-            if self.tp is not None:
-                self.tp.wait_ready()
-        except BaseException:
-            if self.tp is not None:
-                self.tp.shutdown()
-            raise
+        self.model = build_model(config, model_config, self.shard, self.device, self.dtype,
+                                 self.backend, max_model_len, weights, dummy_seed)
+        if self.tp is not None:
+            self.tp.wait_ready()
         # LoRA adapters (engine/lora/): decode and verify steps with adapter rows replay graphs
         # that add the deltas (`lora_graphs`, `verify_graphs`); other such steps run eagerly.
         self.lora = build_lora(config, model_config, self.device, self.dtype, self.shard)
@@ -365,12 +374,7 @@ class ModelRunner:
         # The last launched step's sampled tokens (on the device) and their row per request.
         self._last_tokens: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
-        try:
-            num_blocks = self._set_up_kv_cache(config, kv_calibration_ids)
-        except BaseException:
-            if self.tp is not None:
-                self.tp.shutdown()
-            raise
+        num_blocks = self._set_up_kv_cache(config, kv_calibration_ids)
         cfg = self.shard_config
         self.kv_caches = list(self.kv_cache.unbind(0))
         if self.device.type == "cuda" and use_triton:

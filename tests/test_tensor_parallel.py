@@ -229,3 +229,18 @@ def test_shard_weights_and_commands() -> None:
         unpack(header[:-1])
     with pytest.raises(ValueError):
         unpack(pack(Op.SHUTDOWN)[:0] + (99).to_bytes(8, "little") + header[8:])
+
+
+def test_a_failure_after_the_workers_started_takes_them_down(
+        tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """An error raised once the ranks are up stops the workers and leaves the group, so the
+    next tensor-parallel engine of this process starts: a LoRA adapter that is not there (read
+    by every rank after its shard: a worker reports it first), and an error of rank 0's own
+    after the workers are ready (an int8 cache's scales file that is not there: rank 0 reads
+    it, then sends the scales)."""
+    path = tiny_model_dirs["llama"]
+    with pytest.raises(ConfigError, match=r"rank 1 failed: LoRAError: .*no adapter_config"):
+        tp_llm(path, lora_modules={"gone": str(tmp_path / "missing")})
+    with pytest.raises(ConfigError, match="nope"):
+        tp_llm(path, kv_cache_dtype="int8", kv_scales=str(tmp_path / "nope.json"))
+    tp_llm(path).shutdown()
