@@ -23,6 +23,7 @@ from bench.metrics import (
 from bench.offline import OfflineBenchError
 from bench.online import OnlineBenchError
 from bench.results import build_result, write_json
+from engine.cli_args import lora_module_arg
 
 
 def _positive_float(text: str) -> float:
@@ -71,13 +72,6 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                         '"num_speculative_tokens": 4}\' (the fields of SpeculativeConfig)')
 
 
-def _lora_module(text: str) -> tuple[str, str]:
-    name, sep, path = text.partition("=")
-    if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
-    return name, path
-
-
 def _json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
@@ -111,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     offline = sub.add_parser("offline", help="the engine in-process")
     offline.add_argument("--mode", choices=("throughput", "latency"), default="throughput")
     offline.add_argument("--batch-size", type=int, default=1, help="latency mode: batch size")
-    offline.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[],
+    offline.add_argument("--lora-modules", nargs="+", type=lora_module_arg, default=[],
                          metavar="NAME=PATH",
                          help="LoRA adapters to load; each request runs one of them, chosen "
                               "at random")

@@ -69,7 +69,7 @@ def _gc_threshold(text: str) -> tuple[int, int, int] | None:
     return values  # type: ignore[return-value]
 
 
-def _lora_module(text: str) -> tuple[str, str]:
+def lora_module_arg(text: str) -> tuple[str, str]:
     """NAME=PATH (vLLM's --lora-modules form)."""
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
@@ -125,7 +125,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default=_default(RunnerConfig, "attention_backend"),
                    choices=["auto", "torch", "triton"])
     g.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
-    g.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[],
+    g.add_argument("--lora-modules", nargs="+", type=lora_module_arg, default=[],
                    metavar="NAME=PATH",
                    help="LoRA adapters (PEFT directories) loaded at start; a request runs one "
                         "by naming it as its model")
