@@ -44,14 +44,18 @@ def write_checkpoint(path: Path, seed: int) -> None:
 
 
 def run(path: Path, tp: int, dtype: str, prompts: list[list[int]], max_tokens: int,
-        device: str) -> dict[str, Any]:
+        device: str, adapter: str | None = None) -> dict[str, Any]:
+    """`adapter`: a LoRA adapter every other prompt runs (the split's shares of it)."""
     llm = LLM(str(path), dtype=dtype, tensor_parallel_size=tp, num_gpu_blocks=4096,
-              max_model_len=2048, max_num_seqs=16, device=device)
+              max_model_len=2048, max_num_seqs=16, device=device,
+              lora_modules={"ad": adapter} if adapter else None)
     try:
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                           ignore_eos=True))
+                                           ignore_eos=True),
+                            lora_request=[("ad" if adapter and i % 2 else None)
+                                          for i in range(len(prompts))])
         gen_s = time.perf_counter() - t0
         runner = llm.engine.runner
         logits = runner.prefill_logits(prompts[0]).float()
@@ -100,6 +104,8 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--device", default="cuda", help="cpu: a dry run of the script")
+    p.add_argument("--lora", action="store_true",
+                   help="also float32 with a LoRA adapter on every other prompt")
     args = p.parse_args()
     os.environ["SPLITSERVE_TP_ONE_DEVICE"] = "1"
     rng = random.Random(0)
@@ -134,6 +140,26 @@ def main() -> int:
             except Exception as e:  # recorded, the other dtype still runs
                 doc["results"][dtype] = {"error": f"{type(e).__name__}: {e}"}
             print(dtype, json.dumps(doc["results"][dtype])[:1200], flush=True)
+        if args.lora:
+            from bench.gpu_lora_check import write_adapter
+            from engine.config import LoadConfig
+            from engine.loader import load_model_source
+            from engine.lora.adapter import ATTENTION_TARGETS, MLP_TARGETS
+
+            cfg = load_model_source(LoadConfig(model=str(path))).config
+            adapter = Path(tmp) / "adapter"
+            write_adapter(adapter, cfg, ATTENTION_TARGETS + MLP_TARGETS, 8, 16, 4, 0.03)
+            try:
+                one = run(path, 1, "float32", prompts, args.max_tokens, args.device, str(adapter))
+                two = run(path, 2, "float32", prompts, args.max_tokens, args.device, str(adapter))
+                base = run(path, 1, "float32", prompts, args.max_tokens, args.device)
+                doc["results"]["float32+lora"] = compare(one, two) | {
+                    "adapter_prompts": list(range(1, len(prompts), 2)),
+                    "adapter_changes_output": [one["tokens"][i] != base["tokens"][i]
+                                               for i in range(1, len(prompts), 2)]}
+            except Exception as e:
+                doc["results"]["float32+lora"] = {"error": f"{type(e).__name__}: {e}"}
+            print("float32+lora", json.dumps(doc["results"]["float32+lora"])[:1200], flush=True)
     Path(args.out).write_text(json.dumps(doc, indent=1))
     return 0
 
