@@ -91,10 +91,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         # `model` may name a LoRA adapter the workers serve (as over REST).
         lora = state.lora_name_for(request.model or None)
         if lora is None:
-            served = [state.config.served_model_name, *sorted(state.lora_adapters())]
             raise GatewayError(grpc.StatusCode.NOT_FOUND,
                                f"model {request.model!r} is not served; this server serves "
-                               f"{', '.join(repr(m) for m in served)}", param="model")
+                               f"{', '.join(repr(m) for m in state.served_models())}",
+                               param="model")
         job, calling = await self._unrouted_job(request)
         return dataclasses.replace(job, lora_name=lora), calling
 

@@ -309,10 +309,9 @@ def _check_model(model: str | None, state: GatewayState) -> str:
     name that is neither (as vLLM answers)."""
     lora = state.lora_name_for(model)
     if lora is None:
-        served = [state.config.served_model_name, *sorted(state.lora_adapters())]
         raise GatewayError(grpc.StatusCode.NOT_FOUND,
                            f"The model `{model}` does not exist; this server serves "
-                           + ", ".join(f"`{m}`" for m in served),
+                           + ", ".join(f"`{m}`" for m in state.served_models()),
                            param="model", error_code="model_not_found")
     return lora
 

@@ -41,6 +41,10 @@ class GatewayState:
             return set()
         return set.intersection(*(p.lora_adapters() for p in pools))
 
+    def served_models(self) -> list[str]:
+        """The names a request's `model` may take: the base model's, then the adapters'."""
+        return [self.config.served_model_name, *sorted(self.lora_adapters())]
+
     def lora_name_for(self, model: str | None) -> str | None:
         """A request's `model`: "" for the base model (or none given), the adapter's name for
         a LoRA adapter the workers serve, None for anything else."""

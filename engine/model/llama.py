@@ -47,18 +47,13 @@ def _one_row_fused(use_gemv: bool, x: torch.Tensor) -> bool:
     return use_gemv and x.shape[0] == 1 and current_lora() is None
 
 
-def _row_parallel_sum(shard: TensorShard) -> bool:
-    """Whether a row-parallel projection's output is a partial sum to add over the ranks."""
-    return shard.is_split
-
-
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, rope: RotaryEmbedding,
                  backend: PagedAttentionBackend, use_triton: bool = False,
                  shard: TensorShard = TensorShard()) -> None:
         """cfg: this rank's architecture (`shard_model_config`: its heads and KV heads)."""
         super().__init__()
-        self.reduce = _row_parallel_sum(shard)
+        self.reduce = shard.is_split  # the row-parallel projection's output: a partial sum
         self.layer_idx = layer_idx
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -154,7 +149,7 @@ class LlamaMLP(nn.Module):
                  shard: TensorShard = TensorShard(), layer_idx: int = 0) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.reduce = _row_parallel_sum(shard)
+        self.reduce = shard.is_split
         self.use_gemv = use_triton and gemv_enabled() if use_gemv is None else use_gemv
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias,
                                    self.use_gemv)

@@ -72,6 +72,8 @@ class TensorParallelDriver:
         self._lock = threading.RLock()
         self.failed: str | None = None
         port = free_port()
+        from engine.parallel.worker import worker_main
+
         ctx = mp.get_context("spawn")  # a forked CUDA context is unusable; spawn is the rule
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
@@ -80,7 +82,6 @@ class TensorParallelDriver:
             ours, theirs = ctx.Pipe()
             spec = WorkerSpec(config, rank, self.size, port, str(dev),
                               str(dtype).removeprefix("torch."), max_model_len)
-            from engine.parallel.worker import worker_main
             proc = ctx.Process(target=worker_main, args=(theirs, spec), daemon=True,
                                name=f"splitserve-tp-rank{rank}")
             proc.start()
@@ -163,7 +164,7 @@ class TensorParallelDriver:
     def capacity(self, local_blocks: int) -> int:
         """The smallest KV block capacity over the ranks (this one's is `local_blocks`)."""
         with self.command(Op.KV_CAPACITY):
-            t = torch.tensor([local_blocks], dtype=torch.int64, device=self._comm_device)
+            t = torch.tensor([local_blocks], dtype=torch.int64, device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
             return int(t.item())
 
@@ -175,8 +176,4 @@ class TensorParallelDriver:
         """Every rank's quantized cache takes rank 0's `[L, 2]` scales (calibrated over every
         rank's heads: `measure_kv_amax` all-reduces the maxima)."""
         with self.command(Op.SET_KV_SCALES, [int(scales.shape[0])]):
-            dist.broadcast(scales.to(self._comm_device, torch.float32).contiguous(), src=0)
-
-    @property
-    def _comm_device(self) -> torch.device:
-        return self.device if self.device.type == "cuda" else torch.device("cpu")
+            dist.broadcast(scales.to(self.device, torch.float32).contiguous(), src=0)

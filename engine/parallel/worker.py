@@ -102,10 +102,6 @@ class ShardWorker:
             with torch.inference_mode():
                 handlers[op](fields)
 
-    @property
-    def _comm_device(self) -> torch.device:
-        return self.device
-
     def _forward(self, fields: list[int]) -> None:
         from engine.attention.forward_context import ForwardContext, forward_context
         from engine.lora import LoRABatch
@@ -157,7 +153,7 @@ class ShardWorker:
             torch.cuda.empty_cache()
             n = gpu_kv_blocks(self.config, self.device, self._peak, self.block_bytes,
                               self.model.lm_head_weight.shape[0])
-        t = torch.tensor([n], dtype=torch.int64, device=self._comm_device)
+        t = torch.tensor([n], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
 
     def _allocate(self, fields: list[int]) -> None:
@@ -172,7 +168,7 @@ class ShardWorker:
                               self.dtype, self.config.scheduler.max_num_batched_tokens, *scales)
 
     def _set_scales(self, fields: list[int]) -> None:
-        t = torch.empty(fields[0], 2, dtype=torch.float32, device=self._comm_device)
+        t = torch.empty(fields[0], 2, dtype=torch.float32, device=self.device)
         dist.broadcast(t, src=0)
         self.kv_scale_values = [(k, v) for k, v in t.cpu().tolist()]
 
@@ -181,7 +177,7 @@ class ShardWorker:
         return self.kv_cache.view(torch.uint8) if self.kv_dtype.itemsize == 1 else self.kv_cache
 
     def _block_ids(self, n: int) -> torch.Tensor:
-        idx = torch.empty(n, dtype=torch.int64, device=self._comm_device)
+        idx = torch.empty(n, dtype=torch.int64, device=self.device)
         dist.broadcast(idx, src=0)
         return idx
 
@@ -194,7 +190,7 @@ class ShardWorker:
         idx = self._block_ids(fields[0])
         cache = self._cache_bytes()
         mine = torch.empty((fields[0], self.num_layers, 2, *self.block_shape), dtype=cache.dtype,
-                           device=self._comm_device)
+                           device=self.device)
         dist.scatter(mine, None, src=0)
         cache.index_copy_(2, idx, mine.permute(1, 2, 0, 3, 4, 5))
 
