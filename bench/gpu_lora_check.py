@@ -24,47 +24,41 @@ import os
 import random
 import tempfile
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
+from bench.gpu_tp_check import write_checkpoint
 from engine import LLM, SamplingParams
 from engine.config import LoadConfig, ModelConfig
 from engine.loader import load_model_source
 from engine.lora.adapter import ATTENTION_TARGETS, MLP_TARGETS, target_shape
 
 
-def write_checkpoint(path: Path) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
-        num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0.0, 0.02)
-    cast(Any, model).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
-
-
 def write_adapter(path: Path, cfg: ModelConfig, targets: tuple[str, ...], rank: int,
-                  alpha: float, seed: int, std: float, **extra: object) -> None:
+                  alpha: float, seed: int, std: float = 0.2, **extra: object
+                  ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """A PEFT adapter directory with random A and B (seeded) for `targets` of every layer;
+    returns its weights, (layer, target) -> (A [r, in], B [out, r]). Also the tests' adapters."""
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
+    weights = {}
     for layer in range(cfg.num_hidden_layers):
         for t in targets:
             n_in, n_out = target_shape(cfg, t)
             block = "mlp" if t in MLP_TARGETS else "self_attn"
             prefix = f"base_model.model.model.layers.{layer}.{block}.{t}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, n_in, generator=gen) * std
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(n_out, rank, generator=gen) * std
+            a = torch.randn(rank, n_in, generator=gen) * std
+            b = torch.randn(n_out, rank, generator=gen) * std
+            tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = a, b
+            weights[(layer, t)] = (a, b)
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
     (path / "adapter_config.json").write_text(json.dumps(
         {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "bias": "none",
-         "target_modules": list(targets), **extra}))
+         "target_modules": list(targets), "task_type": "CAUSAL_LM", **extra}))
+    return weights
 
 
 def reference_logits(llm: LLM, ids: list[int], lora: str | None) -> torch.Tensor:
@@ -170,7 +164,7 @@ def main() -> int:
                            "torch": torch.__version__}
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(tmp) / "ckpt"
-        write_checkpoint(ckpt)
+        write_checkpoint(ckpt, seed=0, std=0.02)
         cfg = load_model_source(LoadConfig(model=str(ckpt))).config
         write_adapter(Path(tmp) / "attn", cfg, ATTENTION_TARGETS, 16, 16, 1, 0.03)
         write_adapter(Path(tmp) / "every", cfg, ATTENTION_TARGETS + MLP_TARGETS, 8, 16, 2,

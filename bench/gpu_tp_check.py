@@ -28,7 +28,9 @@ import torch
 from engine import LLM, SamplingParams
 
 
-def write_checkpoint(path: Path, seed: int) -> None:
+def write_checkpoint(path: Path, seed: int, std: float = 0.05) -> None:
+    """A random Llama checkpoint (hidden 1,024, 16 heads over 8 KV heads, 4 layers), bf16,
+    written by `transformers`; weights but the norms ~ N(0, std)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -39,7 +41,7 @@ def write_checkpoint(path: Path, seed: int) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" not in name:
-                p.normal_(0.0, 0.05)
+                p.normal_(0.0, std)
     cast(Any, model).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
 
 

@@ -16,44 +16,18 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import greedy, run_to_end, tiny_llm
-from safetensors.torch import save_file
 from transformers import PreTrainedModel
 
-from engine.config import ConfigError, ModelConfig
+from bench.gpu_lora_check import write_adapter
+from engine.config import ConfigError
 from engine.llm_engine import EngineInputError
 from engine.lora import LoRAError, LoRARequest
-from engine.lora.adapter import TARGETS, target_shape
+from engine.lora.adapter import TARGETS
 
 ATOL = RTOL = 1e-4
 PROMPTS = {"base": [5, 17, 99, 3, 250, 7, 42, 8, 300, 11],
            "attn": [9, 8, 7, 6, 5, 4, 383, 2, 77],
            "all": [5, 17, 99, 3, 250, 7, 42, 8, 300, 11]}  # "base"'s prompt under an adapter
-
-
-def write_adapter(path: Path, cfg: ModelConfig, targets: tuple[str, ...], rank: int,
-                  alpha: float, seed: int, **extra: object) -> dict[tuple[int, str], tuple[
-                      torch.Tensor, torch.Tensor]]:
-    """A PEFT adapter directory with random A and B; returns its weights (layer, target) ->
-    (A [r, in], B [out, r])."""
-    gen = torch.Generator().manual_seed(seed)
-    weights = {}
-    tensors = {}
-    for layer in range(cfg.num_hidden_layers):
-        for t in targets:
-            n_in, n_out = target_shape(cfg, t)
-            a = torch.randn(rank, n_in, generator=gen) * 0.2
-            b = torch.randn(n_out, rank, generator=gen) * 0.2
-            block = "mlp" if t in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-            prefix = f"base_model.model.model.layers.{layer}.{block}.{t}"
-            tensors[f"{prefix}.lora_A.weight"] = a
-            tensors[f"{prefix}.lora_B.weight"] = b
-            weights[(layer, t)] = (a, b)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "bias": "none",
-              "target_modules": list(targets), "task_type": "CAUSAL_LM", **extra}
-    (path / "adapter_config.json").write_text(json.dumps(config))
-    return weights
 
 
 def merged(base: PreTrainedModel, weights: dict[tuple[int, str], tuple[torch.Tensor,
