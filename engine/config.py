@@ -26,7 +26,7 @@ class ConfigError(ValueError):
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Architecture of a Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, Phi-3/Phi-4,
-    SmolLM2).
+    SmolLM2), or of one whose MLPs are mixtures of experts (Mixtral, Qwen3-MoE).
 
     Field names follow Hugging Face `config.json` so `from_hf_dict` is a thin mapping.
     """
@@ -52,6 +52,17 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (Mixtral, Qwen3-MoE); num_experts 0: every MLP is dense. A sparse
+    # layer's router picks num_experts_per_tok experts per token out of num_experts, each a
+    # SiLU-gated MLP of moe_intermediate_size; norm_topk_prob renormalises the picked experts'
+    # softmax weights to sum to 1. Qwen3-MoE keeps dense MLPs (intermediate_size) in the
+    # layers `mlp_only_layers` names and those not on the decoder_sparse_step grid.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
     # Identity of the weights (path + size + mtime, or "dummy:<seed>"); part of the fingerprint.
     weights_id: str = ""
 
@@ -61,7 +72,10 @@ class ModelConfig:
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
         "Phi3ForCausalLM",
+        "MixtralForCausalLM",
+        "Qwen3MoeForCausalLM",
     )
+    MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -102,6 +116,7 @@ class ModelConfig:
             raise ConfigError(f"config.json: hidden_act {d['hidden_act']!r} is not supported "
                               "(the MLP is SiLU-gated)")
         is_qwen2 = arch == "Qwen2ForCausalLM"
+        moe = _moe_fields(arch, d)
         cfg = cls(
             architecture=arch,
             vocab_size=d["vocab_size"],
@@ -117,13 +132,14 @@ class ModelConfig:
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", is_qwen2)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             mlp_bias=bool(d.get("mlp_bias", False)),
             sliding_window=(int(d["sliding_window"]) if d.get("sliding_window")
                             and d.get("use_sliding_window", True) else None),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             weights_id=weights_id,
+            **moe,
         )
         cfg.validate()
         return cfg
@@ -133,8 +149,9 @@ class ModelConfig:
         d: dict[str, Any] = {
             "architectures": [self.architecture],
             "model_type": {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                           "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3"}.get(
-                               self.architecture, "llama"),
+                           "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3",
+                           "MixtralForCausalLM": "mixtral",
+                           "Qwen3MoeForCausalLM": "qwen3_moe"}.get(self.architecture, "llama"),
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -152,6 +169,14 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) if self.eos_token_ids else None,
         }
+        if self.is_moe:
+            d.update(num_local_experts=self.num_experts, num_experts=self.num_experts,
+                     num_experts_per_tok=self.num_experts_per_tok)
+            if self.architecture == "Qwen3MoeForCausalLM":
+                d.update(moe_intermediate_size=self.moe_intermediate_size,
+                         norm_topk_prob=self.norm_topk_prob,
+                         decoder_sparse_step=self.decoder_sparse_step,
+                         mlp_only_layers=list(self.mlp_only_layers))
         return d
 
     def validate(self) -> None:
@@ -162,8 +187,29 @@ class ModelConfig:
             )
         if self.head_dim <= 0 or self.head_dim % 2 != 0:
             raise ConfigError(f"head_dim must be a positive even integer, got {self.head_dim}")
-        if self.qk_norm != (self.architecture == "Qwen3ForCausalLM"):
+        if self.qk_norm != (self.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")):
             raise ConfigError(f"qk_norm is Qwen3's (architecture {self.architecture!r})")
+        if self.is_moe != (self.architecture in self.MOE_ARCHITECTURES):
+            raise ConfigError(f"num_experts {self.num_experts}: architecture "
+                              f"{self.architecture!r} is "
+                              f"{'' if self.is_moe else 'not '}a mixture of experts")
+        if self.is_moe:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ConfigError(f"num_experts_per_tok must be in [1, num_experts "
+                                  f"{self.num_experts}], got {self.num_experts_per_tok}")
+            if self.moe_intermediate_size <= 0 or self.decoder_sparse_step <= 0:
+                raise ConfigError("moe_intermediate_size and decoder_sparse_step must be "
+                                  "positive")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_sparse_layer(self, layer_idx: int) -> bool:
+        """Whether decoder layer `layer_idx`'s MLP is a mixture of experts (Qwen3-MoE's rule:
+        not in `mlp_only_layers` and on the `decoder_sparse_step` grid)."""
+        return (self.is_moe and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
     @property
     def fused_checkpoint(self) -> bool:
@@ -173,6 +219,37 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+
+def _moe_fields(arch: str, d: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields from an HF config dict (empty for a dense
+    architecture). Mixtral's experts are `intermediate_size` wide and always renormalised;
+    Qwen3-MoE names `moe_intermediate_size` and says whether to renormalise."""
+    if arch not in ModelConfig.MOE_ARCHITECTURES:
+        return {}
+    experts = d.get("num_experts") or d.get("num_local_experts")
+    top_k = d.get("num_experts_per_tok")
+    for key, value in (("num_experts", experts), ("num_experts_per_tok", top_k)):
+        if not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"config.json: {key} must be a positive integer, got {value!r}")
+    if arch == "MixtralForCausalLM":
+        return {"num_experts": experts, "num_experts_per_tok": top_k,
+                "moe_intermediate_size": d["intermediate_size"], "norm_topk_prob": True}
+    inter = d.get("moe_intermediate_size")
+    if not isinstance(inter, int) or inter <= 0:
+        raise ConfigError(f"config.json: moe_intermediate_size must be a positive integer, "
+                          f"got {inter!r}")
+    if d.get("shared_expert_intermediate_size"):
+        raise ConfigError("config.json: shared experts (Qwen2-MoE) are not supported")
+    only = d.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
+        raise ConfigError(f"config.json: mlp_only_layers must be a list of layer indices, "
+                          f"got {only!r}")
+    return {"num_experts": experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": inter,
+            "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
+            "decoder_sparse_step": int(d.get("decoder_sparse_step", 1)),
+            "mlp_only_layers": tuple(sorted(only))}
 
 
 @dataclass(frozen=True, slots=True)

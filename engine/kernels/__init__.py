@@ -16,6 +16,8 @@ Check `triton_available()` before calling a kernel.
     silu_and_mul(x)                                                  -> [T, I]
     per_token_quant_fp8(x)                       -> (q [T, K] float8 e4m3fn, scale [T, 1] fp32)
     score_rows(logits, targets)        -> (target logprob, rank, log-sum-exp, argmax), [R] each
+    moe_gemm(a, weights, layout, top_k, gather_tokens, routing_weights=None)
+                                   -> [pairs, N] (each pair's rows times its expert's weight)
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from engine.kernels._checks import KernelInputError
 if TYPE_CHECKING:
     from engine.kernels.activation import silu_and_mul
     from engine.kernels.decode_attention import choose_num_splits, paged_decode_attention
+    from engine.kernels.fused_moe import moe_gemm
     from engine.kernels.kv_write import write_kv
     from engine.kernels.norm import rms_norm
     from engine.kernels.prefill_attention import paged_prefill_attention
@@ -50,11 +53,13 @@ _LAZY: dict[str, str] = {
     "silu_and_mul": "engine.kernels.activation",
     "per_token_quant_fp8": "engine.kernels.quant_fp8",
     "score_rows": "engine.kernels.score",
+    "moe_gemm": "engine.kernels.fused_moe",
 }
 
 __all__ = [
     "KernelInputError",
     "choose_num_splits",
+    "moe_gemm",
     "paged_decode_attention",
     "paged_prefill_attention",
     "per_token_quant_fp8",

@@ -187,6 +187,11 @@ def hf_config_dict(meta: GGUFMetadata, path: str) -> dict[str, Any]:
     if rotated is not None and int(rotated) != head_dim:  # Phi-4-mini rotates 3/4 of each head
         raise ModelLoadError(f"{path}: GGUF {arch}.rope.dimension_count {rotated} of a head "
                              f"dimension of {head_dim}: partial rotary is not supported")
+    experts = field_value(meta, f"{arch}.expert_count")
+    if experts:  # Mixtral as llama.cpp writes it: ffn_*_exps tensors, not read here
+        raise ModelLoadError(f"{path}: GGUF {arch}.expert_count {experts}: mixture-of-experts "
+                             "GGUF files are not supported; load the model's Hugging Face "
+                             "directory (safetensors) instead")
     window = field_value(meta, f"{arch}.attention.sliding_window")
     tokens = field_value(meta, "tokenizer.ggml.tokens")
     vocab = field_value(meta, f"{arch}.vocab_size") or (len(tokens) if tokens else None)

@@ -47,6 +47,9 @@ def expected_weight_names(config: ModelConfig) -> list[str]:
             names += [f"{p}self_attn.{proj}.bias" for proj in ("q_proj", "k_proj", "v_proj")]
         if config.qk_norm:
             names += [f"{p}self_attn.q_norm.weight", f"{p}self_attn.k_norm.weight"]
+        if config.is_sparse_layer(i):
+            names += _expert_names(config, p)
+            continue
         mlp = ("gate_up_proj", "down_proj") if config.fused_checkpoint else (
             "gate_proj", "up_proj", "down_proj")
         for proj in mlp:
@@ -54,6 +57,17 @@ def expected_weight_names(config: ModelConfig) -> list[str]:
             if config.mlp_bias:
                 names.append(f"{p}mlp.{proj}.bias")
     return names
+
+
+def _expert_names(config: ModelConfig, layer: str) -> list[str]:
+    """A sparse layer's router and per-expert tensors as its architecture's checkpoints name
+    them (Mixtral: block_sparse_moe, w1/w3/w2; Qwen3-MoE: mlp, gate/up/down_proj)."""
+    if config.architecture == "MixtralForCausalLM":
+        block, projs = f"{layer}block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        block, projs = f"{layer}mlp.", ("gate_proj", "up_proj", "down_proj")
+    return [f"{block}gate.weight"] + [f"{block}experts.{e}.{proj}.weight"
+                                      for e in range(config.num_experts) for proj in projs]
 
 
 def is_skipped_weight(name: str, config: ModelConfig) -> bool:

@@ -139,6 +139,10 @@ def load_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int) -> LoRAA
             if not 0 <= layer < cfg.num_hidden_layers:
                 raise LoRAError(f"{file}: {tensor_name!r} names layer {layer}; the model has "
                                 f"{cfg.num_hidden_layers}")
+            if block == "mlp" and cfg.is_sparse_layer(layer):
+                raise LoRAError(f"{file}: {tensor_name!r}: layer {layer}'s MLP is a mixture of "
+                                "experts; adapters on experts are not supported (attention "
+                                "projections are)")
             halves[(layer, target, half)] = f.get_tensor(tensor_name).float()
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for (layer, target, half), tensor in halves.items():

@@ -8,6 +8,7 @@ step's metadata and KV cache from the forward context. QKV and gate/up projectio
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import cast
 
@@ -23,6 +24,7 @@ from engine.attention.forward_context import (
 )
 from engine.config import ModelConfig
 from engine.model.layers import Linear, RMSNorm, RotaryEmbedding, gemv_enabled, silu_and_mul
+from engine.model.moe import SparseMoeBlock
 from engine.model.overlap import MicroBatchStreams
 from engine.parallel.group import all_reduce_
 from engine.parallel.shard import TensorShard, shard_weight
@@ -30,6 +32,38 @@ from engine.parallel.shard import TensorShard, shard_weight
 
 class MissingWeightsError(ValueError):
     """A checkpoint lacks parameters the model needs (names listed) or has unknown ones."""
+
+
+# One expert's projection: layers.<i>.mlp.experts.<e>.<proj>.weight (after `canonical_name`).
+_EXPERT_NAME = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)"
+                          r"\.weight$")
+# Mixtral's names for what Qwen3-MoE (and this model) call mlp, gate_proj, up_proj, down_proj.
+_MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."),
+                  (".w3.", ".up_proj."), (".w2.", ".down_proj."))
+
+
+def canonical_name(name: str) -> str:
+    """A checkpoint's parameter name as this model spells it: Mixtral's sparse-MoE names
+    become Qwen3-MoE's; every other name is unchanged."""
+    if ".block_sparse_moe." not in name:
+        return name
+    for old, new in _MIXTRAL_NAMES:
+        name = name.replace(old, new)
+    return name
+
+
+def _expert_parts(param: str, num_experts: int) -> set[str]:
+    """The per-expert checkpoint names a stacked expert parameter is loaded from."""
+    prefix, stacked = param.rsplit(".", 1)
+    projs = ("down_proj",) if stacked == "down_proj" else ("gate_proj", "up_proj")
+    return {f"{prefix}.{e}.{p}.weight" for e in range(num_experts) for p in projs}
+
+
+def _copy_checked(name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise MissingWeightsError(f"weight {name}: shape {tuple(src.shape)} does not match the "
+                                  f"model's {tuple(dst.shape)}")
+    dst.copy_(src.to(dst.dtype))
 
 
 def _with_lora(layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -176,7 +210,10 @@ class LlamaDecoderLayer(nn.Module):
                  shard: TensorShard = TensorShard()) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx, rope, backend, use_triton, shard)
-        self.mlp = LlamaMLP(cfg, use_triton, shard=shard, layer_idx=layer_idx)
+        self.sparse = cfg.is_sparse_layer(layer_idx)
+        self.mlp: LlamaMLP | SparseMoeBlock = (
+            SparseMoeBlock(cfg, use_triton, shard) if self.sparse
+            else LlamaMLP(cfg, use_triton, shard=shard, layer_idx=layer_idx))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton)
         # Batch-1 rows fold each RMSNorm into the projection after it (one GEMV kernel reads
@@ -220,8 +257,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def mlp_block(self, h: torch.Tensor, residual: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Post-attention norm (+ residual add), gate/up, SiLU-and-mul, down."""
-        if _one_row_fused(self.use_gemv, h):
+        """Post-attention norm (+ residual add), gate/up, SiLU-and-mul, down (or the experts)."""
+        if isinstance(self.mlp, LlamaMLP) and _one_row_fused(self.use_gemv, h):
             from engine.kernels.gemv import rms_norm_gemv
             norm = self.post_attention_layernorm
             weight, bias, scale = self.mlp.gate_up_proj.gemv_operands()
@@ -319,11 +356,16 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the (fused) parameters; checks completeness.
-        With tensor parallelism each tensor is first cut to this rank's slice (`shard_weight`)."""
+        With tensor parallelism each tensor is first cut to this rank's slice (`shard_weight`).
+        Experts come one tensor per expert and projection (Mixtral's names are read as
+        Qwen3-MoE's) and are stacked per layer."""
         params = dict(self.named_parameters())
         stacked = () if self.config.fused_checkpoint else self._STACKED
         expected: set[str] = set()
         for name in params:
+            if ".experts." in name:
+                expected.update(_expert_parts(name, self.config.num_experts))
+                continue
             matched = False
             for fused, hf, _ in stacked:
                 if f".{fused}." in name:
@@ -334,11 +376,18 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         unknown: list[str] = []
         for hf_name, tensor in weights:
-            name = hf_name.removeprefix("model.")
+            name = canonical_name(hf_name.removeprefix("model."))
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied embeddings: some checkpoints still ship a copy
+            part = shard_weight(name, tensor, self.full_config, self.shard)
+            if ".experts." in name:
+                got = self._load_expert(params, name, part)
+                if got is None:
+                    unknown.append(hf_name)
+                loaded.update(got or ())
+                continue
             target, rows = name, None
             for fused, hf, shard in stacked:
                 if f".{hf}." in name:
@@ -350,23 +399,35 @@ class LlamaForCausalLM(nn.Module):
                 unknown.append(hf_name)
                 continue
             dst = param if rows is None else param[rows[0]:rows[1]]
-            part = shard_weight(hf_name, tensor, self.full_config, self.shard)
             if part is None:  # a row-parallel bias another rank adds
                 dst.zero_()
                 loaded.add(name)
                 continue
-            tensor = part
-            if tuple(dst.shape) != tuple(tensor.shape):
-                raise MissingWeightsError(
-                    f"weight {hf_name}: shape {tuple(tensor.shape)} does not match the model's "
-                    f"{tuple(dst.shape)}")
-            dst.copy_(tensor.to(dst.dtype))
+            _copy_checked(hf_name, dst, part)
             loaded.add(name)
         missing = sorted(expected - loaded)
         if missing:
             raise MissingWeightsError(f"checkpoint is missing {len(missing)} weights: {missing[:8]}")
         if unknown:
             raise MissingWeightsError(f"checkpoint has unexpected weights: {unknown[:8]}")
+
+    def _load_expert(self, params: dict[str, nn.Parameter], name: str,
+                     tensor: torch.Tensor | None) -> list[str] | None:
+        """Copy one expert's tensor into its layer's stacked parameter; the loaded part's name,
+        None for a name the model has no place for."""
+        assert tensor is not None  # experts have no biases: shard_weight slices, never drops
+        m = _EXPERT_NAME.match(name)
+        if m is None:
+            return None
+        prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
+        param = params.get(f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}")
+        if param is None or expert >= param.shape[0]:
+            return None
+        inter = param.shape[1] // 2
+        dst = {"gate_proj": param[expert, :inter], "up_proj": param[expert, inter:],
+               "down_proj": param[expert]}[proj]
+        _copy_checked(name, dst, tensor)
+        return [f"{prefix}.{expert}.{proj}.weight"]
 
     @torch.no_grad()
     def init_dummy_weights(self, seed: int) -> None:

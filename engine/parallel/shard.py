@@ -3,8 +3,9 @@
 Column-parallel (each rank computes its slice of the outputs): the fused QKV projection (its
 own query heads and KV heads), the fused gate/up projection (its own intermediate columns).
 Row-parallel (each rank multiplies its slice of the inputs; the ranks' partial sums are added
-by an all-reduce): the O projection and the down projection. Everything else is replicated:
-the embedding, the norms, the LM head (only rank 0 computes logits).
+by an all-reduce): the O projection and the down projection. A mixture of experts splits every
+expert the same way (its gate/up columns, its down inputs). Everything else is replicated:
+the embedding, the norms, the routers, the LM head (only rank 0 computes logits).
 
 A rank's model is an ordinary model built from `shard_model_config` — the same architecture
 with 1/n of the heads, KV heads and intermediate size — so attention, the KV cache's layout and
@@ -44,7 +45,8 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
         return
     for what, n in (("num_attention_heads", cfg.num_attention_heads),
                     ("num_key_value_heads", cfg.num_key_value_heads),
-                    ("intermediate_size", cfg.intermediate_size)):
+                    ("intermediate_size", cfg.intermediate_size),
+                    ("moe_intermediate_size", cfg.moe_intermediate_size)):
         if n % size:
             raise ConfigError(
                 f"tensor_parallel_size {size} does not divide the model's {what} ({n}); "
@@ -59,7 +61,8 @@ def shard_model_config(cfg: ModelConfig, size: int) -> ModelConfig:
         return cfg
     return cfg.replace(num_attention_heads=cfg.num_attention_heads // size,
                        num_key_value_heads=cfg.num_key_value_heads // size,
-                       intermediate_size=cfg.intermediate_size // size)
+                       intermediate_size=cfg.intermediate_size // size,
+                       moe_intermediate_size=cfg.moe_intermediate_size // size)
 
 
 # Hugging Face parameter names (suffixes) → the dimension a rank slices; absent: replicated.

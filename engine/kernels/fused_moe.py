@@ -1,0 +1,189 @@
+"""Triton grouped GEMMs for a mixture-of-experts MLP: every (token, picked expert) pair's rows
+multiplied by its own expert's weights, in one launch per projection.
+
+A step's T tokens each pick k experts: N = T·k pairs. `align_pairs` sorts the pairs by expert
+and pads each expert's run to a multiple of the row tile (BLOCK_M), so every row tile belongs to
+one expert; `moe_gemm` then runs an ordinary tiled GEMM per row tile against that expert's
+weight, its A rows gathered by pair and its C rows scattered back to pair order. Two such
+GEMMs with SiLU-and-mul between them, and a sum over each token's k rows, make the layer
+(`engine/model/moe.py`). Few pairs (batch-1 and small decode batches) skip the sort: each pair
+is its own row tile (`per_pair_layout`), every tile then has one live row, and the kernel is a
+GEMV reading each picked expert's weights once per pair.
+
+Nothing here reads tensor data on the host: the sort, the padding and the tile-to-expert map
+are device ops of fixed shapes (sized for the worst case, N + E·(BLOCK_M − 1) rows), and tiles
+past the padded total exit at once. So a decode step with MoE layers captures in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels._attention_tile import dot_precision, upcast_dots
+from engine.kernels._checks import FLOAT_DTYPES, KernelInputError, check_devices, check_tensor
+
+# At most this many pairs run one pair per row tile (no sort); more are sorted by expert.
+PER_PAIR_MAX = 64
+
+
+@dataclass(frozen=True, slots=True)
+class PairLayout:
+    """Row tiles of a grouped GEMM: `sorted_pairs[i]` the pair in row i (N: padding),
+    `tile_expert[j]` the expert of row tile j, `rows_used` [1] how many rows carry tiles
+    (padding included); BLOCK_M rows per tile."""
+
+    sorted_pairs: torch.Tensor  # [R] int32
+    tile_expert: torch.Tensor   # [R / BLOCK_M] int32
+    rows_used: torch.Tensor     # [1] int32
+    block_m: int
+    num_pairs: int
+
+
+def per_pair_layout(topk_ids: torch.Tensor) -> PairLayout:
+    """One row tile per pair, 16 rows of which the first is the pair: no sort. For few pairs,
+    where a sorted layout's padding and its sort's launches cost more than reading an expert's
+    weights once per pair that picked it."""
+    n = topk_ids.numel()
+    block_m = 16
+    rows = torch.full((n, block_m), n, dtype=torch.int32, device=topk_ids.device)
+    rows[:, 0] = torch.arange(n, dtype=torch.int32, device=topk_ids.device)
+    used = torch.full((1,), n * block_m, dtype=torch.int32, device=topk_ids.device)
+    return PairLayout(rows.view(-1), topk_ids.reshape(-1).to(torch.int32), used, block_m, n)
+
+
+def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> PairLayout:
+    """Pairs sorted by expert, each expert's run padded to a multiple of `block_m` rows.
+    topk_ids: [T, k] expert of each pair (pair p = token p // k, pick p % k)."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    n = flat.numel()
+    dev = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    first = torch.cumsum(counts, 0) - counts  # each expert's first pair in sorted order
+    order = torch.argsort(flat, stable=True)
+    expert_of = flat[order]
+    dest = padded_start[expert_of] + torch.arange(n, device=dev) - first[expert_of]
+    capacity = n + num_experts * (block_m - 1)
+    capacity = -(-capacity // block_m) * block_m
+    sorted_pairs = torch.full((capacity,), n, dtype=torch.int32, device=dev)
+    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    tile_start = torch.arange(0, capacity, block_m, device=dev)
+    tile_expert = torch.searchsorted(padded_end, tile_start, right=True)
+    tile_expert = tile_expert.clamp_(max=num_experts - 1).to(torch.int32)
+    used = padded_end[-1:].to(torch.int32)
+    return PairLayout(sorted_pairs, tile_expert, used, block_m, n)
+
+
+def layout_for(topk_ids: torch.Tensor, num_experts: int) -> PairLayout:
+    """The layout `moe_gemm` runs a step's pairs in: one pair per tile for few pairs, else
+    sorted with a row tile that grows with the pairs per expert."""
+    n = topk_ids.numel()
+    if n <= PER_PAIR_MAX:
+        return per_pair_layout(topk_ids)
+    per_expert = n / num_experts
+    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+    return align_pairs(topk_ids, num_experts, block_m)
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr,  # [A rows, K]: rows are tokens (GATHER_TOKENS) or pairs
+    w_ptr,  # [E, N, K]
+    c_ptr,  # [pairs, N]
+    sorted_pairs_ptr,  # [R] int32
+    tile_expert_ptr,  # [R / BLOCK_M] int32
+    rows_used_ptr,  # [1] int32
+    weight_ptr,  # [pairs] float32 routing weights (MUL_WEIGHT)
+    num_pairs,
+    n_out,
+    k_in,
+    top_k,
+    stride_a,
+    stride_we,
+    stride_wn,
+    stride_c,
+    GATHER_TOKENS: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(rows_used_ptr):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_pairs_ptr + offs_m)
+    live = pair < num_pairs
+    row = pair // top_k if GATHER_TOKENS else pair
+    expert = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + row.to(tl.int64)[:, None] * stride_a + offs_k[None, :]
+    w_ptrs = (w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn
+              + offs_k[:, None])
+    acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)  # tl.zeros: see engine/kernels/_tl.py
+    for k0 in range(0, k_in, BLOCK_K):
+        k_ok = offs_k < k_in - k0
+        a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & (offs_n[None, :] < n_out), other=0.0)
+        if UPCAST_DOT:  # the interpreter's bf16 dot is wrong (engine/kernels/_attention_tile.py)
+            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision=DOT_PRECISION)
+        else:
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if MUL_WEIGHT:
+        acc = acc * tl.load(weight_ptr + pair, mask=live, other=0.0)[:, None]
+    c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_c + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty),
+             mask=live[:, None] & (offs_n[None, :] < n_out))
+
+
+def moe_gemm(a: torch.Tensor, weights: torch.Tensor, layout: PairLayout, top_k: int,
+             gather_tokens: bool, routing_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """C [pairs, N]: row p = a[row of p] @ weights[expert of p].T, times routing_weights[p] when
+    given. a: [T, K] token rows (`gather_tokens`: pair p reads row p // top_k) or [pairs, K];
+    weights: [E, N, K] (each expert's `nn.Linear` weight); routing_weights: [pairs] float32."""
+    a = check_tensor("a", a, 2, FLOAT_DTYPES)
+    weights = check_tensor("weights", weights, 3, FLOAT_DTYPES)
+    _, n_out, k_in = weights.shape
+    if a.shape[1] != k_in:
+        raise KernelInputError(f"a has {a.shape[1]} columns, the experts take {k_in}")
+    if a.dtype != weights.dtype:
+        raise KernelInputError(f"a is {a.dtype}, weights {weights.dtype}")
+    if a.stride(1) != 1 or weights.stride(2) != 1:
+        raise KernelInputError("a and weights must be dense in their last dimension")
+    rows = layout.num_pairs // top_k if gather_tokens else layout.num_pairs
+    if a.shape[0] != rows:
+        raise KernelInputError(f"a has {a.shape[0]} rows, the layout's {layout.num_pairs} "
+                               f"pairs need {rows}")
+    check_devices(("a", "weights"), (a, weights))
+    out = torch.empty((layout.num_pairs, n_out), dtype=a.dtype, device=a.device)
+    if layout.num_pairs == 0:
+        return out
+    if routing_weights is not None and (routing_weights.dtype != torch.float32
+                                        or routing_weights.numel() != layout.num_pairs):
+        raise KernelInputError("routing_weights must be float32, one per pair")
+    block_n = 64 if layout.num_pairs > PER_PAIR_MAX else 32
+    block_k = 64 if k_in >= 64 else max(16, triton.next_power_of_2(k_in))
+    grid = (layout.sorted_pairs.numel() // layout.block_m, triton.cdiv(n_out, block_n))
+    _moe_gemm_kernel[grid](
+        a, weights, out, layout.sorted_pairs, layout.tile_expert, layout.rows_used,
+        routing_weights if routing_weights is not None else out,
+        layout.num_pairs, n_out, k_in, top_k,
+        a.stride(0), weights.stride(0), weights.stride(1), out.stride(0),
+        GATHER_TOKENS=gather_tokens, MUL_WEIGHT=routing_weights is not None,
+        DOT_PRECISION=dot_precision(a.dtype), UPCAST_DOT=upcast_dots(a.dtype),
+        BLOCK_M=layout.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=4, num_stages=3 if layout.num_pairs > PER_PAIR_MAX else 4)
+    return out

@@ -1,0 +1,91 @@
+"""A mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks `num_experts_per_tok` of
+`num_experts` SiLU-gated MLPs per token and sums their outputs weighted by the router's
+softmax (renormalised over the picked experts when `norm_topk_prob`).
+
+The experts' weights are stacked, `experts.gate_up_proj` [E, 2I, H] (each expert's gate rows,
+then its up rows) and `experts.down_proj` [E, H, I], the layout `transformers` keeps them in.
+On the GPU path two grouped GEMMs run every (token, expert) pair at once
+(`engine/kernels/fused_moe.py`, CUDA-graph safe); the torch path loops over the experts a step
+picked, which is the reference the kernels are checked against.
+
+Tensor parallelism splits every expert's intermediate columns like a dense MLP's (gate/up
+column-parallel, down row-parallel, one all-reduce); the router is replicated, and every rank
+routes the same tokens to the same experts.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.model.layers import Linear, silu_and_mul
+from engine.parallel.group import all_reduce_
+from engine.parallel.shard import TensorShard
+
+
+def route(logits: torch.Tensor, top_k: int, renormalise: bool
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k]) of router logits [T, E]: softmax in float32,
+    the k largest, renormalised to sum to 1 when asked (as `transformers` routes)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                  weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The reference: each picked expert's MLP over its tokens, weighted, summed per token in
+    float32. x: [T, H]; gate_up: [E, 2I, H]; down: [E, H, I]; weights, ids: [T, k]."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for expert in torch.unique(ids).tolist():  # reads ids on the host: eager only
+        token, pick = torch.nonzero(ids == expert, as_tuple=True)
+        h = nn.functional.linear(x[token], gate_up[expert])
+        y = nn.functional.linear(silu_and_mul(h), down[expert])
+        out.index_add_(0, token, y.float() * weights[token, pick, None])
+    return out.to(x.dtype)
+
+
+def experts_fused(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                  weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """`experts_torch` as two Triton grouped GEMMs around SiLU-and-mul: no host reads."""
+    from engine.kernels import silu_and_mul as fused_silu_and_mul
+    from engine.kernels.fused_moe import layout_for, moe_gemm
+    tokens, top_k = ids.shape
+    layout = layout_for(ids, gate_up.shape[0])
+    h = moe_gemm(x, gate_up, layout, top_k, gather_tokens=True)
+    y = moe_gemm(fused_silu_and_mul(h), down, layout, top_k, gather_tokens=False,
+                 routing_weights=weights.reshape(-1).contiguous())
+    return y.view(tokens, top_k, -1).sum(dim=1)
+
+
+class MoEExperts(nn.Module):
+    """The stacked experts' weights (names as `transformers` keeps them)."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + experts in place of a decoder layer's dense MLP. `cfg`: this rank's
+    architecture (with tensor parallelism, 1/n of `moe_intermediate_size`)."""
+
+    def __init__(self, cfg: ModelConfig, use_triton: bool, shard: TensorShard = TensorShard()
+                 ) -> None:
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.renormalise = cfg.norm_topk_prob
+        self.reduce = shard.is_split
+        self.use_triton = use_triton
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, False)
+        self.experts = MoEExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalise)
+        run = experts_fused if self.use_triton else experts_torch
+        out = run(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        return all_reduce_(out) if self.reduce else out

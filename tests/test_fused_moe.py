@@ -1,0 +1,142 @@
+"""Mixture-of-experts on the Triton path (CPU, TRITON_INTERPRET=1, small shapes): the pair
+layouts, the grouped GEMM against per-pair matmuls, the fused experts against the torch loop
+(`experts_torch`, which tests/test_model_vs_hf.py checks against `transformers` through the
+whole model), and a tiny Qwen3-MoE engine on the Triton backend against the torch backend."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import interpret_or_skip, interpreted_kernel_imports, run_to_end, tiny_llm
+
+from engine.model.moe import experts_fused, experts_torch, route
+from engine.sampling_params import SamplingParams
+
+with interpreted_kernel_imports():
+    from engine import kernels as K
+    from engine.kernels import fused_moe
+
+    for _name in K.__all__:  # load every kernel module now, interpreted (they load lazily)
+        getattr(K, _name)
+
+
+@pytest.fixture()
+def _interpret(monkeypatch: pytest.MonkeyPatch) -> None:
+    interpret_or_skip(monkeypatch, fused_moe._moe_gemm_kernel)
+
+
+def _ids(tokens: int, top_k: int, experts: int, seed: int) -> torch.Tensor:
+    """Distinct experts per token, as top-k picks them; skewed so some experts get none."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(tokens, experts, generator=gen) * torch.linspace(1, 3, experts)
+    return scores.topk(top_k, dim=-1).indices
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("tokens", [1, 7, 50])
+def test_align_pairs_groups_every_pair_once_by_expert(tokens: int, block_m: int) -> None:
+    experts, top_k = 8, 3
+    ids = _ids(tokens, top_k, experts, seed=tokens)
+    layout = fused_moe.align_pairs(ids, experts, block_m)
+    n = ids.numel()
+    rows = layout.sorted_pairs.tolist()
+    used = int(layout.rows_used.item())
+    assert used % block_m == 0 and used <= len(rows)
+    assert sorted(p for p in rows if p < n) == list(range(n))  # each pair exactly once
+    assert all(p == n for p in rows[used:])  # nothing past the used rows
+    flat = ids.reshape(-1).tolist()
+    for tile in range(used // block_m):
+        expert = int(layout.tile_expert[tile])
+        pairs = [p for p in rows[tile * block_m:(tile + 1) * block_m] if p < n]
+        assert pairs, f"tile {tile} carries no pair"
+        assert all(flat[p] == expert for p in pairs)
+    counts = torch.bincount(ids.reshape(-1), minlength=experts)
+    assert used == int(((counts + block_m - 1) // block_m * block_m).sum())
+
+
+def _dense_reference(a: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, gather: bool,
+                     routing: torch.Tensor | None) -> torch.Tensor:
+    top_k = ids.shape[1]
+    flat = ids.reshape(-1)
+    rows = [a[p // top_k] if gather else a[p] for p in range(flat.numel())]
+    out = torch.stack([w[int(flat[p])].float() @ rows[p].float() for p in range(len(rows))])
+    if routing is not None:
+        out = out * routing[:, None]
+    return out
+
+
+@pytest.mark.usefixtures("_interpret")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tokens", [2, 40], ids=["per_pair", "sorted"])
+def test_moe_gemm_matches_per_pair_matmuls(tokens: int, dtype: torch.dtype) -> None:
+    experts, top_k, k_in, n_out = 6, 2, 48, 40  # K and N not multiples of the tiles
+    gen = torch.Generator().manual_seed(1)
+    ids = _ids(tokens, top_k, experts, seed=2)
+    x = torch.randn(tokens, k_in, generator=gen).to(dtype)
+    w = torch.randn(experts, n_out, k_in, generator=gen).to(dtype)
+    layout = fused_moe.layout_for(ids, experts)
+    assert (layout.block_m == 16 and layout.sorted_pairs.numel() == ids.numel() * 16) == (
+        tokens == 2)
+    got = fused_moe.moe_gemm(x, w, layout, top_k, gather_tokens=True)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), _dense_reference(x, w, ids, True, None),
+                               atol=tol * k_in ** 0.5, rtol=tol)
+    routing = torch.rand(ids.numel(), generator=gen)
+    per_pair = torch.randn(ids.numel(), k_in, generator=gen).to(dtype)
+    got = fused_moe.moe_gemm(per_pair, w, layout, top_k, gather_tokens=False,
+                             routing_weights=routing)
+    torch.testing.assert_close(got.float(), _dense_reference(per_pair, w, ids, False, routing),
+                               atol=tol * k_in ** 0.5, rtol=tol)
+
+
+@pytest.mark.usefixtures("_interpret")
+def test_moe_gemm_refuses_bad_inputs() -> None:
+    ids = _ids(3, 2, 4, seed=0)
+    layout = fused_moe.layout_for(ids, 4)
+    w = torch.randn(4, 16, 32)
+    with pytest.raises(K.KernelInputError, match="columns"):
+        fused_moe.moe_gemm(torch.randn(3, 16), w, layout, 2, gather_tokens=True)
+    with pytest.raises(K.KernelInputError, match="rows"):
+        fused_moe.moe_gemm(torch.randn(5, 32), w, layout, 2, gather_tokens=True)
+    with pytest.raises(K.KernelInputError, match="float32, one per pair"):
+        fused_moe.moe_gemm(torch.randn(6, 32), w, layout, 2, gather_tokens=False,
+                           routing_weights=torch.ones(5))
+
+
+@pytest.mark.usefixtures("_interpret")
+@pytest.mark.parametrize("tokens", [1, 5, 45])
+def test_fused_experts_match_the_torch_loop(tokens: int) -> None:
+    experts, top_k, hidden, inter = 8, 2, 32, 16
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=gen)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.2
+    down = torch.randn(experts, hidden, inter, generator=gen) * 0.2
+    router = torch.randn(experts, hidden, generator=gen)
+    weights, ids = route(x @ router.T, top_k, renormalise=True)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(tokens))
+    want = experts_torch(x, gate_up, down, weights, ids)
+    got = experts_fused(x, gate_up, down, weights, ids)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("_interpret")
+def test_moe_engine_triton_path_matches_torch_path(tiny_model_dirs: dict[str, Path]) -> None:
+    """A chunked prompt, a short one decoding beside it, a prefix hit: same logits."""
+    prompts = {"a": [5, 17, 99, 3, 250, 7, 42, 8, 300], "b": [9, 8, 7],
+               "again": [5, 17, 99, 3, 250, 7, 42, 8, 11, 12]}
+    traces = {}
+    for backend in ("torch", "triton"):
+        llm = tiny_llm(tiny_model_dirs["qwen3moe"], attention_backend=backend,
+                       max_num_batched_tokens=6, max_model_len=32)
+        for rid, prompt in prompts.items():
+            llm.engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=3,
+                                                               ignore_eos=True))
+        traces[backend] = run_to_end(llm.engine)
+    for rid in prompts:
+        got, want = traces["triton"][rid], traces["torch"][rid]
+        start = min(got.logits)
+        assert start == min(want.logits)
+        torch.testing.assert_close(got.logits_matrix(start), want.logits_matrix(start),
+                                   atol=1e-4, rtol=1e-4, msg=rid)
