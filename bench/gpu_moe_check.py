@@ -10,7 +10,11 @@ CUDA graph once per token count and replayed on new inputs (its result must equa
 call's bit for bit). Reported per row: ms, the bytes of the experts' weights the step touches
 (every expert some token picked) over the time (GB/s), and the experts' TFLOP/s.
 
-Usage: PYTHONPATH=. python3 bench/gpu_moe_check.py --out $OUT/moe_check.json
+`--sweep`: instead, each GEMM of the layer (gate/up: the tokens' rows gathered, N = 2I, K = H;
+down: the pairs' rows, N = H, K = I) alone, over row tiles and tile shapes, the fastest first
+(what `engine/kernels/fused_moe.py`'s `layout_for` / `tile_for` table is chosen from).
+
+Usage: PYTHONPATH=. python3 bench/gpu_moe_check.py --out $OUT/moe_check.json [--sweep]
 """
 
 from __future__ import annotations
@@ -19,11 +23,13 @@ import argparse
 import json
 import os
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from engine.kernels.fused_moe import MoETile, align_pairs, layout_for, moe_gemm, tile_for
 from engine.model.moe import experts_fused, experts_torch, route
 
 SHAPES = {  # name: (experts, top_k, hidden, intermediate)
@@ -93,17 +99,81 @@ def check_shape(name: str, tokens: int, iters: int) -> dict[str, Any]:
     return row
 
 
+SWEEP_TILES = [MoETile(32, 64, 4, 4), MoETile(64, 64, 4, 4), MoETile(128, 64, 4, 4),
+               MoETile(64, 128, 4, 3), MoETile(128, 64, 8, 3), MoETile(128, 128, 8, 3),
+               MoETile(256, 64, 8, 3)]
+
+
+def sweep_shape(name: str, tokens: int, iters: int) -> list[dict[str, Any]]:
+    """Every (row tile, tile) for both GEMMs of one layer at `tokens`, fastest first per GEMM;
+    the default choice's time beside it."""
+    experts, top_k, hidden, inter = SHAPES[name]
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=gen, device=dev) * 0.02).to(bf16)
+    down = (torch.randn(experts, hidden, inter, generator=gen, device=dev) * 0.02).to(bf16)
+    x = torch.randn(tokens, hidden, generator=gen, device=dev).to(bf16)
+    ids = torch.rand(tokens, experts, generator=gen, device=dev).topk(top_k, dim=-1).indices
+    act = torch.randn(tokens * top_k, inter, generator=gen, device=dev).to(bf16)
+    routing = torch.rand(tokens * top_k, generator=gen, device=dev)
+    gemms: dict[str, tuple[torch.Tensor, torch.Tensor, bool, torch.Tensor | None]] = {
+        "gate_up": (x, gate_up, True, None), "down": (act, down, False, routing)}
+    layouts = [layout_for(ids, experts)] + [align_pairs(ids, experts, bm)
+                                            for bm in (16, 32, 64, 128)]
+    rows = []
+    default = layouts[0]
+    for gemm, (a, w, gather, rw) in gemms.items():
+        default_ms = _time(partial(moe_gemm, a, w, default, top_k, gather, rw), iters)
+        found: list[dict[str, Any]] = []
+        for layout in layouts[1:] + ([default] if default.per_pair else []):
+            for tile in SWEEP_TILES:
+                try:
+                    ms = _time(partial(moe_gemm, a, w, layout, top_k, gather, rw, tile=tile),
+                               iters)
+                except Exception as e:  # a tile that does not fit shared memory
+                    found.append({"block_m": layout.block_m, "per_pair": layout.per_pair,
+                                  "tile": [tile.block_n, tile.block_k, tile.num_warps,
+                                           tile.num_stages], "error": str(e)[:200]})
+                    continue
+                found.append({"block_m": layout.block_m, "per_pair": layout.per_pair,
+                              "block_n": tile.block_n, "block_k": tile.block_k,
+                              "num_warps": tile.num_warps, "num_stages": tile.num_stages,
+                              "ms": ms})
+        timed = sorted((f for f in found if "ms" in f), key=lambda f: f["ms"])
+        n_out, k_in = w.shape[1], w.shape[2]
+        chosen = tile_for(default, n_out, k_in)
+        rows.append({"shape": name, "tokens": tokens, "gemm": gemm,
+                     "default": {"block_m": default.block_m, "per_pair": default.per_pair,
+                                 "block_n": chosen.block_n, "block_k": chosen.block_k,
+                                 "num_warps": chosen.num_warps,
+                                 "num_stages": chosen.num_stages, "ms": default_ms},
+                     "best": timed[:5], "errors": [f for f in found if "error" in f][:3]})
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", required=True)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--tokens", default="1,4,16,64,256,1024,4096")
     p.add_argument("--max-rel-err", type=float, default=2e-2)
+    p.add_argument("--sweep", action="store_true")
     args = p.parse_args()
     doc: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0),
                            "commit": os.environ.get("SPLITSERVE_COMMIT", ""),
                            "torch": torch.__version__, "rows": []}
     failed = 0
+    if args.sweep:
+        doc["sweep"] = []
+        for name in SHAPES:
+            for tokens in (int(t) for t in args.tokens.split(",")):
+                for row in sweep_shape(name, tokens, args.iters):
+                    doc["sweep"].append(row)
+                    print(json.dumps({k: row[k] for k in ("shape", "tokens", "gemm",
+                                                          "default")}),
+                          json.dumps(row["best"][:2]), flush=True)
+                Path(args.out).write_text(json.dumps(doc, indent=1))
+        return 0
     for name in SHAPES:
         for tokens in (int(t) for t in args.tokens.split(",")):
             try:

@@ -6,9 +6,10 @@ and pads each expert's run to a multiple of the row tile (BLOCK_M), so every row
 one expert; `moe_gemm` then runs an ordinary tiled GEMM per row tile against that expert's
 weight, its A rows gathered by pair and its C rows scattered back to pair order. Two such
 GEMMs with SiLU-and-mul between them, and a sum over each token's k rows, make the layer
-(`engine/model/moe.py`). Few pairs (batch-1 and small decode batches) skip the sort: each pair
-is its own row tile (`per_pair_layout`), every tile then has one live row, and the kernel is a
-GEMV reading each picked expert's weights once per pair.
+(`engine/model/moe.py`). No more pairs than experts (batch-1 and small decode batches) skip the
+sort: each pair is its own row tile (`per_pair_layout`), every tile then has one live row, and
+the kernel is a GEMV reading each picked expert's weights once per pair (about once each, as few
+pairs share an expert).
 
 Nothing here reads tensor data on the host: the sort, the padding and the tile-to-expert map
 are device ops of fixed shapes (sized for the worst case, N + E·(BLOCK_M − 1) rows), and tiles
@@ -41,6 +42,7 @@ class PairLayout:
     rows_used: torch.Tensor     # [1] int32
     block_m: int
     num_pairs: int
+    per_pair: bool = False
 
 
 def per_pair_layout(topk_ids: torch.Tensor) -> PairLayout:
@@ -52,7 +54,8 @@ def per_pair_layout(topk_ids: torch.Tensor) -> PairLayout:
     rows = torch.full((n, block_m), n, dtype=torch.int32, device=topk_ids.device)
     rows[:, 0] = torch.arange(n, dtype=torch.int32, device=topk_ids.device)
     used = torch.full((1,), n * block_m, dtype=torch.int32, device=topk_ids.device)
-    return PairLayout(rows.view(-1), topk_ids.reshape(-1).to(torch.int32), used, block_m, n)
+    return PairLayout(rows.view(-1), topk_ids.reshape(-1).to(torch.int32), used, block_m, n,
+                      per_pair=True)
 
 
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> PairLayout:
@@ -81,15 +84,40 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> PairL
     return PairLayout(sorted_pairs, tile_expert, used, block_m, n)
 
 
-def layout_for(topk_ids: torch.Tensor, num_experts: int) -> PairLayout:
-    """The layout `moe_gemm` runs a step's pairs in: one pair per tile for few pairs, else
-    sorted with a row tile that grows with the pairs per expert."""
+@dataclass(frozen=True, slots=True)
+class MoETile:
+    """A grouped GEMM's tiles and launch shape (BLOCK_M is the layout's)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def layout_for(topk_ids: torch.Tensor, num_experts: int, block_m: int | None = None
+               ) -> PairLayout:
+    """The layout `moe_gemm` runs a step's pairs in: one pair per tile while there are no more
+    pairs than experts (each expert's weights then read about once), else sorted by expert with
+    a row tile that grows with the pairs per expert (`block_m` forces one: sweeps)."""
     n = topk_ids.numel()
-    if n <= PER_PAIR_MAX:
+    if block_m is None and n <= min(PER_PAIR_MAX, num_experts):
         return per_pair_layout(topk_ids)
-    per_expert = n / num_experts
-    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+    if block_m is None:
+        per_expert = n / num_experts
+        block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64 \
+            if per_expert <= 256 else 128
     return align_pairs(topk_ids, num_experts, block_m)
+
+
+def tile_for(layout: PairLayout, n_out: int, k_in: int) -> MoETile:
+    """Tiles for a layout's row tile and a GEMM's [n_out, k_in] experts: narrow for the
+    GEMV-like few-row tiles (more programs to stream the weights), Hopper's usual 128-wide
+    tiles once each tile is a real GEMM."""
+    if layout.block_m <= 16:
+        return MoETile(32 if layout.per_pair else 64, 64, 4, 4)
+    if layout.block_m <= 64:
+        return MoETile(64 if layout.block_m == 32 else 128, 64, 4, 4)
+    return MoETile(128, 64, 8, 3)
 
 
 @triton.jit
@@ -150,7 +178,8 @@ def _moe_gemm_kernel(
 
 
 def moe_gemm(a: torch.Tensor, weights: torch.Tensor, layout: PairLayout, top_k: int,
-             gather_tokens: bool, routing_weights: torch.Tensor | None = None) -> torch.Tensor:
+             gather_tokens: bool, routing_weights: torch.Tensor | None = None,
+             tile: MoETile | None = None) -> torch.Tensor:
     """C [pairs, N]: row p = a[row of p] @ weights[expert of p].T, times routing_weights[p] when
     given. a: [T, K] token rows (`gather_tokens`: pair p reads row p // top_k) or [pairs, K];
     weights: [E, N, K] (each expert's `nn.Linear` weight); routing_weights: [pairs] float32."""
@@ -174,9 +203,9 @@ def moe_gemm(a: torch.Tensor, weights: torch.Tensor, layout: PairLayout, top_k: 
     if routing_weights is not None and (routing_weights.dtype != torch.float32
                                         or routing_weights.numel() != layout.num_pairs):
         raise KernelInputError("routing_weights must be float32, one per pair")
-    block_n = 64 if layout.num_pairs > PER_PAIR_MAX else 32
-    block_k = 64 if k_in >= 64 else max(16, triton.next_power_of_2(k_in))
-    grid = (layout.sorted_pairs.numel() // layout.block_m, triton.cdiv(n_out, block_n))
+    tile = tile or tile_for(layout, n_out, k_in)
+    block_k = min(tile.block_k, max(16, triton.next_power_of_2(k_in)))
+    grid = (layout.sorted_pairs.numel() // layout.block_m, triton.cdiv(n_out, tile.block_n))
     _moe_gemm_kernel[grid](
         a, weights, out, layout.sorted_pairs, layout.tile_expert, layout.rows_used,
         routing_weights if routing_weights is not None else out,
@@ -184,6 +213,6 @@ def moe_gemm(a: torch.Tensor, weights: torch.Tensor, layout: PairLayout, top_k: 
         a.stride(0), weights.stride(0), weights.stride(1), out.stride(0),
         GATHER_TOKENS=gather_tokens, MUL_WEIGHT=routing_weights is not None,
         DOT_PRECISION=dot_precision(a.dtype), UPCAST_DOT=upcast_dots(a.dtype),
-        BLOCK_M=layout.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=4, num_stages=3 if layout.num_pairs > PER_PAIR_MAX else 4)
+        BLOCK_M=layout.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
     return out

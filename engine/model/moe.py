@@ -15,6 +15,8 @@ routes the same tokens to the same experts.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -22,6 +24,9 @@ from engine.config import ModelConfig
 from engine.model.layers import Linear, silu_and_mul
 from engine.parallel.group import all_reduce_
 from engine.parallel.shard import TensorShard
+
+if TYPE_CHECKING:  # the kernels import Triton: only on the fast path
+    from engine.kernels.fused_moe import MoETile, PairLayout
 
 
 def route(logits: torch.Tensor, top_k: int, renormalise: bool
@@ -49,15 +54,19 @@ def experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
 
 
 def experts_fused(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                  weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """`experts_torch` as two Triton grouped GEMMs around SiLU-and-mul: no host reads."""
+                  weights: torch.Tensor, ids: torch.Tensor,
+                  layout: PairLayout | None = None,
+                  tiles: tuple[MoETile, MoETile] | None = None) -> torch.Tensor:
+    """`experts_torch` as two Triton grouped GEMMs around SiLU-and-mul: no host reads.
+    `layout` and `tiles` (gate/up's, down's) override the kernels' own choice (sweeps)."""
     from engine.kernels import silu_and_mul as fused_silu_and_mul
     from engine.kernels.fused_moe import layout_for, moe_gemm
     tokens, top_k = ids.shape
-    layout = layout_for(ids, gate_up.shape[0])
-    h = moe_gemm(x, gate_up, layout, top_k, gather_tokens=True)
+    layout = layout or layout_for(ids, gate_up.shape[0])
+    first, second = tiles or (None, None)
+    h = moe_gemm(x, gate_up, layout, top_k, gather_tokens=True, tile=first)
     y = moe_gemm(fused_silu_and_mul(h), down, layout, top_k, gather_tokens=False,
-                 routing_weights=weights.reshape(-1).contiguous())
+                 routing_weights=weights.reshape(-1).contiguous(), tile=second)
     return y.view(tokens, top_k, -1).sum(dim=1)
 
 
