@@ -140,3 +140,17 @@ def test_moe_engine_triton_path_matches_torch_path(tiny_model_dirs: dict[str, Pa
         assert start == min(want.logits)
         torch.testing.assert_close(got.logits_matrix(start), want.logits_matrix(start),
                                    atol=1e-4, rtol=1e-4, msg=rid)
+
+
+@pytest.mark.usefixtures("_interpret")
+@pytest.mark.parametrize(("experts", "top_k", "renormalise"),
+                         [(8, 2, True), (60, 4, False), (128, 8, True), (5, 5, True)])
+def test_route_kernel_matches_torch_routing(experts: int, top_k: int, renormalise: bool) -> None:
+    gen = torch.Generator().manual_seed(experts)
+    logits = torch.randn(9, experts, generator=gen) * 3
+    want_w, want_ids = route(logits, top_k, renormalise)
+    got_w, got_ids = fused_moe.route_topk(logits, top_k, renormalise)
+    assert got_ids.tolist() == want_ids.tolist()  # largest first, as torch.topk orders them
+    torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=1e-5)
+    with pytest.raises(K.KernelInputError, match="top_k"):
+        fused_moe.route_topk(logits, experts + 1, renormalise)

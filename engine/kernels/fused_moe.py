@@ -26,9 +26,12 @@ import triton.language as tl
 
 from engine.kernels._attention_tile import dot_precision, upcast_dots
 from engine.kernels._checks import FLOAT_DTYPES, KernelInputError, check_devices, check_tensor
+from engine.kernels._tl import reduce_max, reduce_min, reduce_sum
 
-# At most this many pairs run one pair per row tile (no sort); more are sorted by expert.
-PER_PAIR_MAX = 64
+# At most this many pairs (and no more than experts) run one pair per row tile, unsorted;
+# more are sorted by expert (bench/gpu_moe_check.py --sweep, H200: sorted tiles win from ~64
+# pairs, where pairs start to share experts).
+PER_PAIR_MAX = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +41,7 @@ class PairLayout:
     (padding included); BLOCK_M rows per tile."""
 
     sorted_pairs: torch.Tensor  # [R] int32
-    tile_expert: torch.Tensor   # [R / BLOCK_M] int32
+    tile_expert: torch.Tensor   # [R / BLOCK_M] int32 or int64
     rows_used: torch.Tensor     # [1] int32
     block_m: int
     num_pairs: int
@@ -46,16 +49,33 @@ class PairLayout:
 
 
 def per_pair_layout(topk_ids: torch.Tensor) -> PairLayout:
-    """One row tile per pair, 16 rows of which the first is the pair: no sort. For few pairs,
-    where a sorted layout's padding and its sort's launches cost more than reading an expert's
-    weights once per pair that picked it."""
+    """One row tile per pair, 16 rows of which the first is the pair: no sort, and no kernel —
+    the rows depend only on the pair count (cached per count and device) and the tiles' experts
+    are the picks themselves. For few pairs, where a sorted layout's launches cost more than
+    reading an expert's weights once per pair that picked it."""
     n = topk_ids.numel()
-    block_m = 16
-    rows = torch.full((n, block_m), n, dtype=torch.int32, device=topk_ids.device)
-    rows[:, 0] = torch.arange(n, dtype=torch.int32, device=topk_ids.device)
-    used = torch.full((1,), n * block_m, dtype=torch.int32, device=topk_ids.device)
-    return PairLayout(rows.view(-1), topk_ids.reshape(-1).to(torch.int32), used, block_m, n,
-                      per_pair=True)
+    rows, used = _per_pair_rows(n, topk_ids.device)
+    return PairLayout(rows, topk_ids.reshape(-1), used, _PER_PAIR_BLOCK_M, n, per_pair=True)
+
+
+_PER_PAIR_BLOCK_M = 16
+_PER_PAIR_ROWS: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _per_pair_rows(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_pairs, rows_used) of `n` pairs one per tile. Cached outside CUDA-graph capture
+    only: a tensor made during capture belongs to that graph's memory pool."""
+    key = (n, device)
+    cached = _PER_PAIR_ROWS.get(key)
+    if cached is not None:
+        return cached
+    rows = torch.full((n, _PER_PAIR_BLOCK_M), n, dtype=torch.int32, device=device)
+    rows[:, 0] = torch.arange(n, dtype=torch.int32, device=device)
+    used = torch.full((1,), n * _PER_PAIR_BLOCK_M, dtype=torch.int32, device=device)
+    made = (rows.view(-1), used)
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        _PER_PAIR_ROWS[key] = made
+    return made
 
 
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> PairLayout:
@@ -105,19 +125,21 @@ def layout_for(topk_ids: torch.Tensor, num_experts: int, block_m: int | None = N
     if block_m is None:
         per_expert = n / num_experts
         block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64 \
-            if per_expert <= 256 else 128
+            if per_expert < 128 else 128
     return align_pairs(topk_ids, num_experts, block_m)
 
 
 def tile_for(layout: PairLayout, n_out: int, k_in: int) -> MoETile:
-    """Tiles for a layout's row tile and a GEMM's [n_out, k_in] experts: narrow for the
-    GEMV-like few-row tiles (more programs to stream the weights), Hopper's usual 128-wide
-    tiles once each tile is a real GEMM."""
-    if layout.block_m <= 16:
-        return MoETile(32 if layout.per_pair else 64, 64, 4, 4)
+    """Tiles for a layout's row tile and a GEMM's [n_out, k_in] experts, from the H200 sweep
+    (bench/results/h200/moe_*/moe_sweep.json: Qwen3-30B-A3B's and Mixtral-8x7B's layers, 1 to
+    8,192 tokens): deep K tiles for the few-row tiles that stream weights, 256-wide N tiles for
+    the large row tiles of prefill."""
+    del n_out, k_in  # the sweep found one table good for both GEMMs of both shapes
+    if layout.block_m <= 32:
+        return MoETile(64, 128, 4, 3)
     if layout.block_m <= 64:
-        return MoETile(64 if layout.block_m == 32 else 128, 64, 4, 4)
-    return MoETile(128, 64, 8, 3)
+        return MoETile(128, 64, 8, 3)
+    return MoETile(256, 64, 8, 3)
 
 
 @triton.jit
@@ -216,3 +238,60 @@ def moe_gemm(a: torch.Tensor, weights: torch.Tensor, layout: PairLayout, top_k: 
         BLOCK_M=layout.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,
         num_warps=tile.num_warps, num_stages=tile.num_stages)
     return out
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr,  # [T, E]
+    weights_ptr,  # [T, TOP_K] float32
+    ids_ptr,  # [T, TOP_K] int64
+    num_experts,
+    stride_l,
+    TOP_K: tl.constexpr,
+    RENORMALISE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    valid = offs < num_experts
+    x = tl.load(logits_ptr + row * stride_l + offs, mask=valid, other=float("-inf"))
+    x = x.to(tl.float32)
+    top = reduce_max(x, 0)
+    denom = reduce_sum(tl.where(valid, tl.exp(x - top), 0.0), 0)
+    slots = tl.arange(0, BLOCK_K)
+    picked_w = tl.full([BLOCK_K], 0.0, tl.float32)
+    picked_id = tl.full([BLOCK_K], 0, tl.int64)
+    rest = x
+    for j in tl.static_range(TOP_K):  # k rounds of argmax, the lowest index among ties
+        best = reduce_max(rest, 0)
+        idx = reduce_min(tl.where(rest == best, offs, BLOCK_E), 0)
+        picked_w = tl.where(slots == j, tl.exp(best - top) / denom, picked_w)
+        picked_id = tl.where(slots == j, idx.to(tl.int64), picked_id)
+        rest = tl.where(offs == idx, float("-inf"), rest)
+    if RENORMALISE:
+        picked_w = picked_w / reduce_sum(picked_w, 0)
+    out = row * TOP_K + slots
+    tl.store(weights_ptr + out, picked_w, mask=slots < TOP_K)
+    tl.store(ids_ptr + out, picked_id, mask=slots < TOP_K)
+
+
+def route_topk(logits: torch.Tensor, top_k: int, renormalise: bool
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`engine.model.moe.route` in one kernel: (weights [T, k] float32, ids [T, k] int64) of
+    router logits [T, E] — softmax in float32, the k largest (largest first), renormalised to
+    sum to 1 when asked."""
+    logits = check_tensor("logits", logits, 2, FLOAT_DTYPES)
+    tokens, experts = logits.shape
+    if not 0 < top_k <= experts or experts > 1024:
+        raise KernelInputError(f"top_k {top_k} of {experts} experts (at most 1024)")
+    if logits.stride(1) != 1:
+        raise KernelInputError("logits must be dense in their last dimension")
+    weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
+    if tokens:
+        _route_kernel[(tokens,)](
+            logits, weights, ids, experts, logits.stride(0), TOP_K=top_k,
+            RENORMALISE=renormalise, BLOCK_E=max(16, triton.next_power_of_2(experts)),
+            BLOCK_K=max(2, triton.next_power_of_2(top_k)), num_warps=4 if experts > 256 else 1)
+    return weights, ids

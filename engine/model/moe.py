@@ -94,7 +94,11 @@ class SparseMoeBlock(nn.Module):
         self.experts = MoEExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalise)
+        if self.use_triton:
+            from engine.kernels.fused_moe import route_topk
+            weights, ids = route_topk(self.gate(x), self.top_k, self.renormalise)
+        else:
+            weights, ids = route(self.gate(x), self.top_k, self.renormalise)
         run = experts_fused if self.use_triton else experts_torch
         out = run(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
         return all_reduce_(out) if self.reduce else out
