@@ -504,8 +504,12 @@ class ParallelConfig:
 
     @property
     def layout(self) -> str:
-        """The parallel layout's name in the model fingerprint (DESIGN.md §4)."""
-        return f"tp{self.tensor_parallel_size}"
+        """The layout of the KV blocks the engine hands out, in the model fingerprint
+        (DESIGN.md §4): every KV head of a layer in the model's order, whatever the
+        tensor-parallel size — a split cache's blocks are gathered whole as they leave and
+        scattered to the ranks as they enter (engine/parallel/). So workers of different sizes
+        share KV: a prefill worker at tp 4 hands its prompts to a decode worker at tp 1."""
+        return "heads-whole"
 
     def validate(self) -> None:
         n = self.tensor_parallel_size

@@ -131,8 +131,10 @@ async def start_worker(config: EngineConfig, host: str, port: int,
         except Exception:
             logger.exception("engine failed to load")
             raise
+        # A tensor-parallel engine's cache is split over its ranks: its KV comes by the data
+        # port, shared memory or the stream, not into one cache through an IPC handle.
         loader = (GrpcKvLoader(engine, kv_metadata=kv_metadata,
-                               use_ipc="ipc" in kv_transports, use_shm="shm" in kv_transports,
+                               use_ipc="ipc" in kv_transports and engine.runner.tp is None, use_shm="shm" in kv_transports,
                                use_tcp="tcp" in kv_transports, tcp_streams=kv_tcp_streams)
                   if role == "decode" else None)
         aengine = AsyncEngine(engine, kv_loader=loader)

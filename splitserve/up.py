@@ -68,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gateway: stored Responses API responses kept at most (0: none stored)")
     p.add_argument("--responses-store-max-bytes", type=int, default=None,
                    help="gateway: bytes of stored Responses API responses kept at most")
+    for role in ("prefill", "decode"):
+        p.add_argument(f"--{role}-tensor-parallel-size", type=int, default=None,
+                       help=f"the {role} worker's tensor-parallel size, over the engine flags' "
+                            "--tensor-parallel-size (KV blocks travel whole, so the two roles "
+                            "may split differently)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--exit-after-ready", action="store_true",
                    help="stop everything once healthy (smoke test)")
@@ -207,9 +212,33 @@ def service_argv(args: argparse.Namespace, engine_args: list[str]) -> dict[str, 
     for flag in ("responses_store_max_entries", "responses_store_max_bytes"):
         if getattr(args, flag) is not None:
             gw += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
-    return {"prefill": ["--role", "prefill", "--port", str(args.prefill_port), *engine_args],
-            "decode": ["--role", "decode", "--port", str(args.decode_port), *engine_args],
+    return {"prefill": ["--role", "prefill", "--port", str(args.prefill_port),
+                        *_role_engine_args(engine_args, args.prefill_tensor_parallel_size)],
+            "decode": ["--role", "decode", "--port", str(args.decode_port),
+                       *_role_engine_args(engine_args, args.decode_tensor_parallel_size)],
             "gateway": gw}
+
+
+_TP_FLAGS = ("--tensor-parallel-size", "-tp")
+
+
+def _role_engine_args(engine_args: list[str], tp_size: int | None) -> list[str]:
+    """The engine flags with a role's own tensor-parallel size in place of the shared one."""
+    if tp_size is None:
+        return list(engine_args)
+    out: list[str] = []
+    skip = False
+    for a in engine_args:
+        if skip:
+            skip = False
+            continue
+        if a in _TP_FLAGS:
+            skip = True
+            continue
+        if any(a.startswith(f + "=") for f in _TP_FLAGS):
+            continue
+        out.append(a)
+    return [*out, "--tensor-parallel-size", str(tp_size)]
 
 
 def _flag(argv: list[str], name: str) -> str | None:

@@ -34,12 +34,17 @@ def _ids(tokens: int, top_k: int, experts: int, seed: int) -> torch.Tensor:
     return scores.topk(top_k, dim=-1).indices
 
 
+@pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "kernel"])
 @pytest.mark.parametrize("block_m", [16, 32])
 @pytest.mark.parametrize("tokens", [1, 7, 50])
-def test_align_pairs_groups_every_pair_once_by_expert(tokens: int, block_m: int) -> None:
+def test_align_pairs_groups_every_pair_once_by_expert(tokens: int, block_m: int,
+                                                      use_kernel: bool,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    if use_kernel:
+        interpret_or_skip(monkeypatch, fused_moe._align_kernel)
     experts, top_k = 8, 3
     ids = _ids(tokens, top_k, experts, seed=tokens)
-    layout = fused_moe.align_pairs(ids, experts, block_m)
+    layout = fused_moe.align_pairs(ids, experts, block_m, use_kernel=use_kernel)
     n = ids.numel()
     rows = layout.sorted_pairs.tolist()
     used = int(layout.rows_used.item())
@@ -54,6 +59,25 @@ def test_align_pairs_groups_every_pair_once_by_expert(tokens: int, block_m: int)
         assert all(flat[p] == expert for p in pairs)
     counts = torch.bincount(ids.reshape(-1), minlength=experts)
     assert used == int(((counts + block_m - 1) // block_m * block_m).sum())
+    # Stable: within an expert's rows, pairs in their own order.
+    for expert in range(experts):
+        mine = [p for p in rows if p < n and flat[p] == expert]
+        assert mine == sorted(mine)
+
+
+@pytest.mark.usefixtures("_interpret")
+@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(200, 16, 2), (33, 128, 8)])
+def test_the_sorting_kernel_lays_pairs_out_as_the_torch_ops_do(tokens: int, experts: int,
+                                                                top_k: int) -> None:
+    """Several of the kernel's 64-pair chunks, experts with no pair, 128 experts (every tile
+    row of the expert map in its 64-tile chunks)."""
+    ids = _ids(tokens, top_k, experts, seed=experts)
+    for block_m in (16, 64):
+        a = fused_moe.align_pairs(ids, experts, block_m, use_kernel=True)
+        b = fused_moe.align_pairs(ids, experts, block_m, use_kernel=False)
+        assert torch.equal(a.sorted_pairs, b.sorted_pairs)
+        assert torch.equal(a.tile_expert, b.tile_expert)
+        assert torch.equal(a.rows_used, b.rows_used)
 
 
 def _dense_reference(a: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, gather: bool,

@@ -108,6 +108,8 @@ def test_kv_blocks_leave_and_enter_whole(tiny_model_dirs: dict[str, Path]) -> No
         (_, kv_one), (ids_two, kv_two) = blocks
         assert kv_two.shape == kv_one.shape == (4, *one.engine.runner.kv_shape_per_block)
         torch.testing.assert_close(kv_two, kv_one, atol=ATOL, rtol=RTOL)
+        # Whole blocks: one fingerprint for both sizes, so their workers exchange KV.
+        assert one.engine.fingerprint == two.engine.fingerprint
         # Written into other blocks of the split cache, they read back bit for bit.
         free = [b for b in range(two.engine.runner.result.num_blocks)
                 if b not in two.engine.kv.block_ids("p")][:4]

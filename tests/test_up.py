@@ -60,15 +60,16 @@ def _spawned_children(pid: str) -> list[str]:
 
 @pytest.mark.timeout(400)
 def test_up_serves_and_stops_all_children(tmp_path: Path, smollm2: LLM) -> None:
-    """The stack with each worker's model split over three processes (tensor parallelism:
-    SmolLM2's 9 heads, 3 KV heads, 1,536 MLP columns), the prompt's KV handed from the prefill
-    worker's three ranks to the decode worker's whole: greedy tokens equal the one-process
-    engine's, and every process — the workers' ranks too — is gone after SIGTERM."""
+    """The stack with the prefill worker's model split over three processes (tensor
+    parallelism: SmolLM2's 9 heads, 3 KV heads, 1,536 MLP columns) and the decode worker's
+    whole, the prompt's KV handed from the three ranks to the one process: greedy tokens equal
+    the one-process engine's, and every process — the prefill worker's ranks too — is gone
+    after SIGTERM."""
     rest, grpc_port, prefill, decode = _free_ports(4)
     cmd = [sys.executable, "-m", "splitserve", "up", "--port", str(rest), "--grpc-port",
            str(grpc_port), "--prefill-port", str(prefill), "--decode-port", str(decode),
            "--log-dir", str(tmp_path / "logs"), "--max-model-len", "1024",
-           "--tensor-parallel-size", "3", "--cpu-threads", "1"]
+           "--prefill-tensor-parallel-size", "3", "--cpu-threads", "1"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     marker = f"--port {prefill}"  # unique to this test's prefill worker
@@ -90,6 +91,9 @@ def test_up_serves_and_stops_all_children(tmp_path: Path, smollm2: LLM) -> None:
         assert workers, "the prefill worker should be running"
         ranks = [c for pid in workers for c in _spawned_children(pid)]
         assert len(ranks) == 2, f"the prefill worker's ranks 1 and 2: {ranks}"
+        decode_workers = _alive(f"--port {decode}")
+        assert decode_workers and not [c for pid in decode_workers
+                                       for c in _spawned_children(pid)], "decode: one process"
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)  # the repeat must not abort the orderly stop
@@ -169,3 +173,21 @@ def test_kv_data_port_flag_takes_a_port_or_off() -> None:
     for bad in ("-1", "70000", "fast"):
         with pytest.raises(SystemExit):
             parse(["--role", "prefill", "--kv-data-port", bad])
+
+
+@pytest.mark.parametrize(("argv", "prefill_tp", "decode_tp"), [
+    ([], None, None),
+    (["-tp", "2"], "2", "2"),
+    (["--tensor-parallel-size=2", "--decode-tensor-parallel-size", "1"], "2", "1"),
+    (["--prefill-tensor-parallel-size", "4", "--tensor-parallel-size", "2"], "4", "2"),
+])
+def test_each_role_may_split_its_model_differently(argv: list[str], prefill_tp: str | None,
+                                                   decode_tp: str | None) -> None:
+    from serving.worker_main import build_serve_parser
+    from splitserve.up import build_parser, service_argv
+
+    args, engine_args = build_parser().parse_known_args(argv)
+    services = service_argv(args, engine_args)
+    for role, want in (("prefill", prefill_tp), ("decode", decode_tp)):
+        parsed = build_serve_parser().parse_args(services[role])
+        assert parsed.tensor_parallel_size == int(want or 1), (role, services[role])

@@ -57,6 +57,12 @@ def reduce_sum(x, axis: tl.constexpr):
 
 
 @triton.jit
+def cumsum(x, axis: tl.constexpr):
+    """Inclusive prefix sum along `axis` (like `tl.cumsum`)."""
+    return tl.associative_scan(x, axis, _SUM)
+
+
+@triton.jit
 def ceil_div(a, b):
     """Integer ceil(a / b) for positive b (like `tl.cdiv`)."""
     return (a + b - 1) // b

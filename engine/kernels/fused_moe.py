@@ -26,12 +26,16 @@ import triton.language as tl
 
 from engine.kernels._attention_tile import dot_precision, upcast_dots
 from engine.kernels._checks import FLOAT_DTYPES, KernelInputError, check_devices, check_tensor
-from engine.kernels._tl import reduce_max, reduce_min, reduce_sum
+from engine.kernels._tl import cumsum, reduce_max, reduce_min, reduce_sum
 
 # At most this many pairs (and no more than experts) run one pair per row tile, unsorted;
-# more are sorted by expert (bench/gpu_moe_check.py --sweep, H200: sorted tiles win from ~64
-# pairs, where pairs start to share experts).
-PER_PAIR_MAX = 16
+# more are sorted by expert. In a decode graph on the H200 one-pair tiles took Qwen3-30B-A3B's
+# layer at 4 tokens (32 pairs) in 0.095 ms where sorting them took 0.135 (moe_check at
+# d293832 vs ca776e8), and batch 8 (64 pairs) decoded in 10.2 ms vs 10.7.
+PER_PAIR_MAX = 64
+# Up to this many pairs one program sorts them (`_align_kernel`: one launch where the torch
+# ops take ~25); more (long prefills) sort with torch ops, a small share of such a step.
+ALIGN_KERNEL_MAX = 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,11 +82,21 @@ def _per_pair_rows(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Te
     return made
 
 
-def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> PairLayout:
-    """Pairs sorted by expert, each expert's run padded to a multiple of `block_m` rows.
-    topk_ids: [T, k] expert of each pair (pair p = token p // k, pick p % k)."""
-    flat = topk_ids.reshape(-1).to(torch.int64)
+def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                use_kernel: bool | None = None) -> PairLayout:
+    """Pairs sorted by expert (stably: a pair's rank among its expert's follows pair order),
+    each expert's run padded to a multiple of `block_m` rows. topk_ids: [T, k] expert of each
+    pair (pair p = token p // k, pick p % k). `use_kernel`: sort in one Triton program (the
+    default up to ALIGN_KERNEL_MAX pairs) or with torch ops."""
+    flat = topk_ids.reshape(-1)
     n = flat.numel()
+    capacity = n + num_experts * (block_m - 1)
+    capacity = -(-capacity // block_m) * block_m
+    if use_kernel is None:
+        use_kernel = n <= ALIGN_KERNEL_MAX
+    if use_kernel:
+        return _align_with_kernel(flat, num_experts, block_m, capacity)
+    flat = flat.to(torch.int64)
     dev = flat.device
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
@@ -93,8 +107,6 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> PairL
     order = torch.argsort(flat, stable=True)
     expert_of = flat[order]
     dest = padded_start[expert_of] + torch.arange(n, device=dev) - first[expert_of]
-    capacity = n + num_experts * (block_m - 1)
-    capacity = -(-capacity // block_m) * block_m
     sorted_pairs = torch.full((capacity,), n, dtype=torch.int32, device=dev)
     sorted_pairs.scatter_(0, dest, order.to(torch.int32))
     tile_start = torch.arange(0, capacity, block_m, device=dev)
@@ -102,6 +114,77 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> PairL
     tile_expert = tile_expert.clamp_(max=num_experts - 1).to(torch.int32)
     used = padded_end[-1:].to(torch.int32)
     return PairLayout(sorted_pairs, tile_expert, used, block_m, n)
+
+
+def _align_with_kernel(flat: torch.Tensor, num_experts: int, block_m: int, capacity: int
+                       ) -> PairLayout:
+    if num_experts > 1024:
+        raise KernelInputError(f"{num_experts} experts: the sorting kernel takes at most 1024")
+    dev = flat.device
+    sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=dev)
+    tile_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=dev)
+    used = torch.empty(1, dtype=torch.int32, device=dev)
+    n = flat.numel()
+    block_e = triton.next_power_of_2(num_experts + 1)  # bin num_experts: masked-off lanes
+    chunk = 64 if block_e <= 256 else 16
+    _align_kernel[(1,)](flat, sorted_pairs, tile_expert, used, n, num_experts, capacity,
+                        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, num_warps=4)
+    return PairLayout(sorted_pairs, tile_expert, used, block_m, n)
+
+
+@triton.jit
+def _align_kernel(
+    ids_ptr,  # [N] expert of each pair (any integer type)
+    sorted_pairs_ptr,  # [capacity] int32 out
+    tile_expert_ptr,  # [capacity / BLOCK_M] int32 out
+    rows_used_ptr,  # [1] int32 out
+    num_pairs,
+    num_experts,
+    capacity,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """`align_pairs` in one program: count each expert's pairs, pad, lay the tiles out, then
+    place every pair at its expert's start plus its rank among that expert's earlier pairs
+    (counted in registers, chunk by chunk: stable, no atomics)."""
+    experts = tl.arange(0, BLOCK_E)
+    lanes = tl.arange(0, CHUNK)
+    counts = tl.full([BLOCK_E], 0, tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + lanes
+        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=num_experts).to(tl.int32)
+        counts += tl.histogram(ids, BLOCK_E)
+    counts = tl.where(experts < num_experts, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = cumsum(padded, 0)
+    starts = ends - padded
+    tl.store(rows_used_ptr, reduce_sum(padded, 0))
+    # Tile j belongs to the expert whose padded run covers row j * BLOCK_M: the number of
+    # experts whose runs end at or before it.
+    num_tiles = capacity // BLOCK_M
+    for t0 in range(0, num_tiles, CHUNK):
+        tiles = t0 + lanes
+        before = (ends[None, :] <= (tiles * BLOCK_M)[:, None]) & (experts[None, :] < num_experts)
+        owner = tl.minimum(reduce_sum(before.to(tl.int32), 1), num_experts - 1)
+        tl.store(tile_expert_ptr + tiles, owner, mask=tiles < num_tiles)
+    for r0 in range(0, capacity, CHUNK):
+        rows = r0 + lanes
+        tl.store(sorted_pairs_ptr + rows, tl.full([CHUNK], 0, tl.int32) + num_pairs,
+                 mask=rows < capacity)
+    tl.debug_barrier()  # the padding is written before any pair's row
+    cursor = starts
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + lanes
+        live = offs < num_pairs
+        ids = tl.load(ids_ptr + offs, mask=live, other=num_experts).to(tl.int32)
+        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)  # [CHUNK, BLOCK_E]
+        base = reduce_sum(onehot * cursor[None, :], 1)
+        # rank among this chunk's earlier pairs of the same expert
+        same = (ids[:, None] == ids[None, :]) & (lanes[None, :] < lanes[:, None])
+        rank = reduce_sum(same.to(tl.int32), 1)
+        tl.store(sorted_pairs_ptr + base + rank, offs, mask=live)
+        cursor += reduce_sum(onehot, 0)
 
 
 @dataclass(frozen=True, slots=True)
