@@ -14,7 +14,11 @@ call's bit for bit). Reported per row: ms, the bytes of the experts' weights the
 down: the pairs' rows, N = H, K = I) alone, over row tiles and tile shapes, the fastest first
 (what `engine/kernels/fused_moe.py`'s `layout_for` / `tile_for` table is chosen from).
 
-Usage: PYTHONPATH=. python3 bench/gpu_moe_check.py --out $OUT/moe_check.json [--sweep]
+`--align`: instead, sorting a step's pairs by expert (`align_pairs`) in one Triton program
+against the torch ops, each captured in a CUDA graph and replayed (what a decode step pays per
+MoE layer), for 128 and 8 experts and 64 to 16,384 pairs (ALIGN_KERNEL_MAX is chosen from it).
+
+Usage: PYTHONPATH=. python3 bench/gpu_moe_check.py --out $OUT/moe_check.json [--sweep | --align]
 """
 
 from __future__ import annotations
@@ -151,6 +155,27 @@ def sweep_shape(name: str, tokens: int, iters: int) -> list[dict[str, Any]]:
     return rows
 
 
+def align_rows(iters: int) -> list[dict[str, Any]]:
+    """Graph-replay ms of `align_pairs` by kernel and by torch ops."""
+    rows = []
+    for experts, top_k in ((128, 8), (8, 2)):
+        for pairs in (64, 256, 1024, 3072, 8192, 16384):
+            ids = torch.rand(pairs // top_k, experts, device="cuda").topk(top_k, dim=-1).indices
+            block_m = layout_for(ids, experts).block_m
+            row: dict[str, Any] = {"experts": experts, "pairs": pairs, "block_m": block_m}
+            for way in ("kernel", "torch"):
+                use = way == "kernel"
+                align_pairs(ids, experts, block_m, use_kernel=use)  # compile outside capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    align_pairs(ids, experts, block_m, use_kernel=use)
+                row[f"{way}_graph_ms"] = _time(graph.replay, iters)
+                del graph
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", required=True)
@@ -158,11 +183,16 @@ def main() -> int:
     p.add_argument("--tokens", default="1,4,16,64,256,1024,4096")
     p.add_argument("--max-rel-err", type=float, default=2e-2)
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--align", action="store_true")
     args = p.parse_args()
     doc: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0),
                            "commit": os.environ.get("SPLITSERVE_COMMIT", ""),
                            "torch": torch.__version__, "rows": []}
     failed = 0
+    if args.align:
+        doc["align"] = align_rows(args.iters)
+        Path(args.out).write_text(json.dumps(doc, indent=1))
+        return 0
     if args.sweep:
         doc["sweep"] = []
         for name in SHAPES:
