@@ -16,7 +16,7 @@ down: the pairs' rows, N = H, K = I) alone, over row tiles and tile shapes, the 
 
 `--align`: instead, sorting a step's pairs by expert (`align_pairs`) in one Triton program
 against the torch ops, each captured in a CUDA graph and replayed (what a decode step pays per
-MoE layer), for 128 and 8 experts and 64 to 16,384 pairs (ALIGN_KERNEL_MAX is chosen from it).
+MoE layer), for 128 and 8 experts and 64 to 16,384 pairs (ALIGN_KERNEL_WORK is chosen from it).
 
 Usage: PYTHONPATH=. python3 bench/gpu_moe_check.py --out $OUT/moe_check.json [--sweep | --align]
 """

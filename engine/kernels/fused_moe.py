@@ -33,9 +33,12 @@ from engine.kernels._tl import cumsum, reduce_max, reduce_min, reduce_sum
 # layer at 4 tokens (32 pairs) in 0.095 ms where sorting them took 0.135 (moe_check at
 # d293832 vs ca776e8), and batch 8 (64 pairs) decoded in 10.2 ms vs 10.7.
 PER_PAIR_MAX = 64
-# Up to this many pairs one program sorts them (`_align_kernel`: one launch where the torch
-# ops take ~25); more (long prefills) sort with torch ops, a small share of such a step.
-ALIGN_KERNEL_MAX = 8192
+# One program sorts a step's pairs (`_align_kernel`: one launch where the torch ops take ~25)
+# while pairs x max(expert bins, 64) stays within this; more sort with the torch ops, whose
+# time hardly grows with the pairs. In CUDA graphs on the H200 (gpu_moe_check.py --align,
+# bench/results/h200/moe_0bc3eee/): 128 experts, 1,024 pairs 0.067 vs 0.087 ms, 3,072 pairs
+# 0.164 vs 0.089; 8 experts, 3,072 pairs 0.071 vs 0.087, 8,192 pairs 0.179 vs 0.127.
+ALIGN_KERNEL_WORK = 1 << 18
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,13 +90,14 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     """Pairs sorted by expert (stably: a pair's rank among its expert's follows pair order),
     each expert's run padded to a multiple of `block_m` rows. topk_ids: [T, k] expert of each
     pair (pair p = token p // k, pick p % k). `use_kernel`: sort in one Triton program (the
-    default up to ALIGN_KERNEL_MAX pairs) or with torch ops."""
+    default for the steps where it is faster: ALIGN_KERNEL_WORK) or with torch ops."""
     flat = topk_ids.reshape(-1)
     n = flat.numel()
     capacity = n + num_experts * (block_m - 1)
     capacity = -(-capacity // block_m) * block_m
     if use_kernel is None:
-        use_kernel = n <= ALIGN_KERNEL_MAX
+        bins = triton.next_power_of_2(num_experts + 1)
+        use_kernel = num_experts <= 1024 and n * max(bins, 64) <= ALIGN_KERNEL_WORK
     if use_kernel:
         return _align_with_kernel(flat, num_experts, block_m, capacity)
     flat = flat.to(torch.int64)
