@@ -178,3 +178,26 @@ def test_route_kernel_matches_torch_routing(experts: int, top_k: int, renormalis
     torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=1e-5)
     with pytest.raises(K.KernelInputError, match="top_k"):
         fused_moe.route_topk(logits, experts + 1, renormalise)
+
+
+def test_moe_configs_are_read_and_what_is_missing_refused() -> None:
+    from engine.config import ConfigError, ModelConfig
+    from engine.llm import LLM
+    from engine.loader.presets import preset_config
+
+    qwen = ModelConfig.from_hf_dict(preset_config("qwen3-30b-a3b"))
+    assert (qwen.num_experts, qwen.num_experts_per_tok, qwen.moe_intermediate_size) == (128, 8, 768)
+    assert qwen.qk_norm and qwen.norm_topk_prob and qwen.is_sparse_layer(47)
+    assert ModelConfig.from_hf_dict(qwen.to_hf_dict()) == qwen  # what the fingerprint hashes
+    mixtral = ModelConfig.from_hf_dict(preset_config("mixtral-8x7b"))
+    assert mixtral.moe_intermediate_size == mixtral.intermediate_size == 14336
+    every = ModelConfig.from_hf_dict({**preset_config("tiny-moe"), "decoder_sparse_step": 2,
+                                      "mlp_only_layers": [1]})
+    assert [every.is_sparse_layer(i) for i in range(4)] == [False, False, False, True]
+    with pytest.raises(ConfigError, match="shared experts"):
+        ModelConfig.from_hf_dict({**preset_config("tiny-moe"),
+                                  "shared_expert_intermediate_size": 64})
+    with pytest.raises(ConfigError, match="num_experts_per_tok"):
+        ModelConfig.from_hf_dict({**preset_config("tiny-moe"), "num_experts_per_tok": 9})
+    with pytest.raises(ConfigError, match="experts of a mixture-of-experts model are not quant"):
+        LLM(model="dummy:tiny-moe", device="cpu", dtype="float32", quantization="int8")

@@ -207,3 +207,24 @@ def test_adapters_on_a_split_model(
                                        atol=ATOL, rtol=RTOL, msg=rid)
     finally:
         llm.shutdown()
+
+
+def test_adapters_on_experts_are_refused_and_attention_ones_run(
+        tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """A mixture of experts (Qwen3-MoE: layer 0 sparse, layer 1 dense): an adapter on layer 0's
+    MLP is refused by name; one on attention changes what the model generates."""
+    from engine.config import LoadConfig
+    from engine.loader import load_model_source
+    from engine.lora.adapter import ATTENTION_TARGETS, load_adapter
+
+    path = tiny_model_dirs["qwen3moe"]
+    cfg = load_model_source(LoadConfig(model=str(path))).config
+    write_adapter(tmp_path / "every", cfg, TARGETS, 4, 8, seed=3)
+    with pytest.raises(LoRAError, match="layer 0's MLP is a mixture of experts"):
+        load_adapter("every", str(tmp_path / "every"), cfg, 64)
+    write_adapter(tmp_path / "attn", cfg, ATTENTION_TARGETS, 4, 8, seed=4)
+    llm = tiny_llm(path, lora_modules={"attn": str(tmp_path / "attn")})
+    prompt = [{"prompt_token_ids": [5, 17, 99, 3]}]
+    base = llm.generate(prompt, greedy(6))[0].outputs[0].token_ids
+    tuned = llm.generate(prompt, greedy(6), lora_request="attn")[0].outputs[0].token_ids
+    assert base != tuned
