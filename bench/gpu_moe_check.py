@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from bench.probe_bs1 import median_event_ms
 from engine.kernels.fused_moe import MoETile, align_pairs, layout_for, moe_gemm, tile_for
 from engine.model.moe import experts_fused, experts_torch, route
 
@@ -44,17 +45,7 @@ SHAPES = {  # name: (experts, top_k, hidden, intermediate)
 
 def _time(fn: Callable[[], object], iters: int) -> float:
     """Median ms of `fn` over `iters` calls, each between two CUDA events."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return median_event_ms(fn, iters)
 
 
 def check_shape(name: str, tokens: int, iters: int) -> dict[str, Any]:

@@ -229,6 +229,19 @@ def run_to_end(engine: LLMEngine) -> dict[str, Trace]:
     return traces
 
 
+def traces_by_backend(path: Path, prompts: dict[str, list[int]], max_tokens: int = 3,
+                      **kwargs: Any) -> dict[str, dict[str, Trace]]:
+    """backend ("torch", "triton") -> every request's trace: `prompts` run greedily on an
+    engine of each attention backend (the Triton one under the interpreter on the CPU)."""
+    out: dict[str, dict[str, Trace]] = {}
+    for backend in ("torch", "triton"):
+        llm = tiny_llm(path, attention_backend=backend, **kwargs)
+        for rid, prompt in prompts.items():
+            llm.engine.add_request(rid, prompt, greedy(max_tokens))
+        out[backend] = run_to_end(llm.engine)
+    return out
+
+
 # Prompts of the quantized-cache accuracy tests (fp8 and int8 KV against the float32 cache).
 AGREEMENT_TEXTS = ("The capital of France is", "def fibonacci(n):",
                    "Once upon a time, there was a", "The three primary colors are",

@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import interpret_or_skip, interpreted_kernel_imports, run_to_end, tiny_llm
+from conftest import (
+    interpret_or_skip,
+    interpreted_kernel_imports,
+    run_to_end,
+    tiny_llm,
+    traces_by_backend,
+)
 from torch import nn
 
 from engine.attention.kv_quant import FP8_KV_DTYPE as FP8_DTYPE
@@ -129,14 +135,8 @@ def test_quantized_triton_path_matches_quantized_torch_path(
     against the torch path on the same fp8 model: float32 on the CPU, so the two differ only at
     rounding level and the per-token fp8 rounding almost never flips."""
     prompts = {"a": [5, 17, 99, 3], "b": [250, 7, 42, 8, 300, 11, 64]}
-    traces = {}
-    for backend in ("torch", "triton"):
-        llm = tiny_llm(tiny_model_dirs["llama"], attention_backend=backend, quantization="fp8",
-                       max_num_batched_tokens=5, max_model_len=32)
-        for rid, prompt in prompts.items():
-            llm.engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=3,
-                                                               ignore_eos=True))
-        traces[backend] = run_to_end(llm.engine)
+    traces = traces_by_backend(tiny_model_dirs["llama"], prompts, quantization="fp8",
+                               max_num_batched_tokens=5, max_model_len=32)
     for rid in prompts:
         got, want = traces["triton"][rid], traces["torch"][rid]
         torch.testing.assert_close(got.logits_matrix(), want.logits_matrix(), atol=1e-3,

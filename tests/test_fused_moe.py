@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import interpret_or_skip, interpreted_kernel_imports, run_to_end, tiny_llm
+from conftest import interpret_or_skip, interpreted_kernel_imports, traces_by_backend
 
 from engine.model.moe import experts_fused, experts_torch, route
-from engine.sampling_params import SamplingParams
 
 with interpreted_kernel_imports():
     from engine import kernels as K
@@ -150,14 +149,8 @@ def test_moe_engine_triton_path_matches_torch_path(tiny_model_dirs: dict[str, Pa
     """A chunked prompt, a short one decoding beside it, a prefix hit: same logits."""
     prompts = {"a": [5, 17, 99, 3, 250, 7, 42, 8, 300], "b": [9, 8, 7],
                "again": [5, 17, 99, 3, 250, 7, 42, 8, 11, 12]}
-    traces = {}
-    for backend in ("torch", "triton"):
-        llm = tiny_llm(tiny_model_dirs["qwen3moe"], attention_backend=backend,
-                       max_num_batched_tokens=6, max_model_len=32)
-        for rid, prompt in prompts.items():
-            llm.engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=3,
-                                                               ignore_eos=True))
-        traces[backend] = run_to_end(llm.engine)
+    traces = traces_by_backend(tiny_model_dirs["qwen3moe"], prompts, max_num_batched_tokens=6,
+                               max_model_len=32)
     for rid in prompts:
         got, want = traces["triton"][rid], traces["torch"][rid]
         start = min(got.logits)
