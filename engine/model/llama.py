@@ -210,9 +210,8 @@ class LlamaDecoderLayer(nn.Module):
                  shard: TensorShard = TensorShard()) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx, rope, backend, use_triton, shard)
-        self.sparse = cfg.is_sparse_layer(layer_idx)
         self.mlp: LlamaMLP | SparseMoeBlock = (
-            SparseMoeBlock(cfg, use_triton, shard) if self.sparse
+            SparseMoeBlock(cfg, use_triton, shard) if cfg.is_sparse_layer(layer_idx)
             else LlamaMLP(cfg, use_triton, shard=shard, layer_idx=layer_idx))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton)
@@ -415,9 +414,8 @@ class LlamaForCausalLM(nn.Module):
                      tensor: torch.Tensor | None) -> list[str] | None:
         """Copy one expert's tensor into its layer's stacked parameter; the loaded part's name,
         None for a name the model has no place for."""
-        assert tensor is not None  # experts have no biases: shard_weight slices, never drops
         m = _EXPERT_NAME.match(name)
-        if m is None:
+        if m is None or tensor is None:  # experts have weights only (no biases)
             return None
         prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
         param = params.get(f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}")
