@@ -323,6 +323,8 @@ def _write_gguf(path: Path, arch: str, state: dict[str, torch.Tensor], cfg: dict
         w.add_rope_dimension_count(cfg["rope_dims"])
     if cfg.get("sliding_window"):
         w.add_sliding_window(cfg["sliding_window"])
+    if cfg.get("expert_count"):
+        w.add_expert_count(cfg["expert_count"])
     w.add_vocab_size(cfg["vocab_size"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
@@ -366,6 +368,15 @@ def test_tiny_gguf_roundtrip(tiny_llama: tuple, tiny_qwen2: tuple, tiny_qwen3: t
     assert c.rope_theta == 5000.0 and c.max_position_embeddings == 256
     assert c.bos_token_id == 1 and c.eos_token_ids == (2,)
     assert source.default_dtype == torch.float32 and source.tokenizer_source == str(path)
+
+
+def test_moe_gguf_is_refused_by_name(tiny_llama: tuple, tmp_path: Path) -> None:
+    """llama.cpp writes Mixtral as "llama" with an expert count: refused, not read as dense."""
+    path = tmp_path / "mixtral.gguf"
+    _write_gguf(path, "llama", _expected_state(tiny_llama[0], tied=False),
+                {**TINY, "rope_theta": 1e6, "expert_count": 8})
+    with pytest.raises(ModelLoadError, match="expert_count 8: mixture-of-experts GGUF"):
+        load_model_source(LoadConfig(model=str(path)))
 
 
 def test_tiny_phi3_gguf_roundtrip(tiny_phi3: Phi3ForCausalLM, tmp_path: Path) -> None:
