@@ -26,7 +26,7 @@ class ConfigError(ValueError):
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Architecture of a Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, Phi-3/Phi-4,
-    SmolLM2), or of one whose MLPs are mixtures of experts (Mixtral, Qwen3-MoE).
+    SmolLM2), or of one whose MLPs are mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE).
 
     Field names follow Hugging Face `config.json` so `from_hf_dict` is a thin mapping.
     """
@@ -63,6 +63,9 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # Qwen2-MoE: a dense SiLU-gated MLP of this size beside the routed experts, its output
+    # scaled by sigmoid(shared_expert_gate · x) (0: none).
+    shared_expert_intermediate_size: int = 0
     # Identity of the weights (path + size + mtime, or "dummy:<seed>"); part of the fingerprint.
     weights_id: str = ""
 
@@ -73,9 +76,10 @@ class ModelConfig:
         "Qwen3ForCausalLM",
         "Phi3ForCausalLM",
         "MixtralForCausalLM",
+        "Qwen2MoeForCausalLM",
         "Qwen3MoeForCausalLM",
     )
-    MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+    MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -131,7 +135,9 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", is_qwen2)),
+            # Qwen2-MoE names its q/k/v bias `qkv_bias` (on unless said otherwise).
+            attention_bias=bool(d.get("qkv_bias", True) if arch == "Qwen2MoeForCausalLM"
+                                else d.get("attention_bias", is_qwen2)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             mlp_bias=bool(d.get("mlp_bias", False)),
             sliding_window=(int(d["sliding_window"]) if d.get("sliding_window")
@@ -150,7 +156,7 @@ class ModelConfig:
             "architectures": [self.architecture],
             "model_type": {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                            "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3",
-                           "MixtralForCausalLM": "mixtral",
+                           "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
                            "Qwen3MoeForCausalLM": "qwen3_moe"}.get(self.architecture, "llama"),
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -172,11 +178,14 @@ class ModelConfig:
         if self.is_moe:
             d.update(num_local_experts=self.num_experts, num_experts=self.num_experts,
                      num_experts_per_tok=self.num_experts_per_tok)
-            if self.architecture == "Qwen3MoeForCausalLM":
+            if self.architecture != "MixtralForCausalLM":
                 d.update(moe_intermediate_size=self.moe_intermediate_size,
                          norm_topk_prob=self.norm_topk_prob,
                          decoder_sparse_step=self.decoder_sparse_step,
                          mlp_only_layers=list(self.mlp_only_layers))
+            if self.architecture == "Qwen2MoeForCausalLM":
+                d.update(shared_expert_intermediate_size=self.shared_expert_intermediate_size,
+                         qkv_bias=self.attention_bias)
         return d
 
     def validate(self) -> None:
@@ -224,7 +233,8 @@ class ModelConfig:
 def _moe_fields(arch: str, d: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig's mixture-of-experts fields from an HF config dict (empty for a dense
     architecture). Mixtral's experts are `intermediate_size` wide and always renormalised;
-    Qwen3-MoE names `moe_intermediate_size` and says whether to renormalise."""
+    Qwen2- and Qwen3-MoE name `moe_intermediate_size` and say whether to renormalise; Qwen2-MoE
+    adds a gated shared expert."""
     if arch not in ModelConfig.MOE_ARCHITECTURES:
         return {}
     experts = d.get("num_experts") or d.get("num_local_experts")
@@ -239,8 +249,13 @@ def _moe_fields(arch: str, d: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(inter, int) or inter <= 0:
         raise ConfigError(f"config.json: moe_intermediate_size must be a positive integer, "
                           f"got {inter!r}")
-    if d.get("shared_expert_intermediate_size"):
-        raise ConfigError("config.json: shared experts (Qwen2-MoE) are not supported")
+    shared = d.get("shared_expert_intermediate_size") or 0
+    if shared and arch != "Qwen2MoeForCausalLM":
+        raise ConfigError(f"config.json: shared_expert_intermediate_size is Qwen2-MoE's, not "
+                          f"{arch}'s")
+    if not isinstance(shared, int) or shared < 0:
+        raise ConfigError(f"config.json: shared_expert_intermediate_size must be a "
+                          f"non-negative integer, got {shared!r}")
     only = d.get("mlp_only_layers") or []
     if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
         raise ConfigError(f"config.json: mlp_only_layers must be a list of layer indices, "
@@ -249,7 +264,8 @@ def _moe_fields(arch: str, d: dict[str, Any]) -> dict[str, Any]:
             "moe_intermediate_size": inter,
             "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
             "decoder_sparse_step": int(d.get("decoder_sparse_step", 1)),
-            "mlp_only_layers": tuple(sorted(only))}
+            "mlp_only_layers": tuple(sorted(only)),
+            "shared_expert_intermediate_size": shared}
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,8 @@
 """Shared fixtures for the engine tests: tiny random Hugging Face model directories (Llama with
 plain RoPE, Llama with llama3 RoPE scaling and tied embeddings, Qwen2 with QKV bias, Qwen3 with
-q/k norms and a head_dim that is not hidden / heads, Phi-3 with fused checkpoint weights, and two
-mixtures of experts: Qwen3-MoE and Mixtral), one session-wide SmolLM2 engine, and a scheduler-level driver that records every position's logits.
+q/k norms and a head_dim that is not hidden / heads, Phi-3 with fused checkpoint weights, and
+three mixtures of experts: Qwen3-MoE, Qwen2-MoE and Mixtral), one session-wide SmolLM2 engine,
+and a scheduler-level driver that records every position's logits.
 
 The tiny models are written with transformers' `save_pretrained(safe_serialization=True)`, so
 the engine's loader reads exactly what `transformers` reads back as the reference.
@@ -28,6 +29,8 @@ from transformers import (
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
@@ -51,9 +54,10 @@ TINY_ARCH: dict[str, Any] = dict(
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
-TINY_MODELS = ("llama", "llama3", "qwen2", "qwen3", "phi3", "qwen3moe", "mixtral")
+TINY_MODELS = ("llama", "llama3", "qwen2", "qwen3", "phi3", "qwen3moe", "qwen2moe", "mixtral")
 # The mixtures of experts: 8 experts, 2 per token (Qwen3-MoE renormalising, with a dense MLP in
-# its last layer); Mixtral's 4 experts, 2 per token.
+# its last layer; Qwen2-MoE the same plus a gated shared expert and QKV bias); Mixtral's 4
+# experts, 2 per token.
 MOE_ARCH: dict[str, Any] = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                 norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])
 
@@ -92,6 +96,10 @@ def _build(name: str) -> PreTrainedModel:
     if name == "qwen3moe":
         return Qwen3MoeForCausalLM(Qwen3MoeConfig(**TINY_ARCH, **rope, **MOE_ARCH, head_dim=16,
                                                   tie_word_embeddings=False))
+    if name == "qwen2moe":
+        return Qwen2MoeForCausalLM(Qwen2MoeConfig(**TINY_ARCH, **rope, **MOE_ARCH,
+                                                  shared_expert_intermediate_size=48,
+                                                  tie_word_embeddings=False))
     if name == "mixtral":
         return MixtralForCausalLM(MixtralConfig(**TINY_ARCH, **rope, num_local_experts=4,
                                                 num_experts_per_tok=2, sliding_window=None,
@@ -121,6 +129,7 @@ def hf_reference(tiny_model_dirs: dict[str, Path]) -> Callable[[str], PreTrained
         if name not in cache:
             cls = {"qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
                    "phi3": Phi3ForCausalLM, "qwen3moe": Qwen3MoeForCausalLM,
+                   "qwen2moe": Qwen2MoeForCausalLM,
                    "mixtral": MixtralForCausalLM}.get(name, LlamaForCausalLM)
             model = cls.from_pretrained(tiny_model_dirs[name], attn_implementation="eager",
                                         dtype=torch.float32)

@@ -187,9 +187,14 @@ def test_moe_configs_are_read_and_what_is_missing_refused() -> None:
     every = ModelConfig.from_hf_dict({**preset_config("tiny-moe"), "decoder_sparse_step": 2,
                                       "mlp_only_layers": [1]})
     assert [every.is_sparse_layer(i) for i in range(4)] == [False, False, False, True]
-    with pytest.raises(ConfigError, match="shared experts"):
+    with pytest.raises(ConfigError, match="shared_expert_intermediate_size is Qwen2-MoE's"):
         ModelConfig.from_hf_dict({**preset_config("tiny-moe"),
                                   "shared_expert_intermediate_size": 64})
+    qwen2 = ModelConfig.from_hf_dict({**preset_config("tiny-moe"),
+                                      "architectures": ["Qwen2MoeForCausalLM"],
+                                      "shared_expert_intermediate_size": 64})
+    assert qwen2.attention_bias and not qwen2.qk_norm  # qkv_bias: on unless said otherwise
+    assert ModelConfig.from_hf_dict(qwen2.to_hf_dict()) == qwen2
     with pytest.raises(ConfigError, match="num_experts_per_tok"):
         ModelConfig.from_hf_dict({**preset_config("tiny-moe"), "num_experts_per_tok": 9})
     with pytest.raises(ConfigError, match="experts of a mixture-of-experts model are not quant"):

@@ -146,6 +146,31 @@ PRESETS: dict[str, dict[str, Any]] = {
         "eos_token_id": 151645,
         "torch_dtype": "bfloat16",
     },
+    # Qwen1.5-MoE-A2.7B (Qwen2MoeForCausalLM): 60 experts, 4 per token, beside a gated shared
+    # expert of 5,632 every token runs.
+    "qwen1.5-moe-a2.7b": {
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632,
+        "num_experts": 60,
+        "num_experts_per_tok": 4,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "vocab_size": 151936,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151643,
+        "torch_dtype": "bfloat16",
+    },
     # Mixtral-8x7B: 8 experts of Mistral-7B's MLP, 2 per token (~13B of 47B active).
     "mixtral-8x7b": {
         "architectures": ["MixtralForCausalLM"],

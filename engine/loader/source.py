@@ -61,13 +61,18 @@ def expected_weight_names(config: ModelConfig) -> list[str]:
 
 def _expert_names(config: ModelConfig, layer: str) -> list[str]:
     """A sparse layer's router and per-expert tensors as its architecture's checkpoints name
-    them (Mixtral: block_sparse_moe, w1/w3/w2; Qwen3-MoE: mlp, gate/up/down_proj)."""
+    them (Mixtral: block_sparse_moe, w1/w3/w2; Qwen2/3-MoE: mlp, gate/up/down_proj, and
+    Qwen2-MoE's shared expert and its gate)."""
     if config.architecture == "MixtralForCausalLM":
         block, projs = f"{layer}block_sparse_moe.", ("w1", "w3", "w2")
     else:
         block, projs = f"{layer}mlp.", ("gate_proj", "up_proj", "down_proj")
-    return [f"{block}gate.weight"] + [f"{block}experts.{e}.{proj}.weight"
-                                      for e in range(config.num_experts) for proj in projs]
+    names = [f"{block}gate.weight"] + [f"{block}experts.{e}.{proj}.weight"
+                                       for e in range(config.num_experts) for proj in projs]
+    if config.shared_expert_intermediate_size:
+        names += [f"{block}shared_expert.{proj}.weight" for proj in projs]
+        names.append(f"{block}shared_expert_gate.weight")
+    return names
 
 
 def is_skipped_weight(name: str, config: ModelConfig) -> bool:

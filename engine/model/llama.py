@@ -344,12 +344,14 @@ class LlamaForCausalLM(nn.Module):
         ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
     )
 
-    def _shard_range(self, fused: str, shard: int) -> tuple[int, int]:
+    def _shard_range(self, fused: str, shard: int, param: torch.Tensor) -> tuple[int, int]:
+        """Rows of fused parameter `param` that part `shard` fills (gate/up: halves, whatever
+        the MLP's size — the dense MLP's or a shared expert's)."""
         cfg = self.config
         if fused == "qkv_proj":
             q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
             return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][shard]
-        i = cfg.intermediate_size
+        i = param.shape[0] // 2
         return [(0, i), (i, 2 * i)][shard]
 
     @torch.no_grad()
@@ -387,16 +389,16 @@ class LlamaForCausalLM(nn.Module):
                     unknown.append(hf_name)
                 loaded.update(got or ())
                 continue
-            target, rows = name, None
+            target, part_of = name, None
             for fused, hf, shard in stacked:
                 if f".{hf}." in name:
-                    target = name.replace(hf, fused)
-                    rows = self._shard_range(fused, shard)
+                    target, part_of = name.replace(hf, fused), (fused, shard)
                     break
             param = params.get(target)
             if param is None:
                 unknown.append(hf_name)
                 continue
+            rows = None if part_of is None else self._shard_range(*part_of, param)
             dst = param if rows is None else param[rows[0]:rows[1]]
             if part is None:  # a row-parallel bias another rank adds
                 dst.zero_()

@@ -1,6 +1,7 @@
-"""A mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks `num_experts_per_tok` of
+"""A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks `num_experts_per_tok` of
 `num_experts` SiLU-gated MLPs per token and sums their outputs weighted by the router's
-softmax (renormalised over the picked experts when `norm_topk_prob`).
+softmax (renormalised over the picked experts when `norm_topk_prob`); Qwen2-MoE adds a shared
+expert every token runs, gated per token.
 
 The experts' weights are stacked, `experts.gate_up_proj` [E, 2I, H] (each expert's gate rows,
 then its up rows) and `experts.down_proj` [E, H, I], the layout `transformers` keeps them in.
@@ -79,6 +80,22 @@ class MoEExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
 
 
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's always-on expert: a SiLU-gated MLP (gate/up fused, as the dense MLP's) whose
+    output is scaled per token by sigmoid(shared_expert_gate · x). Under tensor parallelism it
+    returns this rank's partial sum, which the block's all-reduce adds with the experts'."""
+
+    def __init__(self, hidden: int, inter: int, use_triton: bool) -> None:
+        super().__init__()
+        self.use_triton = use_triton
+        self.gate_up_proj = Linear(hidden, 2 * inter, False)
+        self.down_proj = Linear(inter, hidden, False)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        y = self.down_proj(silu_and_mul(self.gate_up_proj(x), self.use_triton))
+        return y * torch.sigmoid(gate)
+
+
 class SparseMoeBlock(nn.Module):
     """Router + experts in place of a decoder layer's dense MLP. `cfg`: this rank's
     architecture (with tensor parallelism, 1/n of `moe_intermediate_size`)."""
@@ -92,6 +109,12 @@ class SparseMoeBlock(nn.Module):
         self.use_triton = use_triton
         self.gate = Linear(cfg.hidden_size, cfg.num_experts, False)
         self.experts = MoEExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_expert: SharedExpert | None = None
+        self.shared_expert_gate: Linear | None = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = SharedExpert(cfg.hidden_size,
+                                              cfg.shared_expert_intermediate_size, use_triton)
+            self.shared_expert_gate = Linear(cfg.hidden_size, 1, False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_triton:
@@ -101,4 +124,6 @@ class SparseMoeBlock(nn.Module):
             weights, ids = route(self.gate(x), self.top_k, self.renormalise)
         run = experts_fused if self.use_triton else experts_torch
         out = run(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + self.shared_expert(x, self.shared_expert_gate(x))
         return all_reduce_(out) if self.reduce else out

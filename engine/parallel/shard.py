@@ -46,7 +46,8 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
     for what, n in (("num_attention_heads", cfg.num_attention_heads),
                     ("num_key_value_heads", cfg.num_key_value_heads),
                     ("intermediate_size", cfg.intermediate_size),
-                    ("moe_intermediate_size", cfg.moe_intermediate_size)):
+                    ("moe_intermediate_size", cfg.moe_intermediate_size),
+                    ("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size)):
         if n % size:
             raise ConfigError(
                 f"tensor_parallel_size {size} does not divide the model's {what} ({n}); "
@@ -62,7 +63,9 @@ def shard_model_config(cfg: ModelConfig, size: int) -> ModelConfig:
     return cfg.replace(num_attention_heads=cfg.num_attention_heads // size,
                        num_key_value_heads=cfg.num_key_value_heads // size,
                        intermediate_size=cfg.intermediate_size // size,
-                       moe_intermediate_size=cfg.moe_intermediate_size // size)
+                       moe_intermediate_size=cfg.moe_intermediate_size // size,
+                       shared_expert_intermediate_size=cfg.shared_expert_intermediate_size
+                       // size)
 
 
 # Hugging Face parameter names (suffixes) → the dimension a rank slices; absent: replicated.
