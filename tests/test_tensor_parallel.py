@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -231,6 +233,35 @@ def test_shard_weights_and_commands() -> None:
         unpack(header[:-1])
     with pytest.raises(ValueError):
         unpack(pack(Op.SHUTDOWN)[:0] + (99).to_bytes(8, "little") + header[8:])
+
+
+def test_a_worker_dead_before_joining_fails_the_start_at_once(
+        tiny_model_dirs: dict[str, Path]) -> None:
+    """Rank 1 killed as soon as it exists (before it could import the engine and join): the
+    start fails in seconds, naming the rank, not after the rendezvous's 300 s timeout, and
+    the process can start another tensor-parallel engine."""
+    from test_up import _spawned_children
+
+    me = str(os.getpid())
+    before = set(_spawned_children(me))
+    killed: list[str] = []
+
+    def kill_the_new_worker() -> None:
+        deadline = time.monotonic() + 60
+        while not killed and time.monotonic() < deadline:
+            for pid in set(_spawned_children(me)) - before:
+                os.kill(int(pid), signal.SIGKILL)
+                killed.append(pid)
+            time.sleep(0.002)
+
+    killer = threading.Thread(target=kill_the_new_worker)
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match="rank 1 failed before joining the group: exited"):
+        tp_llm(tiny_model_dirs["llama"])
+    killer.join()
+    assert killed and time.monotonic() - start < 60
+    tp_llm(tiny_model_dirs["llama"]).shutdown()
 
 
 def test_a_failure_after_the_workers_started_takes_them_down(

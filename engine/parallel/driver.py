@@ -23,7 +23,13 @@ import torch
 import torch.distributed as dist
 
 from engine.config import ConfigError, EngineConfig
-from engine.parallel.group import destroy_group, free_port, init_group, one_device_check
+from engine.parallel.group import (
+    destroy_group,
+    init_group,
+    joined_key,
+    one_device_check,
+    rendezvous,
+)
 from engine.parallel.protocol import Op, pack
 
 logger = logging.getLogger(__name__)
@@ -71,7 +77,10 @@ class TensorParallelDriver:
         self.device = device
         self._lock = threading.RLock()
         self.failed: str | None = None
-        port = free_port()
+        timeout_s = config.parallel.collective_timeout_s
+        # Served before any worker connects; the group keeps using it (kept until shutdown).
+        self._store: dist.TCPStore | None = rendezvous(0, self.size, 0, timeout_s)
+        store = self._store
         from engine.parallel.worker import worker_main
 
         ctx = mp.get_context("spawn")  # a forked CUDA context is unusable; spawn is the rule
@@ -80,7 +89,7 @@ class TensorParallelDriver:
         for rank in range(1, self.size):
             dev = rank_device(device, rank)
             ours, theirs = ctx.Pipe()
-            spec = WorkerSpec(config, rank, self.size, port, str(dev),
+            spec = WorkerSpec(config, rank, self.size, store.port, str(dev),
                               str(dtype).removeprefix("torch."), max_model_len)
             proc = ctx.Process(target=worker_main, args=(theirs, spec), daemon=True,
                                name=f"splitserve-tp-rank{rank}")
@@ -89,12 +98,35 @@ class TensorParallelDriver:
             self._procs.append(proc)
             self._conns.append(ours)
         try:
-            init_group(self, 0, self.size, port, device, config.parallel.collective_timeout_s)
+            self._join(store, device, timeout_s)
         except BaseException:
             self._stop_workers()
             raise
         logger.info("tensor parallelism: %d ranks (workers %s)", self.size,
                     [p.pid for p in self._procs])
+
+    def _join(self, store: dist.TCPStore, device: torch.device, timeout_s: float) -> None:
+        """Join the group once every worker has said it is joining, watching the workers
+        meanwhile: one that exits first (a bad device, a failed import) fails the start at
+        once with its message, instead of leaving this rank in the rendezvous for
+        `timeout_s`."""
+        keys = [joined_key(rank) for rank in range(1, self.size)]
+        deadline = time.monotonic() + timeout_s
+        while not store.check(keys):
+            for rank, (proc, conn) in enumerate(zip(self._procs, self._conns, strict=True),
+                                                start=1):
+                if proc.is_alive():
+                    continue
+                why = f"exited with code {proc.exitcode}"
+                with contextlib.suppress(EOFError, OSError):
+                    if conn.poll():
+                        why = conn.recv_bytes(1 << 16).decode("utf-8", "replace")
+                raise ConfigError(f"tensor-parallel rank {rank} failed before joining the "
+                                  f"group: {why}")
+            if time.monotonic() > deadline:
+                raise ConfigError(f"tensor-parallel workers did not join within {timeout_s:.0f} s")
+            time.sleep(0.05)
+        init_group(self, 0, self.size, store, device, timeout_s)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -123,6 +155,7 @@ class TensorParallelDriver:
                     conn.send_bytes(pack(Op.SHUTDOWN))
             self._stop_workers()
             destroy_group(self)
+            self._store = None
 
     def _stop_workers(self) -> None:
         for proc in self._procs:

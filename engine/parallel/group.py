@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import threading
 
 import torch
@@ -21,11 +20,17 @@ _lock = threading.Lock()
 _owner: object | None = None  # what holds this process's group (its engine's driver)
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 free now (the group's rendezvous; only local ranks join)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def rendezvous(rank: int, size: int, port: int, timeout_s: float) -> dist.TCPStore:
+    """The group's key-value store on 127.0.0.1:`port`: rank 0 serves it (port 0: any free
+    port, read back from `store.port`), the others connect. Only local ranks join."""
+    return dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0,
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def joined_key(rank: int) -> str:
+    """The key a worker sets in the store once it is about to join the group: rank 0 waits
+    for every worker's (watching the processes) before it joins itself."""
+    return f"splitserve/joined/{rank}"
 
 
 def one_device_check() -> bool:
@@ -39,9 +44,9 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" and not one_device_check() else "gloo"
 
 
-def init_group(owner: object, rank: int, size: int, port: int, device: torch.device,
+def init_group(owner: object, rank: int, size: int, store: dist.Store, device: torch.device,
                timeout_s: float) -> None:
-    """Join the group of `size` ranks meeting at 127.0.0.1:`port` (blocks until all have)."""
+    """Join the group of `size` ranks meeting at `store` (blocks until all have)."""
     global _owner
     with _lock:
         if _owner is not None or dist.is_initialized():
@@ -49,8 +54,7 @@ def init_group(owner: object, rank: int, size: int, port: int, device: torch.dev
                               "tensor-parallel engine per process; shut the other down first)")
         _owner = owner
     try:
-        dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{port}",
-                                rank=rank, world_size=size,
+        dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=size,
                                 timeout=datetime.timedelta(seconds=timeout_s),
                                 # binds NCCL to this rank's GPU at once
                                 device_id=device if backend_for(device) == "nccl" else None)

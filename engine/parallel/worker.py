@@ -40,7 +40,7 @@ class ShardWorker:
     def __init__(self, spec: WorkerSpec) -> None:
         from engine.attention.kv_quant import kv_storage_dtype
         from engine.loader import load_model_source
-        from engine.parallel.group import init_group
+        from engine.parallel.group import init_group, joined_key, rendezvous
         from engine.parallel.shard import TensorShard
         from engine.runner import _DTYPES, build_lora, build_model, make_attention_backend
 
@@ -51,8 +51,10 @@ class ShardWorker:
             torch.cuda.set_device(self.device)
         elif config.runner.cpu_threads:
             torch.set_num_threads(config.runner.cpu_threads)
-        init_group(self, spec.rank, spec.size, spec.port, self.device,
-                   config.parallel.collective_timeout_s)
+        timeout_s = config.parallel.collective_timeout_s
+        store = rendezvous(spec.rank, spec.size, spec.port, timeout_s)
+        store.set(joined_key(spec.rank), "1")
+        init_group(self, spec.rank, spec.size, store, self.device, timeout_s)
         source = load_model_source(config.load)
         self.dtype = _DTYPES[spec.dtype]
         self.kv_dtype = kv_storage_dtype(config.cache.kv_cache_dtype, self.dtype)
