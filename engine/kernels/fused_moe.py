@@ -11,8 +11,9 @@ sort: each pair is its own row tile (`per_pair_layout`), every tile then has one
 the kernel is a GEMV reading each picked expert's weights once per pair (about once each, as few
 pairs share an expert).
 
-Nothing here reads tensor data on the host: the sort, the padding and the tile-to-expert map
-are device ops of fixed shapes (sized for the worst case, N + E·(BLOCK_M − 1) rows), and tiles
+Routing (softmax, top-k, renormalisation) is one kernel per step (`route_topk`). Nothing here
+reads tensor data on the host: the sort (one Triton program for small steps, torch ops for
+large ones), the padding and the tile-to-expert map are device ops of fixed shapes (sized for the worst case, N + E·(BLOCK_M − 1) rows), and tiles
 past the padded total exit at once. So a decode step with MoE layers captures in a CUDA graph.
 """
 
