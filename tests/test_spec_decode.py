@@ -345,23 +345,22 @@ def test_config_validation() -> None:
         LLM(speculative_config={"methd": "ngram"})
 
 
-def test_smollm2_ngram_greedy_matches_plain_decoding() -> None:
+def test_smollm2_ngram_greedy_matches_plain_decoding(smollm2: LLM) -> None:
     """The real default model on a prompt that repeats itself: same text, fewer steps; and a
     stop string that ends inside a step's accepted drafts cuts the output where plain decoding
-    stops (the drafts after it are not output)."""
+    stops (the drafts after it are not output). Plain decoding: the session's engine."""
     prompt = ("Repeat this list exactly: apple, banana, cherry, date, elderberry, fig, grape. "
               "Now repeat it again: apple, banana,")
     params = SamplingParams(temperature=0, max_tokens=32)
-    plain_llm = LLM(device="cpu", cpu_threads=2, num_gpu_blocks=256)
-    plain_out = plain_llm.generate([prompt], params)[0].outputs[0]
-    plain_steps = plain_llm.engine.num_steps
+    steps_before = smollm2.engine.num_steps
+    plain_out = smollm2.generate([prompt], params)[0].outputs[0]
+    plain_steps = smollm2.engine.num_steps - steps_before
     # A stop string from the middle of the output: the text of output tokens 6-7.
-    tok = plain_llm.get_tokenizer()
+    tok = smollm2.get_tokenizer()
     stop = tok.decode(plain_out.token_ids[6:8])
     assert stop.strip() and stop in plain_out.text
     stop_params = SamplingParams(temperature=0, max_tokens=32, stop=[stop])
-    plain_stop = plain_llm.generate([prompt], stop_params)[0].outputs[0]
-    plain_llm.shutdown()
+    plain_stop = smollm2.generate([prompt], stop_params)[0].outputs[0]
 
     spec_llm = LLM(device="cpu", cpu_threads=2, num_gpu_blocks=256, speculative_config=NGRAM)
     spec_out = spec_llm.generate([prompt], params)[0].outputs[0]
