@@ -288,11 +288,9 @@ class Orchestrator:
 
     @staticmethod
     def _prefix_hashes(pool: WorkerPool, job: GenerationJob) -> list[bytes]:
-        """The prompt's block hashes for prefix routing: none for a LoRA adapter's request
-        (the index holds the base model's KV; an adapter's is hashed under its own root)."""
-        if job.lora_name:
-            return []
-        return pool.prompt_hashes(job.prompt_token_ids, job.block_hashes)
+        """The prompt's block hashes for prefix routing (a LoRA adapter's request: chained from
+        the adapter's root, as its workers hash its KV)."""
+        return pool.prompt_hashes(job.prompt_token_ids, job.block_hashes, job.lora_name)
 
     async def _prefill(self, job: GenerationJob, index: int, sampling: common_pb2.SamplingParams,
                        metadata: tuple[tuple[str, str], ...] = ()
@@ -310,8 +308,7 @@ class Orchestrator:
             try:
                 response = await self._router.prefill_stub(worker).Prefill(
                     request, timeout=self._remaining(job), metadata=metadata)
-                if not job.lora_name:  # an adapter's hashes are not the index's (base model)
-                    pool.prefix_index.record(worker.address, response.kv_handle.block_hashes)
+                pool.prefix_index.record(worker.address, response.kv_handle.block_hashes)
                 return response
             except asyncio.CancelledError:
                 # The worker may have granted the lease and sent a response we will never read

@@ -48,8 +48,11 @@ class PrefixIndex:
 
 
 def prompt_block_hashes(prompt_token_ids: Sequence[int], fingerprint: bytes,
-                        block_size: int) -> list[bytes]:
-    """The engine's hashes of the prompt's full blocks (empty when the layout is unknown)."""
-    if len(fingerprint) != 32 or block_size <= 0:
+                        block_size: int, root: bytes | None = None) -> list[bytes]:
+    """The engine's hashes of the prompt's full blocks (empty when the layout is unknown):
+    chained from the model's root, or from `root` when given (a LoRA adapter's, as its
+    workers report it)."""
+    if len(fingerprint) != 32 or block_size <= 0 or (root is not None and len(root) != 32):
         return []
-    return compute_block_hashes(root_hash(fingerprint), prompt_token_ids, block_size)
+    return compute_block_hashes(root_hash(fingerprint) if root is None else root,
+                                prompt_token_ids, block_size)

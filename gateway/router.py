@@ -176,17 +176,24 @@ class WorkerPool:
         worker.in_flight = max(0, worker.in_flight - 1)
 
     def prompt_hashes(self, prompt_token_ids: Sequence[int],
-                      memo: dict[tuple[bytes, int], list[bytes]] | None = None) -> list[bytes]:
-        """Block hashes of a prompt under the pool's KV layout (from the workers' load reports).
-        `memo`: the prompt's hashes by layout, filled here (a request's prefill and decode pools
-        and its completions then hash it once)."""
+                      memo: dict[tuple[bytes, int], list[bytes]] | None = None,
+                      lora_name: str = "") -> list[bytes]:
+        """Block hashes of a prompt under the pool's KV layout (from the workers' load reports);
+        for a LoRA adapter's request, chained from the adapter's root as its workers report it.
+        `memo`: the prompt's hashes by layout (root) and block size, filled here (a request's
+        prefill and decode pools and its completions then hash it once)."""
         memo = {} if memo is None else memo
         for w in self.workers:
-            if w.healthy and w.load.block_size:
-                layout = (w.load.fingerprint, w.load.block_size)
-                if layout not in memo:
-                    memo[layout] = prompt_block_hashes(prompt_token_ids, *layout)
-                return memo[layout]
+            if not (w.healthy and w.load.block_size):
+                continue
+            root = adapter_root(w.load, lora_name) if lora_name else None
+            if lora_name and root is None:
+                continue  # this worker does not serve the adapter (or reports no root)
+            layout = (root or w.load.fingerprint, w.load.block_size)
+            if layout not in memo:
+                memo[layout] = prompt_block_hashes(prompt_token_ids, w.load.fingerprint,
+                                                   w.load.block_size, root)
+            return memo[layout]
         return []
 
     def pick_for_prefix(self, block_hashes: Sequence[bytes], exclude: Sequence[str] = (),
@@ -198,8 +205,8 @@ class WorkerPool:
         prefill answers (as SGLang's router inserts at dispatch): requests sharing a prefix that
         arrive while the first of them is computed then follow it to that worker (until the
         imbalance rule spills them), instead of each computing the prefix somewhere else.
-        A LoRA adapter's request (`lora_name`) comes with no hashes: its KV is the adapter's,
-        not what the index (the base model's hashes) knows; it goes by load."""
+        A LoRA adapter's request (`lora_name`) goes to workers serving the adapter, its hashes
+        chained from the adapter's root (`prompt_hashes`), never matching the base model's."""
         worker = self._pick_for_prefix(block_hashes, self._candidates(exclude, lora_name))
         worker.in_flight += 1
         if block_hashes:
@@ -223,6 +230,15 @@ class WorkerPool:
             if w.address == address:
                 w.healthy = False
         self.prefix_index.forget(address)  # it may come back restarted, its cache empty
+
+
+def adapter_root(load: common_pb2.LoadReport, lora_name: str) -> bytes | None:
+    """Adapter `lora_name`'s KV hash root as a worker reports it (None: not served, or a
+    worker too old to report roots)."""
+    names = list(load.lora_adapters)
+    if lora_name not in names or len(load.lora_roots) != len(names):
+        return None
+    return bytes(load.lora_roots[names.index(lora_name)])
 
 
 class Router:

@@ -40,7 +40,8 @@ class EngineBound:
             spec_draft_tokens=s.spec_draft_tokens, spec_accepted_tokens=s.spec_accepted_tokens,
             speculative_methods=[SPEC_METHOD_ENUMS[m] for m in _own_first(eng)],
             kv_transports=_kv_transports(self.aengine),
-            lora_adapters=list(eng.config.lora.names))
+            lora_adapters=list(eng.config.lora.names),
+            lora_roots=[eng.hash_root(name) for name in eng.config.lora.names])
 
 
 def check_lora_name(engine: LLMEngine, name: str) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Literal
 
 import grpc
@@ -171,3 +172,57 @@ def test_gateway_prefix_routing_imports_no_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=os.path.dirname(os.path.dirname(__file__)), check=True)
     assert out.stdout.strip() == "False"
+
+
+async def test_adapter_requests_route_by_the_adapters_own_prefix(
+        tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """A worker reports each LoRA adapter's hash root; the gateway chains an adapter prompt's
+    hashes from it — the engine's own hashes of that prompt under the adapter, never the base
+    model's — and sends the adapter's requests to the worker holding that prefix, among the
+    workers serving the adapter."""
+    from conftest import greedy, tiny_llm
+
+    from bench.gpu_lora_check import write_adapter
+    from engine.async_engine import AsyncEngine
+    from engine.config import LoadConfig
+    from engine.loader import load_model_source
+    from engine.lora.adapter import ATTENTION_TARGETS
+    from serving.common import EngineBound
+
+    path = tiny_model_dirs["llama"]
+    cfg = load_model_source(LoadConfig(model=str(path))).config
+    write_adapter(tmp_path / "ad", cfg, ATTENTION_TARGETS, 4, 8, seed=1)
+    llm = tiny_llm(path, lora_modules={"ad": str(tmp_path / "ad")})
+    eng = llm.engine
+    ids = list(range(3, 30))  # 6 full blocks of 4
+    req = eng.add_request("r", ids, greedy(1), lora_name="ad")
+    engine_hashes = eng.kv.update_hashes(req)
+    base = eng.add_request("b", ids, greedy(1))
+    assert eng.kv.update_hashes(base)[0] != engine_hashes[0]
+    servicer = EngineBound()
+    servicer.bind(AsyncEngine(eng))  # not started: the report reads its engine only
+    report = servicer.load_report("prefill")
+    assert list(report.lora_adapters) == ["ad"] and bytes(report.lora_roots[0]) == eng.hash_root("ad")
+
+    pool = WorkerPool("prefill", ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"])
+    try:
+        _, b, c = pool.workers
+        for w in pool.workers:
+            w.healthy = True
+            w.load = common_pb2.LoadReport()
+            w.load.CopyFrom(report)
+        c.load.ClearField("lora_adapters")  # serves the base model only
+        c.load.ClearField("lora_roots")
+        hashes = pool.prompt_hashes(ids, lora_name="ad")
+        assert hashes == engine_hashes
+        assert pool.prompt_hashes(ids) == prompt_block_hashes(ids, eng.fingerprint, 4) != hashes
+        pool.prefix_index.record(c.address, pool.prompt_hashes(ids))  # the base model's KV
+        pool.prefix_index.record(b.address, hashes)
+        b.load.num_running = 2
+        for _ in range(3):
+            picked = pool.pick_for_prefix(hashes, lora_name="ad")
+            assert picked.address == b.address  # busier, but holds the adapter's prefix
+            pool.done(picked)
+    finally:
+        await pool.close()
+        llm.shutdown()

@@ -501,6 +501,7 @@ class LoadReport(_message.Message):
     SPECULATIVE_METHODS_FIELD_NUMBER: _builtins.int
     KV_TRANSPORTS_FIELD_NUMBER: _builtins.int
     LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
+    LORA_ROOTS_FIELD_NUMBER: _builtins.int
     num_running: _builtins.int
     num_waiting: _builtins.int
     kv_cache_usage: _builtins.float
@@ -546,6 +547,13 @@ class LoadReport(_message.Message):
     def lora_adapters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The LoRA adapters it serves (requests name one in lora_name; the gateway's `model`)."""
 
+    @_builtins.property
+    def lora_roots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Each adapter's KV hash root (32 bytes), in lora_adapters' order: an adapter's prompt blocks
+        chain from it (its name and files bound in), so the gateway can route its requests by
+        cached prefix too.
+        """
+
     def __init__(
         self,
         *,
@@ -568,10 +576,11 @@ class LoadReport(_message.Message):
         speculative_methods: _abc.Iterable[Global___SpeculativeMethod.ValueType] | None = ...,
         kv_transports: _abc.Iterable[Global___KvTransportStats] | None = ...,
         lora_adapters: _abc.Iterable[_builtins.str] | None = ...,
+        lora_roots: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "fingerprint", b"fingerprint", "kv_cache_usage", b"kv_cache_usage", "kv_transports", b"kv_transports", "lora_adapters", b"lora_adapters", "num_blocks", b"num_blocks", "num_free_blocks", b"num_free_blocks", "num_leases", b"num_leases", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "speculative_methods", b"speculative_methods", "tier_hit_tokens", b"tier_hit_tokens", "tier_saved_blocks", b"tier_saved_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "fingerprint", b"fingerprint", "kv_cache_usage", b"kv_cache_usage", "kv_transports", b"kv_transports", "lora_adapters", b"lora_adapters", "lora_roots", b"lora_roots", "num_blocks", b"num_blocks", "num_free_blocks", b"num_free_blocks", "num_leases", b"num_leases", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "speculative_methods", b"speculative_methods", "tier_hit_tokens", b"tier_hit_tokens", "tier_saved_blocks", b"tier_saved_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
