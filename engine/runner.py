@@ -143,10 +143,10 @@ def build_model(config: EngineConfig, full: ModelConfig, shard: TensorShard,
                 max_model_len: int, weights: object, dummy_seed: int | None) -> LlamaForCausalLM:
     """The model (or, with tensor parallelism, rank `shard.rank`'s share of it) on `device`,
     its weights loaded (or random for `weights=None`) and quantized as `config` says."""
-    if config.runner.quantization != "none" and full.is_moe:
-        raise ConfigError(f"quantization {config.runner.quantization!r}: the experts of a "
-                          "mixture-of-experts model are not quantized here; serve it unquantized "
-                          "(an fp8 or int8 KV cache works)")
+    if config.runner.quantization == "fp8" and full.is_moe:
+        raise ConfigError("quantization 'fp8' (W8A8): the experts of a mixture-of-experts "
+                          "model are not quantized to fp8 here; use 'int8' (weight-only, experts "
+                          "included) or none (an fp8 or int8 KV cache works either way)")
     use_triton = backend.name == "triton"
     cfg = shard_model_config(full, shard.size)
     with torch.device(device):

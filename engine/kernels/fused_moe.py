@@ -239,6 +239,7 @@ def _moe_gemm_kernel(
     tile_expert_ptr,  # [R / BLOCK_M] int32
     rows_used_ptr,  # [1] int32
     weight_ptr,  # [pairs] float32 routing weights (MUL_WEIGHT)
+    scale_ptr,  # [E, N] float32 per-channel scales of int8 weights (HAS_SCALE)
     num_pairs,
     n_out,
     k_in,
@@ -249,6 +250,7 @@ def _moe_gemm_kernel(
     stride_c,
     GATHER_TOKENS: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -273,13 +275,18 @@ def _moe_gemm_kernel(
     for k0 in range(0, k_in, BLOCK_K):
         k_ok = offs_k < k_in - k0
         a = tl.load(a_ptrs, mask=live[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & (offs_n[None, :] < n_out), other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & (offs_n[None, :] < n_out), other=0)
+        if HAS_SCALE:  # int8 weights: exact in the activations' type (|q| <= 127)
+            w = w.to(a.dtype)
         if UPCAST_DOT:  # the interpreter's bf16 dot is wrong (engine/kernels/_attention_tile.py)
             acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision=DOT_PRECISION)
         else:
             acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr + expert * n_out + offs_n, mask=offs_n < n_out, other=0.0)
+        acc = acc * scale[None, :]
     if MUL_WEIGHT:
         acc = acc * tl.load(weight_ptr + pair, mask=live, other=0.0)[:, None]
     c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_c + offs_n[None, :]
@@ -289,24 +296,34 @@ def _moe_gemm_kernel(
 
 def moe_gemm(a: torch.Tensor, weights: torch.Tensor, layout: PairLayout, top_k: int,
              gather_tokens: bool, routing_weights: torch.Tensor | None = None,
-             tile: MoETile | None = None) -> torch.Tensor:
+             tile: MoETile | None = None, weight_scale: torch.Tensor | None = None
+             ) -> torch.Tensor:
     """C [pairs, N]: row p = a[row of p] @ weights[expert of p].T, times routing_weights[p] when
     given. a: [T, K] token rows (`gather_tokens`: pair p reads row p // top_k) or [pairs, K];
-    weights: [E, N, K] (each expert's `nn.Linear` weight); routing_weights: [pairs] float32."""
+    weights: [E, N, K] (each expert's `nn.Linear` weight), in a's dtype or int8 with
+    `weight_scale` [E, N] float32 (W8A16: each output channel times its scale);
+    routing_weights: [pairs] float32."""
     a = check_tensor("a", a, 2, FLOAT_DTYPES)
-    weights = check_tensor("weights", weights, 3, FLOAT_DTYPES)
-    _, n_out, k_in = weights.shape
+    weights = check_tensor("weights", weights, 3,
+                           (torch.int8,) if weight_scale is not None else FLOAT_DTYPES)
+    num_experts, n_out, k_in = weights.shape
     if a.shape[1] != k_in:
         raise KernelInputError(f"a has {a.shape[1]} columns, the experts take {k_in}")
-    if a.dtype != weights.dtype:
+    if weight_scale is None and a.dtype != weights.dtype:
         raise KernelInputError(f"a is {a.dtype}, weights {weights.dtype}")
+    if weight_scale is not None and (weight_scale.dtype != torch.float32
+                                     or tuple(weight_scale.shape) != (num_experts, n_out)
+                                     or not weight_scale.is_contiguous()):
+        raise KernelInputError(f"weight_scale must be contiguous float32 [{num_experts}, "
+                               f"{n_out}], got {weight_scale.dtype} {tuple(weight_scale.shape)}")
     if a.stride(1) != 1 or weights.stride(2) != 1:
         raise KernelInputError("a and weights must be dense in their last dimension")
     rows = layout.num_pairs // top_k if gather_tokens else layout.num_pairs
     if a.shape[0] != rows:
         raise KernelInputError(f"a has {a.shape[0]} rows, the layout's {layout.num_pairs} "
                                f"pairs need {rows}")
-    check_devices(("a", "weights"), (a, weights))
+    check_devices(("a", "weights", "weight_scale"),
+                  (a, weights, weight_scale if weight_scale is not None else weights))
     out = torch.empty((layout.num_pairs, n_out), dtype=a.dtype, device=a.device)
     if layout.num_pairs == 0:
         return out
@@ -319,9 +336,11 @@ def moe_gemm(a: torch.Tensor, weights: torch.Tensor, layout: PairLayout, top_k: 
     _moe_gemm_kernel[grid](
         a, weights, out, layout.sorted_pairs, layout.tile_expert, layout.rows_used,
         routing_weights if routing_weights is not None else out,
+        weight_scale if weight_scale is not None else out,
         layout.num_pairs, n_out, k_in, top_k,
         a.stride(0), weights.stride(0), weights.stride(1), out.stride(0),
         GATHER_TOKENS=gather_tokens, MUL_WEIGHT=routing_weights is not None,
+        HAS_SCALE=weight_scale is not None,
         DOT_PRECISION=dot_precision(a.dtype), UPCAST_DOT=upcast_dots(a.dtype),
         BLOCK_M=layout.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,
         num_warps=tile.num_warps, num_stages=tile.num_stages)

@@ -42,20 +42,35 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool
 
 
 def experts_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                  weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+                  weights: torch.Tensor, ids: torch.Tensor,
+                  gate_up_scale: torch.Tensor | None = None,
+                  down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The reference: each picked expert's MLP over its tokens, weighted, summed per token in
-    float32. x: [T, H]; gate_up: [E, 2I, H]; down: [E, H, I]; weights, ids: [T, k]."""
+    float32. x: [T, H]; gate_up: [E, 2I, H]; down: [E, H, I]; weights, ids: [T, k]. With scales
+    ([E, 2I], [E, H]) the weights are int8 (W8A16): each output channel's products times its
+    scale, in float32 (as `Int8Linear` computes)."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for expert in torch.unique(ids).tolist():  # reads ids on the host: eager only
         token, pick = torch.nonzero(ids == expert, as_tuple=True)
-        h = nn.functional.linear(x[token], gate_up[expert])
-        y = nn.functional.linear(silu_and_mul(h), down[expert])
+        h = _expert_linear(x[token], gate_up[expert],
+                           None if gate_up_scale is None else gate_up_scale[expert])
+        y = _expert_linear(silu_and_mul(h), down[expert],
+                           None if down_scale is None else down_scale[expert])
         out.index_add_(0, token, y.float() * weights[token, pick, None])
     return out.to(x.dtype)
 
 
+def _expert_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
+                   ) -> torch.Tensor:
+    if scale is None:
+        return nn.functional.linear(x, weight)
+    return (nn.functional.linear(x.float(), weight.float()) * scale).to(x.dtype)
+
+
 def experts_fused(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                   weights: torch.Tensor, ids: torch.Tensor,
+                  gate_up_scale: torch.Tensor | None = None,
+                  down_scale: torch.Tensor | None = None,
                   layout: PairLayout | None = None,
                   tiles: tuple[MoETile, MoETile] | None = None) -> torch.Tensor:
     """`experts_torch` as two Triton grouped GEMMs around SiLU-and-mul: no host reads.
@@ -65,19 +80,43 @@ def experts_fused(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     tokens, top_k = ids.shape
     layout = layout or layout_for(ids, gate_up.shape[0])
     first, second = tiles or (None, None)
-    h = moe_gemm(x, gate_up, layout, top_k, gather_tokens=True, tile=first)
+    h = moe_gemm(x, gate_up, layout, top_k, gather_tokens=True, tile=first,
+                 weight_scale=gate_up_scale)
     y = moe_gemm(fused_silu_and_mul(h), down, layout, top_k, gather_tokens=False,
-                 routing_weights=weights.reshape(-1).contiguous(), tile=second)
+                 routing_weights=weights.reshape(-1).contiguous(), tile=second,
+                 weight_scale=down_scale)
     return y.view(tokens, top_k, -1).sum(dim=1)
 
 
 class MoEExperts(nn.Module):
-    """The stacked experts' weights (names as `transformers` keeps them)."""
+    """The stacked experts' weights (names as `transformers` keeps them); after
+    `quantize_int8`, int8 with a float32 scale per expert and output channel."""
+
+    gate_up_proj: torch.Tensor
+    down_proj: torch.Tensor
+    gate_up_scale: torch.Tensor | None
+    down_scale: torch.Tensor | None
 
     def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.register_buffer("gate_up_scale", None, persistent=False)
+        self.register_buffer("down_scale", None, persistent=False)
+
+    @torch.no_grad()
+    def quantize_int8(self) -> None:
+        """W8A16 (`--quantization int8`), as `Int8Linear` quantizes a dense projection:
+        symmetric, per output channel of each expert."""
+        from engine.model.quant import quantize_weight_int8
+        for name in ("gate_up_proj", "down_proj"):
+            w = getattr(self, name)
+            experts, rows, cols = w.shape
+            q, scale = quantize_weight_int8(w.detach().reshape(experts * rows, cols))
+            delattr(self, name)
+            self.register_buffer(name, q.view(experts, rows, cols), persistent=False)
+            self.register_buffer(name.replace("_proj", "_scale"), scale.view(experts, rows),
+                                 persistent=False)
 
 
 class SharedExpert(nn.Module):
@@ -123,7 +162,8 @@ class SparseMoeBlock(nn.Module):
         else:
             weights, ids = route(self.gate(x), self.top_k, self.renormalise)
         run = experts_fused if self.use_triton else experts_torch
-        out = run(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        e = self.experts
+        out = run(x, e.gate_up_proj, e.down_proj, weights, ids, e.gate_up_scale, e.down_scale)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + self.shared_expert(x, self.shared_expert_gate(x))
         return all_reduce_(out) if self.reduce else out

@@ -151,7 +151,10 @@ def apply_int8_weight_only(model: nn.Module, use_triton: bool) -> int:
     swaps = _linears_to_swap(model)
     for parent, name, linear in swaps:
         setattr(parent, name, Int8Linear(linear, use_triton))
-    return len(swaps)
+    experts = [m for m in model.modules() if hasattr(m, "quantize_int8")]
+    for m in experts:  # a mixture of experts' stacked weights (engine/model/moe.py)
+        getattr(m, "quantize_int8")()  # noqa: B009 - duck-typed: moe.py imports this module
+    return len(swaps) + 2 * len(experts)
 
 
 def _linears_to_swap(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
