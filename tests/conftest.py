@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -163,6 +164,17 @@ def interpreted_kernel_imports() -> Iterator[None]:
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = previous
+
+
+def interpreted_kernels() -> ModuleType:
+    """`engine.kernels` with every kernel module loaded now under the interpreter (they load
+    lazily: a module first touched later, with the interpreter off, would compile for a GPU)."""
+    with interpreted_kernel_imports():
+        from engine import kernels
+
+        for name in kernels.__all__:
+            getattr(kernels, name)
+    return kernels
 
 
 def tiny_llm(path: Path, **kwargs: Any) -> LLM:

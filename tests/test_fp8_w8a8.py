@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import (
     interpret_or_skip,
-    interpreted_kernel_imports,
+    interpreted_kernels,
     run_to_end,
     tiny_llm,
     traces_by_backend,
@@ -23,12 +23,8 @@ from engine.kernels.reference import per_token_quant_fp8_ref
 from engine.model.quant import Fp8Linear, quantize_weight_fp8
 from engine.sampling_params import SamplingParams
 
-with interpreted_kernel_imports():
-    from engine import kernels as K
-    from engine.kernels import quant_fp8
-
-    for _name in K.__all__:  # load every kernel module now, interpreted (they load lazily)
-        getattr(K, _name)
+K = interpreted_kernels()
+from engine.kernels import quant_fp8  # noqa: E402 - loaded (interpreted) above
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 

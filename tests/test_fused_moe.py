@@ -9,16 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import interpret_or_skip, interpreted_kernel_imports, traces_by_backend
+from conftest import interpret_or_skip, interpreted_kernels, traces_by_backend
 
 from engine.model.moe import experts_fused, experts_torch, route
 
-with interpreted_kernel_imports():
-    from engine import kernels as K
-    from engine.kernels import fused_moe
-
-    for _name in K.__all__:  # load every kernel module now, interpreted (they load lazily)
-        getattr(K, _name)
+K = interpreted_kernels()
+from engine.kernels import fused_moe  # noqa: E402 - loaded (interpreted) above
 
 
 @pytest.fixture()

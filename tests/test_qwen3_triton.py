@@ -10,16 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import interpret_or_skip, interpreted_kernel_imports, traces_by_backend
+from conftest import interpret_or_skip, interpreted_kernels, traces_by_backend
 
 from engine.model.layers import RMSNorm
 
-with interpreted_kernel_imports():
-    from engine import kernels as K
-    from engine.kernels import norm as norm_module
-
-    for _name in K.__all__:  # load every kernel module now, interpreted (they load lazily)
-        getattr(K, _name)
+K = interpreted_kernels()
+from engine.kernels import norm as norm_module  # noqa: E402 - loaded (interpreted) above
 
 
 @pytest.fixture()
