@@ -263,6 +263,21 @@ def traces_by_backend(path: Path, prompts: dict[str, list[int]], max_tokens: int
     return out
 
 
+def assert_backends_agree(traces: dict[str, dict[str, Trace]], tol: float,
+                          same_tokens: bool = False) -> None:
+    """`traces_by_backend`'s two engines computed the same logits (within `tol`) for every
+    request, from the same first computed position (a prefix hit's tail on both); with
+    `same_tokens`, sampled the same tokens too."""
+    for rid, want in traces["torch"].items():
+        got = traces["triton"][rid]
+        start = min(got.logits)
+        assert start == min(want.logits), rid
+        torch.testing.assert_close(got.logits_matrix(start), want.logits_matrix(start),
+                                   atol=tol, rtol=tol, msg=rid)
+        if same_tokens:
+            assert got.request.output_token_ids == want.request.output_token_ids, rid
+
+
 # Prompts of the quantized-cache accuracy tests (fp8 and int8 KV against the float32 cache).
 AGREEMENT_TEXTS = ("The capital of France is", "def fibonacci(n):",
                    "Once upon a time, there was a", "The three primary colors are",

@@ -16,6 +16,7 @@ routes the same tokens to the same experts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -146,6 +147,15 @@ class SparseMoeBlock(nn.Module):
         self.renormalise = cfg.norm_topk_prob
         self.reduce = shard.is_split
         self.use_triton = use_triton
+        # The routing and expert functions of this path, resolved once (forward is a step's
+        # hot path): the Triton kernels, or the torch reference.
+        self._route: Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]]
+        self._experts: Callable[..., torch.Tensor]
+        if use_triton:
+            from engine.kernels.fused_moe import route_topk
+            self._route, self._experts = route_topk, experts_fused
+        else:
+            self._route, self._experts = route, experts_torch
         self.gate = Linear(cfg.hidden_size, cfg.num_experts, False)
         self.experts = MoEExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_expert: SharedExpert | None = None
@@ -156,14 +166,10 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = Linear(cfg.hidden_size, 1, False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_triton:
-            from engine.kernels.fused_moe import route_topk
-            weights, ids = route_topk(self.gate(x), self.top_k, self.renormalise)
-        else:
-            weights, ids = route(self.gate(x), self.top_k, self.renormalise)
-        run = experts_fused if self.use_triton else experts_torch
+        weights, ids = self._route(self.gate(x), self.top_k, self.renormalise)
         e = self.experts
-        out = run(x, e.gate_up_proj, e.down_proj, weights, ids, e.gate_up_scale, e.down_scale)
+        out = self._experts(x, e.gate_up_proj, e.down_proj, weights, ids, e.gate_up_scale,
+                            e.down_scale)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + self.shared_expert(x, self.shared_expert_gate(x))
         return all_reduce_(out) if self.reduce else out
