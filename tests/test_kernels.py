@@ -100,9 +100,11 @@ def make_batch(
     )
 
 
-def naive_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
+def naive_attention(batch: PagedBatch, scale: float, window: int = 0, softcap: float = 0.0
+                    ) -> torch.Tensor:
     """Independent oracle: walk every position through the block table by hand, one query row
-    and head at a time, with an explicit causal mask and torch.softmax (float64)."""
+    and head at a time, with an explicit causal (and, given `window`, sliding-window) mask,
+    scores soft-capped by `softcap` (when > 0), and torch.softmax (float64)."""
     q, kv_cache = batch.q, batch.kv_cache
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = q.shape[1] // num_kv_heads
@@ -115,9 +117,12 @@ def naive_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
                                        p % block_size] for p in range(seq_len)]).double()
         for i in range(q_len):
             position = seq_len - q_len + i
-            mask = torch.tensor([p <= position for p in range(seq_len)])
+            mask = torch.tensor([position - window < p <= position if window else p <= position
+                                 for p in range(seq_len)])
             for h in range(q.shape[1]):
                 scores = keys[:, h // group] @ q[start + i, h].double() * scale  # [seq_len]
+                if softcap:
+                    scores = softcap * torch.tanh(scores / softcap)
                 scores = scores.masked_fill(~mask, float("-inf"))
                 out[start + i, h] = torch.softmax(scores, dim=0) @ values[:, h // group]
         start += q_len

@@ -120,14 +120,40 @@ def test_mixed_step_sends_each_fresh_long_prompt_to_sdpa(monkeypatch: pytest.Mon
     assert_close_for(got, want, torch.float32)
 
 
+@pytest.mark.parametrize(("window", "softcap", "sdpa_calls"),
+                         [(49, 0.0, [49, 40]),  # the window hides nothing of either prompt
+                          (40, 0.0, [40]),  # hides the first position from the 49's last token
+                          (13, 0.0, []), (0, 5.0, [])])
+def test_layers_sdpa_cannot_express_send_fresh_prompts_to_the_paged_kernel(
+        monkeypatch: pytest.MonkeyPatch, window: int, softcap: float,
+        sdpa_calls: list[int]) -> None:
+    """Causal SDPA has no sliding window or soft cap: a fresh prompt longer than the layer's
+    window, or any in a capped layer, attends through the paged kernel (its K/V are already in
+    the cache); decodes beside it take the window and the cap too. (Prompts of 40 tokens take
+    SDPA here, to keep the interpreter's work small.)"""
+    monkeypatch.setattr(triton_backend, "MIN_FRESH_PREFILL_TOKENS", 40)
+    calls = _count_sdpa_calls(monkeypatch)
+    md, q, k, v, cache = _step([1, 49, 40], [60, 0, 0], seed=9)
+    want = TorchAttentionBackend().forward(q, k, v, cache.clone(), md, 0.3,
+                                           sliding_window=window, logit_softcap=softcap)
+    got = TritonAttentionBackend().forward(q, k, v, cache, md, 0.3, sliding_window=window,
+                                           logit_softcap=softcap)
+    assert calls == sdpa_calls
+    assert_close_for(got, want, torch.float32)
+    if window < 40 or softcap:  # the layer's attention differs from plain causal attention
+        plain = TorchAttentionBackend().forward(q, k, v, cache.clone(), md, 0.3)
+        assert not torch.allclose(plain, want, atol=1e-4)
+
+
 def test_plan_groups_consecutive_paged_sequences_into_one_run() -> None:
     md = _step([1, 40, 30, LONG, 9, 12], [5, 16, 0, 0, 3, 0], seed=6)[0]
     runs = plan_prefill(md, LONG)
     assert [(r.first, r.last, r.token_start, r.token_end, r.max_query_len, r.sdpa)
             for r in runs] == [(1, 3, 1, 71, 40, False), (3, 4, 71, 71 + LONG, LONG, True),
                                (4, 6, 71 + LONG, 92 + LONG, 12, False)]
-    assert runs[0].query_start_loc is not None and runs[0].query_start_loc.tolist() == [0, 40, 70]
-    assert runs[2].query_start_loc is not None and runs[2].query_start_loc.tolist() == [0, 9, 21]
+    assert runs[0].query_start_loc.tolist() == [0, 40, 70]
+    assert runs[1].query_start_loc.tolist() == [0, LONG]  # an SDPA run has them too
+    assert runs[2].query_start_loc.tolist() == [0, 9, 21]
     assert all(not r.sdpa for r in plan_prefill(md, None))  # SDPA off: every prefill paged
 
 

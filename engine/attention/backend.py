@@ -27,12 +27,14 @@ class PagedAttentionBackend(abc.ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float,
                 kv_scale: tuple[float, float] = (1.0, 1.0), *,
-                rope: RopeInputs | None = None) -> torch.Tensor:
+                rope: RopeInputs | None = None, sliding_window: int = 0,
+                logit_softcap: float = 0.0) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hkv, D] → out [T, H, D]; sequences ordered decodes first.
         With `rope` (a backend that `fuses_rope`), q and k arrive unrotated and are rotated in
-        place; without, already rotated."""
+        place; without, already rotated. `sliding_window` and `logit_softcap`: see `attend`."""
         self.write_kv(q, k, v, kv_cache, md.slot_mapping, kv_scale, rope=rope)
-        return self.attend(q, k, v, kv_cache, md, scale, kv_scale)
+        return self.attend(q, k, v, kv_cache, md, scale, kv_scale,
+                           sliding_window=sliding_window, logit_softcap=logit_softcap)
 
     @abc.abstractmethod
     def write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -45,5 +47,11 @@ class PagedAttentionBackend(abc.ABC):
     @abc.abstractmethod
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                md: AttentionMetadata, scale: float,
-               kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
-        """Attention over the cache `write_kv` filled → [T, H, D]."""
+               kv_scale: tuple[float, float] = (1.0, 1.0), *, sliding_window: int = 0,
+               logit_softcap: float = 0.0) -> torch.Tensor:
+        """Attention over the cache `write_kv` filled → [T, H, D].
+
+        sliding_window W > 0: the query at position p sees only positions p - W < j <= p (W
+        keys, itself included: Mistral's and Gemma's local layers, as `transformers` masks
+        them); 0: every position <= p. logit_softcap c > 0: each scaled score s becomes
+        c * tanh(s / c) before the softmax (Gemma 2); 0: none. Both are per-layer constants."""

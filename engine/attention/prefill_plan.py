@@ -34,9 +34,11 @@ class PrefillRun:
     max_query_len: int
     # A fresh long prompt (then first + 1 == last) through SDPA; else a run of the paged kernel.
     sdpa: bool
-    # Paged runs: the run's query offsets relative to token_start, [last - first + 1] int32 on
-    # the device (made once per step, not once per layer). None for SDPA runs.
-    query_start_loc: torch.Tensor | None
+    # The run's query offsets relative to token_start, [last - first + 1] int32 on the device
+    # (made once per step, not once per layer). SDPA runs have them too: a layer whose
+    # attention SDPA cannot express (a sliding window shorter than the prompt, soft-capped
+    # scores) sends its fresh prompt to the paged kernel.
+    query_start_loc: torch.Tensor
 
 
 def plan_prefill(md: AttentionMetadata, sdpa_min_tokens: int | None) -> tuple[PrefillRun, ...]:
@@ -49,23 +51,21 @@ def plan_prefill(md: AttentionMetadata, sdpa_min_tokens: int | None) -> tuple[Pr
     runs: list[PrefillRun] = []
     paged_from = -1  # first sequence of the open paged run, or -1
 
-    def close_paged(end: int) -> None:
-        a, b = qsl[paged_from], qsl[end]
-        offsets = md.query_start_loc[paged_from:end + 1]
-        runs.append(PrefillRun(
-            paged_from, end, a, b,
-            max(qsl[i + 1] - qsl[i] for i in range(paged_from, end)), False,
-            offsets - a if a else offsets))
+    def run(first: int, last: int, sdpa: bool) -> PrefillRun:
+        a, b = qsl[first], qsl[last]
+        offsets = md.query_start_loc[first:last + 1]
+        return PrefillRun(first, last, a, b, max(qsl[i + 1] - qsl[i] for i in range(first, last)),
+                          sdpa, offsets - a if a else offsets)
 
     for i in range(md.num_decodes, num_seqs):
         q_len = qsl[i + 1] - qsl[i]
         if sdpa_min_tokens is not None and q_len >= sdpa_min_tokens and seq_lens[i] == q_len:
             if paged_from >= 0:
-                close_paged(i)
+                runs.append(run(paged_from, i, False))
                 paged_from = -1
-            runs.append(PrefillRun(i, i + 1, qsl[i], qsl[i + 1], q_len, True, None))
+            runs.append(run(i, i + 1, True))
         elif paged_from < 0:
             paged_from = i
     if paged_from >= 0:
-        close_paged(num_seqs)
+        runs.append(run(paged_from, num_seqs, False))
     return tuple(runs)

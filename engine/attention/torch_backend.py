@@ -73,23 +73,26 @@ class TorchAttentionBackend(PagedAttentionBackend):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                md: AttentionMetadata, scale: float,
-               kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+               kv_scale: tuple[float, float] = (1.0, 1.0), *, sliding_window: int = 0,
+               logit_softcap: float = 0.0) -> torch.Tensor:
         """The second half of `forward`: attention over the cache `write_kv` filled."""
         scales = kv_scale if is_quantized(kv_cache) else (1.0, 1.0)
         out = torch.empty_like(q)
         nd = md.num_decodes
         if nd > 0:
-            out[:nd] = self._decode(q[:nd], kv_cache, md, nd, scale, scales)
+            out[:nd] = self._decode(q[:nd], kv_cache, md, nd, scale, scales, sliding_window,
+                                    logit_softcap)
         qsl, sl = md.query_start_loc_cpu, md.seq_lens_cpu
         for b in range(nd, len(sl)):
             s, e = qsl[b], qsl[b + 1]
             kb, vb = _gather_kv(kv_cache, md.block_tables[b], sl[b], scales)
-            out[s:e] = _causal_attention(q[s:e], kb, vb, scale)
+            out[s:e] = _causal_attention(q[s:e], kb, vb, scale, sliding_window, logit_softcap)
         return out
 
     @staticmethod
     def _decode(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, nd: int,
-                scale: float, scales: tuple[float, float]) -> torch.Tensor:
+                scale: float, scales: tuple[float, float], window: int, softcap: float
+                ) -> torch.Tensor:
         # q: [B, H, D]; one query per sequence at the last position.
         block_size = kv_cache.shape[2]
         max_len = max(md.seq_lens_cpu[:nd])
@@ -99,29 +102,43 @@ class TorchAttentionBackend(PagedAttentionBackend):
         if is_quantized(kv_cache):
             kv = torch.stack((dequantize_kv(kv[0], scales[0]), dequantize_kv(kv[1], scales[1])))
         kv = kv.reshape(2, nd, n * block_size, *kv_cache.shape[3:]).transpose(2, 3)
-        hq, hkv = q.shape[1], kv.shape[2]
         k, v = kv[0], kv[1]                                        # [B, Hkv, L, D]
-        if hq != hkv:
-            k = k.repeat_interleave(hq // hkv, dim=1)
-            v = v.repeat_interleave(hq // hkv, dim=1)
         pos = torch.arange(n * block_size, device=q.device)
-        mask = (pos[None, :] < md.seq_lens[:nd, None])[:, None, None, :]  # [B, 1, 1, L]
+        lens = md.seq_lens[:nd, None]
+        visible = pos[None, :] < lens                              # [B, L]
+        if window > 0:
+            visible &= pos[None, :] >= lens - window
         dt = torch.float32 if q.dtype != torch.float32 else q.dtype
-        o = F.scaled_dot_product_attention(q[:, :, None].to(dt), k.to(dt), v.to(dt),
-                                           attn_mask=mask, scale=scale)  # [B, H, 1, D]
+        o = _attention(q[:, :, None].to(dt), k.to(dt), v.to(dt), visible[:, None, None, :],
+                       scale, softcap)                            # [B, H, 1, D]
         return o[:, :, 0].to(q.dtype)
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-                      ) -> torch.Tensor:
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+               scale: float, softcap: float) -> torch.Tensor:
+    """softmax(cap(q k^T * scale) masked to `visible`) v over heads [..., H, Lq, D] /
+    [..., Hkv, Lk, D] (grouped-query heads expanded here); SDPA unless scores are soft-capped,
+    which SDPA cannot express."""
+    hq, hkv = q.shape[-3], k.shape[-3]
+    if hq != hkv:
+        k = k.repeat_interleave(hq // hkv, dim=-3)
+        v = v.repeat_interleave(hq // hkv, dim=-3)
+    if softcap <= 0.0:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
+    scores = softcap * torch.tanh(q @ k.transpose(-1, -2) * (scale / softcap))
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q: [Lq, H, D] at the last Lq of Lk positions; k/v: [Lk, Hkv, D] → [Lq, H, D]."""
     lq, lk = q.shape[0], k.shape[0]
-    hq, hkv = q.shape[1], k.shape[1]
-    if hq != hkv:
-        k = k.repeat_interleave(hq // hkv, dim=1)
-        v = v.repeat_interleave(hq // hkv, dim=1)
     qpos = torch.arange(lk - lq, lk, device=q.device)
-    mask = torch.arange(lk, device=q.device)[None, :] <= qpos[:, None]  # [Lq, Lk]
-    o = F.scaled_dot_product_attention(
-        q.transpose(0, 1).float(), k.transpose(0, 1).float(), v.transpose(0, 1).float(),
-        attn_mask=mask, scale=scale)
+    kpos = torch.arange(lk, device=q.device)
+    visible = kpos[None, :] <= qpos[:, None]  # [Lq, Lk]
+    if window > 0:
+        visible &= kpos[None, :] > qpos[:, None] - window
+    o = _attention(q.transpose(0, 1).float(), k.transpose(0, 1).float(),
+                   v.transpose(0, 1).float(), visible, scale, softcap)
     return o.transpose(0, 1).to(q.dtype)

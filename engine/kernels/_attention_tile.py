@@ -63,6 +63,7 @@ import triton.language as tl
 
 from engine.kernels._checks import (
     FP8_KV_DTYPE,
+    check_softcap,
     cuda_capability_at_least,
     interpret_mode,
     is_quantized_kv,
@@ -98,6 +99,8 @@ def attend_kv_tile(
     KV_CVT: tl.constexpr = 0,  # a `KvCvt`: where one-byte K/V become fp16 (Q_PRESCALED only)
     q_scale=None,  # [M] float32, QK_INT8 only: q = q_scale * q (int8), prescaled
     QK_INT8: tl.constexpr = False,  # int8 cache: the QK dot on int8 q and the int8 K tile as read
+    WINDOW: tl.constexpr = 0,  # > 0: row r sees only positions > q_pos[r] - WINDOW (read q_pos)
+    SOFTCAP: tl.constexpr = 0.0,  # > 0: log2-domain scores s become SOFTCAP * tanh(s / SOFTCAP)
 ):
     pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     dims = tl.arange(0, HEAD_DIM)
@@ -126,18 +129,33 @@ def attend_kv_tile(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, BLOCK_N]
         if not Q_PRESCALED:
             s = s * qk_scale
+    if SOFTCAP > 0.0:
+        s = soft_cap(s, SOFTCAP)
     if CAUSAL:
         visible = pos[None, :] <= q_pos[:, None]
+        if BOUNDS_MASK:
+            visible = visible & in_bounds[None, :]
+        if WINDOW > 0:
+            visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
+        s = tl.where(visible, s, float("-inf"))
+    elif WINDOW > 0:
+        visible = pos[None, :] > q_pos[:, None] - WINDOW
         if BOUNDS_MASK:
             visible = visible & in_bounds[None, :]
         s = tl.where(visible, s, float("-inf"))
     elif BOUNDS_MASK:
         s = tl.where(in_bounds[None, :], s, float("-inf"))
-    # Every caller guarantees each real row sees >= 1 position in its first tile, so m_new is
-    # finite for real rows from then on and exp2(-inf - m_new) = 0 for masked entries.
     m_new = tl.maximum(m_i, reduce_max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    # Without a window every caller guarantees each real row sees >= 1 position in its first
+    # tile, so m_new is finite for real rows from then on and exp2(-inf - m_new) = 0 for masked
+    # entries. With one a row may see nothing of a tile, even of a whole split, when its window
+    # starts past them: its max stays -inf, and exponents are taken against 0 instead, so its
+    # masked entries weigh 0 rather than NaN.
+    m_exp = m_new
+    if WINDOW > 0:
+        m_exp = tl.where(m_new > float("-inf"), m_new, 0.0)
+    alpha = tl.exp2(m_i - m_exp)
+    p = tl.exp2(s - m_exp[:, None])
     l_i = l_i * alpha + reduce_sum(p, 1)
     if BOUNDS_MASK:
         v = tl.load(v_head_ptr + kv_off, mask=in_bounds[:, None], other=0.0)
@@ -153,6 +171,21 @@ def attend_kv_tile(
         v = v.to(tl.float32)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
+
+
+@triton.jit
+def soft_cap(s, cap):
+    """cap * tanh(s / cap), tanh through exp2 (the interpreter has no tanh): 1 - 2 / (e^2x + 1)
+    saturates to +-1 without overflow (exp2 of a large x is inf, 2 / inf is 0). The scores are
+    in the log2 domain, so the host passes the cap times log2(e) (`log2_softcap`)."""
+    e = tl.exp2(s * (2.8853900817779268 / cap))  # 2 log2(e) / cap: exp2(2 x log2 e) = e^2x
+    return cap * (1.0 - 2.0 / (e + 1.0))
+
+
+def log2_softcap(softcap: object) -> float:
+    """A soft cap on natural-log scores (checked) as the kernels apply it to log2-domain scores
+    (s2 = s * log2(e), so cap * tanh(s / cap) * log2(e) = cap2 * tanh(s2 / cap2)); 0 stays 0."""
+    return check_softcap(softcap) * LOG2E
 
 
 @triton.jit

@@ -151,6 +151,21 @@ def check_positive_int(name: str, value: object) -> int:
     return value
 
 
+def check_window(value: object) -> int:
+    """Check a sliding window: a Python int >= 0 (0: none), a per-layer constant."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise KernelInputError(f"sliding_window must be a Python int >= 0, got {value!r}")
+    return value
+
+
+def check_softcap(value: object) -> float:
+    """Check a logit soft cap: a finite Python number >= 0 (0: none)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (
+            0.0 <= float(value) < float("inf")):
+        raise KernelInputError(f"logit_softcap must be a finite Python float >= 0, got {value!r}")
+    return float(value)
+
+
 def check_scale(scale: object) -> float:
     """Check the softmax scale is a positive finite Python number."""
     if isinstance(value := scale, bool) or not isinstance(value, int | float):

@@ -57,6 +57,7 @@ from engine.kernels._attention_tile import (
     attend_kv_tile,
     fp16_scaled_q,
     int8_scaled_q,
+    log2_softcap,
     tile_dots,
 )
 from engine.kernels._checks import (
@@ -75,6 +76,7 @@ from engine.kernels._checks import (
     check_scale,
     check_shape,
     check_tensor,
+    check_window,
     interpret_mode,
     is_quantized_kv,
     next_power_of_2,
@@ -141,6 +143,8 @@ def _decode_split_kernel(
     USE_PDL: tl.constexpr,
     QUERY_LEN: tl.constexpr = 1,  # query tokens per sequence (q, out: [B * QUERY_LEN, H, D])
     QK_INT8: tl.constexpr = False,  # int8 cache: QK dot on int8 (see `DecodeTiles.qk_int8`)
+    WINDOW: tl.constexpr = 0,  # sliding window (0: none); see `paged_decode_attention`
+    SOFTCAP: tl.constexpr = 0.0,  # log2-domain score cap (0: none)
 ):
     pdl_wait(USE_PDL)  # everything below reads what earlier kernels wrote
     pdl_release(USE_PDL)
@@ -155,8 +159,10 @@ def _decode_split_kernel(
     # Positions every token of the sequence sees; the splits cut these, and the last
     # non-empty split also takes the rest (each token's own causal tail).
     shared_len = seq_len - (QUERY_LEN - 1)
-    split_len = ceil_div(ceil_div(shared_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    # With a window the first token sees only the last WINDOW of them: the splits cut those.
+    lo = tl.maximum(shared_len - WINDOW, 0) if WINDOW > 0 else 0
+    split_len = ceil_div(ceil_div(shared_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * split_len
     end = tl.minimum(start + split_len, shared_len)
     if QUERY_LEN > 1:
         end = tl.where((start < shared_len) & (end == shared_len), seq_len, end)
@@ -189,7 +195,7 @@ def _decode_split_kernel(
             acc, l_i, m_i, q, q_pos, n0, end, block_table_ptr, k_head_ptr, v_head_ptr,
             qk_scale, stride_cache_block, stride_cache_tok, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
             True, QUERY_LEN > 1, DOT_PRECISION, UPCAST_DOT, F16_DOTS, KV_CVT, q_scale,
-            QK_INT8,
+            QK_INT8, WINDOW, SOFTCAP,
         )
     if KV_QUANT:
         acc = acc * load_scale(v_scale, SCALE_IS_PTR)
@@ -431,6 +437,8 @@ def paged_decode_attention(
     v_scale: float | torch.Tensor | None = None,
     tiles: DecodeTiles | None = None,
     query_len: int = 1,
+    sliding_window: int = 0,
+    logit_softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of `query_len` new tokens per sequence over its paged KV (causal among them);
     returns `out [B * query_len, H, D]`.
@@ -447,6 +455,9 @@ def paged_decode_attention(
     out: optional contiguous `[B, H, D]` buffer in q's dtype (written entirely, returned).
     num_splits: force the split count; by default chosen from `max_seq_len` (a host int bound
     on `seq_lens`, default `max_blocks * BS`) and the batch size to fill the GPU.
+    sliding_window: W > 0 lets the token at position p see only positions p - W < j <= p (the
+    splits then cut the last W + query_len - 1 positions, not the whole context); 0: all.
+    logit_softcap: c > 0 caps each scaled score s at c * tanh(s / c) before the softmax.
     Mutates only `out` (and the cached split counters, which every launch leaves at zero, so
     launches must not overlap on different streams). No host syncs: CUDA-graph capturable for
     fixed shapes and bounds (a `B * Hkv` above `MIN_SPLIT_COUNTERS` must first run once
@@ -483,6 +494,10 @@ def paged_decode_attention(
         out = check_out(out, (batch * query_len, num_heads, head_dim), q.dtype, q.device)
     bound = block_tables.shape[1] * block_size if max_seq_len is None else max_seq_len
     bound = check_positive_int("max_seq_len", bound)
+    window = check_window(sliding_window)
+    if window:  # what a sequence's tokens see of it at most
+        bound = min(bound, window + query_len - 1)
+    softcap = log2_softcap(logit_softcap)
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, bound, device_num_sms(q.device),
                                        query_len)
@@ -496,7 +511,7 @@ def paged_decode_attention(
     if tiles is None:
         tiles = choose_decode_tiles(head_dim, kv_cache.dtype, num_splits)
     _launch(q, kv_cache, block_tables, seq_lens, qk_scale, out, num_splits, kv_scales, tiles,
-            query_len)
+            query_len, window, softcap)
     return out
 
 
@@ -511,6 +526,8 @@ def _launch(
     kv_scales: tuple[KvScale, KvScale],
     tiles: DecodeTiles,
     query_len: int = 1,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     rows, num_heads, head_dim = q.shape
     batch = rows // query_len
@@ -556,6 +573,8 @@ def _launch(
         USE_PDL=pdl,
         QUERY_LEN=query_len,
         QK_INT8=tiles.qk_int8 and kv_cache.dtype == torch.int8 and dots.f16,
+        WINDOW=window,
+        SOFTCAP=softcap,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
         maxnreg=tiles.maxnreg,

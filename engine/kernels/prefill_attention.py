@@ -32,6 +32,7 @@ from engine.kernels._attention_tile import (
     KvCvt,
     attend_kv_tile,
     fp16_scaled_q,
+    log2_softcap,
     tile_dots,
 )
 from engine.kernels._checks import (
@@ -49,11 +50,12 @@ from engine.kernels._checks import (
     check_scale,
     check_shape,
     check_tensor,
+    check_window,
     interpret_mode,
     is_quantized_kv,
     next_power_of_2,
 )
-from engine.kernels._tl import load_scale
+from engine.kernels._tl import ceil_div, load_scale
 
 
 # Per-step values are not specialised on (`do_not_specialize`): Triton would otherwise compile
@@ -92,6 +94,8 @@ def _prefill_kernel(
     F16_DOTS: tl.constexpr,  # quantized cache, 16-bit q: fp16 tile dots on a prescaled q
     KV_CVT: tl.constexpr,  # an `KvCvt` (F16_DOTS only)
     SCALE_IS_PTR: tl.constexpr,
+    WINDOW: tl.constexpr = 0,  # sliding window (0: none); see `paged_prefill_attention`
+    SOFTCAP: tl.constexpr = 0.0,  # log2-domain score cap (0: none)
 ):
     m_tile = num_m_tiles - 1 - tl.program_id(0)  # heaviest (last) tiles first
     head = tl.program_id(1)
@@ -126,21 +130,39 @@ def _prefill_kernel(
 
     # Phase 1: tiles whose last position <= the first row's position (ctx_len + m0): no mask.
     full_end = ((ctx_len + m0 + 1) // BLOCK_N) * BLOCK_N
-    for n0 in range(0, full_end, BLOCK_N):
+    full_start = 0
+    if WINDOW > 0:
+        # Phase 0: from the tile holding the first row's first visible position up to the
+        # first tile every row sees whole (positions >= the last row's position - WINDOW + 1),
+        # masked by the window (and causally, where that range reaches the diagonal).
+        first_tile = (tl.maximum(ctx_len + m0 - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N
+        full_start = ceil_div(tl.maximum(ctx_len + m0 + BLOCK_M - WINDOW, 0), BLOCK_N) * BLOCK_N
+        full_start = tl.maximum(full_start, first_tile)
+        for n0 in range(first_tile, full_start, BLOCK_N):
+            acc, l_i, m_i = attend_kv_tile(
+                acc, l_i, m_i, q, q_pos, n0, seq_len, block_table_ptr, k_head_ptr, v_head_ptr,
+                qk_scale, stride_cache_block, stride_cache_tok, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
+                True, True, DOT_PRECISION, UPCAST_DOT, F16_DOTS, KV_CVT, None, False, WINDOW,
+                SOFTCAP,
+            )
+    for n0 in range(full_start, full_end, BLOCK_N):
         acc, l_i, m_i = attend_kv_tile(
             acc, l_i, m_i, q, q_pos, n0, seq_len, block_table_ptr, k_head_ptr, v_head_ptr,
             qk_scale, stride_cache_block, stride_cache_tok, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
-            False, False, DOT_PRECISION, UPCAST_DOT, F16_DOTS, KV_CVT,
+            False, False, DOT_PRECISION, UPCAST_DOT, F16_DOTS, KV_CVT, None, False, 0, SOFTCAP,
         )
     # Phase 2: the diagonal, up to the last row's position (bounded by seq_len).
     kv_end = tl.minimum(seq_len, ctx_len + m0 + BLOCK_M)
-    for n0 in range(full_end, kv_end, BLOCK_N):
+    for n0 in range(tl.maximum(full_end, full_start), kv_end, BLOCK_N):
         acc, l_i, m_i = attend_kv_tile(
             acc, l_i, m_i, q, q_pos, n0, seq_len, block_table_ptr, k_head_ptr, v_head_ptr,
             qk_scale, stride_cache_block, stride_cache_tok, BLOCK_SIZE, HEAD_DIM, BLOCK_N,
-            True, True, DOT_PRECISION, UPCAST_DOT, F16_DOTS, KV_CVT,
+            True, True, DOT_PRECISION, UPCAST_DOT, F16_DOTS, KV_CVT, None, False, WINDOW,
+            SOFTCAP,
         )
 
+    if WINDOW > 0:  # padding rows past the sequence may see nothing of its window
+        l_i = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_i[:, None]  # every real row saw >= 1 position, so l_i > 0 there
     if KV_QUANT:
         o = o * load_scale(v_scale, SCALE_IS_PTR)
@@ -191,6 +213,8 @@ def paged_prefill_attention(
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
     tiles: PrefillTiles | None = None,
+    sliding_window: int = 0,
+    logit_softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal varlen attention of `q [T, H, D]` over paged KV; returns `out [T, H, D]`.
 
@@ -201,6 +225,9 @@ def paged_prefill_attention(
     q's dtype is the cache's, or fp32/fp16/bf16 for an fp8 or int8 cache, whose values times
     k_scale/v_scale (None = 1.0; Python floats or one-element float32 tensors) are K and V.
     tiles: override the tuned choice (`choose_prefill_tiles`), for sweeps and tests.
+    sliding_window: W > 0 lets the query at position p see only positions p - W < j <= p (tiles
+    wholly before a query tile's windows are skipped); 0: all. logit_softcap: c > 0 caps each
+    scaled score s at c * tanh(s / c) before the softmax.
     Mutates only `out`. No host syncs.
     """
     _, block_size, num_kv_heads, head_dim = check_kv_cache(kv_cache)
@@ -237,6 +264,8 @@ def paged_prefill_attention(
     vs = check_kv_scale("v_scale", v_scale, kv_cache.dtype, kv_cache.device)
     if isinstance(ks, torch.Tensor) != isinstance(vs, torch.Tensor):
         raise KernelInputError("k_scale and v_scale must both be floats or both be tensors")
+    window = check_window(sliding_window)
+    softcap = log2_softcap(logit_softcap)
     if num_tokens == 0 or batch == 0:
         return out
     if tiles is None:
@@ -261,6 +290,8 @@ def paged_prefill_attention(
         F16_DOTS=dots.f16,
         KV_CVT=int(dots.kv_cvt),
         SCALE_IS_PTR=isinstance(ks, torch.Tensor),
+        WINDOW=window,
+        SOFTCAP=softcap,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

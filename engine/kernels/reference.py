@@ -103,12 +103,15 @@ def paged_attention_ref(
     scale: float,
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
+    sliding_window: int = 0,
+    logit_softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal varlen attention over a paged cache; returns `[T, H, D]` in q's dtype.
 
     Query token `i` of sequence `b` sits at KV position `seq_len_b - q_len_b + i` and attends to
-    KV positions `<=` it. A sequence with `seq_len == 0` yields zeros. A quantized (fp8 or
-    int8) cache is dequantized with k_scale / v_scale first.
+    KV positions `<=` it (and, with `sliding_window` W > 0, `> ` it minus W). A sequence with
+    `seq_len == 0` yields zeros. A quantized (fp8 or int8) cache is dequantized with
+    k_scale / v_scale first. `logit_softcap` c > 0: scaled scores s become c * tanh(s / c).
     """
     if kv_cache.dtype in QUANT_KV_DTYPES:
         kv_cache = dequantize_kv_ref(kv_cache, k_scale, v_scale)
@@ -125,10 +128,14 @@ def paged_attention_ref(
         v = v.float().repeat_interleave(group, dim=1)
         qb = q[q_begin:q_end].float()  # [L, H, D]
         scores = torch.einsum("lhd,shd->hls", qb, k) * scale  # [H, L, S]
+        if logit_softcap > 0.0:
+            scores = logit_softcap * torch.tanh(scores / logit_softcap)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         kv_pos = torch.arange(seq_len, device=q.device)
-        causal = kv_pos[None, :] <= q_pos[:, None]  # [L, S]
-        scores = scores.masked_fill(~causal, float("-inf"))
+        visible = kv_pos[None, :] <= q_pos[:, None]  # [L, S]
+        if sliding_window > 0:
+            visible &= kv_pos[None, :] > q_pos[:, None] - sliding_window
+        scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_begin:q_end] = torch.einsum("hls,shd->lhd", probs, v).to(q.dtype)
     return out
@@ -142,12 +149,14 @@ def paged_decode_attention_ref(
     scale: float,
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
+    sliding_window: int = 0,
+    logit_softcap: float = 0.0,
 ) -> torch.Tensor:
     """Decode attention: one query token per sequence (`q: [B, H, D]`) at position seq_len-1."""
     batch = q.shape[0]
     query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
     return paged_attention_ref(q, kv_cache, query_start_loc, seq_lens, block_tables, scale,
-                               k_scale, v_scale)
+                               k_scale, v_scale, sliding_window, logit_softcap)
 
 
 def rms_norm_ref(
@@ -232,3 +241,11 @@ def per_token_quant_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_E4M3_MAX).clamp(min=FP8_MIN_SCALE)
     q = (xf / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return q, scale
+
+
+def gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """`gelu(x[:, :I], approximate="tanh") * x[:, I:]` computed in float32, returned in x's
+    dtype `[T, I]` (transformers' `gelu_pytorch_tanh`, Gemma's MLP)."""
+    inter = x.shape[-1] // 2
+    gate, up = x[..., :inter].float(), x[..., inter:].float()
+    return (F.gelu(gate, approximate="tanh") * up).to(x.dtype)
