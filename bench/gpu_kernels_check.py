@@ -70,6 +70,14 @@ REAL = Shapes(
     varlen_prefixes=(0, 3072, 2048, 100, 5000, 1000, 63, 512),
     elementwise_tokens=4096,
 )
+# Gemma-2-9B's attention (head_dim 256; its local layers' 4,096-position window, scores capped
+# at 50): the `window` part's shapes.
+GEMMA2 = Shapes(
+    num_heads=16, num_kv_heads=8, head_dim=256, block_size=16, hidden=3584, intermediate=14336,
+    decode_batches=(1, 64), decode_contexts=(8192,), prefill_len=8192,
+    varlen_q_lens=(2048, 1, 512, 1), varlen_prefixes=(4096, 6000, 3000, 100),
+    elementwise_tokens=4096, vocab=256000,
+)
 TINY = Shapes(
     num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, hidden=64, intermediate=96,
     decode_batches=(1, 3), decode_contexts=(40,),
@@ -94,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rep-ms", type=int, default=100, help="do_bench repetition time (ms)")
     parser.add_argument("--only", default="",
                         help="comma-separated subset of: decode,prefill,elementwise,graph,gemv,fp8,"
-                             "int8kv,int8,verify,w8a8")
+                             "int8kv,int8,verify,w8a8,window")
     return parser.parse_args(argv)
 
 
@@ -369,6 +377,44 @@ class Checker:
         kv_bytes = (batch * context * self.s.num_kv_heads * self.s.head_dim * 2
                     * b.kv_cache.element_size())
         result["decode_kernel_gb_per_s"] = kv_bytes / (result["decode_kernel_ms"] * 1e-3) / 1e9
+        return result
+
+    def windowed(self, q_lens: list[int], prefixes: list[int], window: int, softcap: float
+                 ) -> dict[str, Any]:
+        """Sliding-window, soft-capped attention (a Gemma 2 local layer) against the reference:
+        all single-token rows through the split decode kernel, uniform multi-token rows through
+        it as a verify step, anything else through the paged prefill kernel; timed, with the
+        bytes a windowed decode reads (at most `window` positions a sequence)."""
+        from engine.kernels import paged_decode_attention, paged_prefill_attention
+        from engine.kernels.reference import paged_attention_ref
+
+        b = self.varlen_batch(q_lens, prefixes, lambda num_blocks: make_cache(
+            num_blocks, self.s, self.dtype, self.device, self.gen))
+        uniform = len(set(q_lens)) == 1
+        kernel = "decode" if uniform else "prefill"
+
+        def call() -> None:
+            if uniform:
+                paged_decode_attention(b.q, b.kv_cache, b.block_tables, b.seq_lens, b.scale,
+                                       out=b.out, query_len=q_lens[0], sliding_window=window,
+                                       logit_softcap=softcap)
+            else:
+                paged_prefill_attention(b.q, b.kv_cache, b.qsl, b.seq_lens, b.block_tables,
+                                        b.scale, max(q_lens), out=b.out, sliding_window=window,
+                                        logit_softcap=softcap)
+
+        call()
+        ref = paged_attention_ref(b.q, b.kv_cache, b.qsl, b.seq_lens, b.block_tables, b.scale,
+                                  sliding_window=window, logit_softcap=softcap)
+        result = verdict({"kernel": kernel, "q_lens": q_lens[:8], "batch": len(q_lens),
+                          "prefixes": prefixes[:8], "sliding_window": window,
+                          "logit_softcap": softcap, **errors(b.out, ref)}, self.dtype)
+        del ref
+        result["ms"] = self.timer(call)
+        if uniform:
+            seen = sum(min(p + n, window + n - 1) for p, n in zip(prefixes, q_lens, strict=True))
+            kv_bytes = seen * self.s.num_kv_heads * self.s.head_dim * 2 * b.kv_cache.element_size()
+            result["gb_per_s"] = kv_bytes / (result["ms"] * 1e-3) / 1e9
         return result
 
     # -- prefill -----------------------------------------------------------------------
@@ -830,6 +876,8 @@ def run_all(checker: Checker, only: set[str]) -> None:
                     return checker.int8_linear(r, n_, k_)
 
                 checker.run(f"int8_{label}_m{rows}", one_int8)
+    if want("window"):
+        run_windowed(checker)
     for part, kv_dtype in (("fp8", torch.float8_e4m3fn), ("int8kv", torch.int8)):
         if not want(part):
             continue
@@ -839,6 +887,29 @@ def run_all(checker: Checker, only: set[str]) -> None:
                 checker.decode_quant, s.decode_batches[-1], context, kv_dtype))
         checker.run(f"prefill_{part}_varlen_prefix", functools.partial(
             checker.prefill_quant, list(s.varlen_q_lens), list(s.varlen_prefixes), kv_dtype))
+
+
+def run_windowed(checker: Checker) -> None:
+    """The `window` part: Gemma-2-9B-shaped attention (tiny shapes in --dry-run) with a sliding
+    window and capped scores: decodes at a context twice the window, a verify step, a fresh
+    prompt twice the window and a chunked prefill with decodes mixed in."""
+    real = checker.device.type == "cuda"
+    saved, checker.s = checker.s, GEMMA2 if real else TINY
+    window, cap = (4096, 50.0) if real else (24, 5.0)
+    ctx = 2 * window
+    s = checker.s
+    try:
+        for batch in s.decode_batches:
+            checker.run(f"window_decode_b{batch}_ctx{ctx}", functools.partial(
+                checker.windowed, [1] * batch, [ctx - 1] * batch, window, cap))
+        checker.run(f"window_verify_q5_b8_ctx{ctx}", functools.partial(
+            checker.windowed, [5] * 8, [ctx - 5] * 8, window, cap))
+        checker.run(f"window_prefill_{ctx}", functools.partial(
+            checker.windowed, [ctx, 1], [0, 3], window, cap))
+        checker.run("window_prefill_varlen_prefix", functools.partial(
+            checker.windowed, list(s.varlen_q_lens), list(s.varlen_prefixes), window, cap))
+    finally:
+        checker.s = saved
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -856,7 +927,7 @@ def main(argv: list[str] | None = None) -> int:
         shapes = REAL
     only = {p.strip() for p in args.only.split(",") if p.strip()}
     unknown = only - {"decode", "prefill", "elementwise", "graph", "gemv", "fp8", "int8kv", "int8",
-                      "verify", "w8a8"}
+                      "verify", "w8a8", "window"}
     if unknown:
         print(f"--only: unknown parts {sorted(unknown)}", file=sys.stderr)
         return 2
