@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 Role = Literal["colocated", "prefill", "decode"]
 BlockAllocation = Literal["auto", "lru", "runs"]
@@ -23,10 +23,17 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and what is allowed."""
 
 
+HiddenAct = Literal["silu", "gelu_pytorch_tanh"]
+HIDDEN_ACTS: tuple[HiddenAct, ...] = get_args(HiddenAct)
+SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' `layer_types` values
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Architecture of a Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, Phi-3/Phi-4,
-    SmolLM2), or of one whose MLPs are mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE).
+    SmolLM2, Gemma 2, Gemma 3 text), or of one whose MLPs are mixtures of experts (Mixtral,
+    Qwen2-MoE, Qwen3-MoE).
 
     Field names follow Hugging Face `config.json` so `from_hf_dict` is a thin mapping.
     """
@@ -46,10 +53,25 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2-style q/k/v bias
-    qk_norm: bool = False         # Qwen3-style RMSNorm over each head of q and k, before RoPE
+    qk_norm: bool = False         # Qwen3, Gemma 3: RMSNorm over each head of q and k, pre-RoPE
     mlp_bias: bool = False
-    # Mistral v0.1-style sliding-window attention; only exact while contexts fit the window.
+    # Sliding-window attention: the layers `layer_types` marks SLIDING see the last
+    # `sliding_window` positions (themselves included), the others every position. Both unset
+    # (None, ()) when no layer slides; else `layer_types` names every layer (`from_hf_dict`
+    # derives it as transformers does: Mistral all layers, Qwen2 from max_window_layers on,
+    # Gemma 2 every other one, Gemma 3 five of six).
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    hidden_act: HiddenAct = "silu"  # the gated MLP's activation (Gemma: GELU, tanh approximated)
+    # Gemma: scores become c * tanh(s / c) before the softmax (attention, Gemma 2) and the
+    # logits likewise (final); 0: off.
+    attn_logit_softcapping: float = 0.0
+    final_logit_softcapping: float = 0.0
+    # Gemma: attention scale query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5).
+    query_pre_attn_scalar: int | None = None
+    # Gemma 3: RoPE theta of the sliding layers, unscaled (the others use rope_theta and
+    # rope_scaling); None: every layer uses rope_theta.
+    rope_local_base_freq: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Mixture of experts (Mixtral, Qwen3-MoE); num_experts 0: every MLP is dense. A sparse
@@ -78,6 +100,7 @@ class ModelConfig:
         "MixtralForCausalLM",
         "Qwen2MoeForCausalLM",
         "Qwen3MoeForCausalLM",
+        *GEMMA_ARCHITECTURES,
     )
     MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -89,36 +112,27 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict[str, Any], weights_id: str = "") -> ModelConfig:
         archs = d.get("architectures") or ["LlamaForCausalLM"]
         arch = archs[0]
+        if arch in _REFUSED_ARCHITECTURES:
+            raise ConfigError(f"config.json: architecture {arch!r} is not supported: "
+                              f"{_REFUSED_ARCHITECTURES[arch]}")
         if arch not in cls.SUPPORTED_ARCHITECTURES:
             raise ConfigError(
                 f"config.json: architecture {arch!r} is not supported; "
                 f"supported: {', '.join(cls.SUPPORTED_ARCHITECTURES)}"
             )
+        d = {**_HF_DEFAULTS.get(arch, {}), **d}  # what transformers' config class defaults
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads"):
             if not isinstance(d.get(key), int) or d[key] <= 0:
                 raise ConfigError(f"config.json: {key} must be a positive integer, got {d.get(key)!r}")
+        if d.get("use_bidirectional_attention"):
+            raise ConfigError("config.json: use_bidirectional_attention (an embedding model) is "
+                              "not supported; the engine serves causal decoders")
         n_heads = d["num_attention_heads"]
         n_kv = d.get("num_key_value_heads") or n_heads
         head_dim = d.get("head_dim") or d["hidden_size"] // n_heads
         eos = d.get("eos_token_id")
         eos_ids: tuple[int, ...] = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        rs = d.get("rope_scaling")
-        rope_theta = d.get("rope_theta", 10000.0)
-        rp = d.get("rope_parameters")  # transformers >= 5 keeps theta and scaling here
-        if isinstance(rp, dict):
-            rope_theta = rp.get("rope_theta", rope_theta)
-            if rp.get("rope_type", "default") != "default":
-                rs = {k: v for k, v in rp.items() if k != "rope_theta"}
-        rope_scaling = tuple(sorted(rs.items())) if isinstance(rs, dict) else None
-        for partial in (d.get("partial_rotary_factor"),
-                        rp.get("partial_rotary_factor") if isinstance(rp, dict) else None):
-            if partial is not None and float(partial) != 1.0:  # Phi-4-mini rotates 3/4
-                raise ConfigError(f"config.json: partial_rotary_factor {partial} is not "
-                                  "supported (every head dimension is rotated)")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"config.json: hidden_act {d['hidden_act']!r} is not supported "
-                              "(the MLP is SiLU-gated)")
         is_qwen2 = arch == "Qwen2ForCausalLM"
         moe = _moe_fields(arch, d)
         cfg = cls(
@@ -131,20 +145,20 @@ class ModelConfig:
             num_key_value_heads=n_kv,
             head_dim=head_dim,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
-            rope_scaling=rope_scaling,
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             # Qwen2-MoE names its q/k/v bias `qkv_bias` (on unless said otherwise).
             attention_bias=bool(d.get("qkv_bias", True) if arch == "Qwen2MoeForCausalLM"
                                 else d.get("attention_bias", is_qwen2)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in QK_NORM_ARCHITECTURES,
             mlp_bias=bool(d.get("mlp_bias", False)),
-            sliding_window=(int(d["sliding_window"]) if d.get("sliding_window")
-                            and d.get("use_sliding_window", True) else None),
+            hidden_act=_hidden_act(arch, d),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             weights_id=weights_id,
+            **_rope_fields(arch, d),
+            **_attention_layout(arch, d),
+            **_gemma_fields(arch, d),
             **moe,
         )
         cfg.validate()
@@ -157,7 +171,8 @@ class ModelConfig:
             "model_type": {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                            "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3",
                            "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
-                           "Qwen3MoeForCausalLM": "qwen3_moe"}.get(self.architecture, "llama"),
+                           "Qwen3MoeForCausalLM": "qwen3_moe", "Gemma2ForCausalLM": "gemma2",
+                           "Gemma3ForCausalLM": "gemma3_text"}.get(self.architecture, "llama"),
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -186,6 +201,30 @@ class ModelConfig:
             if self.architecture == "Qwen2MoeForCausalLM":
                 d.update(shared_expert_intermediate_size=self.shared_expert_intermediate_size,
                          qkv_bias=self.attention_bias)
+        d.update(self._attention_hf_keys())
+        if self.is_gemma:
+            d.update(hidden_activation=self.hidden_act,
+                     query_pre_attn_scalar=self.query_pre_attn_scalar,
+                     attn_logit_softcapping=self.attn_logit_softcapping or None,
+                     final_logit_softcapping=self.final_logit_softcapping or None)
+            if self.rope_local_base_freq is not None:
+                d["rope_local_base_freq"] = self.rope_local_base_freq
+        elif self.hidden_act != "silu":
+            d["hidden_act"] = self.hidden_act
+        return d
+
+    def _attention_hf_keys(self) -> dict[str, Any]:
+        """`to_hf_dict`'s sliding-window keys: none for a model without (so its fingerprint is
+        what it was before windows existed); Gemma's layer kinds always (its defaults would
+        make layers slide)."""
+        d: dict[str, Any] = {}
+        if self.sliding_window is None and not self.is_gemma:
+            return d
+        d["sliding_window"] = self.sliding_window
+        if self.architecture in LAYER_TYPES_ARCHITECTURES:
+            d["layer_types"] = list(self.layer_types or (FULL,) * self.num_hidden_layers)
+        if self.architecture in QWEN_WINDOW_ARCHITECTURES:
+            d["use_sliding_window"] = True
         return d
 
     def validate(self) -> None:
@@ -196,8 +235,13 @@ class ModelConfig:
             )
         if self.head_dim <= 0 or self.head_dim % 2 != 0:
             raise ConfigError(f"head_dim must be a positive even integer, got {self.head_dim}")
-        if self.qk_norm != (self.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")):
-            raise ConfigError(f"qk_norm is Qwen3's (architecture {self.architecture!r})")
+        if self.qk_norm != (self.architecture in QK_NORM_ARCHITECTURES):
+            raise ConfigError(f"qk_norm is Qwen3's and Gemma 3's (architecture "
+                              f"{self.architecture!r})")
+        if self.hidden_act not in HIDDEN_ACTS or (self.is_moe and self.hidden_act != "silu"):
+            raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported; supported: "
+                              f"{', '.join(HIDDEN_ACTS)} (experts: silu)")
+        self._validate_attention()
         if self.is_moe != (self.architecture in self.MOE_ARCHITECTURES):
             raise ConfigError(f"num_experts {self.num_experts}: architecture "
                               f"{self.architecture!r} is "
@@ -209,6 +253,49 @@ class ModelConfig:
             if self.moe_intermediate_size <= 0 or self.decoder_sparse_step <= 0:
                 raise ConfigError("moe_intermediate_size and decoder_sparse_step must be "
                                   "positive")
+
+    def _validate_attention(self) -> None:
+        kinds, window = self.layer_types, self.sliding_window
+        if kinds and (len(kinds) != self.num_hidden_layers or not set(kinds) <= {SLIDING, FULL}):
+            raise ConfigError(f"layer_types must name each of the {self.num_hidden_layers} "
+                              f"layers {SLIDING!r} or {FULL!r}, got {list(kinds)}")
+        if (SLIDING in kinds) != (window is not None):
+            raise ConfigError(f"sliding_window ({window}) and layer_types must come together: a "
+                              f"window for the layers marked {SLIDING!r}")
+        if window is not None and (type(window) is not int or window <= 0):
+            raise ConfigError(f"sliding_window must be a positive integer, got {window!r}")
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if not getattr(self, name) >= 0.0:
+                raise ConfigError(f"{name} must be >= 0 (0: off), got {getattr(self, name)!r}")
+        for name in ("query_pre_attn_scalar", "rope_local_base_freq"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name} must be positive (or unset), got {value!r}")
+
+    @property
+    def is_gemma(self) -> bool:
+        """Gemma 2 / 3's structure: RMSNorms scale by (1 + weight), 'sandwich' norms around
+        attention and the MLP, embeddings scaled by sqrt(hidden_size)."""
+        return self.architecture in GEMMA_ARCHITECTURES
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale: query_pre_attn_scalar ** -0.5 (Gemma), else head_dim ** -0.5."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_window(self, layer_idx: int) -> int:
+        """Decoder layer `layer_idx`'s sliding window (what `PagedAttentionBackend.attend`
+        takes): `sliding_window` for a sliding layer, 0 for full attention."""
+        if self.layer_types and self.layer_types[layer_idx] == SLIDING:
+            return cast(int, self.sliding_window)
+        return 0
+
+    def layer_rope(self, layer_idx: int) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
+        """(theta, rope_scaling) of decoder layer `layer_idx`: Gemma 3's sliding layers rotate
+        with rope_local_base_freq, unscaled; every other layer with rope_theta and rope_scaling."""
+        if self.rope_local_base_freq is not None and self.layer_window(layer_idx):
+            return self.rope_local_base_freq, None
+        return self.rope_theta, self.rope_scaling
 
     @property
     def is_moe(self) -> bool:
@@ -266,6 +353,126 @@ def _moe_fields(arch: str, d: dict[str, Any]) -> dict[str, Any]:
             "decoder_sparse_step": int(d.get("decoder_sparse_step", 1)),
             "mlp_only_layers": tuple(sorted(only)),
             "shared_expert_intermediate_size": shared}
+
+
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+# transformers' models that read `layer_types` (the others window every layer alike), and those
+# whose window is on only with `use_sliding_window`.
+LAYER_TYPES_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM",
+                             *GEMMA_ARCHITECTURES)
+QWEN_WINDOW_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM",
+                             "Qwen3MoeForCausalLM")
+_REFUSED_ARCHITECTURES = {
+    "Gemma3ForConditionalGeneration": "Gemma 3 with its vision tower (gemma-3-4b/12b/27b) is "
+    "multimodal; the text-only Gemma3ForCausalLM (gemma-3-1b, or a text-only export) is served",
+}
+# What transformers' config classes default to where a Gemma config.json says nothing (its
+# published configs leave out tie_word_embeddings, Gemma 3's rope_local_base_freq and more).
+_GEMMA_DEFAULTS: dict[str, Any] = {
+    "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "bos_token_id": 2, "eos_token_id": 1}
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "Gemma2ForCausalLM": {**_GEMMA_DEFAULTS, "max_position_embeddings": 8192,
+                          "rope_theta": 10000.0, "attn_logit_softcapping": 50.0,
+                          "final_logit_softcapping": 30.0},
+    "Gemma3ForCausalLM": {**_GEMMA_DEFAULTS, "max_position_embeddings": 131072,
+                          "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+                          "sliding_window_pattern": 6},
+}
+
+
+def _hidden_act(arch: str, d: dict[str, Any]) -> HiddenAct:
+    """The MLP's activation: Gemma reads `hidden_activation` (its configs also carry a
+    `hidden_act` that transformers ignores), the others `hidden_act`."""
+    key = "hidden_activation" if arch in GEMMA_ARCHITECTURES else "hidden_act"
+    act = d.get(key) or "silu"
+    if act not in HIDDEN_ACTS:
+        raise ConfigError(f"config.json: {key} {act!r} is not supported; supported: "
+                          f"{', '.join(HIDDEN_ACTS)}")
+    return cast(HiddenAct, act)
+
+
+def _rope_fields(arch: str, d: dict[str, Any]) -> dict[str, Any]:
+    """rope_theta, rope_scaling and rope_local_base_freq (Gemma 3's only) from either form of an
+    HF config: the classic keys, or transformers>=5's `rope_parameters` (one flat set, or Gemma
+    3's one per layer kind, `full_attention` the global layers' and `sliding_attention` the
+    local)."""
+    rs = d.get("rope_scaling")
+    theta, local = d.get("rope_theta", 10000.0), d.get("rope_local_base_freq")
+    rp = d.get("rope_parameters")
+    if isinstance(rp, dict) and SLIDING in rp:
+        sliding = rp[SLIDING] or {}
+        if sliding.get("rope_type", "default") != "default":
+            raise ConfigError(f"config.json: rope_parameters.{SLIDING} of type "
+                              f"{sliding['rope_type']!r} is not supported (the local layers' "
+                              "RoPE is unscaled)")
+        local = sliding.get("rope_theta", local)
+        rp = rp.get(FULL)
+    if isinstance(rp, dict):
+        theta = rp.get("rope_theta", theta)
+        if rp.get("rope_type", "default") != "default":
+            rs = {k: v for k, v in rp.items() if k != "rope_theta"}
+    for partial in (d.get("partial_rotary_factor"),
+                    rp.get("partial_rotary_factor") if isinstance(rp, dict) else None):
+        if partial is not None and float(partial) != 1.0:  # Phi-4-mini rotates 3/4
+            raise ConfigError(f"config.json: partial_rotary_factor {partial} is not "
+                              "supported (every head dimension is rotated)")
+    if arch != "Gemma3ForCausalLM":
+        local = None
+    return {"rope_theta": float(theta),
+            "rope_scaling": tuple(sorted(rs.items())) if isinstance(rs, dict) else None,
+            "rope_local_base_freq": float(local) if local is not None else None}
+
+
+def _attention_layout(arch: str, d: dict[str, Any]) -> dict[str, Any]:
+    """sliding_window and layer_types as transformers lays them out: `layer_types` where the
+    model reads it, else the architecture's rule (`_slides`); neither when no layer slides."""
+    window = d.get("sliding_window")
+    if arch in QWEN_WINDOW_ARCHITECTURES and not d.get("use_sliding_window", False):
+        window = None
+    if not window:
+        if arch in GEMMA_ARCHITECTURES:
+            raise ConfigError(f"config.json: {arch} needs a positive sliding_window, got "
+                              f"{window!r}")
+        return {"sliding_window": None, "layer_types": ()}
+    n = d["num_hidden_layers"]
+    kinds = d.get("layer_types") if arch in LAYER_TYPES_ARCHITECTURES else None
+    if kinds is None:
+        kinds = [SLIDING if _slides(arch, d, i) else FULL for i in range(n)]
+    if not isinstance(kinds, list) or len(kinds) != n or not set(kinds) <= {SLIDING, FULL}:
+        raise ConfigError(f"config.json: layer_types must name each of the {n} layers "
+                          f"{SLIDING!r} or {FULL!r}, got {kinds!r}")
+    if SLIDING not in kinds:
+        return {"sliding_window": None, "layer_types": ()}
+    return {"sliding_window": int(window), "layer_types": tuple(kinds)}
+
+
+def _slides(arch: str, d: dict[str, Any], i: int) -> bool:
+    """Whether layer `i` slides by transformers' rule for `arch` (configs without
+    `layer_types`): Gemma 2 the even layers, Gemma 3 all but every `sliding_window_pattern`-th,
+    Qwen2/3 from `max_window_layers` on, Qwen2-MoE the even layers below it, others all."""
+    if arch == "Gemma2ForCausalLM":
+        return i % 2 == 0
+    if arch == "Gemma3ForCausalLM":
+        return (i + 1) % int(d["sliding_window_pattern"]) != 0
+    max_window_layers = int(d.get("max_window_layers", 28))
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        return i >= max_window_layers
+    if arch == "Qwen2MoeForCausalLM":
+        return i % 2 == 0 and i < max_window_layers
+    return True
+
+
+def _gemma_fields(arch: str, d: dict[str, Any]) -> dict[str, Any]:
+    """Gemma's soft caps and attention scale (empty for other architectures). Gemma 3's
+    attention ignores `attn_logit_softcapping` in transformers (none of its configs set one)."""
+    if arch not in GEMMA_ARCHITECTURES:
+        return {}
+    attn_cap = d.get("attn_logit_softcapping") if arch == "Gemma2ForCausalLM" else None
+    return {"attn_logit_softcapping": float(attn_cap or 0.0),
+            "final_logit_softcapping": float(d.get("final_logit_softcapping") or 0.0),
+            "query_pre_attn_scalar": int(d["query_pre_attn_scalar"])}
 
 
 @dataclass(frozen=True, slots=True)

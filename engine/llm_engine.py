@@ -116,11 +116,6 @@ class LLMEngine:
             raise ConfigError(
                 f"max_model_len ({self.max_model_len}) exceeds the model's "
                 f"max_position_embeddings ({cfg.max_position_embeddings})")
-        window = cfg.sliding_window
-        if window is not None and self.max_model_len > window:
-            raise ConfigError(
-                f"the model uses sliding-window attention (window {window}), which is not "
-                f"implemented; set max_model_len <= {window} so full attention is exact")
         self.eos_token_ids = self._eos_ids(source.generation_config)
         # A draft model comes first: on a GPU its memory is taken before the target's KV cache
         # is sized from what is left.

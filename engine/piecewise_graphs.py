@@ -96,7 +96,7 @@ class PiecewiseGraphRunner:
         """Piece `i` at bucket `t`: reads `input_ids` (piece 0) or `attn` + `residual`, writes
         `qkv` + `residual` and layer i's KV (or `hidden`, the last piece)."""
         if i == 0:
-            h = self.model.embed_tokens(self.input_ids[:t])
+            h = self.model.embed(self.input_ids[:t])
             qkv, residual = self.layers[0].qkv_block(h, None)
         else:
             h, residual = self.layers[i - 1].post_attention_block(self.attn[:t],

@@ -1,8 +1,9 @@
 """Shared fixtures for the engine tests: tiny random Hugging Face model directories (Llama with
 plain RoPE, Llama with llama3 RoPE scaling and tied embeddings, Qwen2 with QKV bias, Qwen3 with
-q/k norms and a head_dim that is not hidden / heads, Phi-3 with fused checkpoint weights, and
-three mixtures of experts: Qwen3-MoE, Qwen2-MoE and Mixtral), one session-wide SmolLM2 engine,
-and a scheduler-level driver that records every position's logits.
+q/k norms and a head_dim that is not hidden / heads, Phi-3 with fused checkpoint weights, three
+mixtures of experts: Qwen3-MoE, Qwen2-MoE and Mixtral, and sliding windows shorter than the
+tests' prompts: Mistral's on every layer, Gemma 2's and Gemma 3's on some), one session-wide
+SmolLM2 engine, and a scheduler-level driver that records every position's logits.
 
 The tiny models are written with transformers' `save_pretrained(safe_serialization=True)`, so
 the engine's loader reads exactly what `transformers` reads back as the reference.
@@ -21,8 +22,14 @@ from typing import Any
 import pytest
 import torch
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
     Phi3Config,
@@ -55,7 +62,8 @@ TINY_ARCH: dict[str, Any] = dict(
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
-TINY_MODELS = ("llama", "llama3", "qwen2", "qwen3", "phi3", "qwen3moe", "qwen2moe", "mixtral")
+TINY_MODELS = ("llama", "llama3", "qwen2", "qwen3", "phi3", "qwen3moe", "qwen2moe", "mixtral",
+               "mistral_swa", "gemma2", "gemma3")
 # The mixtures of experts: 8 experts, 2 per token (Qwen3-MoE renormalising, with a dense MLP in
 # its last layer; Qwen2-MoE the same plus a gated shared expert and QKV bias); Mixtral's 4
 # experts, 2 per token.
@@ -63,9 +71,19 @@ MOE_ARCH: dict[str, Any] = dict(num_experts=8, num_experts_per_tok=2, moe_interm
                                 norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])
 
 
+# Gemma's windowed layers: windows of 5 (Gemma 2, and Mistral's) and 6 positions (Gemma 3),
+# which the 13-token prompt outgrows; Gemma 2 with attention scores capped at 5 and logits at
+# 2.5, its embeddings untied (tied, the sqrt(hidden)-scaled input embedding makes the random
+# model repeat its last token; Gemma 3 ties them); Gemma 3 with local and global RoPE tables
+# apart (the global one linearly scaled). Layer 0 slides, layer 1 attends to all.
+GEMMA_ARCH: dict[str, Any] = dict(head_dim=16, query_pre_attn_scalar=24,
+                                  layer_types=["sliding_attention", "full_attention"])
+
+
 def _randomize(model: PreTrainedModel, seed: int) -> None:
     """Spread every parameter (norm weights and biases too, which HF initialises to 1 and 0) so
-    a wrong bias / norm / projection load cannot hide, and greedy outputs are not degenerate."""
+    a wrong bias / norm / projection load cannot hide, and greedy outputs are not degenerate.
+    Gemma's norms scale by 1 + w (w initialised to 0), so theirs by about 2 here."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -105,6 +123,18 @@ def _build(name: str) -> PreTrainedModel:
         return MixtralForCausalLM(MixtralConfig(**TINY_ARCH, **rope, num_local_experts=4,
                                                 num_experts_per_tok=2, sliding_window=None,
                                                 tie_word_embeddings=False))
+    if name == "mistral_swa":
+        return MistralForCausalLM(MistralConfig(**TINY_ARCH, **rope, sliding_window=5,
+                                                tie_word_embeddings=False))
+    if name == "gemma2":
+        return Gemma2ForCausalLM(Gemma2Config(**TINY_ARCH, **rope, **GEMMA_ARCH, sliding_window=5,
+                                              attn_logit_softcapping=5.0,
+                                              final_logit_softcapping=2.5,
+                                              tie_word_embeddings=False))
+    if name == "gemma3":
+        return Gemma3ForCausalLM(Gemma3TextConfig(
+            **TINY_ARCH, **GEMMA_ARCH, sliding_window=6, rope_theta=1e4, rope_local_base_freq=100.0,
+            rope_scaling={"rope_type": "linear", "factor": 2.0}))
     raise ValueError(f"unknown tiny model {name!r}")
 
 
@@ -130,8 +160,9 @@ def hf_reference(tiny_model_dirs: dict[str, Path]) -> Callable[[str], PreTrained
         if name not in cache:
             cls = {"qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
                    "phi3": Phi3ForCausalLM, "qwen3moe": Qwen3MoeForCausalLM,
-                   "qwen2moe": Qwen2MoeForCausalLM,
-                   "mixtral": MixtralForCausalLM}.get(name, LlamaForCausalLM)
+                   "qwen2moe": Qwen2MoeForCausalLM, "mixtral": MixtralForCausalLM,
+                   "mistral_swa": MistralForCausalLM, "gemma2": Gemma2ForCausalLM,
+                   "gemma3": Gemma3ForCausalLM}.get(name, LlamaForCausalLM)
             model = cls.from_pretrained(tiny_model_dirs[name], attn_implementation="eager",
                                         dtype=torch.float32)
             cache[name] = model.eval()

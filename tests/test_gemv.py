@@ -236,7 +236,8 @@ def test_model_layers_dispatch_one_row_to_gemv(with_bias: bool) -> None:
 
     torch.manual_seed(0)
     fast, plain = Linear(48, 40, with_bias, use_gemv=True), Linear(48, 40, with_bias)
-    cfg = SimpleNamespace(hidden_size=48, intermediate_size=24, mlp_bias=with_bias)
+    cfg = SimpleNamespace(hidden_size=48, intermediate_size=24, mlp_bias=with_bias,
+                          hidden_act="silu")
     mlp_fast = LlamaMLP(cfg, use_triton=True, use_gemv=True)  # type: ignore[arg-type]
     mlp_plain = LlamaMLP(cfg, use_triton=False)  # type: ignore[arg-type]
     assert mlp_fast.use_gemv and not mlp_plain.use_gemv

@@ -145,11 +145,11 @@ def test_hf_qwen2_bias_and_tied(tiny_qwen2: tuple) -> None:
     ({"partial_rotary_factor": 0.75, "rope_parameters": {"rope_type": "default",
                                                           "rope_theta": 1e4}},
      "partial_rotary_factor"),
-    ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
 ])
 def test_unsupported_variants_are_refused_by_name(change: dict[str, Any], words: str) -> None:
-    """Phi-4-mini's partial rotary and a non-SiLU MLP would load and compute something else:
-    refused when the config is read."""
+    """Phi-4-mini's partial rotary and an MLP activation other than SiLU or GELU-tanh would load
+    and compute something else: refused when the config is read."""
     from engine.config import ConfigError, ModelConfig
 
     base = {"architectures": ["Phi3ForCausalLM"], **TINY}
@@ -422,15 +422,18 @@ def test_corrupt_gguf_named(tiny_llama: tuple, tmp_path: Path) -> None:
             load_model_source(LoadConfig(model=str(bad)))
 
 
-def test_gguf_unsupported_architecture(tmp_path: Path) -> None:
-    path = tmp_path / "gpt2.gguf"
-    w = gguf.GGUFWriter(str(path), "gpt2")
+@pytest.mark.parametrize(("arch", "words"), [("gpt2", "gpt2"),
+                                            ("gemma2", r"'gemma2'.*Hugging Face directory")])
+def test_gguf_unsupported_architecture(tmp_path: Path, arch: str, words: str) -> None:
+    """Refused by name; Gemma's GGUF files with where Gemma loads from (its safetensors)."""
+    path = tmp_path / f"{arch}.gguf"
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ConfigError, match="gpt2"):
+    with pytest.raises(ConfigError, match=words):
         load_model_source(LoadConfig(model=str(path)))
 
 

@@ -72,7 +72,7 @@ def _traces(engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: int
 
 # Qwen3 on Triton: tests/test_qwen3_triton.py (the interpreter is slow).
 @pytest.mark.parametrize(("backend", "name"), [("torch", "llama"), ("triton", "llama"),
-                                              ("torch", "qwen3")])
+                                              ("torch", "qwen3"), ("torch", "gemma2")])
 def test_every_position_matches_the_model_forward(tiny_model_dirs: dict[str, Path],
                                                   monkeypatch: pytest.MonkeyPatch,
                                                   backend: str, name: str) -> None:

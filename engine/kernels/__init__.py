@@ -13,7 +13,7 @@ Check `triton_available()` before calling a kernel.
     rotary_embedding(positions, q, k, cos_sin_cache, is_neox=True)   -> None (in place)
     rotary_and_write_kv(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping,
                         k_scale=None, v_scale=None, is_neox=True)   -> None (rotary, then write_kv)
-    silu_and_mul(x)                                                  -> [T, I]
+    silu_and_mul(x), gelu_tanh_and_mul(x)                            -> [T, I]
     per_token_quant_fp8(x)                       -> (q [T, K] float8 e4m3fn, scale [T, 1] fp32)
     score_rows(logits, targets)        -> (target logprob, rank, log-sum-exp, argmax), [R] each
     moe_gemm(a, weights, layout, top_k, gather_tokens, routing_weights=None)
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from engine.kernels._checks import KernelInputError
 
 if TYPE_CHECKING:
-    from engine.kernels.activation import silu_and_mul
+    from engine.kernels.activation import gelu_tanh_and_mul, silu_and_mul
     from engine.kernels.decode_attention import choose_num_splits, paged_decode_attention
     from engine.kernels.fused_moe import moe_gemm
     from engine.kernels.kv_write import write_kv
@@ -51,6 +51,7 @@ _LAZY: dict[str, str] = {
     "rotary_embedding": "engine.kernels.rotary",
     "rotary_and_write_kv": "engine.kernels.rope_kv_write",
     "silu_and_mul": "engine.kernels.activation",
+    "gelu_tanh_and_mul": "engine.kernels.activation",
     "per_token_quant_fp8": "engine.kernels.quant_fp8",
     "score_rows": "engine.kernels.score",
     "moe_gemm": "engine.kernels.fused_moe",
@@ -59,6 +60,7 @@ _LAZY: dict[str, str] = {
 __all__ = [
     "KernelInputError",
     "choose_num_splits",
+    "gelu_tanh_and_mul",
     "moe_gemm",
     "paged_decode_attention",
     "paged_prefill_attention",

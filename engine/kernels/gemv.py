@@ -1,5 +1,5 @@
 """Triton GEMV for one-row activations (batch-1 decode): `y = x @ W^T (+ b)`, optionally fused
-with SiLU-and-mul for the gated MLP's gate/up projection.
+with SiLU-and-mul (or GELU-and-mul, Gemma) for the gated MLP's gate/up projection.
 
 At one row a linear layer is a pure weight stream, so the only thing that matters is how close
 the kernel reads `W` to the memory roofline, and how little else runs around it. The model
@@ -16,7 +16,8 @@ Each program owns `BLOCK_N` output features and walks the whole K dimension in `
 accumulating elementwise products in a `[BLOCK_N, BLOCK_K]` float32 tile and reducing it once at
 the end (one cross-lane reduction per program rather than one per chunk). With `GATED`, the
 program also walks the matching rows `I` further down (the "up" half of a fused gate/up weight)
-and writes `silu(gate) * up`, so the MLP's activation kernel disappears.
+and writes `silu(gate) * up` (`gelu_tanh(gate) * up` with `GELU`), so the MLP's activation
+kernel disappears.
 
 This is the seam for quantized matmuls at batch 1 (the tile is widened in registers): int8
 weight-only (W8A16) with a scale per weight row, and fp8 W8A8, where `x` is the per-token
@@ -49,6 +50,10 @@ from engine.kernels._checks import (
 )
 from engine.kernels._pdl import pdl_release, pdl_wait, use_pdl
 from engine.kernels._tl import reduce_sum
+from engine.kernels.activation import gelu_tanh, silu
+
+# The gated activations `rms_norm_gemv` takes (ModelConfig.hidden_act's names).
+GATED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @triton.jit
@@ -172,6 +177,7 @@ def _gemv_kernel(
     eps,
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,
+    GELU: tl.constexpr,  # GATED only: GELU (tanh approximation) rather than SiLU
     NORM: tl.constexpr,
     HAS_RES: tl.constexpr,
     W_SCALE: tl.constexpr,
@@ -228,7 +234,10 @@ def _gemv_kernel(
             up *= x_scale
         if HAS_BIAS:
             up += tl.load(b_ptr + N + rows, mask=row_mask, other=0.0).to(tl.float32)
-        y = y / (1.0 + tl.exp(-y)) * up
+        if GELU:
+            y = gelu_tanh(y) * up
+        else:
+            y = silu(y) * up
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
@@ -335,7 +344,7 @@ class _Norm:
 
 
 def _launch(ops: _Operands, out: torch.Tensor, n: int, gated: bool,
-            norm: _Norm | None = None) -> torch.Tensor:
+            norm: _Norm | None = None, gelu: bool = False) -> torch.Tensor:
     x, weight, bias, weight_scale = ops.x, ops.weight, ops.bias, ops.weight_scale
     k = x.shape[1]
     if n == 0:
@@ -354,6 +363,7 @@ def _launch(ops: _Operands, out: torch.Tensor, n: int, gated: bool,
         norm.eps if norm is not None else 0.0,
         HAS_BIAS=bias is not None,
         GATED=gated,
+        GELU=gelu,
         NORM=norm is not None,
         HAS_RES=has_res,
         W_SCALE=weight_scale is not None,
@@ -420,13 +430,14 @@ def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 def rms_norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                   bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                  gated: bool = False, weight_scale: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  gated: bool = False, weight_scale: torch.Tensor | None = None,
+                  activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm (with the residual add) fused into the next batch-1 projection.
 
     `h = x + residual` (float32, or `x` alone without `residual`), `a = h * rsqrt(mean(h^2) +
     eps) * norm_weight`, and returns `(a @ weight^T (+ bias), h)`; with `gated`, `weight` is a
-    fused `[2I, K]` gate/up weight and the first result is `silu(g) * u` (`[1, I]`). `h` comes
+    fused `[2I, K]` gate/up weight and the first result is `act(g) * u` (`[1, I]`), `act` the
+    `activation` named (one of GATED_ACTIVATIONS: SiLU, or GELU's tanh approximation). `h` comes
     back in x's dtype (a new tensor; `x` itself without `residual`), as `rms_norm` returns it.
 
     Unlike `rms_norm` then `gemv`, `a` is never rounded to x's dtype: the norm's scale is applied
@@ -437,6 +448,9 @@ def rms_norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight
     """
     rows = _gated_rows(weight) if gated else (weight.shape[0] if weight.dim() == 2 else -1)
     ops = _check(x, weight, bias, rows, weight_scale)
+    if activation not in GATED_ACTIVATIONS:
+        raise KernelInputError(f"activation must be one of {', '.join(GATED_ACTIVATIONS)}, got "
+                               f"{activation!r}")
     k = x.shape[1]
     norm_weight = check_tensor("norm_weight", norm_weight, 1, FLOAT_DTYPES)
     if norm_weight.shape[0] != k or not norm_weight.is_contiguous():
@@ -454,5 +468,6 @@ def rms_norm_gemv(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight
         residual_out = torch.empty_like(residual)
     n = rows // 2 if gated else rows
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    _launch(ops, out, n, gated, _Norm(norm_weight, float(eps), residual, residual_out))
+    _launch(ops, out, n, gated, _Norm(norm_weight, float(eps), residual, residual_out),
+            gelu=activation == "gelu_pytorch_tanh")
     return out, (x if residual_out is None else residual_out)

@@ -152,9 +152,13 @@ def architecture(meta: GGUFMetadata, path: str) -> str:
 
     arch = field_value(meta, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
+        # The GGUF reader maps Llama-family names and metadata only, not Gemma's extra norms,
+        # soft caps and window pattern: name the way that works.
+        hint = "; load Gemma from its Hugging Face directory" if str(arch).startswith(
+            "gemma") else ""
         raise ConfigError(
             f"{path}: GGUF general.architecture {arch!r} is not supported; "
-            f"supported: {', '.join(GGUF_ARCHITECTURES)}")
+            f"supported: {', '.join(GGUF_ARCHITECTURES)}{hint}")
     return str(arch)
 
 

@@ -32,13 +32,17 @@ class ModelSource:
 
 
 def expected_weight_names(config: ModelConfig) -> list[str]:
-    """The HF parameter names a Llama-family checkpoint with this config must provide."""
+    """The HF parameter names a Llama-family (or Gemma) checkpoint with this config must
+    provide."""
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        if config.is_gemma:
+            names += [p + "pre_feedforward_layernorm.weight",
+                      p + "post_feedforward_layernorm.weight"]
         attn = ("qkv_proj", "o_proj") if config.fused_checkpoint else (
             "q_proj", "k_proj", "v_proj", "o_proj")
         for proj in attn:

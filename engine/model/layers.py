@@ -1,5 +1,5 @@
-"""Building blocks: linear layers, RMSNorm, rotary embedding (plain / linear / llama3 scaling),
-SiLU-and-mul.
+"""Building blocks: linear layers, RMSNorm (Llama's and Gemma's), rotary embedding (plain /
+linear / llama3 scaling), the gated MLP's activations (SiLU, GELU tanh).
 
 Each op has a torch path (the reference, bit-compatible with Hugging Face's Llama) and, where
 `use_triton` is set, a fused Triton kernel from `engine.kernels`.
@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from engine.config import ConfigError
+from engine.config import ConfigError, ModelConfig
 
 
 def gemv_enabled() -> bool:
@@ -81,6 +82,49 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * h.to(dtype)
         return out if residual is None else (out, residual)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: x / rms(x) * (1 + w), multiplied in float32 and rounded once after.
+
+    The parameter holds `1 + w` (`load_weights` adds the one: `stored_weight`), so every
+    fused kernel of `RMSNorm` (Triton `rms_norm`, the batch-1 `rms_norm_gemv` fold) works
+    unchanged, and it stays float32 whatever the model's dtype: float32 is what transformers
+    computes `1 + w.float()` in, so the stored value is exactly its. Rounded to bf16 it would
+    lose w's low bits (bf16 spacing near 1 is 2^-7). The Triton `rms_norm` still rounds x / rms(x)
+    to the activation dtype before the multiply (Llama's order): for bf16 one more rounding
+    than transformers' Gemma; nothing changes in float32."""
+
+    @staticmethod
+    def stored_weight(checkpoint_weight: torch.Tensor) -> torch.Tensor:
+        """The parameter's value for a checkpoint's `w`: 1 + w in float32."""
+        return 1.0 + checkpoint_weight.float()
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+               ) -> GemmaRMSNorm:
+        # `model.to(dtype)` goes through here: the weight follows device moves only.
+        before = self.weight.data
+        super()._apply(fn, recurse)
+        if self.weight.dtype != torch.float32:
+            self.weight.data = before.to(self.weight.device)
+        return self
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.use_triton:
+            return super().forward(x, residual)
+        if residual is not None:
+            x = x + residual
+            residual = x
+        h = x.float()
+        out = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
+def make_norm(cfg: ModelConfig, size: int, use_triton: bool) -> RMSNorm:
+    """The architecture's RMSNorm over `size` features (Gemma's for Gemma)."""
+    cls = GemmaRMSNorm if cfg.is_gemma else RMSNorm
+    return cls(size, cfg.rms_norm_eps, use_triton)
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
@@ -151,8 +195,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def silu_and_mul(x: torch.Tensor, use_triton: bool = False) -> torch.Tensor:
     """x: [T, 2I] → silu(x[:, :I]) * x[:, I:]: [T, I]."""
+    return act_and_mul(x, "silu", use_triton)
+
+
+def act_and_mul(x: torch.Tensor, act: str, use_triton: bool = False) -> torch.Tensor:
+    """x: [T, 2I] → act(x[:, :I]) * x[:, I:]: [T, I], `act` a `ModelConfig.hidden_act`: SiLU,
+    or GELU with transformers' `gelu_pytorch_tanh` (tanh approximation)."""
     if use_triton:
-        from engine.kernels import silu_and_mul as fused
+        from engine import kernels
+        fused = kernels.silu_and_mul if act == "silu" else kernels.gelu_tanh_and_mul
         return fused(x)
     gate, up = x.chunk(2, dim=-1)
-    return nn.functional.silu(gate) * up
+    if act == "silu":
+        return nn.functional.silu(gate) * up
+    return nn.functional.gelu(gate, approximate="tanh") * up

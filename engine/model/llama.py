@@ -1,5 +1,6 @@
 """Llama-family decoder over a paged KV cache: Llama 2/3/3.1, Mistral, Qwen2 (QKV bias), Qwen3
-(RMSNorm over each head of q and k), Phi-3/Phi-4 (checkpoints already fused), SmolLM2.
+(RMSNorm over each head of q and k), Phi-3/Phi-4 (checkpoints already fused), SmolLM2, and
+Gemma 2/3 (their decoder layer in `gemma.py`; scaled embeddings, soft-capped logits here).
 
 Input is one flattened varlen batch (`input_ids: [T]`, `positions: [T]`); attention reads the
 step's metadata and KV cache from the forward context. QKV and gate/up projections are fused;
@@ -8,9 +9,10 @@ step's metadata and KV cache from the forward context. QKV and gate/up projectio
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -23,7 +25,15 @@ from engine.attention.forward_context import (
     get_forward_context,
 )
 from engine.config import ModelConfig
-from engine.model.layers import Linear, RMSNorm, RotaryEmbedding, gemv_enabled, silu_and_mul
+from engine.model.layers import (
+    GemmaRMSNorm,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    act_and_mul,
+    gemv_enabled,
+    make_norm,
+)
 from engine.model.moe import SparseMoeBlock
 from engine.model.overlap import MicroBatchStreams
 from engine.parallel.group import all_reduce_
@@ -94,15 +104,17 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.scale = cfg.attention_scale
+        self.sliding_window = cfg.layer_window(layer_idx)  # 0: full attention
+        self.logit_softcap = cfg.attn_logit_softcapping    # 0: none
         use_gemv = use_triton and gemv_enabled()
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
                                cfg.attention_bias, use_gemv)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, False, use_gemv)
-        # Qwen3: each head of q and k normalised over head_dim (one weight shared by the heads)
-        # before RoPE.
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, use_triton) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, use_triton) if cfg.qk_norm else None
+        # Qwen3, Gemma 3: each head of q and k normalised over head_dim (one weight shared by
+        # the heads) before RoPE.
+        self.q_norm = make_norm(cfg, self.head_dim, use_triton) if cfg.qk_norm else None
+        self.k_norm = make_norm(cfg, self.head_dim, use_triton) if cfg.qk_norm else None
         self.rope = rope
         self.backend = backend
 
@@ -166,15 +178,19 @@ class LlamaAttention(nn.Module):
 
     @staticmethod
     def _head_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        """RMSNorm of each head of x [T, H, D] over D: a new contiguous [T, H, D]."""
+        """RMSNorm of each head of x [T, H, D] over D: a new contiguous [T, H, D]. With one
+        head (k of a multi-query model, or of a tensor-parallel rank) the reshape of a slice of
+        the fused QKV output is still a strided view: the Triton norm needs its rows dense."""
         t, h, d = x.shape
-        return cast(torch.Tensor, norm(x.reshape(t * h, d))).view(t, h, d)
+        return cast(torch.Tensor, norm(x.reshape(t * h, d).contiguous())).view(t, h, d)
 
     def attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       kv_cache: torch.Tensor, md: AttentionMetadata,
                       kv_scale: tuple[float, float]) -> torch.Tensor:
         """Attention after `rotate_and_write_kv`: [T, heads * head_dim]."""
-        o = self.backend.attend(q, k, v, kv_cache, md, self.scale, kv_scale)
+        o = self.backend.attend(q, k, v, kv_cache, md, self.scale, kv_scale,
+                                sliding_window=self.sliding_window,
+                                logit_softcap=self.logit_softcap)
         return o.reshape(-1, self.q_size)
 
 
@@ -190,12 +206,13 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias,
                                 self.use_gemv)
         self.use_triton = use_triton
+        self.act = cfg.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A one-row batch in the model never gets here with the GEMV on: the decoder layer runs
-        # norm + gate/up + SiLU as one kernel (`mlp_block`) and calls `project_down` itself.
+        # norm + gate/up + activation as one kernel (`norm_and_mlp`) and calls `project_down`.
         gate_up = _with_lora(self.layer_idx, "gate_up_proj", x, self.gate_up_proj(x))
-        return self.project_down(silu_and_mul(gate_up, self.use_triton))
+        return self.project_down(act_and_mul(gate_up, self.act, self.use_triton))
 
     def project_down(self, act: torch.Tensor) -> torch.Tensor:
         """The down projection (with the step's LoRA deltas), summed over the tensor-parallel
@@ -213,8 +230,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp: LlamaMLP | SparseMoeBlock = (
             SparseMoeBlock(cfg, use_triton, shard) if cfg.is_sparse_layer(layer_idx)
             else LlamaMLP(cfg, use_triton, shard=shard, layer_idx=layer_idx))
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton)
+        self.input_layernorm = make_norm(cfg, cfg.hidden_size, use_triton)
+        self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size, use_triton)
         # Batch-1 rows fold each RMSNorm into the projection after it (one GEMV kernel reads
         # the residual stream, normalises and streams the weight: engine/kernels/gemv.py).
         self.use_gemv = use_triton and gemv_enabled()
@@ -256,15 +273,22 @@ class LlamaDecoderLayer(nn.Module):
 
     def mlp_block(self, h: torch.Tensor, residual: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Post-attention norm (+ residual add), gate/up, SiLU-and-mul, down (or the experts)."""
+        """Post-attention norm (+ residual add), gate/up, activation-and-mul, down (or the
+        experts). h: attention's output after the O projection."""
+        return self.norm_and_mlp(self.post_attention_layernorm, h, residual)
+
+    def norm_and_mlp(self, norm: RMSNorm, h: torch.Tensor, residual: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`norm(h + residual)` into the MLP: returns (MLP output, h + residual). A one-row
+        batch folds the norm and the activation into the gate/up GEMV."""
         if isinstance(self.mlp, LlamaMLP) and _one_row_fused(self.use_gemv, h):
             from engine.kernels.gemv import rms_norm_gemv
-            norm = self.post_attention_layernorm
             weight, bias, scale = self.mlp.gate_up_proj.gemv_operands()
             act, residual = rms_norm_gemv(h, norm.weight, norm.eps, weight, bias,
-                                          residual=residual, gated=True, weight_scale=scale)
+                                          residual=residual, gated=True, weight_scale=scale,
+                                          activation=self.mlp.act)
             return self.mlp.project_down(act), residual
-        h, residual = self.post_attention_layernorm(h, residual)  # type: ignore[misc]
+        h, residual = norm(h, residual)  # type: ignore[misc]
         return self.mlp(h), residual
 
 
@@ -279,18 +303,27 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.full_config = full_config or cfg
         self.shard = shard
-        rope = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling_dict)
+        ropes = _layer_ropes(cfg, max_position)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        layer_cls = _decoder_layer_class(cfg)
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(cfg, i, rope, backend, use_triton, shard)
+            [layer_cls(cfg, i, ropes[i], backend, use_triton, shard)
              for i in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, use_triton)
+        self.norm = make_norm(cfg, cfg.hidden_size, use_triton)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [T] → the first layer's input [T, hidden]: the embedding rows, for Gemma
+        times sqrt(hidden_size) (rounded to the model's dtype first, as transformers does)."""
+        h = self.embed_tokens(input_ids)
+        if self.config.is_gemma:
+            h = h * _embedding_scale(self.config.hidden_size, h.dtype)
+        return h
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] → final hidden states [T, hidden]."""
-        h = self.embed_tokens(input_ids)
+        h = self.embed(input_ids)
         residual: torch.Tensor | None = None
         for layer in self.layers:
             h, residual = layer(positions, h, residual)
@@ -305,7 +338,7 @@ class LlamaForCausalLM(nn.Module):
         rounding at the halves' shapes. `halves`: the metadata of rows [0, a) and [a, T)
         (`split_decode_metadata`)."""
         split = int(halves[0].seq_lens.shape[0])
-        h = self.embed_tokens(input_ids)
+        h = self.embed(input_ids)
         rows = (slice(0, split), slice(split, None))
         hs = [h[r] for r in rows]
         pos = [positions[r] for r in rows]
@@ -333,9 +366,13 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """hidden: [N, hidden] → logits [N, vocab]: float32, or in the model's dtype for a
-        consumer that widens them itself as it reads them (prompt scoring's kernel)."""
+        consumer that widens them itself as it reads them (prompt scoring's kernel). Gemma 2's
+        logits are soft-capped, c * tanh(logits / c) (in float32 on the float32 path)."""
         logits = torch.nn.functional.linear(hidden, self.lm_head_weight)
-        return logits.float() if float32 else logits
+        if float32:
+            logits = logits.float()
+        cap = self.config.final_logit_softcapping
+        return cap * torch.tanh(logits / cap) if cap > 0 else logits
 
     # ---- weights ---------------------------------------------------------------------------
 
@@ -362,6 +399,9 @@ class LlamaForCausalLM(nn.Module):
         Qwen3-MoE's) and are stacked per layer."""
         params = dict(self.named_parameters())
         stacked = () if self.config.fused_checkpoint else self._STACKED
+        # Gemma's norms hold 1 + the checkpoint's w (GemmaRMSNorm).
+        unit_offset = {f"{name}.weight" for name, m in self.named_modules()
+                       if isinstance(m, GemmaRMSNorm)}
         expected: set[str] = set()
         for name in params:
             if ".experts." in name:
@@ -404,6 +444,8 @@ class LlamaForCausalLM(nn.Module):
                 dst.zero_()
                 loaded.add(name)
                 continue
+            if target in unit_offset:
+                part = GemmaRMSNorm.stored_weight(part)
             _copy_checked(hf_name, dst, part)
             loaded.add(name)
         missing = sorted(expected - loaded)
@@ -434,9 +476,35 @@ class LlamaForCausalLM(nn.Module):
         """Random weights of the real shapes (benchmarks), generated on the parameters' device."""
         gen = torch.Generator(device=next(self.parameters()).device).manual_seed(seed)
         for name, p in self.named_parameters():
-            if "norm" in name:
+            if "norm" in name:  # a Gemma norm's stored 1 + w: w = 0, as transformers inits it
                 p.fill_(1.0)
             elif name.endswith("bias"):
                 p.zero_()
             else:
                 p.normal_(0.0, 0.02, generator=gen)
+
+
+def _layer_ropes(cfg: ModelConfig, max_position: int) -> list[RotaryEmbedding]:
+    """Each decoder layer's RoPE table, one module per distinct (theta, scaling): one for
+    most models, Gemma 3's local and global layers two."""
+    tables: dict[tuple[float, Any], RotaryEmbedding] = {}
+    for i in range(cfg.num_hidden_layers):
+        theta, scaling = key = cfg.layer_rope(i)
+        if key not in tables:
+            tables[key] = RotaryEmbedding(cfg.head_dim, max_position, theta,
+                                          dict(scaling) if scaling is not None else None)
+    return [tables[cfg.layer_rope(i)] for i in range(cfg.num_hidden_layers)]
+
+
+def _decoder_layer_class(cfg: ModelConfig) -> type[LlamaDecoderLayer]:
+    if cfg.is_gemma:
+        from engine.model.gemma import GemmaDecoderLayer  # it subclasses LlamaDecoderLayer
+        return GemmaDecoderLayer
+    return LlamaDecoderLayer
+
+
+@functools.cache
+def _embedding_scale(hidden_size: int, dtype: torch.dtype) -> float:
+    """Gemma's embedding multiplier sqrt(hidden_size) as transformers applies it: a float32
+    tensor cast to the model's dtype (bf16: sqrt(3072) = 55.43 becomes 55.5), exact as a float."""
+    return float(torch.tensor(hidden_size ** 0.5, dtype=torch.float32).to(dtype))

@@ -133,10 +133,8 @@ class DraftModelProposer:
             raise ConfigError(
                 f"the draft model's vocabulary ({cfg.vocab_size} tokens) differs from the "
                 f"target's ({vocab_size}); a draft must share the target's tokenizer")
-        # Sequences longer than the draft's context get no drafts; within it, exact attention.
+        # Sequences longer than the draft's context get no drafts.
         limit = min(cfg.max_position_embeddings, max_model_len)
-        if cfg.sliding_window is not None:
-            limit = min(limit, cfg.sliding_window)
         config = draft_runner_config(target)
         self.runner = ModelRunner(config, cfg, limit, source.weights, source.dummy_seed,
                                   source.default_dtype)
