@@ -8,7 +8,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
 import grpc
 from opentelemetry.context import Context
-from opentelemetry.trace import Span, SpanKind
+from opentelemetry.trace import Span
 
 from engine.async_engine import EngineDeadError, KvLoadAbort
 from engine.kv.hashing import compute_block_hashes, prompt_hash
@@ -17,7 +17,7 @@ from engine.request import RemoteKv
 from engine.sampling_params import SamplingParamsError
 from protos.splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from serving import tracing
-from serving.common import EngineBound, check_lora_name
+from serving.common import EngineBound, abort_traced, check_lora_name
 from serving.convert import (
     SPEC_METHOD_NAMES,
     InvalidRequest,
@@ -28,6 +28,7 @@ from serving.convert import (
     prompt_logprobs_to_proto,
     sampling_from_proto,
 )
+from serving.embed import embed
 from serving.kv import RemoteKvHandle, release_unpulled
 from serving.tier_cache import TierPrefixCache
 
@@ -47,10 +48,8 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
                      ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         # A server span under the gateway's `decode` span (W3C traceparent in the metadata);
         # never made current (this is an async generator), passed on to the KV pull instead.
-        with tracing.traced_span("splitserve.decode",
-                                 parent=tracing.extract_context(context.invocation_metadata()),
-                                 kind=SpanKind.SERVER, passthrough=(grpc.aio.AbortError,),
-                                 attributes=_decode_attributes(request)) as span:
+        with tracing.server_span("splitserve.decode", context,
+                                 _decode_attributes(request)) as span:
             # aclosing: closing this generator runs the inner one's cleanup (engine abort,
             # lease release) now rather than at garbage collection.
             async with contextlib.aclosing(self._decode(request, context, span)) as responses:
@@ -71,7 +70,7 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
             lora = check_lora_name(aengine.engine, request.lora_name)
             remote = self._remote_kv(request, ids, context, tracing.span_context(span), lora)
         except InvalidRequest as e:
-            await _abort(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await abort_traced(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         tiers = self.tiers
         # An adapter's KV is keyed in the tiers by hashes under its own root, as in the cache.
         root = aengine.engine.hash_root(lora) if lora is not None else None
@@ -118,11 +117,11 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
                         kv_recomputed=recomputed and request.HasField("kv_handle"),
                         num_cached_tokens=out.num_cached_tokens))
         except KvLoadAbort as e:
-            await _abort(context, span, grpc.StatusCode.UNAVAILABLE, str(e))
+            await abort_traced(context, span, grpc.StatusCode.UNAVAILABLE, str(e))
         except (EngineInputError, SamplingParamsError, ValueError) as e:
-            await _abort(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await abort_traced(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineDeadError as e:
-            await _abort(context, span, grpc.StatusCode.UNAVAILABLE, str(e))
+            await abort_traced(context, span, grpc.StatusCode.UNAVAILABLE, str(e))
         finally:
             # Cancelled (client gone) before the KV load began, or the pull failed (partial or
             # corrupt KV, recomputed): the prefill worker would otherwise hold the lease (and
@@ -155,6 +154,10 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
         return RemoteKv(len(ids), RemoteKvHandle(request.kv_handle, request.kv_failure_policy,
                                                  timeout, trace_parent=trace_parent))
 
+    async def Embed(self, request: common_pb2.EmbedRequest,
+                    context: grpc.aio.ServicerContext) -> common_pb2.EmbedResponse:
+        return await embed(await self.engine_or_abort(context), request, context)
+
     async def GetLoad(self, request: common_pb2.LoadRequest,
                       context: grpc.aio.ServicerContext) -> common_pb2.LoadReport:
         aengine = await self.engine_or_abort(context)  # UNAVAILABLE while loading
@@ -176,13 +179,6 @@ def _decode_attributes(request: decode_pb2.DecodeRequest) -> dict[str, int | str
     if request.speculative_method in SPEC_METHOD_NAMES:
         attrs["splitserve.speculative_method"] = SPEC_METHOD_NAMES[request.speculative_method]
     return attrs
-
-
-async def _abort(context: grpc.aio.ServicerContext, span: Span, code: grpc.StatusCode,
-                 message: str) -> None:
-    """Record the failure on the request's span, then end the RPC with `code`."""
-    tracing.record_error(span, f"{code.name}: {message}")
-    await context.abort(code, message)
 
 
 def _handle_problem(h: common_pb2.KvHandle, ids: list[int], eng: LLMEngine,

@@ -1,23 +1,26 @@
 """splitserve engine: the shared core of the prefill and decode services.
 
-`from engine import LLM, SamplingParams` mirrors vLLM. Torch-using exports are loaded lazily so
-that torch-free modules (`engine.tokenizer`, `engine.detokenizer`, `engine.sampling_params`,
-`engine.kv`) can be imported by the gateway without pulling in torch.
+`from engine import LLM, SamplingParams, PoolingParams` mirrors vLLM. Torch-using exports are
+loaded lazily so that torch-free modules (`engine.tokenizer`, `engine.detokenizer`,
+`engine.sampling_params`, `engine.pooling_params`, `engine.kv`) can be imported by the gateway
+without pulling in torch.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from engine.pooling_params import PoolingParams, PoolingParamsError
 from engine.sampling_params import SamplingParams, SamplingParamsError
 
 if TYPE_CHECKING:
     from engine.llm import LLM
     from engine.llm_engine import EngineInputError, LLMEngine
-    from engine.outputs import CompletionOutput, RequestOutput
+    from engine.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
 
-__all__ = ["LLM", "CompletionOutput", "EngineInputError", "LLMEngine", "RequestOutput",
-           "SamplingParams", "SamplingParamsError"]
+__all__ = ["LLM", "CompletionOutput", "EmbeddingRequestOutput", "EngineInputError", "LLMEngine",
+           "PoolingParams", "PoolingParamsError", "RequestOutput", "SamplingParams",
+           "SamplingParamsError"]
 
 _LAZY = {
     "LLM": "engine.llm",
@@ -25,6 +28,7 @@ _LAZY = {
     "EngineInputError": "engine.llm_engine",
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",
+    "EmbeddingRequestOutput": "engine.outputs",
 }
 
 

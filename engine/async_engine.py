@@ -22,6 +22,7 @@ import torch
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import StepOutput
+from engine.pooling_params import PoolingParams
 from engine.request import RemoteKv
 from engine.sampling_params import SamplingParams
 from engine.scheduler import KvLoad
@@ -97,14 +98,16 @@ class AsyncEngine:
 
     # ---- public API (event loop side) ------------------------------------------------------
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       *, output_token_ids: list[int] | None = None,
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams | PoolingParams, *,
+                       output_token_ids: list[int] | None = None,
                        remote_kv: RemoteKv | None = None,
                        num_speculative_tokens: int | None = None,
                        speculative_method: str | None = None,
                        lora_name: str | None = None) -> AsyncIterator[StepOutput]:
         """Stream a request's step outputs. Validation errors raise before anything is queued.
         Cancelling the consumer (or closing the generator) aborts the request and frees its KV.
+        `PoolingParams`: an embedding request, whose one output carries its embedding.
         `num_speculative_tokens`, `speculative_method`, `lora_name`: see
         `LLMEngine.add_request`."""
         self._check_alive()
@@ -113,7 +116,8 @@ class AsyncEngine:
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight")
         grammar = None
-        if params.structured_outputs is not None:  # compiling may take a while: not on the loop
+        # Compiling a constraint may take a while: not on the loop.
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
             grammar = await asyncio.get_running_loop().run_in_executor(
                 self._compiles, self.engine.make_grammar, params, output_token_ids)
             if request_id in self._queues:

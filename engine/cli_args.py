@@ -11,6 +11,7 @@ from typing import Any
 from engine.config import (
     BLOCK_ALLOCATIONS,
     MAX_PIECEWISE_GRAPH_TOKENS,
+    POOLING_TYPES,
     SPEC_METHODS,
     CacheConfig,
     ConfigError,
@@ -18,6 +19,7 @@ from engine.config import (
     LoadConfig,
     LoRAConfig,
     ParallelConfig,
+    PoolerConfig,
     RunnerConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -180,6 +182,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=_default(SpeculativeConfig, "prompt_lookup_min"))
     g.add_argument("--prompt-lookup-max", type=_positive_int,
                    default=_default(SpeculativeConfig, "prompt_lookup_max"))
+    g.add_argument("--pooling-type", default=_default(PoolerConfig, "pooling_type"),
+                   choices=POOLING_TYPES,
+                   help="embedding requests' default pooling: LAST (the last prompt position's "
+                        "hidden state), MEAN (over the prompt) or CLS (the first position's); "
+                        "default: the model's sentence-transformers configuration, else LAST")
     g.add_argument("--spec-min-accepted-per-step", type=float,
                    default=_default(SpeculativeConfig, "min_accepted_per_step"),
                    help="a request whose verify steps accept fewer drafts than this per step "
@@ -215,6 +222,7 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "colocated") -
                             quantization=args.quantization),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
         lora=LoRAConfig(modules=tuple(args.lora_modules), max_lora_rank=args.max_lora_rank),
+        pooler=PoolerConfig(pooling_type=args.pooling_type),
         speculative=SpeculativeConfig(method=args.speculative_method,
                                       num_speculative_tokens=args.num_speculative_tokens,
                                       prompt_lookup_min=args.prompt_lookup_min,

@@ -744,6 +744,28 @@ class ParallelConfig:
                               f"{self.collective_timeout_s!r}")
 
 
+# How an embedding request's hidden states become one vector (engine/pooling.py): the last
+# prompt position's (decoder embedding models: Qwen3-Embedding, e5-mistral), the mean over the
+# prompt's positions, or the first position's (BERT's [CLS]).
+PoolingType = Literal["LAST", "MEAN", "CLS"]
+POOLING_TYPES: tuple[PoolingType, ...] = get_args(PoolingType)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolerConfig:
+    """The engine's default pooling for embedding requests, over the model's own (its
+    sentence-transformers files, engine/pooler.py; LAST and normalized without them), as vLLM's
+    `--override-pooler-config`. None: the model's."""
+
+    pooling_type: PoolingType | None = None
+    normalize: bool | None = None
+
+    def validate(self) -> None:
+        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
+            raise ConfigError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got "
+                              f"{self.pooling_type!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     load: LoadConfig = field(default_factory=LoadConfig)
@@ -753,6 +775,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    pooler: PoolerConfig = field(default_factory=PoolerConfig)
 
     def keeps_block_runs(self) -> bool:
         """Whether the KV pool keeps prompts in runs of consecutive blocks (CacheConfig's

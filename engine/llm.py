@@ -1,11 +1,12 @@
-"""Offline API mirroring vLLM's: `LLM(model=...)`, `llm.generate(prompts, params)`, `llm.chat`."""
+"""Offline API mirroring vLLM's: `LLM(model=...)`, `llm.generate(prompts, params)`, `llm.chat`,
+`llm.embed(prompts)`."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from engine.config import (
     DEFAULT_GC_THRESHOLD,
@@ -15,17 +16,28 @@ from engine.config import (
     LoadConfig,
     LoRAConfig,
     ParallelConfig,
+    PoolerConfig,
+    PoolingType,
     RunnerConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
 from engine.llm_engine import EngineInputError, LLMEngine
 from engine.lora import LoRARequest, lora_name_of
-from engine.outputs import CompletionOutput, RequestOutput, StepOutput
+from engine.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    StepOutput,
+)
+from engine.pooling_params import PoolingParams
 from engine.request import RequestMetrics
 from engine.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
+LoRAArg = LoRARequest | str | Sequence[LoRARequest | str | None] | None
+T = TypeVar("T")
 
 
 class LLM:
@@ -64,12 +76,15 @@ class LLM:
         lora_modules: dict[str, str] | None = None,
         max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
         speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
+        pooling_type: PoolingType | None = None,
     ) -> None:
         """`speculative_config` as in vLLM: e.g. {"method": "ngram", "num_speculative_tokens":
         4, "prompt_lookup_max": 4} (the fields of `SpeculativeConfig`), or {"model": <draft>,
         "num_speculative_tokens": 4} for a draft model (the method follows from `model`).
         `lora_modules`: LoRA adapters by name -> PEFT directory, loaded now; `generate(...,
-        lora_request=name)` runs a prompt with one."""
+        lora_request=name)` runs a prompt with one. `pooling_type`: how `embed` pools by
+        default ("LAST", "MEAN", "CLS"; None: the model's sentence-transformers configuration,
+        else LAST)."""
         if isinstance(speculative_config, dict):
             if "model" in speculative_config and "method" not in speculative_config:
                 speculative_config = {**speculative_config, "method": "draft_model"}
@@ -103,6 +118,7 @@ class LLM:
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             lora=LoRAConfig(modules=tuple((lora_modules or {}).items()),
                             max_lora_rank=max_lora_rank),
+            pooler=PoolerConfig(pooling_type=pooling_type),
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
@@ -126,23 +142,45 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False,
-                 lora_request: LoRARequest | str | Sequence[LoRARequest | str | None] | None
-                 = None) -> list[RequestOutput]:
+                 use_tqdm: bool = False, lora_request: LoRAArg = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of `prompts`.
         `lora_request`: the loaded LoRA adapter (by name, or vLLM's `LoRARequest`) the prompts
         run with, or one per prompt (as vLLM accepts); None: the base model."""
-        loaded = dict(self.engine.config.lora.modules)
-        if isinstance(lora_request, (list, tuple)):
-            names: list[str | None] | str | None = [lora_name_of(r, loaded) for r in lora_request]
-        else:
-            names = lora_name_of(lora_request, loaded)  # type: ignore[arg-type]
-        items = self._submit(prompts, sampling_params, names)
+        items = self._submit(prompts, sampling_params, self._lora_names(lora_request))
         for _ in self._run():
             pass
         for _, out in items:
             self._finalize(out)
         return [out for _, out in items]
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = False, lora_request: LoRAArg = None
+              ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (its pooled final hidden state: engine/pooling.py), in the
+        order of `prompts`. `pooling_params`: one for all or one per prompt; None: the engine's
+        pooling (`pooling_type`, the model's). `lora_request` as in `generate`."""
+        plist = _prompt_list(prompts)
+        params = ([pooling_params or PoolingParams()] * len(plist)
+                  if pooling_params is None or isinstance(pooling_params, PoolingParams)
+                  else _one_each(list(pooling_params), len(plist), "pooling params"))
+        loras = _per_prompt(self._lora_names(lora_request), len(plist))
+        tokenized = [self._tokenize(prompt) for prompt in plist]
+        for (_, ids), pp, lora in zip(tokenized, params, loras, strict=True):
+            self.engine.check_request(ids, pp, lora_name=lora)  # all before any is queued
+        outs: dict[str, EmbeddingRequestOutput] = {}
+        for (text, ids), pp, lora in zip(tokenized, params, loras, strict=True):
+            rid = f"embed-{next(self._ids)}"
+            self.engine.enqueue(rid, ids, pp, lora_name=lora)
+            outs[rid] = EmbeddingRequestOutput(rid, EmbeddingOutput([]), ids, finished=False,
+                                               prompt=text)
+        while self.engine.has_unfinished_requests():
+            for s in self.engine.step():
+                out = outs.get(s.request_id)
+                if out is not None and s.embedding is not None:
+                    out.outputs.embedding, out.finished = s.embedding, True
+                    out.num_cached_tokens = s.num_cached_tokens
+        return list(outs.values())
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None
                ) -> Iterator[StepOutput]:
@@ -177,26 +215,22 @@ class LLM:
 
     # ---- internals -------------------------------------------------------------------------
 
+    def _lora_names(self, lora_request: LoRAArg) -> str | list[str | None] | None:
+        """The adapters' names (one for all, or one per prompt) of a `lora_request`."""
+        loaded = dict(self.engine.config.lora.modules)
+        if isinstance(lora_request, (list, tuple)):
+            return [lora_name_of(r, loaded) for r in lora_request]
+        return lora_name_of(lora_request, loaded)  # type: ignore[arg-type]
+
     def _submit(self, prompts: PromptType | Sequence[PromptType],
                 sampling_params: SamplingParams | Sequence[SamplingParams] | None,
                 lora_name: str | Sequence[str | None] | None = None
                 ) -> list[tuple[str, RequestOutput]]:
-        plist: list[PromptType] = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        if sampling_params is None:
-            params: list[SamplingParams] = [SamplingParams()] * len(plist)
-        elif isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(plist)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(plist):
-                raise EngineInputError(
-                    f"got {len(params)} sampling params for {len(plist)} prompts")
-        if lora_name is None or isinstance(lora_name, str):
-            loras: list[str | None] = [lora_name] * len(plist)
-        else:
-            loras = list(lora_name)
-            if len(loras) != len(plist):
-                raise EngineInputError(f"got {len(loras)} LoRA requests for {len(plist)} prompts")
+        plist = _prompt_list(prompts)
+        params = ([sampling_params or SamplingParams()] * len(plist)
+                  if sampling_params is None or isinstance(sampling_params, SamplingParams)
+                  else _one_each(list(sampling_params), len(plist), "sampling params"))
+        loras = _per_prompt(lora_name, len(plist))
         # Tokenize and validate every prompt before queueing any: a bad one must not leave the
         # others queued in the engine.
         tokenized = [self._tokenize(prompt) for prompt in plist]
@@ -271,3 +305,21 @@ class LLM:
         out.metrics = self._metrics.get(out.request_id + ":0")
         out.children_metrics = [m for i in range(len(out.outputs))
                                 if (m := self._metrics.get(f"{out.request_id}:{i}")) is not None]
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    return [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+
+
+def _per_prompt(lora_name: str | Sequence[str | None] | None, n: int) -> list[str | None]:
+    """One adapter name (or None) per prompt: the same for all, or one each."""
+    if lora_name is None or isinstance(lora_name, str):
+        return [lora_name] * n
+    return _one_each(lora_name, n, "LoRA requests")
+
+
+def _one_each(values: Sequence[T], n: int, what: str) -> list[T]:
+    """`values`, which must hold one per prompt (`what` names them in the error)."""
+    if len(values) != n:
+        raise EngineInputError(f"got {len(values)} {what} for {n} prompts")
+    return list(values)

@@ -19,12 +19,16 @@ from engine.config import (
     ConfigError,
     EngineConfig,
     ModelConfig,
+    PoolerConfig,
 )
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv.hashing import model_fingerprint, root_hash
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.outputs import StepOutput
-from engine.request import RemoteKv, Request, RequestStatus
+from engine.pooler import resolve_pooler
+from engine.pooling import accumulate, embedding
+from engine.pooling_params import PoolingParams, PoolingParamsError
+from engine.request import PoolingState, RemoteKv, Request, RequestStatus
 from engine.runner import ModelRunner, PendingStep
 from engine.sampler import depends_on_outputs
 from engine.sampling_params import SamplingParams
@@ -40,6 +44,11 @@ logger = logging.getLogger(__name__)
 
 class EngineInputError(ValueError):
     """A request the engine cannot serve; the message names the field and the limit."""
+
+
+# An embedding request's `Request.sampling_params`: never sampled with (it finishes when its
+# prompt is computed), there because every request carries some.
+_POOLING_SAMPLING = SamplingParams(max_tokens=1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +110,7 @@ class LLMEngine:
         config.runner.validate()
         config.parallel.validate()
         config.lora.validate()
+        config.pooler.validate()
         self.config = config
         source = load_model_source(config.load)
         cfg = source.config
@@ -117,6 +127,8 @@ class LLMEngine:
                 f"max_model_len ({self.max_model_len}) exceeds the model's "
                 f"max_position_embeddings ({cfg.max_position_embeddings})")
         self.eos_token_ids = self._eos_ids(source.generation_config)
+        # Embedding requests' default pooling (every field set): found here, at start-up.
+        self.pooler: PoolerConfig = resolve_pooler(config.pooler, config.load.model)
         # A draft model comes first: on a GPU its memory is taken before the target's KV cache
         # is sized from what is left.
         # method → proposer; the configured method's first (requests default to it).
@@ -232,12 +244,8 @@ class LLMEngine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
                  num_output_tokens: int = 0) -> None:
-        if not prompt_token_ids:
-            raise EngineInputError("prompt must not be empty")
+        self._check_token_ids(prompt_token_ids)
         vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if type(t) is not int or not 0 <= t < vocab]
-        if bad:
-            raise EngineInputError(f"prompt_token_ids contains ids outside [0, {vocab}): {bad[:5]}")
         beyond = params.token_ids_beyond(vocab)
         if beyond:
             raise EngineInputError(f"logit_bias / allowed_token_ids / structured_outputs' "
@@ -249,14 +257,45 @@ class LLMEngine:
                 f"prompt has {n} tokens; max_model_len is {self.max_model_len}, which must leave "
                 "room for at least one generated token")
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    def _check_token_ids(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise EngineInputError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if type(t) is not int or not 0 <= t < vocab]
+        if bad:
+            raise EngineInputError(f"prompt_token_ids contains ids outside [0, {vocab}): {bad[:5]}")
+
+    def _check_pooling(self, prompt_token_ids: list[int], params: PoolingParams,
+                       output_token_ids: list[int] | None, remote_kv: RemoteKv | None) -> None:
+        """`check_request`'s checks of an embedding request."""
+        if output_token_ids or remote_kv is not None:
+            raise EngineInputError("an embedding request computes its prompt here and generates "
+                                   "nothing: it takes no output tokens and no remote KV")
+        self._check_token_ids(prompt_token_ids)
+        if len(prompt_token_ids) > self.max_model_len:
+            raise EngineInputError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len "
+                                   f"is {self.max_model_len}")
+        self.resolve_pooling(params)
+
+    def resolve_pooling(self, params: PoolingParams) -> PoolingParams:
+        """`params` with the engine's defaults filled in (`PoolingParams.resolved`);
+        EngineInputError for `dimensions` beyond the model's hidden size."""
+        try:
+            return params.resolved(self.pooler, self.model_config.hidden_size)
+        except PoolingParamsError as e:
+            raise EngineInputError(str(e)) from None
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams | PoolingParams,
                     *, output_token_ids: list[int] | None = None, remote_kv: RemoteKv | None = None,
                     arrival_time: float | None = None,
                     num_speculative_tokens: int | None = None,
                     speculative_method: str | None = None,
                     lora_name: str | None = None) -> Request:
-        """Queue a request. Raises EngineInputError / SamplingParamsError on bad input
-        (a constraint that does not compile: EngineInputError).
+        """Queue a request: a generation with `SamplingParams`, or an embedding request with
+        `PoolingParams` (its prompt computed and pooled, nothing sampled: engine/pooling.py).
+        Raises EngineInputError / SamplingParamsError on bad input (a constraint that does not
+        compile: EngineInputError).
 
         `lora_name`: one of the engine's LoRA adapters (`LoRAConfig.modules`) to run it with;
         None: the base model.
@@ -267,11 +306,12 @@ class LLMEngine:
         None, or a method the engine lacks: its configured one."""
         self.check_request(prompt_token_ids, params, output_token_ids, remote_kv,
                            num_speculative_tokens, speculative_method, lora_name)
+        grammar = (self.make_grammar(params, output_token_ids)
+                   if isinstance(params, SamplingParams) else None)
         return self.enqueue(request_id, prompt_token_ids, params, output_token_ids=output_token_ids,
                             remote_kv=remote_kv, arrival_time=arrival_time,
                             num_speculative_tokens=num_speculative_tokens,
-                            speculative_method=speculative_method,
-                            grammar=self.make_grammar(params, output_token_ids),
+                            speculative_method=speculative_method, grammar=grammar,
                             lora_name=lora_name)
 
     def make_grammar(self, params: SamplingParams, output_token_ids: list[int] | None = None
@@ -289,7 +329,7 @@ class LLMEngine:
         except StructuredOutputError as e:
             raise EngineInputError(str(e)) from None
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
                       output_token_ids: list[int] | None = None,
                       remote_kv: RemoteKv | None = None,
                       num_speculative_tokens: int | None = None,
@@ -297,6 +337,9 @@ class LLMEngine:
                       lora_name: str | None = None) -> None:
         """Every check `add_request` makes; reads config only, so any thread may call it."""
         self.lora_slot(lora_name)
+        if isinstance(params, PoolingParams):
+            self._check_pooling(prompt_token_ids, params, output_token_ids, remote_kv)
+            return
         if speculative_method is not None and speculative_method not in SPEC_METHODS[1:]:
             raise EngineInputError("speculative_method must be 'ngram' or 'draft_model', got "
                                    f"{speculative_method!r}")
@@ -316,8 +359,9 @@ class LLMEngine:
                 f"remote KV covers {remote_kv.num_tokens} tokens; it must cover 1 to "
                 f"{len(prompt_token_ids)} (the prompt's length)")
 
-    def enqueue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                *, output_token_ids: list[int] | None = None, remote_kv: RemoteKv | None = None,
+    def enqueue(self, request_id: str, prompt_token_ids: list[int],
+                params: SamplingParams | PoolingParams, *,
+                output_token_ids: list[int] | None = None, remote_kv: RemoteKv | None = None,
                 arrival_time: float | None = None,
                 num_speculative_tokens: int | None = None,
                 speculative_method: str | None = None,
@@ -326,6 +370,9 @@ class LLMEngine:
         """Queue a request that passed `check_request` (callers validate off the engine thread,
         so the step loop does not scan the prompt twice), with its grammar from `make_grammar`
         when it asks for structured outputs."""
+        if isinstance(params, PoolingParams):
+            return self._enqueue_pooling(request_id, prompt_token_ids, params, arrival_time,
+                                         lora_name)
         if (grammar is None) != (params.structured_outputs is None):
             raise EngineInputError("a request with structured_outputs is queued with its "
                                    "grammar (LLMEngine.make_grammar), and only such a request")
@@ -333,9 +380,7 @@ class LLMEngine:
                       output_token_ids=output_token_ids, remote_kv=remote_kv,
                       arrival_time=arrival_time)
         req.grammar = grammar
-        req.lora_slot = self.lora_slot(lora_name)
-        if req.lora_slot:
-            req.hash_root = self._lora_roots[req.lora_slot]
+        self._bind_lora(req, lora_name)
         req.num_speculative_tokens = self._speculative_tokens(req, num_speculative_tokens)
         req.spec_method = (speculative_method if speculative_method in self.proposers
                            else self.config.speculative.method)
@@ -345,6 +390,24 @@ class LLMEngine:
                 self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
                 params.include_stop_str_in_output)
         return req
+
+    def _enqueue_pooling(self, request_id: str, prompt_token_ids: list[int],
+                         params: PoolingParams, arrival_time: float | None,
+                         lora_name: str | None) -> Request:
+        """Queue an embedding request: no detokenizer, no grammar, no drafts."""
+        req = Request(request_id, prompt_token_ids, _POOLING_SAMPLING, self.eos_token_ids,
+                      self.max_model_len, arrival_time=arrival_time)
+        req.pooling = PoolingState(self.resolve_pooling(params), req.num_prompt_tokens)
+        self._bind_lora(req, lora_name)
+        self.scheduler.add_request(req)
+        return req
+
+    def _bind_lora(self, req: Request, lora_name: str | None) -> None:
+        """Run `req` with adapter `lora_name` (None: the base model), its KV hashed under the
+        adapter's root."""
+        req.lora_slot = self.lora_slot(lora_name)
+        if req.lora_slot:
+            req.hash_root = self._lora_roots[req.lora_slot]
 
     def hash_root(self, lora_name: str | None = None) -> bytes:
         """The root a prompt's block hashes chain from: the engine's, or adapter `lora_name`'s
@@ -467,6 +530,10 @@ class LLMEngine:
         if pending.prompt is not None:  # before the tokens: a first token carries them out
             for req, lps in pending.prompt.result():
                 req.prompt_logprobs.extend(lps)
+        if pending.pooled is not None:  # before the update that finishes the requests
+            for req, part in pending.pooled.result():
+                if req.pooling is not None:
+                    accumulate(req.pooling, part)
         changed = self.scheduler.update_from_output(out, pending.result())
         outputs = [self._step_output(req, toks) for req, toks in changed]
         if self.proposers:
@@ -513,6 +580,9 @@ class LLMEngine:
         prompt_lps = None
         if req.sampling_params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
             prompt_lps, req.prompt_logprobs_sent = req.prompt_logprobs, True
+        pooled = None
+        if req.pooling is not None and req.status == RequestStatus.FINISHED_POOLED:
+            pooled = embedding(req.pooling)
         return StepOutput(
             request_id=req.request_id, new_token_ids=tokens, new_logprobs=lp,
             prompt_logprobs=prompt_lps,
@@ -520,5 +590,5 @@ class LLMEngine:
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
             text_delta=text, stop_reason=req.stop_reason,
             kv_held=req.status == RequestStatus.FINISHED_PREFILL,
-            metrics=req.metrics if req.is_finished else None)
+            metrics=req.metrics if req.is_finished else None, embedding=pooled)
 

@@ -25,6 +25,8 @@ class StepOutput:
     # Asked for (SamplingParams.prompt_logprobs): prompt tokens 1, 2, ... each scored given the
     # ones before it, in the request's first output only.
     prompt_logprobs: PromptLogprobs | None = None
+    # An embedding request's (PoolingParams): its pooled vector, in its one (finished) output.
+    embedding: list[float] | None = None
 
 
 @dataclass(slots=True)
@@ -50,3 +52,26 @@ class RequestOutput:
     # As vLLM's: one entry per prompt token, None for the first (nothing precedes it).
     prompt_logprobs: list[TokenLogprob | None] | None = None
     children_metrics: list[RequestMetrics] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """vLLM's `EmbeddingOutput`: one prompt's embedding (float32 values)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """vLLM's `EmbeddingRequestOutput`: what `LLM.embed` returns per prompt."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+    num_cached_tokens: int = 0

@@ -21,7 +21,7 @@ import torch
 from engine.kernels.reference import score_rows_ref
 from engine.request import PromptLogprobs, Request
 from engine.sampler import copies_queued, to_device, to_host
-from engine.scheduler import ScheduledRequest
+from engine.scheduler import ScheduledRequest, first_rows
 
 # Rows turned into logits at a time: 512 rows of a 128k vocabulary are 128 MB of bf16 logits
 # (256 MB of float32 on a CPU engine).
@@ -43,8 +43,7 @@ def plan_prompt_rows(scheduled: Sequence[ScheduledRequest]) -> list[PromptRows]:
     """The rows of this step (laid out as `ModelRunner.prepare` lays them: each request's new
     tokens in order) that score prompt tokens, marked planned on their requests."""
     plans: list[PromptRows] = []
-    row = 0
-    for s in scheduled:
+    for s, row in first_rows(scheduled):
         req = s.request
         if req.scores_prompt:
             first = max(s.num_computed_tokens, req.num_prompt_logprobs_planned)
@@ -54,7 +53,6 @@ def plan_prompt_rows(scheduled: Sequence[ScheduledRequest]) -> list[PromptRows]:
                                         end - first))
                 req.num_prompt_logprobs_planned = end
                 req.scores_prompt = end < req.num_prompt_tokens - 1
-        row += s.num_new_tokens
     return plans
 
 

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -23,6 +24,8 @@ class RequestStatus(enum.IntEnum):  # IntEnum: C-level hashing on the per-step h
     FINISHED_ABORTED = enum.auto()
     # Prefill role: the first token is sampled and the prompt KV is held under a lease.
     FINISHED_PREFILL = enum.auto()
+    # An embedding request: its prompt is computed and pooled (no token is sampled).
+    FINISHED_POOLED = enum.auto()
 
     @property
     def finished(self) -> bool:
@@ -34,7 +37,8 @@ class RequestStatus(enum.IntEnum):  # IntEnum: C-level hashing on the per-step h
 
 
 _FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                       RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_PREFILL})
+                       RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_PREFILL,
+                       RequestStatus.FINISHED_POOLED})
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
@@ -104,6 +108,35 @@ class PromptLogprobs:
 
 
 @dataclass(slots=True)
+class PoolingState:
+    """An embedding request's pooling (engine/pooling.py): its parameters (resolved: every field
+    set), how many of its prompt positions are planned (their rows launched: each is pooled
+    once, across preemptions, as prompt logprobs are), and the float32 sum on the host of the
+    hidden states pooled so far.
+
+    Every pooling type sums hidden states over a span of prompt positions (`positions`): MEAN
+    all of them (divided by their number at the end), LAST the last one, CLS the first one."""
+
+    params: PoolingParams
+    num_prompt_tokens: int
+    num_planned: int = 0
+    total: object | None = None  # torch.Tensor [hidden_size] float32 (request.py is torch-free)
+
+    @property
+    def positions(self) -> tuple[int, int]:
+        """[first, end) of the prompt positions pooled."""
+        n = self.num_prompt_tokens
+        kind = self.params.pooling_type
+        return (n - 1, n) if kind == "LAST" else (0, 1) if kind == "CLS" else (0, n)
+
+    @property
+    def needs_own_prompt(self) -> bool:
+        """Positions still to pool may be ones a prefix-cache hit would skip (never the last,
+        which is always computed): until they are planned the prompt is computed here."""
+        return self.params.pooling_type != "LAST" and self.num_planned < self.positions[1]
+
+
+@dataclass(slots=True)
 class RequestMetrics:
     """perf_counter timestamps (seconds)."""
 
@@ -158,6 +191,8 @@ class Request:
         self.prompt_logprobs_sent = False  # carried out by the request's first StepOutput
         self.scores_prompt = (sampling_params.prompt_logprobs is not None
                               and len(self.prompt_token_ids) > 1)
+        # An embedding request (engine/pooling.py): its prompt is pooled, no token sampled.
+        self.pooling: PoolingState | None = None
         self.metrics = RequestMetrics(arrival_time if arrival_time is not None else time.perf_counter())
         self.stop_reason: int | str | None = None
         # Seeded sampling state lives with the request so batching does not change its draws.
@@ -197,6 +232,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """No prefix-cache hit may skip a prompt position: each is still to be scored (prompt
+        logprobs) or pooled (MEAN, CLS)."""
+        return self.scores_prompt or (self.pooling is not None and self.pooling.needs_own_prompt)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

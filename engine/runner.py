@@ -56,6 +56,7 @@ from engine.parallel.shard import TensorShard, shard_model_config
 from engine.parallel.step import broadcast_step, step_header
 from engine.penalties import PenaltyState
 from engine.piecewise_graphs import MIN_PIECEWISE_BUCKET, PiecewiseGraphRunner
+from engine.pooling import PendingPooling, plan_pool_rows, pool_rows
 from engine.prompt_logprobs import PendingPromptLogprobs, plan_prompt_rows, score_prompt_rows
 from engine.request import Request
 from engine.sampler import PendingTokens, Sampler, depends_on_outputs, to_device
@@ -239,13 +240,16 @@ class PendingStep:
     """A launched step whose sampled tokens (and verified drafts) have not reached the host."""
 
     def __init__(self, tokens: PendingTokens | None, verify: PendingVerify | None = None,
-                 speculative: bool = False, prompt: PendingPromptLogprobs | None = None) -> None:
+                 speculative: bool = False, prompt: PendingPromptLogprobs | None = None,
+                 pooled: PendingPooling | None = None) -> None:
         """speculative: the engine speculates, so requests may need their tokens on the host
         before the next step is scheduled (`needs_sync`); without it that check is skipped.
-        prompt: the step's prompt logprobs, when it scored prompt tokens."""
+        prompt: the step's prompt logprobs, when it scored prompt tokens. pooled: its
+        embedding requests' pooled rows, when it ran any (engine/pooling.py)."""
         self.tokens = tokens
         self.verify = verify
         self.prompt = prompt
+        self.pooled = pooled
         reqs = (tokens.reqs if tokens is not None else []) + (verify.reqs if verify else [])
         # Drafting the next tokens (speculative decoding) needs every earlier token on the host
         # first: such a step is finished before the next one is scheduled. (Sampling that reads
@@ -740,10 +744,13 @@ class ModelRunner:
         self.num_uniform_verify_steps += bool(uniform_q)
         input_ids, positions, md, logit_rows = self.prepare(out, uniform_q)
         sampling_reqs = [s.request for s in out.scheduled if s.sample]
-        # (A uniform verify step holds no prompt rows: every request in it is decoding.)
+        # (A uniform verify step holds no prompt rows: every request in it is decoding. Nor
+        # embedding requests, which sample nothing: no step with them replays a graph.)
         prompt_rows = (plan_prompt_rows(out.scheduled) if out.scores_prompt and not uniform_q
                        else [])
         prompt: PendingPromptLogprobs | None = None
+        pool_plans = plan_pool_rows(out.scheduled) if out.pools else []
+        pooled: PendingPooling | None = None
         lora = self._lora_for(out, md)
         slots = None if lora is None else lora[1].token_slots
         self.num_lora_steps += lora is not None
@@ -771,18 +778,25 @@ class ModelRunner:
                     hidden = self.run_model(input_ids, positions, md)
             if prompt_rows:
                 prompt = score_prompt_rows(hidden, prompt_rows, self.model.compute_logits)
+            if pool_plans:
+                pooled = pool_rows(hidden, pool_plans)
             if not sampling_reqs:
-                return None if prompt is None else PendingStep(None, prompt=prompt)
+                if prompt is None and pooled is None:
+                    return None
+                return PendingStep(None, prompt=prompt, pooled=pooled)
             logits = self.model.compute_logits(hidden.index_select(0, logit_rows))
         if settle is not None and any(r.grammar is not None or depends_on_outputs(r)
                                       for r in sampling_reqs):
             settle()
         if out.has_drafts:
-            return self._sample_and_verify(logits, out, prompt)
-        tokens = self.sampler.sample(logits, sampling_reqs, keep_probs)
-        self._last_tokens = tokens.tokens
-        self._last_rows = {r.request_id: i for i, r in enumerate(sampling_reqs)}
-        return PendingStep(tokens, speculative=self.speculative, prompt=prompt)
+            pending = self._sample_and_verify(logits, out, prompt)
+        else:
+            tokens = self.sampler.sample(logits, sampling_reqs, keep_probs)
+            self._last_tokens = tokens.tokens
+            self._last_rows = {r.request_id: i for i, r in enumerate(sampling_reqs)}
+            pending = PendingStep(tokens, speculative=self.speculative, prompt=prompt)
+        pending.pooled = pooled
+        return pending
 
     def _verify_rows(self, out: SchedulerOutput) -> int:
         """Rows per sequence when this step replays a verify graph (else 0): a step with drafts

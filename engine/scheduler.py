@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
@@ -30,6 +30,15 @@ class ScheduledRequest:
     # Speculative decoding: tokens drafted after the last known one, verified in this step
     # (num_new_tokens counts them; the rejected ones are rolled back when the step returns).
     draft_token_ids: Sequence[int] = ()
+
+
+def first_rows(scheduled: Sequence[ScheduledRequest]) -> Iterator[tuple[ScheduledRequest, int]]:
+    """Each scheduled request with the step's row of its first new token, as
+    `ModelRunner.prepare` lays a step out (each request's new tokens in order)."""
+    row = 0
+    for s in scheduled:
+        yield s, row
+        row += s.num_new_tokens
 
 
 @dataclass(slots=True)
@@ -65,6 +74,8 @@ class SchedulerOutput:
     # A scheduled request still has prompt tokens to score (engine/prompt_logprobs.py): only
     # then does the runner look for their rows (not on every decode step).
     scores_prompt: bool = False
+    # A scheduled request is an embedding request (engine/pooling.py): the runner pools its rows.
+    pools: bool = False
 
     @property
     def is_pure_decode(self) -> bool:
@@ -244,8 +255,9 @@ class Scheduler:
                 if not self._start_kv_load(req, out):
                     break
                 continue
-            # A prompt still to be scored (prompt logprobs) is computed from its first token.
-            hits, num_hit_tokens = (([], 0) if req.scores_prompt
+            # A prompt still to be scored (prompt logprobs) or pooled position by position
+            # (MEAN, CLS embeddings) is computed from its first token.
+            hits, num_hit_tokens = (([], 0) if req.computes_whole_prompt
                                     else self.kv.get_computed_blocks(req))
             num_new = req.num_tokens - num_hit_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
@@ -268,6 +280,8 @@ class Scheduler:
                 s.request.metrics.first_scheduled_time = now
             if s.request.scores_prompt:
                 out.scores_prompt = True
+            if s.request.pooling is not None:
+                out.pools = True
         # Decodes first (CUDA-graph friendly layout), then prefill chunks; stable otherwise.
         out.scheduled = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
         out.num_batched_tokens = self.token_budget - budget
@@ -293,8 +307,9 @@ class Scheduler:
             num_new_tokens=num_new,
             num_computed_tokens=req.num_computed_tokens,
             block_ids=self.kv.block_ids(req.request_id),
+            # An embedding request samples nothing: its prompt's end finishes it.
             sample=(req.num_computed_tokens + num_new - len(drafts)
-                    == req.num_tokens + req.num_inflight),
+                    == req.num_tokens + req.num_inflight and req.pooling is None),
             draft_token_ids=drafts,
         )
         req.num_computed_tokens += num_new
@@ -338,13 +353,20 @@ class Scheduler:
         """Append sampled tokens, finish requests (computed counts advanced at schedule time).
         Returns the requests that produced tokens in this step, with the tokens appended (one,
         or with speculative decoding up to the drafts + 1, fewer when a stop condition came
-        first). With async scheduling this runs after the next step was already scheduled."""
+        first), and the embedding requests whose prompt it completed (no tokens: their pooled
+        rows reached the host before this call). With async scheduling this runs after the next
+        step was already scheduled."""
         now = time.perf_counter()
         changed: list[tuple[Request, list[SampledToken]]] = []
         for s in out.scheduled:
             req = s.request
             if req.status.finished:
                 continue  # aborted (or stopped by a string) while the step ran
+            if req.pooling is not None:
+                if s.num_computed_tokens + s.num_new_tokens == req.num_prompt_tokens:
+                    self._end(req, RequestStatus.FINISHED_POOLED)
+                    changed.append((req, []))
+                continue
             tok = sampled.get(req.request_id)
             if tok is None:
                 continue
@@ -363,14 +385,19 @@ class Scheduler:
             if status is None and self.config.role == "prefill":
                 status = RequestStatus.FINISHED_PREFILL
             if status is not None:
-                if req.status == RequestStatus.RUNNING:
-                    self.running.remove(req)
-                else:
-                    self.waiting.remove(req)
-                req.status = status
-                self._free(req)
+                self._end(req, status)
             changed.append((req, appended))
         return changed
+
+    def _end(self, req: Request, status: RequestStatus) -> None:
+        """Finish a request the step just completed: running, or preempted since the step was
+        launched (async scheduling), so waiting."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = status
+        self._free(req)
 
     def _append(self, req: Request, tok: SampledToken, now: float) -> RequestStatus | None:
         req.append_output_token(tok.token_id)

@@ -63,6 +63,7 @@ class GatewayConfig:
     max_prompt_tokens: int = 8192             # hard prompt limit, independent of max_model_len
     max_n: int = 8                            # completions per request
     max_prompts_per_request: int = 32         # prompts in one /v1/completions batch
+    max_embedding_inputs: int = 2048          # inputs of one embeddings request (OpenAI's limit)
     max_tokens_cap: int = 4096                # largest max_tokens a request may ask for
     request_timeout_s: float = 600.0          # whole-request deadline passed to every hop
     kv_failure_policy: KvFailurePolicyName = "recompute"
@@ -132,7 +133,7 @@ class GatewayConfig:
             raise GatewayConfigError(
                 "prefill_addresses: at least one prefill worker is required unless colocated=True")
         for name in ("max_model_len", "max_body_bytes", "max_prompt_tokens", "max_n",
-                     "max_prompts_per_request", "max_tokens_cap"):
+                     "max_prompts_per_request", "max_embedding_inputs", "max_tokens_cap"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise GatewayConfigError(f"{name} must be an integer >= 1, got {value!r}")

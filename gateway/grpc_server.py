@@ -1,4 +1,5 @@
-"""gRPC front door: `Gateway.Generate` plus standard health and reflection services.
+"""gRPC front door: `Gateway.Generate` and `Gateway.Embed` (gateway/embeddings.py, as REST's
+/v1/embeddings) plus standard health and reflection services.
 
 Validation failures end the call with INVALID_ARGUMENT and a message naming the field. A
 failure after streaming began is sent in-band (`GenerateResponse.error`) and also ends the
@@ -28,6 +29,7 @@ from grpc_reflection.v1alpha import reflection
 
 from gateway.chat_tools import chat_finish_reason, chat_job, chat_outputs
 from gateway.config import GatewayConfig
+from gateway.embeddings import embedding_job, run_embeddings
 from gateway.errors import GatewayError
 from gateway.grpc_tools import (
     call_deltas,
@@ -36,12 +38,14 @@ from gateway.grpc_tools import (
     template_kwargs_from_proto,
     tool_calling_from_proto,
 )
+from gateway.openai_protocol import PromptInput
 from gateway.orchestrator import Finished, GenerationJob, TokenDelta
 from gateway.reasoning import ChatOutput
 from gateway.state import GatewayState
 from gateway.structured import structured_from_proto
 from gateway.tools import ToolCalling
 from protos.auth import BearerAuthInterceptor
+from protos.limits import MAX_MESSAGE_BYTES
 from protos.splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from protos.tls import read_pem
 
@@ -85,16 +89,38 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 error=common_pb2.StreamError(code=err.code.value[0], message=err.message))
             await context.abort(err.code, err.message)
 
+    async def Embed(self, request: gateway_pb2.EmbeddingsRequest,
+                    context: grpc.aio.ServicerContext) -> gateway_pb2.EmbeddingsResponse:
+        state = self._state
+        try:
+            lora = _lora_of(state, request.model)
+            job = await embedding_job(
+                state, _embedding_inputs(request, state.config.max_embedding_inputs),
+                request_id=request.request_id or f"embd-{uuid.uuid4().hex}", lora_name=lora,
+                dimensions=request.dimensions or None,
+                normalize=request.normalize if request.HasField("normalize") else None,
+                pooling_type=request.pooling_type, param="inputs")
+        except GatewayError as err:
+            await context.abort(err.code, err.message)
+        state.metrics.requests_received.labels(api="grpc_embed").inc()
+        state.metrics.prompt_tokens.inc(job.num_prompt_tokens)
+        try:
+            responses = await run_embeddings(state, job)
+        except GatewayError as err:
+            await context.abort(err.code, err.message)
+        response = gateway_pb2.EmbeddingsResponse(
+            data=[gateway_pb2.Embedding(embedding=r.embedding, prompt_tokens=r.num_prompt_tokens)
+                  for r in responses], prompt_tokens=job.num_prompt_tokens)
+        size = response.ByteSize()
+        if size > MAX_MESSAGE_BYTES:  # a clear refusal rather than a broken call
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, (
+                f"{len(responses)} embeddings make a {size >> 20} MiB response; the limit is "
+                f"{MAX_MESSAGE_BYTES >> 20} MiB: send fewer inputs (or fewer dimensions) per call"))
+        return response
+
     async def _job(self, request: gateway_pb2.GenerateRequest
                    ) -> tuple[GenerationJob, ToolCalling | None]:
-        state = self._state
-        # `model` may name a LoRA adapter the workers serve (as over REST).
-        lora = state.lora_name_for(request.model or None)
-        if lora is None:
-            raise GatewayError(grpc.StatusCode.NOT_FOUND,
-                               f"model {request.model!r} is not served; this server serves "
-                               f"{', '.join(repr(m) for m in state.served_models())}",
-                               param="model")
+        lora = _lora_of(self._state, request.model)
         job, calling = await self._unrouted_job(request)
         return dataclasses.replace(job, lora_name=lora), calling
 
@@ -122,6 +148,34 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise GatewayError.invalid("input", "input is required: set one of text, token_ids, chat")
         return pre.build_job(ids, _sampling_options(request), request_id=request_id,
                              param_names=_PARAM_NAMES), None
+
+
+def _lora_of(state: GatewayState, model: str) -> str:
+    """The LoRA adapter a request's `model` names ("": the base model, or none named);
+    NOT_FOUND for a model the workers do not serve (as over REST)."""
+    lora = state.lora_name_for(model or None)
+    if lora is None:
+        raise GatewayError(grpc.StatusCode.NOT_FOUND,
+                           f"model {model!r} is not served; this server serves "
+                           f"{', '.join(repr(m) for m in state.served_models())}",
+                           param="model")
+    return lora
+
+
+def _embedding_inputs(request: gateway_pb2.EmbeddingsRequest, limit: int) -> list[PromptInput]:
+    """The request's inputs (text or token ids), at least one and at most `limit`."""
+    if not request.inputs:
+        raise GatewayError.invalid("inputs", "inputs must not be empty")
+    if len(request.inputs) > limit:
+        raise GatewayError.invalid("inputs", f"inputs: at most {limit} per request, got "
+                                             f"{len(request.inputs)}")
+    out: list[PromptInput] = []
+    for i, item in enumerate(request.inputs):
+        kind = item.WhichOneof("input")
+        if kind is None:
+            raise GatewayError.invalid(f"inputs.{i}", f"inputs.{i}: set text or token_ids")
+        out.append(item.text if kind == "text" else list(item.token_ids.ids))
+    return out
 
 
 _PARAM_NAMES = {name: f"sampling.{name}" for name in (

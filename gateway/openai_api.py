@@ -1,6 +1,6 @@
 """OpenAI-compatible REST API (FastAPI): completions, chat completions, responses (and their
-stored ones: retrieve, delete, input items), models, health, metrics, and vLLM's tokenize /
-detokenize.
+stored ones: retrieve, delete, input items), embeddings, models, health, metrics, and vLLM's
+tokenize / detokenize.
 
 Bodies are read and parsed here, not by FastAPI, so every client error has an OpenAI-shaped
 body and the right status: size (413, by Content-Length and by bytes actually received),
@@ -18,9 +18,9 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from fastapi import FastAPI, Request
@@ -29,16 +29,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.chat_tools import chat_finish_reason, chat_job, chat_outputs
+from gateway.embeddings import embedding_job, run_embeddings
 from gateway.errors import GatewayError
 from gateway.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
     chat_logprobs,
     chat_messages,
     completion_logprobs,
     echo_logprobs,
+    embeddings_body,
     error_body,
     logprob_rows,
     parse_request,
@@ -63,6 +66,8 @@ from gateway.tools import (
     tool_calling_from_request,
 )
 from protos.splitserve.v1 import common_pb2
+
+T = TypeVar("T")
 
 
 def build_app(state: GatewayState) -> FastAPI:
@@ -118,6 +123,23 @@ def build_app(state: GatewayState) -> FastAPI:
                      num_prompt_top=req.prompt_logprobs, tool_calling=calling,
                      stream=req.stream)
         return await _respond(view, request, "chat", req.stream)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        body = await _read_json(request, state)
+        req = parse_request(EmbeddingRequest, body)
+        lora = _check_model(req.model, state)
+        inputs = prompt_inputs(req.input, state.config.max_embedding_inputs, "input")
+        job = await embedding_job(state, inputs, request_id=f"embd-{uuid.uuid4().hex}",
+                                  lora_name=lora, dimensions=req.dimensions,
+                                  normalize=req.normalize)
+        state.metrics.requests_received.labels(api="embeddings").inc()
+        state.metrics.prompt_tokens.inc(job.num_prompt_tokens)
+        responses = await _until_disconnect(run_embeddings(state, job), request)
+        return JSONResponse(embeddings_body([r.embedding for r in responses],
+                                            job.num_prompt_tokens,
+                                            lora or state.config.served_model_name,
+                                            req.encoding_format))
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
@@ -620,7 +642,14 @@ async def _complete(view: _View, request: Request) -> dict[str, Any]:
         async for event in view.state.orchestrator.generate_batch(view.jobs):
             view.record(event)
 
-    consumer = asyncio.create_task(consume())
+    await _until_disconnect(consume(), request)
+    return view.final()
+
+
+async def _until_disconnect(work: Awaitable[T], request: Request) -> T:
+    """`work`'s result (a GatewayError from the workers re-raised); a client disconnect first
+    cancels it, and with it the gRPC calls it made."""
+    consumer = asyncio.ensure_future(work)
     watcher = asyncio.create_task(_wait_disconnect(request))
     try:
         await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -631,8 +660,7 @@ async def _complete(view: _View, request: Request) -> dict[str, Any]:
         with contextlib.suppress(asyncio.CancelledError):
             await consumer
         raise GatewayError(grpc.StatusCode.CANCELLED, "client disconnected")
-    consumer.result()  # re-raises a GatewayError from the workers
-    return view.final()
+    return consumer.result()
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -7,15 +7,17 @@ dicts in the exact shape the `openai` Python package parses.
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from engine.sampling_params import MAX_LOGIT_BIAS_ENTRIES
 from gateway.errors import GatewayError
 from gateway.structured import structured_from_request
+from protos.embedding_wire import unpack_float32
 from protos.splitserve.v1 import common_pb2
 
 M = TypeVar("M", bound=BaseModel)
@@ -247,6 +249,18 @@ class DetokenizeRequest(_Open):
     tokens: list[int]
 
 
+class EmbeddingRequest(_Open):
+    """`POST /v1/embeddings`. `input` is checked by `prompt_inputs` (the forms of completions'
+    `prompt`); `user` is accepted and ignored, as vLLM does."""
+
+    input: Any = None
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    normalize: bool | None = None  # vLLM's extra: None, the model's (normalized)
+
+
 def parse_request(model: type[M], body: dict[str, Any]) -> M:
     """Validate a JSON object; the first error becomes a 400 naming the field."""
     try:
@@ -268,9 +282,10 @@ _PROMPT_FORMS = ("a string, a list of token ids, or a list of strings or of list
                  "ids (a batch)")
 
 
-def prompt_inputs(prompt: Any, max_prompts: int) -> list[PromptInput]:
-    """`prompt` as one or more prompts (strings or token ids), as OpenAI's `prompt` takes them:
-    a string, token ids, or a batch of either (at most `max_prompts`)."""
+def prompt_inputs(prompt: Any, max_prompts: int, param: str = "prompt") -> list[PromptInput]:
+    """`prompt` as one or more prompts (strings or token ids), as OpenAI's `prompt` takes them
+    (and embeddings' `input`, named `param` in errors): a string, token ids, or a batch of
+    either (at most `max_prompts`)."""
     if isinstance(prompt, str):
         return [prompt]
     if isinstance(prompt, list) and prompt:
@@ -284,12 +299,14 @@ def prompt_inputs(prompt: Any, max_prompts: int) -> list[PromptInput]:
         if batch is not None:
             if len(batch) > max_prompts:
                 raise GatewayError.invalid(
-                    "prompt", f"prompt: at most {max_prompts} prompts per request, got "
-                              f"{len(batch)}")
+                    param, f"{param}: at most {max_prompts} prompts per request, got "
+                           f"{len(batch)}")
             return batch
     if prompt is None:
-        raise GatewayError.invalid("prompt", "prompt is required")
-    raise GatewayError.invalid("prompt", f"prompt must be {_PROMPT_FORMS}")
+        raise GatewayError.invalid(param, f"{param} is required")
+    if prompt == []:
+        raise GatewayError.invalid(param, f"{param} must not be empty")
+    raise GatewayError.invalid(param, f"{param} must be {_PROMPT_FORMS}")
 
 
 def _is_token_id(t: Any) -> bool:
@@ -358,6 +375,22 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+def embeddings_body(embeddings: Sequence[bytes], num_prompt_tokens: int, model: str,
+                    encoding_format: str) -> dict[str, Any]:
+    """OpenAI's embeddings response from packed little-endian float32 vectors: each a list of
+    floats, or ("base64") those very bytes in base64, as OpenAI encodes them."""
+    def encoded(packed: bytes) -> list[float] | str:
+        if encoding_format == "base64":
+            return base64.b64encode(packed).decode("ascii")
+        return unpack_float32(packed)
+
+    return {"object": "list",
+            "data": [{"object": "embedding", "index": i, "embedding": encoded(e)}
+                     for i, e in enumerate(embeddings)],
+            "model": model,
+            "usage": {"prompt_tokens": num_prompt_tokens, "total_tokens": num_prompt_tokens}}
 
 
 def error_body(message: str, type_: str, param: str | None, code: str | int | None) -> dict[str, Any]:

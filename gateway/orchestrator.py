@@ -41,7 +41,7 @@ from opentelemetry.util.types import AttributeValue
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, status_code_from_int
 from gateway.metrics import GatewayMetrics
-from gateway.router import Router, Worker, WorkerPool
+from gateway.router import Router, Worker, WorkerPool, call_routed
 from gateway.spec_policy import decide
 from gateway.tokenization import DetokenizerLike, TokenizerLike, make_detokenizer
 from protos.splitserve.v1 import common_pb2, decode_pb2, kv_transfer_pb2, prefill_pb2
@@ -301,15 +301,11 @@ class Orchestrator:
             request_id=f"{job.request_id}-{index}", prompt_token_ids=job.prompt_token_ids,
             sampling=sampling, lora_name=job.lora_name)
         pool = self._router.prefill
-        hashes = self._prefix_hashes(pool, job)
-        tried: list[str] = []
-        while True:
-            worker = pool.pick_for_prefix(hashes, exclude=tried, lora_name=job.lora_name)
+
+        async def call(worker: Worker) -> prefill_pb2.PrefillResponse:
             try:
                 response = await self._router.prefill_stub(worker).Prefill(
                     request, timeout=self._remaining(job), metadata=metadata)
-                pool.prefix_index.record(worker.address, response.kv_handle.block_hashes)
-                return response
             except asyncio.CancelledError:
                 # The worker may have granted the lease and sent a response we will never read
                 # (its handler was no longer cancellable). A prefill worker serves KvTransfer on
@@ -317,13 +313,11 @@ class Orchestrator:
                 self._release_in_background(common_pb2.KvHandle(
                     worker_address=worker.address, request_id=request.request_id))
                 raise
-            except grpc.aio.AioRpcError as err:
-                if err.code() != grpc.StatusCode.UNAVAILABLE or tried:
-                    raise GatewayError.from_rpc(err, "prefill") from None
-                self._router.prefill.mark_failed(worker.address)
-                tried.append(worker.address)
-            finally:
-                pool.done(worker)
+            pool.prefix_index.record(worker.address, response.kv_handle.block_hashes)
+            return response
+
+        return await call_routed(pool, self._prefix_hashes(pool, job), call, "prefill",
+                                 job.lora_name)
 
     async def _decode(self, job: GenerationJob, state: _Completion,
                       sampling: common_pb2.SamplingParams,
@@ -451,11 +445,7 @@ class Orchestrator:
 
     # -- helpers ---------------------------------------------------------------------------
     def _remaining(self, job: GenerationJob) -> float:
-        remaining = job.arrival_time + self._config.request_timeout_s - time.monotonic()
-        if remaining <= 0:
-            raise GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                               f"request exceeded its {self._config.request_timeout_s}s deadline")
-        return remaining
+        return time_remaining(job.arrival_time, self._config.request_timeout_s)
 
     def _drop_kv_handle(self, state: _Completion) -> None:
         """Release the completion's prefill lease (if any) and forget the handle."""
@@ -479,6 +469,17 @@ class Orchestrator:
     async def drain_background(self) -> None:
         """Wait for pending lease releases (used on shutdown)."""
         await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def time_remaining(arrival_time: float, timeout_s: float) -> float:
+    """Seconds left of a request's deadline (`timeout_s` from its `arrival_time`, monotonic):
+    the timeout of its next downstream call (Python gRPC does not propagate deadlines).
+    DEADLINE_EXCEEDED once none are left."""
+    remaining = arrival_time + timeout_s - time.monotonic()
+    if remaining <= 0:
+        raise GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                           f"request exceeded its {timeout_s}s deadline")
+    return remaining
 
 
 def _for_completion(sampling: common_pb2.SamplingParams, index: int

@@ -133,7 +133,7 @@ class Preprocessor:
                 f"{names.get(field, field)} names token ids outside the vocabulary "
                 f"[0, {self._vocab_size}): {beyond[:5]}"))
         num_prompt = len(prompt_token_ids)
-        self._check_prompt_len(num_prompt)
+        self.check_prompt_len(num_prompt)
         if sp.prompt_logprobs is not None:
             _check_scoring_size(num_prompt, sp.prompt_logprobs,
                                 names.get("prompt_logprobs", "prompt_logprobs"))
@@ -152,14 +152,17 @@ class Preprocessor:
             skip_special_tokens=sp.skip_special_tokens,
         )
 
-    def _check_prompt_len(self, num_prompt: int) -> None:
-        limit = min(self._config.max_prompt_tokens, self._config.max_model_len - 1)
+    def check_prompt_len(self, num_prompt: int, param: str = "prompt",
+                         generates: bool = True) -> None:
+        """A prompt must leave room in the context for one generated token (`generates`; an
+        embedding's need not) and stay within `max_prompt_tokens`."""
+        limit = min(self._config.max_prompt_tokens, self._config.max_model_len - generates)
         if num_prompt > limit:
             raise GatewayError(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"the prompt has {num_prompt} tokens, but this server allows at most {limit} "
-                f"prompt tokens (max_model_len {self._config.max_model_len})",
-                param="prompt", error_code="context_length_exceeded")
+                f"{param} has {num_prompt} tokens, but this server allows at most {limit} "
+                f"tokens per prompt (max_model_len {self._config.max_model_len})",
+                param=param, error_code="context_length_exceeded")
 
     def _resolve_max_tokens(self, requested: int | None, num_prompt: int, param: str) -> int:
         room = self._config.max_model_len - num_prompt

@@ -17,9 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 import grpc
 
@@ -37,6 +37,7 @@ from protos.splitserve.v1 import (
 from protos.tls import internal_channel
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def worker_channel(address: str, internal_token: str | None) -> grpc.aio.Channel:
@@ -232,6 +233,27 @@ class WorkerPool:
         self.prefix_index.forget(address)  # it may come back restarted, its cache empty
 
 
+async def call_routed(pool: WorkerPool, block_hashes: Sequence[bytes],
+                      call: Callable[[Worker], Awaitable[T]], hop: str,
+                      lora_name: str = "") -> T:
+    """`call(worker)` on the pool's choice for a prompt of `block_hashes` (`pick_for_prefix`);
+    a worker that answers UNAVAILABLE is excluded until its next good poll and the call made
+    once more on another. Any other failure is a `GatewayError` keeping the call's status,
+    its message prefixed by `hop` ("prefill", "embed")."""
+    tried: list[str] = []
+    while True:
+        worker = pool.pick_for_prefix(block_hashes, exclude=tried, lora_name=lora_name)
+        try:
+            return await call(worker)
+        except grpc.aio.AioRpcError as err:
+            if err.code() != grpc.StatusCode.UNAVAILABLE or tried:
+                raise GatewayError.from_rpc(err, hop) from None
+            pool.mark_failed(worker.address)
+            tried.append(worker.address)
+        finally:
+            pool.done(worker)
+
+
 def adapter_root(load: common_pb2.LoadReport, lora_name: str) -> bytes | None:
     """Adapter `lora_name`'s KV hash root as a worker reports it (None: not served, or a
     worker too old to report roots)."""
@@ -265,6 +287,16 @@ class Router:
 
     def decode_stub(self, worker: Worker) -> decode_pb2_grpc.DecodeStub:
         return decode_pb2_grpc.DecodeStub(worker.channel)
+
+    @property
+    def embed_pool(self) -> WorkerPool:
+        """Where embeddings run: the prefill pool, which computes prompts (colocated: the
+        only pool). Both services serve `Embed`."""
+        return self.prefill or self.decode
+
+    def embed_stub(self, worker: Worker) -> prefill_pb2_grpc.PrefillStub | decode_pb2_grpc.DecodeStub:
+        """A stub of `embed_pool`'s `worker` (its `Embed`)."""
+        return self.prefill_stub(worker) if self.prefill is not None else self.decode_stub(worker)
 
     def kv_transfer_stub(self, address: str) -> kv_transfer_pb2_grpc.KvTransferStub:
         """KvTransfer on `address` (a prefill worker's), reusing a pool channel when possible."""

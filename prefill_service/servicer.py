@@ -6,7 +6,7 @@ import asyncio
 import time
 
 import grpc
-from opentelemetry.trace import Span, SpanKind
+from opentelemetry.trace import Span
 
 from engine.async_engine import EngineDeadError
 from engine.kv.hashing import prompt_hash
@@ -15,7 +15,7 @@ from engine.outputs import StepOutput
 from engine.sampling_params import SamplingParamsError
 from protos.splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from serving import tracing
-from serving.common import EngineBound, check_lora_name
+from serving.common import EngineBound, abort_traced, check_lora_name
 from serving.convert import (
     InvalidRequest,
     check_prompt,
@@ -25,6 +25,7 @@ from serving.convert import (
     prompt_logprobs_to_proto,
     sampling_from_proto,
 )
+from serving.embed import embed
 from serving.tier_cache import TierPrefixCache
 
 
@@ -37,12 +38,9 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
     async def Prefill(self, request: prefill_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> prefill_pb2.PrefillResponse:
         # A server span under the gateway's `prefill` span (W3C traceparent in the metadata).
-        with tracing.traced_span("splitserve.prefill",
-                                 parent=tracing.extract_context(context.invocation_metadata()),
-                                 kind=SpanKind.SERVER, passthrough=(grpc.aio.AbortError,),
-                                 attributes={"splitserve.request_id": request.request_id,
-                                             "splitserve.prompt_tokens":
-                                                 len(request.prompt_token_ids)}) as span:
+        with tracing.server_span("splitserve.prefill", context, {
+                "splitserve.request_id": request.request_id,
+                "splitserve.prompt_tokens": len(request.prompt_token_ids)}) as span:
             response = await self._prefill(request, context, span)
             span.set_attribute("splitserve.cached_tokens", response.num_cached_tokens)
             span.set_attribute("splitserve.kv_handle", response.HasField("kv_handle"))
@@ -58,7 +56,7 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
             params = sampling_from_proto(request.sampling)
             lora = check_lora_name(aengine.engine, request.lora_name)
         except InvalidRequest as e:
-            await _abort(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await abort_traced(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         last: StepOutput | None = None
         tiers = self.tiers
         if lora is not None:
@@ -76,9 +74,9 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
                                               lora_name=lora):
                 last = out
         except (InvalidRequest, EngineInputError, SamplingParamsError, ValueError) as e:
-            await _abort(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await abort_traced(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineDeadError as e:
-            await _abort(context, span, grpc.StatusCode.UNAVAILABLE, str(e))
+            await abort_traced(context, span, grpc.StatusCode.UNAVAILABLE, str(e))
         except asyncio.CancelledError:
             # Nobody will pull this KV. The lease may exist even when its output never reached
             # us (granted on the engine thread just before the cancel); the abort queued by
@@ -86,7 +84,7 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
             aengine.submit(aengine.engine.release_lease, rid)
             raise
         if last is None:
-            await _abort(context, span, grpc.StatusCode.INTERNAL, "engine returned no output")
+            await abort_traced(context, span, grpc.StatusCode.INTERNAL, "engine returned no output")
         assert last is not None
         response = self._response(rid, ids, last, request.lease_ms, lora)
         if tiers is not None and response.HasField("kv_handle"):
@@ -118,6 +116,10 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
                 prompt_hash=prompt_hash(eng.prompt_key(lora), ids)))
         return resp
 
+    async def Embed(self, request: common_pb2.EmbedRequest,
+                    context: grpc.aio.ServicerContext) -> common_pb2.EmbedResponse:
+        return await embed(await self.engine_or_abort(context), request, context)
+
     async def GetLoad(self, request: common_pb2.LoadRequest,
                       context: grpc.aio.ServicerContext) -> common_pb2.LoadReport:
         await self.engine_or_abort(context)  # UNAVAILABLE while loading: routers skip us
@@ -126,10 +128,3 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
             report.tier_hit_tokens = self.tiers.stats.loaded_tokens
             report.tier_saved_blocks = self.tiers.stats.saved_blocks
         return report
-
-
-async def _abort(context: grpc.aio.ServicerContext, span: Span, code: grpc.StatusCode,
-                 message: str) -> None:
-    """Record the failure on the request's span, then end the RPC with `code`."""
-    tracing.record_error(span, f"{code.name}: {message}")
-    await context.abort(code, message)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import grpc
+from opentelemetry.trace import Span
 
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import EngineInputError, LLMEngine
 from protos.splitserve.v1 import common_pb2
+from serving import tracing
 from serving.convert import SPEC_METHOD_ENUMS, InvalidRequest
 from serving.kv import GrpcKvLoader
 
@@ -42,6 +44,13 @@ class EngineBound:
             kv_transports=_kv_transports(self.aengine),
             lora_adapters=list(eng.config.lora.names),
             lora_roots=[eng.hash_root(name) for name in eng.config.lora.names])
+
+
+async def abort_traced(context: grpc.aio.ServicerContext, span: Span, code: grpc.StatusCode,
+                       message: str) -> None:
+    """Record the failure on the request's span, then end the RPC with `code`."""
+    tracing.record_error(span, f"{code.name}: {message}")
+    await context.abort(code, message)
 
 
 def check_lora_name(engine: LLMEngine, name: str) -> str | None:

@@ -6,7 +6,9 @@ from typing import Any
 
 import grpc
 
+from engine.config import PoolingType
 from engine.outputs import StepOutput
+from engine.pooling_params import PoolingParams, PoolingParamsError
 from engine.request import PromptLogprobs, TokenLogprob
 from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputs
 from protos.splitserve.v1 import common_pb2
@@ -73,6 +75,25 @@ def structured_from_proto(sp: common_pb2.SamplingParams) -> StructuredOutputs | 
                               "regex, choice, grammar")
 
 
+POOLING_TYPES: dict[int, PoolingType] = {common_pb2.POOLING_TYPE_LAST: "LAST",
+                                         common_pb2.POOLING_TYPE_MEAN: "MEAN",
+                                         common_pb2.POOLING_TYPE_CLS: "CLS"}
+
+
+def pooling_from_proto(request: common_pb2.EmbedRequest) -> PoolingParams:
+    """An `EmbedRequest`'s pooling (proto zeros: the engine's defaults)."""
+    kind = request.pooling_type
+    if kind != common_pb2.POOLING_TYPE_UNSPECIFIED and kind not in POOLING_TYPES:
+        raise InvalidRequest(f"pooling_type {kind} is not a PoolingType")
+    try:
+        return PoolingParams(
+            pooling_type=POOLING_TYPES.get(kind),
+            normalize=request.normalize if request.HasField("normalize") else None,
+            dimensions=request.dimensions or None)
+    except PoolingParamsError as e:
+        raise InvalidRequest(str(e)) from e
+
+
 def check_request_id(request_id: str) -> str:
     if not request_id or len(request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequest(f"request_id must be 1..{MAX_REQUEST_ID_CHARS} characters")
@@ -109,7 +130,8 @@ def status_for(error: BaseException) -> grpc.StatusCode:
     from engine.async_engine import EngineDeadError
     from engine.llm_engine import EngineInputError
 
-    if isinstance(error, (InvalidRequest, EngineInputError, SamplingParamsError)):
+    if isinstance(error, (InvalidRequest, EngineInputError, SamplingParamsError,
+                          PoolingParamsError)):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(error, EngineDeadError):
         return grpc.StatusCode.UNAVAILABLE

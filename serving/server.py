@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from opentelemetry.trace import Span, SpanKind
+from opentelemetry.trace import Span
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
@@ -191,11 +191,9 @@ class _LazyKvServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         inner = await self._ready(context)
         # A server span under the decode worker's `kv_pull` (traceparent in the metadata).
         fragments = payload = 0
-        with tracing.traced_span(
-                "splitserve.kv_serve", parent=tracing.extract_context(context.invocation_metadata()),
-                kind=SpanKind.SERVER, passthrough=(grpc.aio.AbortError,),
-                attributes={"splitserve.request_id": request.request_id,
-                            "splitserve.kv.first_block": request.first_block}) as span:
+        with tracing.server_span("splitserve.kv_serve", context, {
+                "splitserve.request_id": request.request_id,
+                "splitserve.kv.first_block": request.first_block}) as span:
             async for frag in inner.PullBlocks(request, context):
                 fragments += 1
                 payload += len(frag.data)
@@ -231,12 +229,10 @@ def _serve_span(request: Any, context: grpc.aio.ServicerContext,
                 transport: str) -> AbstractContextManager[Span]:
     """The server span of one raw KV pull, under the decode worker's `kv_pull` (traceparent in
     the call's metadata)."""
-    return tracing.traced_span(
-        "splitserve.kv_serve", parent=tracing.extract_context(context.invocation_metadata()),
-        kind=SpanKind.SERVER, passthrough=(grpc.aio.AbortError,),
-        attributes={"splitserve.request_id": request.request_id,
-                    "splitserve.kv.first_block": request.first_block,
-                    "splitserve.kv.transport": transport})
+    return tracing.server_span("splitserve.kv_serve", context, {
+        "splitserve.request_id": request.request_id,
+        "splitserve.kv.first_block": request.first_block,
+        "splitserve.kv.transport": transport})
 
 
 async def run_until_signal(stop: Callable[[], object], grace_s: float = 10.0,

@@ -27,6 +27,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
 if TYPE_CHECKING:
+    from grpc.aio import ServicerContext
     from opentelemetry.sdk.trace import TracerProvider
 
 log = logging.getLogger(__name__)
@@ -134,6 +135,16 @@ def traced_span(name: str, *, parent: Context | None, kind: SpanKind = SpanKind.
         raise
     finally:
         span.end()
+
+
+def server_span(name: str, context: ServicerContext, attributes: Mapping[str, AttributeValue]
+                ) -> contextlib.AbstractContextManager[Span]:
+    """A servicer's span for one call, under the caller's span (W3C traceparent in the call's
+    metadata); the handler records its own aborts (`record_error`), which pass through."""
+    from grpc.aio import AbortError
+
+    return traced_span(name, parent=extract_context(context.invocation_metadata()),
+                       kind=SpanKind.SERVER, attributes=attributes, passthrough=(AbortError,))
 
 
 def _is_cancellation(e: BaseException) -> bool:

@@ -77,6 +77,38 @@ SPECULATIVE_METHOD_DRAFT_MODEL: SpeculativeMethod.ValueType  # 2
 """a smaller model's drafts: k steps of it per round"""
 Global___SpeculativeMethod: _TypeAlias = SpeculativeMethod  # noqa: Y015
 
+class _PoolingType:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _PoolingTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_PoolingType.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    POOLING_TYPE_UNSPECIFIED: _PoolingType.ValueType  # 0
+    """the worker's default (its model's sentence-transformers"""
+    POOLING_TYPE_LAST: _PoolingType.ValueType  # 1
+    """configuration, --pooling-type, else LAST)
+    the last prompt position's hidden state
+    """
+    POOLING_TYPE_MEAN: _PoolingType.ValueType  # 2
+    """the mean over the prompt's positions"""
+    POOLING_TYPE_CLS: _PoolingType.ValueType  # 3
+    """the first position's"""
+
+class PoolingType(_PoolingType, metaclass=_PoolingTypeEnumTypeWrapper):
+    """How an embedding request's hidden states become one vector (engine/pooling.py)."""
+
+POOLING_TYPE_UNSPECIFIED: PoolingType.ValueType  # 0
+"""the worker's default (its model's sentence-transformers"""
+POOLING_TYPE_LAST: PoolingType.ValueType  # 1
+"""configuration, --pooling-type, else LAST)
+the last prompt position's hidden state
+"""
+POOLING_TYPE_MEAN: PoolingType.ValueType  # 2
+"""the mean over the prompt's positions"""
+POOLING_TYPE_CLS: PoolingType.ValueType  # 3
+"""the first position's"""
+Global___PoolingType: _TypeAlias = PoolingType  # noqa: Y015
+
 @_typing.final
 class SamplingParams(_message.Message):
     """Sampling parameters, as the engine's SamplingParams. Token ids only: stop strings are
@@ -664,3 +696,78 @@ class StreamError(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StreamError: _TypeAlias = StreamError  # noqa: Y015
+
+@_typing.final
+class EmbedRequest(_message.Message):
+    """One prompt to embed: computed and pooled, no token sampled, its KV freed at once (its full
+    blocks stay in the prefix cache).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    POOLING_TYPE_FIELD_NUMBER: _builtins.int
+    NORMALIZE_FIELD_NUMBER: _builtins.int
+    DIMENSIONS_FIELD_NUMBER: _builtins.int
+    LORA_NAME_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    pooling_type: Global___PoolingType.ValueType
+    normalize: _builtins.bool
+    """L2-normalize; unset: the worker's default"""
+    dimensions: _builtins.int
+    """keep the first n features (Matryoshka); 0: all of them"""
+    lora_name: _builtins.str
+    """as PrefillRequest.lora_name; empty: the base model"""
+    @_builtins.property
+    def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """at most the worker's max_model_len tokens"""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        pooling_type: Global___PoolingType.ValueType = ...,
+        normalize: _builtins.bool | None = ...,
+        dimensions: _builtins.int = ...,
+        lora_name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_normalize", b"_normalize", "normalize", b"normalize"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_normalize", b"_normalize", "dimensions", b"dimensions", "lora_name", b"lora_name", "normalize", b"normalize", "pooling_type", b"pooling_type", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__normalize: _TypeAlias = _typing.Literal["normalize"]  # noqa: Y015
+    _WhichOneofArgType__normalize: _TypeAlias = _typing.Literal["_normalize", b"_normalize"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__normalize) -> _WhichOneofReturnType__normalize | None: ...
+
+Global___EmbedRequest: _TypeAlias = EmbedRequest  # noqa: Y015
+
+@_typing.final
+class EmbedResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EMBEDDING_FIELD_NUMBER: _builtins.int
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    embedding: _builtins.bytes
+    """The embedding as packed little-endian float32 values (4 bytes per dimension: a model's
+    hidden size is far below the message size limit, protos/limits.py).
+    """
+    num_prompt_tokens: _builtins.int
+    num_cached_tokens: _builtins.int
+    """prompt tokens the prefix cache served (LAST pooling only)"""
+    def __init__(
+        self,
+        *,
+        embedding: _builtins.bytes = ...,
+        num_prompt_tokens: _builtins.int = ...,
+        num_cached_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["embedding", b"embedding", "num_cached_tokens", b"num_cached_tokens", "num_prompt_tokens", b"num_prompt_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EmbedResponse: _TypeAlias = EmbedResponse  # noqa: Y015

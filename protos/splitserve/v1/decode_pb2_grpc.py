@@ -46,6 +46,11 @@ class DecodeStub:
                 request_serializer=protos_dot_splitserve_dot_v1_dot_common__pb2.LoadRequest.SerializeToString,
                 response_deserializer=protos_dot_splitserve_dot_v1_dot_common__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/splitserve.v1.Decode/Embed',
+                request_serializer=protos_dot_splitserve_dot_v1_dot_common__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=protos_dot_splitserve_dot_v1_dot_common__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -64,6 +69,13 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """As Prefill.Embed: a colocated gateway's only pool is this one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +88,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=protos_dot_splitserve_dot_v1_dot_common__pb2.LoadRequest.FromString,
                     response_serializer=protos_dot_splitserve_dot_v1_dot_common__pb2.LoadReport.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=protos_dot_splitserve_dot_v1_dot_common__pb2.EmbedRequest.FromString,
+                    response_serializer=protos_dot_splitserve_dot_v1_dot_common__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -133,6 +150,33 @@ class Decode:
             '/splitserve.v1.Decode/GetLoad',
             protos_dot_splitserve_dot_v1_dot_common__pb2.LoadRequest.SerializeToString,
             protos_dot_splitserve_dot_v1_dot_common__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Decode/Embed',
+            protos_dot_splitserve_dot_v1_dot_common__pb2.EmbedRequest.SerializeToString,
+            protos_dot_splitserve_dot_v1_dot_common__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

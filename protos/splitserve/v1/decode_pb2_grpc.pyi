@@ -36,6 +36,8 @@ class DecodeStub:
     def __new__(cls, channel: _aio.Channel) -> DecodeAsyncStub: ...
     Decode: _grpc.UnaryStreamMultiCallable[_decode_pb2.DecodeRequest, _decode_pb2.DecodeResponse]
     GetLoad: _grpc.UnaryUnaryMultiCallable[_common_pb2.LoadRequest, _common_pb2.LoadReport]
+    Embed: _grpc.UnaryUnaryMultiCallable[_common_pb2.EmbedRequest, _common_pb2.EmbedResponse]
+    """As Prefill.Embed: a colocated gateway's only pool is this one."""
 
 @_typing.type_check_only
 class DecodeAsyncStub(DecodeStub):
@@ -44,6 +46,8 @@ class DecodeAsyncStub(DecodeStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Decode: _aio.UnaryStreamMultiCallable[_decode_pb2.DecodeRequest, _decode_pb2.DecodeResponse]  # type: ignore[assignment]
     GetLoad: _aio.UnaryUnaryMultiCallable[_common_pb2.LoadRequest, _common_pb2.LoadReport]  # type: ignore[assignment]
+    Embed: _aio.UnaryUnaryMultiCallable[_common_pb2.EmbedRequest, _common_pb2.EmbedResponse]  # type: ignore[assignment]
+    """As Prefill.Embed: a colocated gateway's only pool is this one."""
 
 class DecodeServicer(metaclass=_abc_1.ABCMeta):
     """Decode role: pull the prompt KV from a prefill worker, then decode with continuous batching."""
@@ -61,5 +65,13 @@ class DecodeServicer(metaclass=_abc_1.ABCMeta):
         request: _common_pb2.LoadRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_common_pb2.LoadReport, _abc.Awaitable[_common_pb2.LoadReport]]: ...
+
+    @_abc_1.abstractmethod
+    def Embed(
+        self,
+        request: _common_pb2.EmbedRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_common_pb2.EmbedResponse, _abc.Awaitable[_common_pb2.EmbedResponse]]:
+        """As Prefill.Embed: a colocated gateway's only pool is this one."""
 
 def add_DecodeServicer_to_server(servicer: DecodeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

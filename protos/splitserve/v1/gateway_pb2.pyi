@@ -460,3 +460,122 @@ class GenerateResponse(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_response) -> _WhichOneofReturnType_response | None: ...
 
 Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015
+
+@_typing.final
+class EmbeddingInput(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    """tokenized as is (special tokens added, as for a prompt)"""
+    @_builtins.property
+    def token_ids(self) -> Global___TokenIds: ...
+    def __init__(
+        self,
+        *,
+        text: _builtins.str = ...,
+        token_ids: Global___TokenIds | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["input", b"input", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["input", b"input", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["text", "token_ids"]  # noqa: Y015
+    _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_input) -> _WhichOneofReturnType_input | None: ...
+
+Global___EmbeddingInput: _TypeAlias = EmbeddingInput  # noqa: Y015
+
+@_typing.final
+class EmbeddingsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    INPUTS_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    DIMENSIONS_FIELD_NUMBER: _builtins.int
+    POOLING_TYPE_FIELD_NUMBER: _builtins.int
+    NORMALIZE_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """optional; the gateway makes one when empty"""
+    model: _builtins.str
+    """optional; the served model or one of its LoRA adapters"""
+    dimensions: _builtins.int
+    """keep the first n features, renormalized; 0: all of them"""
+    pooling_type: _common_pb2.PoolingType.ValueType
+    """UNSPECIFIED: the workers' default"""
+    normalize: _builtins.bool
+    """unset: the workers' default (normalized)"""
+    @_builtins.property
+    def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___EmbeddingInput]:
+        """at least one; at most the gateway's limit"""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        inputs: _abc.Iterable[Global___EmbeddingInput] | None = ...,
+        model: _builtins.str = ...,
+        dimensions: _builtins.int = ...,
+        pooling_type: _common_pb2.PoolingType.ValueType = ...,
+        normalize: _builtins.bool | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_normalize", b"_normalize", "normalize", b"normalize"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_normalize", b"_normalize", "dimensions", b"dimensions", "inputs", b"inputs", "model", b"model", "normalize", b"normalize", "pooling_type", b"pooling_type", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__normalize: _TypeAlias = _typing.Literal["normalize"]  # noqa: Y015
+    _WhichOneofArgType__normalize: _TypeAlias = _typing.Literal["_normalize", b"_normalize"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__normalize) -> _WhichOneofReturnType__normalize | None: ...
+
+Global___EmbeddingsRequest: _TypeAlias = EmbeddingsRequest  # noqa: Y015
+
+@_typing.final
+class Embedding(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EMBEDDING_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    embedding: _builtins.bytes
+    """packed little-endian float32 values"""
+    prompt_tokens: _builtins.int
+    def __init__(
+        self,
+        *,
+        embedding: _builtins.bytes = ...,
+        prompt_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["embedding", b"embedding", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Embedding: _TypeAlias = Embedding  # noqa: Y015
+
+@_typing.final
+class EmbeddingsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DATA_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    prompt_tokens: _builtins.int
+    """over all inputs"""
+    @_builtins.property
+    def data(self) -> _containers.RepeatedCompositeFieldContainer[Global___Embedding]:
+        """in the order of `inputs`"""
+
+    def __init__(
+        self,
+        *,
+        data: _abc.Iterable[Global___Embedding] | None = ...,
+        prompt_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EmbeddingsResponse: _TypeAlias = EmbeddingsResponse  # noqa: Y015

@@ -40,6 +40,11 @@ class GatewayStub:
                 request_serializer=protos_dot_splitserve_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=protos_dot_splitserve_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/splitserve.v1.Gateway/Embed',
+                request_serializer=protos_dot_splitserve_dot_v1_dot_gateway__pb2.EmbeddingsRequest.SerializeToString,
+                response_deserializer=protos_dot_splitserve_dot_v1_dot_gateway__pb2.EmbeddingsResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServicer:
@@ -52,6 +57,16 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeddings of one or more inputs, as REST's POST /v1/embeddings. The response holds
+        4 bytes per dimension per input: past a client's receive limit (gRPC's default is 4 MiB,
+        e.g. 1,000 vectors of 1,024 dimensions) raise the limit or send fewer inputs per call; past
+        64 MiB the call fails with RESOURCE_EXHAUSTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -59,6 +74,11 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=protos_dot_splitserve_dot_v1_dot_gateway__pb2.GenerateRequest.FromString,
                     response_serializer=protos_dot_splitserve_dot_v1_dot_gateway__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=protos_dot_splitserve_dot_v1_dot_gateway__pb2.EmbeddingsRequest.FromString,
+                    response_serializer=protos_dot_splitserve_dot_v1_dot_gateway__pb2.EmbeddingsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -89,6 +109,33 @@ class Gateway:
             '/splitserve.v1.Gateway/Generate',
             protos_dot_splitserve_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
             protos_dot_splitserve_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Gateway/Embed',
+            protos_dot_splitserve_dot_v1_dot_gateway__pb2.EmbeddingsRequest.SerializeToString,
+            protos_dot_splitserve_dot_v1_dot_gateway__pb2.EmbeddingsResponse.FromString,
             options,
             channel_credentials,
             insecure,

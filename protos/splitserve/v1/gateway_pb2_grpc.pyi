@@ -34,6 +34,12 @@ class GatewayStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> GatewayAsyncStub: ...
     Generate: _grpc.UnaryStreamMultiCallable[_gateway_pb2.GenerateRequest, _gateway_pb2.GenerateResponse]
+    Embed: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.EmbeddingsRequest, _gateway_pb2.EmbeddingsResponse]
+    """Embeddings of one or more inputs, as REST's POST /v1/embeddings. The response holds
+    4 bytes per dimension per input: past a client's receive limit (gRPC's default is 4 MiB,
+    e.g. 1,000 vectors of 1,024 dimensions) raise the limit or send fewer inputs per call; past
+    64 MiB the call fails with RESOURCE_EXHAUSTED.
+    """
 
 @_typing.type_check_only
 class GatewayAsyncStub(GatewayStub):
@@ -41,6 +47,12 @@ class GatewayAsyncStub(GatewayStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Generate: _aio.UnaryStreamMultiCallable[_gateway_pb2.GenerateRequest, _gateway_pb2.GenerateResponse]  # type: ignore[assignment]
+    Embed: _aio.UnaryUnaryMultiCallable[_gateway_pb2.EmbeddingsRequest, _gateway_pb2.EmbeddingsResponse]  # type: ignore[assignment]
+    """Embeddings of one or more inputs, as REST's POST /v1/embeddings. The response holds
+    4 bytes per dimension per input: past a client's receive limit (gRPC's default is 4 MiB,
+    e.g. 1,000 vectors of 1,024 dimensions) raise the limit or send fewer inputs per call; past
+    64 MiB the call fails with RESOURCE_EXHAUSTED.
+    """
 
 class GatewayServicer(metaclass=_abc_1.ABCMeta):
     """The public front door."""
@@ -51,5 +63,17 @@ class GatewayServicer(metaclass=_abc_1.ABCMeta):
         request: _gateway_pb2.GenerateRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_gateway_pb2.GenerateResponse], _abc.AsyncIterator[_gateway_pb2.GenerateResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Embed(
+        self,
+        request: _gateway_pb2.EmbeddingsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.EmbeddingsResponse, _abc.Awaitable[_gateway_pb2.EmbeddingsResponse]]:
+        """Embeddings of one or more inputs, as REST's POST /v1/embeddings. The response holds
+        4 bytes per dimension per input: past a client's receive limit (gRPC's default is 4 MiB,
+        e.g. 1,000 vectors of 1,024 dimensions) raise the limit or send fewer inputs per call; past
+        64 MiB the call fails with RESOURCE_EXHAUSTED.
+        """
 
 def add_GatewayServicer_to_server(servicer: GatewayServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

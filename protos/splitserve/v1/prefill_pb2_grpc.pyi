@@ -36,6 +36,8 @@ class PrefillStub:
     def __new__(cls, channel: _aio.Channel) -> PrefillAsyncStub: ...
     Prefill: _grpc.UnaryUnaryMultiCallable[_prefill_pb2.PrefillRequest, _prefill_pb2.PrefillResponse]
     GetLoad: _grpc.UnaryUnaryMultiCallable[_common_pb2.LoadRequest, _common_pb2.LoadReport]
+    Embed: _grpc.UnaryUnaryMultiCallable[_common_pb2.EmbedRequest, _common_pb2.EmbedResponse]
+    """An embedding: the prompt computed and pooled (no token, no lease)."""
 
 @_typing.type_check_only
 class PrefillAsyncStub(PrefillStub):
@@ -44,6 +46,8 @@ class PrefillAsyncStub(PrefillStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Prefill: _aio.UnaryUnaryMultiCallable[_prefill_pb2.PrefillRequest, _prefill_pb2.PrefillResponse]  # type: ignore[assignment]
     GetLoad: _aio.UnaryUnaryMultiCallable[_common_pb2.LoadRequest, _common_pb2.LoadReport]  # type: ignore[assignment]
+    Embed: _aio.UnaryUnaryMultiCallable[_common_pb2.EmbedRequest, _common_pb2.EmbedResponse]  # type: ignore[assignment]
+    """An embedding: the prompt computed and pooled (no token, no lease)."""
 
 class PrefillServicer(metaclass=_abc_1.ABCMeta):
     """Prefill role: compute the prompt's KV, sample the first token, hold the KV under a lease."""
@@ -61,5 +65,13 @@ class PrefillServicer(metaclass=_abc_1.ABCMeta):
         request: _common_pb2.LoadRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_common_pb2.LoadReport, _abc.Awaitable[_common_pb2.LoadReport]]: ...
+
+    @_abc_1.abstractmethod
+    def Embed(
+        self,
+        request: _common_pb2.EmbedRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_common_pb2.EmbedResponse, _abc.Awaitable[_common_pb2.EmbedResponse]]:
+        """An embedding: the prompt computed and pooled (no token, no lease)."""
 
 def add_PrefillServicer_to_server(servicer: PrefillServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
