@@ -103,7 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(online)
 
     offline = sub.add_parser("offline", help="the engine in-process")
-    offline.add_argument("--mode", choices=("throughput", "latency"), default="throughput")
+    offline.add_argument("--mode", choices=("throughput", "latency", "embed"),
+                         default="throughput",
+                         help="embed: LLM.embed of every prompt (embeddings; --output-len unused)")
     offline.add_argument("--batch-size", type=int, default=1, help="latency mode: batch size")
     offline.add_argument("--lora-modules", nargs="+", type=lora_module_arg, default=[],
                          metavar="NAME=PATH",
@@ -179,7 +181,7 @@ def cmd_online(args: argparse.Namespace) -> int:
 
 
 def cmd_offline(args: argparse.Namespace) -> int:
-    from bench.offline import EngineSettings, build_llm, run_latency, run_throughput
+    from bench.offline import EngineSettings, build_llm, run_embed, run_latency, run_throughput
 
     settings = EngineSettings(args.model, args.dtype, args.max_model_len, args.enforce_eager,
                               args.max_num_seqs, args.max_num_batched_tokens,
@@ -192,9 +194,11 @@ def cmd_offline(args: argparse.Namespace) -> int:
     engine = getattr(llm, "engine", None)
     vocab = (int(engine.model_config.vocab_size) if args.vocab_size is None and engine is not None
              else _vocab_size(args))
-    if args.mode == "latency":
-        result = run_latency(llm, args.batch_size, args.input_len, args.output_len, vocab,
-                             seed=args.seed, lora_names=[name for name, _ in args.lora_modules])
+    if args.mode in ("latency", "embed"):
+        result: Any = (
+            run_latency(llm, args.batch_size, args.input_len, args.output_len, vocab,
+                        seed=args.seed, lora_names=[name for name, _ in args.lora_modules])
+            if args.mode == "latency" else run_embed(llm, make_requests(args, vocab)))
         for key, value in dataclasses.asdict(result).items():
             print(f"{key + ':':<24}{value}")
         _finish(args, args.model, dataclasses.asdict(result))

@@ -1,10 +1,12 @@
 """Offline benchmark: the engine in-process through its vLLM-like `LLM.generate` API.
 
-Two modes:
+Three modes:
 - throughput: submit every request at once; report the `vllm bench serve` metrics computed
   from the engine's per-request timings (`RequestOutput.metrics`).
 - latency: B requests of input length I and output length O at once; the decode step time
   at batch B is the median over steps of the per-step inter-token gap.
+- embed: every prompt at once through `LLM.embed` (embeddings: prompts only, no output
+  tokens); requests and prompt tokens per second over the call's wall time.
 All engine timestamps are time.perf_counter based, like the wall clock taken here.
 """
 
@@ -193,3 +195,37 @@ def run_latency(llm: Any, batch_size: int, input_len: int, output_len: int, voca
         output_tok_s=sum(r.output_len for r in records) / duration,
         itl_source=source,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class EmbedResult:
+    """Embedding throughput: every prompt at once through `LLM.embed`."""
+
+    completed: int
+    total_input_tokens: int
+    duration_s: float
+    request_throughput: float      # prompts embedded per second
+    input_token_throughput: float  # prompt tokens per second
+    embedding_dim: int
+
+
+def run_embed(llm: Any, requests: list[BenchRequest], warmup: bool = True) -> EmbedResult:
+    """Embed every request's prompt in one `LLM.embed` call (their output lengths are ignored);
+    first, when `warmup`, a few of the prompts reversed (same lengths, so kernels compile
+    outside the measured call; other leading blocks, so no prefix-cache hit)."""
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    if warmup:
+        llm.embed([{"prompt_token_ids": r.prompt_token_ids[::-1]} for r in requests[:4]])
+    start = time.perf_counter()
+    outputs = list(llm.embed(prompts))
+    duration = time.perf_counter() - start
+    if len(outputs) != len(requests):
+        raise OfflineBenchError(f"engine returned {len(outputs)} embeddings for "
+                                f"{len(requests)} prompts")
+    dims = {len(o.outputs.embedding) for o in outputs}
+    if len(dims) != 1 or 0 in dims:
+        raise OfflineBenchError(f"embeddings of unequal or zero size: {sorted(dims)}")
+    tokens = sum(r.prompt_len for r in requests)
+    return EmbedResult(completed=len(outputs), total_input_tokens=tokens, duration_s=duration,
+                       request_throughput=len(outputs) / duration,
+                       input_token_throughput=tokens / duration, embedding_dim=dims.pop())

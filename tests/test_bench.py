@@ -411,6 +411,24 @@ def test_cli_offline_throughput_and_latency_write_json(
     assert lat["batch_size"] == 4
 
 
+def test_cli_offline_embed_on_the_real_engine(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """`--mode embed` runs LLM.embed on the tiny dummy model (CPU) and reports its rates."""
+    from engine.loader.presets import PRESETS
+
+    out = tmp_path / "embed.json"
+    rc = cli.main(["offline", "--mode", "embed", "--model", "dummy:tiny", "--dtype", "float32",
+                   "--num-prompts", "6", "--input-len", "9", "--out", str(out)])
+    assert rc == 0
+    assert "input_token_throughput:" in capsys.readouterr().out
+    result = json.loads(out.read_text())["metrics"]
+    assert (result["completed"], result["total_input_tokens"]) == (6, 54)
+    assert result["embedding_dim"] == PRESETS["tiny"]["hidden_size"]
+    assert result["request_throughput"] * result["duration_s"] == pytest.approx(6)
+    assert result["input_token_throughput"] == pytest.approx(
+        result["request_throughput"] * 9)
+
+
 # ---------------------------------------------------------------- H200 suite helpers
 
 
