@@ -35,7 +35,10 @@ class ModelConfig:
     SmolLM2, Gemma 2, Gemma 3 text), or of one whose MLPs are mixtures of experts (Mixtral,
     Qwen2-MoE, Qwen3-MoE).
 
-    Field names follow Hugging Face `config.json` so `from_hf_dict` is a thin mapping.
+    Field names follow Hugging Face `config.json` so `from_hf_dict` is a thin mapping. A
+    multimodal checkpoint of TEXT_ONLY_ARCHITECTURES (Gemma 3 4B/12B/27B,
+    Gemma3ForConditionalGeneration) reads as its language model (`language_model_dict`): text
+    in, text out; its vision tower and projector are not loaded.
     """
 
     architecture: str = "LlamaForCausalLM"
@@ -110,8 +113,9 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], weights_id: str = "") -> ModelConfig:
-        archs = d.get("architectures") or ["LlamaForCausalLM"]
-        arch = archs[0]
+        arch = hf_architecture(d)
+        if arch in TEXT_ONLY_ARCHITECTURES:
+            return cls.from_hf_dict(language_model_dict(d), weights_id)
         if arch in _REFUSED_ARCHITECTURES:
             raise ConfigError(f"config.json: architecture {arch!r} is not supported: "
                               f"{_REFUSED_ARCHITECTURES[arch]}")
@@ -362,12 +366,24 @@ LAYER_TYPES_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeFo
                              *GEMMA_ARCHITECTURES)
 QWEN_WINDOW_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM",
                              "Qwen3MoeForCausalLM")
+# Multimodal checkpoints whose language model is served alone: the wrapper's architecture -> its
+# language model's. Only wrappers whose language model is one of ours, unchanged (Gemma 3's
+# image tokens are ordinary ids to it), are listed; every other multimodal architecture is
+# refused (below, or as unknown).
+TEXT_ONLY_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# The wrapper's own config.json keys that win over its text_config's, as transformers reads
+# them: generation's token ids (GenerationConfig.from_model_config takes the outer ones and
+# text_config's only where those are unset) and the head's tying (transformers 5 ties by the
+# outer key; 4.x, whose saves lack it, by text_config's).
+_WRAPPER_KEYS = ("bos_token_id", "eos_token_id", "tie_word_embeddings")
 _REFUSED_ARCHITECTURES = {
-    "Gemma3ForConditionalGeneration": "Gemma 3 with its vision tower (gemma-3-4b/12b/27b) is "
-    "multimodal; the text-only Gemma3ForCausalLM (gemma-3-1b, or a text-only export) is served",
+    "Gemma3nForConditionalGeneration": "Gemma 3n's decoder (per-layer embeddings, AltUp, "
+    "activation sparsity) is not Gemma 3's; Gemma3ForCausalLM and Gemma 3's "
+    "Gemma3ForConditionalGeneration (text only) are served",
 }
 # What transformers' config classes default to where a Gemma config.json says nothing (its
-# published configs leave out tie_word_embeddings, Gemma 3's rope_local_base_freq and more).
+# published configs leave out tie_word_embeddings, Gemma 3's rope_local_base_freq and more;
+# gemma-3-4b-it's text_config even the vocabulary and the head counts).
 _GEMMA_DEFAULTS: dict[str, Any] = {
     "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6,
     "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
@@ -376,10 +392,31 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "Gemma2ForCausalLM": {**_GEMMA_DEFAULTS, "max_position_embeddings": 8192,
                           "rope_theta": 10000.0, "attn_logit_softcapping": 50.0,
                           "final_logit_softcapping": 30.0},
-    "Gemma3ForCausalLM": {**_GEMMA_DEFAULTS, "max_position_embeddings": 131072,
+    "Gemma3ForCausalLM": {**_GEMMA_DEFAULTS, "vocab_size": 262_208, "hidden_size": 2304,
+                          "intermediate_size": 9216, "num_hidden_layers": 26,
+                          "num_attention_heads": 8, "num_key_value_heads": 4,
+                          "max_position_embeddings": 131072,
                           "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
                           "sliding_window_pattern": 6},
 }
+
+
+def hf_architecture(d: dict[str, Any]) -> str:
+    """The architecture an HF config dict names (transformers' first; Llama when none)."""
+    archs = d.get("architectures") or ["LlamaForCausalLM"]
+    return str(archs[0])
+
+
+def language_model_dict(d: dict[str, Any]) -> dict[str, Any]:
+    """The config dict of a TEXT_ONLY_ARCHITECTURES wrapper's language model: its `text_config`
+    (the defaults that apply to it are those of the text-only architecture, `_HF_DEFAULTS`), the
+    wrapper's `_WRAPPER_KEYS` that it sets, and the text-only architecture."""
+    arch = hf_architecture(d)
+    text = d.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"config.json: {arch} needs a text_config object, got {text!r}")
+    outer = {key: d[key] for key in _WRAPPER_KEYS if d.get(key) is not None}
+    return {**text, **outer, "architectures": [TEXT_ONLY_ARCHITECTURES[arch]]}
 
 
 def _hidden_act(arch: str, d: dict[str, Any]) -> HiddenAct:

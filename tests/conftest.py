@@ -2,7 +2,8 @@
 plain RoPE, Llama with llama3 RoPE scaling and tied embeddings, Qwen2 with QKV bias, Qwen3 with
 q/k norms and a head_dim that is not hidden / heads, Phi-3 with fused checkpoint weights, three
 mixtures of experts: Qwen3-MoE, Qwen2-MoE and Mixtral, and sliding windows shorter than the
-tests' prompts: Mistral's on every layer, Gemma 2's and Gemma 3's on some), one session-wide
+tests' prompts: Mistral's on every layer, Gemma 2's and Gemma 3's on some; Gemma 3's language
+model also inside a Gemma3ForConditionalGeneration with a vision tower), one session-wide
 SmolLM2 engine, and a scheduler-level driver that records every position's logits.
 
 The tiny models are written with transformers' `save_pretrained(safe_serialization=True)`, so
@@ -24,7 +25,9 @@ import torch
 from transformers import (
     Gemma2Config,
     Gemma2ForCausalLM,
+    Gemma3Config,
     Gemma3ForCausalLM,
+    Gemma3ForConditionalGeneration,
     Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
@@ -43,6 +46,7 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    SiglipVisionConfig,
 )
 
 from engine.attention.forward_context import AttentionMetadata
@@ -63,7 +67,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
 TINY_MODELS = ("llama", "llama3", "qwen2", "qwen3", "phi3", "qwen3moe", "qwen2moe", "mixtral",
-               "mistral_swa", "gemma2", "gemma3")
+               "mistral_swa", "gemma2", "gemma3", "gemma3mm")
 # The mixtures of experts: 8 experts, 2 per token (Qwen3-MoE renormalising, with a dense MLP in
 # its last layer; Qwen2-MoE the same plus a gated shared expert and QKV bias); Mixtral's 4
 # experts, 2 per token.
@@ -78,6 +82,16 @@ MOE_ARCH: dict[str, Any] = dict(num_experts=8, num_experts_per_tok=2, moe_interm
 # apart (the global one linearly scaled). Layer 0 slides, layer 1 attends to all.
 GEMMA_ARCH: dict[str, Any] = dict(head_dim=16, query_pre_attn_scalar=24,
                                   layer_types=["sliding_attention", "full_attention"])
+# Gemma 3 4B/12B/27B's checkpoints: the language model beside a SigLIP vision tower (here one
+# layer over 2 x 2 patches) and its projector, which the engine does not load.
+TINY_SIGLIP: dict[str, Any] = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, image_size=28, patch_size=14)
+
+
+def _gemma3_text_config() -> Gemma3TextConfig:
+    return Gemma3TextConfig(**TINY_ARCH, **GEMMA_ARCH, sliding_window=6, rope_theta=1e4,
+                            rope_local_base_freq=100.0,
+                            rope_scaling={"rope_type": "linear", "factor": 2.0})
 
 
 def _randomize(model: PreTrainedModel, seed: int) -> None:
@@ -132,9 +146,11 @@ def _build(name: str) -> PreTrainedModel:
                                               final_logit_softcapping=2.5,
                                               tie_word_embeddings=False))
     if name == "gemma3":
-        return Gemma3ForCausalLM(Gemma3TextConfig(
-            **TINY_ARCH, **GEMMA_ARCH, sliding_window=6, rope_theta=1e4, rope_local_base_freq=100.0,
-            rope_scaling={"rope_type": "linear", "factor": 2.0}))
+        return Gemma3ForCausalLM(_gemma3_text_config())
+    if name == "gemma3mm":  # the image token ids are out of the tiny vocabulary: never prompted
+        return Gemma3ForConditionalGeneration(Gemma3Config(
+            text_config=_gemma3_text_config(), vision_config=SiglipVisionConfig(**TINY_SIGLIP),
+            mm_tokens_per_image=4))
     raise ValueError(f"unknown tiny model {name!r}")
 
 
@@ -162,7 +178,8 @@ def hf_reference(tiny_model_dirs: dict[str, Path]) -> Callable[[str], PreTrained
                    "phi3": Phi3ForCausalLM, "qwen3moe": Qwen3MoeForCausalLM,
                    "qwen2moe": Qwen2MoeForCausalLM, "mixtral": MixtralForCausalLM,
                    "mistral_swa": MistralForCausalLM, "gemma2": Gemma2ForCausalLM,
-                   "gemma3": Gemma3ForCausalLM}.get(name, LlamaForCausalLM)
+                   "gemma3": Gemma3ForCausalLM,
+                   "gemma3mm": Gemma3ForConditionalGeneration}.get(name, LlamaForCausalLM)
             model = cls.from_pretrained(tiny_model_dirs[name], attn_implementation="eager",
                                         dtype=torch.float32)
             cache[name] = model.eval()

@@ -2,12 +2,19 @@
 torch path): the GELU-tanh kernels against torch (TRITON_INTERPRET=1, CPU), Gemma's RMSNorm
 (1 + w kept in float32 whatever the model dtype, equal to transformers' bf16 norm), the Triton
 path's logits against the torch path's (windowed and soft-capped attention, the batch-1 GEMV
-with GELU), and the dummy preset. Gemma's GGUF files are refused in tests/test_loader.py."""
+with GELU), the dummy preset, and Gemma 3's multimodal checkpoints served text-only (their
+language model's weights under both name layouts, a tied or untied head, the vision tower's
+skipped; tests/test_model_vs_hf.py compares the whole model with transformers'
+Gemma3ForConditionalGeneration). Gemma's GGUF files are refused in tests/test_loader.py."""
 
 from __future__ import annotations
 
+import json
+import logging
+import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,13 +28,17 @@ from conftest import (
     tiny_llm,
     traces_by_backend,
 )
-from transformers import Gemma3ForCausalLM, PreTrainedModel
+from safetensors.torch import load_file, save_file
+from transformers import Gemma3ForCausalLM, Gemma3ForConditionalGeneration, PreTrainedModel
 from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 
+from engine.config import LoadConfig
 from engine.kernels import reference as R
 from engine.llm import LLM
+from engine.loader import ModelLoadError, load_model_source
+from engine.loader.source import expected_weight_names
 from engine.model.layers import GemmaRMSNorm
-from engine.model.llama import LlamaAttention
+from engine.model.llama import LlamaAttention, MissingWeightsError
 
 K = interpreted_kernels()
 with interpreted_kernel_imports():
@@ -172,3 +183,96 @@ def test_dummy_tiny_gemma_generates() -> None:
         64, 0]
     out = llm.generate([{"prompt_token_ids": list(range(1, 80))}], greedy(4))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+# ---- Gemma 3's multimodal checkpoints, text only ------------------------------------------
+
+Tensors = dict[str, torch.Tensor]
+# transformers 4.52-4.57's names for what the original saves (and transformers 5's) hold at
+# language_model.model.*, language_model.lm_head.*, vision_tower.*, multi_modal_projector.*.
+_NEWER_LAYOUT = (("language_model.model.", "model.language_model."),
+                 ("language_model.lm_head.", "lm_head."), ("vision_tower.", "model.vision_tower."),
+                 ("multi_modal_projector.", "model.multi_modal_projector."))
+
+
+def _newer_name(name: str) -> str:
+    for old, new in _NEWER_LAYOUT:
+        if name.startswith(old):
+            return new + name[len(old):]
+    raise AssertionError(f"{name}: not a Gemma3ForConditionalGeneration tensor")
+
+
+def _edited_copy(src: Path, dst: Path, edit: Callable[[Tensors], Tensors],
+                 **config: Any) -> Path:
+    """A copy of HF directory `src` with its tensors edited and `config` set in config.json."""
+    shutil.copytree(src, dst)
+    weights = dst / "model.safetensors"
+    save_file(edit(load_file(weights)), weights, metadata={"format": "pt"})
+    path = dst / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    return dst
+
+
+def test_gemma3_multimodal_streams_its_language_model_alone(
+        tiny_model_dirs: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
+    """The vision tower and projector are skipped (and said to be), the rest is the text-only
+    model's names, each once, the tied head absent."""
+    path = tiny_model_dirs["gemma3mm"]
+    names = set(load_file(path / "model.safetensors"))
+    assert any(n.startswith("vision_tower.") for n in names)
+    with caplog.at_level(logging.INFO, logger="engine.loader.hf"):
+        source = load_model_source(LoadConfig(model=str(path)))
+    assert "vision tower and multimodal projector are not loaded" in caplog.text
+    cfg = source.config
+    assert cfg.architecture == "Gemma3ForCausalLM" and cfg.tie_word_embeddings
+    assert source.weights is not None
+    streamed = [name for name, _ in source.weights()]
+    assert sorted(streamed) == sorted(expected_weight_names(cfg))
+
+
+def test_gemma3_multimodal_newer_layout_and_untied_head(
+        tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """transformers 4.52-4.57's names (model.language_model.*, a top-level lm_head) and a head
+    of its own, untied by the wrapper's key alone: every position's logits are what
+    transformers computes from the same file."""
+    head = 0.15 * torch.randn(384, 64, generator=torch.Generator().manual_seed(7))
+
+    def newer_untied(tensors: Tensors) -> Tensors:
+        return {**{_newer_name(n): t for n, t in tensors.items()}, "lm_head.weight": head}
+
+    path = _edited_copy(tiny_model_dirs["gemma3mm"], tmp_path / "newer", newer_untied,
+                        tie_word_embeddings=False)
+    hf = Gemma3ForConditionalGeneration.from_pretrained(path, attn_implementation="eager",
+                                                        dtype=torch.float32).eval()
+    assert torch.equal(hf.lm_head.weight, head)  # transformers read the file's head too
+    llm = tiny_llm(path, max_model_len=32)
+    assert llm.engine.runner.model.lm_head is not None
+    llm.engine.add_request("a", [5, 17, 99, 3, 250, 7, 42, 8, 300], greedy(3))
+    trace = run_to_end(llm.engine)["a"]
+    with torch.no_grad():
+        want = hf(torch.tensor([trace.request.all_token_ids[:-1]])).logits[0]
+    torch.testing.assert_close(trace.logits_matrix(), want, atol=1e-4, rtol=1e-4)
+
+
+def test_gemma3_multimodal_missing_weight_is_named(tiny_model_dirs: dict[str, Path],
+                                                   tmp_path: Path) -> None:
+    gone = "language_model.model.layers.1.mlp.down_proj.weight"
+    path = _edited_copy(tiny_model_dirs["gemma3mm"], tmp_path / "missing",
+                        lambda tensors: {n: t for n, t in tensors.items() if n != gone})
+    with pytest.raises(ModelLoadError, match=r"Gemma3ForConditionalGeneration's language "
+                       r"model\): missing tensors: model\.layers\.1\.mlp\.down_proj\.weight$"):
+        load_model_source(LoadConfig(model=str(path)))
+
+
+def test_gemma3_multimodal_unknown_tensors_are_refused(tiny_model_dirs: dict[str, Path],
+                                                       tmp_path: Path) -> None:
+    """Only the vision tower and the projector are skipped: a tensor the language model has no
+    place for, or another modality's, is still unexpected."""
+    extra = {"language_model.model.layers.0.mlp.gate.weight": torch.zeros(2),
+             "audio_tower.conv.weight": torch.zeros(2)}
+    path = _edited_copy(tiny_model_dirs["gemma3mm"], tmp_path / "extra",
+                        lambda tensors: {**tensors, **extra})
+    with pytest.raises(MissingWeightsError, match="unexpected weights") as e:
+        tiny_llm(path, max_model_len=32)
+    assert "model.layers.0.mlp.gate.weight" in str(e.value)
+    assert "audio_tower.conv.weight" in str(e.value)

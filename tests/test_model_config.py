@@ -1,8 +1,9 @@
 """`ModelConfig.from_hf_dict` for sliding windows, Gemma 2 and Gemma 3: each layer's window and
 RoPE theta from real-shaped configs in both forms transformers writes (the classic keys as the
 published config.json files have them; transformers 5's `layer_types` and per-layer-kind
-`rope_parameters`), checked against transformers' own config classes; refusals by name; every
-dummy preset through `to_hf_dict` and back."""
+`rope_parameters`), checked against transformers' own config classes; Gemma 3 4B/12B/27B's
+multimodal configs read as their language model's; refusals by name; every dummy preset through
+`to_hf_dict` and back."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from typing import Any
 import pytest
 from transformers import (
     Gemma2Config,
+    Gemma3Config,
     Gemma3TextConfig,
+    GenerationConfig,
     PretrainedConfig,
     Qwen2Config,
     Qwen2MoeConfig,
@@ -43,6 +46,28 @@ GEMMA3_1B: dict[str, Any] = {
     "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
     "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512,
     "sliding_window_pattern": 6, "vocab_size": 262144}
+# What google/gemma-3-{4b,12b,27b}-it's text_config names (only what differs from
+# Gemma3TextConfig's defaults: not even the vocabulary, nor 4B's head counts).
+GEMMA3_TEXT: dict[str, dict[str, Any]] = {
+    "4b": dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34),
+    "12b": dict(hidden_size=3840, intermediate_size=15360, num_attention_heads=16,
+                num_hidden_layers=48, num_key_value_heads=8),
+    "27b": dict(head_dim=128, hidden_size=5376, intermediate_size=21504, num_attention_heads=32,
+                num_hidden_layers=62, num_key_value_heads=16, query_pre_attn_scalar=168)}
+
+
+def _gemma3_published(text: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma3ForConditionalGeneration config.json as Google published them (4.50's form)."""
+    return {
+        "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999,
+        "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144,
+        "initializer_range": 0.02, "mm_tokens_per_image": 256, "model_type": "gemma3",
+        "text_config": {"model_type": "gemma3_text", "sliding_window": 1024,
+                        "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, **text},
+        "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
+        "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                          "model_type": "siglip_vision_model", "num_attention_heads": 16,
+                          "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}}
 
 
 def _windows(cfg: ModelConfig) -> list[int]:
@@ -100,6 +125,47 @@ def test_gemma3_12b_scales_only_the_global_layers_rope() -> None:
     assert ModelConfig.from_hf_dict(new) == cfg
 
 
+@pytest.mark.parametrize("size", sorted(GEMMA3_TEXT))
+def test_gemma3_multimodal_configs_read_as_their_language_model(size: str) -> None:
+    """Gemma3ForConditionalGeneration reads as its text_config with transformers' defaults, the
+    token ids as transformers' generation takes them (the wrapper's first)."""
+    published = _gemma3_published(GEMMA3_TEXT[size])
+    cfg = ModelConfig.from_hf_dict(published)
+    hf = Gemma3Config(**published)
+    text = hf.text_config
+    assert cfg.architecture == "Gemma3ForCausalLM"
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim",
+                "max_position_embeddings"):
+        assert getattr(cfg, key) == getattr(text, key), key
+    assert cfg.attention_scale == text.query_pre_attn_scalar ** -0.5
+    assert _windows(cfg) == _hf_windows(text) and set(_windows(cfg)) == {1024, 0}
+    local, full = text.rope_parameters[SLIDING], text.rope_parameters[FULL]
+    assert cfg.layer_rope(0) == (local["rope_theta"], None)
+    assert cfg.layer_rope(5) == (full["rope_theta"], (("factor", 8.0), ("rope_type", "linear")))
+    gen = GenerationConfig.from_model_config(hf)
+    assert (cfg.bos_token_id, list(cfg.eos_token_ids)) == (gen.bos_token_id, gen.eos_token_id)
+    assert list(cfg.eos_token_ids) == [1, 106]  # not text_config's default, 1
+    assert cfg.tie_word_embeddings and hf.tie_word_embeddings
+    assert ModelConfig.from_hf_dict(hf.to_dict()) == cfg  # as transformers 5 writes it
+    if size == "12b":
+        assert cfg == ModelConfig.from_hf_dict(preset_config("gemma-3-12b"))
+
+
+@pytest.mark.parametrize(("outer", "text", "tied"), [
+    (None, None, True), (None, False, False), (False, True, False), (True, False, True)])
+def test_gemma3_multimodal_head_tying(outer: bool | None, text: bool | None,
+                                      tied: bool) -> None:
+    """The wrapper's tie_word_embeddings decides (transformers 5 reads it; saves write it);
+    without one, text_config's (transformers 4.x read that; its saves have no outer key)."""
+    published = _gemma3_published(GEMMA3_TEXT["4b"])
+    if outer is not None:
+        published["tie_word_embeddings"] = outer
+    if text is not None:
+        published["text_config"]["tie_word_embeddings"] = text
+    assert ModelConfig.from_hf_dict(published).tie_word_embeddings is tied
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(use_sliding_window=True, sliding_window=7, max_window_layers=2),
     dict(use_sliding_window=False, sliding_window=7, max_window_layers=2),
@@ -140,7 +206,9 @@ def test_shards_keep_each_layers_window_and_scale() -> None:
 
 
 @pytest.mark.parametrize(("change", "words"), [
-    ({"architectures": ["Gemma3ForConditionalGeneration"]}, "vision tower"),
+    ({"architectures": ["Gemma3ForConditionalGeneration"]}, "needs a text_config"),
+    ({"architectures": ["Gemma3nForConditionalGeneration"]}, "Gemma 3n"),
+    ({"architectures": ["PaliGemmaForConditionalGeneration"]}, "not supported"),
     ({"hidden_activation": "gelu"}, "hidden_activation 'gelu'"),
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ({"layer_types": [SLIDING] * 3}, "layer_types"),

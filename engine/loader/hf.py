@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig
+from engine.config import TEXT_ONLY_ARCHITECTURES, ModelConfig, hf_architecture
 from engine.loader.errors import ModelLoadError
 from engine.loader.safetensors_check import read_header
-from engine.loader.source import ModelSource, check_weight_names, dtype_from_name, is_skipped_weight
+from engine.loader.source import (
+    ModelSource,
+    check_weight_names,
+    dtype_from_name,
+    loaded_weight_name,
+)
+
+logger = logging.getLogger(__name__)
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -76,13 +85,18 @@ def safetensors_files(model_dir: str) -> list[str]:
     return found
 
 
-def _iter_shards(files: list[str], config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+LoadedName = Callable[[str], str | None]  # a checkpoint tensor's loaded name, None: not loaded
+
+
+def _iter_shards(files: list[str], loaded_name: LoadedName
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
     # One shard open at a time; tensors are read lazily from the file's mmap.
     for path in files:
         with safe_open(path, framework="pt") as sf:
             for name in sf.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                if not is_skipped_weight(name, config):
-                    yield name, sf.get_tensor(name)
+                loaded = loaded_name(name)
+                if loaded is not None:
+                    yield loaded, sf.get_tensor(name)
 
 
 def generation_config(model_dir: str) -> dict[str, Any]:
@@ -130,16 +144,24 @@ def load_hf_dir(model_dir: str, weights_id: str, tokenizer: str | None) -> Model
     gen = generation_config(model_dir)
     config = ModelConfig.from_hf_dict(d, weights_id=weights_id)
     config = config.replace(eos_token_ids=merged_eos(config.eos_token_ids, gen))
+    arch = hf_architecture(d)
+    multimodal = arch in TEXT_ONLY_ARCHITECTURES
+    if multimodal:
+        logger.info("%s: %s served text-only as %s; its vision tower and multimodal projector "
+                    "are not loaded", model_dir, arch, config.architecture)
+    loaded_name = functools.partial(loaded_weight_name, config=config, multimodal=multimodal)
     files = safetensors_files(model_dir)
     names: set[str] = set()
     for f in files:
-        names.update(read_header(f))
-    check_weight_names(names, config, model_dir)
+        names.update(n for n in map(loaded_name, read_header(f)) if n is not None)
+    # A missing tensor is named as the text-only model names it: say whose it is.
+    where = f"{model_dir} ({arch}'s language model)" if multimodal else model_dir
+    check_weight_names(names, config, where)
     tok_json = os.path.join(model_dir, "tokenizer.json")
     dtype = dtype_from_name(d.get("torch_dtype", d.get("dtype"))) or torch.float32
     return ModelSource(
         config=config,
-        weights=lambda: _iter_shards(files, config),
+        weights=lambda: _iter_shards(files, loaded_name),
         tokenizer_source=tokenizer or (tok_json if os.path.isfile(tok_json) else None),
         chat_template=chat_template(model_dir),
         generation_config=gen,

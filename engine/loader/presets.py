@@ -240,8 +240,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "eos_token_id": [1, 106],
         "torch_dtype": "bfloat16",
     },
-    # Gemma 3 12B's language model (its checkpoints are Gemma3ForConditionalGeneration, refused:
-    # the shapes serve benchmarks); the global layers' RoPE is linearly scaled 8x.
+    # Gemma 3 12B's language model (what its Gemma3ForConditionalGeneration checkpoint serves,
+    # text only); the global layers' RoPE is linearly scaled 8x.
     "gemma-3-12b": {
         "architectures": ["Gemma3ForCausalLM"],
         "hidden_size": 3840,

@@ -18,8 +18,10 @@ class ModelSource:
     """Everything the engine needs from a model path, without having read the weights yet.
 
     `weights()` starts a fresh stream each call; it yields `(hf_name, tensor)` pairs in Hugging
-    Face naming (`model.layers.0.self_attn.q_proj.weight`), un-permuted, as a float dtype that the
-    model casts. Shards are read one at a time, so peak memory is one shard (or one GGUF tensor).
+    Face naming (`model.layers.0.self_attn.q_proj.weight`; a multimodal checkpoint's language
+    model under its text-only names, `loaded_weight_name`), un-permuted, as a float dtype that
+    the model casts. Shards are read one at a time, so peak memory is one shard (or one GGUF
+    tensor).
     """
 
     config: ModelConfig
@@ -84,6 +86,37 @@ def is_skipped_weight(name: str, config: ModelConfig) -> bool:
     if name.endswith("rotary_emb.inv_freq"):
         return True
     return name == "lm_head.weight" and config.tie_word_embeddings
+
+
+# Where a Gemma3ForConditionalGeneration checkpoint keeps its language model: the original
+# saves (and transformers 5's, which writes that layout back) under `language_model.model.`,
+# an untied head under `language_model.lm_head.`; transformers 4.52-4.57's under
+# `model.language_model.`, the head at `lm_head.` already.
+_LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."),
+                            ("language_model.lm_head.", "lm_head."),
+                            ("model.language_model.", "model."))
+# The multimodal parts beside it, in either layout.
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.",
+                    "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def language_model_weight_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor name as its language model's text-only checkpoint names
+    it; None for the vision tower's and the projector's (the engine serves text). Any other name
+    is returned unchanged, so that the model still refuses it as unexpected."""
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    for prefix, text_prefix in _LANGUAGE_MODEL_PREFIXES:
+        if name.startswith(prefix):
+            return text_prefix + name[len(prefix):]
+    return name
+
+
+def loaded_weight_name(name: str, config: ModelConfig, multimodal: bool) -> str | None:
+    """The name checkpoint tensor `name` is loaded as (`multimodal`: of a TEXT_ONLY_ARCHITECTURES
+    checkpoint); None for a tensor the model does not load."""
+    loaded = language_model_weight_name(name) if multimodal else name
+    return None if loaded is None or is_skipped_weight(loaded, config) else loaded
 
 
 def check_weight_names(available: set[str], config: ModelConfig, where: str) -> None:
