@@ -208,6 +208,10 @@ def test_generation_config_and_chat_template(tiny_llama: tuple, tmp_path: Path) 
     assert source.config.eos_token_ids == (2, 3, 7)
     assert source.generation_config["temperature"] == 0.6
     assert source.chat_template == "D"
+    # A multimodal checkpoint's processor file (Gemma 3 4B+), when the tokenizer has none.
+    (path / "tokenizer_config.json").write_text(json.dumps({}))
+    (path / "chat_template.json").write_text(json.dumps({"chat_template": "P"}))
+    assert load_model_source(LoadConfig(model=str(path))).chat_template == "P"
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 9}))
     (path / "chat_template.jinja").write_text("J")
     source = load_model_source(LoadConfig(model=str(path)))

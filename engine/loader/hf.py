@@ -111,14 +111,18 @@ def generation_config(model_dir: str) -> dict[str, Any]:
 
 def chat_template(model_dir: str) -> str | None:
     """The chat template: chat_template.jinja, else tokenizer_config.json's `chat_template`
-    (a string, or a list of {name, template} from which "default" is picked)."""
+    (a string, or a list of {name, template} from which "default" is picked), else a
+    multimodal checkpoint's processor file chat_template.json (`{"chat_template": ...}`)."""
     jinja = os.path.join(model_dir, "chat_template.jinja")
     if os.path.isfile(jinja):
         with open(jinja, encoding="utf-8") as f:
             return f.read()
-    tc_path = os.path.join(model_dir, "tokenizer_config.json")
-    tc = read_json(tc_path) if os.path.isfile(tc_path) else {}
-    return pick_template(tc.get("chat_template"))
+    for name in ("tokenizer_config.json", "chat_template.json"):
+        path = os.path.join(model_dir, name)
+        found = pick_template(read_json(path).get("chat_template")) if os.path.isfile(path) else None
+        if found is not None:
+            return found
+    return None
 
 
 def pick_template(value: Any) -> str | None:
