@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     online.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME",
                         help="LoRA adapters the server serves: each request names one at random "
                              "as its model (as vllm bench serve does)")
+    online.add_argument("--endpoint", choices=("completions", "embeddings"),
+                        default="completions",
+                        help="embeddings: POST each prompt to /v1/embeddings (vLLM's "
+                             "--backend openai-embeddings; --output-len unused)")
     online.add_argument("--allow-remote", action="store_true",
                         help="allow a non-loopback --base-url")
     _add_workload(online)
@@ -173,7 +177,7 @@ def cmd_online(args: argparse.Namespace) -> int:
                                       seed=args.seed)
     settings = OnlineSettings(args.base_url, args.model, args.request_rate, args.burstiness,
                               args.max_concurrency, args.request_timeout, args.total_timeout,
-                              args.allow_remote)
+                              args.allow_remote, args.endpoint)
     records, duration, model = asyncio.run(run_online(settings, requests, offsets))
     metrics = _summarise(args, records, duration, "Serving Benchmark Result")
     _finish(args, model, metrics.to_dict())

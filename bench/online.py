@@ -6,6 +6,11 @@ chunk that carries a choice. As in `vllm bench serve`, a chunk is one ITL sample
 carries several tokens (only TPOT divides by the token count), the output token count comes
 from the final usage chunk, and E2E latency ends at the last token chunk.
 
+With `endpoint="embeddings"` (vLLM's `--backend openai-embeddings`) each request instead posts
+its prompt's token ids to `/v1/embeddings` (base64, as the `openai` client asks by default): a
+request's latency is its response's arrival, it produces no tokens, and its TTFT and E2E
+latency are the same number.
+
 Bounded by construction: only loopback targets unless `allow_remote`, a per-request timeout
 and a total timeout after which unfinished requests are cancelled and counted as failed.
 """
@@ -28,6 +33,8 @@ from bench.workloads import BenchRequest
 
 LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 COMPLETIONS_PATH = "/v1/completions"
+EMBEDDINGS_PATH = "/v1/embeddings"
+ENDPOINTS = ("completions", "embeddings")
 
 
 class RemoteHostError(ValueError):
@@ -133,6 +140,29 @@ async def send_request(
     return _to_record(request, state, start, error)
 
 
+async def send_embedding(
+    client: httpx.AsyncClient, url: str, model: str, request: BenchRequest
+) -> RequestRecord:
+    """Embed one prompt (token ids, base64 floats) and time it; never raises for a failed
+    request. The response must hold one embedding; its usage gives the prompt's length."""
+    body = {"model": request.lora_name or model, "input": request.prompt_token_ids,
+            "encoding_format": "base64"}
+    start = time.perf_counter()
+    error, prompt_len = "", request.prompt_len
+    try:
+        resp = await client.post(url, json=body)
+        if resp.status_code != 200:
+            raise OnlineBenchError(f"HTTP {resp.status_code}: {resp.text[:300]}")
+        doc = resp.json()
+        if len(doc.get("data") or []) != 1 or not doc["data"][0].get("embedding"):
+            raise OnlineBenchError(f"expected one embedding, got {str(doc)[:200]}")
+        prompt_len = int((doc.get("usage") or {}).get("prompt_tokens", prompt_len))
+    except (httpx.HTTPError, OnlineBenchError, ValueError) as e:
+        error = f"{type(e).__name__}: {e}"
+    end = time.perf_counter()
+    return RequestRecord(prompt_len, 0, start, None if error else end, [], end, not error, error)
+
+
 def _to_record(request: BenchRequest, state: _StreamState, start: float,
                error: str) -> RequestRecord:
     if not error and not state.token_times:
@@ -180,6 +210,7 @@ class OnlineSettings:
     request_timeout_s: float = 600.0
     total_timeout_s: float = 3600.0
     allow_remote: bool = False
+    endpoint: str = "completions"  # or "embeddings"
 
 
 async def run_online(
@@ -191,6 +222,11 @@ async def run_online(
     """Send `requests` at `arrival_offsets` (seconds from start); return records (in request
     order), the wall duration and the model name used."""
     base_url = check_target(settings.base_url, settings.allow_remote)
+    if settings.endpoint not in ENDPOINTS:
+        raise OnlineBenchError(f"endpoint must be one of {', '.join(ENDPOINTS)}, got "
+                               f"{settings.endpoint!r}")
+    embeds = settings.endpoint == "embeddings"
+    send = send_embedding if embeds else send_request
     if len(arrival_offsets) != len(requests):
         raise OnlineBenchError("arrival_offsets must have one entry per request")
     limits = httpx.Limits(max_connections=settings.max_concurrency or len(requests) or 1)
@@ -198,14 +234,14 @@ async def run_online(
     async with httpx.AsyncClient(timeout=settings.request_timeout_s, limits=limits,
                                  trust_env=False) as client:
         model = settings.model or await resolve_model(client, base_url)
-        url = base_url + COMPLETIONS_PATH
+        url = base_url + (EMBEDDINGS_PATH if embeds else COMPLETIONS_PATH)
         sem = asyncio.Semaphore(settings.max_concurrency or len(requests) or 1)
         start = time.perf_counter()
 
         async def one(req: BenchRequest, offset: float) -> RequestRecord:
             await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
             async with sem:
-                record = await send_request(client, url, model, req)
+                record = await send(client, url, model, req)
             if on_done is not None:
                 on_done(record)
             return record

@@ -6,6 +6,7 @@ worker embeds) and colocated (the only worker does), no KV block left behind."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import struct
 
@@ -164,3 +165,22 @@ def test_a_client_gone_mid_batch_cancels_its_embeddings(disagg_stack: Stack,
                    timeout=0.5)
     disagg_stack.wait_idle()
     assert any(rid.startswith("embd-") for rid in aborted), aborted
+
+
+def test_online_benchmark_embeds_through_the_gateway(disagg_stack: Stack) -> None:
+    """`splitserve bench online --endpoint embeddings` against the real stack: every request
+    embedded, its prompt tokens counted from the responses' usage, no tokens generated."""
+    from bench.metrics import compute_metrics
+    from bench.online import OnlineSettings, run_online
+    from bench.workloads import random_requests
+
+    requests = random_requests(6, 12, 1, 1000, seed=5)
+    records, duration, model = asyncio.run(run_online(
+        OnlineSettings(disagg_stack.rest_url.removesuffix("/v1"), endpoint="embeddings",
+                       max_concurrency=3, total_timeout_s=60), requests, [0.0] * 6))
+    assert model == MODEL_NAME
+    assert all(r.success for r in records), [r.error for r in records]
+    m = compute_metrics(records, duration)
+    assert (m.completed, m.total_input_tokens, m.total_output_tokens) == (6, 72, 0)
+    assert m.ttft.median_ms == pytest.approx(m.e2el.median_ms)
+    disagg_stack.wait_idle()
