@@ -6,8 +6,10 @@ parts. One `generate` is traced by torch.profiler with Python stacks (`with_stac
 exported as Chrome JSON and read back: for the window before the device's first activity, each
 of the largest idle gaps and the window after its last activity, the Python functions' *own*
 time inside the window (time in a function minus time in the functions it called), largest
-first. A cProfile of one more `generate` (by own and cumulative time) and the unprofiled
-`generate` times go to the same JSON.
+first. A cProfile of one more `generate` (by own and cumulative time), the unprofiled `generate`
+times and, unprofiled, the request's time from arrival to its step's input copies (host only)
+and from there to its first token go to the same JSON, and an A/B of the first-token time
+with the runner's pinned input staging (engine/host_staging.py) and without it, alternating.
 
 Usage: PYTHONPATH=. python3 bench/probe_ttft_host.py --out F [--input-len 4096] [--gaps 8]
 """
@@ -123,6 +125,21 @@ def analyse_trace(path: Path, gaps: int, rows: int) -> dict[str, Any]:
     }
 
 
+def _mark_input_copies(llm: Any) -> list[float]:
+    """perf_counter times at which the runner queued a step's input copies (unprofiled; empty
+    on an engine without pinned staging)."""
+    marks: list[float] = []
+    staging = getattr(llm.engine.runner, "_staging", None)
+    if staging is not None:
+        queued = staging.copied
+
+        def copied(stream: Any = None) -> None:
+            marks.append(time.perf_counter())
+            queued(stream)
+        staging.copied = copied
+    return marks
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", required=True)
@@ -131,6 +148,9 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--gaps", type=int, default=8)
     p.add_argument("--rows", type=int, default=15)
+    p.add_argument("--ab", type=int, default=8,
+                   help="alternations of TTFT with the runner's pinned staging and without "
+                        "(a pinned allocation per step, as before it)")
     args = p.parse_args()
 
     import torch
@@ -148,13 +168,36 @@ def main() -> int:
 
     for _ in range(2):
         llm.generate(prompt(), params)
-    plain = []
+    plain, phases = [], []
+    copies = _mark_input_copies(llm)
     for _ in range(args.repeats):
         ids = prompt()
         torch.cuda.synchronize()
+        copies.clear()
         t = time.perf_counter()
-        llm.generate(ids, params)
+        (out,) = llm.generate(ids, params)
         plain.append((time.perf_counter() - t) * 1e3)
+        m = out.metrics
+        if copies and m is not None and m.first_token_time is not None:
+            phases.append({
+                "ttft_ms": (m.first_token_time - m.arrival_time) * 1e3,
+                # arrival (the request queued) -> the step's input copies queued: host only
+                "arrival_to_input_copies_ms": (copies[0] - m.arrival_time) * 1e3,
+                "generate_to_arrival_ms": (m.arrival_time - t) * 1e3,
+                "input_copies_to_first_token_ms": (m.first_token_time - copies[0]) * 1e3})
+    ab: dict[str, list[float]] = {"staging": [], "per_step_pinned_alloc": []}
+    runner = llm.engine.runner
+    staging = runner._staging
+    for _ in range(args.ab if staging is not None else 0):
+        for arm in ab:  # alternating, one engine: the arms differ only in the input buffers
+            runner._staging = staging if arm == "staging" else None
+            ids = prompt()
+            torch.cuda.synchronize()
+            (out,) = llm.generate(ids, params)
+            m = out.metrics
+            assert m is not None and m.first_token_time is not None
+            ab[arm].append((m.first_token_time - m.arrival_time) * 1e3)
+    runner._staging = staging
     prof_c = cProfile.Profile()
     ids = prompt()
     torch.cuda.synchronize()
@@ -177,11 +220,17 @@ def main() -> int:
     doc = {**git_info(), "gpu": torch.cuda.get_device_name(), "input_len": args.input_len,
            "generate_ms_unprofiled": plain,
            "median_generate_ms_unprofiled": statistics.median(plain),
+           "unprofiled_phases": phases,
+           "ab_ttft_ms": ab,
+           "ab_median_ttft_ms": {k: statistics.median(v) for k, v in ab.items() if v},
            "traced": traces,
            "cprofile_own": profile_text(prof_c, "tottime", 40).splitlines(),
            "cprofile_cumulative": profile_text(prof_c, "cumulative", 60).splitlines()}
     Path(args.out).write_text(json.dumps(doc, indent=1))
     print("unprofiled generate ms", [round(x, 2) for x in plain])
+    for ph in phases:
+        print({k: round(v, 3) for k, v in ph.items()})
+    print("A/B TTFT ms", json.dumps(ab), doc["ab_median_ttft_ms"])
     for w in traces[-1]["windows"]:
         print(w["window"], w["us"], w["after"], "->", w["before"])
         for tid, top in w["python_own_time"].items():

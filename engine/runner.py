@@ -45,6 +45,7 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
 from engine.devices import indexed_device
 from engine.dma_copy import copy_blocks_dma, dma_available, read_blocks_dma, write_blocks_dma
+from engine.host_staging import PinnedStaging
 from engine.kernels._checks import is_quantized_kv
 from engine.lora import LoRABatch, LoRAStack, load_adapter
 from engine.model.layers import RotaryEmbedding
@@ -381,6 +382,7 @@ class ModelRunner:
         self._load_fence: torch.cuda.Event | None = None
         # The last launched step's sampled tokens (on the device) and their row per request.
         self._last_tokens: torch.Tensor | None = None
+        self._staging = PinnedStaging() if self.device.type == "cuda" else None
         self._last_rows: dict[str, int] = {}
         num_blocks = self._set_up_kv_cache(config, kv_calibration_ids)
         cfg = self.shard_config
@@ -619,9 +621,9 @@ class ModelRunner:
         first, then padding rows (token 0, no KV write: slot -1); its length counts them, so the
         real rows' causal window is unchanged and only padding rows see past it.
 
-        Host data is laid out in two pinned buffers (int64: ids | positions | slots | logit
-        rows | in-flight gathers; int32: query_start_loc | seq_lens | block_tables) and moved
-        with two async copies.
+        Host data is laid out in two pinned buffers reused across steps (int64: ids |
+        positions | slots | logit rows | in-flight gathers; int32: query_start_loc | seq_lens |
+        block_tables; engine/host_staging.py) and moved with two async copies.
         Returns (input_ids [T], positions [T], metadata, logit row per sampling request [S] on
         the device: indexing the hidden states with a host list would copy it from pageable
         memory, which waits for the whole forward before the LM head can be launched)."""
@@ -636,7 +638,6 @@ class ModelRunner:
         else:
             num_tokens = out.num_batched_tokens or sum(s.num_new_tokens for s in sched)
             max_blocks = max(len(s.block_ids) for s in sched)
-        pin = self.device.type == "cuda"
         # Inputs still in flight (async scheduling): (row in this step, row of the last step's
         # sampled tokens). At most one per request: its last sampled token.
         # (A request verifying drafts reaches past its known tokens by them, not by a token
@@ -647,10 +648,14 @@ class ModelRunner:
         num_gather = len(inflight)
         # One logits row per sampling request; one per query row when it verifies drafts.
         num_sample = sum(1 + len(s.draft_token_ids) for s in sched if s.sample)
-        big = torch.empty(3 * num_tokens + num_sample + 2 * num_gather, dtype=torch.int64,
-                          pin_memory=pin)
-        small = torch.zeros(2 * num_seqs + 1 + num_seqs * max_blocks, dtype=torch.int32,
-                            pin_memory=pin)
+        num_int64 = 3 * num_tokens + num_sample + 2 * num_gather
+        num_int32 = 2 * num_seqs + 1 + num_seqs * max_blocks
+        if self._staging is not None:  # pinned, reused (engine/host_staging.py)
+            big, small = self._staging.take(num_int64, num_int32)
+        else:  # the CPU (`.to(device)` below returns these very tensors: fresh each step)
+            pin = self.device.type == "cuda"  # (staging turned off: bench/probe_ttft_host.py)
+            big = torch.empty(num_int64, dtype=torch.int64, pin_memory=pin)
+            small = torch.zeros(num_int32, dtype=torch.int32, pin_memory=pin)
         b64, b32 = big.numpy(), small.numpy()
         ids, pos = b64[:num_tokens], b64[num_tokens:2 * num_tokens]
         slots = b64[2 * num_tokens:3 * num_tokens]
@@ -706,6 +711,8 @@ class ModelRunner:
         dev = self.device
         big_d = big.to(dev, non_blocking=True)
         small_d = small.to(dev, non_blocking=True)
+        if self._staging is not None:
+            self._staging.copied()
         if num_gather:
             assert self._last_tokens is not None
             g = big_d[rows_at + num_sample:].view(2, num_gather)
