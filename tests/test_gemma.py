@@ -131,6 +131,51 @@ def test_gemma_norm_keeps_one_plus_w_in_float32() -> None:
         assert torch.equal(out, hf(x + r)) and torch.equal(new_r, x + r)
 
 
+@pytest.mark.usefixtures("_interpret")
+def test_triton_gemma_norm_rounds_once_like_transformers() -> None:
+    """The Triton norm of a Gemma layer multiplies x / rms(x) by 1 + w in float32 and rounds
+    once: a bf16 row's result is transformers' Gemma2RMSNorm's up to a last-bit difference of
+    the kernel's own rstd; the Llama order (rounding x / rms(x) first) is farther from it.
+    (Without a residual: the fused add normalises the float32 sum, as vLLM's does, where
+    transformers normalises the sum rounded to bf16.)"""
+    g = torch.Generator().manual_seed(3)
+    w = (0.3 * torch.randn(256, generator=g)).to(torch.bfloat16)
+    hf = Gemma2RMSNorm(256, eps=1e-6).to(torch.bfloat16)
+    hf.weight.data.copy_(w)
+    x = torch.randn(64, 256, generator=g).to(torch.bfloat16)
+    ours = GemmaRMSNorm(256, 1e-6, use_triton=True)
+    ours.weight.data.copy_(GemmaRMSNorm.stored_weight(w))
+    with torch.no_grad():
+        want = hf(x).float()
+        out = ours(x)
+        twice = K.rms_norm(x, ours.weight, 1e-6, round_before_weight=True)
+    assert isinstance(out, torch.Tensor) and isinstance(twice, torch.Tensor)
+    ulp = torch.finfo(torch.bfloat16).eps * want.abs().clamp_min(1e-3)
+    err_once, err_twice = (out.float() - want).abs(), (twice.float() - want).abs()
+    assert (err_once <= ulp).all()  # within one bf16 step everywhere
+    # (On the GPU the two are bitwise equal; Triton's interpreter rounds float32 to bf16 toward
+    # zero, so here one rounding still differs from transformers' in about half the elements.)
+    assert err_once.mean() < 0.75 * err_twice.mean()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_triton_gemma_norm_is_transformers_bitwise_on_gpu() -> None:
+    """Compiled (round-to-nearest), the single rounding makes the Triton Gemma norm of bf16
+    rows transformers' Gemma2RMSNorm bit for bit, at a Gemma-2-9B width."""
+    g = torch.Generator().manual_seed(4)
+    w = (0.3 * torch.randn(3584, generator=g)).to(torch.bfloat16)
+    hf = Gemma2RMSNorm(3584, eps=1e-6).to("cuda", torch.bfloat16)
+    hf.weight.data.copy_(w)
+    x = torch.randn(512, 3584, generator=g).to("cuda", torch.bfloat16)
+    ours = GemmaRMSNorm(3584, 1e-6, use_triton=True).cuda()
+    ours.weight.data.copy_(GemmaRMSNorm.stored_weight(w))
+    with torch.no_grad():
+        out, want = ours(x), hf(x)
+    assert isinstance(out, torch.Tensor)
+    mismatched = (out != want).sum().item()
+    assert mismatched <= out.numel() // 1000, mismatched  # rstd's last bit may differ
+
+
 def test_bf16_engine_keeps_gemma_norms_float32(
         tiny_model_dirs: dict[str, Path], hf_reference: Callable[[str], PreTrainedModel]) -> None:
     """A bf16 engine: its Gemma norms (Gemma 3's q/k norms too) stay float32, the rest bf16;

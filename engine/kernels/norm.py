@@ -30,6 +30,7 @@ def _rms_norm_kernel(
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    ROUND_BEFORE_WEIGHT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)  # everything below reads what earlier kernels wrote
@@ -45,20 +46,25 @@ def _rms_norm_kernel(
                  mask=mask)
     variance = reduce_sum(x * x, 0) / N
     rstd = 1.0 / tl.sqrt(variance + eps)
-    # Round to the activation dtype before the weight multiply, as HF LlamaRMSNorm does.
-    normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+    normed = x * rstd
+    if ROUND_BEFORE_WEIGHT:  # to the activation dtype before the multiply: HF LlamaRMSNorm
+        normed = normed.to(out_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * N + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+    round_before_weight: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over the last dim of contiguous `x [..., N]` with `weight [N]`.
 
     Without `residual` returns `normed` (new tensor, x's dtype). With `residual` (same shape and
     dtype as x) returns `(normed, new_residual)` where `new_residual = x + residual` summed in
     float32 and stored in x's dtype; the norm is of that sum. Inputs are not mutated.
+    `round_before_weight`: x / rms(x) is rounded to x's dtype before the weight multiply, as
+    transformers' Llama norm does; False multiplies in float32 and rounds once, as its Gemma
+    norms do.
     """
     if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] == 0:
         raise KernelInputError("x must be a tensor of shape [..., hidden] with hidden >= 1")
@@ -96,6 +102,7 @@ def rms_norm(
             N=hidden,
             BLOCK=block,
             HAS_RESIDUAL=residual is not None,
+            ROUND_BEFORE_WEIGHT=bool(round_before_weight),
             USE_PDL=pdl,
             num_warps=min(16, max(1, block // 256)),
             launch_pdl=pdl,

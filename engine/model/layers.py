@@ -62,6 +62,10 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
+    # x / rms(x) rounded to the activation dtype before the weight multiply (transformers'
+    # Llama order); Gemma's norms multiply in float32 and round once.
+    round_before_weight = True
+
     def __init__(self, hidden_size: int, eps: float, use_triton: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -73,7 +77,8 @@ class RMSNorm(nn.Module):
         """x: [T, D]. With `residual`: returns (norm(x + residual), x + residual)."""
         if self.use_triton:
             from engine.kernels import rms_norm
-            return rms_norm(x, self.weight, self.eps, residual=residual)
+            return rms_norm(x, self.weight, self.eps, residual=residual,
+                            round_before_weight=self.round_before_weight)
         if residual is not None:
             x = x + residual
             residual = x
@@ -91,9 +96,10 @@ class GemmaRMSNorm(RMSNorm):
     fused kernel of `RMSNorm` (Triton `rms_norm`, the batch-1 `rms_norm_gemv` fold) works
     unchanged, and it stays float32 whatever the model's dtype: float32 is what transformers
     computes `1 + w.float()` in, so the stored value is exactly its. Rounded to bf16 it would
-    lose w's low bits (bf16 spacing near 1 is 2^-7). The Triton `rms_norm` still rounds x / rms(x)
-    to the activation dtype before the multiply (Llama's order): for bf16 one more rounding
-    than transformers' Gemma; nothing changes in float32."""
+    lose w's low bits (bf16 spacing near 1 is 2^-7). The Triton `rms_norm` multiplies in float32
+    too (`round_before_weight` off), so a bf16 row is rounded once, after, as in transformers."""
+
+    round_before_weight = False
 
     @staticmethod
     def stored_weight(checkpoint_weight: torch.Tensor) -> torch.Tensor:
