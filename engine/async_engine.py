@@ -104,15 +104,17 @@ class AsyncEngine:
                        remote_kv: RemoteKv | None = None,
                        num_speculative_tokens: int | None = None,
                        speculative_method: str | None = None,
-                       lora_name: str | None = None) -> AsyncIterator[StepOutput]:
+                       lora_name: str | None = None,
+                       priority: int = 0) -> AsyncIterator[StepOutput]:
         """Stream a request's step outputs. Validation errors raise before anything is queued.
         Cancelling the consumer (or closing the generator) aborts the request and frees its KV.
         `PoolingParams`: an embedding request, whose one output carries its embedding.
-        `num_speculative_tokens`, `speculative_method`, `lora_name`: see
+        `num_speculative_tokens`, `speculative_method`, `lora_name`, `priority`: see
         `LLMEngine.add_request`."""
         self._check_alive()
         self.engine.check_request(prompt_token_ids, params, output_token_ids, remote_kv,
-                                  num_speculative_tokens, speculative_method, lora_name)
+                                  num_speculative_tokens, speculative_method, lora_name,
+                                  priority)
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight")
         grammar = None
@@ -128,7 +130,7 @@ class AsyncEngine:
                      kwargs={"output_token_ids": output_token_ids, "remote_kv": remote_kv,
                              "num_speculative_tokens": num_speculative_tokens,
                              "speculative_method": speculative_method, "grammar": grammar,
-                             "lora_name": lora_name})
+                             "lora_name": lora_name, "priority": priority})
         finished = False
         try:
             while True:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from dataclasses import fields
-from typing import Any
+from typing import Any, get_args
 
 from engine.config import (
     BLOCK_ALLOCATIONS,
@@ -22,6 +22,7 @@ from engine.config import (
     PoolerConfig,
     RunnerConfig,
     SchedulerConfig,
+    SchedulingPolicy,
     SpeculativeConfig,
 )
 
@@ -118,6 +119,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
                    help="overlap scheduling and input preparation of step n+1 with the device's "
                         "work on step n (auto: on for CUDA; never in the prefill role)")
+    g.add_argument("--scheduling-policy", default=_default(SchedulerConfig, "policy"),
+                   choices=list(get_args(SchedulingPolicy)),
+                   help="fcfs: arrival order; priority: each request's `priority` first (lower "
+                        "sooner; less urgent running requests are preempted to admit more "
+                        "urgent ones), as vLLM's --scheduling-policy priority")
     g.add_argument("--gc-threshold", type=_gc_threshold, default=_default(SchedulerConfig,
                                                                           "gc_threshold"),
                    help="the garbage collector's thresholds in the engine's process, "
@@ -213,7 +219,8 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "colocated") -
                                   kv_lease_ms=args.kv_lease_ms,
                                   async_scheduling={"auto": None, "on": True, "off": False}[
                                       args.async_scheduling],
-                                  gc_threshold=args.gc_threshold),
+                                  gc_threshold=args.gc_threshold,
+                                  policy=args.scheduling_policy),
         runner=RunnerConfig(device=args.device, attention_backend=args.attention_backend,
                             enforce_eager=args.enforce_eager, cpu_threads=args.cpu_threads,
                             cuda_graph_max_batch=args.cuda_graph_max_batch,

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, cast, get_args
 
 Role = Literal["colocated", "prefill", "decode"]
+# The order requests are admitted, run and preempted in (engine/request_queue.py).
+SchedulingPolicy = Literal["fcfs", "priority"]
 BlockAllocation = Literal["auto", "lru", "runs"]
 BLOCK_ALLOCATIONS: tuple[BlockAllocation, ...] = get_args(BlockAllocation)
 AttentionBackendName = Literal["torch", "triton", "auto"]
@@ -595,8 +597,15 @@ class SchedulerConfig:
     # The garbage collector's thresholds for the engine's process (gc.set_threshold), set when
     # the engine starts; None leaves the interpreter's (DEFAULT_GC_THRESHOLD says why).
     gc_threshold: tuple[int, int, int] | None = DEFAULT_GC_THRESHOLD
+    # "fcfs": arrival order; "priority": each request's `priority` first (lower sooner, vLLM's
+    # `--scheduling-policy priority`), with less urgent running requests preempted to admit a
+    # more urgent one (engine/request_queue.py).
+    policy: SchedulingPolicy = "fcfs"
 
     def validate(self) -> None:
+        if self.policy not in get_args(SchedulingPolicy):
+            raise ConfigError(f"scheduling policy must be one of "
+                              f"{', '.join(get_args(SchedulingPolicy))}, got {self.policy!r}")
         t = self.gc_threshold
         if t is not None and (len(t) != 3 or any(type(x) is not int or x < 0 for x in t)):
             raise ConfigError(f"gc_threshold must be three integers >= 0, got {t!r}")

@@ -77,6 +77,7 @@ class LLM:
         max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
         speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
         pooling_type: PoolingType | None = None,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         """`speculative_config` as in vLLM: e.g. {"method": "ngram", "num_speculative_tokens":
         4, "prompt_lookup_max": 4} (the fields of `SpeculativeConfig`), or {"model": <draft>,
@@ -84,7 +85,7 @@ class LLM:
         `lora_modules`: LoRA adapters by name -> PEFT directory, loaded now; `generate(...,
         lora_request=name)` runs a prompt with one. `pooling_type`: how `embed` pools by
         default ("LAST", "MEAN", "CLS"; None: the model's sentence-transformers configuration,
-        else LAST)."""
+        else LAST). `scheduling_policy`: "fcfs" or "priority" (`generate(..., priority=)`)."""
         if isinstance(speculative_config, dict):
             if "model" in speculative_config and "method" not in speculative_config:
                 speculative_config = {**speculative_config, "method": "draft_model"}
@@ -106,7 +107,8 @@ class LLM:
                                       enable_chunked_prefill=enable_chunked_prefill,
                                       max_model_len=max_model_len,
                                       async_scheduling=async_scheduling,
-                                      gc_threshold=gc_threshold),
+                                      gc_threshold=gc_threshold,
+                                      policy=scheduling_policy),  # type: ignore[arg-type]
             runner=RunnerConfig(device=device, attention_backend=attention_backend,  # type: ignore[arg-type]
                                 enforce_eager=enforce_eager,
                                 cuda_graph_max_batch=cuda_graph_max_batch,
@@ -142,11 +144,13 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False, lora_request: LoRAArg = None) -> list[RequestOutput]:
+                 use_tqdm: bool = False, lora_request: LoRAArg = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of `prompts`.
         `lora_request`: the loaded LoRA adapter (by name, or vLLM's `LoRARequest`) the prompts
-        run with, or one per prompt (as vLLM accepts); None: the base model."""
-        items = self._submit(prompts, sampling_params, self._lora_names(lora_request))
+        run with, or one per prompt (as vLLM accepts); None: the base model. `priority`: one
+        per prompt (lower sooner), for an engine with the "priority" scheduling policy."""
+        items = self._submit(prompts, sampling_params, self._lora_names(lora_request), priority)
         for _ in self._run():
             pass
         for _, out in items:
@@ -224,21 +228,25 @@ class LLM:
 
     def _submit(self, prompts: PromptType | Sequence[PromptType],
                 sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-                lora_name: str | Sequence[str | None] | None = None
+                lora_name: str | Sequence[str | None] | None = None,
+                priority: Sequence[int] | None = None
                 ) -> list[tuple[str, RequestOutput]]:
         plist = _prompt_list(prompts)
         params = ([sampling_params or SamplingParams()] * len(plist)
                   if sampling_params is None or isinstance(sampling_params, SamplingParams)
                   else _one_each(list(sampling_params), len(plist), "sampling params"))
         loras = _per_prompt(lora_name, len(plist))
+        priorities = [0] * len(plist) if priority is None else _one_each(
+            list(priority), len(plist), "priorities")
         # Tokenize and validate every prompt before queueing any: a bad one must not leave the
         # others queued in the engine.
         tokenized = [self._tokenize(prompt) for prompt in plist]
-        for (_, ids), sp, lora in zip(tokenized, params, loras, strict=True):
-            self.engine.check_request(ids, sp, lora_name=lora)
+        for (_, ids), sp, lora, prio in zip(tokenized, params, loras, priorities, strict=True):
+            self.engine.check_request(ids, sp, lora_name=lora, priority=prio)
             self.engine.make_grammar(sp)  # compiles (and checks) a constraint; cached for below
         items = []
-        for (text, ids), sp, lora in zip(tokenized, params, loras, strict=True):
+        for (text, ids), sp, lora, prio in zip(tokenized, params, loras, priorities,
+                                               strict=True):
             rid = str(next(self._ids))
             for i in range(sp.n):
                 # The prompt is scored once, by the first child (its logprobs are the prompt's).
@@ -246,7 +254,8 @@ class LLM:
                     sp, n=1, seed=None if sp.seed is None else sp.seed + i,
                     prompt_logprobs=sp.prompt_logprobs if i == 0 else None)
                 self.engine.enqueue(f"{rid}:{i}", ids, child, lora_name=lora,
-                                    grammar=self.engine.make_grammar(child))  # one per child
+                                    grammar=self.engine.make_grammar(child),  # one per child
+                                    priority=prio)
             items.append((rid, RequestOutput(rid, text, ids, [
                 CompletionOutput(i, "", [], [] if sp.logprobs is not None else None, None)
                 for i in range(sp.n)], finished=False)))

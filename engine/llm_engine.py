@@ -291,7 +291,7 @@ class LLMEngine:
                     arrival_time: float | None = None,
                     num_speculative_tokens: int | None = None,
                     speculative_method: str | None = None,
-                    lora_name: str | None = None) -> Request:
+                    lora_name: str | None = None, priority: int = 0) -> Request:
         """Queue a request: a generation with `SamplingParams`, or an embedding request with
         `PoolingParams` (its prompt computed and pooled, nothing sampled: engine/pooling.py).
         Raises EngineInputError / SamplingParamsError on bad input (a constraint that does not
@@ -303,16 +303,18 @@ class LLMEngine:
         `num_speculative_tokens` caps this request's drafts per step (0: no speculation; None:
         the engine's `SpeculativeConfig`); it never exceeds the engine's own cap.
         `speculative_method` ("ngram" / "draft_model") picks the proposer among the engine's;
-        None, or a method the engine lacks: its configured one."""
+        None, or a method the engine lacks: its configured one.
+        `priority`: lower is scheduled sooner; anything but 0 needs the engine's scheduling
+        policy "priority" (`SchedulerConfig.policy`)."""
         self.check_request(prompt_token_ids, params, output_token_ids, remote_kv,
-                           num_speculative_tokens, speculative_method, lora_name)
+                           num_speculative_tokens, speculative_method, lora_name, priority)
         grammar = (self.make_grammar(params, output_token_ids)
                    if isinstance(params, SamplingParams) else None)
         return self.enqueue(request_id, prompt_token_ids, params, output_token_ids=output_token_ids,
                             remote_kv=remote_kv, arrival_time=arrival_time,
                             num_speculative_tokens=num_speculative_tokens,
                             speculative_method=speculative_method, grammar=grammar,
-                            lora_name=lora_name)
+                            lora_name=lora_name, priority=priority)
 
     def make_grammar(self, params: SamplingParams, output_token_ids: list[int] | None = None
                      ) -> RequestGrammar | None:
@@ -334,9 +336,10 @@ class LLMEngine:
                       remote_kv: RemoteKv | None = None,
                       num_speculative_tokens: int | None = None,
                       speculative_method: str | None = None,
-                      lora_name: str | None = None) -> None:
+                      lora_name: str | None = None, priority: int = 0) -> None:
         """Every check `add_request` makes; reads config only, so any thread may call it."""
         self.lora_slot(lora_name)
+        self.check_priority(priority)
         if isinstance(params, PoolingParams):
             self._check_pooling(prompt_token_ids, params, output_token_ids, remote_kv)
             return
@@ -359,6 +362,16 @@ class LLMEngine:
                 f"remote KV covers {remote_kv.num_tokens} tokens; it must cover 1 to "
                 f"{len(prompt_token_ids)} (the prompt's length)")
 
+    def check_priority(self, priority: int) -> None:
+        """EngineInputError unless `priority` is an int32 this engine's policy takes (any but 0
+        needs the "priority" policy, as in vLLM)."""
+        if type(priority) is not int or not -(2**31) <= priority < 2**31:
+            raise EngineInputError(f"priority must be a 32-bit integer, got {priority!r}")
+        if priority and self.config.scheduler.policy != "priority":
+            raise EngineInputError(f"priority {priority} asked for, but this engine schedules "
+                                   "first come, first served (start it with the scheduling "
+                                   "policy 'priority')")
+
     def enqueue(self, request_id: str, prompt_token_ids: list[int],
                 params: SamplingParams | PoolingParams, *,
                 output_token_ids: list[int] | None = None, remote_kv: RemoteKv | None = None,
@@ -366,19 +379,19 @@ class LLMEngine:
                 num_speculative_tokens: int | None = None,
                 speculative_method: str | None = None,
                 grammar: RequestGrammar | None = None,
-                lora_name: str | None = None) -> Request:
+                lora_name: str | None = None, priority: int = 0) -> Request:
         """Queue a request that passed `check_request` (callers validate off the engine thread,
         so the step loop does not scan the prompt twice), with its grammar from `make_grammar`
         when it asks for structured outputs."""
         if isinstance(params, PoolingParams):
             return self._enqueue_pooling(request_id, prompt_token_ids, params, arrival_time,
-                                         lora_name)
+                                         lora_name, priority)
         if (grammar is None) != (params.structured_outputs is None):
             raise EngineInputError("a request with structured_outputs is queued with its "
                                    "grammar (LLMEngine.make_grammar), and only such a request")
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, self.max_model_len,
                       output_token_ids=output_token_ids, remote_kv=remote_kv,
-                      arrival_time=arrival_time)
+                      arrival_time=arrival_time, priority=priority)
         req.grammar = grammar
         self._bind_lora(req, lora_name)
         req.num_speculative_tokens = self._speculative_tokens(req, num_speculative_tokens)
@@ -393,10 +406,10 @@ class LLMEngine:
 
     def _enqueue_pooling(self, request_id: str, prompt_token_ids: list[int],
                          params: PoolingParams, arrival_time: float | None,
-                         lora_name: str | None) -> Request:
+                         lora_name: str | None, priority: int = 0) -> Request:
         """Queue an embedding request: no detokenizer, no grammar, no drafts."""
         req = Request(request_id, prompt_token_ids, _POOLING_SAMPLING, self.eos_token_ids,
-                      self.max_model_len, arrival_time=arrival_time)
+                      self.max_model_len, arrival_time=arrival_time, priority=priority)
         req.pooling = PoolingState(self.resolve_pooling(params), req.num_prompt_tokens)
         self._bind_lora(req, lora_name)
         self.scheduler.add_request(req)

@@ -160,8 +160,13 @@ class Request:
         output_token_ids: list[int] | None = None,
         remote_kv: RemoteKv | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
+        # Scheduling priority (engine/request_queue.py; lower is sooner) and the scheduler's
+        # admission counter, which orders requests of equal priority and arrival time.
+        self.priority = priority
+        self.queue_seq = 0
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids

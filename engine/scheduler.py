@@ -4,19 +4,23 @@ three roles (colocated, prefill-only, decode-only) as policies over one mechanis
 Each step: running requests first (decodes and unfinished prefill chunks, oldest first), then
 waiting requests while the token budget, the sequence limit and free blocks allow. When blocks
 run out, the newest running request is preempted (its blocks freed; it recomputes later).
+Under the priority policy (engine/request_queue.py) "oldest" and "newest" are by priority, then
+arrival, and a waiting request that finds no seat or no blocks first preempts running requests
+of a less urgent priority.
 Not thread-safe: called from the engine thread only.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus, TokenLogprob
+from engine.request_queue import WaitingQueue, insert_running
 from engine.spec import record_verify
 
 
@@ -110,8 +114,11 @@ class Scheduler:
         # Without chunking a prompt must fit one step.
         self.token_budget = (config.max_num_batched_tokens if config.enable_chunked_prefill
                              else max(config.max_num_batched_tokens, max_model_len))
-        self.waiting: deque[Request] = deque()
+        self.policy = config.policy
+        self.waiting = WaitingQueue(config.policy)
+        # Scheduled first to last; the last is the next to preempt (request_queue.py).
         self.running: list[Request] = []
+        self._admissions = itertools.count()
         self.loading: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self.leases: dict[str, Lease] = {}
@@ -126,8 +133,12 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests or req.request_id in self.leases:
             raise ValueError(f"duplicate request id {req.request_id!r}")
+        if req.priority and self.policy != "priority":
+            raise ValueError(f"request {req.request_id!r} has priority {req.priority}, but the "
+                             "scheduling policy is not 'priority'")
+        req.queue_seq = next(self._admissions)
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        self.waiting.add(req)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Abort or stop a request from outside (cancellation, stop string). Frees its blocks."""
@@ -186,13 +197,13 @@ class Scheduler:
             req.remote_kv = None
             self.kv.cache_computed(req, req.num_computed_tokens)
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            insert_running(self.running, req, self.policy)
         else:
             self.kv.free(req)
             req.remote_kv = None
             req.num_computed_tokens = 0
             req.status = RequestStatus.WAITING
-            self.waiting.appendleft(req)
+            self.waiting.requeue(req)
 
     def release_lease(self, lease_id: str) -> Lease | None:
         lease = self.leases.pop(lease_id, None)
@@ -217,6 +228,8 @@ class Scheduler:
         budget = self.token_budget
         scheduled: list[ScheduledRequest] = []
         preempted = False
+        if self.policy == "priority":
+            self._make_room_for_priority(out)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -248,7 +261,7 @@ class Scheduler:
 
         while self.waiting and budget > 0 and not preempted and (
                 len(self.running) + len(self.loading) < self.config.max_num_seqs):
-            req = self.waiting[0]
+            req = self.waiting.peek()
             if req.num_inflight:
                 break  # preempted with a token in flight: re-admit once the token has landed
             if req.remote_kv is not None:
@@ -265,12 +278,12 @@ class Scheduler:
             num_new = min(num_new, budget)
             if self.kv.allocate_slots(req, num_new, hits) is None:
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             req.num_computed_tokens = num_hit_tokens
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit_tokens
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            insert_running(self.running, req, self.policy)
             scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
 
@@ -286,6 +299,24 @@ class Scheduler:
         out.scheduled = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
         out.num_batched_tokens = self.token_budget - budget
         return out
+
+    def _make_room_for_priority(self, out: SchedulerOutput) -> None:
+        """Preempt running requests of a less urgent priority than the waiting queue's head
+        while the head finds no seat (`max_num_seqs`) or too few free blocks for its first
+        chunk. Before anything is scheduled, so nothing already placed in this step moves.
+        Only a strictly lower priority value makes room: equals wait their turn."""
+        if not self.waiting:
+            return
+        head = self.waiting.peek()
+        if head.num_inflight:
+            return  # admitted only once its token has landed: nothing to make room for yet
+        n = (head.remote_kv.num_tokens if head.remote_kv is not None
+             else min(head.num_tokens, self.token_budget))
+        blocks = -(-n // self.block_size)  # (prefix-cache hits not counted: a bound)
+        while self.running and self.running[-1].priority > head.priority and (
+                len(self.running) + len(self.loading) >= self.config.max_num_seqs
+                or self.kv.num_free_blocks < blocks):
+            self._preempt(self.running.pop(), out)
 
     def _take_drafts(self, req: Request, num_new: int, budget: int) -> list[int]:
         """The proposed drafts this step can verify for `req` (consumed either way: a proposal
@@ -328,7 +359,7 @@ class Scheduler:
         num_hit_tokens = len(hits) * self.block_size
         if self.kv.allocate_slots(req, n - num_hit_tokens, hits, cache=False) is None:
             return False
-        self.waiting.popleft()
+        self.waiting.pop()
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = num_hit_tokens
         ids = self.kv.block_ids(req.request_id)
@@ -343,7 +374,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.requeue(req)
         out.preempted_ids.append(req.request_id)
 
     # ---- after the forward pass ------------------------------------------------------------
