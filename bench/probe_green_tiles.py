@@ -78,7 +78,7 @@ def main() -> int:
         else:
             stream, how = torch.cuda.current_stream(), "whole device"
             got = torch.cuda.get_device_properties(0).multi_processor_count
-        rows = []
+        rows: list[dict[str, Any]] = []
         for tiles, splits in itertools.product(TILES, splits_options):
             try:
                 with torch.cuda.stream(stream):
