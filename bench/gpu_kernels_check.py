@@ -515,6 +515,32 @@ class Checker:
         return self.timed(result, lambda: rms_norm(x, w, 1e-5, res),
                           lambda: rms_norm_ref(x, w, 1e-5, res), moved)
 
+    def gemma_norm(self) -> dict[str, Any]:
+        """Gemma's norm (weight 1 + w kept in float32, `round_before_weight=False`) of bf16 rows
+        against transformers' formula (float32 throughout, one rounding at the end): elements
+        that differ come only from the two sums of squares' orders (a bf16 step at most, rare);
+        Llama's order (x / rms(x) rounded first) differs in a large share."""
+        from engine.kernels import rms_norm
+
+        t, n = self.s.elementwise_tokens, 3584  # Gemma-2-9B's hidden size
+        x = self.randn(t, n, dtype=torch.bfloat16)
+        w = (0.3 * self.randn(n, dtype=torch.float32)).to(torch.bfloat16).float() + 1.0
+        h = x.float()
+        want = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * w).to(torch.bfloat16)
+        once = rms_norm(x, w, 1e-6, round_before_weight=False)
+        twice = rms_norm(x, w, 1e-6, round_before_weight=True)
+        assert isinstance(once, torch.Tensor) and isinstance(twice, torch.Tensor)
+        err = (once.float() - want.float()).abs()
+        step = torch.finfo(torch.bfloat16).eps * want.float().abs().clamp_min(1e-3)
+        differ, differ_twice = int((err > 0).sum()), int((twice != want).sum())
+        if self.device.type == "cuda":
+            ok = differ < want.numel() // 100 and differ * 10 < differ_twice
+        else:  # the interpreter rounds float32 to bf16 toward zero: only closer on average
+            ok = bool(err.mean() < 0.75 * (twice.float() - want.float()).abs().mean())
+        ok = ok and bool((err <= step).all())
+        return {"tokens": t, "hidden": n, "elements": want.numel(), "differ": differ,
+                "differ_llama_order": differ_twice, "max_abs_err": float(err.max()), "ok": ok}
+
     def rotary(self) -> dict[str, Any]:
         from engine.kernels import rotary_embedding
         from engine.kernels.reference import rotary_embedding_ref
@@ -826,6 +852,7 @@ def run_all(checker: Checker, only: set[str]) -> None:
         checker.run("write_kv", checker.write_kv)
         checker.run("rms_norm", lambda: checker.rms_norm(False))
         checker.run("rms_norm_residual", lambda: checker.rms_norm(True))
+        checker.run("rms_norm_gemma", checker.gemma_norm)
         checker.run("rotary_embedding", checker.rotary)
         checker.run("silu_and_mul", checker.silu)
         checker.run("score_rows", checker.score)

@@ -102,7 +102,7 @@ def main() -> int:
                          "default": tiles == default_tiles and splits == default_splits})
         ok = sorted((r for r in rows if "ms" in r and r["rel_diff"] < 0.02),
                     key=lambda r: r["ms"])
-        part = {"sms_asked": sms, "sms": got, "how": how, "best": ok[:8],
+        part: dict[str, Any] = {"sms_asked": sms, "sms": got, "how": how, "best": ok[:8],
                 "default": [r for r in rows if r.get("default")],
                 "errors": [r for r in rows if "error" in r or r.get("rel_diff", 0) >= 0.02]}
         partitions.append(part)

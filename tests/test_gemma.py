@@ -153,38 +153,10 @@ def test_triton_gemma_norm_rounds_once_like_transformers() -> None:
     ulp = torch.finfo(torch.bfloat16).eps * want.abs().clamp_min(1e-3)
     err_once, err_twice = (out.float() - want).abs(), (twice.float() - want).abs()
     assert (err_once <= ulp).all()  # within one bf16 step everywhere
-    # (On the GPU the two are bitwise equal; Triton's interpreter rounds float32 to bf16 toward
-    # zero, so here one rounding still differs from transformers' in about half the elements.)
+    # (Triton's interpreter rounds float32 to bf16 toward zero, so here one rounding still
+    # differs from transformers' in about half the elements; compiled, only where the two sums
+    # of squares differ: `gpu_kernels_check.py --only elementwise`, check rms_norm_gemma.)
     assert err_once.mean() < 0.75 * err_twice.mean()
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_triton_gemma_norm_matches_transformers_on_gpu() -> None:
-    """Compiled (round-to-nearest), the single rounding makes the Triton Gemma norm of bf16
-    rows transformers' Gemma2RMSNorm except where the two float32 sums of squares (different
-    orders) put a product on the other side of a bf16 rounding boundary: rare, and one bf16
-    step at most; rounding x / rms(x) first (Llama's order) differs in a large share."""
-    g = torch.Generator().manual_seed(4)
-    w = (0.3 * torch.randn(3584, generator=g)).to(torch.bfloat16)
-    hf = Gemma2RMSNorm(3584, eps=1e-6).to("cuda", torch.bfloat16)
-    hf.weight.data.copy_(w)
-    x = torch.randn(512, 3584, generator=g).to("cuda", torch.bfloat16)
-    ours = GemmaRMSNorm(3584, 1e-6, use_triton=True).cuda()
-    ours.weight.data.copy_(GemmaRMSNorm.stored_weight(w))
-    with torch.no_grad():
-        out, want = ours(x), hf(x)
-        llama_order = K.rms_norm(x, ours.weight, 1e-6, round_before_weight=True)
-    assert isinstance(out, torch.Tensor) and isinstance(llama_order, torch.Tensor)
-    ulp = torch.finfo(torch.bfloat16).eps * want.float().abs().clamp_min(1e-3)
-    err = (out.float() - want.float()).abs()
-    mismatched = int((err > 0).sum())
-    mismatched_llama = int((llama_order != want).sum())
-    detail = f"{mismatched} vs {mismatched_llama} of {out.numel()}"
-    print("gemma norm vs transformers, elements that differ (single rounding vs Llama's "
-          "order):", detail)
-    assert bool((err <= ulp).all()), detail
-    assert mismatched < out.numel() // 100, detail
-    assert mismatched * 10 < mismatched_llama, detail
 
 
 def test_bf16_engine_keeps_gemma_norms_float32(
