@@ -187,7 +187,11 @@ def probe_bs1() -> dict[str, Any]:
     return res
 
 
-def probe_engine(doc: dict[str, Any], max_num_seqs: int, graph_max_batch: int) -> dict[str, Any]:
+def probe_engine(doc: dict[str, Any], max_num_seqs: int, graph_max_batch: int,
+                 kv_dtype: str = "fp8") -> dict[str, Any]:
+    """random 1000x1000 with the `tput` part's best tiles patched in, on a `kv_dtype` cache
+    ("fp8" or "auto": bf16); its default-tile twin is `h200_suite.py --steps
+    throughput_random[_fp8]`."""
     from bench import h200_suite, models
     from engine.kernels import decode_attention
 
@@ -214,13 +218,13 @@ def probe_engine(doc: dict[str, Any], max_num_seqs: int, graph_max_batch: int) -
         vocab = models.vocab_size_for(sizes.model)
         result = h200_suite._throughput(holder, vocab, sizes.tput_num_prompts,
                                         sizes.tput_input_len, sizes.tput_output_len,
-                                        kv_cache_dtype="fp8")
+                                        kv_cache_dtype=kv_dtype)
     finally:
         holder.release()
         decode_attention.choose_decode_tiles = default  # type: ignore[assignment]
     res = {"tiles": {k: dataclasses.asdict(v) for k, v in best.items()},
            "max_num_seqs": max_num_seqs, "cuda_graph_max_batch": graph_max_batch,
-           "throughput_random_fp8": result}
+           f"throughput_random_{'bf16' if kv_dtype == 'auto' else kv_dtype}": result}
     print("engine", res, flush=True)
     return res
 
@@ -234,11 +238,14 @@ def main() -> int:
     p.add_argument("--dtypes", default="bf16,fp8",
                    help="caches the `tput` part sweeps: bf16, fp8, int8")
     p.add_argument("--cuda-graph-max-batch", type=int, default=512, help="of the `engine` part")
+    p.add_argument("--engine-kv-dtype", default="fp8", choices=["fp8", "auto"],
+                   help="the `engine` part's cache (auto: bf16)")
     args = p.parse_args()
     doc: dict[str, Any] = {"environment": environment_info()}
     parts: dict[str, Callable[[], dict[str, Any]]] = {
         "tput": lambda: probe_tput(tuple(args.dtypes.split(","))), "bs1": probe_bs1,
-        "engine": lambda: probe_engine(doc, args.max_num_seqs, args.cuda_graph_max_batch)}
+        "engine": lambda: probe_engine(doc, args.max_num_seqs, args.cuda_graph_max_batch,
+                                       args.engine_kv_dtype)}
     for name in args.parts.split(","):
         start = time.perf_counter()
         doc[name] = parts[name]()
