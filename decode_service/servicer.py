@@ -17,7 +17,7 @@ from engine.request import RemoteKv
 from engine.sampling_params import SamplingParamsError
 from protos.splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from serving import tracing
-from serving.common import EngineBound, abort_traced, check_lora_name
+from serving.common import EngineBound, abort_traced, check_lora_name, check_priority
 from serving.convert import (
     SPEC_METHOD_NAMES,
     InvalidRequest,
@@ -68,6 +68,7 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
                 raise InvalidRequest(f"output_token_ids already has {len(given)} tokens; "
                                      f"sampling.max_tokens is {params.max_tokens}")
             lora = check_lora_name(aengine.engine, request.lora_name)
+            priority = check_priority(aengine.engine, request.priority)
             remote = self._remote_kv(request, ids, context, tracing.span_context(span), lora)
         except InvalidRequest as e:
             await abort_traced(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -76,6 +77,8 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
         root = aengine.engine.hash_root(lora) if lora is not None else None
         if lora is not None:
             span.set_attribute("splitserve.lora_name", lora)
+        if priority:
+            span.set_attribute("splitserve.priority", priority)
         if (remote is None and tiers is not None and not given
                 and params.prompt_logprobs is None):  # a prompt to be scored is computed here
             # Colocated: the prompt's prefix from the tiers where the GPU cache lost it.
@@ -93,7 +96,8 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
         try:
             async for out in aengine.generate(rid, ids, params, output_token_ids=given,
                                               remote_kv=remote, num_speculative_tokens=spec,
-                                              speculative_method=method, lora_name=lora):
+                                              speculative_method=method, lora_name=lora,
+                                              priority=priority):
                 n_out += len(out.new_token_ids)
                 if tiers is not None:  # saved with the prompt when the request ends
                     generated.extend(out.new_token_ids)

@@ -39,7 +39,8 @@ class EmbeddingJob:
 
     request_id: str
     prompts: tuple[tuple[int, ...], ...]
-    # The pooling every input's call carries (pooling_type, normalize, dimensions, lora_name).
+    # What every input's call carries (pooling_type, normalize, dimensions, lora_name,
+    # priority).
     pooling: common_pb2.EmbedRequest
     arrival_time: float = field(default_factory=time.monotonic)
 
@@ -49,14 +50,15 @@ class EmbeddingJob:
 
 
 async def embedding_job(state: GatewayState, inputs: Sequence[PromptInput], *, request_id: str,
-                        lora_name: str, dimensions: int | None = None,
+                        lora_name: str, priority: int = 0, dimensions: int | None = None,
                         normalize: bool | None = None,
                         pooling_type: common_pb2.PoolingType.ValueType =
                         common_pb2.POOLING_TYPE_UNSPECIFIED,
                         param: str = "input") -> EmbeddingJob:
     """Check the pooling options (the engine's `PoolingParams` rules; the upper bound of
     `dimensions`, the model's hidden size, is the workers' to check) and tokenize each input:
-    input i is named `{param}.{i}` in errors (`param` alone for one input)."""
+    input i is named `{param}.{i}` in errors (`param` alone for one input). `priority`: an
+    int32, which the workers check against their scheduling policy."""
     try:
         PoolingParams(normalize=normalize, dimensions=dimensions)
     except PoolingParamsError as err:
@@ -70,7 +72,7 @@ async def embedding_job(state: GatewayState, inputs: Sequence[PromptInput], *, r
         pre.check_prompt_len(len(ids), name, generates=False)
         prompts.append(tuple(ids))
     pooling = common_pb2.EmbedRequest(pooling_type=pooling_type, dimensions=dimensions or 0,
-                                      lora_name=lora_name)
+                                      lora_name=lora_name, priority=priority)
     if normalize is not None:
         pooling.normalize = normalize
     return EmbeddingJob(request_id, tuple(prompts), pooling)
@@ -85,6 +87,8 @@ async def run_embeddings(state: GatewayState, job: EmbeddingJob) -> list[common_
         "gen_ai.operation.name": "embeddings",
         "gen_ai.request.model": job.pooling.lora_name or state.config.served_model_name,
         "splitserve.request_id": job.request_id, "splitserve.inputs": len(job.prompts)}
+    if job.pooling.priority:
+        attrs["splitserve.priority"] = job.pooling.priority
     with tracing.traced_span("gen_ai.embeddings", parent=None, kind=SpanKind.CLIENT,
                              attributes=attrs) as span:
         parent = tracing.span_context(span)

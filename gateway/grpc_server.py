@@ -97,6 +97,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             job = await embedding_job(
                 state, _embedding_inputs(request, state.config.max_embedding_inputs),
                 request_id=request.request_id or f"embd-{uuid.uuid4().hex}", lora_name=lora,
+                priority=request.priority,
                 dimensions=request.dimensions or None,
                 normalize=request.normalize if request.HasField("normalize") else None,
                 pooling_type=request.pooling_type, param="inputs")
@@ -122,7 +123,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                    ) -> tuple[GenerationJob, ToolCalling | None]:
         lora = _lora_of(self._state, request.model)
         job, calling = await self._unrouted_job(request)
-        return dataclasses.replace(job, lora_name=lora), calling
+        return dataclasses.replace(job, lora_name=lora, priority=request.priority), calling
 
     async def _unrouted_job(self, request: gateway_pb2.GenerateRequest
                             ) -> tuple[GenerationJob, ToolCalling | None]:

@@ -104,7 +104,7 @@ def build_app(state: GatewayState) -> FastAPI:
         req = parse_request(CompletionRequest, body)
         lora = _check_model(req.model, state)
         request_id, jobs, echoes = await _completion_jobs(req, state)
-        jobs = [dataclasses.replace(j, lora_name=lora) for j in jobs]
+        jobs = [dataclasses.replace(j, lora_name=lora, priority=req.priority) for j in jobs]
         view = _View(request_id, "text_completion", state, jobs, req.include_usage,
                      req.continuous_usage, chat=False, num_top=req.logprobs or 0,
                      num_prompt_top=req.prompt_logprobs, echoes=echoes,
@@ -117,7 +117,7 @@ def build_app(state: GatewayState) -> FastAPI:
         req = parse_request(ChatCompletionRequest, body)
         lora = _check_model(req.model, state)
         job, calling = await _chat_job(req, state)
-        job = dataclasses.replace(job, lora_name=lora)
+        job = dataclasses.replace(job, lora_name=lora, priority=req.priority)
         view = _View(job.request_id, "chat.completion", state, [job], req.include_usage,
                      req.continuous_usage, chat=True, num_top=req.top_logprobs or 0,
                      num_prompt_top=req.prompt_logprobs, tool_calling=calling,
@@ -131,7 +131,8 @@ def build_app(state: GatewayState) -> FastAPI:
         lora = _check_model(req.model, state)
         inputs = prompt_inputs(req.input, state.config.max_embedding_inputs, "input")
         job = await embedding_job(state, inputs, request_id=f"embd-{uuid.uuid4().hex}",
-                                  lora_name=lora, dimensions=req.dimensions,
+                                  lora_name=lora, priority=req.priority,
+                                  dimensions=req.dimensions,
                                   normalize=req.normalize)
         state.metrics.requests_received.labels(api="embeddings").inc()
         state.metrics.prompt_tokens.inc(job.num_prompt_tokens)
@@ -154,7 +155,8 @@ def build_app(state: GatewayState) -> FastAPI:
             if chat.n != 1:
                 raise GatewayError.invalid("n", "n: a response has one output")
             job, calling = await _chat_job(chat, state)
-            job = dataclasses.replace(job, lora_name=lora)
+            # `priority` (vLLM's Responses extra) came through as the chat body's.
+            job = dataclasses.replace(job, lora_name=lora, priority=chat.priority)
         except GatewayError as err:  # named as the request names the field (an input item)
             raise err.renamed(paths) from None
         view = _View(job.request_id, "chat.completion", state, [job], include_usage=False,

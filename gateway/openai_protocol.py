@@ -10,9 +10,9 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 
 from engine.sampling_params import MAX_LOGIT_BIAS_ENTRIES
 from gateway.errors import GatewayError
@@ -45,7 +45,19 @@ _UNSUPPORTED_FIELDS = {
 }
 
 
-class _SamplingFields(_Open):
+# vLLM's `priority` extra: lower is scheduled sooner. An int32, as the workers' protos carry
+# it; strict, so that true, 2.0 or "2" is refused rather than read as a number.
+Priority = Annotated[StrictInt, Field(ge=-(2**31), le=2**31 - 1)]
+
+
+class _PriorityField(_Open):
+    """A request the workers schedule: anything but 0 needs them started with
+    --scheduling-policy priority (they refuse it otherwise: a 400 with their message)."""
+
+    priority: Priority = 0
+
+
+class _SamplingFields(_PriorityField):
     """Fields shared by completions and chat completions (vLLM's extras included)."""
 
     model: str | None = None
@@ -249,7 +261,7 @@ class DetokenizeRequest(_Open):
     tokens: list[int]
 
 
-class EmbeddingRequest(_Open):
+class EmbeddingRequest(_PriorityField):
     """`POST /v1/embeddings`. `input` is checked by `prompt_inputs` (the forms of completions'
     `prompt`); `user` is accepted and ignored, as vLLM does."""
 

@@ -74,6 +74,9 @@ class GenerationJob:
     tool_choice: str | None = None
     # The LoRA adapter it runs with (the request's `model` naming one); "": the base model.
     lora_name: str = ""
+    # Scheduling priority on both workers (an int32; lower is scheduled sooner): anything but 0
+    # needs workers started with --scheduling-policy priority, which the workers check.
+    priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     # The prompt's block hashes per KV layout (fingerprint, block size), computed once for both
     # pools and all `n` completions (WorkerPool.prompt_hashes).
@@ -211,6 +214,8 @@ class Orchestrator:
             attrs["splitserve.structured_output"] = constraint
         if job.tool_choice is not None:
             attrs["splitserve.tool_choice"] = job.tool_choice
+        if job.priority:
+            attrs["splitserve.priority"] = job.priority
         return attrs
 
     async def _run_guarded(self, job: GenerationJob, index: int,
@@ -299,7 +304,7 @@ class Orchestrator:
         assert self._router.prefill is not None  # not colocated
         request = prefill_pb2.PrefillRequest(
             request_id=f"{job.request_id}-{index}", prompt_token_ids=job.prompt_token_ids,
-            sampling=sampling, lora_name=job.lora_name)
+            sampling=sampling, lora_name=job.lora_name, priority=job.priority)
         pool = self._router.prefill
 
         async def call(worker: Worker) -> prefill_pb2.PrefillResponse:
@@ -375,7 +380,7 @@ class Orchestrator:
                                else decode_pb2.KV_FAILURE_POLICY_RECOMPUTE),
             # Always set, 0 included: absent would mean the worker's own default.
             num_speculative_tokens=spec.num_speculative_tokens,
-            speculative_method=spec.method, lora_name=job.lora_name)
+            speculative_method=spec.method, lora_name=job.lora_name, priority=job.priority)
         if state.kv_handle is not None:
             request.kv_handle.CopyFrom(state.kv_handle)
         call = self._router.decode_stub(worker).Decode(request, timeout=self._remaining(job),

@@ -15,7 +15,7 @@ from engine.outputs import StepOutput
 from engine.sampling_params import SamplingParamsError
 from protos.splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from serving import tracing
-from serving.common import EngineBound, abort_traced, check_lora_name
+from serving.common import EngineBound, abort_traced, check_lora_name, check_priority
 from serving.convert import (
     InvalidRequest,
     check_prompt,
@@ -55,12 +55,15 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
             ids = check_prompt(list(request.prompt_token_ids))
             params = sampling_from_proto(request.sampling)
             lora = check_lora_name(aengine.engine, request.lora_name)
+            priority = check_priority(aengine.engine, request.priority)
         except InvalidRequest as e:
             await abort_traced(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         last: StepOutput | None = None
         tiers = self.tiers
         if lora is not None:
             span.set_attribute("splitserve.lora_name", lora)
+        if priority:
+            span.set_attribute("splitserve.priority", priority)
         # A prompt to be scored (prompt logprobs) is computed here whole: no tier prefix. An
         # adapter's prompt is looked up under its hashes (its own root); its lease's hashes,
         # which the save below writes under, are the same.
@@ -71,7 +74,7 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
             span.set_attribute("splitserve.tier_tokens", remote_kv.num_tokens)
         try:
             async for out in aengine.generate(rid, ids, params, remote_kv=remote_kv,
-                                              lora_name=lora):
+                                              lora_name=lora, priority=priority):
                 last = out
         except (InvalidRequest, EngineInputError, SamplingParamsError, ValueError) as e:
             await abort_traced(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -65,6 +65,17 @@ def check_lora_name(engine: LLMEngine, name: str) -> str | None:
     return name
 
 
+def check_priority(engine: LLMEngine, priority: int) -> int:
+    """A request's scheduling `priority`; InvalidRequest (the engine's message) for one this
+    engine's policy does not take: any but 0 on an FCFS engine. Checked with the other fields,
+    so that a refused request reads no prefix tier and pulls no KV."""
+    try:
+        engine.check_priority(priority)
+    except EngineInputError as e:
+        raise InvalidRequest(str(e)) from None
+    return priority
+
+
 def _own_first(engine: LLMEngine) -> list[str]:
     """The engine's speculative methods, its configured one first."""
     own = engine.config.speculative.method

@@ -16,7 +16,7 @@ from engine.pooling_params import PoolingParamsError
 from protos.embedding_wire import pack_float32
 from protos.splitserve.v1 import common_pb2
 from serving import tracing
-from serving.common import abort_traced, check_lora_name
+from serving.common import abort_traced, check_lora_name, check_priority
 from serving.convert import InvalidRequest, check_prompt, check_request_id, pooling_from_proto
 
 
@@ -33,11 +33,13 @@ async def embed(aengine: AsyncEngine, request: common_pb2.EmbedRequest,
             ids = check_prompt(list(request.prompt_token_ids))
             params = pooling_from_proto(request)
             lora = check_lora_name(aengine.engine, request.lora_name)
+            priority = check_priority(aengine.engine, request.priority)
         except InvalidRequest as e:
             await abort_traced(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         last: StepOutput | None = None
         try:
-            async for out in aengine.generate(rid, ids, params, lora_name=lora):
+            async for out in aengine.generate(rid, ids, params, lora_name=lora,
+                                              priority=priority):
                 last = out
         except (InvalidRequest, EngineInputError, PoolingParamsError, ValueError) as e:
             await abort_traced(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))

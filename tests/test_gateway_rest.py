@@ -730,3 +730,61 @@ def test_streamed_echo_of_the_prompt_alone(client: OpenAI, gw: Harness) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 0
     sent = gw.prefill[0].prefill_requests[-1].sampling
     assert sent.max_tokens == 1 and sent.prompt_logprobs == 2 and sent.logprobs == 2
+
+
+# -- priority (vLLM's extra) ----------------------------------------------------------------------
+INT32_MAX = 2**31 - 1
+
+
+@pytest.mark.parametrize("priority", [-(2**31), -4, 0, 9, INT32_MAX])
+def test_priority_reaches_both_workers(gw: Harness, client: OpenAI, priority: int) -> None:
+    """Every completion's prefill and decode calls carry the request's priority, int32 bounds
+    included."""
+    client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=3, n=2,
+                              extra_body={"priority": priority})
+    assert [r.priority for r in gw.prefill[0].prefill_requests[-2:]] == [priority] * 2
+    assert [r.priority for r in gw.decode[0].decode_requests[-2:]] == [priority] * 2
+    client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                   max_tokens=3, extra_body={"priority": priority})
+    assert gw.prefill[0].prefill_requests[-1].priority == priority
+    assert gw.decode[0].decode_requests[-1].priority == priority
+    # The Responses API runs on the chat path: its `priority` extra comes along.
+    r = _post(gw, "/v1/responses", {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 3,
+                                    "store": False, "priority": priority})
+    assert r.status_code == 200, r.text
+    assert gw.prefill[0].prefill_requests[-1].priority == priority
+    assert gw.decode[0].decode_requests[-1].priority == priority
+
+
+def test_priority_defaults_to_zero(gw: Harness, client: OpenAI) -> None:
+    client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=3)
+    assert gw.prefill[0].prefill_requests[-1].priority == 0
+    assert gw.decode[0].decode_requests[-1].priority == 0
+
+
+@pytest.mark.parametrize("path", [CMPL, CHAT, "/v1/embeddings", "/v1/responses"])
+@pytest.mark.parametrize("priority", ["high", 2**40, INT32_MAX + 1, -(2**31) - 1, True, 1.5,
+                                      None, "3"])
+def test_a_bad_priority_is_refused_by_the_gateway(gw: Harness, path: str,
+                                                  priority: object) -> None:
+    """Not an int32 (a bool, a float or a numeric string included): 400 naming `priority`,
+    before any worker is called."""
+    body: dict[str, object] = {"model": MODEL_NAME, "priority": priority}
+    body |= {CMPL: {"prompt": "x"}, CHAT: {"messages": MSG}, "/v1/responses": {"input": "hi"},
+             "/v1/embeddings": {"input": "x"}}[path]
+    sent = len(gw.prefill[0].prefill_requests)
+    err = _error(_post(gw, path, body), 400, "priority")
+    assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", "priority", 400)
+    assert len(gw.prefill[0].prefill_requests) == sent
+
+
+def test_a_worker_refusing_a_priority_is_a_400(script_ids: list[int]) -> None:
+    """A worker's INVALID_ARGUMENT (e.g. a priority on an FCFS worker) reaches the client as a
+    400 with the worker's message, streamed or not."""
+    with Harness(Script(list(script_ids), prefill_error=grpc.StatusCode.INVALID_ARGUMENT)) as h:
+        client = OpenAI(base_url=h.base_url + "/v1", api_key="x", max_retries=0)
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError, match="fake prefill failure") as info:
+                client.completions.create(model=MODEL_NAME, prompt="x", stream=stream,
+                                          extra_body={"priority": 1})
+            assert info.value.status_code == 400

@@ -228,6 +228,7 @@ class GenerateRequest(_message.Message):
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _builtins.int
     CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _builtins.int
     CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """optional; the gateway makes one when empty"""
     text: _builtins.str
@@ -242,6 +243,10 @@ class GenerateRequest(_message.Message):
     """A chat template (Jinja2 text) used in place of the server's for this request (chat input
     only), as vLLM's `chat_template`: refused (INVALID_ARGUMENT) unless the gateway runs with
     --trust-request-chat-template, since the template is code the server runs (sandboxed).
+    """
+    priority: _builtins.int
+    """Scheduling priority, as vLLM's `priority`: lower is scheduled sooner; non-zero needs
+    workers started with --scheduling-policy priority (else INVALID_ARGUMENT).
     """
     @_builtins.property
     def token_ids(self) -> Global___TokenIds: ...
@@ -290,10 +295,11 @@ class GenerateRequest(_message.Message):
         parallel_tool_calls: _builtins.bool | None = ...,
         chat_template_kwargs: _struct_pb2.Struct | None = ...,
         chat_template: _builtins.str | None = ...,
+        priority: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_chat_template", b"_chat_template", "_parallel_tool_calls", b"_parallel_tool_calls", "chat", b"chat", "chat_template", b"chat_template", "chat_template_kwargs", b"chat_template_kwargs", "input", b"input", "parallel_tool_calls", b"parallel_tool_calls", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids", "tool_choice", b"tool_choice"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_chat_template", b"_chat_template", "_parallel_tool_calls", b"_parallel_tool_calls", "chat", b"chat", "chat_template", b"chat_template", "chat_template_kwargs", b"chat_template_kwargs", "input", b"input", "model", b"model", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "request_id", b"request_id", "sampling", b"sampling", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "text", b"text", "token_ids", b"token_ids", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_chat_template", b"_chat_template", "_parallel_tool_calls", b"_parallel_tool_calls", "chat", b"chat", "chat_template", b"chat_template", "chat_template_kwargs", b"chat_template_kwargs", "input", b"input", "model", b"model", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "priority", b"priority", "request_id", b"request_id", "sampling", b"sampling", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "text", b"text", "token_ids", b"token_ids", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__chat_template: _TypeAlias = _typing.Literal["chat_template"]  # noqa: Y015
     _WhichOneofArgType__chat_template: _TypeAlias = _typing.Literal["_chat_template", b"_chat_template"]  # noqa: Y015
@@ -497,6 +503,7 @@ class EmbeddingsRequest(_message.Message):
     DIMENSIONS_FIELD_NUMBER: _builtins.int
     POOLING_TYPE_FIELD_NUMBER: _builtins.int
     NORMALIZE_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """optional; the gateway makes one when empty"""
     model: _builtins.str
@@ -507,6 +514,10 @@ class EmbeddingsRequest(_message.Message):
     """UNSPECIFIED: the workers' default"""
     normalize: _builtins.bool
     """unset: the workers' default (normalized)"""
+    priority: _builtins.int
+    """As GenerateRequest.priority: lower is scheduled sooner; non-zero needs workers started
+    with --scheduling-policy priority (else INVALID_ARGUMENT).
+    """
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___EmbeddingInput]:
         """at least one; at most the gateway's limit"""
@@ -520,10 +531,11 @@ class EmbeddingsRequest(_message.Message):
         dimensions: _builtins.int = ...,
         pooling_type: _common_pb2.PoolingType.ValueType = ...,
         normalize: _builtins.bool | None = ...,
+        priority: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_normalize", b"_normalize", "normalize", b"normalize"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_normalize", b"_normalize", "dimensions", b"dimensions", "inputs", b"inputs", "model", b"model", "normalize", b"normalize", "pooling_type", b"pooling_type", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_normalize", b"_normalize", "dimensions", b"dimensions", "inputs", b"inputs", "model", b"model", "normalize", b"normalize", "pooling_type", b"pooling_type", "priority", b"priority", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__normalize: _TypeAlias = _typing.Literal["normalize"]  # noqa: Y015
     _WhichOneofArgType__normalize: _TypeAlias = _typing.Literal["_normalize", b"_normalize"]  # noqa: Y015

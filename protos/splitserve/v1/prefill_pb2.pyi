@@ -28,12 +28,17 @@ class PrefillRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     LEASE_MS_FIELD_NUMBER: _builtins.int
     LORA_NAME_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     lease_ms: _builtins.int
     """how long to hold the KV; 0 = worker default"""
     lora_name: _builtins.str
     """The LoRA adapter (one the worker reports in LoadReport.lora_adapters) the prompt runs
     with; empty: the base model. Its KV is the adapter's: hashed under the adapter's root.
+    """
+    priority: _builtins.int
+    """Scheduling priority: lower is scheduled sooner; non-zero needs the worker started with
+    --scheduling-policy priority (else INVALID_ARGUMENT).
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -47,10 +52,11 @@ class PrefillRequest(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         lease_ms: _builtins.int = ...,
         lora_name: _builtins.str = ...,
+        priority: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_ms", b"lease_ms", "lora_name", b"lora_name", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_ms", b"lease_ms", "lora_name", b"lora_name", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
