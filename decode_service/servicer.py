@@ -10,7 +10,7 @@ import grpc
 from opentelemetry.context import Context
 from opentelemetry.trace import Span
 
-from engine.async_engine import EngineDeadError, KvLoadAbort
+from engine.async_engine import EngineDeadError, EngineOverloadedError, KvLoadAbort
 from engine.kv.hashing import compute_block_hashes, prompt_hash
 from engine.llm_engine import EngineInputError, LLMEngine
 from engine.request import RemoteKv
@@ -126,6 +126,8 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
             await abort_traced(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineDeadError as e:
             await abort_traced(context, span, grpc.StatusCode.UNAVAILABLE, str(e))
+        except EngineOverloadedError as e:  # load shedding: the gateway tries another worker
+            await abort_traced(context, span, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         finally:
             # Cancelled (client gone) before the KV load began, or the pull failed (partial or
             # corrupt KV, recomputed): the prefill worker would otherwise hold the lease (and

@@ -36,6 +36,11 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped; no request can be served."""
 
 
+class EngineOverloadedError(RuntimeError):
+    """The engine holds as many requests as `SchedulerConfig.max_queued_requests` allows:
+    this one is refused before anything is queued (load shedding; retry later or elsewhere)."""
+
+
 @dataclass(slots=True)
 class EngineStats:
     num_running: int
@@ -117,6 +122,7 @@ class AsyncEngine:
                                   priority)
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight")
+        self._check_capacity()
         grammar = None
         # Compiling a constraint may take a while: not on the loop.
         if isinstance(params, SamplingParams) and params.structured_outputs is not None:
@@ -124,6 +130,7 @@ class AsyncEngine:
                 self._compiles, self.engine.make_grammar, params, output_token_ids)
             if request_id in self._queues:
                 raise ValueError(f"request id {request_id!r} is already in flight")
+            self._check_capacity()  # others may have come in while it compiled
         q: asyncio.Queue[StepOutput | _Failure] = asyncio.Queue()
         self._queues[request_id] = q
         self._submit(self.engine.enqueue, (request_id, prompt_token_ids, params),
@@ -146,6 +153,29 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
             if not finished:
                 self._submit(self.engine.abort_request, (request_id,))
+
+    @property
+    def capacity(self) -> int | None:
+        """Requests this engine holds at most before refusing more (None: no bound): its
+        running seats plus `max_queued_requests`."""
+        sched = self.engine.config.scheduler
+        if sched.max_queued_requests is None:
+            return None
+        return sched.max_num_seqs + sched.max_queued_requests
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests accepted by `generate` and not finished (loop side: no race)."""
+        return len(self._queues)
+
+    def _check_capacity(self) -> None:
+        cap = self.capacity
+        if cap is not None and len(self._queues) >= cap:
+            raise EngineOverloadedError(
+                f"overloaded: {len(self._queues)} requests in flight, at most {cap} "
+                f"(max_num_seqs {self.engine.config.scheduler.max_num_seqs} + "
+                f"max_queued_requests {self.engine.config.scheduler.max_queued_requests}); "
+                "retry later")
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run `fn(*args)` on the engine thread between steps and return its result."""

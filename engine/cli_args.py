@@ -124,6 +124,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="fcfs: arrival order; priority: each request's `priority` first (lower "
                         "sooner; less urgent running requests are preempted to admit more "
                         "urgent ones), as vLLM's --scheduling-policy priority")
+    g.add_argument("--max-queued-requests", type=int,
+                   default=_default(SchedulerConfig, "max_queued_requests"),
+                   help="refuse a request (RESOURCE_EXHAUSTED; the gateway tries another worker, "
+                        "then answers 429) when max-num-seqs plus this many are in flight "
+                        "(default: no bound)")
     g.add_argument("--gc-threshold", type=_gc_threshold, default=_default(SchedulerConfig,
                                                                           "gc_threshold"),
                    help="the garbage collector's thresholds in the engine's process, "
@@ -220,7 +225,8 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "colocated") -
                                   async_scheduling={"auto": None, "on": True, "off": False}[
                                       args.async_scheduling],
                                   gc_threshold=args.gc_threshold,
-                                  policy=args.scheduling_policy),
+                                  policy=args.scheduling_policy,
+                                  max_queued_requests=args.max_queued_requests),
         runner=RunnerConfig(device=args.device, attention_backend=args.attention_backend,
                             enforce_eager=args.enforce_eager, cpu_threads=args.cpu_threads,
                             cuda_graph_max_batch=args.cuda_graph_max_batch,

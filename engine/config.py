@@ -601,8 +601,16 @@ class SchedulerConfig:
     # `--scheduling-policy priority`), with less urgent running requests preempted to admit a
     # more urgent one (engine/request_queue.py).
     policy: SchedulingPolicy = "fcfs"
+    # Load shedding (a service's AsyncEngine): requests beyond `max_num_seqs` + this many in
+    # flight are refused at once (EngineOverloadedError; the workers answer RESOURCE_EXHAUSTED
+    # and the gateway tries another worker, then answers 429) rather than queued without bound,
+    # as SGLang's --max-queued-requests. None: unbounded.
+    max_queued_requests: int | None = None
 
     def validate(self) -> None:
+        q = self.max_queued_requests
+        if q is not None and (type(q) is not int or q < 0):
+            raise ConfigError(f"max_queued_requests must be an integer >= 0 or None, got {q!r}")
         if self.policy not in get_args(SchedulingPolicy):
             raise ConfigError(f"scheduling policy must be one of "
                               f"{', '.join(get_args(SchedulingPolicy))}, got {self.policy!r}")

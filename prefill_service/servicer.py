@@ -8,7 +8,7 @@ import time
 import grpc
 from opentelemetry.trace import Span
 
-from engine.async_engine import EngineDeadError
+from engine.async_engine import EngineDeadError, EngineOverloadedError
 from engine.kv.hashing import prompt_hash
 from engine.llm_engine import EngineInputError
 from engine.outputs import StepOutput
@@ -80,6 +80,8 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
             await abort_traced(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineDeadError as e:
             await abort_traced(context, span, grpc.StatusCode.UNAVAILABLE, str(e))
+        except EngineOverloadedError as e:  # load shedding: the gateway tries another worker
+            await abort_traced(context, span, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except asyncio.CancelledError:
             # Nobody will pull this KV. The lease may exist even when its output never reached
             # us (granted on the engine thread just before the cancel); the abort queued by

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import grpc
-
 from engine.config import PoolingType
 from engine.outputs import StepOutput
 from engine.pooling_params import PoolingParams, PoolingParamsError
@@ -123,19 +121,6 @@ def prompt_logprobs_to_proto(scored: PromptLogprobs) -> common_pb2.PromptLogprob
 
 def finish_reason(out: StepOutput) -> common_pb2.FinishReason.ValueType:
     return FINISH_REASONS.get(out.finish_reason, common_pb2.FINISH_REASON_UNSPECIFIED)
-
-
-def status_for(error: BaseException) -> grpc.StatusCode:
-    """The gRPC status a service answers for an engine-side exception."""
-    from engine.async_engine import EngineDeadError
-    from engine.llm_engine import EngineInputError
-
-    if isinstance(error, (InvalidRequest, EngineInputError, SamplingParamsError,
-                          PoolingParamsError)):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(error, EngineDeadError):
-        return grpc.StatusCode.UNAVAILABLE
-    return grpc.StatusCode.INTERNAL
 
 
 # The engine's speculative methods ↔ `splitserve.v1.SpeculativeMethod` (UNSPECIFIED: none named).

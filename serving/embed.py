@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import grpc
 
-from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
 from engine.llm_engine import EngineInputError
 from engine.outputs import StepOutput
 from engine.pooling_params import PoolingParamsError
@@ -23,7 +23,8 @@ from serving.convert import InvalidRequest, check_prompt, check_request_id, pool
 async def embed(aengine: AsyncEngine, request: common_pb2.EmbedRequest,
                 context: grpc.aio.ServicerContext) -> common_pb2.EmbedResponse:
     """The embedding of `request`'s prompt, or the call aborted with INVALID_ARGUMENT (bad
-    request), UNAVAILABLE (engine gone) or INTERNAL."""
+    request), UNAVAILABLE (engine gone), RESOURCE_EXHAUSTED (engine full: load shedding) or
+    INTERNAL."""
     # A server span under the gateway's `embed` span (W3C traceparent in the metadata).
     with tracing.server_span("splitserve.embed", context, {
             "splitserve.request_id": request.request_id,
@@ -45,6 +46,8 @@ async def embed(aengine: AsyncEngine, request: common_pb2.EmbedRequest,
             await abort_traced(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineDeadError as e:
             await abort_traced(context, span, grpc.StatusCode.UNAVAILABLE, str(e))
+        except EngineOverloadedError as e:
+            await abort_traced(context, span, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         if last is None or last.embedding is None:
             await abort_traced(context, span, grpc.StatusCode.INTERNAL,
                                "the engine finished the request without its embedding")

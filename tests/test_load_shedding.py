@@ -1,0 +1,91 @@
+"""Load shedding in the serving engine (`SchedulerConfig.max_queued_requests`): AsyncEngine
+refuses a request once `max_num_seqs + max_queued_requests` are in flight, before anything is
+queued, and takes requests again as they finish. The real tiny model on the CPU."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from engine.async_engine import AsyncEngine, EngineOverloadedError
+from engine.config import ConfigError, EngineConfig, LoadConfig, RunnerConfig, SchedulerConfig
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+
+PROMPTS = [[5, 17, 99, 3, 250, 7], [42, 8, 300, 11, 4], [9, 9, 120, 33, 61, 2, 18]]
+
+
+def _engine(path: Path, max_queued: int | None) -> AsyncEngine:
+    llm = LLM.from_config(EngineConfig(
+        load=LoadConfig(model=str(path), dtype="float32"),
+        scheduler=SchedulerConfig(max_num_seqs=1, max_queued_requests=max_queued),
+        runner=RunnerConfig(device="cpu")))
+    return AsyncEngine(llm.engine)
+
+
+def test_capacity_refuses_then_recovers(tiny_model_dirs: dict[str, Path]) -> None:
+    aeng = _engine(tiny_model_dirs["llama"], max_queued=1)
+    assert aeng.capacity == 2
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    short = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    async def main() -> tuple[str, list[int], int]:
+        aeng.start()
+        try:
+            started = asyncio.Event()
+
+            async def run(rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
+                toks: list[int] = []
+                async for out in aeng.generate(rid, prompt, params):
+                    toks.extend(out.new_token_ids)
+                    started.set()
+                return toks
+
+            first = asyncio.create_task(run("a", PROMPTS[0], long))   # running
+            second = asyncio.create_task(run("b", PROMPTS[1], long))  # waiting
+            await started.wait()
+            assert aeng.num_in_flight == 2
+            with pytest.raises(EngineOverloadedError, match="at most 2"):
+                async for _ in aeng.generate("c", PROMPTS[2], short):
+                    pass
+            assert aeng.num_in_flight == 2  # the refused request left nothing behind
+            a, _ = await asyncio.gather(first, second)
+            after = [t async for out in aeng.generate("d", PROMPTS[2], short)
+                     for t in out.new_token_ids]
+            await aeng.call(lambda: None)
+            return "ok", a, len(after)
+        finally:
+            await aeng.stop()
+
+    status, a, n_after = asyncio.run(main())
+    assert status == "ok" and len(a) == 40 and n_after == 3
+    assert aeng.num_in_flight == 0
+    assert not aeng.engine.kv.req_to_blocks  # every block came back
+    aeng.engine.scheduler.check_integrity()
+
+
+def test_no_bound_by_default(tiny_model_dirs: dict[str, Path]) -> None:
+    aeng = _engine(tiny_model_dirs["llama"], max_queued=None)
+    assert aeng.capacity is None
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+
+    async def main() -> list[list[int]]:
+        aeng.start()
+        try:
+            async def run(i: int) -> list[int]:
+                return [t async for out in aeng.generate(f"r{i}", PROMPTS[i % len(PROMPTS)],
+                                                         params) for t in out.new_token_ids]
+            return await asyncio.gather(*(run(i) for i in range(8)))
+        finally:
+            await aeng.stop()
+
+    assert all(len(t) == 2 for t in asyncio.run(main()))
+
+
+def test_bound_is_validated() -> None:
+    with pytest.raises(ConfigError, match="max_queued_requests"):
+        SchedulerConfig(max_queued_requests=-1).validate()
+    with pytest.raises(ConfigError, match="max_queued_requests"):
+        SchedulerConfig(max_queued_requests=1.5).validate()  # type: ignore[arg-type]
