@@ -122,7 +122,8 @@ class AsyncEngine:
                                   priority)
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        self._check_capacity()
+        if self.engine.config.scheduler.policy != "priority":
+            self._check_capacity()  # refused before a grammar is compiled for it
         grammar = None
         # Compiling a constraint may take a while: not on the loop.
         if isinstance(params, SamplingParams) and params.structured_outputs is not None:
@@ -130,7 +131,7 @@ class AsyncEngine:
                 self._compiles, self.engine.make_grammar, params, output_token_ids)
             if request_id in self._queues:
                 raise ValueError(f"request id {request_id!r} is already in flight")
-            self._check_capacity()  # others may have come in while it compiled
+        await self._admit(priority)  # (others may have come in while a grammar compiled)
         q: asyncio.Queue[StepOutput | _Failure] = asyncio.Queue()
         self._queues[request_id] = q
         self._submit(self.engine.enqueue, (request_id, prompt_token_ids, params),
@@ -167,6 +168,36 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         """Requests accepted by `generate` and not finished (loop side: no race)."""
         return len(self._queues)
+
+    async def _admit(self, priority: int) -> None:
+        """Room for one more request, or EngineOverloadedError. Under the priority policy a
+        full engine first displaces its least urgent waiting request of a strictly less urgent
+        priority that was never scheduled (nothing of it streamed yet: its client sees the
+        same refusal a new request would, and may retry elsewhere), as SGLang's priority
+        scheduling does with a full queue."""
+        cap = self.capacity
+        if cap is None or len(self._queues) < cap:
+            return
+        if self.engine.config.scheduler.policy == "priority":
+            victim = await self.call(self._displace_for, priority)
+            q = self._queues.get(victim) if victim is not None else None
+            if q is not None:
+                q.put_nowait(_Failure(EngineOverloadedError(
+                    f"overloaded: displaced by a more urgent request (priority {priority}) "
+                    "before it was scheduled; retry later")))
+                return
+        self._check_capacity()
+
+    def _displace_for(self, priority: int) -> str | None:
+        """Engine thread: abort the least urgent never-scheduled waiting request of a priority
+        value above `priority`; its id, or None when there is none."""
+        for req in reversed(list(self.engine.scheduler.waiting)):  # least urgent first
+            if req.priority <= priority:
+                return None  # the rest are at least as urgent
+            if req.metrics.first_scheduled_time is None and req.request_id in self._queues:
+                self.engine.abort_request(req.request_id)
+                return req.request_id
+        return None
 
     def _check_capacity(self) -> None:
         cap = self.capacity

@@ -17,10 +17,11 @@ from engine.sampling_params import SamplingParams
 PROMPTS = [[5, 17, 99, 3, 250, 7], [42, 8, 300, 11, 4], [9, 9, 120, 33, 61, 2, 18]]
 
 
-def _engine(path: Path, max_queued: int | None) -> AsyncEngine:
+def _engine(path: Path, max_queued: int | None, policy: str = "fcfs") -> AsyncEngine:
     llm = LLM.from_config(EngineConfig(
         load=LoadConfig(model=str(path), dtype="float32"),
-        scheduler=SchedulerConfig(max_num_seqs=1, max_queued_requests=max_queued),
+        scheduler=SchedulerConfig(max_num_seqs=1, max_queued_requests=max_queued,
+                                  policy=policy),  # type: ignore[arg-type]
         runner=RunnerConfig(device="cpu")))
     return AsyncEngine(llm.engine)
 
@@ -63,6 +64,54 @@ def test_capacity_refuses_then_recovers(tiny_model_dirs: dict[str, Path]) -> Non
     assert status == "ok" and len(a) == 40 and n_after == 3
     assert aeng.num_in_flight == 0
     assert not aeng.engine.kv.req_to_blocks  # every block came back
+    aeng.engine.scheduler.check_integrity()
+
+
+def test_full_priority_engine_displaces_a_less_urgent_waiting_request(
+        tiny_model_dirs: dict[str, Path]) -> None:
+    """One seat, one queue place: an urgent arrival takes the place of a less urgent request
+    that never ran (its stream ends in EngineOverloadedError); equal or less urgent arrivals
+    are refused."""
+    aeng = _engine(tiny_model_dirs["llama"], max_queued=1, policy="priority")
+    long = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)  # outlasts the rest
+    short = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    async def main() -> dict[str, object]:
+        aeng.start()
+        try:
+            started = asyncio.Event()
+
+            async def run(rid: str, params: SamplingParams, prio: int) -> list[int] | str:
+                toks: list[int] = []
+                try:
+                    async for out in aeng.generate(rid, PROMPTS[len(rid) % 3], params,
+                                                   priority=prio):
+                        toks.extend(out.new_token_ids)
+                        started.set()
+                except EngineOverloadedError as e:
+                    return str(e)
+                return toks
+
+            running = asyncio.create_task(run("a", long, 0))
+            await started.wait()
+            waiting = asyncio.create_task(run("bb", long, 5))
+            await aeng.call(lambda: None)  # "bb" is queued in the engine
+            urgent = asyncio.create_task(run("ccc", short, 1))
+            displaced = await waiting
+            refused_equal = await run("dddd", short, 1)   # "ccc" (1) holds the place now
+            refused_lazy = await run("e", short, 9)
+            return {"a": await running, "bb": displaced, "ccc": await urgent,
+                    "equal": refused_equal, "lazy": refused_lazy}
+        finally:
+            await aeng.stop()
+
+    got = asyncio.run(main())
+    assert isinstance(got["a"], list) and len(got["a"]) == 120
+    assert isinstance(got["bb"], str) and "displaced by a more urgent request" in got["bb"]
+    assert isinstance(got["ccc"], list) and len(got["ccc"]) == 3
+    assert isinstance(got["equal"], str) and "at most 2" in got["equal"]
+    assert isinstance(got["lazy"], str) and "at most 2" in got["lazy"]
+    assert not aeng.engine.kv.req_to_blocks
     aeng.engine.scheduler.check_integrity()
 
 
