@@ -199,3 +199,37 @@ def test_engine_priorities_change_order_not_outputs(tiny_model_dirs: dict[str, P
     assert order == [outs[3].request_id, outs[1].request_id, outs[2].request_id,
                      outs[0].request_id]
     llm.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_preempted_by_priority_resumes_exactly(tiny_model_dirs: dict[str, Path],
+                                               async_scheduling: bool) -> None:
+    """Less urgent requests decoding (tokens in flight under async scheduling) are preempted
+    for urgent arrivals, recompute, and finish with the tokens they would have had alone."""
+    path = tiny_model_dirs["llama"]
+    prompts = [[7 + i, 30, 2 * i + 1, 64, 5, 11] for i in range(6)]
+    alone = LLM(str(path), dtype="float32", max_model_len=64, device="cpu", block_size=4)
+    want = [o.outputs[0].token_ids for o in alone.generate(
+        [{"prompt_token_ids": p} for p in prompts], greedy(12))]
+    alone.shutdown()
+    llm = LLM(str(path), dtype="float32", max_model_len=64, device="cpu", block_size=4,
+              max_num_seqs=3, scheduling_policy="priority", async_scheduling=async_scheduling)
+    eng = llm.engine
+    reqs = [eng.add_request(f"bulk{i}", prompts[i], greedy(12), priority=4) for i in range(3)]
+    for _ in range(5):
+        eng.step()
+    assert all(r.num_output_tokens >= 2 for r in reqs)  # decoding when the urgent ones come
+    reqs += [eng.add_request(f"urgent{i}", prompts[i], greedy(12), priority=-1)
+             for i in range(3, 6)]
+    preempted_before = eng.scheduler.num_preemptions
+    for _ in range(200):
+        if not eng.has_unfinished_requests():
+            break
+        eng.step()
+        eng.scheduler.check_integrity()
+    assert eng.scheduler.num_preemptions - preempted_before == 3
+    assert [r.output_token_ids for r in reqs] == want
+    urgent_done = max(r.metrics.finished_time or 0.0 for r in reqs[3:])
+    assert all((r.metrics.finished_time or 0.0) > urgent_done for r in reqs[:3])
+    assert not eng.kv.req_to_blocks
+    llm.shutdown()
