@@ -194,8 +194,11 @@ def test_engine_priorities_change_order_not_outputs(tiny_model_dirs: dict[str, P
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(6),
                         priority=[3, 0, 2, -1])
     assert [o.outputs[0].token_ids for o in outs] == want
-    done = {o.request_id: o.metrics for o in outs}
-    order = sorted(done, key=lambda rid: done[rid].finished_time)  # type: ignore[arg-type,return-value]
+    done: dict[str, float] = {}
+    for o in outs:
+        assert o.metrics is not None and o.metrics.finished_time is not None
+        done[o.request_id] = o.metrics.finished_time
+    order = sorted(done, key=done.__getitem__)
     assert order == [outs[3].request_id, outs[1].request_id, outs[2].request_id,
                      outs[0].request_id]
     llm.shutdown()
