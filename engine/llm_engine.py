@@ -6,6 +6,7 @@ Services drive it through `engine.async_engine.AsyncEngine`, which owns the thre
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import logging
 import time
@@ -13,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine.attention.kv_calibration import calibration_token_ids
+from engine.bad_words import bad_words_token_ids
 from engine.config import (
     MAX_SPECULATIVE_TOKENS,
     SPEC_METHODS,
@@ -166,6 +168,9 @@ class LLMEngine:
         # Structured outputs' constraints, compiled against this model's vocabulary on first use.
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.detokenize = detokenize and self.tokenizer is not None
+        # `bad_words`' tokenizer call (one object: engine/bad_words.py caches by it).
+        self._encode_text = (None if self.tokenizer is None
+                             else functools.partial(self.tokenizer.encode, add_special_tokens=False))
         self._detoks: dict[str, IncrementalDetokenizer] = {}
         self._kv_loads: list[KvLoad] = []
         self.num_steps = 0
@@ -348,6 +353,9 @@ class LLMEngine:
                                    f"{speculative_method!r}")
         params.validate()
         self.validate(prompt_token_ids, params, len(output_token_ids or []))
+        if params.bad_words and self.tokenizer is None:
+            raise EngineInputError("bad_words needs the model's tokenizer, which this engine "
+                                   "does not have")
         if num_speculative_tokens is not None and (
                 type(num_speculative_tokens) is not int
                 or not 0 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS):
@@ -393,6 +401,8 @@ class LLMEngine:
                       output_token_ids=output_token_ids, remote_kv=remote_kv,
                       arrival_time=arrival_time, priority=priority)
         req.grammar = grammar
+        if params.bad_words and self._encode_text is not None:  # (checked by check_request)
+            req.bad_words_token_ids = bad_words_token_ids(params.bad_words, self._encode_text)
         self._bind_lora(req, lora_name)
         req.num_speculative_tokens = self._speculative_tokens(req, num_speculative_tokens)
         req.spec_method = (speculative_method if speculative_method in self.proposers
@@ -452,11 +462,11 @@ class LLMEngine:
         """Drafts per step for a request: the engine's cap, lowered by the request's; none for
         sampling that reads its own output history (penalties, min_tokens), reports logprobs,
         which are defined token by token (vLLM's n-gram path has the same limits), or shapes
-        the logits (a bias, an allow-list or a grammar, which the rejection sampler does not
-        apply)."""
+        the logits (a bias, an allow-list, a grammar or bad words, which the rejection sampler
+        does not apply)."""
         sp = req.sampling_params
         if (not self.proposers or depends_on_outputs(req) or sp.logprobs is not None
-                or sp.shapes_logits or sp.structured_outputs is not None):
+                or sp.shapes_logits or sp.structured_outputs is not None or sp.bad_words):
             return 0
         cap = self.config.speculative.num_speculative_tokens
         return cap if requested is None else min(cap, requested)

@@ -207,6 +207,8 @@ class Request:
         self.shaping_tensors: object | None = None
         # Its place in `structured_outputs`' language (engine/structured.py); None: free text.
         self.grammar: RequestGrammar | None = None
+        # `bad_words` as token sequences (engine/bad_words.py), set when it is queued.
+        self.bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
         # Speculative decoding (engine/spec/): drafts per step at most (0: off), the drafts
         # proposed for the next step, and what verification made of them.
         self.num_speculative_tokens = 0

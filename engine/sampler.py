@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.bad_words import mask_bad_words, reads_output
 from engine.devices import to_device
 from engine.penalties import PenaltyState
 from engine.request import Request, TokenLogprob
@@ -309,7 +310,7 @@ def depends_on_outputs(req: Request) -> bool:
     request's next token cannot be sampled before its last one reached the host (under async
     scheduling the runner settles the previous step first: `ModelRunner.launch`)."""
     sp = req.sampling_params
-    return sp.has_penalties or sp.min_tokens > 0
+    return sp.has_penalties or sp.min_tokens > 0 or reads_output(req)
 
 
 class Sampler:
@@ -331,11 +332,11 @@ class Sampler:
         """logits: [N, V], one row per request → tokens on the device, copies started.
 
         Any float dtype: an all-greedy batch without penalties, bias, allow-lists, min_tokens,
-        grammars or logprobs takes its argmax on the logits as given (exact: widening is monotonic);
+        bad words, grammars or logprobs takes its argmax on the logits as given (exact: widening is monotonic);
         anything else first widens them to float32. `keep_probs`: also keep the distribution
         each token was drawn from (a draft model's q for the rejection sampler)."""
         greedy: list[bool] = []
-        penalties = shaped = min_tokens = logprobs = constrained = False
+        penalties = shaped = min_tokens = logprobs = constrained = banned = False
         for r in reqs:  # one pass: this runs once per step over the whole batch
             sp = r.sampling_params
             greedy.append(sp.greedy)
@@ -343,9 +344,10 @@ class Sampler:
             shaped = shaped or sp.shapes_logits
             constrained = constrained or (r.grammar is not None and r.grammar.active)
             min_tokens = min_tokens or _needs_min_tokens_mask(r)
+            banned = banned or bool(r.bad_words_token_ids)
             logprobs = logprobs or sp.logprobs is not None
         if logits.dtype != torch.float32 and (penalties or shaped or min_tokens or logprobs
-                                              or constrained or not all(greedy)):
+                                              or constrained or banned or not all(greedy)):
             logits = logits.float()
         raw = logits
         if penalties:
@@ -354,6 +356,8 @@ class Sampler:
             logits = shape_logits(logits.clone() if logits is raw else logits, reqs)
         if min_tokens:
             logits = mask_min_tokens(logits.clone() if logits is raw else logits, reqs)
+        if banned:
+            logits = mask_bad_words(logits.clone() if logits is raw else logits, reqs)
         if constrained:  # last: a bias must not lift a token the grammar forbids
             logits = mask_logits(logits.clone() if logits is raw else logits, reqs)
         kept = None

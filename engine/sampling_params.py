@@ -20,6 +20,10 @@ MAX_ALLOWED_TOKEN_IDS = 1 << 15
 # `choice` list this many strings of at most this many characters.
 MAX_STRUCTURED_CHARS = 1 << 17
 MAX_CHOICES = 1024
+# `bad_words`: how many words a request may ban and how long each may be (each is tokenized
+# when the request is queued, and checked against the output's tail every step).
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 256
 MAX_CHOICE_CHARS = 1024
 
 
@@ -139,6 +143,10 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # The output must be a string of this language (engine/structured.py); None: free text.
     structured_outputs: StructuredOutputs | None = None
+    # Words the output must not contain (vLLM's `bad_words`): each word's token sequence, as
+    # written and after a space, never completed: its last token is banned whenever the output
+    # ends with the rest of it (engine/bad_words.py). Needs the engine's tokenizer.
+    bad_words: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -195,6 +203,12 @@ class SamplingParams:
                 or not all(_is_token_id(t) for t in self.allowed_token_ids)):
             raise bad("allowed_token_ids", _short(self.allowed_token_ids),
                       f"a non-empty list of at most {MAX_ALLOWED_TOKEN_IDS} token ids >= 0")
+        if (not isinstance(self.bad_words, list) or len(self.bad_words) > MAX_BAD_WORDS
+                or not all(isinstance(w, str) and w.strip() and len(w) <= MAX_BAD_WORD_CHARS
+                           for w in self.bad_words)):
+            raise bad("bad_words", _short(self.bad_words),
+                      f"a list of at most {MAX_BAD_WORDS} non-blank strings of at most "
+                      f"{MAX_BAD_WORD_CHARS} characters")
         if self.structured_outputs is not None:
             self._validate_structured()
 

@@ -48,6 +48,7 @@ def sampling_from_proto(sp: common_pb2.SamplingParams) -> SamplingParams:
             logit_bias=dict(sp.logit_bias),
             allowed_token_ids=list(sp.allowed_token_ids) or None,
             structured_outputs=structured_from_proto(sp),
+            bad_words=list(sp.bad_words),
         )
     except SamplingParamsError as e:
         raise InvalidRequest(f"sampling.{e}") from e
