@@ -33,7 +33,7 @@ from engine.outputs import (
 )
 from engine.pooling_params import PoolingParams
 from engine.request import RequestMetrics
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, truncate_prompt
 
 PromptType = str | dict[str, Any]
 LoRAArg = LoRARequest | str | Sequence[LoRARequest | str | None] | None
@@ -169,7 +169,8 @@ class LLM:
                   if pooling_params is None or isinstance(pooling_params, PoolingParams)
                   else _one_each(list(pooling_params), len(plist), "pooling params"))
         loras = _per_prompt(self._lora_names(lora_request), len(plist))
-        tokenized = [self._tokenize(prompt) for prompt in plist]
+        tokenized = [self._truncated(self._tokenize(prompt), pp.truncate_prompt_tokens)
+                     for prompt, pp in zip(plist, params, strict=True)]
         for (_, ids), pp, lora in zip(tokenized, params, loras, strict=True):
             self.engine.check_request(ids, pp, lora_name=lora)  # all before any is queued
         outs: dict[str, EmbeddingRequestOutput] = {}
@@ -240,7 +241,8 @@ class LLM:
             list(priority), len(plist), "priorities")
         # Tokenize and validate every prompt before queueing any: a bad one must not leave the
         # others queued in the engine.
-        tokenized = [self._tokenize(prompt) for prompt in plist]
+        tokenized = [self._truncated(self._tokenize(prompt), sp.truncate_prompt_tokens)
+                     for prompt, sp in zip(plist, params, strict=True)]
         for (_, ids), sp, lora, prio in zip(tokenized, params, loras, priorities, strict=True):
             self.engine.check_request(ids, sp, lora_name=lora, priority=prio)
             self.engine.make_grammar(sp)  # compiles (and checks) a constraint; cached for below
@@ -277,6 +279,12 @@ class LLM:
                 raise EngineInputError("prompt_token_ids must be a list of integers")
             return prompt.get("prompt"), list(ids)
         raise EngineInputError("a prompt is a string or {'prompt_token_ids': [...]}")
+
+    def _truncated(self, tokenized: tuple[str | None, list[int]], keep: int | None
+                   ) -> tuple[str | None, list[int]]:
+        """`truncate_prompt_tokens`: the prompt's last `keep` token ids (the text unchanged)."""
+        text, ids = tokenized
+        return text, truncate_prompt(ids, keep, self.engine.max_model_len)
 
     def _run(self) -> Iterator[list[StepOutput]]:
         while self.engine.has_unfinished_requests():

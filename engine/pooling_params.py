@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from engine.config import POOLING_TYPES, PoolerConfig, PoolingType
+from engine.sampling_params import check_truncation
 
 
 class PoolingParamsError(ValueError):
@@ -25,6 +26,8 @@ class PoolingParams:
     pooling_type: PoolingType | None = None
     normalize: bool | None = None
     dimensions: int | None = None
+    # As `SamplingParams.truncate_prompt_tokens`: keep the prompt's last this many tokens.
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -38,6 +41,7 @@ class PoolingParams:
         dims = self.dimensions
         if dims is not None and (not isinstance(dims, int) or isinstance(dims, bool) or dims < 1):
             raise PoolingParamsError(f"dimensions must be an integer >= 1, got {dims!r}")
+        check_truncation(self.truncate_prompt_tokens, PoolingParamsError)
 
     def resolved(self, default: PoolerConfig, hidden_size: int) -> PoolingParams:
         """These parameters with every field set: unset ones from `default` (whose fields are

@@ -147,6 +147,10 @@ class SamplingParams:
     # written and after a space, never completed: its last token is banned whenever the output
     # ends with the rest of it (engine/bad_words.py). Needs the engine's tokenizer.
     bad_words: list[str] = field(default_factory=list)
+    # Keep only the prompt's last this many tokens (vLLM's `truncate_prompt_tokens`; -1: the
+    # engine's max_model_len), applied where the prompt is tokenized (`LLM`, the gateway):
+    # an engine's `add_request` takes token ids as given.
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -209,6 +213,7 @@ class SamplingParams:
             raise bad("bad_words", _short(self.bad_words),
                       f"a list of at most {MAX_BAD_WORDS} non-blank strings of at most "
                       f"{MAX_BAD_WORD_CHARS} characters")
+        check_truncation(self.truncate_prompt_tokens, SamplingParamsError)
         if self.structured_outputs is not None:
             self._validate_structured()
 
@@ -248,6 +253,22 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+def check_truncation(k: object, error: type[ValueError]) -> None:
+    """`truncate_prompt_tokens` is None, -1 or an integer >= 1; else `error`."""
+    if k is not None and (not isinstance(k, int) or isinstance(k, bool) or (k < 1 and k != -1)):
+        raise error(f"truncate_prompt_tokens must be -1 (max_model_len) or an integer >= 1, "
+                    f"got {k!r}")
+
+
+def truncate_prompt(ids: list[int], k: int | None, max_model_len: int) -> list[int]:
+    """The prompt's last `k` tokens (-1: `max_model_len`; None: all of them), as vLLM keeps
+    them: the end of a long document, where the question usually is."""
+    if k is None:
+        return ids
+    keep = max_model_len if k == -1 else k
+    return ids[-keep:] if len(ids) > keep else ids
 
 
 def _is_token_id(t: object) -> bool:
