@@ -93,6 +93,7 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
                 else None)
         # UNSPECIFIED or an enum value this build does not know: the worker's own method.
         method = SPEC_METHOD_NAMES.get(request.speculative_method)
+        refused = False  # shed for load: the lease stays for the next worker (`finally`)
         try:
             async for out in aengine.generate(rid, ids, params, output_token_ids=given,
                                               remote_kv=remote, num_speculative_tokens=spec,
@@ -127,12 +128,15 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
         except EngineDeadError as e:
             await abort_traced(context, span, grpc.StatusCode.UNAVAILABLE, str(e))
         except EngineOverloadedError as e:  # load shedding: the gateway tries another worker
+            refused = True
             await abort_traced(context, span, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         finally:
             # Cancelled (client gone) before the KV load began, or the pull failed (partial or
             # corrupt KV, recomputed): the prefill worker would otherwise hold the lease (and
-            # its blocks) until it expires.
-            if remote is not None and isinstance(remote.handle, RemoteKvHandle):
+            # its blocks) until it expires. A request refused for load (nothing pulled) leaves
+            # it to the next decode worker the gateway tries, which pulls it instead.
+            if (remote is not None and isinstance(remote.handle, RemoteKvHandle)
+                    and not refused):
                 self._release_unpulled(remote.handle)
 
     def _release_unpulled(self, handle: RemoteKvHandle) -> None:

@@ -68,6 +68,10 @@ class GatewayConfig:
     request_timeout_s: float = 600.0          # whole-request deadline passed to every hop
     kv_failure_policy: KvFailurePolicyName = "recompute"
     decode_retries: int = 1                   # resumes on another decode worker after UNAVAILABLE
+    # Load shedding at the gateway: generation and embeddings requests in flight here (a stream
+    # until it ends) at most; one more is refused at once with 429 / RESOURCE_EXHAUSTED before
+    # any worker is called. 0: no bound (the workers' --max-queued-requests may still refuse).
+    max_concurrent_requests: int = 0
     # Speculative decoding policy (gateway/spec_policy.py), decided per Decode call: ask for
     # this many drafts per step while the chosen decode worker has fewer than
     # `speculative_max_load` other requests pending (this gateway's own calls in flight there
@@ -142,6 +146,10 @@ class GatewayConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise GatewayConfigError(f"{name} must be an integer >= 0 (0: store no "
                                          f"responses), got {value!r}")
+        value = self.max_concurrent_requests
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise GatewayConfigError(f"max_concurrent_requests must be an integer >= 0 (0: no "
+                                     f"bound), got {value!r}")
         for name in ("request_timeout_s", "load_poll_interval_s", "load_poll_timeout_s"):
             if getattr(self, name) <= 0:
                 raise GatewayConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
@@ -187,9 +195,9 @@ class GatewayConfig:
 
 
 def add_chat_args(parser: argparse.ArgumentParser, role: str = "") -> None:
-    """The flags of chat rendering, tool calling and the Responses API's store, for every
-    process that serves the REST API (the gateway role and the colocated role's in-process
-    gateway)."""
+    """The flags of chat rendering, tool calling, the Responses API's store and the bound on
+    requests in flight, for every process that serves the REST API (the gateway role and the
+    colocated role's in-process gateway)."""
     note = f"{role}: " if role else ""
     d = GatewayConfig.__dataclass_fields__
     parser.add_argument("--chat-template", default=None,
@@ -217,6 +225,11 @@ def add_chat_args(parser: argparse.ArgumentParser, role: str = "") -> None:
                         default=d["responses_store_max_bytes"].default,
                         help=f"{note}bytes of stored responses (their JSON with their "
                              f"conversations) kept in memory (0: none)")
+    parser.add_argument("--max-concurrent-requests", type=int,
+                        default=d["max_concurrent_requests"].default,
+                        help=f"{note}generation and embeddings requests in flight at most (a "
+                             f"stream until it ends); one more is refused at once with 429 "
+                             f"(Retry-After: 1) / RESOURCE_EXHAUSTED (0: no bound)")
 
 
 def chat_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -233,7 +246,8 @@ def chat_settings(args: argparse.Namespace) -> dict[str, Any]:
             "reasoning_parser": args.reasoning_parser,
             "trust_request_chat_template": args.trust_request_chat_template,
             "responses_store_max_entries": args.responses_store_max_entries,
-            "responses_store_max_bytes": args.responses_store_max_bytes}
+            "responses_store_max_bytes": args.responses_store_max_bytes,
+            "max_concurrent_requests": args.max_concurrent_requests}
 
 
 def add_public_security_args(parser: argparse.ArgumentParser, role: str = "") -> None:

@@ -81,7 +81,14 @@ async def embedding_job(state: GatewayState, inputs: Sequence[PromptInput], *, r
 async def run_embeddings(state: GatewayState, job: EmbeddingJob) -> list[common_pb2.EmbedResponse]:
     """Each input's embedding, in order; raises `GatewayError` when one fails (the others are
     cancelled). Counted and traced as a request: a `gen_ai.embeddings` span with a child per
-    input's call."""
+    input's call; holds a place of the gateway's `RequestLimit` (OverloadedError when there is
+    none)."""
+    with state.limit.slot():  # refused here, before any worker is called, when full
+        return await _run_embeddings(state, job)
+
+
+async def _run_embeddings(state: GatewayState, job: EmbeddingJob
+                          ) -> list[common_pb2.EmbedResponse]:
     metrics = state.metrics
     attrs: dict[str, AttributeValue] = {
         "gen_ai.operation.name": "embeddings",
@@ -114,7 +121,7 @@ async def run_embeddings(state: GatewayState, job: EmbeddingJob) -> list[common_
 async def _embed(state: GatewayState, job: EmbeddingJob, index: int,
                  parent: Context) -> common_pb2.EmbedResponse:
     """Input `index`'s `Embed` call on the router's choice (retried once elsewhere when that
-    worker is UNAVAILABLE)."""
+    worker is UNAVAILABLE, and on each other worker in turn while they are full)."""
     router = state.router
     pool = router.embed_pool
     prompt = job.prompts[index]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 
 import grpc
 
@@ -70,3 +71,19 @@ class GatewayError(Exception):
         """Wrap a downstream RPC failure, keeping its status (so 429/503/504 reach the client)."""
         details = err.details() or err.code().name
         return cls(err.code(), f"{hop} worker: {details}")
+
+
+ShedReason = Literal["gateway_limit", "workers_overloaded"]
+
+
+class OverloadedError(GatewayError):
+    """Load shed: RESOURCE_EXHAUSTED (429 with `Retry-After` over REST) for a request refused
+    because there is no room for it now, not because it was wrong; the client may retry.
+
+    `reason` (the refused-requests metric's label): "gateway_limit", this gateway's bound on
+    requests in flight (`--max-concurrent-requests`); "workers_overloaded", every worker of a
+    pool refused the call (their `--max-queued-requests`)."""
+
+    def __init__(self, reason: ShedReason, message: str) -> None:
+        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+        self.reason: ShedReason = reason

@@ -3,7 +3,9 @@
 
 Validation failures end the call with INVALID_ARGUMENT and a message naming the field. A
 failure after streaming began is sent in-band (`GenerateResponse.error`) and also ends the
-call with its status. Cancelling the call cancels the downstream prefill/decode calls.
+call with its status; so does a request refused for load (RESOURCE_EXHAUSTED: the gateway's
+`--max-concurrent-requests`, or every worker of a pool full). Cancelling the call cancels the
+downstream prefill/decode calls.
 
 Chat input is parsed as over REST (gateway/chat_tools.py, gateway/grpc_tools.py): with the
 gateway's reasoning parser, or tools and a tool_choice other than none, each completion's text
@@ -19,6 +21,7 @@ it (with --trust-request-chat-template), checked as REST's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -74,20 +77,29 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             # A stream: reasoning and calls sent as they come.
             outputs = chat_outputs(self._state, job, calling, job.n, incremental=True)
         try:
-            async for event in self._state.orchestrator.generate(job):
-                output = outputs.get(event.index)
-                if output is None:
-                    yield _plain(event)
-                    continue
-                for response in _parsed(event, output):
-                    if response.HasField("complete") and output.splitter is not None:
-                        response.complete.usage.reasoning_tokens = output.reasoning_tokens(
-                            self._state.tokenizer, held_back=bool(job.stop))
-                    yield response
+            # Closed however the call ends (a cancelled call may leave it suspended at a yield):
+            # its downstream calls are cancelled and its place of the request limit given back.
+            async with contextlib.aclosing(self._state.orchestrator.generate(job)) as events:
+                async for event in events:
+                    for response in self._responses(event, outputs.get(event.index), job):
+                        yield response
         except GatewayError as err:
             yield gateway_pb2.GenerateResponse(
                 error=common_pb2.StreamError(code=err.code.value[0], message=err.message))
             await context.abort(err.code, err.message)
+
+    def _responses(self, event: TokenDelta | Finished, output: ChatOutput | None,
+                   job: GenerationJob) -> Iterator[gateway_pb2.GenerateResponse]:
+        """The responses of one event: as the engine produced it, or through its completion's
+        parsers (`output`)."""
+        if output is None:
+            yield _plain(event)
+            return
+        for response in _parsed(event, output):
+            if response.HasField("complete") and output.splitter is not None:
+                response.complete.usage.reasoning_tokens = output.reasoning_tokens(
+                    self._state.tokenizer, held_back=bool(job.stop))
+            yield response
 
     async def Embed(self, request: gateway_pb2.EmbeddingsRequest,
                     context: grpc.aio.ServicerContext) -> gateway_pb2.EmbeddingsResponse:

@@ -201,6 +201,11 @@ class GatewayMetrics:
         self.e2e_request_latency = Histogram(
             "splitserve:e2e_request_latency_seconds", "Request latency, arrival to finish.",
             buckets=_E2E_BUCKETS, registry=r)
+        self.requests_refused = Counter(
+            "splitserve:requests_refused",
+            "Requests refused for load (429, RESOURCE_EXHAUSTED), by reason: gateway_limit "
+            "(--max-concurrent-requests in flight at this gateway) or workers_overloaded "
+            "(every worker of a pool was full).", ["reason"], registry=r)
         self.decode_resumes = Counter(
             "splitserve:decode_resumes", "Requests resumed on another decode worker.",
             registry=r)

@@ -5,7 +5,9 @@ tokenize / detokenize.
 Bodies are read and parsed here, not by FastAPI, so every client error has an OpenAI-shaped
 body and the right status: size (413, by Content-Length and by bytes actually received),
 UTF-8 and JSON (400), field types (400 naming the field), unknown model (404), auth (401).
-A client disconnect cancels the request's downstream gRPC calls (stream or not).
+A client disconnect cancels the request's downstream gRPC calls (stream or not). A 429 (load
+shed: this gateway's `--max-concurrent-requests`, or every worker of a pool full) carries
+`Retry-After: 1`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -27,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from gateway.chat_tools import chat_finish_reason, chat_job, chat_outputs
 from gateway.embeddings import embedding_job, run_embeddings
@@ -680,20 +683,37 @@ async def _started(view: _View) -> tuple[Event, AsyncGenerator[Event, None]]:
         raise
 
 
-def _event_stream(body: AsyncIterator[str]) -> StreamingResponse:
-    # Starlette's StreamingResponse cancels the body iterator on a client disconnect.
-    return StreamingResponse(body, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+class _EventStream(StreamingResponse):
+    """SSE of a request's `events` rendered by `body`; both are closed when the response ends,
+    however it ends. Starlette cancels the body on a client disconnect, but one cancelled while
+    it waited on a send stays suspended (and one never started never ran its cleanup) until
+    the garbage collector finalizes it; closing them here ends the request at once: its
+    downstream calls cancelled, its place of the request limit given back."""
+
+    def __init__(self, body: AsyncGenerator[str, None],
+                 events: AsyncGenerator[Event, None]) -> None:
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self._body = body
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._body.aclose()    # its own cleanup closes `events`, if it started
+            await self._events.aclose()  # a no-op once closed
 
 
 async def _stream(view: _View, request: Request) -> Response:
     """SSE of chat or completion chunks, ending `[DONE]`."""
     del request
     first, events = await _started(view)
-    return _event_stream(_sse(view, first, events))
+    return _EventStream(_sse(view, first, events), events)
 
 
-async def _sse(view: _View, first: Event, events: AsyncGenerator[Event, None]) -> AsyncIterator[str]:
+async def _sse(view: _View, first: Event, events: AsyncGenerator[Event, None]
+               ) -> AsyncGenerator[str, None]:
     try:
         if view.chat:
             for index in range(len(view.choices)):
@@ -718,12 +738,12 @@ async def _sse(view: _View, first: Event, events: AsyncGenerator[Event, None]) -
 async def _stream_response(view: _View, writer: ResponseWriter, keep: _Keep) -> Response:
     """The Responses API's SSE stream: typed events, no [DONE]."""
     first, events = await _started(view)
-    return _event_stream(_response_events(view, writer, first, events, keep))
+    return _EventStream(_response_events(view, writer, first, events, keep), events)
 
 
 async def _response_events(view: _View, writer: ResponseWriter, first: Event,
                            events: AsyncGenerator[Event, None], keep: _Keep
-                           ) -> AsyncIterator[str]:
+                           ) -> AsyncGenerator[str, None]:
     """The stream's events; the finished response is kept (`keep`) before its last event goes
     out, so a client that has it can retrieve it at once. A failed or cut stream keeps none."""
     finish_reason: str | None = None
@@ -769,9 +789,16 @@ def _error_type(status: int) -> str:
     return "invalid_request_error" if status < 500 else "server_error"
 
 
+# A 429 is load shed (this gateway's bound, or every worker of a pool full): nothing was wrong
+# with the request, and a second later there may be room (the openai client honours it).
+_RETRY_AFTER_S = 1
+
+
 def _error_response(status: int, message: str, param: str | None,
                     code: str | int | None) -> JSONResponse:
-    return JSONResponse(error_body(message, _error_type(status), param, code), status_code=status)
+    headers = {"Retry-After": str(_RETRY_AFTER_S)} if status == 429 else None
+    return JSONResponse(error_body(message, _error_type(status), param, code), status_code=status,
+                        headers=headers)
 
 
 async def _gateway_error_handler(request: Request, err: GatewayError) -> JSONResponse:

@@ -10,6 +10,10 @@ For each of the n completions of a job, concurrently:
          ▼
     Decode.Decode(prompt, all tokens sent so far, no kv_handle)   (at most `decode_retries`)
 
+A worker that refuses a call with RESOURCE_EXHAUSTED (full: it sheds load) is skipped for that
+call and the next one picked (prefill and decode alike), until each worker of the pool refused:
+then the request fails with RESOURCE_EXHAUSTED (`OverloadedError`, HTTP 429).
+
 In colocated mode there is no prefill pool: decode gets the prompt alone and computes it.
 Every Decode call carries the speculative policy's choice for the worker it goes to
 (gateway/spec_policy.py): drafts per step while that worker is lightly loaded, none beyond.
@@ -38,10 +42,11 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind
 from opentelemetry.util.types import AttributeValue
 
+from gateway.admission import RequestLimit
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, status_code_from_int
 from gateway.metrics import GatewayMetrics
-from gateway.router import Router, Worker, WorkerPool, call_routed
+from gateway.router import Attempts, Router, Worker, WorkerPool, call_routed
 from gateway.spec_policy import decide
 from gateway.tokenization import DetokenizerLike, TokenizerLike, make_detokenizer
 from protos.splitserve.v1 import common_pb2, decode_pb2, kv_transfer_pb2, prefill_pb2
@@ -134,18 +139,36 @@ class Orchestrator:
     """Runs jobs against the worker pools. Stateless between jobs; safe to share on one loop."""
 
     def __init__(self, config: GatewayConfig, router: Router, tokenizer: TokenizerLike,
-                 metrics: GatewayMetrics) -> None:
+                 metrics: GatewayMetrics, limit: RequestLimit) -> None:
         self._config = config
         self._router = router
         self._tokenizer = tokenizer
         self._metrics = metrics
+        self._limit = limit
         self._background: set[asyncio.Task[None]] = set()
 
-    async def generate(self, job: GenerationJob) -> AsyncGenerator[Event, None]:
+    def generate(self, job: GenerationJob) -> AsyncGenerator[Event, None]:
         """Events of all n completions, interleaved; raises `GatewayError` if one fails.
 
+        The request holds a place of the gateway's `RequestLimit` from the first `anext`
+        (refused there, OverloadedError, when there is none) until the iterator ends.
         Closing or cancelling the iterator cancels the downstream gRPC calls.
         """
+        return self._limit.admitted(self._job_events(job))
+
+    def generate_batch(self, jobs: Sequence[GenerationJob]) -> AsyncGenerator[Event, None]:
+        """Events of several jobs (a batch of prompts in one request), interleaved, their
+        completions numbered across the batch in order: job i's completion j is completion
+        (n of the jobs before i) + j. Raises `GatewayError` if one fails; closing or cancelling
+        the iterator cancels them all. One request: one place of the `RequestLimit`, as
+        `generate`. One job goes as `generate` (no merging hop for every event of the usual
+        request)."""
+        if len(jobs) == 1:
+            return self.generate(jobs[0])
+        return self._limit.admitted(self._generate_merged(jobs))
+
+    async def _job_events(self, job: GenerationJob) -> AsyncGenerator[Event, None]:
+        """`generate`'s events, outside the request limit."""
         queue: asyncio.Queue[Event | BaseException | None] = asyncio.Queue()
         # One GenAI client span per request; completions' prefill/decode spans are its
         # children (passed explicitly: the completions run in their own tasks).
@@ -171,21 +194,13 @@ class Orchestrator:
                 _record_usage(span, job, finished)
                 self._metrics.num_requests_in_flight.dec()
 
-    def generate_batch(self, jobs: Sequence[GenerationJob]) -> AsyncGenerator[Event, None]:
-        """Events of several jobs (a batch of prompts in one request), interleaved, their
-        completions numbered across the batch in order: job i's completion j is completion
-        (n of the jobs before i) + j. Raises `GatewayError` if one fails; closing or cancelling
-        the iterator cancels them all. One job is `generate`'s own iterator (no extra hop for
-        every event of the usual request)."""
-        return self.generate(jobs[0]) if len(jobs) == 1 else self._generate_merged(jobs)
-
     async def _generate_merged(self, jobs: Sequence[GenerationJob]
                                ) -> AsyncGenerator[Event, None]:
         queue: asyncio.Queue[Event | BaseException | None] = asyncio.Queue()
 
         async def pump(job: GenerationJob, offset: int) -> None:
             try:
-                async for event in self.generate(job):
+                async for event in self._job_events(job):
                     queue.put_nowait(dataclasses.replace(event, index=event.index + offset))
             except Exception as exc:  # handed to the consumer, which raises it
                 queue.put_nowait(exc)
@@ -328,33 +343,41 @@ class Orchestrator:
                       sampling: common_pb2.SamplingParams,
                       queue: asyncio.Queue[Event | BaseException | None],
                       metadata: tuple[tuple[str, str], ...] = (), span: Span | None = None) -> str:
-        """Stream decode tokens until finished; resume elsewhere if the worker dies.
+        """Stream decode tokens until finished; resume elsewhere if the worker dies or is full
+        (refuses the call: load shedding), until every decode worker refused (429).
 
         The decode worker is chosen as a prefill worker is: the one believed to hold the
         longest prefix of the prompt, within the load-imbalance bound. It then pulls only the
         blocks it lacks, and colocated workers (no prefill pool) compute only those."""
-        tried: list[str] = []
         pool = self._router.decode
         hashes = self._prefix_hashes(pool, job)
+        attempts = Attempts(pool)
         while True:
-            worker = pool.pick_for_prefix(hashes, exclude=tried, lora_name=job.lora_name)
+            worker = attempts.pick(hashes, job.lora_name)
             try:
                 return await self._decode_on(worker, job, state, sampling, queue, metadata, span)
             except grpc.aio.AioRpcError as err:
-                if (err.code() != grpc.StatusCode.UNAVAILABLE
-                        or len(tried) >= self._config.decode_retries):
+                if not attempts.retry(worker, err, max_failures=self._config.decode_retries):
                     raise GatewayError.from_rpc(err, "decode") from None
-                log.warning("decode worker %s failed (%s); resuming %s after %d tokens",
-                            worker.address, err.code().name, job.request_id,
-                            len(state.output_ids))
-                self._router.decode.mark_failed(worker.address)
-                self._metrics.decode_resumes.inc()
-                tried.append(worker.address)
-                # The new worker recomputes prompt + tokens sent so far: nobody will pull the
-                # lease (the failed worker may have; releasing again is harmless).
-                self._drop_kv_handle(state)
+                self._before_decode_retry(worker, job, state, err)
             finally:
                 pool.done(worker)
+
+    def _before_decode_retry(self, worker: Worker, job: GenerationJob, state: _Completion,
+                             err: grpc.aio.AioRpcError) -> None:
+        """`worker` failed (UNAVAILABLE) or was full (RESOURCE_EXHAUSTED); the completion goes
+        on elsewhere."""
+        if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            # Refused before anything ran there: the lease is still the prefill worker's (a
+            # full decode worker leaves it), so the next decode worker pulls it. If every one
+            # is full, the request's failure path releases it.
+            return
+        log.warning("decode worker %s failed (%s); resuming %s after %d tokens",
+                    worker.address, err.code().name, job.request_id, len(state.output_ids))
+        self._metrics.decode_resumes.inc()
+        # The next worker computes prompt + tokens sent so far: nobody will pull the lease (the
+        # failed worker may have; releasing again is harmless).
+        self._drop_kv_handle(state)
 
     async def _decode_on(self, worker: Worker, job: GenerationJob, state: _Completion,
                          sampling: common_pb2.SamplingParams,

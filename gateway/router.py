@@ -10,6 +10,8 @@ round-robin.
 `pick_for_prefix` ranks workers by the longest prefix of the prompt's block hashes they are
 believed to hold (`PrefixIndex`, recorded when a worker is picked and from prefill answers)
 before load, within `max_imbalance` pending requests of the least loaded.
+A call's retries on other workers (`Attempts`): after UNAVAILABLE (the worker is marked failed)
+and after RESOURCE_EXHAUSTED (a full worker shedding load: skipped by that call alone).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Literal, TypeVar
 
 import grpc
 
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, OverloadedError
 from gateway.prefix_index import PrefixIndex, prompt_block_hashes
 from protos.auth import client_interceptors
 from protos.channels import ChannelCache
@@ -233,23 +235,70 @@ class WorkerPool:
         self.prefix_index.forget(address)  # it may come back restarted, its cache empty
 
 
+@dataclass(slots=True)
+class Attempts:
+    """The workers of `pool` one call has tried, excluded from its next picks.
+
+    A worker that answered UNAVAILABLE (down) is also marked failed in the pool until its next
+    good poll; one that answered RESOURCE_EXHAUSTED (load shedding: healthy, only full) is
+    skipped by this call alone: marking it failed would take a busy worker out of every other
+    request's routing. Mutates the pool only through `mark_failed`."""
+
+    pool: WorkerPool
+    tried: list[str] = field(default_factory=list)
+    num_failed: int = 0       # UNAVAILABLE answers so far
+    num_refused: int = 0      # RESOURCE_EXHAUSTED answers so far
+
+    def pick(self, block_hashes: Sequence[bytes], lora_name: str = "") -> Worker:
+        """`pick_for_prefix` among the workers not tried yet. None left after a refusal: every
+        worker this call could use is full or down, so the client is told to come back later
+        (OverloadedError, 429) rather than that the service is down (the pool's UNAVAILABLE,
+        raised as it is when no worker refused)."""
+        try:
+            return self.pool.pick_for_prefix(block_hashes, exclude=self.tried,
+                                             lora_name=lora_name)
+        except GatewayError:
+            if not self.num_refused:
+                raise
+            raise OverloadedError(
+                "workers_overloaded",
+                f"overloaded: every {self.pool.role} worker is full ({self.num_refused} "
+                f"refused the request); retry later") from None
+
+    def retry(self, worker: Worker, err: grpc.aio.AioRpcError, max_failures: int) -> bool:
+        """Whether to make the call again on another worker after `worker` answered `err`:
+        yes when it was full (bounded by the pool's size: `pick` runs out of workers), or down
+        while fewer than `max_failures` workers were down before."""
+        code = err.code()
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            log.debug("%s worker %s is full: %s", self.pool.role, worker.address, err.details())
+            self.num_refused += 1
+        elif code == grpc.StatusCode.UNAVAILABLE and self.num_failed < max_failures:
+            self.pool.mark_failed(worker.address)
+            self.num_failed += 1
+        else:
+            return False
+        self.tried.append(worker.address)
+        return True
+
+
 async def call_routed(pool: WorkerPool, block_hashes: Sequence[bytes],
                       call: Callable[[Worker], Awaitable[T]], hop: str,
                       lora_name: str = "") -> T:
     """`call(worker)` on the pool's choice for a prompt of `block_hashes` (`pick_for_prefix`);
     a worker that answers UNAVAILABLE is excluded until its next good poll and the call made
-    once more on another. Any other failure is a `GatewayError` keeping the call's status,
-    its message prefixed by `hop` ("prefill", "embed")."""
-    tried: list[str] = []
+    once more on another; one that answers RESOURCE_EXHAUSTED (full) is skipped and the call
+    made on the next choice, until every worker was tried (then OverloadedError: 429).
+    Any other failure is a `GatewayError` keeping the call's status, its message prefixed by
+    `hop` ("prefill", "embed")."""
+    attempts = Attempts(pool)
     while True:
-        worker = pool.pick_for_prefix(block_hashes, exclude=tried, lora_name=lora_name)
+        worker = attempts.pick(block_hashes, lora_name)
         try:
             return await call(worker)
         except grpc.aio.AioRpcError as err:
-            if err.code() != grpc.StatusCode.UNAVAILABLE or tried:
+            if not attempts.retry(worker, err, max_failures=1):
                 raise GatewayError.from_rpc(err, hop) from None
-            pool.mark_failed(worker.address)
-            tried.append(worker.address)
         finally:
             pool.done(worker)
 

@@ -1,5 +1,5 @@
 """What the REST and gRPC front ends share: config, tokenizer, router, orchestrator, metrics,
-stored responses."""
+stored responses, the bound on requests in flight."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import functools
 import time
 from dataclasses import dataclass, field
 
+from gateway.admission import RequestLimit
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.orchestrator import Orchestrator
@@ -28,6 +29,7 @@ class GatewayState:
     metrics: GatewayMetrics
     token_texts: TokenTexts  # each token's text, for logprobs
     responses: ResponseStore  # the Responses API's stored responses (this gateway's own)
+    limit: RequestLimit  # generation and embeddings requests in flight (--max-concurrent-requests)
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     _special: dict[str, bool] = field(default_factory=dict)
@@ -88,10 +90,11 @@ class GatewayState:
         responses = ResponseStore(config.responses_store_max_entries,
                                   config.responses_store_max_bytes)
         metrics.observe_response_store(responses)
+        limit = RequestLimit(config.max_concurrent_requests, metrics)
         return cls(config=config, tokenizer=tokenizer, router=router,
-                   orchestrator=Orchestrator(config, router, tokenizer, metrics),
+                   orchestrator=Orchestrator(config, router, tokenizer, metrics, limit),
                    preprocessor=Preprocessor(config, tokenizer, vocab_size), metrics=metrics,
-                   token_texts=TokenTexts(tokenizer), responses=responses)
+                   token_texts=TokenTexts(tokenizer), responses=responses, limit=limit)
 
     @property
     def healthy(self) -> bool:

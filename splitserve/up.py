@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gateway: stored Responses API responses kept at most (0: none stored)")
     p.add_argument("--responses-store-max-bytes", type=int, default=None,
                    help="gateway: bytes of stored Responses API responses kept at most")
+    p.add_argument("--max-concurrent-requests", type=int, default=None,
+                   help="gateway: requests in flight at most; more are refused with 429 "
+                        "(default: no bound; the workers' own is --max-queued-requests)")
     for role in ("prefill", "decode"):
         p.add_argument(f"--{role}-tensor-parallel-size", type=int, default=None,
                        help=f"the {role} worker's tensor-parallel size, over the engine flags' "
@@ -209,7 +212,8 @@ def service_argv(args: argparse.Namespace, engine_args: list[str]) -> dict[str, 
         gw += ["--tool-call-parser", args.tool_call_parser]
     if args.reasoning_parser:
         gw += ["--reasoning-parser", args.reasoning_parser]
-    for flag in ("responses_store_max_entries", "responses_store_max_bytes"):
+    for flag in ("responses_store_max_entries", "responses_store_max_bytes",
+                 "max_concurrent_requests"):
         if getattr(args, flag) is not None:
             gw += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     return {"prefill": ["--role", "prefill", "--port", str(args.prefill_port),

@@ -124,6 +124,8 @@ def test_config_defaults_and_bounds() -> None:
     ("speculative_tokens", -1), ("speculative_tokens", MAX_SPECULATIVE_TOKENS + 1),
     ("speculative_tokens", 2.5), ("speculative_tokens", True), ("speculative_tokens", "4"),
     ("speculative_max_load", 0), ("speculative_max_load", -3), ("speculative_max_load", 1.5),
+    ("max_concurrent_requests", -1), ("max_concurrent_requests", 1.5),
+    ("max_concurrent_requests", True), ("max_concurrent_requests", "8"),
 ])
 def test_config_refuses_bad_values(field: str, value: object) -> None:
     with pytest.raises(GatewayConfigError, match=field):
@@ -139,6 +141,18 @@ def test_gateway_flags() -> None:
     assert (config.speculative_tokens, config.speculative_max_load) == (0, 9)
     with pytest.raises(GatewayConfigError, match="speculative_tokens"):
         config_from_args(gateway_parser().parse_args([*base, "--speculative-tokens", "99"]))
+
+
+def test_max_concurrent_requests_setting_and_flag() -> None:
+    """The gateway's bound on requests in flight: 0 (none) by default, any integer >= 0."""
+    base = ["--decode", DECODE[0], "--colocated"]
+    assert config_from_args(gateway_parser().parse_args(base)).max_concurrent_requests == 0
+    config = config_from_args(gateway_parser().parse_args(
+        [*base, "--max-concurrent-requests", "64"]))
+    assert config.max_concurrent_requests == 64
+    assert config.replace(max_concurrent_requests=0).max_concurrent_requests == 0
+    with pytest.raises(GatewayConfigError, match="max_concurrent_requests must be an integer >= 0"):
+        config_from_args(gateway_parser().parse_args([*base, "--max-concurrent-requests", "-2"]))
 
 
 def _up(argv: Sequence[str]) -> dict[str, list[str]]:

@@ -191,3 +191,26 @@ def test_each_role_may_split_its_model_differently(argv: list[str], prefill_tp: 
     for role, want in (("prefill", prefill_tp), ("decode", decode_tp)):
         parsed = build_serve_parser().parse_args(services[role])
         assert parsed.tensor_parallel_size == int(want or 1), (role, services[role])
+
+
+def test_up_gives_load_bounds_to_the_right_services() -> None:
+    """`--max-concurrent-requests` is the gateway's (not an engine flag the workers would
+    refuse); `--max-queued-requests` and `--scheduling-policy` reach both workers."""
+    from splitserve.up import build_parser, service_argv
+
+    args, engine_args = build_parser().parse_known_args(
+        ["--max-concurrent-requests", "7", "--max-queued-requests", "3",
+         "--scheduling-policy", "priority"])
+    argv = service_argv(args, engine_args)
+    gw = argv["gateway"]
+    assert gw[gw.index("--max-concurrent-requests") + 1] == "7"
+    for role in ("prefill", "decode"):
+        assert "--max-concurrent-requests" not in argv[role]
+        assert argv[role][argv[role].index("--max-queued-requests") + 1] == "3"
+        assert argv[role][argv[role].index("--scheduling-policy") + 1] == "priority"
+    assert "--max-queued-requests" not in gw
+    from serving.worker_main import build_serve_parser
+
+    colocated = build_serve_parser().parse_args(
+        ["--role", "colocated", "--max-concurrent-requests", "5"])
+    assert colocated.max_concurrent_requests == 5  # its in-process gateway's bound
