@@ -145,7 +145,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None
     # Words the output must not contain (vLLM's `bad_words`): each word's token sequence, as
     # written and after a space, never completed: its last token is banned whenever the output
-    # ends with the rest of it (engine/bad_words.py). Needs the engine's tokenizer.
+    # ends with the rest of it (engine/bad_words.py). Needs the engine's tokenizer; not with
+    # structured_outputs or allowed_token_ids (they could leave a step no token to sample).
     bad_words: list[str] = field(default_factory=list)
     # Keep only the prompt's last this many tokens (vLLM's `truncate_prompt_tokens`; -1: the
     # engine's max_model_len), applied where the prompt is tokenized (`LLM`, the gateway):
@@ -213,6 +214,9 @@ class SamplingParams:
             raise bad("bad_words", _short(self.bad_words),
                       f"a list of at most {MAX_BAD_WORDS} non-blank strings of at most "
                       f"{MAX_BAD_WORD_CHARS} characters")
+        if self.bad_words and self.allowed_token_ids is not None:
+            # An allow-list inside the banned tokens would leave no token to sample.
+            raise SamplingParamsError("bad_words cannot be combined with allowed_token_ids")
         check_truncation(self.truncate_prompt_tokens, SamplingParamsError)
         if self.structured_outputs is not None:
             self._validate_structured()
@@ -230,6 +234,9 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             raise SamplingParamsError("allowed_token_ids cannot be combined with "
                                       "structured_outputs (the grammar decides the allowed tokens)")
+        if self.bad_words:
+            raise SamplingParamsError("bad_words cannot be combined with structured_outputs "
+                                      "(a grammar that allows only banned tokens leaves none)")
 
     def token_ids_beyond(self, vocab_size: int) -> list[int]:
         """The token ids `logit_bias`, `allowed_token_ids` and `structured_outputs` name that

@@ -11,7 +11,7 @@ from engine.llm import LLM
 from engine.llm_engine import EngineInputError
 from engine.loader.load import default_model_path
 from engine.request import Request
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputs
 from engine.tokenizer import Tokenizer
 
 
@@ -45,6 +45,12 @@ def test_bad_words_are_validated() -> None:
     for words in (["ok", ""], ["  "], "word", ["x" * 257], ["w"] * 129):
         with pytest.raises(SamplingParamsError, match="bad_words"):
             SamplingParams(bad_words=words)  # type: ignore[arg-type]
+    # Combinations that could leave a row no token to sample are refused.
+    with pytest.raises(SamplingParamsError, match="bad_words cannot be combined"):
+        SamplingParams(bad_words=["x"], allowed_token_ids=[3, 4])
+    with pytest.raises(SamplingParamsError, match="bad_words cannot be combined"):
+        SamplingParams(bad_words=["Paris"],
+                       structured_outputs=StructuredOutputs(choice=("Paris", "Rome")))
 
 
 @pytest.mark.slow
