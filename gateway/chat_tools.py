@@ -28,8 +28,8 @@ async def chat_job(state: GatewayState, messages: list[dict[str, Any]], options:
                    chat_template: str | None = None) -> GenerationJob:
     """A chat request's validated job: the chat template (the request's own `chat_template` if
     it sent one) rendered with `messages` (the template's form, `chat_messages`) and the tools,
-    the sampling `options` as a tool choice changes them, and the tool choice recorded on the
-    job (metric, span attribute)."""
+    tokenized and cut to `options["truncate_prompt_tokens"]`, the sampling `options` as a tool
+    choice changes them, and the tool choice recorded on the job (metric, span attribute)."""
     if calling is not None:
         options = options | _tool_options(calling, options, state)
     if state.config.reasoning_parser is not None and state.is_special_text(REASONING_END):
@@ -37,6 +37,9 @@ async def chat_job(state: GatewayState, messages: list[dict[str, Any]], options:
     ids = await state.preprocessor.encode_chat(
         messages, param, tools=calling.template_tools() if calling is not None else None,
         template_kwargs=template_kwargs, chat_template=chat_template)
+    # Cut here already (build_job would too) so that the reasoning gate reads the prompt's end
+    # as the model sees it.
+    ids = state.preprocessor.truncated(ids, options.get("truncate_prompt_tokens"))
     spec = options.get("structured_outputs")
     if spec is not None and (gate := reasoning_gate(state, ids)) is not None:
         options = options | {"structured_outputs": dataclasses.replace(

@@ -52,15 +52,18 @@ class EmbeddingJob:
 async def embedding_job(state: GatewayState, inputs: Sequence[PromptInput], *, request_id: str,
                         lora_name: str, priority: int = 0, dimensions: int | None = None,
                         normalize: bool | None = None,
+                        truncate_prompt_tokens: int | None = None,
                         pooling_type: common_pb2.PoolingType.ValueType =
                         common_pb2.POOLING_TYPE_UNSPECIFIED,
                         param: str = "input") -> EmbeddingJob:
     """Check the pooling options (the engine's `PoolingParams` rules; the upper bound of
-    `dimensions`, the model's hidden size, is the workers' to check) and tokenize each input:
-    input i is named `{param}.{i}` in errors (`param` alone for one input). `priority`: an
-    int32, which the workers check against their scheduling policy."""
+    `dimensions`, the model's hidden size, is the workers' to check) and tokenize each input,
+    keeping its last `truncate_prompt_tokens` tokens (`Preprocessor.truncated`): input i is
+    named `{param}.{i}` in errors (`param` alone for one input). `priority`: an int32, which
+    the workers check against their scheduling policy."""
     try:
-        PoolingParams(normalize=normalize, dimensions=dimensions)
+        PoolingParams(normalize=normalize, dimensions=dimensions,
+                      truncate_prompt_tokens=truncate_prompt_tokens)
     except PoolingParamsError as err:
         raise GatewayError.invalid(str(err).split(" ", 1)[0], str(err)) from None
     pre = state.preprocessor
@@ -69,6 +72,7 @@ async def embedding_job(state: GatewayState, inputs: Sequence[PromptInput], *, r
         name = param if len(inputs) == 1 else f"{param}.{i}"
         ids = (await pre.encode_text(prompt, name) if isinstance(prompt, str)
                else pre.check_token_ids(prompt, name))
+        ids = pre.truncated(ids, truncate_prompt_tokens)
         pre.check_prompt_len(len(ids), name, generates=False)
         prompts.append(tuple(ids))
     pooling = common_pb2.EmbedRequest(pooling_type=pooling_type, dimensions=dimensions or 0,

@@ -112,6 +112,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 priority=request.priority,
                 dimensions=request.dimensions or None,
                 normalize=request.normalize if request.HasField("normalize") else None,
+                truncate_prompt_tokens=_truncation(request),
                 pooling_type=request.pooling_type, param="inputs")
         except GatewayError as err:
             await context.abort(err.code, err.message)
@@ -194,7 +195,7 @@ def _embedding_inputs(request: gateway_pb2.EmbeddingsRequest, limit: int) -> lis
 _PARAM_NAMES = {name: f"sampling.{name}" for name in (
     "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens",
     "stop_token_ids", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs",
-    "logit_bias", "allowed_token_ids", "prompt_logprobs", "structured_outputs")}
+    "logit_bias", "allowed_token_ids", "prompt_logprobs", "structured_outputs", "bad_words")}
 
 
 def _sampling_options(request: gateway_pb2.GenerateRequest) -> dict[str, object]:
@@ -220,8 +221,17 @@ def _sampling_options(request: gateway_pb2.GenerateRequest) -> dict[str, object]
         "logit_bias": dict(s.logit_bias),
         "allowed_token_ids": list(s.allowed_token_ids) or None,
         "structured_outputs": structured_from_proto(s),
+        "bad_words": list(s.bad_words),
         "skip_special_tokens": request.skip_special_tokens,
+        "truncate_prompt_tokens": _truncation(request),
     }
+
+
+def _truncation(request: gateway_pb2.GenerateRequest | gateway_pb2.EmbeddingsRequest
+                ) -> int | None:
+    """`truncate_prompt_tokens` (unset: None, the whole prompt)."""
+    return (request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens")
+            else None)
 
 
 def _plain(event: TokenDelta | Finished) -> gateway_pb2.GenerateResponse:

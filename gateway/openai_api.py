@@ -39,6 +39,7 @@ from gateway.openai_protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    PromptInput,
     TokenizeRequest,
     chat_logprobs,
     chat_messages,
@@ -136,7 +137,8 @@ def build_app(state: GatewayState) -> FastAPI:
         job = await embedding_job(state, inputs, request_id=f"embd-{uuid.uuid4().hex}",
                                   lora_name=lora, priority=req.priority,
                                   dimensions=req.dimensions,
-                                  normalize=req.normalize)
+                                  normalize=req.normalize,
+                                  truncate_prompt_tokens=req.truncate_prompt_tokens)
         state.metrics.requests_received.labels(api="embeddings").inc()
         state.metrics.prompt_tokens.inc(job.num_prompt_tokens)
         responses = await _until_disconnect(run_embeddings(state, job), request)
@@ -367,18 +369,27 @@ async def _completion_jobs(req: CompletionRequest, state: GatewayState
     options = req.sampling_options() | {"max_tokens": max_tokens, "logprobs": req.logprobs,
                                         "prompt_logprobs": req.prompt_scoring()}
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    jobs = []
+    jobs: list[GenerationJob] = []
+    echoes: list[str] | None = [] if req.echo else None
     for i, prompt in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt.{i}"
         ids = (await pre.encode_text(prompt, param) if isinstance(prompt, str)
                else pre.check_token_ids(prompt, param))
-        jobs.append(pre.build_job(ids, options, request_id=request_id if len(prompts) == 1
-                                  else f"{request_id}-{i}"))
-    echoes = None
-    if req.echo:  # the prompt as sent; token ids as their text
-        echoes = [p if isinstance(p, str) else state.tokenizer.decode(p, skip_special_tokens=False)
-                  for p in prompts]
+        job = pre.build_job(ids, options, request_id=request_id if len(prompts) == 1
+                            else f"{request_id}-{i}")
+        jobs.append(job)
+        if echoes is not None:
+            echoes.append(_echo_text(prompt, len(ids), job, state))
     return request_id, jobs, echoes
+
+
+def _echo_text(prompt: PromptInput, num_sent: int, job: GenerationJob,
+               state: GatewayState) -> str:
+    """The prompt an echo shows: as sent, or the text of the tokens the model saw when they
+    are token ids or `truncate_prompt_tokens` cut them (the echoed logprobs score those)."""
+    if isinstance(prompt, str) and len(job.prompt_token_ids) == num_sent:
+        return prompt
+    return state.tokenizer.decode(job.prompt_token_ids, skip_special_tokens=False)
 
 
 async def _chat_job(req: ChatCompletionRequest, state: GatewayState

@@ -50,6 +50,12 @@ _UNSUPPORTED_FIELDS = {
 Priority = Annotated[StrictInt, Field(ge=-(2**31), le=2**31 - 1)]
 
 
+# vLLM's `truncate_prompt_tokens` extra: keep the prompt's last k tokens (-1: max_model_len; the
+# range is the engine's rule, `check_truncation`). Strict, as `Priority`: true, 2.0 or "2" is
+# refused rather than read as a number.
+TruncatePromptTokens = StrictInt
+
+
 class _PriorityField(_Open):
     """A request the workers schedule: anything but 0 needs them started with
     --scheduling-policy priority (they refuse it otherwise: a 400 with their message)."""
@@ -82,6 +88,8 @@ class _SamplingFields(_PriorityField):
     logit_bias: dict[str, float] | None = None   # JSON keys are strings: {"50256": -100}
     allowed_token_ids: list[int] | None = None   # vLLM's extra
     prompt_logprobs: int | None = None           # vLLM's extra: score the prompt, top-n each
+    bad_words: list[str] | None = None           # vLLM's extra: words the output never contains
+    truncate_prompt_tokens: TruncatePromptTokens | None = None  # vLLM's extra: see its type
 
     def sampling_options(self) -> dict[str, Any]:
         """Engine `SamplingParams` keyword arguments (max_tokens and logprobs added by callers)."""
@@ -105,6 +113,8 @@ class _SamplingFields(_PriorityField):
             "logit_bias": _token_keys(self.logit_bias or {}, "logit_bias"),
             "allowed_token_ids": self.allowed_token_ids,
             "prompt_logprobs": self.prompt_logprobs,
+            "bad_words": list(self.bad_words or []),
+            "truncate_prompt_tokens": self.truncate_prompt_tokens,
             # response_format, structured_outputs, guided_*: gateway/structured.py
             "structured_outputs": structured_from_request(self.model_extra or {}),
         }
@@ -271,6 +281,7 @@ class EmbeddingRequest(_PriorityField):
     dimensions: int | None = None
     user: str | None = None
     normalize: bool | None = None  # vLLM's extra: None, the model's (normalized)
+    truncate_prompt_tokens: TruncatePromptTokens | None = None  # vLLM's extra, as completions'
 
 
 def parse_request(model: type[M], body: dict[str, Any]) -> M:

@@ -14,7 +14,12 @@ from typing import Any
 
 import grpc
 
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.sampling_params import (
+    SamplingParams,
+    SamplingParamsError,
+    check_truncation,
+    truncate_prompt,
+)
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError
 from gateway.orchestrator import GenerationJob
@@ -113,11 +118,24 @@ class Preprocessor:
                 raise GatewayError.invalid(param, f"{param}[{i}] = {t!r}: token ids must be {allowed}")
         return list(ids)
 
+    def truncated(self, ids: list[int], keep: int | None) -> list[int]:
+        """The prompt's last `keep` tokens (vLLM's `truncate_prompt_tokens`: -1 keeps
+        max_model_len of them, None all), `keep` checked by the engine's rule. Workers take
+        token ids as given, so the gateway cuts right after tokenizing: the length checks,
+        prefix hashes (routing) and usage then see only the kept tokens. Cutting a cut prompt
+        again changes nothing."""
+        try:
+            check_truncation(keep, SamplingParamsError)
+        except SamplingParamsError as err:
+            raise GatewayError.invalid("truncate_prompt_tokens", str(err)) from None
+        return truncate_prompt(ids, keep, self._config.max_model_len)
+
     # -- sampling and limits ---------------------------------------------------------------
     def build_job(self, prompt_token_ids: list[int], params: dict[str, Any], *,
                   request_id: str | None = None, param_names: dict[str, str] | None = None,
                   ) -> GenerationJob:
-        """Validate sampling options (engine `SamplingParams` field names) and build the job.
+        """Validate sampling options (engine `SamplingParams` field names) and build the job
+        of `prompt_token_ids` as `truncate_prompt_tokens` cuts it (`truncated`).
 
         `params["max_tokens"] = None` means "the rest of the context" (capped by
         `max_tokens_cap`). `param_names` maps engine field names to the client's names for
@@ -125,6 +143,7 @@ class Preprocessor:
         """
         names = param_names or {}
         sp = _sampling_params(params, names)
+        prompt_token_ids = self.truncated(prompt_token_ids, sp.truncate_prompt_tokens)
         beyond = sp.token_ids_beyond(self._vocab_size) if self._vocab_size else []
         if beyond:
             field = ("logit_bias" if beyond[0] in sp.logit_bias else "allowed_token_ids"
@@ -225,6 +244,7 @@ def _to_proto(sp: SamplingParams, max_tokens: int) -> common_pb2.SamplingParams:
     proto.logit_bias.update(sp.logit_bias)
     if sp.allowed_token_ids is not None:
         proto.allowed_token_ids.extend(sp.allowed_token_ids)
+    proto.bad_words.extend(sp.bad_words)  # the workers tokenize them (engine/bad_words.py)
     if sp.structured_outputs is not None:
         structured_to_proto(sp.structured_outputs, proto.structured_outputs)
     return proto

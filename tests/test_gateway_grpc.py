@@ -86,6 +86,64 @@ def test_generate_passes_logit_bias_and_allowed_token_ids(gw: Harness, channel: 
     assert dict(sent.logit_bias) == {7: -3.5} and list(sent.allowed_token_ids) == [7, 8]
 
 
+def test_generate_passes_bad_words_and_truncates(gw: Harness, channel: grpc.Channel) -> None:
+    """`sampling.bad_words` reach both workers; `truncate_prompt_tokens` cuts token-id, text
+    and chat prompts to their last k tokens, which usage counts."""
+    ids = list(range(600, 612))
+    out = _generate(channel, token_ids=gateway_pb2.TokenIds(ids=ids), truncate_prompt_tokens=5,
+                    sampling=common_pb2.SamplingParams(max_tokens=2, bad_words=["Paris", "Tower"]))
+    assert list(gw.prefill[0].prefill_requests[-1].prompt_token_ids) == ids[-5:]
+    assert list(gw.prefill[0].prefill_requests[-1].sampling.bad_words) == ["Paris", "Tower"]
+    assert list(gw.decode[0].decode_requests[-1].sampling.bad_words) == ["Paris", "Tower"]
+    assert out[-1].complete.usage.prompt_tokens == 5
+    text = "The capital of France is a city of bridges"
+    out = _generate(channel, text=text, truncate_prompt_tokens=2,
+                    sampling=common_pb2.SamplingParams(max_tokens=2))
+    assert list(gw.prefill[0].prefill_requests[-1].prompt_token_ids) == \
+        smollm2_tokenizer().encode(text)[-2:]
+    chat = gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="user", content="hi")])
+    out = _generate(channel, chat=chat, truncate_prompt_tokens=3,
+                    sampling=common_pb2.SamplingParams(max_tokens=2))
+    assert len(gw.prefill[0].prefill_requests[-1].prompt_token_ids) == 3
+    assert out[-1].complete.usage.prompt_tokens == 3
+    # Past the gateway's prompt limit (255 tokens), cut below it: served.
+    out = _generate(channel, token_ids=gateway_pb2.TokenIds(ids=[5] * 400),
+                    truncate_prompt_tokens=8, sampling=common_pb2.SamplingParams(max_tokens=2))
+    assert out[-1].complete.usage.prompt_tokens == 8
+
+
+@pytest.mark.parametrize(("fields", "words"), [
+    ({"text": "x", "truncate_prompt_tokens": 0}, ["truncate_prompt_tokens", "-1", ">= 1"]),
+    ({"text": "x", "truncate_prompt_tokens": -2}, ["truncate_prompt_tokens"]),
+    ({"chat": gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="user",
+                                                                         content="hi")]),
+      "truncate_prompt_tokens": 0}, ["truncate_prompt_tokens"]),
+    ({"text": "x", "sampling": common_pb2.SamplingParams(bad_words=[" "])},
+     ["sampling.bad_words", "non-blank"]),
+    ({"text": "x", "sampling": common_pb2.SamplingParams(bad_words=["w"] * 129)},
+     ["sampling.bad_words", "at most 128"]),
+])
+def test_bad_words_and_truncation_validation(gw: Harness, channel: grpc.Channel,
+                                             fields: dict[str, object], words: list[str]) -> None:
+    sent = len(gw.prefill[0].prefill_requests)
+    with pytest.raises(grpc.RpcError) as info:
+        _generate(channel, **fields)
+    err: grpc.Call = info.value  # type: ignore[assignment]
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    for w in words:
+        assert w in (err.details() or ""), (w, err.details())
+    assert len(gw.prefill[0].prefill_requests) == sent
+
+
+def test_embed_refuses_a_bad_truncation(channel: grpc.Channel) -> None:
+    stub = gateway_pb2_grpc.GatewayStub(channel)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Embed(gateway_pb2.EmbeddingsRequest(inputs=[gateway_pb2.EmbeddingInput(text="x")],
+                                                 truncate_prompt_tokens=0), timeout=20)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert "truncate_prompt_tokens" in (info.value.details() or "")  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize(("fields", "code", "words"), [
     ({}, grpc.StatusCode.INVALID_ARGUMENT, ["input"]),
     ({"token_ids": gateway_pb2.TokenIds(ids=[])}, grpc.StatusCode.INVALID_ARGUMENT, ["token_ids.ids"]),

@@ -788,3 +788,109 @@ def test_a_worker_refusing_a_priority_is_a_400(script_ids: list[int]) -> None:
                 client.completions.create(model=MODEL_NAME, prompt="x", stream=stream,
                                           extra_body={"priority": 1})
             assert info.value.status_code == 400
+
+
+# -- bad_words and truncate_prompt_tokens (vLLM's extras) -----------------------------------------
+def test_bad_words_reach_the_workers(gw: Harness, client: OpenAI) -> None:
+    """The words travel as the client wrote them, to both workers (the decode worker's bans
+    are the ones that matter after the first token): completions, chat and responses."""
+    words = ["Paris", " the capital", "Eiffel Tower"]
+    client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=3,
+                              extra_body={"bad_words": words})
+    assert list(gw.prefill[0].prefill_requests[-1].sampling.bad_words) == words
+    assert list(gw.decode[0].decode_requests[-1].sampling.bad_words) == words
+    client.chat.completions.create(model=MODEL_NAME, messages=MSG, max_tokens=3,  # type: ignore[arg-type]
+                                   extra_body={"bad_words": words[:1]})
+    assert list(gw.prefill[0].prefill_requests[-1].sampling.bad_words) == words[:1]
+    r = _post(gw, "/v1/responses", {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 3,
+                                    "store": False, "bad_words": words[1:]})
+    assert r.status_code == 200, r.text
+    assert list(gw.prefill[0].prefill_requests[-1].sampling.bad_words) == words[1:]
+    client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=3)
+    assert not gw.prefill[0].prefill_requests[-1].sampling.bad_words
+
+
+def test_truncation_sends_each_prompt_its_last_tokens(gw: Harness, client: OpenAI) -> None:
+    """Every prompt of a batch keeps its last k tokens: what both workers receive and what
+    usage counts; an echo shows the kept tokens' text (the logprobs score those)."""
+    prompts = [list(range(500, 510)), list(range(700, 703)), list(range(900, 920))]
+    r = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=2, echo=True,
+                                  extra_body={"truncate_prompt_tokens": 4})
+    kept = [p[-4:] for p in prompts]
+    sent = sorted(list(req.prompt_token_ids) for req in gw.prefill[0].prefill_requests[-3:])
+    assert sent == sorted(kept)
+    assert sorted(list(req.prompt_token_ids) for req in gw.decode[0].decode_requests[-3:]) == \
+        sorted(kept)
+    assert r.usage is not None and r.usage.prompt_tokens == 4 + 3 + 4
+    tok = smollm2_tokenizer()
+    texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+    assert all(t.startswith(tok.decode(k, skip_special_tokens=False))
+               for t, k in zip(texts, kept, strict=True))
+    # A text prompt too: the last k of its tokens.
+    text = "The capital of France is a city of bridges and museums"
+    r = client.completions.create(model=MODEL_NAME, prompt=text, max_tokens=2,
+                                  extra_body={"truncate_prompt_tokens": 3})
+    assert list(gw.prefill[0].prefill_requests[-1].prompt_token_ids) == tok.encode(text)[-3:]
+    assert r.usage is not None and r.usage.prompt_tokens == 3
+
+
+def test_truncation_cuts_the_rendered_chat_prompt(gw: Harness, client: OpenAI) -> None:
+    """Chat keeps the end of the rendered prompt (the generation prompt's role markers, which
+    the answer needs, are there), over REST and through the Responses API."""
+    rendered = _post(gw, "/tokenize", {"messages": MSG}).json()["tokens"]
+    r = client.chat.completions.create(model=MODEL_NAME, messages=MSG, max_tokens=2,  # type: ignore[arg-type]
+                                       extra_body={"truncate_prompt_tokens": 5})
+    assert list(gw.prefill[0].prefill_requests[-1].prompt_token_ids) == rendered[-5:]
+    assert r.usage is not None and r.usage.prompt_tokens == 5
+    r2 = _post(gw, "/v1/responses", {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 2,
+                                     "store": False, "truncate_prompt_tokens": 6})
+    assert r2.status_code == 200, r2.text
+    assert r2.json()["usage"]["input_tokens"] == 6
+    assert len(gw.prefill[0].prefill_requests[-1].prompt_token_ids) == 6
+
+
+def test_truncation_lets_a_too_long_prompt_in(gw: Harness, client: OpenAI) -> None:
+    """The length checks see the kept tokens, as vLLM's do: 300 tokens, past this gateway's
+    255, are served cut to 10; -1 keeps max_model_len (256), one too many for an answer."""
+    prompt = [(7 * i) % 1000 + 1 for i in range(300)]
+    with pytest.raises(openai.BadRequestError, match="300 tokens"):
+        client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2)
+    r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2,
+                                  extra_body={"truncate_prompt_tokens": 10})
+    assert list(gw.prefill[0].prefill_requests[-1].prompt_token_ids) == prompt[-10:]
+    assert r.usage is not None and r.usage.prompt_tokens == 10
+    with pytest.raises(openai.BadRequestError, match="256 tokens"):
+        client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2,
+                                  extra_body={"truncate_prompt_tokens": -1})
+
+
+_ROUTES = {CMPL: {"prompt": "x"}, CHAT: {"messages": MSG}, "/v1/responses": {"input": "hi"},
+           "/v1/embeddings": {"input": "x"}}
+
+
+@pytest.mark.parametrize("path", [CMPL, CHAT, "/v1/responses"])
+@pytest.mark.parametrize(("bad_words", "words"), [
+    ("Paris", ["valid list"]), ([5], ["valid string"]), ([""], ["non-blank"]),
+    (["  "], ["non-blank"]), (["x" * 257], ["at most 256 characters"]),
+    (["w"] * 129, ["at most 128"]),
+])
+def test_bad_words_are_checked_by_the_gateway(gw: Harness, path: str, bad_words: object,
+                                              words: list[str]) -> None:
+    sent = len(gw.prefill[0].prefill_requests)
+    body = {"model": MODEL_NAME, "bad_words": bad_words, **_ROUTES[path]}
+    err = _error(_post(gw, path, body), 400, *words)
+    assert (err["type"], str(err["param"]).split(".")[0]) == ("invalid_request_error",
+                                                              "bad_words")
+    assert len(gw.prefill[0].prefill_requests) == sent
+
+
+@pytest.mark.parametrize("path", list(_ROUTES))
+@pytest.mark.parametrize("k", [0, -2, True, 1.5, "3", [3]])
+def test_a_bad_truncation_is_refused_by_the_gateway(gw: Harness, path: str, k: object) -> None:
+    """-1 or an integer >= 1 (the engine's rule); a bool, a float or a numeric string is not
+    read as a number."""
+    sent = len(gw.prefill[0].prefill_requests)
+    body = {"model": MODEL_NAME, "truncate_prompt_tokens": k, **_ROUTES[path]}
+    err = _error(_post(gw, path, body), 400, "truncate_prompt_tokens")
+    assert (err["type"], err["param"]) == ("invalid_request_error", "truncate_prompt_tokens")
+    assert len(gw.prefill[0].prefill_requests) == sent

@@ -229,6 +229,7 @@ class GenerateRequest(_message.Message):
     CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _builtins.int
     CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """optional; the gateway makes one when empty"""
     text: _builtins.str
@@ -248,6 +249,11 @@ class GenerateRequest(_message.Message):
     """Scheduling priority, as vLLM's `priority`: lower is scheduled sooner; non-zero needs
     workers started with --scheduling-policy priority (else INVALID_ARGUMENT).
     """
+    truncate_prompt_tokens: _builtins.int
+    """Keep only the prompt's last this many tokens, as vLLM's `truncate_prompt_tokens` (-1: the
+    gateway's max_model_len; unset: all of them); applied by the gateway after tokenization
+    (chat: the rendered prompt), before the length checks. Usage counts the kept tokens.
+    """
     @_builtins.property
     def token_ids(self) -> Global___TokenIds: ...
     @_builtins.property
@@ -255,7 +261,11 @@ class GenerateRequest(_message.Message):
         """chat template applied by the gateway"""
 
     @_builtins.property
-    def sampling(self) -> _common_pb2.SamplingParams: ...
+    def sampling(self) -> _common_pb2.SamplingParams:
+        """The workers' sampling parameters (common.proto), checked by the gateway first; vLLM's
+        extras included, e.g. `bad_words` (words the output never contains).
+        """
+
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """stop strings"""
@@ -296,21 +306,26 @@ class GenerateRequest(_message.Message):
         chat_template_kwargs: _struct_pb2.Struct | None = ...,
         chat_template: _builtins.str | None = ...,
         priority: _builtins.int = ...,
+        truncate_prompt_tokens: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_chat_template", b"_chat_template", "_parallel_tool_calls", b"_parallel_tool_calls", "chat", b"chat", "chat_template", b"chat_template", "chat_template_kwargs", b"chat_template_kwargs", "input", b"input", "parallel_tool_calls", b"parallel_tool_calls", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids", "tool_choice", b"tool_choice"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_chat_template", b"_chat_template", "_parallel_tool_calls", b"_parallel_tool_calls", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "chat", b"chat", "chat_template", b"chat_template", "chat_template_kwargs", b"chat_template_kwargs", "input", b"input", "parallel_tool_calls", b"parallel_tool_calls", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids", "tool_choice", b"tool_choice", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_chat_template", b"_chat_template", "_parallel_tool_calls", b"_parallel_tool_calls", "chat", b"chat", "chat_template", b"chat_template", "chat_template_kwargs", b"chat_template_kwargs", "input", b"input", "model", b"model", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "priority", b"priority", "request_id", b"request_id", "sampling", b"sampling", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "text", b"text", "token_ids", b"token_ids", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_chat_template", b"_chat_template", "_parallel_tool_calls", b"_parallel_tool_calls", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "chat", b"chat", "chat_template", b"chat_template", "chat_template_kwargs", b"chat_template_kwargs", "input", b"input", "model", b"model", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "priority", b"priority", "request_id", b"request_id", "sampling", b"sampling", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "text", b"text", "token_ids", b"token_ids", "tool_choice", b"tool_choice", "tools", b"tools", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__chat_template: _TypeAlias = _typing.Literal["chat_template"]  # noqa: Y015
     _WhichOneofArgType__chat_template: _TypeAlias = _typing.Literal["_chat_template", b"_chat_template"]  # noqa: Y015
     _WhichOneofReturnType__parallel_tool_calls: _TypeAlias = _typing.Literal["parallel_tool_calls"]  # noqa: Y015
     _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
+    _WhichOneofReturnType__truncate_prompt_tokens: _TypeAlias = _typing.Literal["truncate_prompt_tokens"]  # noqa: Y015
+    _WhichOneofArgType__truncate_prompt_tokens: _TypeAlias = _typing.Literal["_truncate_prompt_tokens", b"_truncate_prompt_tokens"]  # noqa: Y015
     _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["text", "token_ids", "chat"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__chat_template) -> _WhichOneofReturnType__chat_template | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__parallel_tool_calls) -> _WhichOneofReturnType__parallel_tool_calls | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__truncate_prompt_tokens) -> _WhichOneofReturnType__truncate_prompt_tokens | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType_input) -> _WhichOneofReturnType_input | None: ...
 
@@ -504,6 +519,7 @@ class EmbeddingsRequest(_message.Message):
     POOLING_TYPE_FIELD_NUMBER: _builtins.int
     NORMALIZE_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """optional; the gateway makes one when empty"""
     model: _builtins.str
@@ -518,6 +534,8 @@ class EmbeddingsRequest(_message.Message):
     """As GenerateRequest.priority: lower is scheduled sooner; non-zero needs workers started
     with --scheduling-policy priority (else INVALID_ARGUMENT).
     """
+    truncate_prompt_tokens: _builtins.int
+    """As GenerateRequest.truncate_prompt_tokens: each input keeps its last this many tokens."""
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___EmbeddingInput]:
         """at least one; at most the gateway's limit"""
@@ -532,14 +550,20 @@ class EmbeddingsRequest(_message.Message):
         pooling_type: _common_pb2.PoolingType.ValueType = ...,
         normalize: _builtins.bool | None = ...,
         priority: _builtins.int = ...,
+        truncate_prompt_tokens: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_normalize", b"_normalize", "normalize", b"normalize"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_normalize", b"_normalize", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "normalize", b"normalize", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_normalize", b"_normalize", "dimensions", b"dimensions", "inputs", b"inputs", "model", b"model", "normalize", b"normalize", "pooling_type", b"pooling_type", "priority", b"priority", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_normalize", b"_normalize", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "dimensions", b"dimensions", "inputs", b"inputs", "model", b"model", "normalize", b"normalize", "pooling_type", b"pooling_type", "priority", b"priority", "request_id", b"request_id", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__normalize: _TypeAlias = _typing.Literal["normalize"]  # noqa: Y015
     _WhichOneofArgType__normalize: _TypeAlias = _typing.Literal["_normalize", b"_normalize"]  # noqa: Y015
+    _WhichOneofReturnType__truncate_prompt_tokens: _TypeAlias = _typing.Literal["truncate_prompt_tokens"]  # noqa: Y015
+    _WhichOneofArgType__truncate_prompt_tokens: _TypeAlias = _typing.Literal["_truncate_prompt_tokens", b"_truncate_prompt_tokens"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__normalize) -> _WhichOneofReturnType__normalize | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__truncate_prompt_tokens) -> _WhichOneofReturnType__truncate_prompt_tokens | None: ...
 
 Global___EmbeddingsRequest: _TypeAlias = EmbeddingsRequest  # noqa: Y015
 
