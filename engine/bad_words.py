@@ -3,8 +3,8 @@
 Each word becomes token sequences when its request is queued: the word as written (leading
 spaces dropped) and, where the tokenizer spells a word after a space with other tokens of the
 same count, the word after a space (" word": a word inside text rather than at its start), as
-vLLM's `bad_words` does. At each step a sequence's last token is banned (-inf) for a request
-whose output ends with the sequence's other tokens: a one-token word is banned always, a longer
+vLLM's `bad_words` does. At each step a sequence's last token is banned (-inf: the sampler's
+`mask_bad_words`) for a request whose output ends with the sequence's other tokens: a one-token word is banned always, a longer
 one only when it would be completed. The output (not the prompt) is what is matched, as in vLLM.
 """
 
@@ -13,9 +13,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 
-import torch
-
-from engine.devices import to_device
 from engine.request import Request
 
 TokenSequences = tuple[tuple[int, ...], ...]
@@ -59,21 +56,3 @@ def banned_tokens(req: Request) -> list[int]:
             banned.append(seq[-1])
     return banned
 
-
-def mask_bad_words(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
-    """Set each row's banned tokens to -inf (one index_put; indices copied without a sync).
-    logits: [N, V], modified in place and returned."""
-    vocab = logits.shape[1]
-    rows: list[int] = []
-    ids: list[int] = []
-    for i, req in enumerate(reqs):
-        if req.bad_words_token_ids and not req.is_finished:
-            for t in banned_tokens(req):
-                if 0 <= t < vocab:
-                    rows.append(i)
-                    ids.append(t)
-    if rows:
-        dev = logits.device
-        index = (to_device(rows, torch.long, dev), to_device(ids, torch.long, dev))
-        logits.index_put_(index, logits.new_full((), float("-inf")))
-    return logits

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.bad_words import mask_bad_words, reads_output
+from engine.bad_words import banned_tokens, reads_output
 from engine.devices import to_device
 from engine.penalties import PenaltyState
 from engine.request import Request, TokenLogprob
@@ -151,19 +151,15 @@ def _needs_min_tokens_mask(req: Request) -> bool:
     return req.num_output_tokens < req.sampling_params.min_tokens
 
 
-def mask_min_tokens(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
-    """Before `min_tokens` outputs exist, EOS (unless ignore_eos) and stop_token_ids cannot be
-    sampled (vLLM / HF `min_new_tokens` semantics). logits: [N, V], modified in place: one
-    index_put for all rows, its indices copied without a blocking copy (`to_device`)."""
+def _ban(logits: torch.Tensor, banned: Sequence[tuple[int, Sequence[int]]]) -> torch.Tensor:
+    """Set the tokens each (row, ids) names to -inf (ids outside the vocabulary skipped): one
+    index_put for all rows, its indices copied without a blocking copy (`to_device`).
+    logits: [N, V], modified in place and returned."""
     vocab = logits.shape[1]
     rows: list[int] = []
     ids: list[int] = []
-    for i, req in enumerate(reqs):
-        if not _needs_min_tokens_mask(req):
-            continue
-        sp = req.sampling_params
-        banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(req.eos_token_ids))
-        for t in banned:
+    for i, tokens in banned:
+        for t in tokens:
             if 0 <= t < vocab:
                 rows.append(i)
                 ids.append(t)
@@ -172,6 +168,22 @@ def mask_min_tokens(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tens
         index = (to_device(rows, torch.long, dev), to_device(ids, torch.long, dev))
         logits.index_put_(index, logits.new_full((), float("-inf")))  # a fill, not a copy
     return logits
+
+
+def mask_min_tokens(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    """Before `min_tokens` outputs exist, EOS (unless ignore_eos) and stop_token_ids cannot be
+    sampled (vLLM / HF `min_new_tokens` semantics). logits: [N, V], modified in place."""
+    return _ban(logits, [
+        (i, sorted(set(r.sampling_params.stop_token_ids)
+                   | (set() if r.sampling_params.ignore_eos else set(r.eos_token_ids))))
+        for i, r in enumerate(reqs) if _needs_min_tokens_mask(r)])
+
+
+def mask_bad_words(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    """`bad_words` (engine/bad_words.py): each row's banned next tokens to -inf.
+    logits: [N, V], modified in place."""
+    return _ban(logits, [(i, banned_tokens(r)) for i, r in enumerate(reqs)
+                         if r.bad_words_token_ids and not r.is_finished])
 
 
 def filter_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

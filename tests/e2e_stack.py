@@ -23,6 +23,7 @@ Every wait is bounded (`LOAD_TIMEOUT_S`, `IDLE_TIMEOUT_S`, gRPC/HTTP timeouts).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Coroutine, Iterator, Sequence
@@ -414,16 +415,23 @@ FORCED_CALL = (r'Let me check\.\n<tool_call>\n\{"name": "get_weather", "argument
                r'\{"city": "[A-Z][a-z]{1,10}", "unit": "(celsius|fahrenheit)"\}\}\n</tool_call>')
 
 
-@pytest.fixture(scope="module")
-def tools_gateway_server(disagg_stack: Stack) -> Iterator[GatewayServer]:
-    """A second gateway in front of the disaggregated stack's workers, with tool calling."""
-    config = disagg_stack.gateway.config.replace(
-        tool_call_parser="hermes", chat_template=load_chat_template(str(TOOLS_TEMPLATE)))
-    gateway = GatewayServer(config, rest_host=HOST, rest_port=0, grpc_host=HOST, grpc_port=0,
-                            tokenizer=disagg_stack.tokenizer)
-    disagg_stack.loop.run(gateway.start(), 120)
+@contextlib.contextmanager
+def extra_gateway(stack: Stack, **changes: Any) -> Iterator[GatewayServer]:
+    """A second gateway in front of `stack`'s workers, its config the stack's with `changes`
+    (started on the stack's loop, healthy when yielded, stopped after)."""
+    gateway = GatewayServer(stack.gateway.config.replace(**changes), rest_host=HOST,
+                            rest_port=0, grpc_host=HOST, grpc_port=0, tokenizer=stack.tokenizer)
+    stack.loop.run(gateway.start(), 120)
     try:
         wait_healthy(f"http://{HOST}:{gateway.rest_port}/health", 60)
         yield gateway
     finally:
-        disagg_stack.loop.run(gateway.stop(), 60)
+        stack.loop.run(gateway.stop(), 60)
+
+
+@pytest.fixture(scope="module")
+def tools_gateway_server(disagg_stack: Stack) -> Iterator[GatewayServer]:
+    """A second gateway in front of the disaggregated stack's workers, with tool calling."""
+    with extra_gateway(disagg_stack, tool_call_parser="hermes",
+                       chat_template=load_chat_template(str(TOOLS_TEMPLATE))) as gateway:
+        yield gateway

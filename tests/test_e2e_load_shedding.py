@@ -31,6 +31,7 @@ from e2e_stack import (  # noqa: E402
     LoopThread,
     Stack,
     engine_config,
+    extra_gateway,
     generate,
     wait_healthy,
     worker_channel,
@@ -122,16 +123,8 @@ def stacks(loop_thread: LoopThread) -> Iterator[Stacks]:
 @pytest.fixture(scope="module")
 def limited(stacks: Stacks) -> Iterator[GatewayServer]:
     """A second gateway in front of the colocated worker, with --max-concurrent-requests 1."""
-    stack = stacks.colocated
-    gateway = GatewayServer(stack.gateway.config.replace(max_concurrent_requests=1),
-                            rest_host=HOST, rest_port=0, grpc_host=HOST, grpc_port=0,
-                            tokenizer=stack.tokenizer)
-    stack.loop.run(gateway.start(), 120)
-    try:
-        wait_healthy(f"http://{HOST}:{gateway.rest_port}/health", 60)
+    with extra_gateway(stacks.colocated, max_concurrent_requests=1) as gateway:
         yield gateway
-    finally:
-        stack.loop.run(gateway.stop(), 60)
 
 
 # ---- helpers -----------------------------------------------------------------------------------
