@@ -44,6 +44,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    return value
+
+
 def _runner_int(field: str, allowed: str) -> Callable[[str], int]:
     """A flag type for the integer RunnerConfig field `field`: RunnerConfig's own rule, refused
     at the flag (`allowed` words the rule for the message)."""
@@ -145,6 +155,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-lora-rank", type=_positive_int,
                    default=_default(LoRAConfig, "max_lora_rank"),
                    help="adapters of a higher rank are refused")
+    g.add_argument("--max-loras", type=_non_negative_int,
+                   default=_default(LoRAConfig, "max_loras"),
+                   help="adapter slots on the device: adapters may then be loaded and unloaded "
+                        "at runtime (the gateway's /v1/load_lora_adapter), at a cost on every "
+                        "step for every slot; 0 (default): exactly --lora-modules, packed")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="vLLM's flag: without --max-loras, one slot per --lora-modules adapter "
+                        "(at least one), so adapters can be swapped at runtime")
     g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int,
                    default=_default(ParallelConfig, "tensor_parallel_size"),
                    help="split the model's heads and MLP over this many processes, one GPU "
@@ -234,7 +252,9 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "colocated") -
                             piecewise_graph_max_tokens=args.piecewise_graph_max_tokens,
                             quantization=args.quantization),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size),
-        lora=LoRAConfig(modules=tuple(args.lora_modules), max_lora_rank=args.max_lora_rank),
+        lora=LoRAConfig(modules=tuple(args.lora_modules), max_lora_rank=args.max_lora_rank,
+                        max_loras=args.max_loras or (max(1, len(args.lora_modules))
+                                                     if args.enable_lora else 0)),
         pooler=PoolerConfig(pooling_type=args.pooling_type),
         speculative=SpeculativeConfig(method=args.speculative_method,
                                       num_speculative_tokens=args.num_speculative_tokens,

@@ -725,6 +725,8 @@ class SpeculativeConfig:
 # Adapters' ranks above this are refused (vLLM's --max-lora-rank default is 16; PEFT adapters in
 # use rarely exceed 64, and each rank costs every adapted row two thin matmuls per projection).
 DEFAULT_MAX_LORA_RANK = 64
+# Slots are allocated in every projection of every layer: a ceiling that catches a typo.
+MAX_LORAS = 64
 _LORA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 
 
@@ -737,10 +739,15 @@ class LoRAConfig:
 
     modules: tuple[tuple[str, str], ...] = ()  # (name, adapter directory)
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+    # Adapter slots on the device (vLLM's --max-loras). 0: exactly `modules`, packed (the
+    # least work per step), none added later. > 0: that many slots of rank `max_lora_rank`,
+    # `modules` in the first, adapters loaded and unloaded at runtime
+    # (`LLMEngine.add_lora` / `remove_lora`) — every projection then pays for every slot.
+    max_loras: int = 0
 
     @property
     def enabled(self) -> bool:
-        return bool(self.modules)
+        return bool(self.modules) or self.max_loras > 0
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -750,6 +757,12 @@ class LoRAConfig:
         if type(self.max_lora_rank) is not int or not 1 <= self.max_lora_rank <= 1024:
             raise ConfigError(f"max_lora_rank must be an integer in [1, 1024], got "
                               f"{self.max_lora_rank!r}")
+        if type(self.max_loras) is not int or not 0 <= self.max_loras <= MAX_LORAS:
+            raise ConfigError(f"max_loras must be an integer in [0, {MAX_LORAS}], got "
+                              f"{self.max_loras!r}")
+        if self.max_loras and len(self.modules) > self.max_loras:
+            raise ConfigError(f"{len(self.modules)} LoRA modules given for max_loras "
+                              f"{self.max_loras} slots")
         seen: set[str] = set()
         for name, path in self.modules:
             if not isinstance(name, str) or not _LORA_NAME.match(name):

@@ -75,6 +75,8 @@ class LLM:
         tensor_parallel_size: int = 1,
         lora_modules: dict[str, str] | None = None,
         max_lora_rank: int = DEFAULT_MAX_LORA_RANK,
+        enable_lora: bool = False,
+        max_loras: int = 0,
         speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
         pooling_type: PoolingType | None = None,
         scheduling_policy: str = "fcfs",
@@ -83,7 +85,10 @@ class LLM:
         4, "prompt_lookup_max": 4} (the fields of `SpeculativeConfig`), or {"model": <draft>,
         "num_speculative_tokens": 4} for a draft model (the method follows from `model`).
         `lora_modules`: LoRA adapters by name -> PEFT directory, loaded now; `generate(...,
-        lora_request=name)` runs a prompt with one. `pooling_type`: how `embed` pools by
+        lora_request=name)` runs a prompt with one. `max_loras` > 0 (or `enable_lora`: one
+        slot per module, at least one): that many adapter slots, and a `LoRARequest` with a
+        path loads its adapter on first use, as in vLLM (the least recently used adapter is
+        unloaded when the slots are full). `pooling_type`: how `embed` pools by
         default ("LAST", "MEAN", "CLS"; None: the model's sentence-transformers configuration,
         else LAST). `scheduling_policy`: "fcfs" or "priority" (`generate(..., priority=)`)."""
         if isinstance(speculative_config, dict):
@@ -119,17 +124,21 @@ class LLM:
             speculative=speculative_config or SpeculativeConfig(),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             lora=LoRAConfig(modules=tuple((lora_modules or {}).items()),
-                            max_lora_rank=max_lora_rank),
+                            max_lora_rank=max_lora_rank,
+                            max_loras=max_loras or (max(1, len(lora_modules or {}))
+                                                    if enable_lora else 0)),
             pooler=PoolerConfig(pooling_type=pooling_type),
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
+        self._lora_lru: dict[str, None] = {}  # adapter names, least recently used first
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
         self = cls.__new__(cls)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
+        self._lora_lru = {}
         return self
 
     def shutdown(self) -> None:
@@ -221,11 +230,44 @@ class LLM:
     # ---- internals -------------------------------------------------------------------------
 
     def _lora_names(self, lora_request: LoRAArg) -> str | list[str | None] | None:
-        """The adapters' names (one for all, or one per prompt) of a `lora_request`."""
-        loaded = dict(self.engine.config.lora.modules)
+        """The adapters' names (one for all, or one per prompt) of a `lora_request`, after
+        loading those a `LoRARequest` names with a path that the engine does not hold yet
+        (an engine with `max_loras` slots)."""
+        requests = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                    else [lora_request])
+        self._load_missing([r for r in requests if isinstance(r, LoRARequest)])
+        loaded = self._loaded_loras()
         if isinstance(lora_request, (list, tuple)):
             return [lora_name_of(r, loaded) for r in lora_request]
         return lora_name_of(lora_request, loaded)  # type: ignore[arg-type]
+
+    def _loaded_loras(self) -> dict[str, str]:
+        """Loaded adapters: name -> the directory each was read from."""
+        stack = self.engine.runner.lora
+        return {} if stack is None else {a.name: a.path for a in stack.adapters}
+
+    def _load_missing(self, requests: list[LoRARequest]) -> None:
+        """Load the adapters `requests` name that are not loaded (vLLM's on-demand loading);
+        when the slots are full, unload the least recently used ones this call does not need.
+        Between `generate` calls no request is in flight, so any adapter may go."""
+        stack = self.engine.runner.lora
+        needed = {r.lora_name: r.lora_path for r in requests}
+        for name in needed:  # most recently used last
+            self._lora_lru.pop(name, None)
+            self._lora_lru[name] = None
+        missing = {n: p for n, p in needed.items() if p and n not in self._loaded_loras()}
+        if not missing or stack is None or not self.engine.runtime_lora:
+            return  # lora_name_of / the engine refuse what is not loaded, by name
+        if len(needed) > stack.max_loras:
+            raise EngineInputError(f"{len(needed)} LoRA adapters in one call, but the engine "
+                                   f"has {stack.max_loras} slots (max_loras)")
+        for name, path in missing.items():
+            if len(stack.loaded) >= stack.max_loras:
+                order = {n: i for i, n in enumerate(self._lora_lru)}
+                victim = min((n for n in stack.slots if n not in needed),
+                             key=lambda n: order.get(n, -1))  # unseen here: oldest
+                self.engine.remove_lora(victim)
+            self.engine.add_lora(name, path)
 
     def _submit(self, prompts: PromptType | Sequence[PromptType],
                 sampling_params: SamplingParams | Sequence[SamplingParams] | None,

@@ -20,12 +20,14 @@ from engine.config import (
     SPEC_METHODS,
     ConfigError,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     PoolerConfig,
 )
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv.hashing import model_fingerprint, root_hash
 from engine.kv.kv_cache_manager import KVCacheManager
+from engine.lora import LoRAAdapter, LoRAError, LoRAStack, load_adapter
 from engine.outputs import StepOutput
 from engine.pooler import resolve_pooler
 from engine.pooling import accumulate, embedding
@@ -158,13 +160,11 @@ class LLMEngine:
                                  keep_runs=config.keeps_block_runs())
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         # Each adapter's KV differs from the base model's for the same tokens: its prompts'
-        # block hashes chain from a root of their own (the adapter's name and files).
-        self._lora_roots: dict[int, bytes] = {}
+        # block hashes chain from a root of their own (the adapter's name and files), by name.
+        self._lora_roots: dict[str, bytes] = {}
         if self.runner.lora is not None:
-            for slot, adapter in enumerate(self.runner.lora.adapters, start=1):
-                self._lora_roots[slot] = root_hash(
-                    self.fingerprint, f"{config.cache.tenant_salt}\x00lora\x00{adapter.name}"
-                    f"\x00{adapter.weights_id}")
+            for adapter in self.runner.lora.adapters:
+                self._lora_roots[adapter.name] = self._lora_root(adapter)
         # Structured outputs' constraints, compiled against this model's vocabulary on first use.
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.detokenize = detokenize and self.tokenizer is not None
@@ -429,14 +429,90 @@ class LLMEngine:
         """Run `req` with adapter `lora_name` (None: the base model), its KV hashed under the
         adapter's root."""
         req.lora_slot = self.lora_slot(lora_name)
-        if req.lora_slot:
-            req.hash_root = self._lora_roots[req.lora_slot]
+        if lora_name is not None:
+            req.hash_root = self._lora_roots[lora_name]
 
     def hash_root(self, lora_name: str | None = None) -> bytes:
         """The root a prompt's block hashes chain from: the engine's, or adapter `lora_name`'s
         (EngineInputError for an adapter it does not serve)."""
-        slot = self.lora_slot(lora_name)
-        return self._lora_roots[slot] if slot else self.kv.root
+        if lora_name is None:
+            return self.kv.root
+        self.lora_slot(lora_name)
+        root = self._lora_roots.get(lora_name)
+        if root is None:  # removed on the engine thread since the line above
+            raise EngineInputError(f"unknown LoRA adapter {lora_name!r}")
+        return root
+
+    def _lora_root(self, adapter: LoRAAdapter) -> bytes:
+        """Adapter `adapter`'s root: a name loaded again from other files gets another, so no
+        block computed with the old weights is a prefix hit for the new ones."""
+        return root_hash(self.fingerprint, f"{self.config.cache.tenant_salt}\x00lora\x00"
+                                           f"{adapter.name}\x00{adapter.weights_id}")
+
+    # ---- LoRA adapters at runtime (`LoRAConfig.max_loras` slots) ------------------------------
+
+    @property
+    def runtime_lora(self) -> bool:
+        """Whether adapters can be added and removed while the engine runs."""
+        return (self.runner.lora is not None and self.runner.lora.slotted
+                and self.config.parallel.tensor_parallel_size == 1)
+
+    def lora_names(self) -> list[str]:
+        """The adapters loaded now, by slot."""
+        stack = self.runner.lora
+        return [] if stack is None else [a.name for a in stack.adapters]
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Read the PEFT adapter in directory `path`, check it against the model and write it
+        into a free slot, so requests may name it from the next step on. Engine thread only.
+        EngineInputError says why it cannot be: runtime loading off, a bad name, a name
+        already loaded, no free slot, or what is wrong with the files."""
+        stack = self._runtime_stack()
+        try:
+            LoRAConfig(modules=((name, path),)).validate()
+        except ConfigError as e:
+            raise EngineInputError(str(e)) from None
+        if name in stack.slots:
+            raise EngineInputError(f"LoRA adapter {name!r} has already been loaded (from "
+                                   f"{stack.loaded[stack.slots[name]].path})")
+        if len(stack.loaded) >= stack.max_loras:
+            raise EngineInputError(f"all {stack.max_loras} LoRA slots are taken "
+                                   f"({', '.join(self.lora_names())}); unload one first or "
+                                   "start the engine with a larger max_loras")
+        try:
+            adapter = load_adapter(name, path, self.model_config, self.config.lora.max_lora_rank)
+            root = self._lora_root(adapter)
+            slot = stack.add(adapter)
+        except (LoRAError, ValueError) as e:
+            raise EngineInputError(str(e)) from None
+        self._lora_roots[name] = root
+        logger.info("LoRA adapter %s loaded into slot %d: rank %d, %s (%s)", name, slot,
+                    adapter.rank, ", ".join(sorted(adapter.targets)), path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload adapter `name`, freeing its slot. Engine thread only. EngineInputError when
+        no adapter has the name or unfinished requests still run it."""
+        stack = self._runtime_stack()
+        slot = stack.slots.get(name)
+        if slot is None:
+            raise EngineInputError(f"no LoRA adapter {name!r} is loaded (loaded: "
+                                   f"{', '.join(self.lora_names()) or 'none'})")
+        users = sum(r.lora_slot == slot for r in self.scheduler.requests.values())
+        if users:
+            raise EngineInputError(f"LoRA adapter {name!r} is in use by {users} unfinished "
+                                   "request(s); unload it once they are done")
+        stack.remove(name)
+        del self._lora_roots[name]
+        logger.info("LoRA adapter %s unloaded from slot %d", name, slot)
+
+    def _runtime_stack(self) -> LoRAStack:
+        stack = self.runner.lora
+        if not self.runtime_lora or stack is None:
+            why = ("not with tensor parallelism yet"
+                   if self.config.parallel.tensor_parallel_size > 1 and stack is not None
+                   and stack.slotted else "start it with max_loras > 0 (--max-loras N)")
+            raise EngineInputError(f"this engine does not load LoRA adapters at runtime: {why}")
+        return stack
 
     def prompt_key(self, lora_name: str | None = None) -> bytes:
         """What a KV handle's prompt hash binds besides the tokens (`prompt_hash`): the
@@ -451,7 +527,8 @@ class LLMEngine:
         stack = self.runner.lora
         if stack is None:
             raise EngineInputError(f"LoRA adapter {lora_name!r} asked for, but this engine "
-                                   "serves none (start it with --lora-modules NAME=PATH)")
+                                   "serves none (start it with --lora-modules NAME=PATH or "
+                                   "--max-loras N)")
         try:
             return stack.slot(lora_name)
         except KeyError:

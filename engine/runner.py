@@ -223,7 +223,10 @@ def build_lora(config: EngineConfig, cfg: ModelConfig, device: torch.device,
     for a in adapters:
         logger.info("LoRA adapter %s: rank %d, scaling %.4g, %s (%s)", a.name, a.rank,
                     a.scaling, ", ".join(sorted(a.targets)), a.path)
-    return LoRAStack(adapters, cfg, device, dtype, shard)
+    if lora.max_loras:
+        logger.info("LoRA: %d slots of rank %d (%d free for runtime loading)", lora.max_loras,
+                    lora.max_lora_rank, lora.max_loras - len(adapters))
+    return LoRAStack(adapters, cfg, device, dtype, shard, lora.max_loras, lora.max_lora_rank)
 
 
 def check_tensor_parallel(config: EngineConfig, device: torch.device) -> None:

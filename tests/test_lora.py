@@ -54,18 +54,22 @@ def adapters(tmp_path_factory: pytest.TempPathFactory, tiny_model_dirs: dict[str
 
     def get(name: str) -> dict[str, tuple[Path, dict, float]]:
         if name not in made:
-            from engine.config import LoadConfig
-            from engine.loader import load_model_source
-
-            cfg = load_model_source(LoadConfig(model=str(tiny_model_dirs[name]))).config
-            root = tmp_path_factory.mktemp(f"lora_{name}")
-            attn = write_adapter(root / "attn", cfg, ("q_proj", "v_proj", "o_proj"), 4, 8, 1)
-            every = write_adapter(root / "all", cfg, TARGETS, 8, 16, 2, use_rslora=True)
-            made[name] = {"attn": (root / "attn", attn, 2.0),
-                          "all": (root / "all", every, 16 / 8 ** 0.5)}
+            made[name] = write_test_adapters(tmp_path_factory.mktemp(f"lora_{name}"),
+                                             tiny_model_dirs[name])
         return made[name]
 
     return get
+
+
+def write_test_adapters(root: Path, model_dir: Path) -> dict[str, tuple[Path, dict, float]]:
+    """`adapters`' two adapters of the model in `model_dir`, written under `root`."""
+    from engine.config import LoadConfig
+    from engine.loader import load_model_source
+
+    cfg = load_model_source(LoadConfig(model=str(model_dir))).config
+    attn = write_adapter(root / "attn", cfg, ("q_proj", "v_proj", "o_proj"), 4, 8, 1)
+    every = write_adapter(root / "all", cfg, TARGETS, 8, 16, 2, use_rslora=True)
+    return {"attn": (root / "attn", attn, 2.0), "all": (root / "all", every, 16 / 8 ** 0.5)}
 
 
 def _hf_logits(model: PreTrainedModel, ids: list[int]) -> torch.Tensor:

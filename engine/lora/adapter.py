@@ -143,7 +143,12 @@ def load_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int) -> LoRAA
                 raise LoRAError(f"{file}: {tensor_name!r}: layer {layer}'s MLP is a mixture of "
                                 "experts; adapters on experts are not supported (attention "
                                 "projections are)")
-            halves[(layer, target, half)] = f.get_tensor(tensor_name).float()
+            tensor = f.get_tensor(tensor_name).float()
+            if not bool(torch.isfinite(tensor).all()):
+                # Every row of a step multiplies every adapter's columns (masked by zero after):
+                # an inf or NaN here would turn other requests' outputs into NaN too.
+                raise LoRAError(f"{file}: {tensor_name!r} holds inf or NaN values")
+            halves[(layer, target, half)] = tensor
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for (layer, target, half), tensor in halves.items():
         if half == "B":

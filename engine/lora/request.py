@@ -1,6 +1,7 @@
-"""vLLM's `LoRARequest`, for offline code written against it: here adapters are loaded when the
-engine starts (`LLM(lora_modules=...)`), so a request names one; a path, when given, must be the
-one that name was loaded from."""
+"""vLLM's `LoRARequest`, for offline code written against it: a request names a loaded adapter
+(`LLM(lora_modules=...)`), or, on an engine with adapter slots (`max_loras`), one that `LLM`
+loads from `lora_path` on first use; a path, when given, must be the one that name was loaded
+from."""
 
 from __future__ import annotations
 
@@ -25,5 +26,5 @@ def lora_name_of(request: LoRARequest | str | None,
         have = loaded.get(request.lora_name)
         if have is not None and os.path.realpath(have) != os.path.realpath(request.lora_path):
             raise ValueError(f"LoRA adapter {request.lora_name!r} was loaded from {have}, not "
-                             f"{request.lora_path} (adapters are loaded when the engine starts)")
+                             f"{request.lora_path} (unload it first to load other files under that name)")
     return request.lora_name
