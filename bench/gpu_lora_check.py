@@ -11,7 +11,13 @@
    adapter on every projection loaded but unused, and with every request running it; batch 1
    and 16, the median inter-token latency of 64 tokens.
 
-Usage: PYTHONPATH=. python3 bench/gpu_lora_check.py --out $OUT/lora_check.json
+With `--max-loras N` (runtime loading, engine/lora/stack.py's slotted layout): the fast
+engine of 1. starts with N empty slots, captures its graphs, and only then gets its adapters
+(`LLMEngine.add_lora`), after a decoy adapter was loaded into the first slot, used, and
+unloaded — so stale columns or graphs that miss in-place writes would show; 2. adds the same
+adapter in one of N slots (every projection pays for every slot).
+
+Usage: PYTHONPATH=. python3 bench/gpu_lora_check.py --out $OUT/lora_check.json [--max-loras 4]
 """
 
 from __future__ import annotations
@@ -71,17 +77,25 @@ def reference_logits(llm: LLM, ids: list[int], lora: str | None) -> torch.Tensor
     return logits
 
 
-def correctness(ckpt: Path, adapters: dict[str, str], dtype: str, tol: float
-                ) -> dict[str, Any]:
+def correctness(ckpt: Path, adapters: dict[str, str], dtype: str, tol: float,
+                max_loras: int = 0, decoy: str = "") -> dict[str, Any]:
     rng = random.Random(1)
     prompts = [[rng.randrange(32000) for _ in range(rng.randrange(20, 300))] for _ in range(6)]
     names: list[str | None] = [None, "attn", "every", None, "every", "attn"]
-    fast = LLM(str(ckpt), dtype=dtype, lora_modules=adapters, max_model_len=2048,
+    fast = LLM(str(ckpt), dtype=dtype, lora_modules=None if max_loras else adapters,
+               max_loras=max_loras, max_lora_rank=16, max_model_len=2048,
                num_gpu_blocks=2048, max_num_seqs=16, cuda_graph_max_batch=16)
     runner = fast.engine.runner
     sets = {"base": runner.graphs, "lora": runner.lora_graphs}
     before = {k: g.num_replays for k, g in sets.items() if g is not None}
     eng = fast.engine
+    if max_loras:  # after the graphs: a decoy in slot 1, used and gone, then the adapters
+        eng.add_lora("decoy", decoy)
+        fast.generate([{"prompt_token_ids": prompts[0][:50]}],
+                      SamplingParams(temperature=0, max_tokens=8), lora_request="decoy")
+        eng.remove_lora("decoy")
+        for adapter, path in adapters.items():
+            eng.add_lora(adapter, path)
     for i, (p, name) in enumerate(zip(prompts, names, strict=True)):
         eng.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=32,
                                                    ignore_eos=True), lora_name=name)
@@ -90,6 +104,8 @@ def correctness(ckpt: Path, adapters: dict[str, str], dtype: str, tol: float
         for o in eng.step():
             tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
     doc: dict[str, Any] = {
+        "max_loras": max_loras, "slots": {n: runner.lora.slot(n) for n in adapters
+                                          } if runner.lora is not None else {},
         "graph_replays": {k: g.num_replays - before[k] for k, g in sets.items() if g is not None},
         "lora_steps": fast.engine.runner.num_lora_steps,
         "cuda_graphs": fast.engine.runner.result.cuda_graphs}
@@ -135,10 +151,15 @@ def step_ms(llm: LLM, batch: int, lora: str | None) -> float:
     return round(float(torch.tensor(gaps).median()) * 1000, 3)
 
 
-def cost(adapter: str) -> dict[str, Any]:
+def cost(adapter: str, max_loras: int = 0) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    for label, modules in (("no_lora", None), ("lora_loaded", {"r16": adapter})):
+    configs: list[tuple[str, dict[str, str] | None, int]] = [
+        ("no_lora", None, 0), ("lora_loaded", {"r16": adapter}, 0)]
+    if max_loras:
+        configs.append((f"slots{max_loras}", {"r16": adapter}, max_loras))
+    for label, modules, slots in configs:
         llm = LLM("dummy:llama-3.1-8b", dtype="bfloat16", lora_modules=modules,
+                  max_loras=slots, max_lora_rank=16,
                   max_model_len=4096, num_gpu_blocks=8192, max_num_seqs=32,
                   cuda_graph_max_batch=32)
         for batch in (1, 16):
@@ -158,6 +179,8 @@ def main() -> int:
     p.add_argument("--tol", type=float, default=0.05)
     p.add_argument("--skip-cost", action="store_true")
     p.add_argument("--skip-correctness", action="store_true")
+    p.add_argument("--max-loras", type=int, default=0,
+                   help="also check runtime loading into this many slots (and its cost)")
     args = p.parse_args()
     doc: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "",
                            "commit": os.environ.get("SPLITSERVE_COMMIT", ""),
@@ -170,18 +193,24 @@ def main() -> int:
         write_adapter(Path(tmp) / "every", cfg, ATTENTION_TARGETS + MLP_TARGETS, 8, 16, 2,
                       0.03, use_rslora=True)
         adapters = {"attn": str(Path(tmp) / "attn"), "every": str(Path(tmp) / "every")}
+        write_adapter(Path(tmp) / "decoy", cfg, ATTENTION_TARGETS + MLP_TARGETS, 16, 64, 5,
+                      0.05)
+        runs = [("", 0)] + ([("_runtime", args.max_loras)] if args.max_loras else [])
         for dtype in () if args.skip_correctness else ("float32", "bfloat16"):
-            try:
-                doc[f"correctness_{dtype}"] = correctness(ckpt, adapters, dtype, args.tol)
-            except Exception as e:  # recorded; the rest still runs
-                doc[f"correctness_{dtype}"] = {"error": f"{type(e).__name__}: {e}"}
-            print(dtype, json.dumps(doc[f"correctness_{dtype}"])[:1500], flush=True)
+            for suffix, slots in runs:
+                key = f"correctness_{dtype}{suffix}"
+                try:
+                    doc[key] = correctness(ckpt, adapters, dtype, args.tol, slots,
+                                           str(Path(tmp) / "decoy"))
+                except Exception as e:  # recorded; the rest still runs
+                    doc[key] = {"error": f"{type(e).__name__}: {e}"}
+                print(key, json.dumps(doc[key])[:1500], flush=True)
         if not args.skip_cost:
             big = load_model_source(LoadConfig(model="dummy:llama-3.1-8b")).config
             write_adapter(Path(tmp) / "r16", big, ATTENTION_TARGETS + MLP_TARGETS, 16, 32, 3,
                           0.01)
             try:
-                doc["decode_step_ms"] = cost(str(Path(tmp) / "r16"))
+                doc["decode_step_ms"] = cost(str(Path(tmp) / "r16"), args.max_loras)
             except Exception as e:
                 doc["decode_step_ms"] = {"error": f"{type(e).__name__}: {e}"}
             print(json.dumps(doc["decode_step_ms"]), flush=True)
