@@ -93,6 +93,11 @@ class GatewayConfig:
     # template run, sandboxed, in place of the one above). Off: such a request is a 400, since
     # the template is code the gateway runs and can spend its CPU and memory.
     trust_request_chat_template: bool = False
+    # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: POST /v1/load_lora_adapter and
+    # /v1/unload_lora_adapter (and their gRPC Gateway methods) load an adapter on every worker
+    # or unload it. Off: they are refused (403), since they make the workers read any
+    # directory they can see.
+    allow_runtime_lora_updating: bool = False
     # Reasoning outputs: the parser that splits a thinking model's <think> text off a chat
     # answer into `reasoning` (gateway/reasoning.py; None: the text is all content).
     reasoning_parser: str | None = None
@@ -195,9 +200,9 @@ class GatewayConfig:
 
 
 def add_chat_args(parser: argparse.ArgumentParser, role: str = "") -> None:
-    """The flags of chat rendering, tool calling, the Responses API's store and the bound on
-    requests in flight, for every process that serves the REST API (the gateway role and the
-    colocated role's in-process gateway)."""
+    """The flags of chat rendering, tool calling, the Responses API's store, the bound on
+    requests in flight and runtime LoRA updates, for every process that serves the REST API
+    (the gateway role and the colocated role's in-process gateway)."""
     note = f"{role}: " if role else ""
     d = GatewayConfig.__dataclass_fields__
     parser.add_argument("--chat-template", default=None,
@@ -230,6 +235,11 @@ def add_chat_args(parser: argparse.ArgumentParser, role: str = "") -> None:
                         help=f"{note}generation and embeddings requests in flight at most (a "
                              f"stream until it ends); one more is refused at once with 429 "
                              f"(Retry-After: 1) / RESOURCE_EXHAUSTED (0: no bound)")
+    parser.add_argument("--allow-runtime-lora-updating", action="store_true",
+                        help=f"{note}serve POST /v1/load_lora_adapter and "
+                             f"/v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): "
+                             f"an adapter loaded on every worker (started with --max-loras N) "
+                             f"or unloaded; without it they answer 403")
 
 
 def chat_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -247,7 +257,8 @@ def chat_settings(args: argparse.Namespace) -> dict[str, Any]:
             "trust_request_chat_template": args.trust_request_chat_template,
             "responses_store_max_entries": args.responses_store_max_entries,
             "responses_store_max_bytes": args.responses_store_max_bytes,
-            "max_concurrent_requests": args.max_concurrent_requests}
+            "max_concurrent_requests": args.max_concurrent_requests,
+            "allow_runtime_lora_updating": args.allow_runtime_lora_updating}
 
 
 def add_public_security_args(parser: argparse.ArgumentParser, role: str = "") -> None:

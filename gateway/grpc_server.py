@@ -16,6 +16,8 @@ and the calls as `tool_calls` deltas (the token ids unchanged), and what the out
 settles comes in a last chunk before the completion's `GenerateComplete`.
 `chat_template_kwargs` reach the chat template, and a request's own `chat_template` replaces
 it (with --trust-request-chat-template), checked as REST's.
+`LoadLoRAAdapter` / `UnloadLoRAAdapter` are REST's /v1/load_lora_adapter and
+/v1/unload_lora_adapter (gateway/lora_admin.py), under the same --allow-runtime-lora-updating.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from gateway.grpc_tools import (
     template_kwargs_from_proto,
     tool_calling_from_proto,
 )
+from gateway.lora_admin import load_adapter, unload_adapter
 from gateway.openai_protocol import PromptInput
 from gateway.orchestrator import Finished, GenerationJob, TokenDelta
 from gateway.reasoning import ChatOutput
@@ -131,6 +134,25 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 f"{len(responses)} embeddings make a {size >> 20} MiB response; the limit is "
                 f"{MAX_MESSAGE_BYTES >> 20} MiB: send fewer inputs (or fewer dimensions) per call"))
         return response
+
+    async def LoadLoRAAdapter(self, request: common_pb2.LoadLoRAAdapterRequest,
+                              context: grpc.aio.ServicerContext
+                              ) -> common_pb2.LoadLoRAAdapterResponse:
+        try:
+            change = await load_adapter(self._state, request.lora_name, request.lora_path)
+        except GatewayError as err:
+            await context.abort(err.code, err.message)
+        return common_pb2.LoadLoRAAdapterResponse(lora_adapters=change.lora_adapters)
+
+    async def UnloadLoRAAdapter(self, request: common_pb2.UnloadLoRAAdapterRequest,
+                                context: grpc.aio.ServicerContext
+                                ) -> common_pb2.UnloadLoRAAdapterResponse:
+        try:
+            change = await unload_adapter(self._state, request.lora_name)
+        except GatewayError as err:
+            await context.abort(err.code, err.message)
+        return common_pb2.UnloadLoRAAdapterResponse(lora_adapters=change.lora_adapters,
+                                                    lora_path=change.lora_path)
 
     async def _job(self, request: gateway_pb2.GenerateRequest
                    ) -> tuple[GenerationJob, ToolCalling | None]:

@@ -1,6 +1,6 @@
 """OpenAI-compatible REST API (FastAPI): completions, chat completions, responses (and their
 stored ones: retrieve, delete, input items), embeddings, models, health, metrics, and vLLM's
-tokenize / detokenize.
+tokenize / detokenize and runtime LoRA adapter loading (gateway/lora_admin.py).
 
 Bodies are read and parsed here, not by FastAPI, so every client error has an OpenAI-shaped
 body and the right status: size (413, by Content-Length and by bytes actually received),
@@ -27,20 +27,23 @@ from typing import Any, TypeVar
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from gateway.chat_tools import chat_finish_reason, chat_job, chat_outputs
 from gateway.embeddings import embedding_job, run_embeddings
 from gateway.errors import GatewayError
+from gateway.lora_admin import check_allowed, load_adapter, unload_adapter
 from gateway.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    LoadLoRAAdapterRequest,
     PromptInput,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     chat_logprobs,
     chat_messages,
     completion_logprobs,
@@ -245,6 +248,28 @@ def build_app(state: GatewayState) -> FastAPI:
         _check_model(req.model, state)
         ids = state.preprocessor.check_token_ids(req.tokens, "tokens")
         return JSONResponse({"prompt": state.tokenizer.decode(ids, skip_special_tokens=False)})
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        """vLLM's: the adapter loaded on every worker (or on none), then listed and routed."""
+        _check_auth(request, state)
+        check_allowed(state.config)  # before the body: off, nothing of it matters
+        req = parse_request(LoadLoRAAdapterRequest, await _read_json(request, state))
+        if req.load_inplace:
+            raise GatewayError.invalid("load_inplace", "load_inplace is not supported: unload "
+                                                       "the adapter, then load it again")
+        await load_adapter(state, req.lora_name, req.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        """vLLM's: the adapter unloaded from every worker (or from none, while in use)."""
+        _check_auth(request, state)
+        check_allowed(state.config)
+        req = parse_request(UnloadLoRAAdapterRequest, await _read_json(request, state))
+        await unload_adapter(state, req.lora_name)
+        return PlainTextResponse(
+            f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     return app
 

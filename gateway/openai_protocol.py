@@ -12,7 +12,16 @@ import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+)
 
 from engine.sampling_params import MAX_LOGIT_BIAS_ENTRIES
 from gateway.errors import GatewayError
@@ -269,6 +278,21 @@ class DetokenizeRequest(_Open):
 
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(_Open):
+    """vLLM's `POST /v1/load_lora_adapter` (gateway/lora_admin.py): a PEFT adapter directory
+    as the workers see it, and the name requests will give it as their `model`."""
+
+    lora_name: StrictStr
+    lora_path: StrictStr
+    load_inplace: StrictBool = False  # vLLM's: replace a loaded adapter's weights (refused)
+
+
+class UnloadLoRAAdapterRequest(_Open):
+    """vLLM's `POST /v1/unload_lora_adapter` (its `lora_int_id` is accepted and ignored)."""
+
+    lora_name: StrictStr
 
 
 class EmbeddingRequest(_PriorityField):

@@ -3,6 +3,7 @@ stored responses, the bound on requests in flight."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from dataclasses import dataclass, field
@@ -32,6 +33,9 @@ class GatewayState:
     limit: RequestLimit  # generation and embeddings requests in flight (--max-concurrent-requests)
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
+    # One runtime LoRA adapter load or unload at a time (gateway/lora_admin.py): one's undo
+    # must not undo another's work on the same name.
+    lora_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _special: dict[str, bool] = field(default_factory=dict)
     _single: dict[str, int | None] = field(default_factory=dict)
 

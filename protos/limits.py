@@ -23,3 +23,22 @@ def prompt_logprobs_bytes(num_tokens: int, num_top: int) -> int:
     scored token an id and a rank of at most 5 bytes each and a 4-byte logprob, per top entry
     an id and a logprob)."""
     return max(0, num_tokens - 1) * (14 + 9 * num_top)
+
+
+# A runtime LoRA adapter load's name and directory (LoadLoRAAdapterRequest): bounds the gateway
+# and the workers both check before anything reads a file. The engine's own name rule is
+# stricter (engine/config.py); a path is bounded as Linux's PATH_MAX bounds it.
+MAX_LORA_NAME_CHARS = 256
+MAX_LORA_PATH_CHARS = 4096
+
+
+def lora_field_problem(field: str, value: str, max_chars: int) -> str | None:
+    """Why `value` cannot be a LoRA adapter's name or directory (`field` names it in the
+    message), or None when it can."""
+    if not value:
+        return f"{field} is required"
+    if len(value) > max_chars:
+        return f"{field} is {len(value)} characters; the limit is {max_chars}"
+    if "\x00" in value:
+        return f"{field} must not contain NUL characters"
+    return None

@@ -11,6 +11,8 @@ ngram --num-speculative-tokens 4` for speculative decoding on the decode worker,
 `--speculative-method draft_model --speculative-model PATH` for a draft model (a prefill worker
 never speculates, and loads no draft). The gateway then asks for that many drafts while the decode worker is
 lightly loaded (`--speculative-tokens`, `--speculative-max-load` override its policy).
+`--max-loras N --allow-runtime-lora-updating` lets adapters be loaded and unloaded while the
+stack runs (POST /v1/load_lora_adapter, /v1/unload_lora_adapter on the gateway).
 """
 
 from __future__ import annotations
@@ -71,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrent-requests", type=int, default=None,
                    help="gateway: requests in flight at most; more are refused with 429 "
                         "(default: no bound; the workers' own is --max-queued-requests)")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="gateway: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                        "(give the workers adapter slots with --max-loras N)")
     for role in ("prefill", "decode"):
         p.add_argument(f"--{role}-tensor-parallel-size", type=int, default=None,
                        help=f"the {role} worker's tensor-parallel size, over the engine flags' "
@@ -212,6 +217,8 @@ def service_argv(args: argparse.Namespace, engine_args: list[str]) -> dict[str, 
         gw += ["--tool-call-parser", args.tool_call_parser]
     if args.reasoning_parser:
         gw += ["--reasoning-parser", args.reasoning_parser]
+    if args.allow_runtime_lora_updating:
+        gw += ["--allow-runtime-lora-updating"]
     for flag in ("responses_store_max_entries", "responses_store_max_bytes",
                  "max_concurrent_requests"):
         if getattr(args, flag) is not None:

@@ -214,3 +214,27 @@ def test_up_gives_load_bounds_to_the_right_services() -> None:
     colocated = build_serve_parser().parse_args(
         ["--role", "colocated", "--max-concurrent-requests", "5"])
     assert colocated.max_concurrent_requests == 5  # its in-process gateway's bound
+
+
+def test_up_gives_runtime_lora_flags_to_the_right_services() -> None:
+    """`--allow-runtime-lora-updating` is the gateway's; `--max-loras` (adapter slots) reaches
+    both workers; the colocated role's in-process gateway takes the gateway's flag."""
+    from gateway.server import build_parser as gateway_parser
+    from gateway.server import config_from_args
+    from serving.worker_main import build_serve_parser
+    from splitserve.up import build_parser, service_argv
+
+    args, engine_args = build_parser().parse_known_args(
+        ["--allow-runtime-lora-updating", "--max-loras", "2"])
+    argv = service_argv(args, engine_args)
+    assert config_from_args(gateway_parser().parse_args(argv["gateway"][2:])
+                            ).allow_runtime_lora_updating
+    for role in ("prefill", "decode"):
+        assert "--allow-runtime-lora-updating" not in argv[role]
+        assert build_serve_parser().parse_args(argv[role]).max_loras == 2
+    default, _ = build_parser().parse_known_args([])
+    gw = service_argv(default, [])["gateway"]
+    assert not config_from_args(gateway_parser().parse_args(gw[2:])).allow_runtime_lora_updating
+    colocated = build_serve_parser().parse_args(
+        ["--role", "colocated", "--allow-runtime-lora-updating"])
+    assert colocated.allow_runtime_lora_updating

@@ -785,3 +785,107 @@ class EmbedResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___EmbedResponse: _TypeAlias = EmbedResponse  # noqa: Y015
+
+@_typing.final
+class LoadLoRAAdapterRequest(_message.Message):
+    """Load a LoRA adapter at runtime (vLLM's /v1/load_lora_adapter), into one of the worker's free
+    adapter slots (its --max-loras; a worker started without slots to spare refuses with
+    FAILED_PRECONDITION). INVALID_ARGUMENT: a bad name, a name already loaded, no free slot, or
+    an adapter directory the worker cannot serve (the message says which).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LORA_NAME_FIELD_NUMBER: _builtins.int
+    LORA_PATH_FIELD_NUMBER: _builtins.int
+    lora_name: _builtins.str
+    """the name requests give it (the gateway's `model`)"""
+    lora_path: _builtins.str
+    """a PEFT adapter directory on the worker's filesystem"""
+    def __init__(
+        self,
+        *,
+        lora_name: _builtins.str = ...,
+        lora_path: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lora_name", b"lora_name", "lora_path", b"lora_path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadLoRAAdapterRequest: _TypeAlias = LoadLoRAAdapterRequest  # noqa: Y015
+
+@_typing.final
+class LoadLoRAAdapterResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def lora_adapters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """the worker's adapters after the change"""
+
+    def __init__(
+        self,
+        *,
+        lora_adapters: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lora_adapters", b"lora_adapters"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadLoRAAdapterResponse: _TypeAlias = LoadLoRAAdapterResponse  # noqa: Y015
+
+@_typing.final
+class UnloadLoRAAdapterRequest(_message.Message):
+    """Unload a LoRA adapter (vLLM's /v1/unload_lora_adapter), loaded at start or at runtime.
+    NOT_FOUND: the worker has no such adapter; FAILED_PRECONDITION: runtime loading is off on
+    the worker, or unfinished requests still use the adapter (the message says how many).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LORA_NAME_FIELD_NUMBER: _builtins.int
+    lora_name: _builtins.str
+    def __init__(
+        self,
+        *,
+        lora_name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lora_name", b"lora_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadLoRAAdapterRequest: _TypeAlias = UnloadLoRAAdapterRequest  # noqa: Y015
+
+@_typing.final
+class UnloadLoRAAdapterResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LORA_ADAPTERS_FIELD_NUMBER: _builtins.int
+    LORA_PATH_FIELD_NUMBER: _builtins.int
+    lora_path: _builtins.str
+    """The directory the adapter was loaded from: a caller undoing an unload (the gateway, when
+    another worker refused it) loads it back from there.
+    """
+    @_builtins.property
+    def lora_adapters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """the worker's adapters after the change"""
+
+    def __init__(
+        self,
+        *,
+        lora_adapters: _abc.Iterable[_builtins.str] | None = ...,
+        lora_path: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lora_adapters", b"lora_adapters", "lora_path", b"lora_path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadLoRAAdapterResponse: _TypeAlias = UnloadLoRAAdapterResponse  # noqa: Y015

@@ -51,6 +51,16 @@ class DecodeStub:
                 request_serializer=protos_dot_splitserve_dot_v1_dot_common__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=protos_dot_splitserve_dot_v1_dot_common__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/splitserve.v1.Decode/LoadLoRAAdapter',
+                request_serializer=protos_dot_splitserve_dot_v1_dot_common__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_splitserve_dot_v1_dot_common__pb2.LoadLoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/splitserve.v1.Decode/UnloadLoRAAdapter',
+                request_serializer=protos_dot_splitserve_dot_v1_dot_common__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_splitserve_dot_v1_dot_common__pb2.UnloadLoRAAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -76,6 +86,19 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """LoRA adapters loaded and unloaded at runtime (the gateway fans these out to every worker).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +116,16 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=protos_dot_splitserve_dot_v1_dot_common__pb2.EmbedRequest.FromString,
                     response_serializer=protos_dot_splitserve_dot_v1_dot_common__pb2.EmbedResponse.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=protos_dot_splitserve_dot_v1_dot_common__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=protos_dot_splitserve_dot_v1_dot_common__pb2.LoadLoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=protos_dot_splitserve_dot_v1_dot_common__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=protos_dot_splitserve_dot_v1_dot_common__pb2.UnloadLoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +210,60 @@ class Decode:
             '/splitserve.v1.Decode/Embed',
             protos_dot_splitserve_dot_v1_dot_common__pb2.EmbedRequest.SerializeToString,
             protos_dot_splitserve_dot_v1_dot_common__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Decode/LoadLoRAAdapter',
+            protos_dot_splitserve_dot_v1_dot_common__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            protos_dot_splitserve_dot_v1_dot_common__pb2.LoadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Decode/UnloadLoRAAdapter',
+            protos_dot_splitserve_dot_v1_dot_common__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            protos_dot_splitserve_dot_v1_dot_common__pb2.UnloadLoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -38,6 +38,9 @@ class DecodeStub:
     GetLoad: _grpc.UnaryUnaryMultiCallable[_common_pb2.LoadRequest, _common_pb2.LoadReport]
     Embed: _grpc.UnaryUnaryMultiCallable[_common_pb2.EmbedRequest, _common_pb2.EmbedResponse]
     """As Prefill.Embed: a colocated gateway's only pool is this one."""
+    LoadLoRAAdapter: _grpc.UnaryUnaryMultiCallable[_common_pb2.LoadLoRAAdapterRequest, _common_pb2.LoadLoRAAdapterResponse]
+    """LoRA adapters loaded and unloaded at runtime (the gateway fans these out to every worker)."""
+    UnloadLoRAAdapter: _grpc.UnaryUnaryMultiCallable[_common_pb2.UnloadLoRAAdapterRequest, _common_pb2.UnloadLoRAAdapterResponse]
 
 @_typing.type_check_only
 class DecodeAsyncStub(DecodeStub):
@@ -48,6 +51,9 @@ class DecodeAsyncStub(DecodeStub):
     GetLoad: _aio.UnaryUnaryMultiCallable[_common_pb2.LoadRequest, _common_pb2.LoadReport]  # type: ignore[assignment]
     Embed: _aio.UnaryUnaryMultiCallable[_common_pb2.EmbedRequest, _common_pb2.EmbedResponse]  # type: ignore[assignment]
     """As Prefill.Embed: a colocated gateway's only pool is this one."""
+    LoadLoRAAdapter: _aio.UnaryUnaryMultiCallable[_common_pb2.LoadLoRAAdapterRequest, _common_pb2.LoadLoRAAdapterResponse]  # type: ignore[assignment]
+    """LoRA adapters loaded and unloaded at runtime (the gateway fans these out to every worker)."""
+    UnloadLoRAAdapter: _aio.UnaryUnaryMultiCallable[_common_pb2.UnloadLoRAAdapterRequest, _common_pb2.UnloadLoRAAdapterResponse]  # type: ignore[assignment]
 
 class DecodeServicer(metaclass=_abc_1.ABCMeta):
     """Decode role: pull the prompt KV from a prefill worker, then decode with continuous batching."""
@@ -73,5 +79,20 @@ class DecodeServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_common_pb2.EmbedResponse, _abc.Awaitable[_common_pb2.EmbedResponse]]:
         """As Prefill.Embed: a colocated gateway's only pool is this one."""
+
+    @_abc_1.abstractmethod
+    def LoadLoRAAdapter(
+        self,
+        request: _common_pb2.LoadLoRAAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_common_pb2.LoadLoRAAdapterResponse, _abc.Awaitable[_common_pb2.LoadLoRAAdapterResponse]]:
+        """LoRA adapters loaded and unloaded at runtime (the gateway fans these out to every worker)."""
+
+    @_abc_1.abstractmethod
+    def UnloadLoRAAdapter(
+        self,
+        request: _common_pb2.UnloadLoRAAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_common_pb2.UnloadLoRAAdapterResponse, _abc.Awaitable[_common_pb2.UnloadLoRAAdapterResponse]]: ...
 
 def add_DecodeServicer_to_server(servicer: DecodeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

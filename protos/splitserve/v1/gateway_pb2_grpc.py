@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from protos.splitserve.v1 import common_pb2 as protos_dot_splitserve_dot_v1_dot_common__pb2
 from protos.splitserve.v1 import gateway_pb2 as protos_dot_splitserve_dot_v1_dot_gateway__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -45,6 +46,16 @@ class GatewayStub:
                 request_serializer=protos_dot_splitserve_dot_v1_dot_gateway__pb2.EmbeddingsRequest.SerializeToString,
                 response_deserializer=protos_dot_splitserve_dot_v1_dot_gateway__pb2.EmbeddingsResponse.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/splitserve.v1.Gateway/LoadLoRAAdapter',
+                request_serializer=protos_dot_splitserve_dot_v1_dot_common__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_splitserve_dot_v1_dot_common__pb2.LoadLoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/splitserve.v1.Gateway/UnloadLoRAAdapter',
+                request_serializer=protos_dot_splitserve_dot_v1_dot_common__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=protos_dot_splitserve_dot_v1_dot_common__pb2.UnloadLoRAAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServicer:
@@ -67,6 +78,22 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """As REST's POST /v1/load_lora_adapter and /v1/unload_lora_adapter: the adapter loaded on
+        (unloaded from) every healthy worker, or on none. Only on a gateway started with
+        --allow-runtime-lora-updating (else PERMISSION_DENIED). The responses' lora_adapters are
+        the adapters requests may name on this gateway after the change.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -79,6 +106,16 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=protos_dot_splitserve_dot_v1_dot_gateway__pb2.EmbeddingsRequest.FromString,
                     response_serializer=protos_dot_splitserve_dot_v1_dot_gateway__pb2.EmbeddingsResponse.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=protos_dot_splitserve_dot_v1_dot_common__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=protos_dot_splitserve_dot_v1_dot_common__pb2.LoadLoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=protos_dot_splitserve_dot_v1_dot_common__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=protos_dot_splitserve_dot_v1_dot_common__pb2.UnloadLoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -136,6 +173,60 @@ class Gateway:
             '/splitserve.v1.Gateway/Embed',
             protos_dot_splitserve_dot_v1_dot_gateway__pb2.EmbeddingsRequest.SerializeToString,
             protos_dot_splitserve_dot_v1_dot_gateway__pb2.EmbeddingsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Gateway/LoadLoRAAdapter',
+            protos_dot_splitserve_dot_v1_dot_common__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            protos_dot_splitserve_dot_v1_dot_common__pb2.LoadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Gateway/UnloadLoRAAdapter',
+            protos_dot_splitserve_dot_v1_dot_common__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            protos_dot_splitserve_dot_v1_dot_common__pb2.UnloadLoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,6 +5,7 @@ isort:skip_file
 
 from collections import abc as _abc
 from grpc import aio as _aio
+from protos.splitserve.v1 import common_pb2 as _common_pb2
 from protos.splitserve.v1 import gateway_pb2 as _gateway_pb2
 import abc as _abc_1
 import grpc as _grpc
@@ -40,6 +41,13 @@ class GatewayStub:
     e.g. 1,000 vectors of 1,024 dimensions) raise the limit or send fewer inputs per call; past
     64 MiB the call fails with RESOURCE_EXHAUSTED.
     """
+    LoadLoRAAdapter: _grpc.UnaryUnaryMultiCallable[_common_pb2.LoadLoRAAdapterRequest, _common_pb2.LoadLoRAAdapterResponse]
+    """As REST's POST /v1/load_lora_adapter and /v1/unload_lora_adapter: the adapter loaded on
+    (unloaded from) every healthy worker, or on none. Only on a gateway started with
+    --allow-runtime-lora-updating (else PERMISSION_DENIED). The responses' lora_adapters are
+    the adapters requests may name on this gateway after the change.
+    """
+    UnloadLoRAAdapter: _grpc.UnaryUnaryMultiCallable[_common_pb2.UnloadLoRAAdapterRequest, _common_pb2.UnloadLoRAAdapterResponse]
 
 @_typing.type_check_only
 class GatewayAsyncStub(GatewayStub):
@@ -53,6 +61,13 @@ class GatewayAsyncStub(GatewayStub):
     e.g. 1,000 vectors of 1,024 dimensions) raise the limit or send fewer inputs per call; past
     64 MiB the call fails with RESOURCE_EXHAUSTED.
     """
+    LoadLoRAAdapter: _aio.UnaryUnaryMultiCallable[_common_pb2.LoadLoRAAdapterRequest, _common_pb2.LoadLoRAAdapterResponse]  # type: ignore[assignment]
+    """As REST's POST /v1/load_lora_adapter and /v1/unload_lora_adapter: the adapter loaded on
+    (unloaded from) every healthy worker, or on none. Only on a gateway started with
+    --allow-runtime-lora-updating (else PERMISSION_DENIED). The responses' lora_adapters are
+    the adapters requests may name on this gateway after the change.
+    """
+    UnloadLoRAAdapter: _aio.UnaryUnaryMultiCallable[_common_pb2.UnloadLoRAAdapterRequest, _common_pb2.UnloadLoRAAdapterResponse]  # type: ignore[assignment]
 
 class GatewayServicer(metaclass=_abc_1.ABCMeta):
     """The public front door."""
@@ -75,5 +90,24 @@ class GatewayServicer(metaclass=_abc_1.ABCMeta):
         e.g. 1,000 vectors of 1,024 dimensions) raise the limit or send fewer inputs per call; past
         64 MiB the call fails with RESOURCE_EXHAUSTED.
         """
+
+    @_abc_1.abstractmethod
+    def LoadLoRAAdapter(
+        self,
+        request: _common_pb2.LoadLoRAAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_common_pb2.LoadLoRAAdapterResponse, _abc.Awaitable[_common_pb2.LoadLoRAAdapterResponse]]:
+        """As REST's POST /v1/load_lora_adapter and /v1/unload_lora_adapter: the adapter loaded on
+        (unloaded from) every healthy worker, or on none. Only on a gateway started with
+        --allow-runtime-lora-updating (else PERMISSION_DENIED). The responses' lora_adapters are
+        the adapters requests may name on this gateway after the change.
+        """
+
+    @_abc_1.abstractmethod
+    def UnloadLoRAAdapter(
+        self,
+        request: _common_pb2.UnloadLoRAAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_common_pb2.UnloadLoRAAdapterResponse, _abc.Awaitable[_common_pb2.UnloadLoRAAdapterResponse]]: ...
 
 def add_GatewayServicer_to_server(servicer: GatewayServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -38,6 +38,9 @@ class PrefillStub:
     GetLoad: _grpc.UnaryUnaryMultiCallable[_common_pb2.LoadRequest, _common_pb2.LoadReport]
     Embed: _grpc.UnaryUnaryMultiCallable[_common_pb2.EmbedRequest, _common_pb2.EmbedResponse]
     """An embedding: the prompt computed and pooled (no token, no lease)."""
+    LoadLoRAAdapter: _grpc.UnaryUnaryMultiCallable[_common_pb2.LoadLoRAAdapterRequest, _common_pb2.LoadLoRAAdapterResponse]
+    """LoRA adapters loaded and unloaded at runtime (the gateway fans these out to every worker)."""
+    UnloadLoRAAdapter: _grpc.UnaryUnaryMultiCallable[_common_pb2.UnloadLoRAAdapterRequest, _common_pb2.UnloadLoRAAdapterResponse]
 
 @_typing.type_check_only
 class PrefillAsyncStub(PrefillStub):
@@ -48,6 +51,9 @@ class PrefillAsyncStub(PrefillStub):
     GetLoad: _aio.UnaryUnaryMultiCallable[_common_pb2.LoadRequest, _common_pb2.LoadReport]  # type: ignore[assignment]
     Embed: _aio.UnaryUnaryMultiCallable[_common_pb2.EmbedRequest, _common_pb2.EmbedResponse]  # type: ignore[assignment]
     """An embedding: the prompt computed and pooled (no token, no lease)."""
+    LoadLoRAAdapter: _aio.UnaryUnaryMultiCallable[_common_pb2.LoadLoRAAdapterRequest, _common_pb2.LoadLoRAAdapterResponse]  # type: ignore[assignment]
+    """LoRA adapters loaded and unloaded at runtime (the gateway fans these out to every worker)."""
+    UnloadLoRAAdapter: _aio.UnaryUnaryMultiCallable[_common_pb2.UnloadLoRAAdapterRequest, _common_pb2.UnloadLoRAAdapterResponse]  # type: ignore[assignment]
 
 class PrefillServicer(metaclass=_abc_1.ABCMeta):
     """Prefill role: compute the prompt's KV, sample the first token, hold the KV under a lease."""
@@ -73,5 +79,20 @@ class PrefillServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_common_pb2.EmbedResponse, _abc.Awaitable[_common_pb2.EmbedResponse]]:
         """An embedding: the prompt computed and pooled (no token, no lease)."""
+
+    @_abc_1.abstractmethod
+    def LoadLoRAAdapter(
+        self,
+        request: _common_pb2.LoadLoRAAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_common_pb2.LoadLoRAAdapterResponse, _abc.Awaitable[_common_pb2.LoadLoRAAdapterResponse]]:
+        """LoRA adapters loaded and unloaded at runtime (the gateway fans these out to every worker)."""
+
+    @_abc_1.abstractmethod
+    def UnloadLoRAAdapter(
+        self,
+        request: _common_pb2.UnloadLoRAAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_common_pb2.UnloadLoRAAdapterResponse, _abc.Awaitable[_common_pb2.UnloadLoRAAdapterResponse]]: ...
 
 def add_PrefillServicer_to_server(servicer: PrefillServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

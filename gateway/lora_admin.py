@@ -1,0 +1,213 @@
+"""Runtime LoRA adapters: vLLM's `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`
+(and the gRPC Gateway's `LoadLoRAAdapter` / `UnloadLoRAAdapter`), one change fanned out to
+every healthy worker of every pool, all or nothing.
+
+A load goes to every healthy worker at once; if any refuses, the adapter is unloaded again from
+those that took it and the first refusal (in pool order: prefill, then decode) is the answer.
+An unload likewise: when a worker refuses (requests still use the adapter there), those that
+unloaded it load it back from the directory they report, so it stays served everywhere; a
+worker that does not have it (restarted since, say) is no refusal, as long as one did. Then the
+pools' load reports are polled at once, so that `/v1/models` and routing see the change by the
+time the call answers. Workers down at the time are skipped: one that comes back serves what
+it was started with (unload and load the adapter again to put it there too).
+
+Only on a gateway started with --allow-runtime-lora-updating (else PERMISSION_DENIED: 403);
+one change at a time (`GatewayState.lora_lock`), shielded from the caller's cancellation so
+that a client gone mid-way never leaves an adapter on some workers only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+
+from gateway.config import GatewayConfig
+from gateway.errors import GatewayError
+from gateway.router import Router, Worker, WorkerPool
+from gateway.state import GatewayState
+from protos.limits import MAX_LORA_NAME_CHARS, MAX_LORA_PATH_CHARS, lora_field_problem
+from protos.splitserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+LORA_UPDATING_OFF = ("runtime LoRA adapter loading is off on this gateway: start it with "
+                     "--allow-runtime-lora-updating (and the workers with --max-loras N)")
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAChange:
+    """What a load or an unload left."""
+
+    lora_adapters: list[str]  # the adapters requests may name on this gateway now
+    lora_path: str = ""       # an unload: the directory a worker had the adapter from
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """One healthy worker a change goes to."""
+
+    pool: WorkerPool
+    worker: Worker
+
+    def _stub(self) -> prefill_pb2_grpc.PrefillStub | decode_pb2_grpc.DecodeStub:
+        # A colocated worker serves Decode (its pool is the decode one).
+        stub = (prefill_pb2_grpc.PrefillStub if self.pool.role == "prefill"
+                else decode_pb2_grpc.DecodeStub)
+        return stub(self.worker.channel)
+
+    async def load(self, name: str, path: str, timeout_s: float
+                   ) -> common_pb2.LoadLoRAAdapterResponse:
+        request = common_pb2.LoadLoRAAdapterRequest(lora_name=name, lora_path=path)
+        response: common_pb2.LoadLoRAAdapterResponse = await self._stub().LoadLoRAAdapter(
+            request, timeout=timeout_s)
+        return response
+
+    async def unload(self, name: str, timeout_s: float) -> common_pb2.UnloadLoRAAdapterResponse:
+        request = common_pb2.UnloadLoRAAdapterRequest(lora_name=name)
+        response: common_pb2.UnloadLoRAAdapterResponse = await self._stub().UnloadLoRAAdapter(
+            request, timeout=timeout_s)
+        return response
+
+    def error(self, err: BaseException) -> GatewayError:
+        """A worker's refusal as the client sees it (its status kept); anything but an RPC
+        error is re-raised."""
+        if not isinstance(err, grpc.aio.AioRpcError):
+            raise err
+        return GatewayError.from_rpc(err, self.pool.role)
+
+
+# -- checks -------------------------------------------------------------------------------------
+def check_allowed(config: GatewayConfig) -> None:
+    """PERMISSION_DENIED unless the gateway runs with --allow-runtime-lora-updating."""
+    if not config.allow_runtime_lora_updating:
+        raise GatewayError(grpc.StatusCode.PERMISSION_DENIED, LORA_UPDATING_OFF)
+
+
+def _check_name(name: str, config: GatewayConfig) -> None:
+    problem = lora_field_problem("lora_name", name, MAX_LORA_NAME_CHARS)
+    if problem is not None:
+        raise GatewayError.invalid("lora_name", problem)
+    if name == config.served_model_name:  # requests naming it would get the base model
+        raise GatewayError.invalid("lora_name", f"lora_name {name!r} is the base model's name; "
+                                                "give the adapter another")
+
+
+def _check_path(path: str) -> None:
+    problem = lora_field_problem("lora_path", path, MAX_LORA_PATH_CHARS)
+    if problem is not None:
+        raise GatewayError.invalid("lora_path", problem)
+
+
+# -- the changes --------------------------------------------------------------------------------
+async def load_adapter(state: GatewayState, name: str, path: str) -> LoRAChange:
+    """Load adapter `name` from directory `path` (as the workers see it) on every healthy
+    worker, or on none (GatewayError: the first worker's refusal)."""
+    check_allowed(state.config)
+    _check_name(name, state.config)
+    _check_path(path)
+    await asyncio.shield(_locked(state, _load(state, name, path)))
+    return LoRAChange(sorted(state.lora_adapters()))
+
+
+async def unload_adapter(state: GatewayState, name: str) -> LoRAChange:
+    """Unload adapter `name` from every healthy worker that has it, or from none (GatewayError:
+    a worker's refusal; NOT_FOUND when no worker has it)."""
+    check_allowed(state.config)
+    _check_name(name, state.config)
+    path = await asyncio.shield(_locked(state, _unload(state, name)))
+    return LoRAChange(sorted(state.lora_adapters()), path)
+
+
+async def _locked(state: GatewayState, change: Awaitable[T]) -> T:
+    """`change` alone, then the pools polled at once (whatever its outcome: an undone change
+    may have been seen half done by a background poll)."""
+    async with state.lora_lock:
+        try:
+            return await change
+        finally:
+            await _poll(state.router)
+
+
+async def _load(state: GatewayState, name: str, path: str) -> None:
+    targets = _targets(state.router)
+    timeout_s = state.config.request_timeout_s
+    results = await asyncio.gather(*(t.load(name, path, timeout_s) for t in targets),
+                                   return_exceptions=True)
+    failed = [(t, r) for t, r in zip(targets, results, strict=True)
+              if isinstance(r, BaseException)]
+    if failed:
+        took = [t for t, r in zip(targets, results, strict=True)
+                if not isinstance(r, BaseException)]
+        await asyncio.gather(*(_undo(t, "unload", t.unload(name, timeout_s)) for t in took))
+        target, err = failed[0]
+        raise target.error(err)
+    log.info("LoRA adapter %r loaded from %s on %d workers", name, path, len(targets))
+
+
+async def _unload(state: GatewayState, name: str) -> str:
+    """The directory the (first) worker had the adapter from."""
+    targets = _targets(state.router)
+    timeout_s = state.config.request_timeout_s
+    results = await asyncio.gather(*(t.unload(name, timeout_s) for t in targets),
+                                   return_exceptions=True)
+    removed: list[tuple[_Target, common_pb2.UnloadLoRAAdapterResponse]] = []
+    refused: list[tuple[_Target, BaseException]] = []
+    for target, result in zip(targets, results, strict=True):
+        if isinstance(result, common_pb2.UnloadLoRAAdapterResponse):
+            removed.append((target, result))
+        elif not _not_found(result):
+            refused.append((target, result))
+    if refused:
+        await asyncio.gather(*(_undo(t, "reload", t.load(name, r.lora_path, timeout_s))
+                               for t, r in removed))
+        target, err = refused[0]
+        raise target.error(err)
+    if not removed:
+        raise GatewayError(grpc.StatusCode.NOT_FOUND,
+                           f"LoRA adapter {name!r} is not loaded on any worker (loaded: "
+                           f"{', '.join(map(repr, sorted(state.lora_adapters()))) or 'none'})",
+                           param="lora_name", error_code="model_not_found")
+    log.info("LoRA adapter %r unloaded from %d workers", name, len(removed))
+    return removed[0][1].lora_path
+
+
+def _targets(router: Router) -> list[_Target]:
+    """Every healthy worker of every pool; UNAVAILABLE when a pool has none (the adapter
+    could not serve a request there)."""
+    targets: list[_Target] = []
+    for pool in (router.prefill, router.decode):
+        if pool is None:
+            continue
+        healthy = [w for w in pool.workers if w.healthy]
+        if not healthy:
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE,
+                               f"no healthy {pool.role} worker is available")
+        targets.extend(_Target(pool, w) for w in healthy)
+    return targets
+
+
+def _not_found(result: BaseException | common_pb2.UnloadLoRAAdapterResponse) -> bool:
+    return (isinstance(result, grpc.aio.AioRpcError)
+            and result.code() == grpc.StatusCode.NOT_FOUND)
+
+
+async def _undo(target: _Target, what: str, call: Awaitable[object]) -> None:
+    """Undo one worker's part of a change that failed elsewhere; a failure is logged (that
+    worker is then left out of step with the others: its load report shows it)."""
+    try:
+        await call
+    except grpc.aio.AioRpcError as err:
+        log.error("%s worker %s: could not %s the LoRA adapter to undo a failed change: %s",
+                  target.pool.role, target.worker.address, what, err.details())
+
+
+async def _poll(router: Router) -> None:
+    """Poll every pool now: the workers' adapters into their load reports."""
+    pools: Sequence[WorkerPool] = [p for p in (router.prefill, router.decode) if p is not None]
+    await asyncio.gather(*(p.poll_once() for p in pools))
