@@ -1,6 +1,7 @@
 """OpenAI-compatible REST API (FastAPI): completions, chat completions, responses (and their
 stored ones: retrieve, delete, input items), embeddings, models, health, metrics, and vLLM's
-tokenize / detokenize and runtime LoRA adapter loading (gateway/lora_admin.py).
+score / rerank over embeddings (gateway/scoring.py), tokenize / detokenize and runtime LoRA
+adapter loading (gateway/lora_admin.py).
 
 Bodies are read and parsed here, not by FastAPI, so every client error has an OpenAI-shaped
 body and the right status: size (413, by Content-Length and by bytes actually received),
@@ -42,6 +43,8 @@ from gateway.openai_protocol import (
     EmbeddingRequest,
     LoadLoRAAdapterRequest,
     PromptInput,
+    RerankRequest,
+    ScoreRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
     chat_logprobs,
@@ -66,6 +69,7 @@ from gateway.responses_api import (
     input_item_page,
     response_not_found,
 )
+from gateway.scoring import rerank_body, score_body
 from gateway.state import GatewayState
 from gateway.tools import (
     ToolCalling,
@@ -149,6 +153,23 @@ def build_app(state: GatewayState) -> FastAPI:
                                             job.num_prompt_tokens,
                                             lora or state.config.served_model_name,
                                             req.encoding_format))
+
+    async def score(request: Request) -> Response:
+        req = parse_request(ScoreRequest, await _read_json(request, state))
+        lora = _check_model(req.model, state)
+        return JSONResponse(await score_body(
+            state, req, lora, lambda work: _until_disconnect(work, request)))
+
+    async def rerank(request: Request) -> Response:
+        req = parse_request(RerankRequest, await _read_json(request, state))
+        lora = _check_model(req.model, state)
+        return JSONResponse(await rerank_body(
+            state, req, lora, lambda work: _until_disconnect(work, request)))
+
+    for path in ("/v1/score", "/score"):  # vLLM serves both
+        app.add_api_route(path, score, methods=["POST"])
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):  # Jina's and Cohere's paths
+        app.add_api_route(path, rerank, methods=["POST"])
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:

@@ -308,6 +308,28 @@ class EmbeddingRequest(_PriorityField):
     truncate_prompt_tokens: TruncatePromptTokens | None = None  # vLLM's extra, as completions'
 
 
+class ScoreRequest(_PriorityField):
+    """`POST /v1/score`: `text_1` one text (scored against each of `text_2`) or as many as
+    `text_2` (scored pair by pair); each side a string, token ids, or a list of either."""
+
+    model: str | None = None
+    text_1: Any = None
+    text_2: Any = None
+    truncate_prompt_tokens: TruncatePromptTokens | None = None
+
+
+class RerankRequest(_PriorityField):
+    """`POST /v1/rerank`: `documents` ordered by their score against `query`, the best
+    `top_n` (all when absent or 0)."""
+
+    model: str | None = None
+    query: str | list[int] | None = None
+    documents: Any = None
+    top_n: int | None = Field(default=None, ge=0)
+    return_documents: bool = True
+    truncate_prompt_tokens: TruncatePromptTokens | None = None
+
+
 def parse_request(model: type[M], body: dict[str, Any]) -> M:
     """Validate a JSON object; the first error becomes a 400 naming the field."""
     try:
