@@ -210,9 +210,11 @@ def gpu_kv_blocks(config: EngineConfig, device: torch.device, peak: int, block_b
 
 
 def build_lora(config: EngineConfig, cfg: ModelConfig, device: torch.device,
-               dtype: torch.dtype, shard: TensorShard = TensorShard()) -> LoRAStack | None:
+               dtype: torch.dtype, shard: TensorShard = TensorShard(),
+               use_triton: bool = False) -> LoRAStack | None:
     """The configured LoRA adapters, read, checked against `cfg` (the whole model) and on the
-    device (rank `shard.rank`'s share of them under tensor parallelism)."""
+    device (rank `shard.rank`'s share of them under tensor parallelism); `use_triton`: the
+    model runs Triton kernels, so the adapters' expand does too."""
     lora = config.lora
     lora.validate()
     if not lora.enabled:
@@ -226,7 +228,8 @@ def build_lora(config: EngineConfig, cfg: ModelConfig, device: torch.device,
     if lora.max_loras:
         logger.info("LoRA: %d slots of rank %d (%d free for runtime loading)", lora.max_loras,
                     lora.max_lora_rank, lora.max_loras - len(adapters))
-    return LoRAStack(adapters, cfg, device, dtype, shard, lora.max_loras, lora.max_lora_rank)
+    return LoRAStack(adapters, cfg, device, dtype, shard, lora.max_loras, lora.max_lora_rank,
+                     use_kernel=use_triton)
 
 
 def check_tensor_parallel(config: EngineConfig, device: torch.device) -> None:
@@ -367,7 +370,8 @@ class ModelRunner:
             self.tp.wait_ready()
         # LoRA adapters (engine/lora/): decode and verify steps with adapter rows replay graphs
         # that add the deltas (`lora_graphs`, `verify_graphs`); other such steps run eagerly.
-        self.lora = build_lora(config, model_config, self.device, self.dtype, self.shard)
+        self.lora = build_lora(config, model_config, self.device, self.dtype, self.shard,
+                               use_triton)
         self.num_lora_steps = 0
         self.sampler = Sampler(penalty_capacity=self.config.scheduler.max_num_seqs)
         # The stream this runner's steps and graph replays run on: the one current where it was

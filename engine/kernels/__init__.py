@@ -18,6 +18,7 @@ Check `triton_available()` before calling a kernel.
     score_rows(logits, targets)        -> (target logprob, rank, log-sum-exp, argmax), [R] each
     moe_gemm(a, weights, layout, top_k, gather_tokens, routing_weights=None)
                                    -> [pairs, N] (each pair's rows times its expert's weight)
+    lora_expand(h, b_all, col_slot, token_slots, y)  -> y += each row's adapter's h @ B (in place)
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from engine.kernels.decode_attention import choose_num_splits, paged_decode_attention
     from engine.kernels.fused_moe import moe_gemm
     from engine.kernels.kv_write import write_kv
+    from engine.kernels.lora import lora_expand
     from engine.kernels.norm import rms_norm
     from engine.kernels.prefill_attention import paged_prefill_attention
     from engine.kernels.quant_fp8 import per_token_quant_fp8
@@ -55,12 +57,14 @@ _LAZY: dict[str, str] = {
     "per_token_quant_fp8": "engine.kernels.quant_fp8",
     "score_rows": "engine.kernels.score",
     "moe_gemm": "engine.kernels.fused_moe",
+    "lora_expand": "engine.kernels.lora",
 }
 
 __all__ = [
     "KernelInputError",
     "choose_num_splits",
     "gelu_tanh_and_mul",
+    "lora_expand",
     "moe_gemm",
     "paged_decode_attention",
     "paged_prefill_attention",

@@ -42,6 +42,10 @@ FUSED_PARTS: dict[str, tuple[str, ...]] = {
 # the inputs, so of A, and its partial delta joins the partial products the all-reduce adds
 # (the mask is per element, so the ranks' partial deltas sum to the whole one).
 ROW_PARALLEL = ("o_proj", "down_proj")
+# Steps up to this many rows (decode and verify steps, short prompts) expand through the Triton
+# kernel when the stack has it; longer ones through torch, where three kernels' launches are
+# nothing beside the step and cuBLAS reads B once.
+KERNEL_MAX_ROWS = 1024
 
 
 @dataclass(slots=True)
@@ -65,12 +69,15 @@ class LoRABatch:
 class LoRAStack:
     def __init__(self, adapters: list[LoRAAdapter], cfg: ModelConfig, device: torch.device,
                  dtype: torch.dtype, shard: TensorShard = TensorShard(), max_loras: int = 0,
-                 max_rank: int = 0) -> None:
+                 max_rank: int = 0, use_kernel: bool = False) -> None:
         """Slot i + 1 is `adapters[i]` (slot 0: no adapter). `cfg`: the whole model's
         architecture; `shard`: this rank's share of each projection (tensor parallelism).
         `max_loras` > 0: the slotted layout, room for that many adapters of rank up to
-        `max_rank`, `adapters` written into the first slots and more added by `add`."""
+        `max_rank`, `adapters` written into the first slots and more added by `add`.
+        `use_kernel`: steps of up to KERNEL_MAX_ROWS rows expand through the Triton kernel
+        (engine/kernels/lora.py: one kernel where torch takes three)."""
         self.cfg, self.shard, self.device, self.dtype = cfg, shard, device, dtype
+        self.use_kernel = use_kernel
         self.max_loras, self.max_rank = max_loras, max_rank
         self.loaded: dict[int, LoRAAdapter] = {}  # slot -> adapter
         self.slots: dict[str, int] = {}  # adapter name -> slot
@@ -155,8 +162,12 @@ class LoRAStack:
         if w is None:
             return y
         a_all, b_all, cols = w
-        h = (x @ a_all).mul_(batch.mask(cols, x.dtype))
-        return y.addmm_(h, b_all)
+        h = x @ a_all
+        if self.use_kernel and x.shape[0] <= KERNEL_MAX_ROWS and y.stride(-1) == 1:
+            from engine.kernels import lora_expand
+
+            return lora_expand(h, b_all, cols, batch.token_slots, y)
+        return y.addmm_(h.mul_(batch.mask(cols, x.dtype)), b_all)
 
     def _block(self, slot: int, fused: str) -> slice:
         """Slot `slot`'s columns of projection `fused` in the slotted layout."""

@@ -65,7 +65,8 @@ class ShardWorker:
                                  self.backend, spec.max_model_len, source.weights,
                                  source.dummy_seed)
         # LoRA adapters: this rank's share of each (the rows' slots come with each step).
-        self.lora = build_lora(config, source.config, self.device, self.dtype, self.shard)
+        self.lora = build_lora(config, source.config, self.device, self.dtype, self.shard,
+                               self.backend.name == "triton")
         cfg = self.model.config
         self.block_shape = (config.cache.block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.num_layers = cfg.num_hidden_layers
