@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -98,6 +99,11 @@ class GatewayConfig:
     # or unload it. Off: they are refused (403), since they make the workers read any
     # directory they can see.
     allow_runtime_lora_updating: bool = False
+    # vLLM's filesystem LoRA resolver: a request whose `model` names no adapter the workers
+    # serve, but a directory DIR/<model>, gets that adapter loaded on every worker first
+    # (gateway/lora_resolver.py; least recently used ones it loaded are unloaded when the
+    # slots are full). The workers must see DIR at the same path. None: off.
+    lora_resolver_dir: str | None = None
     # Reasoning outputs: the parser that splits a thinking model's <think> text off a chat
     # answer into `reasoning` (gateway/reasoning.py; None: the text is all content).
     reasoning_parser: str | None = None
@@ -135,6 +141,9 @@ class GatewayConfig:
     def validate(self) -> None:
         if not self.decode_addresses:
             raise GatewayConfigError("decode_addresses: at least one decode worker is required")
+        if self.lora_resolver_dir is not None and not os.path.isdir(self.lora_resolver_dir):
+            raise GatewayConfigError(f"lora_resolver_dir: {self.lora_resolver_dir!r} is not a "
+                                     "directory")
         if self.colocated and self.prefill_addresses:
             raise GatewayConfigError(
                 "prefill_addresses must be empty when colocated=True (decode computes the prompt)")
@@ -240,6 +249,12 @@ def add_chat_args(parser: argparse.ArgumentParser, role: str = "") -> None:
                              f"/v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): "
                              f"an adapter loaded on every worker (started with --max-loras N) "
                              f"or unloaded; without it they answer 403")
+    parser.add_argument("--lora-resolver-dir", default=None, metavar="DIR",
+                        help=f"{note}a request naming an adapter no worker serves, whose "
+                             f"directory DIR/<name> exists, gets it loaded on every worker "
+                             f"first (vLLM's filesystem LoRA resolver; the workers need "
+                             f"--max-loras N and DIR at the same path); the least recently "
+                             f"used adapters it loaded make room when the slots are full")
 
 
 def chat_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -258,7 +273,8 @@ def chat_settings(args: argparse.Namespace) -> dict[str, Any]:
             "responses_store_max_entries": args.responses_store_max_entries,
             "responses_store_max_bytes": args.responses_store_max_bytes,
             "max_concurrent_requests": args.max_concurrent_requests,
-            "allow_runtime_lora_updating": args.allow_runtime_lora_updating}
+            "allow_runtime_lora_updating": args.allow_runtime_lora_updating,
+            "lora_resolver_dir": args.lora_resolver_dir}
 
 
 def add_public_security_args(parser: argparse.ArgumentParser, role: str = "") -> None:

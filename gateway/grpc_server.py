@@ -44,6 +44,7 @@ from gateway.grpc_tools import (
     tool_calling_from_proto,
 )
 from gateway.lora_admin import load_adapter, unload_adapter
+from gateway.lora_resolver import resolve_model
 from gateway.openai_protocol import PromptInput
 from gateway.orchestrator import Finished, GenerationJob, TokenDelta
 from gateway.reasoning import ChatOutput
@@ -108,7 +109,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     context: grpc.aio.ServicerContext) -> gateway_pb2.EmbeddingsResponse:
         state = self._state
         try:
-            lora = _lora_of(state, request.model)
+            lora = await _lora_of(state, request.model)
             job = await embedding_job(
                 state, _embedding_inputs(request, state.config.max_embedding_inputs),
                 request_id=request.request_id or f"embd-{uuid.uuid4().hex}", lora_name=lora,
@@ -156,7 +157,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def _job(self, request: gateway_pb2.GenerateRequest
                    ) -> tuple[GenerationJob, ToolCalling | None]:
-        lora = _lora_of(self._state, request.model)
+        lora = await _lora_of(self._state, request.model)
         job, calling = await self._unrouted_job(request)
         return dataclasses.replace(job, lora_name=lora, priority=request.priority), calling
 
@@ -186,16 +187,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                              param_names=_PARAM_NAMES), None
 
 
-def _lora_of(state: GatewayState, model: str) -> str:
-    """The LoRA adapter a request's `model` names ("": the base model, or none named);
-    NOT_FOUND for a model the workers do not serve (as over REST)."""
-    lora = state.lora_name_for(model or None)
-    if lora is None:
-        raise GatewayError(grpc.StatusCode.NOT_FOUND,
-                           f"model {model!r} is not served; this server serves "
-                           f"{', '.join(repr(m) for m in state.served_models())}",
-                           param="model")
-    return lora
+async def _lora_of(state: GatewayState, model: str) -> str:
+    """The LoRA adapter a request's `model` names ("": the base model, or none named; loaded
+    first when the gateway resolves adapters from a directory); NOT_FOUND for a model the
+    workers do not serve (as over REST)."""
+    return await resolve_model(state, model or None)
 
 
 def _embedding_inputs(request: gateway_pb2.EmbeddingsRequest, limit: int) -> list[PromptInput]:

@@ -109,16 +109,36 @@ async def load_adapter(state: GatewayState, name: str, path: str) -> LoRAChange:
     """Load adapter `name` from directory `path` (as the workers see it) on every healthy
     worker, or on none (GatewayError: the first worker's refusal)."""
     check_allowed(state.config)
-    _check_name(name, state.config)
-    _check_path(path)
-    await asyncio.shield(_locked(state, _load(state, name, path)))
-    return LoRAChange(sorted(state.lora_adapters()))
+    change = await load_everywhere(state, name, path)
+    _disown(state, name)
+    return change
 
 
 async def unload_adapter(state: GatewayState, name: str) -> LoRAChange:
     """Unload adapter `name` from every healthy worker that has it, or from none (GatewayError:
     a worker's refusal; NOT_FOUND when no worker has it)."""
     check_allowed(state.config)
+    change = await unload_everywhere(state, name)
+    _disown(state, name)
+    return change
+
+
+def _disown(state: GatewayState, name: str) -> None:
+    """An adapter an operator loaded or unloaded is not the resolver's to unload any more."""
+    if state.lora_resolver is not None:
+        state.lora_resolver.loaded.discard(name)
+
+
+async def load_everywhere(state: GatewayState, name: str, path: str) -> LoRAChange:
+    """`load_adapter` without the flag's check: also the resolver's (gateway/lora_resolver.py)."""
+    _check_name(name, state.config)
+    _check_path(path)
+    await asyncio.shield(_locked(state, _load(state, name, path)))
+    return LoRAChange(sorted(state.lora_adapters()))
+
+
+async def unload_everywhere(state: GatewayState, name: str) -> LoRAChange:
+    """`unload_adapter` without the flag's check: also the resolver's."""
     _check_name(name, state.config)
     path = await asyncio.shield(_locked(state, _unload(state, name)))
     return LoRAChange(sorted(state.lora_adapters()), path)
@@ -131,7 +151,7 @@ async def _locked(state: GatewayState, change: Awaitable[T]) -> T:
         try:
             return await change
         finally:
-            await _poll(state.router)
+            await poll_pools(state.router)
 
 
 async def _load(state: GatewayState, name: str, path: str) -> None:
@@ -207,7 +227,7 @@ async def _undo(target: _Target, what: str, call: Awaitable[object]) -> None:
                   target.pool.role, target.worker.address, what, err.details())
 
 
-async def _poll(router: Router) -> None:
+async def poll_pools(router: Router) -> None:
     """Poll every pool now: the workers' adapters into their load reports."""
     pools: Sequence[WorkerPool] = [p for p in (router.prefill, router.decode) if p is not None]
     await asyncio.gather(*(p.poll_once() for p in pools))

@@ -36,6 +36,7 @@ from gateway.chat_tools import chat_finish_reason, chat_job, chat_outputs
 from gateway.embeddings import embedding_job, run_embeddings
 from gateway.errors import GatewayError
 from gateway.lora_admin import check_allowed, load_adapter, unload_adapter
+from gateway.lora_resolver import resolve_model
 from gateway.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -113,7 +114,7 @@ def build_app(state: GatewayState) -> FastAPI:
     async def completions(request: Request) -> Response:
         body = await _read_json(request, state)
         req = parse_request(CompletionRequest, body)
-        lora = _check_model(req.model, state)
+        lora = await resolve_model(state, req.model)
         request_id, jobs, echoes = await _completion_jobs(req, state)
         jobs = [dataclasses.replace(j, lora_name=lora, priority=req.priority) for j in jobs]
         view = _View(request_id, "text_completion", state, jobs, req.include_usage,
@@ -126,7 +127,7 @@ def build_app(state: GatewayState) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         body = await _read_json(request, state)
         req = parse_request(ChatCompletionRequest, body)
-        lora = _check_model(req.model, state)
+        lora = await resolve_model(state, req.model)
         job, calling = await _chat_job(req, state)
         job = dataclasses.replace(job, lora_name=lora, priority=req.priority)
         view = _View(job.request_id, "chat.completion", state, [job], req.include_usage,
@@ -139,7 +140,7 @@ def build_app(state: GatewayState) -> FastAPI:
     async def embeddings(request: Request) -> Response:
         body = await _read_json(request, state)
         req = parse_request(EmbeddingRequest, body)
-        lora = _check_model(req.model, state)
+        lora = await resolve_model(state, req.model)
         inputs = prompt_inputs(req.input, state.config.max_embedding_inputs, "input")
         job = await embedding_job(state, inputs, request_id=f"embd-{uuid.uuid4().hex}",
                                   lora_name=lora, priority=req.priority,
@@ -156,13 +157,13 @@ def build_app(state: GatewayState) -> FastAPI:
 
     async def score(request: Request) -> Response:
         req = parse_request(ScoreRequest, await _read_json(request, state))
-        lora = _check_model(req.model, state)
+        lora = await resolve_model(state, req.model)
         return JSONResponse(await score_body(
             state, req, lora, lambda work: _until_disconnect(work, request)))
 
     async def rerank(request: Request) -> Response:
         req = parse_request(RerankRequest, await _read_json(request, state))
-        lora = _check_model(req.model, state)
+        lora = await resolve_model(state, req.model)
         return JSONResponse(await rerank_body(
             state, req, lora, lambda work: _until_disconnect(work, request)))
 
@@ -175,7 +176,7 @@ def build_app(state: GatewayState) -> FastAPI:
     async def responses(request: Request) -> Response:
         body = await _read_json(request, state)
         req = parse_request(ResponsesRequest, body)
-        lora = _check_model(req.model, state)
+        lora = await resolve_model(state, req.model)
         previous = _previous_response(req, state)
         paths = ResponsesPaths()  # until the input is converted (its errors name its items)
         try:
@@ -233,7 +234,7 @@ def build_app(state: GatewayState) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         req = parse_request(TokenizeRequest, await _read_json(request, state))
-        _check_model(req.model, state)
+        await resolve_model(state, req.model, load=False)
         pre = state.preprocessor
         if (req.prompt is None) == (req.messages is None):
             raise GatewayError.invalid("prompt", "send either prompt or messages")
@@ -266,7 +267,7 @@ def build_app(state: GatewayState) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         req = parse_request(DetokenizeRequest, await _read_json(request, state))
-        _check_model(req.model, state)
+        await resolve_model(state, req.model, load=False)
         ids = state.preprocessor.check_token_ids(req.tokens, "tokens")
         return JSONResponse({"prompt": state.tokenizer.decode(ids, skip_special_tokens=False)})
 
@@ -377,18 +378,6 @@ def _too_large(size: int, limit: int) -> GatewayError:
     return GatewayError(grpc.StatusCode.INVALID_ARGUMENT,
                         f"request body is {size} bytes or more; the limit is {limit} bytes",
                         http=413, error_code="request_too_large")
-
-
-def _check_model(model: str | None, state: GatewayState) -> str:
-    """The LoRA adapter `model` names ("" for the base model or no model); NOT_FOUND for a
-    name that is neither (as vLLM answers)."""
-    lora = state.lora_name_for(model)
-    if lora is None:
-        raise GatewayError(grpc.StatusCode.NOT_FOUND,
-                           f"The model `{model}` does not exist; this server serves "
-                           + ", ".join(f"`{m}`" for m in state.served_models()),
-                           param="model", error_code="model_not_found")
-    return lora
 
 
 async def _completion_jobs(req: CompletionRequest, state: GatewayState

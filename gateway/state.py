@@ -7,6 +7,7 @@ import asyncio
 import functools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gateway.admission import RequestLimit
 from gateway.config import GatewayConfig
@@ -16,6 +17,9 @@ from gateway.preprocess import Preprocessor
 from gateway.response_store import ResponseStore
 from gateway.router import Router, WorkerPool
 from gateway.tokenization import TokenizerLike, TokenTexts
+
+if TYPE_CHECKING:  # gateway/lora_resolver.py imports this module
+    from gateway.lora_resolver import LoRAResolver
 
 
 @dataclass(slots=True)
@@ -36,6 +40,8 @@ class GatewayState:
     # One runtime LoRA adapter load or unload at a time (gateway/lora_admin.py): one's undo
     # must not undo another's work on the same name.
     lora_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Adapters loaded when a request first names them (--lora-resolver-dir; None: off).
+    lora_resolver: LoRAResolver | None = None
     _special: dict[str, bool] = field(default_factory=dict)
     _single: dict[str, int | None] = field(default_factory=dict)
 
@@ -95,10 +101,15 @@ class GatewayState:
                                   config.responses_store_max_bytes)
         metrics.observe_response_store(responses)
         limit = RequestLimit(config.max_concurrent_requests, metrics)
+        resolver = None
+        if config.lora_resolver_dir is not None:
+            from gateway.lora_resolver import LoRAResolver
+            resolver = LoRAResolver(config.lora_resolver_dir)
         return cls(config=config, tokenizer=tokenizer, router=router,
                    orchestrator=Orchestrator(config, router, tokenizer, metrics, limit),
                    preprocessor=Preprocessor(config, tokenizer, vocab_size), metrics=metrics,
-                   token_texts=TokenTexts(tokenizer), responses=responses, limit=limit)
+                   token_texts=TokenTexts(tokenizer), responses=responses, limit=limit,
+                   lora_resolver=resolver)
 
     @property
     def healthy(self) -> bool:

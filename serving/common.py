@@ -79,7 +79,8 @@ class EngineBound:
             spec_draft_tokens=s.spec_draft_tokens, spec_accepted_tokens=s.spec_accepted_tokens,
             speculative_methods=[SPEC_METHOD_ENUMS[m] for m in _own_first(eng)],
             kv_transports=_kv_transports(self.aengine),
-            lora_adapters=names, lora_roots=roots)
+            lora_adapters=names, lora_roots=roots,
+            max_loras=eng.config.lora.max_loras if eng.runtime_lora else 0)
 
 
 async def abort_traced(context: grpc.aio.ServicerContext, span: Span, code: grpc.StatusCode,

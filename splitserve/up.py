@@ -12,7 +12,9 @@ ngram --num-speculative-tokens 4` for speculative decoding on the decode worker,
 never speculates, and loads no draft). The gateway then asks for that many drafts while the decode worker is
 lightly loaded (`--speculative-tokens`, `--speculative-max-load` override its policy).
 `--max-loras N --allow-runtime-lora-updating` lets adapters be loaded and unloaded while the
-stack runs (POST /v1/load_lora_adapter, /v1/unload_lora_adapter on the gateway).
+stack runs (POST /v1/load_lora_adapter, /v1/unload_lora_adapter on the gateway);
+`--max-loras N --lora-resolver-dir DIR` loads the adapter DIR/<model> a request names on first
+use.
 """
 
 from __future__ import annotations
@@ -75,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: no bound; the workers' own is --max-queued-requests)")
     p.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help="gateway: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                        "(give the workers adapter slots with --max-loras N)")
+    p.add_argument("--lora-resolver-dir", default=None, metavar="DIR",
+                   help="gateway: load an adapter a request names from DIR/<name> on first use "
                         "(give the workers adapter slots with --max-loras N)")
     for role in ("prefill", "decode"):
         p.add_argument(f"--{role}-tensor-parallel-size", type=int, default=None,
@@ -219,6 +224,8 @@ def service_argv(args: argparse.Namespace, engine_args: list[str]) -> dict[str, 
         gw += ["--reasoning-parser", args.reasoning_parser]
     if args.allow_runtime_lora_updating:
         gw += ["--allow-runtime-lora-updating"]
+    if args.lora_resolver_dir:
+        gw += ["--lora-resolver-dir", args.lora_resolver_dir]
     for flag in ("responses_store_max_entries", "responses_store_max_bytes",
                  "max_concurrent_requests"):
         if getattr(args, flag) is not None:

@@ -13,6 +13,7 @@ One stack for the module: the stack's own gateway runs without --allow-runtime-l
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +35,7 @@ from e2e_stack import (  # noqa: E402
     start_stack,
     worker_channel,
 )
-from openai import NotFoundError, OpenAI  # noqa: E402
+from openai import NotFoundError, OpenAI, RateLimitError  # noqa: E402
 
 from bench.gpu_lora_check import write_adapter  # noqa: E402
 from engine.config import LoadConfig, LoRAConfig  # noqa: E402
@@ -338,3 +339,67 @@ def test_a_colocated_gateway_asks_its_worker(loop_thread: LoopThread,
         assert _models(gateway) == {MODEL_NAME, "rt-a"}
     finally:
         loop_thread.run(gateway.stop(), 60)
+
+
+@contextlib.contextmanager
+def _streaming(gateway: GatewayServer, model: str) -> Iterator[None]:
+    """A long greedy stream with `model` running on the decode worker while the block runs
+    (three chunks in: the prefill worker is done with it); closed, so cancelled, after."""
+    with _client(gateway).completions.with_streaming_response.create(
+            model=model, prompt=PROMPT, max_tokens=500, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}) as response:
+        lines = response.iter_lines()  # kept referenced: collected, it closes the stream
+        chunks = 0
+        for line in lines:
+            chunks += line.startswith("data: ")
+            if chunks == 3:
+                break
+        yield
+
+
+def test_adapters_resolved_from_a_directory(stack: Stack, admin: GatewayServer,
+                                            adapter_dirs: dict[str, Path],
+                                            oracle: dict[str, list[int]]) -> None:
+    """--lora-resolver-dir (vLLM's filesystem resolver): a request naming a directory there
+    loads that adapter on both workers first and runs with it; with both slots taken, the least
+    recently used adapter the resolver loaded makes room; one loaded by the admin endpoint
+    never does; when every candidate is in use the request is a 429."""
+    root = adapter_dirs["rt-a"].parent
+    tokenizer = stack.tokenizer
+    assert _worker_adapters(stack) == {"prefill": [], "decode": []}
+    with extra_gateway(stack, lora_resolver_dir=str(root), api_key=API_KEY,
+                       allow_runtime_lora_updating=True) as gw:
+        assert _models(gw) == {MODEL_NAME}
+        assert _greedy(gw, "rt-a") == tokenizer.decode(oracle["rt-a"])
+        assert _worker_adapters(stack) == {"prefill": ["rt-a"], "decode": ["rt-a"]}
+        _greedy(gw, "rt-b")
+        _greedy(gw, "rt-a")  # rt-b is now the least recently used
+        _greedy(gw, "rt-c")
+        assert _worker_adapters(stack) == {"prefill": ["rt-a", "rt-c"],
+                                           "decode": ["rt-a", "rt-c"]}
+        assert _greedy(gw, "rt-a") == tokenizer.decode(oracle["rt-a"])  # unchanged by swaps
+        for bad in ("rt-missing", "../runtime_lora0/rt-a", ".rt-a"):
+            with pytest.raises(NotFoundError, match="does not exist"):
+                _greedy(gw, bad)
+        # Tokenizing with a resolvable name needs no adapter: nothing is loaded for it.
+        r = httpx.post(_url(gw, "/tokenize"), json={"model": "rt-b", "prompt": "Paris"},
+                       headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert _worker_adapters(stack)["decode"] == ["rt-a", "rt-c"]
+
+        # Both slots' adapters in use: rt-b has no room, a 429 to retry.
+        with _streaming(gw, "rt-a"), _streaming(gw, "rt-c"):
+            with pytest.raises(RateLimitError, match="retry later"):
+                _greedy(gw, "rt-b")
+            assert _worker_adapters(stack)["prefill"] == ["rt-a", "rt-c"]  # reloaded there
+        stack.wait_idle()
+        # An adapter loaded through the admin endpoint is not the resolver's to unload: rt-c
+        # (the resolver's own) goes, although rt-a was used less recently.
+        assert _unload(gw, "rt-a").status_code == 200
+        assert _load(gw, "rt-a", adapter_dirs["rt-a"]).status_code == 200
+        _greedy(gw, "rt-c")
+        _greedy(gw, "rt-b")
+        assert _worker_adapters(stack)["decode"] == ["rt-a", "rt-b"]
+    for name in ("rt-a", "rt-b"):
+        assert _unload(admin, name).status_code == 200
+    assert _worker_adapters(stack) == {"prefill": [], "decode": []}

@@ -225,12 +225,13 @@ def test_up_gives_runtime_lora_flags_to_the_right_services() -> None:
     from splitserve.up import build_parser, service_argv
 
     args, engine_args = build_parser().parse_known_args(
-        ["--allow-runtime-lora-updating", "--max-loras", "2"])
+        ["--allow-runtime-lora-updating", "--max-loras", "2", "--lora-resolver-dir", "/tmp"])
     argv = service_argv(args, engine_args)
-    assert config_from_args(gateway_parser().parse_args(argv["gateway"][2:])
-                            ).allow_runtime_lora_updating
+    gateway = config_from_args(gateway_parser().parse_args(argv["gateway"][2:]))
+    assert gateway.allow_runtime_lora_updating and gateway.lora_resolver_dir == "/tmp"
     for role in ("prefill", "decode"):
         assert "--allow-runtime-lora-updating" not in argv[role]
+        assert "--lora-resolver-dir" not in argv[role]
         assert build_serve_parser().parse_args(argv[role]).max_loras == 2
     default, _ = build_parser().parse_known_args([])
     gw = service_argv(default, [])["gateway"]
