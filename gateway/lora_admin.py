@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -167,6 +168,7 @@ async def _load(state: GatewayState, name: str, path: str) -> None:
         await asyncio.gather(*(_undo(t, "unload", t.unload(name, timeout_s)) for t in took))
         target, err = failed[0]
         raise target.error(err)
+    state.runtime_loras[name] = path
     log.info("LoRA adapter %r loaded from %s on %d workers", name, path, len(targets))
 
 
@@ -193,6 +195,7 @@ async def _unload(state: GatewayState, name: str) -> str:
                            f"LoRA adapter {name!r} is not loaded on any worker (loaded: "
                            f"{', '.join(map(repr, sorted(state.lora_adapters()))) or 'none'})",
                            param="lora_name", error_code="model_not_found")
+    state.runtime_loras.pop(name, None)
     log.info("LoRA adapter %r unloaded from %d workers", name, len(removed))
     return removed[0][1].lora_path
 
@@ -225,6 +228,74 @@ async def _undo(target: _Target, what: str, call: Awaitable[object]) -> None:
     except grpc.aio.AioRpcError as err:
         log.error("%s worker %s: could not %s the LoRA adapter to undo a failed change: %s",
                   target.pool.role, target.worker.address, what, err.details())
+
+
+def watch_workers(state: GatewayState) -> None:
+    """After every poll round: when a healthy worker lacks an adapter this gateway loaded at
+    runtime (it restarted, or was down during the load) while other workers still serve it,
+    and has a free slot, load it there (`reconcile`, in the background; one at a time)."""
+    def check() -> None:
+        task = state.reconcile_task
+        if (task is None or task.done()) and _missing(state):
+            state.reconcile_task = asyncio.create_task(reconcile(state), name="lora-reconcile")
+
+    for pool in (state.router.prefill, state.router.decode):
+        if pool is not None:
+            pool.add_listener(check)
+
+
+async def reconcile(state: GatewayState) -> None:
+    """Load the adapters `_missing` names onto their workers, under the change lock (so never
+    against a load or unload of this gateway's in progress); failures are logged and tried
+    again after a later poll."""
+    async with state.lora_lock:
+        todo = _missing(state)
+        if not todo:
+            return
+        timeout_s = state.config.request_timeout_s
+        results = await asyncio.gather(*(t.load(name, state.runtime_loras[name], timeout_s)
+                                         for t, name in todo), return_exceptions=True)
+        for (target, name), result in zip(todo, results, strict=True):
+            if isinstance(result, BaseException):
+                log.warning("%s worker %s lacks LoRA adapter %r and could not load it: %s",
+                            target.pool.role, target.worker.address, name, result)
+            else:
+                log.info("%s worker %s lacked LoRA adapter %r (restarted?): loaded it again",
+                         target.pool.role, target.worker.address, name)
+        await poll_pools(state.router)
+
+
+def _missing(state: GatewayState) -> list[tuple[_Target, str]]:
+    """(worker, adapter) for each adapter this gateway loaded at runtime that a healthy worker
+    with a slot to spare has lacked for two poll intervals while another healthy worker serves
+    it. Not when no worker serves it any more: another gateway unloaded it (this one forgets
+    it then), and two intervals let such an unload, which reaches every worker within one,
+    finish before anything is put back."""
+    if not state.runtime_loras:
+        return []
+    workers = [(pool, w) for pool in (state.router.prefill, state.router.decode)
+               if pool is not None for w in pool.workers if w.healthy and w.reported]
+    served = {n for _, w in workers for n in w.load.lora_adapters}
+    for name in [n for n in state.runtime_loras if n not in served]:
+        del state.runtime_loras[name]
+    now = time.monotonic()
+    settle_s = 2 * state.config.load_poll_interval_s
+    gaps: dict[tuple[str, str], float] = {}
+    out: list[tuple[_Target, str]] = []
+    for pool, w in workers:
+        if not w.load.max_loras:
+            continue
+        free = w.load.max_loras - len(w.load.lora_adapters)
+        for name in state.runtime_loras:
+            if name in w.load.lora_adapters:
+                continue
+            key = (w.address, name)
+            since = gaps[key] = state.lora_gaps.get(key, now)
+            if now - since >= settle_s and free > 0:
+                out.append((_Target(pool, w), name))
+                free -= 1
+    state.lora_gaps = gaps
+    return out
 
 
 async def poll_pools(router: Router) -> None:

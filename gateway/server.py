@@ -26,6 +26,7 @@ from gateway.config import (
     served_model_name_for,
 )
 from gateway.grpc_server import GrpcFrontend
+from gateway.lora_admin import watch_workers
 from gateway.openai_api import build_app
 from gateway.state import GatewayState
 from gateway.tokenization import TokenizerLike, load_tokenizer
@@ -70,6 +71,7 @@ class GatewayServer:
         if tokenizer is None:
             tokenizer = await asyncio.to_thread(load_tokenizer, self.config.tokenizer_path)
         state = self.state = GatewayState.build(self.config, tokenizer)
+        watch_workers(state)  # runtime LoRA adapters put back on restarted workers
         self._grpc = GrpcFrontend(state, *self._grpc_addr)
         self.grpc_port = self._grpc.port
         await state.router.start()
@@ -109,6 +111,11 @@ class GatewayServer:
             await self._grpc.stop(grace)
         if self.state is not None:
             await self.state.orchestrator.drain_background()
+            task = self.state.reconcile_task
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await self.state.router.close()
 
 

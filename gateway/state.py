@@ -42,6 +42,13 @@ class GatewayState:
     lora_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Adapters loaded when a request first names them (--lora-resolver-dir; None: off).
     lora_resolver: LoRAResolver | None = None
+    # Adapters this gateway loaded at runtime (admin endpoint or resolver) -> their directory:
+    # put back on a worker that lacks one (gateway/lora_admin.py `reconcile`), and the task
+    # doing so.
+    runtime_loras: dict[str, str] = field(default_factory=dict)
+    reconcile_task: asyncio.Task[None] | None = None
+    lora_gaps: dict[tuple[str, str], float] = field(default_factory=dict)  # (worker, adapter)
+    # -> since when the worker lacks it
     _special: dict[str, bool] = field(default_factory=dict)
     _single: dict[str, int | None] = field(default_factory=dict)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -403,3 +404,33 @@ def test_adapters_resolved_from_a_directory(stack: Stack, admin: GatewayServer,
     for name in ("rt-a", "rt-b"):
         assert _unload(admin, name).status_code == 200
     assert _worker_adapters(stack) == {"prefill": [], "decode": []}
+
+
+def test_a_worker_that_lost_an_adapter_gets_it_back(stack: Stack, admin: GatewayServer,
+                                                     adapter_dirs: dict[str, Path],
+                                                     oracle: dict[str, list[int]]) -> None:
+    """A worker that restarted comes back with its start-time adapters only: the gateway that
+    loaded one at runtime sees it missing from that worker's load report and loads it there
+    again. Here the decode worker drops it behind the gateway's back (its own RPC)."""
+    assert _load(admin, "rt-a", adapter_dirs["rt-a"]).status_code == 200
+    with worker_channel(stack, "decode") as channel:
+        left = decode_pb2_grpc.DecodeStub(channel).UnloadLoRAAdapter(
+            common_pb2.UnloadLoRAAdapterRequest(lora_name="rt-a"), timeout=60)
+    assert list(left.lora_adapters) == []
+    deadline = time.monotonic() + 20
+    while _worker_adapters(stack)["decode"] != ["rt-a"]:
+        assert time.monotonic() < deadline, "the gateway did not load it back"
+        time.sleep(0.1)
+    assert _greedy(admin, "rt-a") == stack.tokenizer.decode(oracle["rt-a"])
+    assert _unload(admin, "rt-a").status_code == 200
+    # Unloaded everywhere by another gateway (the stack's own has no flag: a worker's RPC
+    # again, on both): no worker serves it, so it is forgotten, not put back.
+    assert _load(admin, "rt-b", adapter_dirs["rt-b"]).status_code == 200
+    for role, stub in (("prefill", prefill_pb2_grpc.PrefillStub),
+                       ("decode", decode_pb2_grpc.DecodeStub)):
+        with worker_channel(stack, role) as channel:
+            stub(channel).UnloadLoRAAdapter(
+                common_pb2.UnloadLoRAAdapterRequest(lora_name="rt-b"), timeout=60)
+    time.sleep(3 * admin.config.load_poll_interval_s + 0.5)
+    assert _worker_adapters(stack) == {"prefill": [], "decode": []}
+    assert _models(admin) == {MODEL_NAME}
