@@ -160,11 +160,13 @@ def test_offline_api_and_refusals(tiny_model_dirs: dict[str, Path],
         tiny_llm(path, lora_modules={"bad name!": str(made["attn"][0])})
 
 
+@pytest.mark.parametrize("max_loras", [0, 3])
 def test_adapters_under_speculative_decoding(
         tiny_model_dirs: dict[str, Path],
-        adapters: Callable[[str], dict[str, tuple[Path, dict, float]]]) -> None:
+        adapters: Callable[[str], dict[str, tuple[Path, dict, float]]], max_loras: int) -> None:
     """Verify steps carry adapter rows too (n-gram drafts): greedy output equals the same
-    adapters' without speculation, request by request in one mixed batch."""
+    adapters' without speculation, request by request in one mixed batch — packed, and in
+    slots (`max_loras`, the layout runtime loading writes into)."""
     from test_spec_decode import PROMPTS as SPEC_PROMPTS
 
     made = adapters("llama")
@@ -172,7 +174,8 @@ def test_adapters_under_speculative_decoding(
     names = [None, "attn", "all", "attn", None]
     outs = []
     for spec in (None, {"method": "ngram", "num_speculative_tokens": 3}):
-        llm = tiny_llm(tiny_model_dirs["llama"], lora_modules=modules, speculative_config=spec)
+        llm = tiny_llm(tiny_model_dirs["llama"], lora_modules=modules, speculative_config=spec,
+                       max_loras=max_loras)
         for i, (prompt, name) in enumerate(zip(SPEC_PROMPTS, names, strict=True)):
             llm.engine.add_request(f"r{i}", prompt, greedy(30), lora_name=name)
         tokens: dict[str, list[int]] = {}
