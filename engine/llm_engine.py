@@ -6,6 +6,7 @@ Services drive it through `engine.async_engine.AsyncEngine`, which owns the thre
 from __future__ import annotations
 
 import atexit
+import collections
 import functools
 import gc
 import logging
@@ -461,6 +462,17 @@ class LLMEngine:
         """The adapters loaded now, by slot."""
         stack = self.runner.lora
         return [] if stack is None else [a.name for a in stack.adapters]
+
+    def lora_requests(self) -> dict[str, tuple[int, int]]:
+        """Each loaded adapter's unfinished requests: (running, waiting). Racy off the engine
+        thread, as the scheduler's counts are (each collection is copied in one C call)."""
+        stack = self.runner.lora
+        if stack is None:
+            return {}
+        running = collections.Counter(r.lora_slot for r in list(self.scheduler.running))
+        total = collections.Counter(r.lora_slot for r in list(self.scheduler.requests.values()))
+        return {a.name: (running[slot], max(total[slot] - running[slot], 0))
+                for slot, a in sorted(list(stack.loaded.items()))}
 
     def add_lora(self, name: str, path: str) -> None:
         """Read the PEFT adapter in directory `path`, check it against the model and write it

@@ -70,8 +70,9 @@ class LoRAResolver:
         """Unload this resolver's least recently used adapters until every worker has a slot."""
         refused: set[str] = set()
         while _slots_full(state.router):
+            busy = _busy(state.router)
             victims = sorted((n for n in self.loaded & state.lora_adapters()
-                              if n != name and n not in refused),
+                              if n != name and n not in refused and n not in busy),
                              key=lambda n: self.last_used.get(n, 0.0))
             if not victims:
                 raise OverloadedError(
@@ -109,6 +110,22 @@ async def resolve_model(state: GatewayState, model: str | None, *, load: bool = 
     if lora and resolver is not None:
         resolver.touch(lora)
     return lora
+
+
+def _busy(router: Router) -> set[str]:
+    """Adapters with unfinished requests on some healthy worker, at the last poll (a worker
+    still refuses to unload one that became busy since)."""
+    busy: set[str] = set()
+    for pool in (router.prefill, router.decode):
+        if pool is None:
+            continue
+        for w in pool.workers:
+            r = w.load
+            if w.healthy:
+                busy.update(n for n, running, waiting in zip(
+                    r.lora_adapters, r.lora_running, r.lora_waiting, strict=False)
+                    if running or waiting)
+    return busy
 
 
 def _slots_full(router: Router) -> bool:

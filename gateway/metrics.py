@@ -19,6 +19,7 @@ Prometheus' `rate()` handles as a counter reset.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -48,7 +49,12 @@ WORKER_GAUGES: tuple[tuple[str, str, Callable[[Report], float]], ...] = (
      lambda r: r.num_waiting),
     ("splitserve:kv_leases", "KV leases the worker holds for decode workers to pull.",
      lambda r: r.num_leases),
+    ("splitserve:lora_adapters", "LoRA adapters the worker serves now.",
+     lambda r: len(r.lora_adapters)),
+    ("splitserve:lora_slots", "LoRA adapter slots of the worker (--max-loras; 0: its adapters "
+     "are fixed at start).", lambda r: r.max_loras),
 )
+LORA_INFO = "splitserve:lora_requests_info"
 # Worker counters (cumulative totals the workers count), exported once a worker has reported.
 WORKER_COUNTERS: tuple[tuple[str, str, Callable[[Report], float]], ...] = (
     ("splitserve:prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.",
@@ -140,6 +146,25 @@ class WorkerLoadCollector:
                     counter.add_metric([s.role, s.worker], float(value(s.load)))
             yield counter
         yield from _kv_transport_families(samples)
+        yield _lora_info_family(samples)
+
+
+def _lora_info_family(samples: Sequence[WorkerSample]) -> Metric:
+    """vLLM's `lora_requests_info`: per healthy worker, its slots and the adapters with requests
+    running / waiting (comma-separated names in labels; the value is the scrape's time)."""
+    info = GaugeMetricFamily(
+        LORA_INFO, "LoRA adapters with requests running and waiting on the worker.",
+        labels=[*WORKER_LABELS, "max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+    now = time.time()
+    for s in samples:
+        r = s.load
+        if not s.healthy or r is None or not (r.lora_adapters or r.max_loras):
+            continue
+        rows = list(zip(r.lora_adapters, r.lora_running, r.lora_waiting, strict=False))
+        info.add_metric([s.role, s.worker, str(r.max_loras),
+                         ",".join(n for n, running, _ in rows if running),
+                         ",".join(n for n, _, waiting in rows if waiting)], now)
+    return info
 
 
 def _kv_transport_families(samples: Sequence[WorkerSample]) -> Iterator[Metric]:

@@ -70,6 +70,7 @@ class EngineBound:
         s = self.aengine.stats()
         eng = self.aengine.engine
         names, roots = _lora_roots(eng)
+        usage = eng.lora_requests()
         return common_pb2.LoadReport(
             num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage,
             num_free_blocks=s.num_free_blocks, block_size=eng.config.cache.block_size,
@@ -80,7 +81,9 @@ class EngineBound:
             speculative_methods=[SPEC_METHOD_ENUMS[m] for m in _own_first(eng)],
             kv_transports=_kv_transports(self.aengine),
             lora_adapters=names, lora_roots=roots,
-            max_loras=eng.config.lora.max_loras if eng.runtime_lora else 0)
+            max_loras=eng.config.lora.max_loras if eng.runtime_lora else 0,
+            lora_running=[usage.get(n, (0, 0))[0] for n in names],
+            lora_waiting=[usage.get(n, (0, 0))[1] for n in names])
 
 
 async def abort_traced(context: grpc.aio.ServicerContext, span: Span, code: grpc.StatusCode,

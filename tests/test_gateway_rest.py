@@ -317,9 +317,41 @@ def test_worker_load_reports_are_exported(script_ids: list[int]) -> None:
         assert series[("splitserve:worker_healthy", *d)] == 1
 
 
+def test_lora_usage_is_exported(script_ids: list[int]) -> None:
+    """Each worker's adapters and slots as gauges, and vLLM's `lora_requests_info`: which
+    adapters have requests running and waiting there."""
+    h = Harness(Script(list(script_ids)))
+    dec = h.decode[0]
+    dec.report = common_pb2.LoadReport(
+        lora_adapters=["a", "b", "c"], lora_roots=[bytes(32)] * 3, max_loras=4,
+        lora_running=[2, 0, 0], lora_waiting=[1, 0, 3])
+    with h:
+        def info_samples() -> list[Any]:
+            text = httpx.get(h.base_url + "/metrics", timeout=10).text
+            fams = {f.name: f for f in text_string_to_metric_families(text)}
+            return [s for s in fams["splitserve:lora_requests_info"].samples]
+
+        deadline = time.monotonic() + 10
+        while not (samples := info_samples()):
+            assert time.monotonic() < deadline, "no lora_requests_info sample"
+            time.sleep(0.05)
+        assert [s.labels for s in samples] == [{
+            "role": "decode", "worker": dec.address, "max_lora": "4",
+            "running_lora_adapters": "a", "waiting_lora_adapters": "a,c"}]
+        text = httpx.get(h.base_url + "/metrics", timeout=10).text
+        values = {(s.name, s.labels.get("role")): s.value
+                  for f in text_string_to_metric_families(text) for s in f.samples
+                  if s.name in ("splitserve:lora_adapters", "splitserve:lora_slots")}
+        assert values == {("splitserve:lora_adapters", "decode"): 3,
+                          ("splitserve:lora_slots", "decode"): 4,
+                          ("splitserve:lora_adapters", "prefill"): 0,
+                          ("splitserve:lora_slots", "prefill"): 0}
+
+
 # -- bad input ------------------------------------------------------------------------------------
 def _post(gw: Harness, path: str, body: object, **kw: object) -> httpx.Response:
     return httpx.post(gw.base_url + path, json=body, timeout=10, **kw)  # type: ignore[arg-type]
+
 
 
 def _error(r: httpx.Response, status: int, *words: str) -> dict[str, object]:

@@ -130,6 +130,9 @@ def test_refusals(tiny_model_dirs: dict[str, Path], made: Made,
         engine.add_lora("third", every)
     # In use: an unfinished request holds its adapter's slot.
     engine.add_request("r", PROMPTS["all"], greedy(3), lora_name="all")
+    assert engine.lora_requests() == {"attn": (0, 0), "all": (0, 1)}  # (running, waiting)
+    engine.step()
+    assert engine.lora_requests() == {"attn": (0, 0), "all": (1, 0)}
     with pytest.raises(EngineInputError, match="in use by 1 unfinished request"):
         engine.remove_lora("all")
     run_to_end(engine)
