@@ -22,6 +22,12 @@ from engine.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from engine.generation_defaults import (
+    MODES,
+    GenerationConfigError,
+    resolve_sampling_defaults,
+    sampling_defaults,
+)
 from engine.llm_engine import EngineInputError, LLMEngine
 from engine.lora import LoRARequest, lora_name_of
 from engine.outputs import (
@@ -80,6 +86,8 @@ class LLM:
         speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
         pooling_type: PoolingType | None = None,
         scheduling_policy: str = "fcfs",
+        generation_config: str = "auto",
+        override_generation_config: dict[str, Any] | None = None,
     ) -> None:
         """`speculative_config` as in vLLM: e.g. {"method": "ngram", "num_speculative_tokens":
         4, "prompt_lookup_max": 4} (the fields of `SpeculativeConfig`), or {"model": <draft>,
@@ -90,7 +98,10 @@ class LLM:
         path loads its adapter on first use, as in vLLM (the least recently used adapter is
         unloaded when the slots are full). `pooling_type`: how `embed` pools by
         default ("LAST", "MEAN", "CLS"; None: the model's sentence-transformers configuration,
-        else LAST). `scheduling_policy`: "fcfs" or "priority" (`generate(..., priority=)`)."""
+        else LAST). `scheduling_policy`: "fcfs" or "priority" (`generate(..., priority=)`).
+        `generation_config` ("auto": the model's generation_config.json; "vllm": none; or a
+        directory) and `override_generation_config` give `get_default_sampling_params`, which
+        `generate` and `stream` use when no sampling params are given (as vLLM's do)."""
         if isinstance(speculative_config, dict):
             if "model" in speculative_config and "method" not in speculative_config:
                 speculative_config = {**speculative_config, "method": "draft_model"}
@@ -132,6 +143,7 @@ class LLM:
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
         self._lora_lru: dict[str, None] = {}  # adapter names, least recently used first
+        self._set_sampling_defaults(generation_config, override_generation_config)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
@@ -139,7 +151,25 @@ class LLM:
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
         self._lora_lru = {}
+        self._set_sampling_defaults("auto", None)
         return self
+
+    def _set_sampling_defaults(self, mode: str, override: dict[str, Any] | None) -> None:
+        try:
+            if mode in MODES:
+                self._sampling_defaults = sampling_defaults(
+                    {} if mode == "vllm" else self.engine.generation_config, override)
+            else:
+                self._sampling_defaults = resolve_sampling_defaults(mode, None, override)
+        except GenerationConfigError as e:
+            self.shutdown()
+            raise EngineInputError(str(e)) from None
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: `SamplingParams` with the model's recommended values (its
+        generation_config.json's temperature, top_p, top_k, min_p, repetition_penalty,
+        max_new_tokens, where they differ from Hugging Face's defaults), neutral ones else."""
+        return SamplingParams(**self._sampling_defaults)  # type: ignore[arg-type]
 
     def shutdown(self) -> None:
         """Let `del llm; gc.collect()` free the engine and its device memory (the engine's start
@@ -199,7 +229,7 @@ class LLM:
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None
                ) -> Iterator[StepOutput]:
         """Generate for one prompt, yielding each step's new tokens and text as they come."""
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         if params.n != 1:
             raise EngineInputError("stream() supports n=1 only")
         [(rid, _)] = self._submit(prompt, params)
@@ -275,7 +305,7 @@ class LLM:
                 priority: Sequence[int] | None = None
                 ) -> list[tuple[str, RequestOutput]]:
         plist = _prompt_list(prompts)
-        params = ([sampling_params or SamplingParams()] * len(plist)
+        params = ([sampling_params or self.get_default_sampling_params()] * len(plist)
                   if sampling_params is None or isinstance(sampling_params, SamplingParams)
                   else _one_each(list(sampling_params), len(plist), "sampling params"))
         loras = _per_prompt(lora_name, len(plist))

@@ -132,6 +132,8 @@ class LLMEngine:
                 f"max_model_len ({self.max_model_len}) exceeds the model's "
                 f"max_position_embeddings ({cfg.max_position_embeddings})")
         self.eos_token_ids = self._eos_ids(source.generation_config)
+        # The model's generation_config.json as read (sampling defaults: engine/generation_defaults.py).
+        self.generation_config = dict(source.generation_config)
         # Embedding requests' default pooling (every field set): found here, at start-up.
         self.pooler: PoolerConfig = resolve_pooler(config.pooler, config.load.model)
         # A draft model comes first: on a GPU its memory is taken before the target's KV cache

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -104,6 +105,10 @@ class GatewayConfig:
     # (gateway/lora_resolver.py; least recently used ones it loaded are unloaded when the
     # slots are full). The workers must see DIR at the same path. None: off.
     lora_resolver_dir: str | None = None
+    # The model's recommended sampling values (vLLM's --generation-config auto: its
+    # generation_config.json, engine/generation_defaults.py), used where a request leaves the
+    # field unset: (engine SamplingParams field, value) pairs.
+    sampling_defaults: tuple[tuple[str, float | int], ...] = ()
     # Reasoning outputs: the parser that splits a thinking model's <think> text off a chat
     # answer into `reasoning` (gateway/reasoning.py; None: the text is all content).
     reasoning_parser: str | None = None
@@ -137,6 +142,11 @@ class GatewayConfig:
                     read_pem(path, name)
                 except TlsConfigError as e:
                     raise GatewayConfigError(str(e)) from None
+
+    @property
+    def defaults(self) -> dict[str, float | int]:
+        """`sampling_defaults` as a mapping."""
+        return dict(self.sampling_defaults)
 
     def validate(self) -> None:
         if not self.decode_addresses:
@@ -249,12 +259,54 @@ def add_chat_args(parser: argparse.ArgumentParser, role: str = "") -> None:
                              f"/v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): "
                              f"an adapter loaded on every worker (started with --max-loras N) "
                              f"or unloaded; without it they answer 403")
+    parser.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                        help=f"{note}sampling defaults for requests that leave them unset "
+                             f"(temperature, top_p, top_k, min_p, repetition_penalty, "
+                             f"max_tokens): auto, the model's generation_config.json (vLLM's "
+                             f"default); vllm, none; or DIR/generation_config.json")
+    parser.add_argument("--override-generation-config", default=None, metavar="JSON",
+                        help=f"{note}sampling defaults over the generation config's, e.g. "
+                             f"'{{\"temperature\": 0.5}}'")
     parser.add_argument("--lora-resolver-dir", default=None, metavar="DIR",
                         help=f"{note}a request naming an adapter no worker serves, whose "
                              f"directory DIR/<name> exists, gets it loaded on every worker "
                              f"first (vLLM's filesystem LoRA resolver; the workers need "
                              f"--max-loras N and DIR at the same path); the least recently "
                              f"used adapters it loaded make room when the slots are full")
+
+
+def sampling_defaults_setting(args: argparse.Namespace, model_dir: str | None
+                              ) -> dict[str, Any]:
+    """The GatewayConfig field of --generation-config / --override-generation-config, the
+    model's directory (None: it has none, e.g. a GGUF file) read for "auto"."""
+    from engine.generation_defaults import GenerationConfigError, resolve_sampling_defaults
+
+    override: dict[str, object] | None = None
+    if args.override_generation_config:
+        try:
+            parsed = json.loads(args.override_generation_config)
+        except ValueError as err:
+            raise GatewayConfigError(f"--override-generation-config: {err}") from None
+        if not isinstance(parsed, dict):
+            raise GatewayConfigError("--override-generation-config must be a JSON object")
+        override = parsed
+    try:
+        defaults = resolve_sampling_defaults(args.generation_config, model_dir, override)
+    except GenerationConfigError as err:
+        raise GatewayConfigError(str(err)) from None
+    return {"sampling_defaults": tuple(sorted(defaults.items()))}
+
+
+def model_directory(source: str | None) -> str | None:
+    """The directory a model source's generation_config.json would be in: the source itself
+    when it is a directory, the one holding a tokenizer.json, else None (a GGUF file)."""
+    if not source:
+        return None
+    if os.path.isdir(source):
+        return source
+    if os.path.basename(source) == "tokenizer.json":
+        return os.path.dirname(source) or "."
+    return None
 
 
 def chat_settings(args: argparse.Namespace) -> dict[str, Any]:

@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -172,7 +172,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
         if kind == "chat":
             messages = chat_messages_from_proto(request.chat.messages)
-            job = await chat_job(state, messages, _sampling_options(request), calling,
+            options = _sampling_options(request, state.config.defaults)
+            job = await chat_job(state, messages, options, calling,
                                  request_id=request_id, param="chat.messages",
                                  param_names=_PARAM_NAMES, template_kwargs=template_kwargs,
                                  chat_template=chat_template)
@@ -183,7 +184,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             ids = pre.check_token_ids(list(request.token_ids.ids), "token_ids.ids")
         else:
             raise GatewayError.invalid("input", "input is required: set one of text, token_ids, chat")
-        return pre.build_job(ids, _sampling_options(request), request_id=request_id,
+        return pre.build_job(ids, _sampling_options(request, state.config.defaults),
+                             request_id=request_id,
                              param_names=_PARAM_NAMES), None
 
 
@@ -216,13 +218,17 @@ _PARAM_NAMES = {name: f"sampling.{name}" for name in (
     "logit_bias", "allowed_token_ids", "prompt_logprobs", "structured_outputs", "bad_words")}
 
 
-def _sampling_options(request: gateway_pb2.GenerateRequest) -> dict[str, object]:
-    """Proto → engine `SamplingParams` kwargs; proto zeros mean "unset" where documented."""
+def _sampling_options(request: gateway_pb2.GenerateRequest,
+                      defaults: Mapping[str, float | int]) -> dict[str, object]:
+    """Proto → engine `SamplingParams` kwargs; proto zeros mean "unset" where documented, and
+    an unset top_p or repetition_penalty takes `defaults`' (the model's generation config) —
+    temperature, top_k and min_p have no "unset" here (0 is greedy / off), so a gRPC client
+    gets what it sends."""
     s = request.sampling
     return {
         "n": request.n or 1,
         "temperature": s.temperature,
-        "top_p": s.top_p or 1.0,
+        "top_p": s.top_p or defaults.get("top_p", 1.0),
         "top_k": s.top_k if s.top_k > 0 else -1,
         "min_p": s.min_p,
         "seed": s.seed if s.HasField("seed") else None,
@@ -231,7 +237,7 @@ def _sampling_options(request: gateway_pb2.GenerateRequest) -> dict[str, object]
         "stop": list(request.stop),
         "stop_token_ids": list(s.stop_token_ids),
         "ignore_eos": s.ignore_eos,
-        "repetition_penalty": s.repetition_penalty or 1.0,
+        "repetition_penalty": s.repetition_penalty or defaults.get("repetition_penalty", 1.0),
         "presence_penalty": s.presence_penalty,
         "frequency_penalty": s.frequency_penalty,
         "logprobs": s.logprobs if s.HasField("logprobs") else None,

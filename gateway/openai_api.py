@@ -401,7 +401,8 @@ async def _completion_jobs(req: CompletionRequest, state: GatewayState
                                         "without stream)")
     prompts = prompt_inputs(req.prompt, state.config.max_prompts_per_request)
     pre = state.preprocessor
-    options = req.sampling_options() | {"max_tokens": max_tokens, "logprobs": req.logprobs,
+    options = req.sampling_options(state.config.defaults) | {
+        "max_tokens": max_tokens, "logprobs": req.logprobs,
                                         "prompt_logprobs": req.prompt_scoring()}
     request_id = f"cmpl-{uuid.uuid4().hex}"
     jobs: list[GenerationJob] = []
@@ -437,7 +438,8 @@ async def _chat_job(req: ChatCompletionRequest, state: GatewayState
         max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
     calling = tool_calling_from_request(req.model_extra or {}, state.config.tool_call_parser)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    options = req.sampling_options() | {"max_tokens": max_tokens, "logprobs": logprobs}
+    options = req.sampling_options(state.config.defaults) | {"max_tokens": max_tokens,
+                                                             "logprobs": logprobs}
     job = await chat_job(state, chat_messages(req.messages), options, calling,
                          request_id=f"chatcmpl-{uuid.uuid4().hex}",
                          param_names={"max_tokens": param, "logprobs": "top_logprobs"},

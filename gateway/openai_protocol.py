@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import (
@@ -100,15 +100,20 @@ class _SamplingFields(_PriorityField):
     bad_words: list[str] | None = None           # vLLM's extra: words the output never contains
     truncate_prompt_tokens: TruncatePromptTokens | None = None  # vLLM's extra: see its type
 
-    def sampling_options(self) -> dict[str, Any]:
-        """Engine `SamplingParams` keyword arguments (max_tokens and logprobs added by callers)."""
+    def sampling_options(self, defaults: Mapping[str, float | int] | None = None
+                         ) -> dict[str, Any]:
+        """Engine `SamplingParams` keyword arguments (max_tokens and logprobs added by callers);
+        a field the request leaves unset takes `defaults`' value (the model's generation
+        config: `GatewayConfig.sampling_defaults`), else the neutral one."""
+        d = defaults or {}
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return {
             "n": self.n,
-            "temperature": 1.0 if self.temperature is None else self.temperature,
-            "top_p": 1.0 if self.top_p is None else self.top_p,
-            "top_k": -1 if self.top_k is None else self.top_k,
-            "min_p": 0.0 if self.min_p is None else self.min_p,
+            "temperature": d.get("temperature", 1.0) if self.temperature is None
+            else self.temperature,
+            "top_p": d.get("top_p", 1.0) if self.top_p is None else self.top_p,
+            "top_k": d.get("top_k", -1) if self.top_k is None else self.top_k,
+            "min_p": d.get("min_p", 0.0) if self.min_p is None else self.min_p,
             "seed": self.seed,
             "stop": stop,
             "stop_token_ids": list(self.stop_token_ids or []),
@@ -116,7 +121,8 @@ class _SamplingFields(_PriorityField):
             "min_tokens": self.min_tokens,
             "presence_penalty": self.presence_penalty or 0.0,
             "frequency_penalty": self.frequency_penalty or 0.0,
-            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            "repetition_penalty": d.get("repetition_penalty", 1.0)
+            if self.repetition_penalty is None else self.repetition_penalty,
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "logit_bias": _token_keys(self.logit_bias or {}, "logit_bias"),

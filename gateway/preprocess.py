@@ -185,8 +185,9 @@ class Preprocessor:
 
     def _resolve_max_tokens(self, requested: int | None, num_prompt: int, param: str) -> int:
         room = self._config.max_model_len - num_prompt
-        if requested is None:
-            return min(room, self._config.max_tokens_cap)
+        if requested is None:  # the model's max_new_tokens when it recommends one
+            preferred = int(self._config.defaults.get("max_tokens", self._config.max_tokens_cap))
+            return min(room, self._config.max_tokens_cap, preferred)
         if requested > self._config.max_tokens_cap:
             raise GatewayError.invalid(
                 param, f"{param} must be at most {self._config.max_tokens_cap}, got {requested}")

@@ -23,6 +23,8 @@ from gateway.config import (
     add_chat_args,
     add_public_security_args,
     chat_settings,
+    model_directory,
+    sampling_defaults_setting,
     served_model_name_for,
 )
 from gateway.grpc_server import GrpcFrontend
@@ -191,7 +193,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         speculative_tokens=args.speculative_tokens,
         speculative_max_load=args.speculative_max_load,
         speculative_draft_max_load=args.speculative_draft_max_load,
-        internal_token=internal_token_from_env(), **chat_settings(args))
+        internal_token=internal_token_from_env(), **chat_settings(args),
+        **sampling_defaults_setting(args, model_directory(args.model)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -120,7 +120,13 @@ async def _serve_worker(args: argparse.Namespace) -> None:
 
 
 async def _serve_colocated(argv: list[str], args: argparse.Namespace) -> None:
-    from gateway.config import GatewayConfig, chat_settings, served_model_name_for
+    from gateway.config import (
+        GatewayConfig,
+        chat_settings,
+        model_directory,
+        sampling_defaults_setting,
+        served_model_name_for,
+    )
     from gateway.server import GatewayServer
     from serving.server import run_until_signal, start_worker
 
@@ -145,7 +151,9 @@ async def _serve_colocated(argv: list[str], args: argparse.Namespace) -> None:
                               speculative_draft_max_load=args.speculative_draft_max_load,
                               api_key=args.api_key, ssl_certfile=args.ssl_certfile,
                               ssl_keyfile=args.ssl_keyfile, ssl_ca_certs=args.ssl_ca_certs,
-                              **chat_settings(args))
+                              **chat_settings(args),
+                              **sampling_defaults_setting(args,
+                                                          model_directory(config.load.model)))
     gw = GatewayServer(gw_config, rest_host=args.gateway_host, rest_port=args.port or 8000,
                        grpc_host=args.gateway_host, grpc_port=args.grpc_port)
     await gw.start()
@@ -206,9 +214,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         tls_from_env()  # a broken TLS set-up fails now, not after the model loaded
         if args.role == "colocated":
-            from gateway.config import chat_settings
+            from gateway.config import chat_settings, model_directory, sampling_defaults_setting
 
             chat_settings(args)  # a bad --chat-template fails now, not after the model loaded
+            sampling_defaults_setting(args, model_directory(args.model))  # ... or generation config
             asyncio.run(_serve_colocated(argv, args))
         else:
             asyncio.run(_serve_worker(args))

@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help="gateway: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
                         "(give the workers adapter slots with --max-loras N)")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="gateway: sampling defaults for requests that leave them unset (auto: "
+                        "the model's generation_config.json; vllm: none; or a directory's)")
+    p.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help="gateway: sampling defaults over the generation config's")
     p.add_argument("--lora-resolver-dir", default=None, metavar="DIR",
                    help="gateway: load an adapter a request names from DIR/<name> on first use "
                         "(give the workers adapter slots with --max-loras N)")
@@ -226,6 +231,13 @@ def service_argv(args: argparse.Namespace, engine_args: list[str]) -> dict[str, 
         gw += ["--allow-runtime-lora-updating"]
     if args.lora_resolver_dir:
         gw += ["--lora-resolver-dir", args.lora_resolver_dir]
+    generation = args.generation_config
+    if generation == "auto" and model and os.path.isdir(model):
+        generation = str(Path(model).resolve())  # the model's file, whichever tokenizer
+    if generation != "auto":
+        gw += ["--generation-config", generation]
+    if args.override_generation_config:
+        gw += ["--override-generation-config", args.override_generation_config]
     for flag in ("responses_store_max_entries", "responses_store_max_bytes",
                  "max_concurrent_requests"):
         if getattr(args, flag) is not None:
