@@ -457,8 +457,7 @@ class LLMEngine:
     @property
     def runtime_lora(self) -> bool:
         """Whether adapters can be added and removed while the engine runs."""
-        return (self.runner.lora is not None and self.runner.lora.slotted
-                and self.config.parallel.tensor_parallel_size == 1)
+        return self.runner.lora is not None and self.runner.lora.slotted
 
     def lora_names(self) -> list[str]:
         """The adapters loaded now, by slot."""
@@ -496,7 +495,15 @@ class LLMEngine:
         try:
             adapter = load_adapter(name, path, self.model_config, self.config.lora.max_lora_rank)
             root = self._lora_root(adapter)
-            slot = stack.add(adapter)
+            tp = self.runner.tp
+            if tp is None:
+                slot = stack.add(adapter)
+            elif not tp.add_lora(name, path, lambda: stack.add(adapter),
+                                 lambda: stack.remove(name)):
+                raise EngineInputError(f"LoRA adapter {name!r}: a tensor-parallel rank could "
+                                       "not load its share (its log says why); no rank has it")
+            else:
+                slot = stack.slot(name)
         except (LoRAError, ValueError) as e:
             raise EngineInputError(str(e)) from None
         self._lora_roots[name] = root
@@ -516,16 +523,16 @@ class LLMEngine:
             raise EngineInputError(f"LoRA adapter {name!r} is in use by {users} unfinished "
                                    "request(s); unload it once they are done")
         stack.remove(name)
+        if self.runner.tp is not None:
+            self.runner.tp.remove_lora(name)
         del self._lora_roots[name]
         logger.info("LoRA adapter %s unloaded from slot %d", name, slot)
 
     def _runtime_stack(self) -> LoRAStack:
         stack = self.runner.lora
         if not self.runtime_lora or stack is None:
-            why = ("not with tensor parallelism yet"
-                   if self.config.parallel.tensor_parallel_size > 1 and stack is not None
-                   and stack.slotted else "start it with max_loras > 0 (--max-loras N)")
-            raise EngineInputError(f"this engine does not load LoRA adapters at runtime: {why}")
+            raise EngineInputError("this engine does not load LoRA adapters at runtime: start "
+                                   "it with max_loras > 0 (--max-loras N)")
         return stack
 
     def prompt_key(self, lora_name: str | None = None) -> bytes:

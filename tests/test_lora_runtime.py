@@ -181,15 +181,30 @@ def test_slots_on_a_split_model(tiny_model_dirs: dict[str, Path],
                                 hf_reference: Callable[[str], PreTrainedModel],
                                 made: Made) -> None:
     """Tensor parallelism, two ranks: the slotted layout splits like the packed one (each rank
-    its share of every slot), so start-time adapters in slots equal HF; loading at runtime is
-    refused by name, since the ranks' slots would differ."""
+    its share of every slot). A start-time adapter, one loaded at runtime (every rank reads its
+    share into the same slot) and, after an unload, another in that slot all equal HF."""
     llm = tiny_llm(tiny_model_dirs["llama"], max_num_batched_tokens=6, tensor_parallel_size=2,
-                   cpu_threads=1, max_loras=3, lora_modules={"attn": str(made["attn"][0])})
+                   cpu_threads=1, max_loras=2, lora_modules={"attn": str(made["attn"][0])})
     try:
-        _check_against_hf(llm, hf_reference("llama"), made, {
-            "b": (PROMPTS["base"], None), "a": (PROMPTS["attn"], "attn")})
-        assert not llm.engine.runtime_lora
-        with pytest.raises(EngineInputError, match="not with tensor parallelism yet"):
-            llm.engine.add_lora("all", str(made["all"][0]))
+        base = hf_reference("llama")
+        engine = llm.engine
+        assert engine.runtime_lora
+        engine.add_lora("all", str(made["all"][0]))
+        _check_against_hf(llm, base, made, {
+            "b": (PROMPTS["base"], None), "a": (PROMPTS["attn"], "attn"),
+            "l": (PROMPTS["all"], "all")})
+        with pytest.raises(EngineInputError, match="all 2 LoRA slots are taken"):
+            engine.add_lora("third", str(made["all"][0]))
+        engine.remove_lora("attn")
+        engine.add_lora("all2", str(made["all"][0]))  # into attn's slot, on every rank
+        assert engine.runner.lora.slot("all2") == 1
+        _check_against_hf(llm, base, {**made, "all2": made["all"]},
+                          {"n": (PROMPTS["attn"], "all2")})
+        engine.remove_lora("all2")
+        with pytest.raises(EngineInputError, match="no adapter_config"):  # rank 0 checks first
+            engine.add_lora("missing", str(made["all"][0].parent / "nowhere"))
+        engine.add_lora("attn", str(made["attn"][0]))  # the ranks stayed in step
+        assert engine.lora_names() == ["attn", "all"]
+        _check_against_hf(llm, base, made, {"a2": (PROMPTS["base"], "attn")})
     finally:
         llm.shutdown()

@@ -10,11 +10,12 @@ interleaving their collectives differently on different ranks.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import multiprocessing as mp
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -204,6 +205,37 @@ class TensorParallelDriver:
     def allocate_kv(self, num_blocks: int) -> None:
         with self.command(Op.ALLOCATE_KV, [num_blocks]):
             pass
+
+    def add_lora(self, name: str, path: str, local: Callable[[], object],
+                 undo: Callable[[], object]) -> bool:
+        """Load adapter `name` from `path` on every rank: the workers read their shares while
+        `local()` adds rank 0's; then every rank's success is all-reduced. When one failed,
+        the others undo theirs (`undo()` here) and this returns False; rank 0's own failure
+        is re-raised (after the others undid theirs)."""
+        payload = json.dumps({"name": name, "path": path}).encode()
+        error: Exception | None = None
+        with self.command(Op.LORA_ADD, [len(payload)]):
+            for conn in self._conns:
+                conn.send_bytes(payload)
+            try:
+                local()
+            except Exception as e:  # every rank must still reach the all-reduce
+                error = e
+            ok = torch.tensor([int(error is None)], dtype=torch.int64, device=self.device)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+            everyone = bool(ok.item())
+            if not everyone and error is None:
+                undo()
+        if error is not None:
+            raise error
+        return everyone
+
+    def remove_lora(self, name: str) -> None:
+        """Unload adapter `name` on every worker (rank 0 removes its own)."""
+        payload = json.dumps({"name": name}).encode()
+        with self.command(Op.LORA_REMOVE, [len(payload)]):
+            for conn in self._conns:
+                conn.send_bytes(payload)
 
     def set_kv_scales(self, scales: torch.Tensor) -> None:
         """Every rank's quantized cache takes rank 0's `[L, 2]` scales (calibrated over every

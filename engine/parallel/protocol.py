@@ -1,7 +1,7 @@
 """Commands from rank 0 to the tensor-parallel workers.
 
 A command is a fixed header of `HEADER_FIELDS` little-endian int64s sent down each worker's
-pipe (never pickle); its tensors follow through the process group's collectives, which every
+pipe (never pickle; the LoRA commands' JSON payload follows it there); its tensors follow through the process group's collectives, which every
 rank enters in the order the commands were sent. Pipes carry the headers so that an idle worker
 waits on its pipe, where no collective timeout runs out, and learns of rank 0's end (EOF).
 """
@@ -25,6 +25,11 @@ class Op(enum.IntEnum):
     WRITE_BLOCKS = 6   # block ids broadcast; each rank's heads of the blocks scattered from 0
     SHUTDOWN = 7
     KV_AMAX = 8        # the last SCRATCH_FLOAT pass's |K|, |V| maxima, all-reduced to the largest
+    # Runtime LoRA adapters: fields[0] bytes of JSON ({"name", "path"} / {"name"}) follow the
+    # header down the pipe; each rank loads (or unloads) its share, and a load's success is
+    # all-reduced (every rank keeps it, or none).
+    LORA_ADD = 9
+    LORA_REMOVE = 10
 
 
 class Cache(enum.IntEnum):

@@ -6,6 +6,7 @@ It samples nothing and schedules nothing: rank 0 does both.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from multiprocessing.connection import Connection
@@ -67,6 +68,8 @@ class ShardWorker:
         # LoRA adapters: this rank's share of each (the rows' slots come with each step).
         self.lora = build_lora(config, source.config, self.device, self.dtype, self.shard,
                                self.backend.name == "triton")
+        self.model_config = source.config  # the whole model's (adapters are checked against it)
+        self._conn: Connection | None = None  # rank 0's pipe, while serving
         cfg = self.model.config
         self.block_shape = (config.cache.block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.num_layers = cfg.num_hidden_layers
@@ -92,7 +95,9 @@ class ShardWorker:
         handlers = {Op.FORWARD: self._forward, Op.KV_CAPACITY: self._capacity,
                     Op.ALLOCATE_KV: self._allocate, Op.SET_KV_SCALES: self._set_scales,
                     Op.KV_AMAX: self._reduce_amax, Op.READ_BLOCKS: self._read_blocks,
-                    Op.WRITE_BLOCKS: self._write_blocks}
+                    Op.WRITE_BLOCKS: self._write_blocks, Op.LORA_ADD: self._lora_add,
+                    Op.LORA_REMOVE: self._lora_remove}
+        self._conn = conn
         while True:
             try:
                 data = conn.recv_bytes(256)
@@ -104,6 +109,39 @@ class ShardWorker:
                 return
             with torch.inference_mode():
                 handlers[op](fields)
+
+    def _payload(self, size: int) -> dict[str, str]:
+        """A LoRA command's JSON payload, the next message on rank 0's pipe."""
+        assert self._conn is not None
+        data = json.loads(self._conn.recv_bytes(size))
+        if not isinstance(data, dict):
+            raise RuntimeError("a LoRA command's payload is not a JSON object")
+        return data
+
+    def _lora_add(self, fields: list[int]) -> None:
+        """Load this rank's share of an adapter into the slot every rank picks (the first free
+        one: the ranks' slots change together); undone when another rank failed."""
+        from engine.lora import load_adapter
+
+        d = self._payload(fields[0])
+        ok = 0
+        try:
+            if self.lora is None:
+                raise RuntimeError("no LoRA slots on this rank")
+            self.lora.add(load_adapter(d["name"], d["path"], self.model_config,
+                                       self.config.lora.max_lora_rank))
+            ok = 1
+        except Exception:
+            logger.exception("rank %d: LoRA adapter %r not loaded", self.shard.rank, d["name"])
+        flag = torch.tensor([ok], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if ok and not flag.item() and self.lora is not None:
+            self.lora.remove(d["name"])
+
+    def _lora_remove(self, fields: list[int]) -> None:
+        d = self._payload(fields[0])
+        if self.lora is not None and d["name"] in self.lora.slots:
+            self.lora.remove(d["name"])
 
     def _forward(self, fields: list[int]) -> None:
         from engine.attention.forward_context import ForwardContext, forward_context
