@@ -727,7 +727,7 @@ class SpeculativeConfig:
 DEFAULT_MAX_LORA_RANK = 64
 # Slots are allocated in every projection of every layer: a ceiling that catches a typo.
 MAX_LORAS = 64
-_LORA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+LORA_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -765,7 +765,7 @@ class LoRAConfig:
                               f"{self.max_loras} slots")
         seen: set[str] = set()
         for name, path in self.modules:
-            if not isinstance(name, str) or not _LORA_NAME.match(name):
+            if not isinstance(name, str) or not LORA_NAME_RE.match(name):
                 raise ConfigError(f"LoRA adapter name {name!r} must be 1-128 characters of "
                                   "letters, digits and . _ : - (starting with a letter or digit)")
             if name in seen:

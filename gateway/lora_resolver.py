@@ -15,19 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import time
 
 import grpc
 
+from engine.config import LORA_NAME_RE
 from gateway.errors import GatewayError, OverloadedError
 from gateway.lora_admin import load_everywhere, poll_pools, unload_everywhere
 from gateway.router import Router
 from gateway.state import GatewayState
-
-# The engine's rule for adapter names (engine/config.py): no '/' and no leading '.', so a name
-# always picks one entry of DIR itself.
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 
 
 class LoRAResolver:
@@ -43,7 +39,7 @@ class LoRAResolver:
     def directory(self, name: str) -> str | None:
         """DIR/<name> when `name` is an adapter name and that directory exists (a link out of
         DIR is followed: the operator put it there); None otherwise."""
-        if not _NAME.match(name):
+        if not LORA_NAME_RE.match(name):  # the engine's rule: no '/', no leading '.'
             return None
         path = os.path.join(self.root, name)
         return path if os.path.isdir(path) else None
