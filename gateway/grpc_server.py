@@ -220,17 +220,19 @@ _PARAM_NAMES = {name: f"sampling.{name}" for name in (
 
 def _sampling_options(request: gateway_pb2.GenerateRequest,
                       defaults: Mapping[str, float | int]) -> dict[str, object]:
-    """Proto → engine `SamplingParams` kwargs; proto zeros mean "unset" where documented, and
-    an unset top_p or repetition_penalty takes `defaults`' (the model's generation config) —
-    temperature, top_k and min_p have no "unset" here (0 is greedy / off), so a gRPC client
-    gets what it sends."""
+    """Proto → engine `SamplingParams` kwargs. A field the client leaves unset (no presence
+    for temperature, top_k and min_p; a documented zero for top_p, repetition_penalty and
+    max_tokens) takes `defaults`' value (the model's generation config), else the neutral one:
+    greedy for temperature, as this API has always read an unset temperature."""
     s = request.sampling
+    top_k = (s.top_k if s.top_k > 0 else -1) if s.HasField("top_k") else defaults.get("top_k", -1)
     return {
         "n": request.n or 1,
-        "temperature": s.temperature,
+        "temperature": (s.temperature if s.HasField("temperature")
+                        else defaults.get("temperature", 0.0)),
         "top_p": s.top_p or defaults.get("top_p", 1.0),
-        "top_k": s.top_k if s.top_k > 0 else -1,
-        "min_p": s.min_p,
+        "top_k": top_k,
+        "min_p": s.min_p if s.HasField("min_p") else defaults.get("min_p", 0.0),
         "seed": s.seed if s.HasField("seed") else None,
         "max_tokens": s.max_tokens or None,   # 0: the rest of the context (capped)
         "min_tokens": s.min_tokens,

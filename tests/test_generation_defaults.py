@@ -136,3 +136,31 @@ def test_gateway_flags(tmp_path: Path) -> None:
         ["--model", str(tmp_path), "--tokenizer", str(tmp_path / "tok.json")])
     gw = service_argv(args, engine_args)["gateway"]
     assert gw[gw.index("--generation-config") + 1] == str(tmp_path.resolve())
+
+
+def test_the_grpc_api_fills_unset_fields() -> None:
+    """temperature, top_k and min_p have presence on the wire: unset takes the model's value,
+    an explicit 0 stays greedy / off; the zero-means-unset fields take it as before."""
+    import grpc
+
+    from protos.splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+    ids = smollm2_tokenizer().encode("Hello there, friend", add_special_tokens=False)
+
+    def sent(h: Harness, sampling: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
+        with grpc.insecure_channel(h.grpc_target) as ch:
+            stub = gateway_pb2_grpc.GatewayStub(ch)
+            replies = list(stub.Generate(gateway_pb2.GenerateRequest(
+                text="hi", model=MODEL_NAME, sampling=sampling), timeout=20))
+        assert replies[-1].WhichOneof("response") == "complete", replies[-1]
+        return h.prefill[0].prefill_requests[-1].sampling
+
+    with Harness(Script(list(ids)), sampling_defaults=DEFAULTS) as h:
+        s = sent(h, common_pb2.SamplingParams())
+        assert (s.temperature, s.top_p, s.top_k, s.max_tokens) == pytest.approx((0.25, 0.5, 7, 9))
+        assert (s.min_p, s.repetition_penalty) == pytest.approx((0.05, 1.2))
+        s = sent(h, common_pb2.SamplingParams(temperature=0.0, top_k=0, min_p=0.0, max_tokens=3))
+        assert (s.temperature, s.top_k, s.min_p, s.max_tokens) == pytest.approx((0.0, -1, 0.0, 3))
+    with Harness(Script(list(ids))) as h:   # no model defaults: greedy, as this API always was
+        s = sent(h, common_pb2.SamplingParams(max_tokens=4))
+        assert (s.temperature, s.top_k, s.min_p) == pytest.approx((0.0, -1, 0.0))

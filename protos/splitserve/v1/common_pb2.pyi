@@ -156,13 +156,17 @@ class SamplingParams(_message.Message):
     STRUCTURED_OUTPUTS_FIELD_NUMBER: _builtins.int
     BAD_WORDS_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
-    """0 = greedy"""
+    """Unset (not 0) takes the model's default (its generation_config.json, as the gateway was
+    started: --generation-config), else greedy; 0 = greedy. Marked optional in v1 without a
+    change on the wire: a client built from the older file never sends a 0, so its 0 reads as
+    unset, which is greedy unless the model has a default temperature.
+    """
     top_p: _builtins.float
-    """(0, 1]; 0 means "unset" (1.0)"""
+    """(0, 1]; 0 means "unset": the model's default, else 1.0"""
     top_k: _builtins.int
-    """<= 0: disabled"""
+    """<= 0: disabled; unset: the model's default, else disabled"""
     min_p: _builtins.float
-    """[0, 1]"""
+    """[0, 1]; unset: the model's default, else 0"""
     seed: _builtins.int
     """per-request seed for reproducible sampling"""
     max_tokens: _builtins.int
@@ -202,10 +206,10 @@ class SamplingParams(_message.Message):
     def __init__(
         self,
         *,
-        temperature: _builtins.float = ...,
+        temperature: _builtins.float | None = ...,
         top_p: _builtins.float = ...,
-        top_k: _builtins.int = ...,
-        min_p: _builtins.float = ...,
+        top_k: _builtins.int | None = ...,
+        min_p: _builtins.float | None = ...,
         seed: _builtins.int | None = ...,
         max_tokens: _builtins.int = ...,
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
@@ -221,22 +225,34 @@ class SamplingParams(_message.Message):
         structured_outputs: Global___StructuredOutputs | None = ...,
         bad_words: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_seed", b"_seed", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "seed", b"seed", "structured_outputs", b"structured_outputs"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_min_p", b"_min_p", "_prompt_logprobs", b"_prompt_logprobs", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "logprobs", b"logprobs", "min_p", b"min_p", "prompt_logprobs", b"prompt_logprobs", "seed", b"seed", "structured_outputs", b"structured_outputs", "temperature", b"temperature", "top_k", b"top_k"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_prompt_logprobs", b"_prompt_logprobs", "_seed", b"_seed", "allowed_token_ids", b"allowed_token_ids", "bad_words", b"bad_words", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "structured_outputs", b"structured_outputs", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_min_p", b"_min_p", "_prompt_logprobs", b"_prompt_logprobs", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "allowed_token_ids", b"allowed_token_ids", "bad_words", b"bad_words", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "structured_outputs", b"structured_outputs", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
     _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
+    _WhichOneofReturnType__min_p: _TypeAlias = _typing.Literal["min_p"]  # noqa: Y015
+    _WhichOneofArgType__min_p: _TypeAlias = _typing.Literal["_min_p", b"_min_p"]  # noqa: Y015
     _WhichOneofReturnType__prompt_logprobs: _TypeAlias = _typing.Literal["prompt_logprobs"]  # noqa: Y015
     _WhichOneofArgType__prompt_logprobs: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
+    _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
+    _WhichOneofReturnType__top_k: _TypeAlias = _typing.Literal["top_k"]  # noqa: Y015
+    _WhichOneofArgType__top_k: _TypeAlias = _typing.Literal["_top_k", b"_top_k"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__logprobs) -> _WhichOneofReturnType__logprobs | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__min_p) -> _WhichOneofReturnType__min_p | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt_logprobs) -> _WhichOneofReturnType__prompt_logprobs | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_k) -> _WhichOneofReturnType__top_k | None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
 
