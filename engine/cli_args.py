@@ -34,6 +34,11 @@ def _default(cls: type, name: str) -> Any:
     raise KeyError(name)
 
 
+def _classifier_tokens(value: str) -> tuple[str, ...]:
+    """`no,yes` → ("no", "yes") (PoolerConfig.validate checks them); "" → ()."""
+    return tuple(value.split(",")) if value else ()
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -216,6 +221,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="embedding requests' default pooling: LAST (the last prompt position's "
                         "hidden state), MEAN (over the prompt) or CLS (the first position's); "
                         "default: the model's sentence-transformers configuration, else LAST")
+    g.add_argument("--classifier-from-token", default="", metavar="TOKENS",
+                   type=_classifier_tokens,
+                   help="serve the model as a classifier / cross-encoder over its LM head's "
+                        "rows for these comma-separated tokens, each one token; two (no,yes) "
+                        "make one yes-minus-no score, as vLLM's classifier_from_token "
+                        "(Qwen3-Reranker: no,yes)")
     g.add_argument("--spec-min-accepted-per-step", type=float,
                    default=_default(SpeculativeConfig, "min_accepted_per_step"),
                    help="a request whose verify steps accept fewer drafts than this per step "
@@ -255,7 +266,8 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "colocated") -
         lora=LoRAConfig(modules=tuple(args.lora_modules), max_lora_rank=args.max_lora_rank,
                         max_loras=args.max_loras or (max(1, len(args.lora_modules))
                                                      if args.enable_lora else 0)),
-        pooler=PoolerConfig(pooling_type=args.pooling_type),
+        pooler=PoolerConfig(pooling_type=args.pooling_type,
+                            classifier_from_token=args.classifier_from_token),
         speculative=SpeculativeConfig(method=args.speculative_method,
                                       num_speculative_tokens=args.num_speculative_tokens,
                                       prompt_lookup_min=args.prompt_lookup_min,

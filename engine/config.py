@@ -93,6 +93,10 @@ class ModelConfig:
     # Qwen2-MoE: a dense SiLU-gated MLP of this size beside the routed experts, its output
     # scaled by sigmoid(shared_expert_gate · x) (0: none).
     shared_expert_intermediate_size: int = 0
+    # A sequence classifier (transformers' `*ForSequenceClassification`: the decoder, then a
+    # `score` matrix of one row per label over the last position's final hidden state, and no
+    # LM head): its labels in id order. Empty: a causal LM.
+    class_labels: tuple[str, ...] = ()
     # Identity of the weights (path + size + mtime, or "dummy:<seed>"); part of the fingerprint.
     weights_id: str = ""
 
@@ -118,6 +122,15 @@ class ModelConfig:
         arch = hf_architecture(d)
         if arch in TEXT_ONLY_ARCHITECTURES:
             return cls.from_hf_dict(language_model_dict(d), weights_id)
+        if arch.endswith(CLASSIFIER_SUFFIX):
+            causal = arch.removesuffix(CLASSIFIER_SUFFIX) + "ForCausalLM"
+            if causal not in cls.SUPPORTED_ARCHITECTURES:
+                raise ConfigError(f"config.json: architecture {arch!r} is not supported: "
+                                  f"{causal} is not")
+            # No LM head: the logits a step computes (and ignores) come from the embedding.
+            body = cls.from_hf_dict({**d, "architectures": [causal], "tie_word_embeddings": True},
+                                    weights_id)
+            return dataclasses.replace(body, class_labels=class_labels(d))
         if arch in _REFUSED_ARCHITECTURES:
             raise ConfigError(f"config.json: architecture {arch!r} is not supported: "
                               f"{_REFUSED_ARCHITECTURES[arch]}")
@@ -208,6 +221,9 @@ class ModelConfig:
                 d.update(shared_expert_intermediate_size=self.shared_expert_intermediate_size,
                          qkv_bias=self.attention_bias)
         d.update(self._attention_hf_keys())
+        if self.class_labels:
+            d["architectures"] = [self.architecture.removesuffix("ForCausalLM") + CLASSIFIER_SUFFIX]
+            d["id2label"] = dict(enumerate(self.class_labels))
         if self.is_gemma:
             d.update(hidden_activation=self.hidden_act,
                      query_pre_attn_scalar=self.query_pre_attn_scalar,
@@ -277,6 +293,11 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"{name} must be positive (or unset), got {value!r}")
+
+    @property
+    def is_classifier(self) -> bool:
+        """A `*ForSequenceClassification` checkpoint: it pools and classifies, never generates."""
+        return bool(self.class_labels)
 
     @property
     def is_gemma(self) -> bool:
@@ -401,6 +422,34 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
                           "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
                           "sliding_window_pattern": 6},
 }
+
+
+CLASSIFIER_SUFFIX = "ForSequenceClassification"
+MAX_CLASS_LABELS = 4096
+
+
+def class_labels(d: dict[str, Any]) -> tuple[str, ...]:
+    """A sequence classifier's labels as transformers reads its config: `id2label` (keys 0..n-1),
+    else `num_labels` generic ones (LABEL_0, ...), else transformers' default of two."""
+    id2label = d.get("id2label")
+    if id2label is not None:
+        if not isinstance(id2label, dict) or not id2label:
+            raise ConfigError(f"config.json: id2label must be a non-empty object, got {id2label!r}")
+        try:
+            by_id = {int(k): str(v) for k, v in id2label.items()}
+        except (TypeError, ValueError):
+            raise ConfigError("config.json: id2label's keys must be integers") from None
+        if sorted(by_id) != list(range(len(by_id))):
+            raise ConfigError(f"config.json: id2label's keys must be 0..{len(by_id) - 1}")
+        labels = tuple(by_id[i] for i in range(len(by_id)))
+    else:
+        n = d.get("num_labels", 2)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError(f"config.json: num_labels must be a positive integer, got {n!r}")
+        labels = tuple(f"LABEL_{i}" for i in range(n))
+    if len(labels) > MAX_CLASS_LABELS:
+        raise ConfigError(f"config.json: {len(labels)} labels; at most {MAX_CLASS_LABELS}")
+    return labels
 
 
 def hf_architecture(d: dict[str, Any]) -> str:
@@ -826,11 +875,18 @@ class PoolerConfig:
 
     pooling_type: PoolingType | None = None
     normalize: bool | None = None
+    # vLLM's `classifier_from_token`: classify with the LM head's rows for these tokens (each
+    # one token; two [no, yes] as one yes-minus-no logit: engine/classifier.py). Empty: none.
+    classifier_from_token: tuple[str, ...] = ()
 
     def validate(self) -> None:
         if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
             raise ConfigError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got "
                               f"{self.pooling_type!r}")
+        tokens = self.classifier_from_token
+        if any(not isinstance(t, str) or not t for t in tokens) or len(set(tokens)) != len(tokens):
+            raise ConfigError(f"classifier_from_token must be distinct non-empty tokens, got "
+                              f"{list(tokens)!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
+from engine.classifier import probabilities
 from engine.config import (
     DEFAULT_GC_THRESHOLD,
     DEFAULT_MAX_LORA_RANK,
@@ -31,10 +32,14 @@ from engine.generation_defaults import (
 from engine.llm_engine import EngineInputError, LLMEngine
 from engine.lora import LoRARequest, lora_name_of
 from engine.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
     RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
     StepOutput,
 )
 from engine.pooling_params import PoolingParams
@@ -85,6 +90,7 @@ class LLM:
         max_loras: int = 0,
         speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
         pooling_type: PoolingType | None = None,
+        classifier_from_token: Sequence[str] = (),
         scheduling_policy: str = "fcfs",
         generation_config: str = "auto",
         override_generation_config: dict[str, Any] | None = None,
@@ -98,7 +104,9 @@ class LLM:
         path loads its adapter on first use, as in vLLM (the least recently used adapter is
         unloaded when the slots are full). `pooling_type`: how `embed` pools by
         default ("LAST", "MEAN", "CLS"; None: the model's sentence-transformers configuration,
-        else LAST). `scheduling_policy`: "fcfs" or "priority" (`generate(..., priority=)`).
+        else LAST). `classifier_from_token`: serve the model as a classifier over its LM head's
+        rows for these tokens (["no", "yes"]: one yes-minus-no score; engine/classifier.py),
+        for `classify` and `score`. `scheduling_policy`: "fcfs" or "priority" (`generate(..., priority=)`).
         `generation_config` ("auto": the model's generation_config.json; "vllm": none; or a
         directory) and `override_generation_config` give `get_default_sampling_params`, which
         `generate` and `stream` use when no sampling params are given (as vLLM's do)."""
@@ -138,7 +146,8 @@ class LLM:
                             max_lora_rank=max_lora_rank,
                             max_loras=max_loras or (max(1, len(lora_modules or {}))
                                                     if enable_lora else 0)),
-            pooler=PoolerConfig(pooling_type=pooling_type),
+            pooler=PoolerConfig(pooling_type=pooling_type,
+                                classifier_from_token=tuple(classifier_from_token)),
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
@@ -225,6 +234,59 @@ class LLM:
                     out.outputs.embedding, out.finished = s.embedding, True
                     out.num_cached_tokens = s.num_cached_tokens
         return list(outs.values())
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = False,
+                 lora_request: LoRAArg = None) -> list[ClassificationRequestOutput]:
+        """Each prompt's class probabilities (`ClassificationOutput`), in order, on a classifier:
+        a `*ForSequenceClassification` checkpoint or `classifier_from_token`."""
+        labels = self._class_labels()
+        outs = self.embed(prompts, use_tqdm=use_tqdm, lora_request=lora_request)
+        return [ClassificationRequestOutput(o.request_id, ClassificationOutput(
+                    probabilities(o.outputs.embedding), list(o.outputs.embedding)),
+                    o.prompt_token_ids) for o in outs if _has(o.outputs.embedding, len(labels))]
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str],
+              use_tqdm: bool = False, lora_request: LoRAArg = None
+              ) -> list[ScoringRequestOutput]:
+        """vLLM's `LLM.score`: one text against each of `data_2`, or pair by pair. A one-label
+        classifier (a cross-encoder) reads each pair as one input (`Tokenizer.encode_pair`) and
+        scores it with its label's probability; an embedding model scores the cosine similarity
+        of the two texts' normalized embeddings."""
+        first = [data_1] if isinstance(data_1, str) else list(data_1)
+        second = [data_2] if isinstance(data_2, str) else list(data_2)
+        if len(first) == 1:
+            first = first * len(second)
+        if not second or len(first) != len(second):
+            raise EngineInputError(f"score: {len(first)} first texts for {len(second)} second "
+                                   "ones: give one, or as many as the second")
+        cross = self.engine.classifier is not None
+        if cross and len(self._class_labels()) != 1:
+            raise EngineInputError(f"score needs a one-label classifier (a cross-encoder); this "
+                                   f"one has {len(self._class_labels())} labels: use classify")
+        tok = self.engine.tokenizer
+        if tok is None or not all(isinstance(t, str) and t for t in (*first, *second)):
+            raise EngineInputError("score takes non-empty texts and needs the model's tokenizer")
+        if cross:
+            pairs = [tok.encode_pair(a, b) for a, b in zip(first, second, strict=True)]
+            outs = self.classify([{"prompt_token_ids": ids} for ids in pairs], use_tqdm,
+                                 lora_request)
+            return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.probs[0]),
+                                         o.prompt_token_ids) for o in outs]
+        unit = PoolingParams(normalize=True)
+        a = self.embed(first, unit, use_tqdm, lora_request)
+        b = self.embed(second, unit, use_tqdm, lora_request)
+        return [ScoringRequestOutput(x.request_id, ScoringOutput(
+                    sum(p * q for p, q in zip(x.outputs.embedding, y.outputs.embedding,
+                                              strict=True))),
+                    x.prompt_token_ids + y.prompt_token_ids) for x, y in zip(a, b, strict=True)]
+
+    def _class_labels(self) -> tuple[str, ...]:
+        labels = self.engine.class_labels
+        if not labels:
+            raise EngineInputError("this model is not a classifier: load a "
+                                   "*ForSequenceClassification checkpoint or pass "
+                                   "classifier_from_token")
+        return labels
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None
                ) -> Iterator[StepOutput]:
@@ -394,6 +456,13 @@ class LLM:
         out.metrics = self._metrics.get(out.request_id + ":0")
         out.children_metrics = [m for i in range(len(out.outputs))
                                 if (m := self._metrics.get(f"{out.request_id}:{i}")) is not None]
+
+
+def _has(values: list[float], n: int) -> bool:
+    """A classifier's output holds one logit per label (anything else is the engine's bug)."""
+    if len(values) != n:
+        raise RuntimeError(f"a classification came back with {len(values)} values for {n} labels")
+    return True
 
 
 def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

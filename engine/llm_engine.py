@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from engine.attention.kv_calibration import calibration_token_ids
 from engine.bad_words import bad_words_token_ids
+from engine.classifier import Classifier, head_classifier, token_classifier
 from engine.config import (
     MAX_SPECULATIVE_TOKENS,
     SPEC_METHODS,
@@ -168,6 +169,11 @@ class LLMEngine:
         if self.runner.lora is not None:
             for adapter in self.runner.lora.adapters:
                 self._lora_roots[adapter.name] = self._lora_root(adapter)
+        # Sequence classification / cross-encoder scoring (pooling requests get class logits).
+        self.classifier: Classifier | None = self._make_classifier(config.pooler, cfg)
+        if self.classifier is not None:
+            # Classifiers pool the last position's hidden state as it is (transformers' heads).
+            self.pooler = PoolerConfig(config.pooler.pooling_type or "LAST", False)
         # Structured outputs' constraints, compiled against this model's vocabulary on first use.
         self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.detokenize = detokenize and self.tokenizer is not None
@@ -184,6 +190,35 @@ class LLMEngine:
         logger.info("engine ready: %s, %d KV blocks of %d tokens on %s (%s)", cfg.architecture,
                     self.runner.result.num_blocks, config.cache.block_size,
                     self.runner.result.device, self.runner.dtype)
+
+    def _make_classifier(self, pooler: PoolerConfig, cfg: ModelConfig) -> Classifier | None:
+        """The checkpoint's classification head, or the LM head's rows for
+        `pooler.classifier_from_token` (engine/classifier.py); None for neither."""
+        tokens = pooler.classifier_from_token
+        model = self.runner.model
+        if cfg.is_classifier:
+            if tokens:
+                raise ConfigError("classifier_from_token: this checkpoint has its own "
+                                  f"classification head ({cfg.architecture} with labels)")
+            return head_classifier(cfg, model.score.weight)  # type: ignore[union-attr]
+        if not tokens:
+            return None
+        if self.tokenizer is None:
+            raise ConfigError("classifier_from_token needs the model's tokenizer")
+        ids = []
+        for token in tokens:
+            found = self.tokenizer.encode(token, add_special_tokens=False)
+            if len(found) != 1:
+                raise ConfigError(f"classifier_from_token: {token!r} is {len(found)} tokens "
+                                  f"({found[:8]}), not one")
+            ids.append(found[0])
+        return token_classifier(cfg, model.lm_head_weight, ids, tokens)
+
+    @property
+    def class_labels(self) -> tuple[str, ...]:
+        """The classifier's labels (what a pooling request's output holds one logit per), or ()
+        for an embedding model."""
+        return () if self.classifier is None else self.classifier.labels
 
     def _make_proposers(self, config: EngineConfig, cfg: ModelConfig) -> dict[str, Proposer]:
         """The configured method's proposer; beside a draft model also n-gram lookup, which
@@ -288,6 +323,10 @@ class LLMEngine:
     def resolve_pooling(self, params: PoolingParams) -> PoolingParams:
         """`params` with the engine's defaults filled in (`PoolingParams.resolved`);
         EngineInputError for `dimensions` beyond the model's hidden size."""
+        if self.classifier is not None and (params.normalize or params.dimensions is not None):
+            raise EngineInputError("this model classifies: a pooling request's output is its "
+                                   f"{len(self.classifier.labels)} class logit(s), to which "
+                                   "normalize and dimensions do not apply")
         try:
             return params.resolved(self.pooler, self.model_config.hidden_size)
         except PoolingParamsError as e:
@@ -351,6 +390,11 @@ class LLMEngine:
         if isinstance(params, PoolingParams):
             self._check_pooling(prompt_token_ids, params, output_token_ids, remote_kv)
             return
+        if self.model_config.is_classifier:
+            raise EngineInputError(f"this model ({self.model_config.architecture} with "
+                                   f"{len(self.model_config.class_labels)} labels) classifies and "
+                                   "has no LM head: it serves classification, score and "
+                                   "pooling requests, not generation")
         if speculative_method is not None and speculative_method not in SPEC_METHODS[1:]:
             raise EngineInputError("speculative_method must be 'ngram' or 'draft_model', got "
                                    f"{speculative_method!r}")
@@ -704,6 +748,8 @@ class LLMEngine:
         pooled = None
         if req.pooling is not None and req.status == RequestStatus.FINISHED_POOLED:
             pooled = embedding(req.pooling)
+            if self.classifier is not None:
+                pooled = self.classifier.logits(pooled)
         return StepOutput(
             request_id=req.request_id, new_token_ids=tokens, new_logprobs=lp,
             prompt_logprobs=prompt_lps,

@@ -75,3 +75,44 @@ class EmbeddingRequestOutput:
     finished: bool = True
     prompt: str | None = None
     num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    """vLLM's `ClassificationOutput`: one prompt's class probabilities (sigmoid of a lone
+    label's logit, else the softmax over the labels) and the logits they come from."""
+
+    probs: list[float]
+    logits: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(slots=True)
+class ClassificationRequestOutput:
+    """vLLM's `ClassificationRequestOutput`: what `LLM.classify` returns per prompt."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    """vLLM's `ScoringOutput`: one pair's score (a cross-encoder's probability, or the cosine
+    similarity of two embeddings)."""
+
+    score: float
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    """vLLM's `ScoringRequestOutput`: what `LLM.score` returns per pair."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

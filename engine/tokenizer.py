@@ -253,6 +253,17 @@ class Tokenizer:
             ids.insert(0, bos)
         return ids
 
+    def encode_pair(self, text: str, pair: str) -> list[int]:
+        """Token ids of `text` and `pair` as one input, as `transformers`' `tokenizer(text,
+        pair)` makes a cross-encoder's input: the tokenizer's own pair template where it has
+        one (BERT-style separators), else the two encodings one after the other; BOS as
+        `encode` adds it."""
+        ids: list[int] = self.backend.encode(text, pair, add_special_tokens=True).ids
+        bos = self.bos_token_id
+        if self.add_bos_token and bos is not None and ids[:1] != [bos]:
+            ids.insert(0, bos)
+        return ids
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
 

@@ -39,6 +39,8 @@ def expected_weight_names(config: ModelConfig) -> list[str]:
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")
+    if config.is_classifier:
+        names.append("score.weight")
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]

@@ -292,6 +292,14 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+class ScoreHead(nn.Module):
+    """`*ForSequenceClassification`'s `score`: [num_labels, hidden], no bias."""
+
+    def __init__(self, num_labels: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_labels, hidden_size))
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: PagedAttentionBackend, max_position: int,
                  use_triton: bool = False, shard: TensorShard = TensorShard(),
@@ -312,6 +320,10 @@ class LlamaForCausalLM(nn.Module):
         self.norm = make_norm(cfg, cfg.hidden_size, use_triton)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
+        # A sequence classifier's head (checkpoint name `score.weight`), applied by the engine on
+        # the host to pooled hidden states (engine/classifier.py): a plain parameter, not a
+        # Linear, so that quantization leaves it alone.
+        self.score = ScoreHead(len(cfg.class_labels), cfg.hidden_size) if cfg.is_classifier else None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [T] → the first layer's input [T, hidden]: the embedding rows, for Gemma
