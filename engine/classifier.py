@@ -21,10 +21,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.config import ConfigError, ModelConfig
+
+if TYPE_CHECKING:  # torch-free at import: the gateway uses `probabilities`
+    import torch
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,8 @@ class Classifier:
 
     def logits(self, pooled: Sequence[float]) -> list[float]:
         """The labels' logits for one pooled hidden state."""
+        import torch
+
         vec = torch.tensor(pooled, dtype=torch.float32)
         return [float(x) for x in self.weight @ vec]
 

@@ -49,6 +49,16 @@ class EmbeddingJob:
         return sum(len(p) for p in self.prompts)
 
 
+def refuse_classifier_embeddings(state: GatewayState) -> None:
+    """A 400 for an embeddings request to a classifier, whose pooled output is class logits,
+    not an embedding (vLLM serves such a model's /classify, /score and /rerank)."""
+    labels = state.class_labels()
+    if labels:
+        raise GatewayError.invalid("model", f"this model is a classifier ({len(labels)} "
+                                   "label(s)): it serves /v1/classify, /v1/score and "
+                                   "/v1/rerank, not embeddings")
+
+
 async def embedding_job(state: GatewayState, inputs: Sequence[PromptInput], *, request_id: str,
                         lora_name: str, priority: int = 0, dimensions: int | None = None,
                         normalize: bool | None = None,

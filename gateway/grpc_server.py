@@ -34,7 +34,7 @@ from grpc_reflection.v1alpha import reflection
 
 from gateway.chat_tools import chat_finish_reason, chat_job, chat_outputs
 from gateway.config import GatewayConfig
-from gateway.embeddings import embedding_job, run_embeddings
+from gateway.embeddings import embedding_job, refuse_classifier_embeddings, run_embeddings
 from gateway.errors import GatewayError
 from gateway.grpc_tools import (
     call_deltas,
@@ -110,6 +110,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         state = self._state
         try:
             lora = await _lora_of(state, request.model)
+            refuse_classifier_embeddings(state)
             job = await embedding_job(
                 state, _embedding_inputs(request, state.config.max_embedding_inputs),
                 request_id=request.request_id or f"embd-{uuid.uuid4().hex}", lora_name=lora,

@@ -33,12 +33,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from gateway.chat_tools import chat_finish_reason, chat_job, chat_outputs
-from gateway.embeddings import embedding_job, run_embeddings
+from gateway.embeddings import embedding_job, refuse_classifier_embeddings, run_embeddings
 from gateway.errors import GatewayError
 from gateway.lora_admin import check_allowed, load_adapter, unload_adapter
 from gateway.lora_resolver import resolve_model
 from gateway.openai_protocol import (
     ChatCompletionRequest,
+    ClassifyRequest,
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
@@ -70,7 +71,7 @@ from gateway.responses_api import (
     input_item_page,
     response_not_found,
 )
-from gateway.scoring import rerank_body, score_body
+from gateway.scoring import classify_body, rerank_body, score_body
 from gateway.state import GatewayState
 from gateway.tools import (
     ToolCalling,
@@ -141,6 +142,7 @@ def build_app(state: GatewayState) -> FastAPI:
         body = await _read_json(request, state)
         req = parse_request(EmbeddingRequest, body)
         lora = await resolve_model(state, req.model)
+        refuse_classifier_embeddings(state)
         inputs = prompt_inputs(req.input, state.config.max_embedding_inputs, "input")
         job = await embedding_job(state, inputs, request_id=f"embd-{uuid.uuid4().hex}",
                                   lora_name=lora, priority=req.priority,
@@ -161,6 +163,12 @@ def build_app(state: GatewayState) -> FastAPI:
         return JSONResponse(await score_body(
             state, req, lora, lambda work: _until_disconnect(work, request)))
 
+    async def classify(request: Request) -> Response:
+        req = parse_request(ClassifyRequest, await _read_json(request, state))
+        lora = await resolve_model(state, req.model)
+        return JSONResponse(await classify_body(
+            state, req, lora, lambda work: _until_disconnect(work, request)))
+
     async def rerank(request: Request) -> Response:
         req = parse_request(RerankRequest, await _read_json(request, state))
         lora = await resolve_model(state, req.model)
@@ -169,6 +177,8 @@ def build_app(state: GatewayState) -> FastAPI:
 
     for path in ("/v1/score", "/score"):  # vLLM serves both
         app.add_api_route(path, score, methods=["POST"])
+    for path in ("/v1/classify", "/classify"):
+        app.add_api_route(path, classify, methods=["POST"])
     for path in ("/v1/rerank", "/rerank", "/v2/rerank"):  # Jina's and Cohere's paths
         app.add_api_route(path, rerank, methods=["POST"])
 

@@ -324,6 +324,16 @@ class ScoreRequest(_PriorityField):
     truncate_prompt_tokens: TruncatePromptTokens | None = None
 
 
+class ClassifyRequest(_PriorityField):
+    """`POST /v1/classify` (vLLM's): each of `input` (the forms of embeddings' `input`)
+    classified by the model's head."""
+
+    model: str | None = None
+    input: Any = None
+    user: str | None = None
+    truncate_prompt_tokens: TruncatePromptTokens | None = None
+
+
 class RerankRequest(_PriorityField):
     """`POST /v1/rerank`: `documents` ordered by their score against `query`, the best
     `top_n` (all when absent or 0)."""

@@ -63,6 +63,20 @@ class Preprocessor:
                                               f"tokens")
         return ids
 
+    async def encode_pair(self, text: str, pair: str, param: str, pair_param: str) -> list[int]:
+        """A cross-encoder's input: `text` and `pair` tokenized as one (the tokenizer's pair
+        template: `Tokenizer.encode_pair`); each side checked as `encode_text` checks a prompt."""
+        for value, name in ((text, param), (pair, pair_param)):
+            check_encodable(value, name)
+            if not value:
+                raise GatewayError.invalid(name, f"{name} must not be empty")
+        if len(text) + len(pair) > self._config.max_body_bytes:
+            raise GatewayError.invalid(param, f"{param} with {pair_param} is longer than the "
+                                              "request size limit")
+        if len(text) + len(pair) <= _INLINE_ENCODE_CHARS:
+            return self._tokenizer.encode_pair(text, pair)
+        return await asyncio.to_thread(self._tokenizer.encode_pair, text, pair)
+
     async def encode_chat(self, messages: list[dict[str, Any]], param: str = "messages",
                           tools: list[dict[str, Any]] | None = None,
                           template_kwargs: dict[str, Any] | None = None,

@@ -166,6 +166,14 @@ class WorkerPool:
         """The LoRA adapters the pool's healthy workers report serving."""
         return {name for w in self.workers if w.healthy for name in w.load.lora_adapters}
 
+    def class_labels(self) -> tuple[str, ...] | None:
+        """The classifier labels the pool's healthy workers report (() for an embedding model);
+        None when no healthy worker has reported yet."""
+        for w in self.workers:
+            if w.healthy and w.reported:
+                return tuple(w.load.class_labels)
+        return None
+
     def _least_loaded(self, candidates: list[Worker]) -> Worker:
         best = min(w.routing_key() for w in candidates)
         tied = [w for w in candidates if w.routing_key() == best]

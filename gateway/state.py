@@ -60,6 +60,11 @@ class GatewayState:
             return set()
         return set.intersection(*(p.lora_adapters() for p in pools))
 
+    def class_labels(self) -> tuple[str, ...] | None:
+        """The model's classifier labels, as the workers that run pooling requests report them:
+        () for an embedding model, None before any has reported."""
+        return self.router.embed_pool.class_labels()
+
     def served_models(self) -> list[str]:
         """The names a request's `model` may take: the base model's, then the adapters'."""
         return [self.config.served_model_name, *sorted(self.lora_adapters())]

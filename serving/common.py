@@ -83,7 +83,8 @@ class EngineBound:
             lora_adapters=names, lora_roots=roots,
             max_loras=eng.config.lora.max_loras if eng.runtime_lora else 0,
             lora_running=[usage.get(n, (0, 0))[0] for n in names],
-            lora_waiting=[usage.get(n, (0, 0))[1] for n in names])
+            lora_waiting=[usage.get(n, (0, 0))[1] for n in names],
+            class_labels=list(eng.class_labels))
 
 
 async def abort_traced(context: grpc.aio.ServicerContext, span: Span, code: grpc.StatusCode,

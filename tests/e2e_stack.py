@@ -40,6 +40,7 @@ from engine.config import (
     CacheConfig,
     EngineConfig,
     LoRAConfig,
+    PoolerConfig,
     Role,
     RunnerConfig,
     SchedulerConfig,
@@ -73,13 +74,14 @@ INTERNAL_TOKEN = "e2e-internal-token-0123456789abcdef"
 
 
 def engine_config(role: Role, speculative: SpeculativeConfig | None = None,
-                  lora: LoRAConfig | None = None) -> EngineConfig:
+                  lora: LoRAConfig | None = None, pooler: PoolerConfig | None = None
+                  ) -> EngineConfig:
     """The default model (LoadConfig(model="") = the embedded SmolLM2 GGUF) on the CPU."""
     return EngineConfig(
         cache=CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks=NUM_BLOCKS),
         scheduler=SchedulerConfig(role=role, max_model_len=MAX_MODEL_LEN, kv_lease_ms=KV_LEASE_MS),
         runner=RunnerConfig(device="cpu"), speculative=speculative or SpeculativeConfig(),
-        lora=lora or LoRAConfig())
+        lora=lora or LoRAConfig(), pooler=pooler or PoolerConfig())
 
 
 class LoopThread:
@@ -187,12 +189,14 @@ def wait_engines_idle(loop: LoopThread, workers: Sequence[WorkerHandle], timeout
 async def _start_stack(loop: LoopThread, colocated: bool,
                        speculative: SpeculativeConfig | None,
                        kv_transports: Sequence[str] | None = None,
-                       lora: LoRAConfig | None = None) -> Stack:
+                       lora: LoRAConfig | None = None,
+                       pooler: PoolerConfig | None = None) -> Stack:
     roles: list[Role] = ["colocated"] if colocated else ["prefill", "decode"]
     token = None if colocated else INTERNAL_TOKEN
     ways = {} if kv_transports is None else {"kv_transports": kv_transports}
     workers: dict[str, WorkerHandle] = {
-        r: await start_worker(engine_config(r, speculative, lora), HOST, 0, auth_token=token,
+        r: await start_worker(engine_config(r, speculative, lora, pooler), HOST, 0,
+                              auth_token=token,
                               **ways)
         for r in roles}
     loads = [w.load_task for w in workers.values() if w.load_task is not None]
@@ -255,11 +259,13 @@ def worker_channel(stack: Stack, role: str) -> grpc.Channel:
 def start_stack(loop: LoopThread, colocated: bool,
                 speculative: SpeculativeConfig | None = None,
                 kv_transports: Sequence[str] | None = None,
-                lora: LoRAConfig | None = None) -> Stack:
+                lora: LoRAConfig | None = None,
+                pooler: PoolerConfig | None = None) -> Stack:
     """Start workers + gateway and wait (bounded) until the gateway's /health says ok.
     `speculative`: the workers' speculative decoding (the gateway then asks for it);
-    `kv_transports`: the decode worker's ways to pull KV (default: all)."""
-    stack = loop.run(_start_stack(loop, colocated, speculative, kv_transports, lora),
+    `kv_transports`: the decode worker's ways to pull KV (default: all); `pooler`: the
+    workers' pooling (a classifier: `classifier_from_token`)."""
+    stack = loop.run(_start_stack(loop, colocated, speculative, kv_transports, lora, pooler),
                      LOAD_TIMEOUT_S + 30)
     try:
         loop.run(stack.gateway.start(), 120)

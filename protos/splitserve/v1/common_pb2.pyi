@@ -561,6 +561,7 @@ class LoadReport(_message.Message):
     MAX_LORAS_FIELD_NUMBER: _builtins.int
     LORA_RUNNING_FIELD_NUMBER: _builtins.int
     LORA_WAITING_FIELD_NUMBER: _builtins.int
+    CLASS_LABELS_FIELD_NUMBER: _builtins.int
     num_running: _builtins.int
     num_waiting: _builtins.int
     kv_cache_usage: _builtins.float
@@ -625,6 +626,13 @@ class LoadReport(_message.Message):
 
     @_builtins.property
     def lora_waiting(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def class_labels(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """A classifier's labels (a *ForSequenceClassification checkpoint, or --classifier-from-token):
+        its Embed replies hold one logit per label. Empty: an embedding model (Embed: the pooled
+        hidden state).
+        """
+
     def __init__(
         self,
         *,
@@ -651,10 +659,11 @@ class LoadReport(_message.Message):
         max_loras: _builtins.int = ...,
         lora_running: _abc.Iterable[_builtins.int] | None = ...,
         lora_waiting: _abc.Iterable[_builtins.int] | None = ...,
+        class_labels: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "fingerprint", b"fingerprint", "kv_cache_usage", b"kv_cache_usage", "kv_transports", b"kv_transports", "lora_adapters", b"lora_adapters", "lora_roots", b"lora_roots", "lora_running", b"lora_running", "lora_waiting", b"lora_waiting", "max_loras", b"max_loras", "num_blocks", b"num_blocks", "num_free_blocks", b"num_free_blocks", "num_leases", b"num_leases", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "speculative_methods", b"speculative_methods", "tier_hit_tokens", b"tier_hit_tokens", "tier_saved_blocks", b"tier_saved_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "class_labels", b"class_labels", "fingerprint", b"fingerprint", "kv_cache_usage", b"kv_cache_usage", "kv_transports", b"kv_transports", "lora_adapters", b"lora_adapters", "lora_roots", b"lora_roots", "lora_running", b"lora_running", "lora_waiting", b"lora_waiting", "max_loras", b"max_loras", "num_blocks", b"num_blocks", "num_free_blocks", b"num_free_blocks", "num_leases", b"num_leases", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "speculative_methods", b"speculative_methods", "tier_hit_tokens", b"tier_hit_tokens", "tier_saved_blocks", b"tier_saved_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
