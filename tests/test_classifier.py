@@ -155,3 +155,18 @@ def test_gemma2_soft_cap_refused(tiny_model_dirs: dict[str, Path], tmp_path: Pat
                                               .read_text()))
     with pytest.raises(ConfigError, match="soft-capped"):
         token_classifier(cfg, torch.zeros(cfg.vocab_size, cfg.hidden_size), [1, 2], ["a", "b"])
+
+
+def test_the_flag_reaches_the_pooler_config() -> None:
+    import argparse
+
+    from engine.cli_args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args([])).pooler.classifier_from_token == ()
+    config = engine_config_from_args(parser.parse_args(["--classifier-from-token", "no,yes"]))
+    assert config.pooler.classifier_from_token == ("no", "yes")
+    bad = engine_config_from_args(parser.parse_args(["--classifier-from-token", "no,,yes"]))
+    with pytest.raises(ConfigError, match="distinct"):   # as the engine checks it at start
+        bad.pooler.validate()
