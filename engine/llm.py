@@ -8,6 +8,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
+from engine.beam_search import BeamSearch, BeamSearchParams
 from engine.classifier import probabilities
 from engine.config import (
     DEFAULT_GC_THRESHOLD,
@@ -32,6 +33,7 @@ from engine.generation_defaults import (
 from engine.llm_engine import EngineInputError, LLMEngine
 from engine.lora import LoRARequest, lora_name_of
 from engine.outputs import (
+    BeamSearchOutput,
     ClassificationOutput,
     ClassificationRequestOutput,
     CompletionOutput,
@@ -234,6 +236,41 @@ class LLM:
                     out.outputs.embedding, out.finished = s.embedding, True
                     out.num_cached_tokens = s.num_cached_tokens
         return list(outs.values())
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    lora_request: LoRAArg = None) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search` (engine/beam_search.py): per prompt its best `beam_width`
+        sequences, best first, each with its tokens, text and cumulative logprob. Every step
+        runs all prompts' live beams together for one token; `max_tokens` stops at the model's
+        context."""
+        tok = self.engine.tokenizer
+        searches = []
+        for prompt in _prompt_list(prompts):
+            _, ids = self._tokenize(prompt)
+            room = self.engine.max_model_len - len(ids)
+            if room < 1:
+                raise EngineInputError(f"prompt has {len(ids)} tokens; max_model_len is "
+                                       f"{self.engine.max_model_len}: no room for an output")
+            step_params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
+            searches.append(BeamSearch(ids, step_params, self.engine.eos_token_ids))
+        step = SamplingParams(temperature=params.temperature, max_tokens=1, ignore_eos=True,
+                              logprobs=params.num_candidates)
+        while live := [s for s in searches if not s.done]:
+            beams = [(s, b) for s in live for b in s.beams]
+            outs = self.generate([{"prompt_token_ids": b.tokens} for _, b in beams], step,
+                                 lora_request=lora_request)
+            cursor = 0
+            for s in live:
+                n = len(s.beams)
+                s.expand([_candidates(o) for o in outs[cursor:cursor + n]])
+                cursor += n
+        results = []
+        for s in searches:
+            best = s.results()
+            for seq in best:
+                seq.text = "" if tok is None else tok.decode(seq.output_token_ids)
+            results.append(BeamSearchOutput(best))
+        return results
 
     def classify(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = False,
                  lora_request: LoRAArg = None) -> list[ClassificationRequestOutput]:
@@ -456,6 +493,14 @@ class LLM:
         out.metrics = self._metrics.get(out.request_id + ":0")
         out.children_metrics = [m for i in range(len(out.outputs))
                                 if (m := self._metrics.get(f"{out.request_id}:{i}")) is not None]
+
+
+def _candidates(out: RequestOutput) -> list[tuple[int, float]]:
+    """A one-token step's top logprobs: (token id, logprob), best first."""
+    [completion] = out.outputs
+    if not completion.logprobs:
+        raise RuntimeError("a beam search step came back without logprobs")
+    return list(completion.logprobs[0].top)
 
 
 def _has(values: list[float], n: int) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.beam_search import BeamSequence
 from engine.request import PromptLogprobs, RequestMetrics, TokenLogprob
 
 
@@ -116,3 +117,11 @@ class ScoringRequestOutput:
     outputs: ScoringOutput
     prompt_token_ids: list[int]
     finished: bool = True
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    """vLLM's `BeamSearchOutput`: one prompt's best sequences, best first
+    (engine/beam_search.py's `BeamSequence`: tokens, text, cum_logprob, finish_reason)."""
+
+    sequences: list[BeamSequence]
