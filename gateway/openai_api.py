@@ -32,6 +32,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from engine.beam_search import BeamSearchParams, BeamSequence
+from gateway.beam_search import beam_body, beam_params, ignored_fields, run_beam_search
 from gateway.chat_tools import chat_finish_reason, chat_job, chat_outputs
 from gateway.embeddings import embedding_job, refuse_classifier_embeddings, run_embeddings
 from gateway.errors import GatewayError
@@ -116,8 +118,13 @@ def build_app(state: GatewayState) -> FastAPI:
         body = await _read_json(request, state)
         req = parse_request(CompletionRequest, body)
         lora = await resolve_model(state, req.model)
+        beam = beam_params(req.model_extra or {}, ignored_fields(
+            req, echo=req.echo, logprobs=req.logprobs is not None), req.n,
+            req.max_tokens or 1, req.ignore_eos, req.temperature)
         request_id, jobs, echoes = await _completion_jobs(req, state)
         jobs = [dataclasses.replace(j, lora_name=lora, priority=req.priority) for j in jobs]
+        if beam is not None:
+            return await _beam_response(state, request, jobs, beam, request_id, chat=False)
         view = _View(request_id, "text_completion", state, jobs, req.include_usage,
                      req.continuous_usage, chat=False, num_top=req.logprobs or 0,
                      num_prompt_top=req.prompt_logprobs, echoes=echoes,
@@ -129,8 +136,15 @@ def build_app(state: GatewayState) -> FastAPI:
         body = await _read_json(request, state)
         req = parse_request(ChatCompletionRequest, body)
         lora = await resolve_model(state, req.model)
+        extra = req.model_extra or {}
+        beam = beam_params(extra, ignored_fields(
+            req, logprobs=req.logprobs, top_logprobs=req.top_logprobs, tools=extra.get("tools"),
+            reasoning_parser=state.config.reasoning_parser), req.n, 1, req.ignore_eos,
+            req.temperature)
         job, calling = await _chat_job(req, state)
         job = dataclasses.replace(job, lora_name=lora, priority=req.priority)
+        if beam is not None:
+            return await _beam_response(state, request, [job], beam, job.request_id, chat=True)
         view = _View(job.request_id, "chat.completion", state, [job], req.include_usage,
                      req.continuous_usage, chat=True, num_top=req.top_logprobs or 0,
                      num_prompt_top=req.prompt_logprobs, tool_calling=calling,
@@ -304,6 +318,21 @@ def build_app(state: GatewayState) -> FastAPI:
             f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     return app
+
+
+async def _beam_response(state: GatewayState, request: Request, jobs: list[GenerationJob],
+                         params: BeamSearchParams, request_id: str, chat: bool) -> Response:
+    """`use_beam_search`: each job searched in turn (gateway/beam_search.py), one JSON body."""
+    state.metrics.requests_received.labels(api="chat" if chat else "completions").inc()
+    state.metrics.prompt_tokens.inc(sum(len(j.prompt_token_ids) for j in jobs))
+
+    async def search() -> list[list[BeamSequence]]:
+        return [await run_beam_search(state, job, dataclasses.replace(
+                    params, max_tokens=job.sampling.max_tokens)) for job in jobs]
+
+    results = await _until_disconnect(search(), request)
+    return JSONResponse(beam_body(request_id, chat,
+                                  jobs[0].lora_name or state.config.served_model_name, results))
 
 
 async def _respond(view: _View, request: Request, api: str, stream: bool) -> Response:
