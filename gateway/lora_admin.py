@@ -8,8 +8,9 @@ An unload likewise: when a worker refuses (requests still use the adapter there)
 unloaded it load it back from the directory they report, so it stays served everywhere; a
 worker that does not have it (restarted since, say) is no refusal, as long as one did. Then the
 pools' load reports are polled at once, so that `/v1/models` and routing see the change by the
-time the call answers. Workers down at the time are skipped: one that comes back serves what
-it was started with (unload and load the adapter again to put it there too).
+time the call answers. Workers down at the time are skipped: one that comes back (or restarts)
+gets the runtime adapters the other workers report back from any gateway with the flag
+(`watch_workers`).
 
 Only on a gateway started with --allow-runtime-lora-updating (else PERMISSION_DENIED: 403);
 one change at a time (`GatewayState.lora_lock`), shielded from the caller's cancellation so
@@ -231,9 +232,15 @@ async def _undo(target: _Target, what: str, call: Awaitable[object]) -> None:
 
 
 def watch_workers(state: GatewayState) -> None:
-    """After every poll round: when a healthy worker lacks an adapter this gateway loaded at
-    runtime (it restarted, or was down during the load) while other workers still serve it,
-    and has a free slot, load it there (`reconcile`, in the background; one at a time)."""
+    """After every poll round: when a healthy worker lacks an adapter loaded at runtime (by
+    this gateway, or by another one: the workers report runtime adapters' directories) while
+    other workers still serve it, and has a free slot, load it there (`reconcile`, in the
+    background; one at a time). A restarted worker comes back with its start-time adapters
+    only. Only on a gateway that takes adapter updates (--allow-runtime-lora-updating): the
+    others leave the workers' adapters alone."""
+    if not state.config.allow_runtime_lora_updating:
+        return
+
     def check() -> None:
         task = state.reconcile_task
         if (task is None or task.done()) and _missing(state):
@@ -253,9 +260,9 @@ async def reconcile(state: GatewayState) -> None:
         if not todo:
             return
         timeout_s = state.config.request_timeout_s
-        results = await asyncio.gather(*(t.load(name, state.runtime_loras[name], timeout_s)
-                                         for t, name in todo), return_exceptions=True)
-        for (target, name), result in zip(todo, results, strict=True):
+        results = await asyncio.gather(*(t.load(name, path, timeout_s) for t, name, path in todo),
+                                       return_exceptions=True)
+        for (target, name, _), result in zip(todo, results, strict=True):
             if isinstance(result, BaseException):
                 log.warning("%s worker %s lacks LoRA adapter %r and could not load it: %s",
                             target.pool.role, target.worker.address, name, result)
@@ -265,34 +272,41 @@ async def reconcile(state: GatewayState) -> None:
         await poll_pools(state.router)
 
 
-def _missing(state: GatewayState) -> list[tuple[_Target, str]]:
-    """(worker, adapter) for each adapter this gateway loaded at runtime that a healthy worker
-    with a slot to spare has lacked for two poll intervals while another healthy worker serves
-    it. Not when no worker serves it any more: another gateway unloaded it (this one forgets
-    it then), and two intervals let such an unload, which reaches every worker within one,
-    finish before anything is put back."""
-    if not state.runtime_loras:
-        return []
+def _missing(state: GatewayState) -> list[tuple[_Target, str, str]]:
+    """(worker, adapter, directory) for each runtime adapter that a healthy worker with a slot
+    to spare has lacked for two poll intervals while another healthy worker serves it. The
+    runtime adapters: those this gateway loaded, and those any worker reports with a runtime
+    directory (another gateway's loads). Not when no worker serves it any more: another
+    gateway unloaded it (this one forgets it then), and two intervals let such an unload,
+    which reaches every worker within one, finish before anything is put back."""
     workers = [(pool, w) for pool in (state.router.prefill, state.router.decode)
                if pool is not None for w in pool.workers if w.healthy and w.reported]
     served = {n for _, w in workers for n in w.load.lora_adapters}
     for name in [n for n in state.runtime_loras if n not in served]:
         del state.runtime_loras[name]
+    runtime = dict(state.runtime_loras)
+    for _, w in workers:
+        for name, path in zip(w.load.lora_adapters, w.load.lora_paths, strict=False):
+            if path:
+                runtime.setdefault(name, path)
+    if not runtime:
+        state.lora_gaps = {}
+        return []
     now = time.monotonic()
     settle_s = 2 * state.config.load_poll_interval_s
     gaps: dict[tuple[str, str], float] = {}
-    out: list[tuple[_Target, str]] = []
+    out: list[tuple[_Target, str, str]] = []
     for pool, w in workers:
         if not w.load.max_loras:
             continue
         free = w.load.max_loras - len(w.load.lora_adapters)
-        for name in state.runtime_loras:
+        for name, path in runtime.items():
             if name in w.load.lora_adapters:
                 continue
             key = (w.address, name)
             since = gaps[key] = state.lora_gaps.get(key, now)
             if now - since >= settle_s and free > 0:
-                out.append((_Target(pool, w), name))
+                out.append((_Target(pool, w), name, path))
                 free -= 1
     state.lora_gaps = gaps
     return out

@@ -31,6 +31,9 @@ class EngineBound:
         # Each adapter's directory (start-time and runtime ones): an unload answers with it, so
         # that a caller undoing the unload can load the adapter back. Mutated on the loop only.
         self.lora_paths: dict[str, str] = {}
+        # The adapters loaded through LoadLoRAAdapter and their directories (load reports'
+        # `lora_paths`). Mutated on the loop only.
+        self.runtime_lora_paths: dict[str, str] = {}
 
     def bind(self, aengine: AsyncEngine) -> None:
         self.aengine = aengine
@@ -45,6 +48,7 @@ class EngineBound:
             name, path = request.lora_name, request.lora_path
             names = await _engine_call(context, span, aengine, _add_lora, name, path)
             self.lora_paths[name] = path  # the engine logged the load
+            self.runtime_lora_paths[name] = path
             return common_pb2.LoadLoRAAdapterResponse(lora_adapters=names)
 
     async def UnloadLoRAAdapter(self, request: common_pb2.UnloadLoRAAdapterRequest,
@@ -55,6 +59,7 @@ class EngineBound:
             aengine = await self.engine_or_abort(context)
             name = request.lora_name
             names = await _engine_call(context, span, aengine, _remove_lora, name)
+            self.runtime_lora_paths.pop(name, None)
             return common_pb2.UnloadLoRAAdapterResponse(
                 lora_adapters=names, lora_path=self.lora_paths.pop(name, ""))
 
@@ -84,7 +89,8 @@ class EngineBound:
             max_loras=eng.config.lora.max_loras if eng.runtime_lora else 0,
             lora_running=[usage.get(n, (0, 0))[0] for n in names],
             lora_waiting=[usage.get(n, (0, 0))[1] for n in names],
-            class_labels=list(eng.class_labels))
+            class_labels=list(eng.class_labels),
+            lora_paths=[self.runtime_lora_paths.get(n, "") for n in names])
 
 
 async def abort_traced(context: grpc.aio.ServicerContext, span: Span, code: grpc.StatusCode,

@@ -434,3 +434,28 @@ def test_a_worker_that_lost_an_adapter_gets_it_back(stack: Stack, admin: Gateway
     time.sleep(3 * admin.config.load_poll_interval_s + 0.5)
     assert _worker_adapters(stack) == {"prefill": [], "decode": []}
     assert _models(admin) == {MODEL_NAME}
+
+
+def test_an_adapter_another_gateway_loaded_is_put_back(stack: Stack, admin: GatewayServer,
+                                                       adapter_dirs: dict[str, Path]) -> None:
+    """The workers report runtime adapters' directories, so a gateway puts back an adapter it
+    never loaded itself (another gateway did, here the workers' own RPCs standing in for it)."""
+    stubs = (("prefill", prefill_pb2_grpc.PrefillStub), ("decode", decode_pb2_grpc.DecodeStub))
+    for role, stub in stubs:
+        with worker_channel(stack, role) as channel:
+            stub(channel).LoadLoRAAdapter(common_pb2.LoadLoRAAdapterRequest(
+                lora_name="rt-c", lora_path=str(adapter_dirs["rt-c"])), timeout=120)
+    deadline = time.monotonic() + 20
+    while "rt-c" not in _models(admin):
+        assert time.monotonic() < deadline, "the admin gateway never saw rt-c"
+        time.sleep(0.1)
+    assert "rt-c" not in admin.state.runtime_loras   # not this gateway's own load
+    with worker_channel(stack, "decode") as channel:
+        decode_pb2_grpc.DecodeStub(channel).UnloadLoRAAdapter(
+            common_pb2.UnloadLoRAAdapterRequest(lora_name="rt-c"), timeout=60)
+    deadline = time.monotonic() + 20
+    while _worker_adapters(stack)["decode"] != ["rt-c"]:
+        assert time.monotonic() < deadline, "the gateway did not load it back"
+        time.sleep(0.1)
+    assert _unload(admin, "rt-c").status_code == 200
+    assert _worker_adapters(stack) == {"prefill": [], "decode": []}

@@ -562,6 +562,7 @@ class LoadReport(_message.Message):
     LORA_RUNNING_FIELD_NUMBER: _builtins.int
     LORA_WAITING_FIELD_NUMBER: _builtins.int
     CLASS_LABELS_FIELD_NUMBER: _builtins.int
+    LORA_PATHS_FIELD_NUMBER: _builtins.int
     num_running: _builtins.int
     num_waiting: _builtins.int
     kv_cache_usage: _builtins.float
@@ -633,6 +634,13 @@ class LoadReport(_message.Message):
         hidden state).
         """
 
+    @_builtins.property
+    def lora_paths(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Per lora_adapters entry: the directory it was loaded from at runtime (LoadLoRAAdapter), ""
+        for one given at start. Any gateway that updates adapters puts runtime ones back on a
+        worker that lost them (restarted), whichever gateway loaded them.
+        """
+
     def __init__(
         self,
         *,
@@ -660,10 +668,11 @@ class LoadReport(_message.Message):
         lora_running: _abc.Iterable[_builtins.int] | None = ...,
         lora_waiting: _abc.Iterable[_builtins.int] | None = ...,
         class_labels: _abc.Iterable[_builtins.str] | None = ...,
+        lora_paths: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "class_labels", b"class_labels", "fingerprint", b"fingerprint", "kv_cache_usage", b"kv_cache_usage", "kv_transports", b"kv_transports", "lora_adapters", b"lora_adapters", "lora_roots", b"lora_roots", "lora_running", b"lora_running", "lora_waiting", b"lora_waiting", "max_loras", b"max_loras", "num_blocks", b"num_blocks", "num_free_blocks", b"num_free_blocks", "num_leases", b"num_leases", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "speculative_methods", b"speculative_methods", "tier_hit_tokens", b"tier_hit_tokens", "tier_saved_blocks", b"tier_saved_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "class_labels", b"class_labels", "fingerprint", b"fingerprint", "kv_cache_usage", b"kv_cache_usage", "kv_transports", b"kv_transports", "lora_adapters", b"lora_adapters", "lora_paths", b"lora_paths", "lora_roots", b"lora_roots", "lora_running", b"lora_running", "lora_waiting", b"lora_waiting", "max_loras", b"max_loras", "num_blocks", b"num_blocks", "num_free_blocks", b"num_free_blocks", "num_leases", b"num_leases", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "speculative_methods", b"speculative_methods", "tier_hit_tokens", b"tier_hit_tokens", "tier_saved_blocks", b"tier_saved_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
