@@ -26,7 +26,8 @@ import asyncio
 import contextlib
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -45,9 +46,10 @@ from gateway.grpc_tools import (
 )
 from gateway.lora_admin import load_adapter, unload_adapter
 from gateway.lora_resolver import resolve_model
-from gateway.openai_protocol import PromptInput
+from gateway.openai_protocol import ClassifyRequest, PromptInput, ScoreRequest
 from gateway.orchestrator import Finished, GenerationJob, TokenDelta
 from gateway.reasoning import ChatOutput
+from gateway.scoring import classify_body, score_body
 from gateway.state import GatewayState
 from gateway.structured import structured_from_proto
 from gateway.tools import ToolCalling
@@ -137,6 +139,37 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 f"{MAX_MESSAGE_BYTES >> 20} MiB: send fewer inputs (or fewer dimensions) per call"))
         return response
 
+    async def Score(self, request: gateway_pb2.ScoreRequest,
+                    context: grpc.aio.ServicerContext) -> gateway_pb2.ScoreResponse:
+        state = self._state
+        try:
+            lora = await _lora_of(state, request.model)
+            limit = state.config.max_embedding_inputs
+            body = await score_body(state, ScoreRequest(
+                text_1=_inputs(request.text_1, limit, "text_1"),
+                text_2=_inputs(request.text_2, limit, "text_2"),
+                priority=request.priority, truncate_prompt_tokens=_truncation(request)),
+                lora, _as_is)
+        except GatewayError as err:
+            await context.abort(err.code, err.message)
+        return gateway_pb2.ScoreResponse(scores=[d["score"] for d in body["data"]],
+                                         prompt_tokens=body["usage"]["prompt_tokens"])
+
+    async def Classify(self, request: gateway_pb2.ClassifyRequest,
+                       context: grpc.aio.ServicerContext) -> gateway_pb2.ClassifyResponse:
+        state = self._state
+        try:
+            lora = await _lora_of(state, request.model)
+            body = await classify_body(state, ClassifyRequest(
+                input=_inputs(request.inputs, state.config.max_embedding_inputs, "inputs"),
+                priority=request.priority, truncate_prompt_tokens=_truncation(request)),
+                lora, _as_is)
+        except GatewayError as err:
+            await context.abort(err.code, err.message)
+        return gateway_pb2.ClassifyResponse(
+            data=[gateway_pb2.Classification(label=d["label"], probs=d["probs"])
+                  for d in body["data"]], prompt_tokens=body["usage"]["prompt_tokens"])
+
     async def LoadLoRAAdapter(self, request: common_pb2.LoadLoRAAdapterRequest,
                               context: grpc.aio.ServicerContext
                               ) -> common_pb2.LoadLoRAAdapterResponse:
@@ -199,18 +232,29 @@ async def _lora_of(state: GatewayState, model: str) -> str:
 
 def _embedding_inputs(request: gateway_pb2.EmbeddingsRequest, limit: int) -> list[PromptInput]:
     """The request's inputs (text or token ids), at least one and at most `limit`."""
-    if not request.inputs:
-        raise GatewayError.invalid("inputs", "inputs must not be empty")
-    if len(request.inputs) > limit:
-        raise GatewayError.invalid("inputs", f"inputs: at most {limit} per request, got "
-                                             f"{len(request.inputs)}")
+    return _inputs(request.inputs, limit, "inputs")
+
+
+def _inputs(items: Sequence[gateway_pb2.EmbeddingInput], limit: int, param: str
+            ) -> list[PromptInput]:
+    """Inputs (text or token ids) named `param` in errors, at least one and at most `limit`."""
+    if not items:
+        raise GatewayError.invalid(param, f"{param} must not be empty")
+    if len(items) > limit:
+        raise GatewayError.invalid(param, f"{param}: at most {limit} per request, got "
+                                          f"{len(items)}")
     out: list[PromptInput] = []
-    for i, item in enumerate(request.inputs):
+    for i, item in enumerate(items):
         kind = item.WhichOneof("input")
         if kind is None:
-            raise GatewayError.invalid(f"inputs.{i}", f"inputs.{i}: set text or token_ids")
+            raise GatewayError.invalid(f"{param}.{i}", f"{param}.{i}: set text or token_ids")
         out.append(item.text if kind == "text" else list(item.token_ids.ids))
     return out
+
+
+async def _as_is(work: Awaitable[list[Any]]) -> list[Any]:
+    """gRPC cancels the handler's task when the client goes: no watcher needed."""
+    return await work
 
 
 _PARAM_NAMES = {name: f"sampling.{name}" for name in (
@@ -255,7 +299,7 @@ def _sampling_options(request: gateway_pb2.GenerateRequest,
 
 
 def _truncation(request: gateway_pb2.GenerateRequest | gateway_pb2.EmbeddingsRequest
-                ) -> int | None:
+                | gateway_pb2.ScoreRequest | gateway_pb2.ClassifyRequest) -> int | None:
     """`truncate_prompt_tokens` (unset: None, the whole prompt)."""
     return (request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens")
             else None)

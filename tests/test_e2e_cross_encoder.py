@@ -18,10 +18,12 @@ import pytest
 
 pytest.register_assert_rewrite("e2e_stack")  # before the import below: its asserts explain
 
+import grpc  # noqa: E402
 from e2e_stack import MODEL_NAME, LoopThread, Stack, start_stack  # noqa: E402
 
 from engine.config import PoolerConfig  # noqa: E402
 from engine.llm import LLM  # noqa: E402
+from protos.splitserve.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 
 pytest_plugins = ["e2e_stack"]
 pytestmark = pytest.mark.slow
@@ -99,3 +101,32 @@ def test_classify_and_refusals(cross_stack: Stack, disagg_stack: Stack,
     assert r.status_code == 400 and "not a classifier" in r.json()["error"]["message"], r.text
     cross_stack.wait_idle()
     disagg_stack.wait_idle()
+
+
+def test_the_grpc_api(cross_stack: Stack, disagg_stack: Stack, reference: list[float]) -> None:
+    """Gateway.Score and Gateway.Classify: the same numbers as REST's."""
+    def text(t: str) -> gateway_pb2.EmbeddingInput:
+        return gateway_pb2.EmbeddingInput(text=t)
+
+    with grpc.insecure_channel(cross_stack.grpc_target) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        scored = stub.Score(gateway_pb2.ScoreRequest(
+            model=MODEL_NAME, text_1=[text(QUERY)], text_2=[text(d) for d in DOCS]), timeout=120)
+        assert list(scored.scores) == pytest.approx(reference, abs=TOL)
+        pairs = [cross_stack.tokenizer.encode_pair(QUERY, d) for d in DOCS]
+        assert scored.prompt_tokens == sum(map(len, pairs))
+        pair = cross_stack.tokenizer.decode(pairs[2], skip_special_tokens=False)
+        classified = stub.Classify(gateway_pb2.ClassifyRequest(inputs=[text(pair)]), timeout=120)
+        [c] = classified.data
+        assert c.label == "yes" and list(c.probs) == pytest.approx([reference[2]], abs=TOL)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Score(gateway_pb2.ScoreRequest(text_1=[text(QUERY)]), timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "text_2" in (err.value.details() or "")
+    with grpc.insecure_channel(disagg_stack.grpc_target) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            gateway_pb2_grpc.GatewayStub(channel).Classify(
+                gateway_pb2.ClassifyRequest(inputs=[text("hello")]), timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a classifier" in (err.value.details() or "")
+    cross_stack.wait_idle()

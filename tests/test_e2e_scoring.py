@@ -104,3 +104,16 @@ def test_bad_requests_are_400s(disagg_stack: Stack, path: str, body: dict, param
     r = _post(disagg_stack, path, {**body, "model": "no-such-model"})
     assert r.status_code in (400, 404)
     disagg_stack.wait_idle()
+
+
+def test_grpc_score_is_the_cosine(disagg_stack: Stack, cosines: list[float]) -> None:
+    import grpc
+
+    from protos.splitserve.v1 import gateway_pb2, gateway_pb2_grpc
+
+    with grpc.insecure_channel(disagg_stack.grpc_target) as channel:
+        scored = gateway_pb2_grpc.GatewayStub(channel).Score(gateway_pb2.ScoreRequest(
+            text_1=[gateway_pb2.EmbeddingInput(text=QUERY)],
+            text_2=[gateway_pb2.EmbeddingInput(text=d) for d in DOCS]), timeout=120)
+    assert list(scored.scores) == pytest.approx(cosines, abs=TOL)
+    disagg_stack.wait_idle()

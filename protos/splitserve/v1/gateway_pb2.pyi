@@ -615,3 +615,162 @@ class EmbeddingsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___EmbeddingsResponse: _TypeAlias = EmbeddingsResponse  # noqa: Y015
+
+@_typing.final
+class ScoreRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    TEXT_1_FIELD_NUMBER: _builtins.int
+    TEXT_2_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """optional; the gateway makes one when empty"""
+    model: _builtins.str
+    """optional; the served model or one of its LoRA adapters"""
+    priority: _builtins.int
+    """as EmbeddingsRequest.priority"""
+    truncate_prompt_tokens: _builtins.int
+    @_builtins.property
+    def text_1(self) -> _containers.RepeatedCompositeFieldContainer[Global___EmbeddingInput]:
+        """one, or as many as text_2"""
+
+    @_builtins.property
+    def text_2(self) -> _containers.RepeatedCompositeFieldContainer[Global___EmbeddingInput]:
+        """at least one"""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        model: _builtins.str = ...,
+        text_1: _abc.Iterable[Global___EmbeddingInput] | None = ...,
+        text_2: _abc.Iterable[Global___EmbeddingInput] | None = ...,
+        priority: _builtins.int = ...,
+        truncate_prompt_tokens: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_truncate_prompt_tokens", b"_truncate_prompt_tokens", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_truncate_prompt_tokens", b"_truncate_prompt_tokens", "model", b"model", "priority", b"priority", "request_id", b"request_id", "text_1", b"text_1", "text_2", b"text_2", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__truncate_prompt_tokens: _TypeAlias = _typing.Literal["truncate_prompt_tokens"]  # noqa: Y015
+    _WhichOneofArgType__truncate_prompt_tokens: _TypeAlias = _typing.Literal["_truncate_prompt_tokens", b"_truncate_prompt_tokens"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__truncate_prompt_tokens) -> _WhichOneofReturnType__truncate_prompt_tokens | None: ...
+
+Global___ScoreRequest: _TypeAlias = ScoreRequest  # noqa: Y015
+
+@_typing.final
+class ScoreResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SCORES_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    prompt_tokens: _builtins.int
+    """the tokens run (each distinct input or pair once)"""
+    @_builtins.property
+    def scores(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """one per pair, in text_2's order"""
+
+    def __init__(
+        self,
+        *,
+        scores: _abc.Iterable[_builtins.float] | None = ...,
+        prompt_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_tokens", b"prompt_tokens", "scores", b"scores"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScoreResponse: _TypeAlias = ScoreResponse  # noqa: Y015
+
+@_typing.final
+class ClassifyRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    INPUTS_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """optional; the gateway makes one when empty"""
+    model: _builtins.str
+    priority: _builtins.int
+    truncate_prompt_tokens: _builtins.int
+    @_builtins.property
+    def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___EmbeddingInput]:
+        """at least one; at most the gateway's limit"""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        model: _builtins.str = ...,
+        inputs: _abc.Iterable[Global___EmbeddingInput] | None = ...,
+        priority: _builtins.int = ...,
+        truncate_prompt_tokens: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_truncate_prompt_tokens", b"_truncate_prompt_tokens", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_truncate_prompt_tokens", b"_truncate_prompt_tokens", "inputs", b"inputs", "model", b"model", "priority", b"priority", "request_id", b"request_id", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__truncate_prompt_tokens: _TypeAlias = _typing.Literal["truncate_prompt_tokens"]  # noqa: Y015
+    _WhichOneofArgType__truncate_prompt_tokens: _TypeAlias = _typing.Literal["_truncate_prompt_tokens", b"_truncate_prompt_tokens"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__truncate_prompt_tokens) -> _WhichOneofReturnType__truncate_prompt_tokens | None: ...
+
+Global___ClassifyRequest: _TypeAlias = ClassifyRequest  # noqa: Y015
+
+@_typing.final
+class Classification(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LABEL_FIELD_NUMBER: _builtins.int
+    PROBS_FIELD_NUMBER: _builtins.int
+    label: _builtins.str
+    """the most likely"""
+    @_builtins.property
+    def probs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """per label (softmax; a lone label's sigmoid)"""
+
+    def __init__(
+        self,
+        *,
+        label: _builtins.str = ...,
+        probs: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["label", b"label", "probs", b"probs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Classification: _TypeAlias = Classification  # noqa: Y015
+
+@_typing.final
+class ClassifyResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DATA_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    prompt_tokens: _builtins.int
+    @_builtins.property
+    def data(self) -> _containers.RepeatedCompositeFieldContainer[Global___Classification]:
+        """in the order of `inputs`"""
+
+    def __init__(
+        self,
+        *,
+        data: _abc.Iterable[Global___Classification] | None = ...,
+        prompt_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClassifyResponse: _TypeAlias = ClassifyResponse  # noqa: Y015

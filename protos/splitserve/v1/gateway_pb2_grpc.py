@@ -46,6 +46,16 @@ class GatewayStub:
                 request_serializer=protos_dot_splitserve_dot_v1_dot_gateway__pb2.EmbeddingsRequest.SerializeToString,
                 response_deserializer=protos_dot_splitserve_dot_v1_dot_gateway__pb2.EmbeddingsResponse.FromString,
                 _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/splitserve.v1.Gateway/Score',
+                request_serializer=protos_dot_splitserve_dot_v1_dot_gateway__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=protos_dot_splitserve_dot_v1_dot_gateway__pb2.ScoreResponse.FromString,
+                _registered_method=True)
+        self.Classify = channel.unary_unary(
+                '/splitserve.v1.Gateway/Classify',
+                request_serializer=protos_dot_splitserve_dot_v1_dot_gateway__pb2.ClassifyRequest.SerializeToString,
+                response_deserializer=protos_dot_splitserve_dot_v1_dot_gateway__pb2.ClassifyResponse.FromString,
+                _registered_method=True)
         self.LoadLoRAAdapter = channel.unary_unary(
                 '/splitserve.v1.Gateway/LoadLoRAAdapter',
                 request_serializer=protos_dot_splitserve_dot_v1_dot_common__pb2.LoadLoRAAdapterRequest.SerializeToString,
@@ -73,6 +83,23 @@ class GatewayServicer:
         4 bytes per dimension per input: past a client's receive limit (gRPC's default is 4 MiB,
         e.g. 1,000 vectors of 1,024 dimensions) raise the limit or send fewer inputs per call; past
         64 MiB the call fails with RESOURCE_EXHAUSTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Score(self, request, context):
+        """As REST's POST /v1/score: text_1 one input (scored against each of text_2) or as many as
+        text_2 (pair by pair). An embedding model scores the cosine similarity of the two
+        embeddings; a one-label classifier (a cross-encoder) the pair read as one input. Sort the
+        scores for REST's /v1/rerank.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Classify(self, request, context):
+        """As REST's POST /v1/classify, on a classifier: each input's label probabilities.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -106,6 +133,16 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=protos_dot_splitserve_dot_v1_dot_gateway__pb2.EmbeddingsRequest.FromString,
                     response_serializer=protos_dot_splitserve_dot_v1_dot_gateway__pb2.EmbeddingsResponse.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=protos_dot_splitserve_dot_v1_dot_gateway__pb2.ScoreRequest.FromString,
+                    response_serializer=protos_dot_splitserve_dot_v1_dot_gateway__pb2.ScoreResponse.SerializeToString,
+            ),
+            'Classify': grpc.unary_unary_rpc_method_handler(
+                    servicer.Classify,
+                    request_deserializer=protos_dot_splitserve_dot_v1_dot_gateway__pb2.ClassifyRequest.FromString,
+                    response_serializer=protos_dot_splitserve_dot_v1_dot_gateway__pb2.ClassifyResponse.SerializeToString,
             ),
             'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadLoRAAdapter,
@@ -173,6 +210,60 @@ class Gateway:
             '/splitserve.v1.Gateway/Embed',
             protos_dot_splitserve_dot_v1_dot_gateway__pb2.EmbeddingsRequest.SerializeToString,
             protos_dot_splitserve_dot_v1_dot_gateway__pb2.EmbeddingsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Gateway/Score',
+            protos_dot_splitserve_dot_v1_dot_gateway__pb2.ScoreRequest.SerializeToString,
+            protos_dot_splitserve_dot_v1_dot_gateway__pb2.ScoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Classify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Gateway/Classify',
+            protos_dot_splitserve_dot_v1_dot_gateway__pb2.ClassifyRequest.SerializeToString,
+            protos_dot_splitserve_dot_v1_dot_gateway__pb2.ClassifyResponse.FromString,
             options,
             channel_credentials,
             insecure,

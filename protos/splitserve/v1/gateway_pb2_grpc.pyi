@@ -41,6 +41,14 @@ class GatewayStub:
     e.g. 1,000 vectors of 1,024 dimensions) raise the limit or send fewer inputs per call; past
     64 MiB the call fails with RESOURCE_EXHAUSTED.
     """
+    Score: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ScoreRequest, _gateway_pb2.ScoreResponse]
+    """As REST's POST /v1/score: text_1 one input (scored against each of text_2) or as many as
+    text_2 (pair by pair). An embedding model scores the cosine similarity of the two
+    embeddings; a one-label classifier (a cross-encoder) the pair read as one input. Sort the
+    scores for REST's /v1/rerank.
+    """
+    Classify: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ClassifyRequest, _gateway_pb2.ClassifyResponse]
+    """As REST's POST /v1/classify, on a classifier: each input's label probabilities."""
     LoadLoRAAdapter: _grpc.UnaryUnaryMultiCallable[_common_pb2.LoadLoRAAdapterRequest, _common_pb2.LoadLoRAAdapterResponse]
     """As REST's POST /v1/load_lora_adapter and /v1/unload_lora_adapter: the adapter loaded on
     (unloaded from) every healthy worker, or on none. Only on a gateway started with
@@ -61,6 +69,14 @@ class GatewayAsyncStub(GatewayStub):
     e.g. 1,000 vectors of 1,024 dimensions) raise the limit or send fewer inputs per call; past
     64 MiB the call fails with RESOURCE_EXHAUSTED.
     """
+    Score: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ScoreRequest, _gateway_pb2.ScoreResponse]  # type: ignore[assignment]
+    """As REST's POST /v1/score: text_1 one input (scored against each of text_2) or as many as
+    text_2 (pair by pair). An embedding model scores the cosine similarity of the two
+    embeddings; a one-label classifier (a cross-encoder) the pair read as one input. Sort the
+    scores for REST's /v1/rerank.
+    """
+    Classify: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ClassifyRequest, _gateway_pb2.ClassifyResponse]  # type: ignore[assignment]
+    """As REST's POST /v1/classify, on a classifier: each input's label probabilities."""
     LoadLoRAAdapter: _aio.UnaryUnaryMultiCallable[_common_pb2.LoadLoRAAdapterRequest, _common_pb2.LoadLoRAAdapterResponse]  # type: ignore[assignment]
     """As REST's POST /v1/load_lora_adapter and /v1/unload_lora_adapter: the adapter loaded on
     (unloaded from) every healthy worker, or on none. Only on a gateway started with
@@ -90,6 +106,26 @@ class GatewayServicer(metaclass=_abc_1.ABCMeta):
         e.g. 1,000 vectors of 1,024 dimensions) raise the limit or send fewer inputs per call; past
         64 MiB the call fails with RESOURCE_EXHAUSTED.
         """
+
+    @_abc_1.abstractmethod
+    def Score(
+        self,
+        request: _gateway_pb2.ScoreRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.ScoreResponse, _abc.Awaitable[_gateway_pb2.ScoreResponse]]:
+        """As REST's POST /v1/score: text_1 one input (scored against each of text_2) or as many as
+        text_2 (pair by pair). An embedding model scores the cosine similarity of the two
+        embeddings; a one-label classifier (a cross-encoder) the pair read as one input. Sort the
+        scores for REST's /v1/rerank.
+        """
+
+    @_abc_1.abstractmethod
+    def Classify(
+        self,
+        request: _gateway_pb2.ClassifyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.ClassifyResponse, _abc.Awaitable[_gateway_pb2.ClassifyResponse]]:
+        """As REST's POST /v1/classify, on a classifier: each input's label probabilities."""
 
     @_abc_1.abstractmethod
     def LoadLoRAAdapter(
