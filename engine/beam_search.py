@@ -6,7 +6,9 @@ candidate extends its beam by one token, a candidate ending in EOS is complete (
 `ignore_eos`), and the `beam_width` best of the rest live on. After `max_tokens` steps (or when
 no beam is left) the completed and live beams are ranked by vLLM's length-penalized score,
 `cum_logprob / len(tokens) ** length_penalty` (the prompt's tokens counted, a final EOS not),
-and the best `beam_width` returned.
+and the best `beam_width` returned. The search stops sooner when `beam_width` beams have
+completed and no live one can still outscore them (`BeamSearch._settled`): the same answer, fewer
+steps.
 
 Torch-free and engine-free: the offline `LLM.beam_search` and the gateway's `use_beam_search`
 drive the same `BeamSearch` with their own way of running a step.
@@ -105,7 +107,24 @@ class BeamSearch:
 
     @property
     def done(self) -> bool:
-        return not self.beams or self.steps >= self.params.max_tokens
+        return not self.beams or self.steps >= self.params.max_tokens or self._settled()
+
+    def _settled(self) -> bool:
+        """No live beam can still reach the best `beam_width`: `beam_width` beams completed and
+        none live can score above the worst of those however it goes on (its cum_logprob only
+        falls; the length term at its most favourable: the longest a beam may get for a
+        positive penalty, the current length for a negative one). Stopping then returns what
+        running to `max_tokens` would."""
+        width, penalty = self.params.beam_width, self.params.length_penalty
+        if len(self.completed) < width:
+            return False
+        kept = sorted((self._key(c) for c in self.completed), reverse=True)[width - 1]
+        longest = self.beams[0].num_prompt_tokens + self.params.max_tokens if self.beams else 0
+        for beam in self.beams:
+            length = longest if penalty > 0 else len(beam.tokens)
+            if beam.cum_logprob / length ** penalty > kept:
+                return False
+        return True
 
     def _key(self, seq: BeamSequence) -> float:
         return beam_score(seq, self.eos, self.params.length_penalty)

@@ -87,6 +87,28 @@ def test_eos_completes_a_beam() -> None:
     assert best[1].cum_logprob == pytest.approx(-0.8)
 
 
+def test_a_settled_search_stops_early() -> None:
+    """Two beams complete at once with logprob -0.1, and the live ones have fallen below what
+    they could ever beat: the search stops at step 2 of 50, with the answer a full run gives."""
+    def run(stop_early: bool) -> tuple[int, list[list[int]]]:
+        search = BeamSearch([1, 2], BeamSearchParams(beam_width=2, max_tokens=50,
+                                                     length_penalty=0.0), eos_token_ids=[0])
+        search.expand([[(0, -0.1), (5, -2.0), (6, -3.0)]])
+        search.expand([[(0, -0.05), (7, -1.0)], [(0, -0.2), (8, -1.0)]])
+        while not (search.done if stop_early else search.steps >= 50 or not search.beams):
+            search.expand([[(9, -0.5)] for _ in search.beams])
+        return search.steps, [b.output_token_ids for b in search.results()]
+
+    early, full = run(True), run(False)
+    assert early[0] == 2 and full[0] == 50
+    assert early[1] == full[1] == [[0], [5, 0]]
+    # One completed beam is not enough for a width of 2.
+    search = BeamSearch([1], BeamSearchParams(beam_width=2, max_tokens=9, length_penalty=0.0),
+                        eos_token_ids=[0])
+    search.expand([[(0, -0.1), (5, -9.0), (6, -9.5)]])
+    assert not search.done
+
+
 def test_validation(tiny_model_dirs: dict[str, Path]) -> None:
     for bad in (dict(beam_width=0, max_tokens=1), dict(beam_width=11, max_tokens=1),
                 dict(beam_width=2, max_tokens=0), dict(beam_width=2, max_tokens=1,
