@@ -25,7 +25,8 @@ async def chat_job(state: GatewayState, messages: list[dict[str, Any]], options:
                    calling: ToolCalling | None, *, request_id: str, param: str = "messages",
                    param_names: dict[str, str] | None = None,
                    template_kwargs: dict[str, Any] | None = None,
-                   chat_template: str | None = None) -> GenerationJob:
+                   chat_template: str | None = None, add_generation_prompt: bool = True,
+                   continue_final_message: bool = False) -> GenerationJob:
     """A chat request's validated job: the chat template (the request's own `chat_template` if
     it sent one) rendered with `messages` (the template's form, `chat_messages`) and the tools,
     tokenized and cut to `options["truncate_prompt_tokens"]`, the sampling `options` as a tool
@@ -36,7 +37,9 @@ async def chat_job(state: GatewayState, messages: list[dict[str, Any]], options:
         options = options | {"skip_special_tokens": False}  # the parser reads the tags
     ids = await state.preprocessor.encode_chat(
         messages, param, tools=calling.template_tools() if calling is not None else None,
-        template_kwargs=template_kwargs, chat_template=chat_template)
+        template_kwargs=template_kwargs, chat_template=chat_template,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message)
     # Cut here already (build_job would too) so that the reasoning gate reads the prompt's end
     # as the model sees it.
     ids = state.preprocessor.truncated(ids, options.get("truncate_prompt_tokens"))

@@ -265,7 +265,9 @@ def build_app(state: GatewayState) -> FastAPI:
         if req.messages is not None:
             ids = await pre.encode_chat(chat_messages(req.messages), tools=(
                 template_tools_from_request(req.model_extra or {})),
-                template_kwargs=req.chat_template_kwargs, chat_template=req.chat_template)
+                template_kwargs=req.chat_template_kwargs, chat_template=req.chat_template,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message)
         elif req.chat_template is not None:
             raise GatewayError.invalid("chat_template", "chat_template renders messages; a "
                                                         "prompt is tokenized as it is")
@@ -483,7 +485,9 @@ async def _chat_job(req: ChatCompletionRequest, state: GatewayState
                          request_id=f"chatcmpl-{uuid.uuid4().hex}",
                          param_names={"max_tokens": param, "logprobs": "top_logprobs"},
                          template_kwargs=req.chat_template_kwargs,
-                         chat_template=req.chat_template)
+                         chat_template=req.chat_template,
+                         add_generation_prompt=req.add_generation_prompt,
+                         continue_final_message=req.continue_final_message)
     return job, calling
 
 

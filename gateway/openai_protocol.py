@@ -248,6 +248,11 @@ def check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None
 
 class _ChatTemplateFields(_Open):
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's (and transformers'): end the prompt with the template's assistant header (a new
+    # turn), or (continue_final_message) right after the final message's text, so the model
+    # continues that message: a prefilled answer. At most one of the two.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     # vLLM's per-request template, in place of the server's: served only with
     # --trust-request-chat-template, and checked then (`check_request_chat_template`).
     chat_template: str | None = None

@@ -80,12 +80,18 @@ class Preprocessor:
     async def encode_chat(self, messages: list[dict[str, Any]], param: str = "messages",
                           tools: list[dict[str, Any]] | None = None,
                           template_kwargs: dict[str, Any] | None = None,
-                          chat_template: str | None = None) -> list[int]:
+                          chat_template: str | None = None, add_generation_prompt: bool = True,
+                          continue_final_message: bool = False) -> list[int]:
         """The chat template rendered with `messages`, `tools` (transformers' form) and the
         request's `template_kwargs` (its `chat_template_kwargs`, checked by the protocol),
         tokenized. The template: the request's own `chat_template` (checked here, refused unless
         the gateway trusts request templates), else the gateway's `--chat-template`, else the
-        model's."""
+        model's. `add_generation_prompt`: end with the assistant's header (a new turn);
+        `continue_final_message`: end right after the final message's text instead, as
+        transformers cuts it, so that the model continues that message."""
+        if add_generation_prompt and continue_final_message:
+            raise GatewayError.invalid("continue_final_message", "continue_final_message and "
+                                       "add_generation_prompt cannot both be true")
         if chat_template is not None:
             check_request_chat_template(chat_template, self._config.trust_request_chat_template)
         if not messages:
@@ -93,17 +99,21 @@ class Preprocessor:
         for i, m in enumerate(messages):
             check_encodable(m["content"], f"{param}[{i}].content")
         text = await self._render(messages, tools, template_kwargs, chat_template,
-                                  param if chat_template is None else "chat_template")
+                                  param if chat_template is None else "chat_template",
+                                  add_generation_prompt)
+        if continue_final_message:
+            text = _cut_after_final_message(text, messages[-1], param)
         # The template already contains the special tokens (BOS, role markers).
         return await self.encode_text(text, param, add_special_tokens=False)
 
     async def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                       template_kwargs: dict[str, Any] | None, chat_template: str | None,
-                      param: str) -> str:
+                      param: str, add_generation_prompt: bool = True) -> str:
         """The prompt text; a template failure, or nothing rendered, names `param` (the
         request's template when it sent one: its text failed)."""
         render = functools.partial(
-            self._tokenizer.apply_chat_template, messages, add_generation_prompt=True,
+            self._tokenizer.apply_chat_template, messages,
+            add_generation_prompt=add_generation_prompt,
             tokenize=False, chat_template=chat_template or self._config.chat_template,
             tools=tools, **(template_kwargs or {}))
         try:
@@ -263,3 +273,21 @@ def _to_proto(sp: SamplingParams, max_tokens: int) -> common_pb2.SamplingParams:
     if sp.structured_outputs is not None:
         structured_to_proto(sp.structured_outputs, proto.structured_outputs)
     return proto
+
+
+def _cut_after_final_message(text: str, final: dict[str, Any], param: str) -> str:
+    """The rendered prompt up to the end of the final message's text (its last occurrence,
+    whitespace-stripped, as transformers' `continue_final_message` finds it), so that nothing
+    the template closes a turn with follows it."""
+    content = final.get("content")
+    body = content.strip() if isinstance(content, str) else ""
+    if not body:
+        raise GatewayError.invalid("continue_final_message", "continue_final_message needs a "
+                                   f"final message with text to continue ({param} ends with "
+                                   "an empty one)")
+    at = text.rfind(body)
+    if at < 0:
+        raise GatewayError.invalid("continue_final_message", "continue_final_message: the chat "
+                                   "template does not render the final message's text as "
+                                   "written, so it cannot be continued")
+    return text[:at + len(body)]

@@ -579,6 +579,35 @@ def test_tokenize_and_detokenize(gw: Harness, client: OpenAI) -> None:
     assert list(gw.prefill[0].prefill_requests[-1].prompt_token_ids) == chat
 
 
+def test_continue_final_message_prefills_the_answer(gw: Harness, client: OpenAI) -> None:
+    """vLLM's `continue_final_message` / `add_generation_prompt`: SmolLM2's ChatML template
+    (with its default system prompt) ends the prompt right after the assistant's partial text,
+    with no end-of-turn and no new assistant header; the chat completion sends those ids."""
+    tok = smollm2_tokenizer()
+    system = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+              "Hugging Face<|im_end|>\n")
+    partial = [{"role": "user", "content": "Capital of France?"},
+               {"role": "assistant", "content": "The capital of France is"}]
+    user_turn = "<|im_start|>user\nCapital of France?<|im_end|>\n"
+    cont = _post(gw, "/tokenize", {"messages": partial, "add_generation_prompt": False,
+                                   "continue_final_message": True}).json()["tokens"]
+    assert cont == tok.encode(system + user_turn + "<|im_start|>assistant\nThe capital of France "
+                              "is", add_special_tokens=False)
+    closed = _post(gw, "/tokenize", {"messages": partial,
+                                     "add_generation_prompt": False}).json()["tokens"]
+    assert closed == tok.encode(system + user_turn + "<|im_start|>assistant\nThe capital of "
+                                "France is<|im_end|>\n", add_special_tokens=False)
+    client.chat.completions.create(model=MODEL_NAME, messages=partial, max_tokens=1,  # type: ignore[arg-type]
+                                   extra_body={"add_generation_prompt": False,
+                                               "continue_final_message": True})
+    assert list(gw.prefill[0].prefill_requests[-1].prompt_token_ids) == cont
+    _error(_post(gw, "/tokenize", {"messages": partial, "continue_final_message": True}), 400,
+           "cannot both be true")
+    _error(_post(gw, CHAT, {"model": MODEL_NAME, "messages": [*partial[:1], {
+        "role": "assistant", "content": "  "}], "add_generation_prompt": False,
+        "continue_final_message": True}), 400, "final message with text")
+
+
 def test_tokenizer_info_lets_a_client_tokenize_as_the_server(gw: Harness) -> None:
     """vLLM's /tokenizer_info, as lm-eval's remote tokenizer reads it: the special tokens'
     text (encoded through /tokenize they give the model's ids) and the chat template."""
