@@ -97,10 +97,10 @@ async def run_beam_search(state: GatewayState, job: GenerationJob, params: BeamS
     return best
 
 
-def beam_body(request_id: str, chat: bool, model: str, results: list[list[BeamSequence]]
-              ) -> dict[str, Any]:
+def beam_body(request_id: str, chat: bool, model: str, results: list[list[BeamSequence]],
+              token_ids: bool = False) -> dict[str, Any]:
     """The non-streamed completions / chat completions response: each job's sequences as
-    consecutive choices, best first."""
+    consecutive choices, best first (`token_ids`: vLLM's `return_token_ids`)."""
     choices: list[dict[str, Any]] = []
     prompt_tokens = completion_tokens = 0
     for sequences in results:
@@ -113,8 +113,16 @@ def beam_body(request_id: str, chat: bool, model: str, results: list[list[BeamSe
                 item["message"] = {"role": "assistant", "content": seq.text}
             else:
                 item["text"] = seq.text
+            if token_ids:
+                item["token_ids"] = seq.output_token_ids
+                if not chat:
+                    item["prompt_token_ids"] = seq.tokens[:seq.num_prompt_tokens]
             choices.append(item)
-    return {"id": request_id, "object": "chat.completion" if chat else "text_completion",
+    extra: dict[str, Any] = {}
+    if chat and token_ids and results and results[0]:
+        first = results[0][0]
+        extra["prompt_token_ids"] = first.tokens[:first.num_prompt_tokens]
+    return extra | {"id": request_id, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model, "system_fingerprint": None,
             "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,

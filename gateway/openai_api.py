@@ -124,11 +124,12 @@ def build_app(state: GatewayState) -> FastAPI:
         request_id, jobs, echoes = await _completion_jobs(req, state)
         jobs = [dataclasses.replace(j, lora_name=lora, priority=req.priority) for j in jobs]
         if beam is not None:
-            return await _beam_response(state, request, jobs, beam, request_id, chat=False)
+            return await _beam_response(state, request, jobs, beam, request_id, chat=False,
+                                        token_ids=req.return_token_ids)
         view = _View(request_id, "text_completion", state, jobs, req.include_usage,
                      req.continuous_usage, chat=False, num_top=req.logprobs or 0,
                      num_prompt_top=req.prompt_logprobs, echoes=echoes,
-                     hide_output=req.max_tokens == 0)
+                     hide_output=req.max_tokens == 0, return_token_ids=req.return_token_ids)
         return await _respond(view, request, "completions", req.stream)
 
     @app.post("/v1/chat/completions")
@@ -144,11 +145,12 @@ def build_app(state: GatewayState) -> FastAPI:
         job, calling = await _chat_job(req, state)
         job = dataclasses.replace(job, lora_name=lora, priority=req.priority)
         if beam is not None:
-            return await _beam_response(state, request, [job], beam, job.request_id, chat=True)
+            return await _beam_response(state, request, [job], beam, job.request_id, chat=True,
+                                        token_ids=req.return_token_ids)
         view = _View(job.request_id, "chat.completion", state, [job], req.include_usage,
                      req.continuous_usage, chat=True, num_top=req.top_logprobs or 0,
                      num_prompt_top=req.prompt_logprobs, tool_calling=calling,
-                     stream=req.stream)
+                     stream=req.stream, return_token_ids=req.return_token_ids)
         return await _respond(view, request, "chat", req.stream)
 
     @app.post("/v1/embeddings")
@@ -323,7 +325,8 @@ def build_app(state: GatewayState) -> FastAPI:
 
 
 async def _beam_response(state: GatewayState, request: Request, jobs: list[GenerationJob],
-                         params: BeamSearchParams, request_id: str, chat: bool) -> Response:
+                         params: BeamSearchParams, request_id: str, chat: bool,
+                         token_ids: bool = False) -> Response:
     """`use_beam_search`: each job searched in turn (gateway/beam_search.py), one JSON body."""
     state.metrics.requests_received.labels(api="chat" if chat else "completions").inc()
     state.metrics.prompt_tokens.inc(sum(len(j.prompt_token_ids) for j in jobs))
@@ -334,7 +337,8 @@ async def _beam_response(state: GatewayState, request: Request, jobs: list[Gener
 
     results = await _until_disconnect(search(), request)
     return JSONResponse(beam_body(request_id, chat,
-                                  jobs[0].lora_name or state.config.served_model_name, results))
+                                  jobs[0].lora_name or state.config.served_model_name, results,
+                                  token_ids))
 
 
 async def _respond(view: _View, request: Request, api: str, stream: bool) -> Response:
@@ -500,6 +504,7 @@ class _Choice:
     text_len: int = 0
     finished: Finished | None = None
     started: bool = False  # a delta of it was recorded (a stream echoes in the first)
+    token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -536,6 +541,8 @@ class _View:
     tool_calling: ToolCalling | None = None
     outputs: dict[int, ChatOutput] = field(default_factory=dict)  # by choice
     stream: bool = False  # streamed: `auto` tool calls stream their arguments as they come
+    # vLLM's `return_token_ids`: prompt and output token ids in the response (and each delta's).
+    return_token_ids: bool = False
 
     def __post_init__(self) -> None:
         self.choices = {i: _Choice() for i in range(sum(j.n for j in self.jobs))}
@@ -595,6 +602,7 @@ class _View:
                 choice.text.append(event.text)
                 choice.logprobs.extend(event.logprobs)
                 choice.num_tokens += len(event.token_ids)
+                choice.token_ids.extend(event.token_ids)
                 output = self.outputs.get(event.index)
                 if output is not None:
                     output.note(event.text, event.token_ids)
@@ -641,11 +649,21 @@ class _View:
                 item["text"] = text
                 if self.num_prompt_top is not None:
                     item["prompt_logprobs"] = self.prompt_logprobs(index)
+            if self.return_token_ids:
+                item["token_ids"] = list(c.token_ids)
+                if not self.chat:  # vLLM: each completion choice's own prompt
+                    item["prompt_token_ids"] = self.prompt_ids(index)
             choices.append(item)
         out = self.header(self.object) | {"choices": choices, "usage": self.usage()}
+        if self.chat and self.return_token_ids:  # vLLM: the response's, in chat
+            out["prompt_token_ids"] = self.prompt_ids(0)
         if self.chat and self.num_prompt_top is not None:  # vLLM: the response's, in chat
             out["prompt_logprobs"] = self.prompt_logprobs(0)
         return out
+
+    def prompt_ids(self, index: int) -> list[int]:
+        """The prompt's token ids of choice `index` (its job's)."""
+        return list(self.jobs[self.job_of[index]].prompt_token_ids)
 
     def _finish_reason(self, f: Finished | None) -> str | None:
         if f is None:
@@ -664,8 +682,11 @@ class _View:
         return out
 
     def role_chunk(self, index: int) -> dict[str, Any]:
-        return self.chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None, "finish_reason": None}])
+        out = self.chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                           "logprobs": None, "finish_reason": None}])
+        if self.return_token_ids:  # vLLM: the prompt's ids come with the first chunk
+            out["prompt_token_ids"] = self.prompt_ids(index)
+        return out
 
     def event_chunk(self, event: Event) -> dict[str, Any] | None:
         """The chunk of a recorded event (None: nothing to send yet). A choice's first delta
@@ -686,10 +707,15 @@ class _View:
             choice.text_len += len(text)
             if event.prompt_logprobs is not None and self.num_prompt_top is not None:
                 extra["prompt_logprobs"] = self.prompt_logprobs(event.index)
-            if not text and not (lps and self.wants_logprobs) and not extra:
+            ids = self._delta_ids(event)
+            if first and self.return_token_ids and not self.chat:
+                extra["prompt_token_ids"] = self.prompt_ids(event.index)
+            if not text and not (lps and self.wants_logprobs) and not extra and not ids:
                 return None  # text held back (possible stop string): nothing to send yet
             item: dict[str, Any] = {"index": event.index, "logprobs": logprobs,
                                     "finish_reason": None}
+            if self.return_token_ids:
+                item["token_ids"] = ids
         else:
             text = ""
             item = {"index": event.index, "logprobs": None,
@@ -701,6 +727,10 @@ class _View:
         item["text"] = text
         return self.chunk([item | extra])
 
+    def _delta_ids(self, event: TokenDelta) -> list[int]:
+        """The delta's token ids to send (`return_token_ids`; none otherwise, or hidden)."""
+        return list(event.token_ids) if self.return_token_ids and not self.hide_output else []
+
     def _parsed_chunk(self, event: Event, output: ChatOutput) -> dict[str, Any] | None:
         """A chat chunk of a choice whose text goes through the gateway's parsers: reasoning,
         content and tool-call deltas as they become known; what the end settles comes with the
@@ -708,10 +738,13 @@ class _View:
         if isinstance(event, TokenDelta):
             delta = output.feed(event.text)
             logprobs = self.logprobs(event.logprobs, 0)
-            if not delta and not (event.logprobs and self.wants_logprobs):
+            ids = self._delta_ids(event)
+            if not delta and not (event.logprobs and self.wants_logprobs) and not ids:
                 return None
             item: dict[str, Any] = {"index": event.index, "logprobs": logprobs,
                                     "finish_reason": None}
+            if self.return_token_ids:
+                item["token_ids"] = ids
         else:
             delta = output.finish()
             item = {"index": event.index, "logprobs": None,

@@ -99,6 +99,9 @@ class _SamplingFields(_PriorityField):
     prompt_logprobs: int | None = None           # vLLM's extra: score the prompt, top-n each
     bad_words: list[str] | None = None           # vLLM's extra: words the output never contains
     truncate_prompt_tokens: TruncatePromptTokens | None = None  # vLLM's extra: see its type
+    # vLLM's extra (RL rollouts read them to avoid re-tokenizing): the prompt's token ids and
+    # each choice's output token ids in the response (streamed: each delta's).
+    return_token_ids: bool = False
 
     def sampling_options(self, defaults: Mapping[str, float | int] | None = None
                          ) -> dict[str, Any]:

@@ -42,8 +42,11 @@ def test_completions_match_the_engine(which: str, disagg_stack: Stack, colocated
                                  BeamSearchParams(beam_width=3, max_tokens=6))
     reply = _client(stack).completions.create(
         model=MODEL_NAME, prompt=PROMPT, max_tokens=6, n=3, temperature=0,
-        extra_body={"use_beam_search": True})
+        extra_body={"use_beam_search": True, "return_token_ids": True})
     assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert [(c.model_extra or {})["token_ids"] for c in reply.choices] == [
+        s.output_token_ids for s in want.sequences]
+    assert all((c.model_extra or {})["prompt_token_ids"] == ids for c in reply.choices)
     assert [c.text for c in reply.choices] == [
         stack.tokenizer.decode(s.output_token_ids) for s in want.sequences]
     assert [c.finish_reason for c in reply.choices] == [s.finish_reason for s in want.sequences]

@@ -955,3 +955,41 @@ def test_a_bad_truncation_is_refused_by_the_gateway(gw: Harness, path: str, k: o
     err = _error(_post(gw, path, body), 400, "truncate_prompt_tokens")
     assert (err["type"], err["param"]) == ("invalid_request_error", "truncate_prompt_tokens")
     assert len(gw.prefill[0].prefill_requests) == sent
+
+
+def _sse_json(r: httpx.Response) -> list[dict]:
+    events = [line[6:] for line in r.text.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events[-1:]
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_return_token_ids(gw: Harness, script_ids: list[int]) -> None:
+    """vLLM's `return_token_ids`: the prompt's ids and each choice's output ids, whole or per
+    delta (a stop string holding text back still sends its tokens), completions and chat."""
+    tok = smollm2_tokenizer()
+    prompt_ids = tok.encode("Hello there")
+    body = {"model": MODEL_NAME, "prompt": "Hello there", "max_tokens": 6, "n": 2,
+            "return_token_ids": True}
+    r = _post(gw, CMPL, body)
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        assert choice["token_ids"] == script_ids[:6] and choice["prompt_token_ids"] == prompt_ids
+    assert "token_ids" not in _post(gw, CMPL, {**body, "return_token_ids": False}).json()[
+        "choices"][0]
+    chunks = _sse_json(_post(gw, CMPL, {**body, "n": 1, "stream": True, "stop": [" France"]}))
+    streamed = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])]
+    stop_at = len(tok.encode(" Paris is the capital of", add_special_tokens=False))
+    assert streamed[:stop_at] == script_ids[:stop_at]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == prompt_ids
+
+    chat_ids = _post(gw, "/tokenize", {"messages": MSG}).json()["tokens"]
+    r = _post(gw, CHAT, {"model": MODEL_NAME, "messages": MSG, "max_tokens": 4,
+                         "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["prompt_token_ids"] == chat_ids
+    assert r.json()["choices"][0]["token_ids"] == script_ids[:4]
+    chunks = _sse_json(_post(gw, CHAT, {"model": MODEL_NAME, "messages": MSG, "max_tokens": 4,
+                                        "return_token_ids": True, "stream": True}))
+    assert chunks[0]["prompt_token_ids"] == chat_ids
+    assert [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])] == \
+        script_ids[:4]
