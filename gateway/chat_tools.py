@@ -26,7 +26,8 @@ async def chat_job(state: GatewayState, messages: list[dict[str, Any]], options:
                    param_names: dict[str, str] | None = None,
                    template_kwargs: dict[str, Any] | None = None,
                    chat_template: str | None = None, add_generation_prompt: bool = True,
-                   continue_final_message: bool = False) -> GenerationJob:
+                   continue_final_message: bool = False,
+                   add_special_tokens: bool = False) -> GenerationJob:
     """A chat request's validated job: the chat template (the request's own `chat_template` if
     it sent one) rendered with `messages` (the template's form, `chat_messages`) and the tools,
     tokenized and cut to `options["truncate_prompt_tokens"]`, the sampling `options` as a tool
@@ -39,7 +40,7 @@ async def chat_job(state: GatewayState, messages: list[dict[str, Any]], options:
         messages, param, tools=calling.template_tools() if calling is not None else None,
         template_kwargs=template_kwargs, chat_template=chat_template,
         add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message)
+        continue_final_message=continue_final_message, add_special_tokens=add_special_tokens)
     # Cut here already (build_job would too) so that the reasoning gate reads the prompt's end
     # as the model sees it.
     ids = state.preprocessor.truncated(ids, options.get("truncate_prompt_tokens"))

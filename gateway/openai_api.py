@@ -129,7 +129,8 @@ def build_app(state: GatewayState) -> FastAPI:
         view = _View(request_id, "text_completion", state, jobs, req.include_usage,
                      req.continuous_usage, chat=False, num_top=req.logprobs or 0,
                      num_prompt_top=req.prompt_logprobs, echoes=echoes,
-                     hide_output=req.max_tokens == 0, return_token_ids=req.return_token_ids)
+                     hide_output=req.max_tokens == 0, return_token_ids=req.return_token_ids,
+                     tokens_as_ids=req.return_tokens_as_token_ids)
         return await _respond(view, request, "completions", req.stream)
 
     @app.post("/v1/chat/completions")
@@ -150,7 +151,8 @@ def build_app(state: GatewayState) -> FastAPI:
         view = _View(job.request_id, "chat.completion", state, [job], req.include_usage,
                      req.continuous_usage, chat=True, num_top=req.top_logprobs or 0,
                      num_prompt_top=req.prompt_logprobs, tool_calling=calling,
-                     stream=req.stream, return_token_ids=req.return_token_ids)
+                     stream=req.stream, return_token_ids=req.return_token_ids,
+                     tokens_as_ids=req.return_tokens_as_token_ids)
         return await _respond(view, request, "chat", req.stream)
 
     @app.post("/v1/embeddings")
@@ -454,8 +456,8 @@ async def _completion_jobs(req: CompletionRequest, state: GatewayState
     echoes: list[str] | None = [] if req.echo else None
     for i, prompt in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt.{i}"
-        ids = (await pre.encode_text(prompt, param) if isinstance(prompt, str)
-               else pre.check_token_ids(prompt, param))
+        ids = (await pre.encode_text(prompt, param, req.add_special_tokens)
+               if isinstance(prompt, str) else pre.check_token_ids(prompt, param))
         job = pre.build_job(ids, options, request_id=request_id if len(prompts) == 1
                             else f"{request_id}-{i}")
         jobs.append(job)
@@ -488,11 +490,20 @@ async def _chat_job(req: ChatCompletionRequest, state: GatewayState
     job = await chat_job(state, chat_messages(req.messages), options, calling,
                          request_id=f"chatcmpl-{uuid.uuid4().hex}",
                          param_names={"max_tokens": param, "logprobs": "top_logprobs"},
-                         template_kwargs=req.chat_template_kwargs,
+                         template_kwargs=_with_documents(req),
                          chat_template=req.chat_template,
                          add_generation_prompt=req.add_generation_prompt,
-                         continue_final_message=req.continue_final_message)
+                         continue_final_message=req.continue_final_message,
+                         add_special_tokens=req.add_special_tokens)
     return job, calling
+
+
+def _with_documents(req: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The template's variables: `chat_template_kwargs`, and vLLM's `documents` (a RAG
+    template's, as transformers passes them) unless the kwargs set their own."""
+    if req.documents is None:
+        return req.chat_template_kwargs
+    return {"documents": req.documents, **(req.chat_template_kwargs or {})}
 
 
 # -- responses ----------------------------------------------------------------------------------
@@ -543,6 +554,7 @@ class _View:
     stream: bool = False  # streamed: `auto` tool calls stream their arguments as they come
     # vLLM's `return_token_ids`: prompt and output token ids in the response (and each delta's).
     return_token_ids: bool = False
+    tokens_as_ids: bool = False  # vLLM's `return_tokens_as_token_ids`: "token_id:<id>" tokens
 
     def __post_init__(self) -> None:
         self.choices = {i: _Choice() for i in range(sum(j.n for j in self.jobs))}
@@ -559,6 +571,8 @@ class _View:
                 "system_fingerprint": None}
 
     def _text_of(self, token_id: int) -> str:
+        if self.tokens_as_ids:
+            return f"token_id:{token_id}"
         return self.state.token_texts(token_id)
 
     def logprobs(self, lps: list[common_pb2.TokenLogprob], offset: int) -> dict[str, Any] | None:

@@ -51,6 +51,7 @@ _UNSUPPORTED_FIELDS = {
     "suffix": "no insertion; send the text before it as the prompt",
     "echo": "chat completions do not echo; /v1/completions does",
     "audio": "text output only",
+    "logits_processors": "custom logits processors (server-side code) are not run here",
 }
 
 
@@ -102,6 +103,9 @@ class _SamplingFields(_PriorityField):
     # vLLM's extra (RL rollouts read them to avoid re-tokenizing): the prompt's token ids and
     # each choice's output token ids in the response (streamed: each delta's).
     return_token_ids: bool = False
+    # vLLM's extra: logprobs name each token "token_id:<id>" instead of its text (for tokens
+    # whose text does not round-trip, e.g. partial UTF-8).
+    return_tokens_as_token_ids: bool = False
 
     def sampling_options(self, defaults: Mapping[str, float | int] | None = None
                          ) -> dict[str, Any]:
@@ -187,6 +191,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
+    add_special_tokens: bool = True  # vLLM's extra: the tokenizer's BOS etc. on a text prompt
 
     def prompt_scoring(self) -> int | None:
         """Top logprobs to score each prompt token with (None: not scored): `prompt_logprobs`,
@@ -276,6 +281,10 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # vLLM's extras: the tokenizer's special tokens on the rendered template (the template
+    # usually writes BOS itself, hence off), and documents for a RAG template (`documents`).
+    add_special_tokens: bool = False
+    documents: list[dict[str, str]] | None = None
 
 
 class TokenizeRequest(_ChatTemplateFields):

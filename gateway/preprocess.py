@@ -81,7 +81,8 @@ class Preprocessor:
                           tools: list[dict[str, Any]] | None = None,
                           template_kwargs: dict[str, Any] | None = None,
                           chat_template: str | None = None, add_generation_prompt: bool = True,
-                          continue_final_message: bool = False) -> list[int]:
+                          continue_final_message: bool = False,
+                          add_special_tokens: bool = False) -> list[int]:
         """The chat template rendered with `messages`, `tools` (transformers' form) and the
         request's `template_kwargs` (its `chat_template_kwargs`, checked by the protocol),
         tokenized. The template: the request's own `chat_template` (checked here, refused unless
@@ -103,8 +104,8 @@ class Preprocessor:
                                   add_generation_prompt)
         if continue_final_message:
             text = _cut_after_final_message(text, messages[-1], param)
-        # The template already contains the special tokens (BOS, role markers).
-        return await self.encode_text(text, param, add_special_tokens=False)
+        # The template usually contains the special tokens (BOS, role markers) itself.
+        return await self.encode_text(text, param, add_special_tokens=add_special_tokens)
 
     async def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                       template_kwargs: dict[str, Any] | None, chat_template: str | None,
