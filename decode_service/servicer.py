@@ -17,7 +17,13 @@ from engine.request import RemoteKv
 from engine.sampling_params import SamplingParamsError
 from protos.splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from serving import tracing
-from serving.common import EngineBound, abort_traced, check_lora_name, check_priority
+from serving.common import (
+    EngineBound,
+    abort_traced,
+    check_cache_salt,
+    check_lora_name,
+    check_priority,
+)
 from serving.convert import (
     SPEC_METHOD_NAMES,
     InvalidRequest,
@@ -69,12 +75,15 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
                                      f"sampling.max_tokens is {params.max_tokens}")
             lora = check_lora_name(aengine.engine, request.lora_name)
             priority = check_priority(aengine.engine, request.priority)
-            remote = self._remote_kv(request, ids, context, tracing.span_context(span), lora)
+            salt = check_cache_salt(request.cache_salt)
+            remote = self._remote_kv(request, ids, context, tracing.span_context(span), lora,
+                                     salt)
         except InvalidRequest as e:
             await abort_traced(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         tiers = self.tiers
         # An adapter's KV is keyed in the tiers by hashes under its own root, as in the cache.
-        root = aengine.engine.hash_root(lora) if lora is not None else None
+        root = (aengine.engine.hash_root(lora, salt) if lora is not None or salt is not None
+                else None)
         if lora is not None:
             span.set_attribute("splitserve.lora_name", lora)
         if priority:
@@ -98,7 +107,7 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
             async for out in aengine.generate(rid, ids, params, output_token_ids=given,
                                               remote_kv=remote, num_speculative_tokens=spec,
                                               speculative_method=method, lora_name=lora,
-                                              priority=priority):
+                                              priority=priority, cache_salt=salt):
                 n_out += len(out.new_token_ids)
                 if tiers is not None:  # saved with the prompt when the request ends
                     generated.extend(out.new_token_ids)
@@ -150,11 +159,11 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
     def _remote_kv(self, request: decode_pb2.DecodeRequest, ids: list[int],
                    context: grpc.aio.ServicerContext,
                    trace_parent: Context | None = None,
-                   lora: str | None = None) -> RemoteKv | None:
+                   lora: str | None = None, salt: str | None = None) -> RemoteKv | None:
         if not request.HasField("kv_handle"):
             return None
         assert self.aengine is not None
-        problem = _handle_problem(request.kv_handle, ids, self.aengine.engine, lora)
+        problem = _handle_problem(request.kv_handle, ids, self.aengine.engine, lora, salt)
         if problem is not None:
             if request.kv_failure_policy == decode_pb2.KV_FAILURE_POLICY_FAIL:
                 raise InvalidRequest(problem)
@@ -192,7 +201,7 @@ def _decode_attributes(request: decode_pb2.DecodeRequest) -> dict[str, int | str
 
 
 def _handle_problem(h: common_pb2.KvHandle, ids: list[int], eng: LLMEngine,
-                    lora: str | None = None) -> str | None:
+                    lora: str | None = None, salt: str | None = None) -> str | None:
     """Why the KV a handle names cannot be this prompt's, or None. The full blocks' chained
     hashes (rooted in the fingerprint, or in the request's LoRA adapter's root) must equal this
     prompt's, and so must the prompt hash, which also covers the partial last block: a handle
@@ -207,10 +216,10 @@ def _handle_problem(h: common_pb2.KvHandle, ids: list[int], eng: LLMEngine,
         return f"kv_handle.num_tokens {h.num_tokens} != prompt length {len(ids)}"
     if not h.worker_address or not h.request_id:
         return "kv_handle needs worker_address and request_id"
-    if list(h.block_hashes) != compute_block_hashes(eng.hash_root(lora), ids, block_size):
-        return ("kv_handle.block_hashes do not match the prompt's blocks (KV of another prompt "
-                "or LoRA adapter)")
-    if h.prompt_hash != prompt_hash(eng.prompt_key(lora), ids):
+    if list(h.block_hashes) != compute_block_hashes(eng.hash_root(lora, salt), ids, block_size):
+        return ("kv_handle.block_hashes do not match the prompt's blocks (KV of another prompt, "
+                "LoRA adapter or cache salt)")
+    if h.prompt_hash != prompt_hash(eng.prompt_key(lora, salt), ids):
         return ("kv_handle.prompt_hash does not match this prompt (KV of another prompt, or a "
                 "handle without prompt_hash)")
     return None

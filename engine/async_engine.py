@@ -110,16 +110,17 @@ class AsyncEngine:
                        num_speculative_tokens: int | None = None,
                        speculative_method: str | None = None,
                        lora_name: str | None = None,
-                       priority: int = 0) -> AsyncIterator[StepOutput]:
+                       priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[StepOutput]:
         """Stream a request's step outputs. Validation errors raise before anything is queued.
         Cancelling the consumer (or closing the generator) aborts the request and frees its KV.
         `PoolingParams`: an embedding request, whose one output carries its embedding.
-        `num_speculative_tokens`, `speculative_method`, `lora_name`, `priority`: see
-        `LLMEngine.add_request`."""
+        `num_speculative_tokens`, `speculative_method`, `lora_name`, `priority`,
+        `cache_salt`: see `LLMEngine.add_request`."""
         self._check_alive()
         self.engine.check_request(prompt_token_ids, params, output_token_ids, remote_kv,
                                   num_speculative_tokens, speculative_method, lora_name,
-                                  priority)
+                                  priority, cache_salt)
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight")
         if self.engine.config.scheduler.policy != "priority":
@@ -138,7 +139,8 @@ class AsyncEngine:
                      kwargs={"output_token_ids": output_token_ids, "remote_kv": remote_kv,
                              "num_speculative_tokens": num_speculative_tokens,
                              "speculative_method": speculative_method, "grammar": grammar,
-                             "lora_name": lora_name, "priority": priority})
+                             "lora_name": lora_name, "priority": priority,
+                             "cache_salt": cache_salt})
         finished = False
         try:
             while True:

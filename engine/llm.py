@@ -414,12 +414,14 @@ class LLM:
         # others queued in the engine.
         tokenized = [self._truncated(self._tokenize(prompt), sp.truncate_prompt_tokens)
                      for prompt, sp in zip(plist, params, strict=True)]
-        for (_, ids), sp, lora, prio in zip(tokenized, params, loras, priorities, strict=True):
-            self.engine.check_request(ids, sp, lora_name=lora, priority=prio)
+        salts = [_cache_salt(prompt) for prompt in plist]
+        for (_, ids), sp, lora, prio, salt in zip(tokenized, params, loras, priorities, salts,
+                                                  strict=True):
+            self.engine.check_request(ids, sp, lora_name=lora, priority=prio, cache_salt=salt)
             self.engine.make_grammar(sp)  # compiles (and checks) a constraint; cached for below
         items = []
-        for (text, ids), sp, lora, prio in zip(tokenized, params, loras, priorities,
-                                               strict=True):
+        for (text, ids), sp, lora, prio, salt in zip(tokenized, params, loras, priorities, salts,
+                                                     strict=True):
             rid = str(next(self._ids))
             for i in range(sp.n):
                 # The prompt is scored once, by the first child (its logprobs are the prompt's).
@@ -428,7 +430,7 @@ class LLM:
                     prompt_logprobs=sp.prompt_logprobs if i == 0 else None)
                 self.engine.enqueue(f"{rid}:{i}", ids, child, lora_name=lora,
                                     grammar=self.engine.make_grammar(child),  # one per child
-                                    priority=prio)
+                                    priority=prio, cache_salt=salt)
             items.append((rid, RequestOutput(rid, text, ids, [
                 CompletionOutput(i, "", [], [] if sp.logprobs is not None else None, None)
                 for i in range(sp.n)], finished=False)))
@@ -493,6 +495,11 @@ class LLM:
         out.metrics = self._metrics.get(out.request_id + ":0")
         out.children_metrics = [m for i in range(len(out.outputs))
                                 if (m := self._metrics.get(f"{out.request_id}:{i}")) is not None]
+
+
+def _cache_salt(prompt: PromptType) -> str | None:
+    """vLLM's prompt-dict `cache_salt` (None: none; checked by the engine)."""
+    return prompt.get("cache_salt") if isinstance(prompt, dict) else None
 
 
 def _candidates(out: RequestOutput) -> list[tuple[int, float]]:

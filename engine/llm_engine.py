@@ -27,7 +27,7 @@ from engine.config import (
     PoolerConfig,
 )
 from engine.detokenizer import IncrementalDetokenizer
-from engine.kv.hashing import model_fingerprint, root_hash
+from engine.kv.hashing import MAX_CACHE_SALT_CHARS, model_fingerprint, root_hash, salted_root
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.lora import LoRAAdapter, LoRAError, LoRAStack, load_adapter
 from engine.outputs import StepOutput
@@ -338,7 +338,8 @@ class LLMEngine:
                     arrival_time: float | None = None,
                     num_speculative_tokens: int | None = None,
                     speculative_method: str | None = None,
-                    lora_name: str | None = None, priority: int = 0) -> Request:
+                    lora_name: str | None = None, priority: int = 0,
+                    cache_salt: str | None = None) -> Request:
         """Queue a request: a generation with `SamplingParams`, or an embedding request with
         `PoolingParams` (its prompt computed and pooled, nothing sampled: engine/pooling.py).
         Raises EngineInputError / SamplingParamsError on bad input (a constraint that does not
@@ -352,16 +353,18 @@ class LLMEngine:
         `speculative_method` ("ngram" / "draft_model") picks the proposer among the engine's;
         None, or a method the engine lacks: its configured one.
         `priority`: lower is scheduled sooner; anything but 0 needs the engine's scheduling
-        policy "priority" (`SchedulerConfig.policy`)."""
+        policy "priority" (`SchedulerConfig.policy`). `cache_salt` (vLLM's): its KV is hashed
+        under a root of its own (`salted_root`), so only requests with the same salt share it."""
         self.check_request(prompt_token_ids, params, output_token_ids, remote_kv,
-                           num_speculative_tokens, speculative_method, lora_name, priority)
+                           num_speculative_tokens, speculative_method, lora_name, priority,
+                           cache_salt)
         grammar = (self.make_grammar(params, output_token_ids)
                    if isinstance(params, SamplingParams) else None)
         return self.enqueue(request_id, prompt_token_ids, params, output_token_ids=output_token_ids,
                             remote_kv=remote_kv, arrival_time=arrival_time,
                             num_speculative_tokens=num_speculative_tokens,
                             speculative_method=speculative_method, grammar=grammar,
-                            lora_name=lora_name, priority=priority)
+                            lora_name=lora_name, priority=priority, cache_salt=cache_salt)
 
     def make_grammar(self, params: SamplingParams, output_token_ids: list[int] | None = None
                      ) -> RequestGrammar | None:
@@ -383,10 +386,12 @@ class LLMEngine:
                       remote_kv: RemoteKv | None = None,
                       num_speculative_tokens: int | None = None,
                       speculative_method: str | None = None,
-                      lora_name: str | None = None, priority: int = 0) -> None:
+                      lora_name: str | None = None, priority: int = 0,
+                      cache_salt: str | None = None) -> None:
         """Every check `add_request` makes; reads config only, so any thread may call it."""
         self.lora_slot(lora_name)
         self.check_priority(priority)
+        check_cache_salt(cache_salt)
         if isinstance(params, PoolingParams):
             self._check_pooling(prompt_token_ids, params, output_token_ids, remote_kv)
             return
@@ -434,13 +439,14 @@ class LLMEngine:
                 num_speculative_tokens: int | None = None,
                 speculative_method: str | None = None,
                 grammar: RequestGrammar | None = None,
-                lora_name: str | None = None, priority: int = 0) -> Request:
+                lora_name: str | None = None, priority: int = 0,
+                cache_salt: str | None = None) -> Request:
         """Queue a request that passed `check_request` (callers validate off the engine thread,
         so the step loop does not scan the prompt twice), with its grammar from `make_grammar`
         when it asks for structured outputs."""
         if isinstance(params, PoolingParams):
             return self._enqueue_pooling(request_id, prompt_token_ids, params, arrival_time,
-                                         lora_name, priority)
+                                         lora_name, priority, cache_salt)
         if (grammar is None) != (params.structured_outputs is None):
             raise EngineInputError("a request with structured_outputs is queued with its "
                                    "grammar (LLMEngine.make_grammar), and only such a request")
@@ -450,7 +456,7 @@ class LLMEngine:
         req.grammar = grammar
         if params.bad_words and self._encode_text is not None:  # (checked by check_request)
             req.bad_words_token_ids = bad_words_token_ids(params.bad_words, self._encode_text)
-        self._bind_lora(req, lora_name)
+        self._bind_lora(req, lora_name, cache_salt)
         req.num_speculative_tokens = self._speculative_tokens(req, num_speculative_tokens)
         req.spec_method = (speculative_method if speculative_method in self.proposers
                            else self.config.speculative.method)
@@ -463,32 +469,36 @@ class LLMEngine:
 
     def _enqueue_pooling(self, request_id: str, prompt_token_ids: list[int],
                          params: PoolingParams, arrival_time: float | None,
-                         lora_name: str | None, priority: int = 0) -> Request:
+                         lora_name: str | None, priority: int = 0,
+                         cache_salt: str | None = None) -> Request:
         """Queue an embedding request: no detokenizer, no grammar, no drafts."""
         req = Request(request_id, prompt_token_ids, _POOLING_SAMPLING, self.eos_token_ids,
                       self.max_model_len, arrival_time=arrival_time, priority=priority)
         req.pooling = PoolingState(self.resolve_pooling(params), req.num_prompt_tokens)
-        self._bind_lora(req, lora_name)
+        self._bind_lora(req, lora_name, cache_salt)
         self.scheduler.add_request(req)
         return req
 
-    def _bind_lora(self, req: Request, lora_name: str | None) -> None:
+    def _bind_lora(self, req: Request, lora_name: str | None,
+                   cache_salt: str | None = None) -> None:
         """Run `req` with adapter `lora_name` (None: the base model), its KV hashed under the
-        adapter's root."""
+        adapter's root, salted by `cache_salt` when it has one."""
         req.lora_slot = self.lora_slot(lora_name)
-        if lora_name is not None:
-            req.hash_root = self._lora_roots[lora_name]
+        if lora_name is not None or cache_salt:
+            req.hash_root = self.hash_root(lora_name, cache_salt)
 
-    def hash_root(self, lora_name: str | None = None) -> bytes:
+    def hash_root(self, lora_name: str | None = None, cache_salt: str | None = None) -> bytes:
         """The root a prompt's block hashes chain from: the engine's, or adapter `lora_name`'s
-        (EngineInputError for an adapter it does not serve)."""
+        (EngineInputError for an adapter it does not serve), salted by `cache_salt`."""
         if lora_name is None:
-            return self.kv.root
-        self.lora_slot(lora_name)
-        root = self._lora_roots.get(lora_name)
-        if root is None:  # removed on the engine thread since the line above
-            raise EngineInputError(f"unknown LoRA adapter {lora_name!r}")
-        return root
+            root = self.kv.root
+        else:
+            self.lora_slot(lora_name)
+            found = self._lora_roots.get(lora_name)
+            if found is None:  # removed on the engine thread since the line above
+                raise EngineInputError(f"unknown LoRA adapter {lora_name!r}")
+            root = found
+        return salted_root(root, cache_salt) if cache_salt else root
 
     def _lora_root(self, adapter: LoRAAdapter) -> bytes:
         """Adapter `adapter`'s root: a name loaded again from other files gets another, so no
@@ -579,10 +589,11 @@ class LLMEngine:
                                    "it with max_loras > 0 (--max-loras N)")
         return stack
 
-    def prompt_key(self, lora_name: str | None = None) -> bytes:
+    def prompt_key(self, lora_name: str | None = None, cache_salt: str | None = None) -> bytes:
         """What a KV handle's prompt hash binds besides the tokens (`prompt_hash`): the
-        model's fingerprint, or for an adapter's prompt its root (32 bytes either way)."""
-        return self.hash_root(lora_name) if lora_name else self.fingerprint
+        model's fingerprint, or for an adapter's or a salted prompt its root (32 bytes)."""
+        return (self.hash_root(lora_name, cache_salt) if lora_name or cache_salt
+                else self.fingerprint)
 
     def lora_slot(self, lora_name: str | None) -> int:
         """The runner's slot of adapter `lora_name` (0: None, the base model);
@@ -759,3 +770,12 @@ class LLMEngine:
             kv_held=req.status == RequestStatus.FINISHED_PREFILL,
             metrics=req.metrics if req.is_finished else None, embedding=pooled)
 
+
+def check_cache_salt(cache_salt: str | None) -> None:
+    """EngineInputError unless `cache_salt` is None or a non-empty string of at most
+    MAX_CACHE_SALT_CHARS characters."""
+    if cache_salt is None:
+        return
+    if not isinstance(cache_salt, str) or not cache_salt or len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise EngineInputError(f"cache_salt must be a non-empty string of at most "
+                               f"{MAX_CACHE_SALT_CHARS} characters")

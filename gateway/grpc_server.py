@@ -47,7 +47,7 @@ from gateway.grpc_tools import (
 from gateway.lora_admin import load_adapter, unload_adapter
 from gateway.lora_resolver import resolve_model
 from gateway.openai_protocol import ClassifyRequest, PromptInput, ScoreRequest
-from gateway.orchestrator import Finished, GenerationJob, TokenDelta
+from gateway.orchestrator import Finished, GenerationJob, TokenDelta, checked_cache_salt
 from gateway.reasoning import ChatOutput
 from gateway.scoring import classify_body, score_body
 from gateway.state import GatewayState
@@ -193,7 +193,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                    ) -> tuple[GenerationJob, ToolCalling | None]:
         lora = await _lora_of(self._state, request.model)
         job, calling = await self._unrouted_job(request)
-        return dataclasses.replace(job, lora_name=lora, priority=request.priority), calling
+        return dataclasses.replace(job, lora_name=lora, priority=request.priority,
+                                   cache_salt=checked_cache_salt(request.cache_salt or None)
+                                   ), calling
 
     async def _unrouted_job(self, request: gateway_pb2.GenerateRequest
                             ) -> tuple[GenerationJob, ToolCalling | None]:

@@ -63,7 +63,14 @@ from gateway.openai_protocol import (
     prompt_logprobs_entries,
     usage_dict,
 )
-from gateway.orchestrator import Event, Finished, GenerationJob, TokenDelta, usage_totals
+from gateway.orchestrator import (
+    Event,
+    Finished,
+    GenerationJob,
+    TokenDelta,
+    checked_cache_salt,
+    usage_totals,
+)
 from gateway.reasoning import ChatOutput
 from gateway.response_store import StoredResponse
 from gateway.responses_api import (
@@ -122,7 +129,9 @@ def build_app(state: GatewayState) -> FastAPI:
             req, echo=req.echo, logprobs=req.logprobs is not None), req.n,
             req.max_tokens or 1, req.ignore_eos, req.temperature)
         request_id, jobs, echoes = await _completion_jobs(req, state)
-        jobs = [dataclasses.replace(j, lora_name=lora, priority=req.priority) for j in jobs]
+        salt = checked_cache_salt(req.cache_salt)
+        jobs = [dataclasses.replace(j, lora_name=lora, priority=req.priority, cache_salt=salt)
+                for j in jobs]
         if beam is not None:
             return await _beam_response(state, request, jobs, beam, request_id, chat=False,
                                         token_ids=req.return_token_ids)
@@ -144,7 +153,8 @@ def build_app(state: GatewayState) -> FastAPI:
             reasoning_parser=state.config.reasoning_parser), req.n, 1, req.ignore_eos,
             req.temperature)
         job, calling = await _chat_job(req, state)
-        job = dataclasses.replace(job, lora_name=lora, priority=req.priority)
+        job = dataclasses.replace(job, lora_name=lora, priority=req.priority,
+                                  cache_salt=checked_cache_salt(req.cache_salt))
         if beam is not None:
             return await _beam_response(state, request, [job], beam, job.request_id, chat=True,
                                         token_ids=req.return_token_ids)
@@ -214,7 +224,8 @@ def build_app(state: GatewayState) -> FastAPI:
                 raise GatewayError.invalid("n", "n: a response has one output")
             job, calling = await _chat_job(chat, state)
             # `priority` (vLLM's Responses extra) came through as the chat body's.
-            job = dataclasses.replace(job, lora_name=lora, priority=chat.priority)
+            job = dataclasses.replace(job, lora_name=lora, priority=chat.priority,
+                                      cache_salt=checked_cache_salt(chat.cache_salt))
         except GatewayError as err:  # named as the request names the field (an input item)
             raise err.renamed(paths) from None
         view = _View(job.request_id, "chat.completion", state, [job], include_usage=False,

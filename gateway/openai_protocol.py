@@ -106,6 +106,8 @@ class _SamplingFields(_PriorityField):
     # vLLM's extra: logprobs name each token "token_id:<id>" instead of its text (for tokens
     # whose text does not round-trip, e.g. partial UTF-8).
     return_tokens_as_token_ids: bool = False
+    # vLLM's extra: cached KV is shared only among requests with the same salt (one per tenant).
+    cache_salt: str | None = None
 
     def sampling_options(self, defaults: Mapping[str, float | int] | None = None
                          ) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind
 from opentelemetry.util.types import AttributeValue
 
+from engine.kv.hashing import MAX_CACHE_SALT_CHARS
 from gateway.admission import RequestLimit
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, status_code_from_int
@@ -82,6 +83,9 @@ class GenerationJob:
     # Scheduling priority on both workers (an int32; lower is scheduled sooner): anything but 0
     # needs workers started with --scheduling-policy priority, which the workers check.
     priority: int = 0
+    # vLLM's cache_salt: the prompt's KV is hashed under a salted root on the workers (and for
+    # routing here), so only requests with the same salt share cached blocks; "": none.
+    cache_salt: str = ""
     arrival_time: float = field(default_factory=time.monotonic)
     # The prompt's block hashes per KV layout (fingerprint, block size), computed once for both
     # pools and all `n` completions (WorkerPool.prompt_hashes).
@@ -91,6 +95,17 @@ class GenerationJob:
     @property
     def wants_logprobs(self) -> bool:
         return self.sampling.HasField("logprobs")
+
+
+def checked_cache_salt(salt: str | None, param: str = "cache_salt") -> str:
+    """A request's `cache_salt` as a job takes it ("" for none); 400 past the workers' limits
+    (a non-empty string of at most MAX_CACHE_SALT_CHARS characters)."""
+    if salt is None:
+        return ""
+    if not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT_CHARS:
+        raise GatewayError.invalid(param, f"{param} must be a non-empty string of at most "
+                                          f"{MAX_CACHE_SALT_CHARS} characters")
+    return salt
 
 
 @dataclass(slots=True)
@@ -310,7 +325,8 @@ class Orchestrator:
     def _prefix_hashes(pool: WorkerPool, job: GenerationJob) -> list[bytes]:
         """The prompt's block hashes for prefix routing (a LoRA adapter's request: chained from
         the adapter's root, as its workers hash its KV)."""
-        return pool.prompt_hashes(job.prompt_token_ids, job.block_hashes, job.lora_name)
+        return pool.prompt_hashes(job.prompt_token_ids, job.block_hashes, job.lora_name,
+                                  job.cache_salt)
 
     async def _prefill(self, job: GenerationJob, index: int, sampling: common_pb2.SamplingParams,
                        metadata: tuple[tuple[str, str], ...] = ()
@@ -319,7 +335,8 @@ class Orchestrator:
         assert self._router.prefill is not None  # not colocated
         request = prefill_pb2.PrefillRequest(
             request_id=f"{job.request_id}-{index}", prompt_token_ids=job.prompt_token_ids,
-            sampling=sampling, lora_name=job.lora_name, priority=job.priority)
+            sampling=sampling, lora_name=job.lora_name, priority=job.priority,
+            cache_salt=job.cache_salt)
         pool = self._router.prefill
 
         async def call(worker: Worker) -> prefill_pb2.PrefillResponse:
@@ -403,7 +420,8 @@ class Orchestrator:
                                else decode_pb2.KV_FAILURE_POLICY_RECOMPUTE),
             # Always set, 0 included: absent would mean the worker's own default.
             num_speculative_tokens=spec.num_speculative_tokens,
-            speculative_method=spec.method, lora_name=job.lora_name, priority=job.priority)
+            speculative_method=spec.method, lora_name=job.lora_name, priority=job.priority,
+            cache_salt=job.cache_salt)
         if state.kv_handle is not None:
             request.kv_handle.CopyFrom(state.kv_handle)
         call = self._router.decode_stub(worker).Decode(request, timeout=self._remaining(job),

@@ -25,6 +25,7 @@ from typing import Literal, TypeVar
 
 import grpc
 
+from engine.kv.hashing import root_hash, salted_root
 from gateway.errors import GatewayError, OverloadedError
 from gateway.prefix_index import PrefixIndex, prompt_block_hashes
 from protos.auth import client_interceptors
@@ -188,9 +189,10 @@ class WorkerPool:
 
     def prompt_hashes(self, prompt_token_ids: Sequence[int],
                       memo: dict[tuple[bytes, int], list[bytes]] | None = None,
-                      lora_name: str = "") -> list[bytes]:
+                      lora_name: str = "", cache_salt: str = "") -> list[bytes]:
         """Block hashes of a prompt under the pool's KV layout (from the workers' load reports);
-        for a LoRA adapter's request, chained from the adapter's root as its workers report it.
+        for a LoRA adapter's request, chained from the adapter's root as its workers report it,
+        and salted by the request's `cache_salt` as the workers salt it.
         `memo`: the prompt's hashes by layout (root) and block size, filled here (a request's
         prefill and decode pools and its completions then hash it once)."""
         memo = {} if memo is None else memo
@@ -200,6 +202,8 @@ class WorkerPool:
             root = adapter_root(w.load, lora_name) if lora_name else None
             if lora_name and root is None:
                 continue  # this worker does not serve the adapter (or reports no root)
+            if cache_salt and len(w.load.fingerprint) == 32:
+                root = salted_root(root or root_hash(w.load.fingerprint), cache_salt)
             layout = (root or w.load.fingerprint, w.load.block_size)
             if layout not in memo:
                 memo[layout] = prompt_block_hashes(prompt_token_ids, w.load.fingerprint,

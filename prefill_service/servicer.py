@@ -15,7 +15,13 @@ from engine.outputs import StepOutput
 from engine.sampling_params import SamplingParamsError
 from protos.splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from serving import tracing
-from serving.common import EngineBound, abort_traced, check_lora_name, check_priority
+from serving.common import (
+    EngineBound,
+    abort_traced,
+    check_cache_salt,
+    check_lora_name,
+    check_priority,
+)
 from serving.convert import (
     InvalidRequest,
     check_prompt,
@@ -56,6 +62,7 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
             params = sampling_from_proto(request.sampling)
             lora = check_lora_name(aengine.engine, request.lora_name)
             priority = check_priority(aengine.engine, request.priority)
+            salt = check_cache_salt(request.cache_salt)
         except InvalidRequest as e:
             await abort_traced(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         last: StepOutput | None = None
@@ -67,14 +74,16 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
         # A prompt to be scored (prompt logprobs) is computed here whole: no tier prefix. An
         # adapter's prompt is looked up under its hashes (its own root); its lease's hashes,
         # which the save below writes under, are the same.
-        root = aengine.engine.hash_root(lora) if lora is not None else None
+        root = (aengine.engine.hash_root(lora, salt) if lora is not None or salt is not None
+                else None)
         remote_kv = (await tiers.plan(ids, root)
                      if tiers is not None and params.prompt_logprobs is None else None)
         if remote_kv is not None:
             span.set_attribute("splitserve.tier_tokens", remote_kv.num_tokens)
         try:
             async for out in aengine.generate(rid, ids, params, remote_kv=remote_kv,
-                                              lora_name=lora, priority=priority):
+                                              lora_name=lora, priority=priority,
+                                              cache_salt=salt):
                 last = out
         except (InvalidRequest, EngineInputError, SamplingParamsError, ValueError) as e:
             await abort_traced(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -91,13 +100,14 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
         if last is None:
             await abort_traced(context, span, grpc.StatusCode.INTERNAL, "engine returned no output")
         assert last is not None
-        response = self._response(rid, ids, last, request.lease_ms, lora)
+        response = self._response(rid, ids, last, request.lease_ms, lora, salt)
         if tiers is not None and response.HasField("kv_handle"):
             tiers.spawn_save(rid)  # reads the leased blocks, so before any release
         return response
 
     def _response(self, rid: str, ids: list[int], out: StepOutput,
-                  lease_ms: int, lora: str | None = None) -> prefill_pb2.PrefillResponse:
+                  lease_ms: int, lora: str | None = None,
+                  salt: str | None = None) -> prefill_pb2.PrefillResponse:
         assert self.aengine is not None
         eng = self.aengine.engine
         resp = prefill_pb2.PrefillResponse(
@@ -118,7 +128,7 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
                 lease_deadline_unix_ms=int((time.time() + remaining) * 1000),
                 fingerprint=eng.fingerprint, block_size=eng.config.cache.block_size,
                 # Binds the handle to the exact prompt, partial last block included.
-                prompt_hash=prompt_hash(eng.prompt_key(lora), ids)))
+                prompt_hash=prompt_hash(eng.prompt_key(lora, salt), ids)))
         return resp
 
     async def Embed(self, request: common_pb2.EmbedRequest,

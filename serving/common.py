@@ -11,6 +11,7 @@ from opentelemetry.trace import Span
 
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.llm_engine import EngineInputError, LLMEngine
+from engine.llm_engine import check_cache_salt as engine_check_cache_salt
 from protos.limits import MAX_LORA_NAME_CHARS, MAX_LORA_PATH_CHARS, lora_field_problem
 from protos.splitserve.v1 import common_pb2
 from serving import tracing
@@ -193,6 +194,17 @@ def check_lora_name(engine: LLMEngine, name: str) -> str | None:
     except EngineInputError as e:
         raise InvalidRequest(str(e)) from None
     return name
+
+
+def check_cache_salt(salt: str) -> str | None:
+    """A request's `cache_salt` ("" = none: None); InvalidRequest past the engine's limits."""
+    if not salt:
+        return None
+    try:
+        engine_check_cache_salt(salt)
+    except EngineInputError as e:
+        raise InvalidRequest(str(e)) from None
+    return salt
 
 
 def check_priority(engine: LLMEngine, priority: int) -> int:

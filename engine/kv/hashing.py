@@ -54,6 +54,16 @@ def root_hash(fingerprint: bytes, tenant_salt: str = "") -> bytes:
     return hashlib.sha256(b"splitserve-root\x00" + fingerprint + tenant_salt.encode()).digest()
 
 
+def salted_root(root: bytes, cache_salt: str) -> bytes:
+    """A request's own root under its `cache_salt` (vLLM's per-request salt): its blocks' hashes
+    match only requests with the same salt (and model, adapter), so a tenant's prompts are
+    never prefix hits for another's, nor timed by them."""
+    return hashlib.sha256(b"splitserve-salt\x00" + root + cache_salt.encode()).digest()
+
+
+MAX_CACHE_SALT_CHARS = 256
+
+
 def _token_bytes(token_ids: Sequence[int]) -> bytes:
     """Token ids as hashed: little-endian uint32 each."""
     return struct.pack(f"<{len(token_ids)}I", *token_ids)

@@ -230,6 +230,7 @@ class GenerateRequest(_message.Message):
     CHAT_TEMPLATE_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """optional; the gateway makes one when empty"""
     text: _builtins.str
@@ -253,6 +254,10 @@ class GenerateRequest(_message.Message):
     """Keep only the prompt's last this many tokens, as vLLM's `truncate_prompt_tokens` (-1: the
     gateway's max_model_len; unset: all of them); applied by the gateway after tokenization
     (chat: the rendered prompt), before the length checks. Usage counts the kept tokens.
+    """
+    cache_salt: _builtins.str
+    """vLLM's cache_salt: the prompt's KV is shared (prefix cache, tiers) only with requests of the
+    same salt, e.g. one per tenant. Empty: none. At most 256 characters.
     """
     @_builtins.property
     def token_ids(self) -> Global___TokenIds: ...
@@ -307,10 +312,11 @@ class GenerateRequest(_message.Message):
         chat_template: _builtins.str | None = ...,
         priority: _builtins.int = ...,
         truncate_prompt_tokens: _builtins.int | None = ...,
+        cache_salt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_chat_template", b"_chat_template", "_parallel_tool_calls", b"_parallel_tool_calls", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "chat", b"chat", "chat_template", b"chat_template", "chat_template_kwargs", b"chat_template_kwargs", "input", b"input", "parallel_tool_calls", b"parallel_tool_calls", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids", "tool_choice", b"tool_choice", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_chat_template", b"_chat_template", "_parallel_tool_calls", b"_parallel_tool_calls", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "chat", b"chat", "chat_template", b"chat_template", "chat_template_kwargs", b"chat_template_kwargs", "input", b"input", "model", b"model", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "priority", b"priority", "request_id", b"request_id", "sampling", b"sampling", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "text", b"text", "token_ids", b"token_ids", "tool_choice", b"tool_choice", "tools", b"tools", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_chat_template", b"_chat_template", "_parallel_tool_calls", b"_parallel_tool_calls", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "cache_salt", b"cache_salt", "chat", b"chat", "chat_template", b"chat_template", "chat_template_kwargs", b"chat_template_kwargs", "input", b"input", "model", b"model", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "priority", b"priority", "request_id", b"request_id", "sampling", b"sampling", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "text", b"text", "token_ids", b"token_ids", "tool_choice", b"tool_choice", "tools", b"tools", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__chat_template: _TypeAlias = _typing.Literal["chat_template"]  # noqa: Y015
     _WhichOneofArgType__chat_template: _TypeAlias = _typing.Literal["_chat_template", b"_chat_template"]  # noqa: Y015

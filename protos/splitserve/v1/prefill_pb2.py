@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.splitserve.v1 import common_pb2 as protos_dot_splitserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/splitserve/v1/prefill.proto\x12\rsplitserve.v1\x1a!protos/splitserve/v1/common.proto\"\xa6\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\x12\x11\n\tlora_name\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\"\x8a\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12,\n\x07logprob\x18\x02 \x01(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12*\n\tkv_handle\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.KvHandle\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x36\n\x0fprompt_logprobs\x18\x06 \x01(\x0b\x32\x1d.splitserve.v1.PromptLogprobs2\xa3\x03\n\x07Prefill\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12@\n\x07GetLoad\x12\x1a.splitserve.v1.LoadRequest\x1a\x19.splitserve.v1.LoadReport\x12\x42\n\x05\x45mbed\x12\x1b.splitserve.v1.EmbedRequest\x1a\x1c.splitserve.v1.EmbedResponse\x12`\n\x0fLoadLoRAAdapter\x12%.splitserve.v1.LoadLoRAAdapterRequest\x1a&.splitserve.v1.LoadLoRAAdapterResponse\x12\x66\n\x11UnloadLoRAAdapter\x12\'.splitserve.v1.UnloadLoRAAdapterRequest\x1a(.splitserve.v1.UnloadLoRAAdapterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/splitserve/v1/prefill.proto\x12\rsplitserve.v1\x1a!protos/splitserve/v1/common.proto\"\xba\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\x12\x11\n\tlora_name\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\t\"\x8a\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12,\n\x07logprob\x18\x02 \x01(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12*\n\tkv_handle\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.KvHandle\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x36\n\x0fprompt_logprobs\x18\x06 \x01(\x0b\x32\x1d.splitserve.v1.PromptLogprobs2\xa3\x03\n\x07Prefill\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12@\n\x07GetLoad\x12\x1a.splitserve.v1.LoadRequest\x1a\x19.splitserve.v1.LoadReport\x12\x42\n\x05\x45mbed\x12\x1b.splitserve.v1.EmbedRequest\x1a\x1c.splitserve.v1.EmbedResponse\x12`\n\x0fLoadLoRAAdapter\x12%.splitserve.v1.LoadLoRAAdapterRequest\x1a&.splitserve.v1.LoadLoRAAdapterResponse\x12\x66\n\x11UnloadLoRAAdapter\x12\'.splitserve.v1.UnloadLoRAAdapterRequest\x1a(.splitserve.v1.UnloadLoRAAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.splitserve.v1.prefil
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=89
-  _globals['_PREFILLREQUEST']._serialized_end=255
-  _globals['_PREFILLRESPONSE']._serialized_start=258
-  _globals['_PREFILLRESPONSE']._serialized_end=524
-  _globals['_PREFILL']._serialized_start=527
-  _globals['_PREFILL']._serialized_end=946
+  _globals['_PREFILLREQUEST']._serialized_end=275
+  _globals['_PREFILLRESPONSE']._serialized_start=278
+  _globals['_PREFILLRESPONSE']._serialized_end=544
+  _globals['_PREFILL']._serialized_start=547
+  _globals['_PREFILL']._serialized_end=966
 # @@protoc_insertion_point(module_scope)

@@ -29,6 +29,7 @@ class PrefillRequest(_message.Message):
     LEASE_MS_FIELD_NUMBER: _builtins.int
     LORA_NAME_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     lease_ms: _builtins.int
     """how long to hold the KV; 0 = worker default"""
@@ -39,6 +40,11 @@ class PrefillRequest(_message.Message):
     priority: _builtins.int
     """Scheduling priority: lower is scheduled sooner; non-zero needs the worker started with
     --scheduling-policy priority (else INVALID_ARGUMENT).
+    """
+    cache_salt: _builtins.str
+    """vLLM's cache_salt: the prompt's KV is hashed under a root salted by it, so only requests
+    with the same salt share it (prefix cache, tiers, handoff). Empty: none. At most 256
+    characters.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -53,10 +59,11 @@ class PrefillRequest(_message.Message):
         lease_ms: _builtins.int = ...,
         lora_name: _builtins.str = ...,
         priority: _builtins.int = ...,
+        cache_salt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_ms", b"lease_ms", "lora_name", b"lora_name", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "lease_ms", b"lease_ms", "lora_name", b"lora_name", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
