@@ -89,6 +89,19 @@ def test_sequence_classifier_matches_transformers(classifier_dir: Path) -> None:
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks  # cached blocks are free too
 
 
+def test_a_split_classifier_matches(classifier_dir: Path) -> None:
+    """Tensor parallelism, two ranks (CPU, Gloo): the head is replicated, the pooled state is
+    the whole model's, so the logits are the unsplit engine's."""
+    one = tiny_llm(classifier_dir).classify([{"prompt_token_ids": p} for p in PROMPTS])
+    llm = tiny_llm(classifier_dir, tensor_parallel_size=2, cpu_threads=1)
+    try:
+        two = llm.classify([{"prompt_token_ids": p} for p in PROMPTS])
+    finally:
+        llm.shutdown()
+    for a, b in zip(one, two, strict=True):
+        assert b.outputs.logits == pytest.approx(a.outputs.logits, abs=1e-5)
+
+
 def test_a_one_label_head_scores_pairs(classifier_dir: Path, tmp_path: Path) -> None:
     """num_labels 1 (a cross-encoder's head): `score` is its sigmoid on the pair as one input."""
     torch.manual_seed(1)
