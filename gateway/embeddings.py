@@ -65,12 +65,13 @@ async def embedding_job(state: GatewayState, inputs: Sequence[PromptInput], *, r
                         truncate_prompt_tokens: int | None = None,
                         pooling_type: common_pb2.PoolingType.ValueType =
                         common_pb2.POOLING_TYPE_UNSPECIFIED,
-                        param: str = "input") -> EmbeddingJob:
+                        param: str = "input", cache_salt: str = "") -> EmbeddingJob:
     """Check the pooling options (the engine's `PoolingParams` rules; the upper bound of
     `dimensions`, the model's hidden size, is the workers' to check) and tokenize each input,
     keeping its last `truncate_prompt_tokens` tokens (`Preprocessor.truncated`): input i is
     named `{param}.{i}` in errors (`param` alone for one input). `priority`: an int32, which
-    the workers check against their scheduling policy."""
+    the workers check against their scheduling policy; `cache_salt`: a checked salt, or none
+    (empty)."""
     try:
         PoolingParams(normalize=normalize, dimensions=dimensions,
                       truncate_prompt_tokens=truncate_prompt_tokens)
@@ -86,7 +87,8 @@ async def embedding_job(state: GatewayState, inputs: Sequence[PromptInput], *, r
         pre.check_prompt_len(len(ids), name, generates=False)
         prompts.append(tuple(ids))
     pooling = common_pb2.EmbedRequest(pooling_type=pooling_type, dimensions=dimensions or 0,
-                                      lora_name=lora_name, priority=priority)
+                                      lora_name=lora_name, priority=priority,
+                                      cache_salt=cache_salt)
     if normalize is not None:
         pooling.normalize = normalize
     return EmbeddingJob(request_id, tuple(prompts), pooling)
@@ -153,8 +155,9 @@ async def _embed(state: GatewayState, job: EmbeddingJob, index: int,
 
         lora = job.pooling.lora_name
         try:
-            response = await call_routed(pool, pool.prompt_hashes(prompt, lora_name=lora), call,
-                                         "embed", lora)
+            hashes = pool.prompt_hashes(prompt, lora_name=lora,
+                                        cache_salt=job.pooling.cache_salt)
+            response = await call_routed(pool, hashes, call, "embed", lora)
         except (GatewayError, asyncio.CancelledError):
             raise
         except Exception as err:  # a bug must reach the client as an error, never a hang

@@ -120,7 +120,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 dimensions=request.dimensions or None,
                 normalize=request.normalize if request.HasField("normalize") else None,
                 truncate_prompt_tokens=_truncation(request),
-                pooling_type=request.pooling_type, param="inputs")
+                pooling_type=request.pooling_type, param="inputs",
+                cache_salt=checked_cache_salt(request.cache_salt or None))
         except GatewayError as err:
             await context.abort(err.code, err.message)
         state.metrics.requests_received.labels(api="grpc_embed").inc()

@@ -176,7 +176,8 @@ def build_app(state: GatewayState) -> FastAPI:
                                   lora_name=lora, priority=req.priority,
                                   dimensions=req.dimensions,
                                   normalize=req.normalize,
-                                  truncate_prompt_tokens=req.truncate_prompt_tokens)
+                                  truncate_prompt_tokens=req.truncate_prompt_tokens,
+                                  cache_salt=checked_cache_salt(req.cache_salt))
         state.metrics.requests_received.labels(api="embeddings").inc()
         state.metrics.prompt_tokens.inc(job.num_prompt_tokens)
         responses = await _until_disconnect(run_embeddings(state, job), request)

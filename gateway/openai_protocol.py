@@ -331,6 +331,7 @@ class EmbeddingRequest(_PriorityField):
     user: str | None = None
     normalize: bool | None = None  # vLLM's extra: None, the model's (normalized)
     truncate_prompt_tokens: TruncatePromptTokens | None = None  # vLLM's extra, as completions'
+    cache_salt: str | None = None  # as completions': cached blocks shared within a salt only
 
 
 class ScoreRequest(_PriorityField):

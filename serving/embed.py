@@ -16,7 +16,7 @@ from engine.pooling_params import PoolingParamsError
 from protos.embedding_wire import pack_float32
 from protos.splitserve.v1 import common_pb2
 from serving import tracing
-from serving.common import abort_traced, check_lora_name, check_priority
+from serving.common import abort_traced, check_cache_salt, check_lora_name, check_priority
 from serving.convert import InvalidRequest, check_prompt, check_request_id, pooling_from_proto
 
 
@@ -35,12 +35,13 @@ async def embed(aengine: AsyncEngine, request: common_pb2.EmbedRequest,
             params = pooling_from_proto(request)
             lora = check_lora_name(aengine.engine, request.lora_name)
             priority = check_priority(aengine.engine, request.priority)
+            salt = check_cache_salt(request.cache_salt)
         except InvalidRequest as e:
             await abort_traced(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         last: StepOutput | None = None
         try:
             async for out in aengine.generate(rid, ids, params, lora_name=lora,
-                                              priority=priority):
+                                              priority=priority, cache_salt=salt):
                 last = out
         except (InvalidRequest, EngineInputError, PoolingParamsError, ValueError) as e:
             await abort_traced(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))

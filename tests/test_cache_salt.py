@@ -109,3 +109,29 @@ def test_a_handle_is_bound_to_its_salt(disagg_stack: Stack) -> None:
         kv_transfer_pb2_grpc.KvTransferStub(ch).Release(  # a no-op once decode acknowledged
             kv_transfer_pb2.ReleaseRequest(request_id=resp.kv_handle.request_id), timeout=60)
     disagg_stack.wait_idle()
+
+
+@pytest.mark.slow
+def test_embeddings_are_salted(disagg_stack: Stack) -> None:
+    """LAST pooling takes prefix hits, within its salt only (the worker's own count)."""
+    from protos.splitserve.v1 import common_pb2
+
+    prompt = disagg_stack.tokenizer.encode(f"Embed me {uuid.uuid4().hex}, a long enough text.")
+
+    def embed(salt: str) -> int:
+        with worker_channel(disagg_stack, "prefill") as ch:
+            out = prefill_pb2_grpc.PrefillStub(ch).Embed(common_pb2.EmbedRequest(
+                request_id=f"e-{uuid.uuid4().hex}", prompt_token_ids=prompt,
+                cache_salt=salt), timeout=120)
+        return out.num_cached_tokens
+
+    assert embed("tenant-a") == 0
+    assert embed("tenant-a") > 0
+    assert embed("tenant-b") == 0
+    r = httpx.post(disagg_stack.rest_url + "/embeddings", json={
+        "model": MODEL_NAME, "input": "hello", "cache_salt": "tenant-a"}, timeout=60)
+    assert r.status_code == 200, r.text
+    r = httpx.post(disagg_stack.rest_url + "/embeddings", json={
+        "model": MODEL_NAME, "input": "hello", "cache_salt": "x" * 300}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+    disagg_stack.wait_idle()

@@ -772,6 +772,7 @@ class EmbedRequest(_message.Message):
     DIMENSIONS_FIELD_NUMBER: _builtins.int
     LORA_NAME_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     pooling_type: Global___PoolingType.ValueType
     normalize: _builtins.bool
@@ -784,6 +785,8 @@ class EmbedRequest(_message.Message):
     """As PrefillRequest.priority: lower is scheduled sooner; non-zero needs the worker started
     with --scheduling-policy priority (else INVALID_ARGUMENT).
     """
+    cache_salt: _builtins.str
+    """as PrefillRequest.cache_salt; empty: none"""
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """at most the worker's max_model_len tokens"""
@@ -798,10 +801,11 @@ class EmbedRequest(_message.Message):
         dimensions: _builtins.int = ...,
         lora_name: _builtins.str = ...,
         priority: _builtins.int = ...,
+        cache_salt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_normalize", b"_normalize", "normalize", b"normalize"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_normalize", b"_normalize", "dimensions", b"dimensions", "lora_name", b"lora_name", "normalize", b"normalize", "pooling_type", b"pooling_type", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_normalize", b"_normalize", "cache_salt", b"cache_salt", "dimensions", b"dimensions", "lora_name", b"lora_name", "normalize", b"normalize", "pooling_type", b"pooling_type", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__normalize: _TypeAlias = _typing.Literal["normalize"]  # noqa: Y015
     _WhichOneofArgType__normalize: _TypeAlias = _typing.Literal["_normalize", b"_normalize"]  # noqa: Y015

@@ -526,6 +526,7 @@ class EmbeddingsRequest(_message.Message):
     NORMALIZE_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """optional; the gateway makes one when empty"""
     model: _builtins.str
@@ -542,6 +543,8 @@ class EmbeddingsRequest(_message.Message):
     """
     truncate_prompt_tokens: _builtins.int
     """As GenerateRequest.truncate_prompt_tokens: each input keeps its last this many tokens."""
+    cache_salt: _builtins.str
+    """as GenerateRequest.cache_salt"""
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___EmbeddingInput]:
         """at least one; at most the gateway's limit"""
@@ -557,10 +560,11 @@ class EmbeddingsRequest(_message.Message):
         normalize: _builtins.bool | None = ...,
         priority: _builtins.int = ...,
         truncate_prompt_tokens: _builtins.int | None = ...,
+        cache_salt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_normalize", b"_normalize", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "normalize", b"normalize", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_normalize", b"_normalize", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "dimensions", b"dimensions", "inputs", b"inputs", "model", b"model", "normalize", b"normalize", "pooling_type", b"pooling_type", "priority", b"priority", "request_id", b"request_id", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_normalize", b"_normalize", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "cache_salt", b"cache_salt", "dimensions", b"dimensions", "inputs", b"inputs", "model", b"model", "normalize", b"normalize", "pooling_type", b"pooling_type", "priority", b"priority", "request_id", b"request_id", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__normalize: _TypeAlias = _typing.Literal["normalize"]  # noqa: Y015
     _WhichOneofArgType__normalize: _TypeAlias = _typing.Literal["_normalize", b"_normalize"]  # noqa: Y015
