@@ -33,6 +33,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engine.beam_search import BeamSearchParams, BeamSequence
+from gateway.beam_search import beam_params, run_beam_search
 from gateway.chat_tools import chat_finish_reason, chat_job, chat_outputs
 from gateway.config import GatewayConfig
 from gateway.embeddings import embedding_job, refuse_classifier_embeddings, run_embeddings
@@ -74,10 +76,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                        context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         try:
             job, calling = await self._job(request)
+            beam = _beam_search(request, job, self._state)
         except GatewayError as err:
             await context.abort(err.code, err.message)
         self._state.metrics.requests_received.labels(api="grpc").inc()
         self._state.metrics.prompt_tokens.inc(len(job.prompt_token_ids))
+        if beam is not None:
+            try:
+                sequences = await run_beam_search(self._state, job, beam)
+            except GatewayError as err:
+                await context.abort(err.code, err.message)
+            for event in _beam_events(sequences):
+                yield _plain(event)
+            return
         outputs: dict[int, ChatOutput] = {}
         if request.WhichOneof("input") == "chat":
             # A stream: reasoning and calls sent as they come.
@@ -306,6 +317,39 @@ def _truncation(request: gateway_pb2.GenerateRequest | gateway_pb2.EmbeddingsReq
     """`truncate_prompt_tokens` (unset: None, the whole prompt)."""
     return (request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens")
             else None)
+
+
+def _beam_search(request: gateway_pb2.GenerateRequest, job: GenerationJob,
+                 state: GatewayState) -> BeamSearchParams | None:
+    """The request's beam search (None: not asked for); INVALID_ARGUMENT for the fields it
+    would ignore."""
+    s = request.sampling
+    extra: dict[str, Any] = {"use_beam_search": request.use_beam_search}
+    if request.HasField("length_penalty"):
+        extra["length_penalty"] = request.length_penalty
+    chat = request.WhichOneof("input") == "chat"
+    fields: dict[str, object] = {
+        "stop": list(request.stop), "sampling.stop_token_ids": list(s.stop_token_ids),
+        "sampling.min_tokens": s.min_tokens, "sampling.presence_penalty": s.presence_penalty,
+        "sampling.frequency_penalty": s.frequency_penalty,
+        "sampling.repetition_penalty": s.repetition_penalty not in (0.0, 1.0),
+        "sampling.logit_bias": dict(s.logit_bias),
+        "sampling.allowed_token_ids": list(s.allowed_token_ids),
+        "sampling.bad_words": list(s.bad_words), "sampling.logprobs": s.HasField("logprobs"),
+        "sampling.prompt_logprobs": s.HasField("prompt_logprobs"),
+        "sampling.structured_outputs": s.HasField("structured_outputs"),
+        "tools": list(request.tools),
+        "reasoning_parser": chat and state.config.reasoning_parser is not None}
+    return beam_params(extra, fields, job.n, job.sampling.max_tokens, s.ignore_eos,
+                       s.temperature if s.HasField("temperature") else None)
+
+
+def _beam_events(sequences: list[BeamSequence]) -> Iterator[TokenDelta | Finished]:
+    """Each sequence as one delta (all its tokens and text) and its finish, best first."""
+    for index, seq in enumerate(sequences):
+        yield TokenDelta(index, seq.output_token_ids, seq.text, [])
+        yield Finished(index, seq.finish_reason or "length", None, seq.num_prompt_tokens,
+                       len(seq.output_token_ids), 0)
 
 
 def _plain(event: TokenDelta | Finished) -> gateway_pb2.GenerateResponse:

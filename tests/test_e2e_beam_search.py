@@ -86,3 +86,30 @@ def test_what_beam_search_refuses(disagg_stack: Stack) -> None:
                                                   "n": 2, "top_logprobs": 2, "logprobs": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
     disagg_stack.wait_idle()
+
+
+def test_the_grpc_api(disagg_stack: Stack, smollm2: LLM) -> None:
+    """Gateway.Generate with use_beam_search: each sequence one chunk, then its complete."""
+    import grpc
+
+    from protos.splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+    ids = disagg_stack.tokenizer.encode(PROMPT)
+    [want] = smollm2.beam_search({"prompt_token_ids": ids},
+                                 BeamSearchParams(beam_width=3, max_tokens=5, length_penalty=0.5))
+    with grpc.insecure_channel(disagg_stack.grpc_target) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        out = list(stub.Generate(gateway_pb2.GenerateRequest(
+            text=PROMPT, n=3, sampling=common_pb2.SamplingParams(max_tokens=5),
+            use_beam_search=True, length_penalty=0.5), timeout=120))
+        chunks = [r.chunk for r in out if r.WhichOneof("response") == "chunk"]
+        completes = [r.complete for r in out if r.WhichOneof("response") == "complete"]
+        assert [list(c.token_ids) for c in chunks] == [s.output_token_ids for s in want.sequences]
+        assert [c.index for c in chunks] == [c.index for c in completes] == [0, 1, 2]
+        assert all(c.usage.prompt_tokens == len(ids) for c in completes)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(gateway_pb2.GenerateRequest(
+                text=PROMPT, n=2, stop=["."], use_beam_search=True), timeout=60))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "stop" in (err.value.details() or "")
+    disagg_stack.wait_idle()

@@ -26,15 +26,15 @@ from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from protos.splitserve.v1 import common_pb2 as protos_dot_splitserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/splitserve/v1/gateway.proto\x12\rsplitserve.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a!protos/splitserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"}\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12+\n\ntool_calls\x18\x03 \x03(\x0b\x32\x17.splitserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"R\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x0b\x64\x65scription\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x12\n\nparameters\x18\x03 \x01(\tB\x0e\n\x0c_description\"^\n\nToolChoice\x12-\n\x04mode\x18\x01 \x01(\x0e\x32\x1d.splitserve.v1.ToolChoiceModeH\x00\x12\x17\n\rfunction_name\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"\xe8\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\t\n\x01n\x18\x07 \x01(\r\x12\r\n\x05model\x18\x08 \x01(\t\x12\x1b\n\x13skip_special_tokens\x18\t \x01(\x08\x12\"\n\x05tools\x18\n \x03(\x0b\x32\x13.splitserve.v1.Tool\x12.\n\x0btool_choice\x18\x0b \x01(\x0b\x32\x19.splitserve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x0c \x01(\x08H\x01\x88\x01\x01\x12\x35\n\x14\x63hat_template_kwargs\x18\r \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x1a\n\rchat_template\x18\x0e \x01(\tH\x02\x88\x01\x01\x12\x10\n\x08priority\x18\x0f \x01(\x05\x12#\n\x16truncate_prompt_tokens\x18\x10 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\ncache_salt\x18\x11 \x01(\tB\x07\n\x05inputB\x16\n\x14_parallel_tool_callsB\x10\n\x0e_chat_templateB\x19\n\x17_truncate_prompt_tokens\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xeb\x01\n\rGenerateChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x36\n\x0fprompt_logprobs\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.PromptLogprobs\x12\x30\n\ntool_calls\x18\x06 \x03(\x0b\x32\x1c.splitserve.v1.ToolCallDelta\x12\x11\n\treasoning\x18\x07 \x01(\t\"\x8f\x01\n\x10GenerateComplete\x12\r\n\x05index\x18\x01 \x01(\r\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\x13\n\x0bstop_reason\x18\x04 \x01(\t\"\xaf\x01\n\x10GenerateResponse\x12-\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1c.splitserve.v1.GenerateChunkH\x00\x12\x33\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x1f.splitserve.v1.GenerateCompleteH\x00\x12+\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.splitserve.v1.StreamErrorH\x00\x42\n\n\x08response\"W\n\x0e\x45mbeddingInput\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x42\x07\n\x05input\"\xb7\x02\n\x11\x45mbeddingsRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x06inputs\x18\x02 \x03(\x0b\x32\x1d.splitserve.v1.EmbeddingInput\x12\r\n\x05model\x18\x03 \x01(\t\x12\x12\n\ndimensions\x18\x04 \x01(\r\x12\x30\n\x0cpooling_type\x18\x05 \x01(\x0e\x32\x1a.splitserve.v1.PoolingType\x12\x16\n\tnormalize\x18\x06 \x01(\x08H\x00\x88\x01\x01\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12#\n\x16truncate_prompt_tokens\x18\x08 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\ncache_salt\x18\t \x01(\tB\x0c\n\n_normalizeB\x19\n\x17_truncate_prompt_tokens\"5\n\tEmbedding\x12\x11\n\tembedding\x18\x01 \x01(\x0c\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\"S\n\x12\x45mbeddingsResponse\x12&\n\x04\x64\x61ta\x18\x01 \x03(\x0b\x32\x18.splitserve.v1.Embedding\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\"\xe1\x01\n\x0cScoreRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12-\n\x06text_1\x18\x03 \x03(\x0b\x32\x1d.splitserve.v1.EmbeddingInput\x12-\n\x06text_2\x18\x04 \x03(\x0b\x32\x1d.splitserve.v1.EmbeddingInput\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12#\n\x16truncate_prompt_tokens\x18\x06 \x01(\x05H\x00\x88\x01\x01\x42\x19\n\x17_truncate_prompt_tokens\"6\n\rScoreResponse\x12\x0e\n\x06scores\x18\x01 \x03(\x01\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\"\xb5\x01\n\x0f\x43lassifyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12-\n\x06inputs\x18\x03 \x03(\x0b\x32\x1d.splitserve.v1.EmbeddingInput\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12#\n\x16truncate_prompt_tokens\x18\x05 \x01(\x05H\x00\x88\x01\x01\x42\x19\n\x17_truncate_prompt_tokens\".\n\x0e\x43lassification\x12\r\n\x05label\x18\x01 \x01(\t\x12\r\n\x05probs\x18\x02 \x03(\x01\"V\n\x10\x43lassifyResponse\x12+\n\x04\x64\x61ta\x18\x01 \x03(\x0b\x32\x1d.splitserve.v1.Classification\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r*\x87\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03\x32\x81\x04\n\x07Gateway\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12L\n\x05\x45mbed\x12 .splitserve.v1.EmbeddingsRequest\x1a!.splitserve.v1.EmbeddingsResponse\x12\x42\n\x05Score\x12\x1b.splitserve.v1.ScoreRequest\x1a\x1c.splitserve.v1.ScoreResponse\x12K\n\x08\x43lassify\x12\x1e.splitserve.v1.ClassifyRequest\x1a\x1f.splitserve.v1.ClassifyResponse\x12`\n\x0fLoadLoRAAdapter\x12%.splitserve.v1.LoadLoRAAdapterRequest\x1a&.splitserve.v1.LoadLoRAAdapterResponse\x12\x66\n\x11UnloadLoRAAdapter\x12\'.splitserve.v1.UnloadLoRAAdapterRequest\x1a(.splitserve.v1.UnloadLoRAAdapterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/splitserve/v1/gateway.proto\x12\rsplitserve.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a!protos/splitserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"}\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12+\n\ntool_calls\x18\x03 \x03(\x0b\x32\x17.splitserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"R\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x0b\x64\x65scription\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x12\n\nparameters\x18\x03 \x01(\tB\x0e\n\x0c_description\"^\n\nToolChoice\x12-\n\x04mode\x18\x01 \x01(\x0e\x32\x1d.splitserve.v1.ToolChoiceModeH\x00\x12\x17\n\rfunction_name\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"\xb1\x05\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\t\n\x01n\x18\x07 \x01(\r\x12\r\n\x05model\x18\x08 \x01(\t\x12\x1b\n\x13skip_special_tokens\x18\t \x01(\x08\x12\"\n\x05tools\x18\n \x03(\x0b\x32\x13.splitserve.v1.Tool\x12.\n\x0btool_choice\x18\x0b \x01(\x0b\x32\x19.splitserve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x0c \x01(\x08H\x01\x88\x01\x01\x12\x35\n\x14\x63hat_template_kwargs\x18\r \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x1a\n\rchat_template\x18\x0e \x01(\tH\x02\x88\x01\x01\x12\x10\n\x08priority\x18\x0f \x01(\x05\x12#\n\x16truncate_prompt_tokens\x18\x10 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\ncache_salt\x18\x11 \x01(\t\x12\x17\n\x0fuse_beam_search\x18\x12 \x01(\x08\x12\x1b\n\x0elength_penalty\x18\x13 \x01(\x02H\x04\x88\x01\x01\x42\x07\n\x05inputB\x16\n\x14_parallel_tool_callsB\x10\n\x0e_chat_templateB\x19\n\x17_truncate_prompt_tokensB\x11\n\x0f_length_penalty\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xeb\x01\n\rGenerateChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x36\n\x0fprompt_logprobs\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.PromptLogprobs\x12\x30\n\ntool_calls\x18\x06 \x03(\x0b\x32\x1c.splitserve.v1.ToolCallDelta\x12\x11\n\treasoning\x18\x07 \x01(\t\"\x8f\x01\n\x10GenerateComplete\x12\r\n\x05index\x18\x01 \x01(\r\x12\x32\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\x13\n\x0bstop_reason\x18\x04 \x01(\t\"\xaf\x01\n\x10GenerateResponse\x12-\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1c.splitserve.v1.GenerateChunkH\x00\x12\x33\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x1f.splitserve.v1.GenerateCompleteH\x00\x12+\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.splitserve.v1.StreamErrorH\x00\x42\n\n\x08response\"W\n\x0e\x45mbeddingInput\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x42\x07\n\x05input\"\xb7\x02\n\x11\x45mbeddingsRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x06inputs\x18\x02 \x03(\x0b\x32\x1d.splitserve.v1.EmbeddingInput\x12\r\n\x05model\x18\x03 \x01(\t\x12\x12\n\ndimensions\x18\x04 \x01(\r\x12\x30\n\x0cpooling_type\x18\x05 \x01(\x0e\x32\x1a.splitserve.v1.PoolingType\x12\x16\n\tnormalize\x18\x06 \x01(\x08H\x00\x88\x01\x01\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12#\n\x16truncate_prompt_tokens\x18\x08 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\ncache_salt\x18\t \x01(\tB\x0c\n\n_normalizeB\x19\n\x17_truncate_prompt_tokens\"5\n\tEmbedding\x12\x11\n\tembedding\x18\x01 \x01(\x0c\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\"S\n\x12\x45mbeddingsResponse\x12&\n\x04\x64\x61ta\x18\x01 \x03(\x0b\x32\x18.splitserve.v1.Embedding\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\"\xe1\x01\n\x0cScoreRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12-\n\x06text_1\x18\x03 \x03(\x0b\x32\x1d.splitserve.v1.EmbeddingInput\x12-\n\x06text_2\x18\x04 \x03(\x0b\x32\x1d.splitserve.v1.EmbeddingInput\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12#\n\x16truncate_prompt_tokens\x18\x06 \x01(\x05H\x00\x88\x01\x01\x42\x19\n\x17_truncate_prompt_tokens\"6\n\rScoreResponse\x12\x0e\n\x06scores\x18\x01 \x03(\x01\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\"\xb5\x01\n\x0f\x43lassifyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12-\n\x06inputs\x18\x03 \x03(\x0b\x32\x1d.splitserve.v1.EmbeddingInput\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12#\n\x16truncate_prompt_tokens\x18\x05 \x01(\x05H\x00\x88\x01\x01\x42\x19\n\x17_truncate_prompt_tokens\".\n\x0e\x43lassification\x12\r\n\x05label\x18\x01 \x01(\t\x12\r\n\x05probs\x18\x02 \x03(\x01\"V\n\x10\x43lassifyResponse\x12+\n\x04\x64\x61ta\x18\x01 \x03(\x0b\x32\x1d.splitserve.v1.Classification\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r*\x87\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03\x32\x81\x04\n\x07Gateway\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12L\n\x05\x45mbed\x12 .splitserve.v1.EmbeddingsRequest\x1a!.splitserve.v1.EmbeddingsResponse\x12\x42\n\x05Score\x12\x1b.splitserve.v1.ScoreRequest\x1a\x1c.splitserve.v1.ScoreResponse\x12K\n\x08\x43lassify\x12\x1e.splitserve.v1.ClassifyRequest\x1a\x1f.splitserve.v1.ClassifyResponse\x12`\n\x0fLoadLoRAAdapter\x12%.splitserve.v1.LoadLoRAAdapterRequest\x1a&.splitserve.v1.LoadLoRAAdapterResponse\x12\x66\n\x11UnloadLoRAAdapter\x12\'.splitserve.v1.UnloadLoRAAdapterRequest\x1a(.splitserve.v1.UnloadLoRAAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.splitserve.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TOOLCHOICEMODE']._serialized_start=2975
-  _globals['_TOOLCHOICEMODE']._serialized_end=3110
+  _globals['_TOOLCHOICEMODE']._serialized_start=3048
+  _globals['_TOOLCHOICEMODE']._serialized_end=3183
   _globals['_TOKENIDS']._serialized_start=118
   _globals['_TOKENIDS']._serialized_end=141
   _globals['_CHATMESSAGE']._serialized_start=143
@@ -48,33 +48,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOOLCHOICE']._serialized_start=473
   _globals['_TOOLCHOICE']._serialized_end=567
   _globals['_GENERATEREQUEST']._serialized_start=570
-  _globals['_GENERATEREQUEST']._serialized_end=1186
-  _globals['_TOOLCALLDELTA']._serialized_start=1188
-  _globals['_TOOLCALLDELTA']._serialized_end=1263
-  _globals['_GENERATECHUNK']._serialized_start=1266
-  _globals['_GENERATECHUNK']._serialized_end=1501
-  _globals['_GENERATECOMPLETE']._serialized_start=1504
-  _globals['_GENERATECOMPLETE']._serialized_end=1647
-  _globals['_GENERATERESPONSE']._serialized_start=1650
-  _globals['_GENERATERESPONSE']._serialized_end=1825
-  _globals['_EMBEDDINGINPUT']._serialized_start=1827
-  _globals['_EMBEDDINGINPUT']._serialized_end=1914
-  _globals['_EMBEDDINGSREQUEST']._serialized_start=1917
-  _globals['_EMBEDDINGSREQUEST']._serialized_end=2228
-  _globals['_EMBEDDING']._serialized_start=2230
-  _globals['_EMBEDDING']._serialized_end=2283
-  _globals['_EMBEDDINGSRESPONSE']._serialized_start=2285
-  _globals['_EMBEDDINGSRESPONSE']._serialized_end=2368
-  _globals['_SCOREREQUEST']._serialized_start=2371
-  _globals['_SCOREREQUEST']._serialized_end=2596
-  _globals['_SCORERESPONSE']._serialized_start=2598
-  _globals['_SCORERESPONSE']._serialized_end=2652
-  _globals['_CLASSIFYREQUEST']._serialized_start=2655
-  _globals['_CLASSIFYREQUEST']._serialized_end=2836
-  _globals['_CLASSIFICATION']._serialized_start=2838
-  _globals['_CLASSIFICATION']._serialized_end=2884
-  _globals['_CLASSIFYRESPONSE']._serialized_start=2886
-  _globals['_CLASSIFYRESPONSE']._serialized_end=2972
-  _globals['_GATEWAY']._serialized_start=3113
-  _globals['_GATEWAY']._serialized_end=3626
+  _globals['_GENERATEREQUEST']._serialized_end=1259
+  _globals['_TOOLCALLDELTA']._serialized_start=1261
+  _globals['_TOOLCALLDELTA']._serialized_end=1336
+  _globals['_GENERATECHUNK']._serialized_start=1339
+  _globals['_GENERATECHUNK']._serialized_end=1574
+  _globals['_GENERATECOMPLETE']._serialized_start=1577
+  _globals['_GENERATECOMPLETE']._serialized_end=1720
+  _globals['_GENERATERESPONSE']._serialized_start=1723
+  _globals['_GENERATERESPONSE']._serialized_end=1898
+  _globals['_EMBEDDINGINPUT']._serialized_start=1900
+  _globals['_EMBEDDINGINPUT']._serialized_end=1987
+  _globals['_EMBEDDINGSREQUEST']._serialized_start=1990
+  _globals['_EMBEDDINGSREQUEST']._serialized_end=2301
+  _globals['_EMBEDDING']._serialized_start=2303
+  _globals['_EMBEDDING']._serialized_end=2356
+  _globals['_EMBEDDINGSRESPONSE']._serialized_start=2358
+  _globals['_EMBEDDINGSRESPONSE']._serialized_end=2441
+  _globals['_SCOREREQUEST']._serialized_start=2444
+  _globals['_SCOREREQUEST']._serialized_end=2669
+  _globals['_SCORERESPONSE']._serialized_start=2671
+  _globals['_SCORERESPONSE']._serialized_end=2725
+  _globals['_CLASSIFYREQUEST']._serialized_start=2728
+  _globals['_CLASSIFYREQUEST']._serialized_end=2909
+  _globals['_CLASSIFICATION']._serialized_start=2911
+  _globals['_CLASSIFICATION']._serialized_end=2957
+  _globals['_CLASSIFYRESPONSE']._serialized_start=2959
+  _globals['_CLASSIFYRESPONSE']._serialized_end=3045
+  _globals['_GATEWAY']._serialized_start=3186
+  _globals['_GATEWAY']._serialized_end=3699
 # @@protoc_insertion_point(module_scope)

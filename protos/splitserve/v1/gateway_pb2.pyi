@@ -231,6 +231,8 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
+    USE_BEAM_SEARCH_FIELD_NUMBER: _builtins.int
+    LENGTH_PENALTY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """optional; the gateway makes one when empty"""
     text: _builtins.str
@@ -259,6 +261,13 @@ class GenerateRequest(_message.Message):
     """vLLM's cache_salt: the prompt's KV is shared (prefix cache, tiers) only with requests of the
     same salt, e.g. one per tenant. Empty: none. At most 256 characters.
     """
+    use_beam_search: _builtins.bool
+    """vLLM's beam search: n beams (at most 10), max_tokens, ignore_eos and length_penalty
+    (unset: 1.0) apply; the n best sequences come back best first, each as one chunk and its
+    complete. Fields beam search would ignore (stop, logprobs, penalties, biases, constraints,
+    tools) are INVALID_ARGUMENT.
+    """
+    length_penalty: _builtins.float
     @_builtins.property
     def token_ids(self) -> Global___TokenIds: ...
     @_builtins.property
@@ -313,13 +322,17 @@ class GenerateRequest(_message.Message):
         priority: _builtins.int = ...,
         truncate_prompt_tokens: _builtins.int | None = ...,
         cache_salt: _builtins.str = ...,
+        use_beam_search: _builtins.bool = ...,
+        length_penalty: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_chat_template", b"_chat_template", "_parallel_tool_calls", b"_parallel_tool_calls", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "chat", b"chat", "chat_template", b"chat_template", "chat_template_kwargs", b"chat_template_kwargs", "input", b"input", "parallel_tool_calls", b"parallel_tool_calls", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids", "tool_choice", b"tool_choice", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_chat_template", b"_chat_template", "_length_penalty", b"_length_penalty", "_parallel_tool_calls", b"_parallel_tool_calls", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "chat", b"chat", "chat_template", b"chat_template", "chat_template_kwargs", b"chat_template_kwargs", "input", b"input", "length_penalty", b"length_penalty", "parallel_tool_calls", b"parallel_tool_calls", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids", "tool_choice", b"tool_choice", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_chat_template", b"_chat_template", "_parallel_tool_calls", b"_parallel_tool_calls", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "cache_salt", b"cache_salt", "chat", b"chat", "chat_template", b"chat_template", "chat_template_kwargs", b"chat_template_kwargs", "input", b"input", "model", b"model", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "priority", b"priority", "request_id", b"request_id", "sampling", b"sampling", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "text", b"text", "token_ids", b"token_ids", "tool_choice", b"tool_choice", "tools", b"tools", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_chat_template", b"_chat_template", "_length_penalty", b"_length_penalty", "_parallel_tool_calls", b"_parallel_tool_calls", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "cache_salt", b"cache_salt", "chat", b"chat", "chat_template", b"chat_template", "chat_template_kwargs", b"chat_template_kwargs", "input", b"input", "length_penalty", b"length_penalty", "model", b"model", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "priority", b"priority", "request_id", b"request_id", "sampling", b"sampling", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "text", b"text", "token_ids", b"token_ids", "tool_choice", b"tool_choice", "tools", b"tools", "truncate_prompt_tokens", b"truncate_prompt_tokens", "use_beam_search", b"use_beam_search"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__chat_template: _TypeAlias = _typing.Literal["chat_template"]  # noqa: Y015
     _WhichOneofArgType__chat_template: _TypeAlias = _typing.Literal["_chat_template", b"_chat_template"]  # noqa: Y015
+    _WhichOneofReturnType__length_penalty: _TypeAlias = _typing.Literal["length_penalty"]  # noqa: Y015
+    _WhichOneofArgType__length_penalty: _TypeAlias = _typing.Literal["_length_penalty", b"_length_penalty"]  # noqa: Y015
     _WhichOneofReturnType__parallel_tool_calls: _TypeAlias = _typing.Literal["parallel_tool_calls"]  # noqa: Y015
     _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
     _WhichOneofReturnType__truncate_prompt_tokens: _TypeAlias = _typing.Literal["truncate_prompt_tokens"]  # noqa: Y015
@@ -328,6 +341,8 @@ class GenerateRequest(_message.Message):
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__chat_template) -> _WhichOneofReturnType__chat_template | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__length_penalty) -> _WhichOneofReturnType__length_penalty | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__parallel_tool_calls) -> _WhichOneofReturnType__parallel_tool_calls | None: ...
     @_typing.overload
