@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import functools
 import hmac
+import importlib.metadata
 import json
 import time
 import uuid
@@ -92,6 +93,16 @@ from protos.splitserve.v1 import common_pb2
 T = TypeVar("T")
 
 
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("splitserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout without installing
+        return "unknown"
+
+
+_VERSION = _package_version()
+
+
 def build_app(state: GatewayState) -> FastAPI:
     """The FastAPI app of one gateway."""
     app = FastAPI(title="splitserve gateway", docs_url=None, redoc_url=None, openapi_url=None)
@@ -108,17 +119,46 @@ def build_app(state: GatewayState) -> FastAPI:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=state.metrics.CONTENT_TYPE)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        _check_auth(request, state)
+    def model_cards() -> list[dict[str, Any]]:
+        """The base model's card, then each LoRA adapter's the workers serve (as vLLM lists
+        them: their parent is the base model)."""
         base = state.config.served_model_name
         card = {"object": "model", "created": state.created, "owned_by": "splitserve",
                 "max_model_len": state.config.max_model_len}
-        # LoRA adapters the workers serve, as vLLM lists them: their parent is the base model.
-        return JSONResponse({"object": "list", "data": [
-            {"id": base, **card, "root": base, "parent": None},
-            *({"id": name, **card, "root": name, "parent": base}
-              for name in sorted(state.lora_adapters()))]})
+        return [{"id": base, **card, "root": base, "parent": None},
+                *({"id": name, **card, "root": name, "parent": base}
+                  for name in sorted(state.lora_adapters()))]
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        _check_auth(request, state)
+        return JSONResponse({"object": "list", "data": model_cards()})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> Response:
+        """OpenAI's retrieve (`client.models.retrieve`): one card, or a 404."""
+        _check_auth(request, state)
+        for card in model_cards():
+            if card["id"] == model_id:
+                return JSONResponse(card)
+        raise GatewayError(grpc.StatusCode.NOT_FOUND, f"The model `{model_id[:200]}` does not "
+                           "exist", param="model", error_code="model_not_found")
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": _VERSION})
+
+    async def ping() -> Response:
+        """vLLM's (SageMaker's) liveness probe: /health's answer."""
+        return await health()
+
+    app.add_api_route("/ping", ping, methods=["GET", "POST"])
+
+    @app.get("/load")
+    async def load(request: Request) -> Response:
+        """vLLM's `/load`: the requests this gateway is serving now."""
+        _check_auth(request, state)
+        return JSONResponse({"server_load": state.limit.num_in_flight})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

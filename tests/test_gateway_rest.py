@@ -993,3 +993,21 @@ def test_return_token_ids(gw: Harness, script_ids: list[int]) -> None:
     assert chunks[0]["prompt_token_ids"] == chat_ids
     assert [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])] == \
         script_ids[:4]
+
+
+def test_model_retrieve_version_ping_load(gw: Harness, client: OpenAI) -> None:
+    """OpenAI's `models.retrieve` and vLLM's /version, /ping and /load."""
+    import importlib.metadata
+
+    import openai
+
+    card = client.models.retrieve(MODEL_NAME)
+    assert card.id == MODEL_NAME and card.object == "model"
+    assert (card.model_extra or {})["max_model_len"] == 256
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    version = httpx.get(gw.base_url + "/version", timeout=10).json()["version"]
+    assert version == importlib.metadata.version("splitserve")
+    for method in ("GET", "POST"):
+        assert httpx.request(method, gw.base_url + "/ping", timeout=10).json() == {"status": "ok"}
+    assert httpx.get(gw.base_url + "/load", timeout=10).json() == {"server_load": 0}
