@@ -43,6 +43,8 @@ class StructuredOutputs:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    # vLLM's structural tag (JSON text; engine/structured.py compiles both of its forms).
+    structural_tag: str | None = None
     # JSON (`json`, `json_object`): any whitespace between tokens, as vLLM allows by default;
     # False (vLLM's `disable_any_whitespace`): one fixed layout, so that a model given to
     # newlines cannot spend its tokens on them.
@@ -71,13 +73,15 @@ class StructuredOutputs:
 
     @property
     def kind(self) -> str:
-        """Which constraint: "json", "json_object", "regex", "choice" or "grammar"."""
+        """Which constraint: "json", "json_object", "regex", "choice", "grammar" or
+        "structural_tag"."""
         return self._set()[0]
 
     def _set(self) -> list[str]:
         return [name for name, value in (("json", self.json), ("json_object", self.json_object),
                                          ("regex", self.regex), ("choice", self.choice),
-                                         ("grammar", self.grammar))
+                                         ("grammar", self.grammar),
+                                         ("structural_tag", self.structural_tag))
                 if value is not None and value is not False]
 
     def validate(self) -> None:
@@ -85,8 +89,8 @@ class StructuredOutputs:
         if len(given) != 1:
             raise SamplingParamsError(
                 "structured_outputs must set exactly one of json, json_object, regex, choice, "
-                f"grammar; got {given or 'none'}")
-        for name in ("json", "regex", "grammar"):
+                f"grammar, structural_tag; got {given or 'none'}")
+        for name in ("json", "regex", "grammar", "structural_tag"):
             text = getattr(self, name)
             if text is not None and (not isinstance(text, str) or not text
                                      or len(text) > MAX_STRUCTURED_CHARS):

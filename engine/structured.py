@@ -155,6 +155,33 @@ def _bit_word(bit: int) -> int:
     return -(1 << 31) if bit == 31 else 1 << bit
 
 
+def _compile_structural_tag(compiler: Any, text: str) -> Any:
+    """vLLM's two forms of a structural tag: xgrammar's own (`{"type": "structural_tag",
+    "format": ...}`, compiled as is), or the older structures and triggers (each structure's
+    schema a JSON schema, as an object or its text)."""
+    import xgrammar as xgr
+
+    tag = json.loads(text)
+    if not isinstance(tag, dict):
+        raise StructuredOutputError("structured_outputs.structural_tag must be a JSON object")
+    if "structures" not in tag:
+        return compiler.compile_structural_tag(text)
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if not isinstance(structures, list) or not structures or not isinstance(triggers, list) \
+            or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise StructuredOutputError("structured_outputs.structural_tag: structures and triggers "
+                                    "must be non-empty lists (triggers of non-empty strings)")
+    items = []
+    for i, s in enumerate(structures):
+        if not isinstance(s, dict) or not all(isinstance(s.get(k), str) for k in ("begin", "end")):
+            raise StructuredOutputError(f"structured_outputs.structural_tag.structures[{i}] "
+                                        "needs begin and end strings and a schema")
+        schema = s.get("schema")
+        schema_text = schema if isinstance(schema, str) else json.dumps(schema)
+        items.append(xgr.StructuralTagItem(begin=s["begin"], schema=schema_text, end=s["end"]))
+    return compiler.compile_structural_tag(items, triggers)
+
+
 class GrammarCompiler:
     """Compiles constraints against one model's vocabulary; thread-safe."""
 
@@ -217,8 +244,12 @@ class GrammarCompiler:
                 return compiler.compile_regex(spec.regex)
             if spec.choice is not None:
                 return compiler.compile_grammar(choice_grammar(spec.choice))
+            if spec.structural_tag is not None:
+                return _compile_structural_tag(compiler, spec.structural_tag)
             assert spec.grammar is not None
             return compiler.compile_grammar(spec.grammar)
+        except StructuredOutputError:
+            raise
         except ValueError as e:  # json.JSONDecodeError
             raise StructuredOutputError(f"{field} is not valid JSON: {e}") from None
         except RuntimeError as e:  # xgrammar's parse errors: "[time] file.cc:line: message"

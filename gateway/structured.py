@@ -22,10 +22,9 @@ from protos.splitserve.v1 import common_pb2
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
-_KEYS = ("json", "json_object", "regex", "choice", "grammar")
+_KEYS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 # vLLM's options that this server does not implement (refused rather than ignored).
-_UNSUPPORTED = {"guided_whitespace_pattern": "whitespace_pattern",
-                "structural_tag": "structural_tag"}
+_UNSUPPORTED = {"guided_whitespace_pattern": "whitespace_pattern"}
 
 
 def structured_from_request(extra: dict[str, Any]) -> StructuredOutputs | None:
@@ -69,8 +68,10 @@ def _response_format(fmt: object) -> StructuredOutputs | None:
             raise GatewayError.invalid("response_format", "response_format json_schema needs "
                                        "json_schema.schema (the JSON schema)")
         return _spec("response_format", json=_text("response_format", schema, "json"))
+    if kind == "structural_tag":  # vLLM's: the whole object is the tag (either of its forms)
+        return _spec("response_format", structural_tag=json.dumps(fmt))
     raise GatewayError.invalid("response_format", f"response_format type {kind!r} is not "
-                               "supported (text, json_object, json_schema)")
+                               "supported (text, json_object, json_schema, structural_tag)")
 
 
 def _structured_outputs(so: object) -> StructuredOutputs:
@@ -104,12 +105,13 @@ def _structured_outputs(so: object) -> StructuredOutputs:
 def _text(param: str, value: object, key: str) -> Any:
     """A field's value in the engine's form: a JSON schema as JSON text (a schema may come as an
     object or as text), choices as a tuple of strings, regexes and grammars as text."""
-    if key == "json":
+    if key in ("json", "structural_tag"):
         if isinstance(value, dict):
             return json.dumps(value)
         if isinstance(value, str):
             return value
-        raise GatewayError.invalid(param, f"{param} must be a JSON schema (an object or its text)")
+        what = "a JSON schema" if key == "json" else "a structural tag"
+        raise GatewayError.invalid(param, f"{param} must be {what} (an object or its text)")
     if key == "choice":
         if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
             raise GatewayError.invalid(param, f"{param} must be a list of strings")
@@ -139,6 +141,8 @@ def structured_to_proto(spec: StructuredOutputs, proto: common_pb2.StructuredOut
         proto.choice.values.extend(spec.choice)
     elif spec.grammar is not None:
         proto.grammar = spec.grammar
+    elif spec.structural_tag is not None:
+        proto.structural_tag = spec.structural_tag
     if spec.reasoning_end_token_id is not None:
         proto.reasoning_end_token_id = spec.reasoning_end_token_id
     if spec.reasoning_start_token_id is not None:

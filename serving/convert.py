@@ -71,7 +71,7 @@ def structured_from_proto(sp: common_pb2.SamplingParams) -> StructuredOutputs | 
         name = "json" if kind == "json_schema" else kind
         return StructuredOutputs(**{name: getattr(so, kind)}, **fields)
     raise SamplingParamsError("structured_outputs must set one of json_schema, json_object, "
-                              "regex, choice, grammar")
+                              "regex, choice, grammar, structural_tag")
 
 
 POOLING_TYPES: dict[int, PoolingType] = {common_pb2.POOLING_TYPE_LAST: "LAST",

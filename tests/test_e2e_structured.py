@@ -139,7 +139,7 @@ def test_grpc_api_choice(disagg_stack: Stack) -> None:
     ({"response_format": {"type": "yaml"}}, "response_format", "not supported"),
     ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice", "one output constraint"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
-    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs", "not supported"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, None, "structural_tag does not compile"),
     ({"guided_json": {"type": "objectx"}}, None, "json does not compile"),
     ({"guided_grammar": "root ::= undefined_rule"}, None, "grammar does not compile"),
     ({"guided_regex": "a+", "min_tokens": 3}, "min_tokens", "cannot be combined"),
@@ -156,3 +156,20 @@ def test_malformed_constraints_are_400s(disagg_stack: Stack, extra: dict[str, An
     disagg_stack.wait_idle()
     if param is None:  # the workers refused it (the constraint did not compile): fine afterwards
         assert _schema_chat(disagg_stack).choices[0].finish_reason == "stop"
+
+
+def test_response_format_structural_tag(disagg_stack: Stack) -> None:
+    """vLLM's `response_format` of type structural_tag (xgrammar's form), through the stack."""
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],
+              "additionalProperties": False}
+    fmt = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "<tool>"},
+        {"type": "json_schema", "json_schema": schema},
+        {"type": "const_string", "value": "</tool>"}]}}
+    reply = _client(disagg_stack).chat.completions.create(
+        model=MODEL_NAME, messages=ASK, max_tokens=48,  # type: ignore[arg-type]
+        extra_body={"response_format": fmt})
+    text = reply.choices[0].message.content or ""
+    m = re.fullmatch(r"<tool>(.*)</tool>", text, re.S)
+    assert m is not None and type(json.loads(m.group(1))["x"]) is int, text
+    disagg_stack.wait_idle()

@@ -81,6 +81,42 @@ def test_each_kind_of_constraint(smollm2: LLM, spec: StructuredOutputs, check: o
         assert callable(check) and check(text), text
 
 
+TOOL_X = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],
+          "additionalProperties": False}
+
+
+def test_structural_tags(smollm2: LLM) -> None:
+    """vLLM's structural tag, both forms. xgrammar's `format` (here a sequence: a tag, a JSON
+    part, a closing tag) constrains the whole output; the older structures and triggers leave
+    text free until a trigger, then hold the tagged part to its schema."""
+    whole = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "<tool>"},
+        {"type": "json_schema", "json_schema": TOOL_X},
+        {"type": "const_string", "value": "</tool>"}]}}
+    [out] = smollm2.generate("Call the tool with x = 5:", _params(
+        StructuredOutputs(structural_tag=json.dumps(whole))))
+    text = out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop", text
+    m = re.fullmatch(r"<tool>(.*)</tool>", text, re.S)
+    assert m is not None and type(json.loads(m.group(1))["x"]) is int, text
+    legacy = {"type": "structural_tag", "triggers": ["<tool>"], "structures": [
+        {"begin": "<tool>", "schema": TOOL_X, "end": "</tool>"}]}
+    tok = smollm2.engine.tokenizer
+    assert tok is not None
+
+    def accepts(text: str) -> bool:
+        g = smollm2.engine.grammars.grammar(StructuredOutputs(structural_tag=json.dumps(legacy)))
+        return all(g.accept(t) for t in tok.encode(text, add_special_tokens=False))
+
+    assert accepts('Sure. <tool>{"x": 5}</tool> Done.')
+    assert not accepts('Sure. <tool>{"y": "a"}')
+    with pytest.raises(EngineInputError, match="structural_tag does not compile"):
+        smollm2.generate("Hi", _params(StructuredOutputs(structural_tag='{"type": "x"}')))
+    with pytest.raises(EngineInputError, match="structures and triggers"):
+        smollm2.generate("Hi", _params(StructuredOutputs(
+            structural_tag='{"structures": [], "triggers": []}')))
+
+
 def test_choice_grammar_escapes() -> None:
     assert choice_grammar(['a"b', "c\\d", "é\n"]) == 'root ::= "a\\"b" | "c\\\\d" | "é\\n"'
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/splitserve/v1/common.proto\x12\rsplitserve.v1\"\xfc\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x04\x88\x01\x01\x12\x12\n\nmin_tokens\x18\r \x01(\r\x12@\n\nlogit_bias\x18\x0e \x03(\x0b\x32,.splitserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x0f \x03(\r\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\x05\x88\x01\x01\x12<\n\x12structured_outputs\x18\x11 \x01(\x0b\x32 .splitserve.v1.StructuredOutputs\x12\x11\n\tbad_words\x18\x12 \x03(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xc1\x02\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.splitserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x12#\n\x16reasoning_end_token_id\x18\x07 \x01(\rH\x01\x88\x01\x01\x12%\n\x18reasoning_start_token_id\x18\x08 \x01(\rH\x02\x88\x01\x01\x42\x0c\n\nconstraintB\x19\n\x17_reasoning_end_token_idB\x1b\n\x19_reasoning_start_token_id\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\"\x82\x01\n\x0ePromptLogprobs\x12\x0f\n\x07num_top\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\r\n\x05ranks\x18\x04 \x03(\r\x12\x15\n\rtop_token_ids\x18\x05 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x06 \x03(\x02\"j\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x18\n\x10reasoning_tokens\x18\x04 \x01(\r\"\xd2\x01\n\x08KvHandle\x12\x16\n\x0eworker_address\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x1e\n\x16lease_deadline_unix_ms\x18\x06 \x01(\x03\x12\x13\n\x0b\x66ingerprint\x18\x07 \x01(\x0c\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x13\n\x0bprompt_hash\x18\t \x01(\x0c\"\x90\x05\n\nLoadReport\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\x0c\x12\x0c\n\x04role\x18\x07 \x01(\t\x12\x1c\n\x14prefix_cache_queries\x18\x08 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\t \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\n \x01(\x04\x12\x12\n\nnum_leases\x18\x0b \x01(\r\x12\x12\n\nnum_blocks\x18\x0c \x01(\r\x12\x17\n\x0ftier_hit_tokens\x18\r \x01(\x04\x12\x19\n\x11tier_saved_blocks\x18\x0e \x01(\x04\x12\x19\n\x11spec_draft_tokens\x18\x0f \x01(\x04\x12\x1c\n\x14spec_accepted_tokens\x18\x10 \x01(\x04\x12=\n\x13speculative_methods\x18\x11 \x03(\x0e\x32 .splitserve.v1.SpeculativeMethod\x12\x36\n\rkv_transports\x18\x12 \x03(\x0b\x32\x1f.splitserve.v1.KvTransportStats\x12\x15\n\rlora_adapters\x18\x13 \x03(\t\x12\x12\n\nlora_roots\x18\x14 \x03(\x0c\x12\x11\n\tmax_loras\x18\x15 \x01(\r\x12\x14\n\x0clora_running\x18\x16 \x03(\r\x12\x14\n\x0clora_waiting\x18\x17 \x03(\r\x12\x14\n\x0c\x63lass_labels\x18\x18 \x03(\t\x12\x12\n\nlora_paths\x18\x19 \x03(\t\"h\n\x10KvTransportStats\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\r\n\x05pulls\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x12\n\nblock_runs\x18\x05 \x01(\x04\"\r\n\x0bLoadRequest\",\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xe1\x01\n\x0c\x45mbedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x30\n\x0cpooling_type\x18\x03 \x01(\x0e\x32\x1a.splitserve.v1.PoolingType\x12\x16\n\tnormalize\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\ndimensions\x18\x05 \x01(\r\x12\x11\n\tlora_name\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x12\n\ncache_salt\x18\x08 \x01(\tB\x0c\n\n_normalize\"X\n\rEmbedResponse\x12\x11\n\tembedding\x18\x01 \x01(\x0c\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\">\n\x16LoadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"0\n\x17LoadLoRAAdapterResponse\x12\x15\n\rlora_adapters\x18\x01 \x03(\t\"-\n\x18UnloadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"E\n\x19UnloadLoRAAdapterResponse\x12\x15\n\rlora_adapters\x18\x01 \x03(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04*y\n\x11SpeculativeMethod\x12\"\n\x1eSPECULATIVE_METHOD_UNSPECIFIED\x10\x00\x12\x1c\n\x18SPECULATIVE_METHOD_NGRAM\x10\x01\x12\"\n\x1eSPECULATIVE_METHOD_DRAFT_MODEL\x10\x02*o\n\x0bPoolingType\x12\x1c\n\x18POOLING_TYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11POOLING_TYPE_LAST\x10\x01\x12\x15\n\x11POOLING_TYPE_MEAN\x10\x02\x12\x14\n\x10POOLING_TYPE_CLS\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/splitserve/v1/common.proto\x12\rsplitserve.v1\"\xfc\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x15\n\x08logprobs\x18\x0c \x01(\rH\x04\x88\x01\x01\x12\x12\n\nmin_tokens\x18\r \x01(\r\x12@\n\nlogit_bias\x18\x0e \x03(\x0b\x32,.splitserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x0f \x03(\r\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\x05\x88\x01\x01\x12<\n\x12structured_outputs\x18\x11 \x01(\x0b\x32 .splitserve.v1.StructuredOutputs\x12\x11\n\tbad_words\x18\x12 \x03(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xdb\x02\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.splitserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x18\n\x0estructural_tag\x18\t \x01(\tH\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x12#\n\x16reasoning_end_token_id\x18\x07 \x01(\rH\x01\x88\x01\x01\x12%\n\x18reasoning_start_token_id\x18\x08 \x01(\rH\x02\x88\x01\x01\x42\x0c\n\nconstraintB\x19\n\x17_reasoning_end_token_idB\x1b\n\x19_reasoning_start_token_id\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\"\x82\x01\n\x0ePromptLogprobs\x12\x0f\n\x07num_top\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\r\n\x05ranks\x18\x04 \x03(\r\x12\x15\n\rtop_token_ids\x18\x05 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x06 \x03(\x02\"j\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x18\n\x10reasoning_tokens\x18\x04 \x01(\r\"\xd2\x01\n\x08KvHandle\x12\x16\n\x0eworker_address\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x1e\n\x16lease_deadline_unix_ms\x18\x06 \x01(\x03\x12\x13\n\x0b\x66ingerprint\x18\x07 \x01(\x0c\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x13\n\x0bprompt_hash\x18\t \x01(\x0c\"\x90\x05\n\nLoadReport\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x06 \x01(\x0c\x12\x0c\n\x04role\x18\x07 \x01(\t\x12\x1c\n\x14prefix_cache_queries\x18\x08 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\t \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\n \x01(\x04\x12\x12\n\nnum_leases\x18\x0b \x01(\r\x12\x12\n\nnum_blocks\x18\x0c \x01(\r\x12\x17\n\x0ftier_hit_tokens\x18\r \x01(\x04\x12\x19\n\x11tier_saved_blocks\x18\x0e \x01(\x04\x12\x19\n\x11spec_draft_tokens\x18\x0f \x01(\x04\x12\x1c\n\x14spec_accepted_tokens\x18\x10 \x01(\x04\x12=\n\x13speculative_methods\x18\x11 \x03(\x0e\x32 .splitserve.v1.SpeculativeMethod\x12\x36\n\rkv_transports\x18\x12 \x03(\x0b\x32\x1f.splitserve.v1.KvTransportStats\x12\x15\n\rlora_adapters\x18\x13 \x03(\t\x12\x12\n\nlora_roots\x18\x14 \x03(\x0c\x12\x11\n\tmax_loras\x18\x15 \x01(\r\x12\x14\n\x0clora_running\x18\x16 \x03(\r\x12\x14\n\x0clora_waiting\x18\x17 \x03(\r\x12\x14\n\x0c\x63lass_labels\x18\x18 \x03(\t\x12\x12\n\nlora_paths\x18\x19 \x03(\t\"h\n\x10KvTransportStats\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\r\n\x05pulls\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x12\n\nblock_runs\x18\x05 \x01(\x04\"\r\n\x0bLoadRequest\",\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xe1\x01\n\x0c\x45mbedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x30\n\x0cpooling_type\x18\x03 \x01(\x0e\x32\x1a.splitserve.v1.PoolingType\x12\x16\n\tnormalize\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\ndimensions\x18\x05 \x01(\r\x12\x11\n\tlora_name\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x12\n\ncache_salt\x18\x08 \x01(\tB\x0c\n\n_normalize\"X\n\rEmbedResponse\x12\x11\n\tembedding\x18\x01 \x01(\x0c\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\">\n\x16LoadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"0\n\x17LoadLoRAAdapterResponse\x12\x15\n\rlora_adapters\x18\x01 \x03(\t\"-\n\x18UnloadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"E\n\x19UnloadLoRAAdapterResponse\x12\x15\n\rlora_adapters\x18\x01 \x03(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04*y\n\x11SpeculativeMethod\x12\"\n\x1eSPECULATIVE_METHOD_UNSPECIFIED\x10\x00\x12\x1c\n\x18SPECULATIVE_METHOD_NGRAM\x10\x01\x12\"\n\x1eSPECULATIVE_METHOD_DRAFT_MODEL\x10\x02*o\n\x0bPoolingType\x12\x1c\n\x18POOLING_TYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11POOLING_TYPE_LAST\x10\x01\x12\x15\n\x11POOLING_TYPE_MEAN\x10\x02\x12\x14\n\x10POOLING_TYPE_CLS\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,48 +33,48 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=3013
-  _globals['_FINISHREASON']._serialized_end=3163
-  _globals['_SPECULATIVEMETHOD']._serialized_start=3165
-  _globals['_SPECULATIVEMETHOD']._serialized_end=3286
-  _globals['_POOLINGTYPE']._serialized_start=3288
-  _globals['_POOLINGTYPE']._serialized_end=3399
+  _globals['_FINISHREASON']._serialized_start=3039
+  _globals['_FINISHREASON']._serialized_end=3189
+  _globals['_SPECULATIVEMETHOD']._serialized_start=3191
+  _globals['_SPECULATIVEMETHOD']._serialized_end=3312
+  _globals['_POOLINGTYPE']._serialized_start=3314
+  _globals['_POOLINGTYPE']._serialized_end=3425
   _globals['_SAMPLINGPARAMS']._serialized_start=53
   _globals['_SAMPLINGPARAMS']._serialized_end=689
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=563
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=611
   _globals['_STRUCTUREDOUTPUTS']._serialized_start=692
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1013
-  _globals['_CHOICES']._serialized_start=1015
-  _globals['_CHOICES']._serialized_end=1040
-  _globals['_TOPLOGPROB']._serialized_start=1042
-  _globals['_TOPLOGPROB']._serialized_end=1089
-  _globals['_TOKENLOGPROB']._serialized_start=1091
-  _globals['_TOKENLOGPROB']._serialized_end=1180
-  _globals['_PROMPTLOGPROBS']._serialized_start=1183
-  _globals['_PROMPTLOGPROBS']._serialized_end=1313
-  _globals['_USAGE']._serialized_start=1315
-  _globals['_USAGE']._serialized_end=1421
-  _globals['_KVHANDLE']._serialized_start=1424
-  _globals['_KVHANDLE']._serialized_end=1634
-  _globals['_LOADREPORT']._serialized_start=1637
-  _globals['_LOADREPORT']._serialized_end=2293
-  _globals['_KVTRANSPORTSTATS']._serialized_start=2295
-  _globals['_KVTRANSPORTSTATS']._serialized_end=2399
-  _globals['_LOADREQUEST']._serialized_start=2401
-  _globals['_LOADREQUEST']._serialized_end=2414
-  _globals['_STREAMERROR']._serialized_start=2416
-  _globals['_STREAMERROR']._serialized_end=2460
-  _globals['_EMBEDREQUEST']._serialized_start=2463
-  _globals['_EMBEDREQUEST']._serialized_end=2688
-  _globals['_EMBEDRESPONSE']._serialized_start=2690
-  _globals['_EMBEDRESPONSE']._serialized_end=2778
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=2780
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=2842
-  _globals['_LOADLORAADAPTERRESPONSE']._serialized_start=2844
-  _globals['_LOADLORAADAPTERRESPONSE']._serialized_end=2892
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=2894
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=2939
-  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_start=2941
-  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_end=3010
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1039
+  _globals['_CHOICES']._serialized_start=1041
+  _globals['_CHOICES']._serialized_end=1066
+  _globals['_TOPLOGPROB']._serialized_start=1068
+  _globals['_TOPLOGPROB']._serialized_end=1115
+  _globals['_TOKENLOGPROB']._serialized_start=1117
+  _globals['_TOKENLOGPROB']._serialized_end=1206
+  _globals['_PROMPTLOGPROBS']._serialized_start=1209
+  _globals['_PROMPTLOGPROBS']._serialized_end=1339
+  _globals['_USAGE']._serialized_start=1341
+  _globals['_USAGE']._serialized_end=1447
+  _globals['_KVHANDLE']._serialized_start=1450
+  _globals['_KVHANDLE']._serialized_end=1660
+  _globals['_LOADREPORT']._serialized_start=1663
+  _globals['_LOADREPORT']._serialized_end=2319
+  _globals['_KVTRANSPORTSTATS']._serialized_start=2321
+  _globals['_KVTRANSPORTSTATS']._serialized_end=2425
+  _globals['_LOADREQUEST']._serialized_start=2427
+  _globals['_LOADREQUEST']._serialized_end=2440
+  _globals['_STREAMERROR']._serialized_start=2442
+  _globals['_STREAMERROR']._serialized_end=2486
+  _globals['_EMBEDREQUEST']._serialized_start=2489
+  _globals['_EMBEDREQUEST']._serialized_end=2714
+  _globals['_EMBEDRESPONSE']._serialized_start=2716
+  _globals['_EMBEDRESPONSE']._serialized_end=2804
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=2806
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=2868
+  _globals['_LOADLORAADAPTERRESPONSE']._serialized_start=2870
+  _globals['_LOADLORAADAPTERRESPONSE']._serialized_end=2918
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=2920
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=2965
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_start=2967
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_end=3036
 # @@protoc_insertion_point(module_scope)

@@ -269,6 +269,7 @@ class StructuredOutputs(_message.Message):
     REGEX_FIELD_NUMBER: _builtins.int
     CHOICE_FIELD_NUMBER: _builtins.int
     GRAMMAR_FIELD_NUMBER: _builtins.int
+    STRUCTURAL_TAG_FIELD_NUMBER: _builtins.int
     DISABLE_ANY_WHITESPACE_FIELD_NUMBER: _builtins.int
     REASONING_END_TOKEN_ID_FIELD_NUMBER: _builtins.int
     REASONING_START_TOKEN_ID_FIELD_NUMBER: _builtins.int
@@ -279,6 +280,11 @@ class StructuredOutputs(_message.Message):
     regex: _builtins.str
     grammar: _builtins.str
     """EBNF (xgrammar's GBNF dialect; the rule `root` is the start)"""
+    structural_tag: _builtins.str
+    """vLLM's structural tag, as JSON text: {"type": "structural_tag", "format": {...}}
+    (xgrammar's format), or the older {"structures": [{"begin", "schema", "end"}],
+    "triggers": [...]}: free text in which each trigger starts a tagged JSON part.
+    """
     disable_any_whitespace: _builtins.bool
     """JSON in one fixed layout instead of any whitespace between tokens (vLLM's option)."""
     reasoning_end_token_id: _builtins.int
@@ -302,19 +308,20 @@ class StructuredOutputs(_message.Message):
         regex: _builtins.str = ...,
         choice: Global___Choices | None = ...,
         grammar: _builtins.str = ...,
+        structural_tag: _builtins.str = ...,
         disable_any_whitespace: _builtins.bool = ...,
         reasoning_end_token_id: _builtins.int | None = ...,
         reasoning_start_token_id: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_reasoning_end_token_id", b"_reasoning_end_token_id", "_reasoning_start_token_id", b"_reasoning_start_token_id", "choice", b"choice", "constraint", b"constraint", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "reasoning_end_token_id", b"reasoning_end_token_id", "reasoning_start_token_id", b"reasoning_start_token_id", "regex", b"regex"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_reasoning_end_token_id", b"_reasoning_end_token_id", "_reasoning_start_token_id", b"_reasoning_start_token_id", "choice", b"choice", "constraint", b"constraint", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "reasoning_end_token_id", b"reasoning_end_token_id", "reasoning_start_token_id", b"reasoning_start_token_id", "regex", b"regex", "structural_tag", b"structural_tag"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_reasoning_end_token_id", b"_reasoning_end_token_id", "_reasoning_start_token_id", b"_reasoning_start_token_id", "choice", b"choice", "constraint", b"constraint", "disable_any_whitespace", b"disable_any_whitespace", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "reasoning_end_token_id", b"reasoning_end_token_id", "reasoning_start_token_id", b"reasoning_start_token_id", "regex", b"regex"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_reasoning_end_token_id", b"_reasoning_end_token_id", "_reasoning_start_token_id", b"_reasoning_start_token_id", "choice", b"choice", "constraint", b"constraint", "disable_any_whitespace", b"disable_any_whitespace", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "reasoning_end_token_id", b"reasoning_end_token_id", "reasoning_start_token_id", b"reasoning_start_token_id", "regex", b"regex", "structural_tag", b"structural_tag"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__reasoning_end_token_id: _TypeAlias = _typing.Literal["reasoning_end_token_id"]  # noqa: Y015
     _WhichOneofArgType__reasoning_end_token_id: _TypeAlias = _typing.Literal["_reasoning_end_token_id", b"_reasoning_end_token_id"]  # noqa: Y015
     _WhichOneofReturnType__reasoning_start_token_id: _TypeAlias = _typing.Literal["reasoning_start_token_id"]  # noqa: Y015
     _WhichOneofArgType__reasoning_start_token_id: _TypeAlias = _typing.Literal["_reasoning_start_token_id", b"_reasoning_start_token_id"]  # noqa: Y015
-    _WhichOneofReturnType_constraint: _TypeAlias = _typing.Literal["json_schema", "json_object", "regex", "choice", "grammar"]  # noqa: Y015
+    _WhichOneofReturnType_constraint: _TypeAlias = _typing.Literal["json_schema", "json_object", "regex", "choice", "grammar", "structural_tag"]  # noqa: Y015
     _WhichOneofArgType_constraint: _TypeAlias = _typing.Literal["constraint", b"constraint"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reasoning_end_token_id) -> _WhichOneofReturnType__reasoning_end_token_id | None: ...
