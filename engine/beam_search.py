@@ -96,9 +96,18 @@ class BeamSearch:
     """One prompt's search: `beams` to run next, `expand` with their candidates, `results`."""
 
     def __init__(self, prompt_token_ids: Sequence[int], params: BeamSearchParams,
-                 eos_token_ids: Collection[int]) -> None:
+                 eos_token_ids: Collection[int], max_model_len: int | None = None) -> None:
+        """`max_model_len`: the model's context, which caps `max_tokens` (a prompt that fills
+        it is a BeamSearchParamsError)."""
         if not prompt_token_ids:
             raise BeamSearchParamsError("prompt must not be empty")
+        if max_model_len is not None:
+            room = max_model_len - len(prompt_token_ids)
+            if room < 1:
+                raise BeamSearchParamsError(f"prompt has {len(prompt_token_ids)} tokens; "
+                                            f"max_model_len is {max_model_len}: no room for an "
+                                            "output")
+            params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
         self.params = params
         self.eos = frozenset(eos_token_ids)
         self.beams = [BeamSequence(list(prompt_token_ids), len(prompt_token_ids))]

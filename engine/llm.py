@@ -8,7 +8,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
-from engine.beam_search import BeamSearch, BeamSearchParams
+from engine.beam_search import BeamSearch, BeamSearchParams, BeamSearchParamsError
 from engine.classifier import probabilities
 from engine.config import (
     DEFAULT_GC_THRESHOLD,
@@ -247,12 +247,11 @@ class LLM:
         searches = []
         for prompt in _prompt_list(prompts):
             _, ids = self._tokenize(prompt)
-            room = self.engine.max_model_len - len(ids)
-            if room < 1:
-                raise EngineInputError(f"prompt has {len(ids)} tokens; max_model_len is "
-                                       f"{self.engine.max_model_len}: no room for an output")
-            step_params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
-            searches.append(BeamSearch(ids, step_params, self.engine.eos_token_ids))
+            try:
+                searches.append(BeamSearch(ids, params, self.engine.eos_token_ids,
+                                           self.engine.max_model_len))
+            except BeamSearchParamsError as e:
+                raise EngineInputError(str(e)) from None
         step = SamplingParams(temperature=params.temperature, max_tokens=1, ignore_eos=True,
                               logprobs=params.num_candidates)
         while live := [s for s in searches if not s.done]:
@@ -277,10 +276,15 @@ class LLM:
         """Each prompt's class probabilities (`ClassificationOutput`), in order, on a classifier:
         a `*ForSequenceClassification` checkpoint or `classifier_from_token`."""
         labels = self._class_labels()
-        outs = self.embed(prompts, use_tqdm=use_tqdm, lora_request=lora_request)
-        return [ClassificationRequestOutput(o.request_id, ClassificationOutput(
-                    probabilities(o.outputs.embedding), list(o.outputs.embedding)),
-                    o.prompt_token_ids) for o in outs if _has(o.outputs.embedding, len(labels))]
+        results = []
+        for out in self.embed(prompts, use_tqdm=use_tqdm, lora_request=lora_request):
+            logits = out.outputs.embedding
+            if len(logits) != len(labels):  # the engine's bug, not the caller's
+                raise RuntimeError(f"a classification came back with {len(logits)} values for "
+                                   f"{len(labels)} labels")
+            results.append(ClassificationRequestOutput(out.request_id, ClassificationOutput(
+                probabilities(logits), list(logits)), out.prompt_token_ids))
+        return results
 
     def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str],
               use_tqdm: bool = False, lora_request: LoRAArg = None
@@ -508,13 +512,6 @@ def _candidates(out: RequestOutput) -> list[tuple[int, float]]:
     if not completion.logprobs:
         raise RuntimeError("a beam search step came back without logprobs")
     return list(completion.logprobs[0].top)
-
-
-def _has(values: list[float], n: int) -> bool:
-    """A classifier's output holds one logit per label (anything else is the engine's bug)."""
-    if len(values) != n:
-        raise RuntimeError(f"a classification came back with {len(values)} values for {n} labels")
-    return True
 
 
 def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -27,7 +27,7 @@ from engine.config import (
     PoolerConfig,
 )
 from engine.detokenizer import IncrementalDetokenizer
-from engine.kv.hashing import MAX_CACHE_SALT_CHARS, model_fingerprint, root_hash, salted_root
+from engine.kv.hashing import cache_salt_problem, model_fingerprint, root_hash, salted_root
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.lora import LoRAAdapter, LoRAError, LoRAStack, load_adapter
 from engine.outputs import StepOutput
@@ -772,10 +772,7 @@ class LLMEngine:
 
 
 def check_cache_salt(cache_salt: str | None) -> None:
-    """EngineInputError unless `cache_salt` is None or a non-empty string of at most
-    MAX_CACHE_SALT_CHARS characters."""
-    if cache_salt is None:
-        return
-    if not isinstance(cache_salt, str) or not cache_salt or len(cache_salt) > MAX_CACHE_SALT_CHARS:
-        raise EngineInputError(f"cache_salt must be a non-empty string of at most "
-                               f"{MAX_CACHE_SALT_CHARS} characters")
+    """EngineInputError unless `cache_salt` is None or a valid salt (`cache_salt_problem`)."""
+    problem = cache_salt_problem(cache_salt)
+    if problem is not None:
+        raise EngineInputError(problem)

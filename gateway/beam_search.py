@@ -70,11 +70,12 @@ async def run_beam_search(state: GatewayState, job: GenerationJob, params: BeamS
                           ) -> list[BeamSequence]:
     """`job`'s prompt searched: its best `params.beam_width` sequences, best first, their text
     decoded as `job` asks (`skip_special_tokens`)."""
-    room = state.config.max_model_len - len(job.prompt_token_ids)
-    if room < 1:
-        raise GatewayError.invalid("max_tokens", "the prompt leaves no room for an output")
-    params = dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
-    search = BeamSearch(job.prompt_token_ids, params, state.tokenizer.eos_token_ids)
+    try:
+        search = BeamSearch(job.prompt_token_ids, params, state.tokenizer.eos_token_ids,
+                            state.config.max_model_len)
+    except BeamSearchParamsError as err:
+        raise GatewayError.invalid("max_tokens", str(err)) from None
+    params = search.params
     sampling = common_pb2.SamplingParams(temperature=params.temperature, max_tokens=1,
                                          ignore_eos=True, logprobs=params.num_candidates)
     while not search.done:

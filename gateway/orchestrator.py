@@ -42,7 +42,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind
 from opentelemetry.util.types import AttributeValue
 
-from engine.kv.hashing import MAX_CACHE_SALT_CHARS
+from engine.kv.hashing import cache_salt_problem
 from gateway.admission import RequestLimit
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, status_code_from_int
@@ -99,13 +99,11 @@ class GenerationJob:
 
 def checked_cache_salt(salt: str | None, param: str = "cache_salt") -> str:
     """A request's `cache_salt` as a job takes it ("" for none); 400 past the workers' limits
-    (a non-empty string of at most MAX_CACHE_SALT_CHARS characters)."""
-    if salt is None:
-        return ""
-    if not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT_CHARS:
-        raise GatewayError.invalid(param, f"{param} must be a non-empty string of at most "
-                                          f"{MAX_CACHE_SALT_CHARS} characters")
-    return salt
+    (`cache_salt_problem`)."""
+    problem = cache_salt_problem(salt)
+    if problem is not None:
+        raise GatewayError.invalid(param, problem.replace("cache_salt", param, 1))
+    return salt or ""
 
 
 @dataclass(slots=True)

@@ -126,8 +126,7 @@ async def _embed_distinct(state: GatewayState, inputs: list[PromptInput],
     for param in params:
         counts[param] = counts.get(param, 0) + 1
     seen: dict[str, int] = {}
-    distinct: dict[tuple[int, ...], int] = {}
-    index = []
+    prompts: list[list[int]] = []
     for prompt, param in zip(inputs, params, strict=True):
         i = seen[param] = seen.get(param, -1) + 1
         name = param if counts[param] == 1 else f"{param}.{i}"
@@ -135,10 +134,20 @@ async def _embed_distinct(state: GatewayState, inputs: list[PromptInput],
                else pre.check_token_ids(prompt, name))
         ids = pre.truncated(ids, req.truncate_prompt_tokens)
         pre.check_prompt_len(len(ids), name, generates=False)
-        index.append(distinct.setdefault(tuple(ids), len(distinct)))
+        prompts.append(ids)
+    return await _pool_distinct(state, prompts, req, lora, kind, until, normalize=True)
+
+
+async def _pool_distinct(state: GatewayState, prompts: list[list[int]],
+                         req: ScoreRequest | RerankRequest, lora: str, kind: str, until: Until,
+                         normalize: bool | None = None) -> tuple[list[list[float]], int]:
+    """Each checked prompt's pooled output (an embedding, or a classifier's logits) and the
+    prompt tokens run; a prompt given twice runs once. Counted as one `kind` request."""
+    distinct: dict[tuple[int, ...], int] = {}
+    index = [distinct.setdefault(tuple(ids), len(distinct)) for ids in prompts]
     job = await embedding_job(state, [list(ids) for ids in distinct],
                               request_id=f"{kind}-{uuid.uuid4().hex}", lora_name=lora,
-                              priority=req.priority, normalize=True)
+                              priority=req.priority, normalize=normalize)
     state.metrics.requests_received.labels(api=kind).inc()
     state.metrics.prompt_tokens.inc(job.num_prompt_tokens)
     responses = await until(run_embeddings(state, job))
@@ -168,7 +177,7 @@ async def classify_body(state: GatewayState, req: ClassifyRequest, lora: str, un
         names = labels or tuple(f"LABEL_{i}" for i in range(len(logits)))
         if len(names) != len(logits):
             raise _worker_mismatch(f"a worker returned {len(logits)} class logits for "
-                                           f"{len(names)} labels (workers disagree on the model)")
+                                   f"{len(names)} labels (workers disagree on the model)")
         probs = probabilities(logits)
         best = max(range(len(probs)), key=probs.__getitem__)
         data.append({"index": index, "label": names[best], "probs": probs,
@@ -218,8 +227,7 @@ async def _cross_scores(state: GatewayState, pairs: list[_Side],
     tokens run. Texts are tokenized as a pair; token ids are joined as given (both sides must
     be of one kind). Every pair is checked before any runs; a pair given twice runs once."""
     pre = state.preprocessor
-    distinct: dict[tuple[int, ...], int] = {}
-    index = []
+    prompts: list[list[int]] = []
     for p in pairs:
         if isinstance(p.first, str) and isinstance(p.second, str):
             ids = await pre.encode_pair(p.first, p.second, p.first_name, p.second_name)
@@ -231,22 +239,15 @@ async def _cross_scores(state: GatewayState, pairs: list[_Side],
                                        "both be texts or both token ids for a cross-encoder")
         ids = pre.truncated(ids, req.truncate_prompt_tokens)
         pre.check_prompt_len(len(ids), p.second_name, generates=False)
-        index.append(distinct.setdefault(tuple(ids), len(distinct)))
-    job = await embedding_job(state, [list(ids) for ids in distinct],
-                              request_id=f"{kind}-{uuid.uuid4().hex}", lora_name=lora,
-                              priority=req.priority)
-    state.metrics.requests_received.labels(api=kind).inc()
-    state.metrics.prompt_tokens.inc(job.num_prompt_tokens)
-    responses = await until(run_embeddings(state, job))
+        prompts.append(ids)
+    outputs, tokens = await _pool_distinct(state, prompts, req, lora, kind, until)
     scores = []
-    for r in responses:
-        logits = unpack_float32(r.embedding)
+    for logits in outputs:
         if len(logits) != 1:
             raise _worker_mismatch(f"a worker returned {len(logits)} class logits for a "
-                                           "one-label cross-encoder (workers disagree on the "
-                                           "model)")
+                                   "one-label cross-encoder (workers disagree on the model)")
         scores.append(probabilities(logits)[0])
-    return [scores[k] for k in index], job.num_prompt_tokens
+    return scores, tokens
 
 
 def _dot(a: Sequence[float], b: Sequence[float]) -> float:

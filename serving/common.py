@@ -10,8 +10,8 @@ import grpc
 from opentelemetry.trace import Span
 
 from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.kv.hashing import cache_salt_problem
 from engine.llm_engine import EngineInputError, LLMEngine
-from engine.llm_engine import check_cache_salt as engine_check_cache_salt
 from protos.limits import MAX_LORA_NAME_CHARS, MAX_LORA_PATH_CHARS, lora_field_problem
 from protos.splitserve.v1 import common_pb2
 from serving import tracing
@@ -200,10 +200,9 @@ def check_cache_salt(salt: str) -> str | None:
     """A request's `cache_salt` ("" = none: None); InvalidRequest past the engine's limits."""
     if not salt:
         return None
-    try:
-        engine_check_cache_salt(salt)
-    except EngineInputError as e:
-        raise InvalidRequest(str(e)) from None
+    problem = cache_salt_problem(salt)
+    if problem is not None:
+        raise InvalidRequest(problem)
     return salt
 
 

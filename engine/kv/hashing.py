@@ -64,6 +64,18 @@ def salted_root(root: bytes, cache_salt: str) -> bytes:
 MAX_CACHE_SALT_CHARS = 256
 
 
+def cache_salt_problem(cache_salt: object) -> str | None:
+    """Why `cache_salt` is not one (None: it is, or there is none): a non-empty string of at
+    most MAX_CACHE_SALT_CHARS characters. The one rule the engine, the workers and the gateway
+    each raise in their own error type."""
+    if cache_salt is None:
+        return None
+    if not isinstance(cache_salt, str) or not cache_salt or len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        return (f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+                "characters")
+    return None
+
+
 def _token_bytes(token_ids: Sequence[int]) -> bytes:
     """Token ids as hashed: little-endian uint32 each."""
     return struct.pack(f"<{len(token_ids)}I", *token_ids)
