@@ -11,20 +11,20 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span
 
 from engine.async_engine import EngineDeadError, EngineOverloadedError, KvLoadAbort
-from engine.kv.hashing import compute_block_hashes, prompt_hash
 from engine.llm_engine import EngineInputError, LLMEngine
 from engine.request import RemoteKv
-from engine.sampling_params import SamplingParamsError
+from engine_api.hashing import compute_block_hashes, prompt_hash
+from engine_api.sampling_params import SamplingParamsError
 from protos.splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from serving import tracing
-from serving.common import (
+from rpc import tracing
+from worker.common import (
     EngineBound,
     abort_traced,
     check_cache_salt,
     check_lora_name,
     check_priority,
 )
-from serving.convert import (
+from worker.convert import (
     SPEC_METHOD_NAMES,
     InvalidRequest,
     check_prompt,
@@ -34,9 +34,9 @@ from serving.convert import (
     prompt_logprobs_to_proto,
     sampling_from_proto,
 )
-from serving.embed import embed
-from serving.kv import RemoteKvHandle, release_unpulled
-from serving.tier_cache import TierPrefixCache
+from worker.embed import embed
+from worker.kv import RemoteKvHandle, release_unpulled
+from worker.tier_cache import TierPrefixCache
 
 KV_PULL_TIMEOUT_S = 30.0
 

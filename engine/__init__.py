@@ -1,8 +1,8 @@
 """splitserve engine: the shared core of the prefill and decode services.
 
 `from engine import LLM, SamplingParams, PoolingParams` mirrors vLLM. Torch-using exports are
-loaded lazily so that torch-free modules (`engine.tokenizer`, `engine.detokenizer`,
-`engine.sampling_params`, `engine.pooling_params`, `engine.kv`) can be imported by the gateway
+loaded lazily so that torch-free modules (`engine_api.tokenizer`, `engine_api.detokenizer`,
+`engine_api.sampling_params`, `engine_api.pooling_params`, `engine.kv`) can be imported by the gateway
 without pulling in torch.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from engine.pooling_params import PoolingParams, PoolingParamsError
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine_api.pooling_params import PoolingParams, PoolingParamsError
+from engine_api.sampling_params import SamplingParams, SamplingParamsError
 
 if TYPE_CHECKING:
     from engine.llm import LLM

@@ -22,10 +22,10 @@ import torch
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import StepOutput
-from engine.pooling_params import PoolingParams
 from engine.request import RemoteKv
-from engine.sampling_params import SamplingParams
 from engine.scheduler import KvLoad
+from engine_api.pooling_params import PoolingParams
+from engine_api.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -18,14 +18,13 @@ sigmoid of a single label's logit, else the softmax of all of them (transformers
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.config import ConfigError, ModelConfig
 
-if TYPE_CHECKING:  # torch-free at import: the gateway uses `probabilities`
+if TYPE_CHECKING:
     import torch
 
 
@@ -42,17 +41,6 @@ class Classifier:
 
         vec = torch.tensor(pooled, dtype=torch.float32)
         return [float(x) for x in self.weight @ vec]
-
-
-def probabilities(logits: Sequence[float]) -> list[float]:
-    """sigmoid of a lone logit, else softmax (max-shifted, in float64)."""
-    if len(logits) == 1:
-        x = logits[0]
-        return [1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))]
-    top = max(logits)
-    exps = [math.exp(x - top) for x in logits]
-    total = math.fsum(exps)
-    return [e / total for e in exps]
 
 
 def head_classifier(cfg: ModelConfig, score_weight: torch.Tensor) -> Classifier:

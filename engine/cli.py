@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from engine.cli_args import add_engine_args, engine_config_from_args
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine_api.sampling_params import SamplingParams, SamplingParamsError
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,7 +11,6 @@ from typing import Any, get_args
 from engine.config import (
     BLOCK_ALLOCATIONS,
     MAX_PIECEWISE_GRAPH_TOKENS,
-    POOLING_TYPES,
     SPEC_METHODS,
     CacheConfig,
     ConfigError,
@@ -19,12 +18,12 @@ from engine.config import (
     LoadConfig,
     LoRAConfig,
     ParallelConfig,
-    PoolerConfig,
     RunnerConfig,
     SchedulerConfig,
     SchedulingPolicy,
     SpeculativeConfig,
 )
+from engine_api.pooling_params import POOLING_TYPES, PoolerConfig
 
 
 def _default(cls: type, name: str) -> Any:

@@ -8,9 +8,12 @@ discovered at run time (e.g. the number of KV blocks after memory profiling) liv
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast, get_args
+
+from engine_api.errors import ConfigError
+from engine_api.lora import LORA_NAME_RE
+from engine_api.pooling_params import PoolerConfig
 
 Role = Literal["colocated", "prefill", "decode"]
 # The order requests are admitted, run and preempted in (engine/request_queue.py).
@@ -19,10 +22,6 @@ BlockAllocation = Literal["auto", "lru", "runs"]
 BLOCK_ALLOCATIONS: tuple[BlockAllocation, ...] = get_args(BlockAllocation)
 AttentionBackendName = Literal["torch", "triton", "auto"]
 KvCacheDtype = Literal["auto", "fp8", "int8"]
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field and what is allowed."""
 
 
 HiddenAct = Literal["silu", "gelu_pytorch_tanh"]
@@ -622,7 +621,7 @@ class CacheConfig:
 
 # CPython's default thresholds (700, 10, 10) run a full collection every ~100 young ones, and a
 # full collection walks every live request's token lists: ~30 ms for 1,000 requests of 2,000
-# tokens on this project's CPU (bench/probe_gc.py), and 43-44 of them in an offline 1000 x 1000
+# tokens on this project's CPU (tools/probes/probe_gc.py), and 43-44 of them in an offline 1000 x 1000
 # run on the H200 (1.5-3.4 s, probe_tput_fp8_768g_*.json -> gc). Young collections stay
 # as they were; a full one waits for 1,000 middle-generation collections instead of 10 (as
 # SGLang's --gc-threshold and other engines raise them). Cycles that reach the old generation
@@ -776,7 +775,6 @@ class SpeculativeConfig:
 DEFAULT_MAX_LORA_RANK = 64
 # Slots are allocated in every projection of every layer: a ceiling that catches a typo.
 MAX_LORAS = 64
-LORA_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -858,35 +856,6 @@ class ParallelConfig:
         if not self.collective_timeout_s > 0:
             raise ConfigError(f"collective_timeout_s must be > 0, got "
                               f"{self.collective_timeout_s!r}")
-
-
-# How an embedding request's hidden states become one vector (engine/pooling.py): the last
-# prompt position's (decoder embedding models: Qwen3-Embedding, e5-mistral), the mean over the
-# prompt's positions, or the first position's (BERT's [CLS]).
-PoolingType = Literal["LAST", "MEAN", "CLS"]
-POOLING_TYPES: tuple[PoolingType, ...] = get_args(PoolingType)
-
-
-@dataclass(frozen=True, slots=True)
-class PoolerConfig:
-    """The engine's default pooling for embedding requests, over the model's own (its
-    sentence-transformers files, engine/pooler.py; LAST and normalized without them), as vLLM's
-    `--override-pooler-config`. None: the model's."""
-
-    pooling_type: PoolingType | None = None
-    normalize: bool | None = None
-    # vLLM's `classifier_from_token`: classify with the LM head's rows for these tokens (each
-    # one token; two [no, yes] as one yes-minus-no logit: engine/classifier.py). Empty: none.
-    classifier_from_token: tuple[str, ...] = ()
-
-    def validate(self) -> None:
-        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
-            raise ConfigError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got "
-                              f"{self.pooling_type!r}")
-        tokens = self.classifier_from_token
-        if any(not isinstance(t, str) or not t for t in tokens) or len(set(tokens)) != len(tokens):
-            raise ConfigError(f"classifier_from_token must be distinct non-empty tokens, got "
-                              f"{list(tokens)!r}")
 
 
 @dataclass(frozen=True, slots=True)

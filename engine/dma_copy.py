@@ -2,7 +2,7 @@
 
 Why not kernels: once a runner's decode graphs are captured, one kernel on any stream other than
 the one they replay on makes every later decode step of the process ~0.14 ms slower at batch 8
-(H200, bench/probe_stream_cost.py, docs/performance.md "One stream after the decode graphs"),
+(H200, tools/probes/probe_stream_cost.py, docs/performance.md "One stream after the decode graphs"),
 while copies on a side stream do not. KV handoff must not wait for the engine's queued steps
 either, so it copies on a side stream, and therefore by copy engine.
 

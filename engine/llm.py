@@ -8,8 +8,6 @@ import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
-from engine.beam_search import BeamSearch, BeamSearchParams, BeamSearchParamsError
-from engine.classifier import probabilities
 from engine.config import (
     DEFAULT_GC_THRESHOLD,
     DEFAULT_MAX_LORA_RANK,
@@ -18,17 +16,9 @@ from engine.config import (
     LoadConfig,
     LoRAConfig,
     ParallelConfig,
-    PoolerConfig,
-    PoolingType,
     RunnerConfig,
     SchedulerConfig,
     SpeculativeConfig,
-)
-from engine.generation_defaults import (
-    MODES,
-    GenerationConfigError,
-    resolve_sampling_defaults,
-    sampling_defaults,
 )
 from engine.llm_engine import EngineInputError, LLMEngine
 from engine.lora import LoRARequest, lora_name_of
@@ -44,9 +34,17 @@ from engine.outputs import (
     ScoringRequestOutput,
     StepOutput,
 )
-from engine.pooling_params import PoolingParams
 from engine.request import RequestMetrics
-from engine.sampling_params import SamplingParams, truncate_prompt
+from engine_api.beam_search import BeamSearch, BeamSearchParams, BeamSearchParamsError
+from engine_api.classify import probabilities
+from engine_api.generation_defaults import (
+    MODES,
+    GenerationConfigError,
+    resolve_sampling_defaults,
+    sampling_defaults,
+)
+from engine_api.pooling_params import PoolerConfig, PoolingParams, PoolingType
+from engine_api.sampling_params import SamplingParams, truncate_prompt
 
 PromptType = str | dict[str, Any]
 LoRAArg = LoRARequest | str | Sequence[LoRARequest | str | None] | None
@@ -239,7 +237,7 @@ class LLM:
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     lora_request: LoRAArg = None) -> list[BeamSearchOutput]:
-        """vLLM's `LLM.beam_search` (engine/beam_search.py): per prompt its best `beam_width`
+        """vLLM's `LLM.beam_search` (engine_api/beam_search.py): per prompt its best `beam_width`
         sequences, best first, each with its tokens, text and cumulative logprob. Every step
         runs all prompts' live beams together for one token; `max_tokens` stops at the model's
         context."""

@@ -26,24 +26,24 @@ from engine.config import (
     ModelConfig,
     PoolerConfig,
 )
-from engine.detokenizer import IncrementalDetokenizer
-from engine.kv.hashing import cache_salt_problem, model_fingerprint, root_hash, salted_root
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.lora import LoRAAdapter, LoRAError, LoRAStack, load_adapter
 from engine.outputs import StepOutput
 from engine.pooler import resolve_pooler
 from engine.pooling import accumulate, embedding
-from engine.pooling_params import PoolingParams, PoolingParamsError
 from engine.request import PoolingState, RemoteKv, Request, RequestStatus
 from engine.runner import ModelRunner, PendingStep
 from engine.sampler import depends_on_outputs
-from engine.sampling_params import SamplingParams
 from engine.scheduler import KvLoad, Lease, SampledToken, Scheduler, SchedulerOutput
 from engine.spec import Proposer, propose_all
 from engine.spec.draft_model import DraftModelProposer
 from engine.spec.ngram import NgramProposer
 from engine.structured import GrammarCompiler, RequestGrammar, StructuredOutputError
-from engine.tokenizer import Tokenizer
+from engine_api.detokenizer import IncrementalDetokenizer
+from engine_api.hashing import cache_salt_problem, model_fingerprint, root_hash, salted_root
+from engine_api.pooling_params import PoolingParams, PoolingParamsError
+from engine_api.sampling_params import SamplingParams
+from engine_api.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class LLMEngine:
                 f"max_model_len ({self.max_model_len}) exceeds the model's "
                 f"max_position_embeddings ({cfg.max_position_embeddings})")
         self.eos_token_ids = self._eos_ids(source.generation_config)
-        # The model's generation_config.json as read (sampling defaults: engine/generation_defaults.py).
+        # The model's generation_config.json as read (sampling defaults: engine_api/generation_defaults.py).
         self.generation_config = dict(source.generation_config)
         # Embedding requests' default pooling (every field set): found here, at start-up.
         self.pooler: PoolerConfig = resolve_pooler(config.pooler, config.load.model)

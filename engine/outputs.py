@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.beam_search import BeamSequence
 from engine.request import PromptLogprobs, RequestMetrics, TokenLogprob
+from engine_api.beam_search import BeamSequence
 
 
 @dataclass(slots=True)
@@ -122,6 +122,6 @@ class ScoringRequestOutput:
 @dataclass(slots=True)
 class BeamSearchOutput:
     """vLLM's `BeamSearchOutput`: one prompt's best sequences, best first
-    (engine/beam_search.py's `BeamSequence`: tokens, text, cum_logprob, finish_reason)."""
+    (engine_api/beam_search.py's `BeamSequence`: tokens, text, cum_logprob, finish_reason)."""
 
     sequences: list[BeamSequence]

@@ -13,7 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from engine.config import ConfigError, PoolerConfig, PoolingType
+from engine.config import ConfigError
+from engine_api.pooling_params import PoolerConfig, PoolingType
 
 _POOLING_MODULE = "sentence_transformers.models.Pooling"
 _NORMALIZE_MODULE = "sentence_transformers.models.Normalize"

@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.pooling_params import PoolingParams
-from engine.sampling_params import SamplingParams
+from engine_api.pooling_params import PoolingParams
+from engine_api.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.structured import RequestGrammar
@@ -50,7 +50,7 @@ _FINISH_REASONS = {
 class RemoteKv:
     """The KV of the prompt's first `num_tokens` tokens comes from elsewhere: all of them from
     a prefill worker (decode role), or a prefix of full blocks from the CPU/Redis tiers (prefill
-    role, serving/tier_cache.py); the engine computes the rest.
+    role, worker/tier_cache.py); the engine computes the rest.
 
     `handle` is opaque to the engine (the service's loader reads it); the engine only needs to
     know how many prompt tokens the KV covers. `cached`: the KV comes from a cache (the tiers),

@@ -463,7 +463,7 @@ class ModelRunner:
         graphs last. Last because a kernel launched on a stream other than the one they replay
         on, once they are captured, measured +0.13-0.15 ms on every later decode step at batch 8
         and 64 on the H200 (not at batch 1), for the rest of the process; captured after the
-        other sets they keep their speed (bench/probe_stream_cost.py,
+        other sets they keep their speed (tools/probes/probe_stream_cost.py,
         docs/performance.md "One stream after the decode graphs")."""
         from engine.cuda_graphs import CudaGraphRunner
 
@@ -660,7 +660,7 @@ class ModelRunner:
         if self._staging is not None:  # pinned, reused (engine/host_staging.py)
             big, small = self._staging.take(num_int64, num_int32)
         else:  # the CPU (`.to(device)` below returns these very tensors: fresh each step)
-            pin = self.device.type == "cuda"  # (staging turned off: bench/probe_ttft_host.py)
+            pin = self.device.type == "cuda"  # (staging turned off: tools/probes/probe_ttft_host.py)
             big = torch.empty(num_int64, dtype=torch.int64, pin_memory=pin)
             small = torch.zeros(num_int32, dtype=torch.int32, pin_memory=pin)
         b64, b32 = big.numpy(), small.numpy()
@@ -996,7 +996,7 @@ class ModelRunner:
         (a peer GPU's cache, or no CUDA runtime to call) by kernels on the step stream, after
         the steps already queued there: a kernel on a side stream, once the decode graphs are
         captured, measured +0.14 ms on every later batch-8 decode step of this process
-        (bench/probe_stream_cost.py --variant kv_copy; engine/dma_copy.py)."""
+        (tools/probes/probe_stream_cost.py --variant kv_copy; engine/dma_copy.py)."""
         if self.tp is not None:
             raise ValueError("a tensor-parallel engine's cache is split over its ranks; its KV "
                              "travels by shared memory or gRPC, not by one cache's IPC handle")
@@ -1135,7 +1135,7 @@ def copy_cache_blocks(dst_cache: torch.Tensor, dst_block_ids: list[int], src_cac
     and copied across (torch orders the copy after the gather and before the scatter).
     `dma_streams`: by the copy engines instead, on those streams (`stream` unused), one 2-D
     copy per run of consecutive blocks and stream (both caches on one GPU; engine/dma_copy.py;
-    more than one stream measured slower, bench/probe_kv_dma.py). Raises ValueError when the
+    more than one stream measured slower, tools/probes/probe_kv_dma.py). Raises ValueError when the
     caches' blocks differ, IndexError for a block id out of range."""
     if len(dst_block_ids) != len(src_block_ids):
         raise ValueError(f"{len(dst_block_ids)} blocks to fill from {len(src_block_ids)}")

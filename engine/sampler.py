@@ -18,8 +18,8 @@ from engine.bad_words import banned_tokens, reads_output
 from engine.devices import to_device
 from engine.penalties import PenaltyState
 from engine.request import Request, TokenLogprob
-from engine.sampling_params import SamplingParams
 from engine.structured import fill_masks
+from engine_api.sampling_params import SamplingParams
 
 # Greedy decoding's argmax in two levels. One `[N, V]` row reduced by one torch kernel is one
 # thread block streaming V floats: 27 us per step for V = 128,256 on the H200, against ~10 us

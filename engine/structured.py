@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.sampling_params import StructuredOutputs
 from engine.utf8_state import BOUNDARY, Utf8Table
+from engine_api.sampling_params import StructuredOutputs
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from engine.tokenizer import Tokenizer
+    from engine_api.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ A byte-level vocabulary can spell a character byte by byte, and xgrammar 0.2.9's
 classes take some ill-formed sequences for one character — UTF-8-encoded surrogates (`ed a0 80`
 to `ed bf bf`) among them — which every decoder then turns into U+FFFD per byte: a string that
 met `maxLength` in the grammar exceeds it in the text (bench/results/h200/structured/README.md,
-`bench/probe_grammar_walks.py --boost-high-bytes`). This tracks RFC 3629's well-formedness over
+`tools/probes/probe_grammar_walks.py --boost-high-bytes`). This tracks RFC 3629's well-formedness over
 a constrained request's output bytes: eight states (a character boundary, or the continuation
 bytes still owed and their range), each with the mask of the tokens that may follow.
 """

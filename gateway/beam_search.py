@@ -1,5 +1,5 @@
 """vLLM's `use_beam_search` for `/v1/completions` and `/v1/chat/completions`: `n` beams, the
-request's `max_tokens`, `ignore_eos` and `length_penalty` (engine/beam_search.py's algorithm).
+request's `max_tokens`, `ignore_eos` and `length_penalty` (engine_api/beam_search.py's algorithm).
 
 Each step runs every live beam as a one-token request with its top `2 * n` logprobs, all of
 them as one batch through the orchestrator: routed by prefix like any request, so the workers'
@@ -16,7 +16,7 @@ import dataclasses
 import time
 from typing import Any
 
-from engine.beam_search import BeamSearch, BeamSearchParams, BeamSearchParamsError, BeamSequence
+from engine_api.beam_search import BeamSearch, BeamSearchParams, BeamSearchParamsError, BeamSequence
 from gateway.errors import GatewayError
 from gateway.openai_protocol import _SamplingFields
 from gateway.orchestrator import GenerationJob, TokenDelta

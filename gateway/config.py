@@ -9,8 +9,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from protos.auth import AuthConfigError, check_secret
-from protos.tls import TlsConfigError, read_pem
+from rpc.auth import AuthConfigError, check_secret
+from rpc.tls import TlsConfigError, read_pem
 
 # The engine's limit on drafts per step (engine.config.MAX_SPECULATIVE_TOKENS, kept equal by
 # tests/test_spec_policy.py; the gateway imports no engine config). A `speculative_tokens`
@@ -58,7 +58,7 @@ class GatewayConfig:
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     ssl_ca_certs: str | None = None
-    # The cluster's shared secret sent with every call to the workers (protos/auth.py; from
+    # The cluster's shared secret sent with every call to the workers (rpc/auth.py; from
     # SPLITSERVE_INTERNAL_TOKEN); None: the workers take calls without one.
     internal_token: str | None = None
     max_body_bytes: int = 4 << 20             # REST request body limit (413 above it)
@@ -106,7 +106,7 @@ class GatewayConfig:
     # slots are full). The workers must see DIR at the same path. None: off.
     lora_resolver_dir: str | None = None
     # The model's recommended sampling values (vLLM's --generation-config auto: its
-    # generation_config.json, engine/generation_defaults.py), used where a request leaves the
+    # generation_config.json, engine_api/generation_defaults.py), used where a request leaves the
     # field unset: (engine SamplingParams field, value) pairs.
     sampling_defaults: tuple[tuple[str, float | int], ...] = ()
     # Reasoning outputs: the parser that splits a thinking model's <think> text off a chat
@@ -279,7 +279,7 @@ def sampling_defaults_setting(args: argparse.Namespace, model_dir: str | None
                               ) -> dict[str, Any]:
     """The GatewayConfig field of --generation-config / --override-generation-config, the
     model's directory (None: it has none, e.g. a GGUF file) read for "auto"."""
-    from engine.generation_defaults import GenerationConfigError, resolve_sampling_defaults
+    from engine_api.generation_defaults import GenerationConfigError, resolve_sampling_defaults
 
     override: dict[str, object] | None = None
     if args.override_generation_config:

@@ -21,14 +21,14 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
 from opentelemetry.util.types import AttributeValue
 
-from engine.pooling_params import PoolingParams, PoolingParamsError
+from engine_api.pooling_params import PoolingParams, PoolingParamsError
 from gateway.errors import GatewayError
 from gateway.openai_protocol import PromptInput
 from gateway.orchestrator import time_remaining
 from gateway.router import Worker, call_routed
 from gateway.state import GatewayState
 from protos.splitserve.v1 import common_pb2
-from serving import tracing
+from rpc import tracing
 
 log = logging.getLogger(__name__)
 

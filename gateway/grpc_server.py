@@ -33,7 +33,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.beam_search import BeamSearchParams, BeamSequence
+from engine_api.beam_search import BeamSearchParams, BeamSequence
 from gateway.beam_search import beam_params, run_beam_search
 from gateway.chat_tools import chat_finish_reason, chat_job, chat_outputs
 from gateway.config import GatewayConfig
@@ -55,10 +55,10 @@ from gateway.scoring import classify_body, score_body
 from gateway.state import GatewayState
 from gateway.structured import structured_from_proto
 from gateway.tools import ToolCalling
-from protos.auth import BearerAuthInterceptor
-from protos.limits import MAX_MESSAGE_BYTES
 from protos.splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from protos.tls import read_pem
+from rpc.auth import BearerAuthInterceptor
+from rpc.limits import MAX_MESSAGE_BYTES
+from rpc.tls import read_pem
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 _FINISH_ENUM = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,

@@ -32,8 +32,8 @@ from gateway.config import GatewayConfig
 from gateway.errors import GatewayError
 from gateway.router import Router, Worker, WorkerPool
 from gateway.state import GatewayState
-from protos.limits import MAX_LORA_NAME_CHARS, MAX_LORA_PATH_CHARS, lora_field_problem
 from protos.splitserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from rpc.limits import MAX_LORA_NAME_CHARS, MAX_LORA_PATH_CHARS, lora_field_problem
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

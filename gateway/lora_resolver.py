@@ -19,7 +19,7 @@ import time
 
 import grpc
 
-from engine.config import LORA_NAME_RE
+from engine_api.lora import LORA_NAME_RE
 from gateway.errors import GatewayError, OverloadedError
 from gateway.lora_admin import load_everywhere, poll_pools, unload_everywhere
 from gateway.router import Router

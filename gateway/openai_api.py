@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from engine.beam_search import BeamSearchParams, BeamSequence
+from engine_api.beam_search import BeamSearchParams, BeamSequence
 from gateway.beam_search import beam_body, beam_params, ignored_fields, run_beam_search
 from gateway.chat_tools import chat_finish_reason, chat_job, chat_outputs
 from gateway.embeddings import embedding_job, refuse_classifier_embeddings, run_embeddings

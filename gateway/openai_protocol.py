@@ -23,11 +23,11 @@ from pydantic import (
     field_validator,
 )
 
-from engine.sampling_params import MAX_LOGIT_BIAS_ENTRIES
+from engine_api.sampling_params import MAX_LOGIT_BIAS_ENTRIES
 from gateway.errors import GatewayError
 from gateway.structured import structured_from_request
-from protos.embedding_wire import unpack_float32
 from protos.splitserve.v1 import common_pb2
+from rpc.embedding_wire import unpack_float32
 
 M = TypeVar("M", bound=BaseModel)
 

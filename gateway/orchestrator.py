@@ -42,7 +42,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind
 from opentelemetry.util.types import AttributeValue
 
-from engine.kv.hashing import cache_salt_problem
+from engine_api.hashing import cache_salt_problem
 from gateway.admission import RequestLimit
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, status_code_from_int
@@ -51,7 +51,7 @@ from gateway.router import Attempts, Router, Worker, WorkerPool, call_routed
 from gateway.spec_policy import decide
 from gateway.tokenization import DetokenizerLike, TokenizerLike, make_detokenizer
 from protos.splitserve.v1 import common_pb2, decode_pb2, kv_transfer_pb2, prefill_pb2
-from serving import tracing
+from rpc import tracing
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ of the prompts it sent each worker (when it picks the worker) and those the work
 back (`KvHandle.block_hashes`), per worker in an LRU of bounded size. A worker may since have
 evicted a block; then the request just recomputes it.
 Hashes are the engine's chained block hashes (DESIGN.md §4), computed with the torch-free
-`engine.kv.hashing` from the fingerprint and block size the workers report.
+`engine_api.hashing` from the fingerprint and block size the workers report.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from engine.kv.hashing import compute_block_hashes, root_hash
+from engine_api.hashing import compute_block_hashes, root_hash
 
 
 class PrefixIndex:

@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from engine.sampling_params import (
+from engine_api.sampling_params import (
     SamplingParams,
     SamplingParamsError,
     check_truncation,
@@ -30,8 +30,8 @@ from gateway.tokenization import (
     check_request_chat_template,
     compile_request_chat_template,
 )
-from protos.limits import MAX_PROMPT_LOGPROBS_BYTES, prompt_logprobs_bytes
 from protos.splitserve.v1 import common_pb2
+from rpc.limits import MAX_PROMPT_LOGPROBS_BYTES, prompt_logprobs_bytes
 
 # Above this many characters, tokenization runs in a thread so the loop keeps streaming.
 _INLINE_ENCODE_CHARS = 4096
@@ -245,7 +245,7 @@ def _sampling_params(params: dict[str, Any], names: dict[str, str]) -> SamplingP
 
 
 def _check_scoring_size(num_prompt: int, num_top: int, param: str) -> None:
-    """A scored prompt's logprobs must fit one worker response (protos/limits.py)."""
+    """A scored prompt's logprobs must fit one worker response (rpc/limits.py)."""
     size = prompt_logprobs_bytes(num_prompt, num_top)
     if size > MAX_PROMPT_LOGPROBS_BYTES:
         raise GatewayError.invalid(param, (

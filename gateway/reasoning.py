@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from engine.detokenizer import holdback
+from engine_api.detokenizer import holdback
 from gateway.config import REASONING_PARSERS
 from gateway.tools import ToolOutput
 

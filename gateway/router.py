@@ -25,19 +25,19 @@ from typing import Literal, TypeVar
 
 import grpc
 
-from engine.kv.hashing import root_hash, salted_root
+from engine_api.hashing import root_hash, salted_root
 from gateway.errors import GatewayError, OverloadedError
 from gateway.prefix_index import PrefixIndex, prompt_block_hashes
-from protos.auth import client_interceptors
-from protos.channels import ChannelCache
-from protos.limits import message_size_options
 from protos.splitserve.v1 import (
     common_pb2,
     decode_pb2_grpc,
     kv_transfer_pb2_grpc,
     prefill_pb2_grpc,
 )
-from protos.tls import internal_channel
+from rpc.auth import client_interceptors
+from rpc.channels import ChannelCache
+from rpc.limits import message_size_options
+from rpc.tls import internal_channel
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -88,7 +88,7 @@ class WorkerPool:
                  poll_interval_s: float = 1.0, poll_timeout_s: float = 1.0,
                  internal_token: str | None = None) -> None:
         self.role = role
-        self.internal_token = internal_token  # sent with every call (protos/auth.py)
+        self.internal_token = internal_token  # sent with every call (rpc/auth.py)
         self.workers = [Worker(a, worker_channel(a, internal_token)) for a in addresses]
         self._poll_interval_s = poll_interval_s
         self._poll_timeout_s = poll_timeout_s

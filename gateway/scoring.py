@@ -27,7 +27,7 @@ from typing import Any
 
 import grpc
 
-from engine.classifier import probabilities
+from engine_api.classify import probabilities
 from gateway.embeddings import embedding_job, run_embeddings
 from gateway.errors import GatewayError
 from gateway.openai_protocol import (
@@ -38,7 +38,7 @@ from gateway.openai_protocol import (
     prompt_inputs,
 )
 from gateway.state import GatewayState
-from protos.embedding_wire import unpack_float32
+from rpc.embedding_wire import unpack_float32
 
 Until = Callable[[Awaitable[list[Any]]], Awaitable[list[Any]]]
 

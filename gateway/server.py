@@ -32,9 +32,9 @@ from gateway.lora_admin import watch_workers
 from gateway.openai_api import build_app
 from gateway.state import GatewayState
 from gateway.tokenization import TokenizerLike, load_tokenizer
-from protos.auth import AuthConfigError, internal_token_from_env
-from protos.tls import TlsConfigError, tls_from_env
-from serving.tracing import setup_tracing
+from rpc.auth import AuthConfigError, internal_token_from_env
+from rpc.tls import TlsConfigError, tls_from_env
+from rpc.tracing import setup_tracing
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine.sampling_params import SamplingParamsError, StructuredOutputs
+from engine_api.sampling_params import SamplingParamsError, StructuredOutputs
 from gateway.errors import GatewayError
 from protos.splitserve.v1 import common_pb2
 

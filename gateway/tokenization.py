@@ -1,6 +1,6 @@
 """Tokenizer loading for the gateway (torch-free) and the default model path.
 
-The tokenizer and the incremental detokenizer live in `engine.tokenizer` / `engine.detokenizer`
+The tokenizer and the incremental detokenizer live in `engine_api.tokenizer` / `engine_api.detokenizer`
 (torch-free modules); they are imported inside functions so that importing `gateway` costs
 nothing until a tokenizer is actually needed.
 """
@@ -18,7 +18,7 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 class TokenizerLike(Protocol):
-    """What the gateway uses of `engine.tokenizer.Tokenizer`."""
+    """What the gateway uses of `engine_api.tokenizer.Tokenizer`."""
 
     @property
     def eos_token_ids(self) -> Sequence[int]: ...
@@ -45,7 +45,7 @@ class TokenizerLike(Protocol):
 
 
 class DetokenizerLike(Protocol):
-    """What the gateway uses of `engine.detokenizer.IncrementalDetokenizer`."""
+    """What the gateway uses of `engine_api.detokenizer.IncrementalDetokenizer`."""
 
     def add_tokens(self, ids: Sequence[int]) -> Any: ...
 
@@ -68,7 +68,7 @@ def default_model_path() -> str:
 
 def load_tokenizer(path: str) -> TokenizerLike:
     """Load a tokenizer from a tokenizer.json, a HF directory or a .gguf file."""
-    from engine.tokenizer import Tokenizer
+    from engine_api.tokenizer import Tokenizer
 
     tokenizer: TokenizerLike = Tokenizer.from_file(path or default_model_path())
     return tokenizer
@@ -79,7 +79,7 @@ MAX_CHAT_TEMPLATE_BYTES = 1 << 20
 
 def load_chat_template(path: str) -> str:
     """A chat template file (Jinja2) to use in place of the model's, checked to compile."""
-    from engine.chat_template import ChatTemplateError, compile_template
+    from engine_api.chat_template import ChatTemplateError, compile_template
 
     try:
         with open(path, "rb") as f:
@@ -127,7 +127,7 @@ def compile_request_chat_template(template: str, param: str = "chat_template") -
     LRU cache keyed by the text keeps it for the next request sending it and for the render).
     Blocking (a new long template takes a while): call it off the event loop. GatewayError
     (INVALID_ARGUMENT) naming `param` when it does not compile."""
-    from engine.chat_template import ChatTemplateError, compile_template
+    from engine_api.chat_template import ChatTemplateError, compile_template
 
     try:
         compile_template(template)
@@ -141,7 +141,7 @@ def make_detokenizer(tokenizer: TokenizerLike, prompt_token_ids: Sequence[int], 
                      skip_special_tokens: bool, stop: Sequence[str],
                      include_stop_str_in_output: bool) -> DetokenizerLike:
     """A fresh incremental detokenizer for one completion."""
-    from engine.detokenizer import IncrementalDetokenizer
+    from engine_api.detokenizer import IncrementalDetokenizer
 
     detok: DetokenizerLike = IncrementalDetokenizer(
         tokenizer, list(prompt_token_ids), skip_special_tokens=skip_special_tokens,

@@ -28,8 +28,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from engine.detokenizer import holdback
-from engine.sampling_params import SamplingParamsError, StructuredOutputs
+from engine_api.detokenizer import holdback
+from engine_api.sampling_params import SamplingParamsError, StructuredOutputs
 from gateway.config import TOOL_CALL_PARSERS
 from gateway.errors import GatewayError
 

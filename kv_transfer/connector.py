@@ -39,7 +39,7 @@ from typing import Any, Protocol, cast
 import grpc
 import torch
 
-from engine.kv.hashing import HASH_BYTES
+from engine_api.hashing import HASH_BYTES
 from kv_transfer import DEFAULT_TCP_STREAMS, WRITE_BATCH_BLOCKS
 from kv_transfer.cuda_ipc import (
     CacheImporter,
@@ -62,9 +62,9 @@ from kv_transfer.grpc_transport import (
 from kv_transfer.shm import shm_available
 from kv_transfer.tcp import TcpTransferError, TcpUnavailable, receive_blocks, stripes
 from kv_transfer.wire import BlockSpec
-from protos.channels import ChannelCache
 from protos.splitserve.v1 import common_pb2
-from protos.tls import tls_paths_from_env
+from rpc.channels import ChannelCache
+from rpc.tls import tls_paths_from_env
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class KvHandle:
     block_size: int
     block_hashes: tuple[bytes, ...] = ()   # hashes of the full blocks
     lease_deadline_unix_ms: int = 0
-    prompt_hash: bytes = b""     # engine.kv.hashing.prompt_hash of the whole prompt (b"": unset)
+    prompt_hash: bytes = b""     # engine_api.hashing.prompt_hash of the whole prompt (b"": unset)
 
     @classmethod
     def from_proto(cls, msg: common_pb2.KvHandle) -> KvHandle:

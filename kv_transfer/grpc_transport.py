@@ -30,7 +30,7 @@ from kv_transfer.shm import SHM_PREFIX, ShmError, ShmSegment, valid_name
 from kv_transfer.tcp import TICKET_BYTES, KvDataServer, stripes
 from kv_transfer.wire import BlockSpec, DecodedBlock, KvWireError, decode_block, encode_block
 from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
-from protos.tls import internal_channel
+from rpc.tls import internal_channel
 
 DEFAULT_FRAGMENT_BYTES = 1 << 20
 # PullBlocksShm reads a lease this many blocks at a time (128 MB of an 8B model's bf16 KV).
@@ -412,7 +412,7 @@ async def pull_blocks(
 
     target: "host:port" (a channel is opened and closed here) or an open grpc.aio channel.
     timeout_s: deadline of the whole pull. metadata: sent with the call (the cluster's
-    credential, protos/auth.py). Raises KvTransferError on any failure, possibly after
+    credential, rpc/auth.py). Raises KvTransferError on any failure, possibly after
     some blocks were yielded: the caller must then discard what it wrote (use `pull_all` to get
     nothing unless everything arrived).
     """
@@ -621,7 +621,7 @@ async def pull_blocks_ipc(target: str | grpc.aio.Channel, request_id: str, spec:
 async def _channel(target: str | grpc.aio.Channel, options: Sequence[tuple[str, Any]] = ()
                    ) -> AsyncIterator[grpc.aio.Channel]:
     """A channel for one call: `target` itself when it is one (the caller keeps it: see
-    protos/channels.py), else a new one to that address, closed afterwards."""
+    rpc/channels.py), else a new one to that address, closed afterwards."""
     if isinstance(target, str):
         async with internal_channel(target, options=options) as channel:
             yield channel

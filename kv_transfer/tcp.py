@@ -18,8 +18,8 @@ GIL is released while it does.
                                                  then close
 
 Authentication: the ticket is the capability. It comes over the gRPC call, which carries the
-cluster's credential (protos/auth.py) and is mutual TLS when configured; it opens one
-connection, before it expires. With TLS configured (protos/tls.py) the data connection is
+cluster's credential (rpc/auth.py) and is mutual TLS when configured; it opens one
+connection, before it expires. With TLS configured (rpc/tls.py) the data connection is
 mutual TLS too, with the same certificates and server name. Integrity: TCP's checksum (TLS's
 MAC when on), no per-block CRC (as for shared memory); the puller checks the byte count, and
 the lease's hashes against its handle before it reads a byte, and the status byte after the

@@ -104,7 +104,7 @@ def is_quantized(dtype: torch.dtype) -> bool:
 class BlockSpec:
     """Local layout of one KV block: what an incoming block must match exactly.
 
-    fingerprint: 32-byte model fingerprint (`engine.kv.hashing.model_fingerprint`).
+    fingerprint: 32-byte model fingerprint (`engine_api.hashing.model_fingerprint`).
     """
 
     fingerprint: bytes

@@ -9,20 +9,20 @@ import grpc
 from opentelemetry.trace import Span
 
 from engine.async_engine import EngineDeadError, EngineOverloadedError
-from engine.kv.hashing import prompt_hash
 from engine.llm_engine import EngineInputError
 from engine.outputs import StepOutput
-from engine.sampling_params import SamplingParamsError
+from engine_api.hashing import prompt_hash
+from engine_api.sampling_params import SamplingParamsError
 from protos.splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from serving import tracing
-from serving.common import (
+from rpc import tracing
+from worker.common import (
     EngineBound,
     abort_traced,
     check_cache_salt,
     check_lora_name,
     check_priority,
 )
-from serving.convert import (
+from worker.convert import (
     InvalidRequest,
     check_prompt,
     check_request_id,
@@ -31,8 +31,8 @@ from serving.convert import (
     prompt_logprobs_to_proto,
     sampling_from_proto,
 )
-from serving.embed import embed
-from serving.tier_cache import TierPrefixCache
+from worker.embed import embed
+from worker.tier_cache import TierPrefixCache
 
 
 class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):

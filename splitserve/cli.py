@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 COMMANDS = {
     "generate": ("engine.cli", "generate text in-process with the engine"),
-    "serve": ("serving.worker_main", "start one service: --role prefill|decode|colocated|gateway"),
+    "serve": ("splitserve.serve", "start one service: --role prefill|decode|colocated|gateway"),
     "up": ("splitserve.up", "start gateway + prefill + decode on this machine"),
     "bench": ("bench.cli", "benchmarks (online against the REST API, offline in-process)"),
     "health": ("splitserve.health", "probe a worker's gRPC health (TLS when configured)"),

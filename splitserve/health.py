@@ -1,7 +1,7 @@
 """`splitserve health`: ask a worker's gRPC health service whether it serves, as a probe command.
 
 Kubernetes' native gRPC probes do not speak TLS, so workers bound with mutual TLS
-(`SPLITSERVE_TLS_*`, protos/tls.py) need an exec probe instead; this one dials the way the
+(`SPLITSERVE_TLS_*`, rpc/tls.py) need an exec probe instead; this one dials the way the
 services dial each other (TLS from the same variables when they are set) and exits 0 when the
 worker answers SERVING, 1 otherwise (NOT_SERVING, unreachable, refused, timed out). Torch-free.
 
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos.tls import TlsConfigError, internal_channel
+from rpc.tls import TlsConfigError, internal_channel
 
 
 async def check(address: str, service: str = "", timeout_s: float = 3.0) -> str:

@@ -3,7 +3,7 @@
 Waits until every service reports healthy, prints where to send requests, keeps a log per
 service under --log-dir, and on Ctrl-C / SIGTERM stops them all (gateway first, so in-flight
 requests drain, then the workers). The workers take only calls that carry the stack's secret
-(protos/auth.py): SPLITSERVE_INTERNAL_TOKEN if set, else a random one made here and handed to
+(rpc/auth.py): SPLITSERVE_INTERNAL_TOKEN if set, else a random one made here and handed to
 the three processes in their environment.
 
 Engine flags (see `splitserve serve --help`) go to both workers, e.g. `--speculative-method
@@ -31,8 +31,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gateway.config import served_model_name_for
-from protos.auth import INTERNAL_TOKEN_ENV, AuthConfigError, internal_token_from_env
-from protos.tls import TlsConfigError, tls_from_env
+from rpc.auth import INTERNAL_TOKEN_ENV, AuthConfigError, internal_token_from_env
+from rpc.tls import TlsConfigError, tls_from_env
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -54,8 +54,8 @@ from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import StepOutput
 from engine.request import Request
-from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken
+from engine_api.sampling_params import SamplingParams
 
 # Small enough for 2 shared CPU cores; 4 heads over 2 KV heads exercises GQA.
 TINY_ARCH: dict[str, Any] = dict(

@@ -36,26 +36,40 @@ import grpc
 import httpx
 import pytest
 
+from decode_service.server import start_decode_worker
 from engine.config import (
     CacheConfig,
     EngineConfig,
     LoRAConfig,
-    PoolerConfig,
     Role,
     RunnerConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
 from engine.llm_engine import LLMEngine
-from engine.tokenizer import Tokenizer
+from engine_api.pooling_params import PoolerConfig
+from engine_api.tokenizer import Tokenizer
 from gateway.config import GatewayConfig
 from gateway.server import GatewayServer
 from gateway.tokenization import load_chat_template
-from protos.auth import bearer_metadata
+from prefill_service.server import start_prefill_worker
 from protos.splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from serving.server import WorkerHandle, start_worker
+from rpc.auth import bearer_metadata
+from worker.server import WorkerHandle
 
 T = TypeVar("T")
+
+
+async def start_worker(config: EngineConfig, host: str, port: int, **kw: Any) -> WorkerHandle:
+    """A prefill, decode or colocated worker for `config`'s role, as `splitserve serve` starts
+    it; `kw` goes to that service's start function (options of the other role are dropped)."""
+    if config.scheduler.role == "prefill":
+        for name in ("kv_transports", "kv_tcp_streams"):
+            kw.pop(name, None)
+        return await start_prefill_worker(config, host, port, **kw)
+    for name in ("advertise_address", "kv_data_port"):
+        kw.pop(name, None)
+    return await start_decode_worker(config, host, port, **kw)
 
 HOST = "127.0.0.1"
 MAX_MODEL_LEN = 2048
@@ -221,7 +235,7 @@ def _gateway_config(workers: dict[str, WorkerHandle], colocated: bool,
 
 
 class _WithMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """Adds fixed metadata to every call of a sync channel (the aio side: protos/auth.py)."""
+    """Adds fixed metadata to every call of a sync channel (the aio side: rpc/auth.py)."""
 
     def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
         self._metadata = metadata

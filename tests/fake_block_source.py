@@ -1,6 +1,6 @@
 """Test fake: `CacheBlockSource`, a `KvBlockSource` over a bare KV cache tensor and a
 `LeaseTable` (tests/fake_lease.py), so the transport is tested without an engine. The services
-use the engine's own leases instead (serving/kv.py `EngineBlockSource`).
+use the engine's own leases instead (worker/kv.py `EngineBlockSource`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The attention warm-up covers every compiled form an eager step can pick, and runs
 (TRITON_INTERPRET=1, CPU: the interpreter compiles nothing, so only coverage and the launches
-themselves are checked here; on the GPU, bench/probe_tput.py logs the compiles of a run)."""
+themselves are checked here; on the GPU, tools/probes/probe_tput.py logs the compiles of a run)."""
 
 from __future__ import annotations
 

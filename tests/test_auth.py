@@ -1,4 +1,4 @@
-"""Authentication (protos/auth.py): the workers of the disaggregated e2e stack require the cluster
+"""Authentication (rpc/auth.py): the workers of the disaggregated e2e stack require the cluster
 secret (every disaggregated e2e test runs with it, KV pulls included); here, that calls without
 it are refused, health checks stay open, and the gateway's gRPC API takes its API key."""
 
@@ -18,15 +18,6 @@ from gateway_fakes import Harness, Script  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from gateway.config import GatewayConfig, GatewayConfigError  # noqa: E402
-from protos.auth import (  # noqa: E402
-    INTERNAL_TOKEN_ENV,
-    AuthConfigError,
-    BearerAuthInterceptor,
-    bearer_metadata,
-    client_interceptors,
-    has_secret,
-    internal_token_from_env,
-)
 from protos.splitserve.v1 import (  # noqa: E402
     common_pb2,
     decode_pb2,
@@ -37,6 +28,15 @@ from protos.splitserve.v1 import (  # noqa: E402
     kv_transfer_pb2_grpc,
     prefill_pb2,
     prefill_pb2_grpc,
+)
+from rpc.auth import (  # noqa: E402
+    INTERNAL_TOKEN_ENV,
+    AuthConfigError,
+    BearerAuthInterceptor,
+    bearer_metadata,
+    client_interceptors,
+    has_secret,
+    internal_token_from_env,
 )
 
 pytest_plugins = ["e2e_stack"]

@@ -11,8 +11,8 @@ from engine.llm import LLM
 from engine.llm_engine import EngineInputError
 from engine.loader.load import default_model_path
 from engine.request import Request
-from engine.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputs
-from engine.tokenizer import Tokenizer
+from engine_api.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputs
+from engine_api.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

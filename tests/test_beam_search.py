@@ -1,4 +1,4 @@
-"""Beam search (engine/beam_search.py, `LLM.beam_search`): the engine's search against a beam
+"""Beam search (engine_api/beam_search.py, `LLM.beam_search`): the engine's search against a beam
 search written here over `transformers`' full-recompute log-softmax on the same weights (the
 same rule: top 2 * beam_width candidates per beam, vLLM's length-penalized score), width 1
 against greedy decoding, EOS completing a beam, and parameter validation.
@@ -15,8 +15,8 @@ import torch
 from conftest import greedy, tiny_llm
 from transformers import PreTrainedModel
 
-from engine.beam_search import BeamSearch, BeamSearchParams, BeamSearchParamsError
 from engine.llm_engine import EngineInputError
+from engine_api.beam_search import BeamSearch, BeamSearchParams, BeamSearchParamsError
 
 PROMPTS = [[(11 * j + 5) % 380 + 2 for j in range(9)], [7, 300, 12, 99, 5]]
 

@@ -22,7 +22,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from bench import cli, h200_suite, merge_suite, offline, summarize_h200
+from bench import cli, offline
 from bench.metrics import (
     MetricsError,
     RequestRecord,
@@ -41,6 +41,7 @@ from bench.workloads import (
     random_requests,
     shared_prefix_requests,
 )
+from tools.gpu import h200_suite, merge_suite, summarize_h200
 
 # ---------------------------------------------------------------- metrics
 
@@ -389,7 +390,7 @@ class _FakeLLM:
 def test_cli_offline_throughput_and_latency_write_json(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    from engine.sampling_params import SamplingParams
+    from engine_api.sampling_params import SamplingParams
 
     monkeypatch.setattr(offline, "_engine_attr",
                         {"LLM": _FakeLLM, "SamplingParams": SamplingParams}.__getitem__)
@@ -551,8 +552,8 @@ def test_hf_baseline_tiny_on_cpu() -> None:
 
 
 def test_probe_kernel_totals_and_ttft_split() -> None:
-    from bench.probe_ttft import _analyse
-    from bench.profiling import rank_by_name
+    from tools.probes.probe_ttft import _analyse
+    from tools.profiling import rank_by_name
 
     assert rank_by_name([("x", 1.0), ("y", 3.0), ("x", 1.5)], rows=2) == [
         {"name": "y", "calls": 1, "ms": 3.0}, {"name": "x", "calls": 2, "ms": 2.5}]
@@ -569,7 +570,7 @@ def test_probe_kernel_totals_and_ttft_split() -> None:
 def test_gc_pauses_counts_collections() -> None:
     import gc
 
-    from bench.profiling import GcPauses
+    from tools.profiling import GcPauses
 
     with GcPauses() as pauses:
         gc.collect()
@@ -604,9 +605,9 @@ def test_synthetic_tokenizer_decodes_every_id_of_the_model(tmp_path: Path) -> No
     """The tokenizer written for dummy weights: each id in [0, vocab) is one distinct token,
     the special tokens sit at Llama 3's ids, and the engine's tokenizer and incremental
     detokenizer decode generated ids to the text of their tokens."""
-    from bench import synthetic_tokenizer
-    from engine.detokenizer import IncrementalDetokenizer
-    from engine.tokenizer import Tokenizer
+    from engine_api.detokenizer import IncrementalDetokenizer
+    from engine_api.tokenizer import Tokenizer
+    from tools import synthetic_tokenizer
 
     vocab = synthetic_tokenizer.build_vocab(128256, seed=3)
     assert sorted(vocab.values()) == list(range(128256))
@@ -629,10 +630,10 @@ def test_synthetic_tokenizer_decodes_every_id_of_the_model(tmp_path: Path) -> No
 
 
 def test_probe_accuracy_compares_variants_with_the_reference(tmp_path: Path) -> None:
-    """bench/probe_accuracy.py: a variant configured as the reference is the reference (top-1
+    """tools/probes/probe_accuracy.py: a variant configured as the reference is the reference (top-1
     1.0, zero error and KL); an int8 KV cache moves the logits a little; a pair compares two
     variants' own logits (int8 against the reference's twin gives int8's own figures)."""
-    from bench import probe_accuracy
+    from tools.probes import probe_accuracy
 
     out = tmp_path / "acc.json"
     assert probe_accuracy.main([
@@ -668,7 +669,7 @@ def test_requests_pick_lora_adapters_at_random_and_name_them_as_the_model() -> N
 
 def test_cli_offline_lora_modules_reach_the_engine(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.sampling_params import SamplingParams
+    from engine_api.sampling_params import SamplingParams
 
     seen: dict[str, Any] = {}
 

@@ -9,10 +9,10 @@ import statistics
 
 import pytest
 
-from bench.probe_block_runs import simulate
 from engine.cli_args import add_engine_args, engine_config_from_args
 from engine.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from engine.kv.block_pool import BlockPool, RunKeepingBlockPool
+from tools.probes.probe_block_runs import simulate
 
 
 def _life(pool: BlockPool, shared_prefixes: int = 0,

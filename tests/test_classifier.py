@@ -21,12 +21,12 @@ import torch
 from conftest import TINY_ARCH, _randomize, greedy, tiny_llm
 from transformers import Qwen3Config, Qwen3ForSequenceClassification
 
-from engine.classifier import probabilities
-from engine.config import ConfigError, ModelConfig, PoolerConfig
+from engine.config import ConfigError, ModelConfig
 from engine.llm import LLM
 from engine.llm_engine import EngineInputError
-from engine.pooling_params import PoolingParams
-from engine.sampling_params import SamplingParams
+from engine_api.classify import probabilities
+from engine_api.pooling_params import PoolerConfig, PoolingParams
+from engine_api.sampling_params import SamplingParams
 
 PROMPTS = [[(11 * j + 5) % 380 + 2 for j in range(29)], [7, 300, 12, 99, 5], [42],
            [(13 * j + 1) % 380 + 2 for j in range(17)]]

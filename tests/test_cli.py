@@ -39,7 +39,7 @@ def test_generate_rejects_bad_sampling_with_a_named_field() -> None:
 
 def test_serve_gateway_role_does_not_import_torch() -> None:
     code = ("import sys; from splitserve.cli import main; "
-            "import serving.worker_main as w; print('torch' in sys.modules)")
+            "import splitserve.serve as w; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr

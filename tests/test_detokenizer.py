@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.detokenizer import IncrementalDetokenizer
 from engine.loader.load import default_model_path
-from engine.tokenizer import Tokenizer
+from engine_api.detokenizer import IncrementalDetokenizer
+from engine_api.tokenizer import Tokenizer
 
 MULTILINGUAL = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",

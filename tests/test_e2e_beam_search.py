@@ -15,8 +15,8 @@ pytest.register_assert_rewrite("e2e_stack")  # before the import below: its asse
 from e2e_stack import MODEL_NAME, Stack  # noqa: E402
 from openai import OpenAI  # noqa: E402
 
-from engine.beam_search import BeamSearchParams  # noqa: E402
 from engine.llm import LLM  # noqa: E402
+from engine_api.beam_search import BeamSearchParams  # noqa: E402
 
 pytest_plugins = ["e2e_stack"]
 pytestmark = pytest.mark.slow

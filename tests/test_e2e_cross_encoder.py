@@ -21,8 +21,8 @@ pytest.register_assert_rewrite("e2e_stack")  # before the import below: its asse
 import grpc  # noqa: E402
 from e2e_stack import MODEL_NAME, LoopThread, Stack, start_stack  # noqa: E402
 
-from engine.config import PoolerConfig  # noqa: E402
 from engine.llm import LLM  # noqa: E402
+from engine_api.pooling_params import PoolerConfig  # noqa: E402
 from protos.splitserve.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 
 pytest_plugins = ["e2e_stack"]

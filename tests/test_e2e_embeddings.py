@@ -21,8 +21,8 @@ from e2e_stack import MAX_MODEL_LEN, MODEL_NAME, Stack  # noqa: E402
 from openai import BadRequestError, NotFoundError, OpenAI  # noqa: E402
 
 from engine.llm import LLM  # noqa: E402
-from engine.pooling_params import PoolingParams  # noqa: E402
-from engine.tokenizer import Tokenizer  # noqa: E402
+from engine_api.pooling_params import PoolingParams  # noqa: E402
+from engine_api.tokenizer import Tokenizer  # noqa: E402
 from protos.splitserve.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 
 pytest_plugins = ["e2e_stack"]

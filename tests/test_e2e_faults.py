@@ -39,7 +39,6 @@ from e2e_stack import (  # noqa: E402
 from gateway.config import GatewayConfig  # noqa: E402
 from gateway.server import GatewayServer  # noqa: E402
 from kv_transfer.grpc_transport import MAX_FRAGMENT_BYTES, channel_options  # noqa: E402
-from protos.auth import bearer_metadata  # noqa: E402
 from protos.splitserve.v1 import (  # noqa: E402
     common_pb2,
     decode_pb2,
@@ -51,6 +50,7 @@ from protos.splitserve.v1 import (  # noqa: E402
     prefill_pb2,
     prefill_pb2_grpc,
 )
+from rpc.auth import bearer_metadata  # noqa: E402
 
 pytest_plugins = ["e2e_stack"]
 pytestmark = pytest.mark.slow

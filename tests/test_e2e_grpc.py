@@ -11,7 +11,7 @@ pytest.register_assert_rewrite("e2e_stack")  # before the import below: its asse
 
 from e2e_stack import MAX_MODEL_LEN, MODEL_NAME, Stack, generate, greedy_sampling  # noqa: E402
 
-from engine.tokenizer import Tokenizer  # noqa: E402
+from engine_api.tokenizer import Tokenizer  # noqa: E402
 from protos.splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc  # noqa: E402
 
 pytest_plugins = ["e2e_stack"]

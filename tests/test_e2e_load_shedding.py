@@ -33,6 +33,7 @@ from e2e_stack import (  # noqa: E402
     engine_config,
     extra_gateway,
     generate,
+    start_worker,
     wait_healthy,
     worker_channel,
 )
@@ -46,7 +47,7 @@ from engine.config import EngineConfig, Role  # noqa: E402
 from gateway.config import GatewayConfig  # noqa: E402
 from gateway.server import GatewayServer  # noqa: E402
 from protos.splitserve.v1 import common_pb2, prefill_pb2_grpc  # noqa: E402
-from serving.server import WorkerHandle, start_worker  # noqa: E402
+from worker.server import WorkerHandle  # noqa: E402
 
 pytest_plugins = ["e2e_stack"]
 slow = pytest.mark.slow

@@ -22,7 +22,7 @@ from engine.config import LoadConfig, LoRAConfig  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.loader import load_model_source  # noqa: E402
 from engine.lora.adapter import TARGETS  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine_api.sampling_params import SamplingParams  # noqa: E402
 from protos.splitserve.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
 
 pytest_plugins = ["e2e_stack"]

@@ -34,11 +34,11 @@ from e2e_stack import (  # noqa: E402
     extra_gateway,
     greedy_sampling,
     start_stack,
+    start_worker,
     worker_channel,
 )
 from openai import NotFoundError, OpenAI, RateLimitError  # noqa: E402
 
-from bench.gpu_lora_check import write_adapter  # noqa: E402
 from engine.config import LoadConfig, LoRAConfig  # noqa: E402
 from engine.loader import load_model_source  # noqa: E402
 from engine.lora.adapter import TARGETS  # noqa: E402
@@ -51,7 +51,8 @@ from protos.splitserve.v1 import (  # noqa: E402
     gateway_pb2_grpc,
     prefill_pb2_grpc,
 )
-from serving.server import WorkerHandle, start_worker  # noqa: E402
+from tools.gpu.gpu_lora_check import write_adapter  # noqa: E402
+from worker.server import WorkerHandle  # noqa: E402
 
 pytest_plugins = ["e2e_stack"]
 pytestmark = pytest.mark.slow

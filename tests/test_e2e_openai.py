@@ -10,7 +10,7 @@ from e2e_stack import MODEL_NAME, Stack  # noqa: E402
 from openai import OpenAI  # noqa: E402
 from openai.types.chat import ChatCompletionMessageParam  # noqa: E402
 
-from engine.tokenizer import Tokenizer  # noqa: E402
+from engine_api.tokenizer import Tokenizer  # noqa: E402
 
 pytest_plugins = ["e2e_stack"]
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ pytest.register_assert_rewrite("e2e_stack")
 from e2e_stack import MODEL_NAME, Stack, generate  # noqa: E402
 from openai import OpenAI  # noqa: E402
 
-from serving.kv import GrpcKvLoader  # noqa: E402
+from worker.kv import GrpcKvLoader  # noqa: E402
 
 pytest_plugins = ["e2e_stack"]
 pytestmark = pytest.mark.slow

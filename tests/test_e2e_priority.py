@@ -36,6 +36,7 @@ from e2e_stack import (  # noqa: E402
     LoopThread,
     Stack,
     greedy_sampling,
+    start_worker,
     wait_healthy,
 )
 from openai import BadRequestError, OpenAI  # noqa: E402
@@ -44,10 +45,10 @@ from engine.cli_args import engine_config_from_args  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from gateway.server import GatewayServer  # noqa: E402
 from protos.splitserve.v1 import gateway_pb2, gateway_pb2_grpc  # noqa: E402
-from serving.server import WorkerHandle, start_worker  # noqa: E402
-from serving.worker_main import build_serve_parser  # noqa: E402
+from splitserve.serve import build_serve_parser  # noqa: E402
 from splitserve.up import build_parser as up_parser  # noqa: E402
 from splitserve.up import service_argv  # noqa: E402
+from worker.server import WorkerHandle  # noqa: E402
 
 pytest_plugins = ["e2e_stack"]
 pytestmark = pytest.mark.slow

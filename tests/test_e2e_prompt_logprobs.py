@@ -18,7 +18,7 @@ from e2e_stack import MODEL_NAME, Stack  # noqa: E402
 from openai import BadRequestError, OpenAI  # noqa: E402
 
 from engine.llm import LLM  # noqa: E402
-from engine.tokenizer import Tokenizer  # noqa: E402
+from engine_api.tokenizer import Tokenizer  # noqa: E402
 from protos.splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc  # noqa: E402
 
 pytest_plugins = ["e2e_stack"]

@@ -14,7 +14,7 @@ import torch  # noqa: E402
 from e2e_stack import MODEL_NAME, Stack  # noqa: E402
 
 from engine.llm import LLM  # noqa: E402
-from engine.tokenizer import Tokenizer  # noqa: E402
+from engine_api.tokenizer import Tokenizer  # noqa: E402
 
 pytest_plugins = ["e2e_stack"]
 pytestmark = pytest.mark.slow

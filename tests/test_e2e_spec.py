@@ -28,6 +28,7 @@ from e2e_stack import (  # noqa: E402
     generate_many,
     greedy_sampling,
     start_stack,
+    start_worker,
     wait_engines_idle,
 )
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -40,7 +41,7 @@ from engine.config import (  # noqa: E402
     SpeculativeConfig,
 )
 from engine.loader.load import default_model_path  # noqa: E402
-from engine.tokenizer import Tokenizer  # noqa: E402
+from engine_api.tokenizer import Tokenizer  # noqa: E402
 from gateway.config import GatewayConfig  # noqa: E402
 from gateway.server import GatewayServer  # noqa: E402
 from protos.splitserve.v1 import (  # noqa: E402
@@ -50,7 +51,7 @@ from protos.splitserve.v1 import (  # noqa: E402
     gateway_pb2,
     gateway_pb2_grpc,
 )
-from serving.server import WorkerHandle, start_worker  # noqa: E402
+from worker.server import WorkerHandle  # noqa: E402
 
 pytest_plugins = ["e2e_stack"]
 pytestmark = pytest.mark.slow

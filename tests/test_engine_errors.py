@@ -13,7 +13,7 @@ from conftest import greedy, tiny_llm
 from engine.llm import LLM
 from engine.llm_engine import EngineInputError
 from engine.loader import ModelLoadError
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine_api.sampling_params import SamplingParams, SamplingParamsError
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ def test_engine_start_freezes_its_heap() -> None:
 
 
 def test_engine_start_makes_full_collections_rarer() -> None:
-    """A full collection walks every live request's token lists (bench/probe_gc.py): by default
+    """A full collection walks every live request's token lists (tools/probes/probe_gc.py): by default
     the engine keeps CPython's young thresholds and raises the old generation's; `gc_threshold`
     sets others, None leaves them."""
     gc.set_threshold(700, 10, 10)

@@ -3,7 +3,7 @@ against the float32 cache, block read/write with saturation, disaggregated trans
 (that and the wire also for int8, whose own tests are in tests/test_int8_kv.py).
 
 The Triton kernels' fp8 paths are tested in tests/test_kernels.py (interpreter) and on the GPU by
-bench/gpu_kernels_check.py.
+tools/gpu/gpu_kernels_check.py.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from kv_transfer.connector import GrpcPullConnector, KvHandle, LoadResult
 from kv_transfer.grpc_transport import KvTransferServicer, channel_options
 from kv_transfer.wire import decode_block, encode_block
 from protos.splitserve.v1 import kv_transfer_pb2_grpc
-from serving.kv import RunnerSink, block_spec, kv_scales
+from worker.kv import RunnerSink, block_spec, kv_scales
 
 FP8 = torch.float8_e4m3fn
 

@@ -22,7 +22,7 @@ from engine.attention.kv_quant import FP8_KV_DTYPE as FP8_DTYPE
 from engine.config import ConfigError
 from engine.kernels.reference import per_token_quant_fp8_ref
 from engine.model.quant import Fp8Linear, quantize_weight_fp8
-from engine.sampling_params import SamplingParams
+from engine_api.sampling_params import SamplingParams
 
 K = interpreted_kernels()
 from engine.kernels import quant_fp8  # noqa: E402 - loaded (interpreted) above

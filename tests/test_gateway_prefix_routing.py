@@ -10,10 +10,10 @@ from typing import Literal
 
 import grpc
 
-from engine.kv.hashing import model_fingerprint, root_hash
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine_api.hashing import model_fingerprint, root_hash
+from engine_api.sampling_params import SamplingParams
 from gateway.prefix_index import PrefixIndex, prompt_block_hashes
 from gateway.router import Worker, WorkerPool
 from protos.splitserve.v1 import common_pb2
@@ -182,12 +182,12 @@ async def test_adapter_requests_route_by_the_adapters_own_prefix(
     workers serving the adapter."""
     from conftest import greedy, tiny_llm
 
-    from bench.gpu_lora_check import write_adapter
     from engine.async_engine import AsyncEngine
     from engine.config import LoadConfig
     from engine.loader import load_model_source
     from engine.lora.adapter import ATTENTION_TARGETS
-    from serving.common import EngineBound
+    from tools.gpu.gpu_lora_check import write_adapter
+    from worker.common import EngineBound
 
     path = tiny_model_dirs["llama"]
     cfg = load_model_source(LoadConfig(model=str(path))).config

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from gateway_fakes import MODEL_NAME, Harness, Script, smollm2_tokenizer
 
-from engine.tokenizer import Tokenizer
+from engine_api.tokenizer import Tokenizer
 
 BOS = "<|im_start|>"
 TEMPLATE = ("{% for d in documents or [] %}[{{ d.title }}: {{ d.text }}]{% endfor %}"

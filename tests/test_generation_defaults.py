@@ -14,12 +14,12 @@ import pytest
 from conftest import greedy, tiny_llm
 from gateway_fakes import MODEL_NAME, Harness, Script, smollm2_tokenizer
 
-from engine.generation_defaults import (
+from engine.llm_engine import EngineInputError
+from engine_api.generation_defaults import (
     GenerationConfigError,
     resolve_sampling_defaults,
     sampling_defaults,
 )
-from engine.llm_engine import EngineInputError
 from gateway.config import GatewayConfigError
 
 

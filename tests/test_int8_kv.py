@@ -2,7 +2,7 @@
 accuracy against the float32 cache, block read/write with re-quantization.
 
 The Triton kernels' int8 paths are tested in tests/test_kernels.py and tests/test_rope_kv_write.py
-(interpreter) and on the GPU by bench/gpu_kernels_check.py; the wire and the disaggregated pull
+(interpreter) and on the GPU by tools/gpu/gpu_kernels_check.py; the wire and the disaggregated pull
 in tests/test_fp8_kv.py (parametrized over fp8 and int8).
 """
 
@@ -284,7 +284,7 @@ def test_kv_scales_command_calibrates_on_a_text(tmp_path: Path, smollm2: LLM) ->
 
 def test_prefill_logits_are_the_engines_teacher_forced_logits(
         tiny_model_dirs: dict[str, Path]) -> None:
-    """`ModelRunner.prefill_logits` (bench/probe_accuracy.py) is the engine's own forward:
+    """`ModelRunner.prefill_logits` (tools/probes/probe_accuracy.py) is the engine's own forward:
     one prefill over a scratch cache gives every position's logits as the scheduled engine
     computes them (the float cache exactly; int8 reading back its own quantized K/V)."""
     tokens = [(5 * i + 2) % 384 for i in range(24)]

@@ -119,7 +119,7 @@ def test_dequantize_int8_rounds_each_product_once(dtype: torch.dtype) -> None:
     want = (q.float() * scale[:, None]).to(dtype)
     if dtype == torch.bfloat16:
         # The interpreter narrows float32 to bf16 by truncation, the GPU to nearest
-        # (bench/gpu_kernels_check.py checks it bitwise there): at most one bf16 step apart.
+        # (tools/gpu/gpu_kernels_check.py checks it bitwise there): at most one bf16 step apart.
         step = want.float().abs() * 2.0 ** -7
         assert bool(((got.float() - want.float()).abs() <= step).all())
     else:

@@ -266,7 +266,7 @@ def drain_seconds(role: str) -> float:
     if role == "gateway":
         # GatewayServer.stop: uvicorn drains for shutdown_grace_s, then gRPC stop(grace).
         return 2 * _gateway_shutdown_grace()
-    return _grace_default(ROOT / "serving" / "server.py", "stop")
+    return _grace_default(ROOT / "worker" / "server.py", "stop")
 
 
 def prestop_sleep(c: Obj) -> float:
@@ -510,8 +510,8 @@ def check_args_parse(objs: list[Obj]) -> None:
     from engine.cli_args import engine_config_from_args
     from gateway.server import build_parser as gateway_parser
     from gateway.server import config_from_args
-    from serving.worker_main import build_parser as worker_parser
-    from serving.worker_main import tier_config_from_args
+    from splitserve.serve import build_parser as worker_parser
+    from worker.cli_args import tier_config_from_args
 
     for dep in of_kind(objs, "Deployment"):
         c = containers(dep)[0]
@@ -519,7 +519,7 @@ def check_args_parse(objs: list[Obj]) -> None:
         argv = [expand(str(a), env) for a in c.get("command", []) + c.get("args", [])]
         assert argv[0] == "serve", f"{name(dep)}: args must start with the `serve` subcommand"
         role = component(dep)
-        # worker_main dispatches the gateway on the two tokens `--role gateway`.
+        # `splitserve serve` dispatches the gateway on the two tokens `--role gateway`.
         assert argv[1:3] == ["--role", role], f"{name(dep)}: write `--role`, `{role}` as two args"
         if role == "gateway":
             parsed = gateway_parser().parse_args(argv[3:])
@@ -744,7 +744,7 @@ def test_rendered_gateway_tool_call_parser(overlay: str, parser: str | None) -> 
 def worker_engine_configs(objs: list[Obj]) -> dict[str, Any]:
     """Each worker pool's engine config, from its expanded args through the real parser."""
     from engine.cli_args import engine_config_from_args
-    from serving.worker_main import build_parser as worker_parser
+    from splitserve.serve import build_parser as worker_parser
 
     out = {}
     for dep in of_kind(objs, "Deployment"):

@@ -112,11 +112,11 @@ def test_the_stack_through_the_kernel_equals_its_torch_path() -> None:
     from pathlib import Path
     from tempfile import TemporaryDirectory
 
-    from bench.gpu_lora_check import write_adapter
     from engine.config import ModelConfig
     from engine.lora import LoRABatch, LoRAStack, load_adapter
     from engine.lora.adapter import TARGETS
     from engine.lora.stack import FUSED_PARTS
+    from tools.gpu.gpu_lora_check import write_adapter
 
     cfg = ModelConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, vocab_size=100)

@@ -205,7 +205,7 @@ def test_a_kv_load_lands_after_a_stale_write_from_a_launched_step(way: str, fenc
     that write, not before it (`ModelRunner.fence_kv_loads`).
 
     The unfenced case is the control: without the fence the side stream's copy does not wait
-    for the step stream, and the stale write lands last (bench/probe_side_stream_order.py on
+    for the step stream, and the stale write lands last (tools/probes/probe_side_stream_order.py on
     the H200: the copy done ~100 ms before the fill). The first DMA call of a process did wait
     (lazy loading synchronizes), which hid that from this test until it warmed up first."""
     from engine import LLM

@@ -17,7 +17,7 @@ from fake_block_source import CacheBlockSource
 from fake_lease import Lease, LeaseError, LeaseTable
 
 import kv_transfer.connector as connector_module
-from engine.kv.hashing import prompt_hash
+from engine_api.hashing import prompt_hash
 from kv_transfer import grpc_transport
 from kv_transfer.connector import GrpcPullConnector, KvHandle, LoadResult
 from kv_transfer.cuda_ipc import CacheExport, CacheImporter, device_uuid, local_device
@@ -35,8 +35,8 @@ from kv_transfer.grpc_transport import (
 from kv_transfer.shm import SHM_DIR, SHM_PREFIX, ShmError, ShmSegment
 from kv_transfer.tcp import KvDataServer
 from kv_transfer.wire import BlockSpec, DecodedBlock, encode_block
-from protos.channels import ChannelCache
 from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from rpc.channels import ChannelCache
 
 FP = hashlib.sha256(b"model-a").digest()
 NUM_CACHE_BLOCKS = 8
@@ -601,7 +601,7 @@ async def test_cuda_ipc_is_refused_off_the_gpu_and_the_connector_falls_back(
     """A prefill worker whose cache is not on a GPU answers PullBlocksIpc FAILED_PRECONDITION; a
     puller without a GPU never asks; a sink on a GPU the prefill worker does not share falls
     back to shared memory for that worker, and does not ask it again. (The IPC copy itself
-    needs two processes on one GPU: bench/probe_kv_transport.py checks it on the H200.)"""
+    needs two processes on one GPU: tools/probes/probe_kv_transport.py checks it on the H200.)"""
     worker.grant()
     spec = worker.source.spec
     async with grpc.aio.insecure_channel(worker.address) as channel:

@@ -28,8 +28,8 @@ from engine.config import SchedulerConfig
 from engine.dma_copy import block_runs
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.request import RemoteKv, Request, RequestStatus
-from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken, Scheduler, SchedulerOutput
+from engine_api.sampling_params import SamplingParams
 
 BS = 4
 NUM_BLOCKS = 10
@@ -470,7 +470,7 @@ def test_block_hashes_are_the_chained_block_hash(tokens: list[int], block_size: 
                                                  reuse: int) -> None:
     """The packed fast path equals the definition (`block_hash` chained from the root), also
     when it extends an existing prefix of hashes."""
-    from engine.kv.hashing import block_hash, compute_block_hashes
+    from engine_api.hashing import block_hash, compute_block_hashes
 
     root = bytes(range(32))
     want, parent = [], root

@@ -12,7 +12,7 @@ import pytest
 from engine.async_engine import AsyncEngine, EngineOverloadedError
 from engine.config import ConfigError, EngineConfig, LoadConfig, RunnerConfig, SchedulerConfig
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine_api.sampling_params import SamplingParams
 
 PROMPTS = [[5, 17, 99, 3, 250, 7], [42, 8, 300, 11, 4], [9, 9, 120, 33, 61, 2, 18]]
 

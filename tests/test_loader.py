@@ -473,7 +473,7 @@ def test_smollm2_gguf_matches_transformers() -> None:
 def test_gguf_reader_reads_what_the_stock_reader_reads() -> None:
     """open_gguf's plain-view reader: every field (types, parts, decoded value) and every tensor
     (type, shape, offset, bytes) of the default model equal gguf.GGUFReader's."""
-    from engine.loader.gguf_meta import open_gguf
+    from engine_api.gguf_meta import open_gguf
 
     path = default_model_path()
     ours, stock = open_gguf(path), gguf.GGUFReader(path, "r")
@@ -497,7 +497,7 @@ def test_gguf_metadata_is_read_once_per_version_of_the_file(tmp_path: Path) -> N
     """`read_metadata` holds every field's value as the stock reader decodes it; the weights'
     reader that skips the fields (to where the metadata said the tensors start) has the same
     tensors as the stock reader; a changed file is read again."""
-    from engine.loader.gguf_meta import open_gguf, read_metadata
+    from engine_api.gguf_meta import open_gguf, read_metadata
 
     path = str(tmp_path / "model.gguf")
     shutil.copyfile(default_model_path(), path)

@@ -18,11 +18,11 @@ import torch
 from conftest import greedy, run_to_end, tiny_llm
 from transformers import PreTrainedModel
 
-from bench.gpu_lora_check import write_adapter
 from engine.config import ConfigError
 from engine.llm_engine import EngineInputError
 from engine.lora import LoRAError, LoRARequest
 from engine.lora.adapter import TARGETS
+from tools.gpu.gpu_lora_check import write_adapter
 
 ATOL = RTOL = 1e-4
 PROMPTS = {"base": [5, 17, 99, 3, 250, 7, 42, 8, 300, 11],

@@ -2,7 +2,7 @@
 static buffers (`capture=False`), so what is checked is the layout: where the layers are cut
 around attention, the buffers handed between pieces, padding rows up to a bucket, and which
 steps the runner sends through it. Capture itself is checked on the GPU
-(bench/gpu_engine_check.py compares every configuration with the torch path there)."""
+(tools/gpu/gpu_engine_check.py compares every configuration with the torch path there)."""
 
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ from engine.llm import LLM
 from engine.llm_engine import EngineInputError
 from engine.request import Request, RequestStatus
 from engine.request_queue import WaitingQueue, insert_running, priority_key
-from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken, Scheduler, SchedulerOutput
+from engine_api.sampling_params import SamplingParams
 
 BS = 4
 ROOT = b"\x03" * 32

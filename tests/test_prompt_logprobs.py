@@ -18,7 +18,7 @@ from engine import SamplingParams
 from engine.llm_engine import EngineInputError
 from engine.outputs import RequestOutput
 from engine.request import RemoteKv, TokenLogprob
-from engine.sampling_params import SamplingParamsError
+from engine_api.sampling_params import SamplingParamsError
 
 PROMPT = [(11 * j + 5) % 380 + 2 for j in range(37)]
 OTHER = [(13 * j + 1) % 380 + 2 for j in range(21)]

@@ -19,7 +19,7 @@ import pytest
 from gateway_fakes import MODEL_NAME, Harness, Script, smollm2_tokenizer
 from openai import OpenAI
 
-from engine.chat_template import compile_template
+from engine_api.chat_template import compile_template
 from gateway.tokenization import MAX_REQUEST_CHAT_TEMPLATE_BYTES
 from protos.splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 

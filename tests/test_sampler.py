@@ -11,7 +11,7 @@ import torch
 from engine.penalties import penalties_reference as apply_penalties
 from engine.request import Request
 from engine.sampler import Sampler, argmax_rows, filter_probs
-from engine.sampling_params import SamplingParams
+from engine_api.sampling_params import SamplingParams
 
 V = 32
 

@@ -15,8 +15,8 @@ from engine.kv.kv_cache_manager import KVCacheManager
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.request import RemoteKv, Request, RequestStatus
-from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken, Scheduler, SchedulerOutput
+from engine_api.sampling_params import SamplingParams
 
 BS = 4
 ROOT = b"\x02" * 32

@@ -19,8 +19,8 @@ from engine.attention.kv_quant import quantize_fp8
 from engine.attention.prefill_plan import plan_prefill
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.attention.triton_backend import TritonAttentionBackend
-from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken
+from engine_api.sampling_params import SamplingParams
 
 H, HKV, D, BS = 4, 2, 16, 16
 LONG = sdpa_prefill.MIN_FRESH_PREFILL_TOKENS

@@ -26,7 +26,7 @@ from gateway.spec_policy import (
     worker_load,
 )
 from protos.splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from serving.worker_main import build_serve_parser
+from splitserve.serve import build_serve_parser
 from splitserve.up import build_parser as up_parser
 from splitserve.up import service_argv
 

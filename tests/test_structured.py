@@ -20,11 +20,11 @@ from engine import LLM, SamplingParams
 from engine.llm_engine import EngineInputError
 from engine.request import Request
 from engine.sampler import mask_logits
-from engine.sampling_params import SamplingParamsError, StructuredOutputs
 from engine.structured import choice_grammar, pack_bits
-from engine.tokenizer import _bytes_to_unicode
 from engine.utf8_state import BOUNDARY
 from engine.utf8_state import step as utf8_step
+from engine_api.sampling_params import SamplingParamsError, StructuredOutputs
+from engine_api.tokenizer import _bytes_to_unicode
 
 pytestmark = pytest.mark.slow
 
@@ -426,7 +426,7 @@ def test_wire_round_trip(spec: StructuredOutputs) -> None:
     from gateway.structured import structured_from_proto as from_client
     from gateway.structured import structured_to_proto
     from protos.splitserve.v1 import common_pb2
-    from serving.convert import structured_from_proto as from_gateway
+    from worker.convert import structured_from_proto as from_gateway
 
     proto = common_pb2.SamplingParams()
     structured_to_proto(spec, proto.structured_outputs)

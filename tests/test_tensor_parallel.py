@@ -28,7 +28,7 @@ from engine.llm import LLM
 from engine.parallel.driver import WorkerFailed
 from engine.parallel.protocol import HEADER_FIELDS, Op, pack, unpack
 from engine.parallel.shard import TensorShard, shard_model_config, shard_weight
-from engine.sampling_params import SamplingParams
+from engine_api.sampling_params import SamplingParams
 
 ATOL = RTOL = 1e-4
 NUM_DECODE = 5

@@ -1,4 +1,4 @@
-"""The CPU/Redis prefix tiers under a prefill worker (serving/tier_cache.py): two real prefill
+"""The CPU/Redis prefix tiers under a prefill worker (worker/tier_cache.py): two real prefill
 workers on 127.0.0.1 with separate GPU caches and CPU tiers, sharing the real Redis.
 
 Worker A prefills a prompt and saves its full blocks; worker B, which never saw the prompt,
@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 import pytest
 import pytest_asyncio
+from e2e_stack import start_worker
 from redis import asyncio as aioredis
 
 from engine.config import (
@@ -38,9 +39,9 @@ from protos.splitserve.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from serving import tier_cache
-from serving.server import WorkerHandle, start_worker
-from serving.tier_cache import TierBlocks, TierConfig, TierPrefixCache
+from worker import tier_cache
+from worker.server import WorkerHandle
+from worker.tier_cache import TierBlocks, TierConfig, TierPrefixCache
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 BLOCK_SIZE = 4

@@ -1,4 +1,4 @@
-"""Mutual TLS between the services (protos/tls.py): a real CA and certificates made with the
+"""Mutual TLS between the services (rpc/tls.py): a real CA and certificates made with the
 `openssl` command, real gRPC servers on 127.0.0.1, and the whole stack under `splitserve up`."""
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from test_up import ROOT, _alive, _free_ports, complete_greedy
 from kv_transfer.connector import GrpcPullConnector, LoadResult
 from kv_transfer.grpc_transport import KvTransferServicer, pull_all, pull_blocks_tcp
 from kv_transfer.tcp import TcpTransferError, TcpUnavailable, receive_blocks
-from protos import tls
 from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from rpc import tls
 
 SERVER_NAME = tls.DEFAULT_SERVER_NAME
 
@@ -130,7 +130,7 @@ async def test_kv_data_port_over_mutual_tls_and_nothing_else(
     assert paths is not None and paths.server_name == SERVER_NAME
     w = await start_worker(data_port=True, tls=paths.server_context())
     # start_worker binds its gRPC port in plaintext; the TLS under test is the data port's.
-    for module in ("kv_transfer.grpc_transport", "protos.channels"):
+    for module in ("kv_transfer.grpc_transport", "rpc.channels"):
         monkeypatch.setattr(f"{module}.internal_channel",
                             lambda target, **kw: grpc.aio.insecure_channel(target, **kw))
     try:

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from engine.chat_template import ChatTemplateError, render_chat_template
-from engine.loader.errors import ModelLoadError
 from engine.loader.load import default_model_path
-from engine.tokenizer import Tokenizer
+from engine_api.chat_template import ChatTemplateError, render_chat_template
+from engine_api.errors import ModelLoadError
+from engine_api.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world",
@@ -164,7 +164,7 @@ def test_missing_and_bad_files(tmp_path: Path) -> None:
 
 
 def test_import_is_torch_free() -> None:
-    code = ("import sys, engine.tokenizer, engine.detokenizer, engine.chat_template; "
+    code = ("import sys, engine_api.tokenizer, engine_api.detokenizer, engine_api.chat_template; "
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; "
             "assert not bad, bad")
     root = Path(__file__).resolve().parents[1]
@@ -260,7 +260,7 @@ def test_an_engine_runs_on_a_sentencepiece_gguf(spm_gguf: str) -> None:
     """The engine loads the file (weights and vocabulary), streams text, and a structured-output
     constraint compiles against the SentencePiece vocabulary and holds (random weights)."""
     from engine import LLM, SamplingParams
-    from engine.sampling_params import StructuredOutputs
+    from engine_api.sampling_params import StructuredOutputs
 
     llm = LLM(spm_gguf, device="cpu", max_model_len=128, num_gpu_blocks=32)
     free = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

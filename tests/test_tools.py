@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from xgrammar.testing import _is_grammar_accept_string
 
-from engine.chat_template import render_chat_template
+from engine_api.chat_template import render_chat_template
 from gateway.config import GatewayConfig, GatewayConfigError
 from gateway.errors import GatewayError
 from gateway.openai_protocol import ChatCompletionRequest, chat_messages
@@ -471,7 +471,7 @@ def test_flags_reach_the_gateway_config() -> None:
     """`splitserve up` hands --chat-template and --tool-call-parser to the gateway, whose
     config then holds the template's text; the colocated role takes the same flags."""
     from gateway.server import build_parser, config_from_args
-    from serving.worker_main import build_serve_parser
+    from splitserve.serve import build_serve_parser
     from splitserve.up import build_parser as up_parser
     from splitserve.up import service_argv
 

@@ -9,8 +9,8 @@ import pytest
 from conftest import greedy
 
 from engine.llm import LLM
-from engine.pooling_params import PoolingParams, PoolingParamsError
-from engine.sampling_params import SamplingParams, SamplingParamsError, truncate_prompt
+from engine_api.pooling_params import PoolingParams, PoolingParamsError
+from engine_api.sampling_params import SamplingParams, SamplingParamsError, truncate_prompt
 
 PROMPT = [5, 17, 99, 3, 250, 7, 42, 8, 300, 11, 4, 61]
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from engine_api.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -125,7 +125,7 @@ def test_the_served_model_name_follows_the_model_not_the_tokenizer(
     from gateway.config import served_model_name_for
     from gateway.server import build_parser as gateway_parser
     from gateway.server import config_from_args
-    from serving.worker_main import build_serve_parser
+    from splitserve.serve import build_serve_parser
     from splitserve.up import build_parser, service_argv
 
     args, engine_args = build_parser().parse_known_args(argv)
@@ -139,7 +139,7 @@ def test_the_served_model_name_follows_the_model_not_the_tokenizer(
 
 
 def test_kv_transports_flag_orders_and_always_keeps_the_stream() -> None:
-    from serving.worker_main import build_serve_parser
+    from splitserve.serve import build_serve_parser
 
     parse = build_serve_parser().parse_args
     assert parse(["--role", "decode"]).kv_transports == ("ipc", "tcp", "shm", "stream")
@@ -153,7 +153,7 @@ def test_kv_transports_flag_orders_and_always_keeps_the_stream() -> None:
 
 def test_kv_tcp_streams_flag_is_bounded() -> None:
     from kv_transfer import DEFAULT_TCP_STREAMS, MAX_TCP_STREAMS
-    from serving.worker_main import build_serve_parser
+    from splitserve.serve import build_serve_parser
 
     parse = build_serve_parser().parse_args
     assert parse(["--role", "decode"]).kv_tcp_streams == DEFAULT_TCP_STREAMS
@@ -164,7 +164,7 @@ def test_kv_tcp_streams_flag_is_bounded() -> None:
 
 
 def test_kv_data_port_flag_takes_a_port_or_off() -> None:
-    from serving.worker_main import build_serve_parser
+    from splitserve.serve import build_serve_parser
 
     parse = build_serve_parser().parse_args
     assert parse(["--role", "prefill"]).kv_data_port == 0  # a free port, learnt per pull
@@ -183,7 +183,7 @@ def test_kv_data_port_flag_takes_a_port_or_off() -> None:
 ])
 def test_each_role_may_split_its_model_differently(argv: list[str], prefill_tp: str | None,
                                                    decode_tp: str | None) -> None:
-    from serving.worker_main import build_serve_parser
+    from splitserve.serve import build_serve_parser
     from splitserve.up import build_parser, service_argv
 
     args, engine_args = build_parser().parse_known_args(argv)
@@ -209,7 +209,7 @@ def test_up_gives_load_bounds_to_the_right_services() -> None:
         assert argv[role][argv[role].index("--max-queued-requests") + 1] == "3"
         assert argv[role][argv[role].index("--scheduling-policy") + 1] == "priority"
     assert "--max-queued-requests" not in gw
-    from serving.worker_main import build_serve_parser
+    from splitserve.serve import build_serve_parser
 
     colocated = build_serve_parser().parse_args(
         ["--role", "colocated", "--max-concurrent-requests", "5"])
@@ -221,7 +221,7 @@ def test_up_gives_runtime_lora_flags_to_the_right_services() -> None:
     both workers; the colocated role's in-process gateway takes the gateway's flag."""
     from gateway.server import build_parser as gateway_parser
     from gateway.server import config_from_args
-    from serving.worker_main import build_serve_parser
+    from splitserve.serve import build_serve_parser
     from splitserve.up import build_parser, service_argv
 
     args, engine_args = build_parser().parse_known_args(

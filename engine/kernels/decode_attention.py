@@ -384,7 +384,7 @@ class DecodeTiles:
 
 def choose_decode_tiles(head_dim: int, kv_dtype: torch.dtype | None = None,
                         num_splits: int = 1) -> DecodeTiles:
-    """The best of sweeps on an H200 (bench/probe_decode.py; 384 sequences of 1536 tokens),
+    """The best of sweeps on an H200 (tools/probes/probe_decode.py; 384 sequences of 1536 tokens),
     4 warps throughout. A 16-bit cache takes KV tiles of 64 positions (32 for D=256), 3-stage
     pipelined, grid head-major (4.34 vs 4.28 TB/s row-major; probe_decode_25457d2.json). An
     fp8 cache converts V in registers (`KvCvt.V_REGS`): with one split (batches large enough

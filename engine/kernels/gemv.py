@@ -9,7 +9,7 @@ projection after it (`rms_norm_gemv`) and SiLU-and-mul into the gate/up pass, so
 kernels (norm+QKV, RoPE+KV write, attention, O, norm+gate/up, down) instead of eleven with
 cuBLAS (its split-K reduces included). On an H200 the 32 layers' matmuls and norms take 3.58 ms
 this way (3.42 ms launched with PDL, engine/kernels/_pdl.py) against 3.99 ms through cuBLAS and
-the norm and SiLU kernels, in one CUDA graph with every layer's own weights (`bench/probe_pdl.py`,
+the norm and SiLU kernels, in one CUDA graph with every layer's own weights (`tools/probes/probe_pdl.py`,
 bench/results/h200/probe_pdl_db6b27a.json).
 
 Each program owns `BLOCK_N` output features and walks the whole K dimension in `BLOCK_K` chunks,
@@ -260,7 +260,7 @@ class GemvTiles:
 
 def choose_gemv_tiles(n: int, k: int, gated: bool) -> GemvTiles:
     """Best of a sweep on an H200 at the four batch-1 calls of Llama-3.1-8B, norm-fused QKV and
-    gate/up, plain O and down (`bench/probe_pdl.py --sweep`,
+    gate/up, plain O and down (`tools/probes/probe_pdl.py --sweep`,
     bench/results/h200/probe_gemv_sweep_9ee8372.json): 4 rows per program, 1024-wide chunks, 4
     warps, 4 stages was best or within 0.3% of best at every one (the QKV call went from 20.2 to
     16.3 us against the earlier 8 x 256 choice, tuned before the norm was fused)."""

@@ -187,7 +187,7 @@ def choose_prefill_tiles(head_dim: int, max_query_len: int) -> PrefillTiles:
     D=128: 128x128 tiles, 8 warps, 3 stages were the best of a sweep on an H200 (Llama-3.1-8B
     shapes, ~310 TFLOP/s causal). D=256 (Gemma): 128x64, 8 warps, 3 stages, the best summed
     over a fresh 4,096-token prompt and chunks beside cached context, each plain and with a
-    1,024-position window and capped scores (bench/probe_prefill_tiles.py,
+    1,024-position window and capped scores (tools/probes/probe_prefill_tiles.py,
     bench/results/h200/probe_prefill_tiles_123543a.json: 0.395 vs 0.635 ms for the prompt at
     Gemma-2-9B's 16 / 8 heads against the 64x32, 4-warp, 2-stage tiles scaled from D=128).
     D=64 is scaled from D=128, not measured.

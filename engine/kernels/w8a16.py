@@ -128,7 +128,7 @@ def choose_w8a16_tiles(m: int, n: int = 0) -> MatmulTiles:
     """Tiles by the number of rows `m` and of output features `n` (interpreter: small ones).
 
     Up to 64 rows: the best of a sweep on an H200 at Llama-3.1-8B's four weights, 8 and 64 rows
-    (bench/probe_int8_gemv.py --parts w8a16, bench/results/h200/probe_w8a16_f6f7b5f.json).
+    (tools/probes/probe_int8_gemv.py --parts w8a16, bench/results/h200/probe_w8a16_f6f7b5f.json).
     Narrow tiles (32 features) give the 4,096- and 6,144-feature weights enough programs; the
     wide gate/up keeps 128. At 8 rows the four calls of a layer take 87 µs against 119 for
     cuBLAS on bf16 weights (161 with the earlier 128-feature tiles); at 64 rows 163 against

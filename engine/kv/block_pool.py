@@ -123,7 +123,7 @@ class BlockPool:
         ascending ids put a request's consecutive positions in consecutive blocks where they can:
         a freed request's blocks come back reversed (`free_blocks`), and a KV handoff moves one
         run of blocks consecutive on both sides per copy (engine/dma_copy.py), each copy
-        measured ~50-100 us behind a busy GPU's kernels (bench/probe_ipc_busy.py)."""
+        measured ~50-100 us behind a busy GPU's kernels (tools/probes/probe_ipc_busy.py)."""
         if n > self.num_free_blocks:
             raise ValueError(f"asked for {n} blocks, {self.num_free_blocks} free")
         out = []
@@ -215,7 +215,7 @@ class RunKeepingBlockPool(BlockPool):
     Plain LRU handing-out fragments a long-lived decode worker: every decode step takes single
     blocks from the front of the free queue, inside the runs that freed prompts left there, so
     after some hundreds of requests a pulled prompt is about one run per block
-    (bench/probe_block_runs.py). Here
+    (tools/probes/probe_block_runs.py). Here
 
     - the *older* free blocks (the least recently freed `old_fraction` of the queue) may be
       taken out of LRU order; the younger ones (the likelier prefix-cache hits) are not;

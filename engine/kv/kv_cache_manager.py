@@ -11,8 +11,8 @@ A request's block list covers positions [0, num_tokens) in order:
 from __future__ import annotations
 
 from engine.kv.block_pool import Block, BlockPool, RunKeepingBlockPool
-from engine.kv.hashing import compute_block_hashes
 from engine.request import Request
+from engine_api.hashing import compute_block_hashes
 
 
 class KVCacheManager:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from engine.loader.errors import ModelLoadError
+from engine_api.errors import ModelLoadError
 
 if TYPE_CHECKING:
     from engine.loader.load import load_model_source

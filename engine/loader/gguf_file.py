@@ -11,9 +11,9 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
-from engine.loader.errors import ModelLoadError
-from engine.loader.gguf_meta import field_value, hf_config_dict, open_gguf, read_metadata
 from engine.loader.source import ModelSource, check_weight_names
+from engine_api.errors import ModelLoadError
+from engine_api.gguf_meta import field_value, hf_config_dict, open_gguf, read_metadata
 
 # llama.cpp tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
 _BLOCK_NAMES = {

@@ -13,7 +13,6 @@ import torch
 from safetensors import safe_open
 
 from engine.config import TEXT_ONLY_ARCHITECTURES, ModelConfig, hf_architecture
-from engine.loader.errors import ModelLoadError
 from engine.loader.safetensors_check import read_header
 from engine.loader.source import (
     ModelSource,
@@ -21,6 +20,7 @@ from engine.loader.source import (
     dtype_from_name,
     loaded_weight_name,
 )
+from engine_api.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 

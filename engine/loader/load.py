@@ -9,10 +9,10 @@ import os
 import torch
 
 from engine.config import LoadConfig, ModelConfig
-from engine.loader.errors import ModelLoadError
 from engine.loader.hf import generation_config, load_hf_dir, merged_eos, read_config_dict
 from engine.loader.presets import PRESETS, preset_config
 from engine.loader.source import ModelSource, dtype_from_name
+from engine_api.errors import ModelLoadError
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DUMMY_PREFIX = "dummy:"

@@ -8,7 +8,7 @@ import struct
 
 from safetensors import safe_open
 
-from engine.loader.errors import ModelLoadError
+from engine_api.errors import ModelLoadError
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
                 "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}

@@ -123,7 +123,7 @@ def loaded_weight_name(name: str, config: ModelConfig, multimodal: bool) -> str 
 
 def check_weight_names(available: set[str], config: ModelConfig, where: str) -> None:
     """Raise ModelLoadError naming the tensors `config` needs that `available` lacks."""
-    from engine.loader.errors import ModelLoadError
+    from engine_api.errors import ModelLoadError
 
     missing = [n for n in expected_weight_names(config) if n not in available]
     if missing:

@@ -6,8 +6,8 @@
 """
 
 from engine.lora.adapter import LoRAAdapter, LoRAError, load_adapter
-from engine.lora.request import LoRARequest, lora_name_of
 from engine.lora.stack import LoRABatch, LoRAStack
+from engine_api.lora import LoRARequest, lora_name_of
 
 __all__ = ["LoRAAdapter", "LoRABatch", "LoRAError", "LoRARequest", "LoRAStack", "load_adapter",
            "lora_name_of"]

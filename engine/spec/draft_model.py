@@ -47,8 +47,8 @@ from engine.config import (
 from engine.loader import load_model_source
 from engine.request import Request
 from engine.runner import ModelRunner, PendingStep
-from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine_api.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,70 @@
+"""The decode worker's server: `splitserve.v1.Decode` on one gRPC port, for the decode role (KV
+pulled from prefill workers over the transports allowed) and the colocated role (prefill and
+decode in one engine, with CPU/Redis prefix tiers under its cache when configured)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+
+from decode_service.servicer import DecodeServicer
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from kv_transfer import DEFAULT_TCP_STREAMS
+from protos.splitserve.v1 import decode_pb2, decode_pb2_grpc
+from rpc.auth import bearer_metadata
+from worker.kv import GrpcKvLoader
+from worker.server import EngineFactory, WorkerHandle, start_worker_server
+from worker.tier_cache import TierConfig, TierPrefixCache
+
+DEFAULT_PORT = 50062
+KV_TRANSPORTS = ("ipc", "tcp", "shm", "stream")
+
+
+async def start_decode_worker(config: EngineConfig, host: str, port: int, *,
+                              engine_factory: EngineFactory | None = None,
+                              auth_token: str | None = None,
+                              tiers: TierConfig | None = None,
+                              kv_transports: Sequence[str] = KV_TRANSPORTS,
+                              kv_tcp_streams: int = DEFAULT_TCP_STREAMS) -> WorkerHandle:
+    """Start a decode (or colocated) worker; returns once the port is bound (`handle.ready`:
+    loaded).
+
+    auth_token: also sent with this worker's KV pulls and lease releases. tiers: the colocated
+    role's CPU/Redis prefix tiers (ignored by the decode role). kv_transports: how a decode
+    worker may pull KV ("ipc", "tcp", "shm"; the gRPC stream always). kv_tcp_streams:
+    connections one data-port pull opens."""
+    role = config.scheduler.role
+    if role not in ("decode", "colocated"):
+        raise ValueError(f"a decode worker needs role 'decode' or 'colocated', not {role!r}")
+    kv_metadata = bearer_metadata(auth_token)  # what this worker's own KV calls carry
+    servicer = DecodeServicer(kv_metadata=kv_metadata)
+
+    def register(server: grpc.aio.Server, bound: int) -> list[str]:
+        decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
+        return [decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name]
+
+    async def on_loaded(engine: LLMEngine, handle: WorkerHandle) -> AsyncEngine:
+        if role == "decode":
+            # A tensor-parallel engine's cache is split over its ranks: its KV comes by the data
+            # port, shared memory or the stream, not into one cache through an IPC handle.
+            loader = GrpcKvLoader(engine, kv_metadata=kv_metadata,
+                                  use_ipc="ipc" in kv_transports and engine.runner.tp is None,
+                                  use_shm="shm" in kv_transports,
+                                  use_tcp="tcp" in kv_transports, tcp_streams=kv_tcp_streams)
+            handle.on_stop.append(loader.aclose)  # its kept channels to the prefill workers
+            aengine = AsyncEngine(engine, kv_loader=loader)
+        else:
+            aengine = AsyncEngine(engine)
+            if tiers is not None and tiers.enabled:
+                cache = TierPrefixCache.from_config(aengine, tiers)
+                aengine.kv_loader = cache.load
+                servicer.tiers = cache
+        aengine.start()
+        servicer.bind(aengine)
+        return aengine
+
+    return await start_worker_server(config, host, port, register, on_loaded,
+                                     engine_factory=engine_factory, auth_token=auth_token)

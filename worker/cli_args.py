@@ -1,0 +1,125 @@
+"""The flags every engine worker takes (prefill, decode and colocated roles), and the shared way a
+worker process turns a start-up failure into an exit code. Each service's entry point
+(prefill_service/main.py, decode_service/main.py, `splitserve serve`) builds on these."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
+
+from engine.cli_args import add_engine_args
+from kv_transfer import DEFAULT_TCP_STREAMS, MAX_TCP_STREAMS
+from rpc.auth import AuthConfigError
+from rpc.tls import tls_from_env
+from rpc.tracing import setup_tracing
+
+if TYPE_CHECKING:
+    from worker.tier_cache import TierConfig
+
+logger = logging.getLogger("splitserve.serve")
+
+KV_TRANSPORTS = ("ipc", "tcp", "shm", "stream")
+
+
+def _kv_transports(text: str) -> tuple[str, ...]:
+    chosen = {t.strip() for t in text.split(",") if t.strip()}
+    unknown = chosen - set(KV_TRANSPORTS)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown KV transport(s) {sorted(unknown)}; choose "
+                                         f"from {', '.join(KV_TRANSPORTS)}")
+    return tuple(t for t in KV_TRANSPORTS if t in chosen or t == "stream")
+
+
+def _tcp_streams(text: str) -> int:
+    try:
+        streams = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--kv-tcp-streams takes a number, not {text!r}") from None
+    if not 1 <= streams <= MAX_TCP_STREAMS:
+        raise argparse.ArgumentTypeError(f"--kv-tcp-streams must be in 1..{MAX_TCP_STREAMS}")
+    return streams
+
+
+def _data_port(text: str) -> int | None:
+    if text.strip().lower() == "off":
+        return None
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--kv-data-port takes a port or 'off', not {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"--kv-data-port {port} is outside 0..65535")
+    return port
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    """Bind address and port, KV transfer and prefix tier flags, then the engine's own."""
+    p.add_argument("--host", default="127.0.0.1", help="bind address of the worker's gRPC port")
+    p.add_argument("--port", type=int, default=None,
+                   help="gRPC port of a worker (prefill 50061, decode 50062); REST port of "
+                        "gateway/colocated (8000)")
+    p.add_argument("--advertise", default=None,
+                   help="host:port that decode workers use to reach this prefill worker's KV")
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--kv-transports", type=_kv_transports, default=KV_TRANSPORTS,
+                   help="decode role: the ways KV may come from a prefill worker, tried in the "
+                        "order ipc (CUDA IPC, same GPU), tcp (the prefill worker's KV data port, "
+                        "any host), shm (shared memory, same host), stream (gRPC, anywhere); "
+                        f"comma list, stream always included (default: {','.join(KV_TRANSPORTS)})")
+    p.add_argument("--kv-tcp-streams", type=_tcp_streams, default=DEFAULT_TCP_STREAMS,
+                   help="decode role: connections one pull over the prefill worker's data port "
+                        f"opens at once, 1..{MAX_TCP_STREAMS} (default: {DEFAULT_TCP_STREAMS})")
+    p.add_argument("--kv-data-port", type=_data_port, default=0,
+                   help="prefill role: the port on --host that serves KV blocks raw to decode "
+                        "workers (their 'tcp' way; same TLS as the gRPC port); 0 picks a free "
+                        "one (default), 'off' serves none")
+    tiers = p.add_argument_group("prefix tiers (prefill and colocated roles): GPU -> CPU -> Redis")
+    tiers.add_argument("--kv-tier-cpu-mb", type=int, default=0,
+                       help="CPU tier of encoded KV blocks, in MiB (0: none)")
+    tiers.add_argument("--kv-tier-redis-url", default=None,
+                       help="cluster-wide Redis tier, e.g. redis://redis:6379/0 (default: none)")
+    tiers.add_argument("--kv-tier-redis-ttl-s", type=int, default=3600,
+                       help="expiry of each block in Redis")
+    tiers.add_argument("--kv-tier-min-blocks", type=int, default=1,
+                       help="fetch from the tiers only when they extend the GPU hit by this "
+                            "many blocks")
+    add_engine_args(p)
+
+
+def tier_config_from_args(args: argparse.Namespace) -> TierConfig:
+    """Raises ValueError for a negative size or a min-blocks below 1."""
+    from worker.tier_cache import TierConfig  # torch and redis: not at the CLI's import
+
+    return TierConfig(cpu_bytes=args.kv_tier_cpu_mb << 20, redis_url=args.kv_tier_redis_url,
+                      redis_ttl_s=args.kv_tier_redis_ttl_s,
+                      min_blocks=args.kv_tier_min_blocks)
+
+
+def run_worker_process(args: argparse.Namespace, role: str,
+                       serve: Callable[[], Coroutine[Any, Any, None]],
+                       precheck: Callable[[], None] | None = None) -> int:
+    """Set up logging and tracing, check TLS (and `precheck`) before the model loads, run
+    `serve` to the end; a start-up failure is a logged line and an exit code, not a traceback:
+    1 for an engine that failed to load, 2 for bad options or credentials."""
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_tracing(f"splitserve-{role}")  # a no-op unless OTEL_EXPORTER_OTLP_ENDPOINT is set
+    try:
+        tls_from_env()  # a broken TLS set-up fails now, not after the model loaded
+        if precheck is not None:
+            precheck()
+        asyncio.run(serve())
+    except RuntimeError as e:
+        logger.error("%s: %s", e, e.__cause__)
+        return 1
+    except AuthConfigError as e:  # the message names the variable
+        logger.error("%s", e)
+        return 2
+    except ValueError as e:  # a bad option value (e.g. --kv-tier-min-blocks 0), TLS files
+        logger.error("%s", e)
+        return 2
+    return 0

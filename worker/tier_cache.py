@@ -1,0 +1,292 @@
+"""Prefill and colocated roles: the tiered prefix store (CPU, then Redis) under the engine's GPU
+prefix cache.
+
+DESIGN.md §3 step 3: a prefill reuses cached blocks from the GPU, else from the CPU/Redis tier.
+
+    Prefill(prompt) ── plan ──> GPU prefix hits: blocks 0..g-1
+                                tiers (TieredStore.get_many from block g): blocks g..t-1
+                     └─> RemoteKv(num_tokens = t * block_size, handle = TierBlocks)
+    engine: allocates blocks g..t-1, emits a KvLoad ── load ──> decode + verify + write them
+            then computes tokens t*bs.. as usual (chunked prefill), holds the KV under a lease
+    after the response ── save ──> read the lease's full blocks not yet in the CPU tier,
+                                   encode, TieredStore.put_many (CPU tier + Redis, write-through)
+
+The blocks are fetched in `plan`, before the request is queued, so the engine thread never waits
+on Redis; `load` only decodes bytes already in memory. Every block is verified against the
+wire spec (fingerprint, shape, checksum) and against the hash it was looked up by, so a corrupt
+or foreign value is a miss, never data. A load that cannot be served (the GPU evicted blocks the
+plan counted on) returns False, and the engine recomputes the prompt.
+
+`save` (prefill role) reads leased blocks: they cannot be freed while the lease exists, and after
+the read it checks, on the engine thread, that the lease still does; otherwise what it read may
+already belong to another request and is dropped. A colocated worker holds no leases: when a
+request finishes, `save_tokens` pins the prefix cache's blocks of its prompt and output
+(`Scheduler.pin_cached`: held, so neither evicted nor reused), reads them and unpins them, so a
+later prompt sharing that prefix (the next turn of a chat) finds them in the tiers once the GPU
+cache has evicted them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.async_engine import AsyncEngine
+from engine.request import RemoteKv
+from engine.scheduler import KvLoad
+from engine_api.hashing import compute_block_hashes
+from kv_transfer.tiers import CpuTier, RedisTier, TieredStore
+from kv_transfer.wire import BlockSpec, KvWireError, block_view, encode_block
+from worker.kv import block_spec, kv_scales, read_blocks, read_held_blocks
+
+logger = logging.getLogger(__name__)
+
+# A tier load writes this many blocks at a time (256 MB of an 8B model's bf16 KV on a GPU).
+LOAD_SLICE_BLOCKS = 128
+# Saves run behind the responses, ~0.6 GB/s of encoding each on the H200 host: past this many
+# in flight a new one is skipped (counted), so a busy worker sheds tier writes instead of
+# queueing copies of KV without bound.
+MAX_PENDING_SAVES = 8
+
+
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    """The tiers of a prefill or colocated worker. `cpu_bytes` 0 and no `redis_url`: none."""
+
+    cpu_bytes: int = 0
+    redis_url: str | None = None
+    redis_ttl_s: int = 3600
+    redis_key_prefix: str = "splitserve:kv"
+    # Fetch from the tiers only when they hold at least this many blocks beyond the GPU hits:
+    # below it, recomputing is about as fast as a Redis round trip.
+    min_blocks: int = 1
+
+    def __post_init__(self) -> None:
+        if self.cpu_bytes < 0:
+            raise ValueError(f"cpu_bytes must be >= 0, got {self.cpu_bytes}")
+        if self.min_blocks < 1:
+            raise ValueError(f"min_blocks must be >= 1, got {self.min_blocks}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.cpu_bytes > 0 or bool(self.redis_url)
+
+
+@dataclass(frozen=True, slots=True)
+class TierBlocks:
+    """`RemoteKv.handle` of a prompt prefix found in the tiers: the encoded full blocks
+    `first`, `first + 1`, ... (as fetched), and the hashes of all the prompt's full blocks."""
+
+    first: int
+    blocks: tuple[bytes | torch.Tensor, ...]  # CPU-tier entries (pinned) or Redis values
+    hashes: tuple[bytes, ...]
+
+
+@dataclass(slots=True)
+class TierStats:
+    planned_blocks: int = 0     # blocks found in the tiers by `plan`
+    loaded_blocks: int = 0      # of those, written into the engine's cache
+    loaded_tokens: int = 0      # prompt tokens they hold (not computed)
+    failed_loads: int = 0       # loads refused (engine recomputed the prompt)
+    saved_blocks: int = 0       # blocks written to the tiers
+    dropped_saves: int = 0      # saves abandoned because the lease ended before the read did
+    skipped_saves: int = 0      # saves not started: MAX_PENDING_SAVES were already running
+
+
+class TierPrefixCache:
+    """The tiered store bound to one engine: `plan` before queueing a prompt, `load` as the
+    engine's KV loader, `save` after a prefill's response (prefill role) or `save_tokens` after
+    a request finished (colocated role); see the module docstring."""
+
+    def __init__(self, aengine: AsyncEngine, store: TieredStore, min_blocks: int = 1) -> None:
+        self._aengine = aengine
+        self._engine = aengine.engine
+        self._store = store
+        self._spec: BlockSpec = block_spec(aengine.engine)
+        self._scales = kv_scales(aengine.engine)
+        self._block_size = aengine.engine.config.cache.block_size
+        self._root = aengine.engine.scheduler.kv.root
+        self._min_blocks = min_blocks
+        self._saves: set[asyncio.Task[int]] = set()
+        self._pin_ids = itertools.count()
+        self.stats = TierStats()
+
+    @classmethod
+    def from_config(cls, aengine: AsyncEngine, config: TierConfig) -> TierPrefixCache:
+        spec = block_spec(aengine.engine)
+        redis = (RedisTier(spec, config.redis_url, ttl_s=config.redis_ttl_s,
+                           key_prefix=config.redis_key_prefix) if config.redis_url else None)
+        store = TieredStore(spec, CpuTier(config.cpu_bytes), redis)
+        return cls(aengine, store, config.min_blocks)
+
+    @property
+    def store(self) -> TieredStore:
+        return self._store
+
+    # ---- before the request is queued ------------------------------------------------------
+
+    async def plan(self, prompt_token_ids: list[int], root: bytes | None = None
+                   ) -> RemoteKv | None:
+        """The prompt's prefix to load from the tiers, or None (nothing worth fetching).
+        `root`: the root its blocks' hashes chain from when not the engine's (a LoRA adapter's
+        prompt: `LLMEngine.hash_root`); the tiers key blocks by those hashes, so an adapter's KV
+        and the base model's never answer for each other."""
+        hashes = compute_block_hashes(root or self._root, prompt_token_ids, self._block_size)
+        first = self._gpu_prefix(hashes)
+        if len(hashes) - first < self._min_blocks:
+            return None
+        found: list[bytes | torch.Tensor] = []
+        for data in await self._store.get_entries(hashes[first:]):
+            if data is None:
+                break
+            found.append(data)
+        if len(found) < self._min_blocks:
+            return None
+        self.stats.planned_blocks += len(found)
+        return RemoteKv(num_tokens=(first + len(found)) * self._block_size,
+                        handle=TierBlocks(first, tuple(found), tuple(hashes)), cached=True)
+
+    def _gpu_prefix(self, hashes: list[bytes]) -> int:
+        """How many leading blocks the engine's GPU cache holds now (a hint read off the engine
+        thread; the scheduler makes the binding lookup when it admits the request)."""
+        pool = self._engine.scheduler.kv.pool
+        n = 0
+        while n < len(hashes) and pool.get_cached_block(hashes[n]) is not None:
+            n += 1
+        return n
+
+    # ---- the engine's KV loader ------------------------------------------------------------
+
+    async def load(self, load: KvLoad) -> bool:
+        """Fill `load.block_ids` with the planned blocks; False (recompute) when the plan no
+        longer covers them or a block fails verification."""
+        remote = load.request.remote_kv
+        handle = remote.handle if remote is not None else None
+        if not isinstance(handle, TierBlocks):
+            return False
+        start = load.first_block - handle.first
+        if start < 0 or start + len(load.block_ids) > len(handle.blocks):
+            # The GPU dropped blocks the plan counted on: the tiers hold no copy of them here.
+            self.stats.failed_loads += 1
+            return False
+        try:
+            await asyncio.to_thread(self._write, handle, load.first_block, load.block_ids)
+        except KvWireError as e:
+            logger.warning("tier load for %s refused: %s", load.request.request_id, e)
+            self.stats.failed_loads += 1
+            return False
+        self.stats.loaded_blocks += len(load.block_ids)
+        self.stats.loaded_tokens += len(load.block_ids) * self._block_size
+        return True
+
+    def _write(self, handle: TierBlocks, first_block: int, block_ids: list[int]) -> None:
+        """Into the cache, LOAD_SLICE_BLOCKS at a time (in a thread). Every entry was verified
+        (checksum included) when it entered the store, so `block_view` checks the header and
+        reads the payload in place. On a GPU the slice goes host to device block by block out
+        of the pinned entries (no host copy), then into the cache's blocks there."""
+        runner = self._engine.runner
+        for start in range(0, len(block_ids), LOAD_SLICE_BLOCKS):
+            ids = block_ids[start:start + LOAD_SLICE_BLOCKS]
+            tensors, scales = [], None
+            for index in range(first_block + start, first_block + start + len(ids)):
+                block = block_view(handle.blocks[index - handle.first], self._spec)
+                if block.block_hash != handle.hashes[index]:
+                    raise KvWireError(f"block {index} holds another block's KV")
+                tensors.append(block.tensor)
+                scales = block.scales if scales is None else scales
+            if runner.device.type == "cuda":
+                staged = torch.empty((len(ids), *self._spec.shape), dtype=self._spec.dtype,
+                                     device=runner.device)
+                for i, tensor in enumerate(tensors):
+                    staged[i].copy_(tensor, non_blocking=tensor.is_pinned())
+                runner.write_blocks(ids, staged, scales)  # same stream: after the copies
+            else:
+                runner.write_blocks(ids, torch.stack(tensors), scales)
+
+    # ---- after the response ----------------------------------------------------------------
+
+    def spawn_save(self, request_id: str) -> None:
+        """Save the leased prompt's blocks to the tiers in the background."""
+        self._spawn(lambda: self.save(request_id))
+
+    def _spawn(self, save: Callable[[], Coroutine[Any, Any, int]]) -> None:
+        if len(self._saves) >= MAX_PENDING_SAVES:
+            self.stats.skipped_saves += 1
+            return
+        task = asyncio.ensure_future(save())
+        self._saves.add(task)
+        task.add_done_callback(self._saves.discard)
+
+    async def save(self, request_id: str) -> int:
+        """Write the lease's full blocks that the CPU tier lacks; returns how many were saved."""
+        todo = await self._aengine.call(self._lease_blocks, request_id)
+        if not todo:
+            return 0
+        blocks = await read_blocks(self._engine, [block_id for block_id, _ in todo])
+        if not await self._aengine.call(self._has_lease, request_id):
+            self.stats.dropped_saves += 1
+            return 0
+        return await self._put(self._encode(todo, blocks))
+
+    def spawn_save_tokens(self, token_ids: list[int], root: bytes | None = None) -> None:
+        """`save_tokens` in the background."""
+        self._spawn(lambda: self.save_tokens(token_ids, root))
+
+    async def save_tokens(self, token_ids: list[int], root: bytes | None = None) -> int:
+        """Write the full blocks of `token_ids` (a finished request's prompt and output, whose
+        KV was computed) that the GPU prefix cache holds and the CPU tier lacks; returns how
+        many were saved. `root`: as for `plan`."""
+        hashes = compute_block_hashes(root or self._root, token_ids, self._block_size)
+        if not hashes:
+            return 0
+        pin_id = f"tier-save-{next(self._pin_ids)}"
+        todo = await self._aengine.call(self._pin_missing, pin_id, hashes)
+        if not todo:
+            return 0
+        try:
+            blocks = await read_held_blocks(self._engine, [block_id for block_id, _ in todo])
+        finally:
+            with contextlib.suppress(Exception):  # a stopped engine holds nothing any more
+                await self._aengine.call(self._engine.scheduler.unpin, pin_id)
+        # In a thread: a colocated worker's event loop also serves the gateway's streams.
+        return await self._put(await asyncio.to_thread(self._encode, todo, blocks))
+
+    async def _put(self, items: list[tuple[bytes, bytes]]) -> int:
+        """Write encoded blocks through the tiers; how many."""
+        await self._store.put_many(items, encoded_here=True)
+        self.stats.saved_blocks += len(items)
+        return len(items)
+
+    def _encode(self, todo: list[tuple[int, bytes]], blocks: torch.Tensor
+                ) -> list[tuple[bytes, bytes]]:
+        return [(h, encode_block(self._spec, h, self._block_size, blocks[i], self._scales))
+                for i, (_, h) in enumerate(todo)]
+
+    def _pin_missing(self, pin_id: str, hashes: list[bytes]) -> list[tuple[int, bytes]]:
+        # Engine thread: hold the cached blocks of the hashes the CPU tier lacks.
+        return self._engine.scheduler.pin_cached(
+            pin_id, [h for h in hashes if h not in self._store.cpu])
+
+    async def wait_for_saves(self) -> None:
+        """Await the saves in flight (tests, shutdown)."""
+        if self._saves:
+            await asyncio.gather(*self._saves, return_exceptions=True)
+
+    def _lease_blocks(self, request_id: str) -> list[tuple[int, bytes]]:
+        # Engine thread: the lease's hashed (full) blocks, minus those the CPU tier holds.
+        lease = self._engine.scheduler.leases.get(request_id)
+        if lease is None:
+            return []
+        return [(block_id, h) for block_id, h in zip(lease.block_ids, lease.block_hashes,
+                                                     strict=False)
+                if h not in self._store.cpu]
+
+    def _has_lease(self, request_id: str) -> bool:
+        return request_id in self._engine.scheduler.leases
