@@ -1,4 +1,4 @@
-"""Benchmark CLI and workloads; metrics named as in `vllm bench serve` (DESIGN.md §7).
+"""Benchmark CLI and workloads; metrics named as in `vllm bench serve` (docs/performance.md).
 
 Modules: `metrics` (per-request records → throughput/latency/goodput), `workloads` (random and
 shared-prefix prompts, Poisson/gamma arrivals), `online` (streaming client against the

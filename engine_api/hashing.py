@@ -1,4 +1,4 @@
-"""Stable block identity (DESIGN.md §4).
+"""Stable block identity (docs/architecture.md, "Where each concept lives").
 
     hash_0 = H(root ‖ tokens of block 0 ‖ extra)
     hash_i = H(hash_{i-1} ‖ tokens of block i ‖ extra)

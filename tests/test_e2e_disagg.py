@@ -1,5 +1,5 @@
-"""Disaggregated greedy output equals colocated output token for token (DESIGN.md §2: colocated
-is the oracle), one by one, all at once, and with 32+ concurrent streaming REST clients."""
+"""Disaggregated greedy output equals colocated output token for token (colocated is the oracle:
+docs/architecture.md), one by one, all at once, and with 32+ concurrent streaming REST clients."""
 
 from __future__ import annotations
 

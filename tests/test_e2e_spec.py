@@ -282,8 +282,9 @@ def disagg_spec_stack(loop_thread: LoopThread) -> Iterator[Stack]:
 def test_disagg_with_speculation_equals_colocated(disagg_spec_stack: Stack,
                                                   colocated_stack: Stack,
                                                   prompts: list[list[int]]) -> None:
-    """DESIGN.md §2's oracle holds with speculative decoding on the decode worker: the KV pulled
-    from the prefill worker, then verify steps; greedy tokens equal colocated plain decoding."""
+    """The colocated oracle (docs/architecture.md) holds with speculative decoding on the decode
+    worker: the KV pulled from the prefill worker, then verify steps; greedy tokens equal
+    colocated plain decoding."""
     chosen = [p for p in prompts if len(p) > 40][:3]  # the long ones repeat their own lines
     # The oracle batched (colocated batched = one by one: test_e2e_disagg.py).
     want = generate_many(colocated_stack.grpc_target, chosen, 32, concurrent=True)

@@ -1,7 +1,8 @@
 """Prefill and colocated roles: the tiered prefix store (CPU, then Redis) under the engine's GPU
 prefix cache.
 
-DESIGN.md §3 step 3: a prefill reuses cached blocks from the GPU, else from the CPU/Redis tier.
+docs/architecture.md, a request's way, step 3: a prefill reuses cached blocks from the GPU,
+else from the CPU/Redis tier.
 
     Prefill(prompt) ── plan ──> GPU prefix hits: blocks 0..g-1
                                 tiers (TieredStore.get_many from block g): blocks g..t-1

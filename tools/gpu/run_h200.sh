@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The H200 benchmark run (DESIGN.md §7), from the repo root on the accelerator machine:
+# The H200 benchmark run (docs/performance.md), from the repo root on the accelerator machine:
 #   OUT=/some/dir [SPLITSERVE_COMMIT=<sha>] bash tools/gpu/run_h200.sh
 # (SPLITSERVE_COMMIT names the commit when the tree there is a copy without git history.)
 # Each step is guarded (a failure does not stop the next) and time-limited; the whole run fits

@@ -1,7 +1,8 @@
 """Summarise an H200 run: `$OUT/suite.json` (+ `$OUT/kernels.json`) → `$OUT/h200_<model>.json`.
 
 The summary holds the headline numbers, a goal for each, and the gap to it. Goals are taken
-from DESIGN.md §7 where it gives a measured reference, else estimated from the hardware
+from the reference points in docs/performance.md (the design note's §7, which the goals'
+`source` strings cite) where there is a measured one, else estimated from the hardware
 (noted per goal); `direction` says whether lower or higher is better.
 """
 
