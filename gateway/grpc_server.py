@@ -47,7 +47,7 @@ from gateway.grpc_tools import (
     tool_calling_from_proto,
 )
 from gateway.lora_admin import load_adapter, unload_adapter
-from gateway.lora_resolver import resolve_model
+from gateway.model_resolution import resolve_model
 from gateway.openai_protocol import ClassifyRequest, PromptInput, ScoreRequest
 from gateway.orchestrator import Finished, GenerationJob, TokenDelta, checked_cache_salt
 from gateway.reasoning import ChatOutput

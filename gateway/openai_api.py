@@ -39,7 +39,7 @@ from gateway.chat_tools import chat_finish_reason, chat_job, chat_outputs
 from gateway.embeddings import embedding_job, refuse_classifier_embeddings, run_embeddings
 from gateway.errors import GatewayError
 from gateway.lora_admin import check_allowed, load_adapter, unload_adapter
-from gateway.lora_resolver import resolve_model
+from gateway.model_resolution import resolve_model
 from gateway.openai_protocol import (
     ChatCompletionRequest,
     ClassifyRequest,
