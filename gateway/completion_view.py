@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.chat_tools import chat_finish_reason, chat_outputs
-from gateway.openai_protocol import (
+from gateway.generation import Event, Finished, GenerationJob, TokenDelta, usage_totals
+from gateway.openai_bodies import (
     chat_logprobs,
     completion_logprobs,
     echo_logprobs,
@@ -16,7 +17,6 @@ from gateway.openai_protocol import (
     prompt_logprobs_entries,
     usage_dict,
 )
-from gateway.orchestrator import Event, Finished, GenerationJob, TokenDelta, usage_totals
 from gateway.reasoning import ChatOutput
 from gateway.state import GatewayState
 from gateway.tools import ToolCalling

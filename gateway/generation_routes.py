@@ -13,8 +13,10 @@ from engine_api.beam_search import BeamSearchParams, BeamSequence
 from gateway.beam_search import beam_body, beam_params, ignored_fields, run_beam_search
 from gateway.completion_view import CompletionView
 from gateway.embeddings import embedding_job, refuse_classifier_embeddings, run_embeddings
+from gateway.generation import GenerationJob, checked_cache_salt
 from gateway.http_request import read_json, until_disconnect
 from gateway.model_resolution import resolve_model
+from gateway.openai_bodies import embeddings_body
 from gateway.openai_jobs import chat_completion_job, completion_jobs
 from gateway.openai_protocol import (
     ChatCompletionRequest,
@@ -23,11 +25,9 @@ from gateway.openai_protocol import (
     EmbeddingRequest,
     RerankRequest,
     ScoreRequest,
-    embeddings_body,
     parse_request,
     prompt_inputs,
 )
-from gateway.orchestrator import GenerationJob, checked_cache_salt
 from gateway.scoring import classify_body, rerank_body, score_body
 from gateway.state import GatewayState
 from gateway.streaming import complete, stream_chunks

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.errors import GatewayError
-from gateway.openai_protocol import error_body
+from gateway.openai_bodies import error_body
 
 
 def add_error_handlers(app: FastAPI) -> None:

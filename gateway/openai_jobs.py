@@ -9,6 +9,7 @@ from typing import Any
 
 from gateway.chat_tools import chat_job
 from gateway.errors import GatewayError
+from gateway.generation import GenerationJob
 from gateway.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -16,7 +17,6 @@ from gateway.openai_protocol import (
     chat_messages,
     prompt_inputs,
 )
-from gateway.orchestrator import GenerationJob
 from gateway.state import GatewayState
 from gateway.tools import ToolCalling, tool_calling_from_request
 

@@ -12,11 +12,11 @@ from fastapi.responses import JSONResponse, Response
 
 from gateway.completion_view import CompletionView
 from gateway.errors import GatewayError
+from gateway.generation import checked_cache_salt
 from gateway.http_request import check_auth, read_json
 from gateway.model_resolution import resolve_model
 from gateway.openai_jobs import chat_completion_job
 from gateway.openai_protocol import ChatCompletionRequest, parse_request
-from gateway.orchestrator import checked_cache_salt
 from gateway.response_store import StoredResponse
 from gateway.responses_api import (
     ResponsesPaths,

@@ -14,10 +14,10 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.completion_view import CompletionView
 from gateway.errors import GatewayError
+from gateway.generation import Event
 from gateway.http_errors import error_type
 from gateway.http_request import until_disconnect
-from gateway.openai_protocol import error_body
-from gateway.orchestrator import Event
+from gateway.openai_bodies import error_body
 from gateway.responses_api import ResponsesPaths, ResponseWriter
 
 Keep = Callable[[dict[str, Any]], object]  # stores a finished response (or not)
