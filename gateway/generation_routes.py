@@ -52,10 +52,11 @@ def add_generation_routes(app: FastAPI, state: GatewayState) -> None:
             return await _beam_response(state, request, jobs, beam, request_id, chat=False,
                                         token_ids=req.return_token_ids)
         view = CompletionView(request_id, "text_completion", state, jobs, req.include_usage,
-                     req.continuous_usage, chat=False, num_top=req.logprobs or 0,
-                     num_prompt_top=req.prompt_logprobs, echoes=echoes,
-                     hide_output=req.max_tokens == 0, return_token_ids=req.return_token_ids,
-                     tokens_as_ids=req.return_tokens_as_token_ids)
+                              req.continuous_usage, chat=False, num_top=req.logprobs or 0,
+                              num_prompt_top=req.prompt_logprobs, echoes=echoes,
+                              hide_output=req.max_tokens == 0,
+                              return_token_ids=req.return_token_ids,
+                              tokens_as_ids=req.return_tokens_as_token_ids)
         return await _respond(view, request, "completions", req.stream)
 
     @app.post("/v1/chat/completions")
@@ -75,10 +76,10 @@ def add_generation_routes(app: FastAPI, state: GatewayState) -> None:
             return await _beam_response(state, request, [job], beam, job.request_id, chat=True,
                                         token_ids=req.return_token_ids)
         view = CompletionView(job.request_id, "chat.completion", state, [job], req.include_usage,
-                     req.continuous_usage, chat=True, num_top=req.top_logprobs or 0,
-                     num_prompt_top=req.prompt_logprobs, tool_calling=calling,
-                     stream=req.stream, return_token_ids=req.return_token_ids,
-                     tokens_as_ids=req.return_tokens_as_token_ids)
+                              req.continuous_usage, chat=True, num_top=req.top_logprobs or 0,
+                              num_prompt_top=req.prompt_logprobs, tool_calling=calling,
+                              stream=req.stream, return_token_ids=req.return_token_ids,
+                              tokens_as_ids=req.return_tokens_as_token_ids)
         return await _respond(view, request, "chat", req.stream)
 
     @app.post("/v1/embeddings")

@@ -22,7 +22,7 @@ from gateway.tools import ToolCalling, tool_calling_from_request
 
 
 async def completion_jobs(req: CompletionRequest, state: GatewayState
-                           ) -> tuple[str, list[GenerationJob], list[str] | None]:
+                          ) -> tuple[str, list[GenerationJob], list[str] | None]:
     """(the response's id, one job per prompt of the request: a batch, several, the prompts'
     texts when they are echoed), all validated before any runs. A batch's jobs are
     `<id>-<i>`."""
@@ -70,7 +70,8 @@ def _echo_text(prompt: PromptInput, num_sent: int, job: GenerationJob,
 
 
 async def chat_completion_job(req: ChatCompletionRequest, state: GatewayState
-                    ) -> tuple[GenerationJob, ToolCalling | None]:
+                              ) -> tuple[GenerationJob, ToolCalling | None]:
+    """A chat request's job (validated, its messages rendered and tokenized) and its tools."""
     req.check_supported()
     if req.top_logprobs is not None and not req.logprobs:
         raise GatewayError.invalid("top_logprobs", "top_logprobs requires logprobs=true")

@@ -51,8 +51,8 @@ def add_responses_routes(app: FastAPI, state: GatewayState) -> None:
         except GatewayError as err:  # named as the request names the field (an input item)
             raise err.renamed(paths) from None
         view = CompletionView(job.request_id, "chat.completion", state, [job], include_usage=False,
-                     continuous_usage=False, chat=True, num_top=0, tool_calling=calling,
-                     stream=req.stream)
+                              continuous_usage=False, chat=True, num_top=0, tool_calling=calling,
+                              stream=req.stream)
         store = req.wants_store and state.responses.enabled
         writer = ResponseWriter(req, lora or state.config.served_model_name, store=store)
         keep: Keep = (functools.partial(state.responses.put, input_items=req.input_items(),
