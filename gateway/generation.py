@@ -1,12 +1,15 @@
 """What the orchestrator runs and what it yields: a validated, tokenized request
 (`GenerationJob`), and the events of its completions (`TokenDelta`, `Finished`), shared by the
-REST and gRPC front doors that build the jobs and render the events."""
+REST and gRPC front doors that build the jobs and render the events; and what a job's calls
+take of it: the time left of its deadline, each completion's sampling."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import grpc
 
 from engine_api.hashing import cache_salt_problem
 from gateway.errors import GatewayError
@@ -92,3 +95,38 @@ def usage_totals(finished: Sequence[Finished]) -> tuple[int, int, int]:
         return 0, 0, 0
     return (finished[0].num_prompt_tokens, sum(f.num_output_tokens for f in finished),
             max(f.num_cached_tokens for f in finished))
+
+
+def time_remaining(arrival_time: float, timeout_s: float) -> float:
+    """Seconds left of a request's deadline (`timeout_s` from its `arrival_time`, monotonic):
+    the timeout of its next downstream call (Python gRPC does not propagate deadlines).
+    DEADLINE_EXCEEDED once none are left."""
+    remaining = arrival_time + timeout_s - time.monotonic()
+    if remaining <= 0:
+        raise GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                           f"request exceeded its {timeout_s}s deadline")
+    return remaining
+
+
+def completion_sampling(sampling: common_pb2.SamplingParams, index: int
+                        ) -> common_pb2.SamplingParams:
+    """Completion `index` of n: seed + index, so seeded n > 1 completions differ; only
+    completion 0 scores the prompt (prompt logprobs are the prompt's, not a completion's)."""
+    if index == 0:
+        return sampling
+    copy = unscored(sampling, always_copy=True)
+    if sampling.HasField("seed"):
+        copy.seed = (sampling.seed + index) % (1 << 64)
+    return copy
+
+
+def unscored(sampling: common_pb2.SamplingParams, always_copy: bool = False
+             ) -> common_pb2.SamplingParams:
+    """`sampling` without prompt logprobs (itself when it asks for none, unless
+    `always_copy`: the caller changes the copy)."""
+    if not always_copy and not sampling.HasField("prompt_logprobs"):
+        return sampling
+    copy = common_pb2.SamplingParams()
+    copy.CopyFrom(sampling)
+    copy.ClearField("prompt_logprobs")
+    return copy

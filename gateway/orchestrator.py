@@ -45,7 +45,15 @@ from opentelemetry.util.types import AttributeValue
 from gateway.admission import RequestLimit
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, status_code_from_int
-from gateway.generation import Event, Finished, GenerationJob, TokenDelta
+from gateway.generation import (
+    Event,
+    Finished,
+    GenerationJob,
+    TokenDelta,
+    completion_sampling,
+    time_remaining,
+    unscored,
+)
 from gateway.metrics import GatewayMetrics
 from gateway.router import Attempts, Router, Worker, WorkerPool, call_routed
 from gateway.spec_policy import decide
@@ -200,7 +208,7 @@ class Orchestrator:
             self._tokenizer, job.prompt_token_ids, skip_special_tokens=job.skip_special_tokens,
             stop=job.stop, include_stop_str_in_output=job.include_stop_str_in_output),
             trace_parent=trace_parent)
-        sampling = _for_completion(job.sampling, index)
+        sampling = completion_sampling(job.sampling, index)
         state.scores_prompt = sampling.HasField("prompt_logprobs")
         finish: str | None = None
         if not self._config.colocated:
@@ -342,7 +350,7 @@ class Orchestrator:
             output_token_ids=state.output_ids,
             # The prompt is scored once: by the prefill worker, or by the first decode worker
             # (colocated) — not again on a resume, nor where the prompt's KV is pulled.
-            sampling=sampling if state.scores_prompt else _unscored(sampling),
+            sampling=sampling if state.scores_prompt else unscored(sampling),
             kv_failure_policy=(decode_pb2.KV_FAILURE_POLICY_FAIL
                                if self._config.kv_failure_policy == "fail"
                                else decode_pb2.KV_FAILURE_POLICY_RECOMPUTE),
@@ -443,41 +451,6 @@ class Orchestrator:
     async def drain_background(self) -> None:
         """Wait for pending lease releases (used on shutdown)."""
         await asyncio.gather(*self._background, return_exceptions=True)
-
-
-def time_remaining(arrival_time: float, timeout_s: float) -> float:
-    """Seconds left of a request's deadline (`timeout_s` from its `arrival_time`, monotonic):
-    the timeout of its next downstream call (Python gRPC does not propagate deadlines).
-    DEADLINE_EXCEEDED once none are left."""
-    remaining = arrival_time + timeout_s - time.monotonic()
-    if remaining <= 0:
-        raise GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                           f"request exceeded its {timeout_s}s deadline")
-    return remaining
-
-
-def _for_completion(sampling: common_pb2.SamplingParams, index: int
-                    ) -> common_pb2.SamplingParams:
-    """Completion `index` of n: seed + index, so seeded n > 1 completions differ; only
-    completion 0 scores the prompt (prompt logprobs are the prompt's, not a completion's)."""
-    if index == 0:
-        return sampling
-    copy = _unscored(sampling, always_copy=True)
-    if sampling.HasField("seed"):
-        copy.seed = (sampling.seed + index) % (1 << 64)
-    return copy
-
-
-def _unscored(sampling: common_pb2.SamplingParams, always_copy: bool = False
-              ) -> common_pb2.SamplingParams:
-    """`sampling` without prompt logprobs (itself when it asks for none, unless
-    `always_copy`: the caller changes the copy)."""
-    if not always_copy and not sampling.HasField("prompt_logprobs"):
-        return sampling
-    copy = common_pb2.SamplingParams()
-    copy.CopyFrom(sampling)
-    copy.ClearField("prompt_logprobs")
-    return copy
 
 
 def _record_usage(span: Span, job: GenerationJob, finished: Sequence[Finished]) -> None:
