@@ -18,10 +18,10 @@ from gateway.model_resolution import resolve_model
 from gateway.openai_jobs import chat_completion_job
 from gateway.openai_protocol import ChatCompletionRequest, parse_request
 from gateway.response_store import StoredResponse
+from gateway.response_writer import ResponseWriter
 from gateway.responses_api import (
     ResponsesPaths,
     ResponsesRequest,
-    ResponseWriter,
     input_item_page,
     response_not_found,
 )

@@ -18,7 +18,8 @@ from gateway.generation import Event
 from gateway.http_errors import error_type
 from gateway.http_request import until_disconnect
 from gateway.openai_bodies import error_body
-from gateway.responses_api import ResponsesPaths, ResponseWriter
+from gateway.response_writer import ResponseWriter
+from gateway.responses_api import ResponsesPaths
 
 Keep = Callable[[dict[str, Any]], object]  # stores a finished response (or not)
 
