@@ -18,8 +18,8 @@ from typing import Any
 
 from engine_api.beam_search import BeamSearch, BeamSearchParams, BeamSearchParamsError, BeamSequence
 from gateway.errors import GatewayError
+from gateway.generation import GenerationJob, TokenDelta
 from gateway.openai_protocol import _SamplingFields
-from gateway.orchestrator import GenerationJob, TokenDelta
 from gateway.state import GatewayState
 from gateway.structured import structured_from_request
 from protos.splitserve.v1 import common_pb2

@@ -13,12 +13,14 @@ import dataclasses
 from typing import Any
 
 from gateway.errors import GatewayError
-from gateway.orchestrator import GenerationJob
+from gateway.generation import GenerationJob
 from gateway.reasoning import END as REASONING_END
 from gateway.reasoning import START as REASONING_START
 from gateway.reasoning import ChatOutput, ReasoningSplitter, prompt_reasoning
 from gateway.state import GatewayState
-from gateway.tools import HermesOutput, ToolCalling, ToolOutput, tool_constraint
+from gateway.tool_output import ToolOutput
+from gateway.tool_parsers import HermesOutput
+from gateway.tools import ToolCalling, tool_constraint
 
 
 async def chat_job(state: GatewayState, messages: list[dict[str, Any]], options: dict[str, Any],

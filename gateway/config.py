@@ -102,7 +102,7 @@ class GatewayConfig:
     allow_runtime_lora_updating: bool = False
     # vLLM's filesystem LoRA resolver: a request whose `model` names no adapter the workers
     # serve, but a directory DIR/<model>, gets that adapter loaded on every worker first
-    # (gateway/lora_resolver.py; least recently used ones it loaded are unloaded when the
+    # (gateway/model_resolution.py; least recently used ones it loaded are unloaded when the
     # slots are full). The workers must see DIR at the same path. None: off.
     lora_resolver_dir: str | None = None
     # The model's recommended sampling values (vLLM's --generation-config auto: its

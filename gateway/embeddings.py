@@ -23,8 +23,8 @@ from opentelemetry.util.types import AttributeValue
 
 from engine_api.pooling_params import PoolingParams, PoolingParamsError
 from gateway.errors import GatewayError
+from gateway.generation import time_remaining
 from gateway.openai_protocol import PromptInput
-from gateway.orchestrator import time_remaining
 from gateway.router import Worker, call_routed
 from gateway.state import GatewayState
 from protos.splitserve.v1 import common_pb2

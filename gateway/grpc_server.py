@@ -39,6 +39,7 @@ from gateway.chat_tools import chat_finish_reason, chat_job, chat_outputs
 from gateway.config import GatewayConfig
 from gateway.embeddings import embedding_job, refuse_classifier_embeddings, run_embeddings
 from gateway.errors import GatewayError
+from gateway.generation import Finished, GenerationJob, TokenDelta, checked_cache_salt
 from gateway.grpc_tools import (
     call_deltas,
     chat_messages_from_proto,
@@ -47,9 +48,8 @@ from gateway.grpc_tools import (
     tool_calling_from_proto,
 )
 from gateway.lora_admin import load_adapter, unload_adapter
-from gateway.lora_resolver import resolve_model
+from gateway.model_resolution import resolve_model
 from gateway.openai_protocol import ClassifyRequest, PromptInput, ScoreRequest
-from gateway.orchestrator import Finished, GenerationJob, TokenDelta, checked_cache_salt
 from gateway.reasoning import ChatOutput
 from gateway.scoring import classify_body, score_body
 from gateway.state import GatewayState

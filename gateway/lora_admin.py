@@ -132,7 +132,8 @@ def _disown(state: GatewayState, name: str) -> None:
 
 
 async def load_everywhere(state: GatewayState, name: str, path: str) -> LoRAChange:
-    """`load_adapter` without the flag's check: also the resolver's (gateway/lora_resolver.py)."""
+    """`load_adapter` without the flag's check: also the resolver's
+    (gateway/model_resolution.py)."""
     _check_name(name, state.config)
     _check_path(path)
     await asyncio.shield(_locked(state, _load(state, name, path)))

@@ -1,14 +1,9 @@
-"""LoRA adapters loaded when a request first names them (vLLM's filesystem LoRA resolver,
-`--lora-resolver-dir DIR`): a `model` that is neither the base model nor an adapter the workers
-serve, but the name of a directory DIR/<model>, is loaded on every worker
-(gateway/lora_admin.py's all-or-nothing fan-out) before the request runs.
+"""The bookkeeping of vLLM's filesystem LoRA resolver (`--lora-resolver-dir DIR`): which names
+DIR holds an adapter directory for, which adapters this resolver loaded, and when requests last
+named them (gateway/model_resolution.py loads and unloads them).
 
-The workers' slots are few (`--max-loras`): when one of them has no free slot, the adapters this
-resolver loaded (this gateway's resolver: each gateway knows its own) are unloaded least
-recently used first — a worker refuses one that requests
-still run, and the next is tried; if every one is in use the request is refused with 429
-(retry later). Adapters the workers were started with, or that `/v1/load_lora_adapter` loaded,
-are never unloaded here. Requests for a name with no directory are 404s, as before.
+It depends on nothing of the gateway's live state, so `GatewayState` can hold one: the loading
+and unloading, which need that state, live a layer up.
 """
 
 from __future__ import annotations
@@ -17,21 +12,17 @@ import asyncio
 import os
 import time
 
-import grpc
-
 from engine_api.lora import LORA_NAME_RE
-from gateway.errors import GatewayError, OverloadedError
-from gateway.lora_admin import load_everywhere, poll_pools, unload_everywhere
-from gateway.router import Router
-from gateway.state import GatewayState
 
 
 class LoRAResolver:
+    """Adapters loaded when a request first names them: DIR/<model> is the adapter `model`."""
+
     def __init__(self, root: str) -> None:
         self.root = os.path.realpath(root)
         self.last_used: dict[str, float] = {}  # adapter -> when a request last named it
         self.loaded: set[str] = set()  # the adapters this resolver loaded (it may unload them)
-        self._lock = asyncio.Lock()  # one resolution at a time: two requests, one load
+        self.lock = asyncio.Lock()  # one resolution at a time: two requests, one load
 
     def touch(self, name: str) -> None:
         self.last_used[name] = time.monotonic()
@@ -44,92 +35,8 @@ class LoRAResolver:
         path = os.path.join(self.root, name)
         return path if os.path.isdir(path) else None
 
-    async def resolve(self, state: GatewayState, name: str) -> bool:
-        """Whether adapter `name` is served after this call (loaded now if need be). Raises the
-        load's GatewayError, or OverloadedError when no slot can be freed."""
-        path = self.directory(name)
-        if path is None:
-            return False
-        async with self._lock:
-            if name in state.lora_adapters():  # loaded while this request waited
-                return True
-            await poll_pools(state.router)  # the slots as they are now, not at the last poll
-            if name in state.lora_adapters():
-                return True
-            await self._make_room(state, name)
-            await load_everywhere(state, name, path)
-            self.loaded.add(name)
-            self.touch(name)
-            return True
-
-    async def _make_room(self, state: GatewayState, name: str) -> None:
-        """Unload this resolver's least recently used adapters until every worker has a slot."""
-        refused: set[str] = set()
-        while _slots_full(state.router):
-            busy = _busy(state.router)
-            victims = sorted((n for n in self.loaded & state.lora_adapters()
-                              if n != name and n not in refused and n not in busy),
-                             key=lambda n: self.last_used.get(n, 0.0))
-            if not victims:
-                raise OverloadedError(
-                    "workers_overloaded",
-                    f"every LoRA adapter slot is taken by an adapter in use or loaded at start; "
-                    f"{name!r} can be loaded once one is free: retry later")
-            victim = victims[0]
-            try:
-                await unload_everywhere(state, victim)
-            except GatewayError as err:
-                if err.code != grpc.StatusCode.FAILED_PRECONDITION:  # not "in use": a fault
-                    raise
-                refused.add(victim)
-                continue
-            self.loaded.discard(victim)
-
-
-async def resolve_model(state: GatewayState, model: str | None, *, load: bool = True) -> str:
-    """A request's `model` as the workers name it: "" for the base model (or none given), else
-    the adapter's name — loaded first when the resolver has its directory and `load` (without
-    `load`, a resolvable name is accepted as it is: tokenizing needs no adapter). NOT_FOUND
-    for anything else, as vLLM answers."""
-    lora = state.lora_name_for(model)
-    resolver = state.lora_resolver
-    if lora is None and model and resolver is not None:
-        if not load and resolver.directory(model) is not None:
-            return model
-        if await resolver.resolve(state, model):
-            lora = model
-    if lora is None:
-        raise GatewayError(grpc.StatusCode.NOT_FOUND,
-                           f"The model `{model}` does not exist; this server serves "
-                           + ", ".join(f"`{m}`" for m in state.served_models()),
-                           param="model", error_code="model_not_found")
-    if lora and resolver is not None:
-        resolver.touch(lora)
-    return lora
-
-
-def _busy(router: Router) -> set[str]:
-    """Adapters with unfinished requests on some healthy worker, at the last poll (a worker
-    still refuses to unload one that became busy since)."""
-    busy: set[str] = set()
-    for pool in (router.prefill, router.decode):
-        if pool is None:
-            continue
-        for w in pool.workers:
-            r = w.load
-            if w.healthy:
-                busy.update(n for n, running, waiting in zip(
-                    r.lora_adapters, r.lora_running, r.lora_waiting, strict=False)
-                    if running or waiting)
-    return busy
-
-
-def _slots_full(router: Router) -> bool:
-    """Whether a healthy worker that takes adapters at runtime has every slot taken."""
-    for pool in (router.prefill, router.decode):
-        if pool is None:
-            continue
-        for w in pool.workers:
-            if w.healthy and w.load.max_loras and len(w.load.lora_adapters) >= w.load.max_loras:
-                return True
-    return False
+    def victims(self, served: set[str], spared: set[str]) -> list[str]:
+        """The adapters this resolver loaded that the workers serve, least recently used first,
+        but for those `spared` (the one to load, busy ones, ones a worker refused)."""
+        return sorted((n for n in self.loaded & served if n not in spared),
+                      key=lambda n: self.last_used.get(n, 0.0))

@@ -42,10 +42,18 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind
 from opentelemetry.util.types import AttributeValue
 
-from engine_api.hashing import cache_salt_problem
 from gateway.admission import RequestLimit
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, status_code_from_int
+from gateway.generation import (
+    Event,
+    Finished,
+    GenerationJob,
+    TokenDelta,
+    completion_sampling,
+    time_remaining,
+    unscored,
+)
 from gateway.metrics import GatewayMetrics
 from gateway.router import Attempts, Router, Worker, WorkerPool, call_routed
 from gateway.spec_policy import decide
@@ -61,76 +69,6 @@ _FINISH_NAMES = {
     common_pb2.FINISH_REASON_ABORT: "abort",
 }
 _RELEASE_TIMEOUT_S = 2.0
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationJob:
-    """A validated, tokenized request: what the orchestrator runs."""
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    sampling: common_pb2.SamplingParams   # validated; max_tokens resolved (>= 1)
-    n: int = 1
-    stop: tuple[str, ...] = ()
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    # A chat request's tool_choice when it sent tools (none, auto, required, named): the
-    # output's parsing is the front door's (REST or gRPC); here it is observed (metric, span
-    # attribute).
-    tool_choice: str | None = None
-    # The LoRA adapter it runs with (the request's `model` naming one); "": the base model.
-    lora_name: str = ""
-    # Scheduling priority on both workers (an int32; lower is scheduled sooner): anything but 0
-    # needs workers started with --scheduling-policy priority, which the workers check.
-    priority: int = 0
-    # vLLM's cache_salt: the prompt's KV is hashed under a salted root on the workers (and for
-    # routing here), so only requests with the same salt share cached blocks; "": none.
-    cache_salt: str = ""
-    arrival_time: float = field(default_factory=time.monotonic)
-    # The prompt's block hashes per KV layout (fingerprint, block size), computed once for both
-    # pools and all `n` completions (WorkerPool.prompt_hashes).
-    block_hashes: dict[tuple[bytes, int], list[bytes]] = field(
-        default_factory=dict, repr=False, compare=False)
-
-    @property
-    def wants_logprobs(self) -> bool:
-        return self.sampling.HasField("logprobs")
-
-
-def checked_cache_salt(salt: str | None, param: str = "cache_salt") -> str:
-    """A request's `cache_salt` as a job takes it ("" for none); 400 past the workers' limits
-    (`cache_salt_problem`)."""
-    problem = cache_salt_problem(salt)
-    if problem is not None:
-        raise GatewayError.invalid(param, problem.replace("cache_salt", param, 1))
-    return salt or ""
-
-
-@dataclass(slots=True)
-class TokenDelta:
-    """New tokens of completion `index` and the text they add (may be empty: held back)."""
-
-    index: int
-    token_ids: list[int]
-    text: str
-    logprobs: list[common_pb2.TokenLogprob]
-    # The prompt scored (sampling.prompt_logprobs): in completion 0's first delta only.
-    prompt_logprobs: common_pb2.PromptLogprobs | None = None
-
-
-@dataclass(slots=True)
-class Finished:
-    """Completion `index` is done."""
-
-    index: int
-    finish_reason: str                 # "stop" | "length" | "abort"
-    stop_reason: str | None            # the stop string that matched, if any
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-
-
-Event = TokenDelta | Finished
 
 
 @dataclass(slots=True)
@@ -270,7 +208,7 @@ class Orchestrator:
             self._tokenizer, job.prompt_token_ids, skip_special_tokens=job.skip_special_tokens,
             stop=job.stop, include_stop_str_in_output=job.include_stop_str_in_output),
             trace_parent=trace_parent)
-        sampling = _for_completion(job.sampling, index)
+        sampling = completion_sampling(job.sampling, index)
         state.scores_prompt = sampling.HasField("prompt_logprobs")
         finish: str | None = None
         if not self._config.colocated:
@@ -412,7 +350,7 @@ class Orchestrator:
             output_token_ids=state.output_ids,
             # The prompt is scored once: by the prefill worker, or by the first decode worker
             # (colocated) — not again on a resume, nor where the prompt's KV is pulled.
-            sampling=sampling if state.scores_prompt else _unscored(sampling),
+            sampling=sampling if state.scores_prompt else unscored(sampling),
             kv_failure_policy=(decode_pb2.KV_FAILURE_POLICY_FAIL
                                if self._config.kv_failure_policy == "fail"
                                else decode_pb2.KV_FAILURE_POLICY_RECOMPUTE),
@@ -515,41 +453,6 @@ class Orchestrator:
         await asyncio.gather(*self._background, return_exceptions=True)
 
 
-def time_remaining(arrival_time: float, timeout_s: float) -> float:
-    """Seconds left of a request's deadline (`timeout_s` from its `arrival_time`, monotonic):
-    the timeout of its next downstream call (Python gRPC does not propagate deadlines).
-    DEADLINE_EXCEEDED once none are left."""
-    remaining = arrival_time + timeout_s - time.monotonic()
-    if remaining <= 0:
-        raise GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                           f"request exceeded its {timeout_s}s deadline")
-    return remaining
-
-
-def _for_completion(sampling: common_pb2.SamplingParams, index: int
-                    ) -> common_pb2.SamplingParams:
-    """Completion `index` of n: seed + index, so seeded n > 1 completions differ; only
-    completion 0 scores the prompt (prompt logprobs are the prompt's, not a completion's)."""
-    if index == 0:
-        return sampling
-    copy = _unscored(sampling, always_copy=True)
-    if sampling.HasField("seed"):
-        copy.seed = (sampling.seed + index) % (1 << 64)
-    return copy
-
-
-def _unscored(sampling: common_pb2.SamplingParams, always_copy: bool = False
-              ) -> common_pb2.SamplingParams:
-    """`sampling` without prompt logprobs (itself when it asks for none, unless
-    `always_copy`: the caller changes the copy)."""
-    if not always_copy and not sampling.HasField("prompt_logprobs"):
-        return sampling
-    copy = common_pb2.SamplingParams()
-    copy.CopyFrom(sampling)
-    copy.ClearField("prompt_logprobs")
-    return copy
-
-
 def _record_usage(span: Span, job: GenerationJob, finished: Sequence[Finished]) -> None:
     """GenAI semantic-convention usage/response attributes of a request's span."""
     span.set_attribute("gen_ai.usage.input_tokens", len(job.prompt_token_ids))
@@ -577,17 +480,6 @@ async def _fan_in(queue: asyncio.Queue[Event | BaseException | None],
         for t in producers:
             t.cancel()
         await asyncio.gather(*producers, return_exceptions=True)
-
-
-def usage_totals(finished: Sequence[Finished]) -> tuple[int, int, int]:
-    """(prompt_tokens, completion_tokens, cached_tokens) of one request's n completions.
-
-    The prompt is counted once (as OpenAI and vLLM do); completion tokens are summed.
-    """
-    if not finished:
-        return 0, 0, 0
-    return (finished[0].num_prompt_tokens, sum(f.num_output_tokens for f in finished),
-            max(f.num_cached_tokens for f in finished))
 
 
 def _constraint(job: GenerationJob) -> str | None:

@@ -22,7 +22,7 @@ from engine_api.sampling_params import (
 )
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError
-from gateway.orchestrator import GenerationJob
+from gateway.generation import GenerationJob
 from gateway.structured import structured_to_proto
 from gateway.tokenization import (
     TokenizerLike,

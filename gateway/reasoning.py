@@ -23,7 +23,7 @@ from typing import Any, Literal, Protocol
 
 from engine_api.detokenizer import holdback
 from gateway.config import REASONING_PARSERS
-from gateway.tools import ToolOutput
+from gateway.tool_output import ToolOutput
 
 START, END = "<think>", "</think>"
 # Prompt tokens read back to find whether the template left a <think> open.

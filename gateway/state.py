@@ -7,19 +7,16 @@ import asyncio
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from gateway.admission import RequestLimit
 from gateway.config import GatewayConfig
+from gateway.lora_resolver import LoRAResolver
 from gateway.metrics import GatewayMetrics
 from gateway.orchestrator import Orchestrator
 from gateway.preprocess import Preprocessor
 from gateway.response_store import ResponseStore
 from gateway.router import Router, WorkerPool
 from gateway.tokenization import TokenizerLike, TokenTexts
-
-if TYPE_CHECKING:  # gateway/lora_resolver.py imports this module
-    from gateway.lora_resolver import LoRAResolver
 
 
 @dataclass(slots=True)
@@ -115,7 +112,6 @@ class GatewayState:
         limit = RequestLimit(config.max_concurrent_requests, metrics)
         resolver = None
         if config.lora_resolver_dir is not None:
-            from gateway.lora_resolver import LoRAResolver
             resolver = LoRAResolver(config.lora_resolver_dir)
         return cls(config=config, tokenizer=tokenizer, router=router,
                    orchestrator=Orchestrator(config, router, tokenizer, metrics, limit),

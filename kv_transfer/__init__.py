@@ -1,13 +1,17 @@
 """KV block handoff between workers and the prefix-cache tiers (DESIGN.md §3, §4).
 
 - `wire`            binary format of one block (header + scales + raw bytes, CRC-32); no pickle.
-- `grpc_transport`  KvTransfer servicer (server side) and `pull_blocks` / `pull_blocks_shm` /
-                    `pull_blocks_ipc` / `pull_blocks_tcp` / `release` (client).
+- `protocol`        what both sides share: fragment sizes, blocks per prompt, `KvTransferError`.
+- `servicer`        KvTransfer servicer (the prefill worker's side) over a `KvBlockSource`.
+- `pull_client`     `pull_blocks` / `pull_all` (the stream) and `release` (client).
+- `raw_pulls`       `pull_blocks_shm` / `pull_blocks_tcp` / `pull_blocks_ipc` (client).
 - `shm`             shared-memory segments for same-host pulls (`PullBlocksShm`).
 - `cuda_ipc`        a KV cache exported through CUDA IPC for same-GPU pulls (`PullBlocksIpc`).
 - `tcp`             the prefill worker's KV data port: raw blocks to ticket holders
                     (`PullBlocksTcp`); after CUDA IPC, the decode worker's first way.
-- `connector`       scheduler-side / worker-side connector interfaces + GrpcPullConnector.
+- `handle`          `KvHandle` (where a prompt's KV is leased) and `LoadResult`.
+- `connector`       the worker-side connector interface + GrpcPullConnector (which way a load
+                    takes); `pull_ways` the ways themselves, into a `KvBlockSink`.
 - `tiers`           CpuTier (LRU, pinned), RedisTier, TieredStore keyed by block hash.
 """
 

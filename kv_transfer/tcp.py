@@ -87,7 +87,7 @@ class _Lease(Protocol):
 
 
 class DataSource(Protocol):
-    """What the data server reads: `kv_transfer.grpc_transport.KvBlockSource` satisfies it."""
+    """What the data server reads: `kv_transfer.servicer.KvBlockSource` satisfies it."""
 
     def lookup(self, request_id: str) -> _Lease | None: ...
 

@@ -14,7 +14,7 @@ from opentelemetry.trace import Span
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from kv_transfer.grpc_transport import KvTransferServicer
+from kv_transfer.servicer import KvTransferServicer
 from kv_transfer.tcp import KvDataServer
 from prefill_service.servicer import PrefillServicer
 from protos.splitserve.v1 import (

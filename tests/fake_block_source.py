@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 from fake_lease import Lease, LeaseTable
 
-from kv_transfer.grpc_transport import LeaseView
+from kv_transfer.servicer import LeaseView
 from kv_transfer.wire import BlockSpec
 
 

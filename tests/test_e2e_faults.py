@@ -38,7 +38,7 @@ from e2e_stack import (  # noqa: E402
 
 from gateway.config import GatewayConfig  # noqa: E402
 from gateway.server import GatewayServer  # noqa: E402
-from kv_transfer.grpc_transport import MAX_FRAGMENT_BYTES, channel_options  # noqa: E402
+from kv_transfer.protocol import MAX_FRAGMENT_BYTES, channel_options  # noqa: E402
 from protos.splitserve.v1 import (  # noqa: E402
     common_pb2,
     decode_pb2,

@@ -35,8 +35,10 @@ from engine.kernels import reference as R
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.request import RemoteKv, RequestStatus
-from kv_transfer.connector import GrpcPullConnector, KvHandle, LoadResult
-from kv_transfer.grpc_transport import KvTransferServicer, channel_options
+from kv_transfer.connector import GrpcPullConnector
+from kv_transfer.handle import KvHandle, LoadResult
+from kv_transfer.protocol import channel_options
+from kv_transfer.servicer import KvTransferServicer
 from kv_transfer.wire import decode_block, encode_block
 from protos.splitserve.v1 import kv_transfer_pb2_grpc
 from worker.kv import RunnerSink, block_spec, kv_scales

@@ -16,22 +16,16 @@ import torch
 from fake_block_source import CacheBlockSource
 from fake_lease import Lease, LeaseError, LeaseTable
 
-import kv_transfer.connector as connector_module
+import kv_transfer.pull_ways as pull_ways_module
 from engine_api.hashing import prompt_hash
-from kv_transfer import grpc_transport
-from kv_transfer.connector import GrpcPullConnector, KvHandle, LoadResult
+from kv_transfer import servicer as servicer_module
+from kv_transfer.connector import GrpcPullConnector
 from kv_transfer.cuda_ipc import CacheExport, CacheImporter, device_uuid, local_device
-from kv_transfer.grpc_transport import (
-    MAX_FRAGMENT_BYTES,
-    KvTransferError,
-    KvTransferServicer,
-    channel_options,
-    pull_all,
-    pull_blocks,
-    pull_blocks_ipc,
-    pull_blocks_shm,
-    release,
-)
+from kv_transfer.handle import KvHandle, LoadResult
+from kv_transfer.protocol import MAX_FRAGMENT_BYTES, KvTransferError, channel_options
+from kv_transfer.pull_client import pull_all, pull_blocks, release
+from kv_transfer.raw_pulls import pull_blocks_ipc, pull_blocks_shm
+from kv_transfer.servicer import KvTransferServicer
 from kv_transfer.shm import SHM_DIR, SHM_PREFIX, ShmError, ShmSegment
 from kv_transfer.tcp import KvDataServer
 from kv_transfer.wire import BlockSpec, DecodedBlock, encode_block
@@ -417,13 +411,13 @@ async def test_connector_pulls_into_local_blocks_and_releases(
     spec = worker.source.spec
     sink = DictSink(spec)
     shm_pulls: list[str] = []
-    real = connector_module.pull_blocks_shm
+    real = pull_ways_module.pull_blocks_shm
 
     async def counted(*args: Any, **kwargs: Any) -> Any:
         shm_pulls.append(args[1])
         return await real(*args, **kwargs)
 
-    monkeypatch.setattr(connector_module, "pull_blocks_shm", counted)
+    monkeypatch.setattr(pull_ways_module, "pull_blocks_shm", counted)
     before = _kv_segments()
     connector = GrpcPullConnector(spec, sink, asyncio.get_running_loop(), timeout_s=TIMEOUT_S,
                                   use_shm=use_shm)
@@ -455,7 +449,7 @@ async def test_shm_pull_falls_back_to_the_stream_where_the_server_cannot_open_it
     def elsewhere(name: str, size: int) -> ShmSegment:
         raise ShmError(f"cannot open /dev/shm/{name}: not on this host")
 
-    monkeypatch.setattr(grpc_transport.ShmSegment, "open", staticmethod(elsewhere))
+    monkeypatch.setattr(servicer_module.ShmSegment, "open", staticmethod(elsewhere))
     connector = GrpcPullConnector(spec, sink, asyncio.get_running_loop(), timeout_s=TIMEOUT_S)
     connector.start_load_kv("local-1", handle_for(worker), [0, 1, 4])
     assert await connector.wait_for_load("local-1") == LoadResult("local-1", True, transport="stream")
@@ -466,7 +460,7 @@ async def test_shm_pull_falls_back_to_the_stream_where_the_server_cannot_open_it
 
 async def test_shm_pull_returns_the_lease_and_refuses_foreign_names(
         worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(grpc_transport, "SHM_READ_BLOCKS", 1)  # one slice per block
+    monkeypatch.setattr(servicer_module, "SHM_READ_BLOCKS", 1)  # one slice per block
     worker.grant()
     spec = worker.source.spec
     pull = await pull_blocks_shm(worker.address, "req-1", spec, len(BLOCK_IDS), TIMEOUT_S,
@@ -616,7 +610,7 @@ async def test_cuda_ipc_is_refused_off_the_gpu_and_the_connector_falls_back(
                               device_uuid(torch.device("cpu")))
     assert exc.value.reason == "ipc_unavailable"
     loop = asyncio.get_running_loop()
-    assert GrpcPullConnector(spec, DictSink(spec), loop)._ipc_device is None
+    assert GrpcPullConnector(spec, DictSink(spec), loop)._ways.ipc_device is None
 
     class GpuSink(DictSink):
         """Reports a GPU (this host has none, so no worker shares it)."""
@@ -628,16 +622,16 @@ async def test_cuda_ipc_is_refused_off_the_gpu_and_the_connector_falls_back(
             raise AssertionError("no cache was exported, nothing may be copied")
 
     ipc_pulls: list[str] = []
-    real = connector_module.pull_blocks_ipc
+    real = pull_ways_module.pull_blocks_ipc
 
     async def counted(*args: Any, **kwargs: Any) -> Any:
         ipc_pulls.append(args[1])
         return await real(*args, **kwargs)
 
-    monkeypatch.setattr(connector_module, "pull_blocks_ipc", counted)
+    monkeypatch.setattr(pull_ways_module, "pull_blocks_ipc", counted)
     sink = GpuSink(spec)
     connector = GrpcPullConnector(spec, sink, loop, timeout_s=TIMEOUT_S)
-    assert connector._ipc_device == torch.device("cuda", 0)
+    assert connector._ways.ipc_device == torch.device("cuda", 0)
     for rid in ("req-1", "req-2"):
         if rid != "req-1":
             worker.grant(rid)
@@ -695,7 +689,7 @@ async def test_an_unexpected_ipc_failure_falls_back_to_shared_memory(
     async def broken(*args: Any, **kwargs: Any) -> Any:
         raise TypeError("_new_shared_cuda got an invalid combination of arguments")
 
-    monkeypatch.setattr(connector_module, "pull_blocks_ipc", broken)
+    monkeypatch.setattr(pull_ways_module, "pull_blocks_ipc", broken)
 
     class GpuSink(DictSink):
         device = torch.device("cuda", 0)
@@ -770,7 +764,7 @@ async def test_a_lease_that_ends_during_a_pull_fails_it(worker: Worker, use_shm:
     """The lease is released (as by expiry) after the first read: the blocks read later may
     belong to another request by then, so the stream and the shared-memory pull end ABORTED
     after their last read, and the load fails rather than decoding from them."""
-    monkeypatch.setattr(grpc_transport, "SHM_READ_BLOCKS", 1)
+    monkeypatch.setattr(servicer_module, "SHM_READ_BLOCKS", 1)
     worker.grant()
     spec = worker.source.spec
     reads = spy_reads(worker, monkeypatch, "read_block",  # the stream's and shm's read

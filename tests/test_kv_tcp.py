@@ -25,11 +25,13 @@ from test_kv_grpc_transport import (
     start_worker,
 )
 
-import kv_transfer.connector as connector_module
+import kv_transfer.pull_ways as pull_ways_module
 import kv_transfer.tcp as tcp_module
 from kv_transfer import MAX_TCP_STREAMS
-from kv_transfer.connector import GrpcPullConnector, LoadResult
-from kv_transfer.grpc_transport import KvTransferError, pull_blocks_tcp
+from kv_transfer.connector import GrpcPullConnector
+from kv_transfer.handle import LoadResult
+from kv_transfer.protocol import KvTransferError
+from kv_transfer.raw_pulls import pull_blocks_tcp
 from kv_transfer.tcp import (
     TICKET_BYTES,
     KvDataServer,
@@ -91,7 +93,7 @@ async def test_connector_pulls_over_tcp_bit_for_bit_and_releases(
     sink = DictSink(spec)
     connector = GrpcPullConnector(spec, sink, asyncio.get_running_loop(), timeout_s=TIMEOUT_S,
                                   use_shm=False, tcp_streams=streams)
-    connector._staging = connector_module._StagingPool(2 * spec.block_nbytes, pinned=False)
+    connector._ways.staging = pull_ways_module.StagingPool(2 * spec.block_nbytes, pinned=False)
     local_ids = [0, 1, 4][first_block:]
     await asyncio.to_thread(connector.start_load_kv, "local-1", handle_for(worker), local_ids,
                             first_block)
@@ -187,13 +189,13 @@ async def test_an_unreachable_data_port_falls_back_to_the_stream(
     connector = GrpcPullConnector(spec, sink, asyncio.get_running_loop(), timeout_s=TIMEOUT_S,
                                   use_shm=False)
     tickets: list[str] = []
-    real = connector_module.pull_blocks_tcp
+    real = pull_ways_module.pull_blocks_tcp
 
     async def counted(*args: Any, **kwargs: Any) -> Any:
         tickets.append(args[1])
         return await real(*args, **kwargs)
 
-    monkeypatch.setattr(connector_module, "pull_blocks_tcp", counted)
+    monkeypatch.setattr(pull_ways_module, "pull_blocks_tcp", counted)
     for rid in ("req-1", "req-2"):
         connector.start_load_kv(rid, handle_for(worker, rid), [0, 1, 4])
         assert await connector.wait_for_load(rid) == LoadResult(rid, True, transport="stream")

@@ -29,7 +29,7 @@ from openai import OpenAI
 from gateway.config import GatewayConfig, GatewayConfigError
 from gateway.grpc_tools import template_kwargs_from_proto
 from gateway.reasoning import ChatOutput, ReasoningSplitter, prompt_reasoning
-from gateway.tools import HermesOutput
+from gateway.tool_parsers import HermesOutput
 from protos.splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 # (parser, prompt left <think> open, output, reasoning, content)

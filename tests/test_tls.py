@@ -32,8 +32,11 @@ from test_kv_grpc_transport import (
 )
 from test_up import ROOT, _alive, _free_ports, complete_greedy
 
-from kv_transfer.connector import GrpcPullConnector, LoadResult
-from kv_transfer.grpc_transport import KvTransferServicer, pull_all, pull_blocks_tcp
+from kv_transfer.connector import GrpcPullConnector
+from kv_transfer.handle import LoadResult
+from kv_transfer.pull_client import pull_all
+from kv_transfer.raw_pulls import pull_blocks_tcp
+from kv_transfer.servicer import KvTransferServicer
 from kv_transfer.tcp import TcpTransferError, TcpUnavailable, receive_blocks
 from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from rpc import tls
@@ -130,7 +133,7 @@ async def test_kv_data_port_over_mutual_tls_and_nothing_else(
     assert paths is not None and paths.server_name == SERVER_NAME
     w = await start_worker(data_port=True, tls=paths.server_context())
     # start_worker binds its gRPC port in plaintext; the TLS under test is the data port's.
-    for module in ("kv_transfer.grpc_transport", "rpc.channels"):
+    for module in ("kv_transfer.pull_client", "rpc.channels"):
         monkeypatch.setattr(f"{module}.internal_channel",
                             lambda target, **kw: grpc.aio.insecure_channel(target, **kw))
     try:

@@ -21,17 +21,9 @@ from gateway.config import GatewayConfig, GatewayConfigError
 from gateway.errors import GatewayError
 from gateway.openai_protocol import ChatCompletionRequest, chat_messages
 from gateway.tokenization import load_chat_template
-from gateway.tools import (
-    MAX_TOOLS,
-    HermesOutput,
-    Llama3JsonOutput,
-    NamedOutput,
-    RequiredOutput,
-    ToolCalling,
-    ToolOutput,
-    tool_calling_from_request,
-    tool_constraint,
-)
+from gateway.tool_output import NamedOutput, RequiredOutput, ToolOutput
+from gateway.tool_parsers import HermesOutput, Llama3JsonOutput
+from gateway.tools import MAX_TOOLS, ToolCalling, tool_calling_from_request, tool_constraint
 
 TEMPLATE = Path(__file__).parent.parent / "gateway" / "chat_templates" / "chatml_hermes_tools.jinja"
 WEATHER = {"type": "function", "function": {

@@ -18,8 +18,11 @@ from engine.kv.block_pool import count_runs
 from engine.llm_engine import LLMEngine
 from engine.scheduler import KvLoad
 from kv_transfer import DEFAULT_TCP_STREAMS
-from kv_transfer.connector import GrpcPullConnector, KvHandle, LoadResult
-from kv_transfer.grpc_transport import KvTransferError, LeaseView, release
+from kv_transfer.connector import GrpcPullConnector
+from kv_transfer.handle import KvHandle, LoadResult
+from kv_transfer.protocol import KvTransferError
+from kv_transfer.pull_client import release
+from kv_transfer.servicer import LeaseView
 from kv_transfer.wire import BlockSpec
 from protos.splitserve.v1 import common_pb2, decode_pb2
 from rpc import tracing

@@ -35,8 +35,10 @@ from engine.dma_copy import dma_available
 from engine.runner import copy_cache_blocks
 from engine_api.hashing import HASH_BYTES
 from kv_transfer import DEFAULT_TCP_STREAMS
-from kv_transfer.connector import GrpcPullConnector, KvHandle
-from kv_transfer.grpc_transport import KvTransferServicer, LeaseView, channel_options
+from kv_transfer.connector import GrpcPullConnector
+from kv_transfer.handle import KvHandle
+from kv_transfer.protocol import channel_options
+from kv_transfer.servicer import KvTransferServicer, LeaseView
 from kv_transfer.tcp import KvDataServer
 from kv_transfer.wire import BlockSpec
 from protos.splitserve.v1 import kv_transfer_pb2_grpc

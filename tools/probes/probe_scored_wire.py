@@ -58,7 +58,7 @@ def _parse_columnar(data: bytes) -> int:
 
 
 def _rest(n: int, repeats: int) -> dict[str, Any]:
-    from gateway.openai_protocol import echo_logprobs, prompt_logprobs_entries
+    from gateway.openai_bodies import echo_logprobs, prompt_logprobs_entries
     from gateway.tokenization import TokenTexts, load_tokenizer
 
     tokenizer = load_tokenizer("")

@@ -1,0 +1,139 @@
+"""A request's generation events answered: run to the end (one body), or streamed as
+server-sent events — chat and completion chunks ending `[DONE]`, or the Responses API's typed
+events. A client disconnect cancels the generation, and with it the downstream gRPC calls."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from gateway.completion_view import CompletionView
+from gateway.errors import GatewayError
+from gateway.generation import Event
+from gateway.http_errors import error_type
+from gateway.http_request import until_disconnect
+from gateway.openai_bodies import error_body
+from gateway.response_writer import ResponseWriter
+from gateway.responses_api import ResponsesPaths
+
+Keep = Callable[[dict[str, Any]], object]  # stores a finished response (or not)
+
+
+async def complete(view: CompletionView, request: Request) -> dict[str, Any]:
+    """Run to the end; a client disconnect cancels the generation (and the gRPC calls)."""
+    async def consume() -> None:
+        async for event in view.state.orchestrator.generate_batch(view.jobs):
+            view.record(event)
+
+    await until_disconnect(consume(), request)
+    return view.final()
+
+
+async def _started(view: CompletionView) -> tuple[Event, AsyncGenerator[Event, None]]:
+    """The view's events with the first one awaited, so an early failure gets a real status."""
+    events = view.state.orchestrator.generate_batch(view.jobs)
+    try:
+        return await anext(events), events
+    except BaseException:
+        await events.aclose()
+        raise
+
+
+class _EventStream(StreamingResponse):
+    """SSE of a request's `events` rendered by `body`; both are closed when the response ends,
+    however it ends. Starlette cancels the body on a client disconnect, but one cancelled while
+    it waited on a send stays suspended (and one never started never ran its cleanup) until
+    the garbage collector finalizes it; closing them here ends the request at once: its
+    downstream calls cancelled, its place of the request limit given back."""
+
+    def __init__(self, body: AsyncGenerator[str, None],
+                 events: AsyncGenerator[Event, None]) -> None:
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self._body = body
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._body.aclose()    # its own cleanup closes `events`, if it started
+            await self._events.aclose()  # a no-op once closed
+
+
+async def stream_chunks(view: CompletionView, request: Request) -> Response:
+    """SSE of chat or completion chunks, ending `[DONE]`."""
+    del request
+    first, events = await _started(view)
+    return _EventStream(_sse(view, first, events), events)
+
+
+async def _sse(view: CompletionView, first: Event, events: AsyncGenerator[Event, None]
+               ) -> AsyncGenerator[str, None]:
+    try:
+        if view.chat:
+            for index in range(len(view.choices)):
+                yield _data(view.role_chunk(index))
+        event: Event | None = first
+        while event is not None:
+            view.record(event)
+            chunk = view.event_chunk(event)
+            if chunk is not None:
+                yield _data(chunk)
+            event = await anext(events, None)
+        if view.include_usage:
+            yield _data(view.usage_chunk())
+    except GatewayError as err:
+        yield _data(error_body(err.message, error_type(err.http_status), err.param,
+                               err.error_code or err.http_status))
+    finally:
+        await events.aclose()
+    yield "data: [DONE]\n\n"
+
+
+async def stream_response(view: CompletionView, writer: ResponseWriter, keep: Keep) -> Response:
+    """The Responses API's SSE stream: typed events, no [DONE]."""
+    first, events = await _started(view)
+    return _EventStream(_response_events(view, writer, first, events, keep), events)
+
+
+async def _response_events(view: CompletionView, writer: ResponseWriter, first: Event,
+                           events: AsyncGenerator[Event, None], keep: Keep
+                           ) -> AsyncGenerator[str, None]:
+    """The stream's events; the finished response is kept (`keep`) before its last event goes
+    out, so a client that has it can retrieve it at once. A failed or cut stream keeps none."""
+    finish_reason: str | None = None
+    try:
+        for e in writer.start():
+            yield _typed(e)
+        event: Event | None = first
+        while event is not None:
+            view.record(event)
+            chunk = view.event_chunk(event)
+            for choice in (chunk or {}).get("choices", []):
+                for e in writer.delta(choice.get("delta") or {}):
+                    yield _typed(e)
+                finish_reason = choice.get("finish_reason") or finish_reason
+            event = await anext(events, None)
+        closing = writer.finish(finish_reason, view.usage())
+        keep(writer.response)
+        for e in closing:
+            yield _typed(e)
+    except GatewayError as err:
+        err = err.renamed(ResponsesPaths())
+        yield _typed(writer.error(err.message, err.error_code or err.http_status, err.param))
+    finally:
+        await events.aclose()
+
+
+def _typed(event: dict[str, Any]) -> str:
+    return f"event: {event['type']}\n{_data(event)}"
+
+
+def _data(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
