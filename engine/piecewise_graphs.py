@@ -40,7 +40,8 @@ from engine.attention.forward_context import AttentionMetadata, layer_kv_scale
 from engine.cuda_graphs import WARMUP_RUNS
 
 if TYPE_CHECKING:
-    from engine.model.llama import LlamaDecoderLayer, LlamaForCausalLM
+    from engine.model.decoder import LlamaDecoderLayer
+    from engine.model.llama import LlamaForCausalLM
     from engine.runner import ModelRunner
 
 logger = logging.getLogger(__name__)

@@ -232,7 +232,7 @@ def test_model_layers_dispatch_one_row_to_gemv(with_bias: bool) -> None:
     from types import SimpleNamespace
 
     from engine.model.layers import Linear
-    from engine.model.llama import LlamaMLP
+    from engine.model.decoder import LlamaMLP
 
     torch.manual_seed(0)
     fast, plain = Linear(48, 40, with_bias, use_gemv=True), Linear(48, 40, with_bias)
