@@ -723,7 +723,7 @@ class SpeculativeConfig:
     sequence, `prompt_lookup_max` down to `prompt_lookup_min` tokens long, that occurred earlier
     proposes the tokens that followed it (vLLM's `ngram` method). "draft_model" runs `model`, a
     smaller model with the target's vocabulary, greedily for the drafts (vLLM's draft model;
-    engine/spec/draft_model.py); it runs on the target's device with its own KV cache."""
+    engine/draft_model.py); it runs on the target's device with its own KV cache."""
 
     method: SpecMethod = "none"
     num_speculative_tokens: int = 4     # drafts per step at most
