@@ -37,12 +37,11 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from engine.attention.forward_context import AttentionMetadata, layer_kv_scale
-from engine.cuda_graphs import WARMUP_RUNS
+from engine.cuda_graphs import WARMUP_RUNS, GraphHost
 
 if TYPE_CHECKING:
     from engine.model.decoder import LlamaDecoderLayer
     from engine.model.llama import LlamaForCausalLM
-    from engine.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +65,7 @@ class PiecewiseGraphRunner:
     are no graphs) runs the same pieces on the same static buffers without capturing them:
     the tests check the layout, padding and buffer hand-offs that way."""
 
-    def __init__(self, runner: ModelRunner, max_tokens: int, pool: Any = None,
+    def __init__(self, runner: GraphHost, max_tokens: int, pool: Any = None,
                  capture: bool = True) -> None:
         self.model = cast("LlamaForCausalLM", runner.model)
         self.layers = cast("list[LlamaDecoderLayer]", list(self.model.layers))
