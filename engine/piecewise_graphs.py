@@ -41,7 +41,6 @@ from engine.cuda_graphs import WARMUP_RUNS, GraphHost
 
 if TYPE_CHECKING:
     from engine.model.decoder import LlamaDecoderLayer
-    from engine.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +66,7 @@ class PiecewiseGraphRunner:
 
     def __init__(self, runner: GraphHost, max_tokens: int, pool: Any = None,
                  capture: bool = True) -> None:
-        self.model = cast("LlamaForCausalLM", runner.model)
+        self.model = runner.model
         self.layers = cast("list[LlamaDecoderLayer]", list(self.model.layers))
         self.buckets = piecewise_buckets(max_tokens)
         self.use_graphs = capture
