@@ -6,11 +6,11 @@ write no KV: slot -1) and the graph runs the model *and* the LM head, so a greed
 one replay plus one argmax. Buckets from `decode_overlap_min_batch` up are captured as two
 micro-batches on two streams (engine/model/overlap.py). Steps with prompt tokens go to the
 piecewise graphs (engine/piecewise_graphs.py) when they fit, else eagerly. The decode graphs are
-captured after every other set (`ModelRunner._capture_graphs` says why).
+captured after every other set (`engine.runner.graph_capture.capture_graphs` says why).
 
 Speculative decoding's verify steps get a second set (`q_len` = 1 + the engine's drafts per
 step): every sequence owns `q_len` query rows, its last known token, its drafts, then padding
-rows that write no KV (`ModelRunner.prepare(out, uniform_q=...)` lays a step out so). Their
+rows that write no KV (`StepInputs.prepare(out, uniform_q=...)` lays a step out so). Their
 attention is the split decode kernel with `q_len` query rows per sequence, causal among them,
 which reads lengths and block tables from the device, so the same graph serves any context.
 (A third set, for steps of short prompts laid out the same way, was superseded by the piecewise
@@ -21,21 +21,54 @@ from __future__ import annotations
 
 import bisect
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from engine.attention.forward_context import AttentionMetadata, ForwardContext, forward_context
-from engine.lora import LoRABatch
-
-if TYPE_CHECKING:
-    from engine.runner import ModelRunner
+from engine.config import EngineConfig, ModelConfig
+from engine.lora import LoRABatch, LoRAStack
+from engine.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
 # Eager runs of a bucket before it is captured: one compiles its Triton kernels and loads every
 # module it launches (nothing here autotunes); a second one only cost start-up time.
 WARMUP_RUNS = 1
+
+
+class GraphHost(Protocol):
+    """What graphs read from the model runner they are captured for (`ModelRunner` is one):
+    a protocol, so that the graphs need not import the runner that captures them."""
+
+    config: EngineConfig
+    model_config: ModelConfig  # the whole model's
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int
+    max_model_len: int
+    model: LlamaForCausalLM
+    lora: LoRAStack | None
+    num_overlapped_steps: int  # counted by replays of overlapped buckets too
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        """The KV cache per layer."""
+        ...
+
+    @property
+    def kv_scale_values(self) -> list[tuple[float, float]] | None:
+        """Per layer (k_scale, v_scale) of a quantized cache; None: unquantized."""
+        ...
+
+    def overlaps(self, num_decodes: int) -> bool:
+        """Whether a pure-decode batch this large runs as two overlapped micro-batches."""
+        ...
+
+    def forward_overlapped(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                           md: AttentionMetadata) -> torch.Tensor:
+        """The model over a pure-decode batch as two micro-batches."""
+        ...
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -47,7 +80,7 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    def __init__(self, runner: ModelRunner, q_len: int = 1, max_batch: int | None = None,
+    def __init__(self, runner: GraphHost, q_len: int = 1, max_batch: int | None = None,
                  pool: Any = None, with_lora: bool = False) -> None:
         """q_len: query rows per sequence (1: decode; 1 + drafts: speculative verification).
         pool: another runner's graph pool to share (steps never run two graphs at once).

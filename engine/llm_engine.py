@@ -26,6 +26,7 @@ from engine.config import (
     ModelConfig,
     PoolerConfig,
 )
+from engine.draft_model import DraftModelProposer
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.lora import LoRAAdapter, LoRAError, LoRAStack, load_adapter
 from engine.outputs import StepOutput
@@ -36,7 +37,6 @@ from engine.runner import ModelRunner, PendingStep
 from engine.sampler import depends_on_outputs
 from engine.scheduler import KvLoad, Lease, SampledToken, Scheduler, SchedulerOutput
 from engine.spec import Proposer, propose_all
-from engine.spec.draft_model import DraftModelProposer
 from engine.spec.ngram import NgramProposer
 from engine.structured import GrammarCompiler, RequestGrammar, StructuredOutputError
 from engine_api.detokenizer import IncrementalDetokenizer

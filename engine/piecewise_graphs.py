@@ -37,11 +37,10 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from engine.attention.forward_context import AttentionMetadata, layer_kv_scale
-from engine.cuda_graphs import WARMUP_RUNS
+from engine.cuda_graphs import WARMUP_RUNS, GraphHost
 
 if TYPE_CHECKING:
-    from engine.model.llama import LlamaDecoderLayer, LlamaForCausalLM
-    from engine.runner import ModelRunner
+    from engine.model.decoder import LlamaDecoderLayer
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +64,9 @@ class PiecewiseGraphRunner:
     are no graphs) runs the same pieces on the same static buffers without capturing them:
     the tests check the layout, padding and buffer hand-offs that way."""
 
-    def __init__(self, runner: ModelRunner, max_tokens: int, pool: Any = None,
+    def __init__(self, runner: GraphHost, max_tokens: int, pool: Any = None,
                  capture: bool = True) -> None:
-        self.model = cast("LlamaForCausalLM", runner.model)
+        self.model = runner.model
         self.layers = cast("list[LlamaDecoderLayer]", list(self.model.layers))
         self.buckets = piecewise_buckets(max_tokens)
         self.use_graphs = capture

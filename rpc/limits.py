@@ -27,7 +27,7 @@ def prompt_logprobs_bytes(num_tokens: int, num_top: int) -> int:
 
 # A runtime LoRA adapter load's name and directory (LoadLoRAAdapterRequest): bounds the gateway
 # and the workers both check before anything reads a file. The engine's own name rule is
-# stricter (engine/config.py); a path is bounded as Linux's PATH_MAX bounds it.
+# stricter (engine/config/lora.py); a path is bounded as Linux's PATH_MAX bounds it.
 MAX_LORA_NAME_CHARS = 256
 MAX_LORA_PATH_CHARS = 4096
 

@@ -37,14 +37,14 @@ def _pair(path: Path, **kwargs: Any) -> tuple[LLM, LLM]:
 def _count_inflight_inputs(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts prepared steps that took an input token from the device (never from the host)."""
     runner = llm.engine.runner
-    real = runner._last_sampled_row
+    real = runner.inputs.last_sampled_row
     calls: list[int] = []
 
     def spy(request_id: str) -> int:
         calls.append(1)
         return real(request_id)
 
-    monkeypatch.setattr(runner, "_last_sampled_row", spy)
+    monkeypatch.setattr(runner.inputs, "last_sampled_row", spy)
     return calls
 
 

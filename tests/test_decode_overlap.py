@@ -13,7 +13,7 @@ from conftest import tiny_llm
 from engine import LLM, SamplingParams
 from engine.attention.forward_context import AttentionMetadata, split_decode_metadata
 from engine.config import ConfigError
-from engine.runner import check_decode_overlap
+from engine.runner.model_build import check_decode_overlap
 
 PROMPTS = [[(11 * i + 5 * j) % 300 + 1 for j in range(n)] for i, n in enumerate([3, 17, 8, 30, 5])]
 

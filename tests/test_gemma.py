@@ -37,8 +37,9 @@ from engine.kernels import reference as R
 from engine.llm import LLM
 from engine.loader import ModelLoadError, load_model_source
 from engine.loader.source import expected_weight_names
+from engine.model.decoder import LlamaAttention
 from engine.model.layers import GemmaRMSNorm
-from engine.model.llama import LlamaAttention, MissingWeightsError
+from engine.model.llama import MissingWeightsError
 
 K = interpreted_kernels()
 with interpreted_kernel_imports():

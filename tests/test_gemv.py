@@ -231,8 +231,8 @@ def test_model_layers_dispatch_one_row_to_gemv(with_bias: bool) -> None:
     GEMV) and for several rows (through cuBLAS/torch), from the same weights."""
     from types import SimpleNamespace
 
+    from engine.model.decoder import LlamaMLP
     from engine.model.layers import Linear
-    from engine.model.llama import LlamaMLP
 
     torch.manual_seed(0)
     fast, plain = Linear(48, 40, with_bias, use_gemv=True), Linear(48, 40, with_bias)

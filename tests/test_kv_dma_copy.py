@@ -20,7 +20,8 @@ from engine.dma_copy import (
     read_blocks_dma,
     write_blocks_dma,
 )
-from engine.runner import copy_cache_blocks, resolve_device
+from engine.runner.block_io import copy_cache_blocks
+from engine.runner.model_build import resolve_device
 
 
 def test_block_runs_merges_pairs_consecutive_on_both_sides() -> None:

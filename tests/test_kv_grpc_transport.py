@@ -658,15 +658,15 @@ def test_device_block_copy_between_caches(dtype: torch.dtype,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """What a same-GPU pull does once the prefill cache is mapped (here both on the CPU):
     blocks land bit for bit at their new ids, in slices, and nothing else changes."""
-    from engine import runner as runner_module
-    from engine.runner import copy_cache_blocks
+    from engine.runner import block_io
+    from engine.runner.block_io import copy_cache_blocks
 
     gen = torch.Generator().manual_seed(0)
     src = torch.randn(2, 2, 9, 4, 2, 8, generator=gen).to(dtype)
     dst = torch.zeros(2, 2, 7, 4, 2, 8).to(dtype)
     before = dst.clone()
     src_ids, dst_ids = [8, 0, 3, 5], [1, 6, 2, 4]
-    monkeypatch.setattr(runner_module, "_COPY_SLICE_BLOCKS", 3)  # two slices
+    monkeypatch.setattr(block_io, "_COPY_SLICE_BLOCKS", 3)  # two slices
     copy_cache_blocks(dst, dst_ids, src, src_ids)
     raw = lambda t: t.view(torch.uint8)  # noqa: E731 - fp8 has no equality kernel on the CPU
     for d, s in zip(dst_ids, src_ids, strict=True):

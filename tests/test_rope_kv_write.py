@@ -347,13 +347,13 @@ def test_graph_capture_only_through_a_capturable_backend(
     """A CUDA engine captures decode graphs through the Triton backend; through the torch
     backend (host reads of device values, which a capture forbids) it runs eagerly and says
     so, instead of failing its capture at start-up; the CPU and enforce_eager never capture."""
-    from engine.runner import captures_cuda_graphs
+    from engine.runner.graph_capture import captures_cuda_graphs
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert captures_cuda_graphs(cuda, False, TritonAttentionBackend())
     assert not captures_cuda_graphs(cuda, True, TritonAttentionBackend())
     assert not captures_cuda_graphs(cpu, False, TritonAttentionBackend())
     assert not caplog.records
-    with caplog.at_level("WARNING", logger="engine.runner"):
+    with caplog.at_level("WARNING", logger="engine.runner.graph_capture"):
         assert not captures_cuda_graphs(cuda, False, TorchAttentionBackend())
     assert "torch attention backend cannot be captured" in caplog.text

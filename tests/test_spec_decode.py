@@ -394,14 +394,14 @@ def test_requests_without_drafts_keep_async_overlap(tiny_model_dirs: dict[str, P
     proposer = _NeverProposer()
     llm.engine.proposer = proposer
     runner = llm.engine.runner
-    real = runner._last_sampled_row
+    real = runner.inputs.last_sampled_row
     gathers: list[str] = []
 
     def spy(request_id: str) -> int:
         gathers.append(request_id)
         return real(request_id)
 
-    monkeypatch.setattr(runner, "_last_sampled_row", spy)
+    monkeypatch.setattr(runner.inputs, "last_sampled_row", spy)
     got, _ = _run(llm, _greedy(24, 17, 30, 9, 21))
     assert _tokens(got) == plain
     assert len(gathers) > 50  # inputs taken from the device: steps overlapped

@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model (engine/spec/draft_model.py): a second engine drafts
+"""Speculative decoding with a draft model (engine/draft_model.py): a second engine drafts
 greedily, the target verifies. Tiny random models on the CPU: the target as its own draft (every
 draft right), another model as the draft (almost every draft wrong); greedy output must be plain
 decoding's either way, token for token."""
@@ -15,8 +15,8 @@ from conftest import run_steps, step_tokens, tiny_llm
 from engine import LLM, SamplingParams
 from engine.cli_args import add_engine_args, engine_config_from_args
 from engine.config import ConfigError, EngineConfig, LoadConfig, SchedulerConfig, SpeculativeConfig
+from engine.draft_model import DraftModelProposer
 from engine.llm_engine import EngineInputError, LLMEngine
-from engine.spec.draft_model import DraftModelProposer
 
 PROMPTS = [
     [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7],

@@ -25,9 +25,9 @@ from transformers import PreTrainedModel
 
 from engine.config import ConfigError, ModelConfig, ParallelConfig
 from engine.llm import LLM
-from engine.parallel.driver import WorkerFailed
 from engine.parallel.protocol import HEADER_FIELDS, Op, pack, unpack
 from engine.parallel.shard import TensorShard, shard_model_config, shard_weight
+from engine.runner.tp_driver import WorkerFailed
 from engine_api.sampling_params import SamplingParams
 
 ATOL = RTOL = 1e-4

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from engine.attention.prefill_plan import PrefillRun
+    from engine.attention.prefill_run import PrefillRun
     from engine.lora import LoRABatch, LoRAStack
 
 

@@ -23,7 +23,8 @@ import torch
 from engine.attention.backend import PagedAttentionBackend
 from engine.attention.forward_context import AttentionMetadata, RopeInputs
 from engine.attention.kv_quant import is_quantized
-from engine.attention.prefill_plan import PrefillRun, plan_prefill
+from engine.attention.prefill_plan import plan_prefill
+from engine.attention.prefill_run import PrefillRun
 from engine.attention.sdpa_prefill import (
     MIN_FRESH_PREFILL_TOKENS,
     fresh_prefill_enabled,

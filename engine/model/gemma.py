@@ -15,8 +15,8 @@ import torch
 
 from engine.attention.backend import PagedAttentionBackend
 from engine.config import ModelConfig
+from engine.model.decoder import LlamaDecoderLayer
 from engine.model.layers import RotaryEmbedding, make_norm
-from engine.model.llama import LlamaDecoderLayer
 from engine.parallel.shard import TensorShard
 
 

@@ -12,6 +12,8 @@ import enum
 import struct
 from dataclasses import dataclass
 
+from engine.config import EngineConfig
+
 HEADER_FIELDS = 12
 _HEADER = struct.Struct(f"<{HEADER_FIELDS}q")
 
@@ -79,3 +81,17 @@ def unpack(data: bytes) -> tuple[Op, list[int]]:
         raise ValueError(f"a command header is {_HEADER.size} bytes, got {len(data)}")
     op, *fields = _HEADER.unpack(data)
     return Op(op), list(fields)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """What a worker process is started with (through multiprocessing's spawn: our own child,
+    on this host; nothing here crosses a network)."""
+
+    config: EngineConfig
+    rank: int
+    size: int
+    port: int
+    device: str
+    dtype: str
+    max_model_len: int

@@ -9,6 +9,9 @@ and the rejection sampler keeps the target's distribution exactly (DESIGN.md §5
 
 The rejected drafts' KV was written into slots past the sequence's end; the next step
 overwrites them, and they are never hashed into the prefix cache (only known tokens are).
+
+The draft-model proposer runs a model runner of its own, so it lives above the runner and the
+scheduler (engine/draft_model.py), both of which import this package.
 """
 
 from __future__ import annotations

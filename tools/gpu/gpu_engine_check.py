@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from engine import LLM, SamplingParams
+from engine.draft_model import DraftModelProposer
 from engine.request import Request
-from engine.spec.draft_model import DraftModelProposer
 from engine_api.sampling_params import SamplingParams as SP
 from tools.probes.probe_spec import PositionalOracle
 

@@ -22,8 +22,8 @@ import torch
 
 from bench.results import git_info
 from engine import LLM, SamplingParams
+from engine.draft_model import DraftModelProposer
 from engine.request import Request
-from engine.spec.draft_model import DraftModelProposer
 
 
 def _sync() -> None:

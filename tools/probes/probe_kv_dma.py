@@ -22,7 +22,7 @@ import torch
 
 from bench.results import git_info
 from engine.dma_copy import dma_available, read_blocks_dma
-from engine.runner import copy_cache_blocks
+from engine.runner.block_io import copy_cache_blocks
 
 SHAPE = (32, 2, 1024, 16, 8, 128)  # [L, 2, num_blocks, block_size, Hkv, D]: 2 MB blocks in bf16
 

@@ -32,7 +32,7 @@ import torch
 
 from bench.results import environment_info
 from engine.dma_copy import dma_available
-from engine.runner import copy_cache_blocks
+from engine.runner.block_io import copy_cache_blocks
 from engine_api.hashing import HASH_BYTES
 from kv_transfer import DEFAULT_TCP_STREAMS
 from kv_transfer.connector import GrpcPullConnector

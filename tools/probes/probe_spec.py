@@ -43,9 +43,9 @@ import torch
 
 from bench.results import git_info
 from engine import LLM, SamplingParams
+from engine.draft_model import DraftModelProposer
 from engine.outputs import StepOutput
 from engine.spec import SequenceProposer
-from engine.spec.draft_model import DraftModelProposer
 
 # Real-text tasks where prompt lookup is expected to find drafts (the model copies spans of its
 # input or of its own output) and one where it is not (free writing): with a real model

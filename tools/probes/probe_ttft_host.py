@@ -129,7 +129,7 @@ def _mark_input_copies(llm: Any) -> list[float]:
     """perf_counter times at which the runner queued a step's input copies (unprofiled; empty
     on an engine without pinned staging)."""
     marks: list[float] = []
-    staging = getattr(llm.engine.runner, "_staging", None)
+    staging = llm.engine.runner.inputs.staging
     if staging is not None:
         queued = staging.copied
 
@@ -187,17 +187,17 @@ def main() -> int:
                 "input_copies_to_first_token_ms": (m.first_token_time - copies[0]) * 1e3})
     ab: dict[str, list[float]] = {"staging": [], "per_step_pinned_alloc": []}
     runner = llm.engine.runner
-    staging = runner._staging
+    staging = runner.inputs.staging
     for _ in range(args.ab if staging is not None else 0):
         for arm in ab:  # alternating, one engine: the arms differ only in the input buffers
-            runner._staging = staging if arm == "staging" else None
+            runner.inputs.staging = staging if arm == "staging" else None
             ids = prompt()
             torch.cuda.synchronize()
             (out,) = llm.generate(ids, params)
             m = out.metrics
             assert m is not None and m.first_token_time is not None
             ab[arm].append((m.first_token_time - m.arrival_time) * 1e3)
-    runner._staging = staging
+    runner.inputs.staging = staging
     prof_c = cProfile.Profile()
     ids = prompt()
     torch.cuda.synchronize()

@@ -14,7 +14,7 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from engine.parallel.driver import WorkerSpec
+from engine.parallel.protocol import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,12 @@ class ShardWorker:
         from engine.loader import load_model_source
         from engine.parallel.group import init_group, joined_key, rendezvous
         from engine.parallel.shard import TensorShard
-        from engine.runner import _DTYPES, build_lora, build_model, make_attention_backend
+        from engine.runner.model_build import (
+            TORCH_DTYPES,
+            build_lora,
+            build_model,
+            make_attention_backend,
+        )
 
         config = spec.config
         self.config = config
@@ -57,7 +62,7 @@ class ShardWorker:
         store.set(joined_key(spec.rank), "1")
         init_group(self, spec.rank, spec.size, store, self.device, timeout_s)
         source = load_model_source(config.load)
-        self.dtype = _DTYPES[spec.dtype]
+        self.dtype = TORCH_DTYPES[spec.dtype]
         self.kv_dtype = kv_storage_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.backend = make_attention_backend(config.runner.attention_backend, self.device)
         self.shard = TensorShard(spec.rank, spec.size)
@@ -147,7 +152,7 @@ class ShardWorker:
         from engine.attention.forward_context import ForwardContext, forward_context
         from engine.lora import LoRABatch
         from engine.parallel.protocol import Cache, ForwardHeader
-        from engine.parallel.step import receive_step
+        from engine.runner.tp_step import receive_step
 
         h = ForwardHeader.from_fields(fields)
         ids, positions, md, slots = receive_step(h, self.device)
@@ -183,7 +188,7 @@ class ShardWorker:
         self._amax = None
 
     def _capacity(self, fields: list[int]) -> None:
-        from engine.runner import cpu_kv_blocks, gpu_kv_blocks
+        from engine.runner.kv_sizing import cpu_kv_blocks, gpu_kv_blocks
 
         cache = self.config.cache
         if cache.num_gpu_blocks is not None:

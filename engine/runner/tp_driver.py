@@ -16,7 +16,6 @@ import multiprocessing as mp
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
@@ -31,26 +30,13 @@ from engine.parallel.group import (
     one_device_check,
     rendezvous,
 )
-from engine.parallel.protocol import Op, pack
+from engine.parallel.protocol import Op, WorkerSpec, pack
+from engine.runner.tp_worker import worker_main
 
 logger = logging.getLogger(__name__)
 
 # How long the workers may take to load their shards before the engine gives up on them.
 READY_TIMEOUT_S = 600.0
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerSpec:
-    """What a worker process is started with (through multiprocessing's spawn: our own child,
-    on this host; nothing here crosses a network)."""
-
-    config: EngineConfig
-    rank: int
-    size: int
-    port: int
-    device: str
-    dtype: str
-    max_model_len: int
 
 
 class WorkerFailed(RuntimeError):
@@ -82,8 +68,6 @@ class TensorParallelDriver:
         # Served before any worker connects; the group keeps using it (kept until shutdown).
         self._store: dist.TCPStore | None = rendezvous(0, self.size, 0, timeout_s)
         store = self._store
-        from engine.parallel.worker import worker_main
-
         ctx = mp.get_context("spawn")  # a forked CUDA context is unusable; spawn is the rule
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
