@@ -11,8 +11,9 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span
 
 from engine.async_engine import EngineDeadError, EngineOverloadedError, KvLoadAbort
-from engine.llm_engine import EngineInputError, LLMEngine
+from engine.llm_engine import LLMEngine
 from engine.request import RemoteKv
+from engine_api.errors import EngineInputError
 from engine_api.hashing import compute_block_hashes, prompt_hash
 from engine_api.sampling_params import SamplingParamsError
 from protos.splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc

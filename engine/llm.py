@@ -20,7 +20,7 @@ from engine.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from engine.llm_engine import EngineInputError, LLMEngine
+from engine.llm_engine import LLMEngine
 from engine.lora import LoRARequest, lora_name_of
 from engine.outputs import (
     BeamSearchOutput,
@@ -37,6 +37,7 @@ from engine.outputs import (
 from engine.request import RequestMetrics
 from engine_api.beam_search import BeamSearch, BeamSearchParams, BeamSearchParamsError
 from engine_api.classify import probabilities
+from engine_api.errors import EngineInputError
 from engine_api.generation_defaults import (
     MODES,
     GenerationConfigError,

@@ -9,8 +9,8 @@ import grpc
 from opentelemetry.trace import Span
 
 from engine.async_engine import EngineDeadError, EngineOverloadedError
-from engine.llm_engine import EngineInputError
 from engine.outputs import StepOutput
+from engine_api.errors import EngineInputError
 from engine_api.hashing import prompt_hash
 from engine_api.sampling_params import SamplingParamsError
 from protos.splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc

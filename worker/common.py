@@ -10,7 +10,8 @@ import grpc
 from opentelemetry.trace import Span
 
 from engine.async_engine import AsyncEngine, EngineDeadError
-from engine.llm_engine import EngineInputError, LLMEngine
+from engine.llm_engine import LLMEngine
+from engine_api.errors import EngineInputError
 from engine_api.hashing import cache_salt_problem
 from protos.splitserve.v1 import common_pb2
 from rpc import tracing

@@ -10,8 +10,8 @@ from __future__ import annotations
 import grpc
 
 from engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
-from engine.llm_engine import EngineInputError
 from engine.outputs import StepOutput
+from engine_api.errors import EngineInputError
 from engine_api.pooling_params import PoolingParamsError
 from protos.splitserve.v1 import common_pb2
 from rpc import tracing
