@@ -12,9 +12,9 @@ from opentelemetry.trace import Span
 
 from engine.async_engine import EngineDeadError, EngineOverloadedError, KvLoadAbort
 from engine.llm_engine import LLMEngine
-from engine.request import RemoteKv
 from engine_api.errors import EngineInputError
 from engine_api.hashing import compute_block_hashes, prompt_hash
+from engine_api.request_options import RemoteKv
 from engine_api.sampling_params import SamplingParamsError
 from protos.splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from rpc import tracing

@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
+from engine.handoff import KvLoad
 from engine.llm_engine import LLMEngine
 from engine.outputs import StepOutput
-from engine.request import RemoteKv
-from engine.scheduler import KvLoad
 from engine_api.pooling_params import PoolingParams
+from engine_api.request_options import RemoteKv
 from engine_api.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

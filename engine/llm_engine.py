@@ -17,23 +17,26 @@ from engine.bad_words import bad_words_token_ids
 from engine.classifier import Classifier
 from engine.config import ConfigError, EngineConfig, ModelConfig, PoolerConfig
 from engine.engine_setup import eos_ids, make_classifier, make_proposers, resolve_async
+from engine.handoff import KvLoad, Lease
 from engine.heap import freeze_startup_heap, thaw_heap
 from engine.kv.kv_cache_manager import KVCacheManager
+from engine.kv_access import KvAccess
 from engine.lora_admin import LoRAAdmin
 from engine.outputs import StepOutput
 from engine.pooler import resolve_pooler
 from engine.pooling import accumulate, embedding
-from engine.request import PoolingState, RemoteKv, Request, RequestStatus
+from engine.request import PoolingState, Request, RequestStatus
 from engine.request_checks import RequestChecks
 from engine.runner import ModelRunner, PendingStep
 from engine.sampler import depends_on_outputs
-from engine.scheduler import KvLoad, Lease, SampledToken, Scheduler, SchedulerOutput
+from engine.scheduler import SampledToken, Scheduler, SchedulerOutput
 from engine.spec import Proposer, propose_all
 from engine.structured import GrammarCompiler, RequestGrammar, StructuredOutputError
 from engine_api.detokenizer import IncrementalDetokenizer
 from engine_api.errors import EngineInputError
 from engine_api.hashing import model_fingerprint, root_hash
 from engine_api.pooling_params import PoolingParams
+from engine_api.request_options import RemoteKv
 from engine_api.sampling_params import SamplingParams
 from engine_api.tokenizer import Tokenizer
 
@@ -114,6 +117,8 @@ class LLMEngine:
                                  root_hash(self.fingerprint, config.cache.tenant_salt),
                                  keep_runs=config.keeps_block_runs())
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        # What the services do with the KV besides requests: leases, pins, block I/O.
+        self.kv_access = KvAccess(self.scheduler, self.runner)
         self.loras = LoRAAdmin(config, cfg, self.runner, self.scheduler, self.fingerprint)
         # Sequence classification / cross-encoder scoring (pooling requests get class logits).
         self.classifier: Classifier | None = make_classifier(config.pooler, cfg, self.runner.model,

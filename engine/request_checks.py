@@ -15,10 +15,10 @@ from engine.config import (
     ModelConfig,
     PoolerConfig,
 )
-from engine.request import RemoteKv
 from engine_api.errors import EngineInputError
 from engine_api.hashing import cache_salt_problem
 from engine_api.pooling_params import PoolingParams, PoolingParamsError
+from engine_api.request_options import RemoteKv
 from engine_api.sampling_params import SamplingParams
 
 

@@ -117,7 +117,7 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
             resp.logprob.CopyFrom(logprob_to_proto(out.new_logprobs[0]))
         if out.prompt_logprobs is not None:
             resp.prompt_logprobs.CopyFrom(prompt_logprobs_to_proto(out.prompt_logprobs))
-        lease = eng.scheduler.leases.get(rid) if out.kv_held else None
+        lease = eng.kv_access.lease(rid) if out.kv_held else None
         if lease is not None:
             remaining = max(0.0, lease.deadline - time.monotonic())
             if lease_ms:

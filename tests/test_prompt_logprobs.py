@@ -15,9 +15,10 @@ from conftest import tiny_llm
 from transformers import PreTrainedModel
 
 from engine import SamplingParams
+from engine.logprobs import TokenLogprob
 from engine.outputs import RequestOutput
-from engine.request import RemoteKv, TokenLogprob
 from engine_api.errors import EngineInputError
+from engine_api.request_options import RemoteKv
 from engine_api.sampling_params import SamplingParamsError
 
 PROMPT = [(11 * j + 5) % 380 + 2 for j in range(37)]
