@@ -24,19 +24,19 @@ from engine.kv_access import KvAccess
 from engine.lora_admin import LoRAAdmin
 from engine.outputs import StepOutput
 from engine.pooler import resolve_pooler
-from engine.pooling import accumulate, embedding
+from engine.pooling import accumulate
 from engine.request import PoolingState, Request, RequestStatus
 from engine.request_checks import RequestChecks
 from engine.runner import ModelRunner, PendingStep
 from engine.sampler import depends_on_outputs
 from engine.scheduler import SampledToken, Scheduler, SchedulerOutput
 from engine.spec import Proposer, propose_all
+from engine.step_outputs import StepOutputs
 from engine.structured import GrammarCompiler, RequestGrammar, StructuredOutputError
-from engine_api.detokenizer import IncrementalDetokenizer
 from engine_api.errors import EngineInputError
 from engine_api.hashing import model_fingerprint, root_hash
 from engine_api.pooling_params import PoolingParams
-from engine_api.request_options import RemoteKv
+from engine_api.request_options import RemoteKv, RequestOptions
 from engine_api.sampling_params import SamplingParams
 from engine_api.tokenizer import Tokenizer
 
@@ -134,7 +134,8 @@ class LLMEngine:
         # `bad_words`' tokenizer call (one object: engine/bad_words.py caches by it).
         self._encode_text = (None if self.tokenizer is None
                              else functools.partial(self.tokenizer.encode, add_special_tokens=False))
-        self._detoks: dict[str, IncrementalDetokenizer] = {}
+        self._outputs = StepOutputs(self.scheduler, self.tokenizer, self.detokenize,
+                                   self.classifier)
         self._kv_loads: list[KvLoad] = []
         self.num_steps = 0
         self.is_shut_down = False
@@ -184,17 +185,10 @@ class LLMEngine:
 
     # ---- requests --------------------------------------------------------------------------
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
-                      output_token_ids: list[int] | None = None,
-                      remote_kv: RemoteKv | None = None,
-                      num_speculative_tokens: int | None = None,
-                      speculative_method: str | None = None,
-                      lora_name: str | None = None, priority: int = 0,
-                      cache_salt: str | None = None) -> None:
-        """Every check `add_request` makes; reads config only, so any thread may call it."""
-        self.checks.check_request(prompt_token_ids, params, output_token_ids, remote_kv,
-                                  num_speculative_tokens, speculative_method, lora_name,
-                                  priority, cache_salt)
+    def check_request(self, prompt_token_ids: list[int], options: RequestOptions) -> None:
+        """Every check `add_request` makes beyond `RequestOptions`' own (`RequestChecks`);
+        reads config only, so any thread may call it."""
+        self.checks.check_request(prompt_token_ids, options)
 
     def check_priority(self, priority: int) -> None:
         """`RequestChecks.check_priority`."""
@@ -210,7 +204,7 @@ class LLMEngine:
         return self.checks.resolve_pooling(params)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams | PoolingParams,
+                    params: SamplingParams | PoolingParams | RequestOptions,
                     *, output_token_ids: list[int] | None = None, remote_kv: RemoteKv | None = None,
                     arrival_time: float | None = None,
                     num_speculative_tokens: int | None = None,
@@ -222,26 +216,20 @@ class LLMEngine:
         Raises EngineInputError / SamplingParamsError on bad input (a constraint that does not
         compile: EngineInputError).
 
-        `lora_name`: one of the engine's LoRA adapters (`LoRAConfig.modules`) to run it with;
-        None: the base model.
-
-        `num_speculative_tokens` caps this request's drafts per step (0: no speculation; None:
-        the engine's `SpeculativeConfig`); it never exceeds the engine's own cap.
-        `speculative_method` ("ngram" / "draft_model") picks the proposer among the engine's;
-        None, or a method the engine lacks: its configured one.
-        `priority`: lower is scheduled sooner; anything but 0 needs the engine's scheduling
-        policy "priority" (`SchedulerConfig.policy`). `cache_salt` (vLLM's): its KV is hashed
-        under a root of its own (`salted_root`), so only requests with the same salt share it."""
-        self.check_request(prompt_token_ids, params, output_token_ids, remote_kv,
-                           num_speculative_tokens, speculative_method, lora_name, priority,
-                           cache_salt)
-        grammar = (self.make_grammar(params, output_token_ids)
-                   if isinstance(params, SamplingParams) else None)
-        return self.enqueue(request_id, prompt_token_ids, params, output_token_ids=output_token_ids,
-                            remote_kv=remote_kv, arrival_time=arrival_time,
-                            num_speculative_tokens=num_speculative_tokens,
-                            speculative_method=speculative_method, grammar=grammar,
-                            lora_name=lora_name, priority=priority, cache_salt=cache_salt)
+        `params` with the keywords (what `RequestOptions` says of each) make the request's
+        `RequestOptions`; or `params` is one already built, and the keywords stay unset.
+        `num_speculative_tokens` never exceeds the engine's own cap; `lora_name` is one of the
+        engine's adapters (`LoRAConfig.modules`); a `priority` but 0 needs the scheduling
+        policy "priority" (`SchedulerConfig.policy`)."""
+        options = params if isinstance(params, RequestOptions) else RequestOptions(
+            params, output_token_ids=output_token_ids, remote_kv=remote_kv,
+            num_speculative_tokens=num_speculative_tokens, speculative_method=speculative_method,
+            lora_name=lora_name, priority=priority, cache_salt=cache_salt)
+        self.check_request(prompt_token_ids, options)
+        grammar = (self.make_grammar(options.params, options.output_token_ids)
+                   if isinstance(options.params, SamplingParams) else None)
+        return self.enqueue(request_id, prompt_token_ids, options, grammar=grammar,
+                            arrival_time=arrival_time)
 
     def make_grammar(self, params: SamplingParams, output_token_ids: list[int] | None = None
                      ) -> RequestGrammar | None:
@@ -258,57 +246,48 @@ class LLMEngine:
         except StructuredOutputError as e:
             raise EngineInputError(str(e)) from None
 
-    def enqueue(self, request_id: str, prompt_token_ids: list[int],
-                params: SamplingParams | PoolingParams, *,
-                output_token_ids: list[int] | None = None, remote_kv: RemoteKv | None = None,
-                arrival_time: float | None = None,
-                num_speculative_tokens: int | None = None,
-                speculative_method: str | None = None,
-                grammar: RequestGrammar | None = None,
-                lora_name: str | None = None, priority: int = 0,
-                cache_salt: str | None = None) -> Request:
+    def enqueue(self, request_id: str, prompt_token_ids: list[int], options: RequestOptions,
+                *, grammar: RequestGrammar | None = None,
+                arrival_time: float | None = None) -> Request:
         """Queue a request that passed `check_request` (callers validate off the engine thread,
         so the step loop does not scan the prompt twice), with its grammar from `make_grammar`
         when it asks for structured outputs."""
+        params = options.params
         if isinstance(params, PoolingParams):
-            return self._enqueue_pooling(request_id, prompt_token_ids, params, arrival_time,
-                                         lora_name, priority, cache_salt)
+            return self._enqueue_pooling(request_id, prompt_token_ids, params, options,
+                                         arrival_time)
         if (grammar is None) != (params.structured_outputs is None):
             raise EngineInputError("a request with structured_outputs is queued with its "
                                    "grammar (LLMEngine.make_grammar), and only such a request")
         req = Request(request_id, prompt_token_ids, params, self.eos_token_ids, self.max_model_len,
-                      output_token_ids=output_token_ids, remote_kv=remote_kv,
-                      arrival_time=arrival_time, priority=priority)
+                      output_token_ids=options.output_token_ids, remote_kv=options.remote_kv,
+                      arrival_time=arrival_time, priority=options.priority)
         req.grammar = grammar
         if params.bad_words and self._encode_text is not None:  # (checked by check_request)
             req.bad_words_token_ids = bad_words_token_ids(params.bad_words, self._encode_text)
-        self._bind_lora(req, lora_name, cache_salt)
-        req.num_speculative_tokens = self._speculative_tokens(req, num_speculative_tokens)
-        req.spec_method = (speculative_method if speculative_method in self.proposers
-                           else self.config.speculative.method)
+        self._bind_lora(req, options)
+        req.num_speculative_tokens = self._speculative_tokens(req, options.num_speculative_tokens)
+        method = options.speculative_method
+        req.spec_method = method if method in self.proposers else self.config.speculative.method
         self.scheduler.add_request(req)
-        if self.detokenize and self.tokenizer is not None:
-            self._detoks[request_id] = IncrementalDetokenizer(
-                self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
-                params.include_stop_str_in_output)
+        self._outputs.track(request_id, prompt_token_ids, params)
         return req
 
     def _enqueue_pooling(self, request_id: str, prompt_token_ids: list[int],
-                         params: PoolingParams, arrival_time: float | None,
-                         lora_name: str | None, priority: int = 0,
-                         cache_salt: str | None = None) -> Request:
+                         params: PoolingParams, options: RequestOptions,
+                         arrival_time: float | None) -> Request:
         """Queue an embedding request: no detokenizer, no grammar, no drafts."""
         req = Request(request_id, prompt_token_ids, _POOLING_SAMPLING, self.eos_token_ids,
-                      self.max_model_len, arrival_time=arrival_time, priority=priority)
+                      self.max_model_len, arrival_time=arrival_time, priority=options.priority)
         req.pooling = PoolingState(self.resolve_pooling(params), req.num_prompt_tokens)
-        self._bind_lora(req, lora_name, cache_salt)
+        self._bind_lora(req, options)
         self.scheduler.add_request(req)
         return req
 
-    def _bind_lora(self, req: Request, lora_name: str | None,
-                   cache_salt: str | None = None) -> None:
-        """Run `req` with adapter `lora_name` (None: the base model), its KV hashed under the
-        adapter's root, salted by `cache_salt` when it has one."""
+    def _bind_lora(self, req: Request, options: RequestOptions) -> None:
+        """Run `req` with its adapter (`options.lora_name`; None: the base model), its KV
+        hashed under the adapter's root, salted by `options.cache_salt` when it has one."""
+        lora_name, cache_salt = options.lora_name, options.cache_salt
         req.lora_slot = self.lora_slot(lora_name)
         if lora_name is not None or cache_salt:
             req.hash_root = self.hash_root(lora_name, cache_salt)
@@ -362,9 +341,14 @@ class LLMEngine:
         return cap if requested is None else min(cap, requested)
 
     def abort_request(self, request_id: str) -> bool:
-        self._detoks.pop(request_id, None)
+        self._outputs.drop(request_id)
         self._release_drafts(request_id)
         return self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED) is not None
+
+    @property
+    def spec_tokens(self) -> tuple[int, int]:
+        """Speculative decoding so far: (drafts verified, drafts accepted)."""
+        return self.scheduler.num_draft_tokens, self.scheduler.num_accepted_tokens
 
     @property
     def has_step_in_flight(self) -> bool:
@@ -466,44 +450,7 @@ class LLMEngine:
                         self.config.speculative.min_accepted_per_step)
 
     def _step_output(self, req: Request, toks: list[SampledToken]) -> StepOutput:
-        tokens = [t.token_id for t in toks]
-        lp = [t.logprob for t in toks if t.logprob is not None]
-        text = ""
-        detok = self._detoks.get(req.request_id)
-        if detok is not None:
-            # One token at a time when a step emitted several (speculative decoding): a stop
-            # string may end inside them, and the tokens after it are not part of the output,
-            # exactly as plain decoding would never have produced them.
-            for i, token in enumerate(tokens):
-                res = detok.add_tokens([token])
-                text += res.text_delta
-                if res.stop_matched is not None:
-                    del tokens[i + 1:]
-                    del lp[i + 1:]
-                    if not req.is_finished:
-                        self.scheduler.finish_request(req.request_id,
-                                                      RequestStatus.FINISHED_STOPPED)
-                        req.stop_reason = res.stop_matched
-                    break
+        out = self._outputs.output(req, toks)  # may finish it: a stop string
         if req.is_finished:
             self._release_drafts(req.request_id)
-            detok = self._detoks.pop(req.request_id, None)
-            if detok is not None and not detok.finished:
-                text += detok.finish().text_delta  # flush text held back for stop strings
-        prompt_lps = None
-        if req.sampling_params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
-            prompt_lps, req.prompt_logprobs_sent = req.prompt_logprobs, True
-        pooled = None
-        if req.pooling is not None and req.status == RequestStatus.FINISHED_POOLED:
-            pooled = embedding(req.pooling)
-            if self.classifier is not None:
-                pooled = self.classifier.logits(pooled)
-        return StepOutput(
-            request_id=req.request_id, new_token_ids=tokens, new_logprobs=lp,
-            prompt_logprobs=prompt_lps,
-            finished=req.is_finished, finish_reason=req.status.finish_reason,
-            num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
-            text_delta=text, stop_reason=req.stop_reason,
-            kv_held=req.status == RequestStatus.FINISHED_PREFILL,
-            metrics=req.metrics if req.is_finished else None, embedding=pooled)
-
+        return out

@@ -1,7 +1,8 @@
-"""Every check a request passes before the engine queues it: its prompt against the model's
+"""Every check a request passes before the engine queues it that needs the engine (those
+that do not ran when its `RequestOptions` was built): its prompt against the model's
 vocabulary and context, its sampling or pooling parameters against the engine's, its options
-(LoRA adapter, priority, cache salt, speculation, remote KV). Reads configuration only, so any
-thread may run them (services do, off the engine thread)."""
+(LoRA adapter, priority, speculation, remote KV). Reads configuration only, so any thread may
+run them (services do, off the engine thread)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,8 @@ from engine.config import (
     PoolerConfig,
 )
 from engine_api.errors import EngineInputError
-from engine_api.hashing import cache_salt_problem
 from engine_api.pooling_params import PoolingParams, PoolingParamsError
-from engine_api.request_options import RemoteKv
+from engine_api.request_options import RequestOptions
 from engine_api.sampling_params import SamplingParams
 
 
@@ -37,20 +37,13 @@ class RequestChecks:
         self._has_tokenizer = has_tokenizer
         self._lora_slot = lora_slot
 
-    def check_request(self, prompt_token_ids: list[int],
-                      params: SamplingParams | PoolingParams,
-                      output_token_ids: list[int] | None = None,
-                      remote_kv: RemoteKv | None = None,
-                      num_speculative_tokens: int | None = None,
-                      speculative_method: str | None = None,
-                      lora_name: str | None = None, priority: int = 0,
-                      cache_salt: str | None = None) -> None:
-        """Every check `LLMEngine.add_request` makes."""
-        self._lora_slot(lora_name)
-        self.check_priority(priority)
-        check_cache_salt(cache_salt)
+    def check_request(self, prompt_token_ids: list[int], options: RequestOptions) -> None:
+        """Every check `LLMEngine.add_request` makes beyond `RequestOptions`' own."""
+        self._lora_slot(options.lora_name)
+        self.check_priority(options.priority)
+        params = options.params
         if isinstance(params, PoolingParams):
-            self._check_pooling(prompt_token_ids, params, output_token_ids, remote_kv)
+            self._check_pooling(prompt_token_ids, params)
             return
         cfg = self._model_config
         if cfg.is_classifier:
@@ -58,22 +51,22 @@ class RequestChecks:
                                    f"{len(cfg.class_labels)} labels) classifies and "
                                    "has no LM head: it serves classification, score and "
                                    "pooling requests, not generation")
+        speculative_method = options.speculative_method
         if speculative_method is not None and speculative_method not in SPEC_METHODS[1:]:
             raise EngineInputError("speculative_method must be 'ngram' or 'draft_model', got "
                                    f"{speculative_method!r}")
         params.validate()
-        self.validate(prompt_token_ids, params, len(output_token_ids or []))
+        self.validate(prompt_token_ids, params, len(options.output_token_ids or []))
         if params.bad_words and not self._has_tokenizer:
             raise EngineInputError("bad_words needs the model's tokenizer, which this engine "
                                    "does not have")
+        num_speculative_tokens = options.num_speculative_tokens
         if num_speculative_tokens is not None and (
                 type(num_speculative_tokens) is not int
                 or not 0 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS):
             raise EngineInputError(f"num_speculative_tokens must be an integer in [0, "
                                    f"{MAX_SPECULATIVE_TOKENS}], got {num_speculative_tokens!r}")
-        if remote_kv is not None and params.prompt_logprobs is not None:
-            raise EngineInputError("prompt_logprobs needs the prompt computed by this engine; "
-                                   "it cannot come with remote KV")
+        remote_kv = options.remote_kv
         if remote_kv is not None and not 0 < remote_kv.num_tokens <= len(prompt_token_ids):
             # A prefix: the whole prompt (a prefill worker's KV) or its first blocks (a tier).
             raise EngineInputError(
@@ -127,21 +120,10 @@ class RequestChecks:
         if bad:
             raise EngineInputError(f"prompt_token_ids contains ids outside [0, {vocab}): {bad[:5]}")
 
-    def _check_pooling(self, prompt_token_ids: list[int], params: PoolingParams,
-                       output_token_ids: list[int] | None, remote_kv: RemoteKv | None) -> None:
+    def _check_pooling(self, prompt_token_ids: list[int], params: PoolingParams) -> None:
         """`check_request`'s checks of an embedding request."""
-        if output_token_ids or remote_kv is not None:
-            raise EngineInputError("an embedding request computes its prompt here and generates "
-                                   "nothing: it takes no output tokens and no remote KV")
         self._check_token_ids(prompt_token_ids)
         if len(prompt_token_ids) > self._max_model_len:
             raise EngineInputError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len "
                                    f"is {self._max_model_len}")
         self.resolve_pooling(params)
-
-
-def check_cache_salt(cache_salt: str | None) -> None:
-    """EngineInputError unless `cache_salt` is None or a valid salt (`cache_salt_problem`)."""
-    problem = cache_salt_problem(cache_salt)
-    if problem is not None:
-        raise EngineInputError(problem)
