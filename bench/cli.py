@@ -222,8 +222,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
 
 def spec_counters(llm: Any) -> dict[str, Any]:
     """The engine's speculative decoding counters (names as vLLM's metrics)."""
-    sched = llm.engine.scheduler
-    drafts, accepted = sched.num_draft_tokens, sched.num_accepted_tokens
+    drafts, accepted = llm.engine.spec_tokens
     return {"spec_decode_num_draft_tokens": drafts,
             "spec_decode_num_accepted_tokens": accepted,
             "spec_decode_acceptance_rate": accepted / drafts if drafts else None}

@@ -51,7 +51,8 @@ async def start_decode_worker(config: EngineConfig, host: str, port: int, *,
             # A tensor-parallel engine's cache is split over its ranks: its KV comes by the data
             # port, shared memory or the stream, not into one cache through an IPC handle.
             loader = GrpcKvLoader(engine, kv_metadata=kv_metadata,
-                                  use_ipc="ipc" in kv_transports and engine.runner.tp is None,
+                                  use_ipc=("ipc" in kv_transports
+                                           and not engine.kv_access.tensor_parallel),
                                   use_shm="shm" in kv_transports,
                                   use_tcp="tcp" in kv_transports, tcp_streams=kv_tcp_streams)
             handle.on_stop.append(loader.aclose)  # its kept channels to the prefill workers

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
 import grpc
@@ -11,19 +12,14 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span
 
 from engine.async_engine import EngineDeadError, EngineOverloadedError, KvLoadAbort
-from engine.llm_engine import EngineInputError, LLMEngine
-from engine.request import RemoteKv
+from engine.llm_engine import LLMEngine
+from engine_api.errors import EngineInputError
 from engine_api.hashing import compute_block_hashes, prompt_hash
+from engine_api.request_options import RemoteKv
 from engine_api.sampling_params import SamplingParamsError
 from protos.splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from rpc import tracing
-from worker.common import (
-    EngineBound,
-    abort_traced,
-    check_cache_salt,
-    check_lora_name,
-    check_priority,
-)
+from worker.common import EngineBound, abort_traced, request_options
 from worker.convert import (
     SPEC_METHOD_NAMES,
     InvalidRequest,
@@ -73,9 +69,8 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
             if params.max_tokens is not None and len(given) >= params.max_tokens:
                 raise InvalidRequest(f"output_token_ids already has {len(given)} tokens; "
                                      f"sampling.max_tokens is {params.max_tokens}")
-            lora = check_lora_name(aengine.engine, request.lora_name)
-            priority = check_priority(aengine.engine, request.priority)
-            salt = check_cache_salt(request.cache_salt)
+            options = request_options(aengine.engine, request, params)
+            lora, priority, salt = options.lora_name, options.priority, options.cache_salt
             remote = self._remote_kv(request, ids, context, tracing.span_context(span), lora,
                                      salt)
         except InvalidRequest as e:
@@ -96,18 +91,12 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
                 span.set_attribute("splitserve.tier_tokens", remote.num_tokens)
         n_out = len(given)
         generated: list[int] = []
-        # Absent: the worker's own default. A value above the engine's limit fails in
-        # `generate` (EngineInputError -> INVALID_ARGUMENT below), before anything is queued.
-        spec = (request.num_speculative_tokens if request.HasField("num_speculative_tokens")
-                else None)
-        # UNSPECIFIED or an enum value this build does not know: the worker's own method.
-        method = SPEC_METHOD_NAMES.get(request.speculative_method)
+        # A num_speculative_tokens above the engine's limit fails in `generate`
+        # (EngineInputError -> INVALID_ARGUMENT below), before anything is queued.
         refused = False  # shed for load: the lease stays for the next worker (`finally`)
         try:
-            async for out in aengine.generate(rid, ids, params, output_token_ids=given,
-                                              remote_kv=remote, num_speculative_tokens=spec,
-                                              speculative_method=method, lora_name=lora,
-                                              priority=priority, cache_salt=salt):
+            async for out in aengine.generate(rid, ids,
+                                              dataclasses.replace(options, remote_kv=remote)):
                 n_out += len(out.new_token_ids)
                 if tiers is not None:  # saved with the prompt when the request ends
                     generated.extend(out.new_token_ids)

@@ -15,8 +15,9 @@ from engine_api.sampling_params import SamplingParams, SamplingParamsError
 
 if TYPE_CHECKING:
     from engine.llm import LLM
-    from engine.llm_engine import EngineInputError, LLMEngine
+    from engine.llm_engine import LLMEngine
     from engine.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+    from engine_api.errors import EngineInputError
 
 __all__ = ["LLM", "CompletionOutput", "EmbeddingRequestOutput", "EngineInputError", "LLMEngine",
            "PoolingParams", "PoolingParamsError", "RequestOutput", "SamplingParams",
@@ -25,7 +26,7 @@ __all__ = ["LLM", "CompletionOutput", "EmbeddingRequestOutput", "EngineInputErro
 _LAZY = {
     "LLM": "engine.llm",
     "LLMEngine": "engine.llm_engine",
-    "EngineInputError": "engine.llm_engine",
+    "EngineInputError": "engine_api.errors",
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",
     "EmbeddingRequestOutput": "engine.outputs",

@@ -20,11 +20,10 @@ from typing import Any
 
 import torch
 
+from engine.handoff import KvLoad
 from engine.llm_engine import LLMEngine
 from engine.outputs import StepOutput
-from engine.request import RemoteKv
-from engine.scheduler import KvLoad
-from engine_api.pooling_params import PoolingParams
+from engine_api.request_options import RequestOptions
 from engine_api.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -104,23 +103,14 @@ class AsyncEngine:
     # ---- public API (event loop side) ------------------------------------------------------
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams | PoolingParams, *,
-                       output_token_ids: list[int] | None = None,
-                       remote_kv: RemoteKv | None = None,
-                       num_speculative_tokens: int | None = None,
-                       speculative_method: str | None = None,
-                       lora_name: str | None = None,
-                       priority: int = 0,
-                       cache_salt: str | None = None) -> AsyncIterator[StepOutput]:
+                       options: RequestOptions) -> AsyncIterator[StepOutput]:
         """Stream a request's step outputs. Validation errors raise before anything is queued.
         Cancelling the consumer (or closing the generator) aborts the request and frees its KV.
-        `PoolingParams`: an embedding request, whose one output carries its embedding.
-        `num_speculative_tokens`, `speculative_method`, `lora_name`, `priority`,
-        `cache_salt`: see `LLMEngine.add_request`."""
+        `PoolingParams` in `options`: an embedding request, whose one output carries its
+        embedding."""
         self._check_alive()
-        self.engine.check_request(prompt_token_ids, params, output_token_ids, remote_kv,
-                                  num_speculative_tokens, speculative_method, lora_name,
-                                  priority, cache_salt)
+        self.engine.check_request(prompt_token_ids, options)
+        params = options.params
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight")
         if self.engine.config.scheduler.policy != "priority":
@@ -129,18 +119,14 @@ class AsyncEngine:
         # Compiling a constraint may take a while: not on the loop.
         if isinstance(params, SamplingParams) and params.structured_outputs is not None:
             grammar = await asyncio.get_running_loop().run_in_executor(
-                self._compiles, self.engine.make_grammar, params, output_token_ids)
+                self._compiles, self.engine.make_grammar, params, options.output_token_ids)
             if request_id in self._queues:
                 raise ValueError(f"request id {request_id!r} is already in flight")
-        await self._admit(priority)  # (others may have come in while a grammar compiled)
+        await self._admit(options.priority)  # (others may have come in while it compiled)
         q: asyncio.Queue[StepOutput | _Failure] = asyncio.Queue()
         self._queues[request_id] = q
-        self._submit(self.engine.enqueue, (request_id, prompt_token_ids, params),
-                     kwargs={"output_token_ids": output_token_ids, "remote_kv": remote_kv,
-                             "num_speculative_tokens": num_speculative_tokens,
-                             "speculative_method": speculative_method, "grammar": grammar,
-                             "lora_name": lora_name, "priority": priority,
-                             "cache_salt": cache_salt})
+        self._submit(self.engine.enqueue, (request_id, prompt_token_ids, options),
+                     kwargs={"grammar": grammar})
         finished = False
         try:
             while True:

@@ -20,7 +20,7 @@ from engine.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from engine.llm_engine import EngineInputError, LLMEngine
+from engine.llm_engine import LLMEngine
 from engine.lora import LoRARequest, lora_name_of
 from engine.outputs import (
     BeamSearchOutput,
@@ -37,6 +37,7 @@ from engine.outputs import (
 from engine.request import RequestMetrics
 from engine_api.beam_search import BeamSearch, BeamSearchParams, BeamSearchParamsError
 from engine_api.classify import probabilities
+from engine_api.errors import EngineInputError
 from engine_api.generation_defaults import (
     MODES,
     GenerationConfigError,
@@ -44,6 +45,7 @@ from engine_api.generation_defaults import (
     sampling_defaults,
 )
 from engine_api.pooling_params import PoolerConfig, PoolingParams, PoolingType
+from engine_api.request_options import RequestOptions
 from engine_api.sampling_params import SamplingParams, truncate_prompt
 
 PromptType = str | dict[str, Any]
@@ -219,12 +221,14 @@ class LLM:
         loras = _per_prompt(self._lora_names(lora_request), len(plist))
         tokenized = [self._truncated(self._tokenize(prompt), pp.truncate_prompt_tokens)
                      for prompt, pp in zip(plist, params, strict=True)]
-        for (_, ids), pp, lora in zip(tokenized, params, loras, strict=True):
-            self.engine.check_request(ids, pp, lora_name=lora)  # all before any is queued
+        options = [RequestOptions(pp, lora_name=lora) for pp, lora in zip(params, loras,
+                                                                           strict=True)]
+        for (_, ids), opts in zip(tokenized, options, strict=True):
+            self.engine.check_request(ids, opts)  # all before any is queued
         outs: dict[str, EmbeddingRequestOutput] = {}
-        for (text, ids), pp, lora in zip(tokenized, params, loras, strict=True):
+        for (text, ids), opts in zip(tokenized, options, strict=True):
             rid = f"embed-{next(self._ids)}"
-            self.engine.enqueue(rid, ids, pp, lora_name=lora)
+            self.engine.enqueue(rid, ids, opts)
             outs[rid] = EmbeddingRequestOutput(rid, EmbeddingOutput([]), ids, finished=False,
                                                prompt=text)
         while self.engine.has_unfinished_requests():
@@ -416,23 +420,22 @@ class LLM:
         # others queued in the engine.
         tokenized = [self._truncated(self._tokenize(prompt), sp.truncate_prompt_tokens)
                      for prompt, sp in zip(plist, params, strict=True)]
-        salts = [_cache_salt(prompt) for prompt in plist]
-        for (_, ids), sp, lora, prio, salt in zip(tokenized, params, loras, priorities, salts,
-                                                  strict=True):
-            self.engine.check_request(ids, sp, lora_name=lora, priority=prio, cache_salt=salt)
+        options = [RequestOptions(sp, lora_name=lora, priority=prio,
+                                  cache_salt=_cache_salt(prompt))
+                   for prompt, sp, lora, prio in zip(plist, params, loras, priorities, strict=True)]
+        for (_, ids), sp, opts in zip(tokenized, params, options, strict=True):
+            self.engine.check_request(ids, opts)
             self.engine.make_grammar(sp)  # compiles (and checks) a constraint; cached for below
         items = []
-        for (text, ids), sp, lora, prio, salt in zip(tokenized, params, loras, priorities, salts,
-                                                     strict=True):
+        for (text, ids), sp, opts in zip(tokenized, params, options, strict=True):
             rid = str(next(self._ids))
             for i in range(sp.n):
                 # The prompt is scored once, by the first child (its logprobs are the prompt's).
                 child = sp if sp.n == 1 else dataclasses.replace(
                     sp, n=1, seed=None if sp.seed is None else sp.seed + i,
                     prompt_logprobs=sp.prompt_logprobs if i == 0 else None)
-                self.engine.enqueue(f"{rid}:{i}", ids, child, lora_name=lora,
-                                    grammar=self.engine.make_grammar(child),  # one per child
-                                    priority=prio, cache_salt=salt)
+                self.engine.enqueue(f"{rid}:{i}", ids, dataclasses.replace(opts, params=child),
+                                    grammar=self.engine.make_grammar(child))  # one per child
             items.append((rid, RequestOutput(rid, text, ids, [
                 CompletionOutput(i, "", [], [] if sp.logprobs is not None else None, None)
                 for i in range(sp.n)], finished=False)))
@@ -500,7 +503,7 @@ class LLM:
 
 
 def _cache_salt(prompt: PromptType) -> str | None:
-    """vLLM's prompt-dict `cache_salt` (None: none; checked by the engine)."""
+    """vLLM's prompt-dict `cache_salt` (None: none; checked by `RequestOptions`)."""
     return prompt.get("cache_salt") if isinstance(prompt, dict) else None
 
 

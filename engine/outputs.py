@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.request import PromptLogprobs, RequestMetrics, TokenLogprob
+from engine.logprobs import PromptLogprobs, TokenLogprob
+from engine.request import RequestMetrics
 from engine_api.beam_search import BeamSequence
 
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.kernels.reference import score_rows_ref
-from engine.request import PromptLogprobs, Request
+from engine.logprobs import PromptLogprobs
+from engine.request import Request
 from engine.sampler import copies_queued, to_device, to_host
 from engine.scheduler import ScheduledRequest, first_rows
 

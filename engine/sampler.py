@@ -16,8 +16,9 @@ import torch
 
 from engine.bad_words import banned_tokens, reads_output
 from engine.devices import to_device
+from engine.logprobs import TokenLogprob
 from engine.penalties import PenaltyState
-from engine.request import Request, TokenLogprob
+from engine.request import Request
 from engine.structured import fill_masks
 from engine_api.sampling_params import SamplingParams
 

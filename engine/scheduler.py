@@ -18,8 +18,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
+from engine.handoff import KvLoad, Lease
 from engine.kv.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestStatus, TokenLogprob
+from engine.logprobs import TokenLogprob
+from engine.request import Request, RequestStatus
 from engine.request_queue import WaitingQueue, insert_running
 from engine.spec import record_verify
 
@@ -43,29 +45,6 @@ def first_rows(scheduled: Sequence[ScheduledRequest]) -> Iterator[tuple[Schedule
     for s in scheduled:
         yield s, row
         row += s.num_new_tokens
-
-
-@dataclass(slots=True)
-class KvLoad:
-    """The request's first `num_tokens` prompt tokens have KV elsewhere; fill
-    `block_ids` with that KV's blocks `first_block`, `first_block + 1`, ... (the blocks before
-    `first_block` were found in this engine's own prefix cache and need no transfer)."""
-
-    request: Request
-    block_ids: list[int]
-    num_tokens: int
-    first_block: int = 0
-
-
-@dataclass(slots=True)
-class Lease:
-    """Prefill role: a finished request's prompt KV, held until released or expired."""
-
-    lease_id: str
-    block_ids: list[int]
-    block_hashes: list[bytes]
-    num_tokens: int
-    deadline: float            # time.monotonic()
 
 
 @dataclass(slots=True)

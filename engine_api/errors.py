@@ -10,3 +10,7 @@ class ConfigError(ValueError):
 
 class ModelLoadError(ValueError):
     """A model path or file cannot be loaded; the message names the path and what is wrong."""
+
+
+class EngineInputError(ValueError):
+    """A request the engine cannot serve; the message names the field and the limit."""

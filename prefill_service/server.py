@@ -25,7 +25,7 @@ from protos.splitserve.v1 import (
 )
 from rpc import tracing
 from rpc.tls import tls_paths_from_env
-from worker.kv import EngineBlockSource, kv_scales
+from worker.kv import EngineBlockSource
 from worker.server import (
     EngineFactory,
     WorkerHandle,
@@ -79,9 +79,9 @@ async def start_prefill_worker(config: EngineConfig, host: str, port: int, *,
             handle.on_stop.append(data_server.close)
         # A GPU engine's cache also goes out by CUDA IPC to decode workers on its GPU (not a
         # tensor-parallel one's: each rank holds a share of every block's heads).
-        ipc = engine.runner.kv_cache if engine.runner.tp is None else None
-        kv_servicer.bind(KvTransferServicer(source, kv_scales=kv_scales(engine), ipc_cache=ipc,
-                                            data_server=data_server))
+        kv = engine.kv_access
+        kv_servicer.bind(KvTransferServicer(source, kv_scales=kv.kv_scales,
+                                            ipc_cache=kv.ipc_cache, data_server=data_server))
         return aengine
 
     return await start_worker_server(config, host, port, register, on_loaded,

@@ -3,25 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import grpc
 from opentelemetry.trace import Span
 
 from engine.async_engine import EngineDeadError, EngineOverloadedError
-from engine.llm_engine import EngineInputError
 from engine.outputs import StepOutput
+from engine_api.errors import EngineInputError
 from engine_api.hashing import prompt_hash
 from engine_api.sampling_params import SamplingParamsError
 from protos.splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from rpc import tracing
-from worker.common import (
-    EngineBound,
-    abort_traced,
-    check_cache_salt,
-    check_lora_name,
-    check_priority,
-)
+from worker.common import EngineBound, abort_traced, request_options
 from worker.convert import (
     InvalidRequest,
     check_prompt,
@@ -60,13 +55,12 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
             rid = check_request_id(request.request_id)
             ids = check_prompt(list(request.prompt_token_ids))
             params = sampling_from_proto(request.sampling)
-            lora = check_lora_name(aengine.engine, request.lora_name)
-            priority = check_priority(aengine.engine, request.priority)
-            salt = check_cache_salt(request.cache_salt)
+            options = request_options(aengine.engine, request, params)
         except InvalidRequest as e:
             await abort_traced(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         last: StepOutput | None = None
         tiers = self.tiers
+        lora, priority, salt = options.lora_name, options.priority, options.cache_salt
         if lora is not None:
             span.set_attribute("splitserve.lora_name", lora)
         if priority:
@@ -81,9 +75,8 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
         if remote_kv is not None:
             span.set_attribute("splitserve.tier_tokens", remote_kv.num_tokens)
         try:
-            async for out in aengine.generate(rid, ids, params, remote_kv=remote_kv,
-                                              lora_name=lora, priority=priority,
-                                              cache_salt=salt):
+            async for out in aengine.generate(
+                    rid, ids, dataclasses.replace(options, remote_kv=remote_kv)):
                 last = out
         except (InvalidRequest, EngineInputError, SamplingParamsError, ValueError) as e:
             await abort_traced(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -117,7 +110,7 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
             resp.logprob.CopyFrom(logprob_to_proto(out.new_logprobs[0]))
         if out.prompt_logprobs is not None:
             resp.prompt_logprobs.CopyFrom(prompt_logprobs_to_proto(out.prompt_logprobs))
-        lease = eng.scheduler.leases.get(rid) if out.kv_held else None
+        lease = eng.kv_access.lease(rid) if out.kv_held else None
         if lease is not None:
             remaining = max(0.0, lease.deadline - time.monotonic())
             if lease_ms:

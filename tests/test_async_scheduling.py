@@ -17,6 +17,7 @@ from conftest import run_steps, step_tokens, tiny_llm
 from engine import LLM, SamplingParams
 from engine.config import SchedulerConfig
 from engine.outputs import StepOutput
+from engine_api.request_options import RequestOptions
 
 PROMPTS = [[(7 * i + 3 * j) % 250 + 1 for j in range(n)] for i, n in enumerate([5, 23, 9, 40, 2])]
 
@@ -129,7 +130,7 @@ def test_async_engine_thread_streams_and_cancels(tiny_model_dirs: dict[str, Path
 
         async def one(i: int) -> list[int]:
             toks: list[int] = []
-            async for o in aeng.generate(f"r{i}", PROMPTS[i], params[i]):
+            async for o in aeng.generate(f"r{i}", PROMPTS[i], RequestOptions(params[i])):
                 toks.extend(o.new_token_ids)
                 if i == 4 and len(toks) == 2:
                     break  # the consumer goes away: the engine must abort and free its blocks

@@ -8,9 +8,9 @@ import pytest
 
 from engine.bad_words import bad_words_token_ids, banned_tokens
 from engine.llm import LLM
-from engine.llm_engine import EngineInputError
 from engine.loader.load import default_model_path
 from engine.request import Request
+from engine_api.errors import EngineInputError
 from engine_api.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputs
 from engine_api.tokenizer import Tokenizer
 

@@ -15,8 +15,8 @@ import torch
 from conftest import greedy, tiny_llm
 from transformers import PreTrainedModel
 
-from engine.llm_engine import EngineInputError
 from engine_api.beam_search import BeamSearch, BeamSearchParams, BeamSearchParamsError
+from engine_api.errors import EngineInputError
 
 PROMPTS = [[(11 * j + 5) % 380 + 2 for j in range(9)], [7, 300, 12, 99, 5]]
 

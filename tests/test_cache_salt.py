@@ -20,7 +20,7 @@ pytest.register_assert_rewrite("e2e_stack")
 from conftest import greedy, tiny_llm  # noqa: E402
 from e2e_stack import MODEL_NAME, Stack, greedy_sampling, worker_channel  # noqa: E402
 
-from engine.llm_engine import EngineInputError  # noqa: E402
+from engine_api.errors import EngineInputError  # noqa: E402
 from protos.splitserve.v1 import (  # noqa: E402
     decode_pb2,
     decode_pb2_grpc,

@@ -23,8 +23,8 @@ from transformers import Qwen3Config, Qwen3ForSequenceClassification
 
 from engine.config import ConfigError, ModelConfig
 from engine.llm import LLM
-from engine.llm_engine import EngineInputError
 from engine_api.classify import probabilities
+from engine_api.errors import EngineInputError
 from engine_api.pooling_params import PoolerConfig, PoolingParams
 from engine_api.sampling_params import SamplingParams
 

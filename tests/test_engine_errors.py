@@ -11,8 +11,8 @@ import pytest
 from conftest import greedy, tiny_llm
 
 from engine.llm import LLM
-from engine.llm_engine import EngineInputError
 from engine.loader import ModelLoadError
+from engine_api.errors import EngineInputError
 from engine_api.sampling_params import SamplingParams, SamplingParamsError
 
 

@@ -34,14 +34,15 @@ from engine.config import (
 from engine.kernels import reference as R
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.request import RemoteKv, RequestStatus
+from engine.request import RequestStatus
+from engine_api.request_options import RemoteKv
 from kv_transfer.connector import GrpcPullConnector
 from kv_transfer.handle import KvHandle, LoadResult
 from kv_transfer.protocol import channel_options
 from kv_transfer.servicer import KvTransferServicer
 from kv_transfer.wire import decode_block, encode_block
 from protos.splitserve.v1 import kv_transfer_pb2_grpc
-from worker.kv import RunnerSink, block_spec, kv_scales
+from worker.kv import RunnerSink, block_spec
 
 FP8 = torch.float8_e4m3fn
 
@@ -191,7 +192,7 @@ def test_quantized_block_through_the_wire_keeps_bytes_and_scales(
     spec = block_spec(engine)
     assert spec.dtype == {"fp8": FP8, "int8": torch.int8}[kv_dtype]
     assert spec.num_scales == 2 * engine.model_config.num_hidden_layers
-    scales = kv_scales(engine)
+    scales = engine.kv_access.kv_scales
     assert scales is not None
     engine.runner.write_blocks([2], torch.randn(1, *spec.shape) * 100)
     block = engine.runner.read_blocks([2])[0]
@@ -230,7 +231,7 @@ async def _pull(pre: LLMEngine, dec: LLMEngine, prompt: list[int], local_ids: li
     server = grpc.aio.server(options=channel_options(1 << 20))
     source = CacheBlockSource(pre.runner.kv_cache, spec, leases)
     kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(
-        KvTransferServicer(source, kv_scales=kv_scales(pre)), server)
+        KvTransferServicer(source, kv_scales=pre.kv_access.kv_scales), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
@@ -266,7 +267,7 @@ async def test_disaggregated_quantized_equals_colocated(tiny_model_dirs: dict[st
                         remote_kv=RemoteKv(len(prompt), handle="x"))
     dec.step()
     [load] = dec.take_kv_loads()
-    local = kv_scales(dec)
+    local = dec.kv_access.kv_scales
     assert local is not None
     expect_scales = local if scales_match else local * 2  # a worker with other scales
     result = await _pull(pre, dec, prompt, load.block_ids, expect_scales)

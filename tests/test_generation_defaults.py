@@ -14,7 +14,7 @@ import pytest
 from conftest import greedy, tiny_llm
 from gateway_fakes import MODEL_NAME, Harness, Script, smollm2_tokenizer
 
-from engine.llm_engine import EngineInputError
+from engine_api.errors import EngineInputError
 from engine_api.generation_defaults import (
     GenerationConfigError,
     resolve_sampling_defaults,

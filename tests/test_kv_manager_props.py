@@ -27,8 +27,9 @@ from hypothesis.stateful import (
 from engine.config import SchedulerConfig
 from engine.dma_copy import block_runs
 from engine.kv.kv_cache_manager import KVCacheManager
-from engine.request import RemoteKv, Request, RequestStatus
+from engine.request import Request, RequestStatus
 from engine.scheduler import SampledToken, Scheduler, SchedulerOutput
+from engine_api.request_options import RemoteKv
 from engine_api.sampling_params import SamplingParams
 
 BS = 4

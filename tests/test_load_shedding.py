@@ -12,6 +12,7 @@ import pytest
 from engine.async_engine import AsyncEngine, EngineOverloadedError
 from engine.config import ConfigError, EngineConfig, LoadConfig, RunnerConfig, SchedulerConfig
 from engine.llm import LLM
+from engine_api.request_options import RequestOptions
 from engine_api.sampling_params import SamplingParams
 
 PROMPTS = [[5, 17, 99, 3, 250, 7], [42, 8, 300, 11, 4], [9, 9, 120, 33, 61, 2, 18]]
@@ -39,7 +40,7 @@ def test_capacity_refuses_then_recovers(tiny_model_dirs: dict[str, Path]) -> Non
 
             async def run(rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
                 toks: list[int] = []
-                async for out in aeng.generate(rid, prompt, params):
+                async for out in aeng.generate(rid, prompt, RequestOptions(params)):
                     toks.extend(out.new_token_ids)
                     started.set()
                 return toks
@@ -49,11 +50,11 @@ def test_capacity_refuses_then_recovers(tiny_model_dirs: dict[str, Path]) -> Non
             await started.wait()
             assert aeng.num_in_flight == 2
             with pytest.raises(EngineOverloadedError, match="at most 2"):
-                async for _ in aeng.generate("c", PROMPTS[2], short):
+                async for _ in aeng.generate("c", PROMPTS[2], RequestOptions(short)):
                     pass
             assert aeng.num_in_flight == 2  # the refused request left nothing behind
             a, _ = await asyncio.gather(first, second)
-            after = [t async for out in aeng.generate("d", PROMPTS[2], short)
+            after = [t async for out in aeng.generate("d", PROMPTS[2], RequestOptions(short))
                      for t in out.new_token_ids]
             await aeng.call(lambda: None)
             return "ok", a, len(after)
@@ -84,8 +85,8 @@ def test_full_priority_engine_displaces_a_less_urgent_waiting_request(
             async def run(rid: str, params: SamplingParams, prio: int) -> list[int] | str:
                 toks: list[int] = []
                 try:
-                    async for out in aeng.generate(rid, PROMPTS[len(rid) % 3], params,
-                                                   priority=prio):
+                    async for out in aeng.generate(rid, PROMPTS[len(rid) % 3],
+                                                   RequestOptions(params, priority=prio)):
                         toks.extend(out.new_token_ids)
                         started.set()
                 except EngineOverloadedError as e:
@@ -125,7 +126,7 @@ def test_no_bound_by_default(tiny_model_dirs: dict[str, Path]) -> None:
         try:
             async def run(i: int) -> list[int]:
                 return [t async for out in aeng.generate(f"r{i}", PROMPTS[i % len(PROMPTS)],
-                                                         params) for t in out.new_token_ids]
+                                                         RequestOptions(params)) for t in out.new_token_ids]
             return await asyncio.gather(*(run(i) for i in range(8)))
         finally:
             await aeng.stop()

@@ -19,9 +19,9 @@ from conftest import greedy, run_to_end, tiny_llm
 from transformers import PreTrainedModel
 
 from engine.config import ConfigError
-from engine.llm_engine import EngineInputError
 from engine.lora import LoRAError, LoRARequest
 from engine.lora.adapter import TARGETS
+from engine_api.errors import EngineInputError
 from tools.gpu.gpu_lora_check import write_adapter
 
 ATOL = RTOL = 1e-4

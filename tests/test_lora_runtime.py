@@ -24,8 +24,8 @@ from transformers import PreTrainedModel
 
 from engine.config import ConfigError
 from engine.llm import LLM
-from engine.llm_engine import EngineInputError
 from engine.lora import LoRARequest
+from engine_api.errors import EngineInputError
 
 Made = dict[str, tuple[Path, dict, float]]  # adapter name -> (directory, weights, scaling)
 

@@ -30,11 +30,11 @@ from engine.config import (
     SchedulerConfig,
 )
 from engine.llm import LLM
-from engine.llm_engine import EngineInputError
 from engine.outputs import EmbeddingRequestOutput
 from engine.pooler import resolve_pooler, sentence_transformers_pooler
-from engine.request import RemoteKv
+from engine_api.errors import EngineInputError
 from engine_api.pooling_params import PoolingParams, PoolingParamsError
+from engine_api.request_options import RemoteKv
 
 PROMPTS = [[(11 * j + 5) % 380 + 2 for j in range(37)], [(13 * j + 1) % 380 + 2 for j in range(21)],
            [7, 300, 12, 99, 5], [42]]

@@ -13,10 +13,10 @@ from conftest import greedy
 from engine.config import ConfigError, SchedulerConfig
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.llm import LLM
-from engine.llm_engine import EngineInputError
 from engine.request import Request, RequestStatus
 from engine.request_queue import WaitingQueue, insert_running, priority_key
 from engine.scheduler import SampledToken, Scheduler, SchedulerOutput
+from engine_api.errors import EngineInputError
 from engine_api.sampling_params import SamplingParams
 
 BS = 4

@@ -15,9 +15,10 @@ from conftest import tiny_llm
 from transformers import PreTrainedModel
 
 from engine import SamplingParams
-from engine.llm_engine import EngineInputError
+from engine.logprobs import TokenLogprob
 from engine.outputs import RequestOutput
-from engine.request import RemoteKv, TokenLogprob
+from engine_api.errors import EngineInputError
+from engine_api.request_options import RemoteKv, RequestOptions
 from engine_api.sampling_params import SamplingParamsError
 
 PROMPT = [(11 * j + 5) % 380 + 2 for j in range(37)]
@@ -140,7 +141,8 @@ def test_prompt_logprobs_validation(tiny_model_dirs: dict[str, Path]) -> None:
     llm = tiny_llm(tiny_model_dirs["llama"])
     # KV computed elsewhere cannot be scored here: refused, not answered without the logprobs.
     with pytest.raises(EngineInputError, match="prompt_logprobs"):
-        llm.engine.check_request(PROMPT, _params(), remote_kv=RemoteKv(num_tokens=len(PROMPT)))
+        llm.engine.check_request(PROMPT, RequestOptions(_params(),
+                                                        remote_kv=RemoteKv(num_tokens=len(PROMPT))))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

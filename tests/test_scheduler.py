@@ -14,8 +14,9 @@ from engine.config import CacheConfig, EngineConfig, LoadConfig, RunnerConfig, S
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.request import RemoteKv, Request, RequestStatus
+from engine.request import Request, RequestStatus
 from engine.scheduler import SampledToken, Scheduler, SchedulerOutput
+from engine_api.request_options import RemoteKv
 from engine_api.sampling_params import SamplingParams
 
 BS = 4

@@ -20,7 +20,6 @@ from conftest import run_steps, step_tokens, tiny_llm
 
 from engine import LLM, SamplingParams
 from engine.config import ConfigError, SpeculativeConfig
-from engine.llm_engine import EngineInputError
 from engine.outputs import StepOutput
 from engine.piecewise_graphs import PiecewiseGraphRunner
 from engine.request import Request
@@ -28,6 +27,7 @@ from engine.sampler import filter_probs
 from engine.spec import SequenceProposer
 from engine.spec.ngram import NgramProposer
 from engine.spec.rejection import verify
+from engine_api.errors import EngineInputError
 
 NGRAM: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": 4}
 NGRAM_FLOOR = SpeculativeConfig().min_accepted_per_step

@@ -16,7 +16,8 @@ from engine import LLM, SamplingParams
 from engine.cli_args import add_engine_args, engine_config_from_args
 from engine.config import ConfigError, EngineConfig, LoadConfig, SchedulerConfig, SpeculativeConfig
 from engine.draft_model import DraftModelProposer
-from engine.llm_engine import EngineInputError, LLMEngine
+from engine.llm_engine import LLMEngine
+from engine_api.errors import EngineInputError
 
 PROMPTS = [
     [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7],

@@ -17,12 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
-from engine.llm_engine import EngineInputError
 from engine.request import Request
 from engine.sampler import mask_logits
 from engine.structured import choice_grammar, pack_bits
 from engine.utf8_state import BOUNDARY
 from engine.utf8_state import step as utf8_step
+from engine_api.errors import EngineInputError
 from engine_api.sampling_params import SamplingParamsError, StructuredOutputs
 from engine_api.tokenizer import _bytes_to_unicode
 

@@ -28,10 +28,10 @@ from engine.config import (
     RunnerConfig,
     SchedulerConfig,
 )
+from engine.handoff import KvLoad
 from engine.llm_engine import LLMEngine
 from engine.loader import load_model_source
-from engine.request import RemoteKv
-from engine.scheduler import KvLoad
+from engine_api.request_options import RemoteKv
 from protos.splitserve.v1 import (
     common_pb2,
     decode_pb2,

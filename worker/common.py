@@ -10,15 +10,21 @@ import grpc
 from opentelemetry.trace import Span
 
 from engine.async_engine import AsyncEngine, EngineDeadError
-from engine.llm_engine import EngineInputError, LLMEngine
-from engine_api.hashing import cache_salt_problem
-from protos.splitserve.v1 import common_pb2
+from engine.llm_engine import LLMEngine
+from engine_api.errors import EngineInputError
+from engine_api.pooling_params import PoolingParams
+from engine_api.request_options import RequestOptions
+from engine_api.sampling_params import SamplingParams
+from protos.splitserve.v1 import common_pb2, decode_pb2, prefill_pb2
 from rpc import tracing
 from rpc.limits import MAX_LORA_NAME_CHARS, MAX_LORA_PATH_CHARS, lora_field_problem
-from worker.convert import SPEC_METHOD_ENUMS, InvalidRequest
+from worker.convert import SPEC_METHOD_ENUMS, SPEC_METHOD_NAMES, InvalidRequest
 from worker.kv import GrpcKvLoader
 
 logger = logging.getLogger(__name__)
+
+# The requests whose options `request_options` reads (each has lora_name, priority, cache_salt).
+OptionsRequest = prefill_pb2.PrefillRequest | decode_pb2.DecodeRequest | common_pb2.EmbedRequest
 
 
 class EngineBound:
@@ -184,37 +190,32 @@ async def _engine_call(context: grpc.aio.ServicerContext, span: Span, aengine: A
     raise AssertionError("unreachable: abort raises")
 
 
-def check_lora_name(engine: LLMEngine, name: str) -> str | None:
-    """A request's `lora_name` ("" = the base model: None); InvalidRequest for an adapter the
-    engine does not serve."""
-    if not name:
-        return None
+def request_options(engine: LLMEngine, request: OptionsRequest,
+                    params: SamplingParams | PoolingParams) -> RequestOptions:
+    """The `RequestOptions` of a Prefill, Decode or Embed request: `params` with its LoRA
+    adapter ("" = the base model), scheduling priority and cache salt ("" = none), and a
+    Decode's given output tokens and speculation (absent: the worker's own; an unknown method:
+    the worker's own). InvalidRequest (the engine's message) for an adapter the engine does
+    not serve, a priority its policy does not take (any but 0 on an FCFS engine) or a bad
+    salt: checked before anything else, so that a refused request reads no prefix tier and
+    pulls no KV. Remote KV joins later (`dataclasses.replace`), once it is known."""
+    lora = request.lora_name or None
+    given: list[int] | None = None
+    spec: int | None = None
+    method: str | None = None
+    if isinstance(request, decode_pb2.DecodeRequest):
+        given = list(request.output_token_ids)
+        spec = (request.num_speculative_tokens if request.HasField("num_speculative_tokens")
+                else None)
+        method = SPEC_METHOD_NAMES.get(request.speculative_method)
     try:
-        engine.lora_slot(name)
+        engine.lora_slot(lora)
+        engine.check_priority(request.priority)
+        return RequestOptions(params, output_token_ids=given, num_speculative_tokens=spec,
+                              speculative_method=method, lora_name=lora,
+                              priority=request.priority, cache_salt=request.cache_salt or None)
     except EngineInputError as e:
         raise InvalidRequest(str(e)) from None
-    return name
-
-
-def check_cache_salt(salt: str) -> str | None:
-    """A request's `cache_salt` ("" = none: None); InvalidRequest past the engine's limits."""
-    if not salt:
-        return None
-    problem = cache_salt_problem(salt)
-    if problem is not None:
-        raise InvalidRequest(problem)
-    return salt
-
-
-def check_priority(engine: LLMEngine, priority: int) -> int:
-    """A request's scheduling `priority`; InvalidRequest (the engine's message) for one this
-    engine's policy does not take: any but 0 on an FCFS engine. Checked with the other fields,
-    so that a refused request reads no prefix tier and pulls no KV."""
-    try:
-        engine.check_priority(priority)
-    except EngineInputError as e:
-        raise InvalidRequest(str(e)) from None
-    return priority
 
 
 def _own_first(engine: LLMEngine) -> list[str]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.logprobs import PromptLogprobs, TokenLogprob
 from engine.outputs import StepOutput
-from engine.request import PromptLogprobs, TokenLogprob
 from engine_api.pooling_params import PoolingParams, PoolingParamsError, PoolingType
 from engine_api.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputs
 from protos.splitserve.v1 import common_pb2

@@ -10,13 +10,13 @@ from __future__ import annotations
 import grpc
 
 from engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
-from engine.llm_engine import EngineInputError
 from engine.outputs import StepOutput
+from engine_api.errors import EngineInputError
 from engine_api.pooling_params import PoolingParamsError
 from protos.splitserve.v1 import common_pb2
 from rpc import tracing
 from rpc.embedding_wire import pack_float32
-from worker.common import abort_traced, check_cache_salt, check_lora_name, check_priority
+from worker.common import abort_traced, request_options
 from worker.convert import InvalidRequest, check_prompt, check_request_id, pooling_from_proto
 
 
@@ -32,16 +32,12 @@ async def embed(aengine: AsyncEngine, request: common_pb2.EmbedRequest,
         try:
             rid = check_request_id(request.request_id)
             ids = check_prompt(list(request.prompt_token_ids))
-            params = pooling_from_proto(request)
-            lora = check_lora_name(aengine.engine, request.lora_name)
-            priority = check_priority(aengine.engine, request.priority)
-            salt = check_cache_salt(request.cache_salt)
+            options = request_options(aengine.engine, request, pooling_from_proto(request))
         except InvalidRequest as e:
             await abort_traced(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         last: StepOutput | None = None
         try:
-            async for out in aengine.generate(rid, ids, params, lora_name=lora,
-                                              priority=priority, cache_salt=salt):
+            async for out in aengine.generate(rid, ids, options):
                 last = out
         except (InvalidRequest, EngineInputError, PoolingParamsError, ValueError) as e:
             await abort_traced(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -14,9 +14,8 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
 
 from engine.async_engine import AsyncEngine, KvLoadAbort
-from engine.kv.block_pool import count_runs
+from engine.handoff import KvLoad
 from engine.llm_engine import LLMEngine
-from engine.scheduler import KvLoad
 from kv_transfer import DEFAULT_TCP_STREAMS
 from kv_transfer.connector import GrpcPullConnector
 from kv_transfer.handle import KvHandle, LoadResult
@@ -32,41 +31,22 @@ logger = logging.getLogger(__name__)
 
 def block_spec(engine: LLMEngine) -> BlockSpec:
     """The engine's KV block on the wire: the cache dtype (fp8 or int8 for a quantized cache,
-    whose blocks then carry `kv_scales(engine)`)."""
+    whose blocks then carry `KvAccess.kv_scales`)."""
     cfg = engine.model_config
     return BlockSpec(fingerprint=engine.fingerprint, num_layers=cfg.num_hidden_layers,
                      block_size=engine.config.cache.block_size,
                      num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                     dtype=engine.runner.kv_dtype)
+                     dtype=engine.kv_access.kv_dtype)
 
 
-def kv_scales(engine: LLMEngine) -> torch.Tensor | None:
-    """Per-layer K/V scales `[num_layers, 2]` float32 sent with (and required of) every block
-    of a 1-byte KV cache; None for a cache in the model dtype."""
-    runner = engine.runner
-    return runner.kv_scales if runner.kv_is_quantized else None
-
-
-async def read_blocks(engine: LLMEngine, block_ids: list[int]) -> torch.Tensor:
-    """`runner.read_blocks` from the event loop: in place on the CPU (a memcpy), in a thread on
-    a GPU (the device-to-host copy waits for the engine's queued work)."""
-    runner = engine.runner
-    if runner.device.type == "cpu":
-        return runner.read_blocks(block_ids)
-    return await asyncio.to_thread(runner.read_blocks, block_ids)
-
-
-async def read_held_blocks(engine: LLMEngine, block_ids: list[int]) -> torch.Tensor:
-    """`read_blocks` of blocks that no step writes while they are read (leased or pinned full
-    blocks): on a GPU the copy runs beside the engine's queued steps, not after them."""
-    runner = engine.runner
-    if runner.device.type == "cpu":
-        return runner.read_blocks(block_ids)
-    return await asyncio.to_thread(runner.read_leased_blocks, block_ids)
+def count_runs(block_ids: list[int]) -> int:
+    """Maximal runs of ascending consecutive ids in `block_ids` (a KV handoff copies at least
+    one per run: engine/dma_copy.py `block_runs` pairs them with the other side's)."""
+    return sum(1 for i, b in enumerate(block_ids) if i == 0 or b != block_ids[i - 1] + 1)
 
 
 class EngineBlockSource:
-    """`kv_transfer.grpc_transport.KvBlockSource` over an engine's leases (prefill role).
+    """`kv_transfer.servicer.KvBlockSource` over an engine's leases (prefill role).
 
     Leased blocks hold a reference in the engine's KV manager, so they are not reused until
     `release` (or expiry) — reading them from the event loop thread is safe.
@@ -75,6 +55,7 @@ class EngineBlockSource:
     def __init__(self, aengine: AsyncEngine) -> None:
         self._aengine = aengine
         self._engine = aengine.engine
+        self._kv = aengine.engine.kv_access
         self._spec = block_spec(aengine.engine)
 
     @property
@@ -82,8 +63,8 @@ class EngineBlockSource:
         return self._spec
 
     def lookup(self, request_id: str) -> LeaseView | None:
-        lease = self._engine.scheduler.leases.get(request_id)  # dict read: atomic under the GIL
-        if lease is None or lease.deadline <= _monotonic():
+        lease = self._kv.live_lease(request_id)
+        if lease is None:
             return None
         return LeaseView(list(lease.block_ids), list(lease.block_hashes), lease.num_tokens)
 
@@ -91,21 +72,14 @@ class EngineBlockSource:
         return (await self.read_blocks([block_id]))[0]
 
     async def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        return await read_held_blocks(self._engine, block_ids)
+        return await self._kv.read_held_blocks(block_ids)
 
     def release(self, request_id: str) -> bool:
-        lease = self._engine.scheduler.leases.get(request_id)
-        if lease is None or lease.deadline <= _monotonic():
-            return False
         # Hide it from lookups at once; the engine thread frees the blocks between steps.
-        lease.deadline = 0.0
+        if not self._kv.hide_lease(request_id):
+            return False
         self._aengine.submit(self._engine.release_lease, request_id)
         return True
-
-
-def _monotonic() -> float:
-    import time
-    return time.monotonic()
 
 
 @dataclass(slots=True)
@@ -131,22 +105,22 @@ class RemoteKvHandle:
 
 
 class RunnerSink:
-    """`kv_transfer.connector.DeviceKvBlockSink` writing into an engine's KV cache. The blocks were
+    """`kv_transfer.pull_ways.DeviceKvBlockSink` writing into an engine's KV cache. The blocks were
     allocated for this load and are not visible to any other request until the load succeeds."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        self._runner = engine.runner
+        self._kv = engine.kv_access
 
     @property
     def device(self) -> torch.device:
-        return self._runner.device
+        return self._kv.device
 
     def write_blocks(self, block_ids: list[int], tensors: torch.Tensor) -> None:
-        self._runner.write_blocks(block_ids, tensors)
+        self._kv.write_blocks(block_ids, tensors)
 
     def copy_blocks_from(self, block_ids: list[int], src_cache: torch.Tensor,
                          src_block_ids: list[int]) -> None:
-        self._runner.copy_blocks_from(block_ids, src_cache, src_block_ids)
+        self._kv.copy_blocks_from(block_ids, src_cache, src_block_ids)
 
 
 class GrpcKvLoader:
@@ -168,7 +142,7 @@ class GrpcKvLoader:
         self._tcp_streams = tcp_streams
         self._spec = block_spec(engine)
         self._metadata = tuple(kv_metadata)
-        self._kv_scales = kv_scales(engine)
+        self._kv_scales = engine.kv_access.kv_scales
         self._sink = RunnerSink(engine)
         self._timeout_s = timeout_s
         self._connector: GrpcPullConnector | None = None

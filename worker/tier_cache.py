@@ -22,7 +22,7 @@ plan counted on) returns False, and the engine recomputes the prompt.
 the read it checks, on the engine thread, that the lease still does; otherwise what it read may
 already belong to another request and is dropped. A colocated worker holds no leases: when a
 request finishes, `save_tokens` pins the prefix cache's blocks of its prompt and output
-(`Scheduler.pin_cached`: held, so neither evicted nor reused), reads them and unpins them, so a
+(`KvAccess.pin_cached`: held, so neither evicted nor reused), reads them and unpins them, so a
 later prompt sharing that prefix (the next turn of a chat) finds them in the tiers once the GPU
 cache has evicted them.
 """
@@ -40,12 +40,12 @@ from typing import Any
 import torch
 
 from engine.async_engine import AsyncEngine
-from engine.request import RemoteKv
-from engine.scheduler import KvLoad
+from engine.handoff import KvLoad
 from engine_api.hashing import compute_block_hashes
+from engine_api.request_options import RemoteKv
 from kv_transfer.tiers import CpuTier, RedisTier, TieredStore
 from kv_transfer.wire import BlockSpec, KvWireError, block_view, encode_block
-from worker.kv import block_spec, kv_scales, read_blocks, read_held_blocks
+from worker.kv import block_spec
 
 logger = logging.getLogger(__name__)
 
@@ -108,12 +108,12 @@ class TierPrefixCache:
 
     def __init__(self, aengine: AsyncEngine, store: TieredStore, min_blocks: int = 1) -> None:
         self._aengine = aengine
-        self._engine = aengine.engine
+        self._kv = aengine.engine.kv_access
         self._store = store
         self._spec: BlockSpec = block_spec(aengine.engine)
-        self._scales = kv_scales(aengine.engine)
+        self._scales = self._kv.kv_scales
         self._block_size = aengine.engine.config.cache.block_size
-        self._root = aengine.engine.scheduler.kv.root
+        self._root = aengine.engine.hash_root()
         self._min_blocks = min_blocks
         self._saves: set[asyncio.Task[int]] = set()
         self._pin_ids = itertools.count()
@@ -140,7 +140,7 @@ class TierPrefixCache:
         prompt: `LLMEngine.hash_root`); the tiers key blocks by those hashes, so an adapter's KV
         and the base model's never answer for each other."""
         hashes = compute_block_hashes(root or self._root, prompt_token_ids, self._block_size)
-        first = self._gpu_prefix(hashes)
+        first = self._kv.cached_prefix_blocks(hashes)
         if len(hashes) - first < self._min_blocks:
             return None
         found: list[bytes | torch.Tensor] = []
@@ -153,15 +153,6 @@ class TierPrefixCache:
         self.stats.planned_blocks += len(found)
         return RemoteKv(num_tokens=(first + len(found)) * self._block_size,
                         handle=TierBlocks(first, tuple(found), tuple(hashes)), cached=True)
-
-    def _gpu_prefix(self, hashes: list[bytes]) -> int:
-        """How many leading blocks the engine's GPU cache holds now (a hint read off the engine
-        thread; the scheduler makes the binding lookup when it admits the request)."""
-        pool = self._engine.scheduler.kv.pool
-        n = 0
-        while n < len(hashes) and pool.get_cached_block(hashes[n]) is not None:
-            n += 1
-        return n
 
     # ---- the engine's KV loader ------------------------------------------------------------
 
@@ -192,7 +183,7 @@ class TierPrefixCache:
         (checksum included) when it entered the store, so `block_view` checks the header and
         reads the payload in place. On a GPU the slice goes host to device block by block out
         of the pinned entries (no host copy), then into the cache's blocks there."""
-        runner = self._engine.runner
+        kv = self._kv
         for start in range(0, len(block_ids), LOAD_SLICE_BLOCKS):
             ids = block_ids[start:start + LOAD_SLICE_BLOCKS]
             tensors, scales = [], None
@@ -202,14 +193,14 @@ class TierPrefixCache:
                     raise KvWireError(f"block {index} holds another block's KV")
                 tensors.append(block.tensor)
                 scales = block.scales if scales is None else scales
-            if runner.device.type == "cuda":
+            if kv.device.type == "cuda":
                 staged = torch.empty((len(ids), *self._spec.shape), dtype=self._spec.dtype,
-                                     device=runner.device)
+                                     device=kv.device)
                 for i, tensor in enumerate(tensors):
                     staged[i].copy_(tensor, non_blocking=tensor.is_pinned())
-                runner.write_blocks(ids, staged, scales)  # same stream: after the copies
+                kv.write_blocks(ids, staged, scales)  # same stream: after the copies
             else:
-                runner.write_blocks(ids, torch.stack(tensors), scales)
+                kv.write_blocks(ids, torch.stack(tensors), scales)
 
     # ---- after the response ----------------------------------------------------------------
 
@@ -230,7 +221,7 @@ class TierPrefixCache:
         todo = await self._aengine.call(self._lease_blocks, request_id)
         if not todo:
             return 0
-        blocks = await read_blocks(self._engine, [block_id for block_id, _ in todo])
+        blocks = await self._kv.read_blocks([block_id for block_id, _ in todo])
         if not await self._aengine.call(self._has_lease, request_id):
             self.stats.dropped_saves += 1
             return 0
@@ -252,10 +243,10 @@ class TierPrefixCache:
         if not todo:
             return 0
         try:
-            blocks = await read_held_blocks(self._engine, [block_id for block_id, _ in todo])
+            blocks = await self._kv.read_held_blocks([block_id for block_id, _ in todo])
         finally:
             with contextlib.suppress(Exception):  # a stopped engine holds nothing any more
-                await self._aengine.call(self._engine.scheduler.unpin, pin_id)
+                await self._aengine.call(self._kv.unpin, pin_id)
         # In a thread: a colocated worker's event loop also serves the gateway's streams.
         return await self._put(await asyncio.to_thread(self._encode, todo, blocks))
 
@@ -272,8 +263,7 @@ class TierPrefixCache:
 
     def _pin_missing(self, pin_id: str, hashes: list[bytes]) -> list[tuple[int, bytes]]:
         # Engine thread: hold the cached blocks of the hashes the CPU tier lacks.
-        return self._engine.scheduler.pin_cached(
-            pin_id, [h for h in hashes if h not in self._store.cpu])
+        return self._kv.pin_cached(pin_id, [h for h in hashes if h not in self._store.cpu])
 
     async def wait_for_saves(self) -> None:
         """Await the saves in flight (tests, shutdown)."""
@@ -282,7 +272,7 @@ class TierPrefixCache:
 
     def _lease_blocks(self, request_id: str) -> list[tuple[int, bytes]]:
         # Engine thread: the lease's hashed (full) blocks, minus those the CPU tier holds.
-        lease = self._engine.scheduler.leases.get(request_id)
+        lease = self._kv.lease(request_id)
         if lease is None:
             return []
         return [(block_id, h) for block_id, h in zip(lease.block_ids, lease.block_hashes,
@@ -290,4 +280,4 @@ class TierPrefixCache:
                 if h not in self._store.cpu]
 
     def _has_lease(self, request_id: str) -> bool:
-        return request_id in self._engine.scheduler.leases
+        return self._kv.lease(request_id) is not None

@@ -18,12 +18,6 @@ import heapq
 from dataclasses import dataclass, field
 
 
-def count_runs(block_ids: list[int]) -> int:
-    """Maximal runs of ascending consecutive ids in `block_ids` (a KV handoff copies at least
-    one per run: engine/dma_copy.py `block_runs` pairs them with the other side's)."""
-    return sum(1 for i, b in enumerate(block_ids) if i == 0 or b != block_ids[i - 1] + 1)
-
-
 @dataclass(slots=True, eq=False)
 class Block:
     block_id: int

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.results import git_info
-from engine.kv.block_pool import Block, BlockPool, RunKeepingBlockPool, count_runs
+from engine.kv.block_pool import Block, BlockPool, RunKeepingBlockPool
+from worker.kv import count_runs
 
 
 class LruOrderPool(BlockPool):

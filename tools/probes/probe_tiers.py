@@ -36,6 +36,7 @@ from bench.results import environment_info
 async def _probe(args: argparse.Namespace) -> dict[str, Any]:
     from engine import SamplingParams
     from engine.async_engine import AsyncEngine
+    from engine_api.request_options import RequestOptions
     from kv_transfer.tiers import CpuTier, TieredStore
     from worker.kv import block_spec
     from worker.tier_cache import TierPrefixCache
@@ -67,7 +68,8 @@ async def _probe(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         remote = await cache.plan(ids)
         plan_ms = (time.perf_counter() - t0) * 1e3
-        async for out in aengine.generate(f"p{next(counter)}", ids, params, remote_kv=remote):
+        async for out in aengine.generate(f"p{next(counter)}", ids,
+                                          RequestOptions(params, remote_kv=remote)):
             return ((time.perf_counter() - t0) * 1e3, plan_ms,
                     (out.new_token_ids[0], out.new_logprobs[0].logprob))
         raise RuntimeError("no output")
