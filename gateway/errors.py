@@ -7,7 +7,7 @@ from typing import Literal
 
 import grpc
 
-# DESIGN.md §8: status ↔ HTTP.
+# docs/architecture.md, "Conventions": status ↔ HTTP.
 _HTTP_BY_CODE: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.FAILED_PRECONDITION: 400,

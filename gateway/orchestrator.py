@@ -1,4 +1,4 @@
-"""The request lifecycle across prefill and decode workers (DESIGN.md §3).
+"""The request lifecycle across prefill and decode workers (docs/architecture.md, "A request's way through the layers").
 
 For each of the n completions of a job, concurrently:
 

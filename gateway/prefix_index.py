@@ -4,7 +4,7 @@ Approximate by design (as SGLang's cache-aware router): the gateway remembers th
 of the prompts it sent each worker (when it picks the worker) and those the worker reported
 back (`KvHandle.block_hashes`), per worker in an LRU of bounded size. A worker may since have
 evicted a block; then the request just recomputes it.
-Hashes are the engine's chained block hashes (DESIGN.md §4), computed with the torch-free
+Hashes are the engine's chained block hashes (docs/architecture.md, "Shared contracts"), computed with the torch-free
 `engine_api.hashing` from the fingerprint and block size the workers report.
 """
 

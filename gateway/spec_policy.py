@@ -1,5 +1,5 @@
 """The speculative decoding policy: how many drafts per step to ask of a decode worker, and
-from which proposer, by its load (DESIGN.md §3 step 4).
+from which proposer, by its load (docs/architecture.md, "A request's way through the layers").
 
 Each draft is one more query row per sequence in the worker's verify step. On a lightly loaded
 worker a decode step is bound by streaming the weights, so the extra rows are nearly free and

@@ -1,4 +1,4 @@
-"""KV block handoff between workers and the prefix-cache tiers (DESIGN.md §3, §4).
+"""KV block handoff between workers and the prefix-cache tiers (docs/architecture.md, "A request's way through the layers" and "Shared contracts").
 
 - `wire`            binary format of one block (header + scales + raw bytes, CRC-32); no pickle.
 - `protocol`        what both sides share: fragment sizes, blocks per prompt, `KvTransferError`.

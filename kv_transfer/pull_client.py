@@ -3,7 +3,7 @@ each verified as it completes) or `pull_all` (all-or-nothing), then `release` so
 worker drops the lease. The raw ways (shared memory, TCP, CUDA IPC) are kv_transfer/raw_pulls.py.
 
 Any failure (gRPC status, deadline, malformed fragments, a block that fails `decode_block`)
-raises `KvTransferError`; the caller recomputes or fails (DESIGN.md §3.6).
+raises `KvTransferError`; the caller recomputes or fails (docs/architecture.md, "Failure paths").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Prefix-cache tiers below the GPU, keyed by block hash (DESIGN.md §1, §4).
+"""Prefix-cache tiers below the GPU, keyed by block hash (docs/architecture.md, "Shared contracts").
 
 Values are encoded blocks (`wire.encode_block` bytes). Lookups walk a prompt's chained hashes in
 order and stop at the first miss: block i is only useful if blocks 0..i-1 are too.
@@ -214,7 +214,7 @@ def _nbytes(value: bytes | torch.Tensor) -> int:
 
 class RedisTier:
     """Cluster-wide tier: one Redis key per block, `<key_prefix>:<fingerprint hex16>:<hash hex>`,
-    written with SET EX ttl_s through non-transactional pipelines (DESIGN.md §8).
+    written with SET EX ttl_s through non-transactional pipelines (docs/architecture.md, "Conventions").
 
     Never raises for Redis trouble: corrupt or foreign values count in stats["corrupt"], values
     above max_value_bytes in stats["oversize"], connection/timeouts in stats["errors"]; after an

@@ -1,4 +1,4 @@
-"""Binary wire format of one KV block (DESIGN.md §4): the same bytes travel over gRPC and live
+"""Binary wire format of one KV block (docs/architecture.md, "Shared contracts"): the same bytes travel over gRPC and live
 in the CPU and Redis tiers.
 
 A block is `kv_cache[:, :, block_id]` of the engine's cache, i.e. a tensor

@@ -1,4 +1,4 @@
-"""Frozen configuration, layered by consumer (DESIGN.md §5): one module per consumer
+"""Frozen configuration, layered by consumer (docs/architecture.md, "Engine internals"): one module per consumer
 (`model`, `hf`, `cache`, `scheduler`, `runner`, `speculative`, `lora`, `parallel`), and
 `EngineConfig`, which holds one of each. `from engine.config import X` is the public path.
 

@@ -26,7 +26,7 @@ class ParallelConfig:
     @property
     def layout(self) -> str:
         """The layout of the KV blocks the engine hands out, in the model fingerprint
-        (DESIGN.md §4): every KV head of a layer in the model's order, whatever the
+        (docs/architecture.md, "Shared contracts"): every KV head of a layer in the model's order, whatever the
         tensor-parallel size — a split cache's blocks are gathered whole as they leave and
         scattered to the ranks as they enter (engine/parallel/). So workers of different sizes
         share KV: a prefill worker at tp 4 hands its prompts to a decode worker at tp 1."""

@@ -1,4 +1,4 @@
-"""KV block bookkeeping: pure Python, no torch (DESIGN.md §5). Physical tensors live in the runner."""
+"""KV block bookkeeping: pure Python, no torch (docs/architecture.md, "Engine internals"). Physical tensors live in the runner."""
 
 from engine.kv.block_pool import Block, BlockPool, FreeBlockQueue, RunKeepingBlockPool
 from engine.kv.kv_cache_manager import KVCacheManager

@@ -1,5 +1,5 @@
 """Weight quantization, applied after the weights are loaded by swapping the decoder layers'
-linear layers (DESIGN.md §5: quantization is applied from outside the model).
+linear layers (docs/architecture.md, "Engine internals": quantization is applied from outside the model).
 
 `--quantization int8` (W8A16, weight-only): `Int8Linear` keeps each weight as int8 with a
 float32 scale per output channel (scale[o] = max|W[o, :]| / 127, round to nearest); activations

@@ -1,5 +1,5 @@
 """Speculative decoding: proposers draft tokens, the target model scores them all in one step,
-and the rejection sampler keeps the target's distribution exactly (DESIGN.md §5).
+and the rejection sampler keeps the target's distribution exactly (docs/architecture.md, "Engine internals").
 
     proposer (after a step, per request)  →  request.spec_token_ids
     scheduler (next step)                 →  1 + len(drafts) query rows for that request

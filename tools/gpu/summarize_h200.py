@@ -21,16 +21,16 @@ Direction = Literal["lower", "higher"]
 # name → (goal, direction, where the goal comes from)
 GOALS: dict[str, tuple[float, Direction, str]] = {
     "itl_ms_bs1": (4.4, "lower", "issue goal; floor 3.99 ms (all weights once through cuBLAS), "
-                                 "plain-PyTorch CUDA graph 5.99 ms (DESIGN §7)"),
-    "itl_ms_bs1_eager": (14.4, "lower", "plain-PyTorch decode step, eager, bs1 (DESIGN §7)"),
+                                 "plain-PyTorch CUDA graph 5.99 ms (docs/performance.md)"),
+    "itl_ms_bs1_eager": (14.4, "lower", "plain-PyTorch decode step, eager, bs1 (docs/performance.md)"),
     "ttft_ms_4096": (100.0, "lower", "issue goal; compute floor ~78 ms, plain PyTorch + SDPA "
-                                     "flash 109 ms (DESIGN §7)"),
+                                     "flash 109 ms (docs/performance.md)"),
     "output_tok_s_random_1000x1000": (15_000.0, "higher", "issue goal"),
     "output_tok_s_128x512x128": (
         1_231.0, "higher", "must beat the transformers baseline at batch 128 (1,231 tok/s in "
-                           "DESIGN §7; the same run's baseline is hf_output_tok_s_128x512x128)"),
+                           "docs/performance.md; the same run's baseline is hf_output_tok_s_128x512x128)"),
     "hf_output_tok_s_128x512x128": (1_231.0, "higher",
-                                    "transformers generate bs128 reference (DESIGN §7)"),
+                                    "transformers generate bs128 reference (docs/performance.md)"),
 }
 
 

@@ -485,7 +485,7 @@ Global___Usage: _TypeAlias = Usage  # noqa: Y015
 
 @_typing.final
 class KvHandle(_message.Message):
-    """Where a request's prompt KV lives and for how long it is held (DESIGN.md §3, §4)."""
+    """Where a request's prompt KV lives and for how long it is held (docs/architecture.md, "A request's way through the layers" and "Shared contracts")."""
 
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -26,7 +26,7 @@ if _version_not_supported:
 
 
 class KvTransferStub:
-    """KV block handoff between workers. Blocks travel in the binary format of DESIGN.md §4
+    """KV block handoff between workers. Blocks travel in the binary format of docs/architecture.md, "Shared contracts"
     (kv_transfer/wire.py), cut into fragments below the gRPC message limit.
     """
 
@@ -64,7 +64,7 @@ class KvTransferStub:
 
 
 class KvTransferServicer:
-    """KV block handoff between workers. Blocks travel in the binary format of DESIGN.md §4
+    """KV block handoff between workers. Blocks travel in the binary format of docs/architecture.md, "Shared contracts"
     (kv_transfer/wire.py), cut into fragments below the gRPC message limit.
     """
 
@@ -150,7 +150,7 @@ def add_KvTransferServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class KvTransfer:
-    """KV block handoff between workers. Blocks travel in the binary format of DESIGN.md §4
+    """KV block handoff between workers. Blocks travel in the binary format of docs/architecture.md, "Shared contracts"
     (kv_transfer/wire.py), cut into fragments below the gRPC message limit.
     """
 

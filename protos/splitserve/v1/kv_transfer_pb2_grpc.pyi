@@ -27,7 +27,7 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class KvTransferStub:
-    """KV block handoff between workers. Blocks travel in the binary format of DESIGN.md §4
+    """KV block handoff between workers. Blocks travel in the binary format of docs/architecture.md, "Shared contracts"
     (kv_transfer/wire.py), cut into fragments below the gRPC message limit.
     """
 
@@ -61,7 +61,7 @@ class KvTransferStub:
 
 @_typing.type_check_only
 class KvTransferAsyncStub(KvTransferStub):
-    """KV block handoff between workers. Blocks travel in the binary format of DESIGN.md §4
+    """KV block handoff between workers. Blocks travel in the binary format of docs/architecture.md, "Shared contracts"
     (kv_transfer/wire.py), cut into fragments below the gRPC message limit.
     """
 
@@ -91,7 +91,7 @@ class KvTransferAsyncStub(KvTransferStub):
     Release: _aio.UnaryUnaryMultiCallable[_kv_transfer_pb2.ReleaseRequest, _kv_transfer_pb2.ReleaseResponse]  # type: ignore[assignment]
 
 class KvTransferServicer(metaclass=_abc_1.ABCMeta):
-    """KV block handoff between workers. Blocks travel in the binary format of DESIGN.md §4
+    """KV block handoff between workers. Blocks travel in the binary format of docs/architecture.md, "Shared contracts"
     (kv_transfer/wire.py), cut into fragments below the gRPC message limit.
     """
 
