@@ -57,3 +57,12 @@ def smollm2() -> LLM:
     from engine.llm import LLM
 
     return LLM(num_gpu_blocks=512, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def smollm2_yes_no() -> LLM:
+    """SmolLM2 as a yes/no cross-encoder (`classifier_from_token=["no", "yes"]`): one engine
+    for the classifier's unit tests and the cross-encoder e2e tests' reference."""
+    from engine.llm import LLM
+
+    return LLM(num_gpu_blocks=128, device="cpu", classifier_from_token=["no", "yes"])

@@ -44,10 +44,10 @@ def cross_stack(loop_thread: LoopThread) -> Iterator[Stack]:
 
 
 @pytest.fixture(scope="module")
-def reference() -> list[float]:
-    """QUERY against each of DOCS, scored by the in-process engine."""
-    llm = LLM(num_gpu_blocks=128, device="cpu", classifier_from_token=list(TOKENS))
-    return [o.outputs.score for o in llm.score(QUERY, DOCS)]
+def reference(smollm2_yes_no: LLM) -> list[float]:
+    """QUERY against each of DOCS, scored by the in-process engine (classifier_from_token=TOKENS)."""
+    assert TOKENS == ("no", "yes")  # the session engine's labels
+    return [o.outputs.score for o in smollm2_yes_no.score(QUERY, DOCS)]
 
 
 def _post(stack: Stack, path: str, body: dict) -> httpx.Response:

@@ -5,6 +5,7 @@ a step-by-step driver (`run_steps`)."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,17 +124,31 @@ AGREEMENT_TEXTS = ("The capital of France is", "def fibonacci(n):",
                    "In machine learning, overfitting means")
 
 
+# The reference engines' greedy continuations of AGREEMENT_TEXTS, by max_tokens: the fp8 and
+# int8 tests both compare with the session's SmolLM2 engine, which answers the same each time.
+_continuations: weakref.WeakKeyDictionary[LLM, dict[int, list[tuple[list[int], list[int]]]]] = (
+    weakref.WeakKeyDictionary())
+
+
+def _greedy_continuations(reference: LLM, max_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt, greedy output) of each of AGREEMENT_TEXTS on `reference`, computed once."""
+    by_length = _continuations.setdefault(reference, {})
+    if max_tokens not in by_length:
+        tok = reference.engine.tokenizer
+        assert tok is not None
+        prompts = [tok.encode(t) for t in AGREEMENT_TEXTS]
+        outs = reference.generate([{"prompt_token_ids": p} for p in prompts], greedy(max_tokens))
+        by_length[max_tokens] = [(prompt, list(res.outputs[0].token_ids))
+                                 for prompt, res in zip(prompts, outs, strict=True)]
+    return by_length[max_tokens]
+
+
 def teacher_forced_agreement(reference: LLM, candidate: LLM, max_tokens: int = 24
                              ) -> tuple[int, int]:
     """`reference`'s greedy continuation of AGREEMENT_TEXTS, fed whole to `candidate`: at how
     many of its positions `candidate`'s argmax is the reference's token (agreeing, total)."""
-    tok = reference.engine.tokenizer
-    assert tok is not None
-    prompts = [tok.encode(t) for t in AGREEMENT_TEXTS]
-    outs = reference.generate([{"prompt_token_ids": p} for p in prompts], greedy(max_tokens))
     agree = total = 0
-    for i, (prompt, res) in enumerate(zip(prompts, outs, strict=True)):
-        out = res.outputs[0].token_ids
+    for i, (prompt, out) in enumerate(_greedy_continuations(reference, max_tokens)):
         candidate.engine.add_request(f"t{i}", prompt + out[:-1], greedy(1))
         trace = run_to_end(candidate.engine)[f"t{i}"]
         argmax = trace.logits_matrix()[len(prompt) - 1:].argmax(-1)

@@ -119,12 +119,13 @@ def test_a_one_label_head_scores_pairs(classifier_dir: Path, tmp_path: Path) -> 
     assert out.outputs.probs == pytest.approx([1 / (1 + math.exp(-want))], abs=1e-6)
 
 
-def test_classifier_from_token_is_the_lm_heads_yes_minus_no(smollm2: LLM) -> None:
+def test_classifier_from_token_is_the_lm_heads_yes_minus_no(smollm2: LLM,
+                                                            smollm2_yes_no: LLM) -> None:
     tok = smollm2.engine.tokenizer
     assert tok is not None
     no, yes = (tok.encode(t, add_special_tokens=False) for t in ("no", "yes"))
     assert len(no) == len(yes) == 1
-    llm = LLM(num_gpu_blocks=128, device="cpu", classifier_from_token=["no", "yes"])
+    llm = smollm2_yes_no  # the session's engine: classifier_from_token=["no", "yes"]
     assert llm.engine.class_labels == ("yes",)
     queries = ["Is Paris the capital of France? Answer:", "Is two larger than three? Answer:"]
     scores = llm.score(queries[0], ["Paris is the capital.", "Bananas are yellow."])
