@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The project's checks: generated protos up to date, ruff, mypy, then the test suite.
+# The project's checks: generated protos up to date, ruff, mypy, the import contracts (the layers
+# in pyproject.toml's [tool.importlinter]), then the test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 
 echo "== protos"; "$PY" scripts/gen_protos.py --check
 echo "== ruff"; "$PY" -m ruff check .
+echo "== import contracts"; "$(dirname "$PY")/lint-imports" --no-cache
 echo "== mypy"; "$PY" -m mypy splitserve prefill_service decode_service gateway worker kv_transfer engine engine_api rpc bench
 [ "${1:-}" = "--lint-only" ] && exit 0
 echo "== pytest"; "$PY" -m pytest -q -p no:cacheprovider --durations=15 "$@"
