@@ -4,9 +4,9 @@
 and one int32 host buffer and moves them with two asynchronous copies, which needs pinned
 memory. Allocating it per step went through the caching host allocator, and on the H200 that
 call took 1.7-3.9 ms of the host's time before a 4096-token prompt's first kernel in two of
-three traced runs (bench/results/h200/ttft_host_26ad1a2.json: `torch.empty` own time in the
-window before the first device operation), time the device spent idle. vLLM keeps persistent
-pinned input buffers for the same reason.
+three traced runs (bench/results/h200/ttft_host/ttft_host_26ad1a2.json: `torch.empty` own
+time in the window before the first device operation), time the device spent idle. vLLM keeps
+persistent pinned input buffers for the same reason.
 
 A buffer may be rewritten only once the device has read it: each use records an event after
 its copies, and the buffer is handed out again (slots used round-robin) only after that event.

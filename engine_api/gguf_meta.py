@@ -32,7 +32,7 @@ class _PlainViewReader(gguf.GGUFReader):
     runs Python-level `__getitem__`/`__array_finalize__`: a vocabulary of 49k strings is ~0.5M
     slices, 2.8 s to open SmolLM2's GGUF on a 2-core machine against 0.7 s for the same
     values through plain views (the weights' dequantization slices them again). The fields and
-    tensors are equal to the stock reader's (tests/test_loader.py compares them)."""
+    tensors are equal to the stock reader's (tests/unit/engine/test_loader.py compares them)."""
 
     def _get(self, offset: int, dtype: npt.DTypeLike, count: int = 1,
              override_order: Literal["I", "S", "<"] | None = None) -> npt.NDArray[Any]:

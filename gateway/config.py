@@ -13,8 +13,9 @@ from rpc.auth import AuthConfigError, check_secret
 from rpc.tls import TlsConfigError, read_pem
 
 # The engine's limit on drafts per step (engine.config.MAX_SPECULATIVE_TOKENS, kept equal by
-# tests/test_spec_policy.py; the gateway imports no engine config). A `speculative_tokens`
-# above it would fail every Decode call with INVALID_ARGUMENT: refused at start-up instead.
+# tests/unit/gateway/test_spec_policy.py; the gateway imports no engine config). A
+# `speculative_tokens` above it would fail every Decode call with INVALID_ARGUMENT: refused at
+# start-up instead.
 MAX_SPECULATIVE_TOKENS = 16
 
 KvFailurePolicyName = Literal["recompute", "fail"]

@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 
 class Proposer(Protocol):
     """Drafts tokens for a batch of requests (called between steps, for the requests that
-    speculate). N-gram lookup (ngram.py) and a draft model (draft_model.py) are built; the
-    draft model runs all of a step's requests as one batch and keeps each one's draft KV
+    speculate). N-gram lookup (ngram.py) and a draft model (engine/draft_model.py) are built;
+    the draft model runs all of a step's requests as one batch and keeps each one's draft KV
     between calls, so it is told when a request is gone (`release`)."""
 
     def propose_batch(self, reqs: Sequence[Request]) -> list[list[int]]:

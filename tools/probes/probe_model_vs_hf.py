@@ -1,10 +1,10 @@
 """The engine against `transformers` at an architecture's real widths, on one device.
 
 The tests compare every position with `transformers` on tiny random models on the CPU
-(tests/test_model_vs_hf.py); this probe does it where the fast path runs (Triton kernels, CUDA
-graphs, bf16) at a preset's widths: a random `transformers` model of that architecture with the
-preset's hidden size, heads, head_dim and vocabulary but `--layers` layers, saved with
-`save_pretrained` and loaded by the engine like any checkpoint. Then, for random prompts:
+(tests/unit/engine/test_model_vs_hf.py); this probe does it where the fast path runs (Triton
+kernels, CUDA graphs, bf16) at a preset's widths: a random `transformers` model of that
+architecture with the preset's hidden size, heads, head_dim and vocabulary but `--layers`
+layers, saved with `save_pretrained` and loaded by the engine like any checkpoint. Then, for random prompts:
 
 - the engine generates greedily (`LLM.generate`: the scheduler, CUDA graphs, the sampler);
 - logits of every position of prompt + continuation: `transformers` in float32 (the reference),

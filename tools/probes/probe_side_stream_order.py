@@ -1,7 +1,7 @@
 """Does a copy-engine KV write on a side stream wait for kernels queued on the step stream?
 (GPU; for `ModelRunner.fence_kv_loads`.)
 
-`tests/test_kv_dma_copy.py::test_a_kv_load_lands_after_a_stale_write_from_a_launched_step`
+`tests/unit/engine/test_kv_dma_copy.py::test_a_kv_load_lands_after_a_stale_write_from_a_launched_step`
 passed on the H200, but so did the same sequence without the fence (a sleeping kernel, then a
 fill of the block, on the default stream; then a pinned host-to-device DMA write of the block on
 a side stream): the write still landed last. This probe found why (bench/results/h200/

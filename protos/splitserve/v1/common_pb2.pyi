@@ -511,7 +511,7 @@ class KvHandle(_message.Message):
     """model fingerprint the blocks were computed under"""
     block_size: _builtins.int
     prompt_hash: _builtins.bytes
-    """SHA-256 over the fingerprint and ALL prompt token ids (engine/kv/hashing.py prompt_hash):
+    """SHA-256 over the fingerprint and ALL prompt token ids (engine_api/hashing.py prompt_hash):
     unlike block_hashes it covers the partial last block, so decode can tell the exact prompt.
     """
     @_builtins.property
@@ -829,7 +829,7 @@ class EmbedResponse(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     embedding: _builtins.bytes
     """The embedding as packed little-endian float32 values (4 bytes per dimension: a model's
-    hidden size is far below the message size limit, protos/limits.py).
+    hidden size is far below the message size limit, rpc/limits.py).
     """
     num_prompt_tokens: _builtins.int
     num_cached_tokens: _builtins.int

@@ -60,7 +60,7 @@ class DecodeRequest(_message.Message):
     """Speculative decoding for this request (the gateway's policy for the worker's load).
     Absent: the worker's default (its --num-speculative-tokens); 0: off; n: at most n drafts
     per step, never above the worker's own setting. Ignored by a worker without a speculative
-    method. Above the engine's limit (MAX_SPECULATIVE_TOKENS in engine/config.py) the call
+    method. Above the engine's limit (MAX_SPECULATIVE_TOKENS in engine/config/speculative.py) the call
     fails with INVALID_ARGUMENT.
     """
     speculative_method: _common_pb2.SpeculativeMethod.ValueType
