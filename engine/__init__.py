@@ -1,9 +1,8 @@
 """splitserve engine: the shared core of the prefill and decode services.
 
 `from engine import LLM, SamplingParams, PoolingParams` mirrors vLLM. Torch-using exports are
-loaded lazily so that torch-free modules (`engine_api.tokenizer`, `engine_api.detokenizer`,
-`engine_api.sampling_params`, `engine_api.pooling_params`, `engine.kv`) can be imported by the gateway
-without pulling in torch.
+loaded lazily, so that `from engine import SamplingParams` (re-exported from the torch-free
+`engine_api`) pulls in no torch. The gateway imports `engine_api` itself, never `engine`.
 """
 
 from __future__ import annotations
