@@ -17,7 +17,7 @@ from protos.splitserve.v1 import decode_pb2, decode_pb2_grpc
 from rpc.auth import bearer_metadata
 from worker.kv import GrpcKvLoader
 from worker.server import EngineFactory, WorkerHandle, start_worker_server
-from worker.tier_cache import TierConfig, TierPrefixCache
+from worker.tier_cache import TierConfig, attach_tiers
 
 DEFAULT_PORT = 50062
 KV_TRANSPORTS = ("ipc", "tcp", "shm", "stream")
@@ -59,10 +59,7 @@ async def start_decode_worker(config: EngineConfig, host: str, port: int, *,
             aengine = AsyncEngine(engine, kv_loader=loader)
         else:
             aengine = AsyncEngine(engine)
-            if tiers is not None and tiers.enabled:
-                cache = TierPrefixCache.from_config(aengine, tiers)
-                aengine.kv_loader = cache.load
-                servicer.tiers = cache
+            servicer.tiers = attach_tiers(aengine, tiers)
         aengine.start()
         servicer.bind(aengine)
         return aengine

@@ -32,7 +32,7 @@ from worker.server import (
     advertised_address,
     start_worker_server,
 )
-from worker.tier_cache import TierConfig, TierPrefixCache
+from worker.tier_cache import TierConfig, attach_tiers
 
 DEFAULT_PORT = 50061
 
@@ -64,10 +64,7 @@ async def start_prefill_worker(config: EngineConfig, host: str, port: int, *,
     async def on_loaded(engine: LLMEngine, handle: WorkerHandle) -> AsyncEngine:
         assert servicer is not None
         aengine = AsyncEngine(engine)
-        if tiers is not None and tiers.enabled:
-            cache = TierPrefixCache.from_config(aengine, tiers)
-            aengine.kv_loader = cache.load
-            servicer.tiers = cache
+        servicer.tiers = attach_tiers(aengine, tiers)
         aengine.start()
         servicer.bind(aengine)
         source = EngineBlockSource(aengine)

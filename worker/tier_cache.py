@@ -281,3 +281,13 @@ class TierPrefixCache:
 
     def _has_lease(self, request_id: str) -> bool:
         return self._kv.lease(request_id) is not None
+
+
+def attach_tiers(aengine: AsyncEngine, config: TierConfig | None) -> TierPrefixCache | None:
+    """Put CPU/Redis tiers under `aengine`'s cache when `config` enables any (its KV loader
+    becomes the tiers'); None when it enables none. Call before `aengine.start()`."""
+    if config is None or not config.enabled:
+        return None
+    cache = TierPrefixCache.from_config(aengine, config)
+    aengine.kv_loader = cache.load
+    return cache
