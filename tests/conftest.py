@@ -13,6 +13,7 @@ TRITON_INTERPRET=1), e2e (real servers and stacks); helpers shared by them in su
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,6 +22,11 @@ import pytest
 
 # The helpers' asserts report their operands like the tests' own.
 pytest.register_assert_rewrite("tests.support")
+
+# The suite builds ~360 engines, each start paying two full garbage collections for the startup
+# heap's freeze (engine/heap.py): off here and in the servers tests start (they inherit the
+# environment), on where tests/unit/engine/test_engine_gc.py checks the freeze itself.
+os.environ["SPLITSERVE_GC_FREEZE"] = "0"
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -10,7 +10,14 @@ import pytest
 
 from engine import LLM
 from engine.config import DEFAULT_GC_THRESHOLD, ConfigError
+from engine.heap import GC_FREEZE_ENV
 from engine.llm_engine import LLMEngine
+
+
+@pytest.fixture(autouse=True)
+def _freeze_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The freeze as a server runs it (tests/conftest.py turns it off for the rest)."""
+    monkeypatch.setenv(GC_FREEZE_ENV, "1")
 
 
 class _Cycle:
@@ -28,6 +35,18 @@ def test_engine_start_freezes_its_heap() -> None:
     assert gc.get_freeze_count() > 0
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}])  # still serves after the freeze
     assert len(out[0].outputs[0].token_ids) > 0
+
+
+def test_freeze_off_freezes_nothing_but_sets_the_thresholds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    gc.unfreeze()
+    monkeypatch.setenv(GC_FREEZE_ENV, "0")
+    gc.set_threshold(700, 10, 10)
+    llm = _build()
+    assert gc.get_freeze_count() == 0
+    assert gc.get_threshold() == DEFAULT_GC_THRESHOLD
+    gc.set_threshold(*DEFAULT_GC_THRESHOLD)
+    assert len(llm.generate([{"prompt_token_ids": [5, 6, 7]}])[0].outputs[0].token_ids) > 0
 
 
 def test_engine_start_makes_full_collections_rarer() -> None:
