@@ -7,9 +7,11 @@ import atexit
 import gc
 import os
 
-# "0" turns the freeze off, and with it the two full collections each engine start makes
-# (~0.2 s each in a process with torch loaded). For processes that build many short-lived
-# engines, where those cost more than the pauses the freeze saves: the test suite builds ~360.
+# "0" turns the freeze off, and with it the full collection before it (~0.2 s in a process with
+# torch loaded). For processes that build many short-lived engines, where that costs more than
+# the pauses the freeze saves: the test suite builds ~360. The collection at the next start
+# (`thaw_heap`) stays: it frees the engines dropped since, whose cycles would otherwise wait
+# for a full collection the raised thresholds make rare.
 GC_FREEZE_ENV = "SPLITSERVE_GC_FREEZE"
 
 
@@ -22,10 +24,7 @@ def thaw_heap() -> None:
 
     Frees the reference cycles of engines dropped since the last freeze, and with them the
     device memory they hold (a frozen cycle is never collected). Runs before an engine sizes its
-    KV cache from the free device memory. Skipped with the freeze turned off (`GC_FREEZE_ENV`):
-    nothing was frozen, and dropped engines' cycles wait for the collector's own passes."""
-    if not freeze_enabled():
-        return
+    KV cache from the free device memory (with the freeze off too: `GC_FREEZE_ENV`)."""
     gc.unfreeze()
     gc.collect()
 

@@ -23,7 +23,7 @@ import pytest
 # The helpers' asserts report their operands like the tests' own.
 pytest.register_assert_rewrite("tests.support")
 
-# The suite builds ~360 engines, each start paying two full garbage collections for the startup
+# The suite builds ~360 engines, each start paying a full garbage collection for the startup
 # heap's freeze (engine/heap.py): off here and in the servers tests start (they inherit the
 # environment), on where tests/unit/engine/test_engine_gc.py checks the freeze itself.
 os.environ["SPLITSERVE_GC_FREEZE"] = "0"
