@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from engine_api.errors import EngineInputError
 from engine_api.pooling_params import PoolingParams, PoolingParamsError
 from engine_api.sampling_params import SamplingParams, SamplingParamsError
 
@@ -16,7 +17,6 @@ if TYPE_CHECKING:
     from engine.llm import LLM
     from engine.llm_engine import LLMEngine
     from engine.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
-    from engine_api.errors import EngineInputError
 
 __all__ = ["LLM", "CompletionOutput", "EmbeddingRequestOutput", "EngineInputError", "LLMEngine",
            "PoolingParams", "PoolingParamsError", "RequestOutput", "SamplingParams",
@@ -25,7 +25,6 @@ __all__ = ["LLM", "CompletionOutput", "EmbeddingRequestOutput", "EngineInputErro
 _LAZY = {
     "LLM": "engine.llm",
     "LLMEngine": "engine.llm_engine",
-    "EngineInputError": "engine_api.errors",
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",
     "EmbeddingRequestOutput": "engine.outputs",

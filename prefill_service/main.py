@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from engine.cli_args import engine_config_from_args
 from rpc.auth import internal_token_from_env
-from worker.cli_args import add_worker_args, run_worker_process, tier_config_from_args
+from worker.cli_args import parse_worker_args, run_worker_process, tier_config_from_args
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -27,6 +27,4 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m prefill_service", description=__doc__)
-    add_worker_args(p)
-    return run(p.parse_args(argv))
+    return run(parse_worker_args("python -m prefill_service", __doc__, argv))

@@ -8,6 +8,6 @@ PY=${PY:-.venv/bin/python}
 echo "== protos"; "$PY" scripts/gen_protos.py --check
 echo "== ruff"; "$PY" -m ruff check .
 echo "== import contracts"; "$(dirname "$PY")/lint-imports" --no-cache
-echo "== mypy"; "$PY" -m mypy splitserve prefill_service decode_service gateway worker kv_transfer engine engine_api rpc bench
+echo "== mypy"; "$PY" -m mypy splitserve prefill_service decode_service gateway worker kv_transfer engine engine_api rpc bench tools
 [ "${1:-}" = "--lint-only" ] && exit 0
 echo "== pytest"; "$PY" -m pytest -q -p no:cacheprovider --durations=15 "$@"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
 from engine.cli_args import add_engine_args
@@ -88,6 +88,14 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                        help="fetch from the tiers only when they extend the GPU hit by this "
                             "many blocks")
     add_engine_args(p)
+
+
+def parse_worker_args(prog: str, description: str | None,
+                      argv: Sequence[str] | None) -> argparse.Namespace:
+    """A single-role worker's command line (`python -m prefill_service ...`)."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    add_worker_args(p)
+    return p.parse_args(argv)
 
 
 def tier_config_from_args(args: argparse.Namespace) -> TierConfig:
