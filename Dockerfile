@@ -60,4 +60,4 @@ EXPOSE 8000 50050 50061 50062
 
 ENTRYPOINT ["splitserve"]
 # Default: the whole stack in one process (engine + gateway), reachable from outside.
-CMD ["serve", "--role", "colocated", "--gateway-host", "0.0.0.0"]
+CMD ["serve", "--role", "colocated", "--host", "0.0.0.0"]

@@ -116,7 +116,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-gpu-blocks", type=int, default=None)
     g.add_argument("--gpu-memory-utilization", type=float,
                    default=_default(CacheConfig, "gpu_memory_utilization"))
-    g.add_argument("--cpu-kv-cache-gb", type=float, default=None)
+    g.add_argument("--cpu-kv-cache-gb", type=float, default=None,
+                   help="KV cache of an engine on the CPU, in GiB (default: as large as the "
+                        "model's weights, at most a tenth of the available memory, at least one "
+                        "sequence at --max-model-len)")
     g.add_argument("--kv-cache-dtype", default=_default(CacheConfig, "kv_cache_dtype"),
                    choices=["auto", "fp8", "int8"],
                    help="KV cache storage: auto = model dtype, fp8 = float8 e4m3, int8 = int8; "

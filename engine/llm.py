@@ -69,7 +69,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         num_gpu_blocks: int | None = None,
         gpu_memory_utilization: float = 0.85,
-        cpu_kv_cache_bytes: int = 2 << 30,
+        cpu_kv_cache_bytes: int | None = None,
         kv_cache_dtype: str = "auto",
         kv_scales: str | None = None,
         max_num_seqs: int = 256,

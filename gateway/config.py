@@ -29,6 +29,10 @@ class GatewayConfigError(ValueError):
     """An invalid gateway setting; the message names the field and what is allowed."""
 
 
+# The public API key's variable (vLLM reads VLLM_API_KEY): a key in the environment is not on
+# the command line, where `ps` shows it to every user of the machine.
+API_KEY_ENV = "SPLITSERVE_API_KEY"
+
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded default model's name
 
 
@@ -334,9 +338,10 @@ def add_public_security_args(parser: argparse.ArgumentParser, role: str = "") ->
     """The flags of the public ports' security, for every process that serves them (the gateway
     role and the colocated role's in-process gateway); `role` prefixes their help."""
     note = f"{role}: " if role else ""
-    parser.add_argument("--api-key", default=None,
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                         help=f"{note}require 'Authorization: Bearer KEY' on /v1/* and as gRPC "
-                             f"metadata on Generate")
+                             f"metadata on Generate (default: ${API_KEY_ENV}; the variable keeps "
+                             f"the key out of `ps`)")
     parser.add_argument("--ssl-certfile", default=None,
                         help=f"{note}serve REST and gRPC over TLS with this PEM certificate "
                              f"(chain)")

@@ -57,7 +57,9 @@ from gateway.structured import structured_from_proto
 from gateway.tools import ToolCalling
 from protos.splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from rpc.auth import BearerAuthInterceptor
+from rpc.health import HealthServicer
 from rpc.limits import MAX_MESSAGE_BYTES
+from rpc.servers import SERVER_OPTIONS, bind_port
 from rpc.tls import read_pem
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
@@ -307,7 +309,9 @@ def _sampling_options(request: gateway_pb2.GenerateRequest,
         "allowed_token_ids": list(s.allowed_token_ids) or None,
         "structured_outputs": structured_from_proto(s),
         "bad_words": list(s.bad_words),
-        "skip_special_tokens": request.skip_special_tokens,
+        # Unset means vLLM's default, true (a plain proto3 bool would read false).
+        "skip_special_tokens": (request.skip_special_tokens
+                                if request.HasField("skip_special_tokens") else True),
         "truncate_prompt_tokens": _truncation(request),
     }
 
@@ -416,16 +420,15 @@ class GrpcFrontend:
         self._state = state
         key = state.config.api_key
         self.server = grpc.aio.server(
+            options=list(SERVER_OPTIONS),
             interceptors=None if key is None else [BearerAuthInterceptor(key, "API key")])
         gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(state), self.server)
-        self.health = health.aio.HealthServicer()
+        self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
-        address = f"{host}:{port}"
-        credentials = public_credentials(state.config)
-        self.port = (self.server.add_insecure_port(address) if credentials is None
-                     else self.server.add_secure_port(address, credentials))
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.port = bind_port(self.server, address, public_credentials(state.config))
         self._tasks: set[asyncio.Task[None]] = set()
         state.router.decode.add_listener(self._schedule_health_update)
 

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 
 import uvicorn
 
+from engine_api.errors import ModelLoadError
 from gateway.config import (
     GatewayConfig,
     GatewayConfigError,
@@ -54,13 +55,15 @@ class GatewayServer:
     After `start()`, `rest_port` and `grpc_port` hold the bound ports.
     """
 
-    def __init__(self, config: GatewayConfig, *, rest_host: str = "0.0.0.0", rest_port: int = 8000,
-                 grpc_host: str = "0.0.0.0", grpc_port: int = 50050,
+    def __init__(self, config: GatewayConfig, *, rest_host: str = "127.0.0.1", rest_port: int = 8000,
+                 grpc_host: str | None = None, grpc_port: int = 50050,
                  tokenizer: TokenizerLike | None = None) -> None:
+        """Both ports bind `rest_host` (loopback unless told) unless `grpc_host` says
+        otherwise: one bind setting, so REST and gRPC are exposed alike."""
         self.config = config
         self._tokenizer = tokenizer
         self._rest_addr = (rest_host, rest_port)
-        self._grpc_addr = (grpc_host, grpc_port)
+        self._grpc_addr = (rest_host if grpc_host is None else grpc_host, grpc_port)
         self.rest_port = 0
         self.grpc_port = 0
         self.state: GatewayState | None = None
@@ -151,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", action="append", help="decode worker host:port (repeatable, or comma list)")
     p.add_argument("--colocated", action="store_true",
                    help="no prefill pool: decode workers compute the prompt themselves")
-    p.add_argument("--host", default="0.0.0.0", help="REST bind host")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="bind address of the REST and gRPC ports (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="REST port")
     p.add_argument("--grpc-port", type=int, default=50050, help="gRPC port")
     p.add_argument("--model", default="", help="tokenizer source: .gguf, tokenizer.json or HF dir "
@@ -208,5 +212,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (GatewayConfigError, AuthConfigError, TlsConfigError) as err:
         parser.error(str(err))
     setup_tracing("splitserve-gateway")  # a no-op unless OTEL_EXPORTER_OTLP_ENDPOINT is set
-    asyncio.run(serve_gateway(config, args.host, args.port, args.grpc_port))
+    try:
+        asyncio.run(serve_gateway(config, args.host, args.port, args.grpc_port))
+    except (OSError, ModelLoadError) as err:  # a port in use, a missing tokenizer: one line
+        log.error("%s", err)
+        return 1
     return 0

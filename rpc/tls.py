@@ -26,6 +26,8 @@ from typing import Any
 
 import grpc
 
+from rpc.servers import bind_port
+
 TLS_CERT_ENV, TLS_KEY_ENV, TLS_CA_ENV = "SPLITSERVE_TLS_CERT", "SPLITSERVE_TLS_KEY", "SPLITSERVE_TLS_CA"
 TLS_SERVER_NAME_ENV = "SPLITSERVE_TLS_SERVER_NAME"
 DEFAULT_SERVER_NAME = "splitserve-internal"
@@ -142,9 +144,7 @@ def internal_channel(target: str, *, options: Sequence[tuple[str, Any]] = (),
 
 
 def add_internal_port(server: grpc.aio.Server, address: str) -> int:
-    """Bind a worker's port: mutual TLS when configured, plaintext otherwise; 0 if it cannot
-    bind."""
+    """Bind a worker's port: mutual TLS when configured, plaintext otherwise; PortBindError
+    (rpc/servers.py) if it cannot bind."""
     tls = tls_from_env()
-    if tls is None:
-        return server.add_insecure_port(address)
-    return server.add_secure_port(address, tls.server_credentials())
+    return bind_port(server, address, None if tls is None else tls.server_credentials())

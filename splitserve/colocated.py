@@ -24,8 +24,9 @@ def add_colocated_args(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--grpc-port", type=int, default=50050,
                         help="gateway/colocated: public gRPC port")
-    parser.add_argument("--gateway-host", default="127.0.0.1",
-                        help="colocated: bind address of the REST and gRPC ports")
+    parser.add_argument("--gateway-host", default=None,
+                        help="colocated: the older name of --host (bind address of the REST "
+                             "and gRPC ports)")
     parser.add_argument("--served-model-name", default=None,
                         help="colocated: the model's name in the API (default: --model as "
                              "given, or the embedded SmolLM2's name)")
@@ -85,12 +86,13 @@ async def serve(args: argparse.Namespace) -> None:
                               **chat_settings(args),
                               **sampling_defaults_setting(args,
                                                           model_directory(config.load.model)))
-    gw = GatewayServer(gw_config, rest_host=args.gateway_host, rest_port=args.port or 8000,
-                       grpc_host=args.gateway_host, grpc_port=args.grpc_port)
+    host = args.gateway_host or args.host
+    gw = GatewayServer(gw_config, rest_host=host, rest_port=args.port or 8000,
+                       grpc_port=args.grpc_port)
     await gw.start()
     scheme = "https" if gw_config.tls else "http"
-    print(f"splitserve colocated: REST {scheme}://{args.gateway_host}:{gw.rest_port}/v1 "
-          f"gRPC {args.gateway_host}:{gw.grpc_port}", flush=True)
+    print(f"splitserve colocated: REST {scheme}://{host}:{gw.rest_port}/v1 "
+          f"gRPC {host}:{gw.grpc_port}", flush=True)
 
     async def stop() -> None:
         await gw.stop()

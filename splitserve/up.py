@@ -26,17 +26,24 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from gateway.config import served_model_name_for
+from gateway.config import API_KEY_ENV, served_model_name_for
 from rpc.auth import INTERNAL_TOKEN_ENV, AuthConfigError, internal_token_from_env
 from rpc.tls import TlsConfigError, tls_from_env
+from splitserve.supervise import (
+    death_report,
+    grpc_healthy,
+    http_healthy,
+    ports_in_use,
+    spawn,
+)
+from worker.cli_args import add_worker_args
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="splitserve up", description=__doc__,
+    p = argparse.ArgumentParser(prog="splitserve up", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="bind address of the gateway")
     p.add_argument("--port", type=int, default=8000, help="REST port of the gateway")
@@ -44,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-port", type=int, default=50061)
     p.add_argument("--decode-port", type=int, default=50062)
     p.add_argument("--log-dir", default="logs")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                   help=f"the gateway's API key (default: ${API_KEY_ENV}, which keeps it out "
+                        "of `ps`)")
     p.add_argument("--served-model-name", default=None,
                    help="the model's name in the API (default: --model as given, or the "
                         "embedded SmolLM2's name)")
@@ -97,23 +106,46 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _spawn(name: str, args: list[str], log_dir: Path, token: str) -> subprocess.Popen[bytes]:
-    log = open(log_dir / f"{name}.log", "ab")  # noqa: SIM115 - lives as long as the child
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", INTERNAL_TOKEN_ENV: token}
-    return subprocess.Popen([sys.executable, "-m", "splitserve", "serve", *args], stdout=log,
-                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+def _check_engine_args(engine_args: list[str]) -> None:
+    """The flags `up` hands to both workers must be worker flags: a typo (`--prot 37300`) is
+    refused here, with argparse's message, instead of killing both workers at start-up."""
+    p = argparse.ArgumentParser(prog="splitserve up", add_help=False, allow_abbrev=False)
+    add_worker_args(p)
+    p.parse_args(engine_args)
 
 
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return bool(r.status == 200)
-    except OSError:
-        return False
+def _wait_until_ready(procs: dict[str, subprocess.Popen[bytes]], checks: dict[str, Callable[[], bool]],
+                      log_dir: Path, timeout_s: float) -> bool:
+    """Poll every service's health, saying which ones are still awaited whenever that changes;
+    False (after printing why) once a child died or the time is up."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(checks)
+    said: list[str] = []
+    while pending:
+        dead = [n for n, p in procs.items() if p.poll() is not None]
+        if dead:
+            for name in dead:
+                print(death_report(name, procs[name], log_dir), file=sys.stderr)
+            return False
+        if time.monotonic() > deadline:
+            print(f"splitserve: start-up timed out after {timeout_s:.0f} s waiting for "
+                  f"{', '.join(pending)}; logs in {log_dir}/", file=sys.stderr)
+            return False
+        pending = [n for n in pending if not checks[n]()]
+        if pending and pending != said:
+            what = {"prefill": "prefill (loading the model)", "decode": "decode (loading the model)",
+                    "gateway": "gateway"}
+            print(f"splitserve: waiting for {', '.join(what.get(n, n) for n in pending)}...",
+                  flush=True)
+            said = pending
+        if pending:
+            time.sleep(0.5)
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, engine_args = build_parser().parse_known_args(argv)
+    _check_engine_args(engine_args)
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -158,21 +190,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TlsConfigError as e:
         print(f"splitserve: {e}", file=sys.stderr)
         return 2
+    # Another server on one of these ports would answer the health checks below (a "ready"
+    # that is not this stack's) or take half of its traffic: refuse to start beside it.
+    taken = (ports_in_use(args.host, (args.port, args.grpc_port))
+             + ports_in_use("127.0.0.1", (args.prefill_port, args.decode_port)))
+    if taken:
+        print(f"splitserve: port(s) {', '.join(map(str, taken))} already in use (another "
+              "splitserve?); stop it or choose other ports (--port, --grpc-port, "
+              "--prefill-port, --decode-port)", file=sys.stderr)
+        return 1
     prefill_addr = f"127.0.0.1:{args.prefill_port}"
     decode_addr = f"127.0.0.1:{args.decode_port}"
+    # The API key goes to the gateway in its environment, not on its command line (`ps`).
+    gateway_env = {API_KEY_ENV: args.api_key} if args.api_key else {}
     try:
-        for name, service_args in service_argv(args, engine_args).items():
-            procs[name] = _spawn(name, service_args, log_dir, token)
-        health = f"http://127.0.0.1:{args.port}/health"
-        deadline = time.monotonic() + args.startup_timeout
         print(f"splitserve: starting (logs in {log_dir}/)...", flush=True)
-        while not _healthy(health):
-            dead = [n for n, p in procs.items() if p.poll() is not None]
-            if dead or time.monotonic() > deadline:
-                why = f"{', '.join(dead)} exited" if dead else "start-up timed out"
-                print(f"splitserve: {why}; see {log_dir}/*.log", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
+        for name, service_args in service_argv(args, engine_args).items():
+            procs[name] = spawn(name, service_args, log_dir, token,
+                                gateway_env if name == "gateway" else None)
+        health = f"http://{_dial_host(args.host)}:{args.port}/health"
+        checks: dict[str, Callable[[], bool]] = {
+            "prefill": lambda: grpc_healthy(prefill_addr),
+            "decode": lambda: grpc_healthy(decode_addr),
+            "gateway": lambda: http_healthy(health)}
+        if not _wait_until_ready(procs, checks, log_dir, args.startup_timeout):
+            return 1
         host = "localhost" if args.host in ("127.0.0.1", "0.0.0.0") else args.host
         print(f"splitserve: ready\n  REST (OpenAI-compatible): http://{host}:{args.port}/v1\n"
               f"  gRPC Gateway.Generate:    {host}:{args.grpc_port}\n"
@@ -183,13 +225,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         while True:
             dead = [n for n, p in procs.items() if p.poll() is not None]
             if dead:
-                print(f"splitserve: {', '.join(dead)} exited; stopping", file=sys.stderr)
+                for name in dead:
+                    print(death_report(name, procs[name], log_dir), file=sys.stderr)
+                print("splitserve: stopping", file=sys.stderr)
                 return 1
             time.sleep(1.0)
     except KeyboardInterrupt:
         return 0
     finally:
         stop_all()
+
+
+def _dial_host(bind_host: str) -> str:
+    """Where this machine reaches a port bound on `bind_host`."""
+    if bind_host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if bind_host == "::":
+        return "[::1]"
+    return f"[{bind_host}]" if ":" in bind_host else bind_host
 
 
 def service_argv(args: argparse.Namespace, engine_args: list[str]) -> dict[str, list[str]]:
@@ -207,8 +260,6 @@ def service_argv(args: argparse.Namespace, engine_args: list[str]) -> dict[str, 
     max_len = _flag(engine_args, "--max-model-len")
     if max_len:
         gw += ["--max-model-len", max_len]
-    if args.api_key:
-        gw += ["--api-key", args.api_key]
     # Ask for the decode worker's own number of drafts unless told otherwise: the gateway's
     # default could be below it (wasted capability) or above it (capped by the worker anyway).
     spec_tokens = (str(args.speculative_tokens) if args.speculative_tokens is not None

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from engine.cli_args import add_engine_args
 from kv_transfer import DEFAULT_TCP_STREAMS, MAX_TCP_STREAMS
 from rpc.auth import AuthConfigError
+from rpc.servers import PortBindError
 from rpc.tls import tls_from_env
 from rpc.tracing import setup_tracing
 
@@ -58,7 +59,9 @@ def _data_port(text: str) -> int | None:
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
     """Bind address and port, KV transfer and prefix tier flags, then the engine's own."""
-    p.add_argument("--host", default="127.0.0.1", help="bind address of the worker's gRPC port")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="bind address: a worker's gRPC port; the REST and gRPC ports of the "
+                        "colocated role (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=None,
                    help="gRPC port of a worker (prefill 50061, decode 50062); REST port of "
                         "gateway/colocated (8000)")
@@ -130,4 +133,7 @@ def run_worker_process(args: argparse.Namespace, role: str,
     except ValueError as e:  # a bad option value (e.g. --kv-tier-min-blocks 0), TLS files
         logger.error("%s", e)
         return 2
+    except PortBindError as e:  # the port is taken: one line, not a traceback
+        logger.error("%s", e)
+        return 1
     return 0

@@ -24,7 +24,9 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from rpc.auth import INTERNAL_TOKEN_ENV, BearerAuthInterceptor
+from rpc.health import HealthServicer
 from rpc.limits import message_size_options
+from rpc.servers import SERVER_OPTIONS
 from rpc.tls import add_internal_port
 
 logger = logging.getLogger(__name__)
@@ -73,15 +75,13 @@ async def start_worker_server(config: EngineConfig, host: str, port: int, regist
 
     auth_token: the cluster's shared secret (rpc/auth.py). With it, every call but a health
     check must carry it."""
-    opts = [*message_size_options(), ("grpc.so_reuseport", 0)]
+    opts = [*message_size_options(), *SERVER_OPTIONS]
     interceptors = (None if auth_token is None
                     else [BearerAuthInterceptor(auth_token, INTERNAL_TOKEN_ENV)])
     server = grpc.aio.server(options=opts, interceptors=interceptors)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = add_internal_port(server, f"{host}:{port}")  # mutual TLS when configured
-    if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
+    bound = add_internal_port(server, f"{host}:{port}")  # mutual TLS; PortBindError if taken
     services = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                 reflection.SERVICE_NAME, *register(server, bound)]
     reflection.enable_server_reflection(services, server)

@@ -20,7 +20,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     num_gpu_blocks: int | None = None   # None: sized by memory profiling
     gpu_memory_utilization: float = 0.85
-    cpu_kv_cache_bytes: int = 2 << 30   # KV budget when running on the CPU
+    # KV budget when running on the CPU; None: sized from the model's weights and the host's
+    # available memory (engine/runner/kv_sizing.py default_cpu_kv_bytes).
+    cpu_kv_cache_bytes: int | None = None
     # "fp8": float8 e4m3 storage with per-layer K/V scales (half the bytes of bf16); "int8":
     # int8 storage with per-layer K/V scales from a calibration pass (engine/attention/
     # kv_calibration.py), for GPUs without fp8 conversions (Ampere) or an int8 pipeline.
@@ -52,6 +54,10 @@ class CacheConfig:
                               "int8), not to 'auto'")
         if self.kv_scales is not None and not self.kv_scales.strip():
             raise ConfigError("kv_scales must be 'calibrate' or the path of a JSON file")
+        if self.cpu_kv_cache_bytes is not None and (type(self.cpu_kv_cache_bytes) is not int
+                                                    or self.cpu_kv_cache_bytes < 1):
+            raise ConfigError(f"cpu_kv_cache_bytes must be an integer >= 1 (or unset: sized "
+                              f"from the model and memory), got {self.cpu_kv_cache_bytes!r}")
         if self.num_gpu_blocks is not None and (type(self.num_gpu_blocks) is not int
                                                 or self.num_gpu_blocks < 1):
             raise ConfigError(f"num_gpu_blocks must be an integer >= 1 (or unset: sized from "

@@ -23,7 +23,7 @@ from engine.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
 from engine.kernels._checks import is_quantized_kv
 from engine.model.llama import LlamaForCausalLM
 from engine.parallel.protocol import Cache, Op
-from engine.runner.kv_sizing import cpu_kv_blocks, gpu_kv_blocks
+from engine.runner.kv_sizing import cpu_kv_blocks, gpu_kv_blocks, weight_bytes
 from engine.runner.tp_driver import TensorParallelDriver
 
 logger = logging.getLogger(__name__)
@@ -192,7 +192,8 @@ class KVMemory:
         if cache.num_gpu_blocks is not None:
             return cache.num_gpu_blocks
         if self.device.type != "cuda":
-            return cpu_kv_blocks(self.config, self.block_bytes, self.max_model_len)
+            return cpu_kv_blocks(self.config, self.block_bytes, self.max_model_len,
+                                 weight_bytes(self.model))
         return self._profile_gpu_blocks()
 
     @torch.inference_mode()

@@ -188,13 +188,14 @@ class ShardWorker:
         self._amax = None
 
     def _capacity(self, fields: list[int]) -> None:
-        from engine.runner.kv_sizing import cpu_kv_blocks, gpu_kv_blocks
+        from engine.runner.kv_sizing import cpu_kv_blocks, gpu_kv_blocks, weight_bytes
 
         cache = self.config.cache
         if cache.num_gpu_blocks is not None:
             n = cache.num_gpu_blocks
         elif self.device.type != "cuda":
-            n = cpu_kv_blocks(self.config, self.block_bytes, self.max_model_len)
+            n = cpu_kv_blocks(self.config, self.block_bytes, self.max_model_len,
+                              weight_bytes(self.model))
         else:
             torch.cuda.empty_cache()
             n = gpu_kv_blocks(self.config, self.device, self._peak, self.block_bytes,

@@ -242,6 +242,7 @@ class GenerateRequest(_message.Message):
     model: _builtins.str
     """optional; must match the served model when set"""
     skip_special_tokens: _builtins.bool
+    """Special tokens (e.g. <|im_end|>) left out of `text`; unset: true, vLLM's default."""
     parallel_tool_calls: _builtins.bool
     chat_template: _builtins.str
     """A chat template (Jinja2 text) used in place of the server's for this request (chat input
@@ -313,7 +314,7 @@ class GenerateRequest(_message.Message):
         stop: _abc.Iterable[_builtins.str] | None = ...,
         n: _builtins.int = ...,
         model: _builtins.str = ...,
-        skip_special_tokens: _builtins.bool = ...,
+        skip_special_tokens: _builtins.bool | None = ...,
         tools: _abc.Iterable[Global___Tool] | None = ...,
         tool_choice: Global___ToolChoice | None = ...,
         parallel_tool_calls: _builtins.bool | None = ...,
@@ -325,9 +326,9 @@ class GenerateRequest(_message.Message):
         use_beam_search: _builtins.bool = ...,
         length_penalty: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_chat_template", b"_chat_template", "_length_penalty", b"_length_penalty", "_parallel_tool_calls", b"_parallel_tool_calls", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "chat", b"chat", "chat_template", b"chat_template", "chat_template_kwargs", b"chat_template_kwargs", "input", b"input", "length_penalty", b"length_penalty", "parallel_tool_calls", b"parallel_tool_calls", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids", "tool_choice", b"tool_choice", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_chat_template", b"_chat_template", "_length_penalty", b"_length_penalty", "_parallel_tool_calls", b"_parallel_tool_calls", "_skip_special_tokens", b"_skip_special_tokens", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "chat", b"chat", "chat_template", b"chat_template", "chat_template_kwargs", b"chat_template_kwargs", "input", b"input", "length_penalty", b"length_penalty", "parallel_tool_calls", b"parallel_tool_calls", "sampling", b"sampling", "skip_special_tokens", b"skip_special_tokens", "text", b"text", "token_ids", b"token_ids", "tool_choice", b"tool_choice", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_chat_template", b"_chat_template", "_length_penalty", b"_length_penalty", "_parallel_tool_calls", b"_parallel_tool_calls", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "cache_salt", b"cache_salt", "chat", b"chat", "chat_template", b"chat_template", "chat_template_kwargs", b"chat_template_kwargs", "input", b"input", "length_penalty", b"length_penalty", "model", b"model", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "priority", b"priority", "request_id", b"request_id", "sampling", b"sampling", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "text", b"text", "token_ids", b"token_ids", "tool_choice", b"tool_choice", "tools", b"tools", "truncate_prompt_tokens", b"truncate_prompt_tokens", "use_beam_search", b"use_beam_search"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_chat_template", b"_chat_template", "_length_penalty", b"_length_penalty", "_parallel_tool_calls", b"_parallel_tool_calls", "_skip_special_tokens", b"_skip_special_tokens", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "cache_salt", b"cache_salt", "chat", b"chat", "chat_template", b"chat_template", "chat_template_kwargs", b"chat_template_kwargs", "input", b"input", "length_penalty", b"length_penalty", "model", b"model", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "priority", b"priority", "request_id", b"request_id", "sampling", b"sampling", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "text", b"text", "token_ids", b"token_ids", "tool_choice", b"tool_choice", "tools", b"tools", "truncate_prompt_tokens", b"truncate_prompt_tokens", "use_beam_search", b"use_beam_search"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__chat_template: _TypeAlias = _typing.Literal["chat_template"]  # noqa: Y015
     _WhichOneofArgType__chat_template: _TypeAlias = _typing.Literal["_chat_template", b"_chat_template"]  # noqa: Y015
@@ -335,6 +336,8 @@ class GenerateRequest(_message.Message):
     _WhichOneofArgType__length_penalty: _TypeAlias = _typing.Literal["_length_penalty", b"_length_penalty"]  # noqa: Y015
     _WhichOneofReturnType__parallel_tool_calls: _TypeAlias = _typing.Literal["parallel_tool_calls"]  # noqa: Y015
     _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
+    _WhichOneofReturnType__skip_special_tokens: _TypeAlias = _typing.Literal["skip_special_tokens"]  # noqa: Y015
+    _WhichOneofArgType__skip_special_tokens: _TypeAlias = _typing.Literal["_skip_special_tokens", b"_skip_special_tokens"]  # noqa: Y015
     _WhichOneofReturnType__truncate_prompt_tokens: _TypeAlias = _typing.Literal["truncate_prompt_tokens"]  # noqa: Y015
     _WhichOneofArgType__truncate_prompt_tokens: _TypeAlias = _typing.Literal["_truncate_prompt_tokens", b"_truncate_prompt_tokens"]  # noqa: Y015
     _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["text", "token_ids", "chat"]  # noqa: Y015
@@ -345,6 +348,8 @@ class GenerateRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__length_penalty) -> _WhichOneofReturnType__length_penalty | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__parallel_tool_calls) -> _WhichOneofReturnType__parallel_tool_calls | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__skip_special_tokens) -> _WhichOneofReturnType__skip_special_tokens | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__truncate_prompt_tokens) -> _WhichOneofReturnType__truncate_prompt_tokens | None: ...
     @_typing.overload
