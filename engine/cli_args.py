@@ -22,6 +22,7 @@ from engine.config import (
     SchedulerConfig,
     SchedulingPolicy,
     SpeculativeConfig,
+    kv_cache_dtype_name,
 )
 from engine_api.pooling_params import POOLING_TYPES, PoolerConfig
 
@@ -72,6 +73,22 @@ def _runner_int(field: str, allowed: str) -> Callable[[str], int]:
     return parse
 
 
+def _dtype_name(text: str) -> str:
+    """vLLM's dtype names (half, float) as the config's."""
+    name = {"half": "float16", "float": "float32"}.get(text, text)
+    if name not in ("auto", "float32", "float16", "bfloat16"):
+        raise argparse.ArgumentTypeError(
+            f"must be auto, float32, float16, bfloat16, half or float; got {text!r}")
+    return name
+
+
+def _kv_cache_dtype(text: str) -> str:
+    try:
+        return kv_cache_dtype_name(text)
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _gc_threshold(text: str) -> tuple[int, int, int] | None:
     if text.strip().lower() == "none":
         return None
@@ -101,12 +118,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None, help="tokenizer.json / .gguf override")
     g.add_argument("--load-format", default=_default(LoadConfig, "load_format"),
                    choices=["auto", "safetensors", "gguf", "dummy"])
-    g.add_argument("--dtype", default=_default(LoadConfig, "dtype"),
-                   choices=["auto", "float32", "float16", "bfloat16"])
+    g.add_argument("--dtype", default=_default(LoadConfig, "dtype"), type=_dtype_name,
+                   metavar="{auto,float32,float16,bfloat16,half,float}",
+                   help="weights and activations (half = float16, float = float32, as vLLM)")
     g.add_argument("--seed", type=int, default=_default(LoadConfig, "seed"))
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--block-size", type=int, default=_default(CacheConfig, "block_size"))
-    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=_default(CacheConfig, "enable_prefix_caching"),
+                   help="reuse the KV blocks of earlier prompts' equal prefixes (default: on)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help=argparse.SUPPRESS)  # the older spelling of --no-enable-prefix-caching
     g.add_argument("--block-allocation", default=_default(CacheConfig, "block_allocation"),
                    choices=BLOCK_ALLOCATIONS,
                    help="which free KV blocks are handed out: lru = least recently freed "
@@ -121,9 +143,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "model's weights, at most a tenth of the available memory, at least one "
                         "sequence at --max-model-len)")
     g.add_argument("--kv-cache-dtype", default=_default(CacheConfig, "kv_cache_dtype"),
-                   choices=["auto", "fp8", "int8"],
-                   help="KV cache storage: auto = model dtype, fp8 = float8 e4m3, int8 = int8; "
-                        "both with per-layer K/V scales (see --kv-scales)")
+                   type=_kv_cache_dtype, metavar="{auto,fp8,fp8_e4m3,int8}",
+                   help="KV cache storage: auto = model dtype, fp8 (vLLM's fp8_e4m3) = float8 "
+                        "e4m3, int8 = int8; both with per-layer K/V scales (see --kv-scales)")
     g.add_argument("--kv-scales", default=None, metavar="calibrate|FILE",
                    help="scales of an fp8/int8 KV cache: 'calibrate' (one prefill of a fixed "
                         "text at start-up; int8's default) or a JSON file written by "
@@ -243,7 +265,7 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "colocated") -
         load=LoadConfig(model=args.model, load_format=args.load_format, dtype=args.dtype,
                         seed=args.seed, tokenizer=args.tokenizer),
         cache=CacheConfig(block_size=args.block_size,
-                          enable_prefix_caching=not args.no_prefix_caching,
+                          enable_prefix_caching=args.enable_prefix_caching,
                           num_gpu_blocks=args.num_gpu_blocks,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           kv_cache_dtype=args.kv_cache_dtype, kv_scales=args.kv_scales,

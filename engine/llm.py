@@ -19,6 +19,7 @@ from engine.config import (
     RunnerConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    kv_cache_dtype_name,
 )
 from engine.llm_engine import LLMEngine
 from engine.lora import LoRARequest, lora_name_of
@@ -126,7 +127,7 @@ class LLM:
                               num_gpu_blocks=num_gpu_blocks,
                               gpu_memory_utilization=gpu_memory_utilization,
                               cpu_kv_cache_bytes=cpu_kv_cache_bytes,
-                              kv_cache_dtype=kv_cache_dtype,  # type: ignore[arg-type]
+                              kv_cache_dtype=kv_cache_dtype_name(kv_cache_dtype),  # type: ignore[arg-type]
                               kv_scales=kv_scales),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,

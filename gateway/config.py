@@ -122,6 +122,11 @@ class GatewayConfig:
     # recently used out first. 0 (either): nothing is stored; `store: true` is taken as false.
     responses_store_max_entries: int = 1024
     responses_store_max_bytes: int = 64 << 20
+    # vLLM's --enable-log-requests / --disable-log-requests: one INFO line per request (its id,
+    # prompt length and sampling settings; never the prompt's text). Off by default, as vLLM.
+    log_requests: bool = False
+    # uvicorn's own log level (its access log is one line per request at "info").
+    uvicorn_log_level: str = "warning"
     load_poll_interval_s: float = 1.0         # router GetLoad period
     load_poll_timeout_s: float = 1.0
     shutdown_grace_s: float = 10.0            # drain time for in-flight requests on shutdown
@@ -332,6 +337,24 @@ def chat_settings(args: argparse.Namespace) -> dict[str, Any]:
             "max_concurrent_requests": args.max_concurrent_requests,
             "allow_runtime_lora_updating": args.allow_runtime_lora_updating,
             "lora_resolver_dir": args.lora_resolver_dir}
+
+
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def add_serving_log_args(parser: argparse.ArgumentParser, role: str = "") -> None:
+    """vLLM's flags of request logging and uvicorn's log level, for every process that serves
+    the REST API."""
+    note = f"{role}: " if role else ""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--enable-log-requests", dest="log_requests", action="store_true",
+                       default=GatewayConfig.__dataclass_fields__["log_requests"].default,
+                       help=f"{note}log one line per request (id, prompt length, sampling)")
+    group.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
+                       help=f"{note}log no line per request (the default)")
+    parser.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS,
+                        default=GatewayConfig.__dataclass_fields__["uvicorn_log_level"].default,
+                        help=f"{note}uvicorn's log level (info: its access log)")
 
 
 def add_public_security_args(parser: argparse.ArgumentParser, role: str = "") -> None:

@@ -121,6 +121,11 @@ class Orchestrator:
     async def _job_events(self, job: GenerationJob) -> AsyncGenerator[Event, None]:
         """`generate`'s events, outside the request limit."""
         queue: asyncio.Queue[Event | BaseException | None] = asyncio.Queue()
+        if self._config.log_requests:
+            log.info("request %s: %d prompt tokens, n=%d, max_tokens=%d, temperature=%g, "
+                     "top_p=%g, seed=%s", job.request_id, len(job.prompt_token_ids), job.n,
+                     job.sampling.max_tokens, job.sampling.temperature, job.sampling.top_p,
+                     job.sampling.seed if job.sampling.HasField("seed") else None)
         # One GenAI client span per request; completions' prefill/decode spans are its
         # children (passed explicitly: the completions run in their own tasks).
         with tracing.traced_span("gen_ai.generate", parent=None, kind=SpanKind.CLIENT,

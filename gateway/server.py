@@ -23,6 +23,7 @@ from gateway.config import (
     GatewayConfigError,
     add_chat_args,
     add_public_security_args,
+    add_serving_log_args,
     chat_settings,
     model_directory,
     sampling_defaults_setting,
@@ -87,7 +88,7 @@ class GatewayServer:
         self.rest_port = sock.getsockname()[1]
         cfg = self.config
         uv_config = uvicorn.Config(
-            build_app(state), log_level="warning", lifespan="off",
+            build_app(state), log_level=cfg.uvicorn_log_level, lifespan="off",
             timeout_graceful_shutdown=int(cfg.shutdown_grace_s) or 1,
             ssl_certfile=cfg.ssl_certfile, ssl_keyfile=cfg.ssl_keyfile,
             ssl_ca_certs=cfg.ssl_ca_certs,
@@ -165,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "embedded SmolLM2's name)")
     add_public_security_args(p)
     add_chat_args(p)
+    add_serving_log_args(p)
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="export traces over OTLP to URL (default: $OTEL_EXPORTER_OTLP_ENDPOINT "
+                        "if set; needs the otlp extra)")
     p.add_argument("--max-model-len", type=int, default=d["max_model_len"].default)
     p.add_argument("--max-tokens-cap", type=int, default=d["max_tokens_cap"].default)
     p.add_argument("--request-timeout", type=float, default=d["request_timeout_s"].default)
@@ -197,7 +202,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         speculative_tokens=args.speculative_tokens,
         speculative_max_load=args.speculative_max_load,
         speculative_draft_max_load=args.speculative_draft_max_load,
-        internal_token=internal_token_from_env(), **chat_settings(args),
+        internal_token=internal_token_from_env(), log_requests=args.log_requests,
+        uvicorn_log_level=args.uvicorn_log_level, **chat_settings(args),
         **sampling_defaults_setting(args, model_directory(args.model)))
 
 
@@ -211,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tls_from_env()  # the channels to the workers use it
     except (GatewayConfigError, AuthConfigError, TlsConfigError) as err:
         parser.error(str(err))
-    setup_tracing("splitserve-gateway")  # a no-op unless OTEL_EXPORTER_OTLP_ENDPOINT is set
+    setup_tracing("splitserve-gateway", endpoint=args.otlp_traces_endpoint)  # no-op if none set
     try:
         asyncio.run(serve_gateway(config, args.host, args.port, args.grpc_port))
     except (OSError, ModelLoadError) as err:  # a port in use, a missing tokenizer: one line

@@ -16,6 +16,7 @@ Torch-free and grpc-free: the gateway imports it; it imports only opentelemetry.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping
@@ -34,19 +35,27 @@ log = logging.getLogger(__name__)
 
 TRACER_NAME = "splitserve"
 ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
+# The traces-only endpoint (a full URL); `--otlp-traces-endpoint` sets it, as vLLM's flag does.
+TRACES_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+PROTOCOL_ENVS = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
 
 Metadata = Iterable[tuple[str, str | bytes]]
 
 
-def setup_tracing(service_name: str, provider: TracerProvider | None = None) -> bool:
+def setup_tracing(service_name: str, provider: TracerProvider | None = None,
+                  endpoint: str | None = None) -> bool:
     """Install the global tracer provider; returns True when spans will be recorded.
 
     With `provider` (tests: an SDK provider with an in-memory exporter) that provider is
     installed as is. Otherwise an OTLP-exporting provider named `service_name` is installed
-    when `OTEL_EXPORTER_OTLP_ENDPOINT` is set and the OTLP exporter package is importable;
-    if not, nothing is installed and tracing stays a no-op. OpenTelemetry accepts one global
-    provider per process: a second call leaves the first in place (it logs a warning).
+    when an endpoint is given (`endpoint`, the `--otlp-traces-endpoint` flag) or set
+    (`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, `OTEL_EXPORTER_OTLP_ENDPOINT`) and the OTLP exporter
+    (the `otlp` extra) is importable; if not, nothing is installed and tracing stays a no-op.
+    OpenTelemetry accepts one global provider per process: a second call leaves the first in
+    place (it logs a warning).
     """
+    if endpoint:
+        os.environ[TRACES_ENDPOINT_ENV] = endpoint  # the exporters read it
     if provider is None:
         provider = _otlp_provider(service_name)
         if provider is None:
@@ -56,30 +65,36 @@ def setup_tracing(service_name: str, provider: TracerProvider | None = None) -> 
 
 
 def _otlp_provider(service_name: str) -> TracerProvider | None:
-    if not os.environ.get(ENDPOINT_ENV):
+    endpoint = os.environ.get(TRACES_ENDPOINT_ENV) or os.environ.get(ENDPOINT_ENV)
+    if not endpoint:
         return None
-    try:  # the gRPC flavour first, then HTTP: whichever `opentelemetry-exporter-otlp` brought
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (  # type: ignore[import-not-found]
-            OTLPSpanExporter,
-        )
-    except ImportError:
-        try:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # type: ignore[import-not-found]
-                OTLPSpanExporter,
-            )
-        except ImportError:
-            log.warning("%s is set but opentelemetry-exporter-otlp is not installed: tracing "
-                        "stays off", ENDPOINT_ENV)
-            return None
+    exporter_class = _exporter_class()
+    if exporter_class is None:
+        log.warning("an OTLP endpoint is set but opentelemetry-exporter-otlp is not installed "
+                    "(pip install 'splitserve[otlp]'): tracing stays off")
+        return None
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service_name}))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))  # endpoint from env
-    log.info("tracing: exporting spans of %s over OTLP to %s", service_name,
-             os.environ[ENDPOINT_ENV])
+    provider.add_span_processor(BatchSpanProcessor(exporter_class()))  # endpoint from env
+    log.info("tracing: exporting spans of %s over OTLP to %s", service_name, endpoint)
     return provider
+
+
+def _exporter_class() -> type | None:
+    """The OTLP span exporter of the protocol asked for (OTEL_EXPORTER_OTLP[_TRACES]_PROTOCOL:
+    grpc, vLLM's default, or http/protobuf), None when the `otlp` extra is missing."""
+    protocol = next((os.environ[e] for e in PROTOCOL_ENVS if os.environ.get(e)), "grpc")
+    flavour = "http" if protocol.startswith("http") else "grpc"
+    try:
+        module = importlib.import_module(f"opentelemetry.exporter.otlp.proto.{flavour}."
+                                         "trace_exporter")
+    except ImportError:
+        return None
+    exporter: type = module.OTLPSpanExporter
+    return exporter
 
 
 def get_tracer() -> trace.Tracer:

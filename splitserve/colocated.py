@@ -20,7 +20,11 @@ def _gateway_default(name: str) -> Any:
 
 def add_colocated_args(parser: argparse.ArgumentParser) -> None:
     """The flags of the colocated role's in-process gateway."""
-    from gateway.config import add_chat_args, add_public_security_args  # torch-free
+    from gateway.config import (  # torch-free
+        add_chat_args,
+        add_public_security_args,
+        add_serving_log_args,
+    )
 
     parser.add_argument("--grpc-port", type=int, default=50050,
                         help="gateway/colocated: public gRPC port")
@@ -32,6 +36,7 @@ def add_colocated_args(parser: argparse.ArgumentParser) -> None:
                              "given, or the embedded SmolLM2's name)")
     add_public_security_args(parser, role="colocated")
     add_chat_args(parser, role="colocated")
+    add_serving_log_args(parser, role="colocated")
     parser.add_argument("--speculative-draft-max-load", type=int, default=_gateway_default(
                             "speculative_draft_max_load"),
                         help="colocated: requests pending on the worker from which its draft "
@@ -81,7 +86,9 @@ async def serve(args: argparse.Namespace) -> None:
                               speculative_tokens=config.speculative.num_speculative_tokens,
                               speculative_max_load=args.speculative_max_load,
                               speculative_draft_max_load=args.speculative_draft_max_load,
-                              api_key=args.api_key, ssl_certfile=args.ssl_certfile,
+                              api_key=args.api_key, log_requests=args.log_requests,
+                              uvicorn_log_level=args.uvicorn_log_level,
+                              ssl_certfile=args.ssl_certfile,
                               ssl_keyfile=args.ssl_keyfile, ssl_ca_certs=args.ssl_ca_certs,
                               **chat_settings(args),
                               **sampling_defaults_setting(args,

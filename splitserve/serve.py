@@ -1,4 +1,7 @@
-"""`splitserve serve --role {prefill,decode,colocated,gateway}`: start one service.
+"""`splitserve serve [MODEL] [--role {colocated,prefill,decode,gateway}]`: start one service.
+
+As `vllm serve MODEL`: the model may come first, in place of `--model MODEL`; without `--role`
+the process is `colocated` (the whole REST and gRPC surface in one process).
 
 Each role is its service's own entry point (prefill_service/main.py, decode_service/main.py,
 gateway/server.py); `colocated` (splitserve/colocated.py) is one process with the same gRPC and
@@ -21,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The engine workers' flags with `--role`."""
     p = argparse.ArgumentParser(prog="splitserve serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--role", required=True, choices=list(ROLES))
+    p.add_argument("--role", default="colocated", choices=list(ROLES),
+                   help="which service (default: colocated, the whole surface in one process)")
     add_worker_args(p)
     return p
 
@@ -40,8 +44,15 @@ def _role(argv: list[str]) -> str | None:
     return None
 
 
+def positional_model(argv: list[str]) -> list[str]:
+    """`serve MODEL ...` (vLLM's form) as `serve --model MODEL ...`."""
+    if argv and not argv[0].startswith("-"):
+        return ["--model", argv[0], *argv[1:]]
+    return argv
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(argv or [])
+    argv = positional_model(list(argv or []))
     if _role(argv) == "gateway":  # the gateway parses its own flags, and never imports torch
         from gateway.server import main as gateway_main
 

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from gateway.config import API_KEY_ENV, served_model_name_for
+from gateway.config import API_KEY_ENV, add_serving_log_args, served_model_name_for
 from rpc.auth import INTERNAL_TOKEN_ENV, AuthConfigError, internal_token_from_env
 from rpc.tls import TlsConfigError, tls_from_env
 from splitserve.supervise import (
@@ -95,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-resolver-dir", default=None, metavar="DIR",
                    help="gateway: load an adapter a request names from DIR/<name> on first use "
                         "(give the workers adapter slots with --max-loras N)")
+    add_serving_log_args(p, role="gateway")
     for role in ("prefill", "decode"):
         p.add_argument(f"--{role}-tensor-parallel-size", type=int, default=None,
                        help=f"the {role} worker's tensor-parallel size, over the engine flags' "
@@ -257,6 +258,12 @@ def service_argv(args: argparse.Namespace, engine_args: list[str]) -> dict[str, 
         gw += ["--model", _flag(engine_args, "--tokenizer") or model]
     # Named after the model, not after the tokenizer the gateway loads.
     gw += ["--served-model-name", served_model_name_for(model, args.served_model_name)]
+    if args.log_requests:
+        gw += ["--enable-log-requests"]
+    gw += ["--uvicorn-log-level", args.uvicorn_log_level]
+    otlp = _flag(engine_args, "--otlp-traces-endpoint")  # the workers' flag, for all three
+    if otlp:
+        gw += ["--otlp-traces-endpoint", otlp]
     max_len = _flag(engine_args, "--max-model-len")
     if max_len:
         gw += ["--max-model-len", max_len]

@@ -68,6 +68,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--advertise", default=None,
                    help="host:port that decode workers use to reach this prefill worker's KV")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="export traces over OTLP to URL (default: $OTEL_EXPORTER_OTLP_ENDPOINT "
+                        "if set; needs the otlp extra)")
     p.add_argument("--kv-transports", type=_kv_transports, default=KV_TRANSPORTS,
                    help="decode role: the ways KV may come from a prefill worker, tried in the "
                         "order ipc (CUDA IPC, same GPU), tcp (the prefill worker's KV data port, "
@@ -118,7 +121,8 @@ def run_worker_process(args: argparse.Namespace, role: str,
     1 for an engine that failed to load, 2 for bad options or credentials."""
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    setup_tracing(f"splitserve-{role}")  # a no-op unless OTEL_EXPORTER_OTLP_ENDPOINT is set
+    # A no-op unless an endpoint is given or set in the environment.
+    setup_tracing(f"splitserve-{role}", endpoint=args.otlp_traces_endpoint)
     try:
         tls_from_env()  # a broken TLS set-up fails now, not after the model loaded
         if precheck is not None:

@@ -16,6 +16,7 @@ from engine.config.cache import (
     BlockAllocation,
     CacheConfig,
     KvCacheDtype,
+    kv_cache_dtype_name,
 )
 from engine.config.hf import (
     CLASSIFIER_SUFFIX,
@@ -105,6 +106,7 @@ __all__ = [
     "SpeculativeConfig",
     "class_labels",
     "hf_architecture",
+    "kv_cache_dtype_name",
     "language_model_dict",
 ]
 

@@ -12,6 +12,19 @@ BLOCK_ALLOCATIONS: tuple[BlockAllocation, ...] = get_args(BlockAllocation)
 KvCacheDtype = Literal["auto", "fp8", "int8"]
 
 
+def kv_cache_dtype_name(name: str) -> str:
+    """A KV cache dtype as vLLM names it (fp8_e4m3: the same e4m3 storage as "fp8") → this
+    config's name; ConfigError for one the kernels do not store (fp8_e5m2)."""
+    if name == "fp8_e4m3":
+        return "fp8"
+    if name == "fp8_e5m2":
+        raise ConfigError("kv_cache_dtype fp8_e5m2 is not supported: the kernels store fp8 as "
+                          "e4m3 (use fp8 or fp8_e4m3)")
+    if name not in get_args(KvCacheDtype):
+        raise ConfigError(f"kv_cache_dtype must be auto, fp8 (fp8_e4m3) or int8, got {name!r}")
+    return name
+
+
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     """Paged KV cache."""

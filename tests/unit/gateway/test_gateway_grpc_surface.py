@@ -4,6 +4,7 @@ tokens unless a request asks for them (vLLM's default)."""
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections.abc import Iterator
 
@@ -24,14 +25,15 @@ def gw() -> Iterator[Harness]:
     tok = smollm2_tokenizer()
     ids = [*tok.encode(" Paris", add_special_tokens=False), *tok.encode(IM_END,
                                                                       add_special_tokens=False)]
-    with Harness(Script(ids)) as h:
+    with Harness(Script(ids), log_requests=True) as h:
         yield h
 
 
 def _text(gw: Harness, **fields: object) -> str:
+    fields.setdefault("text", "Hi")
     with grpc.insecure_channel(gw.grpc_target) as ch:
         out = gateway_pb2_grpc.GatewayStub(ch).Generate(gateway_pb2.GenerateRequest(
-            text="Hi", sampling=common_pb2.SamplingParams(max_tokens=8), **fields), timeout=20)  # type: ignore[arg-type]
+            sampling=common_pb2.SamplingParams(max_tokens=8), **fields), timeout=20)  # type: ignore[arg-type]
         return "".join(r.chunk.text for r in out if r.WhichOneof("response") == "chunk")
 
 
@@ -39,6 +41,16 @@ def test_special_tokens_are_skipped_unless_asked_for(gw: Harness) -> None:
     assert _text(gw) == " Paris"  # unset: vLLM's default, skipped
     assert _text(gw, skip_special_tokens=True) == " Paris"
     assert _text(gw, skip_special_tokens=False) == " Paris" + IM_END
+
+
+def test_requests_are_logged_without_their_text(gw: Harness,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    """--enable-log-requests: one line per request, its id and settings, never the prompt."""
+    with caplog.at_level(logging.INFO, logger="gateway.orchestrator"):
+        _text(gw, request_id="logged-request-1", text="a secret prompt")
+    lines = [r.getMessage() for r in caplog.records if "logged-request-1" in r.getMessage()]
+    assert len(lines) == 1 and "max_tokens=8" in lines[0]
+    assert "secret" not in caplog.text
 
 
 def test_health_list_names_every_service(gw: Harness) -> None:
