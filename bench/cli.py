@@ -8,8 +8,11 @@ import asyncio
 import dataclasses
 import json
 import math
+import os
 import sys
 from typing import Any
+
+from tqdm import tqdm
 
 from bench import models, workloads
 from bench.metrics import (
@@ -23,6 +26,8 @@ from bench.metrics import (
 from bench.offline import OfflineBenchError
 from bench.online import OnlineBenchError
 from bench.results import build_result, write_json
+from bench.server_info import ServerInfoError
+from bench.vllm_fields import vllm_serve_result
 from engine.cli_args import lora_module_arg
 
 
@@ -97,10 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
     online.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME",
                         help="LoRA adapters the server serves: each request names one at random "
                              "as its model (as vllm bench serve does)")
-    online.add_argument("--endpoint", choices=("completions", "embeddings"),
+    online.add_argument("--endpoint", choices=("completions", "chat", "embeddings"),
                         default="completions",
-                        help="embeddings: POST each prompt to /v1/embeddings (vLLM's "
-                             "--backend openai-embeddings; --output-len unused)")
+                        help="chat: each prompt's text as a user message to "
+                             "/v1/chat/completions (vLLM's --backend openai-chat); embeddings: "
+                             "POST each prompt to /v1/embeddings (vLLM's --backend "
+                             "openai-embeddings; --output-len unused)")
+    online.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or None,
+                        help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
     online.add_argument("--allow-remote", action="store_true",
                         help="allow a non-loopback --base-url")
     _add_workload(online)
@@ -168,20 +177,35 @@ def _finish(args: argparse.Namespace, model: str, metrics: dict[str, Any]) -> No
 
 
 def cmd_online(args: argparse.Namespace) -> int:
-    from bench.online import OnlineSettings, check_target, run_online
+    from bench.online import OnlineSettings, check_target, run_online, server_vocabulary
 
     check_target(args.base_url, args.allow_remote)  # refuse before building any workload
-    requests = workloads.assign_adapters(make_requests(args, _vocab_size(args)),
-                                         args.lora_modules, seed=args.seed)
-    offsets = workloads.arrival_times(len(requests), args.request_rate, args.burstiness,
-                                      seed=args.seed)
     settings = OnlineSettings(args.base_url, args.model, args.request_rate, args.burstiness,
                               args.max_concurrency, args.request_timeout, args.total_timeout,
-                              args.allow_remote, args.endpoint)
-    records, duration, model = asyncio.run(run_online(settings, requests, offsets))
+                              args.allow_remote, args.endpoint, args.api_key)
+    if args.vocab_size is not None or _local_model(args.model):
+        requests = make_requests(args, _vocab_size(args))
+    else:  # the served model's name and tokens, from the server itself
+        model, pool = asyncio.run(server_vocabulary(settings))
+        settings = dataclasses.replace(settings, model=model)
+        requests = [dataclasses.replace(r, prompt_token_ids=[pool[i] for i in r.prompt_token_ids])
+                    for r in make_requests(args, len(pool))]
+    requests = workloads.assign_adapters(requests, args.lora_modules, seed=args.seed)
+    offsets = workloads.arrival_times(len(requests), args.request_rate, args.burstiness,
+                                      seed=args.seed)
+    with tqdm(total=len(requests), desc="requests", unit="req", file=sys.stderr) as bar:
+        records, duration, model = asyncio.run(run_online(settings, requests, offsets,
+                                                          on_done=lambda _: bar.update()))
     metrics = _summarise(args, records, duration, "Serving Benchmark Result")
-    _finish(args, model, metrics.to_dict())
+    _finish(args, model, vllm_serve_result(metrics, records))
     return 0 if metrics.completed else 1
+
+
+def _local_model(model: str | None) -> bool:
+    """A model whose vocabulary size is known here: a dummy preset or a directory with a
+    config.json (otherwise it is a served name, and the server's tokenizer is asked)."""
+    return model is not None and (model.startswith(models.DUMMY_PREFIX)
+                                  or os.path.isfile(os.path.join(model, "config.json")))
 
 
 def cmd_offline(args: argparse.Namespace) -> int:
@@ -251,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _COMMANDS[args.command](args)
-    except (ValueError, OfflineBenchError, OnlineBenchError) as e:
+    except (ValueError, OfflineBenchError, OnlineBenchError, ServerInfoError) as e:
         # Bad input and known refusals end with one clear line; other crashes keep their trace.
         print(f"splitserve bench {args.command}: error: {e}", file=sys.stderr)
         return 2

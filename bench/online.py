@@ -6,6 +6,10 @@ chunk that carries a choice. As in `vllm bench serve`, a chunk is one ITL sample
 carries several tokens (only TPOT divides by the token count), the output token count comes
 from the final usage chunk, and E2E latency ends at the last token chunk.
 
+With `endpoint="chat"` each request posts its prompt as text (the server's /detokenize of its
+token ids) in one user message to `/v1/chat/completions`; a chunk counts when its delta carries
+output (the first, role-only chunk does not), and the prompt's length is the server's count.
+
 With `endpoint="embeddings"` (vLLM's `--backend openai-embeddings`) each request instead posts
 its prompt's token ids to `/v1/embeddings` (base64, as the `openai` client asks by default): a
 request's latency is its response's arrival, it produces no tokens, and its TTFT and E2E
@@ -29,12 +33,14 @@ from urllib.parse import urlsplit
 import httpx
 
 from bench.metrics import RequestRecord
+from bench.server_info import detokenize_all, vocabulary_sample
 from bench.workloads import BenchRequest
 
 LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 COMPLETIONS_PATH = "/v1/completions"
+CHAT_PATH = "/v1/chat/completions"
 EMBEDDINGS_PATH = "/v1/embeddings"
-ENDPOINTS = ("completions", "embeddings")
+ENDPOINTS = ("completions", "chat", "embeddings")
 
 
 class RemoteHostError(ValueError):
@@ -97,7 +103,7 @@ class _StreamState:
         data = json.loads(payload)
         if "error" in data:
             raise OnlineBenchError(f"server error in stream: {data['error']}")
-        if data.get("choices"):
+        if data.get("choices") and _carries_output(data["choices"][0]):
             self.token_times.append(now)
         usage = data.get("usage")
         if usage:
@@ -106,27 +112,44 @@ class _StreamState:
         return False
 
 
-def build_payload(model: str, request: BenchRequest) -> dict[str, Any]:
-    return {
+def _carries_output(choice: dict[str, Any]) -> bool:
+    """A completions chunk always; a chat chunk when its delta holds output (not the first,
+    role-only one)."""
+    if "delta" not in choice:
+        return True
+    delta = choice["delta"] or {}
+    return bool(delta.get("content") or delta.get("reasoning") or delta.get("tool_calls"))
+
+
+def build_payload(model: str, request: BenchRequest, text: str | None = None
+                  ) -> dict[str, Any]:
+    """A streaming completion of the prompt's token ids, or (with `text`) a chat request."""
+    body: dict[str, Any] = {
         "model": request.lora_name or model,  # a LoRA adapter is named as the model
-        "prompt": request.prompt_token_ids,
         "max_tokens": request.output_len,
         "temperature": 0.0,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if text is None:
+        body["prompt"] = request.prompt_token_ids
+    else:
+        body["messages"] = [{"role": "user", "content": text}]
+    return body
 
 
 async def send_request(
-    client: httpx.AsyncClient, url: str, model: str, request: BenchRequest
+    client: httpx.AsyncClient, url: str, model: str, request: BenchRequest,
+    text: str | None = None
 ) -> RequestRecord:
-    """Send one streaming completion and time it; never raises for a failed request."""
+    """Send one streaming completion (chat with `text`) and time it; never raises for a failed
+    request."""
     state = _StreamState(token_times=[])
     start = time.perf_counter()
     error = ""
     try:
-        async with client.stream("POST", url, json=build_payload(model, request)) as resp:
+        async with client.stream("POST", url, json=build_payload(model, request, text)) as resp:
             if resp.status_code != 200:
                 body = (await resp.aread()).decode("utf-8", "replace")[:300]
                 raise OnlineBenchError(f"HTTP {resp.status_code}: {body}")
@@ -141,7 +164,8 @@ async def send_request(
 
 
 async def send_embedding(
-    client: httpx.AsyncClient, url: str, model: str, request: BenchRequest
+    client: httpx.AsyncClient, url: str, model: str, request: BenchRequest,
+    text: str | None = None
 ) -> RequestRecord:
     """Embed one prompt (token ids, base64 floats) and time it; never raises for a failed
     request. The response must hold one embedding; its usage gives the prompt's length."""
@@ -210,7 +234,24 @@ class OnlineSettings:
     request_timeout_s: float = 600.0
     total_timeout_s: float = 3600.0
     allow_remote: bool = False
-    endpoint: str = "completions"  # or "embeddings"
+    endpoint: str = "completions"  # or "chat", "embeddings"
+    api_key: str | None = None     # sent as `Authorization: Bearer KEY`
+
+
+def _client(settings: OnlineSettings, connections: int) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+    # trust_env=False: a proxy from the environment must not reroute a loopback benchmark.
+    return httpx.AsyncClient(timeout=settings.request_timeout_s, headers=headers,
+                             limits=httpx.Limits(max_connections=connections), trust_env=False)
+
+
+async def server_vocabulary(settings: OnlineSettings) -> tuple[str, list[int]]:
+    """The served model's name (`settings.model`, else the server's first) and real token ids
+    of its tokenizer to draw prompts from."""
+    base_url = check_target(settings.base_url, settings.allow_remote)
+    async with _client(settings, 1) as client:
+        model = settings.model or await resolve_model(client, base_url)
+        return model, await vocabulary_sample(client, base_url, model)
 
 
 async def run_online(
@@ -229,25 +270,27 @@ async def run_online(
     send = send_embedding if embeds else send_request
     if len(arrival_offsets) != len(requests):
         raise OnlineBenchError("arrival_offsets must have one entry per request")
-    limits = httpx.Limits(max_connections=settings.max_concurrency or len(requests) or 1)
-    # trust_env=False: a proxy from the environment must not reroute a loopback benchmark.
-    async with httpx.AsyncClient(timeout=settings.request_timeout_s, limits=limits,
-                                 trust_env=False) as client:
+    async with _client(settings, settings.max_concurrency or len(requests) or 1) as client:
         model = settings.model or await resolve_model(client, base_url)
-        url = base_url + (EMBEDDINGS_PATH if embeds else COMPLETIONS_PATH)
+        texts: list[str | None] = [None] * len(requests)
+        if settings.endpoint == "chat":
+            texts = list(await detokenize_all(client, base_url, model,
+                                              [r.prompt_token_ids for r in requests]))
+        url = base_url + {"embeddings": EMBEDDINGS_PATH, "chat": CHAT_PATH}.get(
+            settings.endpoint, COMPLETIONS_PATH)
         sem = asyncio.Semaphore(settings.max_concurrency or len(requests) or 1)
         start = time.perf_counter()
 
-        async def one(req: BenchRequest, offset: float) -> RequestRecord:
+        async def one(req: BenchRequest, offset: float, text: str | None) -> RequestRecord:
             await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
             async with sem:
-                record = await send(client, url, model, req)
+                record = await send(client, url, model, req, text)
             if on_done is not None:
                 on_done(record)
             return record
 
-        tasks = [asyncio.create_task(one(r, t))
-                 for r, t in zip(requests, arrival_offsets, strict=True)]
+        tasks = [asyncio.create_task(one(r, t, text))
+                 for r, t, text in zip(requests, arrival_offsets, texts, strict=True)]
         _, pending = await asyncio.wait(tasks, timeout=settings.total_timeout_s)
         for task in pending:
             task.cancel()

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
+
+from tqdm import tqdm
 
 from engine.config import (
     DEFAULT_GC_THRESHOLD,
@@ -202,8 +205,11 @@ class LLM:
         run with, or one per prompt (as vLLM accepts); None: the base model. `priority`: one
         per prompt (lower sooner), for an engine with the "priority" scheduling policy."""
         items = self._submit(prompts, sampling_params, self._lora_names(lora_request), priority)
-        for _ in self._run():
-            pass
+        # vLLM's progress bar: completions finished of those asked for (use_tqdm=True).
+        with tqdm(total=sum(len(out.outputs) for _, out in items), desc="Processed prompts",
+                  unit=" completions", disable=not use_tqdm, file=sys.stderr) as bar:
+            for steps in self._run():
+                bar.update(sum(1 for s in steps if s.finished and ":" in s.request_id))
         for _, out in items:
             self._finalize(out)
         return [out for _, out in items]

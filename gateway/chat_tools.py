@@ -52,7 +52,8 @@ async def chat_job(state: GatewayState, messages: list[dict[str, Any]], options:
             spec, reasoning_end_token_id=gate[0], reasoning_start_token_id=gate[1])}
     job = state.preprocessor.build_job(ids, options, request_id=request_id,
                                        param_names=param_names)
-    return job if calling is None else dataclasses.replace(job, tool_choice=calling.mode)
+    return dataclasses.replace(job, operation="chat",
+                               tool_choice=None if calling is None else calling.mode)
 
 
 def reasoning_gate(state: GatewayState, prompt_ids: list[int]

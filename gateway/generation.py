@@ -39,6 +39,9 @@ class GenerationJob:
     # vLLM's cache_salt: the prompt's KV is hashed under a salted root on the workers (and for
     # routing here), so only requests with the same salt share cached blocks; "": none.
     cache_salt: str = ""
+    # The GenAI operation it is (span name and `gen_ai.operation.name`): "chat" for a chat
+    # request (chat completions, the Responses API, gRPC chat input), else "text_completion".
+    operation: str = "text_completion"
     arrival_time: float = field(default_factory=time.monotonic)
     # The prompt's block hashes per KV layout (fingerprint, block size), computed once for both
     # pools and all `n` completions (WorkerPool.prompt_hashes).

@@ -56,6 +56,7 @@ from gateway.state import GatewayState
 from gateway.structured import structured_from_proto
 from gateway.tools import ToolCalling
 from protos.splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from rpc import tracing
 from rpc.auth import BearerAuthInterceptor
 from rpc.health import HealthServicer
 from rpc.limits import MAX_MESSAGE_BYTES
@@ -76,6 +77,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def Generate(self, request: gateway_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        # The request's span joins the client's trace (its `traceparent` metadata), if any.
+        with tracing.remote_parent(tracing.metadata_carrier(context.invocation_metadata())):
+            async for response in self._generate(request, context):
+                yield response
+
+    async def _generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+                        ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         try:
             job, calling = await self._job(request)
             beam = _beam_search(request, job, self._state)

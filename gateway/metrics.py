@@ -24,9 +24,19 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from gateway.request_metrics import ModelLabelled, RequestHistograms
 from gateway.response_store import ResponseStore
 from protos.splitserve.v1 import common_pb2
 
@@ -123,8 +133,12 @@ class WorkerLoadCollector:
         """The families without samples (lets the registry refuse clashing names)."""
         return self._families(())
 
+    def samples(self) -> tuple[WorkerSample, ...]:
+        """Every pool's workers as of its last poll."""
+        return tuple(s for group in self._samples.values() for s in group)
+
     def collect(self) -> Iterator[Metric]:
-        return self._families(tuple(s for group in self._samples.values() for s in group))
+        return self._families(self.samples())
 
     @staticmethod
     def _families(samples: Sequence[WorkerSample]) -> Iterator[Metric]:
@@ -147,6 +161,30 @@ class WorkerLoadCollector:
             yield counter
         yield from _kv_transport_families(samples)
         yield _lora_info_family(samples)
+
+
+class CacheConfigCollector:
+    """vLLM's `cache_config_info` per worker: its KV cache's size in blocks
+    (`num_gpu_blocks`, the engine's blocks on whichever device), from its load reports."""
+
+    def __init__(self, workers: WorkerLoadCollector) -> None:
+        self._workers = workers
+
+    def describe(self) -> Iterator[Metric]:
+        return self._family(())
+
+    def collect(self) -> Iterator[Metric]:
+        return self._family(self._workers.samples())
+
+    @staticmethod
+    def _family(samples: Iterable[WorkerSample]) -> Iterator[Metric]:
+        info = GaugeMetricFamily("splitserve:cache_config_info",
+                                 "Information of a worker's KV cache (value 1).",
+                                 labels=[*WORKER_LABELS, "num_gpu_blocks"])
+        for s in samples:
+            if s.load is not None:
+                info.add_metric([s.role, s.worker, str(s.load.num_blocks)], 1.0)
+        yield info
 
 
 def _lora_info_family(samples: Sequence[WorkerSample]) -> Metric:
@@ -197,9 +235,17 @@ class GatewayMetrics:
 
     CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "", max_model_len: int = 8192) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # What /metrics shows: every series labelled with the served model's name.
+        self.exposed = ModelLabelled(r, model_name)
+        # The process's CPU, memory, file descriptors and start time (process_*), and the
+        # Python runtime's (python_info, python_gc_*), as vLLM's /metrics has them.
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
+        self.request_phases = RequestHistograms(r, max_model_len)
         self.requests_received = Counter(
             "splitserve:requests_received", "Requests accepted by the gateway.",
             ["api"], registry=r)
@@ -256,6 +302,7 @@ class GatewayMetrics:
             "Bytes the stored responses count against --responses-store-max-bytes.", registry=r)
         self.workers = WorkerLoadCollector()
         r.register(self.workers)
+        r.register(CacheConfigCollector(self.workers))
 
     def observe_response_store(self, store: ResponseStore) -> None:
         """Read the stored responses' count and bytes from `store` at each scrape."""
@@ -267,5 +314,5 @@ class GatewayMetrics:
         self.workers.update(role, workers)
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of every metric."""
-        return generate_latest(self.registry)
+        """The Prometheus text exposition of every metric, labelled with the model's name."""
+        return generate_latest(self.exposed)  # type: ignore[arg-type]  # has collect()

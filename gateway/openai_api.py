@@ -24,6 +24,7 @@ from gateway.generation_routes import add_generation_routes
 from gateway.http_errors import add_error_handlers
 from gateway.responses_routes import add_responses_routes
 from gateway.state import GatewayState
+from gateway.trace_context import TraceContextMiddleware, telemetry_settings
 
 
 def _package_version() -> str:
@@ -38,7 +39,9 @@ _VERSION = _package_version()
 
 def build_app(state: GatewayState) -> FastAPI:
     """The FastAPI app of one gateway."""
-    app = FastAPI(title="splitserve gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="splitserve gateway", docs_url=None, redoc_url=None, openapi_url=None,
+                  **telemetry_settings())
+    app.add_middleware(TraceContextMiddleware)
     add_error_handlers(app)
 
     @app.get("/health")

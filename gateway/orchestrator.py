@@ -55,6 +55,7 @@ from gateway.generation import (
     unscored,
 )
 from gateway.metrics import GatewayMetrics
+from gateway.request_metrics import CompletionTiming
 from gateway.router import Attempts, Router, Worker, WorkerPool, call_routed
 from gateway.spec_policy import decide
 from gateway.tokenization import DetokenizerLike, TokenizerLike, make_detokenizer
@@ -80,10 +81,11 @@ class _Completion:
     output_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     kv_handle: common_pb2.KvHandle | None = None   # prefill lease not yet handed off or dropped
-    trace_parent: Context | None = None           # the request's `gen_ai.generate` span
+    trace_parent: Context | None = None           # the request's GenAI span (`chat MODEL`, `text_completion MODEL`)
     stop_reason: str | None = None
     last_emit: float | None = None
     scores_prompt: bool = False   # its prompt logprobs are asked for and have not arrived yet
+    timing: CompletionTiming | None = None  # when it reached each phase (request metrics)
 
 
 class Orchestrator:
@@ -128,7 +130,8 @@ class Orchestrator:
                      job.sampling.seed if job.sampling.HasField("seed") else None)
         # One GenAI client span per request; completions' prefill/decode spans are its
         # children (passed explicitly: the completions run in their own tasks).
-        with tracing.traced_span("gen_ai.generate", parent=None, kind=SpanKind.CLIENT,
+        name = f"{job.operation} {self._config.served_model_name}"  # GenAI span name
+        with tracing.traced_span(name, parent=None, kind=SpanKind.CLIENT,
                                  attributes=self._request_attributes(job)) as span:
             parent = tracing.span_context(span)
             tasks = [asyncio.create_task(self._run_guarded(job, i, queue, parent))
@@ -140,14 +143,30 @@ class Orchestrator:
             if job.tool_choice is not None:
                 self._metrics.tool_call_requests.labels(tool_choice=job.tool_choice).inc()
             finished: list[Finished] = []
+            sent_tokens = 0
             try:
                 async with contextlib.aclosing(_fan_in(queue, tasks)) as events:
                     async for event in events:
                         if isinstance(event, Finished):
                             finished.append(event)
+                        elif isinstance(event, TokenDelta) and event.token_ids:
+                            if not sent_tokens:
+                                span.set_attribute("gen_ai.response.time_to_first_chunk",
+                                                   time.monotonic() - job.arrival_time)
+                            sent_tokens += len(event.token_ids)
                         yield event
+            except GeneratorExit:
+                if len(finished) < job.n:  # the client went away: the rest are aborted
+                    self._metrics.request_success.labels(finished_reason="abort").inc(
+                        job.n - len(finished))
+                    raise
+                # Closed after its last event: a finished request, not a cancelled one.
+            except asyncio.CancelledError:
+                self._metrics.request_success.labels(finished_reason="abort").inc(
+                    job.n - len(finished))
+                raise
             finally:
-                _record_usage(span, job, finished)
+                _record_usage(span, job, finished, sent_tokens)
                 self._metrics.num_requests_in_flight.dec()
 
     async def _generate_merged(self, jobs: Sequence[GenerationJob]
@@ -170,14 +189,21 @@ class Orchestrator:
                 yield event
 
     def _request_attributes(self, job: GenerationJob) -> dict[str, AttributeValue]:
-        """GenAI semantic-convention request attributes of the `gen_ai.generate` span."""
+        """GenAI semantic-convention request attributes of the request's span."""
         attrs: dict[str, AttributeValue] = {
-            "gen_ai.operation.name": "text_completion",
+            "gen_ai.operation.name": job.operation,
+            "gen_ai.provider.name": "splitserve",
             "gen_ai.request.model": self._config.served_model_name,
             "gen_ai.request.max_tokens": job.sampling.max_tokens,
             "gen_ai.request.temperature": job.sampling.temperature,
+            "gen_ai.response.id": job.request_id,
+            "gen_ai.response.model": job.lora_name or self._config.served_model_name,
             "splitserve.request_id": job.request_id,
         }
+        if job.sampling.top_p:  # 0: unset (the model's default)
+            attrs["gen_ai.request.top_p"] = job.sampling.top_p
+        if job.sampling.HasField("seed"):
+            attrs["gen_ai.request.seed"] = job.sampling.seed
         if job.n != 1:
             attrs["gen_ai.request.choice.count"] = job.n
         constraint = _constraint(job)
@@ -215,6 +241,7 @@ class Orchestrator:
             trace_parent=trace_parent)
         sampling = completion_sampling(job.sampling, index)
         state.scores_prompt = sampling.HasField("prompt_logprobs")
+        state.timing = CompletionTiming(job.arrival_time, first_call=time.monotonic())
         finish: str | None = None
         if not self._config.colocated:
             prefill = await self._traced_prefill(job, state, sampling)
@@ -371,6 +398,8 @@ class Orchestrator:
             async for response in call:
                 kind = response.WhichOneof("response")
                 if kind == "chunk":
+                    self._metrics.request_phases.iteration_tokens.observe(
+                        len(response.chunk.token_ids))
                     stop = self._accept(job, state, list(response.chunk.token_ids),
                                         list(response.chunk.logprobs), queue,
                                         response.chunk.prompt_logprobs)
@@ -410,6 +439,8 @@ class Orchestrator:
         now = time.monotonic()
         if state.last_emit is None:
             self._metrics.time_to_first_token.observe(now - job.arrival_time)
+            if state.timing is not None:
+                state.timing.first_token = now
         else:
             self._metrics.inter_token_latency.observe(now - state.last_emit)
         state.last_emit = now
@@ -425,7 +456,11 @@ class Orchestrator:
                 queue: asyncio.Queue[Event | BaseException | None]) -> None:
         self._metrics.request_success.labels(finished_reason=finish_reason).inc()
         self._metrics.generation_tokens.inc(len(state.output_ids))
-        self._metrics.e2e_request_latency.observe(time.monotonic() - job.arrival_time)
+        now = time.monotonic()
+        self._metrics.e2e_request_latency.observe(now - job.arrival_time)
+        if state.timing is not None:
+            self._metrics.request_phases.observe_finished(
+                state.timing, now, len(job.prompt_token_ids), len(state.output_ids))
         queue.put_nowait(Finished(state.index, finish_reason, state.stop_reason,
                                   len(job.prompt_token_ids), len(state.output_ids),
                                   state.num_cached_tokens))
@@ -458,10 +493,13 @@ class Orchestrator:
         await asyncio.gather(*self._background, return_exceptions=True)
 
 
-def _record_usage(span: Span, job: GenerationJob, finished: Sequence[Finished]) -> None:
-    """GenAI semantic-convention usage/response attributes of a request's span."""
+def _record_usage(span: Span, job: GenerationJob, finished: Sequence[Finished],
+                  sent_tokens: int) -> None:
+    """GenAI semantic-convention usage/response attributes of a request's span: the output
+    tokens it sent (an aborted stream's too, not only its finished completions')."""
     span.set_attribute("gen_ai.usage.input_tokens", len(job.prompt_token_ids))
-    span.set_attribute("gen_ai.usage.output_tokens", sum(f.num_output_tokens for f in finished))
+    span.set_attribute("gen_ai.usage.output_tokens",
+                       max(sent_tokens, sum(f.num_output_tokens for f in finished)))
     if finished:
         by_index = sorted(finished, key=lambda f: f.index)
         span.set_attribute("gen_ai.response.finish_reasons", [f.finish_reason for f in by_index])

@@ -101,7 +101,7 @@ class GatewayState:
 
         router = Router(None if config.colocated else pool("prefill", config.prefill_addresses),
                         pool("decode", config.decode_addresses))
-        metrics = GatewayMetrics()
+        metrics = GatewayMetrics(config.served_model_name, config.max_model_len)
         for p in (router.prefill, router.decode):
             if p is not None:
                 p.add_listener(functools.partial(_observe_pool, metrics, p))

@@ -22,6 +22,7 @@ import os
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
+from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
@@ -117,11 +118,24 @@ def inject_metadata(parent: Context) -> tuple[tuple[str, str], ...]:
 def extract_context(metadata: Metadata | None) -> Context:
     """The remote parent carried in gRPC metadata (`context.invocation_metadata()`); an empty
     context (a new root) when there is none."""
-    carrier: dict[str, str] = {}
-    for key, value in metadata or ():
-        if isinstance(value, str):  # binary (`-bin`) entries never carry trace context
-            carrier[key.lower()] = value
-    return propagate.extract(carrier)
+    return propagate.extract(metadata_carrier(metadata))
+
+
+@contextlib.contextmanager
+def remote_parent(carrier: Mapping[str, str]) -> Iterator[None]:
+    """Within the block, the caller's span (W3C `traceparent` in `carrier`: HTTP headers or
+    gRPC metadata, lowercase keys) is the current one, so spans started without an explicit
+    parent (the gateway's request span) join the client's trace instead of opening one."""
+    token = otel_context.attach(propagate.extract(carrier))
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
+def metadata_carrier(metadata: Metadata | None) -> dict[str, str]:
+    """gRPC metadata as a propagation carrier (binary `-bin` entries never carry context)."""
+    return {key.lower(): value for key, value in metadata or () if isinstance(value, str)}
 
 
 def record_error(span: Span, message: str) -> None:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The project's checks: generated protos up to date, ruff, mypy, the import contracts (the layers
-# in pyproject.toml's [tool.importlinter]), then the test suite.
+# in pyproject.toml's [tool.importlinter]), the gateway importing without the workers' packages
+# (scripts/check_gateway_imports.py), then the test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -8,6 +9,7 @@ PY=${PY:-.venv/bin/python}
 echo "== protos"; "$PY" scripts/gen_protos.py --check
 echo "== ruff"; "$PY" -m ruff check .
 echo "== import contracts"; "$(dirname "$PY")/lint-imports" --no-cache
+echo "== gateway-only imports"; "$PY" scripts/check_gateway_imports.py
 echo "== mypy"; "$PY" -m mypy splitserve prefill_service decode_service gateway worker kv_transfer engine engine_api rpc bench tools
 [ "${1:-}" = "--lint-only" ] && exit 0
 echo "== pytest"; "$PY" -m pytest -q -p no:cacheprovider --durations=15 "$@"

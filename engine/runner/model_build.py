@@ -6,8 +6,10 @@ LoRA adapters, and the configuration checks those depend on.
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
+from tqdm import tqdm
 
 from engine.attention.backend import PagedAttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
@@ -77,7 +79,10 @@ def build_model(config: EngineConfig, full: ModelConfig, shard: TensorShard,
         if isinstance(m, RotaryEmbedding):
             m.rebuild_fp32()
     if weights is not None:
-        model.load_weights(weights())  # type: ignore[operator]
+        # A progress bar on stderr (rank 0 only: the other ranks load the same stream's shares).
+        stream = tqdm(weights(), desc="Loading weights", unit=" tensors",  # type: ignore[operator]
+                      disable=shard.rank != 0, file=sys.stderr)
+        model.load_weights(stream)
     else:
         model.init_dummy_weights((dummy_seed or 0) + shard.rank)
     model.eval()

@@ -99,7 +99,7 @@ def test_completions_with_vllm_fields(disagg_stack: Stack, extra: dict[str, Any]
 def test_constrained_requests_are_counted(disagg_stack: Stack) -> None:
     def count() -> float:
         text = httpx.get(f"{disagg_stack.rest_url.removesuffix('/v1')}/metrics", timeout=10).text
-        line = 'splitserve:structured_output_requests_total{constraint="choice"}'
+        line = 'splitserve:structured_output_requests_total{constraint="choice",'
         return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(line))
 
     before = count()

@@ -247,8 +247,8 @@ def _scrape(h: Harness) -> tuple[dict[str, str], Series]:
     for family in text_string_to_metric_families(r.text):
         types[family.name] = family.type
         for sample in family.samples:
-            if "worker" in sample.labels:
-                assert set(sample.labels) == {"role", "worker"}, sample
+            if "worker" in sample.labels and family.name != "splitserve:cache_config_info":
+                assert set(sample.labels) == {"model_name", "role", "worker"}, sample
                 series[(sample.name, sample.labels["role"], sample.labels["worker"])] = sample.value
     return types, series
 
@@ -336,7 +336,7 @@ def test_lora_usage_is_exported(script_ids: list[int]) -> None:
             assert time.monotonic() < deadline, "no lora_requests_info sample"
             time.sleep(0.05)
         assert [s.labels for s in samples] == [{
-            "role": "decode", "worker": dec.address, "max_lora": "4",
+            "model_name": MODEL_NAME, "role": "decode", "worker": dec.address, "max_lora": "4",
             "running_lora_adapters": "a", "waiting_lora_adapters": "a,c"}]
         text = httpx.get(h.base_url + "/metrics", timeout=10).text
         values = {(s.name, s.labels.get("role")): s.value

@@ -405,7 +405,7 @@ def test_the_store_evicts_the_least_recently_used(small: Harness) -> None:
         client.responses.retrieve(c.id)
     assert {client.responses.retrieve(r.id).id for r in (b, d)} == {b.id, d.id}
     metrics = httpx.get(f"{small.base_url}/metrics", timeout=10).text
-    assert "splitserve:responses_stored 2.0" in metrics
+    assert f'splitserve:responses_stored{{model_name="{MODEL_NAME}"}} 2.0' in metrics
     r = httpx.get(f"{small.base_url}/v1/responses/{b.id}", timeout=10)  # no key
     assert _error(r, 401)["code"] == "invalid_api_key"
     r = httpx.delete(f"{small.base_url}/v1/responses/{b.id}", timeout=10)
