@@ -125,7 +125,9 @@ def _check_weather(arguments: str) -> None:
 
 
 def _tool_metric(rest: str, choice: str) -> float:
-    line = f'splitserve:tool_call_requests_total{{tool_choice="{choice}",'
+    # Labels in the exposition's (alphabetical) order.
+    line = (f'splitserve:tool_call_requests_total{{model_name="{MODEL_NAME}",'
+            f'tool_choice="{choice}"}} ')
     for row in httpx.get(f"{rest}/metrics", timeout=30).text.splitlines():
         if row.startswith(line):
             return float(row.rsplit(" ", 1)[1])

@@ -171,5 +171,7 @@ def test_refusals(tools_gateway: str, disagg_stack: Stack) -> None:
         tools=[{"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "properties": {"x": {"type": "string", "pattern": "("}}}}}])
     metrics = httpx.get(tools_gateway.removesuffix("/v1") + "/metrics", timeout=30).text
-    assert 'splitserve:tool_call_requests_total{tool_choice="required",' in metrics
+    # Labels in the exposition's (alphabetical) order.
+    assert (f'splitserve:tool_call_requests_total{{model_name="{MODEL_NAME}",'
+            'tool_choice="required"}') in metrics
     disagg_stack.wait_idle()
