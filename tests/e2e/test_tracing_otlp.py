@@ -150,7 +150,8 @@ def _sample(text: str, name: str, **labels: str) -> float | None:
 
 
 @pytest.mark.timeout(120)
-def test_metrics_are_labelled_and_shaped_like_vllms(gateway: Gateway) -> None:
+def test_metrics_are_labelled_and_shaped_like_vllms(gateway: Gateway,
+                                                    receiver: OtlpReceiver) -> None:
     client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
     before = httpx.get(gateway.url + "/metrics", timeout=10).text
     aborted = _sample(before, "splitserve:request_success_total", finished_reason="abort") or 0
@@ -169,6 +170,14 @@ def test_metrics_are_labelled_and_shaped_like_vllms(gateway: Gateway) -> None:
             break
         time.sleep(0.2)
     assert now == aborted + 1, "the aborted stream is counted"
+    # Its span: cancelled, with the tokens it had sent (not 0).
+    deadline = time.monotonic() + 20
+    while not (cancelled := [a for _, span in list(receiver.spans)
+                             if span.name == f"text_completion {MODEL_NAME}"
+                             and (a := _attrs(span)).get("splitserve.cancelled")]):
+        assert time.monotonic() < deadline, "no cancelled span arrived"
+        time.sleep(0.1)
+    assert int(cancelled[0]["gen_ai.usage.output_tokens"]) >= 3  # type: ignore[call-overload]
     # Every series carries the served model's name.
     series = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
     assert series and all(f'model_name="{MODEL_NAME}"' in ln for ln in series), [
