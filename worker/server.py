@@ -26,6 +26,7 @@ from engine.llm_engine import LLMEngine
 from rpc.auth import INTERNAL_TOKEN_ENV, BearerAuthInterceptor
 from rpc.limits import message_size_options
 from rpc.tls import add_internal_port
+from rpc.wire_errors import MalformedRequestInterceptor
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +75,10 @@ async def start_worker_server(config: EngineConfig, host: str, port: int, regist
     auth_token: the cluster's shared secret (rpc/auth.py). With it, every call but a health
     check must carry it."""
     opts = [*message_size_options(), ("grpc.so_reuseport", 0)]
-    interceptors = (None if auth_token is None
-                    else [BearerAuthInterceptor(auth_token, INTERNAL_TOKEN_ENV)])
+    # Undecodable request bytes: INVALID_ARGUMENT (rpc/wire_errors.py), after the credential.
+    interceptors: list[grpc.aio.ServerInterceptor] = [
+        *([] if auth_token is None else [BearerAuthInterceptor(auth_token, INTERNAL_TOKEN_ENV)]),
+        MalformedRequestInterceptor()]
     server = grpc.aio.server(options=opts, interceptors=interceptors)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
