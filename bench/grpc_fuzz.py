@@ -23,6 +23,7 @@ import grpc
 from protos.splitserve.v1 import common_pb2, decode_pb2, kv_transfer_pb2, prefill_pb2
 
 BAD_CODES = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+Metadata = tuple[tuple[str, str], ...]
 CALL_TIMEOUT_S = 5.0
 # (method, unary or stream, a valid request to truncate and mutate)
 _SEED_PROMPT = [504, 3575, 282, 4649, 314, 260, 1003, 28, 17]
@@ -66,13 +67,15 @@ def _mutations(seed: bytes, rng: random.Random) -> list[bytes]:
     return out
 
 
-def _call(channel: grpc.Channel, method: str, kind: str, payload: bytes) -> str:
+def _call(channel: grpc.Channel, method: str, kind: str, payload: bytes,
+          metadata: Metadata) -> str:
     """The outcome's name: "OK" or the status code's name."""
     try:
         if kind == "unary":
-            channel.unary_unary(method)(payload, timeout=CALL_TIMEOUT_S)
+            channel.unary_unary(method)(payload, timeout=CALL_TIMEOUT_S, metadata=metadata)
         else:
-            for _ in channel.unary_stream(method)(payload, timeout=CALL_TIMEOUT_S):
+            for _ in channel.unary_stream(method)(payload, timeout=CALL_TIMEOUT_S,
+                                                  metadata=metadata):
                 pass
     except grpc.RpcError as err:
         return str(err.code().name)  # type: ignore[attr-defined]
@@ -80,14 +83,15 @@ def _call(channel: grpc.Channel, method: str, kind: str, payload: bytes) -> str:
 
 
 def fuzz_worker(address: str, rounds: int, seed: int, report: FuzzReport,
-                alive: Callable[[], bool] = lambda: True) -> None:
-    """`rounds` x every method x every mutation against the worker at `address`."""
+                alive: Callable[[], bool] = lambda: True, metadata: Metadata = ()) -> None:
+    """`rounds` x every method x every mutation against the worker at `address` (`metadata`:
+    the cluster's credential, when the workers require one)."""
     rng = random.Random(seed)
     with grpc.insecure_channel(address) as channel:
         for _ in range(rounds):
             for method, (kind, valid) in METHODS.items():
                 for payload in _mutations(valid, rng):
-                    outcome = _call(channel, method, kind, payload)
+                    outcome = _call(channel, method, kind, payload, metadata)
                     _record(report, f"{method} {payload[:24].hex()}", outcome, alive)
 
 
@@ -99,7 +103,8 @@ def _record(report: FuzzReport, case: str, outcome: str, alive: Callable[[], boo
 
 
 def fuzz_forged_handles(prefill: str, decode: str, report: FuzzReport,
-                        alive: Callable[[], bool] = lambda: True) -> None:
+                        alive: Callable[[], bool] = lambda: True,
+                        metadata: Metadata = ()) -> None:
     """Decode calls carrying a real prefill's handle, forged four ways."""
     with grpc.insecure_channel(prefill) as p, grpc.insecure_channel(decode) as d:
         prefill_call = p.unary_unary("/splitserve.v1.Prefill/Prefill",
@@ -111,20 +116,21 @@ def fuzz_forged_handles(prefill: str, decode: str, report: FuzzReport,
             for name, forge in _forgeries(listener.address).items():
                 real = prefill_call(prefill_pb2.PrefillRequest(
                     request_id=f"forge-{name}", prompt_token_ids=_SEED_PROMPT,
-                    sampling=_GREEDY).SerializeToString(), timeout=30)
+                    sampling=_GREEDY).SerializeToString(), timeout=30, metadata=metadata)
                 request = decode_pb2.DecodeRequest(
                     request_id=f"forge-{name}", prompt_token_ids=_SEED_PROMPT, sampling=_GREEDY,
                     output_token_ids=[real.first_token_id], kv_handle=real.kv_handle)
                 forge(request)
                 try:
-                    list(decode_call(request, timeout=30))
+                    list(decode_call(request, timeout=30, metadata=metadata))
                     outcome = "OK"
                 except grpc.RpcError as err:
                     outcome = str(err.code().name)  # type: ignore[attr-defined]
                 _record(report, f"forged handle: {name}", outcome, alive)
                 p.unary_unary("/splitserve.v1.KvTransfer/Release")(
                     kv_transfer_pb2.ReleaseRequest(request_id=real.kv_handle.request_id
-                                                   ).SerializeToString(), timeout=10)
+                                                   ).SerializeToString(), timeout=10,
+                    metadata=metadata)
         finally:
             report.dialled_unconfigured_address = listener.close()
 
