@@ -1,11 +1,12 @@
 """Degraded, never down, with real worker processes (bench/process_stack.py) behind a real
-gateway: SIGKILL the only decode worker mid-stream and the streams finish on the prefill worker
-with exactly the greedy tokens of a reference run; bring it back and the gateway serves
-disaggregated again; SIGKILL the only prefill worker and in-flight and new requests finish on
-the decode worker, again with the reference tokens. The survivors end idle (no request, no
-lease, no KV block held). Ordered tests over one module-scoped stack (three worker starts);
-the workers run a tiny random model (`dummy:tiny`, the same weights in every process): what
-is under test is where tokens come from, not what they say."""
+gateway, in order: SIGSTOP the decode worker mid-stream and new requests go whole to the
+prefill worker meanwhile, the stopped streams finishing after SIGCONT; SIGKILL the only decode
+worker mid-stream and the streams finish on the prefill worker; bring it back and the gateway
+serves disaggregated again; SIGKILL the only prefill worker and in-flight and new requests
+finish on the decode worker. Every stream has exactly the greedy tokens of a reference run, and
+the survivors end idle (no request, no lease, no KV block held). One module-scoped stack (three
+worker starts); the workers run a tiny random model (`dummy:tiny`, the same weights in every
+process): what is under test is where tokens come from, not what they say."""
 
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def degraded(loop_thread: LoopThread, tmp_path_factory: pytest.TempPathFactory
         config = GatewayConfig(prefill_addresses=(prefill.address,),
                                decode_addresses=(decode.address,), served_model_name=MODEL_NAME,
                                max_model_len=1024, max_prompt_tokens=1024,
-                               load_poll_interval_s=0.3, load_poll_timeout_s=0.5,
+                               load_poll_interval_s=0.3, load_poll_timeout_s=2.0,
                                shutdown_grace_s=1.0)
         gateway = GatewayServer(config, rest_host=HOST, rest_port=0, grpc_host=HOST,
                                 grpc_port=0, tokenizer=smollm2_tokenizer())
@@ -113,10 +114,33 @@ def _streams_through(d: Degraded, fault: Callable[[], None], mid_stream: bool = 
         return [f.result(300) for f in futures]
 
 
-def test_stream_cut_by_the_only_decode_worker_finishes_on_prefill(degraded: Degraded) -> None:
+def test_stopped_decode_worker_streams_resume_where_they_were(degraded: Degraded) -> None:
+    """SIGSTOP the decode worker mid-stream: the gateway's polls time out, so new requests go
+    whole to the prefill worker meanwhile; after SIGCONT the stopped streams finish with the
+    reference tokens and the gateway serves disaggregated again."""
     d = degraded
     d.wait_mode("disaggregated")
     d.reference = _streams_through(d, lambda: None)
+    during: list[list[int]] = []
+
+    def stop_then_serve_around_it() -> None:
+        d.decode.signal(signal.SIGSTOP)
+        try:
+            d.wait_mode("prefill_only", 30)
+            during.append(_stream(f"{HOST}:{d.gateway.grpc_port}", PROMPTS[0],
+                                  threading.Event()))
+        finally:
+            d.decode.signal(signal.SIGCONT)
+
+    outs = _streams_through(d, stop_then_serve_around_it)
+    assert outs == d.reference and during == d.reference[:1]
+    d.wait_mode("disaggregated")
+    assert wait_idle([d.prefill, d.decode], IDLE_S) is not None, "a worker kept work or KV"
+
+
+def test_stream_cut_by_the_only_decode_worker_finishes_on_prefill(degraded: Degraded) -> None:
+    d = degraded
+    assert d.reference, "runs after the reference run"
     resumes = _metric(d, "splitserve:decode_resumes_total")
     outs = _streams_through(d, lambda: d.decode.signal(signal.SIGKILL))
     assert outs == d.reference  # no token lost, doubled or different
@@ -147,3 +171,4 @@ def _metric(d: Degraded, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} not in /metrics")
+
