@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -218,7 +219,8 @@ def cmd_faults(args: argparse.Namespace) -> int:
         soak = run_soak(stack, mix, args.soak_s) if args.soak_s > 0 else None
     finally:
         stack.stop()
-    settings = {"concurrency": args.concurrency, "soak_s": args.soak_s,
+    settings = {"command": "splitserve bench " + " ".join(sys.argv[2:]),
+                "concurrency": args.concurrency, "soak_s": args.soak_s,
                 "fuzz_rounds": args.fuzz_rounds, "lease_s": LEASE_S,
                 "note": "2-core machine shared with other jobs (load average ~10): latencies "
                         "and recovery times are inflated by contention"}
