@@ -1,4 +1,4 @@
-"""`splitserve bench {online,offline,hf-baseline}`: run a benchmark, print a vLLM-style table,
+"""`splitserve bench {online,offline,hf-baseline,faults}`: run a benchmark, print a vLLM-style table,
 optionally write a JSON result (`--out`)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench import models, workloads
+from bench import faults, models, workloads
 from bench.metrics import (
     BenchmarkMetrics,
     RequestRecord,
@@ -136,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     hf.add_argument("--input-len", type=int, default=512)
     hf.add_argument("--output-len", type=int, default=128)
     _add_common(hf)
+
+    faults.add_parser(sub)
     return parser
 
 
@@ -268,7 +270,8 @@ def cmd_hf_baseline(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"online": cmd_online, "offline": cmd_offline, "hf-baseline": cmd_hf_baseline}
+_COMMANDS = {"online": cmd_online, "offline": cmd_offline, "hf-baseline": cmd_hf_baseline,
+             "faults": faults.cmd_faults}
 
 
 def main(argv: list[str] | None = None) -> int:

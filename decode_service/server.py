@@ -8,13 +8,13 @@ from collections.abc import Sequence
 
 import grpc
 
-from decode_service.servicer import DecodeServicer
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from kv_transfer import DEFAULT_TCP_STREAMS
 from protos.splitserve.v1 import decode_pb2, decode_pb2_grpc
 from rpc.auth import bearer_metadata
+from worker.decode_servicer import DecodeServicer
 from worker.kv import GrpcKvLoader
 from worker.server import EngineFactory, WorkerHandle, start_worker_server
 from worker.tier_cache import TierConfig, attach_tiers

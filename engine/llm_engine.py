@@ -263,6 +263,7 @@ class LLMEngine:
                       output_token_ids=options.output_token_ids, remote_kv=options.remote_kv,
                       arrival_time=arrival_time, priority=options.priority)
         req.grammar = grammar
+        req.decode_here = options.decode_here
         if params.bad_words and self._encode_text is not None:  # (checked by check_request)
             req.bad_words_token_ids = bad_words_token_ids(params.bad_words, self._encode_text)
         self._bind_lora(req, options)

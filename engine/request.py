@@ -127,6 +127,9 @@ class Request:
         self.hash_root: bytes | None = None
         self.status = RequestStatus.WAITING
         self.remote_kv = remote_kv
+        # Run to its end on a prefill-role engine instead of finishing at its first token with
+        # its prompt KV leased for a decode worker (RequestOptions.decode_here).
+        self.decode_here = False
         self.num_preemptions = 0
         self.logprobs: list[TokenLogprob] = []
         # Prompt logprobs (engine/prompt_logprobs.py): those of prompt tokens 1, 2, ... that

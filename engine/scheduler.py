@@ -392,7 +392,7 @@ class Scheduler:
                     break
                 appended.append(SampledToken(token_id))
                 status = self._append(req, appended[-1], now)
-            if status is None and self.config.role == "prefill":
+            if status is None and self.config.role == "prefill" and not req.decode_here:
                 status = RequestStatus.FINISHED_PREFILL
             if status is not None:
                 self._end(req, status)

@@ -44,6 +44,9 @@ class RequestOptions:
     `lora_name`: the adapter to run it with (None: the base model). `priority`: lower is
     scheduled sooner (anything but 0 needs the "priority" policy). `cache_salt` (vLLM's): its
     KV is hashed under a root of its own, so only requests with the same salt share it.
+    `decode_here`: run it to its end even on a prefill-role engine, which otherwise hands every
+    request off after its first token (the Decode service of a prefill worker sets it: with no
+    decode worker left, the prefill workers decode; elsewhere it changes nothing).
     """
 
     params: SamplingParams | PoolingParams
@@ -54,6 +57,7 @@ class RequestOptions:
     lora_name: str | None = None
     priority: int = 0
     cache_salt: str | None = None
+    decode_here: bool = False
 
     def __post_init__(self) -> None:
         problem = cache_salt_problem(self.cache_salt)

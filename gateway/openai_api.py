@@ -47,7 +47,9 @@ def build_app(state: GatewayState) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         ok = state.healthy
-        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+        return JSONResponse({"status": "ok" if ok else "unavailable",
+                             "serving_mode": state.orchestrator.modes.mode.value},
+                            status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

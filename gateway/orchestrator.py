@@ -14,7 +14,11 @@ A worker that refuses a call with RESOURCE_EXHAUSTED (full: it sheds load) is sk
 call and the next one picked (prefill and decode alike), until each worker of the pool refused:
 then the request fails with RESOURCE_EXHAUSTED (`OverloadedError`, HTTP 429).
 
-In colocated mode there is no prefill pool: decode gets the prompt alone and computes it.
+In colocated mode there is no prefill pool: decode gets the prompt alone and computes it. So it
+does in the degraded modes (gateway/serving_mode.py): with no healthy prefill worker (or a
+Prefill call that found its pool down) the request goes whole to a decode worker; with no
+healthy decode worker, whole to a prefill worker's Decode service. A Decode call whose pool
+has no healthy worker left (the last one died mid-stream) resumes once in the other pool.
 Every Decode call carries the speculative policy's choice for the worker it goes to
 (gateway/spec_policy.py): drafts per step while that worker is lightly loaded, none beyond.
 Cancelling the consumer of `Orchestrator.generate` cancels every downstream call, so workers
@@ -57,6 +61,7 @@ from gateway.generation import (
 from gateway.metrics import GatewayMetrics
 from gateway.request_metrics import CompletionTiming
 from gateway.router import Attempts, Router, Worker, WorkerPool, call_routed
+from gateway.serving_mode import ServingModes
 from gateway.spec_policy import decide
 from gateway.tokenization import DetokenizerLike, TokenizerLike, make_detokenizer
 from protos.splitserve.v1 import common_pb2, decode_pb2, kv_transfer_pb2, prefill_pb2
@@ -86,6 +91,7 @@ class _Completion:
     last_emit: float | None = None
     scores_prompt: bool = False   # its prompt logprobs are asked for and have not arrived yet
     timing: CompletionTiming | None = None  # when it reached each phase (request metrics)
+    whole: bool = True            # no prefill ran: the decode worker computes the prompt
 
 
 class Orchestrator:
@@ -99,6 +105,7 @@ class Orchestrator:
         self._metrics = metrics
         self._limit = limit
         self._background: set[asyncio.Task[None]] = set()
+        self.modes = ServingModes(router, metrics.registry)  # which pools serve a request now
 
     def generate(self, job: GenerationJob) -> AsyncGenerator[Event, None]:
         """Events of all n completions, interleaved; raises `GatewayError` if one fails.
@@ -243,8 +250,9 @@ class Orchestrator:
         state.scores_prompt = sampling.HasField("prompt_logprobs")
         state.timing = CompletionTiming(job.arrival_time, first_call=time.monotonic())
         finish: str | None = None
-        if not self._config.colocated:
-            prefill = await self._traced_prefill(job, state, sampling)
+        prefill = await self._prefill_unless_degraded(job, state, sampling)
+        if prefill is not None:
+            state.whole = False
             state.num_cached_tokens = prefill.num_cached_tokens
             state.kv_handle = prefill.kv_handle if prefill.HasField("kv_handle") else None
             logprobs = [prefill.logprob] if prefill.HasField("logprob") else []
@@ -268,6 +276,23 @@ class Orchestrator:
             if tail:
                 queue.put_nowait(TokenDelta(state.index, [], tail, []))
         self._finish(job, state, finish, queue)
+
+    async def _prefill_unless_degraded(self, job: GenerationJob, state: _Completion,
+                                       sampling: common_pb2.SamplingParams
+                                       ) -> prefill_pb2.PrefillResponse | None:
+        """The Prefill call; None when the request goes whole to one pool instead: not
+        disaggregated now, or its Prefill found the prefill pool down (UNAVAILABLE after the
+        retry) while a decode worker is healthy (nothing reached the client yet)."""
+        if not self.modes.prefills():
+            return None
+        try:
+            return await self._traced_prefill(job, state, sampling)
+        except GatewayError as err:
+            if err.code != grpc.StatusCode.UNAVAILABLE or not self._router.decode.num_healthy:
+                raise
+            log.warning("prefill of %s failed (%s); computing it whole on a decode worker",
+                        job.request_id, err.message)
+            return None
 
     async def _traced_prefill(self, job: GenerationJob, state: _Completion,
                               sampling: common_pb2.SamplingParams) -> prefill_pb2.PrefillResponse:
@@ -334,13 +359,23 @@ class Orchestrator:
         The decode worker is chosen as a prefill worker is: the one believed to hold the
         longest prefix of the prompt, within the load-imbalance bound. It then pulls only the
         blocks it lacks, and colocated workers (no prefill pool) compute only those."""
-        pool = self._router.decode
+        pool = self.modes.decode_pool()
         hashes = self._prefix_hashes(pool, job)
         attempts = Attempts(pool)
+        switched = False
         while True:
-            worker = attempts.pick(hashes, job.lora_name)
             try:
-                return await self._decode_on(worker, job, state, sampling, queue, metadata, span)
+                worker = attempts.pick(hashes, job.lora_name)
+            except GatewayError:
+                other = None if switched else self.modes.fallback_pool(pool, attempts)
+                if other is None:
+                    raise
+                pool, attempts, switched = other, Attempts(other), True
+                hashes = self._prefix_hashes(pool, job)
+                continue
+            try:
+                return await self._decode_on(worker, job, state, sampling, queue, metadata, span,
+                                             pool.role)
             except grpc.aio.AioRpcError as err:
                 if not attempts.retry(worker, err, max_failures=self._config.decode_retries):
                     raise GatewayError.from_rpc(err, "decode") from None
@@ -368,7 +403,7 @@ class Orchestrator:
                          sampling: common_pb2.SamplingParams,
                          queue: asyncio.Queue[Event | BaseException | None],
                          metadata: tuple[tuple[str, str], ...] = (),
-                         span: Span | None = None) -> str:
+                         span: Span | None = None, pool_role: str = "decode") -> str:
         # Decided here, for this worker: no await since `pick`, so its load is the one the
         # router just routed on (a resume on another worker decides again).
         spec = decide(worker, self._config)
@@ -378,7 +413,10 @@ class Orchestrator:
             span.set_attribute("splitserve.speculative_method", spec.label)
             span.set_attribute("splitserve.decode_worker_load", spec.load)
         request = decode_pb2.DecodeRequest(
-            request_id=f"{job.request_id}-{state.index}", prompt_token_ids=job.prompt_token_ids,
+            # On a prefill worker the Prefill's id may still name its lease there.
+            request_id=f"{job.request_id}-{state.index}"
+                       + ("-whole" if pool_role == "prefill" else ""),
+            prompt_token_ids=job.prompt_token_ids,
             output_token_ids=state.output_ids,
             # The prompt is scored once: by the prefill worker, or by the first decode worker
             # (colocated) — not again on a resume, nor where the prompt's KV is pulled.
@@ -406,7 +444,7 @@ class Orchestrator:
                     if stop is not None:
                         return stop  # `finally` cancels the call: the worker frees the KV
                 elif kind == "complete":
-                    if self._config.colocated:  # no prefill ran: the worker's own count
+                    if state.whole:  # no prefill ran: the worker's own count
                         state.num_cached_tokens = response.complete.num_cached_tokens
                     if response.complete.kv_recomputed:
                         # The worker refused the handle (it does not release what it judged

@@ -16,6 +16,7 @@ from gateway.orchestrator import Orchestrator
 from gateway.preprocess import Preprocessor
 from gateway.response_store import ResponseStore
 from gateway.router import Router, WorkerPool
+from gateway.serving_mode import ServingMode
 from gateway.tokenization import TokenizerLike, TokenTexts
 
 
@@ -121,12 +122,10 @@ class GatewayState:
 
     @property
     def healthy(self) -> bool:
-        """Serving: not draining, and at least one decode worker (and, disaggregated, one prefill
-        worker) answered its last load poll — workers refuse polls until their model is loaded."""
-        if self.draining or self.router.decode.num_healthy == 0:
-            return False
-        prefill = self.router.prefill
-        return self.config.colocated or (prefill is not None and prefill.num_healthy > 0)
+        """Serving: not draining, and some worker answered its last load poll (workers refuse
+        polls until their model is loaded) — any serving mode but `unavailable`: a lone pool
+        serves whole requests (gateway/serving_mode.py)."""
+        return not self.draining and self.orchestrator.modes.current() != ServingMode.UNAVAILABLE
 
 
 def _observe_pool(metrics: GatewayMetrics, pool: WorkerPool) -> None:

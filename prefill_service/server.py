@@ -1,6 +1,8 @@
 """The prefill worker's server: `splitserve.v1.Prefill` and `splitserve.v1.KvTransfer` on one
 gRPC port, the KV data port (kv_transfer/tcp.py) beside it, and CPU/Redis prefix tiers under
-the engine's cache when configured."""
+the engine's cache when configured. `splitserve.v1.Decode` on the same port runs whole requests
+(prompt and every token) on this engine: the gateway sends them there only while no decode
+worker is healthy (its prefill_only mode, gateway/serving_mode.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from kv_transfer.servicer import KvTransferServicer
 from kv_transfer.tcp import KvDataServer
 from prefill_service.servicer import PrefillServicer
 from protos.splitserve.v1 import (
+    decode_pb2,
+    decode_pb2_grpc,
     kv_transfer_pb2,
     kv_transfer_pb2_grpc,
     prefill_pb2,
@@ -25,6 +29,7 @@ from protos.splitserve.v1 import (
 )
 from rpc import tracing
 from rpc.tls import tls_paths_from_env
+from worker.decode_servicer import DecodeServicer
 from worker.kv import EngineBlockSource
 from worker.server import (
     EngineFactory,
@@ -52,14 +57,17 @@ async def start_prefill_worker(config: EngineConfig, host: str, port: int, *,
         raise ValueError(f"a prefill worker needs role 'prefill', not {config.scheduler.role!r}")
     servicer: PrefillServicer | None = None
     kv_servicer = _LazyKvServicer()
+    decode_servicer = DecodeServicer(pulls_kv=False)  # whole requests: no KV to pull
 
     def register(server: grpc.aio.Server, bound: int) -> list[str]:
         nonlocal servicer
         servicer = PrefillServicer(advertised_address(host, bound, advertise_address))
         prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
         kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(kv_servicer, server)
+        decode_pb2_grpc.add_DecodeServicer_to_server(decode_servicer, server)
         return [prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name,
-                kv_transfer_pb2.DESCRIPTOR.services_by_name["KvTransfer"].full_name]
+                kv_transfer_pb2.DESCRIPTOR.services_by_name["KvTransfer"].full_name,
+                decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name]
 
     async def on_loaded(engine: LLMEngine, handle: WorkerHandle) -> AsyncEngine:
         assert servicer is not None
@@ -67,6 +75,7 @@ async def start_prefill_worker(config: EngineConfig, host: str, port: int, *,
         servicer.tiers = attach_tiers(aengine, tiers)
         aengine.start()
         servicer.bind(aengine)
+        decode_servicer.bind(aengine)
         source = EngineBlockSource(aengine)
         data_server = None
         if kv_data_port is not None:

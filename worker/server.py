@@ -28,6 +28,7 @@ from rpc.health import HealthServicer
 from rpc.limits import message_size_options
 from rpc.servers import SERVER_OPTIONS
 from rpc.tls import add_internal_port
+from rpc.wire_errors import MalformedRequestInterceptor
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +77,10 @@ async def start_worker_server(config: EngineConfig, host: str, port: int, regist
     auth_token: the cluster's shared secret (rpc/auth.py). With it, every call but a health
     check must carry it."""
     opts = [*message_size_options(), *SERVER_OPTIONS]
-    interceptors = (None if auth_token is None
-                    else [BearerAuthInterceptor(auth_token, INTERNAL_TOKEN_ENV)])
+    # Undecodable request bytes: INVALID_ARGUMENT (rpc/wire_errors.py), after the credential.
+    interceptors: list[grpc.aio.ServerInterceptor] = [
+        *([] if auth_token is None else [BearerAuthInterceptor(auth_token, INTERNAL_TOKEN_ENV)]),
+        MalformedRequestInterceptor()]
     server = grpc.aio.server(options=opts, interceptors=interceptors)
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

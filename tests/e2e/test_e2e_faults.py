@@ -592,31 +592,44 @@ def test_lease_reused_for_another_prompt_is_never_used(
     disagg_stack.wait_idle()
 
 
-def test_gateway_without_a_live_prefill_worker_answers_503(loop_thread: LoopThread,
-                                                           disagg_stack: Stack) -> None:
-    """A prefill pool whose only worker is gone: a clear 503, never a 500 or a hang."""
+def test_gateway_without_a_live_prefill_worker_serves_on_decode(
+        loop_thread: LoopThread, disagg_stack: Stack, prompts: list[list[int]],
+        oracle: list[Generated]) -> None:
+    """A prefill pool whose only worker is gone: requests go whole to the decode worker
+    (decode_only mode) with the oracle's tokens; with no worker of either pool, a clear 503 /
+    UNAVAILABLE, never a 500 or a hang."""
     with socket.socket() as s:  # a port nobody listens on
         s.bind((HOST, 0))
         dead = f"{HOST}:{s.getsockname()[1]}"
-    config = GatewayConfig(prefill_addresses=(dead,),
-                           decode_addresses=(f"{HOST}:{disagg_stack.workers['decode'].port}",),
-                           served_model_name=MODEL_NAME, max_model_len=MAX_MODEL_LEN,
-                           max_prompt_tokens=MAX_MODEL_LEN, load_poll_interval_s=0.5,
-                           shutdown_grace_s=1.0, internal_token=disagg_stack.internal_token)
-    gateway = GatewayServer(config, rest_host=HOST, rest_port=0, grpc_host=HOST, grpc_port=0,
-                            tokenizer=disagg_stack.tokenizer)
-    loop_thread.run(gateway.start(), 60)
-    try:
-        resp = httpx.post(f"http://{HOST}:{gateway.rest_port}/v1/completions", timeout=HTTP_TIMEOUT,
-                          json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4})
-        assert "prefill" in _error(resp, 503)
-        with grpc.insecure_channel(f"{HOST}:{gateway.grpc_port}") as ch, \
-                pytest.raises(grpc.RpcError) as info:
-            list(gateway_pb2_grpc.GatewayStub(ch).Generate(gateway_pb2.GenerateRequest(
-                text="hi", sampling=greedy_sampling(4)), timeout=RPC_TIMEOUT_S))
-        assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
-    finally:
-        loop_thread.run(gateway.stop(), 60)
+    decode = f"{HOST}:{disagg_stack.workers['decode'].port}"
+    for decode_addresses in ((decode,), (dead,)):
+        config = GatewayConfig(prefill_addresses=(dead,), decode_addresses=decode_addresses,
+                               served_model_name=MODEL_NAME, max_model_len=MAX_MODEL_LEN,
+                               max_prompt_tokens=MAX_MODEL_LEN, load_poll_interval_s=0.5,
+                               shutdown_grace_s=1.0, internal_token=disagg_stack.internal_token)
+        gateway = GatewayServer(config, rest_host=HOST, rest_port=0, grpc_host=HOST,
+                                grpc_port=0, tokenizer=disagg_stack.tokenizer)
+        loop_thread.run(gateway.start(), 60)
+        try:
+            health = httpx.get(f"http://{HOST}:{gateway.rest_port}/health", timeout=HTTP_TIMEOUT)
+            if decode_addresses == (decode,):
+                assert health.json()["serving_mode"] == "decode_only"
+                out = generate(f"{HOST}:{gateway.grpc_port}", prompts[0], ORACLE_MAX_TOKENS)
+                assert out.token_ids == oracle[0].token_ids
+                continue
+            assert health.status_code == 503
+            assert health.json()["serving_mode"] == "unavailable"
+            resp = httpx.post(f"http://{HOST}:{gateway.rest_port}/v1/completions",
+                              timeout=HTTP_TIMEOUT,
+                              json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4})
+            assert "no healthy" in _error(resp, 503)
+            with grpc.insecure_channel(f"{HOST}:{gateway.grpc_port}") as ch, \
+                    pytest.raises(grpc.RpcError) as info:
+                list(gateway_pb2_grpc.GatewayStub(ch).Generate(gateway_pb2.GenerateRequest(
+                    text="hi", sampling=greedy_sampling(4)), timeout=RPC_TIMEOUT_S))
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+        finally:
+            loop_thread.run(gateway.stop(), 60)
     disagg_stack.wait_idle()
 
 

@@ -109,9 +109,9 @@ def test_grpc_generate_with_the_adapter(lora_stack: Stack,
 def test_a_handle_binds_its_adapter(lora_stack: Stack) -> None:
     """KV computed under the adapter is not this prompt's KV for the base model (nor the
     reverse): the decode worker's handle check tells them apart, partial block included."""
-    from decode_service.servicer import _handle_problem
     from protos.splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
     from tests.support.e2e_stack import worker_channel
+    from worker.decode_servicer import _handle_problem
 
     aengine = lora_stack.workers["decode"].aengine
     assert aengine is not None

@@ -91,12 +91,13 @@ class FakeWorker(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeService
     # above override its fields of the same name.
     report: common_pb2.LoadReport = field(default_factory=common_pb2.LoadReport)
 
-    async def start(self) -> None:
+    async def start(self, port: int = 0) -> None:
+        """Serve on `port` (0: a free one; a stopped worker's own: it comes back)."""
         self.server = grpc.aio.server()
         prefill_pb2_grpc.add_PrefillServicer_to_server(self, self.server)
         decode_pb2_grpc.add_DecodeServicer_to_server(self, self.server)
         kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(self, self.server)
-        port = self.server.add_insecure_port("127.0.0.1:0")
+        port = self.server.add_insecure_port(f"127.0.0.1:{port}")
         self.address = f"127.0.0.1:{port}"
         await self.server.start()
 

@@ -15,7 +15,7 @@ from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.request import Request, RequestStatus
 from engine.scheduler import SampledToken, Scheduler, SchedulerOutput
-from engine_api.request_options import RemoteKv
+from engine_api.request_options import RemoteKv, RequestOptions
 from engine_api.sampling_params import SamplingParams
 from tests.support.engine_driver import greedy
 
@@ -253,13 +253,22 @@ def _run(engine: LLMEngine) -> None:
     raise AssertionError("engine did not finish")
 
 
-@pytest.mark.parametrize("load_ok", [True, False], ids=["kv-pulled", "kv-failed"])
-def test_disaggregated_equals_colocated(tiny_model_dirs: dict[str, Path], load_ok: bool) -> None:
-    path = tiny_model_dirs["qwen2"]
-    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+
+
+def _colocated(path: Path, prompt: list[int]) -> Request:
+    """The colocated engine's greedy run of `prompt` (8 tokens): the reference."""
     colo = _engine(path, "colocated")
     want = colo.add_request("c", prompt, greedy(8))
     _run(colo)
+    return want
+
+
+@pytest.mark.parametrize("load_ok", [True, False], ids=["kv-pulled", "kv-failed"])
+def test_disaggregated_equals_colocated(tiny_model_dirs: dict[str, Path], load_ok: bool) -> None:
+    path = tiny_model_dirs["qwen2"]
+    prompt = PROMPT
+    want = _colocated(path, prompt)
 
     pre = _engine(path, "prefill")
     p = pre.add_request("x", prompt, greedy(8))
@@ -285,6 +294,25 @@ def test_disaggregated_equals_colocated(tiny_model_dirs: dict[str, Path], load_o
     _run(dec)
     assert d.output_token_ids == want.output_token_ids
     assert dec.kv.num_free_blocks == dec.kv.num_blocks
+
+
+def test_prefill_role_decodes_a_request_asked_to_decode_here(
+        tiny_model_dirs: dict[str, Path]) -> None:
+    """`RequestOptions.decode_here` (a prefill worker's Decode, with no decode worker left):
+    the prefill-role engine runs the request to its end, as a colocated one does, and holds
+    no lease for it; a request without it still hands off at its first token."""
+    path = tiny_model_dirs["qwen2"]
+    prompt = PROMPT
+    want = _colocated(path, prompt)
+    pre = _engine(path, "prefill")
+    whole = pre.add_request("w", prompt, RequestOptions(greedy(8), decode_here=True))
+    handed = pre.add_request("h", prompt, greedy(8))
+    _run(pre)
+    assert whole.status == RequestStatus.FINISHED_LENGTH
+    assert whole.output_token_ids == want.output_token_ids
+    assert handed.status == RequestStatus.FINISHED_PREFILL
+    assert pre.get_lease("w") is None and pre.release_lease("h")
+    assert pre.kv.num_free_blocks == pre.kv.num_blocks
 
 
 # ---- async scheduling: step n+1 is scheduled before step n's tokens are known ---------------------

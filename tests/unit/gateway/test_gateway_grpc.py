@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -206,9 +207,11 @@ def test_health_and_reflection(gw: Harness, channel: grpc.Channel) -> None:
     assert {"splitserve.v1.Gateway", "grpc.health.v1.Health"} <= names
 
 
-def test_health_not_serving_without_decode(script_ids: list[int]) -> None:
+def test_health_not_serving_without_workers(script_ids: list[int]) -> None:
     with Harness(Script(list(script_ids)), dead_decode=True) as h, \
             grpc.insecure_channel(h.grpc_target) as ch:
+        h.run(h.prefill[0].stop())  # no worker of either pool left
+        time.sleep(1.0)  # a poll round or more: health follows
         resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
         assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
         with pytest.raises(grpc.RpcError) as info:

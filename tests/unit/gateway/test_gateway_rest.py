@@ -695,10 +695,11 @@ def test_dead_decode_worker_resumes_without_duplicates(script_ids: list[int]) ->
 
 
 def test_a_failed_prompt_fails_its_batch_and_cancels_the_others(script_ids: list[int]) -> None:
-    """One prompt of a batch loses its only decode worker mid-stream: the request fails, and
-    the other prompt's decode call is cancelled rather than left running."""
+    """One prompt of a batch loses its only decode worker mid-stream and may not resume
+    (decode_retries=0): the request fails, and the other prompt's decode call is cancelled
+    rather than left running."""
     script = Script(list(script_ids), endless=True, token_delay_s=0.01, die_after=5)
-    with Harness(script) as h:
+    with Harness(script, decode_retries=0) as h:
         r = _post(h, CMPL, {"model": MODEL_NAME, "prompt": ["x", "y"], "max_tokens": 150})
         _error(r, 503, "decode")
         assert len(h.decode[0].decode_requests) == 2
@@ -721,7 +722,11 @@ def test_worker_errors_map_to_http(script_ids: list[int]) -> None:
         with pytest.raises(openai.RateLimitError):
             client.completions.create(model=MODEL_NAME, prompt="x", stream=True)
     with Harness(Script(list(script_ids)), dead_decode=True) as h:
-        assert httpx.get(h.base_url + "/health").status_code == 503
+        h.run(h.prefill[0].stop())  # no worker of either pool left
+        deadline = time.monotonic() + 10
+        while httpx.get(h.base_url + "/health").status_code != 503:
+            assert time.monotonic() < deadline, "health never turned 503"
+            time.sleep(0.05)
         _error(_post(h, CMPL, {"model": MODEL_NAME, "prompt": "x"}), 503, "decode")
 
 
@@ -1009,5 +1014,6 @@ def test_model_retrieve_version_ping_load(gw: Harness, client: OpenAI) -> None:
     version = httpx.get(gw.base_url + "/version", timeout=10).json()["version"]
     assert version == importlib.metadata.version("splitserve")
     for method in ("GET", "POST"):
-        assert httpx.request(method, gw.base_url + "/ping", timeout=10).json() == {"status": "ok"}
+        assert httpx.request(method, gw.base_url + "/ping", timeout=10).json() == {
+            "status": "ok", "serving_mode": "disaggregated"}
     assert httpx.get(gw.base_url + "/load", timeout=10).json() == {"server_load": 0}

@@ -38,10 +38,14 @@ KV_PULL_TIMEOUT_S = 30.0
 
 
 class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
-    def __init__(self, kv_metadata: Sequence[tuple[str, str]] = ()) -> None:
-        """kv_metadata: sent with the lease releases this servicer makes (the credential)."""
+    def __init__(self, kv_metadata: Sequence[tuple[str, str]] = (), pulls_kv: bool = True) -> None:
+        """kv_metadata: sent with the lease releases this servicer makes (the credential).
+        pulls_kv: False on a prefill worker, whose engine decodes whole requests only when no
+        decode worker is left (the gateway's prefill_only mode): a kv_handle is not pulled
+        there (recomputed, or INVALID_ARGUMENT under KV_FAILURE_POLICY_FAIL)."""
         super().__init__()
         self._kv_metadata = tuple(kv_metadata)
+        self._pulls_kv = pulls_kv
         self._releases: set[asyncio.Task[None]] = set()  # keeps fire-and-forget tasks alive
         # Colocated role: CPU/Redis prefix tiers under the engine's cache, when configured.
         self.tiers: TierPrefixCache | None = None
@@ -95,8 +99,9 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
         # (EngineInputError -> INVALID_ARGUMENT below), before anything is queued.
         refused = False  # shed for load: the lease stays for the next worker (`finally`)
         try:
-            async for out in aengine.generate(rid, ids,
-                                              dataclasses.replace(options, remote_kv=remote)):
+            # decode_here: a prefill-role engine (prefill_only mode) decodes it too.
+            async for out in aengine.generate(rid, ids, dataclasses.replace(
+                    options, remote_kv=remote, decode_here=True)):
                 n_out += len(out.new_token_ids)
                 if tiers is not None:  # saved with the prompt when the request ends
                     generated.extend(out.new_token_ids)
@@ -151,6 +156,10 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
                    lora: str | None = None, salt: str | None = None) -> RemoteKv | None:
         if not request.HasField("kv_handle"):
             return None
+        if not self._pulls_kv:
+            if request.kv_failure_policy == decode_pb2.KV_FAILURE_POLICY_FAIL:
+                raise InvalidRequest("this worker pulls no KV (a prefill worker decoding)")
+            return None  # recompute locally
         assert self.aengine is not None
         problem = _handle_problem(request.kv_handle, ids, self.aengine.engine, lora, salt)
         if problem is not None:
