@@ -58,6 +58,7 @@ from gateway.tools import ToolCalling
 from protos.splitserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from rpc.auth import BearerAuthInterceptor
 from rpc.limits import MAX_MESSAGE_BYTES
+from rpc.request_decoding import DecodeErrorInterceptor
 from rpc.tls import read_pem
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
@@ -415,8 +416,9 @@ class GrpcFrontend:
     def __init__(self, state: GatewayState, host: str, port: int) -> None:
         self._state = state
         key = state.config.api_key
-        self.server = grpc.aio.server(
-            interceptors=None if key is None else [BearerAuthInterceptor(key, "API key")])
+        # A request that does not parse is INVALID_ARGUMENT (after the key check).
+        auth = [] if key is None else [BearerAuthInterceptor(key, "API key")]
+        self.server = grpc.aio.server(interceptors=[*auth, DecodeErrorInterceptor()])
         gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(state), self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -1011,3 +1011,19 @@ def test_model_retrieve_version_ping_load(gw: Harness, client: OpenAI) -> None:
     for method in ("GET", "POST"):
         assert httpx.request(method, gw.base_url + "/ping", timeout=10).json() == {"status": "ok"}
     assert httpx.get(gw.base_url + "/load", timeout=10).json() == {"server_load": 0}
+
+
+@pytest.mark.parametrize("depth", [1_000, 200])
+def test_deeply_nested_json_is_a_400(gw: Harness, depth: int) -> None:
+    """Nesting past what the parser (about 1,000 levels) or the code after it survives is the
+    client's error, not a 500 with a RecursionError."""
+    nested = "[" * depth + "1" + "]" * depth
+    body = json.dumps({"model": MODEL_NAME, "prompt": "hi"})[:-1] + f', "x": {nested}}}'
+    _error(httpx.post(gw.base_url + CMPL, content=body.encode(),
+                      headers={"content-type": "application/json"}), 400, "nests", "128 deep")
+
+
+def test_nesting_within_the_bound_is_served(gw: Harness) -> None:
+    body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2, "x": json.loads("[" * 100 + "]" * 100)}
+    r = httpx.post(gw.base_url + CMPL, json=body)
+    assert r.status_code == 200, r.text
