@@ -105,6 +105,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             yield gateway_pb2.GenerateResponse(
                 error=common_pb2.StreamError(code=err.code.value[0], message=err.message))
             await context.abort(err.code, err.message)
+        except asyncio.CancelledError:  # the client cancelled (or left): at any stage
+            self._state.metrics.requests_aborted.labels(api="grpc").inc()
+            raise
 
     def _responses(self, event: TokenDelta | Finished, output: ChatOutput | None,
                    job: GenerationJob) -> Iterator[gateway_pb2.GenerateResponse]:

@@ -16,6 +16,7 @@ import grpc
 from fastapi import Request
 
 from gateway.errors import GatewayError
+from gateway.metrics import GatewayMetrics
 from gateway.state import GatewayState
 
 T = TypeVar("T")
@@ -95,9 +96,10 @@ def _too_large(size: int, limit: int) -> GatewayError:
                         http=413, error_code="request_too_large")
 
 
-async def until_disconnect(work: Awaitable[T], request: Request) -> T:
+async def until_disconnect(work: Awaitable[T], request: Request,
+                           metrics: GatewayMetrics | None = None) -> T:
     """`work`'s result (a GatewayError from the workers re-raised); a client disconnect first
-    cancels it, and with it the gRPC calls it made."""
+    cancels it, and with it the gRPC calls it made (counted in `metrics`' aborted requests)."""
     consumer = asyncio.ensure_future(work)
     watcher = asyncio.create_task(_wait_disconnect(request))
     try:
@@ -108,6 +110,8 @@ async def until_disconnect(work: Awaitable[T], request: Request) -> T:
     if not consumer.done() or consumer.cancelled():
         with contextlib.suppress(asyncio.CancelledError):
             await consumer
+        if metrics is not None:
+            metrics.requests_aborted.labels(api="rest").inc()
         raise GatewayError(grpc.StatusCode.CANCELLED, "client disconnected")
     return consumer.result()
 

@@ -102,6 +102,38 @@ def test_rest_non_stream_disconnect_frees_kv(disagg_stack: Stack) -> None:
     assert _decode_steps(disagg_stack) - steps < LONG_MAX_TOKENS // 2
 
 
+
+def _aborted(stack: Stack) -> float:
+    text = httpx.get(f"http://{HOST}:{stack.gateway.rest_port}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("splitserve:requests_aborted_total{"))
+
+
+def test_stream_disconnect_during_prefill_cancels_it(disagg_stack: Stack) -> None:
+    """A streaming client that leaves while its long prompt is computed is noticed within a
+    second, before any first token: the prefill is cancelled, no decode runs for nobody, and
+    the abort is counted."""
+    disagg_stack.wait_idle()
+    decode = disagg_stack.workers["decode"].aengine
+    assert decode is not None
+    decode_steps, aborted = decode.engine.num_steps, _aborted(disagg_stack)
+    # Long enough to take a second or more on the CPU (one step: its abort lands after it).
+    prompt = disagg_stack.tokenizer.encode("The sea. " * 400, add_special_tokens=False)[:800]
+    body = json.dumps({"model": MODEL_NAME, "prompt": prompt, "max_tokens": 64,
+                       "temperature": 0, "stream": True}).encode()
+    with socket.create_connection((HOST, disagg_stack.gateway.rest_port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\n"
+                     b"Content-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        time.sleep(0.2)  # the body read, the prompt being computed
+    left = time.monotonic()
+    _wait_until(lambda: _aborted(disagg_stack) == aborted + 1, "the disconnect to be noticed",
+                5.0)
+    assert time.monotonic() - left < 1.5
+    disagg_stack.wait_idle(90.0)  # the step computing the prompt ends first (a shared CPU)
+    assert decode.engine.num_steps == decode_steps  # nothing decoded for nobody
+
+
 def test_grpc_cancel_mid_stream_frees_kv(disagg_stack: Stack) -> None:
     disagg_stack.wait_idle()
     steps = _decode_steps(disagg_stack)
