@@ -14,7 +14,6 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from kv_transfer import DEFAULT_TCP_STREAMS
 from protos.splitserve.v1 import decode_pb2, decode_pb2_grpc
-from rpc.auth import bearer_metadata
 from worker.kv import GrpcKvLoader
 from worker.server import EngineFactory, WorkerHandle, start_worker_server
 from worker.tier_cache import TierConfig, attach_tiers
@@ -32,14 +31,17 @@ async def start_decode_worker(config: EngineConfig, host: str, port: int, *,
     """Start a decode (or colocated) worker; returns once the port is bound (`handle.ready`:
     loaded).
 
-    auth_token: also sent with this worker's KV pulls and lease releases. tiers: the colocated
+    auth_token: what calls to this worker must carry (its KV pulls and lease releases carry
+    each lease's own ticket instead). tiers: the colocated
     role's CPU/Redis prefix tiers (ignored by the decode role). kv_transports: how a decode
     worker may pull KV ("ipc", "tcp", "shm"; the gRPC stream always). kv_tcp_streams:
     connections one data-port pull opens."""
     role = config.scheduler.role
     if role not in ("decode", "colocated"):
         raise ValueError(f"a decode worker needs role 'decode' or 'colocated', not {role!r}")
-    kv_metadata = bearer_metadata(auth_token)  # what this worker's own KV calls carry
+    # This worker's own KV calls (pulls, releases) go to the address each handle names: they
+    # carry the lease's ticket from the handle, never the cluster's secret (rpc/auth.py).
+    kv_metadata: tuple[tuple[str, str], ...] = ()
     servicer = DecodeServicer(kv_metadata=kv_metadata)
 
     def register(server: grpc.aio.Server, bound: int) -> list[str]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 
 import grpc
@@ -66,16 +66,19 @@ class WorkerHandle:
 async def start_worker_server(config: EngineConfig, host: str, port: int, register: Register,
                               on_loaded: OnLoaded, *,
                               engine_factory: EngineFactory | None = None,
-                              auth_token: str | None = None) -> WorkerHandle:
+                              auth_token: str | None = None,
+                              ticketed_methods: Collection[str] = ()) -> WorkerHandle:
     """Bind `host:port` (mutual TLS when configured), register the service's servicers, start
     serving NOT_SERVING, and load the engine in the background; `handle.ready` is set once
     `on_loaded` returned and health says SERVING.
 
     auth_token: the cluster's shared secret (rpc/auth.py). With it, every call but a health
-    check must carry it."""
+    check must carry it, or (`ticketed_methods`: the KvTransfer service's) a lease ticket that
+    the servicer checks."""
     opts = [*message_size_options(), ("grpc.so_reuseport", 0)]
     interceptors = (None if auth_token is None
-                    else [BearerAuthInterceptor(auth_token, INTERNAL_TOKEN_ENV)])
+                    else [BearerAuthInterceptor(auth_token, INTERNAL_TOKEN_ENV,
+                                                ticketed_methods=ticketed_methods)])
     server = grpc.aio.server(options=opts, interceptors=interceptors)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
