@@ -2,10 +2,9 @@
 
 Part of the wire contract like the `.proto` files (torch-free, importable by every package):
 
-- internal calls (gateway -> prefill/decode workers, decode -> prefill KV pulls) carry the
-  cluster's shared secret from the environment variable `SPLITSERVE_INTERNAL_TOKEN` (a
-  Kubernetes Secret in k8s/, a random one per stack from `splitserve up`); workers started with
-  it refuse calls without it;
+- internal calls (gateway -> prefill/decode workers) carry the cluster's shared secret from
+  the environment variable `SPLITSERVE_INTERNAL_TOKEN` (a Kubernetes Secret in k8s/, a random
+  one per stack from `splitserve up`); workers started with it refuse calls without it;
 - the gateway's public gRPC API takes the same header with the gateway's API key, as its REST
   API does.
 
