@@ -452,7 +452,7 @@ def _chained_grammar(n: int) -> str:
 
 def test_a_constraint_that_compiles_too_long_is_refused_in_time(smollm2: LLM) -> None:
     """Compiling is bounded: the vetting child is killed at the deadline (2,000 chained rules
-    compile for minutes) and the request refused; the next constraint is still served."""
+    compile for minutes) and the request refused within it."""
     tok = smollm2.engine.tokenizer
     assert tok is not None
     compiler = GrammarCompiler(tok, smollm2.engine.grammars.vocab_size,
@@ -463,5 +463,4 @@ def test_a_constraint_that_compiles_too_long_is_refused_in_time(smollm2: LLM) ->
     with pytest.raises(ValueError, match=r"did not compile within 0\.5 s"):
         compiler.compile(StructuredOutputs(grammar=_chained_grammar(2000)))
     assert time.monotonic() - start < 5.0
-    with pytest.raises(ValueError, match="too complex"):  # its first mask: ~0.2 s > 50 ms
-        compiler.compile(StructuredOutputs(grammar=_chained_grammar(80)))
+    # (A grammar refused for its first mask's cost: tests/e2e/test_e2e_structured.py.)
