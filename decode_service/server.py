@@ -32,14 +32,17 @@ async def start_decode_worker(config: EngineConfig, host: str, port: int, *,
     """Start a decode (or colocated) worker; returns once the port is bound (`handle.ready`:
     loaded).
 
-    auth_token: also sent with this worker's KV pulls and lease releases. tiers: the colocated
+    auth_token: what calls to this worker must carry (its KV pulls and lease releases carry
+    each lease's own ticket instead). tiers: the colocated
     role's CPU/Redis prefix tiers (ignored by the decode role). kv_transports: how a decode
     worker may pull KV ("ipc", "tcp", "shm"; the gRPC stream always). kv_tcp_streams:
     connections one data-port pull opens."""
     role = config.scheduler.role
     if role not in ("decode", "colocated"):
         raise ValueError(f"a decode worker needs role 'decode' or 'colocated', not {role!r}")
-    kv_metadata = bearer_metadata(auth_token)  # what this worker's own KV calls carry
+    # This worker's own KV calls (pulls, releases) go to the address each handle names: they
+    # carry the lease's ticket from the handle, never the cluster's secret (rpc/auth.py).
+    kv_metadata: tuple[tuple[str, str], ...] = ()
     servicer = DecodeServicer(kv_metadata=kv_metadata)
 
     def register(server: grpc.aio.Server, bound: int) -> list[str]:

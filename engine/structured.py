@@ -18,7 +18,9 @@ request's `reasoning_end_token_id`, which the gateway's reasoning parser sets, a
 reasoning-aware structured outputs do): until then its rows are not masked.
 
 xgrammar (which imports transformers) is imported on the first structured request, off the
-engine thread where the services call it (`AsyncEngine` compiles in a worker thread).
+engine thread where the services call it (`AsyncEngine` compiles in a worker thread). A new
+constraint is first tried in a child process under a deadline, and refused when it compiles
+too slowly or its token masks would stall the engine's steps (engine/grammar_vetting.py).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.grammar_vetting import GrammarLimits, GrammarVetting
+from engine.grammar_vetting import prestart as prestart_vetting
 from engine.utf8_state import BOUNDARY, Utf8Table
 from engine_api.sampling_params import StructuredOutputs
 
@@ -186,8 +190,12 @@ class GrammarCompiler:
     """Compiles constraints against one model's vocabulary; thread-safe."""
 
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int,
-                 stop_token_ids: Sequence[int]) -> None:
+                 stop_token_ids: Sequence[int], limits: GrammarLimits | None = None) -> None:
+        """limits: what a constraint may cost to compile and to mask a step with
+        (engine/grammar_vetting.py)."""
         self._tokenizer = tokenizer
+        self._limits = limits or GrammarLimits()
+        self._vetting: GrammarVetting | None = None
         self.vocab_size = vocab_size
         self._stop_token_ids = list(stop_token_ids)
         self._lock = threading.Lock()
@@ -232,29 +240,12 @@ class GrammarCompiler:
 
     def _compile(self, spec: StructuredOutputs) -> Any:
         compiler = self._xgrammar_compiler()
-        field = f"structured_outputs.{spec.kind}"
-        try:
-            if spec.json is not None:
-                json.loads(spec.json)  # xgrammar's message for bad JSON names no position
-                return compiler.compile_json_schema(spec.json, any_whitespace=spec.any_whitespace)
-            if spec.json_object:  # OpenAI's JSON mode: an object (vLLM's reading too)
-                return compiler.compile_json_schema('{"type": "object"}',
-                                                    any_whitespace=spec.any_whitespace)
-            if spec.regex is not None:
-                return compiler.compile_regex(spec.regex)
-            if spec.choice is not None:
-                return compiler.compile_grammar(choice_grammar(spec.choice))
-            if spec.structural_tag is not None:
-                return _compile_structural_tag(compiler, spec.structural_tag)
-            assert spec.grammar is not None
-            return compiler.compile_grammar(spec.grammar)
-        except StructuredOutputError:
-            raise
-        except ValueError as e:  # json.JSONDecodeError
-            raise StructuredOutputError(f"{field} is not valid JSON: {e}") from None
-        except RuntimeError as e:  # xgrammar's parse errors: "[time] file.cc:line: message"
-            raise StructuredOutputError(f"{field} does not compile: {_xgrammar_message(e)}"
-                                        ) from None
+        if spec.choice is None and not spec.json_object:  # those two are bounded by their form
+            assert self._vetting is not None  # made with the compiler
+            problem = self._vetting.vet(spec)  # in a child process, under a deadline
+            if problem is not None:
+                raise StructuredOutputError(problem)
+        return compile_spec(compiler, spec)
 
     def _xgrammar_compiler(self) -> Any:
         with self._lock:
@@ -262,15 +253,46 @@ class GrammarCompiler:
                 if self._tokenizer is None:
                     raise StructuredOutputError(
                         "structured_outputs needs the model's tokenizer, and this engine has none")
-                self._compiler, self._masks, self._utf8 = _make_compiler(
+                prestart_vetting()  # its imports run while the compiler is made here
+                self._compiler, self._masks, self._utf8, vocab, metadata = _make_compiler(
                     self._tokenizer, self.vocab_size, self._stop_token_ids)
+                self._vetting = GrammarVetting(vocab, metadata, self._limits)
             return self._compiler
 
 
+def compile_spec(compiler: Any, spec: StructuredOutputs) -> Any:
+    """`spec` compiled by an xgrammar `GrammarCompiler`; raises StructuredOutputError naming the
+    field when it does not compile."""
+    field = f"structured_outputs.{spec.kind}"
+    try:
+        if spec.json is not None:
+            json.loads(spec.json)  # xgrammar's message for bad JSON names no position
+            return compiler.compile_json_schema(spec.json, any_whitespace=spec.any_whitespace)
+        if spec.json_object:  # OpenAI's JSON mode: an object (vLLM's reading too)
+            return compiler.compile_json_schema('{"type": "object"}',
+                                                any_whitespace=spec.any_whitespace)
+        if spec.regex is not None:
+            return compiler.compile_regex(spec.regex)
+        if spec.choice is not None:
+            return compiler.compile_grammar(choice_grammar(spec.choice))
+        if spec.structural_tag is not None:
+            return _compile_structural_tag(compiler, spec.structural_tag)
+        assert spec.grammar is not None
+        return compiler.compile_grammar(spec.grammar)
+    except StructuredOutputError:
+        raise
+    except ValueError as e:  # json.JSONDecodeError
+        raise StructuredOutputError(f"{field} is not valid JSON: {e}") from None
+    except RuntimeError as e:  # xgrammar's parse errors: "[time] file.cc:line: message"
+        raise StructuredOutputError(f"{field} does not compile: {_xgrammar_message(e)}"
+                                    ) from None
+
+
 def _make_compiler(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]
-                   ) -> tuple[Any, dict[bool, list[torch.Tensor]], Utf8Table]:
+                   ) -> tuple[Any, dict[bool, list[torch.Tensor]], Utf8Table, list[str], str]:
     """The compiler over the vocabulary; per UTF-8 state the bitmask of the tokens any
-    constraint (False) and a JSON one (True) may use; the UTF-8 table."""
+    constraint (False) and a JSON one (True) may use; the UTF-8 table; the vocabulary as the
+    compiler reads it (each token's text, special ones empty) and its metadata."""
     import xgrammar as xgr
     from transformers import PreTrainedTokenizerFast
 
@@ -283,14 +305,15 @@ def _make_compiler(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[i
     # text; as empty strings they count as special and are never allowed (the stop tokens
     # still end a complete string). Ids beyond the tokenizer's (padding rows of the LM head)
     # stay empty as well.
-    vocab: list[bytes | str] = [""] * vocab_size
+    vocab: list[str] = [""] * vocab_size
     for text, i in tokenizer.backend.get_vocab(with_added_tokens=True).items():
         if i < vocab_size:
             vocab[i] = text
     for i in tokenizer.all_special_ids:
         if i < vocab_size:
             vocab[i] = ""
-    info = xgr.TokenizerInfo.from_vocab_and_metadata(vocab, detected.dump_metadata())
+    metadata = detected.dump_metadata()
+    info = xgr.TokenizerInfo.from_vocab_and_metadata(list[bytes | str](vocab), metadata)
     logger.info("structured outputs: xgrammar over %d tokens (%s), stop tokens %s",
                 vocab_size, info.vocab_type.name, info.stop_token_ids)
     decoded: list[bytes] = info.decoded_vocab
@@ -299,7 +322,7 @@ def _make_compiler(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[i
     json_usable[[i for i, text in enumerate(decoded) if _JSON_FORBIDDEN_BYTES.search(text)]] = False
     masks = {False: [pack_bits(v) for v in utf8.valid],
              True: [pack_bits(v & json_usable) for v in utf8.valid]}
-    return xgr.GrammarCompiler(info, max_threads=2), masks, utf8
+    return xgr.GrammarCompiler(info, max_threads=2), masks, utf8, vocab, metadata
 
 
 def pack_bits(flags: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 # OpenAI's range for a logit bias; vLLM clamps to the same.
 LOGIT_BIAS_LIMIT = 100.0
+# The highest temperature taken (OpenAI's is 2; vLLM sets none). Past ~100 every token of a
+# usual logits row is about equally likely, so a larger value (1e308) is a client's mistake.
+MAX_TEMPERATURE = 100.0
 # Entries of `logit_bias` one request may carry (a bound on the request's size and on the work
 # the sampler does per step for it; OpenAI documents no limit, and 300 is what clients send at
 # most in practice).
@@ -168,8 +171,8 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", self.n, "an integer >= 1")
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise bad("temperature", self.temperature, ">= 0")
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise bad("temperature", self.temperature, f"in [0, {MAX_TEMPERATURE:g}]")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", self.top_p, "in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < -1:

@@ -9,6 +9,7 @@ control tokens as added special tokens so text like "<|im_start|>" is never spli
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -252,6 +253,23 @@ class Tokenizer:
         if add_special_tokens and self.add_bos_token and bos is not None and ids[:1] != [bos]:
             ids.insert(0, bos)
         return ids
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """Token ids of `text` with any special-token text in it ("<|im_start|>") taken as
+        plain text, as a message's text must be (no BOS added)."""
+        return list(self._text_only_backend.encode(text, add_special_tokens=False).ids)
+
+    @functools.cached_property
+    def _text_only_backend(self) -> BackendTokenizer:
+        backend = BackendTokenizer.from_str(self.backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
+
+    @functools.cached_property
+    def special_token_texts(self) -> tuple[str, ...]:
+        """The text of each special token, longest first (a longer one may contain a shorter)."""
+        texts = {t.content for t in self.backend.get_added_tokens_decoder().values() if t.special}
+        return tuple(sorted(texts, key=lambda t: (-len(t), t)))
 
     def encode_pair(self, text: str, pair: str) -> list[int]:
         """Token ids of `text` and `pair` as one input, as `transformers`' `tokenizer(text,

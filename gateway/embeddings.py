@@ -3,6 +3,11 @@ tokenized and checked before any runs, then each embedded by its own `Embed` cal
 on the worker the router picks as it picks a prefill worker (longest cached prefix, then load)
 in the pool that computes prompts (colocated: the only one).
 
+At most `MAX_EMBED_CALLS_IN_FLIGHT` of a request's calls run at once: a grpc.aio server
+cancels calls beyond about 1,024 at once (a 2,048-input request, OpenAI's most, came back
+CANCELLED), and a worker batches no more than its `max_num_seqs` (256 by default) per step
+anyway.
+
 An embedding's prompt fills the worker's prefix cache like any other prompt's, so the router
 records it there as it does a prefill's. Failing or cancelling the request (a client gone)
 cancels every call still running; the workers then free those requests' KV.
@@ -31,6 +36,8 @@ from protos.splitserve.v1 import common_pb2
 from rpc import tracing
 
 log = logging.getLogger(__name__)
+
+MAX_EMBED_CALLS_IN_FLIGHT = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +122,8 @@ async def _run_embeddings(state: GatewayState, job: EmbeddingJob
     with tracing.traced_span("gen_ai.embeddings", parent=None, kind=SpanKind.CLIENT,
                              attributes=attrs) as span:
         parent = tracing.span_context(span)
-        tasks = [asyncio.create_task(_embed(state, job, i, parent))
+        calls = asyncio.Semaphore(MAX_EMBED_CALLS_IN_FLIGHT)
+        tasks = [asyncio.create_task(_embed(state, job, i, parent, calls))
                  for i in range(len(job.prompts))]
         metrics.num_requests_in_flight.inc()
         try:
@@ -134,10 +142,17 @@ async def _run_embeddings(state: GatewayState, job: EmbeddingJob
         return responses
 
 
-async def _embed(state: GatewayState, job: EmbeddingJob, index: int,
-                 parent: Context) -> common_pb2.EmbedResponse:
+async def _embed(state: GatewayState, job: EmbeddingJob, index: int, parent: Context,
+                 calls: asyncio.Semaphore) -> common_pb2.EmbedResponse:
     """Input `index`'s `Embed` call on the router's choice (retried once elsewhere when that
-    worker is UNAVAILABLE, and on each other worker in turn while they are full)."""
+    worker is UNAVAILABLE, and on each other worker in turn while they are full), once one
+    of the request's `calls` is free."""
+    async with calls:
+        return await _embed_call(state, job, index, parent)
+
+
+async def _embed_call(state: GatewayState, job: EmbeddingJob, index: int,
+                      parent: Context) -> common_pb2.EmbedResponse:
     router = state.router
     pool = router.embed_pool
     prompt = job.prompts[index]

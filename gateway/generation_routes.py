@@ -97,7 +97,8 @@ def add_generation_routes(app: FastAPI, state: GatewayState) -> None:
                                   cache_salt=checked_cache_salt(req.cache_salt))
         state.metrics.requests_received.labels(api="embeddings").inc()
         state.metrics.prompt_tokens.inc(job.num_prompt_tokens)
-        responses = await until_disconnect(run_embeddings(state, job), request)
+        responses = await until_disconnect(run_embeddings(state, job), request,
+                                           state.metrics)
         return JSONResponse(embeddings_body([r.embedding for r in responses],
                                             job.num_prompt_tokens,
                                             lora or state.config.served_model_name,
@@ -107,19 +108,19 @@ def add_generation_routes(app: FastAPI, state: GatewayState) -> None:
         req = parse_request(ScoreRequest, await read_json(request, state))
         lora = await resolve_model(state, req.model)
         return JSONResponse(await score_body(
-            state, req, lora, lambda work: until_disconnect(work, request)))
+            state, req, lora, lambda work: until_disconnect(work, request, state.metrics)))
 
     async def classify(request: Request) -> Response:
         req = parse_request(ClassifyRequest, await read_json(request, state))
         lora = await resolve_model(state, req.model)
         return JSONResponse(await classify_body(
-            state, req, lora, lambda work: until_disconnect(work, request)))
+            state, req, lora, lambda work: until_disconnect(work, request, state.metrics)))
 
     async def rerank(request: Request) -> Response:
         req = parse_request(RerankRequest, await read_json(request, state))
         lora = await resolve_model(state, req.model)
         return JSONResponse(await rerank_body(
-            state, req, lora, lambda work: until_disconnect(work, request)))
+            state, req, lora, lambda work: until_disconnect(work, request, state.metrics)))
 
     for path in ("/v1/score", "/score"):  # vLLM serves both
         app.add_api_route(path, score, methods=["POST"])
@@ -140,7 +141,7 @@ async def _beam_response(state: GatewayState, request: Request, jobs: list[Gener
         return [await run_beam_search(state, job, dataclasses.replace(
                     params, max_tokens=job.sampling.max_tokens)) for job in jobs]
 
-    results = await until_disconnect(search(), request)
+    results = await until_disconnect(search(), request, state.metrics)
     return JSONResponse(beam_body(request_id, chat,
                                   jobs[0].lora_name or state.config.served_model_name, results,
                                   token_ids))

@@ -60,6 +60,7 @@ from rpc import tracing
 from rpc.auth import BearerAuthInterceptor
 from rpc.health import HealthServicer
 from rpc.limits import MAX_MESSAGE_BYTES
+from rpc.request_decoding import DecodeErrorInterceptor
 from rpc.servers import SERVER_OPTIONS, bind_port
 from rpc.tls import read_pem
 
@@ -114,6 +115,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             yield gateway_pb2.GenerateResponse(
                 error=common_pb2.StreamError(code=err.code.value[0], message=err.message))
             await context.abort(err.code, err.message)
+        except asyncio.CancelledError:  # the client cancelled (or left): at any stage
+            self._state.metrics.requests_aborted.labels(api="grpc").inc()
+            raise
 
     def _responses(self, event: TokenDelta | Finished, output: ChatOutput | None,
                    job: GenerationJob) -> Iterator[gateway_pb2.GenerateResponse]:
@@ -427,9 +431,10 @@ class GrpcFrontend:
     def __init__(self, state: GatewayState, host: str, port: int) -> None:
         self._state = state
         key = state.config.api_key
-        self.server = grpc.aio.server(
-            options=list(SERVER_OPTIONS),
-            interceptors=None if key is None else [BearerAuthInterceptor(key, "API key")])
+        # A request that does not parse is INVALID_ARGUMENT (after the key check).
+        auth = [] if key is None else [BearerAuthInterceptor(key, "API key")]
+        self.server = grpc.aio.server(options=list(SERVER_OPTIONS),
+                                      interceptors=[*auth, DecodeErrorInterceptor()])
         gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(state), self.server)
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

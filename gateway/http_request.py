@@ -16,9 +16,15 @@ import grpc
 from fastapi import Request
 
 from gateway.errors import GatewayError
+from gateway.metrics import GatewayMetrics
 from gateway.state import GatewayState
 
 T = TypeVar("T")
+
+# Lists and objects a body may nest: far beyond what any API field takes (a JSON schema for
+# structured outputs is the deepest, a few tens), and far below what recursive code after the
+# parser (pydantic, json.dumps, the schema compiler) survives.
+MAX_JSON_DEPTH = 128
 
 
 def check_auth(request: Request, state: GatewayState) -> None:
@@ -58,9 +64,30 @@ async def read_json(request: Request, state: GatewayState) -> dict[str, Any]:
         obj = json.loads(text)
     except json.JSONDecodeError as err:
         raise GatewayError.invalid(None, f"request body is not valid JSON: {err}") from None
+    except RecursionError:  # the C parser's own bound (~1,000 levels) on the nesting
+        raise _too_deep() from None
     if not isinstance(obj, dict):
         raise GatewayError.invalid(None, "request body must be a JSON object")
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH and json_depth(obj) > MAX_JSON_DEPTH:
+        raise _too_deep()
     return obj
+
+
+def json_depth(value: Any) -> int:
+    """How deeply `value` nests lists and objects (a scalar: 0), walked without recursion
+    (the point is to refuse what would overflow the recursive code that reads it later)."""
+    depth = 0
+    level = [value] if isinstance(value, (list, dict)) else []
+    while level:
+        depth += 1
+        level = [v for c in level for v in (c.values() if isinstance(c, dict) else c)
+                 if isinstance(v, (list, dict))]
+    return depth
+
+
+def _too_deep() -> GatewayError:
+    return GatewayError.invalid(None, f"request body nests lists and objects more than "
+                                      f"{MAX_JSON_DEPTH} deep")
 
 
 def _too_large(size: int, limit: int) -> GatewayError:
@@ -69,9 +96,10 @@ def _too_large(size: int, limit: int) -> GatewayError:
                         http=413, error_code="request_too_large")
 
 
-async def until_disconnect(work: Awaitable[T], request: Request) -> T:
+async def until_disconnect(work: Awaitable[T], request: Request,
+                           metrics: GatewayMetrics | None = None) -> T:
     """`work`'s result (a GatewayError from the workers re-raised); a client disconnect first
-    cancels it, and with it the gRPC calls it made."""
+    cancels it, and with it the gRPC calls it made (counted in `metrics`' aborted requests)."""
     consumer = asyncio.ensure_future(work)
     watcher = asyncio.create_task(_wait_disconnect(request))
     try:
@@ -82,6 +110,8 @@ async def until_disconnect(work: Awaitable[T], request: Request) -> T:
     if not consumer.done() or consumer.cancelled():
         with contextlib.suppress(asyncio.CancelledError):
             await consumer
+        if metrics is not None:
+            metrics.requests_aborted.labels(api="rest").inc()
         raise GatewayError(grpc.StatusCode.CANCELLED, "client disconnected")
     return consumer.result()
 

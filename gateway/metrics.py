@@ -277,6 +277,11 @@ class GatewayMetrics:
             "Requests refused for load (429, RESOURCE_EXHAUSTED), by reason: gateway_limit "
             "(--max-concurrent-requests in flight at this gateway) or workers_overloaded "
             "(every worker of a pool was full).", ["reason"], registry=r)
+        self.requests_aborted = Counter(
+            "splitserve:requests_aborted",
+            "Requests whose client went away before they finished (REST disconnect, gRPC "
+            "cancel), their downstream calls cancelled, by api: rest or grpc.", ["api"],
+            registry=r)
         self.decode_resumes = Counter(
             "splitserve:decode_resumes", "Requests resumed on another decode worker.",
             registry=r)

@@ -1,6 +1,7 @@
 """OpenAI-compatible REST API (FastAPI): the app of one gateway, with its health, metrics,
-version and ping routes; the rest come from gateway/admin_routes.py (models, load, tokenize /
-detokenize, runtime LoRA adapter loading), gateway/generation_routes.py (completions, chat
+version and ping routes and its OpenAPI document (`/openapi.json`, gateway/openapi.py); the
+rest come from gateway/admin_routes.py (models, load, tokenize / detokenize, runtime LoRA
+adapter loading), gateway/generation_routes.py (completions, chat
 completions, embeddings, vLLM's score / classify / rerank) and gateway/responses_routes.py (the
 Responses API and its stored responses).
 
@@ -22,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from gateway.admin_routes import add_admin_routes
 from gateway.generation_routes import add_generation_routes
 from gateway.http_errors import add_error_handlers
+from gateway.openapi import install_openapi
 from gateway.responses_routes import add_responses_routes
 from gateway.state import GatewayState
 from gateway.trace_context import TraceContextMiddleware, telemetry_settings
@@ -39,10 +41,13 @@ _VERSION = _package_version()
 
 def build_app(state: GatewayState) -> FastAPI:
     """The FastAPI app of one gateway."""
-    app = FastAPI(title="splitserve gateway", docs_url=None, redoc_url=None, openapi_url=None,
-                  **telemetry_settings())
+    # /openapi.json (gateway/openapi.py) but no interactive docs pages (they load scripts from
+    # a CDN).
+    app = FastAPI(title="splitserve gateway", version=_VERSION, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json", **telemetry_settings())
     app.add_middleware(TraceContextMiddleware)
     add_error_handlers(app)
+    install_openapi(app, _VERSION)
 
     @app.get("/health")
     async def health() -> Response:
@@ -63,7 +68,8 @@ def build_app(state: GatewayState) -> FastAPI:
         """vLLM's (SageMaker's) liveness probe: /health's answer."""
         return await health()
 
-    app.add_api_route("/ping", ping, methods=["GET", "POST"])
+    app.add_api_route("/ping", ping, methods=["GET"])
+    app.add_api_route("/ping", ping, methods=["POST"], operation_id="ping_post")
 
     add_admin_routes(app, state)
     add_generation_routes(app, state)

@@ -3,7 +3,9 @@ accepted), their parsing, and the prompt and message forms they take. The respon
 gateway/openai_bodies.py.
 
 Request models accept unknown fields because benchmark clients send extras (`ignore_eos`,
-`max_completion_tokens`, `stream_options.continuous_usage_stats`).
+`max_completion_tokens`, `stream_options.continuous_usage_stats`). Their numbers and booleans
+are strict, as the JSON types say: `true`, `"8"` or `8.0` is not an integer, `"1"` is not a
+number and `1` or `"yes"` is not a boolean (a 400 naming the field).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    StrictFloat,
     StrictInt,
     StrictStr,
     ValidationError,
@@ -35,8 +38,8 @@ class _Open(BaseModel):
 
 
 class StreamOptions(_Open):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
 
 
 # Fields of OpenAI's API (and vLLM's extras) that change what comes back and that this server
@@ -75,35 +78,35 @@ class _SamplingFields(_PriorityField):
     """Fields shared by completions and chat completions (vLLM's extras included)."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
+    n: StrictInt = 1
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None
+    min_p: StrictFloat | None = None
+    seed: StrictInt | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    stream: bool = False
+    stop_token_ids: list[StrictInt] | None = None
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = 0
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
     user: str | None = None
-    logit_bias: dict[str, float] | None = None   # JSON keys are strings: {"50256": -100}
-    allowed_token_ids: list[int] | None = None   # vLLM's extra
-    prompt_logprobs: int | None = None           # vLLM's extra: score the prompt, top-n each
+    logit_bias: dict[str, StrictFloat] | None = None   # JSON keys are strings: {"50256": -100}
+    allowed_token_ids: list[StrictInt] | None = None   # vLLM's extra
+    prompt_logprobs: StrictInt | None = None           # vLLM's extra: score the prompt, top-n each
     bad_words: list[str] | None = None           # vLLM's extra: words the output never contains
     truncate_prompt_tokens: TruncatePromptTokens | None = None  # vLLM's extra: see its type
     # vLLM's extra (RL rollouts read them to avoid re-tokenizing): the prompt's token ids and
     # each choice's output token ids in the response (streamed: each delta's).
-    return_token_ids: bool = False
+    return_token_ids: StrictBool = False
     # vLLM's extra: logprobs name each token "token_id:<id>" instead of its text (for tokens
     # whose text does not round-trip, e.g. partial UTF-8).
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: StrictBool = False
     # vLLM's extra: cached KV is shared only among requests with the same salt (one per tenant).
     cache_salt: str | None = None
 
@@ -187,11 +190,11 @@ class CompletionRequest(_SamplingFields):
     """`POST /v1/completions`. `prompt` is checked by `prompt_inputs` for a precise message."""
 
     prompt: Any = None
-    max_tokens: int | None = 16   # 0 with echo: the prompt alone (scored, with logprobs)
-    logprobs: int | None = None
-    echo: bool = False
-    best_of: int | None = None
-    add_special_tokens: bool = True  # vLLM's extra: the tokenizer's BOS etc. on a text prompt
+    max_tokens: StrictInt | None = 16   # 0 with echo: the prompt alone (scored, with logprobs)
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False
+    best_of: StrictInt | None = None
+    add_special_tokens: StrictBool = True  # vLLM's extra: the tokenizer's BOS etc. on a text prompt
 
     def prompt_scoring(self) -> int | None:
         """Top logprobs to score each prompt token with (None: not scored): `prompt_logprobs`,
@@ -259,8 +262,8 @@ class _ChatTemplateFields(_Open):
     # vLLM's (and transformers'): end the prompt with the template's assistant header (a new
     # turn), or (continue_final_message) right after the final message's text, so the model
     # continues that message: a prefilled answer. At most one of the two.
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     # vLLM's per-request template, in place of the server's: served only with
     # --trust-request-chat-template, and checked then (`check_request_chat_template`).
     chat_template: str | None = None
@@ -277,13 +280,13 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     _supported: ClassVar[frozenset[str]] = frozenset({"tools", "tool_choice"})  # gateway/tools.py
 
     messages: list[ChatMessageIn] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
     # vLLM's extras: the tokenizer's special tokens on the rendered template (the template
     # usually writes BOS itself, hence off), and documents for a RAG template (`documents`).
-    add_special_tokens: bool = False
+    add_special_tokens: StrictBool = False
     documents: list[dict[str, str]] | None = None
 
 
@@ -293,14 +296,14 @@ class TokenizeRequest(_ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessageIn] | None = None
-    add_special_tokens: bool = True  # for a prompt (the chat template has its own)
+    add_special_tokens: StrictBool = True  # for a prompt (the chat template has its own)
 
 
 class DetokenizeRequest(_Open):
     """vLLM's `/detokenize`."""
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 class LoadLoRAAdapterRequest(_Open):
@@ -325,9 +328,9 @@ class EmbeddingRequest(_PriorityField):
     input: Any = None
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
+    dimensions: StrictInt | None = None
     user: str | None = None
-    normalize: bool | None = None  # vLLM's extra: None, the model's (normalized)
+    normalize: StrictBool | None = None  # vLLM's extra: None, the model's (normalized)
     truncate_prompt_tokens: TruncatePromptTokens | None = None  # vLLM's extra, as completions'
     cache_salt: str | None = None  # as completions': cached blocks shared within a salt only
 
@@ -359,8 +362,8 @@ class RerankRequest(_PriorityField):
     model: str | None = None
     query: str | list[int] | None = None
     documents: Any = None
-    top_n: int | None = Field(default=None, ge=0)
-    return_documents: bool = True
+    top_n: StrictInt | None = Field(default=None, ge=0)
+    return_documents: StrictBool = True
     truncate_prompt_tokens: TruncatePromptTokens | None = None
 
 

@@ -23,6 +23,7 @@ from engine_api.sampling_params import (
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError
 from gateway.generation import GenerationJob
+from gateway.message_text import encode_shielded, shield_special_tokens
 from gateway.structured import structured_to_proto
 from gateway.tokenization import (
     TokenizerLike,
@@ -99,13 +100,20 @@ class Preprocessor:
             raise GatewayError.invalid(param, f"{param} must contain at least one message")
         for i, m in enumerate(messages):
             check_encodable(m["content"], f"{param}[{i}].content")
-        text = await self._render(messages, tools, template_kwargs, chat_template,
+        # Special token text inside a message is text (gateway/message_text.py).
+        shielded = shield_special_tokens(messages, self._tokenizer.special_token_texts)
+        rendered = messages if shielded is None else shielded
+        text = await self._render(rendered, tools, template_kwargs, chat_template,
                                   param if chat_template is None else "chat_template",
                                   add_generation_prompt)
         if continue_final_message:
-            text = _cut_after_final_message(text, messages[-1], param)
+            text = _cut_after_final_message(text, rendered[-1], param)
         # The template usually contains the special tokens (BOS, role markers) itself.
-        return await self.encode_text(text, param, add_special_tokens=add_special_tokens)
+        if shielded is None:
+            return await self.encode_text(text, param, add_special_tokens=add_special_tokens)
+        if len(text) > self._config.max_body_bytes:
+            raise GatewayError.invalid(param, f"{param} is longer than the request size limit")
+        return await asyncio.to_thread(encode_shielded, text, self._tokenizer, add_special_tokens)
 
     async def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                       template_kwargs: dict[str, Any] | None, chat_template: str | None,

@@ -60,7 +60,7 @@ def add_responses_routes(app: FastAPI, state: GatewayState) -> None:
         state.metrics.requests_received.labels(api="responses").inc()
         state.metrics.prompt_tokens.inc(len(job.prompt_token_ids))
         if req.stream:
-            return await stream_response(view, writer, keep)
+            return await stream_response(view, writer, keep, request)
         final = await complete(view, request)
         choice = final["choices"][0]
         message = choice["message"]

@@ -1,9 +1,11 @@
 """A request's generation events answered: run to the end (one body), or streamed as
 server-sent events — chat and completion chunks ending `[DONE]`, or the Responses API's typed
-events. A client disconnect cancels the generation, and with it the downstream gRPC calls."""
+events. A client disconnect, at any stage (a streamed request's prefill included), cancels the
+generation, and with it the downstream gRPC calls; it is counted (`splitserve:requests_aborted`)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
@@ -30,15 +32,22 @@ async def complete(view: CompletionView, request: Request) -> dict[str, Any]:
         async for event in view.state.orchestrator.generate_batch(view.jobs):
             view.record(event)
 
-    await until_disconnect(consume(), request)
+    await until_disconnect(consume(), request, view.state.metrics)
     return view.final()
 
 
-async def _started(view: CompletionView) -> tuple[Event, AsyncGenerator[Event, None]]:
-    """The view's events with the first one awaited, so an early failure gets a real status."""
+async def _started(view: CompletionView, request: Request
+                   ) -> tuple[Event, AsyncGenerator[Event, None]]:
+    """The view's events with the first one awaited, so an early failure gets a real status.
+    The client may leave while it is awaited (a long prompt's prefill): that cancels the
+    prefill at once, rather than when the first token finds nobody to send it to."""
     events = view.state.orchestrator.generate_batch(view.jobs)
+
+    async def first() -> Event:
+        return await anext(events)
+
     try:
-        return await anext(events), events
+        return await until_disconnect(first(), request, view.state.metrics), events
     except BaseException:
         await events.aclose()
         raise
@@ -68,8 +77,7 @@ class _EventStream(StreamingResponse):
 
 async def stream_chunks(view: CompletionView, request: Request) -> Response:
     """SSE of chat or completion chunks, ending `[DONE]`."""
-    del request
-    first, events = await _started(view)
+    first, events = await _started(view, request)
     return _EventStream(_sse(view, first, events), events)
 
 
@@ -91,14 +99,18 @@ async def _sse(view: CompletionView, first: Event, events: AsyncGenerator[Event,
     except GatewayError as err:
         yield _data(error_body(err.message, error_type(err.http_status), err.param,
                                err.error_code or err.http_status))
+    except (asyncio.CancelledError, GeneratorExit):  # the client left mid-stream
+        view.state.metrics.requests_aborted.labels(api="rest").inc()
+        raise
     finally:
         await events.aclose()
     yield "data: [DONE]\n\n"
 
 
-async def stream_response(view: CompletionView, writer: ResponseWriter, keep: Keep) -> Response:
+async def stream_response(view: CompletionView, writer: ResponseWriter, keep: Keep,
+                          request: Request) -> Response:
     """The Responses API's SSE stream: typed events, no [DONE]."""
-    first, events = await _started(view)
+    first, events = await _started(view, request)
     return _EventStream(_response_events(view, writer, first, events, keep), events)
 
 
@@ -127,6 +139,9 @@ async def _response_events(view: CompletionView, writer: ResponseWriter, first: 
     except GatewayError as err:
         err = err.renamed(ResponsesPaths())
         yield _typed(writer.error(err.message, err.error_code or err.http_status, err.param))
+    except (asyncio.CancelledError, GeneratorExit):  # the client left mid-stream
+        view.state.metrics.requests_aborted.labels(api="rest").inc()
+        raise
     finally:
         await events.aclose()
 

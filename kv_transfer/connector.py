@@ -32,6 +32,7 @@ from kv_transfer.protocol import KvTransferError
 from kv_transfer.pull_ways import KvBlockSink, PullWays
 from kv_transfer.shm import shm_available
 from kv_transfer.wire import BlockSpec
+from rpc.auth import lease_ticket_metadata
 from rpc.channels import ChannelCache
 
 log = logging.getLogger(__name__)
@@ -105,8 +106,11 @@ class GrpcPullConnector(KvConnectorWorker):
             if request_id in self._futures:
                 raise ValueError(f"a KV load for request {request_id!r} is already in flight")
         problem = self._check_handle(handle, block_ids, first_block)
+        # The lease's own ticket goes with its calls (the connector's metadata carries no
+        # cluster secret: the handle names where the calls go).
         coro = self._fail(request_id, problem) if problem else self._load(
-            request_id, handle, list(block_ids), first_block, (*self._metadata, *metadata))
+            request_id, handle, list(block_ids), first_block,
+            (*self._metadata, *metadata, *lease_ticket_metadata(handle.lease_ticket)))
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         with self._lock:
             self._futures[request_id] = future

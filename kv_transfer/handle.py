@@ -23,13 +23,14 @@ class KvHandle:
     block_hashes: tuple[bytes, ...] = ()   # hashes of the full blocks
     lease_deadline_unix_ms: int = 0
     prompt_hash: bytes = b""     # engine_api.hashing.prompt_hash of the whole prompt (b"": unset)
+    lease_ticket: str = ""       # what this lease's KV calls carry (rpc/auth.py LeaseTickets)
 
     @classmethod
     def from_proto(cls, msg: common_pb2.KvHandle) -> KvHandle:
         """Raises ValueError naming the field when the handle is not self-consistent."""
         handle = cls(msg.worker_address, msg.request_id, msg.num_tokens, msg.num_blocks,
                      bytes(msg.fingerprint), msg.block_size, tuple(msg.block_hashes),
-                     msg.lease_deadline_unix_ms, bytes(msg.prompt_hash))
+                     msg.lease_deadline_unix_ms, bytes(msg.prompt_hash), msg.lease_ticket)
         handle.validate()
         return handle
 
@@ -39,7 +40,7 @@ class KvHandle:
             block_hashes=list(self.block_hashes), num_tokens=self.num_tokens,
             num_blocks=self.num_blocks, lease_deadline_unix_ms=self.lease_deadline_unix_ms,
             fingerprint=self.fingerprint, block_size=self.block_size,
-            prompt_hash=self.prompt_hash)
+            prompt_hash=self.prompt_hash, lease_ticket=self.lease_ticket)
 
     def validate(self) -> None:
         if not self.worker_address or not self.request_id:

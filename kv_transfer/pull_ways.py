@@ -28,6 +28,7 @@ from kv_transfer.pull_client import pull_blocks, release
 from kv_transfer.raw_pulls import pull_blocks_ipc, pull_blocks_shm, pull_blocks_tcp
 from kv_transfer.tcp import TcpTransferError, TcpUnavailable, receive_blocks, stripes
 from kv_transfer.wire import BlockSpec
+from rpc.auth import lease_ticket_metadata
 from rpc.channels import ChannelCache
 from rpc.tls import tls_paths_from_env
 
@@ -312,7 +313,7 @@ class PullWays:
         """Release the lease; whether it was still live (False too when the call failed)."""
         try:
             return await release(self._channel(handle), handle.request_id, self._timeout_s,
-                                 self._metadata)
+                                 (*self._metadata, *lease_ticket_metadata(handle.lease_ticket)))
         except KvTransferError as exc:  # the lease expires on its own; the data is already here
             log.info("release of KV lease %s failed: %s", handle.request_id, exc)
             return False

@@ -30,6 +30,7 @@ from kv_transfer.shm import SHM_PREFIX, ShmError, ShmSegment, valid_name
 from kv_transfer.tcp import KvDataServer, stripes
 from kv_transfer.wire import BlockSpec, encode_block
 from protos.splitserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from rpc.auth import LeaseTickets, lease_ticket_of
 
 # PullBlocksShm reads a lease this many blocks at a time (128 MB of an 8B model's bf16 KV).
 SHM_READ_BLOCKS = 64
@@ -83,7 +84,8 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
     ([L, 2, num_blocks, ...], the tensor the lease's block ids index), for `PullBlocksIpc`; None
     (a CPU engine) answers those calls FAILED_PRECONDITION. data_server: the worker's KV data
     port (`kv_transfer.tcp`), which `PullBlocksTcp` issues tickets for; None answers those calls
-    FAILED_PRECONDITION.
+    FAILED_PRECONDITION. tickets: the lease tickets a call may carry in place of the cluster's
+    secret (rpc/auth.py); a call carrying one must name the lease it was issued for.
     """
 
     def __init__(
@@ -93,6 +95,7 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         kv_scales: torch.Tensor | None = None,
         ipc_cache: torch.Tensor | None = None,
         data_server: KvDataServer | None = None,
+        tickets: LeaseTickets | None = None,
     ) -> None:
         if not 1 <= fragment_bytes <= MAX_FRAGMENT_BYTES:
             raise ValueError(f"fragment_bytes must be in [1, {MAX_FRAGMENT_BYTES}], "
@@ -104,6 +107,17 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         self._ipc_uuid = (device_uuid(self._ipc_cache.device) if self._ipc_cache is not None
                           else b"")
         self._data_server = data_server
+        self._tickets = tickets
+
+    async def _check_call(self, request_id: str, context: grpc.aio.ServicerContext) -> None:
+        """The request id's form; and a lease ticket, when the call carries one (in place of
+        the cluster's secret), must be the one of the lease this call names."""
+        await _check_request_id(request_id, context)
+        ticket = lease_ticket_of(context.invocation_metadata())
+        if ticket is not None and (self._tickets is None
+                                   or not self._tickets.valid(request_id, ticket)):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                f"the lease ticket is not the one of {request_id!r}'s lease")
 
     @property
     def block_nbytes(self) -> int:
@@ -116,7 +130,7 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[kv_transfer_pb2.KvFragment]:
         spec = self._source.spec
-        await _check_request_id(request.request_id, context)
+        await self._check_call(request.request_id, context)
         if request.fingerprint != spec.fingerprint:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -165,7 +179,7 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
                      context: grpc.aio.ServicerContext) -> LeaseView:
         """The live lease a raw pull (shared memory, CUDA IPC) asks for, after the checks every
         pull makes; aborts the call otherwise."""
-        await _check_request_id(request_id, context)
+        await self._check_call(request_id, context)
         if fingerprint != self._source.spec.fingerprint:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "fingerprint differs from this worker's: KV is not interchangeable")
@@ -267,7 +281,7 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         request: kv_transfer_pb2.ReleaseRequest,
         context: grpc.aio.ServicerContext,
     ) -> kv_transfer_pb2.ReleaseResponse:
-        await _check_request_id(request.request_id, context)
+        await self._check_call(request.request_id, context)
         return kv_transfer_pb2.ReleaseResponse(released=self._source.release(request.request_id))
 
 

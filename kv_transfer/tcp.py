@@ -19,7 +19,9 @@ GIL is released while it does.
 
 Authentication: the ticket is the capability. It comes over the gRPC call, which carries the
 cluster's credential (rpc/auth.py) and is mutual TLS when configured; it opens one
-connection, before it expires. With TLS configured (rpc/tls.py) the data connection is
+connection, before it expires. A connection gets TICKET_WAIT_S to present one, among a bounded
+number doing so (the oldest closed past it), and a sending slot only once it has: idle or
+ticketless connections cannot delay a puller's. With TLS configured (rpc/tls.py) the data connection is
 mutual TLS too, with the same certificates and server name. Integrity: TCP's checksum (TLS's
 MAC when on), no per-block CRC (as for shared memory); the puller checks the byte count, and
 the lease's hashes against its handle before it reads a byte, and the status byte after the
@@ -50,8 +52,12 @@ log = logging.getLogger(__name__)
 TICKET_BYTES = 32
 DEFAULT_TICKET_TTL_S = 30.0
 DEFAULT_MAX_CONNECTIONS = 32
-# A connection must present its ticket this soon, or it is closed (a port scan holds nothing).
-TICKET_WAIT_S = 5.0
+# Connections not yet past their ticket, at most: past it the oldest is closed to admit a new
+# one, so idle or slow ones (a scan, a flood) hold neither a sending slot nor a puller's turn.
+DEFAULT_MAX_UNAUTHENTICATED = 16
+# A connection must present its ticket this soon, or it is closed. A puller sends it right
+# after connecting (and its TLS handshake): milliseconds.
+TICKET_WAIT_S = 2.0
 # The server reads (device to host) and sends a lease this many blocks at a time, the next
 # slice's read running while the current one is sent.
 SEND_SLICE_BLOCKS = 16
@@ -107,24 +113,32 @@ class KvDataServer:
 
     source: the KV block source (its coroutines run on `loop`, the service's event loop, as
     gRPC pulls read them). tls: a server context (`TlsPaths.server_context`) or None for
-    plaintext. Threads: one accepting, one per live connection (at most max_connections: past
-    that a new connection waits, up to io_timeout_s, for one to end, and later ones wait in the
-    listen backlog, so many pullers are served in turn rather than refused). Mutates: its
-    ticket table under `_lock`.
+    plaintext. Threads: one accepting, one per live connection. A connection first has
+    TICKET_WAIT_S to present a valid ticket, among at most max_unauthenticated such (the
+    oldest closed to admit a new one); only then does it take one of max_connections sending
+    slots (past that it waits, up to io_timeout_s, for one to end, so many pullers are served in
+    turn rather than refused). Mutates: its ticket table and its set of connections awaiting
+    their ticket under `_lock`.
     """
 
     def __init__(self, source: DataSource, loop: asyncio.AbstractEventLoop, host: str,
                  port: int = 0, tls: ssl.SSLContext | None = None,
                  ticket_ttl_s: float = DEFAULT_TICKET_TTL_S,
                  max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 io_timeout_s: float = 30.0) -> None:
-        if ticket_ttl_s <= 0 or max_connections < 1 or io_timeout_s <= 0:
-            raise ValueError("ticket_ttl_s and io_timeout_s must be > 0, max_connections >= 1")
+                 io_timeout_s: float = 30.0,
+                 max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED) -> None:
+        if (ticket_ttl_s <= 0 or max_connections < 1 or io_timeout_s <= 0
+                or max_unauthenticated < 1):
+            raise ValueError("ticket_ttl_s and io_timeout_s must be > 0, max_connections and "
+                             "max_unauthenticated >= 1")
         self._source, self._loop, self._tls = source, loop, tls
         self._ttl_s, self._io_timeout_s = ticket_ttl_s, io_timeout_s
         self._slots = threading.BoundedSemaphore(max_connections)
+        self._max_unauthenticated = max_unauthenticated
         self._lock = threading.Lock()
         self._tickets: dict[bytes, _Ticket] = {}
+        # Connections awaiting their ticket, oldest first (dict order).
+        self._unauthenticated: dict[socket.socket, None] = {}
         self._closed = threading.Event()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
@@ -178,13 +192,24 @@ class KvDataServer:
                     return
                 time.sleep(0.05)  # e.g. EMFILE: do not spin
                 continue
-            if not self._wait_for_slot():
-                log.warning("KV data port: no connection ended in %.0f s; closing one from %s",
-                            self._io_timeout_s, peer)
-                conn.close()
-                continue
+            self._admit(conn, peer)
             threading.Thread(target=self._serve, args=(conn, peer), name="kv-data-send",
                              daemon=True).start()
+
+    def _admit(self, conn: socket.socket, peer: Any) -> None:
+        """Count `conn` among the connections awaiting their ticket, closing the oldest of them
+        when there are already max_unauthenticated (its thread then ends at once)."""
+        with self._lock:
+            oldest = (next(iter(self._unauthenticated))
+                      if len(self._unauthenticated) >= self._max_unauthenticated else None)
+            if oldest is not None:
+                del self._unauthenticated[oldest]
+            self._unauthenticated[conn] = None
+        if oldest is not None:
+            log.warning("KV data port: %d connections without a ticket yet; closing the "
+                        "oldest to admit one from %s", self._max_unauthenticated, peer)
+            with contextlib.suppress(OSError):
+                oldest.shutdown(socket.SHUT_RDWR)  # its recv returns: its thread closes it
 
     def _wait_for_slot(self) -> bool:
         deadline = time.monotonic() + self._io_timeout_s
@@ -195,13 +220,21 @@ class KvDataServer:
 
     def _serve(self, conn: socket.socket, peer: Any) -> None:
         sock: socket.socket = conn
+        slot = False
         try:
             sock.settimeout(TICKET_WAIT_S)
             if self._tls is not None:
                 sock = self._tls.wrap_socket(conn, server_side=True)
             ticket = self._take(_recv_exactly(sock, TICKET_BYTES))
+            with self._lock:
+                self._unauthenticated.pop(conn, None)
             if ticket is None:
                 log.warning("KV data port: a connection from %s without a valid ticket", peer)
+                return
+            slot = self._wait_for_slot()
+            if not slot:
+                log.warning("KV data port: no connection ended in %.0f s; closing one from %s",
+                            self._io_timeout_s, peer)
                 return
             sock.settimeout(self._io_timeout_s)
             self._send_blocks(sock, ticket)
@@ -210,9 +243,12 @@ class KvDataServer:
         except Exception:  # a bug: log it, keep the listener
             log.exception("KV data connection from %s failed", peer)
         finally:
+            with self._lock:
+                self._unauthenticated.pop(conn, None)
             with contextlib.suppress(OSError):
                 sock.close()
-            self._slots.release()
+            if slot:
+                self._slots.release()
 
     def _take(self, raw: bytes) -> _Ticket | None:
         """The ticket's record, removed (single use); None if unknown, expired or its lease is

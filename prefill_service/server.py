@@ -28,6 +28,7 @@ from protos.splitserve.v1 import (
     prefill_pb2_grpc,
 )
 from rpc import tracing
+from rpc.auth import LeaseTickets
 from rpc.tls import tls_paths_from_env
 from worker.decode_servicer import DecodeServicer
 from worker.kv import EngineBlockSource
@@ -40,6 +41,10 @@ from worker.server import (
 from worker.tier_cache import TierConfig, attach_tiers
 
 DEFAULT_PORT = 50061
+# KvTransfer's methods: a call may carry its lease's ticket instead of the cluster's secret.
+_KV_METHODS = frozenset(
+    f"/{kv_transfer_pb2.DESCRIPTOR.services_by_name['KvTransfer'].full_name}/{m.name}"
+    for m in kv_transfer_pb2.DESCRIPTOR.services_by_name["KvTransfer"].methods)
 
 
 async def start_prefill_worker(config: EngineConfig, host: str, port: int, *,
@@ -58,10 +63,11 @@ async def start_prefill_worker(config: EngineConfig, host: str, port: int, *,
     servicer: PrefillServicer | None = None
     kv_servicer = _LazyKvServicer()
     decode_servicer = DecodeServicer(pulls_kv=False)  # whole requests: no KV to pull
+    tickets = LeaseTickets()  # decode workers' KV calls carry these, not the cluster's secret
 
     def register(server: grpc.aio.Server, bound: int) -> list[str]:
         nonlocal servicer
-        servicer = PrefillServicer(advertised_address(host, bound, advertise_address))
+        servicer = PrefillServicer(advertised_address(host, bound, advertise_address), tickets)
         prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
         kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(kv_servicer, server)
         decode_pb2_grpc.add_DecodeServicer_to_server(decode_servicer, server)
@@ -87,11 +93,13 @@ async def start_prefill_worker(config: EngineConfig, host: str, port: int, *,
         # tensor-parallel one's: each rank holds a share of every block's heads).
         kv = engine.kv_access
         kv_servicer.bind(KvTransferServicer(source, kv_scales=kv.kv_scales,
-                                            ipc_cache=kv.ipc_cache, data_server=data_server))
+                                            ipc_cache=kv.ipc_cache, data_server=data_server,
+                                            tickets=tickets))
         return aengine
 
     return await start_worker_server(config, host, port, register, on_loaded,
-                                     engine_factory=engine_factory, auth_token=auth_token)
+                                     engine_factory=engine_factory, auth_token=auth_token,
+                                     ticketed_methods=_KV_METHODS)
 
 
 class _LazyKvServicer(kv_transfer_pb2_grpc.KvTransferServicer):

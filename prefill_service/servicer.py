@@ -16,6 +16,7 @@ from engine_api.hashing import prompt_hash
 from engine_api.sampling_params import SamplingParamsError
 from protos.splitserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from rpc import tracing
+from rpc.auth import LeaseTickets
 from worker.common import EngineBound, abort_traced, request_options
 from worker.convert import (
     InvalidRequest,
@@ -31,9 +32,10 @@ from worker.tier_cache import TierPrefixCache
 
 
 class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
-    def __init__(self, kv_address: str) -> None:
+    def __init__(self, kv_address: str, tickets: LeaseTickets) -> None:
         super().__init__()
         self.kv_address = kv_address  # where decode workers pull this worker's blocks
+        self.tickets = tickets  # each handle's lease ticket (what its pulls carry)
         self.tiers: TierPrefixCache | None = None  # CPU/Redis prefix tiers, when configured
 
     async def Prefill(self, request: prefill_pb2.PrefillRequest,
@@ -121,7 +123,8 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
                 lease_deadline_unix_ms=int((time.time() + remaining) * 1000),
                 fingerprint=eng.fingerprint, block_size=eng.config.cache.block_size,
                 # Binds the handle to the exact prompt, partial last block included.
-                prompt_hash=prompt_hash(eng.prompt_key(lora, salt), ids)))
+                prompt_hash=prompt_hash(eng.prompt_key(lora, salt), ids),
+                lease_ticket=self.tickets.ticket(rid)))
         return resp
 
     async def Embed(self, request: common_pb2.EmbedRequest,

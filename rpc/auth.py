@@ -2,21 +2,27 @@
 
 Part of the wire contract like the `.proto` files (torch-free, importable by every package):
 
-- internal calls (gateway -> prefill/decode workers, decode -> prefill KV pulls) carry the
-  cluster's shared secret from the environment variable `SPLITSERVE_INTERNAL_TOKEN` (a
-  Kubernetes Secret in k8s/, a random one per stack from `splitserve up`); workers started with
-  it refuse calls without it;
+- internal calls (gateway -> prefill/decode workers) carry the cluster's shared secret from
+  the environment variable `SPLITSERVE_INTERNAL_TOKEN` (a Kubernetes Secret in k8s/, a random
+  one per stack from `splitserve up`); workers started with it refuse calls without it;
 - the gateway's public gRPC API takes the same header with the gateway's API key, as its REST
   API does.
 
 Health checks stay open (Kubernetes' gRPC probes send no metadata). Secrets are compared in
 constant time and never logged.
+
+A decode worker's KV calls (pulls, releases) carry no cluster secret: they go to the address a
+KV handle names, and a forged handle must not collect the secret. They carry the lease's own
+ticket instead (`LeaseTickets`: an HMAC of the request id under a key the prefill worker draws
+at start), which the prefill worker put in the handle and which opens that lease alone.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
+import secrets
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any
 
@@ -25,6 +31,7 @@ import grpc
 INTERNAL_TOKEN_ENV = "SPLITSERVE_INTERNAL_TOKEN"
 HEALTH_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
 MIN_SECRET_CHARS = 16
+LEASE_TICKET_KEY = "x-splitserve-lease-ticket"  # call metadata carrying a lease's ticket
 
 
 class AuthConfigError(ValueError):
@@ -64,17 +71,49 @@ def has_secret(metadata: Sequence[tuple[str, Any]] | None, secret: str) -> bool:
     return False
 
 
+class LeaseTickets:
+    """A prefill worker's lease tickets: the ticket of request `r`'s lease is
+    HMAC-SHA256(key, r), the key drawn at random per process, so nothing is stored and a ticket
+    opens the one lease it was issued for (KvTransferServicer checks it)."""
+
+    def __init__(self, key: bytes | None = None) -> None:
+        self._key = key if key is not None else secrets.token_bytes(32)
+
+    def ticket(self, request_id: str) -> str:
+        return hmac.new(self._key, request_id.encode(), hashlib.sha256).hexdigest()
+
+    def valid(self, request_id: str, ticket: str) -> bool:
+        return hmac.compare_digest(self.ticket(request_id).encode(), ticket.encode())
+
+
+def lease_ticket_metadata(ticket: str) -> tuple[tuple[str, str], ...]:
+    """Call metadata carrying a lease's ticket (empty without one)."""
+    return ((LEASE_TICKET_KEY, ticket),) if ticket else ()
+
+
+def lease_ticket_of(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
+    """The lease ticket a call carries, or None."""
+    for key, value in metadata or ():
+        if key == LEASE_TICKET_KEY and isinstance(value, str):
+            return value
+    return None
+
+
 class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
     """Refuses every call without `Bearer <secret>` with UNAUTHENTICATED (except `open_methods`,
-    by default the health checks)."""
+    by default the health checks). A call to one of `ticketed_methods` may carry a lease
+    ticket instead: it is let through, and the servicer checks the ticket against the lease
+    the request names."""
 
     def __init__(self, secret: str, what: str,
-                 open_methods: Collection[str] = HEALTH_METHODS) -> None:
+                 open_methods: Collection[str] = HEALTH_METHODS,
+                 ticketed_methods: Collection[str] = ()) -> None:
         if not secret:
             raise AuthConfigError(f"{what} must not be empty")
         self._secret = secret
         self._what = what
         self._open = frozenset(open_methods)
+        self._ticketed = frozenset(ticketed_methods)
 
     async def intercept_service(
         self,
@@ -82,8 +121,9 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if (handler is None or handler_call_details.method in self._open
-                or has_secret(handler_call_details.invocation_metadata, self._secret)):
+        method, metadata = handler_call_details.method, handler_call_details.invocation_metadata
+        if (handler is None or method in self._open or has_secret(metadata, self._secret)
+                or (method in self._ticketed and lease_ticket_of(metadata) is not None)):
             return handler
         return _refusing(handler, f"missing or invalid {self._what}: send the gRPC metadata "
                                   "'authorization: Bearer <secret>'")

@@ -25,6 +25,7 @@ from kv_transfer.servicer import LeaseView
 from kv_transfer.wire import BlockSpec
 from protos.splitserve.v1 import common_pb2, decode_pb2
 from rpc import tracing
+from rpc.auth import lease_ticket_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -232,6 +233,6 @@ async def release_unpulled(h: RemoteKvHandle, metadata: Sequence[tuple[str, str]
     metadata: sent with the call (the cluster's credential)."""
     try:
         await release(h.handle.worker_address, h.handle.request_id, timeout_s=5.0,
-                      metadata=metadata)
+                      metadata=(*metadata, *lease_ticket_metadata(h.handle.lease_ticket)))
     except KvTransferError as e:  # the lease will expire on its own
         logger.info("release of unpulled %s failed: %s", h.handle.request_id, e)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 
 import grpc
@@ -28,7 +28,7 @@ from rpc.health import HealthServicer
 from rpc.limits import message_size_options
 from rpc.servers import SERVER_OPTIONS
 from rpc.tls import add_internal_port
-from rpc.wire_errors import MalformedRequestInterceptor
+from rpc.request_decoding import DecodeErrorInterceptor
 
 logger = logging.getLogger(__name__)
 
@@ -69,18 +69,22 @@ class WorkerHandle:
 async def start_worker_server(config: EngineConfig, host: str, port: int, register: Register,
                               on_loaded: OnLoaded, *,
                               engine_factory: EngineFactory | None = None,
-                              auth_token: str | None = None) -> WorkerHandle:
+                              auth_token: str | None = None,
+                              ticketed_methods: Collection[str] = ()) -> WorkerHandle:
     """Bind `host:port` (mutual TLS when configured), register the service's servicers, start
     serving NOT_SERVING, and load the engine in the background; `handle.ready` is set once
     `on_loaded` returned and health says SERVING.
 
     auth_token: the cluster's shared secret (rpc/auth.py). With it, every call but a health
-    check must carry it."""
+    check must carry it, or (`ticketed_methods`: the KvTransfer service's) a lease ticket that
+    the servicer checks."""
     opts = [*message_size_options(), *SERVER_OPTIONS]
-    # Undecodable request bytes: INVALID_ARGUMENT (rpc/wire_errors.py), after the credential.
+    # Undecodable request bytes: INVALID_ARGUMENT (rpc/request_decoding.py), after the credential.
     interceptors: list[grpc.aio.ServerInterceptor] = [
-        *([] if auth_token is None else [BearerAuthInterceptor(auth_token, INTERNAL_TOKEN_ENV)]),
-        MalformedRequestInterceptor()]
+        *([] if auth_token is None
+          else [BearerAuthInterceptor(auth_token, INTERNAL_TOKEN_ENV,
+                                      ticketed_methods=ticketed_methods)]),
+        DecodeErrorInterceptor()]
     server = grpc.aio.server(options=opts, interceptors=interceptors)
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

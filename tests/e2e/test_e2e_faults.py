@@ -102,6 +102,38 @@ def test_rest_non_stream_disconnect_frees_kv(disagg_stack: Stack) -> None:
     assert _decode_steps(disagg_stack) - steps < LONG_MAX_TOKENS // 2
 
 
+
+def _aborted(stack: Stack) -> float:
+    text = httpx.get(f"http://{HOST}:{stack.gateway.rest_port}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("splitserve:requests_aborted_total{"))
+
+
+def test_stream_disconnect_during_prefill_cancels_it(disagg_stack: Stack) -> None:
+    """A streaming client that leaves while its long prompt is computed is noticed within a
+    second, before any first token: the prefill is cancelled, no decode runs for nobody, and
+    the abort is counted."""
+    disagg_stack.wait_idle()
+    decode = disagg_stack.workers["decode"].aengine
+    assert decode is not None
+    decode_steps, aborted = decode.engine.num_steps, _aborted(disagg_stack)
+    # Long enough to take a second or more on the CPU (one step: its abort lands after it).
+    prompt = disagg_stack.tokenizer.encode("The sea. " * 400, add_special_tokens=False)[:800]
+    body = json.dumps({"model": MODEL_NAME, "prompt": prompt, "max_tokens": 64,
+                       "temperature": 0, "stream": True}).encode()
+    with socket.create_connection((HOST, disagg_stack.gateway.rest_port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\n"
+                     b"Content-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        time.sleep(0.2)  # the body read, the prompt being computed
+    left = time.monotonic()
+    _wait_until(lambda: _aborted(disagg_stack) == aborted + 1, "the disconnect to be noticed",
+                5.0)
+    assert time.monotonic() - left < 1.5
+    disagg_stack.wait_idle(90.0)  # the step computing the prompt ends first (a shared CPU)
+    assert decode.engine.num_steps == decode_steps  # nothing decoded for nobody
+
+
 def test_grpc_cancel_mid_stream_frees_kv(disagg_stack: Stack) -> None:
     disagg_stack.wait_idle()
     steps = _decode_steps(disagg_stack)
@@ -807,4 +839,94 @@ def test_handle_refused_by_decode_is_released_by_the_gateway(
                     IDLE_TIMEOUT_S)
     assert state.with_handle == [True] and state.recomputed == [True]
     assert out.token_ids == oracle[index].token_ids
+    disagg_stack.wait_idle()
+
+
+# ---- credentials stay with known peers -----------------------------------------------------------
+
+class _RecordingKvTransfer(kv_transfer_pb2_grpc.KvTransferServicer):
+    """A KvTransfer peer at a forged handle's address: records each call's metadata and has no
+    lease to give."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict[str, str]]] = []
+
+    def _record(self, method: str, context: grpc.aio.ServicerContext) -> None:
+        self.calls.append((method, {k: v for k, v in context.invocation_metadata() or ()
+                                    if isinstance(v, str)}))
+
+    async def PullBlocks(self, request, context):  # type: ignore[no-untyped-def]
+        self._record("PullBlocks", context)
+        await context.abort(grpc.StatusCode.NOT_FOUND, "no such lease")
+        yield kv_transfer_pb2.KvFragment()  # unreachable: makes this a stream handler
+
+    async def PullBlocksShm(self, request, context):  # type: ignore[no-untyped-def]
+        self._record("PullBlocksShm", context)
+        await context.abort(grpc.StatusCode.NOT_FOUND, "no such lease")
+
+    async def PullBlocksTcp(self, request, context):  # type: ignore[no-untyped-def]
+        self._record("PullBlocksTcp", context)
+        await context.abort(grpc.StatusCode.NOT_FOUND, "no such lease")
+
+    async def PullBlocksIpc(self, request, context):  # type: ignore[no-untyped-def]
+        self._record("PullBlocksIpc", context)
+        await context.abort(grpc.StatusCode.NOT_FOUND, "no such lease")
+
+    async def Release(self, request, context):  # type: ignore[no-untyped-def]
+        self._record("Release", context)
+        return kv_transfer_pb2.ReleaseResponse(released=False)
+
+
+def test_a_forged_handle_never_collects_the_cluster_secret(
+        loop_thread: LoopThread, disagg_stack: Stack, prompts: list[list[int]]) -> None:
+    """The decode worker pulls from (and releases at) whatever address a handle names, so its
+    KV calls carry the lease's own ticket from the handle, never the cluster's secret; the real
+    prefill worker takes that ticket for its own lease only."""
+    disagg_stack.wait_idle()
+    peer = _RecordingKvTransfer()
+
+    async def start() -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server()
+        kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(peer, server)
+        port = server.add_insecure_port(f"{HOST}:0")
+        await server.start()
+        return server, port
+
+    server, port = loop_thread.run(start(), 30)
+    try:
+        prompt = prompts[0]
+        with _worker_channel(disagg_stack, "prefill") as ch:
+            prefill = _prefill(ch, prompt)
+        ticket = prefill.kv_handle.lease_ticket
+        assert len(ticket) == 64
+        forged = common_pb2.KvHandle()
+        forged.CopyFrom(prefill.kv_handle)
+        forged.worker_address = f"{HOST}:{port}"
+        out = _decode(disagg_stack, prompt, prefill, RECOMPUTE, forged)
+        assert out.complete.kv_recomputed
+        _wait_until(lambda: any(m == "Release" for m, _ in peer.calls), "the forged release")
+        assert peer.calls
+        for method, metadata in peer.calls:
+            assert INTERNAL_TOKEN not in " ".join(metadata.values()), method
+            assert "authorization" not in metadata, method
+            assert metadata.get("x-splitserve-lease-ticket") == ticket, method
+        # The real lease: another request's ticket does not open it; its own does.
+        with _worker_channel(disagg_stack, "prefill") as ch, grpc.insecure_channel(
+                f"{HOST}:{disagg_stack.workers['prefill'].port}") as bare:
+            stub = kv_transfer_pb2_grpc.KvTransferStub(bare)
+            rid = prefill.kv_handle.request_id
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Release(kv_transfer_pb2.ReleaseRequest(request_id=rid), timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
+            other = _prefill(ch, prompt).kv_handle
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Release(kv_transfer_pb2.ReleaseRequest(request_id=rid), timeout=10,
+                             metadata=(("x-splitserve-lease-ticket", other.lease_ticket),))
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
+            for handle in (prefill.kv_handle, other):
+                assert stub.Release(kv_transfer_pb2.ReleaseRequest(
+                    request_id=handle.request_id), timeout=10, metadata=(
+                    ("x-splitserve-lease-ticket", handle.lease_ticket),)).released
+    finally:
+        loop_thread.run(server.stop(0), 30)
     disagg_stack.wait_idle()

@@ -8,8 +8,8 @@ session fixtures exist once for the whole run) plus helpers:
   stubs) or hand it a coroutine with `LoopThread.run(coro, timeout_s)`.
 - `Stack`: prefill + decode workers (or one colocated worker) and a `GatewayServer` in front,
   all on 127.0.0.1 with ephemeral ports. The disaggregated stack's workers require the cluster
-  secret `INTERNAL_TOKEN` (gateway -> workers and decode -> prefill KV pulls carry it: every
-  disaggregated test runs authenticated); the colocated one runs without (the default).
+  secret `INTERNAL_TOKEN` (gateway -> workers carry it, decode -> prefill KV pulls their lease's
+  ticket: every disaggregated test runs authenticated); the colocated one runs without (the default).
   Loading an engine takes ~5-20 s on 2 shared cores, so the fixtures `disagg_stack` and
   `colocated_stack` are session-scoped and shared by every e2e test; `loop_thread` runs them
   and stops everything at the end.

@@ -31,6 +31,7 @@ from protos.splitserve.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
+from rpc.embedding_wire import pack_float32
 
 T = TypeVar("T")
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -53,6 +54,7 @@ class Script:
     die_after: int | None = None        # decode: the first Decode call dies after this many tokens
     prefill_error: grpc.StatusCode | None = None
     decode_error: grpc.StatusCode | None = None
+    embed_delay_s: float = 0.0          # Embed: how long each call is held
     _died: bool = False
 
     def token_at(self, position: int) -> int | None:
@@ -90,6 +92,8 @@ class FakeWorker(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeService
     # More of what GetLoad reports (KV usage, prefix-cache totals, ...); num_running and role
     # above override its fields of the same name.
     report: common_pb2.LoadReport = field(default_factory=common_pb2.LoadReport)
+    embeds_in_flight: int = 0           # Embed calls being served now, and the most at once
+    embeds_in_flight_max: int = 0
 
     async def start(self, port: int = 0) -> None:
         """Serve on `port` (0: a free one; a stopped worker's own: it comes back)."""
@@ -135,6 +139,18 @@ class FakeWorker(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeService
         elif self.script.token_at(1) is None:
             response.finish_reason = common_pb2.FINISH_REASON_STOP
         return response
+
+    async def Embed(self, request: Any, context: Any) -> common_pb2.EmbedResponse:
+        """The prompt's first token id and length as a two-value embedding."""
+        self.embeds_in_flight += 1
+        self.embeds_in_flight_max = max(self.embeds_in_flight_max, self.embeds_in_flight)
+        try:
+            await asyncio.sleep(self.script.embed_delay_s)
+        finally:
+            self.embeds_in_flight -= 1
+        ids = list(request.prompt_token_ids)
+        return common_pb2.EmbedResponse(embedding=pack_float32([float(ids[0]), float(len(ids))]),
+                                        num_prompt_tokens=len(ids))
 
     async def Decode(self, request: Any, context: Any) -> Any:
         self.decode_requests.append(request)

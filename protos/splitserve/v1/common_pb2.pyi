@@ -498,6 +498,7 @@ class KvHandle(_message.Message):
     FINGERPRINT_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     PROMPT_HASH_FIELD_NUMBER: _builtins.int
+    LEASE_TICKET_FIELD_NUMBER: _builtins.int
     worker_address: _builtins.str
     """host:port of the prefill worker's KvTransfer service"""
     request_id: _builtins.str
@@ -513,6 +514,11 @@ class KvHandle(_message.Message):
     prompt_hash: _builtins.bytes
     """SHA-256 over the fingerprint and ALL prompt token ids (engine_api/hashing.py prompt_hash):
     unlike block_hashes it covers the partial last block, so decode can tell the exact prompt.
+    """
+    lease_ticket: _builtins.str
+    """What a decode worker's KvTransfer calls for this lease carry instead of the cluster's
+    secret (rpc/auth.py LeaseTickets): it opens this lease alone, so the secret never goes to
+    the address a handle names.
     """
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
@@ -530,10 +536,11 @@ class KvHandle(_message.Message):
         fingerprint: _builtins.bytes = ...,
         block_size: _builtins.int = ...,
         prompt_hash: _builtins.bytes = ...,
+        lease_ticket: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "block_size", b"block_size", "fingerprint", b"fingerprint", "lease_deadline_unix_ms", b"lease_deadline_unix_ms", "num_blocks", b"num_blocks", "num_tokens", b"num_tokens", "prompt_hash", b"prompt_hash", "request_id", b"request_id", "worker_address", b"worker_address"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "block_size", b"block_size", "fingerprint", b"fingerprint", "lease_deadline_unix_ms", b"lease_deadline_unix_ms", "lease_ticket", b"lease_ticket", "num_blocks", b"num_blocks", "num_tokens", b"num_tokens", "prompt_hash", b"prompt_hash", "request_id", b"request_id", "worker_address", b"worker_address"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import time
 
 import pytest
 import torch
@@ -16,9 +17,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
+from engine.grammar_vetting import GrammarLimits
 from engine.request import Request
 from engine.sampler import mask_logits
-from engine.structured import choice_grammar, pack_bits
+from engine.structured import GrammarCompiler, choice_grammar, pack_bits
 from engine.utf8_state import BOUNDARY
 from engine.utf8_state import step as utf8_step
 from engine_api.errors import EngineInputError
@@ -441,3 +443,24 @@ def test_wire_round_trip(spec: StructuredOutputs) -> None:
     proto = common_pb2.SamplingParams()
     structured_to_proto(spec, proto.structured_outputs)
     assert from_gateway(proto) == spec == from_client(proto)
+
+
+def _chained_grammar(n: int) -> str:
+    rules = "\n".join(f'r{i} ::= "a" | "b" | r{i + 1}' for i in range(n))
+    return "root ::= " + " ".join(f"r{i}" for i in range(n)) + f"\n{rules}\nr{n} ::= \"c\"\n"
+
+
+def test_a_constraint_that_compiles_too_long_is_refused_in_time(smollm2: LLM) -> None:
+    """Compiling is bounded: the vetting child is killed at the deadline (2,000 chained rules
+    compile for minutes) and the request refused within it."""
+    tok = smollm2.engine.tokenizer
+    assert tok is not None
+    compiler = GrammarCompiler(tok, smollm2.engine.grammars.vocab_size,
+                               smollm2.engine.eos_token_ids,
+                               GrammarLimits(compile_timeout_s=0.5))
+    compiler.compile(StructuredOutputs(regex="[a-z]+"))  # the child started (not timed)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"did not compile within 0\.5 s"):
+        compiler.compile(StructuredOutputs(grammar=_chained_grammar(2000)))
+    assert time.monotonic() - start < 5.0
+    # (A grammar refused for its first mask's cost: tests/e2e/test_e2e_structured.py.)

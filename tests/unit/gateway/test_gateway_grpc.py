@@ -277,3 +277,17 @@ def test_a_long_scored_prompt_fits_and_a_too_long_one_is_refused(script_ids: lis
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "sampling.prompt_logprobs" in (err.value.details() or "")
         assert "MiB" in (err.value.details() or "")
+
+
+@pytest.mark.parametrize("method", ["Generate", "Embed"])
+def test_a_corrupt_request_is_invalid_argument(channel: grpc.Channel, method: str) -> None:
+    """Bytes that do not parse as the method's message are the caller's error (not UNKNOWN)."""
+    call = (channel.unary_stream if method == "Generate" else channel.unary_unary)(
+        f"/splitserve.v1.Gateway/{method}")
+    with pytest.raises(grpc.RpcError) as info:
+        result = call(b"\x0a\xff\xff\xff\xff\x0f", timeout=10)
+        if method == "Generate":
+            list(result)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+    assert f"not a valid {method} message" in (info.value.details() or "")
+    assert _generate(channel, text="hi", sampling=common_pb2.SamplingParams(max_tokens=2))

@@ -153,23 +153,53 @@ async def test_tickets_expire(monkeypatch: pytest.MonkeyPatch) -> None:
 async def test_silent_connections_are_closed_and_surplus_ones_wait_their_turn(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A connection that sends no ticket is closed after TICKET_WAIT_S; past max_connections a
-    new one is not refused but served once a slot is free (many pullers, one prefill worker)."""
+    ticketed one is not refused but served once a slot is free (many pullers, one worker)."""
     monkeypatch.setattr(tcp_module, "TICKET_WAIT_S", 0.5)
     w = await start_worker(data_port=True, max_connections=1)
     try:
         assert w.data is not None
         w.grant()
-        pull = await pull_blocks_tcp(w.address, "req-1", w.source.spec, 3, TIMEOUT_S)
+        first = await pull_blocks_tcp(w.address, "req-1", w.source.spec, 3, TIMEOUT_S)
+        second = await pull_blocks_tcp(w.address, "req-1", w.source.spec, 3, TIMEOUT_S)
         idle = socket.create_connection(("127.0.0.1", w.data.port), timeout=10)
         try:
-            t0 = asyncio.get_running_loop().time()
-            blocks = await _receive(w, pull.tickets[0], 3)  # waits behind the idle connection
-            waited = asyncio.get_running_loop().time() - t0
-            assert len(blocks) == 3 and waited >= 0.3
+            both = await asyncio.gather(_receive(w, first.tickets[0], 3, batch_blocks=1),
+                                        _receive(w, second.tickets[0], 3, batch_blocks=1))
+            assert [len(blocks) for blocks in both] == [3, 3]
             assert await asyncio.to_thread(idle.recv, 1) == b""  # closed: no ticket in time
         finally:
             idle.close()
     finally:
+        await w.stop()
+
+
+async def test_idle_connections_neither_delay_a_pull_nor_pile_up() -> None:
+    """64 connections that never send a ticket (a scan, a flood) hold no sending slot: a real
+    pull behind them is served at once, and only the newest `max_unauthenticated` of them are
+    kept open (each for TICKET_WAIT_S at most)."""
+    w = await start_worker(data_port=True, max_connections=2, max_unauthenticated=8)
+    idle: list[socket.socket] = []
+    try:
+        assert w.data is not None
+        w.grant()
+        for _ in range(64):
+            idle.append(socket.create_connection(("127.0.0.1", w.data.port), timeout=10))
+        pull = await pull_blocks_tcp(w.address, "req-1", w.source.spec, 3, TIMEOUT_S)
+        t0 = asyncio.get_running_loop().time()
+        assert len(await _receive(w, pull.tickets[0], 3)) == 3
+        assert asyncio.get_running_loop().time() - t0 < 1.0  # was: behind the idle ones' 5 s
+
+        def closed(sock: socket.socket) -> bool:
+            sock.settimeout(0.05)
+            try:
+                return sock.recv(1) == b""
+            except (TimeoutError, OSError):
+                return False
+
+        assert sum(await asyncio.to_thread(lambda: [closed(s) for s in idle])) >= 64 - 8
+    finally:
+        for sock in idle:
+            sock.close()
         await w.stop()
 
 
