@@ -26,9 +26,6 @@ def add_colocated_args(parser: argparse.ArgumentParser) -> None:
                         help="gateway/colocated: public gRPC port")
     parser.add_argument("--gateway-host", default="127.0.0.1",
                         help="colocated: bind address of the REST and gRPC ports")
-    parser.add_argument("--served-model-name", default=None,
-                        help="colocated: the model's name in the API (default: --model as "
-                             "given, or the embedded SmolLM2's name)")
     add_public_security_args(parser, role="colocated")
     add_chat_args(parser, role="colocated")
     parser.add_argument("--speculative-draft-max-load", type=int, default=_gateway_default(
