@@ -26,8 +26,6 @@ from gateway.metrics import GatewayMetrics
 from tests.unit.k8s.test_k8s_manifests import (
     DASHBOARD,
     K8S,
-    MONITORING,
-    OVERLAYS,
     Obj,
     dashboard_exprs,
     exported_series,
@@ -40,8 +38,9 @@ from worker.metrics import WorkerCollector
 SCHEMAS = Path(__file__).parent / "schemas"
 CRD_SCHEMAS = {"ScaledObject": "scaledobject.json", "PodMonitor": "podmonitor.json",
                "ServiceMonitor": "servicemonitor.json", "PrometheusRule": "prometheusrule.json"}
-# What is applied: the overlays (their components and base included) and the monitoring sets.
-RENDERED = ("overlays/cpu-dev", "overlays/gpu-fleet", "overlays/gpu-tls", "monitoring",
+# What is applied: the overlays (their components and base included) and the monitoring set
+# (k8s/monitoring inside its gpu-tls variant: the same objects, patched).
+RENDERED = ("overlays/cpu-dev", "overlays/gpu-fleet", "overlays/gpu-tls",
             "overlays/gpu-tls/monitoring")
 
 needs_kustomize = pytest.mark.skipif(kustomize_tool() is None,
@@ -184,11 +183,11 @@ def test_fleet_objects_are_rendered() -> None:
     assert gateway["spec"]["replicas"] >= 2
     hpas = of_kind(list(rendered("overlays/cpu-dev")), "HorizontalPodAutoscaler")
     assert {h["spec"]["scaleTargetRef"]["name"] for h in hpas} == scaled
-    monitors = of_kind(list(rendered("monitoring")), "PodMonitor")
+    tls = list(rendered("overlays/gpu-tls/monitoring"))
+    monitors = of_kind(tls, "PodMonitor")
     assert {m["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"]
             for m in monitors} == {"prefill", "decode"}
     assert all(ep["port"] == "metrics" for m in monitors for ep in m["spec"]["podMetricsEndpoints"])
-    tls = list(rendered("overlays/gpu-tls/monitoring"))
     endpoints = [ep for m in of_kind(tls, "PodMonitor") for ep in m["spec"]["podMetricsEndpoints"]]
     endpoints += [ep for m in of_kind(tls, "ServiceMonitor") for ep in m["spec"]["endpoints"]]
     assert endpoints and all(ep["scheme"] == "https" and ep["tlsConfig"]["ca"]
@@ -250,4 +249,3 @@ def test_every_promql_query_names_exported_series() -> None:
         assert used, f"{where}: the query names no splitserve series: {query}"
         unknown = used - series
         assert not unknown, f"{where}: {sorted(unknown)} are exported by no component: {query}"
-    assert MONITORING.is_dir() and OVERLAYS.is_dir()
