@@ -7,7 +7,12 @@ from collections.abc import Sequence
 
 from engine.cli_args import engine_config_from_args
 from rpc.auth import internal_token_from_env
-from worker.cli_args import parse_worker_args, run_worker_process, tier_config_from_args
+from worker.cli_args import (
+    metrics_options,
+    parse_worker_args,
+    run_worker_process,
+    tier_config_from_args,
+)
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -18,8 +23,9 @@ async def serve(args: argparse.Namespace) -> None:
     handle = await start_decode_worker(
         config, args.host, args.port if args.port is not None else DEFAULT_PORT,
         auth_token=internal_token_from_env(), tiers=tier_config_from_args(args),
-        kv_transports=args.kv_transports, kv_tcp_streams=args.kv_tcp_streams)
-    await run_until_signal(handle.stop, watch=handle.load_task)
+        kv_transports=args.kv_transports, kv_tcp_streams=args.kv_tcp_streams,
+        metrics=metrics_options(args))
+    await run_until_signal(lambda: handle.drain(args.drain_timeout), watch=handle.load_task)
 
 
 def run(args: argparse.Namespace) -> int:

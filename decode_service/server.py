@@ -12,11 +12,11 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from kv_transfer import DEFAULT_TCP_STREAMS
-from protos.splitserve.v1 import decode_pb2, decode_pb2_grpc
-from rpc.auth import bearer_metadata
+from protos.splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from worker.decode_servicer import DecodeServicer
 from worker.kv import GrpcKvLoader
-from worker.server import EngineFactory, WorkerHandle, start_worker_server
+from worker.metrics import report_now
+from worker.server import EngineFactory, MetricsOptions, WorkerHandle, start_worker_server
 from worker.tier_cache import TierConfig, attach_tiers
 
 DEFAULT_PORT = 50062
@@ -28,7 +28,8 @@ async def start_decode_worker(config: EngineConfig, host: str, port: int, *,
                               auth_token: str | None = None,
                               tiers: TierConfig | None = None,
                               kv_transports: Sequence[str] = KV_TRANSPORTS,
-                              kv_tcp_streams: int = DEFAULT_TCP_STREAMS) -> WorkerHandle:
+                              kv_tcp_streams: int = DEFAULT_TCP_STREAMS,
+                              metrics: MetricsOptions | None = None) -> WorkerHandle:
     """Start a decode (or colocated) worker; returns once the port is bound (`handle.ready`:
     loaded).
 
@@ -36,7 +37,7 @@ async def start_decode_worker(config: EngineConfig, host: str, port: int, *,
     each lease's own ticket instead). tiers: the colocated
     role's CPU/Redis prefix tiers (ignored by the decode role). kv_transports: how a decode
     worker may pull KV ("ipc", "tcp", "shm"; the gRPC stream always). kv_tcp_streams:
-    connections one data-port pull opens."""
+    connections one data-port pull opens. metrics: serve /metrics (worker/metrics.py)."""
     role = config.scheduler.role
     if role not in ("decode", "colocated"):
         raise ValueError(f"a decode worker needs role 'decode' or 'colocated', not {role!r}")
@@ -67,5 +68,9 @@ async def start_decode_worker(config: EngineConfig, host: str, port: int, *,
         servicer.bind(aengine)
         return aengine
 
+    def report() -> common_pb2.LoadReport | None:
+        return None if servicer.aengine is None else report_now(servicer, role)
+
     return await start_worker_server(config, host, port, register, on_loaded,
-                                     engine_factory=engine_factory, auth_token=auth_token)
+                                     engine_factory=engine_factory, auth_token=auth_token,
+                                     metrics=metrics, report=report)

@@ -9,6 +9,11 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from engine_api.model_name import DEFAULT_SERVED_MODEL_NAME
+from engine_api.model_name import (  # re-exported: the gateway's CLIs name it from here
+    served_model_name_for as served_model_name_for,
+)
+from gateway.discovery import DiscoveryError, check_targets
 from rpc.auth import AuthConfigError, check_secret
 from rpc.tls import TlsConfigError, read_pem
 
@@ -33,24 +38,15 @@ class GatewayConfigError(ValueError):
 # the command line, where `ps` shows it to every user of the machine.
 API_KEY_ENV = "SPLITSERVE_API_KEY"
 
-DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded default model's name
-
-
-def served_model_name_for(model: str | None, served_model_name: str | None = None) -> str:
-    """The name the API serves the model under, as vLLM picks it: `--served-model-name` if
-    given, else the `--model` argument as written (a path, a hub-style id, `dummy:<preset>`),
-    else (no model given: the embedded SmolLM2) that model's name."""
-    if served_model_name:
-        return served_model_name
-    return model or DEFAULT_SERVED_MODEL_NAME
-
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
     """Everything the gateway process needs; never mutated after construction."""
 
-    prefill_addresses: tuple[str, ...] = ()   # host:port of Prefill services (also KvTransfer)
-    decode_addresses: tuple[str, ...] = ()    # host:port of Decode services
+    # Prefill services (also KvTransfer) and Decode services: host:port entries and DNS names
+    # `dns:[//DNS_SERVER/]NAME:PORT` (every address of NAME; gateway/discovery.py).
+    prefill_addresses: tuple[str, ...] = ()
+    decode_addresses: tuple[str, ...] = ()
     # True: no prefill pool; DecodeRequest goes without kv_handle and decode computes the prompt.
     colocated: bool = False
     served_model_name: str = DEFAULT_SERVED_MODEL_NAME  # see `served_model_name_for`
@@ -129,6 +125,12 @@ class GatewayConfig:
     uvicorn_log_level: str = "warning"
     load_poll_interval_s: float = 1.0         # router GetLoad period
     load_poll_timeout_s: float = 1.0
+    # dns: targets are looked up again this often (sooner when their TTL is shorter).
+    discovery_interval_s: float = 5.0
+    # Load polls in a row a worker may miss before its health check decides whether it stays
+    # in routing, and that check's deadline (gateway/worker_health.py).
+    load_poll_max_misses: int = 3
+    liveness_timeout_s: float = 5.0
     shutdown_grace_s: float = 10.0            # drain time for in-flight requests on shutdown
 
     def __post_init__(self) -> None:
@@ -184,7 +186,16 @@ class GatewayConfig:
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise GatewayConfigError(f"max_concurrent_requests must be an integer >= 0 (0: no "
                                      f"bound), got {value!r}")
-        for name in ("request_timeout_s", "load_poll_interval_s", "load_poll_timeout_s"):
+        try:
+            check_targets(self.prefill_addresses, "prefill_addresses")
+            check_targets(self.decode_addresses, "decode_addresses")
+        except DiscoveryError as e:
+            raise GatewayConfigError(str(e)) from None
+        if not isinstance(self.load_poll_max_misses, int) or self.load_poll_max_misses < 1:
+            raise GatewayConfigError(f"load_poll_max_misses must be an integer >= 1, got "
+                                     f"{self.load_poll_max_misses!r}")
+        for name in ("request_timeout_s", "load_poll_interval_s", "load_poll_timeout_s",
+                     "discovery_interval_s", "liveness_timeout_s"):
             if getattr(self, name) <= 0:
                 raise GatewayConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.kv_failure_policy not in ("recompute", "fail"):

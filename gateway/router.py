@@ -1,8 +1,13 @@
 """Worker pools and the router: least-loaded choice from periodic `GetLoad` polls.
 
-Each pool (prefill or decode) owns one `grpc.aio` channel per worker. A background task polls
-`GetLoad` every `poll_interval_s`; a worker whose last poll failed is excluded until a later
-poll succeeds (or until `mark_failed` is undone by the next good poll).
+Each pool (prefill or decode) owns one `grpc.aio` channel per worker. Its members are its
+targets' current answer (gateway/discovery.py: fixed `host:port` entries and `dns:` names
+re-resolved in the background): a new member enters routing once its gRPC health check says
+SERVING and a poll answered; one that left is taken out of routing at once and its channel
+closed when this gateway's last call on it ended. A background task polls `GetLoad` every
+`poll_interval_s`; a worker leaves routing when its health check says it is not serving
+(gateway/worker_health.py: several missed polls in a row, or a refusal, ask it; one late
+poll does not) or a call on it failed UNAVAILABLE (`mark_failed`), until a later poll answers.
 
 Routing key: (pending requests: this gateway's own in flight on the worker, plus the rest of the
 last report's num_running + num_waiting; kv_cache_usage), lowest first; ties are broken
@@ -26,8 +31,10 @@ from typing import Literal, TypeVar
 import grpc
 
 from engine_api.hashing import root_hash, salted_root
+from gateway.discovery import PoolDiscovery
 from gateway.errors import GatewayError, OverloadedError
 from gateway.prefix_index import PrefixIndex, prompt_block_hashes
+from gateway.worker_health import HealthPolicy, is_serving
 from protos.splitserve.v1 import (
     common_pb2,
     decode_pb2_grpc,
@@ -57,6 +64,8 @@ class Worker:
     channel: grpc.aio.Channel
     healthy: bool = False
     reported: bool = False      # answered at least one poll (`load` is a real report)
+    admitted: bool = False      # its health check said SERVING since it (re)joined routing
+    missed_polls: int = 0       # load polls in a row that failed
     load: common_pb2.LoadReport = field(default_factory=common_pb2.LoadReport)
     in_flight: int = 0          # this gateway's calls on it now: picked, not yet `done`
     in_flight_at_poll: int = 0  # the same when `load` arrived
@@ -79,19 +88,31 @@ class Worker:
         self.in_flight_at_poll = self.in_flight
         self.healthy = True
         self.reported = True
+        self.missed_polls = 0
 
 
 class WorkerPool:
-    """The workers of one role; `pick` chooses the least-loaded healthy one."""
+    """The workers of one role; `pick` chooses the least-loaded healthy one.
 
-    def __init__(self, role: Literal["prefill", "decode"], addresses: Sequence[str], *,
+    targets: `host:port` entries and `dns:[//DNS_SERVER/]NAME:PORT` names (re-resolved every
+    `discovery_interval_s`, sooner when their TTL is shorter)."""
+
+    def __init__(self, role: Literal["prefill", "decode"], targets: Sequence[str], *,
                  poll_interval_s: float = 1.0, poll_timeout_s: float = 1.0,
-                 internal_token: str | None = None) -> None:
+                 internal_token: str | None = None, discovery_interval_s: float = 5.0,
+                 health: HealthPolicy | None = None) -> None:
         self.role = role
         self.internal_token = internal_token  # sent with every call (rpc/auth.py)
-        self.workers = [Worker(a, worker_channel(a, internal_token)) for a in addresses]
+        self._discovery = PoolDiscovery(targets, self.set_members,
+                                        interval_s=discovery_interval_s, what=f"{role} pool")
+        self.workers = [Worker(a, worker_channel(a, internal_token))
+                        for a in self._discovery.initial_members()]
+        # Workers that left the pool's targets, with calls of this gateway still on them: out of
+        # routing, their channels closed once those calls ended (`_close_left`).
+        self.leaving: list[Worker] = []
         self._poll_interval_s = poll_interval_s
         self._poll_timeout_s = poll_timeout_s
+        self._health = health or HealthPolicy()
         self._rr = 0
         self.prefix_index = PrefixIndex()
         self.max_imbalance = 4  # pending requests a prefix hit may cost in load balance
@@ -100,16 +121,42 @@ class WorkerPool:
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        """Poll once (so health is known before serving), then keep polling in the background."""
+        """Resolve the targets and poll once (so members and health are known before serving),
+        then keep doing both in the background."""
+        await self._discovery.start()
         await self.poll_once()
         self._task = asyncio.create_task(self._poll_forever(), name=f"router-poll-{self.role}")
 
     async def close(self) -> None:
+        await self._discovery.close()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        await asyncio.gather(*(w.channel.close() for w in self.workers))
+        await asyncio.gather(*(w.channel.close() for w in [*self.workers, *self.leaving]))
+
+    def set_members(self, addresses: Sequence[str]) -> None:
+        """The pool's workers are now `addresses`: new ones join (routed to once admitted:
+        health SERVING, a poll answered), missing ones leave routing now and are closed when
+        this gateway's calls on them ended (streams there finish; their leases are released
+        through `Router.kv_transfer_stub`, which needs no pool member)."""
+        current = {w.address: w for w in self.workers}
+        wanted = set(addresses)
+        for worker in self.workers:
+            if worker.address not in wanted:
+                log.info("%s worker %s left the pool (%d calls in flight)", self.role,
+                         worker.address, worker.in_flight)
+                worker.healthy = False
+                self.leaving.append(worker)
+                self.prefix_index.forget(worker.address)
+        self.workers = [current.get(a) or Worker(a, worker_channel(a, self.internal_token))
+                        for a in addresses]
+
+    async def _close_left(self) -> None:
+        """Close the channels of workers that left once no call of this gateway is on them."""
+        done = [w for w in self.leaving if w.in_flight == 0]
+        self.leaving = [w for w in self.leaving if w.in_flight > 0]
+        await asyncio.gather(*(w.channel.close() for w in done))
 
     def add_listener(self, callback: Callable[[], None]) -> None:
         """`callback()` runs after every poll round (e.g. to update the gRPC health status or
@@ -119,6 +166,7 @@ class WorkerPool:
     # -- polling ---------------------------------------------------------------------------
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._poll_worker(w) for w in self.workers))
+        await self._close_left()
         for callback in self._listeners:
             callback()
 
@@ -128,14 +176,28 @@ class WorkerPool:
             await self.poll_once()
 
     async def _poll_worker(self, worker: Worker) -> None:
+        """One poll: admit a worker whose health check says SERVING, then ask its load; a
+        failed poll is judged by `HealthPolicy` (gateway/worker_health.py)."""
+        timeout_s = self._health.liveness_timeout_s
+        if not worker.admitted:
+            if not await is_serving(worker.channel, timeout_s):
+                return
+            worker.admitted = True
         stub = (prefill_pb2_grpc.PrefillStub if self.role == "prefill"
                 else decode_pb2_grpc.DecodeStub)(worker.channel)
         try:
             report = await stub.GetLoad(common_pb2.LoadRequest(), timeout=self._poll_timeout_s)
         except grpc.aio.AioRpcError as err:
+            worker.missed_polls += 1
+            if self._health.tolerates(err.code(), worker.missed_polls):
+                return  # late once or twice: keep routing on its last report
+            if await is_serving(worker.channel, timeout_s):
+                return  # alive (its polls are late or refused): it stays as it was
             if worker.healthy:
-                log.warning("%s worker %s failed GetLoad: %s", self.role, worker.address, err.code())
-            worker.healthy = False
+                log.warning("%s worker %s is out of routing: GetLoad %s (%d in a row), health "
+                            "not SERVING", self.role, worker.address, err.code().name,
+                            worker.missed_polls)
+            worker.healthy = worker.admitted = False
             return
         worker.apply_report(report)
 

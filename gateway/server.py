@@ -151,8 +151,15 @@ def build_parser() -> argparse.ArgumentParser:
     d = GatewayConfig.__dataclass_fields__
     p = argparse.ArgumentParser(prog="python -m gateway", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prefill", action="append", help="prefill worker host:port (repeatable, or comma list)")
-    p.add_argument("--decode", action="append", help="decode worker host:port (repeatable, or comma list)")
+    p.add_argument("--prefill", action="append",
+                   help="prefill workers: host:port or dns:[//DNS_SERVER/]NAME:PORT (every "
+                        "address of NAME) (repeatable, or comma list)")
+    p.add_argument("--decode", action="append",
+                   help="decode workers: host:port or dns:[//DNS_SERVER/]NAME:PORT (repeatable, "
+                        "or comma list)")
+    p.add_argument("--discovery-interval", type=float, default=d["discovery_interval_s"].default,
+                   help="seconds between lookups of dns: targets (sooner when their TTL is "
+                        "shorter)")
     p.add_argument("--colocated", action="store_true",
                    help="no prefill pool: decode workers compute the prompt themselves")
     p.add_argument("--host", default="127.0.0.1",
@@ -192,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
         prefill_addresses=_addresses(args.prefill), decode_addresses=_addresses(args.decode),
-        colocated=args.colocated,
+        colocated=args.colocated, discovery_interval_s=args.discovery_interval,
         served_model_name=served_model_name_for(args.model, args.served_model_name),
         tokenizer_path=args.model, max_model_len=args.max_model_len, api_key=args.api_key,
         ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,

@@ -18,6 +18,7 @@ from gateway.response_store import ResponseStore
 from gateway.router import Router, WorkerPool
 from gateway.serving_mode import ServingMode
 from gateway.tokenization import TokenizerLike, TokenTexts
+from gateway.worker_health import HealthPolicy
 
 
 @dataclass(slots=True)
@@ -98,7 +99,10 @@ class GatewayState:
         def pool(role: str, addresses: tuple[str, ...]) -> WorkerPool:
             return WorkerPool(role, addresses, poll_interval_s=config.load_poll_interval_s,  # type: ignore[arg-type]
                               poll_timeout_s=config.load_poll_timeout_s,
-                              internal_token=config.internal_token)
+                              internal_token=config.internal_token,
+                              discovery_interval_s=config.discovery_interval_s,
+                              health=HealthPolicy(config.load_poll_max_misses,
+                                                  config.liveness_timeout_s))
 
         router = Router(None if config.colocated else pool("prefill", config.prefill_addresses),
                         pool("decode", config.decode_addresses))

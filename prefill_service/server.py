@@ -20,6 +20,7 @@ from kv_transfer.servicer import KvTransferServicer
 from kv_transfer.tcp import KvDataServer
 from prefill_service.servicer import PrefillServicer
 from protos.splitserve.v1 import (
+    common_pb2,
     decode_pb2,
     decode_pb2_grpc,
     kv_transfer_pb2,
@@ -32,8 +33,10 @@ from rpc.auth import LeaseTickets
 from rpc.tls import tls_paths_from_env
 from worker.decode_servicer import DecodeServicer
 from worker.kv import EngineBlockSource
+from worker.metrics import report_now
 from worker.server import (
     EngineFactory,
+    MetricsOptions,
     WorkerHandle,
     advertised_address,
     start_worker_server,
@@ -52,12 +55,14 @@ async def start_prefill_worker(config: EngineConfig, host: str, port: int, *,
                                engine_factory: EngineFactory | None = None,
                                auth_token: str | None = None,
                                tiers: TierConfig | None = None,
-                               kv_data_port: int | None = 0) -> WorkerHandle:
+                               kv_data_port: int | None = 0,
+                               metrics: MetricsOptions | None = None) -> WorkerHandle:
     """Start a prefill worker; returns once the port is bound (`handle.ready`: loaded).
 
     advertise_address: the host:port decode workers pull KV from (default: the bind address).
     tiers: CPU/Redis prefix tiers (worker/tier_cache.py). kv_data_port: the KV data port on
-    `host`; 0 picks a free one (decode workers learn it per pull), None serves none."""
+    `host`; 0 picks a free one (decode workers learn it per pull), None serves none.
+    metrics: serve /metrics (worker/metrics.py)."""
     if config.scheduler.role != "prefill":
         raise ValueError(f"a prefill worker needs role 'prefill', not {config.scheduler.role!r}")
     servicer: PrefillServicer | None = None
@@ -97,9 +102,14 @@ async def start_prefill_worker(config: EngineConfig, host: str, port: int, *,
                                             tickets=tickets))
         return aengine
 
+    def report() -> common_pb2.LoadReport | None:
+        return None if servicer is None or servicer.aengine is None else report_now(servicer,
+                                                                                   "prefill")
+
     return await start_worker_server(config, host, port, register, on_loaded,
                                      engine_factory=engine_factory, auth_token=auth_token,
-                                     ticketed_methods=_KV_METHODS)
+                                     ticketed_methods=_KV_METHODS, metrics=metrics,
+                                     report=report)
 
 
 class _LazyKvServicer(kv_transfer_pb2_grpc.KvTransferServicer):

@@ -125,15 +125,18 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
         if (handler is None or method in self._open or has_secret(metadata, self._secret)
                 or (method in self._ticketed and lease_ticket_of(metadata) is not None)):
             return handler
-        return _refusing(handler, f"missing or invalid {self._what}: send the gRPC metadata "
-                                  "'authorization: Bearer <secret>'")
+        return refusing_handler(handler, grpc.StatusCode.UNAUTHENTICATED,
+                                f"missing or invalid {self._what}: send the gRPC metadata "
+                                "'authorization: Bearer <secret>'")
 
 
-def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that aborts with UNAUTHENTICATED."""
+def refusing_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode,
+                     message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that aborts with `code` (a server
+    interceptor's refusal)."""
 
     async def refuse(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await context.abort(code, message)
 
     kwargs = {"request_deserializer": handler.request_deserializer,
               "response_serializer": handler.response_serializer}

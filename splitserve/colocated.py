@@ -31,9 +31,6 @@ def add_colocated_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gateway-host", default=None,
                         help="colocated: the older name of --host (bind address of the REST "
                              "and gRPC ports)")
-    parser.add_argument("--served-model-name", default=None,
-                        help="colocated: the model's name in the API (default: --model as "
-                             "given, or the embedded SmolLM2's name)")
     add_public_security_args(parser, role="colocated")
     add_chat_args(parser, role="colocated")
     add_serving_log_args(parser, role="colocated")

@@ -11,13 +11,16 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
 from engine.cli_args import add_engine_args
+from engine_api.model_name import served_model_name_for
 from kv_transfer import DEFAULT_TCP_STREAMS, MAX_TCP_STREAMS
 from rpc.auth import AuthConfigError
 from rpc.servers import PortBindError
 from rpc.tls import tls_from_env
 from rpc.tracing import setup_tracing
+from worker.drain import DEFAULT_DRAIN_TIMEOUT_S
 
 if TYPE_CHECKING:
+    from worker.server import MetricsOptions
     from worker.tier_cache import TierConfig
 
 logger = logging.getLogger("splitserve.serve")
@@ -44,17 +47,30 @@ def _tcp_streams(text: str) -> int:
     return streams
 
 
-def _data_port(text: str) -> int | None:
-    if text.strip().lower() == "off":
-        return None
+def _port(flag: str, off: bool = False) -> Callable[[str], int | None]:
+    """A flag type for a port (0: a free one), or 'off' (None) where `off` allows it."""
+    def parse(text: str) -> int | None:
+        if off and text.strip().lower() == "off":
+            return None
+        try:
+            port = int(text)
+        except ValueError:
+            what = "a port or 'off'" if off else "a port"
+            raise argparse.ArgumentTypeError(f"{flag} takes {what}, not {text!r}") from None
+        if not 0 <= port <= 65535:
+            raise argparse.ArgumentTypeError(f"{flag} {port} is outside 0..65535")
+        return port
+    return parse
+
+
+def _seconds(text: str) -> float:
     try:
-        port = int(text)
+        seconds = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--kv-data-port takes a port or 'off', not {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"--kv-data-port {port} is outside 0..65535")
-    return port
+        raise argparse.ArgumentTypeError(f"expected seconds, not {text!r}") from None
+    if not 0 <= seconds <= 3600:
+        raise argparse.ArgumentTypeError(f"{seconds} is outside 0..3600 seconds")
+    return seconds
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
@@ -71,6 +87,18 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                    help="export traces over OTLP to URL (default: $OTEL_EXPORTER_OTLP_ENDPOINT "
                         "if set; needs the otlp extra)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model's name in the API (colocated) and in /metrics' model_name "
+                        "label (default: --model as given, or the embedded SmolLM2's name)")
+    p.add_argument("--metrics-port", type=_port("--metrics-port"), default=None,
+                   help="prefill and decode roles: serve Prometheus /metrics on this port of "
+                        "--host (HTTPS with the internal TLS files; 0: a free port; default: "
+                        "none)")
+    p.add_argument("--drain-timeout", type=_seconds, default=DEFAULT_DRAIN_TIMEOUT_S,
+                   help="on SIGTERM, seconds to let calls in progress finish and leases be "
+                        "pulled (new requests are refused at once) before exiting; keep a "
+                        "pod's terminationGracePeriodSeconds above it "
+                        f"(default: {DEFAULT_DRAIN_TIMEOUT_S:.0f})")
     p.add_argument("--kv-transports", type=_kv_transports, default=KV_TRANSPORTS,
                    help="decode role: the ways KV may come from a prefill worker, tried in the "
                         "order ipc (CUDA IPC, same GPU), tcp (the prefill worker's KV data port, "
@@ -79,7 +107,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-tcp-streams", type=_tcp_streams, default=DEFAULT_TCP_STREAMS,
                    help="decode role: connections one pull over the prefill worker's data port "
                         f"opens at once, 1..{MAX_TCP_STREAMS} (default: {DEFAULT_TCP_STREAMS})")
-    p.add_argument("--kv-data-port", type=_data_port, default=0,
+    p.add_argument("--kv-data-port", type=_port("--kv-data-port", off=True), default=0,
                    help="prefill role: the port on --host that serves KV blocks raw to decode "
                         "workers (their 'tcp' way; same TLS as the gRPC port); 0 picks a free "
                         "one (default), 'off' serves none")
@@ -111,6 +139,16 @@ def tier_config_from_args(args: argparse.Namespace) -> TierConfig:
     return TierConfig(cpu_bytes=args.kv_tier_cpu_mb << 20, redis_url=args.kv_tier_redis_url,
                       redis_ttl_s=args.kv_tier_redis_ttl_s,
                       min_blocks=args.kv_tier_min_blocks)
+
+
+def metrics_options(args: argparse.Namespace) -> MetricsOptions | None:
+    """Where the worker serves /metrics (--metrics-port), or None."""
+    from worker.server import MetricsOptions  # torch: not at the CLI's import
+
+    if args.metrics_port is None:
+        return None
+    return MetricsOptions(args.host, args.metrics_port,
+                          served_model_name_for(args.model, args.served_model_name))
 
 
 def run_worker_process(args: argparse.Namespace, role: str,

@@ -1,9 +1,11 @@
 """gRPC worker bootstrap shared by the prefill and decode services: one engine, the services'
-servicers, health, reflection, the cluster's credential and graceful shutdown.
+servicers, health, reflection, the cluster's credential, `/metrics` and draining.
 
 Health says NOT_SERVING until the engine is loaded (loading runs in a thread so the server
-answers probes meanwhile) and flips back to NOT_SERVING when shutdown starts; `server.stop(grace)`
-then refuses new calls and lets in-flight ones finish. Each service (prefill_service/server.py,
+answers probes meanwhile) and flips back to NOT_SERVING when draining starts (SIGTERM:
+`WorkerHandle.drain`): new calls are refused with UNAVAILABLE (worker/drain.py), calls in
+progress finish and leases are pulled or expire, bounded by the drain timeout; then
+`server.stop(grace)` and the engine stops. Each service (prefill_service/server.py,
 decode_service/server.py) says which servicers it registers and what it wires up once the
 engine is loaded; this module owns neither an entry point nor a role of its own.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 
@@ -23,12 +26,15 @@ from grpc_reflection.v1alpha import reflection
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from protos.splitserve.v1 import common_pb2
 from rpc.auth import INTERNAL_TOKEN_ENV, BearerAuthInterceptor
 from rpc.health import HealthServicer
 from rpc.limits import message_size_options
+from rpc.request_decoding import DecodeErrorInterceptor
 from rpc.servers import SERVER_OPTIONS
 from rpc.tls import add_internal_port
-from rpc.request_decoding import DecodeErrorInterceptor
+from worker.drain import DEFAULT_DRAIN_TIMEOUT_S, DrainGate, wait_drained
+from worker.metrics import MetricsServer, WorkerCollector
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +45,17 @@ Register = Callable[[grpc.aio.Server, int], list[str]]
 # What a service does once the engine is loaded: wrap it (KV loaders, tiers), bind its
 # servicers, open its data ports. Returns the started AsyncEngine.
 OnLoaded = Callable[[LLMEngine, "WorkerHandle"], Awaitable[AsyncEngine]]
+# The worker's load report now (None while its engine loads), for /metrics.
+ReportNow = Callable[[], common_pb2.LoadReport | None]
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsOptions:
+    """Where a worker serves /metrics (port 0: a free one) and its `model_name` label."""
+
+    host: str
+    port: int
+    model_name: str
 
 
 @dataclass
@@ -49,13 +66,37 @@ class WorkerHandle:
     port: int
     health: health.aio.HealthServicer
     services: list[str]
+    gate: DrainGate
     aengine: AsyncEngine | None = None
+    metrics: MetricsServer | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     load_task: asyncio.Future[None] | None = None
     # Run in order after the server and the engine stopped (data ports, kept channels).
     on_stop: list[Callable[[], Awaitable[None] | None]] = field(default_factory=list)
 
+    async def drain(self, timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
+        """Scale-in (SIGTERM): health NOT_SERVING and new calls refused at once, then wait (at
+        most `timeout_s`) for the calls in progress to end and the leases to be pulled or to
+        expire, then `stop`."""
+        self.gate.draining = True
+        await self.health.enter_graceful_shutdown()
+        started = time.monotonic()
+        logger.info("draining: %d calls in progress, %d leases", self.gate.active,
+                    self._num_leases())
+        drained = await wait_drained(self.gate, self._num_leases, timeout_s)
+        took = time.monotonic() - started
+        if drained:
+            logger.info("drained in %.1fs", took)
+        else:
+            logger.warning("drain timeout (%.0fs): cutting off %d calls, %d leases", timeout_s,
+                           self.gate.active, self._num_leases())
+        await self.stop(grace_s=1.0)
+
+    def _num_leases(self) -> int:
+        return 0 if self.aengine is None else self.aengine.stats().num_leases
+
     async def stop(self, grace_s: float = 10.0) -> None:
+        self.gate.draining = True
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
         if self.aengine is not None:
@@ -70,21 +111,25 @@ async def start_worker_server(config: EngineConfig, host: str, port: int, regist
                               on_loaded: OnLoaded, *,
                               engine_factory: EngineFactory | None = None,
                               auth_token: str | None = None,
-                              ticketed_methods: Collection[str] = ()) -> WorkerHandle:
+                              ticketed_methods: Collection[str] = (),
+                              metrics: MetricsOptions | None = None,
+                              report: ReportNow | None = None) -> WorkerHandle:
     """Bind `host:port` (mutual TLS when configured), register the service's servicers, start
     serving NOT_SERVING, and load the engine in the background; `handle.ready` is set once
     `on_loaded` returned and health says SERVING.
 
     auth_token: the cluster's shared secret (rpc/auth.py). With it, every call but a health
     check must carry it, or (`ticketed_methods`: the KvTransfer service's) a lease ticket that
-    the servicer checks."""
+    the servicer checks. metrics: serve /metrics (worker/metrics.py) from `report`."""
     opts = [*message_size_options(), *SERVER_OPTIONS]
-    # Undecodable request bytes: INVALID_ARGUMENT (rpc/request_decoding.py), after the credential.
-    interceptors: list[grpc.aio.ServerInterceptor] = [
-        *([] if auth_token is None
-          else [BearerAuthInterceptor(auth_token, INTERNAL_TOKEN_ENV,
-                                      ticketed_methods=ticketed_methods)]),
-        DecodeErrorInterceptor()]
+    gate = DrainGate()
+    # Authentication first: a call without the credential is refused as such, draining or not;
+    # then the drain gate; undecodable request bytes are INVALID_ARGUMENT
+    # (rpc/request_decoding.py).
+    interceptors: list[grpc.aio.ServerInterceptor] = [gate, DecodeErrorInterceptor()]
+    if auth_token is not None:
+        interceptors.insert(0, BearerAuthInterceptor(auth_token, INTERNAL_TOKEN_ENV,
+                                                      ticketed_methods=ticketed_methods))
     server = grpc.aio.server(options=opts, interceptors=interceptors)
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -92,11 +137,16 @@ async def start_worker_server(config: EngineConfig, host: str, port: int, regist
     services = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                 reflection.SERVICE_NAME, *register(server, bound)]
     reflection.enable_server_reflection(services, server)
-    handle = WorkerHandle(server, bound, health_servicer, services)
+    handle = WorkerHandle(server, bound, health_servicer, services, gate)
     for name in ["", *services]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
     role = config.scheduler.role
+    if metrics is not None:
+        collector = WorkerCollector(report or (lambda: None), gate, metrics.model_name, role,
+                                    asyncio.get_running_loop())
+        handle.metrics = MetricsServer(collector, metrics.host, metrics.port)
+        handle.on_stop.append(handle.metrics.close)
     logger.info("%s worker listening on %s:%d", role, host, bound)
 
     async def load() -> None:

@@ -157,6 +157,8 @@ def listening_ports(args: Args) -> set[int]:
         ports.add(int(args.one("--grpc-port")))
     if "--kv-data-port" in args.flags and args.one("--kv-data-port").lower() != "off":
         ports.add(int(args.one("--kv-data-port")))  # 0 (a free port) cannot be declared: fails
+    if "--metrics-port" in args.flags:
+        ports.add(int(args.one("--metrics-port")))
     return ports
 
 
@@ -241,17 +243,6 @@ def _number(node: ast.Constant) -> float:
     return float(node.value)
 
 
-def _grace_default(path: Path, func: str) -> float:
-    """Default of parameter `grace_s` (or similar) of function `func` in a source file."""
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.AsyncFunctionDef | ast.FunctionDef) and node.name == func:
-            args = node.args.args[len(node.args.args) - len(node.args.defaults):]
-            for arg, default in zip(args, node.args.defaults, strict=True):
-                if arg.arg == "grace_s" and isinstance(default, ast.Constant):
-                    return _number(default)
-    raise AssertionError(f"{path}: no {func}(grace_s=...) default found")
-
-
 def _gateway_shutdown_grace() -> float:
     tree = ast.parse((ROOT / "gateway" / "config.py").read_text())
     for node in ast.walk(tree):
@@ -261,12 +252,18 @@ def _gateway_shutdown_grace() -> float:
     raise AssertionError("gateway/config.py: no shutdown_grace_s default found")
 
 
-def drain_seconds(role: str) -> float:
-    """How long a pod of `role` may take to stop after SIGTERM, from the code's defaults."""
+def drain_seconds(role: str, c: Obj) -> float:
+    """How long a pod of `role` may take to stop after SIGTERM: a worker's --drain-timeout
+    (or its default) plus `WorkerHandle.drain`'s final stop; the gateway's from its defaults."""
     if role == "gateway":
         # GatewayServer.stop: uvicorn drains for shutdown_grace_s, then gRPC stop(grace).
         return 2 * _gateway_shutdown_grace()
-    return _grace_default(ROOT / "worker" / "server.py", "stop")
+    from worker.drain import DEFAULT_DRAIN_TIMEOUT_S
+
+    args = container_args(c)
+    timeout = (float(args.one("--drain-timeout")) if "--drain-timeout" in args.flags
+               else DEFAULT_DRAIN_TIMEOUT_S)
+    return timeout + 1.0 + 5.0  # stop(grace_s=1.0), then the engine thread's stop
 
 
 def prestop_sleep(c: Obj) -> float:
@@ -323,7 +320,10 @@ def check_worker_probes(objs: list[Obj]) -> None:
 
 
 def check_gateway_routes(objs: list[Obj]) -> None:
-    """--prefill/--decode name Services that reach pods of that role on the right port."""
+    """--prefill/--decode name Services that reach pods of that role on the right port; a
+    `dns:` target (each pod, gateway/discovery.py) names a headless Service."""
+    from gateway.discovery import is_dns_target, parse_dns_target
+
     gw = gateway_deployment(objs)
     args = container_args(containers(gw)[0])
     for role in WORKER_ROLES:
@@ -331,8 +331,14 @@ def check_gateway_routes(objs: list[Obj]) -> None:
         assert addresses, f"gateway: no --{role} address"
         for addr in addresses:
             host, _, port = addr.rpartition(":")
+            if is_dns_target(addr):
+                dns_target = parse_dns_target(addr)
+                host, port = dns_target.name, str(dns_target.port)
             svc = [s for s in of_kind(objs, "Service") if name(s) == host]
             assert svc, f"gateway --{role}={addr}: no Service named {host!r}"
+            if is_dns_target(addr):
+                assert svc[0]["spec"].get("clusterIP") == "None", (
+                    f"gateway --{role}={addr}: {host} must be headless to list every pod")
             sp = [p for p in svc[0]["spec"]["ports"] if int(p["port"]) == int(port)]
             assert sp, f"gateway --{role}={addr}: Service {host} has no port {port}"
             deps = [d for d in of_kind(objs, "Deployment")
@@ -391,8 +397,21 @@ def check_internal_token(objs: list[Obj]) -> None:
 
 # Which components may connect to each worker role's ports, by port name (everything else is
 # refused): the KV data port serves raw KV to ticket holders, who are decode pods only.
-ALLOWED_CALLERS = {"prefill": {"grpc": {"gateway", "decode"}, "kv-data": {"decode"}},
-                   "decode": {"grpc": {"gateway"}}}
+# Prometheus (any namespace, its pods labelled app.kubernetes.io/name=prometheus) scrapes the
+# workers' /metrics.
+ALLOWED_CALLERS = {"prefill": {"grpc": {"gateway", "decode"}, "kv-data": {"decode"},
+                               "metrics": {"prometheus"}},
+                   "decode": {"grpc": {"gateway"}, "metrics": {"prometheus"}}}
+
+
+def _caller(peer: Obj) -> str:
+    """A NetworkPolicy peer as a caller name: a splitserve component, or `prometheus`."""
+    labels = peer["podSelector"]["matchLabels"]
+    if "namespaceSelector" in peer:
+        assert labels == {"app.kubernetes.io/name": "prometheus"}, peer
+        return "prometheus"
+    assert "ipBlock" not in peer, peer
+    return str(labels["app.kubernetes.io/component"])
 
 
 def check_network_policies(objs: list[Obj]) -> None:
@@ -411,8 +430,7 @@ def check_network_policies(objs: list[Obj]) -> None:
         assert spec["policyTypes"] == ["Ingress"]
         admitted: dict[int, set[str]] = {}
         for rule in spec["ingress"]:
-            callers = {peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
-                       for peer in rule["from"]}
+            callers = {_caller(peer) for peer in rule["from"]}
             for port in rule["ports"]:
                 admitted.setdefault(int(port["port"]), set()).update(callers)
         served = {p["name"]: int(p["containerPort"])
@@ -464,7 +482,7 @@ def check_resources_and_lifecycle(objs: list[Obj], expect_gpu: bool) -> None:
             has_gpu = "nvidia.com/gpu" in res.get("limits", {})
             assert has_gpu == (expect_gpu and role in WORKER_ROLES), (
                 f"{name(dep)}: nvidia.com/gpu {'missing' if not has_gpu else 'unexpected'}")
-            needed = prestop_sleep(c) + drain_seconds(role)
+            needed = prestop_sleep(c) + drain_seconds(role, c)
             grace = pod.get("terminationGracePeriodSeconds", 30)
             assert grace > needed, f"{name(dep)}: terminationGracePeriodSeconds {grace} <= drain {needed}"
         for vol in pod.get("volumes", []):
@@ -773,7 +791,8 @@ def test_rendered_overlay_quantization(overlay: str, quantization: str, kv_dtype
 @needs_kustomize
 def test_rendered_monitoring() -> None:
     objs = render(MONITORING)
-    assert {o["kind"] for o in objs} == {"ServiceMonitor", "ConfigMap"}
+    assert {o["kind"] for o in objs} == {"ServiceMonitor", "PodMonitor", "PrometheusRule",
+                                         "ConfigMap"}
     cm = of_kind(objs, "ConfigMap")[0]
     assert json.loads(cm["data"][DASHBOARD.name]) == json.loads(DASHBOARD.read_text())
 
