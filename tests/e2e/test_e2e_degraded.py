@@ -27,6 +27,7 @@ from gateway.server import GatewayServer
 from protos.splitserve.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.support.e2e_stack import HOST, MODEL_NAME, LoopThread, greedy_sampling
 from tests.support.gateway_fakes import smollm2_tokenizer
+from tests.support.prom import sample_value
 
 pytest_plugins = ["tests.support.e2e_stack"]
 pytestmark = pytest.mark.slow
@@ -160,15 +161,12 @@ def test_back_to_disaggregated_then_the_only_prefill_worker_dies(degraded: Degra
     d.wait_mode("decode_only")
     # New requests go whole to the decode worker.
     assert _streams_through(d, lambda: None) == d.reference
-    assert _metric(d, 'splitserve:serving_mode{mode="decode_only"}') == 1.0
+    assert _metric(d, "splitserve:serving_mode", mode="decode_only") == 1.0
     assert wait_idle([d.decode], IDLE_S) is not None, "the decode worker kept work or KV"
 
 
-def _metric(d: Degraded, name: str) -> float:
-    """One sample of the gateway's /metrics (`name` with its labels, if any)."""
-    for line in httpx.get(f"http://{HOST}:{d.gateway.rest_port}/metrics", timeout=10
-                          ).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in /metrics")
+def _metric(d: Degraded, name: str, **labels: str) -> float:
+    """One sample of the gateway's /metrics, by name and a subset of its labels."""
+    return sample_value(httpx.get(f"http://{HOST}:{d.gateway.rest_port}/metrics", timeout=10
+                                  ).text, name, **labels)
 

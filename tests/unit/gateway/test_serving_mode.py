@@ -14,6 +14,7 @@ import pytest
 from openai import OpenAI
 
 from tests.support.gateway_fakes import MODEL_NAME, Harness, Script, smollm2_tokenizer
+from tests.support.prom import sample_value
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +40,8 @@ def _mode(h: Harness) -> str:
 
 def _gauge(h: Harness, mode: str) -> float:
     """`splitserve:serving_mode{mode=...}` from the gateway's /metrics."""
-    for line in httpx.get(h.base_url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(f'splitserve:serving_mode{{mode="{mode}"}}'):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"no serving_mode gauge for {mode}")
+    return sample_value(httpx.get(h.base_url + "/metrics", timeout=10).text,
+                        "splitserve:serving_mode", mode=mode)
 
 
 def _complete(h: Harness, max_tokens: int, stream: bool = False) -> str:
