@@ -62,6 +62,8 @@ from engine.config.speculative import (
     SPEC_METHODS,
     SpecMethod,
     SpeculativeConfig,
+    parse_speculative_config,
+    speculative_config_from_dict,
 )
 from engine_api.errors import ConfigError
 from engine_api.pooling_params import PoolerConfig
@@ -106,6 +108,8 @@ __all__ = [
     "class_labels",
     "hf_architecture",
     "language_model_dict",
+    "parse_speculative_config",
+    "speculative_config_from_dict",
 ]
 
 
