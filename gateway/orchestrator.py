@@ -319,6 +319,12 @@ class Orchestrator:
             finally:
                 pool.done(worker)
 
+    def _request_class(self, job: GenerationJob) -> str:
+        """The job's class for the speculation policy (its prompt's last 2,048 tokens read
+        back as text: a code prompt drafts well)."""
+        text = self._tokenizer.decode(job.prompt_token_ids[-2048:])
+        return request_class(job.prompt_token_ids, job.tool_choice is not None, text)
+
     def _before_decode_retry(self, worker: Worker, job: GenerationJob, state: _Completion,
                              err: grpc.aio.AioRpcError) -> None:
         """`worker` failed (UNAVAILABLE) or was full (RESOURCE_EXHAUSTED); the completion goes
@@ -342,8 +348,7 @@ class Orchestrator:
                          span: Span | None = None) -> str:
         # Decided here, for this worker: no await since `pick`, so its load is the one the
         # router just routed on (a resume on another worker decides again).
-        spec = self._spec_policy.decide(
-            worker, request_class(job.prompt_token_ids, job.tool_choice is not None))
+        spec = self._spec_policy.decide(worker, self._request_class(job))
         self._metrics.observe_spec_decision(worker.address, spec)
         if span is not None:  # the last call's, when the completion was resumed
             for name, value in spec_attributes(spec).items():

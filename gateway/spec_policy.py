@@ -19,8 +19,8 @@ from the worker ("adaptive", the default):
 - a proposer not yet measured for the class is tried now and then (every EXPLORE_EVERY-th
   decision for a worker and class), so that numbers exist and stay fresh.
 
-The request's class is what the gateway can see of it: "tools" (it sent tools), "repetitive"
-(its prompt repeats itself, as code and edits do), else "text".
+The request's class is what the gateway can see of it: "tools" (it sent tools), "code" (its
+prompt holds code), "repetitive" (its prompt repeats itself), else "text".
 
 A worker that has not reported measurements (or with `speculative_policy` "threshold") gets
 the load threshold: `speculative_tokens` drafts below `speculative_max_load` pending requests,
@@ -35,6 +35,7 @@ method ignores them.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
@@ -57,11 +58,18 @@ MIN_MEASURED_STEPS = 16.0
 EXPLORE_EVERY = 8
 # Speculation must beat plain decoding by this much (the model leaves out a lost async overlap
 # and the noise in the measurements).
-MIN_GAIN = 1.03
+MIN_GAIN = 1.1
 # A prompt whose 4-token windows recur at least this often is "repetitive" (code, edits, data).
 REPETITIVE_SHARE = 0.25
 _CLASS_WINDOW = 4
 _CLASS_MAX_TOKENS = 4096
+# Lines that read as code (a keyword first, or ending in a brace or semicolon): this many make
+# a prompt "code".
+CODE_LINES = 3
+_CODE_LINE = re.compile(
+    r"^[ \t]*(?:def |class |return\b|import |from \S+ import|for |while |if |elif |else:|"
+    r"function |const |let |var |#include|public |private |fn |func )|[{};][ \t]*$",
+    re.MULTILINE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,12 +120,16 @@ def method_for_load(load: int, methods: Sequence[Method], draft_max_load: int) -
     return common_pb2.SPECULATIVE_METHOD_UNSPECIFIED
 
 
-def request_class(prompt_token_ids: Sequence[int], has_tools: bool = False) -> str:
-    """The request's class for acceptance statistics: "tools", "repetitive" (a fourth or more
-    of the prompt's 4-token windows occurred earlier in it: code, edits, structured data) or
-    "text". Reads the prompt's last _CLASS_MAX_TOKENS tokens."""
+def request_class(prompt_token_ids: Sequence[int], has_tools: bool = False,
+                  text: str = "") -> str:
+    """The request's class for acceptance statistics: "tools" (it sent tools), "code" (its
+    prompt's text, when given, holds a code fence or CODE_LINES lines that read as code),
+    "repetitive" (a fourth or more of the prompt's 4-token windows occurred earlier in it:
+    structured data, logs, edits) or "text". Reads the prompt's last _CLASS_MAX_TOKENS tokens."""
     if has_tools:
         return "tools"
+    if text and ("```" in text or len(_CODE_LINE.findall(text)) >= CODE_LINES):
+        return "code"
     ids = prompt_token_ids[-_CLASS_MAX_TOKENS:]
     windows = len(ids) - _CLASS_WINDOW + 1
     if windows < 8:

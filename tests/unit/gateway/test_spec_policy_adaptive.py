@@ -116,6 +116,9 @@ def test_request_classes() -> None:
     assert request_class(prose) == "text"
     assert request_class(prose, has_tools=True) == "tools"
     assert request_class([1, 2, 3]) == "text"
+    assert request_class(prose, text="Fix this:\n```python\nx = 1\n```") == "code"
+    assert request_class(prose, text="int f() {\n  a();\n  return b;\n}") == "code"
+    assert request_class(prose, text="Once upon a time; a fox.\nThe end.") == "text"
 
 
 def test_metrics_show_the_decisions_and_the_workers_numbers() -> None:
