@@ -490,7 +490,8 @@ class LLMEngine:
         budget = self.spec_budget
         step_k = None
         if budget is not None:
-            batch, memo = len(self.scheduler.running), {}  # type: ignore[var-annotated]
+            batch = len(self.scheduler.running)
+            memo: dict[tuple[str, str], int] = {}  # this round's caps by (method, class)
 
             def step_k(req: Request) -> int:
                 return budget.cap_for(memo, req.spec_method, req.spec_class, batch,

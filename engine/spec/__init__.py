@@ -34,10 +34,10 @@ def draft_cap(req: Request) -> int:
 class Proposer(Protocol):
     """Drafts tokens for a batch of requests (called between steps, for the requests that
     speculate). N-gram lookup (ngram.py), suffix decoding (suffix.py) and a draft model
-    (engine/draft_model.py) are built; suffix decoding keeps a tree per request and one over
-    finished requests' outputs;
-    the draft model runs all of a step's requests as one batch and keeps each one's draft KV
-    between calls, so it is told when a request is gone (`release`)."""
+    (engine/draft_model.py) are built. Suffix decoding keeps a tree per request (and one over
+    finished requests' outputs); the draft model runs all of a step's requests as one batch and
+    keeps each one's draft KV between calls; both are told when a request is gone
+    (`release`)."""
 
     def propose_batch(self, reqs: Sequence[Request]) -> list[list[int]]:
         """Up to `draft_cap(req)` drafts to follow `req.all_token_ids` (maybe
@@ -100,9 +100,9 @@ def propose_all(reqs: Sequence[Request], proposer: Proposer,
     for req in reqs:
         if step_k is not None:
             req.spec_step_k = step_k(req)
-            if req.spec_step_k == 0:
+            if req.spec_step_k == 0:  # its steps may overlap until the next look
                 req.spec_token_ids = []
-                req.spec_sync_in = 0
+                req.spec_sync_in = SPEC_PROBE_INTERVAL
                 continue
         paused_for = req.spec_resume_at - req.num_tokens
         if paused_for <= 0 and req.spec_accepted_avg < min_accepted_per_step:
