@@ -75,7 +75,7 @@ def code_prompt(i: int) -> str:
 
 
 def story_prompt(i: int) -> str:
-    return (f"Write a short story. Once upon a time, a young {_ANIMALS[i % len(_ANIMALS)]} "
+    return (f"Write short story number {i}. Once upon a time, a young {_ANIMALS[i % len(_ANIMALS)]} "
             f"lived in {_PLACES[(3 * i) % len(_PLACES)]}. One morning")
 
 
@@ -164,7 +164,7 @@ async def measure(ports: dict[str, int], model: str, concurrency: list[int], rou
     # Warm-up, not recorded: every gateway and workload once (the policy learns here too).
     for make in WORKLOADS.values():
         for mode in MODES:
-            await run_cell(bases[mode], model, [make(i) for i in range(4)], 4, max_tokens)
+            await run_cell(bases[mode], model, [make(50 + i) for i in range(4)], 4, max_tokens)
     rows: list[dict[str, Any]] = []
     for wl, make in WORKLOADS.items():
         for c in concurrency:
@@ -174,7 +174,9 @@ async def measure(ports: dict[str, int], model: str, concurrency: list[int], rou
                 shift = (r + len(rows)) % len(MODES)  # each cell and round its own order
                 order = MODES[shift:] + MODES[:shift]
                 for mode in order:
-                    prompts = [make(100 * r + i) for i in range(n)]
+                    # Prompts of its own for each mode: a mode that ran after another on
+                    # the same prompts would find their KV in the prefill worker's cache.
+                    prompts = [make(1000 * MODES.index(mode) + 100 * r + i) for i in range(n)]
                     tokens, seconds = await run_cell(bases[mode], model, prompts, c, max_tokens)
                     runs[mode].append(tokens / seconds)
                     print(f"{wl} c={c} round {r} {mode}: {tokens / seconds:.1f} tok/s",
