@@ -4,6 +4,7 @@ decode in one engine, with CPU/Redis prefix tiers under its cache when configure
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 import grpc
@@ -51,6 +52,8 @@ async def start_decode_worker(config: EngineConfig, host: str, port: int, *,
         return [decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name]
 
     async def on_loaded(engine: LLMEngine, handle: WorkerHandle) -> AsyncEngine:
+        # Its step cost before its first request (the gateway's speculation policy reads it).
+        await asyncio.to_thread(engine.calibrate_speculation)
         if role == "decode":
             # A tensor-parallel engine's cache is split over its ranks: its KV comes by the data
             # port, shared memory or the stream, not into one cache through an IPC handle.

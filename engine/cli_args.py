@@ -23,6 +23,7 @@ from engine.config import (
     SchedulingPolicy,
     SpeculativeConfig,
     kv_cache_dtype_name,
+    parse_speculative_config,
 )
 from engine_api.pooling_params import POOLING_TYPES, PoolerConfig
 
@@ -37,6 +38,16 @@ def _default(cls: type, name: str) -> Any:
 def _classifier_tokens(value: str) -> tuple[str, ...]:
     """`no,yes` → ("no", "yes") (PoolerConfig.validate checks them); "" → ()."""
     return tuple(value.split(",")) if value else ()
+
+
+def _speculative_json(text: str) -> str:
+    """--speculative-config: a JSON object with SpeculativeConfig's fields (checked whole in
+    `engine_config_from_args`, over the single flags)."""
+    try:
+        parse_speculative_config(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _positive_int(text: str) -> int:
@@ -224,8 +235,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    choices=list(SPEC_METHODS),
                    help="speculative decoding: ngram = prompt lookup (drafts the tokens that "
                         "followed the latest earlier occurrence of the sequence's suffix); "
-                        "draft_model = a smaller model of the same vocabulary "
+                        "suffix = suffix decoding (suffix trees over the request and recent "
+                        "outputs); draft_model = a smaller model of the same vocabulary "
                         "(--speculative-model) drafts greedily")
+    g.add_argument("--speculative-config", type=_speculative_json, default=None,
+                   metavar="JSON",
+                   help="speculative decoding as vLLM spells it, a JSON object over the "
+                        "single flags: method, num_speculative_tokens, model, "
+                        "prompt_lookup_min/max, suffix_decoding_max_tree_depth, "
+                        "suffix_decoding_max_cached_requests, suffix_decoding_max_spec_factor, "
+                        "suffix_decoding_min_token_prob, calibration_max_batch, step_budget, "
+                        "min_accepted_per_step, draft_gpu_memory_utilization (a model without "
+                        "a method: draft_model)")
     g.add_argument("--speculative-model", default=_default(SpeculativeConfig, "model"),
                    help="the draft model for --speculative-method draft_model (a path or "
                         "dummy:<preset>)")
@@ -292,12 +313,19 @@ def engine_config_from_args(args: argparse.Namespace, role: str = "colocated") -
                                                      if args.enable_lora else 0)),
         pooler=PoolerConfig(pooling_type=args.pooling_type,
                             classifier_from_token=args.classifier_from_token),
-        speculative=SpeculativeConfig(method=args.speculative_method,
-                                      num_speculative_tokens=args.num_speculative_tokens,
-                                      prompt_lookup_min=args.prompt_lookup_min,
-                                      prompt_lookup_max=args.prompt_lookup_max,
-                                      min_accepted_per_step=args.spec_min_accepted_per_step,
-                                      model=args.speculative_model,
-                                      draft_gpu_memory_utilization=(
-                                          args.speculative_draft_gpu_memory_utilization)),
+        speculative=_speculative(args),
     )
+
+
+def _speculative(args: argparse.Namespace) -> SpeculativeConfig:
+    """The single flags, with --speculative-config's fields over them."""
+    base = SpeculativeConfig(method=args.speculative_method,
+                             num_speculative_tokens=args.num_speculative_tokens,
+                             prompt_lookup_min=args.prompt_lookup_min,
+                             prompt_lookup_max=args.prompt_lookup_max,
+                             min_accepted_per_step=args.spec_min_accepted_per_step,
+                             model=args.speculative_model,
+                             draft_gpu_memory_utilization=(
+                                 args.speculative_draft_gpu_memory_utilization))
+    text = getattr(args, "speculative_config", None)
+    return base if text is None else parse_speculative_config(text, base)

@@ -48,6 +48,7 @@ from engine.loader import load_model_source
 from engine.request import Request
 from engine.runner import ModelRunner, PendingStep
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.spec import draft_cap
 from engine_api.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -190,7 +191,7 @@ class DraftModelProposer:
         tokens = req.all_token_ids
         n = len(tokens)
         # Draft j (j < k) is fed at position n - 1 + j: the last fed stays inside the context.
-        k = min(req.num_speculative_tokens, self.max_model_len - n + 1)
+        k = min(draft_cap(req), self.max_model_len - n + 1)
         if k <= 0:
             return None
         seq = self.seqs.get(req.request_id)

@@ -12,6 +12,7 @@ from engine.draft_model import DraftModelProposer
 from engine.model.llama import LlamaForCausalLM
 from engine.spec import Proposer
 from engine.spec.ngram import NgramProposer
+from engine.spec.suffix import SuffixProposer
 from engine_api.tokenizer import Tokenizer
 
 
@@ -32,17 +33,26 @@ def eos_ids(model_config: ModelConfig, generation_config: dict[str, object],
 
 def make_proposers(config: EngineConfig, cfg: ModelConfig, max_model_len: int
                    ) -> dict[str, Proposer]:
-    """The configured method's proposer; beside a draft model also n-gram lookup, which
-    costs nothing to hold, so the gateway can choose per request (cheaper drafts at a load
-    where the draft model's steps no longer pay)."""
+    """The configured method's proposer first; beside it n-gram lookup and suffix decoding,
+    which cost nothing to hold (no weights; a suffix tree only for requests that use it), so
+    the gateway can choose per request (cheaper drafts at a load where a draft model's steps
+    no longer pay, suffix decoding where outputs repeat across requests)."""
     spec = config.speculative
     if not spec.enabled or config.scheduler.role == "prefill":
         return {}
+    proposers: dict[str, Proposer] = {}
+    if spec.method == "draft_model":
+        proposers["draft_model"] = DraftModelProposer(config, cfg.vocab_size, max_model_len)
+    suffix = SuffixProposer(spec.suffix_decoding_max_tree_depth,
+                            spec.suffix_decoding_max_spec_factor,
+                            spec.suffix_decoding_min_token_prob,
+                            spec.suffix_decoding_max_cached_requests)
     ngram = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-    if spec.method == "ngram":
-        return {"ngram": ngram}
-    return {"draft_model": DraftModelProposer(config, cfg.vocab_size, max_model_len),
-            "ngram": ngram}
+    if spec.method == "suffix":
+        proposers["suffix"] = suffix
+    proposers["ngram"] = ngram
+    proposers.setdefault("suffix", suffix)
+    return proposers
 
 
 def make_classifier(pooler: PoolerConfig, cfg: ModelConfig, model: LlamaForCausalLM,

@@ -15,6 +15,7 @@ from engine.config import (
     DEFAULT_GC_THRESHOLD,
     DEFAULT_MAX_LORA_RANK,
     CacheConfig,
+    ConfigError,
     EngineConfig,
     LoadConfig,
     LoRAConfig,
@@ -23,6 +24,7 @@ from engine.config import (
     SchedulerConfig,
     SpeculativeConfig,
     kv_cache_dtype_name,
+    speculative_config_from_dict,
 )
 from engine.llm_engine import LLMEngine
 from engine.lora import LoRARequest, lora_name_of
@@ -117,11 +119,9 @@ class LLM:
         directory) and `override_generation_config` give `get_default_sampling_params`, which
         `generate` and `stream` use when no sampling params are given (as vLLM's do)."""
         if isinstance(speculative_config, dict):
-            if "model" in speculative_config and "method" not in speculative_config:
-                speculative_config = {**speculative_config, "method": "draft_model"}
             try:
-                speculative_config = SpeculativeConfig(**speculative_config)
-            except TypeError as e:
+                speculative_config = speculative_config_from_dict(speculative_config)
+            except ConfigError as e:
                 raise EngineInputError(f"speculative_config: {e}") from None
         config = EngineConfig(
             load=LoadConfig(model=model, load_format=load_format, dtype=dtype, seed=seed,  # type: ignore[arg-type]

@@ -31,6 +31,9 @@ from engine.runner import ModelRunner, PendingStep
 from engine.sampler import depends_on_outputs
 from engine.scheduler import SampledToken, Scheduler, SchedulerOutput
 from engine.spec import Proposer, propose_all
+from engine.spec.budget import StepBudget
+from engine.spec.cost import StepCostModel
+from engine.spec.stats import AcceptanceStats
 from engine.step_outputs import StepOutputs
 from engine.structured import GrammarCompiler, RequestGrammar, StructuredOutputError
 from engine_api.errors import EngineInputError
@@ -117,6 +120,14 @@ class LLMEngine:
                                  root_hash(self.fingerprint, config.cache.tenant_salt),
                                  keep_runs=config.keeps_block_runs())
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        # Speculation's measured step cost and acceptance (engine/spec/cost.py, stats.py), and
+        # the per-step cap they give (budget.py); the worker reports them to the gateway.
+        spec = config.speculative
+        self.spec_cost = StepCostModel()
+        self.spec_stats = AcceptanceStats(spec.num_speculative_tokens)
+        self.spec_budget: StepBudget | None = (
+            StepBudget(self.spec_cost, self.spec_stats, spec.num_speculative_tokens)
+            if self.proposers and spec.step_budget else None)
         # What the services do with the KV besides requests: leases, pins, block I/O.
         self.kv_access = KvAccess(self.scheduler, self.runner)
         self.loras = LoRAAdmin(config, cfg, self.runner, self.scheduler, self.fingerprint)
@@ -270,6 +281,7 @@ class LLMEngine:
         req.num_speculative_tokens = self._speculative_tokens(req, options.num_speculative_tokens)
         method = options.speculative_method
         req.spec_method = method if method in self.proposers else self.config.speculative.method
+        req.spec_class = options.speculative_class
         self.scheduler.add_request(req)
         self._outputs.track(request_id, prompt_token_ids, params)
         return req
@@ -346,6 +358,14 @@ class LLMEngine:
         self._release_drafts(request_id)
         return self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED) is not None
 
+    def calibrate_speculation(self) -> int:
+        """Measure this worker's plain and verify step cost across batch sizes now (bounded;
+        engine/spec/calibrate.py), before it takes requests; returns the steps run (0: no
+        speculation here, or `calibration_max_batch` 0)."""
+        from engine.spec.calibrate import calibrate_step_cost
+
+        return calibrate_step_cost(self)
+
     @property
     def spec_tokens(self) -> tuple[int, int]:
         """Speculative decoding so far: (drafts verified, drafts accepted)."""
@@ -399,6 +419,7 @@ class LLMEngine:
         """
         if self.is_shut_down:
             raise RuntimeError("the engine was shut down")
+        started = time.perf_counter()
         self.scheduler.expire_leases()
         out = self.scheduler.schedule()
         if out.kv_loads:
@@ -421,6 +442,12 @@ class LLMEngine:
             else:
                 outputs += self._finish_step((out, pending))
         self.num_steps += 1
+        if self.proposers and out.scheduled and not out.kv_loads and all(
+                s.num_new_tokens == 1 + len(s.draft_token_ids) for s in out.scheduled):
+            # A pure decode step: its time by its query rows (a prompt chunk would charge its
+            # compute to them).
+            self.spec_cost.record(sum(s.num_new_tokens for s in out.scheduled),
+                                  time.perf_counter() - started)
         return outputs
 
     def _finish_step(self, step: tuple[SchedulerOutput, PendingStep]) -> list[StepOutput]:
@@ -435,8 +462,23 @@ class LLMEngine:
         changed = self.scheduler.update_from_output(out, pending.result())
         outputs = [self._step_output(req, toks) for req, toks in changed]
         if self.proposers:
+            self._record_acceptance(out, changed)
             self._propose(req for req, _ in changed)
         return outputs
+
+    def _record_acceptance(self, out: SchedulerOutput,
+                           changed: list[tuple[Request, list[SampledToken]]]) -> None:
+        """Each decode step of a speculating request, drafts or none, into `spec_stats` (not
+        one the step budget kept at no drafts: that says nothing of the method)."""
+        emitted = {req.request_id: len(toks) for req, toks in changed}
+        for s in out.scheduled:
+            req = s.request
+            n = emitted.get(req.request_id)
+            drafts = len(s.draft_token_ids)
+            if (n is None or not req.num_speculative_tokens or req.spec_step_k == 0
+                    or s.num_new_tokens != 1 + drafts):
+                continue
+            self.spec_stats.record(req.spec_method, req.spec_class, drafts, min(n - 1, drafts))
 
     def _propose(self, reqs: Iterable[Request]) -> None:
         """Draft the next step's tokens for the running requests that speculate and whose
@@ -446,9 +488,18 @@ class LLMEngine:
             if req.num_speculative_tokens and req.status == RequestStatus.RUNNING \
                     and not req.num_inflight:
                 by_method.setdefault(req.spec_method, []).append(req)
+        budget = self.spec_budget
+        step_k = None
+        if budget is not None:
+            batch = len(self.scheduler.running)
+            memo: dict[tuple[str, str], int] = {}  # this round's caps by (method, class)
+
+            def step_k(req: Request) -> int:
+                return budget.cap_for(memo, req.spec_method, req.spec_class, batch,
+                                      req.num_speculative_tokens)
         for method, ready in by_method.items():
             propose_all(ready, self.proposers[method],
-                        self.config.speculative.min_accepted_per_step)
+                        self.config.speculative.min_accepted_per_step, step_k)
 
     def _step_output(self, req: Request, toks: list[SampledToken]) -> StepOutput:
         out = self._outputs.output(req, toks)  # may finish it: a stop string

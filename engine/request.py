@@ -157,6 +157,10 @@ class Request:
         # proposed for the next step, and what verification made of them.
         self.num_speculative_tokens = 0
         self.spec_method = "none"  # the engine's proposer that drafts for it (SpecMethod)
+        # The worker's cap for the next proposal (engine/spec/budget.py; -1: none set) and the
+        # request's class as the gateway saw it (acceptance is measured per method and class).
+        self.spec_step_k = -1
+        self.spec_class = ""
         self.spec_token_ids: list[int] = []
         # A draft model's distributions of those drafts when it sampled them ([k, V] tensor on
         # the device; None: the drafts are deterministic).

@@ -53,7 +53,8 @@ class RequestChecks:
                                    "pooling requests, not generation")
         speculative_method = options.speculative_method
         if speculative_method is not None and speculative_method not in SPEC_METHODS[1:]:
-            raise EngineInputError("speculative_method must be 'ngram' or 'draft_model', got "
+            raise EngineInputError("speculative_method must be one of "
+                                   f"{', '.join(map(repr, SPEC_METHODS[1:]))}, got "
                                    f"{speculative_method!r}")
         params.validate()
         self.validate(prompt_token_ids, params, len(options.output_token_ids or []))

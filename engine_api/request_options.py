@@ -4,12 +4,18 @@ and carried whole to the engine's queue. Torch-free: the services build it."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from engine_api.errors import EngineInputError
 from engine_api.hashing import cache_salt_problem
 from engine_api.pooling_params import PoolingParams
 from engine_api.sampling_params import SamplingParams
+
+# A request's speculation class (the gateway's label, e.g. "repetitive"): a short key the
+# engine's acceptance statistics are kept by.
+MAX_SPEC_CLASS_CHARS = 32
+_SPEC_CLASS = re.compile(r"[a-z0-9_]*")
 
 
 @dataclass(slots=True)
@@ -39,8 +45,10 @@ class RequestOptions:
     `params`: a generation (`SamplingParams`) or an embedding request (`PoolingParams`).
     `output_token_ids`: tokens already generated (a resumed request). `remote_kv`: where its
     prompt's KV comes from when not computed here. `num_speculative_tokens` caps its drafts
-    per step (0: none; None: the engine's); `speculative_method` ("ngram" / "draft_model")
-    picks the engine's proposer (None, or one the engine lacks: its configured one).
+    per step (0: none; None: the engine's); `speculative_method` ("ngram" / "suffix" /
+    "draft_model") picks the engine's proposer (None, or one the engine lacks: its configured
+    one); `speculative_class` is the request's class as the gateway saw it (the engine measures
+    acceptance per method and class; at most MAX_SPEC_CLASS_CHARS of [a-z0-9_]).
     `lora_name`: the adapter to run it with (None: the base model). `priority`: lower is
     scheduled sooner (anything but 0 needs the "priority" policy). `cache_salt` (vLLM's): its
     KV is hashed under a root of its own, so only requests with the same salt share it.
@@ -54,6 +62,7 @@ class RequestOptions:
     remote_kv: RemoteKv | None = None
     num_speculative_tokens: int | None = None
     speculative_method: str | None = None
+    speculative_class: str = ""
     lora_name: str | None = None
     priority: int = 0
     cache_salt: str | None = None
@@ -63,6 +72,10 @@ class RequestOptions:
         problem = cache_salt_problem(self.cache_salt)
         if problem is not None:
             raise EngineInputError(problem)
+        if len(self.speculative_class) > MAX_SPEC_CLASS_CHARS or not _SPEC_CLASS.fullmatch(
+                self.speculative_class):
+            raise EngineInputError(f"speculative_class must be at most {MAX_SPEC_CLASS_CHARS} "
+                                   f"characters of [a-z0-9_], got {self.speculative_class[:40]!r}")
         if isinstance(self.params, PoolingParams):
             if self.output_token_ids or self.remote_kv is not None:
                 raise EngineInputError("an embedding request computes its prompt here and "

@@ -24,6 +24,9 @@ from rpc.tls import TlsConfigError, read_pem
 MAX_SPECULATIVE_TOKENS = 16
 
 KvFailurePolicyName = Literal["recompute", "fail"]
+# The speculative decoding policy (gateway/spec_policy.py) and the proposers it may ask for.
+SPEC_POLICIES = ("adaptive", "threshold", "always")
+SPEC_POLICY_METHODS = ("auto", "ngram", "suffix", "draft_model")
 # How `tool_choice: "auto"` output is parsed into tool calls (gateway/tools.py).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 # How a thinking model's <think> text is split off a chat answer (gateway/reasoning.py).
@@ -87,6 +90,15 @@ class GatewayConfig:
     # with it; from here up to `speculative_max_load`, with n-gram lookup (its drafts cost no
     # model steps, which start to weigh once the verify batch grows; docs/performance.md).
     speculative_draft_max_load: int = 2
+    # How the policy decides: "adaptive" (default) picks the method and drafts that maximise
+    # the batch's tokens per second from the worker's measured step cost and acceptance (the
+    # threshold rule above until a worker has reported them); "threshold": the rule above
+    # alone; "always": `speculative_tokens` drafts whatever the load. `speculative_policy_method`
+    # limits it to one proposer ("auto": any the worker has). `speculative_tpot_slo_ms` (> 0):
+    # no choice whose predicted step time exceeds it (unless a plain step already does).
+    speculative_policy: str = "adaptive"
+    speculative_policy_method: str = "auto"
+    speculative_tpot_slo_ms: float = 0.0
     # Tool calling: the parser of `tool_choice: "auto"` output (None: "auto" is refused; named
     # and "required" choices need none) and a chat template used in place of the model's (its
     # text: `--chat-template` reads the file), for models whose own does not show tools.
@@ -234,6 +246,17 @@ class GatewayConfig:
                 "speculative_draft_max_load must be an integer >= 0 (pending requests on a "
                 "decode worker from which its draft model gives way to n-gram lookup; 0: never "
                 f"the draft model), got {self.speculative_draft_max_load!r}")
+        if self.speculative_policy not in SPEC_POLICIES:
+            raise GatewayConfigError(f"speculative_policy must be one of {SPEC_POLICIES}, got "
+                                     f"{self.speculative_policy!r}")
+        if self.speculative_policy_method not in SPEC_POLICY_METHODS:
+            raise GatewayConfigError(f"speculative_policy_method must be one of "
+                                     f"{SPEC_POLICY_METHODS}, got "
+                                     f"{self.speculative_policy_method!r}")
+        slo = self.speculative_tpot_slo_ms
+        if not isinstance(slo, (int, float)) or isinstance(slo, bool) or not slo >= 0:
+            raise GatewayConfigError(f"speculative_tpot_slo_ms must be a number >= 0 (0: no "
+                                     f"guard), got {slo!r}")
 
     def replace(self, **changes: Any) -> GatewayConfig:
         return dataclasses.replace(self, **changes)

@@ -38,6 +38,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from gateway.request_metrics import ModelLabelled, RequestHistograms
 from gateway.response_store import ResponseStore
+from gateway.spec_metrics import SpecMetrics
+from gateway.spec_policy import SpecDecision
 from protos.splitserve.v1 import common_pb2
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -287,8 +289,8 @@ class GatewayMetrics:
             registry=r)
         self.spec_decode_decisions = Counter(
             "splitserve:spec_decode_decisions",
-            "Decode calls by the speculative policy's choice for the worker's load: off (no "
-            "drafts), draft_model, ngram, or default (drafts from the worker's own method).",
+            "Decode calls by the speculative policy's choice: off (no drafts), draft_model, "
+            "ngram, suffix, or default (drafts from the worker's own method).",
             ["speculation"], registry=r)
         self.structured_output_requests = Counter(
             "splitserve:structured_output_requests",
@@ -308,6 +310,7 @@ class GatewayMetrics:
         self.workers = WorkerLoadCollector()
         r.register(self.workers)
         r.register(CacheConfigCollector(self.workers))
+        self.spec = SpecMetrics(r)
 
     def observe_response_store(self, store: ResponseStore) -> None:
         """Read the stored responses' count and bytes from `store` at each scrape."""
@@ -316,7 +319,14 @@ class GatewayMetrics:
 
     def observe_workers(self, role: str, workers: Iterable[PolledWorker]) -> None:
         """Replace `role`'s worker series with the pool's state after a poll round."""
+        workers = list(workers)
         self.workers.update(role, workers)
+        self.spec.workers.update(role, [(w.address, w.load) for w in workers if w.reported])
+
+    def observe_spec_decision(self, worker: str, spec: SpecDecision) -> None:
+        """The speculation policy's choice for a Decode call on `worker`."""
+        self.spec_decode_decisions.labels(speculation=spec.label).inc()
+        self.spec.observe_decision(worker, spec)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric, labelled with the model's name."""

@@ -20,7 +20,8 @@ Prefill call that found its pool down) the request goes whole to a decode worker
 healthy decode worker, whole to a prefill worker's Decode service. A Decode call whose pool
 has no healthy worker left (the last one died mid-stream) resumes once in the other pool.
 Every Decode call carries the speculative policy's choice for the worker it goes to
-(gateway/spec_policy.py): drafts per step while that worker is lightly loaded, none beyond.
+(gateway/spec_policy.py): the proposer and drafts per step that pay for that worker's batch at
+its load, from its measured step cost and acceptance.
 Cancelling the consumer of `Orchestrator.generate` cancels every downstream call, so workers
 free their KV. Python gRPC does not propagate deadlines: each call gets the time remaining.
 
@@ -62,7 +63,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.request_metrics import CompletionTiming
 from gateway.router import Attempts, Router, Worker, WorkerPool, call_routed
 from gateway.serving_mode import ServingModes
-from gateway.spec_policy import decide
+from gateway.spec_metrics import spec_attributes
+from gateway.spec_policy import SpecPolicy, request_class
 from gateway.tokenization import DetokenizerLike, TokenizerLike, make_detokenizer
 from protos.splitserve.v1 import common_pb2, decode_pb2, kv_transfer_pb2, prefill_pb2
 from rpc import tracing
@@ -106,6 +108,7 @@ class Orchestrator:
         self._limit = limit
         self._background: set[asyncio.Task[None]] = set()
         self.modes = ServingModes(router, metrics.registry)  # which pools serve a request now
+        self._spec_policy = SpecPolicy(config)
 
     def generate(self, job: GenerationJob) -> AsyncGenerator[Event, None]:
         """Events of all n completions, interleaved; raises `GatewayError` if one fails.
@@ -383,6 +386,12 @@ class Orchestrator:
             finally:
                 pool.done(worker)
 
+    def _request_class(self, job: GenerationJob) -> str:
+        """The job's class for the speculation policy (its prompt's last 2,048 tokens read
+        back as text: a code prompt drafts well)."""
+        text = self._tokenizer.decode(job.prompt_token_ids[-2048:])
+        return request_class(job.prompt_token_ids, job.tool_choice is not None, text)
+
     def _before_decode_retry(self, worker: Worker, job: GenerationJob, state: _Completion,
                              err: grpc.aio.AioRpcError) -> None:
         """`worker` failed (UNAVAILABLE) or was full (RESOURCE_EXHAUSTED); the completion goes
@@ -406,12 +415,11 @@ class Orchestrator:
                          span: Span | None = None, pool_role: str = "decode") -> str:
         # Decided here, for this worker: no await since `pick`, so its load is the one the
         # router just routed on (a resume on another worker decides again).
-        spec = decide(worker, self._config)
-        self._metrics.spec_decode_decisions.labels(speculation=spec.label).inc()
+        spec = self._spec_policy.decide(worker, self._request_class(job))
+        self._metrics.observe_spec_decision(worker.address, spec)
         if span is not None:  # the last call's, when the completion was resumed
-            span.set_attribute("splitserve.num_speculative_tokens", spec.num_speculative_tokens)
-            span.set_attribute("splitserve.speculative_method", spec.label)
-            span.set_attribute("splitserve.decode_worker_load", spec.load)
+            for name, value in spec_attributes(spec).items():
+                span.set_attribute(name, value)
         request = decode_pb2.DecodeRequest(
             # On a prefill worker the Prefill's id may still name its lease there.
             request_id=f"{job.request_id}-{state.index}"
@@ -426,8 +434,8 @@ class Orchestrator:
                                else decode_pb2.KV_FAILURE_POLICY_RECOMPUTE),
             # Always set, 0 included: absent would mean the worker's own default.
             num_speculative_tokens=spec.num_speculative_tokens,
-            speculative_method=spec.method, lora_name=job.lora_name, priority=job.priority,
-            cache_salt=job.cache_salt)
+            speculative_method=spec.method, speculative_class=spec.request_class,
+            lora_name=job.lora_name, priority=job.priority, cache_salt=job.cache_salt)
         if state.kv_handle is not None:
             request.kv_handle.CopyFrom(state.kv_handle)
         call = self._router.decode_stub(worker).Decode(request, timeout=self._remaining(job),

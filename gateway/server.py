@@ -19,6 +19,8 @@ import uvicorn
 
 from engine_api.errors import ModelLoadError
 from gateway.config import (
+    SPEC_POLICIES,
+    SPEC_POLICY_METHODS,
     GatewayConfig,
     GatewayConfigError,
     add_chat_args,
@@ -192,6 +194,18 @@ def build_parser() -> argparse.ArgumentParser:
                    default=d["speculative_draft_max_load"].default,
                    help="pending requests on a decode worker from which its draft model gives "
                         "way to n-gram lookup (0: never the draft model)")
+    p.add_argument("--speculative-policy", choices=SPEC_POLICIES,
+                   default=d["speculative_policy"].default,
+                   help="adaptive: method and drafts from the worker's measured step cost and "
+                        "acceptance; threshold: drafts below --speculative-max-load; always: "
+                        "--speculative-tokens drafts at any load")
+    p.add_argument("--speculative-policy-method", choices=SPEC_POLICY_METHODS,
+                   default=d["speculative_policy_method"].default,
+                   help="the proposer the policy asks for (auto: any the worker has)")
+    p.add_argument("--speculative-tpot-slo-ms", type=float,
+                   default=d["speculative_tpot_slo_ms"].default,
+                   help="adaptive policy: no drafts whose predicted step time exceeds this "
+                        "(0: no guard)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -209,6 +223,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         speculative_tokens=args.speculative_tokens,
         speculative_max_load=args.speculative_max_load,
         speculative_draft_max_load=args.speculative_draft_max_load,
+        speculative_policy=args.speculative_policy,
+        speculative_policy_method=args.speculative_policy_method,
+        speculative_tpot_slo_ms=args.speculative_tpot_slo_ms,
         internal_token=internal_token_from_env(), log_requests=args.log_requests,
         uvicorn_log_level=args.uvicorn_log_level, **chat_settings(args),
         **sampling_defaults_setting(args, model_directory(args.model)))

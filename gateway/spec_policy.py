@@ -1,47 +1,89 @@
-"""The speculative decoding policy: how many drafts per step to ask of a decode worker, and
-from which proposer, by its load (docs/architecture.md, "A request's way through the layers").
+"""The speculative decoding policy: which proposer, and how many drafts per step, to ask of a
+decode worker for one request (docs/architecture.md, "A request's way through the layers").
 
-Each draft is one more query row per sequence in the worker's verify step. On a lightly loaded
-worker a decode step is bound by streaming the weights, so the extra rows are nearly free and
-every accepted draft is a token without a step of its own: lower inter-token latency. As the
-batch grows the step becomes compute-bound, and the rows of rejected drafts slow every request
-in the batch. So the gateway asks for `speculative_tokens` drafts while the worker is below
-`speculative_max_load` pending requests and turns speculation off (0) from there on.
+Each draft is one more query row per sequence in the worker's verify step, and the whole batch
+waits for the step. On a lightly loaded worker a step is bound by streaming the weights: the
+extra rows are nearly free, and every accepted draft is a token without a step of its own. As
+the batch grows the step turns compute-bound and rejected drafts slow every request in it.
+Where the line lies depends on the hardware, the model and the text, so the policy reads it
+from the worker ("adaptive", the default):
 
-Which proposer: a worker with a draft model (it reports its methods in its load report) drafts
-with it below `speculative_draft_max_load` pending requests, where its k extra model steps per
-round are cheap next to the target's; from there on with n-gram prompt lookup, whose drafts cost
-no model step at all (only where the text repeats). A worker with n-gram lookup only gets
-n-gram; one that has not reported yet gets its own default (UNSPECIFIED).
+- the worker's measured step cost by query rows (`LoadReport.spec_step_cost`: start-up
+  calibration, then live steps) and its smoothed acceptance per proposer and request class
+  (`LoadReport.spec_acceptance`);
+- for the worker's batch with this request in it (its load + 1), every proposer the worker
+  has and every cap k: the batch's tokens per second if its sequences speculate so
+  (engine_api/spec_gain.py); the best wins, "off" unless speculation beats plain decoding;
+- the SLO guard (`speculative_tpot_slo_ms`): no choice whose predicted step exceeds the target
+  unless a plain step already does;
+- a proposer not yet measured for the class is tried now and then (every EXPLORE_EVERY-th
+  decision for a worker and class), so that numbers exist and stay fresh.
 
-The decision is made per Decode call, on the worker the router just picked; a resume on another
-worker decides again for that worker. The worker still has the last word: it caps the request's
-number at its own `--num-speculative-tokens`, and without a speculative method ignores it.
+The request's class is what the gateway can see of it: "tools" (it sent tools), "code" (its
+prompt holds code), "repetitive" (its prompt repeats itself), else "text".
+
+A worker that has not reported measurements (or with `speculative_policy` "threshold") gets
+the load threshold: `speculative_tokens` drafts below `speculative_max_load` pending requests,
+none beyond; a draft model below `speculative_draft_max_load`, else n-gram lookup. "always"
+asks for `speculative_tokens` drafts whatever the load (benchmarks' always-on baselines).
+
+The worker still has the last word: it caps the request's drafts at its own
+`--num-speculative-tokens`, may lower them per step as its batch changes (its step budget,
+from the same numbers), pauses a request whose drafts keep failing, and without a speculative
+method ignores them.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
+from engine_api.spec_gain import Acceptance, StepCost, best_k
 from gateway.config import GatewayConfig
 from gateway.router import Worker
 from protos.splitserve.v1 import common_pb2
 
 _LABELS: dict[int, str] = {common_pb2.SPECULATIVE_METHOD_DRAFT_MODEL: "draft_model",
                            common_pb2.SPECULATIVE_METHOD_NGRAM: "ngram",
+                           common_pb2.SPECULATIVE_METHOD_SUFFIX: "suffix",
                            common_pb2.SPECULATIVE_METHOD_UNSPECIFIED: "default"}
+_BY_NAME = {name: value for value, name in _LABELS.items() if name != "default"}
 Method: TypeAlias = common_pb2.SpeculativeMethod.ValueType
+
+# Measured steps (decayed) a (method, class) needs before its numbers decide.
+MIN_MEASURED_STEPS = 16.0
+# Every this many decisions for a worker and class, an unmeasured or losing proposer is tried.
+EXPLORE_EVERY = 8
+# Speculation must beat plain decoding by this much (the model leaves out a lost async overlap
+# and the noise in the measurements).
+MIN_GAIN = 1.1
+# A prompt whose 4-token windows recur at least this often is "repetitive" (code, edits, data).
+REPETITIVE_SHARE = 0.25
+_CLASS_WINDOW = 4
+_CLASS_MAX_TOKENS = 4096
+# Lines that read as code (a keyword first, or ending in a brace or semicolon): this many make
+# a prompt "code".
+CODE_LINES = 3
+_CODE_LINE = re.compile(
+    r"^[ \t]*(?:def |class |return\b|import |from \S+ import|for |while |if |elif |else:|"
+    r"function |const |let |var |#include|public |private |fn |func )|[{};][ \t]*$",
+    re.MULTILINE)
 
 
 @dataclass(frozen=True, slots=True)
 class SpecDecision:
-    """What the policy chose for one Decode call, and the load it saw."""
+    """What the policy chose for one Decode call, and what it saw."""
 
     num_speculative_tokens: int   # DecodeRequest.num_speculative_tokens (0: off)
     load: int                     # requests pending on the worker besides this one
     method: Method = common_pb2.SPECULATIVE_METHOD_UNSPECIFIED  # DecodeRequest.speculative_method
+    request_class: str = ""       # DecodeRequest.speculative_class
+    reason: str = "threshold"     # measured, explore, threshold, always, off
+    predicted_gain: float = 1.0   # the batch's predicted tokens/s over plain decoding's
+    step_seconds: float = 0.0     # the predicted step time (0: not measured)
+    accepted_per_step: float = 0.0  # the drafts the method is expected to land per step
 
     @property
     def enabled(self) -> bool:
@@ -68,9 +110,9 @@ def worker_load(worker: Worker) -> int:
 
 
 def method_for_load(load: int, methods: Sequence[Method], draft_max_load: int) -> Method:
-    """The proposer to ask for: the draft model below `draft_max_load` if the worker has one,
-    else n-gram lookup if it has it, else UNSPECIFIED (the worker's own; `methods` empty: it
-    has not reported any, or has none and ignores the request's drafts anyway)."""
+    """The threshold rule's proposer: the draft model below `draft_max_load` if the worker has
+    one, else n-gram lookup if it has it, else UNSPECIFIED (the worker's own; `methods` empty:
+    it has not reported any, or has none and ignores the request's drafts anyway)."""
     if load < draft_max_load and common_pb2.SPECULATIVE_METHOD_DRAFT_MODEL in methods:
         return common_pb2.SPECULATIVE_METHOD_DRAFT_MODEL
     if common_pb2.SPECULATIVE_METHOD_NGRAM in methods:
@@ -78,12 +120,133 @@ def method_for_load(load: int, methods: Sequence[Method], draft_max_load: int) -
     return common_pb2.SPECULATIVE_METHOD_UNSPECIFIED
 
 
-def decide(worker: Worker, config: GatewayConfig) -> SpecDecision:
-    """The policy's choice for a Decode call on `worker`, which `WorkerPool.pick` just chose."""
-    load = worker_load(worker)
-    tokens = speculative_tokens_for_load(load, config.speculative_tokens,
-                                         config.speculative_max_load)
-    if not tokens:
-        return SpecDecision(0, load)
-    return SpecDecision(tokens, load, method_for_load(
-        load, list(worker.load.speculative_methods), config.speculative_draft_max_load))
+def request_class(prompt_token_ids: Sequence[int], has_tools: bool = False,
+                  text: str = "") -> str:
+    """The request's class for acceptance statistics: "tools" (it sent tools), "code" (its
+    prompt's text, when given, holds a code fence or CODE_LINES lines that read as code),
+    "repetitive" (a fourth or more of the prompt's 4-token windows occurred earlier in it:
+    structured data, logs, edits) or "text". Reads the prompt's last _CLASS_MAX_TOKENS tokens."""
+    if has_tools:
+        return "tools"
+    if text and ("```" in text or len(_CODE_LINE.findall(text)) >= CODE_LINES):
+        return "code"
+    ids = prompt_token_ids[-_CLASS_MAX_TOKENS:]
+    windows = len(ids) - _CLASS_WINDOW + 1
+    if windows < 8:
+        return "text"
+    seen: set[tuple[int, ...]] = set()
+    repeats = 0
+    for i in range(windows):
+        w = tuple(ids[i:i + _CLASS_WINDOW])
+        repeats += w in seen
+        seen.add(w)
+    return "repetitive" if repeats >= REPETITIVE_SHARE * windows else "text"
+
+
+def _acceptance(report: common_pb2.LoadReport, method: Method, cls: str) -> Acceptance | None:
+    """The worker's acceptance for (method, class); pooled over its classes when the class
+    itself is not yet measured enough; None when neither is."""
+    pooled_steps = 0.0
+    pooled_drafted: list[float] = []
+    pooled_accepted: list[float] = []
+    for a in report.spec_acceptance:
+        if a.method != method:
+            continue
+        if a.request_class == cls and a.steps >= MIN_MEASURED_STEPS:
+            return Acceptance(a.steps, tuple(a.drafted), tuple(a.accepted))
+        pooled_steps += a.steps
+        for acc, vals in ((pooled_drafted, a.drafted), (pooled_accepted, a.accepted)):
+            acc.extend([0.0] * (len(vals) - len(acc)))
+            for i, v in enumerate(vals):
+                acc[i] += v
+    if pooled_steps < MIN_MEASURED_STEPS:
+        return None
+    return Acceptance(pooled_steps, tuple(pooled_drafted), tuple(pooled_accepted))
+
+
+class SpecPolicy:
+    """The policy of one gateway: `decide` per Decode call. Keeps only its exploration
+    counters (per worker and class); everything else is in the workers' load reports."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self._decisions: dict[tuple[str, str], int] = {}
+
+    def decide(self, worker: Worker, cls: str = "") -> SpecDecision:
+        """The choice for a Decode call of class `cls` on `worker`, which `WorkerPool.pick`
+        just chose (its load counts this request)."""
+        config = self.config
+        load = worker_load(worker)
+        report = worker.load
+        cap = config.speculative_tokens
+        if report.max_speculative_tokens:
+            cap = min(cap, report.max_speculative_tokens)
+        methods = self._methods(report)
+        if cap <= 0 or (report.max_speculative_tokens and not methods):
+            return SpecDecision(0, load, request_class=cls, reason="off")
+        if config.speculative_policy == "always":
+            method = methods[0] if methods else common_pb2.SPECULATIVE_METHOD_UNSPECIFIED
+            return SpecDecision(cap, load, method, cls, "always")
+        cost = StepCost.of([(p.rows, p.seconds) for p in report.spec_step_cost])
+        if config.speculative_policy == "threshold" or not cost or not methods:
+            return self._threshold(load, methods, cls)
+        return self._adaptive(worker.address, report, cost, load, cap, methods, cls)
+
+    def _methods(self, report: common_pb2.LoadReport) -> list[Method]:
+        """The worker's proposers the policy may ask for (its own first)."""
+        methods = list(report.speculative_methods)
+        wanted = self.config.speculative_policy_method
+        if wanted != "auto":
+            methods = [m for m in methods if m == _BY_NAME[wanted]]
+        return methods
+
+    def _threshold(self, load: int, methods: list[Method], cls: str) -> SpecDecision:
+        config = self.config
+        if self.config.speculative_policy_method != "auto" and methods:
+            method = methods[0]
+        else:
+            method = method_for_load(load, methods, config.speculative_draft_max_load)
+        tokens = speculative_tokens_for_load(load, config.speculative_tokens,
+                                             config.speculative_max_load)
+        if not tokens:
+            return SpecDecision(0, load, request_class=cls)
+        return SpecDecision(tokens, load, method, cls)
+
+    def _adaptive(self, address: str, report: common_pb2.LoadReport, cost: StepCost,
+                  load: int, cap: int, methods: list[Method], cls: str) -> SpecDecision:
+        batch = load + 1
+        slo_s = self.config.speculative_tpot_slo_ms / 1e3
+        plain_s = cost.seconds_at(batch)
+        best = SpecDecision(0, load, request_class=cls, reason="measured", step_seconds=plain_s)
+        best_rate = batch / plain_s if plain_s > 0 else 0.0
+        unmeasured: list[Method] = []
+        measured: list[Method] = []
+        for method in methods:
+            acceptance = _acceptance(report, method, cls)
+            if acceptance is None:
+                unmeasured.append(method)
+                continue
+            measured.append(method)
+            choice = best_k(cost, acceptance, batch, cap, slo_s, MIN_GAIN)
+            if choice.k and choice.batch_tokens_per_s > best_rate:
+                best_rate = choice.batch_tokens_per_s
+                tokens, _ = acceptance.tokens_and_rows(choice.k)
+                best = SpecDecision(choice.k, load, method, cls, "measured", choice.gain,
+                                    choice.step_seconds, tokens - 1.0)
+        key = (address, cls)
+        n = self._decisions[key] = self._decisions.get(key, 0) + 1
+        # Try an unmeasured proposer (every decision until it has numbers: a fresh worker
+        # learns from its first requests), and now and then one that lost.
+        losers = [m for m in measured if not (best.enabled and m == best.method)]
+        pool = unmeasured or (losers if n % EXPLORE_EVERY == 0 else [])
+        if pool:
+            step_s = cost.seconds_at(batch * (1 + cap))
+            if not slo_s or step_s <= slo_s or plain_s > slo_s:
+                return SpecDecision(cap, load, pool[n % len(pool)], cls, "explore", 1.0, step_s)
+        return best
+
+
+def decide(worker: Worker, config: GatewayConfig, cls: str = "") -> SpecDecision:
+    """The policy's choice for a Decode call on `worker` without exploration memory (a fresh
+    `SpecPolicy`); the orchestrator keeps one `SpecPolicy` for its lifetime."""
+    return SpecPolicy(config).decide(worker, cls)

@@ -20,6 +20,7 @@ from rpc import tracing
 from rpc.limits import MAX_LORA_NAME_CHARS, MAX_LORA_PATH_CHARS, lora_field_problem
 from worker.convert import SPEC_METHOD_ENUMS, SPEC_METHOD_NAMES, InvalidRequest
 from worker.kv import GrpcKvLoader
+from worker.spec_report import spec_report
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,8 @@ class EngineBound:
             lora_running=[usage.get(n, (0, 0))[0] for n in names],
             lora_waiting=[usage.get(n, (0, 0))[1] for n in names],
             class_labels=list(eng.class_labels),
-            lora_paths=[self.runtime_lora_paths.get(n, "") for n in names])
+            lora_paths=[self.runtime_lora_paths.get(n, "") for n in names],
+            **spec_report(eng))
 
 
 async def abort_traced(context: grpc.aio.ServicerContext, span: Span, code: grpc.StatusCode,
@@ -203,7 +205,9 @@ def request_options(engine: LLMEngine, request: OptionsRequest,
     given: list[int] | None = None
     spec: int | None = None
     method: str | None = None
+    spec_class = ""
     if isinstance(request, decode_pb2.DecodeRequest):
+        spec_class = request.speculative_class
         given = list(request.output_token_ids)
         spec = (request.num_speculative_tokens if request.HasField("num_speculative_tokens")
                 else None)
@@ -212,7 +216,8 @@ def request_options(engine: LLMEngine, request: OptionsRequest,
         engine.lora_slot(lora)
         engine.check_priority(request.priority)
         return RequestOptions(params, output_token_ids=given, num_speculative_tokens=spec,
-                              speculative_method=method, lora_name=lora,
+                              speculative_method=method, speculative_class=spec_class,
+                              lora_name=lora,
                               priority=request.priority, cache_salt=request.cache_salt or None)
     except EngineInputError as e:
         raise InvalidRequest(str(e)) from None

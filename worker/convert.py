@@ -125,5 +125,6 @@ def finish_reason(out: StepOutput) -> common_pb2.FinishReason.ValueType:
 
 # The engine's speculative methods ↔ `splitserve.v1.SpeculativeMethod` (UNSPECIFIED: none named).
 SPEC_METHOD_NAMES = {common_pb2.SPECULATIVE_METHOD_NGRAM: "ngram",
+                     common_pb2.SPECULATIVE_METHOD_SUFFIX: "suffix",
                      common_pb2.SPECULATIVE_METHOD_DRAFT_MODEL: "draft_model"}
 SPEC_METHOD_ENUMS = {name: value for value, name in SPEC_METHOD_NAMES.items()}

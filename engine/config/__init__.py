@@ -63,6 +63,8 @@ from engine.config.speculative import (
     SPEC_METHODS,
     SpecMethod,
     SpeculativeConfig,
+    parse_speculative_config,
+    speculative_config_from_dict,
 )
 from engine_api.errors import ConfigError
 from engine_api.pooling_params import PoolerConfig
@@ -108,6 +110,8 @@ __all__ = [
     "hf_architecture",
     "kv_cache_dtype_name",
     "language_model_dict",
+    "parse_speculative_config",
+    "speculative_config_from_dict",
 ]
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from engine_api.errors import ConfigError
 
-SpecMethod = Literal["none", "ngram", "draft_model"]
+SpecMethod = Literal["none", "ngram", "suffix", "draft_model"]
 SPEC_METHODS: tuple[SpecMethod, ...] = get_args(SpecMethod)  # "none" first
 
 # Each draft is one more query row per sequence in the verify step; beyond a handful the
@@ -25,7 +27,12 @@ class SpeculativeConfig:
     sequence, `prompt_lookup_max` down to `prompt_lookup_min` tokens long, that occurred earlier
     proposes the tokens that followed it (vLLM's `ngram` method). "draft_model" runs `model`, a
     smaller model with the target's vocabulary, greedily for the drafts (vLLM's draft model;
-    engine/draft_model.py); it runs on the target's device with its own KV cache."""
+    engine/draft_model.py); it runs on the target's device with its own KV cache. "suffix" is
+    suffix decoding (engine/spec/suffix.py; vLLM's `suffix` method): suffix trees over the
+    request's tokens and the worker's recent outputs, `suffix_decoding_*` its knobs.
+
+    Whatever the method, a worker also has n-gram lookup and suffix decoding (no weights, no
+    cost unless a request uses them), so the gateway can choose per request."""
 
     method: SpecMethod = "none"
     num_speculative_tokens: int = 4     # drafts per step at most
@@ -44,6 +51,18 @@ class SpeculativeConfig:
     # target's KV cache is sized after it). Ignored on the CPU, where the draft's cache takes
     # `CacheConfig.cpu_kv_cache_bytes` as the target's does.
     draft_gpu_memory_utilization: float = 0.1
+    # Suffix decoding (vLLM's names): the trees' depth, the shared tree's requests, the draft
+    # length per matched token, and the least probability a drafted token may have.
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 64
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    # Start-up measurement of step cost (engine/spec/calibrate.py): batches up to this many
+    # sequences, plain and verifying; 0: none (live steps alone fill the cost model).
+    calibration_max_batch: int = 32
+    # Lower each request's drafts per step to what pays for the batch as it is now, from the
+    # measured step cost and acceptance (engine/spec/budget.py); False: the request's cap.
+    step_budget: bool = True
 
     @property
     def enabled(self) -> bool:
@@ -51,8 +70,23 @@ class SpeculativeConfig:
 
     def validate(self) -> None:
         if self.method not in SPEC_METHODS:
-            raise ConfigError("speculative method must be 'none', 'ngram' or 'draft_model', got "
-                              f"{self.method!r}")
+            raise ConfigError("speculative method must be one of "
+                              f"{', '.join(map(repr, SPEC_METHODS))}, got {self.method!r}")
+        if self.suffix_decoding_max_tree_depth < 1:
+            raise ConfigError("suffix_decoding_max_tree_depth must be >= 1, got "
+                              f"{self.suffix_decoding_max_tree_depth!r}")
+        if self.suffix_decoding_max_cached_requests < 0:
+            raise ConfigError("suffix_decoding_max_cached_requests must be >= 0, got "
+                              f"{self.suffix_decoding_max_cached_requests!r}")
+        if not self.suffix_decoding_max_spec_factor > 0:
+            raise ConfigError("suffix_decoding_max_spec_factor must be > 0, got "
+                              f"{self.suffix_decoding_max_spec_factor!r}")
+        if not 0.0 <= self.suffix_decoding_min_token_prob <= 1.0:
+            raise ConfigError("suffix_decoding_min_token_prob must be in [0, 1], got "
+                              f"{self.suffix_decoding_min_token_prob!r}")
+        if self.calibration_max_batch < 0:
+            raise ConfigError("calibration_max_batch must be >= 0, got "
+                              f"{self.calibration_max_batch!r}")
         if self.method == "draft_model" and not self.model:
             raise ConfigError("speculative method 'draft_model' needs the draft's `model` (a path "
                               "or dummy:<preset>)")
@@ -70,3 +104,43 @@ class SpeculativeConfig:
             raise ConfigError("prompt lookup n-gram sizes must satisfy 1 <= prompt_lookup_min <= "
                               f"prompt_lookup_max, got {self.prompt_lookup_min} and "
                               f"{self.prompt_lookup_max}")
+
+
+def speculative_config_from_dict(spec: dict[str, Any], base: SpeculativeConfig | None = None
+                                 ) -> SpeculativeConfig:
+    """vLLM's `speculative_config` ({"method": "ngram", "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4}, or {"model": <draft>, ...}: the method follows from `model`) over
+    `base`'s fields; validated. ConfigError names an unknown key or a bad value."""
+    if not isinstance(spec, dict):
+        raise ConfigError(f"speculative config must be a JSON object, got {type(spec).__name__}")
+    names = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    unknown = sorted(set(spec) - names)
+    if unknown:
+        raise ConfigError(f"speculative config: unknown key(s) {', '.join(map(repr, unknown))} "
+                          f"(known: {', '.join(sorted(names))})")
+    fields = dict(spec)
+    if fields.get("model") and "method" not in fields:
+        fields["method"] = "draft_model"
+    try:
+        config = dataclasses.replace(base or SpeculativeConfig(), **fields)
+    except TypeError as e:
+        raise ConfigError(f"speculative config: {e}") from None
+    for f in dataclasses.fields(SpeculativeConfig):
+        value = getattr(config, f.name)
+        types: dict[str, type | tuple[type, ...]] = {"int": int, "float": (int, float),
+                                                     "str": str}
+        want = types.get(str(f.type))
+        if want is not None and (not isinstance(value, want) or isinstance(value, bool)):
+            raise ConfigError(f"speculative config: {f.name} must be {f.type}, got {value!r}")
+    config.validate()
+    return config
+
+
+def parse_speculative_config(text: str, base: SpeculativeConfig | None = None
+                             ) -> SpeculativeConfig:
+    """`--speculative-config`'s JSON text → the config (over `base`: the single flags)."""
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--speculative-config is not valid JSON: {e}") from None
+    return speculative_config_from_dict(spec, base)

@@ -16,21 +16,31 @@ scheduler (engine/draft_model.py), both of which import this package.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from engine.request import Request
 
 
+def draft_cap(req: Request) -> int:
+    """Drafts a proposer may give `req` this round: its cap (`num_speculative_tokens`, the
+    gateway's choice within the engine's), lowered by the worker's step budget when that has
+    set one (`spec_step_k` >= 0: budget.py)."""
+    cap = req.num_speculative_tokens
+    return cap if req.spec_step_k < 0 else min(cap, req.spec_step_k)
+
+
 class Proposer(Protocol):
     """Drafts tokens for a batch of requests (called between steps, for the requests that
-    speculate). N-gram lookup (ngram.py) and a draft model (engine/draft_model.py) are built;
-    the draft model runs all of a step's requests as one batch and keeps each one's draft KV
-    between calls, so it is told when a request is gone (`release`)."""
+    speculate). N-gram lookup (ngram.py), suffix decoding (suffix.py) and a draft model
+    (engine/draft_model.py) are built. Suffix decoding keeps a tree per request (and one over
+    finished requests' outputs); the draft model runs all of a step's requests as one batch and
+    keeps each one's draft KV between calls; both are told when a request is gone
+    (`release`)."""
 
     def propose_batch(self, reqs: Sequence[Request]) -> list[list[int]]:
-        """Up to `req.num_speculative_tokens` drafts to follow `req.all_token_ids` (maybe
+        """Up to `draft_cap(req)` drafts to follow `req.all_token_ids` (maybe
         none), for each request. A proposer that samples its drafts sets
         `req.spec_draft_probs` to their distributions (the rejection sampler's q)."""
         ...
@@ -51,7 +61,7 @@ class SequenceProposer:
         raise NotImplementedError
 
     def propose_batch(self, reqs: Sequence[Request]) -> list[list[int]]:
-        return [self.propose(r.all_token_ids, r.num_speculative_tokens) for r in reqs]
+        return [self.propose(r.all_token_ids, draft_cap(r)) for r in reqs]
 
     def release(self, request_id: str) -> None:
         pass
@@ -74,7 +84,8 @@ SPEC_AVG_KEEP = 0.5
 
 
 def propose_all(reqs: Sequence[Request], proposer: Proposer,
-                min_accepted_per_step: float) -> None:
+                min_accepted_per_step: float,
+                step_k: Callable[[Request], int] | None = None) -> None:
     """Set each request's `spec_token_ids`, the drafts it verifies next step (maybe none), and
     when the proposer looks again (`spec_sync_in`, for async scheduling).
 
@@ -83,9 +94,16 @@ def propose_all(reqs: Sequence[Request], proposer: Proposer,
     tokens, so a synchronous engine pauses as long as an overlapping one), and its average then
     restarts at the floor, so the next verify step alone decides whether drafting goes on. The
     rest are asked in one batch; no drafts found: the next SPEC_PROBE_INTERVAL steps may
-    overlap before the next look."""
+    overlap before the next look. `step_k(req)`: the worker's cap for this round (budget.py),
+    kept in `spec_step_k`; a request it gives no drafts is not asked either."""
     asked: list[Request] = []
     for req in reqs:
+        if step_k is not None:
+            req.spec_step_k = step_k(req)
+            if req.spec_step_k == 0:  # its steps may overlap until the next look
+                req.spec_token_ids = []
+                req.spec_sync_in = SPEC_PROBE_INTERVAL
+                continue
         paused_for = req.spec_resume_at - req.num_tokens
         if paused_for <= 0 and req.spec_accepted_avg < min_accepted_per_step:
             req.spec_accepted_avg = min_accepted_per_step

@@ -5,11 +5,17 @@ draft j - 1 (row 0: after the last known token). Walking the rows in order:
 
 - greedy: draft j is accepted while it equals row j's argmax; the first mismatch emits the
   argmax instead. The output is the one plain greedy decoding gives, token for token.
-- random: with the filtered target distribution p_j (temperature, top-k/p, min-p: what the
-  plain sampler samples from) and a draft distribution q_j, draft x_j is accepted with
-  probability min(1, p_j(x_j) / q_j(x_j)); the first rejection emits a sample of the residual
-  max(0, p_j - q_j), normalised (Leviathan et al. 2023; Chen et al. 2023). N-gram drafts are
-  deterministic, q_j = one-hot(x_j): acceptance is p_j(x_j) and the residual is p_j without x_j.
+- random, deterministic drafts (n-gram lookup, suffix decoding: q_j = one-hot(x_j)): row j
+  draws its token from the filtered target distribution p_j (temperature, top-k/p, min-p)
+  exactly as the plain sampler would, and draft x_j is accepted when it equals that draw. The
+  draft is accepted with probability p_j(x_j), as rejection sampling would, and the emitted
+  tokens are the plain sampler's own: a seeded request draws row by row from its generator,
+  which is then set back to its state after the last emitted row, so its output equals plain
+  decoding's token for token.
+- random, a draft model's drafts (distribution q_j): draft x_j is accepted with probability
+  min(1, p_j(x_j) / q_j(x_j)); the first rejection emits a sample of the residual
+  max(0, p_j - q_j), normalised (Leviathan et al. 2023; Chen et al. 2023). The distribution is
+  kept; a seeded request's tokens differ from plain decoding's (other draws).
 - all d accepted: row d (the bonus row) emits a sample of p_d (its argmax when greedy).
 
 Each row's verdict and its would-be token are computed on the device for all rows at once;
@@ -37,9 +43,12 @@ class PendingVerify:
     """Verdicts on their way to the host; `result()` waits and walks each request's rows."""
 
     def __init__(self, reqs: Sequence[Request], drafts: Sequence[Sequence[int]],
-                 tokens: torch.Tensor, accepted: torch.Tensor) -> None:
+                 tokens: torch.Tensor, accepted: torch.Tensor,
+                 rewind: dict[int, tuple[torch.Generator, torch.Tensor]] | None = None) -> None:
         self.reqs = list(reqs)
         self.drafts = [list(d) for d in drafts]
+        # Seeded rows: the request's generator and its state after that row's draw.
+        self._rewind = rewind or {}
         self._tokens = tokens.to("cpu", non_blocking=True)
         self._accepted = accepted.to("cpu", non_blocking=True)
         self._event = copies_queued(tokens)
@@ -57,6 +66,9 @@ class PendingVerify:
             while n < len(drafts) and accepted[row + n]:
                 n += 1
             out.append([*drafts[:n], tokens[row + n]])
+            last = self._rewind.get(row + n)
+            if last is not None:  # the draws of rows past the emitted ones never happened
+                last[0].set_state(last[1])
             row += len(drafts) + 1
         return out
 
@@ -86,15 +98,37 @@ def verify(logits: torch.Tensor, reqs: Sequence[Request], drafts: Sequence[Seque
     tokens = argmax_rows(logits)
     accepted = (tokens == draft) & has_draft
     random_rows = [i for i, r in enumerate(row_reqs) if not r.sampling_params.greedy]
+    rewind: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
     if random_rows:
         idx = to_device(random_rows, torch.long, dev)
         sub_reqs = [row_reqs[i] for i in random_rows]
-        sub_tokens, sub_accepted = _verify_random(
-            logits.index_select(0, idx).float(), sub_reqs, draft[idx], has_draft[idx],
-            None if draft_probs is None else draft_probs.index_select(0, idx).float())
+        sub_logits = logits.index_select(0, idx).float()
+        if draft_probs is None:
+            sub_tokens, states = _draw_rows(filter_probs(
+                sub_logits, [r.sampling_params for r in sub_reqs]), sub_reqs)
+            sub_accepted = (sub_tokens == draft[idx]) & has_draft[idx]
+            rewind = {random_rows[i]: state for i, state in states.items()}
+        else:
+            sub_tokens, sub_accepted = _verify_random(
+                sub_logits, sub_reqs, draft[idx], has_draft[idx],
+                draft_probs.index_select(0, idx).float())
         tokens.index_copy_(0, idx, sub_tokens)
         accepted.index_copy_(0, idx, sub_accepted)
-    return PendingVerify(reqs, drafts, tokens, accepted)
+    return PendingVerify(reqs, drafts, tokens, accepted, rewind)
+
+
+def _draw_rows(probs: torch.Tensor, row_reqs: Sequence[Request]
+               ) -> tuple[torch.Tensor, dict[int, tuple[torch.Generator, torch.Tensor]]]:
+    """`draw_tokens`' exponential race, row by row in order, and each seeded row's generator
+    with its state after the row's draw (for `PendingVerify` to set back)."""
+    q = torch.empty_like(probs).exponential_()  # unseeded rows: one draw for all
+    states: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
+    for i, req in enumerate(row_reqs):
+        gen = request_generator(req, probs.device)
+        if gen is not None:
+            q[i].exponential_(generator=gen)
+            states[i] = (gen, gen.get_state())
+    return (probs / q).argmax(dim=-1), states
 
 
 def _verify_random(logits: torch.Tensor, row_reqs: Sequence[Request], draft: torch.Tensor,

@@ -67,7 +67,9 @@ def worker(loop_thread: LoopThread) -> Iterator[WorkerHandle]:
         cache=CacheConfig(block_size=16, num_gpu_blocks=64),
         scheduler=SchedulerConfig(role="colocated", max_model_len=512),
         runner=RunnerConfig(device="cpu"),
-        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+        # A small start-up calibration (batches 1 and 2): the adaptive policy's test reads it.
+        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4,
+                                      calibration_max_batch=2))
 
     async def start() -> WorkerHandle:
         handle = await start_worker(config, HOST, 0)
@@ -160,7 +162,9 @@ def test_bad_num_speculative_tokens_is_invalid_argument(stub: decode_pb2_grpc.De
 
 # -- through a gateway ------------------------------------------------------------------------
 def _start_gateway(loop: LoopThread, worker: WorkerHandle, tokenizer: Tokenizer,
-                   **policy: int | float) -> GatewayServer:
+                   **policy: int | float | str) -> GatewayServer:
+    """A gateway in front of `worker`; the load threshold policy unless `policy` names one."""
+    policy.setdefault("speculative_policy", "threshold")
     config = GatewayConfig(decode_addresses=(f"{HOST}:{worker.port}",), colocated=True,
                            max_model_len=512, max_prompt_tokens=512, shutdown_grace_s=1.0,
                            **policy)  # type: ignore[arg-type]
@@ -268,13 +272,55 @@ def test_gateway_turns_speculation_off_under_load(
         loop_thread.run(gateway.stop(), 60)
 
 
+def test_adaptive_policy_reads_the_workers_measurements(
+        loop_thread: LoopThread, worker: WorkerHandle, spec_tokenizer: Tokenizer,
+        stub: decode_pb2_grpc.DecodeStub, prompt_ids: list[int],
+        plain_tokens: list[int]) -> None:
+    """The worker reports its step cost from start-up on and its acceptance per method and
+    class once requests ran; the adaptive gateway (the default) decides from them for the
+    request's class, sends the class along, and shows decisions and numbers on /metrics."""
+    report = stub.GetLoad(common_pb2.LoadRequest(), timeout=RPC_TIMEOUT_S)
+    assert report.max_speculative_tokens == 4
+    assert list(report.speculative_methods) == [common_pb2.SPECULATIVE_METHOD_NGRAM,
+                                                common_pb2.SPECULATIVE_METHOD_SUFFIX]
+    rows = [p.rows for p in report.spec_step_cost]
+    assert rows[0] == 1 and max(rows) >= 2 * 5 and all(p.seconds > 0 for p in report.spec_step_cost)
+    gateway = _start_gateway(loop_thread, worker, spec_tokenizer, speculative_tokens=4,
+                             speculative_policy="adaptive")
+    try:
+        for _ in range(2):
+            assert _gateway_generate(gateway, prompt_ids) == plain_tokens
+        assert gateway.state is not None
+        loop_thread.run(gateway.state.router.decode.poll_once(), 30)
+        r = httpx.get(f"http://{HOST}:{gateway.rest_port}/metrics", timeout=10)
+        samples = [s for f in text_string_to_metric_families(r.text) for s in f.samples]
+        decisions = [s for s in samples
+                     if s.name == "splitserve:spec_decode_policy_decisions_total"]
+        assert sum(s.value for s in decisions) == 2
+        assert {s.labels["request_class"] for s in decisions} == {"repetitive"}
+        assert {s.labels["reason"] for s in decisions} <= {"explore", "measured"}
+        address = f"{HOST}:{worker.port}"
+        by_name = {(s.name, s.labels.get("position")): s.value for s in samples
+                   if s.labels.get("worker") == address}
+        assert by_name[("splitserve:spec_decode_num_drafts_total", None)] > 0
+        assert by_name[("splitserve:spec_decode_num_accepted_tokens_per_pos_total", "0")] > 0
+        report = stub.GetLoad(common_pb2.LoadRequest(), timeout=RPC_TIMEOUT_S)
+        measured = {(a.method, a.request_class) for a in report.spec_acceptance}
+        chosen = {common_pb2.SpeculativeMethod.Value(
+            "SPECULATIVE_METHOD_" + s.labels["method"].upper()) for s in decisions}
+        assert {(m, "repetitive") for m in chosen} <= measured
+    finally:
+        loop_thread.run(gateway.stop(), 60)
+
+
 # ---- disaggregated with speculation: still the colocated oracle's tokens --------------------
 
 @pytest.fixture(scope="module")
 def disagg_spec_stack(loop_thread: LoopThread) -> Iterator[Stack]:
     """Gateway → prefill worker + decode worker that speculates (n-gram, 4 drafts)."""
     stack = start_stack(loop_thread, colocated=False,
-                        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+                        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=4,
+                                                      calibration_max_batch=0))
     yield stack
     stack.stop()
 
@@ -301,7 +347,7 @@ def test_disagg_with_speculation_equals_colocated(disagg_spec_stack: Stack,
 def disagg_draft_stack(loop_thread: LoopThread) -> Iterator[Stack]:
     """Gateway → prefill worker + decode worker whose draft model is SmolLM2 itself."""
     draft = SpeculativeConfig(method="draft_model", model=default_model_path(),
-                              num_speculative_tokens=4)
+                              num_speculative_tokens=4, calibration_max_batch=0)
     stack = start_stack(loop_thread, colocated=False, speculative=draft)
     yield stack
     stack.stop()

@@ -132,12 +132,15 @@ def test_one_request_is_one_trace_across_services(disagg_stack: Stack,
     assert da["splitserve.prompt_tokens"] == usage["prompt_tokens"]
     assert da["splitserve.kv_recomputed"] is False
     assert da["splitserve.output_tokens"] == MAX_TOKENS
-    # The gateway's speculative policy (defaults: 4 drafts below 4 pending requests) on its
-    # decode span, and what the worker was asked for on its own. The load is the router's last
-    # poll (every 0.5 s), which may still count an earlier test's requests.
+    # The gateway's speculative policy on its decode span (a worker that reports no measured
+    # step cost gets the load threshold: 4 drafts below 4 pending requests), and what the worker
+    # was asked for on its own. The load is the router's last poll (every 0.5 s), which may
+    # still count an earlier test's requests.
     ga = decode.attributes or {}
     load = ga["splitserve.decode_worker_load"]
     assert isinstance(load, int) and load >= 0
+    assert ga["splitserve.speculative_reason"] == "threshold"
+    assert ga["splitserve.speculative_class"] in ("code", "repetitive", "text")
     assert ga["splitserve.num_speculative_tokens"] == da["splitserve.num_speculative_tokens"] == (
         4 if load < 4 else 0)
     assert ka["splitserve.kv.ok"] is True

@@ -67,6 +67,8 @@ class _SpeculativeMethodEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Spe
     """prompt lookup: free drafts where the text repeats"""
     SPECULATIVE_METHOD_DRAFT_MODEL: _SpeculativeMethod.ValueType  # 2
     """a smaller model's drafts: k steps of it per round"""
+    SPECULATIVE_METHOD_SUFFIX: _SpeculativeMethod.ValueType  # 3
+    """suffix decoding: the request's and recent outputs' text"""
 
 class SpeculativeMethod(_SpeculativeMethod, metaclass=_SpeculativeMethodEnumTypeWrapper): ...
 
@@ -75,6 +77,8 @@ SPECULATIVE_METHOD_NGRAM: SpeculativeMethod.ValueType  # 1
 """prompt lookup: free drafts where the text repeats"""
 SPECULATIVE_METHOD_DRAFT_MODEL: SpeculativeMethod.ValueType  # 2
 """a smaller model's drafts: k steps of it per round"""
+SPECULATIVE_METHOD_SUFFIX: SpeculativeMethod.ValueType  # 3
+"""suffix decoding: the request's and recent outputs' text"""
 Global___SpeculativeMethod: _TypeAlias = SpeculativeMethod  # noqa: Y015
 
 class _PoolingType:
@@ -577,6 +581,11 @@ class LoadReport(_message.Message):
     LORA_WAITING_FIELD_NUMBER: _builtins.int
     CLASS_LABELS_FIELD_NUMBER: _builtins.int
     LORA_PATHS_FIELD_NUMBER: _builtins.int
+    SPEC_STEP_COST_FIELD_NUMBER: _builtins.int
+    SPEC_ACCEPTANCE_FIELD_NUMBER: _builtins.int
+    MAX_SPECULATIVE_TOKENS_FIELD_NUMBER: _builtins.int
+    SPEC_NUM_DRAFTS_FIELD_NUMBER: _builtins.int
+    SPEC_ACCEPTED_TOKENS_PER_POS_FIELD_NUMBER: _builtins.int
     num_running: _builtins.int
     num_waiting: _builtins.int
     kv_cache_usage: _builtins.float
@@ -611,6 +620,12 @@ class LoadReport(_message.Message):
     max_loras: _builtins.int
     """LoRA adapter slots (--max-loras): adapters may be loaded at runtime while lora_adapters
     holds fewer; 0: the adapters are fixed at start.
+    """
+    max_speculative_tokens: _builtins.int
+    """its --num-speculative-tokens (a request's cap)"""
+    spec_num_drafts: _builtins.int
+    """Cumulative, as vLLM counts them: verify steps that had drafts, and per draft position the
+    drafts accepted there.
     """
     @_builtins.property
     def speculative_methods(self) -> _containers.RepeatedScalarFieldContainer[Global___SpeculativeMethod.ValueType]:
@@ -655,6 +670,21 @@ class LoadReport(_message.Message):
         worker that lost them (restarted), whichever gateway loaded them.
         """
 
+    @_builtins.property
+    def spec_step_cost(self) -> _containers.RepeatedCompositeFieldContainer[Global___SpecStepCost]:
+        """Speculative decoding's measured trade on this worker (decode and colocated workers with a
+        speculative method; the gateway's policy reads them: gateway/spec_policy.py). Numbered
+        apart from the fields above so that other additions do not collide.
+        Seconds per decode step by its query rows (a verifying sequence is 1 + drafts rows),
+        measured at start-up and smoothed over live steps; ascending rows.
+        """
+
+    @_builtins.property
+    def spec_acceptance(self) -> _containers.RepeatedCompositeFieldContainer[Global___SpecAcceptance]:
+        """Smoothed acceptance per proposer and request class."""
+
+    @_builtins.property
+    def spec_accepted_tokens_per_pos(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -683,14 +713,81 @@ class LoadReport(_message.Message):
         lora_waiting: _abc.Iterable[_builtins.int] | None = ...,
         class_labels: _abc.Iterable[_builtins.str] | None = ...,
         lora_paths: _abc.Iterable[_builtins.str] | None = ...,
+        spec_step_cost: _abc.Iterable[Global___SpecStepCost] | None = ...,
+        spec_acceptance: _abc.Iterable[Global___SpecAcceptance] | None = ...,
+        max_speculative_tokens: _builtins.int = ...,
+        spec_num_drafts: _builtins.int = ...,
+        spec_accepted_tokens_per_pos: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "class_labels", b"class_labels", "fingerprint", b"fingerprint", "kv_cache_usage", b"kv_cache_usage", "kv_transports", b"kv_transports", "lora_adapters", b"lora_adapters", "lora_paths", b"lora_paths", "lora_roots", b"lora_roots", "lora_running", b"lora_running", "lora_waiting", b"lora_waiting", "max_loras", b"max_loras", "num_blocks", b"num_blocks", "num_free_blocks", b"num_free_blocks", "num_leases", b"num_leases", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_draft_tokens", b"spec_draft_tokens", "speculative_methods", b"speculative_methods", "tier_hit_tokens", b"tier_hit_tokens", "tier_saved_blocks", b"tier_saved_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "class_labels", b"class_labels", "fingerprint", b"fingerprint", "kv_cache_usage", b"kv_cache_usage", "kv_transports", b"kv_transports", "lora_adapters", b"lora_adapters", "lora_paths", b"lora_paths", "lora_roots", b"lora_roots", "lora_running", b"lora_running", "lora_waiting", b"lora_waiting", "max_loras", b"max_loras", "max_speculative_tokens", b"max_speculative_tokens", "num_blocks", b"num_blocks", "num_free_blocks", b"num_free_blocks", "num_leases", b"num_leases", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "spec_acceptance", b"spec_acceptance", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_accepted_tokens_per_pos", b"spec_accepted_tokens_per_pos", "spec_draft_tokens", b"spec_draft_tokens", "spec_num_drafts", b"spec_num_drafts", "spec_step_cost", b"spec_step_cost", "speculative_methods", b"speculative_methods", "tier_hit_tokens", b"tier_hit_tokens", "tier_saved_blocks", b"tier_saved_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LoadReport: _TypeAlias = LoadReport  # noqa: Y015
+
+@_typing.final
+class SpecStepCost(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROWS_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    rows: _builtins.float
+    """query rows of the step (a moving average within its bucket)"""
+    seconds: _builtins.float
+    """its time"""
+    def __init__(
+        self,
+        *,
+        rows: _builtins.float = ...,
+        seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rows", b"rows", "seconds", b"seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SpecStepCost: _TypeAlias = SpecStepCost  # noqa: Y015
+
+@_typing.final
+class SpecAcceptance(_message.Message):
+    """Per step of a request that speculates with `method` and was sent with `request_class`:
+    steps (a decayed count) and, per draft position, the steps that drafted there and the
+    steps whose draft there was accepted (the same decayed weights).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    METHOD_FIELD_NUMBER: _builtins.int
+    REQUEST_CLASS_FIELD_NUMBER: _builtins.int
+    STEPS_FIELD_NUMBER: _builtins.int
+    DRAFTED_FIELD_NUMBER: _builtins.int
+    ACCEPTED_FIELD_NUMBER: _builtins.int
+    method: Global___SpeculativeMethod.ValueType
+    request_class: _builtins.str
+    steps: _builtins.float
+    @_builtins.property
+    def drafted(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    @_builtins.property
+    def accepted(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    def __init__(
+        self,
+        *,
+        method: Global___SpeculativeMethod.ValueType = ...,
+        request_class: _builtins.str = ...,
+        steps: _builtins.float = ...,
+        drafted: _abc.Iterable[_builtins.float] | None = ...,
+        accepted: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "drafted", b"drafted", "method", b"method", "request_class", b"request_class", "steps", b"steps"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SpecAcceptance: _TypeAlias = SpecAcceptance  # noqa: Y015
 
 @_typing.final
 class KvTransportStats(_message.Message):

@@ -54,6 +54,7 @@ class DecodeRequest(_message.Message):
     LORA_NAME_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_CLASS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     kv_failure_policy: Global___KvFailurePolicy.ValueType
     num_speculative_tokens: _builtins.int
@@ -78,6 +79,10 @@ class DecodeRequest(_message.Message):
     """
     cache_salt: _builtins.str
     """As PrefillRequest.cache_salt (a handle's KV must have been computed with the same salt)."""
+    speculative_class: _builtins.str
+    """The request's class as the gateway sees it (e.g. "repetitive", "text", "tools"): the
+    worker keeps its acceptance per method and class. At most 32 characters of [a-z0-9_].
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -108,10 +113,11 @@ class DecodeRequest(_message.Message):
         lora_name: _builtins.str = ...,
         priority: _builtins.int = ...,
         cache_salt: _builtins.str = ...,
+        speculative_class: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_num_speculative_tokens", b"_num_speculative_tokens", "kv_handle", b"kv_handle", "num_speculative_tokens", b"num_speculative_tokens", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_num_speculative_tokens", b"_num_speculative_tokens", "cache_salt", b"cache_salt", "kv_failure_policy", b"kv_failure_policy", "kv_handle", b"kv_handle", "lora_name", b"lora_name", "num_speculative_tokens", b"num_speculative_tokens", "output_token_ids", b"output_token_ids", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "speculative_method", b"speculative_method"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_num_speculative_tokens", b"_num_speculative_tokens", "cache_salt", b"cache_salt", "kv_failure_policy", b"kv_failure_policy", "kv_handle", b"kv_handle", "lora_name", b"lora_name", "num_speculative_tokens", b"num_speculative_tokens", "output_token_ids", b"output_token_ids", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "speculative_class", b"speculative_class", "speculative_method", b"speculative_method"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__num_speculative_tokens: _TypeAlias = _typing.Literal["num_speculative_tokens"]  # noqa: Y015
     _WhichOneofArgType__num_speculative_tokens: _TypeAlias = _typing.Literal["_num_speculative_tokens", b"_num_speculative_tokens"]  # noqa: Y015

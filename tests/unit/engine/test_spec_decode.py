@@ -29,7 +29,9 @@ from engine.spec.rejection import verify
 from engine_api.errors import EngineInputError
 from tests.support.engine_driver import run_steps, step_tokens, tiny_llm
 
-NGRAM: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": 4}
+# No step budget (engine/spec/budget.py): the drafts asserted on must not follow the shared
+# machine's timing.
+NGRAM: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": 4, "step_budget": False}
 NGRAM_FLOOR = SpeculativeConfig().min_accepted_per_step
 # Prompts with loops in them (the proposer finds matches), and plain ones.
 PROMPTS = [

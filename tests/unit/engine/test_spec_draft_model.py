@@ -33,7 +33,7 @@ def _greedy() -> list[SamplingParams]:
 
 
 def _draft(path: Path, k: int = 4) -> dict[str, Any]:
-    return {"model": str(path), "num_speculative_tokens": k}
+    return {"model": str(path), "num_speculative_tokens": k, "step_budget": False}
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +217,7 @@ def test_each_request_picks_its_proposer(tiny_model_dirs: dict[str, Path],
     tokens are plain decoding's either way. An n-gram engine serves "draft_model" with n-gram."""
     want, _ = plain
     llm = tiny_llm(tiny_model_dirs["llama"], speculative_config=_draft(tiny_model_dirs["llama"]))
-    assert set(llm.engine.proposers) == {"draft_model", "ngram"}
+    assert set(llm.engine.proposers) == {"draft_model", "ngram", "suffix"}
     proposer = _proposer(llm)
     outs, _ = run_steps(llm, PROMPTS, _greedy(), speculative_method="ngram")
     assert step_tokens(outs) == want
@@ -231,7 +231,7 @@ def test_each_request_picks_its_proposer(tiny_model_dirs: dict[str, Path],
 
     ngram = tiny_llm(tiny_model_dirs["llama"],
                      speculative_config={"method": "ngram", "num_speculative_tokens": 4})
-    assert set(ngram.engine.proposers) == {"ngram"}
+    assert set(ngram.engine.proposers) == {"ngram", "suffix"}
     req = ngram.engine.add_request("r", PROMPTS[0], _greedy()[0], speculative_method="draft_model")
     assert req.spec_method == "ngram"
     ngram.engine.abort_request("r")

@@ -157,8 +157,9 @@ def test_what_does_not_split_is_refused_by_name(tiny_model_dirs: dict[str, Path]
     llm.shutdown()
 
 
-@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 3},
-                                  {"model": "SELF", "num_speculative_tokens": 3}],
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 3, "step_budget": False},
+    {"model": "SELF", "num_speculative_tokens": 3, "step_budget": False}],
                          ids=["ngram", "draft_model"])
 def test_speculative_decoding_verifies_on_the_split_model(
         tiny_model_dirs: dict[str, Path], spec: dict[str, object]) -> None:

@@ -1,0 +1,46 @@
+"""The worker's per-step cap on drafts: within each request's cap (the gateway's choice), as
+many as pay for the batch as it is now (engine_api/spec_gain.py's `best_k` with this worker's
+measured step cost and acceptance, for the running batch's size).
+
+The gateway decided at admission for the load it saw; the batch changes every step. Where the
+numbers are missing (no steps measured yet for the method and class) the request's cap stands,
+and every EXPLORE_EVERY-th round for a (method, class) it stands as well, so that a method
+kept at no drafts still gets measured now and then.
+"""
+
+from __future__ import annotations
+
+from engine.spec.cost import StepCostModel
+from engine.spec.stats import AcceptanceStats
+from engine_api.spec_gain import best_k
+
+# Measured steps a (method, class) needs before its numbers cap anything.
+MIN_MEASURED_STEPS = 16.0
+EXPLORE_EVERY = 16
+
+
+class StepBudget:
+    def __init__(self, cost: StepCostModel, stats: AcceptanceStats, max_k: int) -> None:
+        self.cost = cost
+        self.stats = stats
+        self.max_k = max_k  # the engine's own cap
+        self._rounds: dict[tuple[str, str], int] = {}
+
+    def cap_for(self, memo: dict[tuple[str, str], int], method: str, request_class: str,
+                batch: int, request_k: int) -> int:
+        """Drafts this round for a request of (method, class) allowed `request_k`; `memo`
+        holds the round's caps by key (one computation per key and round)."""
+        key = (method, request_class)
+        cap = memo.get(key)
+        if cap is None:
+            cap = memo[key] = self._cap(key, batch)
+        return min(cap, request_k)
+
+    def _cap(self, key: tuple[str, str], batch: int) -> int:
+        rounds = self._rounds[key] = self._rounds.get(key, 0) + 1
+        acceptance = self.stats.acceptance(*key)
+        cost = self.cost.cost()
+        if (acceptance is None or acceptance.steps < MIN_MEASURED_STEPS or not cost
+                or rounds % EXPLORE_EVERY == 0):
+            return self.max_k
+        return best_k(cost, acceptance, batch, self.max_k).k

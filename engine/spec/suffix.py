@@ -1,0 +1,195 @@
+"""Suffix decoding: drafts from suffix trees over this request's own tokens and over the recent
+outputs of other requests on the worker (as Arctic Inference's and vLLM's `suffix` method).
+
+Each tree is a trie of every suffix of its text, cut at `max_depth` tokens, with a count on
+every node (how many times that token string occurred). To draft, the longest suffix of the
+sequence (up to `max_depth` tokens) found in a tree is its match; from the match's node the
+drafts follow the most frequent child while its share of its parent's count stays at least
+`min_token_prob`, for at most `max_spec_factor` × the match's length tokens (a longer match is
+a surer one) and the request's cap. The request's own tree and the shared one both answer; the
+draft whose path is likelier (the sum of its steps' shares) wins.
+
+Pure Python, run between steps on the engine thread: appending a token touches at most
+`max_depth` nodes, a lookup walks at most `max_depth` suffixes of at most `max_depth` tokens.
+The shared tree holds the outputs of the last `max_cached_requests` finished requests, at most
+`max_cached_tokens` tokens in all: the oldest are taken out (their counts subtracted) first.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine.spec import draft_cap
+
+if TYPE_CHECKING:
+    from engine.request import Request
+
+
+@dataclass(slots=True)
+class _Node:
+    count: int = 0
+    children: dict[int, _Node] = field(default_factory=dict)
+
+
+class SuffixTree:
+    """The depth-bounded suffix trie of one or more token sequences (counts by occurrence)."""
+
+    def __init__(self, max_depth: int) -> None:
+        self.max_depth = max_depth
+        self.root = _Node()
+        self.num_nodes = 0
+
+    def add(self, tokens: Sequence[int], active: list[_Node] | None = None) -> list[_Node]:
+        """Count every suffix window (up to `max_depth` tokens) that ends in `tokens`.
+
+        `active`: what an earlier `add` of the same sequence's prefix returned (the nodes of
+        the suffixes ending at its last token, shortest first), so that `tokens` continue that
+        sequence; returns the same for `tokens`' end. Each token touches one node per depth."""
+        nodes = [] if active is None else active
+        for t in tokens:
+            nodes = self._feed(nodes, t, +1)
+        return nodes
+
+    def remove(self, tokens: Sequence[int]) -> None:
+        """Undo `add(tokens)` of a whole sequence (nodes whose count drops to zero go)."""
+        nodes: list[_Node] = []
+        for t in tokens:
+            nodes = self._feed(nodes, t, -1)
+
+    def _feed(self, active: list[_Node], token: int, delta: int) -> list[_Node]:
+        """The suffixes ending at `token`: the root's child, and each of `active` (the
+        suffixes ending just before it) extended by it, up to `max_depth` tokens."""
+        out: list[_Node] = []
+        for parent in (self.root, *active[:self.max_depth - 1]):
+            child = self._bump(parent, token, delta)
+            if child is None:  # (removing only: never added)
+                break
+            out.append(child)
+        return out
+
+    def _bump(self, parent: _Node, token: int, delta: int) -> _Node | None:
+        child = parent.children.get(token)
+        if child is None:
+            if delta < 0:
+                return None
+            child = parent.children[token] = _Node()
+            self.num_nodes += 1
+        child.count += delta
+        if child.count <= 0:  # gone; its longer strings go in this same removal
+            del parent.children[token]
+            self.num_nodes -= 1
+        return child
+
+    def match(self, context: Sequence[int]) -> tuple[_Node, int] | None:
+        """The node of the longest suffix of `context` (at most `max_depth` tokens) the tree
+        holds with a continuation, and its length; None when not even the last token is."""
+        n = len(context)
+        for length in range(min(self.max_depth, n), 0, -1):
+            node = self.root
+            for t in context[n - length:]:
+                child = node.children.get(t)
+                if child is None:
+                    break
+                node = child
+            else:
+                if node.children:
+                    return node, length
+        return None
+
+    def speculate(self, context: Sequence[int], max_tokens: int, max_spec_factor: float,
+                  min_token_prob: float) -> tuple[list[int], float]:
+        """Drafts following `context` and their score (the sum of each step's probability)."""
+        found = self.match(context)
+        if found is None or max_tokens <= 0:
+            return [], 0.0
+        node, length = found
+        limit = min(max_tokens, max(1, int(max_spec_factor * length)))
+        drafts: list[int] = []
+        score = 0.0
+        prob = 1.0
+        while len(drafts) < limit and node.children:
+            token, child = max(node.children.items(), key=lambda kv: kv[1].count)
+            total = sum(c.count for c in node.children.values())
+            prob *= child.count / total
+            if prob < min_token_prob:
+                break
+            drafts.append(token)
+            score += prob
+            node = child
+        return drafts, score
+
+
+@dataclass(slots=True)
+class _Tracked:
+    tree: SuffixTree
+    tokens: list[int]          # what the request's tree holds (its prompt and output so far)
+    num_prompt_tokens: int
+    active: list[_Node] = field(default_factory=list)  # the tree's nodes at the tokens' end
+
+
+class SuffixProposer:
+    """Suffix decoding over each request's own tokens and the worker's recent outputs.
+
+    Stateful: a request's tree grows by the tokens since its last proposal; `release` (the
+    request finished or was aborted) moves its output into the shared tree."""
+
+    def __init__(self, max_depth: int = 24, max_spec_factor: float = 1.0,
+                 min_token_prob: float = 0.1, max_cached_requests: int = 64,
+                 max_cached_tokens: int = 65536) -> None:
+        if max_depth < 1:
+            raise ValueError(f"max_depth must be >= 1, got {max_depth}")
+        self.max_depth = max_depth
+        self.max_spec_factor = max_spec_factor
+        self.min_token_prob = min_token_prob
+        self.max_cached_requests = max_cached_requests
+        self.max_cached_tokens = max_cached_tokens
+        self.shared = SuffixTree(max_depth)
+        self._cached: deque[list[int]] = deque()
+        self._cached_tokens = 0
+        self._tracked: dict[str, _Tracked] = {}
+
+    def propose_batch(self, reqs: Sequence[Request]) -> list[list[int]]:
+        return [self.propose(req) for req in reqs]
+
+    def propose(self, req: Request) -> list[int]:
+        k = draft_cap(req)
+        tokens = req.all_token_ids
+        tracked = self._tracked.get(req.request_id)
+        if tracked is None:
+            tracked = self._tracked[req.request_id] = _Tracked(
+                SuffixTree(self.max_depth), [], req.num_prompt_tokens)
+        old = len(tracked.tokens)
+        if len(tokens) > old:
+            new = tokens[old:]
+            tracked.tokens.extend(new)
+            tracked.active = tracked.tree.add(new, tracked.active)
+        if k <= 0:
+            return []
+        # The request's own tree holds the context itself: a match there must continue
+        # strictly before the end, which `match` ensures (the last window has no child yet
+        # unless the same string occurred earlier).
+        own = tracked.tree.speculate(tokens, k, self.max_spec_factor, self.min_token_prob)
+        shared = self.shared.speculate(tokens, k, self.max_spec_factor, self.min_token_prob)
+        return own[0] if own[1] >= shared[1] else shared[0]
+
+    def release(self, request_id: str) -> None:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None or self.max_cached_requests <= 0:
+            return
+        output = tracked.tokens[tracked.num_prompt_tokens:][-self.max_cached_tokens:]
+        if not output:
+            return
+        self.shared.add(output)
+        self._cached.append(output)
+        self._cached_tokens += len(output)
+        while (len(self._cached) > self.max_cached_requests
+               or self._cached_tokens > self.max_cached_tokens):
+            old = self._cached.popleft()
+            self._cached_tokens -= len(old)
+            self.shared.remove(old)
+
+    def shutdown(self) -> None:
+        self._tracked.clear()

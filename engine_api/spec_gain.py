@@ -1,0 +1,119 @@
+"""The speculative decoding trade, in numbers both sides use: the gateway's per-request policy
+(gateway/spec_policy.py) and a decode worker's per-step cap (engine/spec/budget.py).
+
+A decode step's time is a function of its query rows (`StepCost`: measured by the worker, at
+start-up and from live steps); a speculating sequence adds one row per draft. A method's
+acceptance (`Acceptance`) says, per draft position i, how often a step drafted at position i
+and how often that draft was accepted, per step of a speculating request. With a cap of k
+drafts a sequence then emits `1 + sum(accepted[:k])` tokens per step from `1 + sum(drafted[:k])`
+rows. The batch pays for every row: the best k maximises the batch's tokens per second.
+
+Torch-free (the gateway imports it).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """Seconds per decode step by its query rows: measured points, linear in between and
+    beyond the last two (a step's time grows about linearly in rows once compute-bound)."""
+
+    rows: tuple[float, ...]      # ascending
+    seconds: tuple[float, ...]
+
+    @classmethod
+    def of(cls, points: Sequence[tuple[float, float]]) -> StepCost:
+        """From (rows, seconds) points in any order (rows <= 0 or seconds <= 0 dropped)."""
+        merged: dict[float, list[float]] = {}
+        for r, s in points:
+            if r > 0 and s > 0:
+                merged.setdefault(r, []).append(s)
+        xs = sorted(merged)
+        return cls(tuple(xs), tuple(sum(merged[x]) / len(merged[x]) for x in xs))
+
+    def __bool__(self) -> bool:
+        return bool(self.rows)
+
+    def seconds_at(self, rows: float) -> float:
+        """The step time at `rows` query rows (0.0 when nothing was measured)."""
+        xs, ys = self.rows, self.seconds
+        if not xs:
+            return 0.0
+        if rows <= xs[0]:
+            # Below the smallest measurement a step costs no less than it: the weights are
+            # read once per step whatever the rows.
+            return ys[0]
+        if len(xs) == 1:
+            return ys[0] * rows / xs[0]  # one point: assume compute-bound (the cautious side)
+        i = min(bisect.bisect_left(xs, rows), len(xs) - 1)  # the segment [i-1, i], or the last
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        slope = max(0.0, (y1 - y0) / (x1 - x0))
+        return y0 + slope * (rows - x0)
+
+
+@dataclass(frozen=True, slots=True)
+class Acceptance:
+    """A method's smoothed outcome per step of a speculating request: `drafted[i]` and
+    `accepted[i]` are the steps that drafted (and accepted) a draft at position i, `steps` the
+    steps in all (the same decayed weights)."""
+
+    steps: float
+    drafted: tuple[float, ...]
+    accepted: tuple[float, ...]
+
+    def tokens_and_rows(self, k: int) -> tuple[float, float]:
+        """(tokens emitted, query rows) per step with at most k drafts."""
+        if self.steps <= 0 or k <= 0:
+            return 1.0, 1.0
+        k = min(k, len(self.drafted), len(self.accepted))
+        return (1.0 + sum(self.accepted[:k]) / self.steps,
+                1.0 + sum(self.drafted[:k]) / self.steps)
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The best cap for a batch: `k` drafts (0: off), the tokens per second it predicts for
+    the batch, and the plain batch's, and the step time it predicts."""
+
+    k: int
+    batch_tokens_per_s: float
+    plain_tokens_per_s: float
+    step_seconds: float
+
+    @property
+    def gain(self) -> float:
+        """Predicted speed-up of the batch over plain decoding (1.0: none)."""
+        return (self.batch_tokens_per_s / self.plain_tokens_per_s
+                if self.plain_tokens_per_s > 0 else 1.0)
+
+
+def best_k(cost: StepCost, acceptance: Acceptance, batch: int, max_k: int,
+           max_step_seconds: float = 0.0, min_gain: float = 1.0) -> Choice:
+    """The cap in [0, max_k] that maximises the batch's tokens per second when each of its
+    `batch` sequences speculates so (the batch pays for every verify row).
+
+    `max_step_seconds` (> 0): the SLO guard, no cap whose step would take longer, unless the
+    plain step already does. `min_gain`: speculation must beat plain by this factor (it has
+    costs the model leaves out: the drafting itself, a lost async overlap)."""
+    batch = max(1, batch)
+    plain_s = cost.seconds_at(batch)
+    plain = batch / plain_s if plain_s > 0 else 0.0
+    best = Choice(0, plain, plain, plain_s)
+    if not cost or max_k <= 0:
+        return best
+    for k in range(1, max_k + 1):
+        tokens, rows = acceptance.tokens_and_rows(k)
+        step_s = cost.seconds_at(batch * rows)
+        if step_s <= 0:
+            continue
+        if max_step_seconds > 0 and step_s > max_step_seconds >= plain_s:
+            continue
+        rate = batch * tokens / step_s
+        if rate > best.batch_tokens_per_s and rate >= plain * min_gain:
+            best = Choice(k, rate, plain, step_s)
+    return best

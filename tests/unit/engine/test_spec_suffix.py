@@ -1,0 +1,240 @@
+"""Suffix decoding (engine/spec/suffix.py), exactness of speculative decoding with it and with
+n-gram lookup (greedy and seeded sampling, float32: the same tokens as plain decoding), and
+the worker-side measurements the speculation policy reads: step cost (start-up calibration
+and live steps), acceptance per method and class, and the per-step budget's numbers
+(engine_api/spec_gain.py). The rejection sampler's distribution test is in
+test_spec_decode.py (`test_random_verify_keeps_the_target_distribution`)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine import SamplingParams
+from engine.cli_args import add_engine_args, engine_config_from_args
+from engine.config import ConfigError, parse_speculative_config
+from engine.request import Request
+from engine.spec import SequenceProposer
+from engine.spec.cost import StepCostModel
+from engine.spec.stats import AcceptanceStats
+from engine.spec.suffix import SuffixProposer, SuffixTree
+from engine_api.spec_gain import Acceptance, StepCost, best_k
+from tests.support.engine_driver import run_steps, step_tokens, tiny_llm
+
+# Prompts with loops (drafts found) and without.
+PROMPTS = [
+    [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7],
+    [(7 * j) % 250 + 1 for j in range(23)],
+    [9, 9, 9, 9, 9, 9],
+    [11, 12, 13, 14, 15, 11, 12, 13],
+]
+LENGTHS = (24, 17, 30, 21)
+# No step budget: the drafts (and so the counts asserted) must not follow the shared
+# machine's timing.
+SPEC: dict[str, Any] = {"num_speculative_tokens": 4, "step_budget": False}
+
+
+# ---- the suffix tree -----------------------------------------------------------------------
+
+def test_suffix_tree_counts_windows_and_removes_them_again() -> None:
+    tree = SuffixTree(max_depth=3)
+    tree.add([1, 2, 3, 1, 2, 4])
+    node, length = tree.match([9, 1, 2]) or (None, 0)
+    assert length == 2 and node is not None
+    assert {t: c.count for t, c in node.children.items()} == {3: 1, 4: 1}
+    assert tree.root.children[1].count == 2
+    before = tree.num_nodes
+    tree.add([7, 7])
+    tree.remove([7, 7])
+    assert tree.num_nodes == before
+    tree.remove([1, 2, 3, 1, 2, 4])
+    assert tree.num_nodes == 0 and not tree.root.children
+
+
+def test_incremental_add_equals_one_add() -> None:
+    seq = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 1, 4, 1]
+    whole, parts = SuffixTree(4), SuffixTree(4)
+    whole.add(seq)
+    active = parts.add(seq[:5])
+    parts.add(seq[5:], active)
+    assert whole.num_nodes == parts.num_nodes
+    assert whole.speculate([1, 4], 8, 4.0, 0.0) == parts.speculate([1, 4], 8, 4.0, 0.0)
+
+
+def test_speculation_follows_the_frequent_path_scaled_by_the_match() -> None:
+    tree = SuffixTree(max_depth=8)
+    tree.add([1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 7, 1, 2, 3, 4, 5, 6])
+    drafts, _ = tree.speculate([0, 2, 3], 8, max_spec_factor=1.0, min_token_prob=0.0)
+    assert drafts == [4, 5]  # a 2-token match drafts at most 2
+    drafts, _ = tree.speculate([1, 2, 3, 4, 5], 1, 4.0, 0.0)
+    assert drafts == [6]     # 6 followed twice, 7 once; the cap is 1
+    # 6 has probability 2/3 after 5: below a 0.7 floor nothing is drafted past the match.
+    assert tree.speculate([4, 5], 4, 4.0, 0.7)[0] == []
+    assert tree.speculate([42], 4, 4.0, 0.0)[0] == []
+
+
+def _request(rid: str, prompt: list[int], output: list[int], k: int = 4) -> Request:
+    req = Request(rid, prompt, SamplingParams(temperature=0, max_tokens=64), (), 4096)
+    for t in output:
+        req.append_output_token(t)
+    req.num_speculative_tokens = k
+    return req
+
+
+def test_proposer_drafts_from_the_request_and_from_finished_outputs() -> None:
+    p = SuffixProposer(max_depth=8, max_cached_requests=1)
+    own = _request("a", [1, 2, 3, 4, 1, 2], [])
+    assert p.propose(own) == [3, 4]  # its own loop (a 2-token match: 2 drafts)
+    done = _request("b", [50], [20, 21, 22, 23, 24, 25])
+    assert p.propose(done) == []
+    p.release("b")  # its output joins the shared tree
+    other = _request("c", [60, 61, 20, 21, 22], [])
+    assert p.propose(other) == [23, 24, 25]
+    # One cached request at most: the next finished output evicts the first entirely.
+    p.release("c")  # no output: nothing cached
+    assert p.propose(_request("d", [21, 22], [])) == [23, 24]
+    p.propose(_request("e", [70], [90, 91]))
+    p.release("e")
+    assert p.propose(_request("f", [21, 22], [])) == []
+    assert p.shared.num_nodes == 3  # 90, 91, and 90 91
+    for rid in "adf":
+        p.release(rid)
+    assert len(p._tracked) == 0
+
+
+# ---- exactness in the engine (tiny float32 Llama on the CPU) --------------------------------
+
+PARAMS = [SamplingParams(temperature=0, max_tokens=LENGTHS[0], ignore_eos=True),
+          SamplingParams(temperature=0.7, seed=11, max_tokens=LENGTHS[1], ignore_eos=True),
+          SamplingParams(temperature=0.3, seed=5, max_tokens=LENGTHS[2], ignore_eos=True),
+          SamplingParams(temperature=0, max_tokens=LENGTHS[3], ignore_eos=True)]
+
+
+def _run(llm: Any) -> dict[str, list[int]]:
+    outs, _ = run_steps(llm, PROMPTS, PARAMS)
+    return step_tokens(outs)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dirs: dict[str, Path]) -> dict[str, list[int]]:
+    """Greedy and seeded requests in one batch, without speculation."""
+    return _run(tiny_llm(tiny_model_dirs["llama"]))
+
+
+@pytest.mark.parametrize("method", ["suffix", "ngram"])
+def test_speculation_equals_plain_decoding_greedy_and_seeded(
+        tiny_model_dirs: dict[str, Path], plain: dict[str, list[int]], method: str) -> None:
+    llm = tiny_llm(tiny_model_dirs["llama"], speculative_config={**SPEC, "method": method})
+    assert _run(llm) == plain
+    assert llm.engine.scheduler.num_draft_tokens > 0
+
+
+class _Oracle(SequenceProposer):
+    """The plain run's own next tokens, wrong from the third draft on: every verify step
+    accepts two drafts and rejects the rest (seeded rows then draw past the emitted ones)."""
+
+    def __init__(self, plain: dict[str, list[int]]) -> None:
+        self.full = [p + plain[f"r{i}"] for i, p in enumerate(PROMPTS)]
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        for seq in self.full:
+            if seq[:len(token_ids)] == token_ids:
+                nxt = seq[len(token_ids):len(token_ids) + k]
+                return [t if j < 2 else (t + 1) % 200 for j, t in enumerate(nxt)]
+        return []
+
+
+def test_seeded_sampling_keeps_its_tokens_through_accepted_and_rejected_drafts(
+        tiny_model_dirs: dict[str, Path], plain: dict[str, list[int]]) -> None:
+    """The seeded requests' generators are set back past the rejected rows' draws."""
+    llm = tiny_llm(tiny_model_dirs["llama"], speculative_config={**SPEC, "method": "suffix"})
+    llm.engine.proposers["suffix"] = _Oracle(plain)
+    assert _run(llm) == plain
+    sched = llm.engine.scheduler
+    assert 0 < sched.num_accepted_tokens < sched.num_draft_tokens
+
+
+# ---- what the worker measures ---------------------------------------------------------------
+
+def test_calibration_measures_step_cost_and_leaves_no_counts(
+        tiny_model_dirs: dict[str, Path]) -> None:
+    llm = tiny_llm(tiny_model_dirs["llama"], speculative_config={
+        **SPEC, "method": "suffix", "calibration_max_batch": 4})
+    engine = llm.engine
+    assert engine.calibrate_speculation() > 0
+    rows = [r for r, _ in engine.spec_cost.points()]
+    assert rows[0] == 1 and max(rows) >= 4 * 5  # plain batch 1 .. verifying batch 4 (1 + 4)
+    assert engine.spec_tokens == (0, 0) and engine.spec_stats.items() == []
+    assert engine.spec_stats.num_drafts == 0 and not engine.scheduler.requests
+    # Live steps are counted per method and class.
+    run_steps(llm, PROMPTS[:1], [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)])
+    (method, cls, acceptance), = engine.spec_stats.items()
+    assert (method, cls) == ("suffix", "") and acceptance.steps > 0
+
+
+def test_step_cost_buckets_average_and_interpolate() -> None:
+    model = StepCostModel()
+    for rows, seconds in [(1, 0.010), (1, 0.012), (8, 0.020), (64, 0.100)]:
+        model.record(rows, seconds)
+    points = model.points()
+    assert [r for r, _ in points] == [1, 8, 64]
+    assert points[0][1] == pytest.approx(0.0102)
+    cost = model.cost()
+    assert cost.seconds_at(0.5) == pytest.approx(0.0102)   # never below the smallest step
+    assert cost.seconds_at(36) == pytest.approx(0.020 + 28 * 0.08 / 56)
+    assert cost.seconds_at(128) == pytest.approx(0.100 + 64 * 0.08 / 56)  # the last slope
+
+
+def test_acceptance_stats_decay_and_count_like_vllm() -> None:
+    stats = AcceptanceStats(max_positions=3)
+    stats.record("ngram", "code", 3, 2)
+    stats.record("ngram", "code", 0, 0)
+    stats.record("suffix", "text", 2, 0)
+    a = stats.acceptance("ngram", "code")
+    assert a is not None and a.steps == pytest.approx(1.995)
+    tokens, rows = a.tokens_and_rows(3)
+    assert tokens == pytest.approx(1 + 2 * 0.995 / 1.995)
+    assert rows == pytest.approx(1 + 3 * 0.995 / 1.995)
+    assert stats.num_drafts == 2 and stats.accepted_per_pos == [1, 1, 0]
+
+
+def test_best_k_speculates_on_a_light_batch_and_not_on_a_compute_bound_one() -> None:
+    # Flat to 16 rows (weights-bound), then 1 ms per row.
+    cost = StepCost.of([(1, 0.02), (16, 0.02), (256, 0.26)])
+    good = Acceptance(100, (90.0, 80.0, 70.0, 60.0), (80.0, 60.0, 45.0, 30.0))
+    light = best_k(cost, good, batch=1, max_k=4)
+    assert light.k == 4 and light.gain > 2
+    assert best_k(cost, good, batch=64, max_k=4).k == 0
+    mid = best_k(cost, good, batch=8, max_k=4)
+    assert 0 < mid.k < 4  # the cap whose rows still fit the flat part pays best
+    # The SLO guard: nothing whose step exceeds 25 ms while plain fits.
+    assert best_k(cost, good, batch=8, max_k=4, max_step_seconds=0.025).step_seconds <= 0.025
+    poor = Acceptance(100, (90.0, 80.0, 70.0, 60.0), (2.0, 1.0, 0.0, 0.0))
+    assert best_k(cost, poor, batch=16, max_k=4).k == 0
+
+
+# ---- --speculative-config -----------------------------------------------------------------
+
+def _cli(*argv: str) -> Any:
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    return engine_config_from_args(p.parse_args(list(argv))).speculative
+
+
+def test_speculative_config_json_over_the_single_flags() -> None:
+    spec = _cli("--num-speculative-tokens", "3", "--speculative-config",
+                '{"method": "suffix", "suffix_decoding_max_tree_depth": 16}')
+    assert (spec.method, spec.num_speculative_tokens, spec.suffix_decoding_max_tree_depth) == (
+        "suffix", 3, 16)
+    assert _cli("--speculative-config", '{"model": "dummy:tiny"}').method == "draft_model"
+    with pytest.raises(SystemExit):
+        _cli("--speculative-config", '{"methd": "ngram"}')
+    with pytest.raises(ConfigError, match="unknown key"):
+        parse_speculative_config('{"num_speculative_token": 4}')
+    with pytest.raises(ConfigError, match="num_speculative_tokens must be int"):
+        parse_speculative_config('{"num_speculative_tokens": "4"}')
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        parse_speculative_config("{method: ngram}")

@@ -1,0 +1,146 @@
+"""The adaptive speculative policy (gateway/spec_policy.py): the choice from a worker's reported
+step cost and acceptance for the request's class and the worker's load, the SLO guard,
+exploration of unmeasured proposers, the fallbacks, and its series on /metrics
+(gateway/spec_metrics.py). Workers here are router entries holding a load report as a poll
+would have left it; the real worker's reports are in tests/e2e/test_e2e_spec.py."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.config import GatewayConfig, GatewayConfigError
+from gateway.metrics import GatewayMetrics
+from gateway.router import Worker
+from gateway.spec_policy import EXPLORE_EVERY, SpecPolicy, request_class
+from protos.splitserve.v1 import common_pb2
+
+NGRAM = common_pb2.SPECULATIVE_METHOD_NGRAM
+SUFFIX = common_pb2.SPECULATIVE_METHOD_SUFFIX
+ADDRESS = "127.0.0.1:50062"
+# Flat up to 16 rows (a weights-bound step), then 1 ms per row.
+COST = [(1.0, 0.02), (16.0, 0.02), (256.0, 0.26)]
+# Per draft position of 100 steps: drafted, accepted.
+GOOD = ([95.0, 90.0, 85.0, 80.0], [85.0, 70.0, 60.0, 50.0])
+POOR = ([60.0, 50.0, 40.0, 30.0], [1.0, 0.0, 0.0, 0.0])
+
+
+def _acceptance(method: int, cls: str, numbers: tuple[list[float], list[float]],
+                steps: float = 100.0) -> common_pb2.SpecAcceptance:
+    return common_pb2.SpecAcceptance(method=method, request_class=cls,  # type: ignore[arg-type]
+                                     steps=steps, drafted=numbers[0], accepted=numbers[1])
+
+
+def _worker(running: int, acceptance: Sequence[common_pb2.SpecAcceptance],
+            cost: Sequence[tuple[float, float]] = COST) -> Worker:
+    report = common_pb2.LoadReport(
+        num_running=running, speculative_methods=[NGRAM, SUFFIX], max_speculative_tokens=4,
+        spec_step_cost=[common_pb2.SpecStepCost(rows=r, seconds=s) for r, s in cost],
+        spec_acceptance=acceptance)
+    w = Worker(ADDRESS, None)  # type: ignore[arg-type]  # no calls: the policy reads the report
+    w.apply_report(report)
+    w.in_flight = w.in_flight_at_poll = 1  # the request being routed, as `pick` counts it
+    return w
+
+
+def _config(**kw: object) -> GatewayConfig:
+    return GatewayConfig(decode_addresses=(ADDRESS,), colocated=True, **kw)  # type: ignore[arg-type]
+
+
+MEASURED = [_acceptance(NGRAM, "repetitive", POOR), _acceptance(SUFFIX, "repetitive", GOOD),
+            _acceptance(NGRAM, "text", POOR), _acceptance(SUFFIX, "text", POOR)]
+
+
+def test_the_best_method_and_drafts_for_the_class_and_load() -> None:
+    policy = SpecPolicy(_config())
+    light = policy.decide(_worker(0, MEASURED), "repetitive")
+    assert (light.label, light.num_speculative_tokens, light.reason) == ("suffix", 4, "measured")
+    assert light.predicted_gain > 2 and 2 < light.accepted_per_step < 3
+    # At 8 other requests, 9 sequences x 5 rows is past the flat part: fewer drafts pay best.
+    mid = policy.decide(_worker(8, MEASURED), "repetitive")
+    assert mid.label == "suffix" and 0 < mid.num_speculative_tokens < 4
+    # Compute-bound: every row costs; off.
+    assert not policy.decide(_worker(100, MEASURED), "repetitive").enabled
+    # Free text accepts too little at any load.
+    text = policy.decide(_worker(0, MEASURED), "text")
+    assert (text.label, text.reason) == ("off", "measured")
+
+
+def test_the_slo_guard_and_the_workers_cap() -> None:
+    guarded = SpecPolicy(_config(speculative_tpot_slo_ms=25.0)).decide(
+        _worker(8, MEASURED), "repetitive")
+    assert guarded.step_seconds <= 0.025
+    capped = SpecPolicy(_config(speculative_tokens=2)).decide(_worker(0, MEASURED), "repetitive")
+    assert capped.num_speculative_tokens == 2
+
+
+def test_an_unmeasured_method_or_class_is_explored_then_losers_now_and_then() -> None:
+    policy = SpecPolicy(_config())
+    # Nothing measured for "tools" and not enough pooled either: both proposers tried.
+    sparse = [_acceptance(NGRAM, "text", POOR, steps=4.0)]
+    tried = {policy.decide(_worker(0, sparse), "tools").label for _ in range(2)}
+    assert tried == {"ngram", "suffix"}
+    # A class without numbers of its own falls back to its method's pooled numbers.
+    pooled = policy.decide(_worker(0, MEASURED), "tools")
+    assert pooled.reason == "measured" and pooled.label == "suffix"
+    # Measured and losing: off, but every EXPLORE_EVERY-th decision tries a loser.
+    reasons = [policy.decide(_worker(0, MEASURED), "text").reason
+               for _ in range(EXPLORE_EVERY)]
+    assert reasons.count("explore") == 1 and reasons.count("measured") == EXPLORE_EVERY - 1
+
+
+def test_fallbacks_always_and_a_named_method() -> None:
+    # No cost reported yet: the load threshold rule (n-gram below speculative_max_load).
+    bare = _worker(0, [], cost=[])
+    d = SpecPolicy(_config()).decide(bare, "text")
+    assert (d.label, d.reason) == ("ngram", "threshold")
+    always = SpecPolicy(_config(speculative_policy="always",
+                                speculative_policy_method="suffix")).decide(
+        _worker(100, MEASURED), "text")
+    assert (always.label, always.num_speculative_tokens, always.reason) == ("suffix", 4, "always")
+    only_ngram = SpecPolicy(_config(speculative_policy_method="ngram")).decide(
+        _worker(0, MEASURED), "repetitive")
+    assert only_ngram.label in ("ngram", "off")
+    with pytest.raises(GatewayConfigError, match="speculative_policy"):
+        _config(speculative_policy="sometimes")
+    with pytest.raises(GatewayConfigError, match="speculative_tpot_slo_ms"):
+        _config(speculative_tpot_slo_ms=-1.0)
+
+
+def test_request_classes() -> None:
+    code = [1, 2, 3, 4, 5, 6, 7, 8] * 4
+    prose = list(range(100, 140))
+    assert request_class(code) == "repetitive"
+    assert request_class(prose) == "text"
+    assert request_class(prose, has_tools=True) == "tools"
+    assert request_class([1, 2, 3]) == "text"
+    assert request_class(prose, text="Fix this:\n```python\nx = 1\n```") == "code"
+    assert request_class(prose, text="int f() {\n  a();\n  return b;\n}") == "code"
+    assert request_class(prose, text="Once upon a time; a fox.\nThe end.") == "text"
+
+
+def test_metrics_show_the_decisions_and_the_workers_numbers() -> None:
+    metrics = GatewayMetrics()
+    worker = _worker(0, MEASURED)
+    worker.load.spec_num_drafts = 7
+    worker.load.spec_accepted_tokens_per_pos.extend([6, 4, 1, 0])
+    metrics.observe_workers("decode", [worker])
+    metrics.observe_spec_decision(ADDRESS, SpecPolicy(_config()).decide(worker, "repetitive"))
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(metrics.render().decode())
+               for s in f.samples}
+    who = (("role", "decode"), ("worker", ADDRESS))
+    assert samples[("splitserve:spec_decode_num_drafts_total", who)] == 7
+    assert samples[("splitserve:spec_decode_num_accepted_tokens_per_pos_total",
+                    (("position", "1"), *who))] == 4
+    assert samples[("splitserve:spec_decode_step_seconds", (*who[:1], ("rows", "16.0"),
+                                                            who[1]))] == 0.02
+    accepted = samples[("splitserve:spec_decode_accepted_per_step",
+                        (("method", "suffix"), ("request_class", "repetitive"), *who))]
+    assert accepted == pytest.approx(2.65)
+    assert samples[("splitserve:spec_decode_policy_decisions_total", (
+        ("method", "suffix"), ("num_speculative_tokens", "4"), ("reason", "measured"),
+        ("request_class", "repetitive"), ("worker", ADDRESS)))] == 1
+    assert samples[("splitserve:spec_decode_decisions_total", (("speculation", "suffix"),))] == 1

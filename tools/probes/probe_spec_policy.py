@@ -1,0 +1,263 @@
+"""The speculative decoding policy against always-off and always-on speculation, through the
+real services on this machine: `splitserve up` (prefill + decode worker with suffix decoding
+and n-gram lookup, 4 drafts at most, and its gateway with the default adaptive policy), plus
+three more gateways in front of the same workers that differ only in their policy: off
+(`--speculative-tokens 0`), always n-gram, always suffix (`--speculative-policy always
+--speculative-policy-method ...`).
+
+Two workloads: repetitive code edits (the prompt holds a function and asks for it again with
+one change: the output repeats the prompt) and free-form stories. For each workload and
+concurrency, `--rounds` rounds; within a round the four gateways run one after another in an
+order that rotates from cell to cell and round to round (interleaved A/B/C/D), each sending the cell's requests (greedy, `--max-tokens`
+tokens each, EOS ignored) `concurrency` at a time. Reported per cell: output tokens per second
+of each policy (the mean over rounds), and the policy's ratio to the best of the others;
+`worst_policy_ratio_vs_best` is the least of those ratios. Also the policy gateway's decisions
+and the decode worker's measured step cost and acceptance at the end.
+
+Usage: PYTHONPATH=. python3 tools/probes/probe_spec_policy.py --out F [--concurrency 1,4,16,32]
+       [--rounds 2] [--max-tokens 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+
+from bench.results import git_info
+from protos.splitserve.v1 import common_pb2, decode_pb2_grpc
+from rpc.auth import INTERNAL_TOKEN_ENV, bearer_metadata
+from tools.probes.probe_disagg import HOST, free_port
+
+MODES = ("off", "ngram", "suffix", "policy")
+_MODE_FLAGS = {"off": ["--speculative-tokens", "0"],
+               "ngram": ["--speculative-policy", "always", "--speculative-policy-method", "ngram"],
+               "suffix": ["--speculative-policy", "always",
+                          "--speculative-policy-method", "suffix"]}
+
+_FUNCTIONS = [
+    ("compute_total", "items", "price"), ("average_score", "scores", "weight"),
+    ("merge_records", "records", "key"), ("count_words", "lines", "word"),
+    ("filter_active", "users", "status"), ("scale_vector", "values", "factor"),
+    ("parse_config", "entries", "option"), ("find_largest", "numbers", "limit"),
+]
+_ANIMALS = ["fox", "owl", "otter", "tiger", "rabbit", "whale", "sparrow", "bear"]
+_PLACES = ["a quiet forest", "a busy harbour", "the snowy mountains", "an old library",
+           "a desert town", "a floating island", "a deep cave", "a market square"]
+
+
+def code_prompt(i: int) -> str:
+    name, seq, attr = _FUNCTIONS[i % len(_FUNCTIONS)]
+    code = (f"def {name}({seq}, threshold=0):\n"
+            f"    result = []\n"
+            f"    for item in {seq}:\n"
+            f"        value = item.{attr} * 2 + {i}\n"
+            f"        if value > threshold:\n"
+            f"            result.append(value)\n"
+            f"        else:\n"
+            f"            result.append(threshold)\n"
+            f"    total = sum(result)\n"
+            f"    return total / max(1, len(result))\n")
+    return (f"Here is a Python function:\n\n```python\n{code}```\n\nRewrite it with the "
+            f"variable `result` renamed to `out`. Keep everything else the same.\n\n```python\n")
+
+
+def story_prompt(i: int) -> str:
+    return (f"Write short story number {i}. Once upon a time, a young {_ANIMALS[i % len(_ANIMALS)]} "
+            f"lived in {_PLACES[(3 * i) % len(_PLACES)]}. One morning")
+
+
+WORKLOADS = {"code_edits": code_prompt, "stories": story_prompt}
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
+def _wait_healthy(port: int, procs: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not _healthy(f"http://{HOST}:{port}/health"):
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError("a service exited during start-up; see the logs")
+        if time.monotonic() > deadline:
+            raise RuntimeError("start-up timed out")
+        time.sleep(1.0)
+
+
+async def run_cell(base_url: str, model: str, prompts: list[str], concurrency: int,
+                   max_tokens: int) -> tuple[int, float]:
+    """The prompts through `/v1/completions`, `concurrency` at a time: (tokens, seconds)."""
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=600.0) as client:
+        async def one(prompt: str) -> int:
+            async with sem:
+                r = await client.post(f"{base_url}/v1/completions", json={
+                    "model": model, "prompt": prompt, "max_tokens": max_tokens,
+                    "temperature": 0.0, "ignore_eos": True})
+                r.raise_for_status()
+                return int(r.json()["usage"]["completion_tokens"])
+
+        start = time.perf_counter()
+        tokens = await asyncio.gather(*(one(p) for p in prompts))
+        return sum(tokens), time.perf_counter() - start
+
+
+async def _model_name(base_url: str) -> str:
+    async with httpx.AsyncClient(timeout=30.0) as client:
+        r = await client.get(f"{base_url}/v1/models")
+        r.raise_for_status()
+        return str(r.json()["data"][0]["id"])
+
+
+def _decisions(port: int) -> dict[str, float]:
+    """The policy gateway's decisions: "method/k/class/reason" -> count."""
+    with urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("splitserve:spec_decode_policy_decisions_total{"):
+            labels = dict(kv.split("=", 1) for kv in line[line.index("{") + 1:line.index("}")]
+                          .split(","))
+            key = "/".join(labels[k].strip('"') for k in
+                           ("method", "num_speculative_tokens", "request_class", "reason"))
+            out[key] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def _worker_numbers(decode_port: int, token: str) -> dict[str, Any]:
+    async with grpc.aio.insecure_channel(f"{HOST}:{decode_port}") as ch:
+        r = await decode_pb2_grpc.DecodeStub(ch).GetLoad(
+            common_pb2.LoadRequest(), metadata=bearer_metadata(token), timeout=30)
+    names = {common_pb2.SPECULATIVE_METHOD_NGRAM: "ngram",
+             common_pb2.SPECULATIVE_METHOD_SUFFIX: "suffix"}
+    return {
+        "step_cost": [[round(p.rows, 2), round(p.seconds, 5)] for p in r.spec_step_cost],
+        "acceptance": [{"method": names.get(a.method, str(a.method)),
+                        "request_class": a.request_class, "steps": round(a.steps, 1),
+                        "drafted_per_step": [round(d / a.steps, 3) for d in a.drafted],
+                        "accepted_per_step": [round(x / a.steps, 3) for x in a.accepted]}
+                       for a in r.spec_acceptance if a.steps > 0],
+        "spec_num_drafts": r.spec_num_drafts,
+        "spec_accepted_tokens_per_pos": list(r.spec_accepted_tokens_per_pos),
+    }
+
+
+async def measure(ports: dict[str, int], model: str, concurrency: list[int], rounds: int,
+                  max_tokens: int) -> list[dict[str, Any]]:
+    bases = {m: f"http://{HOST}:{p}" for m, p in ports.items()}
+    # Warm-up, not recorded: every gateway and workload once (the policy learns here too).
+    for make in WORKLOADS.values():
+        for mode in MODES:
+            await run_cell(bases[mode], model, [make(50 + i) for i in range(4)], 4, max_tokens)
+    rows: list[dict[str, Any]] = []
+    for wl, make in WORKLOADS.items():
+        for c in concurrency:
+            n = max(c, 2)
+            runs: dict[str, list[float]] = {m: [] for m in MODES}
+            for r in range(rounds):
+                shift = (r + len(rows)) % len(MODES)  # each cell and round its own order
+                order = MODES[shift:] + MODES[:shift]
+                for mode in order:
+                    # Prompts of its own for each mode: a mode that ran after another on
+                    # the same prompts would find their KV in the prefill worker's cache.
+                    prompts = [make(1000 * MODES.index(mode) + 100 * r + i) for i in range(n)]
+                    tokens, seconds = await run_cell(bases[mode], model, prompts, c, max_tokens)
+                    runs[mode].append(tokens / seconds)
+                    print(f"{wl} c={c} round {r} {mode}: {tokens / seconds:.1f} tok/s",
+                          flush=True)
+            tok_s = {m: round(sum(v) / len(v), 2) for m, v in runs.items()}
+            best_other = max(v for m, v in tok_s.items() if m != "policy")
+            rows.append({"workload": wl, "concurrency": c, "requests": n, "tok_s": tok_s,
+                         "runs_tok_s": {m: [round(x, 2) for x in v] for m, v in runs.items()},
+                         "policy_ratio_vs_best": round(tok_s["policy"] / best_other, 3)})
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--concurrency", default="1,4,16,32")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=40)
+    ap.add_argument("--startup-timeout", type=float, default=900.0)
+    args = ap.parse_args()
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    token = secrets.token_urlsafe(32)
+    env = {**os.environ, INTERNAL_TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"}
+    ports = {m: free_port() for m in MODES}
+    grpc_ports = {m: free_port() for m in MODES}
+    prefill_port, decode_port = free_port(), free_port()
+    log_dir = Path(tempfile.mkdtemp(prefix="probe_spec_policy_"))
+    engine = ["--speculative-method", "suffix", "--num-speculative-tokens", "4",
+              "--max-model-len", "2048", "--max-num-seqs", "32"]
+    up = [sys.executable, "-m", "splitserve", "up", "--port", str(ports["policy"]),
+          "--grpc-port", str(grpc_ports["policy"]), "--prefill-port", str(prefill_port),
+          "--decode-port", str(decode_port), "--log-dir", str(log_dir), *engine]
+    procs = [subprocess.Popen(up, env=env, stdout=(log_dir / "up.out").open("wb"),
+                              stderr=subprocess.STDOUT, start_new_session=True)]
+    try:
+        _wait_healthy(ports["policy"], procs, args.startup_timeout)
+        model = asyncio.run(_model_name(f"http://{HOST}:{ports['policy']}"))
+        for mode, flags in _MODE_FLAGS.items():
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "splitserve", "serve", "--role", "gateway",
+                 "--prefill", f"{HOST}:{prefill_port}", "--decode", f"{HOST}:{decode_port}",
+                 "--host", HOST, "--port", str(ports[mode]), "--grpc-port",
+                 str(grpc_ports[mode]), "--served-model-name", model,
+                 "--speculative-tokens", "4", *flags],
+                env=env, stdout=(log_dir / f"gateway_{mode}.log").open("wb"),
+                stderr=subprocess.STDOUT, start_new_session=True))
+        for mode in _MODE_FLAGS:
+            _wait_healthy(ports[mode], procs, args.startup_timeout)
+        started = time.time()
+        rows = asyncio.run(measure(ports, model, concurrency, args.rounds, args.max_tokens))
+        worker = asyncio.run(_worker_numbers(decode_port, token))
+        result = {
+            "probe": "spec_policy",
+            "command": "PYTHONPATH=. python3 tools/probes/probe_spec_policy.py "
+                       f"--out {args.out} --concurrency {args.concurrency} "
+                       f"--rounds {args.rounds} --max-tokens {args.max_tokens}",
+            "model": model, "engine_args": engine, "max_tokens": args.max_tokens,
+            "rounds": args.rounds, "git": git_info(),
+            "notes": ("CPU, 2 cores shared with other jobs running tests at the same time "
+                      "(figures taken under contention; the modes are interleaved per round "
+                      "so that contention spreads over all of them). Prefill and decode "
+                      "workers get one thread each (splitserve up's CPU default)."),
+            "measure_seconds": round(time.time() - started, 1),
+            "rows": rows,
+            "worst_policy_ratio_vs_best": min(r["policy_ratio_vs_best"] for r in rows),
+            "policy_decisions": _decisions(ports["policy"]),
+            "decode_worker": worker,
+        }
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps({"worst_policy_ratio_vs_best": result["worst_policy_ratio_vs_best"]}))
+        return 0
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""A decode worker's speculative decoding numbers for its LoadReport: the measured step cost,
+the smoothed acceptance per proposer and request class, and vLLM's cumulative counters
+(engine/spec/cost.py and stats.py measure them; the gateway's policy reads them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.llm_engine import LLMEngine
+from protos.splitserve.v1 import common_pb2
+from worker.convert import SPEC_METHOD_ENUMS
+
+
+def spec_report(engine: LLMEngine) -> dict[str, Any]:
+    """LoadReport fields (keywords); none for an engine without speculation. Read off the
+    engine thread (racy, as `stats`): the lists are copied first, so a report may be a step
+    behind, never torn."""
+    if not engine.proposers:
+        return {}
+    stats = engine.spec_stats
+    return {
+        "spec_step_cost": [common_pb2.SpecStepCost(rows=r, seconds=s)
+                           for r, s in engine.spec_cost.points()],
+        "spec_acceptance": [
+            common_pb2.SpecAcceptance(method=SPEC_METHOD_ENUMS[m], request_class=c,
+                                      steps=a.steps, drafted=a.drafted, accepted=a.accepted)
+            for m, c, a in stats.items() if m in SPEC_METHOD_ENUMS],
+        "max_speculative_tokens": engine.config.speculative.num_speculative_tokens,
+        "spec_num_drafts": stats.num_drafts,
+        "spec_accepted_tokens_per_pos": list(stats.accepted_per_pos),
+    }
