@@ -1,6 +1,6 @@
 """The decode worker's server: `splitserve.v1.Decode` on one gRPC port, for the decode role (KV
 pulled from prefill workers over the transports allowed) and the colocated role (prefill and
-decode in one engine, with CPU/Redis prefix tiers under its cache when configured)."""
+decode in one engine), either with CPU/Redis prefix tiers under its cache when configured."""
 
 from __future__ import annotations
 
@@ -32,8 +32,9 @@ async def start_decode_worker(config: EngineConfig, host: str, port: int, *,
     """Start a decode (or colocated) worker; returns once the port is bound (`handle.ready`:
     loaded).
 
-    auth_token: also sent with this worker's KV pulls and lease releases. tiers: the colocated
-    role's CPU/Redis prefix tiers (ignored by the decode role). kv_transports: how a decode
+    auth_token: also sent with this worker's KV pulls and lease releases. tiers: CPU/Redis prefix
+    tiers (worker/tier_cache.py; a decode worker plans from them for requests without KV and
+    saves the blocks its outputs filled). kv_transports: how a decode
     worker may pull KV ("ipc", "tcp", "shm"; the gRPC stream always). kv_tcp_streams:
     connections one data-port pull opens."""
     role = config.scheduler.role
@@ -57,9 +58,12 @@ async def start_decode_worker(config: EngineConfig, host: str, port: int, *,
                                   use_tcp="tcp" in kv_transports, tcp_streams=kv_tcp_streams)
             handle.on_stop.append(loader.aclose)  # its kept channels to the prefill workers
             aengine = AsyncEngine(engine, kv_loader=loader)
+            servicer.tiers = attach_tiers(aengine, tiers, pull=loader)
         else:
             aengine = AsyncEngine(engine)
             servicer.tiers = attach_tiers(aengine, tiers)
+        if servicer.tiers is not None:
+            handle.on_stop.append(servicer.tiers.close)
         aengine.start()
         servicer.bind(aengine)
         return aengine
