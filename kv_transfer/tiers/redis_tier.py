@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from opentelemetry.context import Context
 from redis import asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kv_transfer.tiers.breaker import Breaker, Failure
@@ -69,7 +69,8 @@ def classify(exc: BaseException) -> Failure:
     """The breaker's kind of a Redis failure."""
     if isinstance(exc, (RedisTimeoutError, TimeoutError)):
         return Failure.TIMEOUT
-    if isinstance(exc, ResponseError) and str(exc).startswith("OOM"):
+    if isinstance(exc, OutOfMemoryError) or (isinstance(exc, ResponseError)
+                                              and str(exc).startswith("OOM")):
         return Failure.FULL
     if isinstance(exc, (RedisConnectionError, OSError)):
         return Failure.CONNECTION
