@@ -50,6 +50,10 @@ class TieredStore:
         self._rejected_puts = 0
 
     @property
+    def spec(self) -> BlockSpec:
+        return self._spec
+
+    @property
     def tiers(self) -> list[TierCounters]:
         """Each tier's counters, CPU first (a tier of 0 bytes is absent)."""
         out = [self.cpu_counters] if self.cpu.capacity_bytes else []

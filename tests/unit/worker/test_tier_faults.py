@@ -67,7 +67,7 @@ async def test_every_answer_is_right_through_redis_faults_and_the_counters_say_w
         # Garbage, another model's and another salt's blocks under our keys: misses.
         keys = sorted([k async for k in client.scan_iter()])
         assert keys
-        spec = tiers.store._spec  # noqa: SLF001 - the worker's own block layout
+        spec = tiers.store.spec
         other = BlockSpec(hashlib.sha256(b"other").digest(), spec.num_layers, spec.block_size,
                           spec.num_kv_heads, spec.head_dim, spec.dtype)
         zeros = torch.zeros(spec.shape, dtype=spec.dtype)
