@@ -317,13 +317,13 @@ class TierOrPullLoader:
     handle's from the prefill worker."""
 
     def __init__(self, tiers: TierPrefixCache, pull: GrpcKvLoader) -> None:
-        self._tiers = tiers
+        self.tiers = tiers
         self._pull = pull
 
     async def __call__(self, load: KvLoad) -> bool:
         remote = load.request.remote_kv
         if remote is not None and isinstance(remote.handle, TierBlocks):
-            return await self._tiers.load(load)
+            return await self.tiers.load(load)
         return await self._pull(load)
 
 

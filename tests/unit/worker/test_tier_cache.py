@@ -101,7 +101,8 @@ async def _load_report(handle: WorkerHandle) -> common_pb2.LoadReport:
 
 def _tiers_of(handle: WorkerHandle) -> TierPrefixCache:
     assert handle.aengine is not None
-    owner = getattr(handle.aengine.kv_loader, "__self__", None)
+    loader = handle.aengine.kv_loader
+    owner = getattr(loader, "__self__", None) or getattr(loader, "tiers", None)  # decode role
     assert isinstance(owner, TierPrefixCache), "the worker must load through its tiers"
     return owner
 

@@ -1,5 +1,6 @@
 """A real colocated worker whose only tier is a Redis of this test's own, put through the
-faults one after the other: garbage and foreign blocks under its keys, paused (SIGSTOP) longer
+faults one after the other (and a prefill rate that makes fetching slower than computing):
+garbage and foreign blocks under its keys, paused (SIGSTOP) longer
 than the deadlines, full (`maxmemory`, noeviction), killed. Every answer equals the answer of
 the first run (which no tier served); the tier counters say why each request recomputed."""
 
@@ -63,6 +64,13 @@ async def test_every_answer_is_right_through_redis_faults_and_the_counters_say_w
         reference, _ = await _decode(handle, "ref", PROMPT)  # Redis empty: computed
         assert await _again(handle, "hit") == reference
         assert tiers.stats.loaded_blocks == 8 and c.hits == 8
+
+        # A worker whose prefill outruns its Redis (as a GPU's would) computes instead.
+        measured = tiers.cost.prefill_tokens_per_s
+        tiers.cost.prefill_tokens_per_s = 1e12
+        assert await _again(handle, "cheaper") == reference
+        assert c.cost_skips == 1 and tiers.stats.loaded_blocks == 8
+        tiers.cost.prefill_tokens_per_s = measured
 
         # Garbage, another model's and another salt's blocks under our keys: misses.
         keys = sorted([k async for k in client.scan_iter()])
