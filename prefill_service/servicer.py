@@ -100,7 +100,7 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
                                   time.perf_counter() - started)
         response = self._response(rid, ids, last, request.lease_ms, lora, salt)
         if tiers is not None and response.HasField("kv_handle"):
-            tiers.spawn_save(rid)  # reads the leased blocks, so before any release
+            tiers.spawn_save(list(response.kv_handle.block_hashes))
         return response
 
     def _response(self, rid: str, ids: list[int], out: StepOutput,

@@ -8,7 +8,7 @@ else from the CPU/Redis tier.
                      └─> RemoteKv(num_tokens = t * block_size, handle = TierBlocks)
     engine: allocates blocks g..t-1, emits a KvLoad ── load ──> decode + verify + write them
             then computes tokens t*bs.. as usual (chunked prefill), holds the KV under a lease
-    after the response ── save ──> read the lease's full blocks not yet in the CPU tier,
+    after the response ── save ──> pin the prompt's full blocks the CPU tier lacks, read them,
                                    encode, TieredStore.put_many (CPU tier now, Redis queued)
 
 The blocks are fetched in `plan`, before the request is queued, so the engine thread never waits
@@ -18,13 +18,11 @@ wire spec (fingerprint, shape, checksum) and against the hash it was looked up b
 or foreign value is a miss, never data. A load that cannot be served (the GPU evicted blocks the
 plan counted on) returns False, and the engine recomputes the prompt.
 
-`save` (prefill role) reads leased blocks: they cannot be freed while the lease exists, and after
-the read it checks, on the engine thread, that the lease still does; otherwise what it read may
-already belong to another request and is dropped. A colocated worker holds no leases: when a
-request finishes, `save_tokens` pins the prefix cache's blocks of its prompt and output
-(`KvAccess.pin_cached`: held, so neither evicted nor reused), reads them and unpins them, so a
-later prompt sharing that prefix (the next turn of a chat) finds them in the tiers once the GPU
-cache has evicted them.
+`save` pins the prefix cache's blocks of the hashes it is given (`KvAccess.pin_cached`: held, so
+neither evicted nor reused), reads them and unpins them: a prefill worker's (the prompt's, from
+its KV handle) even when a decode worker pulled them and the lease ended first, and a colocated
+worker's (`save_tokens`: a finished request's prompt and output), so a later prompt sharing that
+prefix (the next turn of a chat) finds them in the tiers once the GPU cache has evicted them.
 
 A decode worker does the same (`save_tokens` with `skip_blocks`: the prompt's full blocks were
 saved by the prefill worker, so only the blocks its output filled), so the next turn's prefill
@@ -59,9 +57,11 @@ logger = logging.getLogger(__name__)
 # A tier load writes this many blocks at a time (256 MB of an 8B model's bf16 KV on a GPU).
 LOAD_SLICE_BLOCKS = 128
 # Saves run behind the responses, ~0.6 GB/s of encoding each on the H200 host: past this many
-# in flight a new one is skipped (counted), so a busy worker sheds tier writes instead of
-# queueing copies of KV without bound.
-MAX_PENDING_SAVES = 8
+# reading and encoding at once a new one is skipped (counted), so a busy worker sheds tier
+# writes instead of holding copies of KV without bound. What they hand to Redis waits in its
+# write queue, bounded by bytes (kv_transfer/tiers/write_queue.py). A burst of a batch's worth
+# of prefills must fit: a skipped save is a miss for the next worker that asks.
+MAX_PENDING_SAVES = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +108,6 @@ class TierStats:
     loaded_tokens: int = 0      # prompt tokens they hold (not computed)
     failed_loads: int = 0       # loads refused (engine recomputed the prompt)
     saved_blocks: int = 0       # blocks the CPU tier took (Redis: its own counters)
-    dropped_saves: int = 0      # saves abandoned because the lease ended before the read did
     skipped_saves: int = 0      # saves not started: MAX_PENDING_SAVES were already running
 
 
@@ -219,9 +218,9 @@ class TierPrefixCache:
 
     # ---- after the response ----------------------------------------------------------------
 
-    def spawn_save(self, request_id: str) -> None:
-        """Save the leased prompt's blocks to the tiers in the background."""
-        self._spawn(lambda: self.save(request_id))
+    def spawn_save(self, block_hashes: list[bytes]) -> None:
+        """Save a prefilled prompt's full blocks (its KV handle's hashes) in the background."""
+        self._spawn(lambda: self.save(block_hashes))
 
     def _spawn(self, save: Callable[[], Coroutine[Any, Any, int]]) -> None:
         if len(self._saves) >= MAX_PENDING_SAVES:
@@ -230,17 +229,6 @@ class TierPrefixCache:
         task = asyncio.ensure_future(save())
         self._saves.add(task)
         task.add_done_callback(self._saves.discard)
-
-    async def save(self, request_id: str) -> int:
-        """Write the lease's full blocks that the CPU tier lacks; returns how many were saved."""
-        todo = await self._aengine.call(self._lease_blocks, request_id)
-        if not todo:
-            return 0
-        blocks = await self._kv.read_blocks([block_id for block_id, _ in todo])
-        if not await self._aengine.call(self._has_lease, request_id):
-            self.stats.dropped_saves += 1
-            return 0
-        return await self._put(self._encode(todo, blocks))
 
     def spawn_save_tokens(self, token_ids: list[int], root: bytes | None = None,
                           skip_blocks: int = 0) -> None:
@@ -254,11 +242,16 @@ class TierPrefixCache:
         `skip_blocks` (saved elsewhere already); returns how many were saved. `root`: as for
         `plan`."""
         hashes = compute_block_hashes(root or self._root, token_ids, self._block_size)
-        hashes = hashes[skip_blocks:]
-        if not hashes:
+        return await self.save(hashes[skip_blocks:])
+
+    async def save(self, block_hashes: list[bytes]) -> int:
+        """Write the blocks of `block_hashes` that the GPU prefix cache holds and the CPU tier
+        lacks; returns how many were saved. They are pinned while read, so neither a lease's
+        release (a decode worker pulled them first) nor an eviction takes them meanwhile."""
+        if not block_hashes:
             return 0
         pin_id = f"tier-save-{next(self._pin_ids)}"
-        todo = await self._aengine.call(self._pin_missing, pin_id, hashes)
+        todo = await self._aengine.call(self._pin_missing, pin_id, block_hashes)
         if not todo:
             return 0
         try:
@@ -266,7 +259,8 @@ class TierPrefixCache:
         finally:
             with contextlib.suppress(Exception):  # a stopped engine holds nothing any more
                 await self._aengine.call(self._kv.unpin, pin_id)
-        # In a thread: a colocated worker's event loop also serves the gateway's streams.
+        # In a thread: the event loop also serves the worker's calls (and a colocated
+        # worker's gateway streams).
         return await self._put(await asyncio.to_thread(self._encode, todo, blocks))
 
     async def _put(self, items: list[tuple[bytes, bytes]]) -> int:
@@ -298,18 +292,6 @@ class TierPrefixCache:
         """A prefill's time, for the cost model: `cached_tokens` (GPU and tier hits) were not
         computed."""
         self.cost.observe_prefill(prompt_tokens - cached_tokens, seconds)
-
-    def _lease_blocks(self, request_id: str) -> list[tuple[int, bytes]]:
-        # Engine thread: the lease's hashed (full) blocks, minus those the CPU tier holds.
-        lease = self._kv.lease(request_id)
-        if lease is None:
-            return []
-        return [(block_id, h) for block_id, h in zip(lease.block_ids, lease.block_hashes,
-                                                     strict=False)
-                if h not in self._store.cpu]
-
-    def _has_lease(self, request_id: str) -> bool:
-        return self._kv.lease(request_id) is not None
 
 
 class TierOrPullLoader:
