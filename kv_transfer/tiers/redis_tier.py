@@ -106,7 +106,7 @@ class RedisTier:
             socket_connect_timeout=self.limits.base_timeout_s)
         self._writer = aioredis.Redis.from_url(
             url, decode_responses=False, socket_timeout=socket_timeout,
-            socket_connect_timeout=self.limits.base_timeout_s, max_connections=2)
+            socket_connect_timeout=self.limits.base_timeout_s)
         self._read_breaker = Breaker(clock=clock)
         self._write_breaker = Breaker(clock=clock)
         self._budget_checked = float("-inf")
