@@ -86,10 +86,10 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
         if priority:
             span.set_attribute("splitserve.priority", priority)
         pulled = remote is not None  # the prompt's KV comes from a prefill worker
-        if (remote is None and tiers is not None and not given
+        if (remote is None and tiers is not None
                 and params.prompt_logprobs is None):  # a prompt to be scored is computed here
-            # No KV from a prefill worker (colocated, or none usable): the prompt's prefix from
-            # the tiers where the GPU cache lost it.
+            # No KV from a prefill worker (colocated, a resumed stream, or a handle not usable):
+            # the prompt's prefix from the tiers where the GPU cache lost it.
             remote = await tiers.plan(ids, root, tracing.span_context(span))
             if remote is not None:
                 span.set_attribute("splitserve.tier_tokens", remote.num_tokens)

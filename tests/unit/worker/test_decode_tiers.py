@@ -62,6 +62,21 @@ async def _decode_with_handle(decode: WorkerHandle, rid: str, ids: list[int],
         return tokens
 
 
+async def _resume(decode: WorkerHandle, rid: str, ids: list[int], sent: list[int]
+                  ) -> list[int]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}") as channel:
+        request = decode_pb2.DecodeRequest(
+            request_id=rid, prompt_token_ids=ids, output_token_ids=sent,
+            sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                               ignore_eos=True))
+        tokens: list[int] = []
+        async for response in decode_pb2_grpc.DecodeStub(channel).Decode(request,
+                                                                        timeout=TIMEOUT_S):
+            if response.HasField("chunk"):
+                tokens.extend(response.chunk.token_ids)
+        return tokens
+
+
 @pytest.mark.asyncio
 async def test_decode_worker_saves_its_answer_and_serves_requests_without_kv_from_redis(
         pair: tuple[WorkerHandle, WorkerHandle, RedisServer]) -> None:
@@ -103,10 +118,18 @@ async def test_decode_worker_saves_its_answer_and_serves_requests_without_kv_fro
     assert td.stats.loaded_blocks == 9
     assert sum(computed) <= BLOCK_SIZE + MAX_TOKENS  # at most the last block recomputed
     assert again[0] == second.first_token_id
+    # A resumed stream (the tokens sent so far given, no KV handle): the prompt from Redis,
+    # decoding goes on exactly where it left off.
+    await td.wait_for_saves()
+    await _evict_gpu_prefix_cache(decode)
+    loaded = td.stats.loaded_blocks
+    resumed = await _resume(decode, "t2-resumed", turn2, again[:3])
+    assert td.stats.loaded_blocks == loaded + 9
+    assert [*again[:3], *resumed] == again
     # And exactly what the decode worker computes without any tier (its cache emptied).
     await td.wait_for_saves()
     await client.flushdb()
     await _evict_gpu_prefix_cache(decode)
     alone, _ = await _decode(decode, "t2-alone", turn2, MAX_TOKENS)
-    assert alone == again and td.stats.loaded_blocks == 9
+    assert alone == again and td.stats.loaded_blocks == loaded + 9
     await client.aclose()
