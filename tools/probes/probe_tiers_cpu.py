@@ -272,10 +272,17 @@ def main() -> int:
         asyncio.run(_seed_fresh(server.url))
         child = subprocess.run([sys.executable, __file__, "--child", server.url,
                                 "--fresh-len", str(FRESH_LEN)],
-                               capture_output=True, text=True, timeout=600, check=True)
-        fresh = json.loads(child.stdout.strip().splitlines()[-1])
-        doc["redis_hits_fresh_process"] = f"{fresh['hits']}/{fresh['n']}"
-        doc["redis_fresh_process_read_errors"] = fresh["read_errors"]
+                               capture_output=True, text=True, timeout=900, check=False)
+        lines = [x for x in child.stdout.splitlines() if x.startswith("{")]
+        if lines:  # printed before any trouble at the child's exit
+            fresh = json.loads(lines[-1])
+            doc["redis_hits_fresh_process"] = f"{fresh['hits']}/{fresh['n']}"
+            doc["redis_fresh_process_read_errors"] = fresh["read_errors"]
+        else:
+            doc["redis_hits_fresh_process_error"] = (
+                f"the fresh process exited {child.returncode}: {child.stderr[-2000:]}")
+        if child.returncode:
+            doc["fresh_process_exit_code"] = child.returncode
         save()
         on: list[float] = []
         off: list[float] = []
