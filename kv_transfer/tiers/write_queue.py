@@ -31,6 +31,7 @@ class WriteQueue:
         self._queued: OrderedDict[bytes, bytes] = OrderedDict()
         self._queued_bytes = 0
         self._task: asyncio.Task[None] | None = None
+        self._in_flight = 0  # blocks of the chunk being written (not yet counted either way)
 
     @property
     def queued_bytes(self) -> int:
@@ -65,7 +66,9 @@ class WriteQueue:
                 chunk.append(item)
                 size += len(item[1])
             self._queued_bytes -= size
+            self._in_flight = len(chunk)
             await self._tier.put_many(chunk)
+            self._in_flight = 0
 
     async def flush(self) -> None:
         """Wait until everything submitted so far was written or dropped."""
@@ -78,6 +81,7 @@ class WriteQueue:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        self._tier.counters.saves_dropped["shutdown"] += len(self._queued)
+        self._tier.counters.saves_dropped["shutdown"] += len(self._queued) + self._in_flight
+        self._in_flight = 0
         self._queued.clear()
         self._queued_bytes = 0
