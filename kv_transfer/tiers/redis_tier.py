@@ -163,11 +163,12 @@ class RedisTier:
             self.counters.read_errors["backoff"] += 1
             return None
         start = time.perf_counter()
+        nbytes = len(hashes) * self._spec.encoded_nbytes
+        deadline = self._read_deadline(nbytes)
         with tracing.traced_span("splitserve.kv_tier_read", parent=parent, attributes={
                 "splitserve.kv_tier": "redis", "splitserve.kv_tier.blocks": len(hashes)}) as span:
             try:
-                async with asyncio.timeout(self.limits.timeout_for(
-                        len(hashes) * self._spec.encoded_nbytes)):
+                async with asyncio.timeout(deadline):
                     async with self._reader.pipeline(transaction=False) as pipe:
                         for block_hash in hashes:
                             pipe.get(self.key(block_hash))
@@ -175,6 +176,8 @@ class RedisTier:
             except (RedisError, OSError) as exc:  # TimeoutError is an OSError
                 kind = self._failed("read", exc, self._read_breaker)
                 self.counters.read_errors[kind.value] += 1
+                if kind is Failure.TIMEOUT:  # it took at least this long: the cost model learns
+                    self.counters.cost.observe(nbytes, deadline)
                 tracing.record_error(span, f"{kind.value}: {exc}")
                 return None
             elapsed = time.perf_counter() - start
@@ -185,6 +188,13 @@ class RedisTier:
         if got:
             self.counters.cost.observe(got, elapsed)
         return values
+
+    def _read_deadline(self, nbytes: int) -> float:
+        """The limits' deadline, stretched to 3x the measured read time: on a host where reads
+        are slow for everyone (a loaded CPU parsing the replies), a read that will arrive is
+        still usually cheaper than recomputing (the cost model decides that), so it is not
+        cut off by a bandwidth assumption."""
+        return max(self.limits.timeout_for(nbytes), 3 * self.counters.cost.seconds(nbytes))
 
     def _check(self, block_hash: bytes, value: object) -> bytes | None:
         if value is None:

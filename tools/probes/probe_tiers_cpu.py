@@ -38,6 +38,7 @@ from bench.results import environment_info
 from tests.support.redis_server import RedisServer
 
 FRESH_LEN = 1559  # the new user's prompt (--fresh-len)
+_REQUEST_IDS = iter(range(1 << 30))  # one engine, many runners: ids unique per process
 SALTS = [f"user-{i}" for i in range(5)]
 
 
@@ -66,7 +67,6 @@ class Runner:
 
         self.aengine = aengine
         self._params = SamplingParams
-        self._ids = iter(range(1 << 30))
         self.planned = 0
 
     async def generate(self, ids: list[int], tiers: Any | None, max_tokens: int = 1,
@@ -83,7 +83,7 @@ class Runner:
         self.planned = remote.num_tokens if remote is not None else 0
         first, tokens = 0.0, []
         params = self._params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        async for out in self.aengine.generate(f"r{next(self._ids)}", ids, RequestOptions(
+        async for out in self.aengine.generate(f"r{next(_REQUEST_IDS)}", ids, RequestOptions(
                 params, remote_kv=remote, cache_salt=salt)):
             first = first or (time.perf_counter() - t0) * 1e3
             tokens.extend(out.new_token_ids)
