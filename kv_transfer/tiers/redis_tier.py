@@ -43,6 +43,7 @@ from rpc import tracing
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_VALUE_BYTES = 64 << 20
+READS_AT_ONCE = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +108,9 @@ class RedisTier:
         self._writer = aioredis.Redis.from_url(
             url, decode_responses=False, socket_timeout=socket_timeout,
             socket_connect_timeout=self.limits.base_timeout_s)
+        # Reads at once: concurrent lookups share one process's parsing and the link, so a
+        # deadline sized by bytes holds only for a read that has them to itself (or nearly).
+        self._read_slots = asyncio.Semaphore(READS_AT_ONCE)
         self._read_breaker = Breaker(clock=clock)
         self._write_breaker = Breaker(clock=clock)
         self._budget_checked = float("-inf")
@@ -158,6 +162,11 @@ class RedisTier:
     async def _read(self, hashes: Sequence[bytes], parent: Context | None
                     ) -> list[object] | None:
         """One pipelined GET per hash; None (counted by reason) if Redis failed or is backed off."""
+        async with self._read_slots:
+            return await self._read_now(hashes, parent)
+
+    async def _read_now(self, hashes: Sequence[bytes], parent: Context | None
+                        ) -> list[object] | None:
         if not self._read_breaker.allow():
             self._errors += 1
             self.counters.read_errors["backoff"] += 1
@@ -176,8 +185,6 @@ class RedisTier:
             except (RedisError, OSError) as exc:  # TimeoutError is an OSError
                 kind = self._failed("read", exc, self._read_breaker)
                 self.counters.read_errors[kind.value] += 1
-                if kind is Failure.TIMEOUT:  # it took at least this long: the cost model learns
-                    self.counters.cost.observe(nbytes, deadline)
                 tracing.record_error(span, f"{kind.value}: {exc}")
                 return None
             elapsed = time.perf_counter() - start
