@@ -1,6 +1,6 @@
 """The decode worker's server: `splitserve.v1.Decode` on one gRPC port, for the decode role (KV
 pulled from prefill workers over the transports allowed) and the colocated role (prefill and
-decode in one engine, with CPU/Redis prefix tiers under its cache when configured)."""
+decode in one engine), either with CPU/Redis prefix tiers under its cache when configured."""
 
 from __future__ import annotations
 
@@ -35,8 +35,9 @@ async def start_decode_worker(config: EngineConfig, host: str, port: int, *,
     loaded).
 
     auth_token: what calls to this worker must carry (its KV pulls and lease releases carry
-    each lease's own ticket instead). tiers: the colocated
-    role's CPU/Redis prefix tiers (ignored by the decode role). kv_transports: how a decode
+    each lease's own ticket instead). tiers: CPU/Redis prefix tiers (worker/tier_cache.py; a
+    decode worker plans from them for requests without KV and saves the blocks its outputs
+    filled). kv_transports: how a decode
     worker may pull KV ("ipc", "tcp", "shm"; the gRPC stream always). kv_tcp_streams:
     connections one data-port pull opens. metrics: serve /metrics (worker/metrics.py)."""
     role = config.scheduler.role
@@ -64,9 +65,12 @@ async def start_decode_worker(config: EngineConfig, host: str, port: int, *,
                                   use_tcp="tcp" in kv_transports, tcp_streams=kv_tcp_streams)
             handle.on_stop.append(loader.aclose)  # its kept channels to the prefill workers
             aengine = AsyncEngine(engine, kv_loader=loader)
+            servicer.tiers = attach_tiers(aengine, tiers, pull=loader)
         else:
             aengine = AsyncEngine(engine)
             servicer.tiers = attach_tiers(aengine, tiers)
+        if servicer.tiers is not None:
+            handle.on_stop.append(servicer.tiers.close)
         aengine.start()
         servicer.bind(aengine)
         return aengine

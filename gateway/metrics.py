@@ -19,8 +19,9 @@ Prometheus' `rate()` handles as a counter reset.
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,7 +35,12 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from gateway.request_metrics import ModelLabelled, RequestHistograms
 from gateway.response_store import ResponseStore
@@ -76,11 +82,11 @@ WORKER_COUNTERS: tuple[tuple[str, str, Callable[[Report], float]], ...] = (
     ("splitserve:num_preemptions_total", "Requests preempted by the worker's scheduler.",
      lambda r: r.num_preemptions),
     ("splitserve:kv_tier_hit_tokens_total",
-     "Prompt tokens a prefill or colocated worker loaded from its CPU/Redis tiers instead of "
-     "computing.",
+     "Prompt tokens a worker loaded from its CPU/Redis tiers instead of computing.",
      lambda r: r.tier_hit_tokens),
     ("splitserve:kv_tier_saved_blocks_total",
-     "KV blocks a prefill or colocated worker wrote to its CPU/Redis tiers.",
+     "KV block writes that landed in a worker's tiers, summed over the tiers (per tier: "
+     "kv_tier_saves_written_total).",
      lambda r: r.tier_saved_blocks),
     # vLLM's names; acceptance rate = rate(accepted) / rate(draft).
     ("splitserve:spec_decode_num_draft_tokens_total",
@@ -162,6 +168,7 @@ class WorkerLoadCollector:
                     counter.add_metric([s.role, s.worker], float(value(s.load)))
             yield counter
         yield from _kv_transport_families(samples)
+        yield from _kv_tier_families(samples)
         yield _lora_info_family(samples)
 
 
@@ -229,6 +236,86 @@ def _kv_transport_families(samples: Sequence[WorkerSample]) -> Iterator[Metric]:
             for field, family in families.items():
                 family.add_metric([s.role, s.worker, t.transport], float(getattr(t, field)))
     yield from families.values()
+
+
+# Per worker and tier (`tier`: cpu or redis): LoadReport.kv_tiers' counters.
+_TIER_COUNTERS: tuple[tuple[str, str, Callable[[common_pb2.KvTierStats], float]], ...] = (
+    ("splitserve:kv_tier_hits", "KV blocks a worker found (and verified) in a prefix tier.",
+     lambda t: t.hit_blocks),
+    ("splitserve:kv_tier_hit_bytes", "Bytes of the KV blocks a worker read from a prefix tier.",
+     lambda t: t.hit_bytes),
+    ("splitserve:kv_tier_misses", "Prefix lookups that ended at a tier (its next block absent).",
+     lambda t: t.misses),
+    ("splitserve:kv_tier_saves_queued", "KV blocks a worker handed to a tier for saving.",
+     lambda t: t.saves_queued),
+    ("splitserve:kv_tier_saves_written", "KV blocks a tier acknowledged as written.",
+     lambda t: t.saves_written),
+    ("splitserve:kv_tier_saved_bytes", "Bytes of the KV blocks a tier acknowledged as written.",
+     lambda t: t.written_bytes),
+    ("splitserve:kv_tier_cost_skips", "Tier reads not made because the worker estimated that "
+     "computing the blocks was faster.", lambda t: t.cost_skips),
+)
+_TIER_REASONS: tuple[tuple[str, str, Callable[[common_pb2.KvTierStats], Mapping[str, int]]],
+                     ...] = (
+    ("splitserve:kv_tier_saves_dropped", "KV blocks a tier never wrote, by reason: queue_full "
+     "(the write queue's bound), timeout, connection, full (Redis maxmemory), budget (the "
+     "tier's own bound), backoff (paused after a failure), oversize, rejected, shutdown, error.",
+     lambda t: t.saves_dropped),
+    ("splitserve:kv_tier_read_errors", "Tier reads that failed, by reason: corrupt (a value "
+     "that is not this model's, this salt's or this block's KV), timeout, connection, backoff, "
+     "oversize, error.", lambda t: t.read_errors),
+)
+_TIER_HISTOGRAMS: tuple[tuple[str, str, Callable[[common_pb2.KvTierStats],
+                                                 common_pb2.LatencyHistogram]], ...] = (
+    ("splitserve:kv_tier_read_seconds", "Time of one prefix-tier read (a Redis chunk).",
+     lambda t: t.read_seconds),
+    ("splitserve:kv_tier_write_seconds", "Time of one prefix-tier write (a Redis chunk).",
+     lambda t: t.write_seconds),
+)
+_TIER_GAUGES: tuple[tuple[str, str, Callable[[common_pb2.KvTierStats], float]], ...] = (
+    ("splitserve:kv_tier_read_latency_seconds", "A tier read's latency as the worker's "
+     "fetch-or-recompute model estimates it now.", lambda t: t.read_latency_s),
+    ("splitserve:kv_tier_read_bytes_per_second", "A tier's read bandwidth as the worker's "
+     "fetch-or-recompute model estimates it now.", lambda t: t.read_bytes_per_s),
+)
+
+
+def _kv_tier_families(samples: Sequence[WorkerSample]) -> Iterator[Metric]:
+    """Each worker's prefix tiers, labelled `tier` (and `reason` for drops and read errors)."""
+    labels = (*WORKER_LABELS, "tier")
+    tiers = [(s, t) for s in samples if s.load is not None for t in s.load.kv_tiers]
+    for name, doc, value in _TIER_COUNTERS:
+        counter = CounterMetricFamily(name, doc, labels=labels)
+        for s, t in tiers:
+            counter.add_metric([s.role, s.worker, t.tier], float(value(t)))
+        yield counter
+    for name, doc, reasons in _TIER_REASONS:
+        counter = CounterMetricFamily(name, doc, labels=(*labels, "reason"))
+        for s, t in tiers:
+            for reason, count in sorted(reasons(t).items()):
+                counter.add_metric([s.role, s.worker, t.tier, reason], float(count))
+        yield counter
+    for name, doc, histogram in _TIER_HISTOGRAMS:
+        family = HistogramMetricFamily(name, doc, labels=labels)
+        for s, t in tiers:
+            h = histogram(t)
+            if len(h.counts) != len(h.bounds) + 1:
+                continue  # not a histogram this gateway can read
+            cumulative = list(itertools.accumulate(h.counts))
+            buckets = [(_bound(b), float(n)) for b, n in zip(h.bounds, cumulative, strict=False)]
+            family.add_metric([s.role, s.worker, t.tier],
+                              [*buckets, ("+Inf", float(cumulative[-1]))], h.sum)
+        yield family
+    for name, doc, value in _TIER_GAUGES:
+        gauge = GaugeMetricFamily(name, doc, labels=labels)
+        for s, t in tiers:
+            if s.healthy:
+                gauge.add_metric([s.role, s.worker, t.tier], float(value(t)))
+        yield gauge
+
+
+def _bound(bound: float) -> str:
+    return repr(float(bound))
 
 
 class GatewayMetrics:

@@ -84,6 +84,8 @@ async def start_prefill_worker(config: EngineConfig, host: str, port: int, *,
         assert servicer is not None
         aengine = AsyncEngine(engine)
         servicer.tiers = attach_tiers(aengine, tiers)
+        if servicer.tiers is not None:
+            handle.on_stop.append(servicer.tiers.close)
         aengine.start()
         servicer.bind(aengine)
         decode_servicer.bind(aengine)

@@ -29,6 +29,7 @@ from worker.convert import (
 )
 from worker.embed import embed
 from worker.tier_cache import TierPrefixCache
+from worker.tier_metrics import fill_tier_report
 
 
 class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
@@ -72,10 +73,11 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
         # which the save below writes under, are the same.
         root = (aengine.engine.hash_root(lora, salt) if lora is not None or salt is not None
                 else None)
-        remote_kv = (await tiers.plan(ids, root)
+        remote_kv = (await tiers.plan(ids, root, tracing.span_context(span))
                      if tiers is not None and params.prompt_logprobs is None else None)
         if remote_kv is not None:
             span.set_attribute("splitserve.tier_tokens", remote_kv.num_tokens)
+        started = time.perf_counter()
         try:
             async for out in aengine.generate(
                     rid, ids, dataclasses.replace(options, remote_kv=remote_kv)):
@@ -95,9 +97,12 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
         if last is None:
             await abort_traced(context, span, grpc.StatusCode.INTERNAL, "engine returned no output")
         assert last is not None
+        if tiers is not None and remote_kv is None:  # computed here: the cost model's rate
+            tiers.observe_prefill(len(ids), last.num_cached_tokens,
+                                  time.perf_counter() - started)
         response = self._response(rid, ids, last, request.lease_ms, lora, salt)
         if tiers is not None and response.HasField("kv_handle"):
-            tiers.spawn_save(rid)  # reads the leased blocks, so before any release
+            tiers.spawn_save(list(response.kv_handle.block_hashes))
         return response
 
     def _response(self, rid: str, ids: list[int], out: StepOutput,
@@ -135,7 +140,5 @@ class PrefillServicer(EngineBound, prefill_pb2_grpc.PrefillServicer):
                       context: grpc.aio.ServicerContext) -> common_pb2.LoadReport:
         await self.engine_or_abort(context)  # UNAVAILABLE while loading: routers skip us
         report = self.load_report("prefill")
-        if self.tiers is not None:
-            report.tier_hit_tokens = self.tiers.stats.loaded_tokens
-            report.tier_saved_blocks = self.tiers.stats.saved_blocks
+        fill_tier_report(report, self.tiers)
         return report

@@ -111,13 +111,17 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="prefill role: the port on --host that serves KV blocks raw to decode "
                         "workers (their 'tcp' way; same TLS as the gRPC port); 0 picks a free "
                         "one (default), 'off' serves none")
-    tiers = p.add_argument_group("prefix tiers (prefill and colocated roles): GPU -> CPU -> Redis")
+    tiers = p.add_argument_group("prefix tiers (every role): GPU -> CPU -> Redis")
     tiers.add_argument("--kv-tier-cpu-mb", type=int, default=0,
                        help="CPU tier of encoded KV blocks, in MiB (0: none)")
     tiers.add_argument("--kv-tier-redis-url", default=None,
                        help="cluster-wide Redis tier, e.g. redis://redis:6379/0 (default: none)")
     tiers.add_argument("--kv-tier-redis-ttl-s", type=int, default=3600,
                        help="expiry of each block in Redis")
+    tiers.add_argument("--kv-tier-redis-max-mb", type=int, default=0,
+                       help="stop writing to Redis while its used memory would pass this many "
+                            "MiB (0: no bound of the tier's own; see docs/deploy.md for "
+                            "Redis' maxmemory)")
     tiers.add_argument("--kv-tier-min-blocks", type=int, default=1,
                        help="fetch from the tiers only when they extend the GPU hit by this "
                             "many blocks")
@@ -138,6 +142,7 @@ def tier_config_from_args(args: argparse.Namespace) -> TierConfig:
 
     return TierConfig(cpu_bytes=args.kv_tier_cpu_mb << 20, redis_url=args.kv_tier_redis_url,
                       redis_ttl_s=args.kv_tier_redis_ttl_s,
+                      redis_max_bytes=args.kv_tier_redis_max_mb << 20,
                       min_blocks=args.kv_tier_min_blocks)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
 import grpc
@@ -33,6 +34,7 @@ from worker.convert import (
 from worker.embed import embed
 from worker.kv import RemoteKvHandle, release_unpulled
 from worker.tier_cache import TierPrefixCache
+from worker.tier_metrics import fill_tier_report
 
 KV_PULL_TIMEOUT_S = 30.0
 
@@ -87,12 +89,17 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
             span.set_attribute("splitserve.lora_name", lora)
         if priority:
             span.set_attribute("splitserve.priority", priority)
-        if (remote is None and tiers is not None and not given
+        pulled = remote is not None  # the prompt's KV comes from a prefill worker
+        if (remote is None and tiers is not None
                 and params.prompt_logprobs is None):  # a prompt to be scored is computed here
-            # Colocated: the prompt's prefix from the tiers where the GPU cache lost it.
-            remote = await tiers.plan(ids, root)
+            # No KV from a prefill worker (colocated, a resumed stream, or a handle not usable):
+            # the prompt's prefix from the tiers where the GPU cache lost it.
+            remote = await tiers.plan(ids, root, tracing.span_context(span))
             if remote is not None:
                 span.set_attribute("splitserve.tier_tokens", remote.num_tokens)
+        # The prompt's full blocks a prefill worker saved to the tiers itself: not saved again.
+        saved_elsewhere = len(ids) // aengine.engine.config.cache.block_size if pulled else 0
+        started = time.perf_counter()
         n_out = len(given)
         generated: list[int] = []
         # A num_speculative_tokens above the engine's limit fails in `generate`
@@ -104,6 +111,9 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
                     options, remote_kv=remote, decode_here=True)):
                 n_out += len(out.new_token_ids)
                 if tiers is not None:  # saved with the prompt when the request ends
+                    if not generated and not given and remote is None:  # computed here
+                        tiers.observe_prefill(len(ids), out.num_cached_tokens,
+                                              time.perf_counter() - started)
                     generated.extend(out.new_token_ids)
                 chunk = decode_pb2.DecodeChunk(
                     token_ids=out.new_token_ids,
@@ -113,7 +123,8 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
                 yield decode_pb2.DecodeResponse(chunk=chunk)
                 if out.finished:
                     if tiers is not None:  # every token's KV but the last one's exists
-                        tiers.spawn_save_tokens([*ids, *given, *generated][:-1], root)
+                        tiers.spawn_save_tokens([*ids, *given, *generated][:-1], root,
+                                                saved_elsewhere)
                     recomputed = remote is None or (
                         isinstance(remote.handle, RemoteKvHandle) and remote.handle.failed)
                     span.set_attribute("splitserve.output_tokens", n_out)
@@ -179,9 +190,7 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
                       context: grpc.aio.ServicerContext) -> common_pb2.LoadReport:
         aengine = await self.engine_or_abort(context)  # UNAVAILABLE while loading
         report = self.load_report(aengine.engine.config.scheduler.role)
-        if self.tiers is not None:
-            report.tier_hit_tokens = self.tiers.stats.loaded_tokens
-            report.tier_saved_blocks = self.tiers.stats.saved_blocks
+        fill_tier_report(report, self.tiers)
         return report
 
 

@@ -1,5 +1,4 @@
-"""Prefill and colocated roles: the tiered prefix store (CPU, then Redis) under the engine's GPU
-prefix cache.
+"""Every role: the tiered prefix store (CPU, then Redis) under the engine's GPU prefix cache.
 
 docs/architecture.md, a request's way, step 3: a prefill reuses cached blocks from the GPU,
 else from the CPU/Redis tier.
@@ -9,22 +8,26 @@ else from the CPU/Redis tier.
                      └─> RemoteKv(num_tokens = t * block_size, handle = TierBlocks)
     engine: allocates blocks g..t-1, emits a KvLoad ── load ──> decode + verify + write them
             then computes tokens t*bs.. as usual (chunked prefill), holds the KV under a lease
-    after the response ── save ──> read the lease's full blocks not yet in the CPU tier,
-                                   encode, TieredStore.put_many (CPU tier + Redis, write-through)
+    after the response ── save ──> pin the prompt's full blocks the CPU tier lacks, read them,
+                                   encode, TieredStore.put_many (CPU tier now, Redis queued)
 
 The blocks are fetched in `plan`, before the request is queued, so the engine thread never waits
-on Redis; `load` only decodes bytes already in memory. Every block is verified against the
+on Redis; `load` only decodes bytes already in memory. `plan` fetches a Redis chunk only when
+the cost model (`worker/tier_cost.py`) says it arrives sooner than it would be computed. Every block is verified against the
 wire spec (fingerprint, shape, checksum) and against the hash it was looked up by, so a corrupt
 or foreign value is a miss, never data. A load that cannot be served (the GPU evicted blocks the
 plan counted on) returns False, and the engine recomputes the prompt.
 
-`save` (prefill role) reads leased blocks: they cannot be freed while the lease exists, and after
-the read it checks, on the engine thread, that the lease still does; otherwise what it read may
-already belong to another request and is dropped. A colocated worker holds no leases: when a
-request finishes, `save_tokens` pins the prefix cache's blocks of its prompt and output
-(`KvAccess.pin_cached`: held, so neither evicted nor reused), reads them and unpins them, so a
-later prompt sharing that prefix (the next turn of a chat) finds them in the tiers once the GPU
-cache has evicted them.
+`save` pins the prefix cache's blocks of the hashes it is given (`KvAccess.pin_cached`: held, so
+neither evicted nor reused), reads them and unpins them: a prefill worker's (the prompt's, from
+its KV handle) even when a decode worker pulled them and the lease ended first, and a colocated
+worker's (`save_tokens`: a finished request's prompt and output), so a later prompt sharing that
+prefix (the next turn of a chat) finds them in the tiers once the GPU cache has evicted them.
+
+A decode worker does the same (`save_tokens` with `skip_blocks`: the prompt's full blocks were
+saved by the prefill worker, so only the blocks its output filled), so the next turn's prefill
+finds the answer's KV too; and a decode request that comes without KV (a resumed stream, a
+handle that did not match) plans from the tiers like a colocated one (`TierOrPullLoader`).
 """
 
 from __future__ import annotations
@@ -38,33 +41,39 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from opentelemetry.context import Context
 
 from engine.async_engine import AsyncEngine
 from engine.handoff import KvLoad
 from engine_api.hashing import compute_block_hashes
 from engine_api.request_options import RemoteKv
-from kv_transfer.tiers import CpuTier, RedisTier, TieredStore
+from kv_transfer.tiers import CpuTier, RedisLimits, RedisTier, TieredStore
 from kv_transfer.wire import BlockSpec, KvWireError, block_view, encode_block
-from worker.kv import block_spec
+from worker.kv import GrpcKvLoader, block_spec
+from worker.tier_cost import FetchCost
 
 logger = logging.getLogger(__name__)
 
 # A tier load writes this many blocks at a time (256 MB of an 8B model's bf16 KV on a GPU).
 LOAD_SLICE_BLOCKS = 128
 # Saves run behind the responses, ~0.6 GB/s of encoding each on the H200 host: past this many
-# in flight a new one is skipped (counted), so a busy worker sheds tier writes instead of
-# queueing copies of KV without bound.
-MAX_PENDING_SAVES = 8
+# reading and encoding at once a new one is skipped (counted), so a busy worker sheds tier
+# writes instead of holding copies of KV without bound. What they hand to Redis waits in its
+# write queue, bounded by bytes (kv_transfer/tiers/write_queue.py). A burst of a batch's worth
+# of prefills must fit: a skipped save is a miss for the next worker that asks.
+MAX_PENDING_SAVES = 16
 
 
 @dataclass(frozen=True, slots=True)
 class TierConfig:
-    """The tiers of a prefill or colocated worker. `cpu_bytes` 0 and no `redis_url`: none."""
+    """The tiers of a worker. `cpu_bytes` 0 and no `redis_url`: none."""
 
     cpu_bytes: int = 0
     redis_url: str | None = None
     redis_ttl_s: int = 3600
     redis_key_prefix: str = "splitserve:kv"
+    # Stop writing to Redis while its used_memory would pass this (0: no bound of our own).
+    redis_max_bytes: int = 0
     # Fetch from the tiers only when they hold at least this many blocks beyond the GPU hits:
     # below it, recomputing is about as fast as a Redis round trip.
     min_blocks: int = 1
@@ -74,6 +83,8 @@ class TierConfig:
             raise ValueError(f"cpu_bytes must be >= 0, got {self.cpu_bytes}")
         if self.min_blocks < 1:
             raise ValueError(f"min_blocks must be >= 1, got {self.min_blocks}")
+        if self.redis_max_bytes < 0:
+            raise ValueError(f"redis_max_bytes must be >= 0, got {self.redis_max_bytes}")
 
     @property
     def enabled(self) -> bool:
@@ -96,8 +107,7 @@ class TierStats:
     loaded_blocks: int = 0      # of those, written into the engine's cache
     loaded_tokens: int = 0      # prompt tokens they hold (not computed)
     failed_loads: int = 0       # loads refused (engine recomputed the prompt)
-    saved_blocks: int = 0       # blocks written to the tiers
-    dropped_saves: int = 0      # saves abandoned because the lease ended before the read did
+    saved_blocks: int = 0       # blocks the CPU tier took (Redis: its own counters)
     skipped_saves: int = 0      # saves not started: MAX_PENDING_SAVES were already running
 
 
@@ -118,12 +128,15 @@ class TierPrefixCache:
         self._saves: set[asyncio.Task[int]] = set()
         self._pin_ids = itertools.count()
         self.stats = TierStats()
+        self.cost = FetchCost(self._block_size, self._spec.encoded_nbytes)
 
     @classmethod
     def from_config(cls, aengine: AsyncEngine, config: TierConfig) -> TierPrefixCache:
         spec = block_spec(aengine.engine)
         redis = (RedisTier(spec, config.redis_url, ttl_s=config.redis_ttl_s,
-                           key_prefix=config.redis_key_prefix) if config.redis_url else None)
+                           key_prefix=config.redis_key_prefix,
+                           limits=RedisLimits(max_bytes=config.redis_max_bytes))
+                 if config.redis_url else None)
         store = TieredStore(spec, CpuTier(config.cpu_bytes), redis)
         return cls(aengine, store, config.min_blocks)
 
@@ -133,18 +146,19 @@ class TierPrefixCache:
 
     # ---- before the request is queued ------------------------------------------------------
 
-    async def plan(self, prompt_token_ids: list[int], root: bytes | None = None
-                   ) -> RemoteKv | None:
+    async def plan(self, prompt_token_ids: list[int], root: bytes | None = None,
+                   parent: Context | None = None) -> RemoteKv | None:
         """The prompt's prefix to load from the tiers, or None (nothing worth fetching).
         `root`: the root its blocks' hashes chain from when not the engine's (a LoRA adapter's
         prompt: `LLMEngine.hash_root`); the tiers key blocks by those hashes, so an adapter's KV
-        and the base model's never answer for each other."""
+        and the base model's never answer for each other. parent: the request's span (the
+        tier reads' spans go under it)."""
         hashes = compute_block_hashes(root or self._root, prompt_token_ids, self._block_size)
         first = self._kv.cached_prefix_blocks(hashes)
         if len(hashes) - first < self._min_blocks:
             return None
         found: list[bytes | torch.Tensor] = []
-        for data in await self._store.get_entries(hashes[first:]):
+        for data in await self._store.get_entries(hashes[first:], self.cost.worth, parent):
             if data is None:
                 break
             found.append(data)
@@ -204,9 +218,9 @@ class TierPrefixCache:
 
     # ---- after the response ----------------------------------------------------------------
 
-    def spawn_save(self, request_id: str) -> None:
-        """Save the leased prompt's blocks to the tiers in the background."""
-        self._spawn(lambda: self.save(request_id))
+    def spawn_save(self, block_hashes: list[bytes]) -> None:
+        """Save a prefilled prompt's full blocks (its KV handle's hashes) in the background."""
+        self._spawn(lambda: self.save(block_hashes))
 
     def _spawn(self, save: Callable[[], Coroutine[Any, Any, int]]) -> None:
         if len(self._saves) >= MAX_PENDING_SAVES:
@@ -216,30 +230,28 @@ class TierPrefixCache:
         self._saves.add(task)
         task.add_done_callback(self._saves.discard)
 
-    async def save(self, request_id: str) -> int:
-        """Write the lease's full blocks that the CPU tier lacks; returns how many were saved."""
-        todo = await self._aengine.call(self._lease_blocks, request_id)
-        if not todo:
-            return 0
-        blocks = await self._kv.read_blocks([block_id for block_id, _ in todo])
-        if not await self._aengine.call(self._has_lease, request_id):
-            self.stats.dropped_saves += 1
-            return 0
-        return await self._put(self._encode(todo, blocks))
-
-    def spawn_save_tokens(self, token_ids: list[int], root: bytes | None = None) -> None:
+    def spawn_save_tokens(self, token_ids: list[int], root: bytes | None = None,
+                          skip_blocks: int = 0) -> None:
         """`save_tokens` in the background."""
-        self._spawn(lambda: self.save_tokens(token_ids, root))
+        self._spawn(lambda: self.save_tokens(token_ids, root, skip_blocks))
 
-    async def save_tokens(self, token_ids: list[int], root: bytes | None = None) -> int:
+    async def save_tokens(self, token_ids: list[int], root: bytes | None = None,
+                          skip_blocks: int = 0) -> int:
         """Write the full blocks of `token_ids` (a finished request's prompt and output, whose
-        KV was computed) that the GPU prefix cache holds and the CPU tier lacks; returns how
-        many were saved. `root`: as for `plan`."""
+        KV was computed) that the GPU prefix cache holds and the CPU tier lacks, but the first
+        `skip_blocks` (saved elsewhere already); returns how many were saved. `root`: as for
+        `plan`."""
         hashes = compute_block_hashes(root or self._root, token_ids, self._block_size)
-        if not hashes:
+        return await self.save(hashes[skip_blocks:])
+
+    async def save(self, block_hashes: list[bytes]) -> int:
+        """Write the blocks of `block_hashes` that the GPU prefix cache holds and the CPU tier
+        lacks; returns how many were saved. They are pinned while read, so neither a lease's
+        release (a decode worker pulled them first) nor an eviction takes them meanwhile."""
+        if not block_hashes:
             return 0
         pin_id = f"tier-save-{next(self._pin_ids)}"
-        todo = await self._aengine.call(self._pin_missing, pin_id, hashes)
+        todo = await self._aengine.call(self._pin_missing, pin_id, block_hashes)
         if not todo:
             return 0
         try:
@@ -247,13 +259,14 @@ class TierPrefixCache:
         finally:
             with contextlib.suppress(Exception):  # a stopped engine holds nothing any more
                 await self._aengine.call(self._kv.unpin, pin_id)
-        # In a thread: a colocated worker's event loop also serves the gateway's streams.
+        # In a thread: the event loop also serves the worker's calls (and a colocated
+        # worker's gateway streams).
         return await self._put(await asyncio.to_thread(self._encode, todo, blocks))
 
     async def _put(self, items: list[tuple[bytes, bytes]]) -> int:
-        """Write encoded blocks through the tiers; how many."""
-        await self._store.put_many(items, encoded_here=True)
-        self.stats.saved_blocks += len(items)
+        """Store encoded blocks in the CPU tier and queue them for Redis; how many were handed
+        over (what lands: the tiers' counters)."""
+        self.stats.saved_blocks += await self._store.put_many(items, encoded_here=True)
         return len(items)
 
     def _encode(self, todo: list[tuple[int, bytes]], blocks: torch.Tensor
@@ -266,28 +279,43 @@ class TierPrefixCache:
         return self._kv.pin_cached(pin_id, [h for h in hashes if h not in self._store.cpu])
 
     async def wait_for_saves(self) -> None:
-        """Await the saves in flight (tests, shutdown)."""
+        """Await the saves in flight and their queued Redis writes (tests, benchmarks)."""
         if self._saves:
             await asyncio.gather(*self._saves, return_exceptions=True)
+        await self._store.flush()
 
-    def _lease_blocks(self, request_id: str) -> list[tuple[int, bytes]]:
-        # Engine thread: the lease's hashed (full) blocks, minus those the CPU tier holds.
-        lease = self._kv.lease(request_id)
-        if lease is None:
-            return []
-        return [(block_id, h) for block_id, h in zip(lease.block_ids, lease.block_hashes,
-                                                     strict=False)
-                if h not in self._store.cpu]
+    async def close(self) -> None:
+        """Stop the Redis writes (those queued are dropped, counted) and close its clients."""
+        await self._store.close()
 
-    def _has_lease(self, request_id: str) -> bool:
-        return self._kv.lease(request_id) is not None
+    def observe_prefill(self, prompt_tokens: int, cached_tokens: int, seconds: float) -> None:
+        """A prefill's time, for the cost model: `cached_tokens` (GPU and tier hits) were not
+        computed."""
+        self.cost.observe_prefill(prompt_tokens - cached_tokens, seconds)
 
 
-def attach_tiers(aengine: AsyncEngine, config: TierConfig | None) -> TierPrefixCache | None:
+class TierOrPullLoader:
+    """A decode worker's KV loader with tiers: a tier plan's blocks come from the tiers, a KV
+    handle's from the prefill worker."""
+
+    def __init__(self, tiers: TierPrefixCache, pull: GrpcKvLoader) -> None:
+        self.tiers = tiers
+        self._pull = pull
+
+    async def __call__(self, load: KvLoad) -> bool:
+        remote = load.request.remote_kv
+        if remote is not None and isinstance(remote.handle, TierBlocks):
+            return await self.tiers.load(load)
+        return await self._pull(load)
+
+
+def attach_tiers(aengine: AsyncEngine, config: TierConfig | None,
+                 pull: GrpcKvLoader | None = None) -> TierPrefixCache | None:
     """Put CPU/Redis tiers under `aengine`'s cache when `config` enables any (its KV loader
-    becomes the tiers'); None when it enables none. Call before `aengine.start()`."""
+    becomes the tiers', or a decode worker's `pull` loader for KV handles and the tiers' for
+    tier plans); None when it enables none. Call before `aengine.start()`."""
     if config is None or not config.enabled:
         return None
     cache = TierPrefixCache.from_config(aengine, config)
-    aengine.kv_loader = cache.load
+    aengine.kv_loader = cache.load if pull is None else TierOrPullLoader(cache, pull)
     return cache

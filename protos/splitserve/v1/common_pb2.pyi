@@ -581,6 +581,7 @@ class LoadReport(_message.Message):
     LORA_WAITING_FIELD_NUMBER: _builtins.int
     CLASS_LABELS_FIELD_NUMBER: _builtins.int
     LORA_PATHS_FIELD_NUMBER: _builtins.int
+    KV_TIERS_FIELD_NUMBER: _builtins.int
     SPEC_STEP_COST_FIELD_NUMBER: _builtins.int
     SPEC_ACCEPTANCE_FIELD_NUMBER: _builtins.int
     MAX_SPECULATIVE_TOKENS_FIELD_NUMBER: _builtins.int
@@ -606,11 +607,11 @@ class LoadReport(_message.Message):
     num_blocks: _builtins.int
     """KV blocks in total (num_free_blocks is of these)"""
     tier_hit_tokens: _builtins.int
-    """Prefill workers with CPU/Redis prefix tiers (cumulative, like the counters above):
+    """Workers with CPU/Redis prefix tiers (cumulative, like the counters above):
     prompt tokens loaded from the tiers instead of computed
     """
     tier_saved_blocks: _builtins.int
-    """KV blocks written to the tiers"""
+    """KV block writes that landed, summed over the tiers"""
     spec_draft_tokens: _builtins.int
     """Decode and colocated workers with speculative decoding (cumulative, like the counters above):
     draft tokens verified
@@ -671,6 +672,10 @@ class LoadReport(_message.Message):
         """
 
     @_builtins.property
+    def kv_tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvTierStats]:
+        """Workers with prefix tiers: each tier's counters (cumulative, like the counters above)."""
+
+    @_builtins.property
     def spec_step_cost(self) -> _containers.RepeatedCompositeFieldContainer[Global___SpecStepCost]:
         """Speculative decoding's measured trade on this worker (decode and colocated workers with a
         speculative method; the gateway's policy reads them: gateway/spec_policy.py). Numbered
@@ -713,6 +718,7 @@ class LoadReport(_message.Message):
         lora_waiting: _abc.Iterable[_builtins.int] | None = ...,
         class_labels: _abc.Iterable[_builtins.str] | None = ...,
         lora_paths: _abc.Iterable[_builtins.str] | None = ...,
+        kv_tiers: _abc.Iterable[Global___KvTierStats] | None = ...,
         spec_step_cost: _abc.Iterable[Global___SpecStepCost] | None = ...,
         spec_acceptance: _abc.Iterable[Global___SpecAcceptance] | None = ...,
         max_speculative_tokens: _builtins.int = ...,
@@ -721,7 +727,7 @@ class LoadReport(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "class_labels", b"class_labels", "fingerprint", b"fingerprint", "kv_cache_usage", b"kv_cache_usage", "kv_transports", b"kv_transports", "lora_adapters", b"lora_adapters", "lora_paths", b"lora_paths", "lora_roots", b"lora_roots", "lora_running", b"lora_running", "lora_waiting", b"lora_waiting", "max_loras", b"max_loras", "max_speculative_tokens", b"max_speculative_tokens", "num_blocks", b"num_blocks", "num_free_blocks", b"num_free_blocks", "num_leases", b"num_leases", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "spec_acceptance", b"spec_acceptance", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_accepted_tokens_per_pos", b"spec_accepted_tokens_per_pos", "spec_draft_tokens", b"spec_draft_tokens", "spec_num_drafts", b"spec_num_drafts", "spec_step_cost", b"spec_step_cost", "speculative_methods", b"speculative_methods", "tier_hit_tokens", b"tier_hit_tokens", "tier_saved_blocks", b"tier_saved_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "class_labels", b"class_labels", "fingerprint", b"fingerprint", "kv_cache_usage", b"kv_cache_usage", "kv_tiers", b"kv_tiers", "kv_transports", b"kv_transports", "lora_adapters", b"lora_adapters", "lora_paths", b"lora_paths", "lora_roots", b"lora_roots", "lora_running", b"lora_running", "lora_waiting", b"lora_waiting", "max_loras", b"max_loras", "max_speculative_tokens", b"max_speculative_tokens", "num_blocks", b"num_blocks", "num_free_blocks", b"num_free_blocks", "num_leases", b"num_leases", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "spec_acceptance", b"spec_acceptance", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_accepted_tokens_per_pos", b"spec_accepted_tokens_per_pos", "spec_draft_tokens", b"spec_draft_tokens", "spec_num_drafts", b"spec_num_drafts", "spec_step_cost", b"spec_step_cost", "speculative_methods", b"speculative_methods", "tier_hit_tokens", b"tier_hit_tokens", "tier_saved_blocks", b"tier_saved_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -788,6 +794,157 @@ class SpecAcceptance(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SpecAcceptance: _TypeAlias = SpecAcceptance  # noqa: Y015
+
+@_typing.final
+class KvTierStats(_message.Message):
+    """One prefix tier of a worker (worker/tier_metrics.py fills it)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ReadErrorsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class SavesDroppedEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    TIER_FIELD_NUMBER: _builtins.int
+    HIT_BLOCKS_FIELD_NUMBER: _builtins.int
+    HIT_BYTES_FIELD_NUMBER: _builtins.int
+    MISSES_FIELD_NUMBER: _builtins.int
+    READ_ERRORS_FIELD_NUMBER: _builtins.int
+    READ_SECONDS_FIELD_NUMBER: _builtins.int
+    SAVES_QUEUED_FIELD_NUMBER: _builtins.int
+    SAVES_WRITTEN_FIELD_NUMBER: _builtins.int
+    WRITTEN_BYTES_FIELD_NUMBER: _builtins.int
+    SAVES_DROPPED_FIELD_NUMBER: _builtins.int
+    WRITE_SECONDS_FIELD_NUMBER: _builtins.int
+    COST_SKIPS_FIELD_NUMBER: _builtins.int
+    READ_LATENCY_S_FIELD_NUMBER: _builtins.int
+    READ_BYTES_PER_S_FIELD_NUMBER: _builtins.int
+    tier: _builtins.str
+    """"cpu" or "redis" """
+    hit_blocks: _builtins.int
+    """blocks found and verified"""
+    hit_bytes: _builtins.int
+    misses: _builtins.int
+    """lookups that ended at this tier"""
+    saves_queued: _builtins.int
+    """blocks handed to the tier for writing"""
+    saves_written: _builtins.int
+    """of those, blocks the tier acknowledged"""
+    written_bytes: _builtins.int
+    cost_skips: _builtins.int
+    """reads not made: computing the blocks was estimated faster"""
+    read_latency_s: _builtins.float
+    """the cost model's current estimate of a read's latency"""
+    read_bytes_per_s: _builtins.float
+    """... and bandwidth"""
+    @_builtins.property
+    def read_errors(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """reason (corrupt, timeout, connection, backoff,"""
+
+    @_builtins.property
+    def read_seconds(self) -> Global___LatencyHistogram:
+        """...) -> failed reads"""
+
+    @_builtins.property
+    def saves_dropped(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """reason (queue_full, timeout, connection, full,"""
+
+    @_builtins.property
+    def write_seconds(self) -> Global___LatencyHistogram:
+        """budget, backoff, ...) -> blocks never written"""
+
+    def __init__(
+        self,
+        *,
+        tier: _builtins.str = ...,
+        hit_blocks: _builtins.int = ...,
+        hit_bytes: _builtins.int = ...,
+        misses: _builtins.int = ...,
+        read_errors: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        read_seconds: Global___LatencyHistogram | None = ...,
+        saves_queued: _builtins.int = ...,
+        saves_written: _builtins.int = ...,
+        written_bytes: _builtins.int = ...,
+        saves_dropped: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        write_seconds: Global___LatencyHistogram | None = ...,
+        cost_skips: _builtins.int = ...,
+        read_latency_s: _builtins.float = ...,
+        read_bytes_per_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["read_seconds", b"read_seconds", "write_seconds", b"write_seconds"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost_skips", b"cost_skips", "hit_blocks", b"hit_blocks", "hit_bytes", b"hit_bytes", "misses", b"misses", "read_bytes_per_s", b"read_bytes_per_s", "read_errors", b"read_errors", "read_latency_s", b"read_latency_s", "read_seconds", b"read_seconds", "saves_dropped", b"saves_dropped", "saves_queued", b"saves_queued", "saves_written", b"saves_written", "tier", b"tier", "write_seconds", b"write_seconds", "written_bytes", b"written_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvTierStats: _TypeAlias = KvTierStats  # noqa: Y015
+
+@_typing.final
+class LatencyHistogram(_message.Message):
+    """A latency histogram: counts[i] observations at most bounds[i], the last beyond them all."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BOUNDS_FIELD_NUMBER: _builtins.int
+    COUNTS_FIELD_NUMBER: _builtins.int
+    SUM_FIELD_NUMBER: _builtins.int
+    sum: _builtins.float
+    @_builtins.property
+    def bounds(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    @_builtins.property
+    def counts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """len(bounds) + 1, per bucket (not cumulative)"""
+
+    def __init__(
+        self,
+        *,
+        bounds: _abc.Iterable[_builtins.float] | None = ...,
+        counts: _abc.Iterable[_builtins.int] | None = ...,
+        sum: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bounds", b"bounds", "counts", b"counts", "sum", b"sum"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LatencyHistogram: _TypeAlias = LatencyHistogram  # noqa: Y015
 
 @_typing.final
 class KvTransportStats(_message.Message):

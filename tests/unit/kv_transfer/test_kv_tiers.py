@@ -11,7 +11,7 @@ import torch
 from redis import asyncio as aioredis
 from redis.exceptions import RedisError
 
-from kv_transfer.tiers import CpuTier, PinnedSlots, RedisTier, TieredStore
+from kv_transfer.tiers import CpuTier, PinnedSlots, RedisLimits, RedisTier, TieredStore
 from kv_transfer.wire import BlockSpec, encode_block
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -100,12 +100,15 @@ async def test_redis_foreign_fingerprint_is_a_miss(redis_tier: RedisTier,
 
 async def test_redis_down_is_a_miss_not_an_exception() -> None:
     tier = RedisTier(SPEC, "redis://127.0.0.1:1/0", ttl_s=60, key_prefix="unused",
-                     socket_timeout_s=0.5)
+                     limits=RedisLimits(base_timeout_s=0.5))
     try:
         hashes = chain(2)
         assert await tier.put_many([(h, block(h)) for h in hashes]) == 0
+        # The refused connection paused reads too: no second connect attempt.
         assert await tier.get_many(hashes) == [None, None]
         assert tier.stats["errors"] == 2
+        assert tier.counters.saves_dropped == {"connection": 2}
+        assert tier.counters.read_errors == {"backoff": 1}
     finally:
         await tier.close()
 
@@ -233,6 +236,7 @@ async def test_tiered_store_write_through_and_rejects_bad_puts(redis_tier: Redis
     partial = encode_block(SPEC, None, 2, torch.zeros(SPEC.shape, dtype=SPEC.dtype))
     await store.put_many([(h0, block(h0)), (h1, partial)])
     assert store.stats["rejected_puts"] == 1
+    await store.flush()  # the Redis writes are queued behind put_many
     assert await redis_tier.get_many([h0, h1]) == [block(h0), None]
     fresh = TieredStore(SPEC, CpuTier(10 * SPEC.encoded_nbytes, pin_memory=False), redis_tier)
     assert await fresh.get_many([h0, h1]) == [block(h0), None]

@@ -101,7 +101,8 @@ async def _load_report(handle: WorkerHandle) -> common_pb2.LoadReport:
 
 def _tiers_of(handle: WorkerHandle) -> TierPrefixCache:
     assert handle.aengine is not None
-    owner = getattr(handle.aengine.kv_loader, "__self__", None)
+    loader = handle.aengine.kv_loader
+    owner = getattr(loader, "__self__", None) or getattr(loader, "tiers", None)  # decode role
     assert isinstance(owner, TierPrefixCache), "the worker must load through its tiers"
     return owner
 
@@ -189,8 +190,15 @@ async def test_second_worker_loads_the_prompt_from_redis(
     assert list(second.kv_handle.block_hashes) == list(first.kv_handle.block_hashes)
     # The load reports carry the tier counters (the gateway exports them to Prometheus).
     report_a, report_b = await _load_report(a), await _load_report(b)
-    assert report_a.tier_saved_blocks == 9 and report_a.tier_hit_tokens == 0
+    # Block writes that landed, per tier: 9 in A's CPU tier and 9 in Redis.
+    assert report_a.tier_saved_blocks == 18 and report_a.tier_hit_tokens == 0
+    tiers_a = {t.tier: t for t in report_a.kv_tiers}
+    assert tiers_a["redis"].saves_queued == tiers_a["redis"].saves_written == 9
+    assert not tiers_a["redis"].saves_dropped and tiers_a["cpu"].saves_written == 9
     assert report_b.tier_hit_tokens == 9 * BLOCK_SIZE
+    tiers_b = {t.tier: t for t in report_b.kv_tiers}
+    assert tiers_b["redis"].hit_blocks == 9 and tiers_b["cpu"].hit_blocks == 0
+    assert sum(tiers_b["redis"].read_seconds.counts) == 1  # one chunk
 
 
 @pytest.mark.asyncio

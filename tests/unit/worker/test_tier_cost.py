@@ -1,0 +1,41 @@
+"""Fetch or recompute by measured cost (worker/tier_cost.py, kv_transfer/tiers/counters.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kv_transfer.tiers import ReadCost, TierCounters
+from worker.tier_cost import FetchCost
+
+BLOCK_BYTES = 786_540  # a SmolLM2 float32 block of 16 tokens
+
+
+def test_read_cost_fits_latency_and_bandwidth_and_forgets_old_reads() -> None:
+    cost = ReadCost(prior_latency_s=0.5, prior_bytes_per_s=1.0)
+    assert cost.seconds(100) == pytest.approx(100.5)  # the prior until a read is timed
+    cost.observe(1_000_000, 0.011)
+    assert cost.latency_s == 0 and cost.bytes_per_s == pytest.approx(1e6 / 0.011)
+    cost.observe(2_000_000, 0.021)
+    assert cost.latency_s == pytest.approx(0.001) and cost.bytes_per_s == pytest.approx(1e8)
+    for _ in range(60):  # the tier slowed down tenfold: the estimate follows
+        cost.observe(1_000_000, 0.101)
+        cost.observe(2_000_000, 0.201)
+    assert cost.bytes_per_s == pytest.approx(1e7, rel=0.05)
+
+
+def test_fetches_only_what_arrives_before_it_would_be_computed() -> None:
+    fetch = FetchCost(block_size=16, block_bytes=BLOCK_BYTES)
+    redis = TierCounters("redis", cost=ReadCost(0.001, 200e6))
+    assert fetch.worth(redis, 8)  # no prefill timed yet: use the tier
+    fetch.observe_prefill(10, 1.0)  # too short to say anything
+    assert fetch.prefill_tokens_per_s is None
+    fetch.observe_prefill(1600, 2.0)  # 800 tokens/s: a CPU
+    assert fetch.worth(redis, 8)  # 8 blocks: 32 ms from Redis vs 160 ms to compute
+    fast = FetchCost(block_size=16, block_bytes=BLOCK_BYTES)
+    fast.observe_prefill(160_000, 1.0)  # a GPU: 8 blocks in 0.8 ms, below Redis' latency
+    assert not fast.worth(redis, 8)
+    slow_redis = TierCounters("redis", cost=ReadCost(0.001, 200e6))
+    for size in (1 << 20, 4 << 20):
+        slow_redis.cost.observe(size, 1.0 + size / 1e6)  # 1 s latency, 1 MB/s
+    assert not fetch.worth(slow_redis, 8)
+    assert fetch.decisions == {"fetch": 2, "compute": 1}
