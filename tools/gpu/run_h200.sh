@@ -2,9 +2,11 @@
 # The H200 benchmark run (docs/performance.md), from the repo root on the accelerator machine:
 #   OUT=/some/dir [SPLITSERVE_COMMIT=<sha>] bash tools/gpu/run_h200.sh
 # (SPLITSERVE_COMMIT names the commit when the tree there is a copy without git history.)
-# Each step is guarded (a failure does not stop the next) and time-limited; the whole run fits
-# in ~9 minutes (~3 for the kernels and the bf16 rows, ~2 for each one-byte-KV throughput row).
+# Each step is guarded (a failure does not stop the next) and time-limited; the benchmark fits
+# in ~9 minutes (~3 for the kernels and the bf16 rows, ~2 for each one-byte-KV throughput row),
+# and the W8A8 checks after it in at most 17 more (not yet timed on the H200).
 # Results land in "$OUT": kernels.json, suite.json (written after every suite step),
+# fp8_linear.json and engine_check_w8a8*.json,
 # h200_llama-3.1-8b.json (the summary), and one log per step.
 set -u
 OUT="${OUT:?set OUT to the results folder}"
@@ -28,6 +30,18 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log, never abort th
 step kernels 90 "$PY" tools/gpu/gpu_kernels_check.py --out "$OUT/kernels.json"
 # (b)-(e) one process, model loaded once per engine configuration; partial results survive.
 step suite 620 "$PY" tools/gpu/h200_suite.py --out-dir "$OUT" --steps "$SUITE_STEPS"
+# (e2) W8A8 correctness with every headline: the layers (row alone against the batch) and the
+# fast path against the torch reference at batch 1 and batched, with and without an fp8 cache
+# (W8A8's own noise floor widens the tolerance: gpu_engine_check.py). ENGINE_CHECKS=0 skips them.
+if [ "${ENGINE_CHECKS:-1}" = 1 ]; then
+  step fp8_linear 120 "$PY" tools/gpu/fp8_linear_check.py --out "$OUT/fp8_linear.json"
+  step engine_check_w8a8 300 "$PY" tools/gpu/gpu_engine_check.py --quantization fp8 \
+    --out "$OUT/engine_check_w8a8.json"
+  step engine_check_w8a8_fp8kv 300 "$PY" tools/gpu/gpu_engine_check.py --quantization fp8 \
+    --kv-cache-dtype fp8 --out "$OUT/engine_check_w8a8_fp8kv.json"
+  step engine_check_w8a8_bs1 300 "$PY" tools/gpu/gpu_engine_check.py --quantization fp8 \
+    --max-num-seqs 1 --out "$OUT/engine_check_w8a8_bs1.json"
+fi
 # (f) summary with goals and gaps.
 step summary 30 "$PY" tools/gpu/summarize_h200.py --out-dir "$OUT" --model llama-3.1-8b
 echo "total $(( $(date +%s) - T0 ))s"
