@@ -30,7 +30,7 @@ def _scrape(stack: Stack) -> Series:
     text = httpx.get(f"http://{HOST}:{stack.gateway.rest_port}/metrics", timeout=10).text
     return {(s.name, s.labels["role"], s.labels["worker"]): s.value
             for family in text_string_to_metric_families(text) for s in family.samples
-            if "worker" in s.labels}
+            if "worker" in s.labels and "role" in s.labels}
 
 
 def _scrape_until(stack: Stack, predicate: Callable[[Series], bool], what: str) -> Series:

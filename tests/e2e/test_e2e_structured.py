@@ -193,7 +193,7 @@ def test_a_grammar_bomb_is_refused_and_others_are_served(disagg_stack: Stack) ->
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         bomb = pool.submit(client.chat.completions.create, model=MODEL_NAME, max_tokens=4,
                            messages=[{"role": "user", "content": "Say a, b or c."}],
-                           extra_body={"structured_outputs": {"grammar": _grammar_bomb(80)}})
+                           extra_body={"structured_outputs": {"grammar": _grammar_bomb(200)}})
         plain = pool.submit(client.completions.create, model=MODEL_NAME, prompt="Hello",
                             max_tokens=4, temperature=0)
         assert plain.result(120).choices[0].text
@@ -205,5 +205,5 @@ def test_a_grammar_bomb_is_refused_and_others_are_served(disagg_stack: Stack) ->
     with pytest.raises(BadRequestError):
         client.chat.completions.create(
             model=MODEL_NAME, max_tokens=4, messages=[{"role": "user", "content": "x"}],
-            extra_body={"structured_outputs": {"grammar": _grammar_bomb(80)}})
+            extra_body={"structured_outputs": {"grammar": _grammar_bomb(200)}})
     disagg_stack.wait_idle()

@@ -173,7 +173,8 @@ def test_adapters_under_speculative_decoding(
     modules = {k: str(v[0]) for k, v in made.items()}
     names = [None, "attn", "all", "attn", None]
     outs = []
-    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3}):
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3,
+                                  "step_budget": False}):
         llm = tiny_llm(tiny_model_dirs["llama"], lora_modules=modules, speculative_config=spec,
                        max_loras=max_loras)
         for i, (prompt, name) in enumerate(zip(SPEC_PROMPTS, names, strict=True)):
