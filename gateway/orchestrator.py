@@ -94,6 +94,7 @@ class _Completion:
     scores_prompt: bool = False   # its prompt logprobs are asked for and have not arrived yet
     timing: CompletionTiming | None = None  # when it reached each phase (request metrics)
     whole: bool = True            # no prefill ran: the decode worker computes the prompt
+    request_class: str | None = None  # the speculation policy's class, once read (resumes reuse it)
 
 
 class Orchestrator:
@@ -415,7 +416,9 @@ class Orchestrator:
                          span: Span | None = None, pool_role: str = "decode") -> str:
         # Decided here, for this worker: no await since `pick`, so its load is the one the
         # router just routed on (a resume on another worker decides again).
-        spec = self._spec_policy.decide(worker, self._request_class(job))
+        if state.request_class is None:  # the prompt is read back as text once, not per call
+            state.request_class = self._request_class(job)
+        spec = self._spec_policy.decide(worker, state.request_class)
         self._metrics.observe_spec_decision(worker.address, spec)
         if span is not None:  # the last call's, when the completion was resumed
             for name, value in spec_attributes(spec).items():
