@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import os
 import signal
 import socket
@@ -86,11 +87,19 @@ def ports_in_use(host: str, ports: Iterable[int]) -> list[int]:
     return taken
 
 
-def http_healthy(url: str) -> bool:
+def http_healthy(url: str, serving_mode: str | None = None) -> bool:
+    """The gateway's /health answers 200 and, when `serving_mode` is given, names that mode: a
+    gateway answers 200 as soon as one pool is up (degraded modes), but the stack `up` starts is
+    ready only when the gateway serves with both pools."""
     try:
         with urllib.request.urlopen(url, timeout=2) as r:
-            return bool(r.status == 200)
-    except OSError:
+            if r.status != 200:
+                return False
+            if serving_mode is None:
+                return True
+            body = json.loads(r.read() or b"{}")
+            return isinstance(body, dict) and body.get("serving_mode") == serving_mode
+    except (OSError, ValueError):
         return False
 
 

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from engine_api.cpus import available_cpus
 from gateway.config import API_KEY_ENV, add_serving_log_args, served_model_name_for
 from rpc.auth import INTERNAL_TOKEN_ENV, AuthConfigError, internal_token_from_env
 from rpc.tls import TlsConfigError, tls_from_env
@@ -180,7 +181,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     if "--cpu-threads" not in engine_args:
         # Two engines share this machine: on the CPU each gets half of the cores.
-        engine_args = [*engine_args, "--cpu-threads", str(max(1, (os.cpu_count() or 2) // 2))]
+        # (available_cpus: the affinity mask capped by a cgroup quota, not the host's cores.)
+        engine_args = [*engine_args, "--cpu-threads", str(max(1, available_cpus() // 2))]
     try:
         token = internal_token_from_env() or secrets.token_urlsafe(32)
     except AuthConfigError as e:
@@ -213,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         checks: dict[str, Callable[[], bool]] = {
             "prefill": lambda: grpc_healthy(prefill_addr),
             "decode": lambda: grpc_healthy(decode_addr),
-            "gateway": lambda: http_healthy(health)}
+            "gateway": lambda: http_healthy(health, serving_mode="disaggregated")}
         if not _wait_until_ready(procs, checks, log_dir, args.startup_timeout):
             return 1
         host = "localhost" if args.host in ("127.0.0.1", "0.0.0.0") else args.host

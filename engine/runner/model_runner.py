@@ -34,6 +34,7 @@ from engine.piecewise_graphs import PiecewiseGraphRunner
 from engine.pooling import PendingPooling, plan_pool_rows, pool_rows
 from engine.prompt_logprobs import PendingPromptLogprobs, plan_prompt_rows, score_prompt_rows
 from engine.runner.block_io import BlockIO
+from engine.runner.cpu_threads import set_cpu_threads
 from engine.runner.graph_capture import capture_graphs, captures_cuda_graphs
 from engine.runner.kv_memory import KVMemory
 from engine.runner.model_build import (
@@ -96,8 +97,8 @@ class ModelRunner:
         self.config = config
         self.model_config = model_config
         self.device = resolve_device(config.runner.device)
-        if self.device.type == "cpu" and config.runner.cpu_threads:
-            torch.set_num_threads(config.runner.cpu_threads)
+        if self.device.type == "cpu":
+            set_cpu_threads(config.runner.cpu_threads)
         self.dtype = resolve_dtype(config.load.dtype, default_dtype, self.device)
         try:
             self.kv_dtype = kv_storage_dtype(config.cache.kv_cache_dtype, self.dtype)

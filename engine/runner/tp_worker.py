@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from engine.parallel.protocol import WorkerSpec
+from engine.runner.cpu_threads import set_cpu_threads
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +56,8 @@ class ShardWorker:
         self.device = torch.device(spec.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        elif config.runner.cpu_threads:
-            torch.set_num_threads(config.runner.cpu_threads)
+        else:
+            set_cpu_threads(config.runner.cpu_threads)
         timeout_s = config.parallel.collective_timeout_s
         store = rendezvous(spec.rank, spec.size, spec.port, timeout_s)
         store.set(joined_key(spec.rank), "1")
