@@ -374,6 +374,10 @@ class GatewayMetrics:
         self.decode_resumes = Counter(
             "splitserve:decode_resumes", "Requests resumed on another decode worker.",
             registry=r)
+        self.decode_stalls = Counter(
+            "splitserve:decode_stalls", "Decode streams abandoned because their worker stopped "
+            "answering (no token, then no health answer in time), each resumed elsewhere.",
+            registry=r)
         self.spec_decode_decisions = Counter(
             "splitserve:spec_decode_decisions",
             "Decode calls by the speculative policy's choice: off (no drafts), draft_model, "
