@@ -81,6 +81,9 @@ _FINISH_NAMES = {
     common_pb2.FINISH_REASON_ABORT: "abort",
 }
 _RELEASE_TIMEOUT_S = 2.0
+# A Prefill failing so may have granted its lease before its answer was lost.
+_LOST_ANSWER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.CANCELLED)
 
 
 @dataclass(slots=True)
@@ -344,12 +347,14 @@ class Orchestrator:
             try:
                 response = await self._router.prefill_stub(worker).Prefill(
                     request, timeout=self._remaining(job), metadata=metadata)
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, grpc.aio.AioRpcError) as exc:
                 # The worker may have granted the lease and sent a response we will never read
-                # (its handler was no longer cancellable). A prefill worker serves KvTransfer on
+                # (its handler was no longer cancellable, or the answer was lost on the way: the
+                # connection cut, the deadline passed). A prefill worker serves KvTransfer on
                 # its own address; releasing a lease that does not exist is a no-op.
-                self._release_in_background(common_pb2.KvHandle(
-                    worker_address=worker.address, request_id=request.request_id))
+                if not isinstance(exc, grpc.aio.AioRpcError) or exc.code() in _LOST_ANSWER:
+                    self._release_in_background(common_pb2.KvHandle(
+                        worker_address=worker.address, request_id=request.request_id))
                 raise
             pool.prefix_index.record(worker.address, response.kv_handle.block_hashes)
             return response

@@ -112,9 +112,12 @@ def test_prefill_pool_down_mid_request_computes_it_on_decode(script_ids: list[in
     decode worker instead of failing, as nothing reached the client yet."""
     with Harness(Script(list(script_ids), prefill_error=grpc.StatusCode.UNAVAILABLE)) as h:
         assert _complete(h, 4) == _text(script_ids[:4])
-        assert len(h.prefill[0].prefill_requests) == 1
+        [prefill] = h.prefill[0].prefill_requests
         whole = h.decode[0].decode_requests[-1]
         assert not whole.HasField("kv_handle") and not whole.output_token_ids
+        # Its answer lost, the worker may still hold a lease for it: released, not left to
+        # expire.
+        _until(lambda: h.prefill[0].released == [prefill.request_id], "the lease's release")
 
 
 def test_full_workers_are_a_429_not_a_mode_change(script_ids: list[int]) -> None:
