@@ -9,9 +9,7 @@ For each of the n completions of a job, concurrently:
          │ UNAVAILABLE mid-stream
          ▼
     Decode.Decode(prompt, all tokens sent so far, no kv_handle)   (at most `decode_retries`)
-
-A stream whose worker stops answering (no message, then no health answer in time: SIGSTOP, a
-frozen host) is abandoned and resumed the same way (gateway/stream_watch.py).
+A stream whose worker stops answering (SIGSTOP) resumes the same way (gateway/stream_watch.py).
 
 A worker that refuses a call with RESOURCE_EXHAUSTED (full: it sheds load) is skipped for that
 call and the next one picked (prefill and decode alike), until each worker of the pool refused:
@@ -68,7 +66,7 @@ from gateway.router import Attempts, Router, Worker, WorkerPool, call_routed
 from gateway.serving_mode import ServingModes
 from gateway.spec_metrics import spec_attributes
 from gateway.spec_policy import SpecPolicy, request_class
-from gateway.stream_watch import WorkerStalled, stall_after_s, watched
+from gateway.stream_watch import WorkerStalled, stall_after_s, watched, watched_answer
 from gateway.tokenization import DetokenizerLike, TokenizerLike, make_detokenizer
 from protos.splitserve.v1 import common_pb2, decode_pb2, kv_transfer_pb2, prefill_pb2
 from rpc import tracing
@@ -81,9 +79,8 @@ _FINISH_NAMES = {
     common_pb2.FINISH_REASON_ABORT: "abort",
 }
 _RELEASE_TIMEOUT_S = 2.0
-# A Prefill failing so may have granted its lease before its answer was lost.
-_LOST_ANSWER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                grpc.StatusCode.CANCELLED)
+_LOST_ANSWER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,  # a lease
+                grpc.StatusCode.CANCELLED)  # may have been granted, its answer lost
 
 
 @dataclass(slots=True)
@@ -345,8 +342,15 @@ class Orchestrator:
 
         async def call(worker: Worker) -> prefill_pb2.PrefillResponse:
             try:
-                response = await self._router.prefill_stub(worker).Prefill(
-                    request, timeout=self._remaining(job), metadata=metadata)
+                response = await watched_answer(self._router.prefill_stub(worker).Prefill(
+                    request, timeout=self._remaining(job), metadata=metadata), worker,
+                    stall_after_s(worker.load, self._config.stream_stall_s),
+                    self._config.liveness_timeout_s)
+            except WorkerStalled as stalled:  # nothing reached the client: whole on decode
+                pool.mark_failed(worker.address)
+                self._release_in_background(common_pb2.KvHandle(
+                    worker_address=worker.address, request_id=request.request_id))
+                raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"prefill: {stalled}") from None
             except (asyncio.CancelledError, grpc.aio.AioRpcError) as exc:
                 # The worker may have granted the lease and sent a response we will never read
                 # (its handler was no longer cancellable, or the answer was lost on the way: the

@@ -1,13 +1,14 @@
-"""A Decode stream's watchdog: a worker that stops answering mid-stream is abandoned.
+"""A worker call's watchdog: a worker that stops answering mid-call is abandoned.
 
 A worker that is stopped rather than dead (SIGSTOP, a frozen host, a hung runtime) keeps its TCP
-connections open, so its streams would wait for it until the request's deadline. The stream's
-reads are watched instead: after `stall_s` without a message, the worker's gRPC health check is
-asked (its deadline: the gateway's `liveness_timeout_s`). A worker that answers SERVING is busy
-(a long prompt, a KV pull, a full batch): the stream waits on. One that does not answer in time,
-or that the pool's polls already took out of routing, is abandoned: `WorkerStalled`, which the
-orchestrator treats as the worker's death (the stream resumes elsewhere from its last sent
-token). A stream is thus cut at most `stall_s` + `liveness_timeout_s` after its worker stopped.
+connections open, so its calls would wait for it until the request's deadline. A Decode
+stream's reads and a Prefill's answer are watched instead: after `stall_s` without one, the
+worker's gRPC health check is asked (its deadline: the gateway's `liveness_timeout_s`). A
+worker that answers SERVING is busy (a long prompt, a KV pull, a full batch): the call waits
+on. One that does not answer in time, or that the pool's polls already took out of routing, is
+abandoned: `WorkerStalled`, which the orchestrator treats as the worker's death (a stream
+resumes elsewhere from its last sent token; a Prefill's request goes whole to a decode
+worker). A call is thus cut at most `stall_s` + `liveness_timeout_s` after its worker stopped.
 
 `stall_s` scales with the worker's measured step time (its load report's step costs): a slow
 model's pauses between tokens are not mistaken for a stall.
@@ -16,8 +17,8 @@ model's pauses between tokens are not mistaken for a stall.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, Protocol, TypeVar
 
 import grpc
 
@@ -28,6 +29,7 @@ from protos.splitserve.v1 import common_pb2
 # A stream may go this many of its worker's decode steps without a token before its worker's
 # health is asked (a preemption, a queue ahead of it and a KV pull all take several steps).
 STALL_STEPS = 50
+T = TypeVar("T")
 
 
 class WorkerStalled(Exception):
@@ -55,24 +57,31 @@ async def watched(call: _Stream, worker: Worker, stall_s: float,
                   liveness_timeout_s: float) -> AsyncIterator[Any]:
     """`call`'s messages until its end; raises `WorkerStalled` when its worker stopped
     answering. The read in progress is cancelled on every way out (the call with it)."""
-    loop = asyncio.get_running_loop()
     while True:
-        read = asyncio.ensure_future(call.read())
-        silent_since = loop.time()
-        try:
-            while True:
-                done, _ = await asyncio.wait({read}, timeout=stall_s)
-                if done:
-                    break
-                alive = worker.healthy and await is_serving(worker.channel, liveness_timeout_s)
-                if read.done():  # it answered meanwhile: whatever the health check said
-                    break
-                if not alive:
-                    raise WorkerStalled(worker.address, loop.time() - silent_since)
-        finally:
-            if not read.done():
-                read.cancel()
-        message = read.result()
+        message = await watched_answer(call.read(), worker, stall_s, liveness_timeout_s)
         if message is grpc.aio.EOF:
             return
         yield message
+
+
+async def watched_answer(answer: Awaitable[T], worker: Worker, stall_s: float,
+                         liveness_timeout_s: float) -> T:
+    """`answer` (a unary call, a stream's next read) awaited under the watch: `WorkerStalled`
+    when, after `stall_s` without it, the worker does not answer its health check in time.
+    Cancelled (the call with it) on every way out but its own end."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(answer)
+    silent_since = loop.time()
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=stall_s)
+            if done:
+                return task.result()
+            alive = worker.healthy and await is_serving(worker.channel, liveness_timeout_s)
+            if task.done():  # it answered meanwhile: whatever the health check said
+                return task.result()
+            if not alive:
+                raise WorkerStalled(worker.address, loop.time() - silent_since)
+    finally:
+        if not task.done():
+            task.cancel()

@@ -56,6 +56,7 @@ class Script:
     # decode: the first Decode call's worker freezes (as under SIGSTOP: its streams, GetLoad
     # and health check stop answering, its connections stay open) after this many tokens
     freeze_after: int | None = None
+    prefill_freeze: bool = False        # prefill: the worker freezes during its first Prefill
     prefill_error: grpc.StatusCode | None = None
     decode_error: grpc.StatusCode | None = None
     embed_delay_s: float = 0.0          # Embed: how long each call is held
@@ -135,6 +136,9 @@ class FakeWorker(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeService
 
     async def Prefill(self, request: Any, context: Any) -> prefill_pb2.PrefillResponse:
         self.prefill_requests.append(request)
+        if self.script.prefill_freeze and len(self.prefill_requests) == 1:
+            self.frozen = True
+        await self._while_frozen()
         if self.script.prefill_error is not None:
             await context.abort(self.script.prefill_error, "fake prefill failure")
         first = self.script.token_at(0)

@@ -156,3 +156,19 @@ def test_a_slow_live_worker_keeps_its_stream(script_ids: list[int]) -> None:
                  liveness_timeout_s=1.0) as h:
         assert _complete(h, 5, stream=True) == _text(script_ids[:5])
         assert not h.prefill[0].decode_requests and len(h.decode[0].decode_requests) == 1
+
+
+def test_a_prefill_on_a_stopped_worker_goes_whole_to_decode(script_ids: list[int]) -> None:
+    """The prefill worker freezes during the Prefill (as under SIGSTOP): abandoned within
+    stall + liveness time, the request is computed whole on the decode worker (nothing had
+    reached the client), and the lease it may hold is released."""
+    with Harness(Script(list(script_ids), prefill_freeze=True), stream_stall_s=0.3,
+                 liveness_timeout_s=0.3) as h:
+        start = time.monotonic()
+        assert _complete(h, 6) == _text(script_ids[:6])
+        assert time.monotonic() - start < 5.0
+        whole = h.decode[0].decode_requests[-1]
+        assert not whole.HasField("kv_handle") and not whole.output_token_ids
+        [prefill] = h.prefill[0].prefill_requests
+        _until(lambda: h.prefill[0].released == [prefill.request_id], "the lease's release")
+        h.prefill[0].frozen = False
