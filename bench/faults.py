@@ -49,7 +49,9 @@ class FaultStack:
     def __init__(self, log_dir: Path) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.prefill = spawn_worker("prefill", log_dir)
-        self.decode = spawn_worker("decode", log_dir)
+        # KV only from the configured prefill worker (the fuzz's foreign handle is refused).
+        self.decode = spawn_worker("decode", log_dir,
+                                   extra_args=("--kv-peers", self.prefill.address))
         rest, grpc_port = free_ports(2)
         self.gateway = ServiceProcess("gateway", rest, [
             "--grpc-port", str(grpc_port), "--prefill", self.prefill.address,

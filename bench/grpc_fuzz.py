@@ -5,7 +5,8 @@ worker's address, wrong block hashes, a wrong cache salt).
 A case passes when the worker answers with a status (any but INTERNAL / UNKNOWN, which would
 be an unhandled error) or a well-formed stream within its deadline, and stays up. The forged
 handle naming an address nobody configured records whether the decode worker dialled it
-(`dialled_unconfigured_address`): decode workers pull from the address a handle names.
+(`dialled_unconfigured_address`): false when the decode worker runs with `--kv-peers` (as
+`splitserve bench faults` starts it), which refuses such a handle before any connection.
 Used by `splitserve bench faults` and tests/e2e/test_e2e_fuzz.py.
 """
 

@@ -24,7 +24,7 @@ async def serve(args: argparse.Namespace) -> None:
         config, args.host, args.port if args.port is not None else DEFAULT_PORT,
         auth_token=internal_token_from_env(), tiers=tier_config_from_args(args),
         kv_transports=args.kv_transports, kv_tcp_streams=args.kv_tcp_streams,
-        metrics=metrics_options(args))
+        kv_peers=args.kv_peers, metrics=metrics_options(args))
     await run_until_signal(lambda: handle.drain(args.drain_timeout), watch=handle.load_task)
 
 

@@ -13,6 +13,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from kv_transfer import DEFAULT_TCP_STREAMS
+from kv_transfer.peers import KvPeers
 from protos.splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from worker.decode_servicer import DecodeServicer
 from worker.kv import GrpcKvLoader
@@ -30,6 +31,7 @@ async def start_decode_worker(config: EngineConfig, host: str, port: int, *,
                               tiers: TierConfig | None = None,
                               kv_transports: Sequence[str] = KV_TRANSPORTS,
                               kv_tcp_streams: int = DEFAULT_TCP_STREAMS,
+                              kv_peers: KvPeers | None = None,
                               metrics: MetricsOptions | None = None) -> WorkerHandle:
     """Start a decode (or colocated) worker; returns once the port is bound (`handle.ready`:
     loaded).
@@ -39,14 +41,15 @@ async def start_decode_worker(config: EngineConfig, host: str, port: int, *,
     decode worker plans from them for requests without KV and saves the blocks its outputs
     filled). kv_transports: how a decode
     worker may pull KV ("ipc", "tcp", "shm"; the gRPC stream always). kv_tcp_streams:
-    connections one data-port pull opens. metrics: serve /metrics (worker/metrics.py)."""
+    connections one data-port pull opens. kv_peers: the only addresses a KV handle may name
+    (kv_transfer/peers.py; None: any). metrics: serve /metrics (worker/metrics.py)."""
     role = config.scheduler.role
     if role not in ("decode", "colocated"):
         raise ValueError(f"a decode worker needs role 'decode' or 'colocated', not {role!r}")
     # This worker's own KV calls (pulls, releases) go to the address each handle names: they
     # carry the lease's ticket from the handle, never the cluster's secret (rpc/auth.py).
     kv_metadata: tuple[tuple[str, str], ...] = ()
-    servicer = DecodeServicer(kv_metadata=kv_metadata)
+    servicer = DecodeServicer(kv_metadata=kv_metadata, kv_peers=kv_peers)
 
     def register(server: grpc.aio.Server, bound: int) -> list[str]:
         decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
@@ -78,6 +81,8 @@ async def start_decode_worker(config: EngineConfig, host: str, port: int, *,
     def report() -> common_pb2.LoadReport | None:
         return None if servicer.aengine is None else report_now(servicer, role)
 
-    return await start_worker_server(config, host, port, register, on_loaded,
-                                     engine_factory=engine_factory, auth_token=auth_token,
-                                     metrics=metrics, report=report)
+    handle = await start_worker_server(config, host, port, register, on_loaded,
+                                       engine_factory=engine_factory, auth_token=auth_token,
+                                       metrics=metrics, report=report)
+    handle.servicer = servicer
+    return handle

@@ -143,6 +143,14 @@ class GatewayConfig:
     # in routing, and that check's deadline (gateway/worker_health.py).
     load_poll_max_misses: int = 3
     liveness_timeout_s: float = 5.0
+    # A Decode stream silent this long (at least; more for a worker with slow steps) has its
+    # worker's health asked; no answer within liveness_timeout_s: resumed elsewhere
+    # (gateway/stream_watch.py).
+    stream_stall_s: float = 2.0
+    # A streaming client (REST SSE or gRPC) that takes no data for this long (it stopped
+    # reading: its TCP window stays closed) is cut: the request aborted, its downstream calls
+    # cancelled, its place of the request limit given back (gateway/streaming.py).
+    stream_send_timeout_s: float = 30.0
     shutdown_grace_s: float = 10.0            # drain time for in-flight requests on shutdown
 
     def __post_init__(self) -> None:
@@ -207,7 +215,8 @@ class GatewayConfig:
             raise GatewayConfigError(f"load_poll_max_misses must be an integer >= 1, got "
                                      f"{self.load_poll_max_misses!r}")
         for name in ("request_timeout_s", "load_poll_interval_s", "load_poll_timeout_s",
-                     "discovery_interval_s", "liveness_timeout_s"):
+                     "discovery_interval_s", "liveness_timeout_s",
+                     "stream_stall_s", "stream_send_timeout_s"):
             if getattr(self, name) <= 0:
                 raise GatewayConfigError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.kv_failure_policy not in ("recompute", "fail"):

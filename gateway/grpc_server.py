@@ -25,8 +25,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -64,6 +65,7 @@ from rpc.request_decoding import DecodeErrorInterceptor
 from rpc.servers import SERVER_OPTIONS, bind_port
 from rpc.tls import read_pem
 
+log = logging.getLogger(__name__)
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 _FINISH_ENUM = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
                 "abort": common_pb2.FINISH_REASON_ABORT,
@@ -76,15 +78,33 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, state: GatewayState) -> None:
         self._state = state
 
-    async def Generate(self, request: gateway_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    async def Generate(  # type: ignore[override]  # writes with context.write, not yield
+            self, request: gateway_pb2.GenerateRequest,
+            context: grpc.aio.ServicerContext) -> None:
         # The request's span joins the client's trace (its `traceparent` metadata), if any.
         with tracing.remote_parent(tracing.metadata_carrier(context.invocation_metadata())):
-            async for response in self._generate(request, context):
-                yield response
+            timeout_s = self._state.config.stream_send_timeout_s
+            async with contextlib.aclosing(self._generate(request, context)) as responses:
+                async for response in responses:
+                    # A client that stopped reading blocks the write once its flow-control
+                    # window is full: past the timeout the generation behind the responses is
+                    # cancelled (their slot and downstream calls freed) before the call is
+                    # ended: the status waits behind the unsent message, so the call itself
+                    # lingers until the client reads or its deadline passes.
+                    try:
+                        await asyncio.wait_for(context.write(response), timeout_s)
+                    except TimeoutError:
+                        await responses.aclose()
+                        metrics = self._state.metrics
+                        metrics.stream_send_timeouts.labels(api="grpc").inc()
+                        metrics.requests_aborted.labels(api="grpc").inc()
+                        log.warning("a streaming gRPC client took no data for %.0fs: its "
+                                    "generation cancelled", timeout_s)
+                        await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                            f"the client read nothing for {timeout_s:.0f}s")
 
     async def _generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-                        ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+                        ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
         try:
             job, calling = await self._job(request)
             beam = _beam_search(request, job, self._state)

@@ -374,6 +374,17 @@ class GatewayMetrics:
         self.decode_resumes = Counter(
             "splitserve:decode_resumes", "Requests resumed on another decode worker.",
             registry=r)
+        self.stream_send_timeouts = Counter(
+            "splitserve:stream_send_timeouts",
+            "Streams cut because their client took no data for stream_send_timeout_s (it "
+            "stopped reading), by api: rest or grpc. Each is also in requests_aborted.",
+            ["api"], registry=r)
+        for api in ("rest", "grpc"):  # exposed at 0 from the start
+            self.stream_send_timeouts.labels(api=api)
+        self.decode_stalls = Counter(
+            "splitserve:decode_stalls", "Decode streams abandoned because their worker stopped "
+            "answering (no token, then no health answer in time), each resumed elsewhere.",
+            registry=r)
         self.spec_decode_decisions = Counter(
             "splitserve:spec_decode_decisions",
             "Decode calls by the speculative policy's choice: off (no drafts), draft_model, "

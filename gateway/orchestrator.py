@@ -9,6 +9,7 @@ For each of the n completions of a job, concurrently:
          │ UNAVAILABLE mid-stream
          ▼
     Decode.Decode(prompt, all tokens sent so far, no kv_handle)   (at most `decode_retries`)
+A stream whose worker stops answering (SIGSTOP) resumes the same way (gateway/stream_watch.py).
 
 A worker that refuses a call with RESOURCE_EXHAUSTED (full: it sheds load) is skipped for that
 call and the next one picked (prefill and decode alike), until each worker of the pool refused:
@@ -65,6 +66,7 @@ from gateway.router import Attempts, Router, Worker, WorkerPool, call_routed
 from gateway.serving_mode import ServingModes
 from gateway.spec_metrics import spec_attributes
 from gateway.spec_policy import SpecPolicy, request_class
+from gateway.stream_watch import WorkerStalled, stall_after_s, watched, watched_answer
 from gateway.tokenization import DetokenizerLike, TokenizerLike, make_detokenizer
 from protos.splitserve.v1 import common_pb2, decode_pb2, kv_transfer_pb2, prefill_pb2
 from rpc import tracing
@@ -77,6 +79,8 @@ _FINISH_NAMES = {
     common_pb2.FINISH_REASON_ABORT: "abort",
 }
 _RELEASE_TIMEOUT_S = 2.0
+_LOST_ANSWER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,  # a lease
+                grpc.StatusCode.CANCELLED)  # may have been granted, its answer lost
 
 
 @dataclass(slots=True)
@@ -338,14 +342,23 @@ class Orchestrator:
 
         async def call(worker: Worker) -> prefill_pb2.PrefillResponse:
             try:
-                response = await self._router.prefill_stub(worker).Prefill(
-                    request, timeout=self._remaining(job), metadata=metadata)
-            except asyncio.CancelledError:
-                # The worker may have granted the lease and sent a response we will never read
-                # (its handler was no longer cancellable). A prefill worker serves KvTransfer on
-                # its own address; releasing a lease that does not exist is a no-op.
+                response = await watched_answer(self._router.prefill_stub(worker).Prefill(
+                    request, timeout=self._remaining(job), metadata=metadata), worker,
+                    stall_after_s(worker.load, self._config.stream_stall_s),
+                    self._config.liveness_timeout_s)
+            except WorkerStalled as stalled:  # nothing reached the client: whole on decode
+                pool.mark_failed(worker.address)
                 self._release_in_background(common_pb2.KvHandle(
                     worker_address=worker.address, request_id=request.request_id))
+                raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"prefill: {stalled}") from None
+            except (asyncio.CancelledError, grpc.aio.AioRpcError) as exc:
+                # The worker may have granted the lease and sent a response we will never read
+                # (its handler was no longer cancellable, or the answer was lost on the way: the
+                # connection cut, the deadline passed). A prefill worker serves KvTransfer on
+                # its own address; releasing a lease that does not exist is a no-op.
+                if not isinstance(exc, grpc.aio.AioRpcError) or exc.code() in _LOST_ANSWER:
+                    self._release_in_background(common_pb2.KvHandle(
+                        worker_address=worker.address, request_id=request.request_id))
                 raise
             pool.prefix_index.record(worker.address, response.kv_handle.block_hashes)
             return response
@@ -383,7 +396,12 @@ class Orchestrator:
             except grpc.aio.AioRpcError as err:
                 if not attempts.retry(worker, err, max_failures=self._config.decode_retries):
                     raise GatewayError.from_rpc(err, "decode") from None
-                self._before_decode_retry(worker, job, state, err)
+                self._before_decode_retry(worker, job, state, err.code())
+            except WorkerStalled as stalled:  # stopped, not dead: as good as dead to the stream
+                if not attempts.abandon(worker, max_failures=self._config.decode_retries):
+                    raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"decode: {stalled}") from None
+                self._metrics.decode_stalls.inc()
+                self._before_decode_retry(worker, job, state, grpc.StatusCode.UNAVAILABLE)
             finally:
                 pool.done(worker)
 
@@ -394,16 +412,16 @@ class Orchestrator:
         return request_class(job.prompt_token_ids, job.tool_choice is not None, text)
 
     def _before_decode_retry(self, worker: Worker, job: GenerationJob, state: _Completion,
-                             err: grpc.aio.AioRpcError) -> None:
-        """`worker` failed (UNAVAILABLE) or was full (RESOURCE_EXHAUSTED); the completion goes
-        on elsewhere."""
-        if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                             code: grpc.StatusCode) -> None:
+        """`worker` failed (UNAVAILABLE, or stopped answering) or was full
+        (RESOURCE_EXHAUSTED); the completion goes on elsewhere."""
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             # Refused before anything ran there: the lease is still the prefill worker's (a
             # full decode worker leaves it), so the next decode worker pulls it. If every one
             # is full, the request's failure path releases it.
             return
         log.warning("decode worker %s failed (%s); resuming %s after %d tokens",
-                    worker.address, err.code().name, job.request_id, len(state.output_ids))
+                    worker.address, code.name, job.request_id, len(state.output_ids))
         self._metrics.decode_resumes.inc()
         # The next worker computes prompt + tokens sent so far: nobody will pull the lease (the
         # failed worker may have; releasing again is harmless).
@@ -443,8 +461,9 @@ class Orchestrator:
             request.kv_handle.CopyFrom(state.kv_handle)
         call = self._router.decode_stub(worker).Decode(request, timeout=self._remaining(job),
                                                        metadata=metadata)
+        stall_s = stall_after_s(worker.load, self._config.stream_stall_s)
         try:
-            async for response in call:
+            async for response in watched(call, worker, stall_s, self._config.liveness_timeout_s):
                 kind = response.WhichOneof("response")
                 if kind == "chunk":
                     self._metrics.request_phases.iteration_tokens.observe(

@@ -355,6 +355,16 @@ class Attempts:
         self.tried.append(worker.address)
         return True
 
+    def abandon(self, worker: Worker, max_failures: int) -> bool:
+        """Whether to make the call again on another worker after `worker` stopped answering
+        mid-call (gateway/stream_watch.py): counted as down, as an UNAVAILABLE answer is."""
+        if self.num_failed >= max_failures:
+            return False
+        self.pool.mark_failed(worker.address)
+        self.num_failed += 1
+        self.tried.append(worker.address)
+        return True
+
 
 async def call_routed(pool: WorkerPool, block_hashes: Sequence[bytes],
                       call: Callable[[Worker], Awaitable[T]], hop: str,

@@ -1,18 +1,23 @@
 """A request's generation events answered: run to the end (one body), or streamed as
 server-sent events — chat and completion chunks ending `[DONE]`, or the Responses API's typed
 events. A client disconnect, at any stage (a streamed request's prefill included), cancels the
-generation, and with it the downstream gRPC calls; it is counted (`splitserve:requests_aborted`)."""
+generation, and with it the downstream gRPC calls; it is counted (`splitserve:requests_aborted`).
+So does a client that stops reading a stream: a send blocked past `stream_send_timeout_s` cuts
+it. The events are never held back for a slow client (the orchestrator's queue takes them as the
+workers send them), so its workers finish and free their KV at their own pace; the gateway keeps
+at most the request's own text until it is sent or the stream is cut."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from gateway.completion_view import CompletionView
 from gateway.errors import GatewayError
@@ -23,6 +28,7 @@ from gateway.openai_bodies import error_body
 from gateway.response_writer import ResponseWriter
 from gateway.responses_api import ResponsesPaths
 
+log = logging.getLogger(__name__)
 Keep = Callable[[dict[str, Any]], object]  # stores a finished response (or not)
 
 
@@ -53,6 +59,10 @@ async def _started(view: CompletionView, request: Request
         raise
 
 
+class _ClientTooSlow(Exception):
+    """A send to the client did not complete within the stream send timeout."""
+
+
 class _EventStream(StreamingResponse):
     """SSE of a request's `events` rendered by `body`; both are closed when the response ends,
     however it ends. Starlette cancels the body on a client disconnect, but one cancelled while
@@ -61,15 +71,30 @@ class _EventStream(StreamingResponse):
     downstream calls cancelled, its place of the request limit given back."""
 
     def __init__(self, body: AsyncGenerator[str, None],
-                 events: AsyncGenerator[Event, None]) -> None:
+                 events: AsyncGenerator[Event, None], view: CompletionView) -> None:
         super().__init__(body, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache"})
         self._body = body
         self._events = events
+        self._send_timeout_s = view.state.config.stream_send_timeout_s
+        self._metrics = view.state.metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def timed_send(message: Message) -> None:
+            # A client that stopped reading blocks the send once its TCP window and the
+            # server's buffer are full: past the timeout, the stream is cut (the events are
+            # not buffered for it: the generation behind them is cancelled).
+            try:
+                await asyncio.wait_for(send(message), self._send_timeout_s)
+            except TimeoutError:
+                raise _ClientTooSlow from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, timed_send)
+        except _ClientTooSlow:
+            self._metrics.stream_send_timeouts.labels(api="rest").inc()
+            log.warning("a streaming client took no data for %.0fs: stream cut",
+                        self._send_timeout_s)
         finally:
             await self._body.aclose()    # its own cleanup closes `events`, if it started
             await self._events.aclose()  # a no-op once closed
@@ -78,7 +103,7 @@ class _EventStream(StreamingResponse):
 async def stream_chunks(view: CompletionView, request: Request) -> Response:
     """SSE of chat or completion chunks, ending `[DONE]`."""
     first, events = await _started(view, request)
-    return _EventStream(_sse(view, first, events), events)
+    return _EventStream(_sse(view, first, events), events, view)
 
 
 async def _sse(view: CompletionView, first: Event, events: AsyncGenerator[Event, None]
@@ -111,7 +136,7 @@ async def stream_response(view: CompletionView, writer: ResponseWriter, keep: Ke
                           request: Request) -> Response:
     """The Responses API's SSE stream: typed events, no [DONE]."""
     first, events = await _started(view, request)
-    return _EventStream(_response_events(view, writer, first, events, keep), events)
+    return _EventStream(_response_events(view, writer, first, events, keep), events, view)
 
 
 async def _response_events(view: CompletionView, writer: ResponseWriter, first: Event,

@@ -7,6 +7,7 @@ so a parse failure can end the call with the right status before the servicer ru
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -39,6 +40,11 @@ class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
             return grpc.unary_unary_rpc_method_handler(unary_unary, **kwargs)
         if handler.unary_stream is not None:
             streaming = handler.unary_stream
+            if not inspect.isasyncgenfunction(streaming):  # writes with context.write
+                async def unary_writes(raw: bytes, context: grpc.aio.ServicerContext) -> None:
+                    await streaming(await _parsed(parse, raw, method, context), context)
+
+                return grpc.unary_stream_rpc_method_handler(unary_writes, **kwargs)
 
             async def unary_stream(raw: bytes, context: grpc.aio.ServicerContext
                                    ) -> AsyncIterator[Any]:

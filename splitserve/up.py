@@ -305,6 +305,7 @@ def service_argv(args: argparse.Namespace, engine_args: list[str]) -> dict[str, 
     return {"prefill": ["--role", "prefill", "--port", str(args.prefill_port),
                         *_role_engine_args(engine_args, args.prefill_tensor_parallel_size)],
             "decode": ["--role", "decode", "--port", str(args.decode_port),
+                       "--kv-peers", f"127.0.0.1:{args.prefill_port}",
                        *_role_engine_args(engine_args, args.decode_tensor_parallel_size)],
             "gateway": gw}
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from engine.cli_args import add_engine_args
 from engine_api.model_name import served_model_name_for
 from kv_transfer import DEFAULT_TCP_STREAMS, MAX_TCP_STREAMS
+from kv_transfer.peers import KvPeers
 from rpc.auth import AuthConfigError
 from rpc.servers import PortBindError
 from rpc.tls import tls_from_env
@@ -45,6 +46,13 @@ def _tcp_streams(text: str) -> int:
     if not 1 <= streams <= MAX_TCP_STREAMS:
         raise argparse.ArgumentTypeError(f"--kv-tcp-streams must be in 1..{MAX_TCP_STREAMS}")
     return streams
+
+
+def _kv_peers(text: str) -> KvPeers:
+    try:
+        return KvPeers(text.split(","))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--kv-peers: {exc}") from None
 
 
 def _port(flag: str, off: bool = False) -> Callable[[str], int | None]:
@@ -107,6 +115,12 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-tcp-streams", type=_tcp_streams, default=DEFAULT_TCP_STREAMS,
                    help="decode role: connections one pull over the prefill worker's data port "
                         f"opens at once, 1..{MAX_TCP_STREAMS} (default: {DEFAULT_TCP_STREAMS})")
+    p.add_argument("--kv-peers", type=_kv_peers, default=None, metavar="LIST",
+                   help="decode role: the only prefill workers KV may be pulled from, a comma "
+                        "list of HOST:PORT, HOST (any port), CIDR or dns:NAME:PORT (the "
+                        "gateway's --prefill entries fit); a KV handle naming another address "
+                        "is refused before any connection (default: any address a handle "
+                        "names)")
     p.add_argument("--kv-data-port", type=_port("--kv-data-port", off=True), default=0,
                    help="prefill role: the port on --host that serves KV blocks raw to decode "
                         "workers (their 'tcp' way; same TLS as the gRPC port); 0 picks a free "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
@@ -18,6 +19,7 @@ from engine_api.errors import EngineInputError
 from engine_api.hashing import compute_block_hashes, prompt_hash
 from engine_api.request_options import RemoteKv
 from engine_api.sampling_params import SamplingParamsError
+from kv_transfer.peers import KvPeers
 from protos.splitserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from rpc import tracing
 from worker.common import EngineBound, abort_traced, request_options
@@ -37,15 +39,22 @@ from worker.tier_cache import TierPrefixCache
 from worker.tier_metrics import fill_tier_report
 
 KV_PULL_TIMEOUT_S = 30.0
+log = logging.getLogger(__name__)
 
 
 class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
-    def __init__(self, kv_metadata: Sequence[tuple[str, str]] = (), pulls_kv: bool = True) -> None:
+    def __init__(self, kv_metadata: Sequence[tuple[str, str]] = (), pulls_kv: bool = True,
+                 kv_peers: KvPeers | None = None) -> None:
         """kv_metadata: sent with the lease releases this servicer makes (the credential).
         pulls_kv: False on a prefill worker, whose engine decodes whole requests only when no
         decode worker is left (the gateway's prefill_only mode): a kv_handle is not pulled
-        there (recomputed, or INVALID_ARGUMENT under KV_FAILURE_POLICY_FAIL)."""
+        there (recomputed, or INVALID_ARGUMENT under KV_FAILURE_POLICY_FAIL). kv_peers: the
+        addresses KV may be pulled from (--kv-peers); a handle naming another is refused before
+        any connection (recomputed, or PERMISSION_DENIED under KV_FAILURE_POLICY_FAIL), and
+        counted. None: any address a handle names."""
         super().__init__()
+        self.kv_peers = kv_peers
+        self.kv_handles_refused = 0  # handles naming an address outside kv_peers
         self._kv_metadata = tuple(kv_metadata)
         self._pulls_kv = pulls_kv
         self._releases: set[asyncio.Task[None]] = set()  # keeps fire-and-forget tasks alive
@@ -67,6 +76,15 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
     async def _decode(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext,
                       span: Span) -> AsyncGenerator[decode_pb2.DecodeResponse, None]:
         aengine = await self.engine_or_abort(context)
+        if await self._refuses_peer(request):
+            if request.kv_failure_policy == decode_pb2.KV_FAILURE_POLICY_FAIL:
+                await abort_traced(context, span, grpc.StatusCode.PERMISSION_DENIED,
+                                   "the KV handle names an address that is not a KV peer")
+            request.ClearField("kv_handle")  # recomputed here; nothing dials its address
+            request.kv_failure_policy = decode_pb2.KV_FAILURE_POLICY_RECOMPUTE
+            refused_handle = True
+        else:
+            refused_handle = False
         try:
             rid = check_request_id(request.request_id)
             ids = check_prompt(list(request.prompt_token_ids))
@@ -129,11 +147,11 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
                         isinstance(remote.handle, RemoteKvHandle) and remote.handle.failed)
                     span.set_attribute("splitserve.output_tokens", n_out)
                     span.set_attribute("splitserve.cached_tokens", out.num_cached_tokens)
-                    span.set_attribute("splitserve.kv_recomputed",
-                                       recomputed and request.HasField("kv_handle"))
+                    recomputed = refused_handle or (recomputed and request.HasField("kv_handle"))
+                    span.set_attribute("splitserve.kv_recomputed", recomputed)
                     yield decode_pb2.DecodeResponse(complete=decode_pb2.DecodeComplete(
                         finish_reason=finish_reason(out), num_output_tokens=n_out,
-                        kv_recomputed=recomputed and request.HasField("kv_handle"),
+                        kv_recomputed=recomputed,
                         num_cached_tokens=out.num_cached_tokens))
         except KvLoadAbort as e:
             await abort_traced(context, span, grpc.StatusCode.UNAVAILABLE, str(e))
@@ -152,6 +170,23 @@ class DecodeServicer(EngineBound, decode_pb2_grpc.DecodeServicer):
             if (remote is not None and isinstance(remote.handle, RemoteKvHandle)
                     and not refused):
                 self._release_unpulled(remote.handle)
+
+    async def _refuses_peer(self, request: decode_pb2.DecodeRequest) -> bool:
+        """Whether the request's KV handle names an address outside --kv-peers (logged and
+        counted: a misconfigured list or a forged handle)."""
+        if self.kv_peers is None or not self._pulls_kv or not request.HasField("kv_handle"):
+            return False
+        problem = await self.kv_peers.refusal(request.kv_handle.worker_address)
+        if problem is None:
+            return False
+        self.kv_handles_refused += 1
+        log.warning("request %s: %s; not pulled", request.request_id[:64], problem)
+        return True
+
+    def load_report(self, role: str) -> common_pb2.LoadReport:
+        report = super().load_report(role)
+        report.kv_handles_refused = self.kv_handles_refused
+        return report
 
     def _release_unpulled(self, handle: RemoteKvHandle) -> None:
         """Release the prefill lease unless a whole pull took it (the loader releases then)."""

@@ -56,6 +56,9 @@ COUNTERS: tuple[tuple[str, str, Callable[[Report], float]], ...] = (
      "instead of computed.", lambda r: r.tier_hit_tokens),
     ("splitserve:engine_kv_tier_saved_blocks", "KV blocks written to the CPU/Redis tiers.",
      lambda r: r.tier_saved_blocks),
+    ("splitserve:engine_kv_handles_refused", "KV handles refused before any connection: "
+     "they named an address outside the decode worker's --kv-peers.",
+     lambda r: r.kv_handles_refused),
     ("splitserve:engine_spec_decode_num_draft_tokens", "Draft tokens verified.",
      lambda r: r.spec_draft_tokens),
     ("splitserve:engine_spec_decode_num_accepted_tokens", "Draft tokens accepted.",

@@ -73,6 +73,8 @@ class WorkerHandle:
     load_task: asyncio.Future[None] | None = None
     # Run in order after the server and the engine stopped (data ports, kept channels).
     on_stop: list[Callable[[], Awaitable[None] | None]] = field(default_factory=list)
+    # The role's servicer (its counters and settings, for probes and tests).
+    servicer: object | None = None
 
     async def drain(self, timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
         """Scale-in (SIGTERM): health NOT_SERVING and new calls refused at once, then wait (at

@@ -116,13 +116,15 @@ def _streams_through(d: Degraded, fault: Callable[[], None], mid_stream: bool = 
 
 
 def test_stopped_decode_worker_streams_resume_where_they_were(degraded: Degraded) -> None:
-    """SIGSTOP the decode worker mid-stream: the gateway's polls time out, so new requests go
-    whole to the prefill worker meanwhile; after SIGCONT the stopped streams finish with the
-    reference tokens and the gateway serves disaggregated again."""
+    """SIGSTOP the decode worker mid-stream: its streams are abandoned (no token, then no
+    health answer) and resumed on the prefill worker while it is still stopped, with the
+    reference tokens; new requests go whole to the prefill worker meanwhile; after SIGCONT the
+    gateway serves disaggregated again and the woken worker frees what it held."""
     d = degraded
     d.wait_mode("disaggregated")
     d.reference = _streams_through(d, lambda: None)
     during: list[list[int]] = []
+    stalls = _metric(d, "splitserve:decode_stalls_total")
 
     def stop_then_serve_around_it() -> None:
         d.decode.signal(signal.SIGSTOP)
@@ -130,6 +132,10 @@ def test_stopped_decode_worker_streams_resume_where_they_were(degraded: Degraded
             d.wait_mode("prefill_only", 30)
             during.append(_stream(f"{HOST}:{d.gateway.grpc_port}", PROMPTS[0],
                                   threading.Event()))
+            deadline = time.monotonic() + 30  # stall (2 s) + liveness (5 s), on a busy host
+            while _metric(d, "splitserve:decode_stalls_total") - stalls < len(PROMPTS):
+                assert time.monotonic() < deadline, "the stopped streams were not abandoned"
+                time.sleep(0.2)
         finally:
             d.decode.signal(signal.SIGCONT)
 

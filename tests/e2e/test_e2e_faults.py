@@ -22,6 +22,7 @@ pytest.register_assert_rewrite("tests.support.e2e_stack")  # before the import b
 
 from gateway.config import GatewayConfig  # noqa: E402
 from gateway.server import GatewayServer  # noqa: E402
+from kv_transfer.peers import KvPeers  # noqa: E402
 from kv_transfer.protocol import MAX_FRAGMENT_BYTES, channel_options  # noqa: E402
 from protos.splitserve.v1 import (  # noqa: E402
     common_pb2,
@@ -51,6 +52,7 @@ from tests.support.e2e_stack import (  # noqa: E402
     start_ready_worker,
     worker_channel,
 )
+from worker.decode_servicer import DecodeServicer  # noqa: E402
 
 pytest_plugins = ["tests.support.e2e_stack"]
 pytestmark = pytest.mark.slow
@@ -929,4 +931,45 @@ def test_a_forged_handle_never_collects_the_cluster_secret(
                     ("x-splitserve-lease-ticket", handle.lease_ticket),)).released
     finally:
         loop_thread.run(server.stop(0), 30)
+    disagg_stack.wait_idle()
+
+
+def test_a_handle_naming_an_address_outside_kv_peers_is_never_dialled(
+        disagg_stack: Stack, prompts: list[list[int]]) -> None:
+    """With --kv-peers naming the prefill worker, a handle forged to name another address is
+    refused before any connection (recomputed, or PERMISSION_DENIED under policy fail) and
+    counted; a handle naming the prefill worker is still pulled."""
+    servicer = disagg_stack.workers["decode"].servicer
+    assert isinstance(servicer, DecodeServicer)
+    listener = socket.create_server((HOST, 0))  # a host:port nobody configured
+    listener.setblocking(False)
+    prompt = prompts[0]
+    refused_before = servicer.kv_handles_refused
+    servicer.kv_peers = KvPeers([f"{HOST}:{disagg_stack.workers['prefill'].port}"])
+    try:
+        with _worker_channel(disagg_stack, "prefill") as ch:
+            forged_recompute, forged_fail, real = (_prefill(ch, prompt) for _ in range(3))
+        for prefill in (forged_recompute, forged_fail):
+            prefill.kv_handle.worker_address = f"{HOST}:{listener.getsockname()[1]}"
+        out = _decode(disagg_stack, prompt, forged_recompute, RECOMPUTE,
+                      forged_recompute.kv_handle)
+        assert out.complete.kv_recomputed
+        with pytest.raises(grpc.RpcError) as info:
+            _decode(disagg_stack, prompt, forged_fail, FAIL, forged_fail.kv_handle)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
+        assert not _decode(disagg_stack, prompt, real, FAIL).complete.kv_recomputed
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nothing connected to it
+        assert servicer.kv_handles_refused == refused_before + 2
+        with _worker_channel(disagg_stack, "decode") as ch:
+            report = decode_pb2_grpc.DecodeStub(ch).GetLoad(common_pb2.LoadRequest(), timeout=10)
+        assert report.kv_handles_refused == refused_before + 2
+    finally:
+        servicer.kv_peers = None
+        listener.close()
+    with _worker_channel(disagg_stack, "prefill") as ch:  # the forged ones' leases
+        stub = kv_transfer_pb2_grpc.KvTransferStub(ch)
+        for prefill in (forged_recompute, forged_fail):
+            stub.Release(kv_transfer_pb2.ReleaseRequest(
+                request_id=prefill.kv_handle.request_id), timeout=10)
     disagg_stack.wait_idle()

@@ -18,6 +18,7 @@ from functools import lru_cache
 from typing import Any, TypeVar
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.config import GatewayConfig
 from gateway.server import GatewayServer
@@ -52,15 +53,26 @@ class Script:
     token_delay_s: float = 0.0          # decode: pause before each token
     endless: bool = False               # decode: cycle the script until cancelled
     die_after: int | None = None        # decode: the first Decode call dies after this many tokens
+    # decode: the first Decode call's worker freezes (as under SIGSTOP: its streams, GetLoad
+    # and health check stop answering, its connections stay open) after this many tokens
+    freeze_after: int | None = None
+    prefill_freeze: bool = False        # prefill: the worker freezes during its first Prefill
     prefill_error: grpc.StatusCode | None = None
     decode_error: grpc.StatusCode | None = None
     embed_delay_s: float = 0.0          # Embed: how long each call is held
     _died: bool = False
+    _froze: bool = False
 
     def token_at(self, position: int) -> int | None:
         if self.endless:
             return self.token_ids[position % len(self.token_ids)]
         return self.token_ids[position] if position < len(self.token_ids) else None
+
+    def should_freeze(self, sent: int) -> bool:
+        if self.freeze_after is None or self._froze or sent < self.freeze_after:
+            return False
+        self._froze = True
+        return True
 
     def should_die(self, sent: int) -> bool:
         if self.die_after is None or self._died or sent < self.die_after:
@@ -94,6 +106,11 @@ class FakeWorker(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeService
     report: common_pb2.LoadReport = field(default_factory=common_pb2.LoadReport)
     embeds_in_flight: int = 0           # Embed calls being served now, and the most at once
     embeds_in_flight_max: int = 0
+    frozen: bool = False                # as under SIGSTOP: nothing answers until thawed
+
+    async def _while_frozen(self) -> None:
+        while self.frozen:
+            await asyncio.sleep(0.02)
 
     async def start(self, port: int = 0) -> None:
         """Serve on `port` (0: a free one; a stopped worker's own: it comes back)."""
@@ -101,6 +118,7 @@ class FakeWorker(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeService
         prefill_pb2_grpc.add_PrefillServicer_to_server(self, self.server)
         decode_pb2_grpc.add_DecodeServicer_to_server(self, self.server)
         kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(self, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(_FakeHealth(self), self.server)
         port = self.server.add_insecure_port(f"127.0.0.1:{port}")
         self.address = f"127.0.0.1:{port}"
         await self.server.start()
@@ -110,6 +128,7 @@ class FakeWorker(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeService
             await self.server.stop(0)
 
     async def GetLoad(self, request: Any, context: Any) -> common_pb2.LoadReport:
+        await self._while_frozen()
         report = common_pb2.LoadReport()
         report.CopyFrom(self.report)
         report.num_running, report.role = self.num_running, self.role
@@ -117,6 +136,9 @@ class FakeWorker(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeService
 
     async def Prefill(self, request: Any, context: Any) -> prefill_pb2.PrefillResponse:
         self.prefill_requests.append(request)
+        if self.script.prefill_freeze and len(self.prefill_requests) == 1:
+            self.frozen = True
+        await self._while_frozen()
         if self.script.prefill_error is not None:
             await context.abort(self.script.prefill_error, "fake prefill failure")
         first = self.script.token_at(0)
@@ -162,6 +184,9 @@ class FakeWorker(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeService
                 token = self.script.token_at(position)
                 if token is None:
                     break
+                if self.script.should_freeze(sent):
+                    self.frozen = True
+                await self._while_frozen()
                 if self.script.should_die(sent):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "fake decode worker died")
                 if self.script.token_delay_s:
@@ -188,6 +213,17 @@ class FakeWorker(prefill_pb2_grpc.PrefillServicer, decode_pb2_grpc.DecodeService
     async def Release(self, request: Any, context: Any) -> kv_transfer_pb2.ReleaseResponse:
         self.released.append(request.request_id)
         return kv_transfer_pb2.ReleaseResponse(released=True)
+
+
+class _FakeHealth(health_pb2_grpc.HealthServicer):
+    """SERVING, unless its worker is frozen: then no answer until it thaws."""
+
+    def __init__(self, worker: FakeWorker) -> None:
+        self._worker = worker
+
+    async def Check(self, request: Any, context: Any) -> health_pb2.HealthCheckResponse:
+        await self._worker._while_frozen()
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
 
 
 class Harness:

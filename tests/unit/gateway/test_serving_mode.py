@@ -112,9 +112,12 @@ def test_prefill_pool_down_mid_request_computes_it_on_decode(script_ids: list[in
     decode worker instead of failing, as nothing reached the client yet."""
     with Harness(Script(list(script_ids), prefill_error=grpc.StatusCode.UNAVAILABLE)) as h:
         assert _complete(h, 4) == _text(script_ids[:4])
-        assert len(h.prefill[0].prefill_requests) == 1
+        [prefill] = h.prefill[0].prefill_requests
         whole = h.decode[0].decode_requests[-1]
         assert not whole.HasField("kv_handle") and not whole.output_token_ids
+        # Its answer lost, the worker may still hold a lease for it: released, not left to
+        # expire.
+        _until(lambda: h.prefill[0].released == [prefill.request_id], "the lease's release")
 
 
 def test_full_workers_are_a_429_not_a_mode_change(script_ids: list[int]) -> None:
@@ -126,3 +129,46 @@ def test_full_workers_are_a_429_not_a_mode_change(script_ids: list[int]) -> None
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
         assert not h.prefill[0].decode_requests
         assert _mode(h) == "disaggregated"
+
+
+def test_a_stream_on_a_stopped_worker_resumes_elsewhere_in_bounded_time(
+        script_ids: list[int]) -> None:
+    """The only decode worker freezes after 3 tokens (as under SIGSTOP: connections open,
+    nothing answers): the stream is abandoned within stall + liveness time and resumes on the
+    prefill worker from the last token sent, none lost or doubled."""
+    with Harness(Script(list(script_ids), freeze_after=3), stream_stall_s=0.3,
+                 liveness_timeout_s=0.3) as h:
+        start = time.monotonic()
+        assert _complete(h, 12, stream=True) == _text(script_ids[:12])
+        assert time.monotonic() - start < 5.0
+        [resumed] = h.prefill[0].decode_requests
+        assert list(resumed.output_token_ids) == script_ids[:4]  # first + 3 decoded
+        metrics = httpx.get(h.base_url + "/metrics", timeout=10).text
+        assert sample_value(metrics, "splitserve:decode_stalls_total") == 1.0
+        h.decode[0].frozen = False  # thawed: it finds its stream cancelled
+        _until(h.decode[0].cancelled.is_set, "the abandoned stream's cancellation")
+
+
+def test_a_slow_live_worker_keeps_its_stream(script_ids: list[int]) -> None:
+    """Tokens slower than the stall time from a worker whose health check answers: a busy
+    worker, not a stopped one; the stream stays there."""
+    with Harness(Script(list(script_ids), token_delay_s=0.4), stream_stall_s=0.1,
+                 liveness_timeout_s=1.0) as h:
+        assert _complete(h, 5, stream=True) == _text(script_ids[:5])
+        assert not h.prefill[0].decode_requests and len(h.decode[0].decode_requests) == 1
+
+
+def test_a_prefill_on_a_stopped_worker_goes_whole_to_decode(script_ids: list[int]) -> None:
+    """The prefill worker freezes during the Prefill (as under SIGSTOP): abandoned within
+    stall + liveness time, the request is computed whole on the decode worker (nothing had
+    reached the client), and the lease it may hold is released."""
+    with Harness(Script(list(script_ids), prefill_freeze=True), stream_stall_s=0.3,
+                 liveness_timeout_s=0.3) as h:
+        start = time.monotonic()
+        assert _complete(h, 6) == _text(script_ids[:6])
+        assert time.monotonic() - start < 5.0
+        whole = h.decode[0].decode_requests[-1]
+        assert not whole.HasField("kv_handle") and not whole.output_token_ids
+        [prefill] = h.prefill[0].prefill_requests
+        _until(lambda: h.prefill[0].released == [prefill.request_id], "the lease's release")
+        h.prefill[0].frozen = False

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import itertools
 import socket
+import struct
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -379,3 +380,54 @@ async def test_data_server_validates_and_closes() -> None:
             socket.create_connection(("127.0.0.1", server.port), timeout=2)
     finally:
         await w.stop()
+
+
+async def _resetting_proxy(upstream_port: int, pass_bytes: int) -> asyncio.Server:
+    """A TCP proxy to the data port that forwards `pass_bytes` of the blocks, then resets the
+    puller's connection (RST: SO_LINGER 0), as a middlebox or a dying host does."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", upstream_port)
+
+        async def ticket_up() -> None:
+            while data := await reader.read(65536):
+                up_writer.write(data)
+                await up_writer.drain()
+
+        forward = asyncio.create_task(ticket_up())
+        sent = 0
+        while sent < pass_bytes and (data := await up_reader.read(pass_bytes - sent)):
+            writer.write(data)
+            await writer.drain()
+            sent += len(data)
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()
+        forward.cancel()
+        up_writer.close()
+
+    return await asyncio.start_server(serve, "127.0.0.1", 0)
+
+
+async def test_a_connection_reset_mid_transfer_fails_the_load_at_once(
+        worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The data connection is reset after one block and a half: the load fails at once (not
+    at its timeout), nothing claims the partial blocks, and the lease stays held for its owner
+    to release (the decode worker recomputes the prompt and releases it)."""
+    monkeypatch.setattr(tcp_module, "SEND_SLICE_BLOCKS", 1)
+    worker.grant()
+    spec = worker.source.spec
+    assert worker.data is not None
+    proxy = await _resetting_proxy(worker.data.port, spec.block_nbytes * 3 // 2)
+    monkeypatch.setattr(worker.data, "port", proxy.sockets[0].getsockname()[1])
+    try:
+        connector = GrpcPullConnector(spec, DictSink(spec), asyncio.get_running_loop(),
+                                      timeout_s=TIMEOUT_S, use_shm=False, tcp_streams=1)
+        started = asyncio.get_running_loop().time()
+        connector.start_load_kv("local-1", handle_for(worker), [0, 1, 4])
+        result = await connector.wait_for_load("local-1")
+        assert result == LoadResult("local-1", False, "unavailable")
+        assert asyncio.get_running_loop().time() - started < TIMEOUT_S / 2
+        assert worker.released == [] and worker.source.lookup("req-1") is not None
+    finally:
+        proxy.close()
+        await proxy.wait_closed()
