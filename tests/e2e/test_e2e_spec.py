@@ -75,6 +75,9 @@ def worker(loop_thread: LoopThread) -> Iterator[WorkerHandle]:
         handle = await start_worker(config, HOST, 0)
         assert handle.load_task is not None
         await asyncio.wait_for(asyncio.shield(handle.load_task), LOAD_TIMEOUT_S)
+        # Ready before its calibration ran (it runs while idle): the tests read its points.
+        assert handle.calibration is not None
+        assert await asyncio.wait_for(asyncio.shield(handle.calibration), 60) > 0
         return handle
 
     handle = loop_thread.run(start(), LOAD_TIMEOUT_S + 30)
