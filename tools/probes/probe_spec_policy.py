@@ -7,7 +7,7 @@ three more gateways in front of the same workers that differ only in their polic
 
 Two workloads: repetitive code edits (the prompt holds a function and asks for it again with
 one change: the output repeats the prompt) and free-form stories. For each workload and
-concurrency, `--rounds` rounds; within a round the four gateways run one after another in an
+concurrency, `--rounds` rounds (4 give each mode every prompt set once); within a round the four gateways run one after another in an
 order that rotates from cell to cell and round to round (interleaved A/B/C/D), each sending the cell's requests (greedy, `--max-tokens`
 tokens each, EOS ignored) `concurrency` at a time. Reported per cell: output tokens per second
 of each policy (the mean over rounds), and the policy's ratio to the best of the others;
@@ -177,9 +177,12 @@ async def measure(ports: dict[str, int], model: str, concurrency: list[int], rou
                 shift = (r + len(rows)) % len(MODES)  # each cell and round its own order
                 order = MODES[shift:] + MODES[:shift]
                 for mode in order:
-                    # Prompts of its own for each mode: a mode that ran after another on
-                    # the same prompts would find their KV in the prefill worker's cache.
-                    prompts = [make(1000 * MODES.index(mode) + 100 * r + i) for i in range(n)]
+                    # Prompts of its own for each mode in a round: a mode that ran after
+                    # another on the same prompts would find their KV in the prefill worker's
+                    # cache (and its outputs in the suffix tree). The sets rotate over the
+                    # modes from round to round: some sets are easier to draft for.
+                    prompt_set = (MODES.index(mode) + r) % len(MODES)
+                    prompts = [make(1000 * prompt_set + 100 * r + i) for i in range(n)]
                     tokens, seconds = await run_cell(bases[mode], model, prompts, c, max_tokens)
                     runs[mode].append(tokens / seconds)
                     print(f"{wl} c={c} round {r} {mode}: {tokens / seconds:.1f} tok/s",
