@@ -56,8 +56,6 @@ async def start_decode_worker(config: EngineConfig, host: str, port: int, *,
         return [decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name]
 
     async def on_loaded(engine: LLMEngine, handle: WorkerHandle) -> AsyncEngine:
-        # Its step cost before its first request (the gateway's speculation policy reads it).
-        await asyncio.to_thread(engine.calibrate_speculation)
         if role == "decode":
             # A tensor-parallel engine's cache is split over its ranks: its KV comes by the data
             # port, shared memory or the stream, not into one cache through an IPC handle.
@@ -76,6 +74,16 @@ async def start_decode_worker(config: EngineConfig, host: str, port: int, *,
             handle.on_stop.append(servicer.tiers.close)
         aengine.start()
         servicer.bind(aengine)
+        # Its step cost for the gateway's speculation policy, measured while it is idle: the
+        # worker is ready at once (the policy has a fallback until the numbers come).
+        task = asyncio.create_task(aengine.calibrate_speculation(),
+                                   name="speculation-calibration")
+        handle.calibration = task
+
+        def stop_calibration() -> None:
+            task.cancel()
+
+        handle.on_stop.insert(0, stop_calibration)
         return aengine
 
     def report() -> common_pb2.LoadReport | None:

@@ -205,6 +205,13 @@ class AsyncEngine:
         self._wake.set()
         return await fut
 
+    async def calibrate_speculation(self) -> int:
+        """Measure the speculation step cost while the engine is idle, one point at a time
+        between requests (engine/spec/calibrate.py); returns the steps run."""
+        from engine.spec.calibrate import calibrate_when_idle
+
+        return await calibrate_when_idle(self, self.engine)
+
     async def abort(self, request_id: str) -> None:
         self._submit(self.engine.abort_request, (request_id,))
 

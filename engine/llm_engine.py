@@ -359,9 +359,10 @@ class LLMEngine:
         return self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED) is not None
 
     def calibrate_speculation(self) -> int:
-        """Measure this worker's plain and verify step cost across batch sizes now (bounded;
-        engine/spec/calibrate.py), before it takes requests; returns the steps run (0: no
-        speculation here, or `calibration_max_batch` 0)."""
+        """Measure this engine's plain and verify step cost across batch sizes now, while it
+        has no request (bounded; engine/spec/calibrate.py: a serving worker does it point by
+        point when idle instead); returns the steps run (0: no speculation here, or
+        `calibration_max_batch` 0)."""
         from engine.spec.calibrate import calibrate_step_cost
 
         return calibrate_step_cost(self)

@@ -93,27 +93,39 @@ class Choice:
 
 
 def best_k(cost: StepCost, acceptance: Acceptance, batch: int, max_k: int,
-           max_step_seconds: float = 0.0, min_gain: float = 1.0) -> Choice:
-    """The cap in [0, max_k] that maximises the batch's tokens per second when each of its
-    `batch` sequences speculates so (the batch pays for every verify row).
+           max_step_seconds: float = 0.0, min_gain: float = 1.0,
+           known: tuple[int, float, float] = (0, 0.0, 0.0)) -> Choice:
+    """The cap in [0, max_k] that maximises the batch's tokens per second (the batch pays for
+    every verify row).
+
+    `known`: (sequences, tokens per step, rows per step) of the batch's sequences whose choice
+    is already made (a gateway's own requests in flight there); the batch's other `batch` -
+    sequences are assumed to speculate as this one would (the worker's per-step budget caps
+    all of a class alike, and a gateway cannot see other gateways' choices).
 
     `max_step_seconds` (> 0): the SLO guard, no cap whose step would take longer, unless the
-    plain step already does. `min_gain`: speculation must beat plain by this factor (it has
-    costs the model leaves out: the drafting itself, a lost async overlap)."""
+    plain step already does. `min_gain`: speculation must beat plain by this factor of what
+    this request adds to the batch's rate (it has costs the model leaves out: the drafting
+    itself, a lost async overlap); with nothing known, of the whole batch's."""
     batch = max(1, batch)
-    plain_s = cost.seconds_at(batch)
-    plain = batch / plain_s if plain_s > 0 else 0.0
+    n_known, t_known, r_known = known
+    n_known = min(n_known, batch - 1)
+    alike = batch - n_known  # this request and the unknown ones
+    plain_s = cost.seconds_at(r_known + alike)
+    plain = (t_known + alike) / plain_s if plain_s > 0 else 0.0
     best = Choice(0, plain, plain, plain_s)
     if not cost or max_k <= 0:
         return best
+    without = (t_known / cost.seconds_at(r_known)) if n_known and r_known > 0 else 0.0
+    needed = plain + (min_gain - 1.0) * max(0.0, plain - without)
     for k in range(1, max_k + 1):
         tokens, rows = acceptance.tokens_and_rows(k)
-        step_s = cost.seconds_at(batch * rows)
+        step_s = cost.seconds_at(r_known + alike * rows)
         if step_s <= 0:
             continue
         if max_step_seconds > 0 and step_s > max_step_seconds >= plain_s:
             continue
-        rate = batch * tokens / step_s
-        if rate > best.batch_tokens_per_s and rate >= plain * min_gain:
+        rate = (t_known + alike * tokens) / step_s
+        if rate > best.batch_tokens_per_s and rate >= needed:
             best = Choice(k, rate, plain, step_s)
     return best

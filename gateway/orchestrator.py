@@ -65,7 +65,7 @@ from gateway.request_metrics import CompletionTiming
 from gateway.router import Attempts, Router, Worker, WorkerPool, call_routed
 from gateway.serving_mode import ServingModes
 from gateway.spec_metrics import spec_attributes
-from gateway.spec_policy import SpecPolicy, request_class
+from gateway.spec_policy import SpecDecision, SpecPolicy, request_class
 from gateway.stream_watch import WorkerStalled, stall_after_s, watched, watched_answer
 from gateway.tokenization import DetokenizerLike, TokenizerLike, make_detokenizer
 from protos.splitserve.v1 import common_pb2, decode_pb2, kv_transfer_pb2, prefill_pb2
@@ -437,6 +437,17 @@ class Orchestrator:
         if state.request_class is None:  # the prompt is read back as text once, not per call
             state.request_class = self._request_class(job)
         spec = self._spec_policy.decide(worker, state.request_class)
+        try:
+            return await self._decode_call(worker, job, state, sampling, queue, spec,
+                                           metadata, span, pool_role)
+        finally:
+            self._spec_policy.release(worker.address, spec)
+
+    async def _decode_call(self, worker: Worker, job: GenerationJob, state: _Completion,
+                           sampling: common_pb2.SamplingParams,
+                           queue: asyncio.Queue[Event | BaseException | None],
+                           spec: SpecDecision, metadata: tuple[tuple[str, str], ...],
+                           span: Span | None, pool_role: str) -> str:
         self._metrics.observe_spec_decision(worker.address, spec)
         if span is not None:  # the last call's, when the completion was resumed
             for name, value in spec_attributes(spec).items():

@@ -12,8 +12,11 @@ from the worker ("adaptive", the default):
   calibration, then live steps) and its smoothed acceptance per proposer and request class
   (`LoadReport.spec_acceptance`);
 - for the worker's batch with this request in it (its load + 1), every proposer the worker
-  has and every cap k: the batch's tokens per second if its sequences speculate so
-  (engine_api/spec_gain.py); the best wins, "off" unless speculation beats plain decoding;
+  has and every cap k: the batch's tokens per second if this request speculates so
+  (engine_api/spec_gain.py); the best wins, "off" unless speculation beats plain decoding.
+  The batch's other sequences that this gateway sent are counted as decided (their expected
+  tokens and rows per step, held from decision to the call's end); those it cannot see
+  (other gateways') are assumed to choose as this one;
 - the SLO guard (`speculative_tpot_slo_ms`): no choice whose predicted step exceeds the target
   unless a plain step already does;
 - a proposer not yet measured for the class is tried now and then (every EXPLORE_EVERY-th
@@ -54,8 +57,10 @@ Method: TypeAlias = common_pb2.SpeculativeMethod.ValueType
 
 # Measured steps (decayed) a (method, class) needs before its numbers decide.
 MIN_MEASURED_STEPS = 16.0
-# Every this many decisions for a worker and class, an unmeasured or losing proposer is tried.
-EXPLORE_EVERY = 8
+# Every this many decisions for a worker and class, a losing proposer is tried again (an
+# unmeasured one every time). Rarely: an explored request runs slower than the best choice
+# would (measured on the CPU: at 8, one explored request in a cell of 4 cost it ~15%).
+EXPLORE_EVERY = 32
 # Speculation must beat plain decoding by this much (the model leaves out a lost async overlap
 # and the noise in the measurements).
 MIN_GAIN = 1.1
@@ -84,6 +89,7 @@ class SpecDecision:
     predicted_gain: float = 1.0   # the batch's predicted tokens/s over plain decoding's
     step_seconds: float = 0.0     # the predicted step time (0: not measured)
     accepted_per_step: float = 0.0  # the drafts the method is expected to land per step
+    rows_per_step: float = 1.0    # the query rows it is expected to add to each step
 
     @property
     def enabled(self) -> bool:
@@ -171,10 +177,29 @@ class SpecPolicy:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self._decisions: dict[tuple[str, str], int] = {}
+        # Per worker, this gateway's calls in flight there: (count, expected tokens per step,
+        # expected rows per step), summed; `decide` adds, `release` takes away.
+        self._held: dict[str, tuple[int, float, float]] = {}
+
+    def release(self, address: str, decision: SpecDecision) -> None:
+        """The Decode call `decision` was made for has ended (however it ended)."""
+        n, t, r = self._held.get(address, (0, 0.0, 0.0))
+        if n <= 1:
+            self._held.pop(address, None)
+            return
+        self._held[address] = (n - 1, t - 1.0 - decision.accepted_per_step,
+                               r - decision.rows_per_step)
 
     def decide(self, worker: Worker, cls: str = "") -> SpecDecision:
         """The choice for a Decode call of class `cls` on `worker`, which `WorkerPool.pick`
-        just chose (its load counts this request)."""
+        just chose (its load counts this request); held as in flight there until `release`."""
+        decision = self._decide(worker, cls)
+        n, t, r = self._held.get(worker.address, (0, 0.0, 0.0))
+        self._held[worker.address] = (n + 1, t + 1.0 + decision.accepted_per_step,
+                                      r + decision.rows_per_step)
+        return decision
+
+    def _decide(self, worker: Worker, cls: str) -> SpecDecision:
         config = self.config
         load = worker_load(worker)
         report = worker.load
@@ -186,7 +211,7 @@ class SpecPolicy:
             return SpecDecision(0, load, request_class=cls, reason="off")
         if config.speculative_policy == "always":
             method = methods[0] if methods else common_pb2.SPECULATIVE_METHOD_UNSPECIFIED
-            return SpecDecision(cap, load, method, cls, "always")
+            return SpecDecision(cap, load, method, cls, "always", rows_per_step=1.0 + cap)
         cost = StepCost.of([(p.rows, p.seconds) for p in report.spec_step_cost])
         if config.speculative_policy == "threshold" or not cost or not methods:
             return self._threshold(load, methods, cls)
@@ -210,15 +235,16 @@ class SpecPolicy:
                                              config.speculative_max_load)
         if not tokens:
             return SpecDecision(0, load, request_class=cls)
-        return SpecDecision(tokens, load, method, cls)
+        return SpecDecision(tokens, load, method, cls, rows_per_step=1.0 + tokens)
 
     def _adaptive(self, address: str, report: common_pb2.LoadReport, cost: StepCost,
                   load: int, cap: int, methods: list[Method], cls: str) -> SpecDecision:
         batch = load + 1
         slo_s = self.config.speculative_tpot_slo_ms / 1e3
-        plain_s = cost.seconds_at(batch)
+        known = self._known(address, load)
+        plain_s = cost.seconds_at(known[2] + batch - known[0])
         best = SpecDecision(0, load, request_class=cls, reason="measured", step_seconds=plain_s)
-        best_rate = batch / plain_s if plain_s > 0 else 0.0
+        best_rate = 0.0
         unmeasured: list[Method] = []
         measured: list[Method] = []
         for method in methods:
@@ -227,12 +253,12 @@ class SpecPolicy:
                 unmeasured.append(method)
                 continue
             measured.append(method)
-            choice = best_k(cost, acceptance, batch, cap, slo_s, MIN_GAIN)
+            choice = best_k(cost, acceptance, batch, cap, slo_s, MIN_GAIN, known)
             if choice.k and choice.batch_tokens_per_s > best_rate:
                 best_rate = choice.batch_tokens_per_s
-                tokens, _ = acceptance.tokens_and_rows(choice.k)
+                tokens, rows = acceptance.tokens_and_rows(choice.k)
                 best = SpecDecision(choice.k, load, method, cls, "measured", choice.gain,
-                                    choice.step_seconds, tokens - 1.0)
+                                    choice.step_seconds, tokens - 1.0, rows)
         key = (address, cls)
         n = self._decisions[key] = self._decisions.get(key, 0) + 1
         # Try an unmeasured proposer (every decision until it has numbers: a fresh worker
@@ -240,10 +266,21 @@ class SpecPolicy:
         losers = [m for m in measured if not (best.enabled and m == best.method)]
         pool = unmeasured or (losers if n % EXPLORE_EVERY == 0 else [])
         if pool:
-            step_s = cost.seconds_at(batch * (1 + cap))
+            step_s = cost.seconds_at(known[2] + (batch - known[0]) * (1 + cap))
             if not slo_s or step_s <= slo_s or plain_s > slo_s:
-                return SpecDecision(cap, load, pool[n % len(pool)], cls, "explore", 1.0, step_s)
+                return SpecDecision(cap, load, pool[n % len(pool)], cls, "explore", 1.0, step_s,
+                                    rows_per_step=1.0 + cap)
         return best
+
+    def _known(self, address: str, load: int) -> tuple[int, float, float]:
+        """(sequences, tokens per step, rows per step) of the worker's `load` others whose
+        choice this gateway made (its calls in flight there, at most `load` of them)."""
+        n, t, r = self._held.get(address, (0, 0.0, 0.0))
+        if n <= 0 or load <= 0:
+            return 0, 0.0, 0.0
+        if n <= load:
+            return n, t, r
+        return load, t * load / n, r * load / n
 
 
 def decide(worker: Worker, config: GatewayConfig, cls: str = "") -> SpecDecision:

@@ -71,6 +71,8 @@ class WorkerHandle:
     metrics: MetricsServer | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     load_task: asyncio.Future[None] | None = None
+    # A decode worker's speculation step-cost calibration, run while idle (its steps run).
+    calibration: asyncio.Task[int] | None = None
     # Run in order after the server and the engine stopped (data ports, kept channels).
     on_stop: list[Callable[[], Awaitable[None] | None]] = field(default_factory=list)
     # The role's servicer (its counters and settings, for probes and tests).

@@ -3,9 +3,10 @@ many as pay for the batch as it is now (engine_api/spec_gain.py's `best_k` with 
 measured step cost and acceptance, for the running batch's size).
 
 The gateway decided at admission for the load it saw; the batch changes every step. Where the
-numbers are missing (no steps measured yet for the method and class) the request's cap stands,
-and every EXPLORE_EVERY-th round for a (method, class) it stands as well, so that a method
-kept at no drafts still gets measured now and then.
+numbers are missing (no steps measured yet for the method and class) the request's cap stands;
+every EXPLORE_EVERY-th round for a (method, class) it stands for one of its requests, so that a
+method kept at no drafts still gets measured now and then at the cost of one sequence's rows,
+not the whole batch's.
 """
 
 from __future__ import annotations
@@ -33,14 +34,17 @@ class StepBudget:
         key = (method, request_class)
         cap = memo.get(key)
         if cap is None:
-            cap = memo[key] = self._cap(key, batch)
+            cap, explore = self._cap(key, batch)
+            memo[key] = cap
+            if explore:  # this request, the round's first of the key, drafts its cap
+                return request_k
         return min(cap, request_k)
 
-    def _cap(self, key: tuple[str, str], batch: int) -> int:
+    def _cap(self, key: tuple[str, str], batch: int) -> tuple[int, bool]:
+        """The key's cap this round, and whether one request of it explores."""
         rounds = self._rounds[key] = self._rounds.get(key, 0) + 1
         acceptance = self.stats.acceptance(*key)
         cost = self.cost.cost()
-        if (acceptance is None or acceptance.steps < MIN_MEASURED_STEPS or not cost
-                or rounds % EXPLORE_EVERY == 0):
-            return self.max_k
-        return best_k(cost, acceptance, batch, self.max_k).k
+        if acceptance is None or acceptance.steps < MIN_MEASURED_STEPS or not cost:
+            return self.max_k, False
+        return best_k(cost, acceptance, batch, self.max_k).k, rounds % EXPLORE_EVERY == 0

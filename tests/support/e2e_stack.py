@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 import time
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -204,7 +205,8 @@ async def _start_stack(loop: LoopThread, colocated: bool,
                        speculative: SpeculativeConfig | None,
                        kv_transports: Sequence[str] | None = None,
                        lora: LoRAConfig | None = None,
-                       pooler: PoolerConfig | None = None) -> Stack:
+                       pooler: PoolerConfig | None = None,
+                       gateway_options: Mapping[str, Any] | None = None) -> Stack:
     roles: list[Role] = ["colocated"] if colocated else ["prefill", "decode"]
     token = None if colocated else INTERNAL_TOKEN
     ways = {} if kv_transports is None else {"kv_transports": kv_transports}
@@ -217,7 +219,9 @@ async def _start_stack(loop: LoopThread, colocated: bool,
     await asyncio.wait_for(asyncio.gather(*loads), LOAD_TIMEOUT_S)
     engine = next(w.aengine.engine for w in workers.values() if w.aengine is not None)
     # The gateway gets the engine's tokenizer object (same file, same class) to save a reload.
-    gateway = GatewayServer(_gateway_config(workers, colocated, token), rest_host=HOST,
+    config = dataclasses.replace(_gateway_config(workers, colocated, token),
+                                 **(gateway_options or {}))
+    gateway = GatewayServer(config, rest_host=HOST,
                             rest_port=0, grpc_host=HOST, grpc_port=0, tokenizer=engine.tokenizer)
     return Stack(loop, workers, gateway, token)
 
@@ -274,13 +278,15 @@ def start_stack(loop: LoopThread, colocated: bool,
                 speculative: SpeculativeConfig | None = None,
                 kv_transports: Sequence[str] | None = None,
                 lora: LoRAConfig | None = None,
-                pooler: PoolerConfig | None = None) -> Stack:
+                pooler: PoolerConfig | None = None,
+                gateway_options: Mapping[str, Any] | None = None) -> Stack:
     """Start workers + gateway and wait (bounded) until the gateway's /health says ok.
     `speculative`: the workers' speculative decoding (the gateway then asks for it);
     `kv_transports`: the decode worker's ways to pull KV (default: all); `pooler`: the
-    workers' pooling (a classifier: `classifier_from_token`)."""
-    stack = loop.run(_start_stack(loop, colocated, speculative, kv_transports, lora, pooler),
-                     LOAD_TIMEOUT_S + 30)
+    workers' pooling (a classifier: `classifier_from_token`); `gateway_options`: GatewayConfig
+    fields that differ from the stack's defaults."""
+    stack = loop.run(_start_stack(loop, colocated, speculative, kv_transports, lora, pooler,
+                                  gateway_options), LOAD_TIMEOUT_S + 30)
     try:
         loop.run(stack.gateway.start(), 120)
         wait_healthy(f"http://{HOST}:{stack.gateway.rest_port}/health", 60)

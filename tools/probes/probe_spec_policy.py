@@ -7,7 +7,7 @@ three more gateways in front of the same workers that differ only in their polic
 
 Two workloads: repetitive code edits (the prompt holds a function and asks for it again with
 one change: the output repeats the prompt) and free-form stories. For each workload and
-concurrency, `--rounds` rounds; within a round the four gateways run one after another in an
+concurrency, `--rounds` rounds (4 give each mode every prompt set once); within a round the four gateways run one after another in an
 order that rotates from cell to cell and round to round (interleaved A/B/C/D), each sending the cell's requests (greedy, `--max-tokens`
 tokens each, EOS ignored) `concurrency` at a time. Reported per cell: output tokens per second
 of each policy (the mean over rounds), and the policy's ratio to the best of the others;
@@ -42,6 +42,9 @@ from rpc.auth import INTERNAL_TOKEN_ENV, bearer_metadata
 from tools.probes.probe_disagg import HOST, free_port
 
 MODES = ("off", "ngram", "suffix", "policy")
+# Requests per cell at least (a cell of concurrency 1 sends them one after another): fewer
+# leave a cell's figure to one request's luck, or to one exploring decision of the policy.
+MIN_REQUESTS = 4
 _MODE_FLAGS = {"off": ["--speculative-tokens", "0"],
                "ngram": ["--speculative-policy", "always", "--speculative-policy-method", "ngram"],
                "suffix": ["--speculative-policy", "always",
@@ -168,15 +171,18 @@ async def measure(ports: dict[str, int], model: str, concurrency: list[int], rou
     rows: list[dict[str, Any]] = []
     for wl, make in WORKLOADS.items():
         for c in concurrency:
-            n = max(c, 2)
+            n = max(c, MIN_REQUESTS)
             runs: dict[str, list[float]] = {m: [] for m in MODES}
             for r in range(rounds):
                 shift = (r + len(rows)) % len(MODES)  # each cell and round its own order
                 order = MODES[shift:] + MODES[:shift]
                 for mode in order:
-                    # Prompts of its own for each mode: a mode that ran after another on
-                    # the same prompts would find their KV in the prefill worker's cache.
-                    prompts = [make(1000 * MODES.index(mode) + 100 * r + i) for i in range(n)]
+                    # Prompts of its own for each mode in a round: a mode that ran after
+                    # another on the same prompts would find their KV in the prefill worker's
+                    # cache (and its outputs in the suffix tree). The sets rotate over the
+                    # modes from round to round: some sets are easier to draft for.
+                    prompt_set = (MODES.index(mode) + r) % len(MODES)
+                    prompts = [make(1000 * prompt_set + 100 * r + i) for i in range(n)]
                     tokens, seconds = await run_cell(bases[mode], model, prompts, c, max_tokens)
                     runs[mode].append(tokens / seconds)
                     print(f"{wl} c={c} round {r} {mode}: {tokens / seconds:.1f} tok/s",
@@ -226,7 +232,9 @@ def main() -> int:
         for mode in _MODE_FLAGS:
             _wait_healthy(ports[mode], procs, args.startup_timeout)
         started = time.time()
+        load_before = os.getloadavg()
         rows = asyncio.run(measure(ports, model, concurrency, args.rounds, args.max_tokens))
+        load_after = os.getloadavg()
         worker = asyncio.run(_worker_numbers(decode_port, token))
         result = {
             "probe": "spec_policy",
@@ -235,10 +243,12 @@ def main() -> int:
                        f"--rounds {args.rounds} --max-tokens {args.max_tokens}",
             "model": model, "engine_args": engine, "max_tokens": args.max_tokens,
             "rounds": args.rounds, "git": git_info(),
-            "notes": ("CPU, 2 cores shared with other jobs running tests at the same time "
-                      "(figures taken under contention; the modes are interleaved per round "
-                      "so that contention spreads over all of them). Prefill and decode "
-                      "workers get one thread each (splitserve up's CPU default)."),
+            "notes": ("CPU, 2 cores; other sessions' quick jobs may run at the same time "
+                      "(load averages below; the modes are interleaved per round so that "
+                      "contention spreads over all of them). Prefill and decode workers get "
+                      "one thread each (splitserve up's CPU default)."),
+            "loadavg_1_5_15_before": [round(x, 2) for x in load_before],
+            "loadavg_1_5_15_after": [round(x, 2) for x in load_after],
             "measure_seconds": round(time.time() - started, 1),
             "rows": rows,
             "worst_policy_ratio_vs_best": min(r["policy_ratio_vs_best"] for r in rows),

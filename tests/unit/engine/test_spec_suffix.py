@@ -8,16 +8,19 @@ test_spec_decode.py (`test_random_verify_keeps_the_target_distribution`)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from engine import SamplingParams
+from engine.async_engine import AsyncEngine
 from engine.cli_args import add_engine_args, engine_config_from_args
 from engine.config import ConfigError, parse_speculative_config
 from engine.request import Request
 from engine.spec import SequenceProposer
+from engine.spec.calibrate import CALIBRATION_STEPS, calibrate_point
 from engine.spec.cost import StepCostModel
 from engine.spec.stats import AcceptanceStats
 from engine.spec.suffix import SuffixProposer, SuffixTree
@@ -173,6 +176,31 @@ def test_calibration_measures_step_cost_and_leaves_no_counts(
     run_steps(llm, PROMPTS[:1], [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)])
     (method, cls, acceptance), = engine.spec_stats.items()
     assert (method, cls) == ("suffix", "") and acceptance.steps > 0
+
+
+def test_a_serving_worker_calibrates_only_while_idle(tiny_model_dirs: dict[str, Path]) -> None:
+    """A point is not measured while a real request is on the engine (its steps would share
+    the batch); the background driver measures them all once it is idle, through the engine
+    thread, and leaves no counts."""
+    llm = tiny_llm(tiny_model_dirs["llama"], speculative_config={
+        **SPEC, "method": "suffix", "calibration_max_batch": 2})
+    engine = llm.engine
+    engine.add_request("real", list(range(3, 11)),
+                       SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    assert calibrate_point(engine, 1, 0) == 0 and not engine.spec_cost.points()
+    engine.abort_request("real")
+
+    async def serve() -> int:
+        aengine = AsyncEngine(engine)
+        aengine.start()
+        try:
+            return await aengine.calibrate_speculation()
+        finally:
+            await aengine.stop()
+
+    assert asyncio.run(serve()) == 4 * (1 + CALIBRATION_STEPS)  # batches 1, 2; plain, verify
+    assert max(r for r, _ in engine.spec_cost.points()) >= 2 * 5
+    assert engine.spec_tokens == (0, 0) and engine.spec_stats.items() == []
 
 
 def test_step_cost_buckets_average_and_interpolate() -> None:

@@ -146,3 +146,18 @@ def test_metrics_show_the_decisions_and_the_workers_numbers() -> None:
         ("method", "suffix"), ("num_speculative_tokens", "4"), ("reason", "measured"),
         ("request_class", "repetitive"), ("worker", ADDRESS)))] == 1
     assert samples[("splitserve:spec_decode_decisions_total", (("speculation", "suffix"),))] == 1
+
+
+def test_the_gateways_own_requests_in_flight_count_as_decided() -> None:
+    """Seven requests of this gateway run plain there (free text, off): the eighth speculates
+    into the step's flat part with all its drafts. Once they are gone, the same load of
+    unseen requests is assumed to speculate alike: fewer drafts pay."""
+    policy = SpecPolicy(_config())
+    plain = [policy.decide(_worker(i, MEASURED), "text") for i in range(7)]
+    assert not any(d.enabled for d in plain)
+    eighth = policy.decide(_worker(7, MEASURED), "repetitive")
+    assert (eighth.label, eighth.num_speculative_tokens) == ("suffix", 4)
+    for d in [*plain, eighth]:
+        policy.release(ADDRESS, d)
+    alone = policy.decide(_worker(7, MEASURED), "repetitive")
+    assert alone.label == "suffix" and 0 < alone.num_speculative_tokens < 4

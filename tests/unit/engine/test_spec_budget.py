@@ -1,0 +1,39 @@
+"""The worker's per-step cap on drafts (engine/spec/budget.py) from its measured step cost and
+acceptance: all drafts where they pay, none where they do not, the request's cap while
+unmeasured, and exploration by one request of a class at a time."""
+
+from __future__ import annotations
+
+from engine.spec.budget import EXPLORE_EVERY, MIN_MEASURED_STEPS, StepBudget
+from engine.spec.cost import StepCostModel
+from engine.spec.stats import AcceptanceStats
+
+
+def _budget(accepted: int) -> StepBudget:
+    """Compute-bound steps (1 ms per row beyond a 16-row flat part); the class's drafts: 4
+    per step, `accepted` of them accepted."""
+    cost = StepCostModel()
+    for rows, seconds in ((1, 0.016), (16, 0.016), (64, 0.064), (256, 0.256)):
+        cost.record(rows, seconds)
+    stats = AcceptanceStats(4)
+    for _ in range(int(MIN_MEASURED_STEPS) + 4):
+        stats.record("ngram", "text", 4, accepted)
+    return StepBudget(cost, stats, 4)
+
+
+def test_drafts_where_they_pay() -> None:
+    good = _budget(accepted=4)
+    assert good.cap_for({}, "ngram", "text", 1, 4) == 4
+    assert good.cap_for({}, "ngram", "text", 1, 2) == 2  # never above the request's cap
+    assert _budget(accepted=0).cap_for({}, "ngram", "text", 1, 4) == 0
+    assert good.cap_for({}, "ngram", "unmeasured", 64, 3) == 3
+
+
+def test_exploration_costs_one_request_per_round() -> None:
+    poor = _budget(accepted=0)
+    caps = []
+    for _ in range(EXPLORE_EVERY):
+        memo: dict[tuple[str, str], int] = {}  # one round: a batch of 8 of the class
+        caps.append([poor.cap_for(memo, "ngram", "text", 8, 4) for _ in range(8)])
+    explored = [c for c in caps if any(c)]
+    assert explored == [[4, 0, 0, 0, 0, 0, 0, 0]]
