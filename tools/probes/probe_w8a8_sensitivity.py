@@ -5,7 +5,8 @@ One unquantized engine; its decoder projections are swapped in place for `Fp8Lin
 engine's own W8A8 layer, torch path) for each subset, scored, and put back. Subsets: every
 projection (the engine's `--quantization fp8`); fp8 weights alone (e4m3 per-channel weights,
 dequantized, activations unquantized); fp8 activations alone (each row quantized per token and
-dequantized, weights unquantized); one projection kind across all layers; one layer at a time
+dequantized, weights unquantized); per-tensor scales instead of per-channel / per-token (vLLM's
+online `--quantization fp8`); one projection kind across all layers; one layer at a time
 (`--per-layer`); all layers but the first and the last. `perplexity_noise`: the whole-model
 W8A8 perplexity again with the input embeddings scaled by 1 ± k·2^-22 (a change in the last bits
 of every input), the spread a W8A8 perplexity figure carries from float32 rounding alone.
@@ -61,6 +62,23 @@ class Fp8ActivationsOnly(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, scale = per_token_quant_fp8_ref(x.reshape(-1, x.shape[-1]))
         return self.linear((q.float() * scale).to(x.dtype).reshape(x.shape))
+
+
+class Fp8PerTensor(nn.Module):
+    """vLLM's online `--quantization fp8` scheme for comparison: one scale for the whole weight
+    and one for the whole input of each call (dynamic, per tensor), dequantized products."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        q, scale = per_token_quant_fp8_ref(linear.weight.detach().reshape(1, -1))
+        self.weight = nn.Parameter((q.float() * scale).reshape(linear.weight.shape),
+                                   requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, scale = per_token_quant_fp8_ref(x.reshape(1, -1))
+        return nn.functional.linear((q.float() * scale).to(x.dtype).reshape(x.shape),
+                                    self.weight, self.bias)
 
 
 Make = Callable[[nn.Linear], nn.Module]
@@ -125,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         "w8a8_all": (only(), w8a8),
         "fp8_weights_only": (only(), Fp8WeightsOnly),
         "fp8_activations_only": (only(), Fp8ActivationsOnly),
+        "w8a8_per_tensor_scales": (only(), Fp8PerTensor),
         **{f"only_{k}": (only(suffix=k), w8a8)
            for k in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")},
         "all_but_first_and_last_layer": (lambda path: not path.startswith(edges), w8a8),
