@@ -21,7 +21,13 @@ import numpy.typing as npt
 from engine_api.errors import ModelLoadError
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                      "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                      "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                      "gemma3": "Gemma3ForCausalLM"}
+# What llama.cpp's Gemma 3 reader takes as fixed rather than from the file (llama-model.cpp):
+# every 6th layer global, the local layers' RoPE base 10k, no final logit soft cap.
+_GEMMA3_FIXED = {"hidden_activation": "gelu_pytorch_tanh", "rope_local_base_freq": 10_000.0,
+                 "sliding_window_pattern": 6, "final_logit_softcapping": None}
+_GEMMA3_27B_LAYERS = 62
 
 
 class _PlainViewReader(gguf.GGUFReader):
@@ -152,8 +158,8 @@ def architecture(meta: GGUFMetadata, path: str) -> str:
 
     arch = field_value(meta, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
-        # The GGUF reader maps Llama-family names and metadata only, not Gemma's extra norms,
-        # soft caps and window pattern: name the way that works.
+        # Gemma 2 (soft caps) and Gemma 3n (its own decoder) are not mapped from GGUF: name
+        # the way that works.
         hint = "; load Gemma from its Hugging Face directory" if str(arch).startswith(
             "gemma") else ""
         raise ConfigError(
@@ -222,4 +228,9 @@ def hf_config_dict(meta: GGUFMetadata, path: str) -> dict[str, Any]:
         "bos_token_id": field_value(meta, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": sorted({int(e) for e in eos if e is not None}),
     }
+    if arch == "gemma3":
+        # The attention scale llama.cpp uses: 1/sqrt(head_dim), 27B's 1/sqrt(hidden / heads).
+        scalar = (hidden // n_heads if d["num_hidden_layers"] == _GEMMA3_27B_LAYERS
+                  else head_dim)
+        d.update(_GEMMA3_FIXED, query_pre_attn_scalar=scalar)
     return d

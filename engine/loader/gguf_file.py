@@ -32,6 +32,10 @@ _BLOCK_NAMES = {
 # Phi-3 / Phi-4 (llama.cpp's "phi3"): the fused projections, stored as Hugging Face has them
 # (`gate_up_proj` is gate rows then up rows, as llama.cpp's SwiGLU split reads `ffn_up`).
 _FUSED_BLOCK_NAMES = _BLOCK_NAMES | {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# Gemma 3 (llama.cpp's "gemma3"): a norm after attention and one each side of the MLP.
+_GEMMA3_BLOCK_NAMES = _BLOCK_NAMES | {"post_attention_norm": "post_attention_layernorm",
+                                      "ffn_norm": "pre_feedforward_layernorm",
+                                      "post_ffw_norm": "post_feedforward_layernorm"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
               "output": "lm_head"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -39,12 +43,20 @@ _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _IGNORED = {"rope_freqs.weight"}
 
 
-def hf_name(gguf_name: str, fused: bool = False) -> str | None:
+def block_names(config: ModelConfig) -> dict[str, str]:
+    """The llama.cpp -> HF layer tensor names of `config`'s architecture: fused QKV and gate/up
+    projections (Phi-3), Gemma 3's four norms, or Llama's."""
+    if config.fused_checkpoint:
+        return _FUSED_BLOCK_NAMES
+    return _GEMMA3_BLOCK_NAMES if config.is_gemma else _BLOCK_NAMES
+
+
+def hf_name(gguf_name: str, names: dict[str, str] = _BLOCK_NAMES) -> str | None:
     """HF parameter name for a llama.cpp tensor name; None if it has no HF counterpart.
-    `fused`: a checkpoint with fused QKV and gate/up projections (Phi-3)."""
+    `names`: the architecture's layer tensor names (`block_names`)."""
     m = _BLOCK_RE.fullmatch(gguf_name)
     if m:
-        inner = (_FUSED_BLOCK_NAMES if fused else _BLOCK_NAMES).get(m.group(2))
+        inner = names.get(m.group(2))
         return f"model.layers.{m.group(1)}.{inner}.{m.group(3)}" if inner else None
     base, _, suffix = gguf_name.rpartition(".")
     top = _TOP_NAMES.get(base)
@@ -98,11 +110,16 @@ def _llama3_rope_scaling(freqs: np.ndarray, head_dim: int, theta: float,
 def _iter_weights(path: str, config: ModelConfig, permuted: bool) -> Iterator[tuple[str, torch.Tensor]]:
     # Re-opened per stream (the memmap is released when the stream ends), past the metadata.
     reader = open_gguf(path, read_metadata(path))
+    names = block_names(config)
     for t in reader.tensors:
-        name = hf_name(t.name, config.fused_checkpoint)
+        name = hf_name(t.name, names)
         if name is None:
             continue
         w = dequantize(t)
+        if config.is_gemma and name.endswith("norm.weight"):
+            # llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w (its norm multiplies
+            # by the weight; Gemma's by 1 + weight): back to the checkpoint's w.
+            w = w - np.float32(1.0)
         if permuted and ".q_proj." in name:
             w = unpermute_qk(w, config.num_attention_heads)
         elif permuted and ".k_proj." in name:
@@ -125,12 +142,12 @@ def load_gguf(path: str, weights_id: str) -> ModelSource:
         raise ModelLoadError(f"{path}: LongRoPE (rope_factors_long / rope_factors_short: Phi-3's "
                              "128k-context models) is not supported")
     config = ModelConfig.from_hf_dict(d, weights_id=weights_id)
-    fused = config.fused_checkpoint
-    unknown = sorted(n for n in names if hf_name(n, fused) is None and n not in _IGNORED)
+    table = block_names(config)
+    unknown = sorted(n for n in names if hf_name(n, table) is None and n not in _IGNORED)
     if unknown:
         raise ModelLoadError(f"{path}: unexpected GGUF tensors {unknown[:8]}")
-    check_weight_names({h for n in names if (h := hf_name(n, fused))}, config, path)
-    # llama.cpp permutes Q/K for llama only, not qwen2 / qwen3 / phi3
+    check_weight_names({h for n in names if (h := hf_name(n, table))}, config, path)
+    # llama.cpp permutes Q/K for llama only, not qwen2 / qwen3 / phi3 / gemma3
     permuted = d["model_type"] == "llama"
     generation: dict[str, Any] = {"bos_token_id": d["bos_token_id"],
                                   "eos_token_id": list(config.eos_token_ids)}

@@ -116,6 +116,13 @@ def decode_vs_prefill(llm: Any, prompt: list[int], steps: int) -> float:
     return float((stepped - whole).abs().max())
 
 
+def write_doc(path: str, doc: dict[str, Any], start: float) -> None:
+    """`doc` with its wall time so far, as indented JSON at `path`."""
+    doc["wall_s"] = round(time.perf_counter() - start, 1)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+
+
 @contextmanager
 def nudged_embeddings(llm: Any, factor: float) -> Iterator[None]:
     """The model's input embeddings scaled by `factor` while inside."""
@@ -185,9 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         del llm, runner
         gc.collect()
         # Written after every configuration: a run cut short keeps what it measured.
-        doc["wall_s"] = round(time.perf_counter() - start, 1)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+        write_doc(args.out, doc, start)
     return 0
 
 

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     Phi3Config,
@@ -424,6 +426,59 @@ def test_corrupt_gguf_named(tiny_llama: tuple, tmp_path: Path) -> None:
     for bad in (truncated, garbage, header_only):
         with pytest.raises(ModelLoadError, match=bad.name):
             load_model_source(LoadConfig(model=str(bad)))
+
+
+_GEMMA3_GGUF_NAMES = {**_GGUF_NAMES, "post_attention_layernorm": "post_attention_norm",
+                      "pre_feedforward_layernorm": "ffn_norm",
+                      "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def test_tiny_gemma3_gguf_roundtrip(tmp_path: Path) -> None:
+    """llama.cpp's "gemma3": its four norms per layer by their llama.cpp names, stored as 1 + w
+    (llama.cpp's converter adds Gemma's 1), read back as the checkpoint's w; what the reader
+    fixes rather than reads (window pattern 6, local RoPE base 10k, GELU-tanh, attention scale
+    1/sqrt(head_dim)) in the config."""
+    torch.manual_seed(4)
+    cfg = {**TINY, "num_hidden_layers": 6, "head_dim": 32, "sliding_window": 64,
+           "rope_theta": 1e6}
+    model = Gemma3ForCausalLM(Gemma3TextConfig(**cfg, query_pre_attn_scalar=32))
+    want = _expected_state(model, tied=True)
+    for name in want:  # random norm weights (transformers starts them at 0, i.e. a scale of 1)
+        if name.endswith("norm.weight"):
+            want[name] = torch.randn_like(want[name]) * 0.5
+    stored = {n: t + 1 if n.endswith("norm.weight") else t for n, t in want.items()}
+    path = tmp_path / "tiny-gemma3.gguf"
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    for add, key in ((w.add_block_count, "num_hidden_layers"),
+                     (w.add_context_length, "max_position_embeddings"),
+                     (w.add_embedding_length, "hidden_size"),
+                     (w.add_feed_forward_length, "intermediate_size"),
+                     (w.add_head_count, "num_attention_heads"),
+                     (w.add_head_count_kv, "num_key_value_heads"), (w.add_key_length, "head_dim"),
+                     (w.add_rope_freq_base, "rope_theta"), (w.add_sliding_window, "sliding_window")):
+        add(cfg[key])
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(cfg["vocab_size"])
+    for name, t in stored.items():
+        layer = name.split(".", 3)
+        gguf_name = (f"blk.{layer[2]}.{_GEMMA3_GGUF_NAMES[layer[3].rpartition('.')[0]]}.weight"
+                     if name.startswith("model.layers.") else _to_gguf_name(name))
+        w.add_tensor(gguf_name, t.detach().numpy().astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    source = load_model_source(LoadConfig(model=str(path)))
+    got = _weights(source)
+    assert set(got) == set(want)
+    for name, t in want.items():
+        torch.testing.assert_close(got[name], t, rtol=0, atol=1e-6, msg=name)
+    c = source.config
+    assert c.architecture == "Gemma3ForCausalLM" and c.is_gemma and c.qk_norm
+    assert c.tie_word_embeddings and c.hidden_act == "gelu_pytorch_tanh"
+    assert (c.head_dim, c.query_pre_attn_scalar, c.sliding_window) == (32, 32, 64)
+    assert (c.rope_theta, c.rope_local_base_freq, c.final_logit_softcapping) == (1e6, 1e4, 0.0)
+    assert c.layer_types == ("sliding_attention",) * 5 + ("full_attention",)
 
 
 @pytest.mark.parametrize(("arch", "words"), [("gpt2", "gpt2"),
