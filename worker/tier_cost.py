@@ -14,6 +14,10 @@ tail fetched at the same time, engine/scheduler.py), the split is where both end
 
     k = argmin over k of max(compute(k), fetch(n - k))    (0: fetch all; n: compute all)
 
+A split has costs of its own that the two terms do not see (asking Redis which blocks it holds
+first, one more engine step after the tail lands): it is taken only when it saves more than
+SPLIT_MIN_GAIN_S and SPLIT_MIN_GAIN of fetching all.
+
 Until the worker has timed a prefill it fetches (the tiers exist to be used); a tier whose reads
 have not been timed yet is charged its prior (counters.py).
 """
@@ -26,6 +30,9 @@ from kv_transfer.tiers import TierCounters
 ALPHA = 0.2
 # A prefill shorter than this many computed tokens says more about overheads than the rate.
 MIN_TOKENS = 32
+# A split must beat fetching all by this much (seconds, and fraction of fetching all).
+SPLIT_MIN_GAIN_S = 0.005
+SPLIT_MIN_GAIN = 0.1
 
 
 class FetchCost:
@@ -72,6 +79,10 @@ class FetchCost:
                 worst = max(k * self._block_size / rate, fetch)
                 if worst < best:
                     best_k, best = k, worst
+            fetch_all = tier.cost.seconds(blocks * self._block_bytes)
+            if 0 < best_k < blocks and fetch_all - best < max(SPLIT_MIN_GAIN_S,
+                                                              SPLIT_MIN_GAIN * fetch_all):
+                best_k = 0  # not worth a split's own costs
         self.decisions["fetch" if best_k == 0 else "compute" if best_k == blocks
                        else "overlap"] += 1
         self.last_split = (best_k, blocks - best_k)

@@ -52,5 +52,8 @@ def test_split_computes_the_head_while_the_tail_is_read_so_both_end_together() -
     fast = FetchCost(block_size=16, block_bytes=BLOCK_BYTES)
     fast.observe_prefill(1_600_000, 1.0)  # a GPU: 100 blocks in 1 ms, below Redis' latency
     assert fast.split(redis, 100) == 100
-    assert cost.decisions == {"fetch": 1, "compute": 0, "overlap": 1}
     assert fast.decisions["compute"] == 1
+    # A read that costs ~1 ms whatever its size: no split saves more than a split costs.
+    quick = TierCounters("redis", cost=ReadCost(0.001, 1e12))
+    assert cost.split(quick, 100) == 0 and cost.last_split == (0, 100)
+    assert cost.decisions == {"fetch": 2, "compute": 0, "overlap": 1}

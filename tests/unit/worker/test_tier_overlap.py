@@ -16,6 +16,7 @@ import pytest
 import pytest_asyncio
 
 from engine.handoff import KvLoad
+from kv_transfer.tiers import ReadCost
 from tests.support.redis_server import redis_server
 from tests.unit.worker.test_tier_cache import (
     BLOCK_SIZE,
@@ -51,12 +52,16 @@ async def test_the_head_computes_while_the_tail_loads_from_redis(worker: WorkerH
     await tiers.wait_for_saves()
     await _evict_gpu_prefix_cache(worker)
 
-    # A prefill rate at which computing 5 blocks takes as long as reading 5 from Redis (as the
-    # tier's prior charges them): the split falls in the middle.
+    # Redis as the cost model would see it over a slow link (1 block a second, no latency: the
+    # reads it timed so far are forgotten), and a prefill rate at which computing 5 blocks
+    # takes as long as reading 5: the split falls in the middle.
     redis = tiers.store.redis
     assert redis is not None
     block_bytes = tiers.store.spec.encoded_nbytes
-    tiers.cost.prefill_tokens_per_s = 5 * BLOCK_SIZE / redis.counters.cost.seconds(5 * block_bytes)
+    redis.counters.cost = ReadCost(0.0, float(block_bytes))
+    for blocks in (1, 2):
+        redis.counters.cost.observe(blocks * block_bytes, float(blocks))
+    tiers.cost.prefill_tokens_per_s = BLOCK_SIZE / 1.0
 
     load_tiers = aengine.kv_loader
     assert load_tiers is not None
