@@ -285,8 +285,7 @@ class AsyncEngine:
                     self._post(self._start_loads, loads)
                 if outputs:
                     self._post(self._dispatch, outputs)
-                if (not eng.scheduler.running and not eng.scheduler.waiting
-                        and not eng.has_step_in_flight):
+                if eng.scheduler.only_loads_pending() and not eng.has_step_in_flight:
                     # Only KV loads in flight: wait for a command instead of spinning.
                     self._wake.wait(timeout=0.01)
                     self._wake.clear()

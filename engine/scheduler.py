@@ -7,6 +7,12 @@ run out, the newest running request is preempted (its blocks freed; it recompute
 Under the priority policy (engine/request_queue.py) "oldest" and "newest" are by priority, then
 arrival, and a waiting request that finds no seat or no blocks first preempts running requests
 of a less urgent priority.
+
+A request whose remote KV covers only a tail of its prefix (`RemoteKv.first_token` > 0: the
+tiers' cost model split it) runs while that KV loads: the engine computes the head (up to
+`first_token`) in chunks as usual, the loader fills the tail's blocks meanwhile, and once both
+are done the request jumps past the tail and computes the rest. It is never preempted (nor its
+blocks freed on abort) while the load writes into its blocks.
 Not thread-safe: called from the engine thread only.
 """
 
@@ -74,6 +80,17 @@ class SchedulerOutput:
 
 
 @dataclass(slots=True)
+class TailLoad:
+    """A running request's KV of prompt tokens [start, end) being loaded (see the module
+    docstring); `landed`: the load finished, the jump waits for the head's compute."""
+
+    request: Request
+    start: int
+    end: int
+    landed: bool = False
+
+
+@dataclass(slots=True)
 class SampledToken:
     token_id: int
     logprob: TokenLogprob | None = None
@@ -99,6 +116,8 @@ class Scheduler:
         self.running: list[Request] = []
         self._admissions = itertools.count()
         self.loading: dict[str, Request] = {}
+        # Running requests whose prefix's tail loads while their head computes, by id.
+        self.tail_loads: dict[str, TailLoad] = {}
         self.requests: dict[str, Request] = {}
         self.leases: dict[str, Lease] = {}
         # Cached blocks held by readers off the engine thread (tier saves), by pin id.
@@ -129,6 +148,13 @@ class Scheduler:
             # or they could be handed to another request and overwritten.
             req.status = status
             return req
+        tail = self.tail_loads.get(request_id)
+        if tail is not None and not tail.landed:  # the same, while its head computes
+            if req in self.running:
+                self.running.remove(req)
+            req.status = status
+            return req
+        self.tail_loads.pop(request_id, None)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -157,7 +183,20 @@ class Scheduler:
             self.kv.free_by_id(pin_id)
 
     def finish_kv_load(self, request_id: str, ok: bool) -> None:
-        """Decode role: the KV pull for `request_id` ended. On failure the prompt is recomputed."""
+        """Decode role: the KV pull for `request_id` ended. On failure the prompt is recomputed
+        (a tail load's: the head's compute goes on through the tail)."""
+        tail = self.tail_loads.get(request_id)
+        if tail is not None:
+            tail_req = tail.request
+            if tail_req.status.finished:  # aborted while the load ran: its blocks are free now
+                del self.tail_loads[request_id]
+                self._free(tail_req)
+            elif ok:
+                tail.landed = True  # the next schedule jumps once the head is computed
+            else:
+                del self.tail_loads[request_id]
+                tail_req.remote_kv = None
+            return
         req = self.loading.pop(request_id, None)
         if req is None:
             return
@@ -202,6 +241,16 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def only_loads_pending(self) -> bool:
+        """Nothing can be computed before a KV load lands (the engine may wait, not spin)."""
+        if self.waiting:
+            return False
+        for req in self.running:
+            tail = self.tail_loads.get(req.request_id)
+            if tail is None or tail.landed or req.num_computed_tokens < tail.start:
+                return False
+        return True
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.token_budget
@@ -213,7 +262,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            tail = self.tail_loads.get(req.request_id)
+            if tail is not None and tail.landed and req.num_computed_tokens == tail.start:
+                self._land_tail(req, tail)
+                tail = None
             num_new = min(req.num_tokens + req.num_inflight - req.num_computed_tokens, budget)
+            if tail is not None:  # the head only, until the tail has landed
+                num_new = min(num_new, tail.start - req.num_computed_tokens)
             if num_new <= 0 or (req.num_inflight and req.num_output_tokens + req.num_inflight
                                 >= req.max_output_tokens()):
                 i += 1  # nothing to compute, or the token in flight ends it by length
@@ -226,7 +281,9 @@ class Scheduler:
                     i += 1
                     continue
             while self.kv.allocate_slots(req, num_new) is None:
-                victim = self.running.pop()  # newest first
+                victim = self._pop_victim(i)  # newest first
+                if victim is None:
+                    break
                 self._preempt(victim, out)
                 preempted = True
                 if victim is req:
@@ -244,6 +301,12 @@ class Scheduler:
             if req.num_inflight:
                 break  # preempted with a token in flight: re-admit once the token has landed
             if req.remote_kv is not None:
+                used = self._start_tail_load(req, out, budget, scheduled)
+                if used is None:
+                    break
+                if used > 0:
+                    budget -= used
+                    continue
                 if not self._start_kv_load(req, out):
                     break
                 continue
@@ -257,12 +320,7 @@ class Scheduler:
             num_new = min(num_new, budget)
             if self.kv.allocate_slots(req, num_new, hits) is None:
                 break
-            self.waiting.pop()
-            req.num_computed_tokens = num_hit_tokens
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit_tokens
-            req.status = RequestStatus.RUNNING
-            insert_running(self.running, req, self.policy)
+            self._admit(req, num_hit_tokens)
             scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
 
@@ -295,7 +353,10 @@ class Scheduler:
         while self.running and self.running[-1].priority > head.priority and (
                 len(self.running) + len(self.loading) >= self.config.max_num_seqs
                 or self.kv.num_free_blocks < blocks):
-            self._preempt(self.running.pop(), out)
+            victim = self._pop_victim(len(self.running) - 1)
+            if victim is None:
+                return
+            self._preempt(victim, out)
 
     def _take_drafts(self, req: Request, num_new: int, budget: int) -> list[int]:
         """The proposed drafts this step can verify for `req` (consumed either way: a proposal
@@ -346,6 +407,65 @@ class Scheduler:
         self.loading[req.request_id] = req
         out.kv_loads.append(KvLoad(req, list(ids[len(hits):]), n, first_block=len(hits)))
         return True
+
+    def _start_tail_load(self, req: Request, out: SchedulerOutput, budget: int,
+                         scheduled: list[ScheduledRequest]) -> int | None:
+        """Admit `req`, whose remote KV is a tail of its prefix, with that KV loading and the
+        head's first chunk scheduled (module docstring); returns the chunk's tokens, None when
+        there are too few free blocks, 0 when the KV is not such a tail or the prefix cache
+        already holds the head (then it is a plain load)."""
+        remote = req.remote_kv
+        assert remote is not None
+        start, end, bs = remote.first_token, remote.num_tokens, self.block_size
+        if start <= 0 or start % bs or end - start < bs:
+            return 0
+        hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+        if num_hit_tokens >= start:
+            return 0
+        # Every block up to the tail's end now; the head's register in the prefix cache as
+        # their chunks are scheduled, the tail's when it lands.
+        if self.kv.allocate_slots(req, end - num_hit_tokens, hits, cache=False) is None:
+            return None
+        self._admit(req, num_hit_tokens)
+        self.tail_loads[req.request_id] = TailLoad(req, start, end)
+        ids = self.kv.block_ids(req.request_id)
+        out.kv_loads.append(KvLoad(req, list(ids[start // bs:end // bs]), end,
+                                   first_block=start // bs))
+        num_new = min(start - num_hit_tokens, budget)
+        self.kv.allocate_slots(req, num_new)  # no new block: registers the chunk's full ones
+        scheduled.append(self._scheduled(req, num_new))
+        return num_new
+
+    def _admit(self, req: Request, num_hit_tokens: int) -> None:
+        """The waiting queue's head runs from its prefix-cache hits on."""
+        self.waiting.pop()
+        req.num_computed_tokens = num_hit_tokens
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit_tokens
+        req.status = RequestStatus.RUNNING
+        insert_running(self.running, req, self.policy)
+
+    def _land_tail(self, req: Request, tail: TailLoad) -> None:
+        """The head is computed and the tail loaded: the request goes on after the tail."""
+        del self.tail_loads[req.request_id]
+        assert req.remote_kv is not None
+        req.num_computed_tokens = min(tail.end, req.num_tokens - 1)  # see finish_kv_load
+        if req.remote_kv.cached:
+            req.num_cached_tokens = max(req.num_cached_tokens, 0) + tail.end - tail.start
+        req.remote_kv = None
+        self.kv.cache_computed(req, req.num_computed_tokens)
+
+    def _pop_victim(self, first: int) -> Request | None:
+        """Take the newest running request at index `first` or later that may be preempted
+        (not one whose tail KV is still being written into its blocks); None if none."""
+        for index in range(len(self.running) - 1, first - 1, -1):
+            req = self.running[index]
+            tail = self.tail_loads.get(req.request_id)
+            if tail is None or tail.landed:
+                if tail is not None:  # its loaded KV goes with its blocks: loaded again later
+                    del self.tail_loads[req.request_id]
+                return self.running.pop(index)
+        return None
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req)
@@ -461,6 +581,6 @@ class Scheduler:
         self.kv.check_integrity()
         holders = set(self.kv.req_to_blocks)
         live = ({r.request_id for r in self.running} | set(self.loading) | set(self.leases)
-                | self.pins)
+                | set(self.tail_loads) | self.pins)
         if not holders <= live:
             raise AssertionError(f"blocks held by unknown requests: {sorted(holders - live)}")

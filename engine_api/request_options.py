@@ -28,11 +28,16 @@ class RemoteKv:
     know how many prompt tokens the KV covers. `cached`: the KV comes from a cache (the tiers),
     so a successful load counts its tokens as cached ones (`Request.num_cached_tokens`), as
     prefix-cache hits are; KV transferred from a prefill worker is not.
+
+    `first_token` > 0 (a multiple of the block size): the KV covers only tokens
+    [first_token, num_tokens) and the engine computes the ones before it (less its own prefix
+    cache's) while that KV loads, instead of waiting for it (engine/scheduler.py).
     """
 
     num_tokens: int
     handle: object = None
     cached: bool = False
+    first_token: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,9 +11,20 @@ else from the CPU/Redis tier.
     after the response ── save ──> pin the prompt's full blocks the CPU tier lacks, read them,
                                    encode, TieredStore.put_many (CPU tier now, Redis queued)
 
-The blocks are fetched in `plan`, before the request is queued, so the engine thread never waits
-on Redis; `load` only decodes bytes already in memory. `plan` fetches a Redis chunk only when
-the cost model (`worker/tier_cost.py`) says it arrives sooner than it would be computed. Every block is verified against the
+When the CPU tier holds the next block, the blocks are fetched in `plan`, before the request is
+queued (the CPU tier's, then Redis's chunk by chunk while the cost model, `worker/tier_cost.py`,
+says a chunk arrives sooner than it would be computed); `load` only decodes bytes in memory.
+When only Redis holds it, `plan` asks Redis which blocks it holds (EXISTS, no values) and the
+cost model splits them: the engine computes the head while the tail is read, both at once
+
+    blocks  g ........ s ............ t ...... end
+            computed   fetched (a task started in `plan`, awaited by `load`)   computed after
+            (RemoteKv.first_token = s * block_size: engine/scheduler.py runs the head's
+             chunks while the load is in flight, then jumps to t)
+
+so a Redis read costs max(compute head, fetch tail) instead of fetch all (or compute all). A
+tail that does not arrive whole (evicted since, corrupt, Redis failed) fails the load: the
+engine computes on through it. The engine thread never waits on Redis. Every block is verified against the
 wire spec (fingerprint, shape, checksum) and against the hash it was looked up by, so a corrupt
 or foreign value is a miss, never data. A load that cannot be served (the GPU evicted blocks the
 plan counted on) returns False, and the engine recomputes the prompt.
@@ -101,6 +112,17 @@ class TierBlocks:
     hashes: tuple[bytes, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class TierFetch:
+    """`RemoteKv.handle` of a prefix tail being read from Redis (`first` is its first block)
+    while the engine computes the blocks before it; `count` blocks are expected."""
+
+    first: int
+    fetch: asyncio.Future[list[bytes]]
+    count: int
+    hashes: tuple[bytes, ...]
+
+
 @dataclass(slots=True)
 class TierStats:
     planned_blocks: int = 0     # blocks found in the tiers by `plan`
@@ -109,6 +131,8 @@ class TierStats:
     failed_loads: int = 0       # loads refused (engine recomputed the prompt)
     saved_blocks: int = 0       # blocks the CPU tier took (Redis: its own counters)
     skipped_saves: int = 0      # saves not started: MAX_PENDING_SAVES were already running
+    overlapped_blocks: int = 0  # blocks Redis held that a split computed instead (beside a read)
+    short_fetches: int = 0      # tail reads that brought fewer blocks than Redis said it held
 
 
 class TierPrefixCache:
@@ -157,6 +181,8 @@ class TierPrefixCache:
         first = self._kv.cached_prefix_blocks(hashes)
         if len(hashes) - first < self._min_blocks:
             return None
+        if self._store.redis is not None and hashes[first] not in self._store.cpu:
+            return await self._plan_split(hashes, first, parent)
         found: list[bytes | torch.Tensor] = []
         for data in await self._store.get_entries(hashes[first:], self.cost.worth, parent):
             if data is None:
@@ -168,6 +194,45 @@ class TierPrefixCache:
         return RemoteKv(num_tokens=(first + len(found)) * self._block_size,
                         handle=TierBlocks(first, tuple(found), tuple(hashes)), cached=True)
 
+    async def _plan_split(self, hashes: list[bytes], first: int, parent: Context | None
+                          ) -> RemoteKv | None:
+        """Redis's blocks after the GPU's `first`: computed, fetched, or split (the docstring)."""
+        store = self._store
+        assert store.redis is not None
+        held = await store.redis_held(hashes[first:])
+        if held < self._min_blocks:
+            return None
+        head = self.cost.split(store.redis.counters, held)
+        if held - head < self._min_blocks:
+            store.redis.counters.cost_skips += 1
+            return None
+        start, end = first + head, first + held
+        if head == 0:  # fetch all, before the request is queued (it holds no blocks meanwhile)
+            values = await store.fetch_redis(hashes[start:end], parent)
+            if len(values) < self._min_blocks:
+                return None
+            self.stats.planned_blocks += len(values)
+            return RemoteKv(num_tokens=(first + len(values)) * self._block_size,
+                            handle=TierBlocks(first, tuple(values), tuple(hashes)), cached=True)
+        self.stats.planned_blocks += held - head
+        self.stats.overlapped_blocks += head
+        fetch = asyncio.ensure_future(store.fetch_redis(hashes[start:end], parent))
+        return RemoteKv(num_tokens=end * self._block_size,
+                        handle=TierFetch(start, fetch, held - head, tuple(hashes)),
+                        cached=True, first_token=start * self._block_size)
+
+    async def _arrived(self, handle: TierFetch) -> TierBlocks | None:
+        """The fetched tail, or None (counted) if it did not arrive whole."""
+        try:
+            values = await handle.fetch
+        except Exception as e:  # any failure of the read means recompute
+            logger.warning("tier read failed: %s", e)
+            values = []
+        if len(values) < handle.count:
+            self.stats.short_fetches += 1
+            return None
+        return TierBlocks(handle.first, tuple(values), handle.hashes)
+
     # ---- the engine's KV loader ------------------------------------------------------------
 
     async def load(self, load: KvLoad) -> bool:
@@ -175,6 +240,11 @@ class TierPrefixCache:
         longer covers them or a block fails verification."""
         remote = load.request.remote_kv
         handle = remote.handle if remote is not None else None
+        if isinstance(handle, TierFetch):
+            handle = await self._arrived(handle)
+            if handle is None:
+                self.stats.failed_loads += 1
+                return False
         if not isinstance(handle, TierBlocks):
             return False
         start = load.first_block - handle.first
@@ -304,7 +374,7 @@ class TierOrPullLoader:
 
     async def __call__(self, load: KvLoad) -> bool:
         remote = load.request.remote_kv
-        if remote is not None and isinstance(remote.handle, TierBlocks):
+        if remote is not None and isinstance(remote.handle, (TierBlocks, TierFetch)):
             return await self.tiers.load(load)
         return await self._pull(load)
 

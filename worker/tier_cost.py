@@ -9,6 +9,15 @@ only blocks that arrive sooner than they would be computed:
     compute n blocks = n * block_size / prefill tokens per second         (this module: smoothed
                                                                           over the worker's prefills)
 
+When the engine may compute while a tier read runs (`split`: the prompt's head computed, its
+tail fetched at the same time, engine/scheduler.py), the split is where both end together:
+
+    k = argmin over k of max(compute(k), fetch(n - k))    (0: fetch all; n: compute all)
+
+A split has costs of its own that the two terms do not see (asking Redis which blocks it holds
+first, one more engine step after the tail lands): it is taken only when it saves more than
+SPLIT_MIN_GAIN_S and SPLIT_MIN_GAIN of fetching all.
+
 Until the worker has timed a prefill it fetches (the tiers exist to be used); a tier whose reads
 have not been timed yet is charged its prior (counters.py).
 """
@@ -21,6 +30,9 @@ from kv_transfer.tiers import TierCounters
 ALPHA = 0.2
 # A prefill shorter than this many computed tokens says more about overheads than the rate.
 MIN_TOKENS = 32
+# A split must beat fetching all by this much (seconds, and fraction of fetching all).
+SPLIT_MIN_GAIN_S = 0.005
+SPLIT_MIN_GAIN = 0.1
 
 
 class FetchCost:
@@ -30,7 +42,9 @@ class FetchCost:
         self._block_size = block_size
         self._block_bytes = block_bytes
         self.prefill_tokens_per_s: float | None = None
-        self.decisions = {"fetch": 0, "compute": 0}
+        self.decisions = {"fetch": 0, "compute": 0, "overlap": 0}
+        # The last `split`: (blocks computed, blocks fetched).
+        self.last_split: tuple[int, int] | None = None
 
     def observe_prefill(self, computed_tokens: int, seconds: float) -> None:
         """A prefill computed `computed_tokens` in `seconds` (queueing included: under load it
@@ -51,3 +65,25 @@ class FetchCost:
         fetch = compute is None or tier.cost.seconds(blocks * self._block_bytes) < compute
         self.decisions["fetch" if fetch else "compute"] += 1
         return fetch
+
+    def split(self, tier: TierCounters, blocks: int) -> int:
+        """Of `blocks` blocks that `tier` holds right after what the engine has, how many from
+        the first to compute while the rest is read (see the module docstring): 0 fetches all
+        (also before any prefill was timed), `blocks` computes all."""
+        rate = self.prefill_tokens_per_s
+        best_k, best = 0, float("inf")
+        if rate is not None:
+            for k in range(blocks + 1):  # a few thousand at most: no need to be clever
+                m = blocks - k
+                fetch = tier.cost.seconds(m * self._block_bytes) if m else 0.0
+                worst = max(k * self._block_size / rate, fetch)
+                if worst < best:
+                    best_k, best = k, worst
+            fetch_all = tier.cost.seconds(blocks * self._block_bytes)
+            if 0 < best_k < blocks and fetch_all - best < max(SPLIT_MIN_GAIN_S,
+                                                              SPLIT_MIN_GAIN * fetch_all):
+                best_k = 0  # not worth a split's own costs
+        self.decisions["fetch" if best_k == 0 else "compute" if best_k == blocks
+                       else "overlap"] += 1
+        self.last_split = (best_k, blocks - best_k)
+        return best_k

@@ -139,6 +139,9 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     visible = kpos[None, :] <= qpos[:, None]  # [Lq, Lk]
     if window > 0:
         visible &= kpos[None, :] > qpos[:, None] - window
-    o = _attention(q.transpose(0, 1).float(), k.transpose(0, 1).float(),
-                   v.transpose(0, 1).float(), visible, scale, softcap)
-    return o.transpose(0, 1).to(q.dtype)
+    # Dense [1, H, L, D] operands: on the CPU, SDPA takes its fused (flash) kernel only for
+    # those; strided [H, L, D] views fall back to the math path, which materializes and
+    # "safe"-softmaxes the whole score matrix (10x slower for a 2k-token chunk of SmolLM2).
+    qd, kd, vd = (x.transpose(0, 1).float().unsqueeze(0).contiguous() for x in (q, k, v))
+    o = _attention(qd, kd, vd, visible, scale, softcap)
+    return o[0].transpose(0, 1).to(q.dtype)

@@ -159,6 +159,31 @@ class RedisTier:
                 found.append(data)
         return found
 
+    async def held_prefix(self, block_hashes: Sequence[bytes]) -> int:
+        """How many of `block_hashes`, from the first, Redis holds a value for (one pipelined
+        EXISTS each, values unread: what a plan may count on before fetching in the
+        background); 0 when Redis failed or is backed off (counted as for reads)."""
+        if not block_hashes:
+            return 0
+        async with self._read_slots:
+            if not self._read_breaker.allow():
+                self._errors += 1
+                self.counters.read_errors["backoff"] += 1
+                return 0
+            try:
+                async with asyncio.timeout(self.limits.base_timeout_s):
+                    async with self._reader.pipeline(transaction=False) as pipe:
+                        for block_hash in block_hashes:
+                            pipe.exists(self.key(block_hash))
+                        replies = list(await pipe.execute(raise_on_error=False))
+            except (RedisError, OSError) as exc:
+                self.counters.read_errors[self._failed("read", exc, self._read_breaker).value] += 1
+                return 0
+        self._read_breaker.success()
+        held = next((i for i, r in enumerate(replies) if r != 1), len(replies))
+        self.counters.misses += held < len(block_hashes)
+        return held
+
     async def _read(self, hashes: Sequence[bytes], parent: Context | None
                     ) -> list[object] | None:
         """One pipelined GET per hash; None (counted by reason) if Redis failed or is backed off."""

@@ -92,6 +92,23 @@ class TieredStore:
                 found.append(value)
         return found + [None] * (len(block_hashes) - len(found))
 
+    async def redis_held(self, block_hashes: Sequence[bytes]) -> int:
+        """How many of `block_hashes`, from the first, Redis holds (values unread); 0 without
+        Redis."""
+        return 0 if self.redis is None else await self.redis.held_prefix(block_hashes)
+
+    async def fetch_redis(self, block_hashes: Sequence[bytes],
+                          parent: Context | None = None) -> list[bytes]:
+        """Redis's verified values of the longest prefix of `block_hashes` it holds (all of them
+        read: the caller decided they are worth it), promoted to the CPU tier."""
+        if self.redis is None:
+            return []
+        found = await self.redis.get_prefix(block_hashes, None, parent)
+        for block_hash, value in zip(block_hashes, found, strict=False):
+            self.cpu.put(block_hash, value)
+            self._promotions += 1
+        return found
+
     async def put_many(self, items: Sequence[tuple[bytes, bytes]],
                        encoded_here: bool = False) -> int:
         """Store (hash, encoded block) pairs in the CPU tier and queue them for Redis; returns

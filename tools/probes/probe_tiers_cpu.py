@@ -111,12 +111,14 @@ async def _ttft(args: argparse.Namespace, url: str) -> dict[str, Any]:
     vocab = engine.model_config.vocab_size
     rows: dict[int, dict[str, list[float]]] = {n: {} for n in args.lens}
     same: list[bool] = []
+    splits: dict[int, list[Any]] = {}
     try:
         await run.generate([rng.randrange(vocab) for _ in range(256)], None)  # warm-up
         for _ in range(args.repeats):
             for n in args.lens:  # lengths alternate within each repeat
                 ids = [rng.randrange(vocab) for _ in range(n)]
                 cold, tok = await run.generate(ids, cpu)
+                redis.observe_prefill(n, 0, cold / 1e3)  # the cost model's rate, as a worker's
                 await cpu.save_tokens(ids)
                 await redis.save_tokens(ids)
                 await redis.wait_for_saves()
@@ -124,7 +126,9 @@ async def _ttft(args: argparse.Namespace, url: str) -> dict[str, Any]:
                 await run.reset_gpu_cache()
                 cpu_hit, tok_cpu = await run.generate(ids, cpu)
                 await run.reset_gpu_cache()
+                redis.cost.last_split = None
                 redis_hit, tok_redis = await run.generate(ids, redis)
+                splits.setdefault(n, []).append(redis.cost.last_split)
                 await run.reset_gpu_cache()
                 same.append(tok == tok_gpu == tok_cpu == tok_redis)
                 for case, ms in (("cold", cold), ("gpu_cache_hit", gpu),
@@ -141,6 +145,7 @@ async def _ttft(args: argparse.Namespace, url: str) -> dict[str, Any]:
             "ttft_runs_ms": {str(n): {c: [round(x, 1) for x in v] for c, v in cases.items()}
                              for n, cases in rows.items()},
             "same_first_token_every_case": all(same),
+            "redis_hit_blocks_computed_fetched": {str(n): v for n, v in splits.items()},
             "redis_loaded_blocks": redis.stats.loaded_blocks}
 
 
@@ -243,21 +248,34 @@ def main() -> int:
                    help="tokens of the fresh-process prompts")
     p.add_argument("--turn-opening", type=int, default=400,
                    help="multi-turn: tokens of each conversation's opening")
+    p.add_argument("--ttft-only", action="store_true",
+                   help="the TTFT table alone (the other phases in another invocation)")
+    p.add_argument("--merge", action="store_true",
+                   help="keep what --out holds, replacing only what this run measures")
+    p.add_argument("--turn-repeats", type=int, default=3,
+                   help="multi-turn: runs with tiers on and off each (alternated)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # the fresh process: url
     args = p.parse_args()
     FRESH_LEN = args.fresh_len
     if args.child:
         print(json.dumps(asyncio.run(_fresh_child(args.child))))
         return 0
-    doc: dict[str, Any] = {
-        "command": ("PYTHONPATH=. python3 tools/probes/probe_tiers_cpu.py --repeats "
-                    f"{args.repeats} --lens {','.join(map(str, args.lens))} --fresh-len "
-                    f"{args.fresh_len} --turn-opening {args.turn_opening}"),
-        "note": ("CPU (2 cores) shared with ~5 other jobs running tests at the same time (load "
-                 "average 12-18): the figures were taken under heavy contention; cases are "
-                 "interleaved per repeat and reported as medians. Redis: a redis-server of the "
-                 "probe's own on loopback."),
-        "environment": environment_info()}
+    command = ("PYTHONPATH=. python3 tools/probes/probe_tiers_cpu.py --repeats "
+               f"{args.repeats} --lens {','.join(map(str, args.lens))} --fresh-len "
+               f"{args.fresh_len} --turn-opening {args.turn_opening} --turn-repeats "
+               f"{args.turn_repeats}" + (" --ttft-only" if args.ttft_only else ""))
+    doc: dict[str, Any] = {}
+    if args.merge:
+        with open(args.out) as f:
+            doc = json.load(f)
+    commands = doc.get("commands", [])
+    doc.update({
+        "commands": [*commands, command] if args.merge else [command],
+        "note": ("CPU (2 cores, a machine shared with other helpers' jobs, each heavy job under "
+                 "one lock); cases interleaved per repeat and reported as medians. Redis: a "
+                 "redis-server of the probe's own on loopback."),
+        "environment": environment_info()})
+    doc.pop("command", None)
 
     def save() -> None:  # after each phase: a later failure keeps what was measured
         with open(args.out, "w") as f:
@@ -269,6 +287,8 @@ def main() -> int:
         if args.repeats:  # 0: the other phases alone
             doc.update(asyncio.run(_ttft(args, server.url)))
             save()
+        if args.ttft_only:
+            return 0 if doc.get("same_first_token_every_case", True) else 1
         asyncio.run(_seed_fresh(server.url))
         child = subprocess.run([sys.executable, __file__, "--child", server.url,
                                 "--fresh-len", str(FRESH_LEN)],
@@ -286,7 +306,7 @@ def main() -> int:
         save()
         on: list[float] = []
         off: list[float] = []
-        for seed in range(2):  # on, off, on, off
+        for seed in range(args.turn_repeats):  # on, off, on, off, ...
             on.append(asyncio.run(_multiturn(server.url, True, seed, args.turn_opening)))
             off.append(asyncio.run(_multiturn(server.url, False, seed, args.turn_opening)))
             print("multiturn", on[-1], off[-1], flush=True)

@@ -385,3 +385,50 @@ def test_pinned_blocks_are_neither_evicted_nor_reused_until_unpinned() -> None:
     assert s.kv.num_free_blocks == 6 and not s.pins
     assert [x.request.request_id for x in _step(s).scheduled] == ["bb"]
     assert s.pin_cached("pin-2", [b"\x09" * 32]) == [] and not s.pins  # nothing cached: no pin
+
+
+def test_tail_load_runs_beside_the_head_and_its_blocks_outlive_an_abort() -> None:
+    """RemoteKv.first_token: the head computes while the tail [8, 16) loads; a landed tail is
+    jumped over; an aborted request keeps its blocks until the load ends; a running request
+    whose tail is being written is never the preemption victim; a failed tail is computed."""
+    s = _sched(budget=4, blocks=32)
+    s.add_request(_req("t", 18, remote_kv=RemoteKv(16, handle="tail", cached=True,
+                                                   first_token=8)))
+    out = _step(s)
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("t", 4)]
+    (load,) = out.kv_loads
+    assert load.first_block == 2 and len(load.block_ids) == 2
+    assert [x.num_new_tokens for x in _step(s).scheduled] == [4]  # the head's second chunk
+    assert _step(s).scheduled == []  # head done, tail not landed: nothing to compute
+    assert s.only_loads_pending()
+    s.finish_kv_load("t", ok=True)
+    out = _step(s)  # jumped to 16: the last 2 tokens computed, one sampled
+    req = out.scheduled[0].request
+    assert out.scheduled[0].num_new_tokens == 2 and out.scheduled[0].sample
+    assert req.num_cached_tokens == 8 and req.remote_kv is None
+
+    # Aborted while the tail is written: its blocks stay held until the load ends.
+    s2 = _sched(budget=4, blocks=32)
+    s2.add_request(_req("a", 18, remote_kv=RemoteKv(16, handle="tail", first_token=8)))
+    _step(s2)
+    free = s2.kv.num_free_blocks
+    s2.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    assert s2.kv.num_free_blocks == free and "a" in s2.kv.req_to_blocks
+    s2.check_integrity()
+    s2.finish_kv_load("a", ok=True)
+    assert "a" not in s2.kv.req_to_blocks and "a" not in s2.tail_loads
+
+    # Out of blocks: the newer request with a tail in flight is not the victim; a failed
+    # tail is computed through.
+    s3 = _sched(budget=8, blocks=6)
+    s3.add_request(_req("o", 4, max_tokens=16))
+    _step(s3)
+    s3.add_request(_req("newer", 18, remote_kv=RemoteKv(16, handle="tail", first_token=8)))
+    _step(s3)  # 4 blocks held by "newer", 1 by "o"
+    for _ in range(10):
+        _step(s3)  # "o" outgrows its block: preempted itself, never "newer"
+    assert "newer" in s3.tail_loads and s3.requests["o"].status == RequestStatus.PREEMPTED
+    s3.finish_kv_load("newer", ok=False)
+    assert "newer" not in s3.tail_loads and s3.requests["newer"].remote_kv is None
+    out = _step(s3)
+    assert [(x.request.request_id, x.num_computed_tokens) for x in out.scheduled] == [("newer", 8)]

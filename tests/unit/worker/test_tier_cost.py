@@ -38,4 +38,22 @@ def test_fetches_only_what_arrives_before_it_would_be_computed() -> None:
     for size in (1 << 20, 4 << 20):
         slow_redis.cost.observe(size, 1.0 + size / 1e6)  # 1 s latency, 1 MB/s
     assert not fetch.worth(slow_redis, 8)
-    assert fetch.decisions == {"fetch": 2, "compute": 1}
+    assert fetch.decisions == {"fetch": 2, "compute": 1, "overlap": 0}
+
+
+def test_split_computes_the_head_while_the_tail_is_read_so_both_end_together() -> None:
+    cost = FetchCost(block_size=16, block_bytes=BLOCK_BYTES)
+    redis = TierCounters("redis", cost=ReadCost(0.001, 200e6))  # ~3.9 ms a block
+    assert cost.split(redis, 100) == 0  # no prefill timed yet: fetch all
+    cost.observe_prefill(1600, 2.0)  # 800 tokens/s: 20 ms a block
+    head = cost.split(redis, 100)
+    # 20 ms * k against 1 ms + 3.9 ms * (100 - k): they meet at k = 16.4
+    assert head in (16, 17) and cost.last_split == (head, 100 - head)
+    fast = FetchCost(block_size=16, block_bytes=BLOCK_BYTES)
+    fast.observe_prefill(1_600_000, 1.0)  # a GPU: 100 blocks in 1 ms, below Redis' latency
+    assert fast.split(redis, 100) == 100
+    assert fast.decisions["compute"] == 1
+    # A read that costs ~1 ms whatever its size: no split saves more than a split costs.
+    quick = TierCounters("redis", cost=ReadCost(0.001, 1e12))
+    assert cost.split(quick, 100) == 0 and cost.last_split == (0, 100)
+    assert cost.decisions == {"fetch": 2, "compute": 0, "overlap": 1}
