@@ -28,6 +28,7 @@ def spec_attributes(spec: SpecDecision) -> dict[str, str | int | float]:
             "splitserve.speculative_method": spec.label,
             "splitserve.speculative_class": spec.request_class,
             "splitserve.speculative_reason": spec.reason,
+            "splitserve.speculative_predicted_k": spec.predicted_k,
             "splitserve.speculative_predicted_gain": round(spec.predicted_gain, 4),
             "splitserve.speculative_step_seconds": spec.step_seconds,
             "splitserve.speculative_accepted_per_step": round(spec.accepted_per_step, 4),

@@ -19,6 +19,11 @@ from the worker ("adaptive", the default):
   (other gateways') are assumed to choose as this one;
 - the SLO guard (`speculative_tpot_slo_ms`): no choice whose predicted step exceeds the target
   unless a plain step already does;
+- the cap sent is not the k predicted best for the batch seen now but the most the SLO guard
+  allows (all of `speculative_tokens` without one): the batch changes after admission, and the
+  worker lowers each step's drafts to what pays for the batch as it is then (its step budget,
+  from the same numbers). A cap fixed at admission would hold a request at few drafts for its
+  whole life after one crowded moment;
 - a proposer not yet measured for the class is tried now and then (every EXPLORE_EVERY-th
   decision for a worker and class), so that numbers exist and stay fresh.
 
@@ -90,6 +95,7 @@ class SpecDecision:
     step_seconds: float = 0.0     # the predicted step time (0: not measured)
     accepted_per_step: float = 0.0  # the drafts the method is expected to land per step
     rows_per_step: float = 1.0    # the query rows it is expected to add to each step
+    predicted_k: int = 0          # the drafts per step predicted best for the batch seen now
 
     @property
     def enabled(self) -> bool:
@@ -168,6 +174,21 @@ def _acceptance(report: common_pb2.LoadReport, method: Method, cls: str) -> Acce
     if pooled_steps < MIN_MEASURED_STEPS:
         return None
     return Acceptance(pooled_steps, tuple(pooled_drafted), tuple(pooled_accepted))
+
+
+def _slo_cap(cost: StepCost, acceptance: Acceptance, batch: int, cap: int, slo_s: float,
+             known: tuple[int, float, float], k: int) -> int:
+    """The most drafts in [k, cap] whose predicted step meets the SLO (`cap` without one, or
+    where a plain step already misses it)."""
+    n, _, r_known = known
+    alike = batch - min(n, batch - 1)
+    if slo_s <= 0 or cost.seconds_at(r_known + alike) > slo_s:
+        return cap
+    for send in range(cap, k, -1):
+        _, rows = acceptance.tokens_and_rows(send)
+        if cost.seconds_at(r_known + alike * rows) <= slo_s:
+            return send
+    return k
 
 
 class SpecPolicy:
@@ -257,8 +278,9 @@ class SpecPolicy:
             if choice.k and choice.batch_tokens_per_s > best_rate:
                 best_rate = choice.batch_tokens_per_s
                 tokens, rows = acceptance.tokens_and_rows(choice.k)
-                best = SpecDecision(choice.k, load, method, cls, "measured", choice.gain,
-                                    choice.step_seconds, tokens - 1.0, rows)
+                send = _slo_cap(cost, acceptance, batch, cap, slo_s, known, choice.k)
+                best = SpecDecision(send, load, method, cls, "measured", choice.gain,
+                                    choice.step_seconds, tokens - 1.0, rows, choice.k)
         key = (address, cls)
         n = self._decisions[key] = self._decisions.get(key, 0) + 1
         # Try an unmeasured proposer (every decision until it has numbers: a fresh worker

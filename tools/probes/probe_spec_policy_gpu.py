@@ -17,8 +17,9 @@ One engine (default: dummy Llama-3.1-8B, random weights, no tokenizer) with n-gr
    (`ForcedAcceptance`: acceptance at position i is about a^(i+1)), which the engine measures
    per position; then the policy's prediction from the measured cost and acceptance
    (engine_api/spec_gain.py `best_k`, the gateway's rule for a batch of b alike sequences:
-   predicted gain and step time for every k), and `policy`: the chosen k as the request's cap
-   with the worker's step budget and pausing on, as a worker runs it.
+   predicted gain and step time for every k), and `policy`: as the gateway sends it (no SLO),
+   the request's cap is K when the predicted best k is above 0 (else 0), and the worker's step
+   budget and pausing pick each step's drafts, as a worker runs it.
 
 TPOT is per request (first to last token), the median over the batch. Greedy sampling; a run
 whose tokens part from the reference (bf16 near-ties in verify steps with random weights)
@@ -235,8 +236,9 @@ def main() -> int:
             with spec_settings(engine, budget=False, min_accepted=0.0):
                 always = run_batch(engine, prompts, args.output_len, args.k, cls, f"al{b}-{rate}")
             pred = predict(engine, cls, b, args.k)
+            pred["cap_sent"] = args.k if pred["k"] else 0
             with spec_settings(engine, budget=True, min_accepted=None):
-                policy = run_batch(engine, prompts, args.output_len, pred["k"], cls,
+                policy = run_batch(engine, prompts, args.output_len, pred["cap_sent"], cls,
                                    f"po{b}-{rate}")
             engine.proposers[METHOD] = proposer
             tpots = {"off": off["tpot_ms"], "always": always["tpot_ms"],

@@ -58,9 +58,10 @@ def test_the_best_method_and_drafts_for_the_class_and_load() -> None:
     light = policy.decide(_worker(0, MEASURED), "repetitive")
     assert (light.label, light.num_speculative_tokens, light.reason) == ("suffix", 4, "measured")
     assert light.predicted_gain > 2 and 2 < light.accepted_per_step < 3
-    # At 8 other requests, 9 sequences x 5 rows is past the flat part: fewer drafts pay best.
+    # At 8 other requests, 9 sequences x 5 rows is past the flat part: fewer drafts pay best
+    # now. The cap sent stays at 4: the worker lowers each step's drafts as its batch is then.
     mid = policy.decide(_worker(8, MEASURED), "repetitive")
-    assert mid.label == "suffix" and 0 < mid.num_speculative_tokens < 4
+    assert mid.label == "suffix" and 0 < mid.predicted_k < 4 and mid.num_speculative_tokens == 4
     # Compute-bound: every row costs; off.
     assert not policy.decide(_worker(100, MEASURED), "repetitive").enabled
     # Free text accepts too little at any load.
@@ -71,7 +72,9 @@ def test_the_best_method_and_drafts_for_the_class_and_load() -> None:
 def test_the_slo_guard_and_the_workers_cap() -> None:
     guarded = SpecPolicy(_config(speculative_tpot_slo_ms=25.0)).decide(
         _worker(8, MEASURED), "repetitive")
+    # The predicted step and the cap sent both within the target (9 x 5 rows would miss it).
     assert guarded.step_seconds <= 0.025
+    assert guarded.predicted_k <= guarded.num_speculative_tokens < 4
     capped = SpecPolicy(_config(speculative_tokens=2)).decide(_worker(0, MEASURED), "repetitive")
     assert capped.num_speculative_tokens == 2
 
@@ -156,8 +159,8 @@ def test_the_gateways_own_requests_in_flight_count_as_decided() -> None:
     plain = [policy.decide(_worker(i, MEASURED), "text") for i in range(7)]
     assert not any(d.enabled for d in plain)
     eighth = policy.decide(_worker(7, MEASURED), "repetitive")
-    assert (eighth.label, eighth.num_speculative_tokens) == ("suffix", 4)
+    assert (eighth.label, eighth.predicted_k) == ("suffix", 4)
     for d in [*plain, eighth]:
         policy.release(ADDRESS, d)
     alone = policy.decide(_worker(7, MEASURED), "repetitive")
-    assert alone.label == "suffix" and 0 < alone.num_speculative_tokens < 4
+    assert alone.label == "suffix" and 0 < alone.predicted_k < 4
