@@ -16,7 +16,8 @@ tail fetched at the same time, engine/scheduler.py), the split is where both end
 
 A split has costs of its own that the two terms do not see (asking Redis which blocks it holds
 first, one more engine step after the tail lands): it is taken only when it saves more than
-SPLIT_MIN_GAIN_S and SPLIT_MIN_GAIN of fetching all.
+SPLIT_MIN_GAIN_S and SPLIT_MIN_GAIN of the better of fetching all and computing all; otherwise
+that better one is done.
 
 Until the worker has timed a prefill it fetches (the tiers exist to be used); a tier whose reads
 have not been timed yet is charged its prior (counters.py).
@@ -80,9 +81,12 @@ class FetchCost:
                 if worst < best:
                     best_k, best = k, worst
             fetch_all = tier.cost.seconds(blocks * self._block_bytes)
-            if 0 < best_k < blocks and fetch_all - best < max(SPLIT_MIN_GAIN_S,
-                                                              SPLIT_MIN_GAIN * fetch_all):
-                best_k = 0  # not worth a split's own costs
+            compute_all = blocks * self._block_size / rate
+            whole = min(fetch_all, compute_all)
+            if 0 < best_k < blocks and whole - best < max(SPLIT_MIN_GAIN_S,
+                                                          SPLIT_MIN_GAIN * whole):
+                # Not worth a split's own costs: the better whole way.
+                best_k = 0 if fetch_all <= compute_all else blocks
         self.decisions["fetch" if best_k == 0 else "compute" if best_k == blocks
                        else "overlap"] += 1
         self.last_split = (best_k, blocks - best_k)

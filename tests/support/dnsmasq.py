@@ -37,6 +37,18 @@ def free_udp_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def free_dns_port(host: str = "127.0.0.1") -> int:
+    """A port free for both UDP and TCP at `host` right now (dnsmasq listens on both)."""
+    while True:
+        port = free_udp_port(host)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        return port
+
+
 class Dnsmasq:
     """dnsmasq serving `records` (name -> IPv4 addresses) with TTL `ttl_s` on 127.0.0.1:port."""
 
@@ -44,7 +56,7 @@ class Dnsmasq:
         self.binary = dnsmasq_or_skip()
         self.hosts = directory / "hosts"
         self.hosts.write_text("")
-        self.port = free_udp_port()
+        self.port = free_dns_port()
         self.ttl_s = ttl_s
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -54,6 +66,18 @@ class Dnsmasq:
         return f"127.0.0.1:{self.port}"
 
     def start(self, records: Mapping[str, Sequence[str]]) -> None:
+        """Start serving `records`; a port taken between its choice and dnsmasq's bind (another
+        test's server) is replaced by a fresh one, twice at most."""
+        for attempt in range(3):
+            try:
+                self._start(records)
+                return
+            except AssertionError as e:
+                if "Address already in use" not in str(e) or attempt == 2:
+                    raise
+                self.port = free_dns_port()
+
+    def _start(self, records: Mapping[str, Sequence[str]]) -> None:
         self._write(records)
         self._proc = subprocess.Popen(
             [self.binary, "--no-daemon", "--conf-file=/dev/null", "--no-resolv", "--no-hosts",
