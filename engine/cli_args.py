@@ -230,7 +230,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "on two CUDA streams, one half's attention beside the other's MLP "
                         "(0, the default: never; it measured slower on an H200)")
     g.add_argument("--cpu-threads", type=int, default=None,
-                   help="torch intra-op threads when running on the CPU")
+                   help="torch intra-op threads when running on the CPU (default: torch's, "
+                        "capped at the CPUs this process may use: affinity and cgroup quota)")
     g.add_argument("--speculative-method", default=_default(SpeculativeConfig, "method"),
                    choices=list(SPEC_METHODS),
                    help="speculative decoding: ngram = prompt lookup (drafts the tokens that "

@@ -25,7 +25,8 @@ class RunnerConfig:
     # the default: on the H200 it measured slower (docs/performance.md).
     decode_overlap_min_batch: int = 0
     quantization: Literal["none", "fp8", "int8"] = "none"
-    # Intra-op threads on the CPU; None keeps torch's default. Several engines (or an engine and
+    # Intra-op threads on the CPU; None keeps torch's default, capped at the CPUs the process
+    # may use (engine_api/cpus.py: affinity and cgroup quota). Several engines (or an engine and
     # its tests) on one small machine must split the cores, or spinning thread pools oversubscribe
     # them and small ops get ~100x slower.
     cpu_threads: int | None = None
