@@ -46,7 +46,6 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind
-from opentelemetry.util.types import AttributeValue
 
 from gateway.admission import RequestLimit
 from gateway.config import GatewayConfig
@@ -62,6 +61,7 @@ from gateway.generation import (
 )
 from gateway.metrics import GatewayMetrics
 from gateway.request_metrics import CompletionTiming
+from gateway.request_span import output_constraint, record_usage, request_attributes
 from gateway.router import Attempts, Router, Worker, WorkerPool, call_routed
 from gateway.serving_mode import ServingModes
 from gateway.spec_metrics import spec_attributes
@@ -147,12 +147,12 @@ class Orchestrator:
         # children (passed explicitly: the completions run in their own tasks).
         name = f"{job.operation} {self._config.served_model_name}"  # GenAI span name
         with tracing.traced_span(name, parent=None, kind=SpanKind.CLIENT,
-                                 attributes=self._request_attributes(job)) as span:
+                                 attributes=request_attributes(job, self._config.served_model_name)) as span:
             parent = tracing.span_context(span)
             tasks = [asyncio.create_task(self._run_guarded(job, i, queue, parent))
                      for i in range(job.n)]
             self._metrics.num_requests_in_flight.inc()
-            constraint = _constraint(job)
+            constraint = output_constraint(job)
             if constraint is not None:
                 self._metrics.structured_output_requests.labels(constraint=constraint).inc()
             if job.tool_choice is not None:
@@ -181,7 +181,7 @@ class Orchestrator:
                     job.n - len(finished))
                 raise
             finally:
-                _record_usage(span, job, finished, sent_tokens)
+                record_usage(span, job, finished, sent_tokens)
                 self._metrics.num_requests_in_flight.dec()
 
     async def _generate_merged(self, jobs: Sequence[GenerationJob]
@@ -202,33 +202,6 @@ class Orchestrator:
         async with contextlib.aclosing(_fan_in(queue, tasks)) as events:
             async for event in events:
                 yield event
-
-    def _request_attributes(self, job: GenerationJob) -> dict[str, AttributeValue]:
-        """GenAI semantic-convention request attributes of the request's span."""
-        attrs: dict[str, AttributeValue] = {
-            "gen_ai.operation.name": job.operation,
-            "gen_ai.provider.name": "splitserve",
-            "gen_ai.request.model": self._config.served_model_name,
-            "gen_ai.request.max_tokens": job.sampling.max_tokens,
-            "gen_ai.request.temperature": job.sampling.temperature,
-            "gen_ai.response.id": job.request_id,
-            "gen_ai.response.model": job.lora_name or self._config.served_model_name,
-            "splitserve.request_id": job.request_id,
-        }
-        if job.sampling.top_p:  # 0: unset (the model's default)
-            attrs["gen_ai.request.top_p"] = job.sampling.top_p
-        if job.sampling.HasField("seed"):
-            attrs["gen_ai.request.seed"] = job.sampling.seed
-        if job.n != 1:
-            attrs["gen_ai.request.choice.count"] = job.n
-        constraint = _constraint(job)
-        if constraint is not None:
-            attrs["splitserve.structured_output"] = constraint
-        if job.tool_choice is not None:
-            attrs["splitserve.tool_choice"] = job.tool_choice
-        if job.priority:
-            attrs["splitserve.priority"] = job.priority
-        return attrs
 
     async def _run_guarded(self, job: GenerationJob, index: int,
                            queue: asyncio.Queue[Event | BaseException | None],
@@ -572,18 +545,6 @@ class Orchestrator:
         await asyncio.gather(*self._background, return_exceptions=True)
 
 
-def _record_usage(span: Span, job: GenerationJob, finished: Sequence[Finished],
-                  sent_tokens: int) -> None:
-    """GenAI semantic-convention usage/response attributes of a request's span: the output
-    tokens it sent (an aborted stream's too, not only its finished completions')."""
-    span.set_attribute("gen_ai.usage.input_tokens", len(job.prompt_token_ids))
-    span.set_attribute("gen_ai.usage.output_tokens",
-                       max(sent_tokens, sum(f.num_output_tokens for f in finished)))
-    if finished:
-        by_index = sorted(finished, key=lambda f: f.index)
-        span.set_attribute("gen_ai.response.finish_reasons", [f.finish_reason for f in by_index])
-
-
 async def _fan_in(queue: asyncio.Queue[Event | BaseException | None],
                   producers: Sequence[asyncio.Task[None]]) -> AsyncGenerator[Event, None]:
     """The events `producers` put on `queue` until each has put its None; an exception one put
@@ -602,11 +563,3 @@ async def _fan_in(queue: asyncio.Queue[Event | BaseException | None],
         for t in producers:
             t.cancel()
         await asyncio.gather(*producers, return_exceptions=True)
-
-
-def _constraint(job: GenerationJob) -> str | None:
-    """The kind of output constraint the job carries (json_schema, json_object, regex, choice,
-    grammar), None for free text."""
-    if not job.sampling.HasField("structured_outputs"):
-        return None
-    return job.sampling.structured_outputs.WhichOneof("constraint")
