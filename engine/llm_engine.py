@@ -33,6 +33,7 @@ from engine.scheduler import SampledToken, Scheduler, SchedulerOutput
 from engine.spec import Proposer, propose_all
 from engine.spec.budget import StepBudget
 from engine.spec.cost import StepCostModel
+from engine.spec.shadow import SHADOW_METHODS, ShadowDrafts, propose_shadows
 from engine.spec.stats import AcceptanceStats
 from engine.step_outputs import StepOutputs
 from engine.structured import GrammarCompiler, RequestGrammar, StructuredOutputError
@@ -128,6 +129,8 @@ class LLMEngine:
         self.spec_budget: StepBudget | None = (
             StepBudget(self.spec_cost, self.spec_stats, spec.num_speculative_tokens)
             if self.proposers and spec.step_budget else None)
+        # Drafts of the requests the budget holds at none, scored against what follows.
+        self.spec_shadow = ShadowDrafts(self.spec_stats)
         # What the services do with the KV besides requests: leases, pins, block I/O.
         self.kv_access = KvAccess(self.scheduler, self.runner)
         self.loras = LoRAAdmin(config, cfg, self.runner, self.scheduler, self.fingerprint)
@@ -174,6 +177,7 @@ class LLMEngine:
         self.proposers[self.config.speculative.method] = proposer
 
     def _release_drafts(self, request_id: str) -> None:
+        self.spec_shadow.release(request_id)
         for proposer in self.proposers.values():
             proposer.release(request_id)
 
@@ -464,6 +468,8 @@ class LLMEngine:
         outputs = [self._step_output(req, toks) for req, toks in changed]
         if self.proposers:
             self._record_acceptance(out, changed)
+            for req, _ in changed:
+                self.spec_shadow.score(req)
             self._propose(req for req, _ in changed)
         return outputs
 
@@ -501,6 +507,9 @@ class LLMEngine:
         for method, ready in by_method.items():
             propose_all(ready, self.proposers[method],
                         self.config.speculative.min_accepted_per_step, step_k)
+            if step_k is not None and method in SHADOW_METHODS:
+                propose_shadows([r for r in ready if r.spec_step_k == 0],
+                                self.proposers[method], self.spec_shadow)
 
     def _step_output(self, req: Request, toks: list[SampledToken]) -> StepOutput:
         out = self._outputs.output(req, toks)  # may finish it: a stop string

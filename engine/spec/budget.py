@@ -4,14 +4,16 @@ measured step cost and acceptance, for the running batch's size).
 
 The gateway decided at admission for the load it saw; the batch changes every step. Where the
 numbers are missing (no steps measured yet for the method and class) the request's cap stands;
-every EXPLORE_EVERY-th round for a (method, class) it stands for one of its requests, so that a
-method kept at no drafts still gets measured now and then at the cost of one sequence's rows,
-not the whole batch's.
+a method kept at no drafts stays measured: n-gram and suffix decoding by shadow drafts
+(shadow.py), a draft model (too dear to run for nothing) by letting its cap stand for one of its
+requests every EXPLORE_EVERY-th round, at the cost of one sequence's rows, not the whole
+batch's.
 """
 
 from __future__ import annotations
 
 from engine.spec.cost import StepCostModel
+from engine.spec.shadow import SHADOW_METHODS
 from engine.spec.stats import AcceptanceStats
 from engine_api.spec_gain import best_k
 
@@ -47,4 +49,7 @@ class StepBudget:
         cost = self.cost.cost()
         if acceptance is None or acceptance.steps < MIN_MEASURED_STEPS or not cost:
             return self.max_k, False
-        return best_k(cost, acceptance, batch, self.max_k).k, rounds % EXPLORE_EVERY == 0
+        # A cheap proposer's held requests are measured by shadow drafts (shadow.py): no
+        # request needs to draft for its numbers.
+        explore = rounds % EXPLORE_EVERY == 0 and key[0] not in SHADOW_METHODS
+        return best_k(cost, acceptance, batch, self.max_k).k, explore

@@ -47,13 +47,16 @@ class AcceptanceStats:
         self.num_drafts = 0
         self.accepted_per_pos = [0] * max_positions
 
-    def record(self, method: str, request_class: str, num_drafts: int, num_accepted: int) -> None:
-        """One step of a speculating request: `num_drafts` verified, `num_accepted` accepted."""
+    def record(self, method: str, request_class: str, num_drafts: int, num_accepted: int,
+               verified: bool = True) -> None:
+        """One step of a speculating request: `num_drafts` verified, `num_accepted` accepted.
+        `verified` False: a shadow proposal's score (shadow.py), which counts in the smoothed
+        acceptance but not in vLLM's counters of verified drafts."""
         entry = self._by_key.get((method, request_class))
         if entry is None:
             entry = self._by_key[(method, request_class)] = _Decayed()
         entry.add(num_drafts, num_accepted, self.max_positions)
-        if num_drafts:
+        if num_drafts and verified:
             self.num_drafts += 1
             for i in range(min(num_accepted, self.max_positions)):
                 self.accepted_per_pos[i] += 1

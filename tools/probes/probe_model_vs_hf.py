@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from bench.results import git_info
+from engine.spec.shadow import matched_prefix
 from tools.probes.probe_accuracy import compare
 
 PROMPT_LENS = (7, 64, 300, 1000)
@@ -77,15 +78,6 @@ def hf_outputs(path: Path, dtype: torch.dtype, device: str, seqs: list[list[int]
     del model
     gc.collect()
     return logits, tokens
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def main() -> int:
@@ -139,7 +131,7 @@ def main() -> int:
         "hf_dtype_vs_hf_fp32": compare(hf_low, ref, [r.argmax(-1).tolist() for r in ref]),
         # The continuation: does the float32 reference pick the engine's own greedy tokens?
         "continuation_engine_vs_hf_fp32": compare(cont(ours), cont(ref), targets),
-        "greedy_common_prefix_with_hf_dtype": [common_prefix(a, b)
+        "greedy_common_prefix_with_hf_dtype": [matched_prefix(a, b)
                                                for a, b in zip(ours_tokens, hf_tokens,
                                                                strict=True)],
     }

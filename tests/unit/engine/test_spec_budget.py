@@ -1,6 +1,7 @@
 """The worker's per-step cap on drafts (engine/spec/budget.py) from its measured step cost and
 acceptance: all drafts where they pay, none where they do not, the request's cap while
-unmeasured, and exploration by one request of a class at a time."""
+unmeasured, and exploration by one request of a class at a time where shadow drafts cannot
+measure (a draft model)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from engine.spec.cost import StepCostModel
 from engine.spec.stats import AcceptanceStats
 
 
-def _budget(accepted: int) -> StepBudget:
+def _budget(accepted: int, method: str = "ngram") -> StepBudget:
     """Compute-bound steps (1 ms per row beyond a 16-row flat part); the class's drafts: 4
     per step, `accepted` of them accepted."""
     cost = StepCostModel()
@@ -17,7 +18,7 @@ def _budget(accepted: int) -> StepBudget:
         cost.record(rows, seconds)
     stats = AcceptanceStats(4)
     for _ in range(int(MIN_MEASURED_STEPS) + 4):
-        stats.record("ngram", "text", 4, accepted)
+        stats.record(method, "text", 4, accepted)
     return StepBudget(cost, stats, 4)
 
 
@@ -29,11 +30,20 @@ def test_drafts_where_they_pay() -> None:
     assert good.cap_for({}, "ngram", "unmeasured", 64, 3) == 3
 
 
-def test_exploration_costs_one_request_per_round() -> None:
-    poor = _budget(accepted=0)
+def _rounds(budget: StepBudget, method: str) -> list[list[int]]:
     caps = []
     for _ in range(EXPLORE_EVERY):
         memo: dict[tuple[str, str], int] = {}  # one round: a batch of 8 of the class
-        caps.append([poor.cap_for(memo, "ngram", "text", 8, 4) for _ in range(8)])
-    explored = [c for c in caps if any(c)]
+        caps.append([budget.cap_for(memo, method, "text", 8, 4) for _ in range(8)])
+    return caps
+
+
+def test_a_draft_model_explores_with_one_request_per_round() -> None:
+    explored = [c for c in _rounds(_budget(0, "draft_model"), "draft_model") if any(c)]
     assert explored == [[4, 0, 0, 0, 0, 0, 0, 0]]
+
+
+def test_cheap_proposers_do_not_explore() -> None:
+    """N-gram lookup and suffix decoding are measured by shadow drafts (shadow.py) instead."""
+    for method in ("ngram", "suffix"):
+        assert not any(any(c) for c in _rounds(_budget(0, method), method))
