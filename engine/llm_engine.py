@@ -33,7 +33,7 @@ from engine.scheduler import SampledToken, Scheduler, SchedulerOutput
 from engine.spec import Proposer, propose_all
 from engine.spec.budget import StepBudget
 from engine.spec.cost import StepCostModel
-from engine.spec.shadow import SHADOW_METHODS, ShadowDrafts, propose_shadows
+from engine.spec.shadow import ShadowDrafts
 from engine.spec.stats import AcceptanceStats
 from engine.step_outputs import StepOutputs
 from engine.structured import GrammarCompiler, RequestGrammar, StructuredOutputError
@@ -129,7 +129,8 @@ class LLMEngine:
         self.spec_budget: StepBudget | None = (
             StepBudget(self.spec_cost, self.spec_stats, spec.num_speculative_tokens)
             if self.proposers and spec.step_budget else None)
-        # Drafts of the requests the budget holds at none, scored against what follows.
+        # Drafts nobody verifies, scored against what follows: acceptance for every cheap
+        # proposer on a sample of the requests (engine/spec/shadow.py).
         self.spec_shadow = ShadowDrafts(self.spec_stats)
         # What the services do with the KV besides requests: leases, pins, block I/O.
         self.kv_access = KvAccess(self.scheduler, self.runner)
@@ -283,6 +284,7 @@ class LLMEngine:
             req.bad_words_token_ids = bad_words_token_ids(params.bad_words, self._encode_text)
         self._bind_lora(req, options)
         req.num_speculative_tokens = self._speculative_tokens(req, options.num_speculative_tokens)
+        req.spec_shadow_k = self._speculative_tokens(req, None)
         method = options.speculative_method
         req.spec_method = method if method in self.proposers else self.config.speculative.method
         req.spec_class = options.speculative_class
@@ -489,11 +491,13 @@ class LLMEngine:
 
     def _propose(self, reqs: Iterable[Request]) -> None:
         """Draft the next step's tokens for the running requests that speculate and whose
-        tokens are all on the host (drafts after a token still in flight would be stale)."""
+        tokens are all on the host (drafts after a token still in flight would be stale); and
+        the shadow proposals of the sampled ones (shadow.py: scored, not verified, so a token
+        in flight does not matter)."""
+        reqs = [r for r in reqs if r.status == RequestStatus.RUNNING]
         by_method: dict[str, list[Request]] = {}
         for req in reqs:
-            if req.num_speculative_tokens and req.status == RequestStatus.RUNNING \
-                    and not req.num_inflight:
+            if req.num_speculative_tokens and not req.num_inflight:
                 by_method.setdefault(req.spec_method, []).append(req)
         budget = self.spec_budget
         step_k = None
@@ -507,9 +511,7 @@ class LLMEngine:
         for method, ready in by_method.items():
             propose_all(ready, self.proposers[method],
                         self.config.speculative.min_accepted_per_step, step_k)
-            if step_k is not None and method in SHADOW_METHODS:
-                propose_shadows([r for r in ready if r.spec_step_k == 0],
-                                self.proposers[method], self.spec_shadow)
+        self.spec_shadow.propose(reqs, self.proposers)
 
     def _step_output(self, req: Request, toks: list[SampledToken]) -> StepOutput:
         out = self._outputs.output(req, toks)  # may finish it: a stop string

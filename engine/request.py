@@ -161,6 +161,9 @@ class Request:
         # request's class as the gateway saw it (acceptance is measured per method and class).
         self.spec_step_k = -1
         self.spec_class = ""
+        # Drafts a shadow proposal may have (the engine's cap; 0: its sampling cannot
+        # speculate): engine/spec/shadow.py.
+        self.spec_shadow_k = 0
         self.spec_token_ids: list[int] = []
         # A draft model's distributions of those drafts when it sampled them ([k, V] tensor on
         # the device; None: the drafts are deterministic).

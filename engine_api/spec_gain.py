@@ -17,6 +17,11 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+# The proposers a worker measures on requests that do not verify their drafts (shadow drafts,
+# engine/spec/shadow.py): a lookup between steps, no model. Their numbers stay fresh without
+# exploring with real requests.
+SHADOWED_METHODS = frozenset({"ngram", "suffix"})
+
 
 @dataclass(frozen=True, slots=True)
 class StepCost:

@@ -24,8 +24,11 @@ from the worker ("adaptive", the default):
   worker lowers each step's drafts to what pays for the batch as it is then (its step budget,
   from the same numbers). A cap fixed at admission would hold a request at few drafts for its
   whole life after one crowded moment;
-- a proposer not yet measured for the class is tried now and then (every EXPLORE_EVERY-th
-  decision for a worker and class), so that numbers exist and stay fresh.
+- a proposer with no numbers yet is tried (a fresh worker learns from its first requests). The
+  worker measures n-gram lookup and suffix decoding on a sample of its requests whatever they
+  were sent with (shadow drafts, engine/spec/shadow.py), so their numbers stay fresh without
+  exploring; a draft model that lost is tried again every EXPLORE_EVERY-th decision for a
+  worker and class.
 
 The request's class is what the gateway can see of it: "tools" (it sent tools), "code" (its
 prompt holds code), "repetitive" (its prompt repeats itself), else "text".
@@ -48,7 +51,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from engine_api.spec_gain import Acceptance, StepCost, best_k
+from engine_api.spec_gain import SHADOWED_METHODS, Acceptance, StepCost, best_k
 from gateway.config import GatewayConfig
 from gateway.router import Worker
 from protos.splitserve.v1 import common_pb2
@@ -284,8 +287,10 @@ class SpecPolicy:
         key = (address, cls)
         n = self._decisions[key] = self._decisions.get(key, 0) + 1
         # Try an unmeasured proposer (every decision until it has numbers: a fresh worker
-        # learns from its first requests), and now and then one that lost.
-        losers = [m for m in measured if not (best.enabled and m == best.method)]
+        # learns from its first requests), and now and then one that lost, unless the worker
+        # measures it on requests that do not use it (shadow drafts: n-gram, suffix).
+        losers = [m for m in measured if not (best.enabled and m == best.method)
+                  and _LABELS.get(int(m)) not in SHADOWED_METHODS]
         pool = unmeasured or (losers if n % EXPLORE_EVERY == 0 else [])
         if pool:
             step_s = cost.seconds_at(known[2] + (batch - known[0]) * (1 + cap))

@@ -13,9 +13,8 @@ batch's.
 from __future__ import annotations
 
 from engine.spec.cost import StepCostModel
-from engine.spec.shadow import SHADOW_METHODS
 from engine.spec.stats import AcceptanceStats
-from engine_api.spec_gain import best_k
+from engine_api.spec_gain import SHADOWED_METHODS, best_k
 
 # Measured steps a (method, class) needs before its numbers cap anything.
 MIN_MEASURED_STEPS = 16.0
@@ -51,5 +50,5 @@ class StepBudget:
             return self.max_k, False
         # A cheap proposer's held requests are measured by shadow drafts (shadow.py): no
         # request needs to draft for its numbers.
-        explore = rounds % EXPLORE_EVERY == 0 and key[0] not in SHADOW_METHODS
+        explore = rounds % EXPLORE_EVERY == 0 and key[0] not in SHADOWED_METHODS
         return best_k(cost, acceptance, batch, self.max_k).k, explore

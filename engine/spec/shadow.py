@@ -1,42 +1,52 @@
-"""Shadow drafts: acceptance measured for the requests the worker's step budget holds at no
-drafts, so that the numbers the budget and the gateway decide from stay fresh.
+"""Shadow drafts: the acceptance of the cheap proposers (n-gram lookup, suffix decoding),
+measured on requests that do not verify their drafts, so that the numbers the step budget and
+the gateway decide from stay fresh and exist for every method.
 
-The budget (budget.py) caps a (method, class) at no drafts when its measured acceptance says
-drafting does not pay for the batch. Without more, that acceptance would then only be measured
-again by exploration (one request now and then): numbers taken while the text was hard to
-draft for hold drafting off long after the text changed, and the same workload runs with or
-without speculation depending on what came before it.
+Acceptance was measured only where drafts were verified. The step budget (budget.py) holds a
+(method, class) at no drafts where its numbers say drafting does not pay, and the gateway sends
+a request with one method or none: numbers taken while the text was hard to draft for then held
+drafting off long after the text changed (only an exploring request now and then measured
+again), a method not chosen was measured only by exploring with real requests, and the same
+workload ran with or without speculation depending on what came before it.
 
-So a held request of a cheap proposer (n-gram lookup, suffix decoding: a lookup between steps,
-no model) is still asked for drafts, at its own cap, and the drafts are not verified: they are
-scored against the tokens the request goes on to produce. A draft at position i would have
-been accepted if it and every draft before it equal the tokens sampled there: under greedy
-decoding that is exactly the verify step's outcome; under sampling, the chance of that match is
-the chance a verify step accepts those drafts (the target's probability of the drafted tokens,
-one after the other), so the counts are unbiased. Each scored proposal is one step in the
-acceptance statistics (stats.py), as a verified one is; a proposal that finds no drafts is a
-step with none, as it is for a speculating request. A request keeps at most one proposal
-pending; the next is made once it is scored.
+So a sample of the running requests (at most MAX_SAMPLED at a time, each kept until it ends, so
+that a proposer's per-request state is built for few of them) is asked for drafts by every
+cheap proposer the worker has, except the one whose drafts it verifies this round: the request
+speculates with another method, or the gateway sent it without drafts, or the budget holds it
+at none. The drafts are not verified; they are scored against the tokens the request goes on to
+produce. A draft at position i would have been accepted if it and every draft before it equal
+the tokens sampled there: under greedy decoding that is exactly the verify step's outcome; under
+sampling, the chance of that match is the chance a verify step accepts those drafts (the
+target's probability of each drafted token in turn), so the counts are unbiased. Each scored
+proposal is one step in the acceptance statistics (stats.py), as a verified one is, but not in
+vLLM's counters of verified drafts; a proposal that finds no drafts is a step with none, as it
+is for a speculating request. A request keeps at most one proposal per method pending; the next
+is made once it is scored. A proposal whose tokens never came (the request ended) is dropped:
+counting it short would bias the numbers.
+
+A draft model is not shadowed: running it for drafts nobody verifies costs a forward pass.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from engine_api.spec_gain import SHADOWED_METHODS
 
 if TYPE_CHECKING:
     from engine.request import Request
     from engine.spec import Proposer
     from engine.spec.stats import AcceptanceStats
 
-# Proposers cheap enough to run for requests that do not speculate (no model).
-SHADOW_METHODS = frozenset({"ngram", "suffix"})
+# Requests sampled at a time: enough numbers (each gives a proposal every few tokens per
+# method) at a bounded host cost (a suffix tree per sampled request; a lookup per proposal).
+MAX_SAMPLED = 8
 
 
 @dataclass(frozen=True, slots=True)
 class _Pending:
-    method: str
     request_class: str
     position: int          # the sequence's length when the drafts were proposed
     drafts: tuple[int, ...]
@@ -52,57 +62,84 @@ def matched_prefix(drafts: Sequence[int], actual: Sequence[int]) -> int:
     return n
 
 
-class ShadowDrafts:
-    """The pending shadow proposals of one engine, by request id."""
+def verifies(req: Request, method: str) -> bool:
+    """Whether `req`'s steps verify drafts of `method` (and so are measured by them)."""
+    return req.spec_method == method and req.num_speculative_tokens > 0 and req.spec_step_k != 0
 
-    def __init__(self, stats: AcceptanceStats) -> None:
+
+class ShadowDrafts:
+    """The sampled requests and their pending proposals, by request id and method."""
+
+    def __init__(self, stats: AcceptanceStats, max_sampled: int = MAX_SAMPLED) -> None:
         self._stats = stats
-        self._pending: dict[str, _Pending] = {}
+        self.max_sampled = max_sampled
+        self._sampled: dict[str, dict[str, _Pending]] = {}
 
     def __len__(self) -> int:
-        return len(self._pending)
+        """Pending proposals."""
+        return sum(len(p) for p in self._sampled.values())
 
-    def wants(self, req: Request) -> bool:
-        """Whether `req` (held at no drafts this round) should be asked for a shadow proposal."""
-        return req.spec_method in SHADOW_METHODS and req.request_id not in self._pending
+    @property
+    def num_sampled(self) -> int:
+        return len(self._sampled)
 
-    def add(self, req: Request, drafts: Sequence[int]) -> None:
-        """`drafts` were proposed for `req` as it is now; no drafts is a step with none."""
-        if not drafts:
-            self._stats.record(req.spec_method, req.spec_class, 0, 0, verified=False)
+    def propose(self, reqs: Iterable[Request], proposers: Mapping[str, Proposer]) -> None:
+        """New proposals for the sampled requests among `reqs` (running ones whose tokens just
+        came; sampled first come, first served), per cheap method in `proposers`."""
+        by_method: dict[str, list[tuple[Request, int]]] = {}
+        for req in reqs:
+            if req.spec_shadow_k <= 0 or req.is_finished:
+                continue  # its sampling cannot speculate (logprobs, a grammar, ...)
+            pending = self._sampled.get(req.request_id)
+            if pending is None:
+                if len(self._sampled) >= self.max_sampled:
+                    continue
+                pending = self._sampled[req.request_id] = {}
+            for method in proposers:
+                if method in SHADOWED_METHODS and method not in pending \
+                        and not verifies(req, method):
+                    own = req.spec_method == method and req.num_speculative_tokens > 0
+                    k = req.num_speculative_tokens if own else req.spec_shadow_k
+                    by_method.setdefault(method, []).append((req, k))
+        for method, asked in by_method.items():
+            drafts = _ask(proposers[method], asked)
+            for (req, _), d in zip(asked, drafts, strict=True):
+                self._add(req, method, d)
+
+    def _add(self, req: Request, method: str, drafts: Sequence[int]) -> None:
+        if not drafts:  # a step with no drafts
+            self._stats.record(method, req.spec_class, 0, 0, verified=False)
             return
-        self._pending[req.request_id] = _Pending(req.spec_method, req.spec_class,
-                                                 req.num_tokens, tuple(drafts))
+        self._sampled[req.request_id][method] = _Pending(req.spec_class, req.num_tokens,
+                                                         tuple(drafts))
 
     def score(self, req: Request) -> None:
-        """Score `req`'s pending proposal once the tokens at all its positions are known."""
-        p = self._pending.get(req.request_id)
-        if p is None or req.num_tokens < p.position + len(p.drafts):
+        """Score `req`'s pending proposals whose positions all have their tokens now."""
+        pending = self._sampled.get(req.request_id)
+        if not pending:
             return
-        del self._pending[req.request_id]
-        actual = req.all_token_ids[p.position:p.position + len(p.drafts)]
-        self._stats.record(p.method, p.request_class, len(p.drafts),
-                           matched_prefix(p.drafts, actual), verified=False)
+        for method, p in list(pending.items()):
+            if req.num_tokens < p.position + len(p.drafts):
+                continue
+            del pending[method]
+            actual = req.all_token_ids[p.position:p.position + len(p.drafts)]
+            self._stats.record(method, p.request_class, len(p.drafts),
+                               matched_prefix(p.drafts, actual), verified=False)
 
     def release(self, request_id: str) -> None:
-        """The request ended: a proposal not yet scored is dropped (its tail was never
-        produced, and counting it short would bias the numbers)."""
-        self._pending.pop(request_id, None)
+        """The request ended: its proposals not yet scored are dropped, its slot freed."""
+        self._sampled.pop(request_id, None)
 
 
-def propose_shadows(held: Sequence[Request], proposer: Proposer, shadow: ShadowDrafts) -> None:
-    """Ask `proposer` for drafts at each held request's own cap (`draft_cap` reads the
-    budget's 0 in `spec_step_k`, lifted for this call only) and keep them pending in
-    `shadow`. The requests' own drafts for the next step stay empty."""
-    held = [r for r in held if shadow.wants(r)]
-    if not held:
-        return
-    for r in held:
-        r.spec_step_k = -1
+def _ask(proposer: Proposer, asked: Sequence[tuple[Request, int]]) -> list[list[int]]:
+    """`proposer`'s drafts for each (request, k). A proposer drafts up to `draft_cap(req)`;
+    for this call the cap is k and the budget's round cap is lifted, then both restored (the
+    request's own drafts for its next step are not touched)."""
+    saved = [(req.num_speculative_tokens, req.spec_step_k) for req, _ in asked]
+    for req, k in asked:
+        req.num_speculative_tokens, req.spec_step_k = k, -1
     try:
-        drafts = proposer.propose_batch(held)
+        return proposer.propose_batch([req for req, _ in asked])
     finally:
-        for r in held:
-            r.spec_step_k = 0
-    for r, d in zip(held, drafts, strict=True):
-        shadow.add(r, d)
+        for (req, _), (cap, step_k) in zip(asked, saved, strict=True):
+            req.num_speculative_tokens, req.spec_step_k = cap, step_k

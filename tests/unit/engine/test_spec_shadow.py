@@ -1,6 +1,8 @@
-"""Shadow drafts (engine/spec/shadow.py): a request the step budget holds at no drafts is still
-asked for drafts, which are scored against the tokens it goes on to produce and counted in the
-acceptance statistics (not in the verified-draft counters); its tokens stay plain decoding's."""
+"""Shadow drafts (engine/spec/shadow.py): requests that do not verify a cheap proposer's drafts
+(held at none by the step budget, sent without drafts, or speculating with another method) are
+still asked for them, on a bounded sample; the drafts are scored against the tokens the request
+goes on to produce and counted in the acceptance statistics (not in the verified-draft
+counters); the tokens stay plain decoding's."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from engine import SamplingParams
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.spec.budget import StepBudget
+from engine.spec.ngram import NgramProposer
 from engine.spec.shadow import ShadowDrafts, matched_prefix
 from engine.spec.stats import AcceptanceStats
 from tests.support.engine_driver import tiny_llm
@@ -67,20 +70,64 @@ def test_held_requests_are_measured_by_their_shadow_drafts(
     engine.scheduler.check_integrity()
 
 
+def test_requests_sent_without_drafts_are_measured_too(
+        tiny_model_dirs: dict[str, Path], plain: dict[str, list[int]]) -> None:  # noqa: F811
+    """The gateway sent no drafts (num_speculative_tokens 0): nothing is verified, the steps
+    are plain, and the worker's proposers are still measured on them."""
+    llm = tiny_llm(tiny_model_dirs["llama"], speculative_config=NGRAM)
+    engine = llm.engine
+    engine.proposer = _ScriptedProposer(
+        PROMPTS, [plain[f"r{i}"] for i in range(len(PROMPTS))], wrong_from=1)
+    outs, _ = _run(llm, _greedy(24, 17, 30, 9, 21), num_speculative_tokens=0)
+    assert _tokens(outs) == plain
+    assert engine.scheduler.num_draft_tokens == 0
+    acc = engine.spec_stats.acceptance("ngram", "")
+    assert acc is not None and acc.steps >= 10
+    assert acc.accepted[0] == pytest.approx(acc.drafted[0]) and acc.accepted[1] == 0.0
+
+
+def _req(rid: str, prompt: list[int], method: str = "suffix", cap: int = 0) -> Request:
+    req = Request(rid, prompt, SamplingParams(temperature=0, max_tokens=8))
+    req.status = RequestStatus.RUNNING
+    req.spec_method, req.spec_class = method, "text"
+    req.num_speculative_tokens, req.spec_shadow_k = cap, 4
+    return req
+
+
 def test_a_proposal_whose_tail_never_came_is_dropped() -> None:
     stats = AcceptanceStats(4)
     shadow = ShadowDrafts(stats)
-
-    req = Request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=8))
-    req.spec_method, req.spec_class = "suffix", "text"
-    assert shadow.wants(req)
-    shadow.add(req, [4, 5])
-    assert not shadow.wants(req)  # one pending at a time
-    req.append_output_token(4)
+    proposers = {"ngram": NgramProposer(1, 3)}
+    req = _req("a", [1, 2, 3, 1, 2])
+    shadow.propose([req], proposers)  # drafts 3, 1, 2, 3 (the loop goes on)
+    assert len(shadow) == 1
+    shadow.propose([req], proposers)
+    assert len(shadow) == 1  # one pending per method at a time
+    req.append_output_token(3)
     shadow.score(req)
-    assert len(shadow) == 1 and stats.acceptance("suffix", "text") is None
+    assert len(shadow) == 1 and stats.acceptance("ngram", "text") is None  # 3 tokens to come
     shadow.release("a")
-    assert len(shadow) == 0 and stats.acceptance("suffix", "text") is None
-    shadow.add(req, [])  # no drafts found: a step with none
-    acc = stats.acceptance("suffix", "text")
+    assert len(shadow) == 0 and stats.acceptance("ngram", "text") is None
+    shadow.propose([_req("b", [1, 2, 3])], proposers)  # no drafts found: a step with none
+    acc = stats.acceptance("ngram", "text")
     assert acc is not None and acc.steps == 1.0 and sum(acc.drafted) == 0.0
+
+
+def test_sampling_is_bounded_and_skips_what_is_verified() -> None:
+    stats = AcceptanceStats(4)
+    shadow = ShadowDrafts(stats, max_sampled=2)
+    proposers = {"ngram": NgramProposer(1, 3)}
+    loop = [1, 2, 3, 1, 2]
+    verifying = _req("v", loop, method="ngram", cap=4)  # its real steps measure n-gram
+    shadow.propose([verifying], proposers)
+    assert len(shadow) == 0 and shadow.num_sampled == 1
+    verifying.spec_step_k = 0  # the budget holds it at none: shadowed after all
+    shadow.propose([verifying], proposers)
+    assert len(shadow) == 1
+    ineligible = _req("i", loop)
+    ineligible.spec_shadow_k = 0  # e.g. it asked for logprobs
+    shadow.propose([ineligible, _req("x", loop), _req("y", loop)], proposers)
+    assert shadow.num_sampled == 2 and len(shadow) == 2  # "y" found no free slot
+    shadow.release("v")
+    shadow.propose([_req("y", loop)], proposers)
+    assert shadow.num_sampled == 2 and len(shadow) == 2

@@ -19,6 +19,7 @@ from protos.splitserve.v1 import common_pb2
 
 NGRAM = common_pb2.SPECULATIVE_METHOD_NGRAM
 SUFFIX = common_pb2.SPECULATIVE_METHOD_SUFFIX
+DRAFT = common_pb2.SPECULATIVE_METHOD_DRAFT_MODEL
 ADDRESS = "127.0.0.1:50062"
 # Flat up to 16 rows (a weights-bound step), then 1 ms per row.
 COST = [(1.0, 0.02), (16.0, 0.02), (256.0, 0.26)]
@@ -34,9 +35,11 @@ def _acceptance(method: int, cls: str, numbers: tuple[list[float], list[float]],
 
 
 def _worker(running: int, acceptance: Sequence[common_pb2.SpecAcceptance],
-            cost: Sequence[tuple[float, float]] = COST) -> Worker:
+            cost: Sequence[tuple[float, float]] = COST,
+            methods: Sequence[int] = (NGRAM, SUFFIX)) -> Worker:
     report = common_pb2.LoadReport(
-        num_running=running, speculative_methods=[NGRAM, SUFFIX], max_speculative_tokens=4,
+        num_running=running, speculative_methods=methods,  # type: ignore[arg-type]
+        max_speculative_tokens=4,
         spec_step_cost=[common_pb2.SpecStepCost(rows=r, seconds=s) for r, s in cost],
         spec_acceptance=acceptance)
     w = Worker(ADDRESS, None)  # type: ignore[arg-type]  # no calls: the policy reads the report
@@ -79,7 +82,7 @@ def test_the_slo_guard_and_the_workers_cap() -> None:
     assert capped.num_speculative_tokens == 2
 
 
-def test_an_unmeasured_method_or_class_is_explored_then_losers_now_and_then() -> None:
+def test_an_unmeasured_method_or_class_is_explored_then_draft_model_losers_now_and_then() -> None:
     policy = SpecPolicy(_config())
     # Nothing measured for "tools" and not enough pooled either: both proposers tried.
     sparse = [_acceptance(NGRAM, "text", POOR, steps=4.0)]
@@ -88,10 +91,18 @@ def test_an_unmeasured_method_or_class_is_explored_then_losers_now_and_then() ->
     # A class without numbers of its own falls back to its method's pooled numbers.
     pooled = policy.decide(_worker(0, MEASURED), "tools")
     assert pooled.reason == "measured" and pooled.label == "suffix"
-    # Measured and losing: off, but every EXPLORE_EVERY-th decision tries a loser.
+    # Measured and losing: off. The worker measures n-gram and suffix decoding on requests
+    # that do not use them (shadow drafts), so they are not explored with real requests...
     reasons = [policy.decide(_worker(0, MEASURED), "text").reason
                for _ in range(EXPLORE_EVERY)]
-    assert reasons.count("explore") == 1 and reasons.count("measured") == EXPLORE_EVERY - 1
+    assert reasons == ["measured"] * EXPLORE_EVERY
+    # ... but a draft model that lost is tried again every EXPLORE_EVERY-th decision.
+    drafts = [*MEASURED, _acceptance(DRAFT, "text", POOR)]
+    chosen = [policy.decide(_worker(0, drafts, methods=(DRAFT, NGRAM, SUFFIX)), "text")
+              for _ in range(EXPLORE_EVERY)]
+    assert [(d.label, d.reason) for d in chosen if d.reason == "explore"] == [
+        ("draft_model", "explore")]
+    assert sum(d.reason == "measured" for d in chosen) == EXPLORE_EVERY - 1
 
 
 def test_fallbacks_always_and_a_named_method() -> None:
