@@ -288,6 +288,7 @@ class LLMEngine:
         method = options.speculative_method
         req.spec_method = method if method in self.proposers else self.config.speculative.method
         req.spec_class = options.speculative_class
+        req.spec_fixed = options.speculative_fixed
         self.scheduler.add_request(req)
         self._outputs.track(request_id, prompt_token_ids, params)
         return req
@@ -506,6 +507,8 @@ class LLMEngine:
             memo: dict[tuple[str, str], int] = {}  # this round's caps by (method, class)
 
             def step_k(req: Request) -> int:
+                if req.spec_fixed:
+                    return req.num_speculative_tokens
                 return budget.cap_for(memo, req.spec_method, req.spec_class, batch,
                                       req.num_speculative_tokens)
         for method, ready in by_method.items():

@@ -164,6 +164,7 @@ class Request:
         # Drafts a shadow proposal may have (the engine's cap; 0: its sampling cannot
         # speculate): engine/spec/shadow.py.
         self.spec_shadow_k = 0
+        self.spec_fixed = False  # the step budget leaves its drafts at its cap
         self.spec_token_ids: list[int] = []
         # A draft model's distributions of those drafts when it sampled them ([k, V] tensor on
         # the device; None: the drafts are deterministic).

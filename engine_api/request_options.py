@@ -53,7 +53,9 @@ class RequestOptions:
     per step (0: none; None: the engine's); `speculative_method` ("ngram" / "suffix" /
     "draft_model") picks the engine's proposer (None, or one the engine lacks: its configured
     one); `speculative_class` is the request's class as the gateway saw it (the engine measures
-    acceptance per method and class; at most MAX_SPEC_CLASS_CHARS of [a-z0-9_]).
+    acceptance per method and class; at most MAX_SPEC_CLASS_CHARS of [a-z0-9_]);
+    `speculative_fixed`: its drafts stay at its cap every step (the step budget does not
+    lower them: static speculation).
     `lora_name`: the adapter to run it with (None: the base model). `priority`: lower is
     scheduled sooner (anything but 0 needs the "priority" policy). `cache_salt` (vLLM's): its
     KV is hashed under a root of its own, so only requests with the same salt share it.
@@ -68,6 +70,7 @@ class RequestOptions:
     num_speculative_tokens: int | None = None
     speculative_method: str | None = None
     speculative_class: str = ""
+    speculative_fixed: bool = False
     lora_name: str | None = None
     priority: int = 0
     cache_salt: str | None = None

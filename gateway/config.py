@@ -93,7 +93,8 @@ class GatewayConfig:
     # How the policy decides: "adaptive" (default) picks the method and drafts that maximise
     # the batch's tokens per second from the worker's measured step cost and acceptance (the
     # threshold rule above until a worker has reported them); "threshold": the rule above
-    # alone; "always": `speculative_tokens` drafts whatever the load. `speculative_policy_method`
+    # alone; "always": `speculative_tokens` drafts every step whatever the load (fixed: the
+    # worker's step budget does not lower them). `speculative_policy_method`
     # limits it to one proposer ("auto": any the worker has). `speculative_tpot_slo_ms` (> 0):
     # no choice whose predicted step time exceeds it (unless a plain step already does).
     speculative_policy: str = "adaptive"

@@ -440,6 +440,7 @@ class Orchestrator:
             # Always set, 0 included: absent would mean the worker's own default.
             num_speculative_tokens=spec.num_speculative_tokens,
             speculative_method=spec.method, speculative_class=spec.request_class,
+            speculative_fixed=spec.reason == "always",
             lora_name=job.lora_name, priority=job.priority, cache_salt=job.cache_salt)
         if state.kv_handle is not None:
             request.kv_handle.CopyFrom(state.kv_handle)

@@ -36,7 +36,9 @@ prompt holds code), "repetitive" (its prompt repeats itself), else "text".
 A worker that has not reported measurements (or with `speculative_policy` "threshold") gets
 the load threshold: `speculative_tokens` drafts below `speculative_max_load` pending requests,
 none beyond; a draft model below `speculative_draft_max_load`, else n-gram lookup. "always"
-asks for `speculative_tokens` drafts whatever the load (benchmarks' always-on baselines).
+asks for `speculative_tokens` drafts every step whatever the load, fixed (DecodeRequest.
+speculative_fixed: the worker's step budget does not lower them; benchmarks' always-on
+baselines).
 
 The worker still has the last word: it caps the request's drafts at its own
 `--num-speculative-tokens`, may lower them per step as its batch changes (its step budget,

@@ -206,8 +206,10 @@ def request_options(engine: LLMEngine, request: OptionsRequest,
     spec: int | None = None
     method: str | None = None
     spec_class = ""
+    fixed = False
     if isinstance(request, decode_pb2.DecodeRequest):
         spec_class = request.speculative_class
+        fixed = request.speculative_fixed
         given = list(request.output_token_ids)
         spec = (request.num_speculative_tokens if request.HasField("num_speculative_tokens")
                 else None)
@@ -217,6 +219,7 @@ def request_options(engine: LLMEngine, request: OptionsRequest,
         engine.check_priority(request.priority)
         return RequestOptions(params, output_token_ids=given, num_speculative_tokens=spec,
                               speculative_method=method, speculative_class=spec_class,
+                              speculative_fixed=fixed,
                               lora_name=lora,
                               priority=request.priority, cache_salt=request.cache_salt or None)
     except EngineInputError as e:

@@ -19,6 +19,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import StepOutput
 from engine.request import Request
 from engine.scheduler import SampledToken
+from engine_api.request_options import RequestOptions
 from engine_api.sampling_params import SamplingParams
 
 
@@ -173,7 +174,8 @@ def mixed_step_metadata(block_size: int = 4) -> AttentionMetadata:
 
 # ---- driving an engine step by step --------------------------------------------------------
 
-def run_steps(llm: LLM, prompts: Sequence[list[int]], params: Sequence[SamplingParams],
+def run_steps(llm: LLM, prompts: Sequence[list[int]],
+              params: Sequence[SamplingParams | RequestOptions],
               abort_after: dict[str, int] | None = None, max_steps: int = 1000, **add: Any
               ) -> tuple[dict[str, list[StepOutput]], int]:
     """Add requests r0, r1, ... and step the engine until none is left; returns every

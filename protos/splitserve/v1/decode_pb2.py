@@ -25,23 +25,23 @@ _sym_db = _symbol_database.Default()
 from protos.splitserve.v1 import common_pb2 as protos_dot_splitserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/splitserve/v1/decode.proto\x12\rsplitserve.v1\x1a!protos/splitserve/v1/common.proto\"\xc1\x03\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12*\n\tkv_handle\x18\x05 \x01(\x0b\x32\x17.splitserve.v1.KvHandle\x12\x39\n\x11kv_failure_policy\x18\x06 \x01(\x0e\x32\x1e.splitserve.v1.KvFailurePolicy\x12#\n\x16num_speculative_tokens\x18\x07 \x01(\rH\x00\x88\x01\x01\x12<\n\x12speculative_method\x18\x08 \x01(\x0e\x32 .splitserve.v1.SpeculativeMethod\x12\x11\n\tlora_name\x18\t \x01(\t\x12\x10\n\x08priority\x18\n \x01(\x05\x12\x12\n\ncache_salt\x18\x0b \x01(\t\x12\x19\n\x11speculative_class\x18( \x01(\tB\x19\n\x17_num_speculative_tokens\"\x87\x01\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12-\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x36\n\x0fprompt_logprobs\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.PromptLogprobs\"\x91\x01\n\x0e\x44\x65\x63odeComplete\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x19\n\x11num_output_tokens\x18\x02 \x01(\r\x12\x15\n\rkv_recomputed\x18\x03 \x01(\x08\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\"\xa9\x01\n\x0e\x44\x65\x63odeResponse\x12+\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1a.splitserve.v1.DecodeChunkH\x00\x12\x31\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x1d.splitserve.v1.DecodeCompleteH\x00\x12+\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.splitserve.v1.StreamErrorH\x00\x42\n\n\x08response*N\n\x0fKvFailurePolicy\x12\x1f\n\x1bKV_FAILURE_POLICY_RECOMPUTE\x10\x00\x12\x1a\n\x16KV_FAILURE_POLICY_FAIL\x10\x01\x32\xa1\x03\n\x06\x44\x65\x63ode\x12G\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1d.splitserve.v1.DecodeResponse0\x01\x12@\n\x07GetLoad\x12\x1a.splitserve.v1.LoadRequest\x1a\x19.splitserve.v1.LoadReport\x12\x42\n\x05\x45mbed\x12\x1b.splitserve.v1.EmbedRequest\x1a\x1c.splitserve.v1.EmbedResponse\x12`\n\x0fLoadLoRAAdapter\x12%.splitserve.v1.LoadLoRAAdapterRequest\x1a&.splitserve.v1.LoadLoRAAdapterResponse\x12\x66\n\x11UnloadLoRAAdapter\x12\'.splitserve.v1.UnloadLoRAAdapterRequest\x1a(.splitserve.v1.UnloadLoRAAdapterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/splitserve/v1/decode.proto\x12\rsplitserve.v1\x1a!protos/splitserve/v1/common.proto\"\xdc\x03\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12*\n\tkv_handle\x18\x05 \x01(\x0b\x32\x17.splitserve.v1.KvHandle\x12\x39\n\x11kv_failure_policy\x18\x06 \x01(\x0e\x32\x1e.splitserve.v1.KvFailurePolicy\x12#\n\x16num_speculative_tokens\x18\x07 \x01(\rH\x00\x88\x01\x01\x12<\n\x12speculative_method\x18\x08 \x01(\x0e\x32 .splitserve.v1.SpeculativeMethod\x12\x11\n\tlora_name\x18\t \x01(\t\x12\x10\n\x08priority\x18\n \x01(\x05\x12\x12\n\ncache_salt\x18\x0b \x01(\t\x12\x19\n\x11speculative_class\x18( \x01(\t\x12\x19\n\x11speculative_fixed\x18) \x01(\x08\x42\x19\n\x17_num_speculative_tokens\"\x87\x01\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12-\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x36\n\x0fprompt_logprobs\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.PromptLogprobs\"\x91\x01\n\x0e\x44\x65\x63odeComplete\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x19\n\x11num_output_tokens\x18\x02 \x01(\r\x12\x15\n\rkv_recomputed\x18\x03 \x01(\x08\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\"\xa9\x01\n\x0e\x44\x65\x63odeResponse\x12+\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1a.splitserve.v1.DecodeChunkH\x00\x12\x31\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x1d.splitserve.v1.DecodeCompleteH\x00\x12+\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.splitserve.v1.StreamErrorH\x00\x42\n\n\x08response*N\n\x0fKvFailurePolicy\x12\x1f\n\x1bKV_FAILURE_POLICY_RECOMPUTE\x10\x00\x12\x1a\n\x16KV_FAILURE_POLICY_FAIL\x10\x01\x32\xa1\x03\n\x06\x44\x65\x63ode\x12G\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1d.splitserve.v1.DecodeResponse0\x01\x12@\n\x07GetLoad\x12\x1a.splitserve.v1.LoadRequest\x1a\x19.splitserve.v1.LoadReport\x12\x42\n\x05\x45mbed\x12\x1b.splitserve.v1.EmbedRequest\x1a\x1c.splitserve.v1.EmbedResponse\x12`\n\x0fLoadLoRAAdapter\x12%.splitserve.v1.LoadLoRAAdapterRequest\x1a&.splitserve.v1.LoadLoRAAdapterResponse\x12\x66\n\x11UnloadLoRAAdapter\x12\'.splitserve.v1.UnloadLoRAAdapterRequest\x1a(.splitserve.v1.UnloadLoRAAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.splitserve.v1.decode_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVFAILUREPOLICY']._serialized_start=997
-  _globals['_KVFAILUREPOLICY']._serialized_end=1075
+  _globals['_KVFAILUREPOLICY']._serialized_start=1024
+  _globals['_KVFAILUREPOLICY']._serialized_end=1102
   _globals['_DECODEREQUEST']._serialized_start=88
-  _globals['_DECODEREQUEST']._serialized_end=537
-  _globals['_DECODECHUNK']._serialized_start=540
-  _globals['_DECODECHUNK']._serialized_end=675
-  _globals['_DECODECOMPLETE']._serialized_start=678
-  _globals['_DECODECOMPLETE']._serialized_end=823
-  _globals['_DECODERESPONSE']._serialized_start=826
-  _globals['_DECODERESPONSE']._serialized_end=995
-  _globals['_DECODE']._serialized_start=1078
-  _globals['_DECODE']._serialized_end=1495
+  _globals['_DECODEREQUEST']._serialized_end=564
+  _globals['_DECODECHUNK']._serialized_start=567
+  _globals['_DECODECHUNK']._serialized_end=702
+  _globals['_DECODECOMPLETE']._serialized_start=705
+  _globals['_DECODECOMPLETE']._serialized_end=850
+  _globals['_DECODERESPONSE']._serialized_start=853
+  _globals['_DECODERESPONSE']._serialized_end=1022
+  _globals['_DECODE']._serialized_start=1105
+  _globals['_DECODE']._serialized_end=1522
 # @@protoc_insertion_point(module_scope)

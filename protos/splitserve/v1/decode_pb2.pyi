@@ -55,6 +55,7 @@ class DecodeRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     SPECULATIVE_CLASS_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_FIXED_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     kv_failure_policy: Global___KvFailurePolicy.ValueType
     num_speculative_tokens: _builtins.int
@@ -82,6 +83,11 @@ class DecodeRequest(_message.Message):
     speculative_class: _builtins.str
     """The request's class as the gateway sees it (e.g. "repetitive", "text", "tools"): the
     worker keeps its acceptance per method and class. At most 32 characters of [a-z0-9_].
+    """
+    speculative_fixed: _builtins.bool
+    """Drafts fixed at num_speculative_tokens every step: the worker's step budget does not lower
+    them as its batch grows (the gateway's "always" policy: static speculation, as vLLM's
+    num_speculative_tokens; a request whose drafts keep failing still pauses).
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -114,10 +120,11 @@ class DecodeRequest(_message.Message):
         priority: _builtins.int = ...,
         cache_salt: _builtins.str = ...,
         speculative_class: _builtins.str = ...,
+        speculative_fixed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_num_speculative_tokens", b"_num_speculative_tokens", "kv_handle", b"kv_handle", "num_speculative_tokens", b"num_speculative_tokens", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_num_speculative_tokens", b"_num_speculative_tokens", "cache_salt", b"cache_salt", "kv_failure_policy", b"kv_failure_policy", "kv_handle", b"kv_handle", "lora_name", b"lora_name", "num_speculative_tokens", b"num_speculative_tokens", "output_token_ids", b"output_token_ids", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "speculative_class", b"speculative_class", "speculative_method", b"speculative_method"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_num_speculative_tokens", b"_num_speculative_tokens", "cache_salt", b"cache_salt", "kv_failure_policy", b"kv_failure_policy", "kv_handle", b"kv_handle", "lora_name", b"lora_name", "num_speculative_tokens", b"num_speculative_tokens", "output_token_ids", b"output_token_ids", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "speculative_class", b"speculative_class", "speculative_fixed", b"speculative_fixed", "speculative_method", b"speculative_method"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__num_speculative_tokens: _TypeAlias = _typing.Literal["num_speculative_tokens"]  # noqa: Y015
     _WhichOneofArgType__num_speculative_tokens: _TypeAlias = _typing.Literal["_num_speculative_tokens", b"_num_speculative_tokens"]  # noqa: Y015

@@ -27,6 +27,7 @@ from engine.spec import SequenceProposer
 from engine.spec.ngram import NgramProposer
 from engine.spec.rejection import verify
 from engine_api.errors import EngineInputError
+from engine_api.request_options import RequestOptions
 from tests.support.engine_driver import run_steps, step_tokens, tiny_llm
 
 # No step budget (engine/spec/budget.py): the drafts asserted on must not follow the shared
@@ -150,7 +151,7 @@ def test_verify_checks_the_row_count() -> None:
 
 # ---- the engine ----------------------------------------------------------------------------
 
-def _run(llm: LLM, params: Sequence[SamplingParams], prompts: Sequence[list[int]] = PROMPTS,
+def _run(llm: LLM, params: Sequence[SamplingParams | RequestOptions], prompts: Sequence[list[int]] = PROMPTS,
          **add: Any) -> tuple[dict[str, list[StepOutput]], int]:
     return run_steps(llm, prompts, params, **add)
 

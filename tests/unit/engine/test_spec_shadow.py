@@ -16,6 +16,7 @@ from engine.spec.budget import StepBudget
 from engine.spec.ngram import NgramProposer
 from engine.spec.shadow import ShadowDrafts, matched_prefix
 from engine.spec.stats import AcceptanceStats
+from engine_api.request_options import RequestOptions
 from tests.support.engine_driver import tiny_llm
 from tests.unit.engine.test_spec_decode import (
     NGRAM,
@@ -84,6 +85,26 @@ def test_requests_sent_without_drafts_are_measured_too(
     acc = engine.spec_stats.acceptance("ngram", "")
     assert acc is not None and acc.steps >= 10
     assert acc.accepted[0] == pytest.approx(acc.drafted[0]) and acc.accepted[1] == 0.0
+
+
+def test_fixed_drafts_are_not_lowered_by_the_budget(
+        tiny_model_dirs: dict[str, Path], plain: dict[str, list[int]]) -> None:  # noqa: F811
+    """A request sent with fixed drafts (the gateway's "always") verifies its cap every step
+    where the budget holds every other request at none."""
+    llm = tiny_llm(tiny_model_dirs["llama"], speculative_config={**NGRAM, "step_budget": True})
+    engine = llm.engine
+    engine.spec_budget = _HoldAll(engine.spec_cost, engine.spec_stats, 4)
+    engine.proposer = _ScriptedProposer(
+        PROMPTS, [plain[f"r{i}"] for i in range(len(PROMPTS))])
+    params = [RequestOptions(sp, speculative_fixed=i % 2 == 0)
+              for i, sp in enumerate(_greedy(24, 17, 30, 9, 21))]
+    outs, _ = _run(llm, params)
+    assert _tokens(outs) == plain
+    # Only the fixed ones verified: all their drafts right, 5 tokens per step.
+    assert engine.scheduler.num_draft_tokens > 0
+    assert engine.scheduler.num_accepted_tokens == engine.scheduler.num_draft_tokens
+    assert max(len(o.new_token_ids) for o in outs["r0"]) == 5
+    assert max(len(o.new_token_ids) for o in outs["r1"]) == 1
 
 
 def _req(rid: str, prompt: list[int], method: str = "suffix", cap: int = 0) -> Request:

@@ -241,6 +241,18 @@ def test_every_decode_call_carries_the_policy_for_the_workers_load() -> None:
         assert _decisions(h) == {"draft_model": 0.0, "ngram": 0.0, "default": 2.0, "off": 1.0}
         # The fake reports no methods: the worker's own (UNSPECIFIED), and none when off.
         assert [r.speculative_method for r in dec.decode_requests] == [DEFAULT] * 3
+        # Not fixed: the worker's step budget may lower them.
+        assert not any(r.speculative_fixed for r in dec.decode_requests)
+
+
+def test_always_sends_fixed_drafts() -> None:
+    """The "always" policy: its drafts at any load, which the worker must not lower."""
+    ids = smollm2_tokenizer().encode(" one two", add_special_tokens=False)
+    with Harness(Script(ids), speculative_tokens=3, speculative_policy="always") as h:
+        h.decode[0].num_running = 100
+        _generate(h)
+        (request,) = h.decode[0].decode_requests
+        assert request.num_speculative_tokens == 3 and request.speculative_fixed
 
 
 def test_zero_speculative_tokens_sends_an_explicit_zero() -> None:
