@@ -161,6 +161,10 @@ async def _worker_numbers(decode_port: int, token: str) -> dict[str, Any]:
     }
 
 
+def _diff(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+
+
 async def measure(ports: dict[str, int], model: str, concurrency: list[int], rounds: int,
                   max_tokens: int) -> list[dict[str, Any]]:
     bases = {m: f"http://{HOST}:{p}" for m, p in ports.items()}
@@ -173,6 +177,7 @@ async def measure(ports: dict[str, int], model: str, concurrency: list[int], rou
         for c in concurrency:
             n = max(c, MIN_REQUESTS)
             runs: dict[str, list[float]] = {m: [] for m in MODES}
+            decided_before = _decisions(ports["policy"])
             for r in range(rounds):
                 shift = (r + len(rows)) % len(MODES)  # each cell and round its own order
                 order = MODES[shift:] + MODES[:shift]
@@ -191,7 +196,9 @@ async def measure(ports: dict[str, int], model: str, concurrency: list[int], rou
             best_other = max(v for m, v in tok_s.items() if m != "policy")
             rows.append({"workload": wl, "concurrency": c, "requests": n, "tok_s": tok_s,
                          "runs_tok_s": {m: [round(x, 2) for x in v] for m, v in runs.items()},
-                         "policy_ratio_vs_best": round(tok_s["policy"] / best_other, 3)})
+                         "policy_ratio_vs_best": round(tok_s["policy"] / best_other, 3),
+                         "policy_decisions": _diff(_decisions(ports["policy"]),
+                                                   decided_before)})
     return rows
 
 

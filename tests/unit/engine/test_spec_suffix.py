@@ -21,7 +21,7 @@ from engine.config import ConfigError, parse_speculative_config
 from engine.request import Request
 from engine.spec import SequenceProposer
 from engine.spec.calibrate import CALIBRATION_STEPS, calibrate_point
-from engine.spec.cost import StepCostModel
+from engine.spec.cost import StepCostModel, monotone
 from engine.spec.stats import AcceptanceStats
 from engine.spec.suffix import SuffixProposer, SuffixTree
 from engine_api.spec_gain import Acceptance, StepCost, best_k
@@ -216,6 +216,28 @@ def test_step_cost_buckets_average_and_interpolate() -> None:
     assert cost.seconds_at(0.5) == pytest.approx(0.0102)   # never below the smallest step
     assert cost.seconds_at(36) == pytest.approx(0.020 + 28 * 0.08 / 56)
     assert cost.seconds_at(128) == pytest.approx(0.100 + 64 * 0.08 / 56)  # the last slope
+
+
+def test_step_cost_is_fitted_non_decreasing_in_rows() -> None:
+    """A bucket that saw one slow step does not read dearer than the buckets above it: the
+    decreasing run is pooled into its weighted mean (the 2-core machine's 2 and 3 rows at 119
+    and 151 ms against 94 ms for 4 rows, each 4-row step weighing as much as the others)."""
+    model = StepCostModel()
+    model.record(1, 0.063)
+    model.record(2, 0.119)
+    model.record(3, 0.151)
+    for _ in range(3):
+        model.record(4, 0.094)
+    model.record(8, 0.132)
+    points = model.points()
+    assert [r for r, _ in points] == [1, 2, 3, 4, 8]
+    seconds = [s for _, s in points]
+    assert seconds == sorted(seconds)
+    pooled = (0.119 + 0.151 + 3 * 0.094) / 5
+    assert seconds[1:4] == pytest.approx([pooled] * 3)
+    assert seconds[0] == pytest.approx(0.063) and seconds[4] == pytest.approx(0.132)
+    assert monotone([3.0, 1.0, 2.0], [1.0, 1.0, 1.0]) == pytest.approx([2.0, 2.0, 2.0])
+    assert monotone([1.0, 2.0], [1.0, 5.0]) == [1.0, 2.0]
 
 
 def test_acceptance_stats_decay_and_count_like_vllm() -> None:
