@@ -77,6 +77,7 @@ class ProbeConfig:
     gpu_memory_utilization: float = 0.85
     max_num_batched_tokens: int = 8192
     cpu_threads: int | None = None  # the engine's default (the usable CPUs)
+    async_scheduling: bool | None = None  # the engine's default (on for CUDA)
 
     def sweep_tokens(self, batch: int) -> int:
         """Output tokens a sweep request has room for: one per step while the batch's prompts
@@ -94,11 +95,11 @@ class ProbeConfig:
             + self.k + 16
 
 
-# 32-token steps: batch 4's prompts take several steps, as batch 128's do on the H200. One CPU
-# thread: the tiny model's matmuls are too small to share, and on a busy machine threads that
-# wait for each other made its steps ~9x slower.
+# 32-token steps: batch 4's prompts take several steps, as batch 128's do on the H200; async
+# scheduling as a CUDA engine runs it. One CPU thread: the tiny model's matmuls are too small to
+# share, and on a busy machine threads that wait for each other made its steps ~9x slower.
 SMOKE = ProbeConfig(model="dummy:tiny", batches=(1, 2, 4), input_len=32, output_len=48,
-                    device="cpu", max_num_batched_tokens=32, cpu_threads=1)
+                    device="cpu", max_num_batched_tokens=32, cpu_threads=1, async_scheduling=True)
 
 
 @contextlib.contextmanager
@@ -311,7 +312,7 @@ def run(cfg: ProbeConfig, out: Path, command: str = "") -> dict[str, Any]:
     llm = LLM(model=cfg.model, dtype=cfg.dtype, device=cfg.device, seed=1,
               max_model_len=cfg.max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
               max_num_seqs=max(cfg.batches), gpu_memory_utilization=cfg.gpu_memory_utilization,
-              cpu_threads=cfg.cpu_threads,
+              cpu_threads=cfg.cpu_threads, async_scheduling=cfg.async_scheduling,
               speculative_config={"method": METHOD, "num_speculative_tokens": cfg.k,
                                   "calibration_max_batch": max(cfg.batches)})
     engine = llm.engine
