@@ -1,6 +1,7 @@
 """Start-up measurement of a decode worker's step cost (cost.py): synthetic requests decoded
 in batches of 1, 2, 4, ... up to `calibration_max_batch` sequences, each batch once plain and
-once verifying the engine's cap of drafts per sequence, a few steps each. A serving worker
+once verifying the engine's cap of drafts per sequence, a few steps each after a few that are
+not recorded (warm-up). A serving worker
 runs it point by point while it is idle, after it is ready (`calibrate_when_idle`); an
 in-process engine may run it at once (`calibrate_step_cost`). Bounded by
 CALIBRATION_BUDGET_S; live steps refine the numbers afterwards.
@@ -31,6 +32,12 @@ logger = logging.getLogger(__name__)
 CALIBRATION_CLASS = "_calibration"
 CALIBRATION_BUDGET_S = 15.0
 CALIBRATION_STEPS = 3          # decode steps per (batch, drafts) point
+# Decode steps of each point run before those, not recorded: the first carries the wait for
+# the prompt step (an async engine's step returns when the previous one is done) and any first
+# use of the point's shape (kernel loading, tuning), and a bucket's first step sets its average
+# (cost.py). Recorded, it made rows 1 and rows 5 cost 17-18 ms against ~4 on the H200 (dummy 8B,
+# c86461f).
+CALIBRATION_WARMUP_STEPS = 2
 IDLE_RETRY_S = 0.5             # a busy serving engine is asked again after this long
 _PROMPT_TOKENS = 8
 
@@ -98,8 +105,8 @@ def calibrate_point(engine: CalibratedEngine, batch: int, drafts: int) -> int:
     spec = engine.config.speculative
     method, k = spec.method, spec.num_speculative_tokens
     vocab = engine.model_config.vocab_size
-    sched, stats = engine.scheduler, engine.spec_stats
-    saved = (engine.config, engine.proposers[method], engine.spec_budget,
+    sched, stats, live_cost = engine.scheduler, engine.spec_stats, engine.spec_cost
+    saved = (engine.config, engine.proposers[method], engine.spec_budget, live_cost,
              sched.num_draft_tokens, sched.num_accepted_tokens, stats.num_drafts,
              list(stats.accepted_per_pos))
     # Drafts every step: no pause for failing drafts, no budget lowering them.
@@ -108,8 +115,9 @@ def calibrate_point(engine: CalibratedEngine, batch: int, drafts: int) -> int:
     engine.proposers[method] = _ScriptedDrafts()
     engine.spec_budget = None
     # Room for every draft of every step (the scheduler cuts drafts at max_tokens); the
-    # requests are aborted after CALIBRATION_STEPS decode steps.
-    params = SamplingParams(temperature=0.0, max_tokens=(k + 1) * (CALIBRATION_STEPS + 2),
+    # requests are aborted after the measured decode steps.
+    decode_steps = CALIBRATION_WARMUP_STEPS + CALIBRATION_STEPS
+    params = SamplingParams(temperature=0.0, max_tokens=(k + 1) * (decode_steps + 2),
                             ignore_eos=True)
     steps = 0
     try:
@@ -119,7 +127,12 @@ def calibrate_point(engine: CalibratedEngine, batch: int, drafts: int) -> int:
             engine.add_request(rid, prompt, RequestOptions(
                 params, num_speculative_tokens=drafts, speculative_method=method,
                 speculative_class=CALIBRATION_CLASS))
-        for _ in range(1 + CALIBRATION_STEPS):  # the prompts, then decode steps
+        engine.spec_cost = StepCostModel()  # the prompts and the warm-up: not recorded
+        for _ in range(1 + CALIBRATION_WARMUP_STEPS):
+            engine.step()
+            steps += 1
+        engine.spec_cost = live_cost
+        for _ in range(CALIBRATION_STEPS):
             engine.step()
             steps += 1
         for rid in ids:
@@ -127,8 +140,9 @@ def calibrate_point(engine: CalibratedEngine, batch: int, drafts: int) -> int:
         while engine.has_step_in_flight:
             engine.step()
     finally:
-        (engine.config, engine.proposers[method], engine.spec_budget, sched.num_draft_tokens,
-         sched.num_accepted_tokens, stats.num_drafts, stats.accepted_per_pos) = saved
+        (engine.config, engine.proposers[method], engine.spec_budget, engine.spec_cost,
+         sched.num_draft_tokens, sched.num_accepted_tokens, stats.num_drafts,
+         stats.accepted_per_pos) = saved
         stats.forget(CALIBRATION_CLASS)
     return steps
 

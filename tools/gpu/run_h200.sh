@@ -8,11 +8,17 @@
 # Results land in "$OUT": kernels.json, suite.json (written after every suite step),
 # fp8_linear.json and engine_check_w8a8*.json,
 # h200_llama-3.1-8b.json (the summary), and one log per step.
+# PARTS picks the parts (default "kernels suite engine_checks summary"); "spec_policy", in no
+# default, is the speculation policy's table (issue 37: step cost by drafts, the policy's k and
+# TPOT at forced acceptance, batch 1-128; spec_policy.json, rewritten after every batch), alone:
+#   OUT=/some/dir PARTS=spec_policy bash tools/gpu/run_h200.sh
+# (SPEC_POLICY_ARGS: more probe flags, e.g. "--smoke" for a dry run on a CPU.)
 set -u
 OUT="${OUT:?set OUT to the results folder}"
 mkdir -p "$OUT"
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$(pwd)"
 PY="${PYTHON:-python3}"
+PARTS=" ${PARTS:-kernels suite engine_checks summary} "
 SUITE_STEPS="${SUITE_STEPS:-latency_eager,latency_graphs,ttft_4096,throughput_random,concurrent_128,hf_baseline_128,throughput_random_fp8,throughput_random_int8,throughput_random_w8a8_fp8}"
 T0=$(date +%s)
 
@@ -25,15 +31,16 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log, never abort th
   tail -n 25 "$OUT/$name.log"
   echo "=== $name: rc=$rc in $(( $(date +%s) - t ))s"
 }
+part() { [[ "$PARTS" == *" $1 "* ]]; }  # part NAME: whether PARTS names it
 
 # (a) Triton kernels vs torch references on the GPU.
-step kernels 90 "$PY" tools/gpu/gpu_kernels_check.py --out "$OUT/kernels.json"
+part kernels && step kernels 90 "$PY" tools/gpu/gpu_kernels_check.py --out "$OUT/kernels.json"
 # (b)-(e) one process, model loaded once per engine configuration; partial results survive.
-step suite 620 "$PY" tools/gpu/h200_suite.py --out-dir "$OUT" --steps "$SUITE_STEPS"
+part suite && step suite 620 "$PY" tools/gpu/h200_suite.py --out-dir "$OUT" --steps "$SUITE_STEPS"
 # (e2) W8A8 correctness with every headline: the layers (row alone against the batch) and the
 # fast path against the torch reference at batch 1 and batched, with and without an fp8 cache
 # (W8A8's own noise floor widens the tolerance: gpu_engine_check.py). ENGINE_CHECKS=0 skips them.
-if [ "${ENGINE_CHECKS:-1}" = 1 ]; then
+if part engine_checks && [ "${ENGINE_CHECKS:-1}" = 1 ]; then
   step fp8_linear 120 "$PY" tools/gpu/fp8_linear_check.py --out "$OUT/fp8_linear.json"
   step engine_check_w8a8 300 "$PY" tools/gpu/gpu_engine_check.py --quantization fp8 \
     --out "$OUT/engine_check_w8a8.json"
@@ -43,5 +50,10 @@ if [ "${ENGINE_CHECKS:-1}" = 1 ]; then
     --max-num-seqs 1 --out "$OUT/engine_check_w8a8_bs1.json"
 fi
 # (f) summary with goals and gaps.
-step summary 30 "$PY" tools/gpu/summarize_h200.py --out-dir "$OUT" --model llama-3.1-8b
+part summary && step summary 30 "$PY" tools/gpu/summarize_h200.py --out-dir "$OUT" --model llama-3.1-8b
+# (g) the speculation policy's table: dummy 8B in bf16, its own engine (about 2-4 minutes
+# expected; not yet timed whole on the H200: batch 1-64 of an earlier version ran).
+read -r -a SPEC_POLICY_EXTRA <<<"${SPEC_POLICY_ARGS:-}"
+part spec_policy && step spec_policy 540 "$PY" tools/probes/probe_spec_policy_gpu.py \
+  --out "$OUT/spec_policy.json" "${SPEC_POLICY_EXTRA[@]}"
 echo "total $(( $(date +%s) - T0 ))s"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from engine.cli_args import add_engine_args, engine_config_from_args
 from engine.config import ConfigError, parse_speculative_config
 from engine.request import Request
 from engine.spec import SequenceProposer
-from engine.spec.calibrate import CALIBRATION_STEPS, calibrate_point
+from engine.spec.calibrate import CALIBRATION_STEPS, CALIBRATION_WARMUP_STEPS, calibrate_point
 from engine.spec.cost import StepCostModel, monotone
 from engine.spec.stats import AcceptanceStats
 from engine.spec.suffix import SuffixProposer, SuffixTree
@@ -180,6 +181,33 @@ def test_calibration_measures_step_cost_and_leaves_no_counts(
     assert set(measured) == {("suffix", ""), ("ngram", "")}
 
 
+def test_calibration_leaves_out_each_points_warm_up(tiny_model_dirs: dict[str, Path],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A point's first decode step is slow here (as the first use of a shape is on a GPU, or
+    the wait for the prompt step in an async engine): none of it reaches the step cost."""
+    slow_s = 0.2
+    llm = tiny_llm(tiny_model_dirs["llama"], speculative_config={
+        **SPEC, "method": "suffix", "calibration_max_batch": 2})
+    engine = llm.engine
+    launch = engine.runner.launch
+    after_prompt = False
+
+    def slow_first_decode(out: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal after_prompt
+        decode = bool(out.scheduled) and all(
+            s.num_new_tokens == 1 + len(s.draft_token_ids) for s in out.scheduled)
+        if decode and after_prompt:
+            time.sleep(slow_s)
+        after_prompt = bool(out.scheduled) and not decode
+        return launch(out, *args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "launch", slow_first_decode)
+    assert engine.calibrate_speculation() == 4 * (1 + CALIBRATION_WARMUP_STEPS + CALIBRATION_STEPS)
+    points = engine.spec_cost.points()
+    assert [r for r, _ in points] == [1, 2, 5, 10]  # batches 1, 2, plain and with 4 drafts
+    assert max(s for _, s in points) < slow_s / 2, points
+
+
 def test_a_serving_worker_calibrates_only_while_idle(tiny_model_dirs: dict[str, Path]) -> None:
     """A point is not measured while a real request is on the engine (its steps would share
     the batch); the background driver measures them all once it is idle, through the engine
@@ -200,7 +228,8 @@ def test_a_serving_worker_calibrates_only_while_idle(tiny_model_dirs: dict[str, 
         finally:
             await aengine.stop()
 
-    assert asyncio.run(serve()) == 4 * (1 + CALIBRATION_STEPS)  # batches 1, 2; plain, verify
+    # Batches 1, 2, plain and verifying: the prompts, the warm-up, the measured steps.
+    assert asyncio.run(serve()) == 4 * (1 + CALIBRATION_WARMUP_STEPS + CALIBRATION_STEPS)
     assert max(r for r, _ in engine.spec_cost.points()) >= 2 * 5
     assert engine.spec_tokens == (0, 0) and engine.spec_stats.items() == []
 
