@@ -97,11 +97,11 @@ class Choice:
                 if self.plain_tokens_per_s > 0 else 1.0)
 
 
-def best_k(cost: StepCost, acceptance: Acceptance, batch: int, max_k: int,
-           max_step_seconds: float = 0.0, min_gain: float = 1.0,
-           known: tuple[int, float, float] = (0, 0.0, 0.0)) -> Choice:
-    """The cap in [0, max_k] that maximises the batch's tokens per second (the batch pays for
-    every verify row).
+def choices(cost: StepCost, acceptance: Acceptance, batch: int, max_k: int,
+            max_step_seconds: float = 0.0, min_gain: float = 1.0,
+            known: tuple[int, float, float] = (0, 0.0, 0.0)) -> tuple[Choice, list[Choice]]:
+    """Plain decoding's `Choice` (k 0) for the batch, and every cap in [1, max_k] that beats it
+    within the limits below (the batch pays for every verify row).
 
     `known`: (sequences, tokens per step, rows per step) of the batch's sequences whose choice
     is already made (a gateway's own requests in flight there); the batch's other `batch` -
@@ -117,12 +117,13 @@ def best_k(cost: StepCost, acceptance: Acceptance, batch: int, max_k: int,
     n_known = min(n_known, batch - 1)
     alike = batch - n_known  # this request and the unknown ones
     plain_s = cost.seconds_at(r_known + alike)
-    plain = (t_known + alike) / plain_s if plain_s > 0 else 0.0
-    best = Choice(0, plain, plain, plain_s)
+    plain_rate = (t_known + alike) / plain_s if plain_s > 0 else 0.0
+    plain = Choice(0, plain_rate, plain_rate, plain_s)
     if not cost or max_k <= 0:
-        return best
+        return plain, []
     without = (t_known / cost.seconds_at(r_known)) if n_known and r_known > 0 else 0.0
-    needed = plain + (min_gain - 1.0) * max(0.0, plain - without)
+    needed = plain_rate + (min_gain - 1.0) * max(0.0, plain_rate - without)
+    out: list[Choice] = []
     for k in range(1, max_k + 1):
         tokens, rows = acceptance.tokens_and_rows(k)
         step_s = cost.seconds_at(r_known + alike * rows)
@@ -131,6 +132,19 @@ def best_k(cost: StepCost, acceptance: Acceptance, batch: int, max_k: int,
         if max_step_seconds > 0 and step_s > max_step_seconds >= plain_s:
             continue
         rate = (t_known + alike * tokens) / step_s
-        if rate > best.batch_tokens_per_s and rate >= needed:
-            best = Choice(k, rate, plain, step_s)
+        if rate > plain_rate and rate >= needed:
+            out.append(Choice(k, rate, plain_rate, step_s))
+    return plain, out
+
+
+def best_k(cost: StepCost, acceptance: Acceptance, batch: int, max_k: int,
+           max_step_seconds: float = 0.0, min_gain: float = 1.0,
+           known: tuple[int, float, float] = (0, 0.0, 0.0)) -> Choice:
+    """The cap in [0, max_k] that maximises the batch's tokens per second (`choices`' best;
+    plain decoding's when none beats it)."""
+    plain, better = choices(cost, acceptance, batch, max_k, max_step_seconds, min_gain, known)
+    best = plain
+    for c in better:
+        if c.batch_tokens_per_s > best.batch_tokens_per_s:
+            best = c
     return best

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine_api.spec_gain import Acceptance, StepCost, best_k
 from gateway.config import GatewayConfig, GatewayConfigError
 from gateway.metrics import GatewayMetrics
 from gateway.router import Worker
@@ -175,3 +176,19 @@ def test_the_gateways_own_requests_in_flight_count_as_decided() -> None:
         policy.release(ADDRESS, d)
     alone = policy.decide(_worker(7, MEASURED), "repetitive")
     assert alone.label == "suffix" and 0 < alone.predicted_k < 4
+
+
+def test_a_near_tie_on_the_batch_goes_to_the_requests_own_speed() -> None:
+    """Four of this gateway's requests already run on the worker (2 tokens from 3 rows per
+    step each). For the fifth, 3 drafts give the batch's best rate and 4 drafts a rate within
+    TIE_BAND of it, but 4 make the request itself ~10% faster: 4 are predicted."""
+    suffix = ([100.0, 100.0, 100.0, 100.0], [90.0, 70.0, 60.0, 50.0])
+    known = (4, 8.0, 12.0)
+    acceptance = Acceptance(100.0, tuple(suffix[0]), tuple(suffix[1]))
+    assert best_k(StepCost.of(COST), acceptance, 5, 4, known=known).k == 3  # the premise
+    policy = SpecPolicy(_config())
+    policy._held[ADDRESS] = known  # what 4 earlier decisions left in flight there
+    chosen = policy.decide(_worker(5, [_acceptance(SUFFIX, "code", suffix)], methods=(SUFFIX,)),
+                           "code")
+    assert (chosen.label, chosen.reason, chosen.predicted_k) == ("suffix", "measured", 4)
+    assert chosen.num_speculative_tokens == 4
