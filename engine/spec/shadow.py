@@ -10,8 +10,8 @@ again), a method not chosen was measured only by exploring with real requests, a
 workload ran with or without speculation depending on what came before it.
 
 So a sample of the running requests (at most MAX_SAMPLED at a time, each kept until it ends, so
-that a proposer's per-request state is built for few of them) is asked for drafts by every
-cheap proposer the worker has, except the one whose drafts it verifies this round: the request
+that a proposer's per-request state is built for few of them; at most MAX_PER_STEP proposals
+per step, taking turns) is asked for drafts by every cheap proposer the worker has, except the one whose drafts it verifies this round: the request
 speculates with another method, or the gateway sent it without drafts, or the budget holds it
 at none. The drafts are not verified; they are scored against the tokens the request goes on to
 produce. A draft at position i would have been accepted if it and every draft before it equal
@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 # Requests sampled at a time: enough numbers (each gives a proposal every few tokens per
 # method) at a bounded host cost (a suffix tree per sampled request; a lookup per proposal).
 MAX_SAMPLED = 8
+# Proposals per engine step at most: the host's time between steps is the GPU's (async
+# scheduling overlaps it with the device); an n-gram lookup over a long sequence costs ~0.1 ms.
+MAX_PER_STEP = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,9 +73,12 @@ def verifies(req: Request, method: str) -> bool:
 class ShadowDrafts:
     """The sampled requests and their pending proposals, by request id and method."""
 
-    def __init__(self, stats: AcceptanceStats, max_sampled: int = MAX_SAMPLED) -> None:
+    def __init__(self, stats: AcceptanceStats, max_sampled: int = MAX_SAMPLED,
+                 max_per_step: int = MAX_PER_STEP) -> None:
         self._stats = stats
         self.max_sampled = max_sampled
+        self.max_per_step = max_per_step
+        self._turn = 0
         self._sampled: dict[str, dict[str, _Pending]] = {}
 
     def __len__(self) -> int:
@@ -86,7 +92,7 @@ class ShadowDrafts:
     def propose(self, reqs: Iterable[Request], proposers: Mapping[str, Proposer]) -> None:
         """New proposals for the sampled requests among `reqs` (running ones whose tokens just
         came; sampled first come, first served), per cheap method in `proposers`."""
-        by_method: dict[str, list[tuple[Request, int]]] = {}
+        wanted: list[tuple[str, Request, int]] = []
         for req in reqs:
             if req.spec_shadow_k <= 0 or req.is_finished:
                 continue  # its sampling cannot speculate (logprobs, a grammar, ...)
@@ -100,7 +106,14 @@ class ShadowDrafts:
                         and not verifies(req, method):
                     own = req.spec_method == method and req.num_speculative_tokens > 0
                     k = req.num_speculative_tokens if own else req.spec_shadow_k
-                    by_method.setdefault(method, []).append((req, k))
+                    wanted.append((method, req, k))
+        if len(wanted) > self.max_per_step:  # a turn that moves, so that all get asked
+            start = self._turn % len(wanted)
+            self._turn += 1
+            wanted = (wanted[start:] + wanted[:start])[:self.max_per_step]
+        by_method: dict[str, list[tuple[Request, int]]] = {}
+        for method, req, k in wanted:
+            by_method.setdefault(method, []).append((req, k))
         for method, asked in by_method.items():
             drafts = _ask(proposers[method], asked)
             for (req, _), d in zip(asked, drafts, strict=True):

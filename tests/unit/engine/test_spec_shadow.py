@@ -134,6 +134,19 @@ def test_a_proposal_whose_tail_never_came_is_dropped() -> None:
     assert acc is not None and acc.steps == 1.0 and sum(acc.drafted) == 0.0
 
 
+def test_proposals_per_step_are_bounded_and_take_turns() -> None:
+    stats = AcceptanceStats(4)
+    shadow = ShadowDrafts(stats, max_sampled=8, max_per_step=2)
+    proposers = {"ngram": NgramProposer(1, 3)}
+    reqs = [_req(f"r{i}", [1, 2, 3, 1, 2]) for i in range(5)]
+    asked: list[int] = []
+    for _ in range(3):
+        shadow.propose(reqs, proposers)
+        asked.append(len(shadow))
+    assert asked == [2, 4, 5]  # two new proposals a step until all five have one pending
+    assert shadow.num_sampled == 5
+
+
 def test_sampling_is_bounded_and_skips_what_is_verified() -> None:
     stats = AcceptanceStats(4)
     shadow = ShadowDrafts(stats, max_sampled=2)
