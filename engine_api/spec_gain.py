@@ -97,6 +97,22 @@ class Choice:
                 if self.plain_tokens_per_s > 0 else 1.0)
 
 
+def required_rate(cost: StepCost, batch: int, min_gain: float = 1.0,
+                  known: tuple[int, float, float] = (0, 0.0, 0.0)) -> tuple[Choice, float]:
+    """Plain decoding's `Choice` for the batch (as `choices`), and the batch rate speculation
+    must reach to be worth it: plain's plus (`min_gain` - 1) of what this request adds to it
+    (of the whole batch's rate when nothing is known)."""
+    batch = max(1, batch)
+    n_known, t_known, r_known = known
+    n_known = min(n_known, batch - 1)
+    alike = batch - n_known
+    plain_s = cost.seconds_at(r_known + alike)
+    plain_rate = (t_known + alike) / plain_s if plain_s > 0 else 0.0
+    without = (t_known / cost.seconds_at(r_known)) if n_known and r_known > 0 else 0.0
+    needed = plain_rate + (min_gain - 1.0) * max(0.0, plain_rate - without)
+    return Choice(0, plain_rate, plain_rate, plain_s), needed
+
+
 def choices(cost: StepCost, acceptance: Acceptance, batch: int, max_k: int,
             max_step_seconds: float = 0.0, min_gain: float = 1.0,
             known: tuple[int, float, float] = (0, 0.0, 0.0)) -> tuple[Choice, list[Choice]]:
@@ -116,13 +132,10 @@ def choices(cost: StepCost, acceptance: Acceptance, batch: int, max_k: int,
     n_known, t_known, r_known = known
     n_known = min(n_known, batch - 1)
     alike = batch - n_known  # this request and the unknown ones
-    plain_s = cost.seconds_at(r_known + alike)
-    plain_rate = (t_known + alike) / plain_s if plain_s > 0 else 0.0
-    plain = Choice(0, plain_rate, plain_rate, plain_s)
+    plain, needed = required_rate(cost, batch, min_gain, known)
+    plain_rate, plain_s = plain.batch_tokens_per_s, plain.step_seconds
     if not cost or max_k <= 0:
         return plain, []
-    without = (t_known / cost.seconds_at(r_known)) if n_known and r_known > 0 else 0.0
-    needed = plain_rate + (min_gain - 1.0) * max(0.0, plain_rate - without)
     out: list[Choice] = []
     for k in range(1, max_k + 1):
         tokens, rows = acceptance.tokens_and_rows(k)

@@ -13,9 +13,10 @@ from the worker ("adaptive", the default):
   (`LoadReport.spec_acceptance`);
 - for the worker's batch with this request in it (its load + 1), every proposer the worker
   has and every cap k: the batch's tokens per second if this request speculates so
-  (engine_api/spec_gain.py); the best wins, "off" unless speculation beats plain decoding.
-  Choices within TIE_BAND of the best batch rate are a tie, won by the request's own rate
-  (its tokens per step over the step's time: its TPOT).
+  (engine_api/spec_gain.py), and plain decoding's with the margin speculation must beat
+  (MIN_GAIN: its costs the model leaves out). The best batch rate wins; choices within
+  TIE_BAND of it are a tie, won by the request's own rate (its tokens per step over the
+  step's time: its TPOT; plain decoding's with the same margin).
   The batch's other sequences that this gateway sent are counted as decided (their expected
   tokens and rows per step, held from decision to the call's end); those it cannot see
   (other gateways') are assumed to choose as this one;
@@ -55,7 +56,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from engine_api.spec_gain import SHADOWED_METHODS, Acceptance, StepCost, choices
+from engine_api.spec_gain import (
+    SHADOWED_METHODS,
+    Acceptance,
+    StepCost,
+    choices,
+    required_rate,
+)
 from gateway.config import GatewayConfig
 from gateway.router import Worker
 from protos.splitserve.v1 import common_pb2
@@ -277,15 +284,19 @@ class SpecPolicy:
         best = SpecDecision(0, load, request_class=cls, reason="measured", step_seconds=plain_s)
         unmeasured: list[Method] = []
         measured: list[Method] = []
-        # (batch tokens/s, the request's own tokens/s, decision) of each choice that wins.
-        winners: list[tuple[float, float, SpecDecision]] = []
+        # (batch tokens/s, the request's own tokens/s, decision) of each choice: plain
+        # decoding with the margin speculation must beat on both counts (its costs the model
+        # leaves out: MIN_GAIN), and every (method, k) that beats plain.
+        _, needed = required_rate(cost, batch, MIN_GAIN, known)
+        winners: list[tuple[float, float, SpecDecision]] = [
+            (needed, MIN_GAIN / plain_s if plain_s > 0 else 0.0, best)]
         for method in methods:
             acceptance = _acceptance(report, method, cls)
             if acceptance is None:
                 unmeasured.append(method)
                 continue
             measured.append(method)
-            _, better = choices(cost, acceptance, batch, cap, slo_s, MIN_GAIN, known)
+            _, better = choices(cost, acceptance, batch, cap, slo_s, 1.0, known)
             for choice in better:
                 tokens, rows = acceptance.tokens_and_rows(choice.k)
                 send = _slo_cap(cost, acceptance, batch, cap, slo_s, known, choice.k)
@@ -293,17 +304,15 @@ class SpecPolicy:
                                 SpecDecision(send, load, method, cls, "measured", choice.gain,
                                              choice.step_seconds, tokens - 1.0, rows,
                                              choice.k)))
-        if winners:
-            # The batch's rate decides; between choices (method and k) within TIE_BAND of
-            # the best, the request's own rate (its TPOT) does. On a batch that is already
-            # large the marginal request barely moves the batch's rate whatever it does (one
-            # in 16 verifying 3.5 rows: n-gram, suffix and plain within 2% of each other), so
-            # measurement noise alone would pick; the request itself is 20-40% faster with
-            # the choice that lands more tokens per step, and a batch that starts together
-            # ends with its slowest request.
-            top = max(w[0] for w in winners)
-            best = max((w for w in winners if w[0] >= top * (1.0 - TIE_BAND)),
-                       key=lambda w: w[1])[2]
+        # The batch's rate decides; between choices within TIE_BAND of the best, the
+        # request's own rate (its TPOT) does. On a batch that is already large the marginal
+        # request barely moves the batch's rate whatever it does (at 15 others verifying:
+        # off, n-gram and suffix within ~2% of each other), so measurement noise alone would
+        # pick; the request itself is 20-40% faster with the choice that lands more tokens
+        # per step, and a batch that starts together ends with its slowest request.
+        top = max(w[0] for w in winners)
+        best = max((w for w in winners if w[0] >= top * (1.0 - TIE_BAND)),
+                   key=lambda w: w[1])[2]
         key = (address, cls)
         n = self._decisions[key] = self._decisions.get(key, 0) + 1
         # Try an unmeasured proposer (every decision until it has numbers: a fresh worker

@@ -11,11 +11,11 @@ from collections.abc import Sequence
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine_api.spec_gain import Acceptance, StepCost, best_k
+from engine_api.spec_gain import Acceptance, StepCost, best_k, choices
 from gateway.config import GatewayConfig, GatewayConfigError
 from gateway.metrics import GatewayMetrics
 from gateway.router import Worker
-from gateway.spec_policy import EXPLORE_EVERY, SpecPolicy, request_class
+from gateway.spec_policy import EXPLORE_EVERY, MIN_GAIN, SpecPolicy, request_class
 from protos.splitserve.v1 import common_pb2
 
 NGRAM = common_pb2.SPECULATIVE_METHOD_NGRAM
@@ -192,3 +192,20 @@ def test_a_near_tie_on_the_batch_goes_to_the_requests_own_speed() -> None:
                            "code")
     assert (chosen.label, chosen.reason, chosen.predicted_k) == ("suffix", "measured", 4)
     assert chosen.num_speculative_tokens == 4
+
+
+def test_at_the_margin_a_request_speculates_rather_than_go_slow() -> None:
+    """Ten of this gateway's requests verify suffix drafts on a compute-bound worker. For the
+    eleventh no cap beats plain decoding by MIN_GAIN's margin on the batch (it adds ~0.1%
+    whatever it does), yet with 4 drafts it emits 2.45 tokens per step against 1 off: the
+    near tie goes to speculation."""
+    text = ([85.0, 49.0, 33.0, 29.0], [63.0, 32.0, 26.0, 24.0])  # 2.45 tokens, 2.96 rows
+    acceptance = Acceptance(100.0, tuple(text[0]), tuple(text[1]))
+    known = (10, 10 * 2.45, 10 * 2.96)
+    assert choices(StepCost.of(COST), acceptance, 11, 4, min_gain=MIN_GAIN,
+                   known=known)[1] == []  # the premise: none passes the margin
+    policy = SpecPolicy(_config())
+    policy._held[ADDRESS] = known
+    chosen = policy.decide(_worker(11, [_acceptance(SUFFIX, "text", text)], methods=(SUFFIX,)),
+                           "text")
+    assert (chosen.label, chosen.reason) == ("suffix", "measured")
