@@ -57,14 +57,16 @@ def test_freeze_off_leaves_a_freeze_of_the_process_alone(
     and shutdown."""
     unfreeze_startup_heap()  # the earlier tests' engines' freeze
     monkeypatch.setenv(GC_FREEZE_ENV, "0")
-    gc.freeze()
-    frozen = gc.get_freeze_count()
-    assert frozen > 0
-    llm = _build()
-    assert gc.get_freeze_count() == frozen
-    llm.shutdown()
-    assert gc.get_freeze_count() == frozen
+    cycle = _Cycle()
+    ref = weakref.ref(cycle)
+    gc.freeze()  # the process's own
+    del cycle
+    _build().shutdown()
+    gc.collect()
+    assert ref() is not None, "the engine unfroze the process's heap"
     gc.unfreeze()
+    gc.collect()
+    assert ref() is None
 
 
 def test_engine_start_makes_full_collections_rarer() -> None:
