@@ -6,7 +6,6 @@ Services drive it through `engine.async_engine.AsyncEngine`, which owns the thre
 from __future__ import annotations
 
 import functools
-import gc
 import logging
 import time
 from collections.abc import Iterable
@@ -18,7 +17,7 @@ from engine.classifier import Classifier
 from engine.config import ConfigError, EngineConfig, ModelConfig, PoolerConfig
 from engine.engine_setup import eos_ids, make_classifier, make_proposers, resolve_async
 from engine.handoff import KvLoad, Lease
-from engine.heap import freeze_startup_heap, thaw_heap
+from engine.heap import freeze_startup_heap, thaw_heap, unfreeze_startup_heap
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.kv_access import KvAccess
 from engine.lora_admin import LoRAAdmin
@@ -191,7 +190,7 @@ class LLMEngine:
             proposer.shutdown()
         self.runner.release()
         self.is_shut_down = True
-        gc.unfreeze()
+        unfreeze_startup_heap()
 
     @property
     def info(self) -> EngineInfo:

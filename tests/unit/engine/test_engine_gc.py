@@ -10,13 +10,14 @@ import pytest
 
 from engine import LLM
 from engine.config import DEFAULT_GC_THRESHOLD, ConfigError
-from engine.heap import GC_FREEZE_ENV
+from engine.heap import GC_FREEZE_ENV, unfreeze_startup_heap
 from engine.llm_engine import LLMEngine
 
 
 @pytest.fixture(autouse=True)
-def _freeze_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The freeze as a server runs it (tests/conftest.py turns it off for the rest)."""
+def _freeze_on(unfrozen_heap: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The freeze as a server runs it (tests/conftest.py turns it off for the rest), from a
+    heap nothing froze (tests/conftest.py freezes the suite's imports for the rest)."""
     monkeypatch.setenv(GC_FREEZE_ENV, "1")
 
 
@@ -47,6 +48,25 @@ def test_freeze_off_freezes_nothing_but_sets_the_thresholds(
     assert gc.get_threshold() == DEFAULT_GC_THRESHOLD
     gc.set_threshold(*DEFAULT_GC_THRESHOLD)
     assert len(llm.generate([{"prompt_token_ids": [5, 6, 7]}])[0].outputs[0].token_ids) > 0
+
+
+def test_freeze_off_leaves_a_freeze_of_the_process_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the freeze off, an engine gives back no freeze it did not make: what the process
+    froze itself (the test suite freezes its imports) stays frozen through the engine's start
+    and shutdown."""
+    unfreeze_startup_heap()  # the earlier tests' engines' freeze
+    monkeypatch.setenv(GC_FREEZE_ENV, "0")
+    cycle = _Cycle()
+    ref = weakref.ref(cycle)
+    gc.freeze()  # the process's own
+    del cycle
+    _build().shutdown()
+    gc.collect()
+    assert ref() is not None, "the engine unfroze the process's heap"
+    gc.unfreeze()
+    gc.collect()
+    assert ref() is None
 
 
 def test_engine_start_makes_full_collections_rarer() -> None:
