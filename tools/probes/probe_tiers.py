@@ -9,7 +9,8 @@ length is a warm-up, not reported), one request at a time, 1 output token, in th
 - `gpu_hit`: the same prompt again, its blocks in the GPU prefix cache;
 - `cpu_tier_hit`: the GPU prefix cache reset: the full blocks come from the CPU tier;
 - `redis_hit`: reset again, a Redis-only tier: the cost model splits Redis's blocks into a head
-  computed while the tail is read (or fetches all, or computes all): `cost_model` says which;
+  computed while the tail is read (or fetches all, or computes all): `cost_model` says which,
+  and `plan_ms` how long `plan` took (asking Redis which blocks it holds, and any fetch-all);
 - `redis_fetch_all`: reset again, the same with the cost model off (every block read first).
 Each is the time from before `plan` to the first token. `save_cpu_ms` / `save_redis_ms` time the
 saves between (pin, read, encode, store; Redis: until its writes are acknowledged). The CPU-tier
@@ -101,6 +102,7 @@ class Probe:
         self.use = self.cpu
         self.aengine.kv_loader = lambda load: self.use.load(load)
         self._ids = iter(range(1 << 30))
+        self.last_plan_ms = 0.0  # the last `first_token`'s `plan` alone
 
     async def first_token(self, ids: list[int], cache: Any) -> tuple[float, tuple[int, float]]:
         """(ms to the first token from before `plan`, (token, its logprob)) through `cache`."""
@@ -111,6 +113,7 @@ class Probe:
         self.use = cache
         t0 = time.perf_counter()
         remote = await cache.plan(ids)
+        self.last_plan_ms = (time.perf_counter() - t0) * 1e3
         async for out in self.aengine.generate(f"p{next(self._ids)}", ids,
                                                RequestOptions(params, remote_kv=remote)):
             return ((time.perf_counter() - t0) * 1e3,
@@ -151,6 +154,7 @@ class Probe:
             cost.last_split = None
             row["redis_hit"], tokens["redis_hit"] = await self.first_token(ids, self.redis)
             split = cost.last_split
+            row["cost_model"]["plan_ms"] = round(self.last_plan_ms, 2)
             row["cost_model"]["blocks_computed_fetched"] = list(split) if split else None
             await self.reset_gpu_cache()
             rate, cost.prefill_tokens_per_s = cost.prefill_tokens_per_s, None  # model off

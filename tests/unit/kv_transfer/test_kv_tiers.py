@@ -256,3 +256,38 @@ async def test_tiered_store_without_redis() -> None:
     store = TieredStore(SPEC, CpuTier(10 * SPEC.encoded_nbytes, pin_memory=False))
     await store.put_many([(h1, block(h1))])
     assert await store.get_many([h0, h1]) == [None, None]  # h1 alone is useless without h0
+
+
+async def test_held_prefix_is_the_leading_run_in_one_round_trip(
+        redis_tier: RedisTier, redis_client: aioredis.Redis) -> None:
+    hashes = chain(6)
+    # Redis holds 0, 1, 2 and 4: the plan may count on the first three only.
+    await redis_tier.put_many([(h, block(h)) for i, h in enumerate(hashes) if i != 3])
+    before = (await redis_client.info("commandstats")).get("cmdstat_exists", {}).get("calls", 0)
+    assert await redis_tier.held_prefix(hashes) == 3
+    assert await redis_tier.held_prefix(hashes[3:]) == 0
+    assert await redis_tier.held_prefix(hashes[4:5]) == 1
+    assert await redis_tier.held_prefix([]) == 0
+    after = (await redis_client.info("commandstats")).get("cmdstat_exists", {}).get("calls", 0)
+    # The script's EXISTS calls run inside Redis: 4 + 1 + 1 of them, none sent one by one.
+    assert after - before == 6
+    assert redis_tier.counters.misses == 2
+
+
+async def test_held_prefix_falls_back_to_exists_where_scripts_are_refused(
+        redis_client: aioredis.Redis, prefix: str) -> None:
+    """A Redis user whose ACL denies scripting (as managed Redis offers): same answers."""
+    user, password = f"splitserve-test-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    await redis_client.execute_command(
+        "ACL", "SETUSER", user, "on", f">{password}", "~*", "+@all", "-@scripting")
+    tier = RedisTier(SPEC, f"redis://{user}:{password}@127.0.0.1:6379/0", ttl_s=120,
+                     key_prefix=prefix)
+    try:
+        hashes = chain(4)
+        await tier.put_many([(h, block(h)) for h in hashes[:2]])
+        assert await tier.held_prefix(hashes) == 2
+        assert await tier.held_prefix(hashes) == 2  # the fallback, now chosen at once
+        assert tier.counters.read_errors.get("error", 0) == 0
+    finally:
+        await tier.close()
+        await redis_client.execute_command("ACL", "DELUSER", user)

@@ -43,12 +43,16 @@ def test_fetches_only_what_arrives_before_it_would_be_computed() -> None:
 
 def test_split_computes_the_head_while_the_tail_is_read_so_both_end_together() -> None:
     cost = FetchCost(block_size=16, block_bytes=BLOCK_BYTES)
-    redis = TierCounters("redis", cost=ReadCost(0.001, 200e6))  # ~3.9 ms a block
+    redis = TierCounters("redis", cost=ReadCost(0.001, 40e6))  # ~19.7 ms a block
     assert cost.split(redis, 100) == 0  # no prefill timed yet: fetch all
     cost.observe_prefill(1600, 2.0)  # 800 tokens/s: 20 ms a block
     head = cost.split(redis, 100)
-    # 20 ms * k against 1 ms + 3.9 ms * (100 - k): they meet at k = 16.4
-    assert head in (16, 17) and cost.last_split == (head, 100 - head)
+    # 20 ms * k against 1 ms + 19.7 ms * (100 - k): they meet at k = 49.6, half the time
+    assert head in (49, 50) and cost.last_split == (head, 100 - head)
+    # A read 5x faster than computing: the best split (k = 16) saves 16% of fetching all,
+    # under SPLIT_MIN_GAIN: fetch all.
+    quick_read = TierCounters("redis", cost=ReadCost(0.001, 200e6))  # ~3.9 ms a block
+    assert cost.split(quick_read, 100) == 0
     fast = FetchCost(block_size=16, block_bytes=BLOCK_BYTES)
     fast.observe_prefill(1_600_000, 1.0)  # a GPU: 100 blocks in 1 ms, below Redis' latency
     assert fast.split(redis, 100) == 100
@@ -56,7 +60,7 @@ def test_split_computes_the_head_while_the_tail_is_read_so_both_end_together() -
     # A read that costs ~1 ms whatever its size: no split saves more than a split costs.
     quick = TierCounters("redis", cost=ReadCost(0.001, 1e12))
     assert cost.split(quick, 100) == 0 and cost.last_split == (0, 100)
-    assert cost.decisions == {"fetch": 2, "compute": 0, "overlap": 1}
+    assert cost.decisions == {"fetch": 3, "compute": 0, "overlap": 1}
 
 
 def test_a_split_barely_faster_than_computing_all_computes_all() -> None:
@@ -74,3 +78,20 @@ def test_a_split_barely_faster_than_computing_all_computes_all() -> None:
     quicker = TierCounters("redis", cost=ReadCost(0.0007, block_bytes / 1.3e-3))
     head = cost.split(quicker, 1003)
     assert 0 < head < 1003 and cost.decisions["overlap"] == 1
+
+
+def test_a_slow_first_prefill_does_not_set_the_rate() -> None:
+    """The H200's 1k case: the first prefill of a shape took 638 ms (kernels compiled, graphs
+    captured), the next ones 24 ms. A mean weighted 0.2 to the newest still read 9.6k
+    tokens/s three prefills later and split a Redis hit that computing all beat 6x."""
+    cost = FetchCost(block_size=16, block_bytes=2 << 20)
+    cost.observe_prefill(1000, 0.638)
+    for _ in range(3):
+        cost.observe_prefill(1000, 0.024)
+    assert cost.prefill_tokens_per_s == pytest.approx(1000 / 0.024)
+    redis = TierCounters("redis", cost=ReadCost(0.0014, 0.59e9))
+    assert cost.split(redis, 62) == 62  # compute all: a block reads ~9x slower than computed
+    # A lasting slowdown (the worker under load) is followed within half the window.
+    for _ in range(5):
+        cost.observe_prefill(1000, 0.240)
+    assert cost.prefill_tokens_per_s == pytest.approx(1000 / 0.240)
