@@ -173,6 +173,7 @@ class Request:
         # Moving average of the drafts accepted per verify step (optimistic start).
         self.spec_accepted_avg = float("inf")
         self.spec_resume_at = 0  # no drafts before the sequence has this many tokens
+        self.spec_pause_tokens = 0  # the last pause's length while paused again and again
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
 

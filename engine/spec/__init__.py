@@ -77,10 +77,19 @@ class SequenceProposer:
 # step its overlap, 10% of a batch-1 step on the H200 (4.55 vs 4.13 ms per token with no
 # drafts found, bench/results/h200/probe_spec_90c7665.json).
 SPEC_PROBE_INTERVAL = 8
-# Weight of the past in a request's moving average of accepted drafts per verify step: half,
-# so one verify step that accepts nothing pauses drafting once the average is near the floor,
-# and one good step lifts it again.
-SPEC_AVG_KEEP = 0.5
+# A request's pause from drafting (its recent verify steps accepted fewer drafts than the floor):
+# the average of accepted drafts per verify step remembers about four steps (weight of the past
+# 0.75) and restarts at RESUME_AVG_FACTOR x the floor after a pause, so a request whose drafts
+# keep failing pauses again within two verify steps; each pause that follows another without the
+# average recovering to that level is twice as long (up to MAX_PAUSE_TOKENS). With a weight of
+# 0.5 and a restart at the floor, two verify steps that accepted nothing paused a request whose
+# drafts were right 60% of the time (1.5 accepted per step: 16% of step pairs), and after a pause
+# one such step did: on the H200 that request ran at 0.72x always-on (issue 37's table); in a
+# simulation of 2,000 tokens at k = 4 it took 1,211 steps against 866 always drafting (now 938),
+# while a request whose drafts always fail verifies 65 times (was 223).
+SPEC_AVG_KEEP = 0.75
+RESUME_AVG_FACTOR = 1.5
+MAX_PAUSE_TOKENS = 64
 
 
 def propose_all(reqs: Sequence[Request], proposer: Proposer,
@@ -91,8 +100,10 @@ def propose_all(reqs: Sequence[Request], proposer: Proposer,
 
     A request whose recent verify steps accepted fewer than `min_accepted_per_step` drafts per
     step is not asked: it pauses drafting for the next SPEC_PROBE_INTERVAL tokens (counted in
-    tokens, so a synchronous engine pauses as long as an overlapping one), and its average then
-    restarts at the floor, so the next verify step alone decides whether drafting goes on. The
+    tokens, so a synchronous engine pauses as long as an overlapping one; twice as long for each
+    pause that follows another before its average recovered, see RESUME_AVG_FACTOR), and its
+    average then restarts above the floor, so the next verify steps decide whether drafting goes
+    on. The
     rest are asked in one batch; no drafts found: the next SPEC_PROBE_INTERVAL steps may
     overlap before the next look. `step_k(req)`: the worker's cap for this round (budget.py),
     kept in `spec_step_k`; a request it gives no drafts is not asked either."""
@@ -105,10 +116,15 @@ def propose_all(reqs: Sequence[Request], proposer: Proposer,
                 req.spec_sync_in = SPEC_PROBE_INTERVAL
                 continue
         paused_for = req.spec_resume_at - req.num_tokens
+        resume_avg = RESUME_AVG_FACTOR * min_accepted_per_step
+        if paused_for <= 0 and req.spec_accepted_avg > resume_avg:
+            req.spec_pause_tokens = 0  # recovered since its restart: the next pause is short
         if paused_for <= 0 and req.spec_accepted_avg < min_accepted_per_step:
-            req.spec_accepted_avg = min_accepted_per_step
-            req.spec_resume_at = req.num_tokens + SPEC_PROBE_INTERVAL
-            paused_for = SPEC_PROBE_INTERVAL
+            paused_for = (SPEC_PROBE_INTERVAL if not req.spec_pause_tokens
+                          else min(2 * req.spec_pause_tokens, MAX_PAUSE_TOKENS))
+            req.spec_pause_tokens = paused_for
+            req.spec_accepted_avg = resume_avg
+            req.spec_resume_at = req.num_tokens + paused_for
         if paused_for > 0:
             req.spec_token_ids = []
             req.spec_sync_in = paused_for

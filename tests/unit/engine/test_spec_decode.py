@@ -457,3 +457,61 @@ def test_drafts_stop_at_the_context_end(tiny_model_dirs: dict[str, Path], padded
     assert [len(t) for t in _tokens(got).values()] == [32 - 21, 32 - 26]
     assert llm.engine.scheduler.num_accepted_tokens > 0
     assert (llm.engine.runner.num_uniform_verify_steps > 0) == padded
+
+
+class _EveryThird(_ScriptedProposer):
+    """Per sequence: two right drafts (then wrong ones) at every third proposal, all wrong at
+    the others: 0.67 accepted per verify step, above the default floor of 0.4, with two verify
+    steps in a row that accept nothing."""
+
+    def __init__(self, prompts: Sequence[list[int]], outputs: Sequence[list[int]]) -> None:
+        super().__init__(prompts, outputs, wrong_from=2)
+        self.calls = [0] * len(self.full)
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        for i, seq in enumerate(self.full):
+            if seq[:len(token_ids)] == token_ids:
+                self.calls[i] += 1
+                if self.calls[i] % 3 == 1:
+                    return super().propose(token_ids, k)
+                return [(t + 1) % 200 for t in seq[len(token_ids):len(token_ids) + k]]
+        return []
+
+
+def test_a_request_above_the_floor_is_not_paused_by_a_run_of_failures(
+        tiny_model_dirs: dict[str, Path], plain: dict[str, list[int]]) -> None:
+    """Accepting 0.67 drafts per verify step on average (2, 0, 0, ...), a request drafts at
+    every step, as with the floor off (an average that forgot all but two steps paused it)."""
+    drafted = {}
+    for floor in (0.0, NGRAM_FLOOR):
+        llm = tiny_llm(tiny_model_dirs["llama"],
+                       speculative_config={**NGRAM, "min_accepted_per_step": floor})
+        llm.engine.proposer = _EveryThird(PROMPTS, [plain[f"r{i}"] for i in range(len(PROMPTS))])
+        outs, _ = _run(llm, _greedy(24, 17, 30, 9, 21))
+        assert _tokens(outs) == plain
+        drafted[floor] = llm.engine.scheduler.num_draft_tokens
+    assert drafted[NGRAM_FLOOR] == drafted[0.0] > 0
+
+
+def test_pauses_of_a_request_whose_drafts_keep_failing_grow() -> None:
+    """Always wrong: pauses of 8, 16, 32, 64, 64 tokens, each after two verify steps."""
+    from engine.spec import MAX_PAUSE_TOKENS, SPEC_PROBE_INTERVAL, propose_all, record_verify
+
+    class _Wrong(SequenceProposer):
+        def propose(self, token_ids: list[int], k: int) -> list[int]:
+            return [0] * k
+
+    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=10_000))
+    req.num_speculative_tokens = 4
+    pauses: list[int] = []
+    verifies = 0
+    for _ in range(400):
+        propose_all([req], _Wrong(), NGRAM_FLOOR)
+        if req.spec_token_ids:
+            verifies += 1
+            record_verify(req, len(req.spec_token_ids), 0)
+        elif req.spec_resume_at - req.num_tokens == req.spec_pause_tokens:  # a pause began
+            pauses.append(req.spec_pause_tokens)
+        req.append_output_token(7)
+    assert pauses[:5] == [SPEC_PROBE_INTERVAL, 16, 32, MAX_PAUSE_TOKENS, MAX_PAUSE_TOKENS]
+    assert verifies <= 2 * len(pauses) + 1

@@ -1,0 +1,71 @@
+"""What the step-cost model is fed (engine/llm_engine.py `_record_step_cost`): with async
+scheduling a call that leaves its step running waits for the one before, so its time is the
+earlier step's; only pure decode steps count, on both sides, so a batch's prompts never reach
+the decode buckets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.llm_engine import _decode_rows
+from engine.scheduler import SchedulerOutput
+from tests.support.engine_driver import greedy, tiny_llm
+from tests.unit.engine.test_spec_decode import NGRAM, PROMPTS
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_only_pure_decode_steps_are_timed_and_by_the_step_waited_for(
+        tiny_model_dirs: dict[str, Path], async_scheduling: bool) -> None:
+    llm = tiny_llm(tiny_model_dirs["llama"], speculative_config=NGRAM,
+                   async_scheduling=async_scheduling)
+    engine = llm.engine
+    # Per step call: [its schedule output, rows recorded or None, its step left in flight].
+    calls: list[list[Any]] = []
+    schedule, record = engine.scheduler.schedule, engine.spec_cost.record
+
+    def spy_schedule() -> SchedulerOutput:
+        out = schedule()
+        calls.append([out, None, False])
+        return out
+
+    def spy_record(rows: int, seconds: float) -> None:
+        calls[-1][1] = rows
+        record(rows, seconds)
+
+    engine.scheduler.schedule = spy_schedule  # type: ignore[method-assign]
+    engine.spec_cost.record = spy_record  # type: ignore[method-assign]
+
+    def step() -> None:
+        engine.step()
+        calls[-1][2] = engine.has_step_in_flight
+
+    # Two waves: the second's prompts arrive while the first decodes.
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"a{i}", p, greedy(12))
+    for _ in range(4):
+        step()
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"b{i}", p * 3, greedy(12))
+    while engine.has_unfinished_requests():
+        step()
+    recorded = [i for i, (_, rows, _) in enumerate(calls) if rows is not None]
+    assert recorded, "no decode step was timed"
+    mixed = [i for i, (out, _, _) in enumerate(calls) if _decode_rows(out) is None]
+    assert mixed, "the run had no prompt steps: the test proves nothing"
+    assert any(c[2] for c in calls) == async_scheduling
+    for i in recorded:
+        out, rows, left_running = calls[i]
+        assert _decode_rows(out) is not None  # the step launched here decodes only
+        if i > 0 and calls[i - 1][2]:  # it waited for the one before: that one's rows count
+            assert left_running and _decode_rows(calls[i - 1][0]) == rows
+        else:  # launched and finished here
+            assert not left_running and _decode_rows(out) == rows
+    # Every call that waited for a pure decode step while launching one was timed.
+    assert recorded == [i for i, (out, _, left_running) in enumerate(calls)
+                        if _decode_rows(out) is not None and (
+                            (i > 0 and calls[i - 1][2] and left_running
+                             and _decode_rows(calls[i - 1][0]) is not None)
+                            or ((i == 0 or not calls[i - 1][2]) and not left_running))]
