@@ -199,6 +199,12 @@ class ModelRunner:
         return self.kv.scale_values
 
     @property
+    def kv_channel_factors(self) -> torch.Tensor | None:
+        """An int8 cache's `[num_layers, 2, num_kv_heads, head_dim]` channel factors within each
+        layer's scales (engine/attention/kv_channels.py); None: one scale per layer."""
+        return self.kv.channel_factors
+
+    @property
     def kv_calibration_tokens(self) -> int:
         """The calibration prefill's length (0: not calibrated)."""
         return self.kv.calibration_tokens
@@ -219,7 +225,8 @@ class ModelRunner:
         return self.kv.is_quantized
 
     def measure_kv_amax(self, token_ids: list[int]) -> torch.Tensor:
-        """`KVMemory.measure_amax`: each layer's largest |K| and |V| over one prefill."""
+        """`KVMemory.measure_amax`: each channel's largest |K| and |V| over one prefill,
+        `[L, 2, Hkv, D]`."""
         return self.kv.measure_amax(token_ids)
 
     def prefill_logits(self, token_ids: list[int]) -> torch.Tensor:
