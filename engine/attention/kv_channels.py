@@ -35,6 +35,16 @@ handle all of them unchanged.
 Only int8 caches take factors: fp8 (e4m3) keeps ~2 significant digits over its whole range, so
 a small channel loses little beside a large one, and fp8 keeps one scale per layer.
 
+Nor does calibration give factors to an int8 cache whose decode attention runs the QK dot on
+int8 (`qk_dot_on_int8`: the Triton decode kernel on a GPU, head_dim <= 128, unless
+`SPLITSERVE_INT8_QK=0`). That kernel rounds each row of q to int8 with one scale, and q times K's
+factors has the outlier channels K had: the precision the factors give K, q's rounding takes
+back. Measured on the CPU by emulating that rounding on teacher-forced q, K (relative error of
+the scores, mean over layers): SmolLM2 per layer 0.0178, with factors 0.0248; Gemma 3 270M
+0.0252 and 0.0171 (its head_dim of 256 takes the fp16 QK path on the GPU anyway). Over an fp16
+or float32 QK dot the factors cut it: SmolLM2 0.0153 to 0.0123, Gemma 3 0.0219 to 0.0066.
+A scales file's factors apply wherever it is given (workers that share a file agree).
+
 Shapes: the whole model's factors are `[num_layers, 2, num_kv_heads, head_dim]` float32 on the
 CPU (K, V); each tensor-parallel rank applies its own KV heads' share.
 """
@@ -53,6 +63,16 @@ from engine.attention.kv_calibration import round_scales
 K_HEADROOM = 1.25
 V_HEADROOM = 1.5
 MIN_FACTOR = 2.0 ** -6
+
+
+def qk_dot_on_int8(device: torch.device, backend: str, head_dim: int) -> bool:
+    """Whether an int8 cache's decode attention rounds q to int8 for its QK dot (see above):
+    the Triton backend on a GPU, as `choose_decode_tiles` picks its tiles."""
+    if device.type != "cuda" or backend != "triton":
+        return False
+    from engine.kernels.decode_attention import choose_decode_tiles
+
+    return choose_decode_tiles(head_dim, torch.int8).qk_int8
 
 
 def pair_max(amax: torch.Tensor) -> torch.Tensor:

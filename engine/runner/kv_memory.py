@@ -50,8 +50,10 @@ class KVMemory:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, shard_config: ModelConfig,
                  device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
                  max_model_len: int, model: LlamaForCausalLM, run_model: RunModel,
-                 tp: TensorParallelDriver | None) -> None:
-        """model_config: the whole model's; shard_config: this rank's share of it."""
+                 tp: TensorParallelDriver | None, calibrate_factors: bool = True) -> None:
+        """model_config: the whole model's; shard_config: this rank's share of it.
+        calibrate_factors: whether an int8 cache's calibration gives channel factors (not where
+        the decode kernel's QK dot rounds q to int8: `kv_channels.qk_dot_on_int8`)."""
         self.config = config
         self.model_config = model_config
         self.shard_config = shard_config
@@ -62,6 +64,7 @@ class KVMemory:
         self.model = model
         self.run_model = run_model
         self.tp = tp
+        self.calibrate_factors = calibrate_factors
         self.block_size = config.cache.block_size
         full, cfg = model_config, shard_config
         # A block as it leaves the engine (transfer, tiers): every KV head, whatever the split.
@@ -157,7 +160,7 @@ class KVMemory:
         amax = self.measure_amax(ids)
         self.calibration_tokens = len(ids)
         scales = round_scales(scales_from_amax(layer_amax(amax), self.kv_dtype))
-        factors = channel_factors(amax) if int8 else None
+        factors = channel_factors(amax) if int8 and self.calibrate_factors else None
         logger.info("KV cache scales calibrated on %d tokens: K %.4g..%.4g, V %.4g..%.4g%s",
                     len(ids), scales[:, 0].min(), scales[:, 0].max(), scales[:, 1].min(),
                     scales[:, 1].max(), "" if factors is None else

@@ -24,6 +24,7 @@ from engine.attention.forward_context import (
     forward_context,
     split_decode_metadata,
 )
+from engine.attention.kv_channels import qk_dot_on_int8
 from engine.attention.kv_quant import kv_storage_dtype
 from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.cuda_graphs import CudaGraphRunner
@@ -142,7 +143,9 @@ class ModelRunner:
         self.step_stream: torch.cuda.Stream | None = (
             torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None)
         self.kv = KVMemory(config, model_config, self.shard_config, self.device, self.dtype,
-                           self.kv_dtype, max_model_len, self.model, self.run_model, self.tp)
+                           self.kv_dtype, max_model_len, self.model, self.run_model, self.tp,
+                           calibrate_factors=not qk_dot_on_int8(self.device, self.backend.name,
+                                                                model_config.head_dim))
         self.blocks = BlockIO(self.kv, self.device, self.step_stream, self.tp, self.shard.size)
         self.inputs = StepInputs(self.block_size, self.device)
         self.kv.set_up(kv_calibration_ids)

@@ -23,6 +23,7 @@ from engine.attention.kv_channels import (
     V_HEADROOM,
     channel_factors,
     pair_max,
+    qk_dot_on_int8,
 )
 from engine.config import ConfigError
 from engine.llm import LLM
@@ -55,6 +56,25 @@ def test_factors_are_relative_headroomed_floored_and_equal_across_rope_pairs() -
                        torch.tensor([3.0, 5.0, 3.0, 5.0]))
     with pytest.raises(ValueError, match="D even"):
         channel_factors(torch.ones(1, 2, 1, 3))
+
+
+def test_no_calibrated_factors_where_the_decode_qk_dot_rounds_q_to_int8(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton decode kernel on a GPU runs an int8 cache's QK dot on int8 for head_dim <= 128
+    (unless SPLITSERVE_INT8_QK=0): there calibration keeps one scale per layer."""
+    from engine.kernels.decode_attention import int8_qk_requested
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    int8_qk_requested.cache_clear()
+    monkeypatch.setenv("SPLITSERVE_INT8_QK", "1")
+    assert qk_dot_on_int8(cuda, "triton", 128)
+    assert not qk_dot_on_int8(cuda, "triton", 256)  # the fp16 QK path
+    assert not qk_dot_on_int8(cuda, "torch", 128) and not qk_dot_on_int8(cpu, "triton", 64)
+    int8_qk_requested.cache_clear()
+    monkeypatch.setenv("SPLITSERVE_INT8_QK", "0")
+    assert not qk_dot_on_int8(cuda, "triton", 128)
+    int8_qk_requested.cache_clear()
 
 
 # ---- an engine with outlier channels -----------------------------------------------------------
