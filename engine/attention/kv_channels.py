@@ -39,10 +39,11 @@ Nor does calibration give factors to an int8 cache whose decode attention runs t
 int8 (`qk_dot_on_int8`: the Triton decode kernel on a GPU, head_dim <= 128, unless
 `SPLITSERVE_INT8_QK=0`). That kernel rounds each row of q to int8 with one scale, and q times K's
 factors has the outlier channels K had: the precision the factors give K, q's rounding takes
-back. Measured on the CPU by emulating that rounding on teacher-forced q, K (relative error of
-the scores, mean over layers): SmolLM2 per layer 0.0178, with factors 0.0248; Gemma 3 270M
-0.0252 and 0.0171 (its head_dim of 256 takes the fp16 QK path on the GPU anyway). Over an fp16
-or float32 QK dot the factors cut it: SmolLM2 0.0153 to 0.0123, Gemma 3 0.0219 to 0.0066.
+back. Emulated on the CPU (tools/probes/probe_kv_qk_int8.py; relative error of the scores, mean
+over layers, bench/results/cpu_quant_accuracy.json): under the int8 QK dot SmolLM2 goes from
+0.020 per layer to 0.029 with factors, Gemma 3 270M from 0.028 to 0.020 (its head_dim of 256
+takes the fp16 QK path on the GPU anyway); over an fp16 or float32 QK dot the factors cut it,
+SmolLM2 0.017 to 0.014, Gemma 3 0.024 to 0.0074.
 A scales file's factors apply wherever it is given (workers that share a file agree).
 
 Shapes: the whole model's factors are `[num_layers, 2, num_kv_heads, head_dim]` float32 on the
