@@ -13,7 +13,8 @@ layer's scale covers the largest |K| and |V| over all of them.
 
 An int8 file is per channel (`"granularity": "channel"`): besides each layer's K and V scale it
 holds a factor per channel within the layer (engine/attention/kv_channels.py); an fp8 file is
-per layer.
+per layer, and so is an int8 file calibrated where the GPU decode kernel's QK dot runs on int8
+(`kv_channels.qk_dot_on_int8`).
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         amax = torch.stack([runner.measure_kv_amax(c) for c in chunks]).amax(0)
         scales = round_scales(scales_from_amax(layer_amax(amax), runner.kv_dtype))
-        factors = channel_factors(amax) if runner.kv_dtype == torch.int8 else None
+        # Factors where the engine calibrates them (int8, and not under the GPU's int8 QK dot).
+        factors = channel_factors(amax) if runner.kv_channel_factors is not None else None
         tokens = len(ids)
     doc = kv_scales_document(scales, args.kv_cache_dtype, factors)
     doc["calibration"] = {"model": args.model, "tokens": tokens, "text": args.text}
