@@ -258,4 +258,3 @@ class KVMemory:
             slot_mapping=torch.arange(n, dtype=torch.long, device=dev),
             num_decodes=0, max_query_len=n, max_seq_len=n,
             query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
-
