@@ -156,7 +156,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default=_default(CacheConfig, "kv_cache_dtype"),
                    type=_kv_cache_dtype, metavar="{auto,fp8,fp8_e4m3,int8}",
                    help="KV cache storage: auto = model dtype, fp8 (vLLM's fp8_e4m3) = float8 "
-                        "e4m3, int8 = int8; both with per-layer K/V scales (see --kv-scales)")
+                        "e4m3, int8 = int8; both with per-layer K/V scales, int8 also with "
+                        "per-channel factors within them (see --kv-scales)")
     g.add_argument("--kv-scales", default=None, metavar="calibrate|FILE",
                    help="scales of an fp8/int8 KV cache: 'calibrate' (one prefill of a fixed "
                         "text at start-up; int8's default) or a JSON file written by "

@@ -10,6 +10,11 @@ or to calibrate on text of the deployment's own traffic:
 
 With `--text`, the file is read in chunks of `--chunk-tokens` tokens (one prefill each) and each
 layer's scale covers the largest |K| and |V| over all of them.
+
+An int8 file is per channel (`"granularity": "channel"`): besides each layer's K and V scale it
+holds a factor per channel within the layer (engine/attention/kv_channels.py); an fp8 file is
+per layer, and so is an int8 file calibrated where the GPU decode kernel's QK dot runs on int8
+(`kv_channels.qk_dot_on_int8`).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from engine.attention.kv_calibration import kv_scales_document, round_scales
+    from engine.attention.kv_channels import channel_factors, layer_amax
     from engine.attention.kv_quant import scales_from_amax
     from engine.llm_engine import LLMEngine
 
@@ -63,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine = LLMEngine(config, detokenize=False)
     runner = engine.runner
     tokens = runner.kv_calibration_tokens
-    scales = runner.kv_scales
+    scales, factors = runner.kv_scales, runner.kv_channel_factors
     if args.text is not None:
         if engine.tokenizer is None:
             print("error: --text needs a model with a tokenizer", file=sys.stderr)
@@ -85,11 +91,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: {path} holds no tokens", file=sys.stderr)
             return 2
         amax = torch.stack([runner.measure_kv_amax(c) for c in chunks]).amax(0)
-        scales = round_scales(scales_from_amax(amax, runner.kv_dtype))
+        scales = round_scales(scales_from_amax(layer_amax(amax), runner.kv_dtype))
+        # Factors where the engine calibrates them (int8, and not under the GPU's int8 QK dot).
+        factors = channel_factors(amax) if runner.kv_channel_factors is not None else None
         tokens = len(ids)
-    doc = kv_scales_document(scales, args.kv_cache_dtype)
+    doc = kv_scales_document(scales, args.kv_cache_dtype, factors)
     doc["calibration"] = {"model": args.model, "tokens": tokens, "text": args.text}
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {args.out}: {len(scales)} layers, K {scales[:, 0].min():.4g}.."
+    print(f"wrote {args.out}: {len(scales)} layers ({doc['granularity']}), K {scales[:, 0].min():.4g}.."
           f"{scales[:, 0].max():.4g}, V {scales[:, 1].min():.4g}..{scales[:, 1].max():.4g}")
     return 0

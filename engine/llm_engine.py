@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine.attention.kv_calibration import calibration_token_ids
+from engine.attention.kv_channels import factors_digest
 from engine.bad_words import bad_words_token_ids
 from engine.classifier import Classifier
 from engine.config import ConfigError, EngineConfig, ModelConfig, PoolerConfig
@@ -103,9 +104,13 @@ class LLMEngine:
             source.default_dtype,
             kv_calibration_ids=lambda: calibration_token_ids(self.tokenizer, cfg.vocab_size))
         quant = config.runner.quantization
+        # An int8 cache's channel factors decide what its blocks mean: blocks stored under other
+        # factors must never be read under these (KV handoff, prefix tiers, prefix hashes).
+        factors = factors_digest(self.runner.kv_channel_factors)
         self.fingerprint = model_fingerprint(
             {**cfg.to_hf_dict(), "weights_id": cfg.weights_id,
-             **({"quantization": quant} if quant != "none" else {})},
+             **({"quantization": quant} if quant != "none" else {}),
+             **({"kv_channel_factors": factors} if factors is not None else {})},
             dtype=str(self.runner.dtype), kv_cache_dtype=config.cache.kv_cache_dtype,
             block_size=config.cache.block_size, parallel_layout=config.parallel.layout)
         capacity = self.runner.result.num_blocks * config.cache.block_size

@@ -15,8 +15,14 @@ others). Where prefill and decode run on different hardware, give both the same 
 (`--kv-scales FILE`, written by `splitserve kv-scales`). The rounding costs at most 1/16 of the
 range.
 
-File format (JSON): `{"kv_cache_dtype": "int8", "k_scale": [L floats], "v_scale": [L floats]}`;
-`kv_cache_dtype` is informational (a file fits any quantized cache of the model).
+An int8 cache also has per-channel factors within each layer (engine/attention/kv_channels.py),
+from the same pass's per-channel maxima.
+
+File format (JSON): `{"kv_cache_dtype": "int8", "granularity": "channel", "k_scale": [L floats],
+"v_scale": [L floats], "k_channel_factors": [L][Hkv][D] floats, "v_channel_factors": likewise}`.
+`granularity` "layer" (or absent: files written before channel factors) has no factor lists:
+every factor is 1. `kv_cache_dtype` is informational (a file fits any quantized cache of the
+model; an fp8 cache ignores the factors).
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ import torch
 from engine.config import ConfigError
 
 SCALE_MANTISSA_BITS = 4
-MAX_SCALES_FILE_BYTES = 1 << 20
+# A 70B model's factors (80 layers x 8 KV heads x 128 x 2) print to ~1.6 MB.
+MAX_SCALES_FILE_BYTES = 16 << 20
+GRANULARITIES = ("layer", "channel")
 
 # A fixed, varied text (prose, dialogue, code, numbers, markup): what served prompts hold.
 CALIBRATION_MESSAGES = (
@@ -85,8 +93,11 @@ def round_scales(scales: torch.Tensor, bits: int = SCALE_MANTISSA_BITS) -> torch
     return torch.tensor(out, dtype=torch.float32).reshape(scales.shape)
 
 
-def load_kv_scales(path: str | Path, num_layers: int) -> torch.Tensor:
-    """A scales file → `[num_layers, 2]` float32 (K, V); ConfigError names what is wrong."""
+def load_kv_scales(path: str | Path, num_layers: int, num_kv_heads: int, head_dim: int
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A scales file → (`[num_layers, 2]` float32 (K, V) scales, `[num_layers, 2, num_kv_heads,
+    head_dim]` float32 channel factors or None for a per-layer file); ConfigError names what is
+    wrong."""
     p = Path(path)
     try:
         if p.stat().st_size > MAX_SCALES_FILE_BYTES:
@@ -98,23 +109,73 @@ def load_kv_scales(path: str | Path, num_layers: int) -> torch.Tensor:
         raise ConfigError(f"KV scales file {p} is not JSON: {e}") from None
     if not isinstance(doc, dict):
         raise ConfigError(f"KV scales file {p} must hold a JSON object")
-    columns = []
-    for key in ("k_scale", "v_scale"):
-        values = doc.get(key)
-        if not isinstance(values, list) or len(values) != num_layers:
+    columns = [_positive_list(p, doc.get(key), key, num_layers, "one per layer")
+               for key in ("k_scale", "v_scale")]
+    scales = torch.tensor(columns, dtype=torch.float32).t().contiguous()
+    granularity = doc.get("granularity", "layer")
+    if granularity not in GRANULARITIES:
+        raise ConfigError(f"KV scales file {p}: 'granularity' must be one of "
+                          f"{', '.join(GRANULARITIES)}, got {granularity!r}")
+    if granularity == "layer":
+        return scales, None
+    parts = []
+    for key in ("k_channel_factors", "v_channel_factors"):
+        rows = doc.get(key)
+        if not isinstance(rows, list) or len(rows) != num_layers:
             raise ConfigError(f"KV scales file {p}: {key!r} must be a list of {num_layers} "
-                              f"numbers (one per layer)")
-        for v in values:
-            if isinstance(v, bool) or not isinstance(v, int | float) or not (
-                    0.0 < float(v) < math.inf):
-                raise ConfigError(f"KV scales file {p}: {key!r} holds {v!r}; scales must be "
-                                  f"positive finite numbers")
-        columns.append([float(v) for v in values])
-    return torch.tensor(columns, dtype=torch.float32).t().contiguous()
+                              f"layers of {num_kv_heads} heads of {head_dim} numbers")
+        parts.append([[_positive_list(p, head, key, head_dim, "one per channel")
+                       for head in _list_of(p, layer, key, num_kv_heads)] for layer in rows])
+    factors = torch.tensor(parts, dtype=torch.float32).transpose(0, 1).contiguous()
+    problem = check_factors(factors, (num_layers, 2, num_kv_heads, head_dim))
+    if problem is not None:
+        raise ConfigError(f"KV scales file {p}: {problem}")
+    return scales, factors
 
 
-def kv_scales_document(scales: torch.Tensor, kv_cache_dtype: str) -> dict[str, Any]:
-    """`[L, 2]` scales → the JSON object `load_kv_scales` reads."""
-    return {"kv_cache_dtype": kv_cache_dtype,
-            "k_scale": [float(v) for v in scales[:, 0].tolist()],
-            "v_scale": [float(v) for v in scales[:, 1].tolist()]}
+def _list_of(p: Path, value: Any, key: str, n: int) -> list[Any]:
+    if not isinstance(value, list) or len(value) != n:
+        raise ConfigError(f"KV scales file {p}: each layer of {key!r} must be a list of {n} "
+                          f"heads")
+    return value
+
+
+def _positive_list(p: Path, values: Any, key: str, n: int, what: str) -> list[float]:
+    """`values` as n positive finite floats; ConfigError otherwise."""
+    if not isinstance(values, list) or len(values) != n:
+        raise ConfigError(f"KV scales file {p}: {key!r} must be a list of {n} numbers ({what})")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int | float) or not (
+                0.0 < float(v) < math.inf):
+            raise ConfigError(f"KV scales file {p}: {key!r} holds {v!r}; scales must be "
+                              f"positive finite numbers")
+    return [float(v) for v in values]
+
+
+def kv_scales_document(scales: torch.Tensor, kv_cache_dtype: str,
+                       factors: torch.Tensor | None = None) -> dict[str, Any]:
+    """`[L, 2]` scales (and `[L, 2, Hkv, D]` channel factors) → the JSON object
+    `load_kv_scales` reads."""
+    doc: dict[str, Any] = {"kv_cache_dtype": kv_cache_dtype,
+                           "granularity": "layer" if factors is None else "channel",
+                           "k_scale": [float(v) for v in scales[:, 0].tolist()],
+                           "v_scale": [float(v) for v in scales[:, 1].tolist()]}
+    if factors is not None:
+        doc["k_channel_factors"] = factors[:, 0].tolist()
+        doc["v_channel_factors"] = factors[:, 1].tolist()
+    return doc
+
+
+def check_factors(factors: torch.Tensor, shape: tuple[int, int, int, int]) -> str | None:
+    """What is wrong with `factors` for a model of `shape` ([L, 2, Hkv, D]), or None: the shape,
+    finite positive values, K's equal across RoPE pairs."""
+    if tuple(factors.shape) != shape:
+        return f"channel factors have shape {tuple(factors.shape)}, expected {shape}"
+    if not bool((torch.isfinite(factors) & (factors > 0)).all()):
+        return "channel factors must be positive finite numbers"
+    half = shape[-1] // 2
+    k = factors[:, 0]
+    if not torch.equal(k[..., :half], k[..., half:]):
+        return (f"K's channel factors must be equal across RoPE pairs (channel i and i + "
+                f"{half})")
+    return None

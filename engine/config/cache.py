@@ -38,7 +38,8 @@ class CacheConfig:
     cpu_kv_cache_bytes: int | None = None
     # "fp8": float8 e4m3 storage with per-layer K/V scales (half the bytes of bf16); "int8":
     # int8 storage with per-layer K/V scales from a calibration pass (engine/attention/
-    # kv_calibration.py), for GPUs without fp8 conversions (Ampere) or an int8 pipeline.
+    # kv_calibration.py) and per-channel factors within them (kv_channels.py), for GPUs
+    # without fp8 conversions (Ampere) or an int8 pipeline.
     kv_cache_dtype: KvCacheDtype = "auto"
     # Where a quantized cache's scales come from: None = the dtype's default (fp8: 1.0,
     # int8: "calibrate"), "calibrate" (a prefill of a fixed text at start-up), or the path of

@@ -19,6 +19,7 @@ from engine.attention.forward_context import (
     current_lora,
     get_forward_context,
 )
+from engine.attention.kv_channels import LayerChannelFactors
 from engine.config import ModelConfig
 from engine.model.layers import (
     Linear,
@@ -74,6 +75,13 @@ class LlamaAttention(nn.Module):
         self.k_norm = make_norm(cfg, self.head_dim, use_triton) if cfg.qk_norm else None
         self.rope = rope
         self.backend = backend
+        # An int8 cache's per-channel factors (engine/attention/kv_channels.py), set once its
+        # calibration is known; applied only over int8 caches (a float scratch cache, as the
+        # calibration pass itself uses, stores K/V as they are).
+        self.kv_channels: LayerChannelFactors | None = None
+
+    def _channels_for(self, kv_cache: torch.Tensor) -> LayerChannelFactors | None:
+        return self.kv_channels if kv_cache.dtype == torch.int8 else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 md: AttentionMetadata | None = None) -> torch.Tensor:
@@ -120,11 +128,16 @@ class LlamaAttention(nn.Module):
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """RoPE on q and k and k, v into the cache at `slot_mapping`; returns (q, k, v) rotated:
         views of `qkv` rotated in place when the backend fuses RoPE, new tensors otherwise.
+        Over an int8 cache with channel factors, q, k, v are scaled by them first (in place:
+        v stays a view of `qkv`); `attend_cached` scales the output back.
         Reads nothing else of the step, so piecewise CUDA graphs capture it with the layers."""
         q, k, v = self.split_qkv(qkv)
         if self.q_norm is not None and self.k_norm is not None:
             q = self._head_norm(self.q_norm, q)
             k = self._head_norm(self.k_norm, k)
+        channels = self._channels_for(kv_cache)
+        if channels is not None:  # K's factors are equal across RoPE pairs: before RoPE is fine
+            q, k, v = channels.scale_qkv(q, k, v)
         rope: RopeInputs | None = None
         if self.backend.fuses_rope:  # RotaryEmbedding is neox style
             rope = RopeInputs(positions, self.rope.cos_sin_cache, is_neox=True)
@@ -148,6 +161,9 @@ class LlamaAttention(nn.Module):
         o = self.backend.attend(q, k, v, kv_cache, md, self.scale, kv_scale,
                                 sliding_window=self.sliding_window,
                                 logit_softcap=self.logit_softcap)
+        channels = self._channels_for(kv_cache)
+        if channels is not None:
+            o = channels.scale_output(o)
         return o.reshape(-1, self.q_size)
 
 

@@ -23,7 +23,7 @@ from engine.attention.forward_context import (
     AttentionMetadata,
 )
 from engine.config import ModelConfig
-from engine.model.decoder import LlamaDecoderLayer
+from engine.model.decoder import LlamaAttention, LlamaDecoderLayer
 from engine.model.gemma import GemmaDecoderLayer
 from engine.model.layers import (
     GemmaRMSNorm,
@@ -149,6 +149,10 @@ class LlamaForCausalLM(nn.Module):
             lanes.hand_back((hs[1], res_b))
         out, _ = self.norm(torch.cat(hs), torch.cat((res_a, res_b)))  # type: ignore[misc]
         return out
+
+    def attention_layers(self) -> list[LlamaAttention]:
+        """Each decoder layer's attention (an int8 cache's channel factors are set on them)."""
+        return [cast(LlamaDecoderLayer, layer).self_attn for layer in self.layers]
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

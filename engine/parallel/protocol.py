@@ -22,11 +22,11 @@ class Op(enum.IntEnum):
     FORWARD = 1        # a forward pass: step tensors broadcast, then the model
     KV_CAPACITY = 2    # each rank's KV block capacity, all-reduced to the minimum
     ALLOCATE_KV = 3    # allocate the KV cache: fields[0] blocks
-    SET_KV_SCALES = 4  # a quantized cache's [L, 2] scales, broadcast
+    SET_KV_SCALES = 4  # a quantized cache's [L, 2] scales (and [L, 2, Hkv, D] channel factors)
     READ_BLOCKS = 5    # block ids broadcast; each rank's heads of those blocks gathered to rank 0
     WRITE_BLOCKS = 6   # block ids broadcast; each rank's heads of the blocks scattered from 0
     SHUTDOWN = 7
-    KV_AMAX = 8        # the last SCRATCH_FLOAT pass's |K|, |V| maxima, all-reduced to the largest
+    KV_AMAX = 8        # the last SCRATCH_FLOAT pass's per-channel |K|, |V| maxima, all-gathered
     # Runtime LoRA adapters: fields[0] bytes of JSON ({"name", "path"} / {"name"}) follow the
     # header down the pipe; each rank loads (or unloads) its share, and a load's success is
     # all-reduced (every rank keeps it, or none).

@@ -48,7 +48,8 @@ class BlockIO:
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """→ CPU tensor [n, num_layers, 2, block_size, Hkv, D] in the cache dtype (a copy; fp8 and
-        int8 blocks are the stored values: multiply by `kv_scales` [L, 2] to get K/V)."""
+        int8 blocks are the stored values: multiply by `kv_scales` [L, 2], and for int8 by the
+        channel factors [L, 2, Hkv, D] where there are any, to get K/V)."""
         with self._on_step_stream():
             idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
             if self.tp is not None:
@@ -160,8 +161,9 @@ class BlockIO:
 
         Quantized (fp8 or int8) cache: blocks of its dtype are stored values under `scales`
         ([L, 2]; None = this runner's `kv_scales`) and are re-quantized when those differ from
-        ours; float blocks are real K/V values, quantized with our scales (saturating at ±448 or
-        ±127 times the scale). Called from threads other than the engine's; returns when the
+        ours (blocks under other channel factors never get here: those are in the model
+        fingerprint); float blocks are real K/V values, quantized with our scales and channel
+        factors (saturating at ±448 or ±127 times the scale). Called from threads other than the engine's; returns when the
         blocks are in the cache."""
         expected = (len(block_ids), *self.kv.shape_per_block)
         if tuple(blocks.shape) != expected:
@@ -237,7 +239,11 @@ class BlockIO:
                              "ones")
         if is_quantized_kv(blocks.dtype):
             raise ValueError(f"{blocks.dtype} blocks cannot enter a {self.kv.kv_dtype} cache")
-        return quantize_kv(blocks.cpu(), ours, self.kv.kv_dtype).view(torch.uint8)
+        values = blocks.cpu()
+        factors = self.kv.channel_factors
+        if factors is not None:  # [L, 2, Hkv, D] over [n, L, 2, bs, Hkv, D]
+            values = values.float() / factors.unsqueeze(2).unsqueeze(0)
+        return quantize_kv(values, ours, self.kv.kv_dtype).view(torch.uint8)
 
 def copy_cache_blocks(dst_cache: torch.Tensor, dst_block_ids: list[int], src_cache: torch.Tensor,
                       src_block_ids: list[int], stream: torch.cuda.Stream | None = None,

@@ -5,7 +5,9 @@ The cache is a single tensor `[num_layers, 2, num_blocks, block_size, num_kv_hea
 so that a block (`cache[:, :, block_id]`) can be read or written in one copy for transfer.
 With `kv_cache_dtype="fp8"` it is float8_e4m3fn holding K/V divided by per-layer scales
 (`scales [num_layers, 2]` float32, 1.0 without calibration), with "int8" int8 under scales
-calibrated at start-up or read from a file (engine/attention/kv_quant.py, kv_calibration.py).
+calibrated at start-up or read from a file (engine/attention/kv_quant.py, kv_calibration.py),
+and per-channel factors within each layer (`channel_factors [num_layers, 2, num_kv_heads,
+head_dim]`, engine/attention/kv_channels.py), which the attention layers apply.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from engine.attention.forward_context import AttentionMetadata, ForwardContext, forward_context
 from engine.attention.kv_calibration import calibration_token_ids, load_kv_scales, round_scales
+from engine.attention.kv_channels import channel_factors, install, layer_amax
 from engine.attention.kv_quant import default_kv_scales, scales_from_amax
 from engine.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
 from engine.kernels._checks import is_quantized_kv
@@ -47,8 +50,10 @@ class KVMemory:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, shard_config: ModelConfig,
                  device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
                  max_model_len: int, model: LlamaForCausalLM, run_model: RunModel,
-                 tp: TensorParallelDriver | None) -> None:
-        """model_config: the whole model's; shard_config: this rank's share of it."""
+                 tp: TensorParallelDriver | None, calibrate_factors: bool = True) -> None:
+        """model_config: the whole model's; shard_config: this rank's share of it.
+        calibrate_factors: whether an int8 cache's calibration gives channel factors (not where
+        the decode kernel's QK dot rounds q to int8: `kv_channels.qk_dot_on_int8`)."""
         self.config = config
         self.model_config = model_config
         self.shard_config = shard_config
@@ -59,6 +64,7 @@ class KVMemory:
         self.model = model
         self.run_model = run_model
         self.tp = tp
+        self.calibrate_factors = calibrate_factors
         self.block_size = config.cache.block_size
         full, cfg = model_config, shard_config
         # A block as it leaves the engine (transfer, tiers): every KV head, whatever the split.
@@ -72,6 +78,9 @@ class KVMemory:
         self.scales = default_kv_scales(model_config.num_hidden_layers)
         # The same as floats for the forward context (None: unquantized cache).
         self.scale_values: list[tuple[float, float]] | None = None
+        # An int8 cache's per-channel factors [L, 2, Hkv, D] (every KV head; None: one scale per
+        # layer, as fp8 and a per-layer scales file have); part of the model fingerprint.
+        self.channel_factors: torch.Tensor | None = None
         self.calibration_tokens = 0  # the calibration prefill's length (0: not calibrated)
         self.num_blocks = 0
         self.cache = torch.empty(0, dtype=kv_dtype, device=device)
@@ -94,10 +103,14 @@ class KVMemory:
         when they are; default: pseudo-random ids from a fixed seed)."""
         cfg = self.shard_config
         if is_quantized_kv(self.kv_dtype):
-            self.scales = self._scales_for(self.config.cache, calibration_ids)
+            self.scales, self.channel_factors = self._scales_for(self.config.cache,
+                                                                 calibration_ids)
             self.scale_values = [(k, v) for k, v in self.scales.tolist()]
+            rank, size = (0, 1) if self.tp is None else (0, self.tp.size)
+            install(self.model.attention_layers(), self.channel_factors,
+                    rank, size, self.device, self.dtype)
             if self.tp is not None:
-                self.tp.set_kv_scales(self.scales)
+                self.tp.set_kv_scales(self.scales, self.channel_factors)
         num_blocks = self._num_blocks()
         if self.tp is not None:
             num_blocks = self.tp.capacity(num_blocks)
@@ -116,42 +129,58 @@ class KVMemory:
     # ---- quantized KV scales ---------------------------------------------------------------
 
     def _scales_for(self, cache: CacheConfig,
-                    calibration_ids: Callable[[], list[int]] | None) -> torch.Tensor:
-        """`[L, 2]` scales of a quantized cache: from the file `cache.kv_scales` names, from a
-        calibration pass ("calibrate"; int8's default), or 1.0 (fp8's default)."""
-        layers = self.model_config.num_hidden_layers
+                    calibration_ids: Callable[[], list[int]] | None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`[L, 2]` scales of a quantized cache and, for int8, its `[L, 2, Hkv, D]` channel
+        factors: from the file `cache.kv_scales` names, from a calibration pass ("calibrate";
+        int8's default), or 1.0 and none (fp8's default)."""
+        full = self.model_config
+        layers = full.num_hidden_layers
         source = cache.kv_scales
+        int8 = self.kv_dtype == torch.int8
         if source is None:
-            source = "calibrate" if self.kv_dtype == torch.int8 else None
+            source = "calibrate" if int8 else None
         if source is None:
-            return default_kv_scales(layers)
+            return default_kv_scales(layers), None
         if source != "calibrate":
-            scales = load_kv_scales(source, layers)
-            logger.info("KV cache scales from %s", source)
-            return scales
+            scales, factors = load_kv_scales(source, layers, full.num_key_value_heads,
+                                             full.head_dim)
+            if factors is not None and not int8:
+                logger.info("KV cache scales from %s: its channel factors are for int8 caches; "
+                            "this %s cache keeps one scale per layer", source, self.kv_dtype)
+                factors = None
+            logger.info("KV cache scales from %s (%s)", source,
+                        "per channel" if factors is not None else "per layer")
+            return scales, factors
         if calibration_ids is not None:
             ids = calibration_ids()
         else:
-            ids = calibration_token_ids(None, self.model_config.vocab_size)
+            ids = calibration_token_ids(None, full.vocab_size)
         ids = ids[:max(1, self.max_model_len)]
         amax = self.measure_amax(ids)
         self.calibration_tokens = len(ids)
-        scales = round_scales(scales_from_amax(amax, self.kv_dtype))
-        logger.info("KV cache scales calibrated on %d tokens: K %.4g..%.4g, V %.4g..%.4g",
+        scales = round_scales(scales_from_amax(layer_amax(amax), self.kv_dtype))
+        factors = channel_factors(amax) if int8 and self.calibrate_factors else None
+        logger.info("KV cache scales calibrated on %d tokens: K %.4g..%.4g, V %.4g..%.4g%s",
                     len(ids), scales[:, 0].min(), scales[:, 0].max(), scales[:, 1].min(),
-                    scales[:, 1].max())
-        return scales
+                    scales[:, 1].max(), "" if factors is None else
+                    f"; channel factors K {factors[:, 0].min():.3g}..{factors[:, 0].max():.3g}, "
+                    f"V {factors[:, 1].min():.3g}..{factors[:, 1].max():.3g}")
+        return scales, factors
 
     @torch.inference_mode()
     def measure_amax(self, token_ids: list[int]) -> torch.Tensor:
-        """One prefill of `token_ids` with a float cache → each layer's largest |K| (as cached:
-        after RoPE) and |V|, `[L, 2]` float32 on the CPU."""
+        """One prefill of `token_ids` with a float cache → each channel's largest |K| (as cached:
+        after RoPE) and |V|, `[L, 2, Hkv, D]` float32 on the CPU, over every KV head (with
+        tensor parallelism the ranks' heads gathered in rank order)."""
         _, scratch = self._scratch_prefill(token_ids, self.dtype, None, Cache.SCRATCH_FLOAT)
-        amax = scratch.abs().amax(dim=(2, 3, 4, 5)).float()
-        if self.tp is not None:  # the largest over every rank's heads
+        amax = scratch.abs().amax(dim=(2, 3)).float()  # [L, 2, Hkv (this rank's), D]
+        if self.tp is not None:
             import torch.distributed as dist
+            parts = [torch.empty_like(amax) for _ in range(self.tp.size)]
             with self.tp.command(Op.KV_AMAX):
-                dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+                dist.all_gather(parts, amax.contiguous())
+            amax = torch.cat(parts, dim=2)
         amax = amax.cpu()
         if not bool(torch.isfinite(amax).all()):
             raise ConfigError("the KV calibration pass produced non-finite K/V; the model's "

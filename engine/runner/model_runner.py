@@ -24,6 +24,7 @@ from engine.attention.forward_context import (
     forward_context,
     split_decode_metadata,
 )
+from engine.attention.kv_channels import qk_dot_on_int8
 from engine.attention.kv_quant import kv_storage_dtype
 from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.cuda_graphs import CudaGraphRunner
@@ -142,7 +143,9 @@ class ModelRunner:
         self.step_stream: torch.cuda.Stream | None = (
             torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None)
         self.kv = KVMemory(config, model_config, self.shard_config, self.device, self.dtype,
-                           self.kv_dtype, max_model_len, self.model, self.run_model, self.tp)
+                           self.kv_dtype, max_model_len, self.model, self.run_model, self.tp,
+                           calibrate_factors=not qk_dot_on_int8(self.device, self.backend.name,
+                                                                model_config.head_dim))
         self.blocks = BlockIO(self.kv, self.device, self.step_stream, self.tp, self.shard.size)
         self.inputs = StepInputs(self.block_size, self.device)
         self.kv.set_up(kv_calibration_ids)
@@ -199,6 +202,12 @@ class ModelRunner:
         return self.kv.scale_values
 
     @property
+    def kv_channel_factors(self) -> torch.Tensor | None:
+        """An int8 cache's `[num_layers, 2, num_kv_heads, head_dim]` channel factors within each
+        layer's scales (engine/attention/kv_channels.py); None: one scale per layer."""
+        return self.kv.channel_factors
+
+    @property
     def kv_calibration_tokens(self) -> int:
         """The calibration prefill's length (0: not calibrated)."""
         return self.kv.calibration_tokens
@@ -219,7 +228,8 @@ class ModelRunner:
         return self.kv.is_quantized
 
     def measure_kv_amax(self, token_ids: list[int]) -> torch.Tensor:
-        """`KVMemory.measure_amax`: each layer's largest |K| and |V| over one prefill."""
+        """`KVMemory.measure_amax`: each channel's largest |K| and |V| over one prefill,
+        `[L, 2, Hkv, D]`."""
         return self.kv.measure_amax(token_ids)
 
     def prefill_logits(self, token_ids: list[int]) -> torch.Tensor:

@@ -221,8 +221,12 @@ class TensorParallelDriver:
             for conn in self._conns:
                 conn.send_bytes(payload)
 
-    def set_kv_scales(self, scales: torch.Tensor) -> None:
-        """Every rank's quantized cache takes rank 0's `[L, 2]` scales (calibrated over every
-        rank's heads: `measure_kv_amax` all-reduces the maxima)."""
-        with self.command(Op.SET_KV_SCALES, [int(scales.shape[0])]):
+    def set_kv_scales(self, scales: torch.Tensor, factors: torch.Tensor | None = None) -> None:
+        """Every rank's quantized cache takes rank 0's `[L, 2]` scales and `[L, 2, Hkv, D]`
+        channel factors of every KV head, each rank applying its own heads' (calibrated over
+        every rank's heads: `measure_kv_amax` gathers the maxima)."""
+        shape = [0, 0] if factors is None else [int(factors.shape[2]), int(factors.shape[3])]
+        with self.command(Op.SET_KV_SCALES, [int(scales.shape[0]), *shape]):
             dist.broadcast(scales.to(self.device, torch.float32).contiguous(), src=0)
+            if factors is not None:
+                dist.broadcast(factors.to(self.device, torch.float32).contiguous(), src=0)

@@ -177,7 +177,7 @@ class ShardWorker:
         with forward_context(ForwardContext(md, caches, scales, lora)):
             self.model(ids, positions)
         if h.cache is Cache.SCRATCH_FLOAT and scratch is not None:
-            self._amax = scratch.abs().amax(dim=(2, 3, 4, 5)).float()
+            self._amax = scratch.abs().amax(dim=(2, 3)).float()  # [L, 2, Hkv (ours), D]
         if h.cache is Cache.PROFILE and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self._peak = torch.cuda.max_memory_allocated(self.device)
@@ -185,7 +185,8 @@ class ShardWorker:
     def _reduce_amax(self, fields: list[int]) -> None:
         if self._amax is None:
             raise RuntimeError("KV maxima asked for before a calibration pass")
-        dist.all_reduce(self._amax, op=dist.ReduceOp.MAX)
+        parts = [torch.empty_like(self._amax) for _ in range(self.shard.size)]
+        dist.all_gather(parts, self._amax.contiguous())  # rank 0 lays them side by side
         self._amax = None
 
     def _capacity(self, fields: list[int]) -> None:
@@ -216,9 +217,19 @@ class ShardWorker:
                               self.dtype, self.config.scheduler.max_num_batched_tokens, *scales)
 
     def _set_scales(self, fields: list[int]) -> None:
-        t = torch.empty(fields[0], 2, dtype=torch.float32, device=self.device)
+        from engine.attention.kv_channels import install
+
+        layers, heads, head_dim = fields[0], fields[1], fields[2]
+        t = torch.empty(layers, 2, dtype=torch.float32, device=self.device)
         dist.broadcast(t, src=0)
         self.kv_scale_values = [(k, v) for k, v in t.cpu().tolist()]
+        factors = None
+        if heads:  # the whole model's channel factors; this rank applies its heads' share
+            factors = torch.empty(layers, 2, heads, head_dim, dtype=torch.float32,
+                                  device=self.device)
+            dist.broadcast(factors, src=0)
+        install(self.model.attention_layers(), factors, self.shard.rank,
+                self.shard.size, self.device, self.dtype)
 
     def _cache_bytes(self) -> torch.Tensor:
         assert self.kv_cache is not None

@@ -239,6 +239,62 @@ def test_triton_backend_with_rope_matches_torch_backend(cache_dtype: torch.dtype
     assert_close_for(got, want, torch.float32)
 
 
+def test_triton_backend_with_channel_factors_matches_torch_backend() -> None:
+    """An int8 cache with per-channel factors (engine/attention/kv_channels.py), as the attention
+    layer applies them: q, k, v scaled in place (views of the fused QKV row), RoPE fused into the
+    Triton write, the output scaled back. The Triton cache holds the torch reference's bytes;
+    its values are rot(k) / (scale * f) within half a step; the output is unfactored attention
+    over the cache dequantized with scale * f (float32 tolerance)."""
+    from engine.attention.kv_channels import LayerChannelFactors
+
+    gen = torch.Generator().manual_seed(11)
+    md = _mixed_step_metadata()
+    qkv, q, k, v = _qkv(6, torch.float32, gen)
+    positions = torch.tensor([5, 4, 5, 6, 7, 8])
+    cos_sin = _cos_sin(gen)
+    # Pair-equal K factors (channels i and i + D/2), free V factors, on the 4-bit grid.
+    half = HEAD_DIM // 2
+    kf = (2.0 ** -torch.randint(0, 5, (NUM_KV_HEADS, half), generator=gen)).repeat(1, 2)
+    vf = 2.0 ** -torch.randint(0, 5, (NUM_KV_HEADS, HEAD_DIM), generator=gen).float() * 1.5
+    channels = LayerChannelFactors(kf, vf, NUM_HEADS, torch.device("cpu"), torch.float32)
+    # Channels as large as their factors: the factored values fill the layer's range (|x| < 16
+    # before RoPE, < 23 after it).
+    k.mul_(kf)
+    v.mul_(vf)
+    k_scale, v_scale = 32.0 / 127, 24.0 / 127
+    cache_triton = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
+                               dtype=torch.int8)
+    cache_torch = cache_triton.clone()
+    q_ref, k_ref, v_ref = q.clone(), k.clone(), v.clone()  # unfactored, rotated by the reference
+    R.rotary_embedding_ref(positions, q_ref, k_ref, cos_sin)
+    # The torch backend over the factored q, k, v (reference rotation after the scaling).
+    qkv_torch = qkv.clone()
+    qt, kt, vt = channels.scale_qkv(*_split(qkv_torch))
+    R.rotary_embedding_ref(positions, qt, kt, cos_sin)
+    want = channels.scale_output(TorchAttentionBackend().forward(
+        qt, kt, vt, cache_torch, md, 0.25, (k_scale, v_scale)))
+    # The Triton backend: the same scaling, RoPE inside its write kernel.
+    unscaled = qkv.clone()
+    q3, k3, v3 = channels.scale_qkv(q, k, v)
+    # In place: still views of the fused row, which holds the scaled values (piecewise graphs
+    # read v back from their static QKV buffer for a fresh prompt's SDPA).
+    assert [t.data_ptr() for t in (q3, k3, v3)] == [t.data_ptr() for t in (q, k, v)]
+    assert torch.equal(_split(qkv)[2], _split(unscaled)[2] * channels.v_mul)
+    got = channels.scale_output(TritonAttentionBackend().forward(
+        q3, k3, v3, cache_triton, md, 0.25, (k_scale, v_scale),
+        rope=RopeInputs(positions, cos_sin, is_neox=True)))
+    assert torch.equal(cache_triton, cache_torch)
+    slots = md.slot_mapping
+    stored = cache_triton.reshape(2, -1, NUM_KV_HEADS, HEAD_DIM)[:, slots].float()
+    step = torch.stack((k_scale * kf, v_scale * vf))[:, None]
+    real = torch.stack((k_ref, v_ref))
+    assert bool(((stored * step - real).abs() <= step / 2 + 1e-6).all())
+    assert_close_for(got, want, torch.float32)
+    dequantized = cache_triton.float() * step[:, None]  # [2, NB, BS, Hkv, D]: K, V themselves
+    exact = TorchAttentionBackend().attend(q_ref, k_ref, v_ref, dequantized, md, 0.25)
+    assert_close_for(got, exact, torch.float32)
+
+
 def test_torch_backend_refuses_rope() -> None:
     md = _mixed_step_metadata()
     q, k = torch.zeros(6, NUM_HEADS, HEAD_DIM), torch.zeros(6, NUM_KV_HEADS, HEAD_DIM)

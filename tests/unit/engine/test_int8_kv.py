@@ -21,6 +21,7 @@ from engine.attention.kv_calibration import (
     load_kv_scales,
     round_scales,
 )
+from engine.attention.kv_channels import channel_factors, layer_amax
 from engine.attention.kv_quant import INT8_KV_MAX, quantize_int8, scales_from_amax
 from engine.attention.torch_backend import TorchAttentionBackend, write_kv_torch
 from engine.cli_args import add_engine_args, engine_config_from_args
@@ -113,8 +114,11 @@ def test_engine_calibrates_int8_scales_at_start(tiny_model_dirs: dict[str, Path]
     assert runner.kv_cache.dtype == INT8 and runner.kv_is_quantized
     assert runner.block_bytes == runner.kv_cache[:, :, 0].numel()
     ids = calibration_token_ids(None, runner.model_config.vocab_size)[:64]
-    amax = runner.measure_kv_amax(ids)
-    assert amax.shape == (runner.model_config.num_hidden_layers, 2) and bool((amax > 0).all())
+    cfg = runner.model_config
+    channels = runner.measure_kv_amax(ids)
+    assert channels.shape == (cfg.num_hidden_layers, 2, cfg.num_key_value_heads, cfg.head_dim)
+    amax = layer_amax(channels)
+    assert bool((amax > 0).all())
     # The calibrated scales cover each layer's largest |K| and |V| within 127 steps, with at
     # most 1/8 to spare (4-bit rounding up).
     scales = runner.kv_scales
@@ -144,9 +148,12 @@ def test_scales_file_round_trip_and_engine_use(tiny_model_dirs: dict[str, Path],
     scales = torch.tensor([[0.01 * (i + 1), 0.02] for i in range(layers)])
     path = tmp_path / "scales.json"
     path.write_text(json.dumps(kv_scales_document(scales, "int8")))
-    assert torch.equal(load_kv_scales(path, layers), scales)
+    cfg = runner.model_config
+    loaded, factors = load_kv_scales(path, layers, cfg.num_key_value_heads, cfg.head_dim)
+    assert torch.equal(loaded, scales) and factors is None  # a per-layer file
     llm = _int8_llm(tiny_model_dirs["llama"], kv_scales=str(path))
     assert torch.equal(llm.engine.runner.kv_scales, scales)
+    assert llm.engine.runner.kv_channel_factors is None
     out = llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], greedy(3))[0].outputs[0].token_ids
     assert len(out) == 3
     fp8 = tiny_llm(tiny_model_dirs["llama"], kv_cache_dtype="fp8", max_model_len=64,
@@ -166,12 +173,12 @@ def test_bad_scales_files_are_config_errors(tmp_path: Path, content: str, match:
     path = tmp_path / "bad.json"
     path.write_text(content)
     with pytest.raises(ConfigError, match=match):
-        load_kv_scales(path, 2)
+        load_kv_scales(path, 2, 1, 4)
 
 
 def test_scales_config_is_validated(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read KV scales file"):
-        load_kv_scales(tmp_path / "missing.json", 2)
+        load_kv_scales(tmp_path / "missing.json", 2, 1, 4)
     with pytest.raises(ConfigError, match="applies to a quantized cache"):
         CacheConfig(kv_scales="calibrate").validate()
     with pytest.raises(ConfigError, match="'calibrate' or the path"):
@@ -226,7 +233,9 @@ def test_write_read_blocks_requantize_and_refuse_other_quantized_dtypes(
     got = runner.read_blocks([3, 1])
     assert got.dtype == INT8 and got.shape == shape
     assert got[0, 0, 0, 0, 0, 0] == 127
-    assert torch.equal(got, quantize_int8(values, ours))
+    factors = runner.kv_channel_factors  # ... and its channel factors
+    assert factors is not None
+    assert torch.equal(got, quantize_int8(values / factors.unsqueeze(2).unsqueeze(0), ours))
     runner.write_blocks([5], got[:1])  # int8 blocks under the same scales: copied bitwise
     assert torch.equal(runner.read_blocks([5]), got[:1])
     # int8 blocks under other scales are re-quantized to ours: values kept within half a step,
@@ -257,9 +266,12 @@ def test_kv_scales_command_writes_what_the_engine_calibrates(tiny_model_dirs: di
             "int8", "--max-model-len", "64"]
     out = tmp_path / "scales.json"
     assert main(["kv-scales", "--out", str(out), *base]) == 0
-    engine_scales = _int8_llm(tiny_model_dirs["llama"]).engine.runner.kv_scales
-    layers = engine_scales.shape[0]
-    assert torch.equal(load_kv_scales(out, layers), engine_scales)
+    engine = _int8_llm(tiny_model_dirs["llama"]).engine
+    cfg = engine.runner.model_config
+    scales, factors = load_kv_scales(out, cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                     cfg.head_dim)
+    assert torch.equal(scales, engine.runner.kv_scales)
+    assert factors is not None and torch.equal(factors, engine.runner.kv_channel_factors)
     assert json.loads(out.read_text())["calibration"]["tokens"] == 64  # the prompt, cut to 64
     assert main(["kv-scales", "--out", str(out), "--model", model, "--device", "cpu"]) == 2
     assert main(["kv-scales", "--out", str(out), "--text", str(tmp_path), *base]) == 2
@@ -280,10 +292,14 @@ def test_kv_scales_command_calibrates_on_a_text(tmp_path: Path, smollm2: LLM) ->
     doc = json.loads(out.read_text())
     assert doc["calibration"]["tokens"] > 64 and doc["kv_cache_dtype"] == "int8"
     runner = smollm2.engine.runner
-    scales = load_kv_scales(out, runner.model_config.num_hidden_layers)
+    cfg = runner.model_config
+    scales, factors = load_kv_scales(out, cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                     cfg.head_dim)
     ids = smollm2.engine.tokenizer.encode(text.read_text())  # type: ignore[union-attr]
-    amax = torch.stack([runner.measure_kv_amax(ids[i:i + 32])
-                        for i in range(0, len(ids), 32)]).amax(0)
+    channels = torch.stack([runner.measure_kv_amax(ids[i:i + 32])
+                            for i in range(0, len(ids), 32)]).amax(0)
+    assert factors is not None and torch.equal(factors, channel_factors(channels))
+    amax = layer_amax(channels)
     assert torch.all(scales * INT8_KV_MAX >= amax)
     assert torch.all(scales * INT8_KV_MAX <= amax * (1 + 1 / 8))
 

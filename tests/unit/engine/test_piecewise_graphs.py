@@ -71,22 +71,27 @@ def _traces(engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: int
 
 
 # Qwen3 on Triton: tests/kernels/test_qwen3_triton.py (the interpreter is slow).
-@pytest.mark.parametrize(("backend", "name"), [("torch", "llama"), ("triton", "llama"),
-                                              ("torch", "qwen3"), ("torch", "gemma2")])
+@pytest.mark.parametrize(("backend", "name", "kv"), [
+    ("torch", "llama", "auto"), ("triton", "llama", "auto"), ("torch", "qwen3", "auto"),
+    ("torch", "gemma2", "auto"), ("torch", "llama", "int8"), ("torch", "qwen3", "int8")])
 def test_every_position_matches_the_model_forward(tiny_model_dirs: dict[str, Path],
                                                   monkeypatch: pytest.MonkeyPatch,
-                                                  backend: str, name: str) -> None:
+                                                  backend: str, name: str, kv: str) -> None:
     """Prompts (fresh, a prefix hit's tail, chunks of a long one), decodes beside them, each step
     padded up to 16 or 32 rows: the same logits as the model's own forward pass. With the Triton
     backend RoPE rotates q and k in place, inside the pieces' static QKV buffer (Qwen3: q and k
-    normalised out of place first, then copied back into it)."""
+    normalised out of place first, then copied back into it). An int8 cache's channel factors
+    scale q, k, v inside the pieces and the output outside them (v in place, in the buffer a
+    fresh prompt's SDPA reads: tests/kernels/test_rope_kv_write.py checks the in-place
+    scaling)."""
     prompts = {
         "a": [5, 17, 99, 3, 8],
         "b": [250, 7, 42, 8, 300, 11, 64, 9, 2],
         "c": [(13 * i + 7) % 300 + 1 for i in range(21)],
         "again": [250, 7, 42, 8, 300, 11, 64, 9, 31, 77, 4],  # b's first 8 tokens cached
     }
-    kwargs = dict(attention_backend=backend, max_model_len=64, max_num_batched_tokens=24)
+    kwargs = dict(attention_backend=backend, max_model_len=64, max_num_batched_tokens=24,
+                  kv_cache_dtype=kv)
     n = 4 if backend == "torch" else 2  # the interpreter is slow
     if backend == "triton":  # a fresh prompt, one beside a decode, a prefix hit's tail
         prompts = {rid: prompts[rid] for rid in ("a", "b", "again")}
@@ -94,6 +99,7 @@ def test_every_position_matches_the_model_forward(tiny_model_dirs: dict[str, Pat
 
     llm = tiny_llm(tiny_model_dirs[name], **kwargs)
     runner = llm.engine.runner
+    assert (runner.kv_channel_factors is not None) == (kv == "int8")
     runner.piecewise = PiecewiseGraphRunner(runner, 32, capture=False)
     monkeypatch.setattr(runner, "logits_for", lambda out: _piecewise_logits(runner, out))
     got, steps = _traces(llm.engine, prompts, n)

@@ -127,17 +127,29 @@ def test_kv_blocks_leave_and_enter_whole(tiny_model_dirs: dict[str, Path]) -> No
 
 
 def test_int8_cache_calibrates_over_every_rank(tiny_model_dirs: dict[str, Path]) -> None:
-    """An int8 cache's scales come from one calibration pass whose |K|, |V| maxima are taken
-    over every rank's heads: the same scales one process calibrates, and the same tokens."""
+    """An int8 cache's scales and channel factors come from one calibration pass whose
+    per-channel |K|, |V| maxima are gathered from every rank's heads: the same scales and
+    factors one process calibrates, each rank applying its own heads' factors (rank 0's
+    checked here; the others' by the same tokens)."""
     path = tiny_model_dirs["qwen2"]
     prompts = [{"prompt_token_ids": [5, 17, 99, 3, 250, 7, 42, 8]}]
     one = tiny_llm(path, kv_cache_dtype="int8")
     want = one.engine.runner.kv_scales.clone()
+    want_factors = one.engine.runner.kv_channel_factors
+    assert want_factors is not None and float(want_factors.min()) < 1.0
     tokens = one.generate(prompts, greedy(8))[0].outputs[0].token_ids
     one.shutdown()
     two = tp_llm(path, kv_cache_dtype="int8")
     try:
-        torch.testing.assert_close(two.engine.runner.kv_scales, want, atol=1e-5, rtol=1e-4)
+        runner = two.engine.runner
+        torch.testing.assert_close(runner.kv_scales, want, atol=1e-5, rtol=1e-4)
+        assert runner.kv_channel_factors is not None
+        assert torch.equal(runner.kv_channel_factors, want_factors)
+        hkv = want_factors.shape[2] // 2  # rank 0's KV heads: the first half
+        for i, attn in enumerate(runner.model.attention_layers()):
+            assert attn.kv_channels is not None
+            assert torch.equal(attn.kv_channels.o_mul[:1], want_factors[i, 1, :1])
+            assert attn.kv_channels.k_mul.shape[0] == hkv
         assert two.generate(prompts, greedy(8))[0].outputs[0].token_ids == tokens
     finally:
         two.shutdown()
