@@ -37,7 +37,11 @@ def _metric(h: Harness, name: str, **labels: str) -> float:
         return 0.0
 
 
-def _until(predicate: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
+def _until(predicate: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    """Wait for `predicate`. The cut comes once the server has filled the socket buffers
+    (megabytes of SSE from the scripted endless stream) and then waited out its 1 s send
+    timeout: 20 s was not enough on a 2-core machine at load 1.5 running the suite (the test
+    took 20.4 s there, 31 s for both tests alone on the same machine)."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, f"{what} not reached in {timeout_s}s"
