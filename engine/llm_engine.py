@@ -470,10 +470,10 @@ class LLMEngine:
         prompts carried the prompts' compute: on the H200, 64 rows read 18.7 ms against 7.2."""
         if settled is None:
             rows = _decode_rows(out) if self._inflight is None else None
+        elif self._inflight is not None and _decode_rows(out) is not None:
+            rows = _decode_rows(settled)
         else:
-            rows = _decode_rows(settled) if self._inflight is not None else None
-            if _decode_rows(out) is None:
-                rows = None
+            rows = None
         if rows is not None:
             self.spec_cost.record(rows, seconds)
 

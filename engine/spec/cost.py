@@ -58,6 +58,9 @@ class _Bucket:
 class StepCostModel:
     def __init__(self) -> None:
         self._buckets: dict[int, _Bucket] = {}
+        # The fitted points, until the next step is recorded: the budget asks for them for
+        # each (method, class) every round, and medians of every bucket need not be redone.
+        self._points: list[tuple[float, float]] | None = None
 
     @staticmethod
     def _key(rows: int) -> int:
@@ -70,6 +73,7 @@ class StepCostModel:
         b = self._buckets.setdefault(self._key(rows), _Bucket())
         b.steps.append((rows, seconds))
         b.count += 1
+        self._points = None
 
     def points(self) -> list[tuple[float, float]]:
         """(rows, seconds) per bucket, ascending in both: a step with more rows costs no less
@@ -78,10 +82,12 @@ class StepCostModel:
         machine busy, a shape's first use), could read dearer than the buckets above it: on a
         shared 2-core machine 2 and 3 rows read 119 and 151 ms against 94 ms for 4 rows, and
         the policy judged one draft dearer than four."""
-        buckets = [b for _, b in sorted(self._buckets.items())]
-        fitted = monotone([b.seconds for b in buckets],
-                          [min(b.count, MAX_WEIGHT) for b in buckets])
-        return [(b.rows, s) for b, s in zip(buckets, fitted, strict=True)]
+        if self._points is None:
+            buckets = [b for _, b in sorted(self._buckets.items())]
+            fitted = monotone([b.seconds for b in buckets],
+                              [min(b.count, MAX_WEIGHT) for b in buckets])
+            self._points = [(b.rows, s) for b, s in zip(buckets, fitted, strict=True)]
+        return list(self._points)
 
     def cost(self) -> StepCost:
         return StepCost.of(self.points())
