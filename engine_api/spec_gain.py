@@ -108,9 +108,21 @@ def required_rate(cost: StepCost, batch: int, min_gain: float = 1.0,
     alike = batch - n_known
     plain_s = cost.seconds_at(r_known + alike)
     plain_rate = (t_known + alike) / plain_s if plain_s > 0 else 0.0
-    without = (t_known / cost.seconds_at(r_known)) if n_known and r_known > 0 else 0.0
+    without = rate_without(cost, batch, known)
     needed = plain_rate + (min_gain - 1.0) * max(0.0, plain_rate - without)
     return Choice(0, plain_rate, plain_rate, plain_s), needed
+
+
+def rate_without(cost: StepCost, batch: int,
+                 known: tuple[int, float, float] = (0, 0.0, 0.0)) -> float:
+    """The batch's tokens per second without this request and the unknown ones: the known
+    sequences' alone (0 when none is known). A choice's rate less this is what the request
+    (and those assumed to choose alike) adds to the batch."""
+    n_known, t_known, r_known = known
+    if min(n_known, max(1, batch) - 1) <= 0 or r_known <= 0:
+        return 0.0
+    seconds = cost.seconds_at(r_known)
+    return t_known / seconds if seconds > 0 else 0.0
 
 
 def choices(cost: StepCost, acceptance: Acceptance, batch: int, max_k: int,

@@ -20,6 +20,10 @@ from the worker ("adaptive", the default):
   The batch's other sequences that this gateway sent are counted as decided (their expected
   tokens and rows per step, held from decision to the call's end); those it cannot see
   (other gateways') are assumed to choose as this one;
+- hysteresis per worker and class (HOLD_GAIN): the method a class speculates with is kept
+  until another is predicted clearly better, and speculation, once on, stops only at a
+  predicted loss (it starts at MIN_GAIN), so measurement noise does not flip a class's
+  requests between near-equal choices;
 - the SLO guard (`speculative_tpot_slo_ms`): no choice whose predicted step exceeds the target
   unless a plain step already does;
 - the cap sent is not the k predicted best for the batch seen now but the most the SLO guard
@@ -61,6 +65,7 @@ from engine_api.spec_gain import (
     Acceptance,
     StepCost,
     choices,
+    rate_without,
     required_rate,
 )
 from gateway.config import GatewayConfig
@@ -83,6 +88,14 @@ EXPLORE_EVERY = 32
 # Speculation must beat plain decoding by this much (the model leaves out a lost async overlap
 # and the noise in the measurements).
 MIN_GAIN = 1.1
+# A (worker, class) keeps what it chose last (hysteresis): the method it speculates with adds
+# this factor to what the request adds to the batch's rate, and plain decoding loses its
+# MIN_GAIN margin while it speculates. So speculation starts at a predicted gain of MIN_GAIN,
+# stops only at a predicted loss of ~10%, and another method must be predicted ~10% better to
+# take over. Without it the near ties between methods and around plain decoding that a noisy
+# measurement makes (CPU: suffix and n-gram within a few percent on code edits) flipped
+# requests of one class back and forth, and each flip to the worse choice cost its request.
+HOLD_GAIN = 1.1
 # Choices (method, k) whose predicted batch rates are this close (fraction of the best) are a
 # tie, which the request's own rate breaks.
 TIE_BAND = 0.05
@@ -215,6 +228,8 @@ class SpecPolicy:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self._decisions: dict[tuple[str, str], int] = {}
+        # Per (worker, class), the label of the last measured choice ("off" or a method).
+        self._incumbent: dict[tuple[str, str], str] = {}
         # Per worker, this gateway's calls in flight there: (count, expected tokens per step,
         # expected rows per step), summed; `decide` adds, `release` takes away.
         self._held: dict[str, tuple[int, float, float]] = {}
@@ -284,12 +299,17 @@ class SpecPolicy:
         best = SpecDecision(0, load, request_class=cls, reason="measured", step_seconds=plain_s)
         unmeasured: list[Method] = []
         measured: list[Method] = []
+        key = (address, cls)
+        incumbent = self._incumbent.get(key, "off")
+        base = rate_without(cost, batch, known)
         # (batch tokens/s, the request's own tokens/s, decision) of each choice: plain
         # decoding with the margin speculation must beat on both counts (its costs the model
-        # leaves out: MIN_GAIN), and every (method, k) that beats plain.
-        _, needed = required_rate(cost, batch, MIN_GAIN, known)
+        # leaves out: MIN_GAIN; none while the class speculates: HOLD_GAIN), and every
+        # (method, k) that beats plain.
+        margin = MIN_GAIN if incumbent == "off" else 1.0
+        _, needed = required_rate(cost, batch, margin, known)
         winners: list[tuple[float, float, SpecDecision]] = [
-            (needed, MIN_GAIN / plain_s if plain_s > 0 else 0.0, best)]
+            (needed, margin / plain_s if plain_s > 0 else 0.0, best)]
         for method in methods:
             acceptance = _acceptance(report, method, cls)
             if acceptance is None:
@@ -300,7 +320,9 @@ class SpecPolicy:
             for choice in better:
                 tokens, rows = acceptance.tokens_and_rows(choice.k)
                 send = _slo_cap(cost, acceptance, batch, cap, slo_s, known, choice.k)
-                winners.append((choice.batch_tokens_per_s, tokens / choice.step_seconds,
+                hold = HOLD_GAIN if _LABELS.get(int(method)) == incumbent else 1.0
+                winners.append((base + hold * (choice.batch_tokens_per_s - base),
+                                hold * tokens / choice.step_seconds,
                                 SpecDecision(send, load, method, cls, "measured", choice.gain,
                                              choice.step_seconds, tokens - 1.0, rows,
                                              choice.k)))
@@ -313,7 +335,6 @@ class SpecPolicy:
         top = max(w[0] for w in winners)
         best = max((w for w in winners if w[0] >= top * (1.0 - TIE_BAND)),
                    key=lambda w: w[1])[2]
-        key = (address, cls)
         n = self._decisions[key] = self._decisions.get(key, 0) + 1
         # Try an unmeasured proposer (every decision until it has numbers: a fresh worker
         # learns from its first requests), and now and then one that lost, unless the worker
@@ -326,6 +347,7 @@ class SpecPolicy:
             if not slo_s or step_s <= slo_s or plain_s > slo_s:
                 return SpecDecision(cap, load, pool[n % len(pool)], cls, "explore", 1.0, step_s,
                                     rows_per_step=1.0 + cap)
+        self._incumbent[key] = best.label
         return best
 
     def _known(self, address: str, load: int) -> tuple[int, float, float]:

@@ -209,3 +209,43 @@ def test_at_the_margin_a_request_speculates_rather_than_go_slow() -> None:
     chosen = policy.decide(_worker(11, [_acceptance(SUFFIX, "text", text)], methods=(SUFFIX,)),
                            "text")
     assert (chosen.label, chosen.reason) == ("suffix", "measured")
+
+
+def test_a_class_keeps_its_method_until_another_is_clearly_better() -> None:
+    """Hysteresis (HOLD_GAIN): a worker and class that speculate with suffix decoding keep it
+    while n-gram lookup is predicted ~8% better, and switch once it is ~30% better."""
+    slightly = ([100.0] * 4, [100.0, 90.0, 60.0, 45.0])  # 3.95 tokens a step against 3.65
+    clearly = ([100.0] * 4, [100.0, 100.0, 95.0, 85.0])  # 4.8
+    def reports(ngram: tuple[list[float], list[float]]) -> list[common_pb2.SpecAcceptance]:
+        return [_acceptance(NGRAM, "code", ngram), _acceptance(SUFFIX, "code", GOOD)]
+    # The premise: without a history n-gram's 8% wins.
+    assert SpecPolicy(_config()).decide(_worker(0, reports(slightly)), "code").label == "ngram"
+    policy = SpecPolicy(_config())
+    assert policy.decide(_worker(0, reports(POOR)), "code").label == "suffix"
+    assert policy.decide(_worker(0, reports(slightly)), "code").label == "suffix"
+    assert policy.decide(_worker(0, reports(clearly)), "code").label == "ngram"
+    # Now n-gram holds the class; the worker and other classes have their own.
+    assert policy.decide(_worker(0, reports(slightly)), "code").label == "ngram"
+    assert policy.decide(_worker(0, [_acceptance(NGRAM, "text", slightly),
+                                     _acceptance(SUFFIX, "text", GOOD)]), "text").label == "ngram"
+
+
+def test_speculation_starts_at_min_gain_and_stops_at_a_predicted_loss() -> None:
+    """A 5% predicted gain does not start speculation (MIN_GAIN) but keeps it going once it
+    runs; a predicted loss stops it."""
+    marginal = ([100.0] * 4, [5.0, 0.0, 0.0, 0.0])  # 1.05 tokens a step from free rows
+    assert not SpecPolicy(_config()).decide(  # the premise
+        _worker(0, [_acceptance(SUFFIX, "text", marginal)], methods=(SUFFIX,)), "text").enabled
+    policy = SpecPolicy(_config())
+    good = policy.decide(_worker(0, [_acceptance(SUFFIX, "text", GOOD)], methods=(SUFFIX,)),
+                         "text")
+    assert good.label == "suffix"
+    kept = policy.decide(_worker(0, [_acceptance(SUFFIX, "text", marginal)], methods=(SUFFIX,)),
+                         "text")
+    assert (kept.label, kept.reason) == ("suffix", "measured")
+    # Compute-bound (every row costs): 5% more tokens for ~2x the rows is a loss.
+    assert not policy.decide(_worker(100, [_acceptance(SUFFIX, "text", marginal)],
+                                     methods=(SUFFIX,)), "text").enabled
+    # ... and off again, 5% no longer starts it.
+    assert not policy.decide(_worker(0, [_acceptance(SUFFIX, "text", marginal)],
+                                     methods=(SUFFIX,)), "text").enabled
