@@ -11,7 +11,10 @@ concurrency, `--rounds` rounds (4 give each mode every prompt set once); within 
 order that rotates from cell to cell and round to round (interleaved A/B/C/D), each sending the cell's requests (greedy, `--max-tokens`
 tokens each, EOS ignored) `concurrency` at a time. Reported per cell: output tokens per second
 of each policy (the mean over rounds), and the policy's ratio to the best of the others;
-`worst_policy_ratio_vs_best` is the least of those ratios. Also the policy gateway's decisions
+`worst_policy_ratio_vs_best` is the least of those ratios. Since the modes of a round run back
+to back, each row also has the ratio round by round against that best mode (`paired`: the
+rounds' ratios, their mean and its standard error), which tells a loss from the machine's
+drift. Rows are written to `F.partial` as they finish. Also the policy gateway's decisions
 and the decode worker's measured step cost and acceptance at the end.
 
 Usage: PYTHONPATH=. python3 tools/probes/probe_spec_policy.py --out F [--concurrency 1,4,16,32]
@@ -161,12 +164,23 @@ async def _worker_numbers(decode_port: int, token: str) -> dict[str, Any]:
     }
 
 
+def paired_ratio(runs: dict[str, list[float]], best_other: str) -> dict[str, Any]:
+    """The policy's ratio to `best_other` round by round (both ran in the same round, back to
+    back), their mean and the mean's standard error (0 with one round)."""
+    ratios = [p / b for p, b in zip(runs["policy"], runs[best_other], strict=True) if b > 0]
+    n = len(ratios)
+    mean = sum(ratios) / n if n else 0.0
+    var = sum((r - mean) ** 2 for r in ratios) / (n - 1) if n > 1 else 0.0
+    return {"vs": best_other, "by_round": [round(r, 3) for r in ratios],
+            "mean": round(mean, 3), "sem": round((var / n) ** 0.5 if n else 0.0, 3)}
+
+
 def _diff(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
 
 
 async def measure(ports: dict[str, int], model: str, concurrency: list[int], rounds: int,
-                  max_tokens: int) -> list[dict[str, Any]]:
+                  max_tokens: int, partial: Path | None = None) -> list[dict[str, Any]]:
     bases = {m: f"http://{HOST}:{p}" for m, p in ports.items()}
     # Warm-up, not recorded: every gateway and workload once (the policy learns here too).
     for make in WORKLOADS.values():
@@ -193,12 +207,15 @@ async def measure(ports: dict[str, int], model: str, concurrency: list[int], rou
                     print(f"{wl} c={c} round {r} {mode}: {tokens / seconds:.1f} tok/s",
                           flush=True)
             tok_s = {m: round(sum(v) / len(v), 2) for m, v in runs.items()}
-            best_other = max(v for m, v in tok_s.items() if m != "policy")
+            best_mode = max((m for m in MODES if m != "policy"), key=lambda m: tok_s[m])
             rows.append({"workload": wl, "concurrency": c, "requests": n, "tok_s": tok_s,
                          "runs_tok_s": {m: [round(x, 2) for x in v] for m, v in runs.items()},
-                         "policy_ratio_vs_best": round(tok_s["policy"] / best_other, 3),
+                         "policy_ratio_vs_best": round(tok_s["policy"] / tok_s[best_mode], 3),
+                         "paired": paired_ratio(runs, best_mode),
                          "policy_decisions": _diff(_decisions(ports["policy"]),
                                                    decided_before)})
+            if partial is not None:
+                partial.write_text(json.dumps(rows, indent=2) + "\n")
     return rows
 
 
@@ -240,7 +257,8 @@ def main() -> int:
             _wait_healthy(ports[mode], procs, args.startup_timeout)
         started = time.time()
         load_before = os.getloadavg()
-        rows = asyncio.run(measure(ports, model, concurrency, args.rounds, args.max_tokens))
+        rows = asyncio.run(measure(ports, model, concurrency, args.rounds, args.max_tokens,
+                                   Path(args.out + ".partial")))
         load_after = os.getloadavg()
         worker = asyncio.run(_worker_numbers(decode_port, token))
         result = {
@@ -259,6 +277,7 @@ def main() -> int:
             "measure_seconds": round(time.time() - started, 1),
             "rows": rows,
             "worst_policy_ratio_vs_best": min(r["policy_ratio_vs_best"] for r in rows),
+            "worst_paired_ratio": min(r["paired"]["mean"] for r in rows),
             "policy_decisions": _decisions(ports["policy"]),
             "decode_worker": worker,
         }
