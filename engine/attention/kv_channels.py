@@ -99,9 +99,14 @@ def channel_factors(amax: torch.Tensor, k_headroom: float = K_HEADROOM,
         raise ValueError(f"per-channel maxima must be [L, 2, Hkv, D] with D even, got "
                          f"{tuple(amax.shape)}")
     amax = amax.detach().float().cpu()
-    channel = torch.stack((pair_max(amax[:, 0]) * k_headroom, amax[:, 1] * v_headroom), dim=1)
+    channel = torch.stack((pair_max(amax[:, 0]), amax[:, 1]), dim=1)
     layer = amax.amax(dim=(2, 3), keepdim=True)
-    rel = torch.where(layer > 0, channel / layer.clamp_min(1e-30), torch.ones_like(channel))
+    # The ratio first, then the headroom: the layer's largest channel is then exactly the
+    # headroom (x * 1.5 / x can round to just above 1.5, which rounds up a whole step, 1.625,
+    # by float noise that differs between one process and a tensor-parallel group).
+    headroom = torch.tensor([k_headroom, v_headroom]).view(1, 2, 1, 1)
+    rel = torch.where(layer > 0, channel / layer.clamp_min(1e-30) * headroom,
+                      torch.ones_like(channel))
     return round_scales(rel.clamp_min(min_factor))
 
 

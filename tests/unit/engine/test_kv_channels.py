@@ -58,6 +58,17 @@ def test_factors_are_relative_headroomed_floored_and_equal_across_rope_pairs() -
         channel_factors(torch.ones(1, 2, 1, 3))
 
 
+def test_the_largest_channel_gets_exactly_the_headroom() -> None:
+    """A layer's largest channel is its headroom whatever its value: in float32 5.7155313 *
+    1.5 / 5.7155313 rounds to just above 1.5, which the 4-bit rounding up made 1.625 (and a
+    tensor-parallel group, whose maxima differ in the last bit, 1.5)."""
+    x = 5.715531349182129
+    assert float(torch.tensor(x) * 1.5 / torch.tensor(x)) > 1.5  # the premise
+    amax = torch.full((1, 2, 1, 4), 1.0)
+    amax[0, 1, 0, 1] = x
+    assert channel_factors(amax)[0, 1, 0, 1] == V_HEADROOM
+
+
 def test_no_calibrated_factors_where_the_decode_qk_dot_rounds_q_to_int8(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The Triton decode kernel on a GPU runs an int8 cache's QK dot on int8 for head_dim <= 128
