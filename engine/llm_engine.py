@@ -30,7 +30,7 @@ from engine.request_checks import RequestChecks
 from engine.runner import ModelRunner, PendingStep
 from engine.sampler import depends_on_outputs
 from engine.scheduler import SampledToken, Scheduler, SchedulerOutput
-from engine.spec import Proposer, propose_all
+from engine.spec import Proposer, draft_cap, propose_all
 from engine.spec.budget import StepBudget
 from engine.spec.cost import StepCostModel
 from engine.spec.shadow import ShadowDrafts
@@ -507,7 +507,10 @@ class LLMEngine:
             if (n is None or not req.num_speculative_tokens or req.spec_step_k == 0
                     or s.num_new_tokens != 1 + drafts):
                 continue
-            self.spec_stats.record(req.spec_method, req.spec_class, drafts, min(n - 1, drafts))
+            # Of at most the step's cap (the budget's this round): positions above it say
+            # nothing of the method (stats.py).
+            self.spec_stats.record(req.spec_method, req.spec_class, drafts, min(n - 1, drafts),
+                                   allowed=draft_cap(req))
 
     def _propose(self, reqs: Iterable[Request]) -> None:
         """Draft the next step's tokens for the running requests that speculate and whose

@@ -53,6 +53,7 @@ class _Pending:
     request_class: str
     position: int          # the sequence's length when the drafts were proposed
     drafts: tuple[int, ...]
+    asked: int             # the drafts asked for (positions beyond say nothing)
 
 
 def matched_prefix(drafts: Sequence[int], actual: Sequence[int]) -> int:
@@ -116,15 +117,15 @@ class ShadowDrafts:
             by_method.setdefault(method, []).append((req, k))
         for method, asked in by_method.items():
             drafts = _ask(proposers[method], asked)
-            for (req, _), d in zip(asked, drafts, strict=True):
-                self._add(req, method, d)
+            for (req, k), d in zip(asked, drafts, strict=True):
+                self._add(req, method, d, k)
 
-    def _add(self, req: Request, method: str, drafts: Sequence[int]) -> None:
+    def _add(self, req: Request, method: str, drafts: Sequence[int], k: int) -> None:
         if not drafts:  # a step with no drafts
-            self._stats.record(method, req.spec_class, 0, 0, verified=False)
+            self._stats.record(method, req.spec_class, 0, 0, verified=False, allowed=k)
             return
         self._sampled[req.request_id][method] = _Pending(req.spec_class, req.num_tokens,
-                                                         tuple(drafts))
+                                                         tuple(drafts), k)
 
     def score(self, req: Request) -> None:
         """Score `req`'s pending proposals whose positions all have their tokens now."""
@@ -137,7 +138,8 @@ class ShadowDrafts:
             del pending[method]
             actual = req.all_token_ids[p.position:p.position + len(p.drafts)]
             self._stats.record(method, p.request_class, len(p.drafts),
-                               matched_prefix(p.drafts, actual), verified=False)
+                               matched_prefix(p.drafts, actual), verified=False,
+                               allowed=p.asked)
 
     def release(self, request_id: str) -> None:
         """The request ended: its proposals not yet scored are dropped, its slot freed."""

@@ -5,7 +5,12 @@
 
 A step of a request that speculates counts whether or not its proposer found drafts (a method
 that rarely finds any gains little), but not a step the worker's own budget kept at no drafts
-(that says nothing of the method). Each step's weight decays by ACCEPTANCE_DECAY per later step
+(that says nothing of the method); likewise a draft position counts only in the steps that
+allowed it (a step the budget held at 2 drafts says nothing of the 3rd and 4th). Per position,
+drafted and accepted are reported as shares of the steps that allowed it, scaled to all steps:
+counted as not drafted, the positions above a lowered cap looked like a method that finds no
+drafts there, so the budget (and the gateway) judged k = 4 no better than the cap it had set,
+and the cap never rose again. Each step's weight decays by ACCEPTANCE_DECAY per later step
 of the same (method, class): the numbers follow a workload that changes within a few hundred
 steps.
 """
@@ -24,19 +29,28 @@ class _Decayed:
     steps: float = 0.0
     drafted: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
+    allowed: list[float] = field(default_factory=list)  # per position: steps that allowed it
 
-    def add(self, num_drafts: int, num_accepted: int, positions: int) -> None:
+    def add(self, num_drafts: int, num_accepted: int, positions: int, allowed: int) -> None:
         d = ACCEPTANCE_DECAY
         if len(self.drafted) < positions:
-            self.drafted.extend([0.0] * (positions - len(self.drafted)))
-            self.accepted.extend([0.0] * (positions - len(self.accepted)))
+            grow = [0.0] * (positions - len(self.drafted))
+            self.drafted.extend(grow)
+            self.accepted.extend(grow)
+            self.allowed.extend(grow)
         self.steps = self.steps * d + 1.0
         for i in range(positions):
-            self.drafted[i] = self.drafted[i] * d + (1.0 if i < num_drafts else 0.0)
-            self.accepted[i] = self.accepted[i] * d + (1.0 if i < num_accepted else 0.0)
+            here = i < allowed
+            self.allowed[i] = self.allowed[i] * d + here
+            self.drafted[i] = self.drafted[i] * d + (here and i < num_drafts)
+            self.accepted[i] = self.accepted[i] * d + (here and i < num_accepted)
 
     def snapshot(self) -> Acceptance:
-        return Acceptance(self.steps, tuple(self.drafted), tuple(self.accepted))
+        """Per position the shares of the steps that allowed it, over all `steps` (a position
+        no step allowed: none drafted)."""
+        scale = [self.steps / a if a > 0 else 0.0 for a in self.allowed]
+        return Acceptance(self.steps, tuple(x * f for x, f in zip(self.drafted, scale, strict=True)),
+                          tuple(x * f for x, f in zip(self.accepted, scale, strict=True)))
 
 
 class AcceptanceStats:
@@ -48,14 +62,16 @@ class AcceptanceStats:
         self.accepted_per_pos = [0] * max_positions
 
     def record(self, method: str, request_class: str, num_drafts: int, num_accepted: int,
-               verified: bool = True) -> None:
-        """One step of a speculating request: `num_drafts` verified, `num_accepted` accepted.
-        `verified` False: a shadow proposal's score (shadow.py), which counts in the smoothed
-        acceptance but not in vLLM's counters of verified drafts."""
+               verified: bool = True, allowed: int | None = None) -> None:
+        """One step of a speculating request: `num_drafts` verified, `num_accepted` accepted,
+        of at most `allowed` (the step's cap; None: every position). `verified` False: a
+        shadow proposal's score (shadow.py), which counts in the smoothed acceptance but not
+        in vLLM's counters of verified drafts."""
         entry = self._by_key.get((method, request_class))
         if entry is None:
             entry = self._by_key[(method, request_class)] = _Decayed()
-        entry.add(num_drafts, num_accepted, self.max_positions)
+        cap = self.max_positions if allowed is None else max(allowed, num_drafts)
+        entry.add(num_drafts, num_accepted, self.max_positions, cap)
         if num_drafts and verified:
             self.num_drafts += 1
             for i in range(min(num_accepted, self.max_positions)):

@@ -107,6 +107,37 @@ def test_fixed_drafts_are_not_lowered_by_the_budget(
     assert max(len(o.new_token_ids) for o in outs["r1"]) == 1
 
 
+class _LowerAfter(StepBudget):
+    """A budget that lets the request's cap stand for its first rounds, then holds it at 2."""
+
+    rounds = 0
+
+    def cap_for(self, memo: dict[tuple[str, str], int], method: str, request_class: str,
+                batch: int, request_k: int) -> int:
+        self.rounds += 1
+        return request_k if self.rounds <= 2 else min(2, request_k)
+
+
+def test_positions_a_lowered_cap_left_out_keep_their_numbers(
+        tiny_model_dirs: dict[str, Path], plain: dict[str, list[int]]) -> None:  # noqa: F811
+    """Drafts that are always right, verified at 4 a step, then at 2 (the budget lowered the
+    cap): the 3rd and 4th positions still read as drafted and accepted every time they were
+    allowed, not as a proposer that stopped finding them (stats.py)."""
+    llm = tiny_llm(tiny_model_dirs["llama"], speculative_config={**NGRAM, "step_budget": True})
+    engine = llm.engine
+    engine.spec_budget = _LowerAfter(engine.spec_cost, engine.spec_stats, 4)
+    engine.proposer = _ScriptedProposer([PROMPTS[0]], [plain["r0"]])
+    outs, _ = _run(llm, _greedy(24), [PROMPTS[0]])
+    assert _tokens(outs) == {"r0": plain["r0"]}
+    sizes = [len(o.new_token_ids) for o in outs["r0"]]
+    assert 5 in sizes and sizes.count(3) >= 3  # both caps verified (the premise)
+    acc = engine.spec_stats.acceptance("ngram", "")
+    assert acc is not None
+    # Every step that allowed a 4th draft accepted it (the old count: 2 of ~7 steps).
+    assert acc.accepted[3] == pytest.approx(acc.steps)
+    assert acc.tokens_and_rows(4)[0] > acc.tokens_and_rows(2)[0] + 1.5
+
+
 def _req(rid: str, prompt: list[int], method: str = "suffix", cap: int = 0) -> Request:
     req = Request(rid, prompt, SamplingParams(temperature=0, max_tokens=8))
     req.status = RequestStatus.RUNNING

@@ -296,6 +296,28 @@ def test_acceptance_stats_decay_and_count_like_vllm() -> None:
     assert stats.num_drafts == 2 and stats.accepted_per_pos == [1, 1, 0]
 
 
+def test_positions_above_a_steps_cap_say_nothing_of_the_method() -> None:
+    """Ten steps at a cap of 4 (all drafted and accepted), then ten the budget held at 2: the
+    3rd and 4th positions are still always drafted and accepted (they were, every time they
+    were allowed), so k = 4 still reads better than k = 2 and the budget can raise the cap
+    again. Counted as not drafted they fell to about half, k = 4 looked like k = 3."""
+    stats = AcceptanceStats(max_positions=4)
+    for _ in range(10):
+        stats.record("suffix", "code", 4, 4, allowed=4)
+    for _ in range(10):
+        stats.record("suffix", "code", 2, 2, allowed=2)
+    a = stats.acceptance("suffix", "code")
+    assert a is not None and a.steps == pytest.approx(sum(0.995 ** i for i in range(20)))
+    assert a.drafted[2] == pytest.approx(a.steps) and a.accepted[3] == pytest.approx(a.steps)
+    assert a.tokens_and_rows(4) == pytest.approx((5.0, 5.0))
+    assert a.tokens_and_rows(2) == pytest.approx((3.0, 3.0))
+    # A position no step allowed yet: nothing drafted there.
+    fresh = AcceptanceStats(max_positions=4)
+    fresh.record("ngram", "text", 1, 1, allowed=1)
+    b = fresh.acceptance("ngram", "text")
+    assert b is not None and b.drafted == (1.0, 0.0, 0.0, 0.0)
+
+
 def test_best_k_speculates_on_a_light_batch_and_not_on_a_compute_bound_one() -> None:
     # Flat to 16 rows (weights-bound), then 1 ms per row.
     cost = StepCost.of([(1, 0.02), (16, 0.02), (256, 0.26)])
