@@ -24,6 +24,11 @@ from the worker ("adaptive", the default):
   until another is predicted clearly better, and speculation, once on, stops only at a
   predicted loss (it starts at MIN_GAIN), so measurement noise does not flip a class's
   requests between near-equal choices;
+- off for the load seen now is left to the worker where it budgets each step's drafts
+  (`LoadReport.spec_step_budget`) and a proposer pays for the class on a light worker: sent
+  with that proposer and the full cap (reason "budget"), the request drafts once its batch
+  thins, where one sent off never would (and the load seen may be a poll old). Not under an
+  SLO, which the worker's budget does not know;
 - the SLO guard (`speculative_tpot_slo_ms`): no choice whose predicted step exceeds the target
   unless a plain step already does;
 - the cap sent is not the k predicted best for the batch seen now but the most the SLO guard
@@ -120,7 +125,7 @@ class SpecDecision:
     load: int                     # requests pending on the worker besides this one
     method: Method = common_pb2.SPECULATIVE_METHOD_UNSPECIFIED  # DecodeRequest.speculative_method
     request_class: str = ""       # DecodeRequest.speculative_class
-    reason: str = "threshold"     # measured, explore, threshold, always, off
+    reason: str = "threshold"     # measured, explore, budget, threshold, always, off
     predicted_gain: float = 1.0   # the batch's predicted tokens/s over plain decoding's
     step_seconds: float = 0.0     # the predicted step time (0: not measured)
     accepted_per_step: float = 0.0  # the drafts the method is expected to land per step
@@ -292,15 +297,52 @@ class SpecPolicy:
 
     def _adaptive(self, address: str, report: common_pb2.LoadReport, cost: StepCost,
                   load: int, cap: int, methods: list[Method], cls: str) -> SpecDecision:
-        batch = load + 1
         slo_s = self.config.speculative_tpot_slo_ms / 1e3
         known = self._known(address, load)
+        key = (address, cls)
+        incumbent = self._incumbent.get(key, "off")
+        best, measured, unmeasured = self._best(report, cost, load, load + 1, known, cap,
+                                                methods, cls, slo_s, incumbent)
+        n = self._decisions[key] = self._decisions.get(key, 0) + 1
+        # Try an unmeasured proposer (every decision until it has numbers: a fresh worker
+        # learns from its first requests), and now and then one that lost, unless the worker
+        # measures it on requests that do not use it (shadow drafts: n-gram, suffix).
+        losers = [m for m in measured if not (best.enabled and m == best.method)
+                  and _LABELS.get(int(m)) not in SHADOWED_METHODS]
+        pool = unmeasured or (losers if n % EXPLORE_EVERY == 0 else [])
+        if pool:
+            batch = load + 1
+            plain_s = cost.seconds_at(known[2] + batch - known[0])
+            step_s = cost.seconds_at(known[2] + (batch - known[0]) * (1 + cap))
+            if not slo_s or step_s <= slo_s or plain_s > slo_s:
+                return SpecDecision(cap, load, pool[n % len(pool)], cls, "explore", 1.0, step_s,
+                                    rows_per_step=1.0 + cap)
+        self._incumbent[key] = best.label
+        if best.enabled or not report.spec_step_budget or slo_s:
+            return best
+        # Off for the load seen now. A worker that budgets each step's drafts holds a
+        # speculating request at none while they do not pay for its batch, and lets it draft
+        # once the batch thins; a request sent off never drafts. So where a method pays for
+        # this class on a light worker, it is sent with the full cap and the worker's budget
+        # has the "not now" (not under an SLO: the budget does not know the target). The
+        # load seen may also be an old report's: a burst of other gateways' requests that
+        # ended since the last poll still counts for up to a poll interval.
+        light, _, _ = self._best(report, cost, load, 1, (0, 0, 0.0), cap, methods, cls, 0.0,
+                                 incumbent)
+        if not light.enabled:
+            return best
+        return SpecDecision(cap, load, light.method, cls, "budget", 1.0, best.step_seconds,
+                            predicted_k=0)
+
+    def _best(self, report: common_pb2.LoadReport, cost: StepCost, load: int, batch: int,
+              known: tuple[int, float, float], cap: int, methods: list[Method], cls: str,
+              slo_s: float, incumbent: str) -> tuple[SpecDecision, list[Method], list[Method]]:
+        """The best choice for a batch of `batch` with `known` decided in it; and the methods
+        measured for the class, and those not."""
         plain_s = cost.seconds_at(known[2] + batch - known[0])
         best = SpecDecision(0, load, request_class=cls, reason="measured", step_seconds=plain_s)
         unmeasured: list[Method] = []
         measured: list[Method] = []
-        key = (address, cls)
-        incumbent = self._incumbent.get(key, "off")
         base = rate_without(cost, batch, known)
         # (batch tokens/s, the request's own tokens/s, decision) of each choice: plain
         # decoding with the margin speculation must beat on both counts (its costs the model
@@ -335,20 +377,7 @@ class SpecPolicy:
         top = max(w[0] for w in winners)
         best = max((w for w in winners if w[0] >= top * (1.0 - TIE_BAND)),
                    key=lambda w: w[1])[2]
-        n = self._decisions[key] = self._decisions.get(key, 0) + 1
-        # Try an unmeasured proposer (every decision until it has numbers: a fresh worker
-        # learns from its first requests), and now and then one that lost, unless the worker
-        # measures it on requests that do not use it (shadow drafts: n-gram, suffix).
-        losers = [m for m in measured if not (best.enabled and m == best.method)
-                  and _LABELS.get(int(m)) not in SHADOWED_METHODS]
-        pool = unmeasured or (losers if n % EXPLORE_EVERY == 0 else [])
-        if pool:
-            step_s = cost.seconds_at(known[2] + (batch - known[0]) * (1 + cap))
-            if not slo_s or step_s <= slo_s or plain_s > slo_s:
-                return SpecDecision(cap, load, pool[n % len(pool)], cls, "explore", 1.0, step_s,
-                                    rows_per_step=1.0 + cap)
-        self._incumbent[key] = best.label
-        return best
+        return best, measured, unmeasured
 
     def _known(self, address: str, load: int) -> tuple[int, float, float]:
         """(sequences, tokens per step, rows per step) of the worker's `load` others whose

@@ -26,6 +26,7 @@ def spec_report(engine: LLMEngine) -> dict[str, Any]:
                                       steps=a.steps, drafted=a.drafted, accepted=a.accepted)
             for m, c, a in stats.items() if m in SPEC_METHOD_ENUMS],
         "max_speculative_tokens": engine.config.speculative.num_speculative_tokens,
+        "spec_step_budget": engine.spec_budget is not None,
         "spec_num_drafts": stats.num_drafts,
         "spec_accepted_tokens_per_pos": list(stats.accepted_per_pos),
     }

@@ -283,7 +283,7 @@ def test_adaptive_policy_reads_the_workers_measurements(
     class once requests ran; the adaptive gateway (the default) decides from them for the
     request's class, sends the class along, and shows decisions and numbers on /metrics."""
     report = stub.GetLoad(common_pb2.LoadRequest(), timeout=RPC_TIMEOUT_S)
-    assert report.max_speculative_tokens == 4
+    assert report.max_speculative_tokens == 4 and report.spec_step_budget  # the default
     assert list(report.speculative_methods) == [common_pb2.SPECULATIVE_METHOD_NGRAM,
                                                 common_pb2.SPECULATIVE_METHOD_SUFFIX]
     rows = [p.rows for p in report.spec_step_cost]

@@ -227,6 +227,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=40)
     ap.add_argument("--startup-timeout", type=float, default=900.0)
     args = ap.parse_args()
+    git = git_info()  # the code that runs: read before the run, not after it
     concurrency = [int(c) for c in args.concurrency.split(",")]
     token = secrets.token_urlsafe(32)
     env = {**os.environ, INTERNAL_TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"}
@@ -267,7 +268,7 @@ def main() -> int:
                        f"--out {args.out} --concurrency {args.concurrency} "
                        f"--rounds {args.rounds} --max-tokens {args.max_tokens}",
             "model": model, "engine_args": engine, "max_tokens": args.max_tokens,
-            "rounds": args.rounds, "git": git_info(),
+            "rounds": args.rounds, "git": git,
             "notes": ("CPU, 2 cores; other sessions' quick jobs may run at the same time "
                       "(load averages below; the modes are interleaved per round so that "
                       "contention spreads over all of them). Prefill and decode workers get "

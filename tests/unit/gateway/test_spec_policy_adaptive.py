@@ -249,3 +249,23 @@ def test_speculation_starts_at_min_gain_and_stops_at_a_predicted_loss() -> None:
     # ... and off again, 5% no longer starts it.
     assert not policy.decide(_worker(0, [_acceptance(SUFFIX, "text", marginal)],
                                      methods=(SUFFIX,)), "text").enabled
+
+
+def test_off_for_the_load_is_left_to_a_budgeting_worker() -> None:
+    """On a compute-bound worker drafting does not pay now. A worker that budgets each step's
+    drafts gets the request with suffix decoding and the full cap (it holds the drafts at none
+    while they do not pay and lets them run as the batch thins); one that does not, or under an
+    SLO, gets it off; a class whose drafts would not pay on a light worker either stays off."""
+    busy = _worker(100, MEASURED)
+    assert not SpecPolicy(_config()).decide(busy, "repetitive").enabled  # the premise
+    busy.load.spec_step_budget = True
+    policy = SpecPolicy(_config())
+    left = policy.decide(busy, "repetitive")
+    assert (left.label, left.num_speculative_tokens, left.reason) == ("suffix", 4, "budget")
+    # Counted in flight as the worker will run it now: plain.
+    assert (left.accepted_per_step, left.rows_per_step, left.predicted_k) == (0.0, 1.0, 0)
+    assert policy._held[ADDRESS] == (1, 1.0, 1.0)
+    assert (policy.decide(busy, "text").label, policy.decide(busy, "text").reason) == (
+        "off", "measured")
+    guarded = SpecPolicy(_config(speculative_tpot_slo_ms=500.0)).decide(busy, "repetitive")
+    assert not guarded.enabled
