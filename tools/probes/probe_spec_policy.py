@@ -226,6 +226,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=40)
     ap.add_argument("--startup-timeout", type=float, default=900.0)
+    ap.add_argument("--speculative-config", default="",
+                    help="the workers' --speculative-config JSON instead of the suffix/4 flags "
+                         "(e.g. to turn the step budget off for an A/B)")
     args = ap.parse_args()
     git = git_info()  # the code that runs: read before the run, not after it
     concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -235,8 +238,9 @@ def main() -> int:
     grpc_ports = {m: free_port() for m in MODES}
     prefill_port, decode_port = free_port(), free_port()
     log_dir = Path(tempfile.mkdtemp(prefix="probe_spec_policy_"))
-    engine = ["--speculative-method", "suffix", "--num-speculative-tokens", "4",
-              "--max-model-len", "2048", "--max-num-seqs", "32"]
+    spec = (["--speculative-config", args.speculative_config] if args.speculative_config
+            else ["--speculative-method", "suffix", "--num-speculative-tokens", "4"])
+    engine = [*spec, "--max-model-len", "2048", "--max-num-seqs", "32"]
     up = [sys.executable, "-m", "splitserve", "up", "--port", str(ports["policy"]),
           "--grpc-port", str(grpc_ports["policy"]), "--prefill-port", str(prefill_port),
           "--decode-port", str(decode_port), "--log-dir", str(log_dir), *engine]
@@ -266,7 +270,9 @@ def main() -> int:
             "probe": "spec_policy",
             "command": "PYTHONPATH=. python3 tools/probes/probe_spec_policy.py "
                        f"--out {args.out} --concurrency {args.concurrency} "
-                       f"--rounds {args.rounds} --max-tokens {args.max_tokens}",
+                       f"--rounds {args.rounds} --max-tokens {args.max_tokens}"
+                       + (f" --speculative-config '{args.speculative_config}'"
+                          if args.speculative_config else ""),
             "model": model, "engine_args": engine, "max_tokens": args.max_tokens,
             "rounds": args.rounds, "git": git,
             "notes": ("CPU, 2 cores; other sessions' quick jobs may run at the same time "
