@@ -7,7 +7,11 @@ numbers are missing (no steps measured yet for the method and class) the request
 a method kept at no drafts stays measured: n-gram and suffix decoding by shadow drafts
 (shadow.py), a draft model (too dear to run for nothing) by letting its cap stand for one of its
 requests every EXPLORE_EVERY-th round, at the cost of one sequence's rows, not the whole
-batch's.
+batch's. A method kept at some drafts but fewer than the engine's cap is measured above that cap
+the same way, every POSITION_EXPLORE_EVERY-th round, shadowed or not: shadow drafts skip the
+method a request verifies, so without this the positions above a cap lowered once (by a first
+step's poor numbers) were never measured again and the cap never rose (suffix decoding on
+free text stayed at 1 draft for good on the CPU: `bench/results/cpu_spec_policy.json`'s notes).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from engine_api.spec_gain import SHADOWED_METHODS, best_k
 # Measured steps a (method, class) needs before its numbers cap anything.
 MIN_MEASURED_STEPS = 16.0
 EXPLORE_EVERY = 16
+POSITION_EXPLORE_EVERY = 4
 
 
 class StepBudget:
@@ -48,7 +53,9 @@ class StepBudget:
         cost = self.cost.cost()
         if acceptance is None or acceptance.steps < MIN_MEASURED_STEPS or not cost:
             return self.max_k, False
+        k = best_k(cost, acceptance, batch, self.max_k).k
         # A cheap proposer's held requests are measured by shadow drafts (shadow.py): no
-        # request needs to draft for its numbers.
-        explore = rounds % EXPLORE_EVERY == 0 and key[0] not in SHADOWED_METHODS
-        return best_k(cost, acceptance, batch, self.max_k).k, explore
+        # request needs to draft for its numbers at a cap of 0; above a lowered cap, one does.
+        if 0 < k < self.max_k:
+            return k, rounds % POSITION_EXPLORE_EVERY == 0
+        return k, rounds % EXPLORE_EVERY == 0 and key[0] not in SHADOWED_METHODS

@@ -5,7 +5,7 @@ measure (a draft model)."""
 
 from __future__ import annotations
 
-from engine.spec.budget import EXPLORE_EVERY, MIN_MEASURED_STEPS, StepBudget
+from engine.spec.budget import EXPLORE_EVERY, MIN_MEASURED_STEPS, POSITION_EXPLORE_EVERY, StepBudget
 from engine.spec.cost import StepCostModel
 from engine.spec.stats import AcceptanceStats
 
@@ -47,3 +47,26 @@ def test_cheap_proposers_do_not_explore() -> None:
     """N-gram lookup and suffix decoding are measured by shadow drafts (shadow.py) instead."""
     for method in ("ngram", "suffix"):
         assert not any(any(c) for c in _rounds(_budget(0, method), method))
+
+
+def test_positions_above_a_lowered_cap_are_explored() -> None:
+    """A class whose steps were only ever allowed 1 draft (its 2nd-4th positions never
+    measured: they read as no drafts, so k = 4 looks like k = 1): every
+    POSITION_EXPLORE_EVERY-th round one of its requests drafts its full cap, shadowed method
+    or not (shadow drafts skip the method a request verifies), so the cap can rise again."""
+    for method in ("suffix", "ngram"):
+        budget = _budget(accepted=4, method=method)
+        stats = AcceptanceStats(4)
+        for _ in range(int(MIN_MEASURED_STEPS) + 4):
+            stats.record(method, "text", 1, 1, allowed=1)
+        budget.stats = stats
+        caps = []
+        for _ in range(2 * POSITION_EXPLORE_EVERY):
+            memo: dict[tuple[str, str], int] = {}
+            caps.append([budget.cap_for(memo, method, "text", 8, 4) for _ in range(4)])
+        explored = [4, 1, 1, 1]
+        assert caps == ([[1] * 4] * (POSITION_EXPLORE_EVERY - 1) + [explored]) * 2
+        # Once the explored steps show the higher positions right, the cap rises.
+        for _ in range(8):
+            stats.record(method, "text", 4, 4, allowed=4)
+        assert budget.cap_for({}, method, "text", 2, 4) == 4  # 10 rows: still flat
