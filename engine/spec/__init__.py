@@ -103,8 +103,7 @@ def propose_all(reqs: Sequence[Request], proposer: Proposer,
     tokens, so a synchronous engine pauses as long as an overlapping one; twice as long for each
     pause that follows another before its average recovered, see RESUME_AVG_FACTOR), and its
     average then restarts above the floor, so the next verify steps decide whether drafting goes
-    on. The
-    rest are asked in one batch; no drafts found: the next SPEC_PROBE_INTERVAL steps may
+    on. The rest are asked in one batch; no drafts found: the next SPEC_PROBE_INTERVAL steps may
     overlap before the next look. `step_k(req)`: the worker's cap for this round (budget.py),
     kept in `spec_step_k`; a request it gives no drafts is not asked either."""
     asked: list[Request] = []

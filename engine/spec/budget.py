@@ -11,7 +11,7 @@ batch's. A method kept at some drafts but fewer than the engine's cap is measure
 the same way, every POSITION_EXPLORE_EVERY-th round, shadowed or not: shadow drafts skip the
 method a request verifies, so without this the positions above a cap lowered once (by a first
 step's poor numbers) were never measured again and the cap never rose (suffix decoding on
-free text stayed at 1 draft for good on the CPU: `bench/results/cpu_spec_policy.json`'s notes).
+free text stayed at 1 draft for good on the CPU: bench/results/cpu_spec_budget_trace/).
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ follow the worker's own hardware, model and load mix within a few steps, and a s
 (a shape's first use: a CUDA graph captured, a kernel compiled; a collection; a stall) is out
 of the point at once. With a moving average (weight 0.1 to the newest) one such step held the
 H200's 64-row point at 17.6 ms against 6.3 ms measured for dozens of steps after it, and the
-policy took four drafts per sequence for nearly free. Start-up calibration (calibrate.py) fills them before the first request;
-live steps refresh them. Only pure decode steps count: a prompt chunk in the step would
-charge its compute to the rows.
+policy took four drafts per sequence for nearly free. Start-up calibration (calibrate.py) fills
+them before the first request; live steps refresh them. Only pure decode steps count: a prompt
+chunk in the step would charge its compute to the rows.
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ class _Bucket:
 class StepCostModel:
     def __init__(self) -> None:
         self._buckets: dict[int, _Bucket] = {}
-        # The fitted points, until the next step is recorded: the budget asks for them for
-        # each (method, class) every round, and medians of every bucket need not be redone.
-        self._points: list[tuple[float, float]] | None = None
+        # The fitted curve, until the next step is recorded: the budget asks for it for each
+        # (method, class) every round, and medians of every bucket need not be redone.
+        self._cost: StepCost | None = None
 
     @staticmethod
     def _key(rows: int) -> int:
@@ -73,7 +73,7 @@ class StepCostModel:
         b = self._buckets.setdefault(self._key(rows), _Bucket())
         b.steps.append((rows, seconds))
         b.count += 1
-        self._points = None
+        self._cost = None
 
     def points(self) -> list[tuple[float, float]]:
         """(rows, seconds) per bucket, ascending in both: a step with more rows costs no less
@@ -82,15 +82,17 @@ class StepCostModel:
         machine busy, a shape's first use), could read dearer than the buckets above it: on a
         shared 2-core machine 2 and 3 rows read 119 and 151 ms against 94 ms for 4 rows, and
         the policy judged one draft dearer than four."""
-        if self._points is None:
+        cost = self.cost()
+        return list(zip(cost.rows, cost.seconds, strict=True))
+
+    def cost(self) -> StepCost:
+        """The fitted points as a curve (kept until the next step is recorded)."""
+        if self._cost is None:
             buckets = [b for _, b in sorted(self._buckets.items())]
             fitted = monotone([b.seconds for b in buckets],
                               [min(b.count, MAX_WEIGHT) for b in buckets])
-            self._points = [(b.rows, s) for b, s in zip(buckets, fitted, strict=True)]
-        return list(self._points)
-
-    def cost(self) -> StepCost:
-        return StepCost.of(self.points())
+            self._cost = StepCost.of([(b.rows, s) for b, s in zip(buckets, fitted, strict=True)])
+        return self._cost
 
     def __len__(self) -> int:
         return len(self._buckets)
