@@ -18,9 +18,13 @@ def spec_report(engine: LLMEngine) -> dict[str, Any]:
     if not engine.proposers:
         return {}
     stats = engine.spec_stats
+    # The step cost at the running batch's context with one more sequence of the recent mean
+    # context: the batch a request the gateway sends here joins.
+    kv_tokens = (sum(r.num_tokens for r in list(engine.scheduler.running))
+                 + engine.spec_cost.context_per_sequence)
     return {
         "spec_step_cost": [common_pb2.SpecStepCost(rows=r, seconds=s)
-                           for r, s in engine.spec_cost.points()],
+                           for r, s in engine.spec_cost.points(kv_tokens)],
         "spec_acceptance": [
             common_pb2.SpecAcceptance(method=SPEC_METHOD_ENUMS[m], request_class=c,
                                       steps=a.steps, drafted=a.drafted, accepted=a.accepted)

@@ -34,23 +34,24 @@ class StepBudget:
         self._rounds: dict[tuple[str, str], int] = {}
 
     def cap_for(self, memo: dict[tuple[str, str], int], method: str, request_class: str,
-                batch: int, request_k: int) -> int:
-        """Drafts this round for a request of (method, class) allowed `request_k`; `memo`
-        holds the round's caps by key (one computation per key and round)."""
+                batch: int, request_k: int, kv_tokens: float = 0.0) -> int:
+        """Drafts this round for a request of (method, class) allowed `request_k`, in a batch of
+        `batch` sequences whose contexts sum to `kv_tokens`; `memo` holds the round's caps by
+        key (one computation per key and round)."""
         key = (method, request_class)
         cap = memo.get(key)
         if cap is None:
-            cap, explore = self._cap(key, batch)
+            cap, explore = self._cap(key, batch, kv_tokens)
             memo[key] = cap
             if explore:  # this request, the round's first of the key, drafts its cap
                 return request_k
         return min(cap, request_k)
 
-    def _cap(self, key: tuple[str, str], batch: int) -> tuple[int, bool]:
+    def _cap(self, key: tuple[str, str], batch: int, kv_tokens: float) -> tuple[int, bool]:
         """The key's cap this round, and whether one request of it explores."""
         rounds = self._rounds[key] = self._rounds.get(key, 0) + 1
         acceptance = self.stats.acceptance(*key)
-        cost = self.cost.cost()
+        cost = self.cost.cost(kv_tokens)
         if acceptance is None or acceptance.steps < MIN_MEASURED_STEPS or not cost:
             return self.max_k, False
         k = best_k(cost, acceptance, batch, self.max_k).k

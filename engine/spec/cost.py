@@ -1,16 +1,28 @@
 """A decode worker's measured step cost: seconds per step by the step's query rows (a plain
-sequence is one row, a verifying one 1 + its drafts), smoothed, for the speculation policy
-(engine_api/spec_gain.py) here and at the gateway (LoadReport.spec_step_cost).
+sequence is one row, a verifying one 1 + its drafts) and the KV tokens its attention reads,
+smoothed, for the speculation policy (engine_api/spec_gain.py) here and at the gateway
+(LoadReport.spec_step_cost).
+
+A step's time is modelled as `base(rows) + per_kv_token * kv_tokens`: `kv_tokens` sums the
+step's sequences' context lengths (the GPU's verify kernel reads each KV tile once for all of a
+sequence's query rows, so drafts add rows, not KV reads). One curve over rows alone mixed
+workloads: on the CPU a 48-row step of code edits (prompts ~3x longer) took 405 ms against 319
+for stories, and a curve last fed by code edits held stories' drafts at a cap too low
+(bench/results/cpu_spec_budget_trace/). The curve is asked for at the batch's own context.
 
 Steps are grouped by rows in half-octave buckets (1, 1.4, 2, 2.8, 4, ...); each bucket keeps
-its last COST_WINDOW steps, and its point is their mean rows and median seconds, so the points
-follow the worker's own hardware, model and load mix within a few steps, and a step slowed once
-(a shape's first use: a CUDA graph captured, a kernel compiled; a collection; a stall) is out
-of the point at once. With a moving average (weight 0.1 to the newest) one such step held the
-H200's 64-row point at 17.6 ms against 6.3 ms measured for dozens of steps after it, and the
-policy took four drafts per sequence for nearly free. Start-up calibration (calibrate.py) fills
-them before the first request; live steps refresh them. Only pure decode steps count: a prompt
-chunk in the step would charge its compute to the rows.
+its last FIT_WINDOW steps. `per_kv_token` is fitted across buckets by least squares within each
+bucket (rows and KV tokens against seconds, about the bucket's means, so the rows' own slope
+is not taken for the context's), refitted every REFIT_EVERY steps, and kept at 0 until its
+standard error says it is measured. A bucket's point is its last COST_WINDOW steps' mean rows
+and median seconds less their context's part, so the points follow the worker's own hardware,
+model and load mix within a few steps, and a step slowed once (a shape's first use: a CUDA
+graph captured, a kernel compiled; a collection; a stall) is out of the point at once. With a
+moving average (weight 0.1 to the newest) one such step held the H200's 64-row point at
+17.6 ms against 6.3 ms measured for dozens of steps after it, and the policy took four drafts
+per sequence for nearly free. Start-up calibration (calibrate.py) fills them before the first
+request; live steps refresh them. Only pure decode steps count: a prompt chunk in the step
+would charge its compute to the rows.
 """
 
 from __future__ import annotations
@@ -19,13 +31,29 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
 
 from engine_api.spec_gain import StepCost
 
-# Steps a bucket keeps: its median follows a lasting change within COST_WINDOW / 2 steps.
+# Steps a bucket's point stands on: its median follows a lasting change within COST_WINDOW / 2
+# steps.
 COST_WINDOW = 16
+# Steps a bucket keeps for the context fit: more than a point needs, so that each bucket holds
+# steps of more than one context.
+FIT_WINDOW = 64
+REFIT_EVERY = 16
+# The context slope is used once it is this many standard errors above 0.
+MIN_T = 3.0
+# Residuals beyond this many robust standard deviations (MAD) leave the fit: a collection, a
+# stall, a shape's first use.
+OUTLIER_SIGMAS = 4.0
+# A step's context part never takes more than this of its time (an overestimated slope must
+# not make a point free).
+MAX_CONTEXT_SHARE = 0.9
 # A bucket's weight in the monotone fit: its steps, up to about what its median stands on.
 MAX_WEIGHT = COST_WINDOW
+# Weight of the newest step in the mean context per sequence.
+CONTEXT_SMOOTHING = 0.1
 
 
 def monotone(values: list[float], weights: list[float]) -> list[float]:
@@ -41,58 +69,142 @@ def monotone(values: list[float], weights: list[float]) -> list[float]:
     return [m for m, _, n in blocks for _ in range(int(n))]
 
 
+def context_slope(groups: list[list[tuple[int, float, float]]]) -> float:
+    """Seconds per KV token from steps (rows, kv_tokens, seconds) grouped by rows: least
+    squares on the deviations from each group's means, with rows as a second regressor where
+    they vary within groups; outliers dropped once. 0.0 unless the slope is positive and at
+    least MIN_T standard errors."""
+    devs: list[tuple[float, float, float]] = []
+    dof = 0
+    for g in groups:
+        if len(g) < 2:
+            continue
+        n = len(g)
+        mr = sum(r for r, _, _ in g) / n
+        mk = sum(k for _, k, _ in g) / n
+        ms = sum(s for _, _, s in g) / n
+        devs.extend((r - mr, k - mk, s - ms) for r, k, s in g)
+        dof += n - 1
+    fit = _least_squares(devs, dof)
+    if fit is None:
+        return 0.0
+    b_rows, slope, _ = fit
+    residuals = [ds - b_rows * dr - slope * dk for dr, dk, ds in devs]
+    mad = statistics.median(abs(e) for e in residuals)
+    if mad > 0:
+        keep = [d for d, e in zip(devs, residuals, strict=True)
+                if abs(e) <= OUTLIER_SIGMAS * 1.4826 * mad]
+        fit = _least_squares(keep, dof - (len(devs) - len(keep)))
+        if fit is None:
+            return 0.0
+        _, slope, _ = fit
+    se = fit[2]
+    return slope if slope > 0 and slope >= MIN_T * se else 0.0
+
+
+def _least_squares(devs: list[tuple[float, float, float]],
+                   dof: int) -> tuple[float, float, float] | None:
+    """(rows coefficient, KV coefficient, the KV coefficient's standard error) of seconds on
+    the deviations; the rows term only where rows vary. None where the KV tokens do not vary,
+    or vary only with the rows (then the two cannot be told apart, and the curve over rows
+    keeps the time)."""
+    srr = sum(dr * dr for dr, _, _ in devs)
+    skk = sum(dk * dk for _, dk, _ in devs)
+    srk = sum(dr * dk for dr, dk, _ in devs)
+    srs = sum(dr * ds for dr, _, ds in devs)
+    sks = sum(dk * ds for _, dk, ds in devs)
+    sss = sum(ds * ds for _, _, ds in devs)
+    if skk <= 0:
+        return None
+    det = srr * skk - srk * srk
+    if srr > 0:
+        if det <= 1e-6 * srr * skk:
+            return None
+        b_rows = (skk * srs - srk * sks) / det
+        slope = (srr * sks - srk * srs) / det
+        params, var_factor = 2, srr / det
+    else:
+        b_rows, slope, params, var_factor = 0.0, sks / skk, 1, 1.0 / skk
+    free = dof - params
+    if free <= 0:
+        return None
+    rss = max(0.0, sss - b_rows * srs - slope * sks)
+    return b_rows, slope, math.sqrt(rss / free * var_factor)
+
+
 @dataclass(slots=True)
 class _Bucket:
-    steps: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
+    steps: deque[tuple[int, float, float]] = field(
+        default_factory=lambda: deque(maxlen=FIT_WINDOW))  # (rows, kv_tokens, seconds)
     count: int = 0  # steps ever recorded
 
-    @property
-    def rows(self) -> float:
-        return sum(r for r, _ in self.steps) / len(self.steps)
-
-    @property
-    def seconds(self) -> float:
-        return statistics.median(s for _, s in self.steps)
+    def recent(self) -> list[tuple[int, float, float]]:
+        return list(islice(self.steps, max(0, len(self.steps) - COST_WINDOW), None))
 
 
 class StepCostModel:
     def __init__(self) -> None:
         self._buckets: dict[int, _Bucket] = {}
-        # The fitted curve, until the next step is recorded: the budget asks for it for each
-        # (method, class) every round, and medians of every bucket need not be redone.
-        self._cost: StepCost | None = None
+        self._recorded = 0
+        self.per_kv_token = 0.0  # seconds per KV token read (context_slope), 0 until measured
+        # Recent steps' mean context per sequence (the gateway's request joins with about it).
+        self.context_per_sequence = 0.0
+        # The fitted base curve, until the next step is recorded: the budget asks for it for
+        # each (method, class) every round, and medians of every bucket need not be redone.
+        self._base: list[tuple[float, float]] | None = None
 
     @staticmethod
     def _key(rows: int) -> int:
         return round(2 * math.log2(rows))
 
-    def record(self, rows: int, seconds: float) -> None:
-        """One decode step of `rows` query rows took `seconds`."""
+    def record(self, rows: int, seconds: float, kv_tokens: float = 0.0,
+               sequences: int = 0) -> None:
+        """One decode step of `rows` query rows over `sequences` sequences whose contexts sum
+        to `kv_tokens` took `seconds`."""
         if rows <= 0 or seconds <= 0:
             return
         b = self._buckets.setdefault(self._key(rows), _Bucket())
-        b.steps.append((rows, seconds))
+        b.steps.append((rows, max(0.0, kv_tokens), seconds))
         b.count += 1
-        self._cost = None
+        self._recorded += 1
+        if sequences > 0:
+            per_seq = kv_tokens / sequences
+            self.context_per_sequence = (per_seq if self._recorded == 1 else
+                                         self.context_per_sequence
+                                         + CONTEXT_SMOOTHING * (per_seq - self.context_per_sequence))
+        if self._recorded % REFIT_EVERY == 0:
+            self.per_kv_token = context_slope([list(b.steps) for b in self._buckets.values()])
+        self._base = None
 
-    def points(self) -> list[tuple[float, float]]:
-        """(rows, seconds) per bucket, ascending in both: a step with more rows costs no less
-        than one with fewer, so the buckets' medians are fitted to a non-decreasing curve
-        (`monotone`). Without the fit a bucket that saw few steps, one of them slow (the
-        machine busy, a shape's first use), could read dearer than the buckets above it: on a
-        shared 2-core machine 2 and 3 rows read 119 and 151 ms against 94 ms for 4 rows, and
-        the policy judged one draft dearer than four."""
-        cost = self.cost()
-        return list(zip(cost.rows, cost.seconds, strict=True))
+    def _base_points(self) -> list[tuple[float, float]]:
+        """(rows, seconds at no context) per bucket, ascending in both: a step with more rows
+        costs no less than one with fewer, so the buckets' medians are fitted to a
+        non-decreasing curve (`monotone`). Without the fit a bucket that saw few steps, one of
+        them slow (the machine busy, a shape's first use), could read dearer than the buckets
+        above it: on a shared 2-core machine 2 and 3 rows read 119 and 151 ms against 94 ms for
+        4 rows, and the policy judged one draft dearer than four."""
+        if self._base is None:
+            c = self.per_kv_token
+            rows: list[float] = []
+            medians: list[float] = []
+            weights: list[float] = []
+            for _, b in sorted(self._buckets.items()):
+                recent = b.recent()
+                rows.append(sum(r for r, _, _ in recent) / len(recent))
+                medians.append(statistics.median(
+                    max(s - c * k, (1.0 - MAX_CONTEXT_SHARE) * s) for _, k, s in recent))
+                weights.append(min(b.count, MAX_WEIGHT))
+            self._base = list(zip(rows, monotone(medians, weights), strict=True))
+        return self._base
 
-    def cost(self) -> StepCost:
-        """The fitted points as a curve (kept until the next step is recorded)."""
-        if self._cost is None:
-            buckets = [b for _, b in sorted(self._buckets.items())]
-            fitted = monotone([b.seconds for b in buckets],
-                              [min(b.count, MAX_WEIGHT) for b in buckets])
-            self._cost = StepCost.of([(b.rows, s) for b, s in zip(buckets, fitted, strict=True)])
-        return self._cost
+    def points(self, kv_tokens: float = 0.0) -> list[tuple[float, float]]:
+        """(rows, seconds) per bucket for a batch whose contexts sum to `kv_tokens`."""
+        extra = self.per_kv_token * max(0.0, kv_tokens)
+        return [(r, s + extra) for r, s in self._base_points()]
+
+    def cost(self, kv_tokens: float = 0.0) -> StepCost:
+        """The points as a curve, for a batch whose contexts sum to `kv_tokens`."""
+        return StepCost.of(self.points(kv_tokens))
 
     def __len__(self) -> int:
         return len(self._buckets)

@@ -224,7 +224,7 @@ def sweep_cost(engine: LLMEngine, chain: Chain, prompts: list[list[int]], cfg: P
             while engine.has_step_in_flight:
                 engine.step()
     engine.spec_stats.forget("probe_cost")
-    cost = engine.spec_cost.cost()
+    cost = engine.spec_cost.cost(b * cfg.input_len)  # the swept steps' context, about
     model = {str(k): round(cost.seconds_at(b * (1 + k)) * 1e3, 3) for k in range(cfg.k + 1)}
     out: dict[str, Any] = {"step_ms_by_k": measured, "cost_model_ms_by_k": model}
     if odd_rows:  # (sequences, rows) of timed steps that were not b sequences of 1 + k rows
@@ -232,9 +232,11 @@ def sweep_cost(engine: LLMEngine, chain: Chain, prompts: list[list[int]], cfg: P
     return out
 
 
-def predict(engine: LLMEngine, cls: str, batch: int, max_k: int) -> dict[str, Any]:
-    """The cost model's and measured acceptance's prediction for `batch` alike sequences."""
-    cost = engine.spec_cost.cost()
+def predict(engine: LLMEngine, cls: str, batch: int, max_k: int,
+            kv_tokens: float) -> dict[str, Any]:
+    """The cost model's and measured acceptance's prediction for `batch` alike sequences whose
+    contexts sum to `kv_tokens`."""
+    cost = engine.spec_cost.cost(kv_tokens)
     acceptance = engine.spec_stats.acceptance(METHOD, cls)
     if acceptance is None or not cost:
         return {"k": 0, "note": "nothing measured"}
@@ -264,7 +266,7 @@ def measure_batch(engine: LLMEngine, chain: Chain, prompts: list[list[int]], cfg
         drafter = ChainDrafter(chain, rate)
         with spec_settings(engine, drafter, budget=False, min_accepted=0.0):
             always = run_batch(engine, chain, prompts, cfg.output_len, cfg.k, cls, f"al{b}-{rate}")
-        pred = predict(engine, cls, b, cfg.k)
+        pred = predict(engine, cls, b, cfg.k, b * (cfg.input_len + cfg.output_len / 2))
         pred["cap_sent"] = cfg.k if pred["k"] else 0
         with spec_settings(engine, drafter, budget=True, min_accepted=None):
             policy = run_batch(engine, chain, prompts, cfg.output_len, pred["cap_sent"], cls,
@@ -351,7 +353,8 @@ def run(cfg: ProbeConfig, out: Path, command: str = "") -> dict[str, Any]:
                   if e["policy_vs_best_fixed"] is not None]
         doc["worst_policy_vs_best_fixed"] = min(ratios) if ratios else None
         doc["cost_model_ms"] = [[round(r, 2), round(s * 1e3, 3)]
-                                for r, s in engine.spec_cost.points()]
+                                for r, s in engine.spec_cost.points()]  # at no context
+        doc["cost_model_s_per_kv_token"] = engine.spec_cost.per_kv_token
         doc["complete"] = all("error" not in r for r in doc["rows"])
     except Exception as e:
         doc["error"] = f"{type(e).__name__}: {e}"

@@ -19,8 +19,9 @@ caps: collections.Counter[tuple[str, int, int]] = collections.Counter()
 _cap = StepBudget._cap
 
 
-def traced(self: StepBudget, key: tuple[str, str], batch: int) -> tuple[int, bool]:
-    cap, explore = _cap(self, key, batch)
+def traced(self: StepBudget, key: tuple[str, str], batch: int,
+           kv_tokens: float) -> tuple[int, bool]:
+    cap, explore = _cap(self, key, batch, kv_tokens)
     caps[(key[1], batch // 8 * 8, cap)] += 1
     return cap, explore
 

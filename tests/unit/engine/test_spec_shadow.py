@@ -33,7 +33,7 @@ class _HoldAll(StepBudget):
     """A budget that finds drafting never pays: every request of every class held at none."""
 
     def cap_for(self, memo: dict[tuple[str, str], int], method: str, request_class: str,
-                batch: int, request_k: int) -> int:
+                batch: int, request_k: int, kv_tokens: float = 0.0) -> int:
         return 0
 
 
@@ -113,7 +113,7 @@ class _LowerAfter(StepBudget):
     rounds = 0
 
     def cap_for(self, memo: dict[tuple[str, str], int], method: str, request_class: str,
-                batch: int, request_k: int) -> int:
+                batch: int, request_k: int, kv_tokens: float = 0.0) -> int:
         self.rounds += 1
         return request_k if self.rounds <= 2 else min(2, request_k)
 

@@ -31,9 +31,9 @@ def test_only_pure_decode_steps_are_timed_and_by_the_step_waited_for(
         calls.append([out, None, False])
         return out
 
-    def spy_record(rows: int, seconds: float) -> None:
-        calls[-1][1] = rows
-        record(rows, seconds)
+    def spy_record(rows: int, seconds: float, kv_tokens: float = 0.0, sequences: int = 0) -> None:
+        calls[-1][1] = (rows, kv_tokens, sequences)
+        record(rows, seconds, kv_tokens, sequences)
 
     engine.scheduler.schedule = spy_schedule  # type: ignore[method-assign]
     engine.spec_cost.record = spy_record  # type: ignore[method-assign]
@@ -57,15 +57,42 @@ def test_only_pure_decode_steps_are_timed_and_by_the_step_waited_for(
     assert mixed, "the run had no prompt steps: the test proves nothing"
     assert any(c[2] for c in calls) == async_scheduling
     for i in recorded:
-        out, rows, left_running = calls[i]
+        out, (rows, kv_tokens, sequences), left_running = calls[i]
         assert _decode_rows(out) is not None  # the step launched here decodes only
         if i > 0 and calls[i - 1][2]:  # it waited for the one before: that one's rows count
-            assert left_running and _decode_rows(calls[i - 1][0]) == rows
+            timed = calls[i - 1][0]
+            assert left_running and _decode_rows(timed) == rows
         else:  # launched and finished here
+            timed = out
             assert not left_running and _decode_rows(out) == rows
+        # Its KV tokens: the timed step's sequences' contexts, this step's tokens included.
+        assert sequences == len(timed.scheduled)
+        assert kv_tokens == sum(s.num_computed_tokens + s.num_new_tokens for s in timed.scheduled)
     # Every call that waited for a pure decode step while launching one was timed.
     assert recorded == [i for i, (out, _, left_running) in enumerate(calls)
                         if _decode_rows(out) is not None and (
                             (i > 0 and calls[i - 1][2] and left_running
                              and _decode_rows(calls[i - 1][0]) is not None)
                             or ((i == 0 or not calls[i - 1][2]) and not left_running))]
+
+
+def test_the_load_report_prices_steps_at_the_running_batchs_context(
+        tiny_model_dirs: dict[str, Path]) -> None:
+    """The reported curve is the model's at the running batch's KV tokens plus one sequence of
+    the recent mean context: the batch a request the gateway sends joins."""
+    from worker.spec_report import spec_report
+
+    engine = tiny_llm(tiny_model_dirs["llama"], speculative_config=NGRAM).engine
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", p, greedy(24))
+    for _ in range(6):
+        engine.step()
+    running = list(engine.scheduler.running)
+    assert running and len(engine.spec_cost) > 0
+    cost = engine.spec_cost
+    cost.per_kv_token = 1e-4  # as fitted from steps of several contexts
+    kv = sum(r.num_tokens for r in running) + cost.context_per_sequence
+    assert min(map(len, PROMPTS)) < cost.context_per_sequence < max(map(len, PROMPTS)) + 24
+    reported = spec_report(engine)["spec_step_cost"]
+    assert [p.rows for p in reported] == [r for r, _ in cost.points()]
+    assert [p.seconds for p in reported] == pytest.approx([s + 1e-4 * kv for _, s in cost.points()])

@@ -1,0 +1,108 @@
+"""The step-cost model's context term (engine/spec/cost.py): a step's time is its rows' cost
+plus a cost per KV token its attention reads, fitted from the steps themselves, so a curve fed
+by long prompts does not price the drafts of short ones (on the CPU a 48-row step of code edits
+took 405 ms against 319 for stories: bench/results/cpu_spec_budget_trace/)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.spec.budget import MIN_MEASURED_STEPS, StepBudget
+from engine.spec.cost import REFIT_EVERY, StepCostModel, context_slope
+from engine.spec.stats import AcceptanceStats
+
+PER_ROW_S = 0.008        # compute-bound rows, as SmolLM2 on the 2-core machine
+PER_KV_TOKEN_S = 4e-5    # the attention's part
+
+
+def _seconds(rows: int, kv: float, rng: random.Random, noise: float = 0.02) -> float:
+    return (0.02 + PER_ROW_S * rows + PER_KV_TOKEN_S * kv) * (1 + rng.uniform(-noise, noise))
+
+
+def _feed(model: StepCostModel, steps: list[tuple[int, int, int]], rng: random.Random) -> None:
+    """Steps of (rows, sequences, context per sequence), each fed 2 * REFIT_EVERY times with
+    the context growing a token a step (decoding)."""
+    for rows, seqs, ctx in steps:
+        for t in range(2 * REFIT_EVERY):
+            kv = seqs * (ctx + t)
+            model.record(rows, _seconds(rows, kv, rng), kv, seqs)
+
+
+def test_the_slope_per_kv_token_is_measured_within_buckets() -> None:
+    rng = random.Random(0)
+    model = StepCostModel()
+    # Plain and 4-draft steps at 4, 8 and 16 sequences, short prompts then long ones.
+    _feed(model, [(b * (1 + k), b, ctx) for ctx in (50, 150) for b in (4, 8, 16) for k in (0, 4)],
+          rng)
+    assert model.per_kv_token == pytest.approx(PER_KV_TOKEN_S, rel=0.15)
+    assert model.context_per_sequence == pytest.approx(150 + 2 * REFIT_EVERY - 1, rel=0.1)
+    # The curve at a batch's context: the same rows cost what that context makes them cost.
+    for rows, kv in ((16, 4 * 60), (40, 8 * 60), (80, 16 * 170)):
+        assert model.cost(kv).seconds_at(rows) == pytest.approx(
+            0.02 + PER_ROW_S * rows + PER_KV_TOKEN_S * kv, rel=0.05)
+
+
+def test_rows_seen_only_with_long_prompts_are_priced_for_short_ones() -> None:
+    """The probe's order: code edits (long prompts) at every batch first, then stories (short
+    prompts) only plain. The rows above the stories' plain steps were only ever seen with long
+    prompts; a story batch's drafts are priced at the stories' context, not the code edits'."""
+    rng = random.Random(1)
+    model = StepCostModel()
+    _feed(model, [(b * (1 + k), b, 150) for b in (4, 16) for k in (0, 4)], rng)
+    _feed(model, [(b, b, 40) for b in (4, 16)], rng)
+    short_kv = 16 * 50
+    predicted = model.cost(short_kv).seconds_at(80)
+    true = 0.02 + PER_ROW_S * 80 + PER_KV_TOKEN_S * short_kv
+    long_only = 0.02 + PER_ROW_S * 80 + PER_KV_TOKEN_S * 16 * 165  # what the bucket holds
+    assert predicted == pytest.approx(true, rel=0.05)
+    assert abs(predicted - true) < 0.25 * (long_only - true)
+
+
+def test_no_slope_where_the_context_never_varies_apart_from_the_rows() -> None:
+    """Context per row constant (kv a fixed multiple of rows): rows and context cannot be told
+    apart, so the curve over rows keeps the time and the slope stays 0."""
+    model = StepCostModel()
+    for _ in range(4):
+        for rows in (16, 17, 18, 19, 20, 21, 22):  # one half-octave bucket
+            model.record(rows, 0.02 + 0.01 * rows, 100.0 * rows, rows)
+    model.record(1, 0.02, 100.0, 1)
+    assert model.per_kv_token == 0.0
+    assert model.cost(10_000).seconds_at(19) == pytest.approx(0.21, rel=0.05)
+
+
+def test_noise_without_a_context_effect_gives_no_slope_and_a_stall_does_not_make_one() -> None:
+    for seed in range(10):
+        rng = random.Random(seed)
+        steps = [[(rows, float(rng.randrange(400, 4000)),
+                   0.05 * rows * (1 + rng.uniform(-0.1, 0.1))) for _ in range(64)]
+                 for rows in (8, 32)]
+        assert context_slope(steps) == 0.0, seed
+        # A collection (a second) in a bucket's longest-context step: left out as an outlier.
+        rows, kv, _ = max(steps[0], key=lambda s: s[1])
+        steps[0].append((rows, kv + 1, 1.0))
+        assert context_slope(steps) == 0.0, seed
+    # The same steps with a context effect: measured.
+    rng = random.Random(0)
+    steps = [[(rows, kv, 0.05 * rows * (1 + rng.uniform(-0.1, 0.1)) + PER_KV_TOKEN_S * kv)
+              for kv in (float(rng.randrange(400, 4000)) for _ in range(64))] for rows in (8, 32)]
+    assert context_slope(steps) == pytest.approx(PER_KV_TOKEN_S, rel=0.3)
+
+
+def test_the_budget_prices_drafts_at_its_batchs_own_context() -> None:
+    """Drafts add rows, not KV reads: where a batch's long contexts make every step dear, a
+    draft accepted half the time pays; where its contexts are short, the same acceptance does
+    not (16 sequences: 0.5 > 0.128 / (0.02 + 0.27 + 0.128), 0.5 < 0.128 / (0.02 + 0.04 + 0.128)).
+    One curve over rows alone gave both batches the same cap."""
+    rng = random.Random(3)
+    cost = StepCostModel()
+    _feed(cost, [(b * (1 + k), b, ctx) for ctx in (50, 400) for b in (8, 16) for k in (0, 1, 4)],
+          rng)
+    assert cost.per_kv_token == pytest.approx(PER_KV_TOKEN_S, rel=0.15)
+    stats = AcceptanceStats(4)
+    for i in range(int(MIN_MEASURED_STEPS) + 4):
+        stats.record("suffix", "text", 1, i % 2, allowed=4)
+    budget = StepBudget(cost, stats, 4)
+    assert budget.cap_for({}, "suffix", "text", 16, 4, 16 * 60) == 0
+    assert budget.cap_for({}, "suffix", "text", 16, 4, 16 * 420) == 1
