@@ -550,8 +550,9 @@ class LLMEngine:
 
 
 def _decode_rows(out: SchedulerOutput) -> int | None:
-    """A pure decode step's query rows (each sequence one plus its drafts), else None."""
+    """A pure decode step's query rows (each sequence one plus its drafts, or the rows a verify
+    graph padded them to), else None."""
     if not out.scheduled or out.kv_loads or any(
             s.num_new_tokens != 1 + len(s.draft_token_ids) for s in out.scheduled):
         return None
-    return sum(s.num_new_tokens for s in out.scheduled)
+    return max(out.padded_rows, sum(s.num_new_tokens for s in out.scheduled))

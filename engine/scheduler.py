@@ -65,6 +65,9 @@ class SchedulerOutput:
     scores_prompt: bool = False
     # A scheduled request is an embedding request (engine/pooling.py): the runner pools its rows.
     pools: bool = False
+    # Set by the runner when it computed more rows than the step's tokens: a verify graph's
+    # rows, each sequence padded to the graph's rows per sequence (the step cost's rows).
+    padded_rows: int = 0
 
     @property
     def is_pure_decode(self) -> bool:

@@ -48,7 +48,12 @@ from engine.runner.model_build import (
     resolve_dtype,
 )
 from engine.runner.sampling import PendingStep, sample_and_verify
-from engine.runner.step_inputs import StepInputs, lora_rows, uniform_verify_rows
+from engine.runner.step_inputs import (
+    StepInputs,
+    lora_rows,
+    uniform_verify_rows,
+    verify_graph_min_fill,
+)
 from engine.runner.tp_driver import TensorParallelDriver
 from engine.runner.tp_step import broadcast_step, step_header
 from engine.sampler import Sampler, depends_on_outputs
@@ -164,6 +169,7 @@ class ModelRunner:
         # Rows per sequence of a verify step laid out for the verify graphs (0: ragged, eager).
         self.verify_q_len = 0
         self.num_uniform_verify_steps = 0
+        self.verify_graph_min_fill = verify_graph_min_fill()
         # Other steps of up to `piecewise_graph_max_tokens` tokens: layers from graphs,
         # attention eager (engine/piecewise_graphs.py).
         self.piecewise: PiecewiseGraphRunner | None = None
@@ -277,8 +283,9 @@ class ModelRunner:
         if out.is_empty:
             return None
         uniform_q = uniform_verify_rows(out, self.verify_q_len, self.verify_graphs,
-                                        self.max_model_len)
+                                        self.max_model_len, self.verify_graph_min_fill)
         self.num_uniform_verify_steps += bool(uniform_q)
+        out.padded_rows = uniform_q * len(out.scheduled)
         input_ids, positions, md, logit_rows = self.prepare(out, uniform_q)
         sampling_reqs = [s.request for s in out.scheduled if s.sample]
         # (A uniform verify step holds no prompt rows: every request in it is decoding. Nor

@@ -5,6 +5,8 @@ does), and which LoRA adapter each row runs.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -13,6 +15,10 @@ from engine.cuda_graphs import CudaGraphRunner
 from engine.host_staging import PinnedStaging
 from engine.lora import LoRABatch, LoRAStack
 from engine.scheduler import SchedulerOutput
+
+# A verify graph is replayed only where the step's own rows fill this share of its padded rows;
+# other verify steps run their rows alone (piecewise graphs or eager).
+DEFAULT_VERIFY_GRAPH_MIN_FILL = 0.0
 
 
 class StepInputs:
@@ -154,17 +160,20 @@ class StepInputs:
 
 
 def uniform_verify_rows(out: SchedulerOutput, q: int, graphs: CudaGraphRunner | None,
-                        max_model_len: int) -> int:
+                        max_model_len: int, min_fill: float = 0.0) -> int:
     """Rows per sequence when this step replays a verify graph (else 0): a step with drafts
     in which every request is at its last known token. q: the verify graphs' rows per sequence
     (0: none captured).
 
     The step must be one that can be laid out with `q` rows per sequence
     (`prepare(uniform_q=q)`): every request samples (its logits row is its last real one), the
-    step fits a bucket of `graphs` (when captured), and no padding row reaches past the
-    context's end."""
+    step fits a bucket of `graphs` (when captured), no padding row reaches past the context's
+    end, and its own rows fill at least `min_fill` of the padded ones (the graph computes every
+    padding row: a batch of 64 where one sequence drafts 4 would compute 320 rows for 68)."""
     if not q or not out.has_drafts or any(s.num_new_tokens != 1 + len(s.draft_token_ids)
                                            for s in out.scheduled):
+        return 0
+    if sum(s.num_new_tokens for s in out.scheduled) < min_fill * q * len(out.scheduled):
         return 0
     fits = ((graphs is None or graphs.can_run(len(out.scheduled)))
             and all(s.sample and s.num_computed_tokens + q <= max_model_len
@@ -182,3 +191,17 @@ def lora_rows(lora: LoRAStack | None, out: SchedulerOutput, md: AttentionMetadat
     for i, s in enumerate(out.scheduled):
         slots[qsl[i]:qsl[i + 1]] = s.request.lora_slot
     return lora, LoRABatch(torch.from_numpy(slots).to(device, non_blocking=True))
+
+
+def verify_graph_min_fill() -> float:
+    """The least share of a verify graph's rows a step's own rows must fill for the step to
+    replay it (`uniform_verify_rows`; `SPLITSERVE_VERIFY_GRAPH_MIN_FILL`, 0-1); read when a
+    runner is created."""
+    raw = os.environ.get("SPLITSERVE_VERIFY_GRAPH_MIN_FILL", str(DEFAULT_VERIFY_GRAPH_MIN_FILL))
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"SPLITSERVE_VERIFY_GRAPH_MIN_FILL must be a number in [0, 1], got {raw!r}")
+    return value
