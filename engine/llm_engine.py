@@ -477,7 +477,7 @@ class LLMEngine:
         rows = _decode_rows(timed) if timed is not None else None
         if timed is not None and rows is not None:
             kv = sum(s.num_computed_tokens + s.num_new_tokens for s in timed.scheduled)
-            self.spec_cost.record(rows, seconds, kv, len(timed.scheduled))
+            self.spec_cost.record(rows, seconds, kv, len(timed.scheduled), timed.has_drafts)
 
     def _finish_step(self, step: tuple[SchedulerOutput, PendingStep]) -> list[StepOutput]:
         out, pending = step

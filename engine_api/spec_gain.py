@@ -1,8 +1,9 @@
 """The speculative decoding trade, in numbers both sides use: the gateway's per-request policy
 (gateway/spec_policy.py) and a decode worker's per-step cap (engine/spec/budget.py).
 
-A decode step's time is a function of its query rows (`StepCost`: measured by the worker, at
-start-up and from live steps); a speculating sequence adds one row per draft. A method's
+A decode step's time is a function of its query rows, measured apart for plain and verify steps
+(`StepCost`: by the worker, at start-up and from live steps); a speculating sequence adds one
+row per draft. A method's
 acceptance (`Acceptance`) says, per draft position i, how often a step drafted at position i
 and how often that draft was accepted, per step of a speculating request. With a cap of k
 drafts a sequence then emits `1 + sum(accepted[:k])` tokens per step from `1 + sum(drafted[:k])`
@@ -23,42 +24,62 @@ from dataclasses import dataclass
 SHADOWED_METHODS = frozenset({"ngram", "suffix"})
 
 
+def _interpolate(xs: tuple[float, ...], ys: tuple[float, ...], rows: float) -> float:
+    """Measured points, linear in between and beyond the last two (a step's time grows about
+    linearly in rows once compute-bound); 0.0 when nothing was measured."""
+    if not xs:
+        return 0.0
+    if rows <= xs[0]:
+        # Below the smallest measurement a step costs no less than it: the weights are read
+        # once per step whatever the rows.
+        return ys[0]
+    if len(xs) == 1:
+        return ys[0] * rows / xs[0]  # one point: assume compute-bound (the cautious side)
+    i = min(bisect.bisect_left(xs, rows), len(xs) - 1)  # the segment [i-1, i], or the last
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    slope = max(0.0, (y1 - y0) / (x1 - x0))
+    return y0 + slope * (rows - x0)
+
+
+def _curve(points: Sequence[tuple[float, float]]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(rows, seconds) ascending in rows, equal rows averaged, rows <= 0 or seconds <= 0 dropped."""
+    merged: dict[float, list[float]] = {}
+    for r, s in points:
+        if r > 0 and s > 0:
+            merged.setdefault(r, []).append(s)
+    xs = sorted(merged)
+    return tuple(xs), tuple(sum(merged[x]) / len(merged[x]) for x in xs)
+
+
 @dataclass(frozen=True, slots=True)
 class StepCost:
-    """Seconds per decode step by its query rows: measured points, linear in between and
-    beyond the last two (a step's time grows about linearly in rows once compute-bound)."""
+    """Seconds per decode step by its query rows, for plain steps and for verify steps (any
+    sequence in the step verifies drafts): measured points, linear in between and beyond the
+    last two. The two differ by more than their rows: a verify step runs the rejection sampler,
+    and its tokens must reach the host before the next step's drafts, so it does not overlap
+    the next step's launch as a plain step does."""
 
     rows: tuple[float, ...]      # ascending
     seconds: tuple[float, ...]
+    verify_rows: tuple[float, ...] = ()
+    verify_seconds: tuple[float, ...] = ()
 
     @classmethod
-    def of(cls, points: Sequence[tuple[float, float]]) -> StepCost:
+    def of(cls, points: Sequence[tuple[float, float]],
+           verify_points: Sequence[tuple[float, float]] = ()) -> StepCost:
         """From (rows, seconds) points in any order (rows <= 0 or seconds <= 0 dropped)."""
-        merged: dict[float, list[float]] = {}
-        for r, s in points:
-            if r > 0 and s > 0:
-                merged.setdefault(r, []).append(s)
-        xs = sorted(merged)
-        return cls(tuple(xs), tuple(sum(merged[x]) / len(merged[x]) for x in xs))
+        return cls(*_curve(points), *_curve(verify_points))
 
     def __bool__(self) -> bool:
         return bool(self.rows)
 
-    def seconds_at(self, rows: float) -> float:
-        """The step time at `rows` query rows (0.0 when nothing was measured)."""
-        xs, ys = self.rows, self.seconds
-        if not xs:
-            return 0.0
-        if rows <= xs[0]:
-            # Below the smallest measurement a step costs no less than it: the weights are
-            # read once per step whatever the rows.
-            return ys[0]
-        if len(xs) == 1:
-            return ys[0] * rows / xs[0]  # one point: assume compute-bound (the cautious side)
-        i = min(bisect.bisect_left(xs, rows), len(xs) - 1)  # the segment [i-1, i], or the last
-        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-        slope = max(0.0, (y1 - y0) / (x1 - x0))
-        return y0 + slope * (rows - x0)
+    def seconds_at(self, rows: float, verify: bool = False) -> float:
+        """The step time at `rows` query rows (0.0 when nothing was measured); `verify`: of a
+        verify step, from its own points where measured, and never below a plain step's."""
+        plain = _interpolate(self.rows, self.seconds, rows)
+        if not verify or not self.verify_rows:
+            return plain
+        return max(plain, _interpolate(self.verify_rows, self.verify_seconds, rows))
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +127,7 @@ def required_rate(cost: StepCost, batch: int, min_gain: float = 1.0,
     n_known, t_known, r_known = known
     n_known = min(n_known, batch - 1)
     alike = batch - n_known
-    plain_s = cost.seconds_at(r_known + alike)
+    plain_s = cost.seconds_at(r_known + alike, verifies(known))
     plain_rate = (t_known + alike) / plain_s if plain_s > 0 else 0.0
     without = rate_without(cost, batch, known)
     needed = plain_rate + (min_gain - 1.0) * max(0.0, plain_rate - without)
@@ -121,8 +142,14 @@ def rate_without(cost: StepCost, batch: int,
     n_known, t_known, r_known = known
     if min(n_known, max(1, batch) - 1) <= 0 or r_known <= 0:
         return 0.0
-    seconds = cost.seconds_at(r_known)
+    seconds = cost.seconds_at(r_known, verifies(known))
     return t_known / seconds if seconds > 0 else 0.0
+
+
+def verifies(known: tuple[int, float, float]) -> bool:
+    """Whether the known sequences' steps verify drafts (more rows than sequences): then the
+    batch's step is a verify step whatever the others choose."""
+    return known[2] > known[0] + 1e-9
 
 
 def choices(cost: StepCost, acceptance: Acceptance, batch: int, max_k: int,
@@ -151,7 +178,7 @@ def choices(cost: StepCost, acceptance: Acceptance, batch: int, max_k: int,
     out: list[Choice] = []
     for k in range(1, max_k + 1):
         tokens, rows = acceptance.tokens_and_rows(k)
-        step_s = cost.seconds_at(r_known + alike * rows)
+        step_s = cost.seconds_at(r_known + alike * rows, verify=True)
         if step_s <= 0:
             continue
         if max_step_seconds > 0 and step_s > max_step_seconds >= plain_s:

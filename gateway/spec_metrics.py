@@ -63,7 +63,8 @@ class SpecWorkerCollector:
         cost = GaugeMetricFamily(
             "splitserve:spec_decode_step_seconds",
             "The worker's measured decode step time by query rows (a verifying sequence is "
-            "1 + drafts rows): what the speculation policy weighs.", labels=(*_LABELS, "rows"))
+            "1 + drafts rows), plain and verify steps apart: what the speculation policy "
+            "weighs.", labels=(*_LABELS, "rows", "step"))
         accepted = GaugeMetricFamily(
             "splitserve:spec_decode_accepted_per_step",
             "Drafts accepted per step of a speculating request at the worker's cap (smoothed), "
@@ -76,7 +77,8 @@ class SpecWorkerCollector:
                 for i, n in enumerate(r.spec_accepted_tokens_per_pos):
                     per_pos.add_metric([role, worker, str(i)], float(n))
                 for p in r.spec_step_cost:
-                    cost.add_metric([role, worker, f"{p.rows:.1f}"], p.seconds)
+                    cost.add_metric([role, worker, f"{p.rows:.1f}",
+                                     "verify" if p.verify else "plain"], p.seconds)
                 for a in r.spec_acceptance:
                     tokens, _ = Acceptance(a.steps, tuple(a.drafted), tuple(a.accepted)
                                            ).tokens_and_rows(len(a.drafted))

@@ -72,6 +72,7 @@ from engine_api.spec_gain import (
     choices,
     rate_without,
     required_rate,
+    verifies,
 )
 from gateway.config import GatewayConfig
 from gateway.router import Worker
@@ -217,11 +218,11 @@ def _slo_cap(cost: StepCost, acceptance: Acceptance, batch: int, cap: int, slo_s
     where a plain step already misses it)."""
     n, _, r_known = known
     alike = batch - min(n, batch - 1)
-    if slo_s <= 0 or cost.seconds_at(r_known + alike) > slo_s:
+    if slo_s <= 0 or cost.seconds_at(r_known + alike, verifies(known)) > slo_s:
         return cap
     for send in range(cap, k, -1):
         _, rows = acceptance.tokens_and_rows(send)
-        if cost.seconds_at(r_known + alike * rows) <= slo_s:
+        if cost.seconds_at(r_known + alike * rows, verify=True) <= slo_s:
             return send
     return k
 
@@ -270,7 +271,8 @@ class SpecPolicy:
         if config.speculative_policy == "always":
             method = methods[0] if methods else common_pb2.SPECULATIVE_METHOD_UNSPECIFIED
             return SpecDecision(cap, load, method, cls, "always", rows_per_step=1.0 + cap)
-        cost = StepCost.of([(p.rows, p.seconds) for p in report.spec_step_cost])
+        cost = StepCost.of([(p.rows, p.seconds) for p in report.spec_step_cost if not p.verify],
+                           [(p.rows, p.seconds) for p in report.spec_step_cost if p.verify])
         if config.speculative_policy == "threshold" or not cost or not methods:
             return self._threshold(load, methods, cls)
         return self._adaptive(worker.address, report, cost, load, cap, methods, cls)
@@ -312,8 +314,8 @@ class SpecPolicy:
         pool = unmeasured or (losers if n % EXPLORE_EVERY == 0 else [])
         if pool:
             batch = load + 1
-            plain_s = cost.seconds_at(known[2] + batch - known[0])
-            step_s = cost.seconds_at(known[2] + (batch - known[0]) * (1 + cap))
+            plain_s = cost.seconds_at(known[2] + batch - known[0], verifies(known))
+            step_s = cost.seconds_at(known[2] + (batch - known[0]) * (1 + cap), verify=True)
             if not slo_s or step_s <= slo_s or plain_s > slo_s:
                 return SpecDecision(cap, load, pool[n % len(pool)], cls, "explore", 1.0, step_s,
                                     rows_per_step=1.0 + cap)
@@ -339,7 +341,7 @@ class SpecPolicy:
               slo_s: float, incumbent: str) -> tuple[SpecDecision, list[Method], list[Method]]:
         """The best choice for a batch of `batch` with `known` decided in it; and the methods
         measured for the class, and those not."""
-        plain_s = cost.seconds_at(known[2] + batch - known[0])
+        plain_s = cost.seconds_at(known[2] + batch - known[0], verifies(known))
         best = SpecDecision(0, load, request_class=cls, reason="measured", step_seconds=plain_s)
         unmeasured: list[Method] = []
         measured: list[Method] = []

@@ -49,7 +49,7 @@ def stall_after_s(report: common_pb2.LoadReport, floor_s: float) -> float:
     """Seconds without a message before a stream's worker is asked whether it lives: its
     one-row decode step time (measured, in its load report) times STALL_STEPS, at least
     `floor_s`."""
-    costs = [c.seconds for c in report.spec_step_cost if c.seconds > 0]
+    costs = [c.seconds for c in report.spec_step_cost if c.seconds > 0 and not c.verify]
     return max(floor_s, STALL_STEPS * min(costs)) if costs else floor_s
 
 

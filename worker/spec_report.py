@@ -23,8 +23,9 @@ def spec_report(engine: LLMEngine) -> dict[str, Any]:
     kv_tokens = (sum(r.num_tokens for r in list(engine.scheduler.running))
                  + engine.spec_cost.context_per_sequence)
     return {
-        "spec_step_cost": [common_pb2.SpecStepCost(rows=r, seconds=s)
-                           for r, s in engine.spec_cost.points(kv_tokens)],
+        "spec_step_cost": [common_pb2.SpecStepCost(rows=r, seconds=s, verify=verify)
+                           for verify in (False, True)
+                           for r, s in engine.spec_cost.points(kv_tokens, verify)],
         "spec_acceptance": [
             common_pb2.SpecAcceptance(method=SPEC_METHOD_ENUMS[m], request_class=c,
                                       steps=a.steps, drafted=a.drafted, accepted=a.accepted)

@@ -148,8 +148,10 @@ def calibrate_point(engine: CalibratedEngine, batch: int, drafts: int) -> int:
 
 
 def _log_points(engine: CalibratedEngine, steps: int) -> None:
-    logger.info("speculation: step cost measured in %d steps: %s", steps,
-                ", ".join(f"{r:.0f} rows {s * 1e3:.2f} ms" for r, s in engine.spec_cost.points()))
+    cost = engine.spec_cost
+    logger.info("speculation: step cost measured in %d steps: plain %s; verify %s", steps,
+                ", ".join(f"{r:.0f} rows {s * 1e3:.2f} ms" for r, s in cost.points()),
+                ", ".join(f"{r:.0f} rows {s * 1e3:.2f} ms" for r, s in cost.points(verify=True)))
 
 
 def calibrate_step_cost(engine: CalibratedEngine, budget_s: float = CALIBRATION_BUDGET_S) -> int:

@@ -1,7 +1,7 @@
 """A decode worker's measured step cost: seconds per step by the step's query rows (a plain
-sequence is one row, a verifying one 1 + its drafts) and the KV tokens its attention reads,
-smoothed, for the speculation policy (engine_api/spec_gain.py) here and at the gateway
-(LoadReport.spec_step_cost).
+sequence is one row, a verifying one 1 + its drafts; a verify graph's padded rows where it ran
+one) and the KV tokens its attention reads, plain and verify steps apart, smoothed, for the
+speculation policy (engine_api/spec_gain.py) here and at the gateway (LoadReport.spec_step_cost).
 
 A step's time is modelled as `base(rows) + per_kv_token * kv_tokens`: `kv_tokens` sums the
 step's sequences' context lengths (the GPU's verify kernel reads each KV tile once for all of a
@@ -142,41 +142,20 @@ class _Bucket:
         return list(islice(self.steps, max(0, len(self.steps) - COST_WINDOW), None))
 
 
-class StepCostModel:
+class _Curve:
+    """One kind of step's buckets (plain or verify) and its fitted points at no context."""
+
     def __init__(self) -> None:
-        self._buckets: dict[int, _Bucket] = {}
-        self._recorded = 0
-        self.per_kv_token = 0.0  # seconds per KV token read (context_slope), 0 until measured
-        # Recent steps' mean context per sequence (the gateway's request joins with about it).
-        self.context_per_sequence = 0.0
-        # The fitted base curve, until the next step is recorded: the budget asks for it for
-        # each (method, class) every round, and medians of every bucket need not be redone.
-        self._base: list[tuple[float, float]] | None = None
+        self.buckets: dict[int, _Bucket] = {}
+        self._base: list[tuple[float, float]] | None = None  # until the next step or refit
 
-    @staticmethod
-    def _key(rows: int) -> int:
-        return round(2 * math.log2(rows))
-
-    def record(self, rows: int, seconds: float, kv_tokens: float = 0.0,
-               sequences: int = 0) -> None:
-        """One decode step of `rows` query rows over `sequences` sequences whose contexts sum
-        to `kv_tokens` took `seconds`."""
-        if rows <= 0 or seconds <= 0:
-            return
-        b = self._buckets.setdefault(self._key(rows), _Bucket())
-        b.steps.append((rows, max(0.0, kv_tokens), seconds))
+    def record(self, rows: int, kv_tokens: float, seconds: float) -> None:
+        b = self.buckets.setdefault(round(2 * math.log2(rows)), _Bucket())
+        b.steps.append((rows, kv_tokens, seconds))
         b.count += 1
-        self._recorded += 1
-        if sequences > 0:
-            per_seq = kv_tokens / sequences
-            self.context_per_sequence = (per_seq if self._recorded == 1 else
-                                         self.context_per_sequence
-                                         + CONTEXT_SMOOTHING * (per_seq - self.context_per_sequence))
-        if self._recorded % REFIT_EVERY == 0:
-            self.per_kv_token = context_slope([list(b.steps) for b in self._buckets.values()])
         self._base = None
 
-    def _base_points(self) -> list[tuple[float, float]]:
+    def base(self, per_kv_token: float) -> list[tuple[float, float]]:
         """(rows, seconds at no context) per bucket, ascending in both: a step with more rows
         costs no less than one with fewer, so the buckets' medians are fitted to a
         non-decreasing curve (`monotone`). Without the fit a bucket that saw few steps, one of
@@ -184,27 +163,69 @@ class StepCostModel:
         above it: on a shared 2-core machine 2 and 3 rows read 119 and 151 ms against 94 ms for
         4 rows, and the policy judged one draft dearer than four."""
         if self._base is None:
-            c = self.per_kv_token
             rows: list[float] = []
             medians: list[float] = []
             weights: list[float] = []
-            for _, b in sorted(self._buckets.items()):
+            for _, b in sorted(self.buckets.items()):
                 recent = b.recent()
                 rows.append(sum(r for r, _, _ in recent) / len(recent))
                 medians.append(statistics.median(
-                    max(s - c * k, (1.0 - MAX_CONTEXT_SHARE) * s) for _, k, s in recent))
+                    max(s - per_kv_token * k, (1.0 - MAX_CONTEXT_SHARE) * s)
+                    for _, k, s in recent))
                 weights.append(min(b.count, MAX_WEIGHT))
             self._base = list(zip(rows, monotone(medians, weights), strict=True))
         return self._base
 
-    def points(self, kv_tokens: float = 0.0) -> list[tuple[float, float]]:
-        """(rows, seconds) per bucket for a batch whose contexts sum to `kv_tokens`."""
+    def forget_base(self) -> None:
+        self._base = None
+
+
+class StepCostModel:
+    """Plain steps and verify steps (any sequence verifies drafts) on curves of their own: a
+    verify step also runs the rejection sampler and, its tokens needed on the host before the
+    next step's drafts, does not overlap the next step's launch. On the H100 one curve for both
+    read 12-15 ms for plain steps of 8-64 sequences that took 6.5-9.5 ms, and the policy drafted
+    where plain decoding was faster (bench/results/h100/spec_step_trace/)."""
+
+    def __init__(self) -> None:
+        self.plain = _Curve()
+        self.verify = _Curve()
+        self._recorded = 0
+        self.per_kv_token = 0.0  # seconds per KV token read (context_slope), 0 until measured
+        # Recent steps' mean context per sequence (the gateway's request joins with about it).
+        self.context_per_sequence = 0.0
+
+    def record(self, rows: int, seconds: float, kv_tokens: float = 0.0, sequences: int = 0,
+               verify: bool = False) -> None:
+        """One decode step of `rows` query rows over `sequences` sequences whose contexts sum
+        to `kv_tokens` took `seconds`; `verify`: a sequence in it verified drafts."""
+        if rows <= 0 or seconds <= 0:
+            return
+        (self.verify if verify else self.plain).record(rows, max(0.0, kv_tokens), seconds)
+        self._recorded += 1
+        if sequences > 0:
+            per_seq = kv_tokens / sequences
+            self.context_per_sequence = (per_seq if self._recorded == 1 else
+                                         self.context_per_sequence
+                                         + CONTEXT_SMOOTHING * (per_seq - self.context_per_sequence))
+        if self._recorded % REFIT_EVERY == 0:
+            slope = context_slope([list(b.steps) for curve in (self.plain, self.verify)
+                                   for b in curve.buckets.values()])
+            if slope != self.per_kv_token:
+                self.per_kv_token = slope
+                self.plain.forget_base()
+                self.verify.forget_base()
+
+    def points(self, kv_tokens: float = 0.0, verify: bool = False) -> list[tuple[float, float]]:
+        """(rows, seconds) per bucket of plain (or verify) steps, for a batch whose contexts
+        sum to `kv_tokens`."""
         extra = self.per_kv_token * max(0.0, kv_tokens)
-        return [(r, s + extra) for r, s in self._base_points()]
+        curve = self.verify if verify else self.plain
+        return [(r, s + extra) for r, s in curve.base(self.per_kv_token)]
 
     def cost(self, kv_tokens: float = 0.0) -> StepCost:
-        """The points as a curve, for a batch whose contexts sum to `kv_tokens`."""
-        return StepCost.of(self.points(kv_tokens))
+        """Both curves, for a batch whose contexts sum to `kv_tokens`."""
+        return StepCost.of(self.points(kv_tokens), self.points(kv_tokens, verify=True))
 
     def __len__(self) -> int:
-        return len(self._buckets)
+        return len(self.plain.buckets) + len(self.verify.buckets)

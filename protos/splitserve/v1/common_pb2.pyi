@@ -691,8 +691,8 @@ class LoadReport(_message.Message):
         """Speculative decoding's measured trade on this worker (decode and colocated workers with a
         speculative method; the gateway's policy reads them: gateway/spec_policy.py). Numbered
         apart from the fields above so that other additions do not collide.
-        Seconds per decode step by its query rows (a verifying sequence is 1 + drafts rows),
-        measured at start-up and smoothed over live steps; ascending rows.
+        Seconds per decode step by its query rows (a verifying sequence is 1 + drafts rows), plain
+        and verify steps apart, measured at start-up and smoothed over live steps; ascending rows.
         """
 
     @_builtins.property
@@ -752,19 +752,23 @@ class SpecStepCost(_message.Message):
 
     ROWS_FIELD_NUMBER: _builtins.int
     SECONDS_FIELD_NUMBER: _builtins.int
+    VERIFY_FIELD_NUMBER: _builtins.int
     rows: _builtins.float
-    """query rows of the step (a moving average within its bucket)"""
+    """query rows of the step (the mean within its bucket)"""
     seconds: _builtins.float
-    """its time"""
+    """its time, at the worker's running batch's context"""
+    verify: _builtins.bool
+    """A verify step's point (any sequence in the step verifies drafts); else a plain step's."""
     def __init__(
         self,
         *,
         rows: _builtins.float = ...,
         seconds: _builtins.float = ...,
+        verify: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["rows", b"rows", "seconds", b"seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rows", b"rows", "seconds", b"seconds", "verify", b"verify"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -31,9 +31,10 @@ def test_only_pure_decode_steps_are_timed_and_by_the_step_waited_for(
         calls.append([out, None, False])
         return out
 
-    def spy_record(rows: int, seconds: float, kv_tokens: float = 0.0, sequences: int = 0) -> None:
-        calls[-1][1] = (rows, kv_tokens, sequences)
-        record(rows, seconds, kv_tokens, sequences)
+    def spy_record(rows: int, seconds: float, kv_tokens: float = 0.0, sequences: int = 0,
+                   verify: bool = False) -> None:
+        calls[-1][1] = (rows, kv_tokens, sequences, verify)
+        record(rows, seconds, kv_tokens, sequences, verify)
 
     engine.scheduler.schedule = spy_schedule  # type: ignore[method-assign]
     engine.spec_cost.record = spy_record  # type: ignore[method-assign]
@@ -57,7 +58,7 @@ def test_only_pure_decode_steps_are_timed_and_by_the_step_waited_for(
     assert mixed, "the run had no prompt steps: the test proves nothing"
     assert any(c[2] for c in calls) == async_scheduling
     for i in recorded:
-        out, (rows, kv_tokens, sequences), left_running = calls[i]
+        out, (rows, kv_tokens, sequences, verify), left_running = calls[i]
         assert _decode_rows(out) is not None  # the step launched here decodes only
         if i > 0 and calls[i - 1][2]:  # it waited for the one before: that one's rows count
             timed = calls[i - 1][0]
@@ -66,7 +67,7 @@ def test_only_pure_decode_steps_are_timed_and_by_the_step_waited_for(
             timed = out
             assert not left_running and _decode_rows(out) == rows
         # Its KV tokens: the timed step's sequences' contexts, this step's tokens included.
-        assert sequences == len(timed.scheduled)
+        assert sequences == len(timed.scheduled) and verify == timed.has_drafts
         assert kv_tokens == sum(s.num_computed_tokens + s.num_new_tokens for s in timed.scheduled)
     # Every call that waited for a pure decode step while launching one was timed.
     assert recorded == [i for i, (out, _, left_running) in enumerate(calls)
@@ -85,8 +86,10 @@ def test_the_load_report_prices_steps_at_the_running_batchs_context(
     engine = tiny_llm(tiny_model_dirs["llama"], speculative_config=NGRAM).engine
     for i, p in enumerate(PROMPTS):
         engine.add_request(f"r{i}", p, greedy(24))
-    for _ in range(6):
+    for _ in range(24):  # until both plain and verify steps were timed
         engine.step()
+        if engine.spec_cost.points() and engine.spec_cost.points(verify=True):
+            break
     running = list(engine.scheduler.running)
     assert running and len(engine.spec_cost) > 0
     cost = engine.spec_cost
@@ -94,5 +97,9 @@ def test_the_load_report_prices_steps_at_the_running_batchs_context(
     kv = sum(r.num_tokens for r in running) + cost.context_per_sequence
     assert min(map(len, PROMPTS)) < cost.context_per_sequence < max(map(len, PROMPTS)) + 24
     reported = spec_report(engine)["spec_step_cost"]
-    assert [p.rows for p in reported] == [r for r, _ in cost.points()]
-    assert [p.seconds for p in reported] == pytest.approx([s + 1e-4 * kv for _, s in cost.points()])
+    for verify in (False, True):
+        points = cost.points(verify=verify)
+        assert points, "no step of this kind was timed"
+        assert [p.rows for p in reported if p.verify == verify] == [r for r, _ in points]
+        assert [p.seconds for p in reported if p.verify == verify] == pytest.approx(
+            [s + 1e-4 * kv for _, s in points])

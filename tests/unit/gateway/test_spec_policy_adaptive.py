@@ -37,11 +37,13 @@ def _acceptance(method: int, cls: str, numbers: tuple[list[float], list[float]],
 
 def _worker(running: int, acceptance: Sequence[common_pb2.SpecAcceptance],
             cost: Sequence[tuple[float, float]] = COST,
-            methods: Sequence[int] = (NGRAM, SUFFIX)) -> Worker:
+            methods: Sequence[int] = (NGRAM, SUFFIX),
+            verify_cost: Sequence[tuple[float, float]] = ()) -> Worker:
     report = common_pb2.LoadReport(
         num_running=running, speculative_methods=methods,  # type: ignore[arg-type]
         max_speculative_tokens=4,
-        spec_step_cost=[common_pb2.SpecStepCost(rows=r, seconds=s) for r, s in cost],
+        spec_step_cost=[common_pb2.SpecStepCost(rows=r, seconds=s) for r, s in cost]
+        + [common_pb2.SpecStepCost(rows=r, seconds=s, verify=True) for r, s in verify_cost],
         spec_acceptance=acceptance)
     w = Worker(ADDRESS, None)  # type: ignore[arg-type]  # no calls: the policy reads the report
     w.apply_report(report)
@@ -124,6 +126,17 @@ def test_fallbacks_always_and_a_named_method() -> None:
         _config(speculative_tpot_slo_ms=-1.0)
 
 
+def test_verify_steps_are_priced_by_the_workers_verify_points() -> None:
+    """The same plain steps; where the worker measured its verify steps at four times a plain
+    step of their rows (the rejection sampler, no overlap with the next launch, on a small
+    model), suffix decoding's 3.65 tokens per step no longer pay."""
+    policy = SpecPolicy(_config())
+    assert policy.decide(_worker(0, MEASURED), "repetitive").label == "suffix"
+    dear = [(5.0, 0.08), (80.0, 0.24)]
+    decision = SpecPolicy(_config()).decide(_worker(0, MEASURED, verify_cost=dear), "repetitive")
+    assert (decision.label, decision.reason) == ("off", "measured")
+
+
 def test_request_classes() -> None:
     code = [1, 2, 3, 4, 5, 6, 7, 8] * 4
     prose = list(range(100, 140))
@@ -153,7 +166,7 @@ def test_metrics_show_the_decisions_and_the_workers_numbers() -> None:
     assert samples[("splitserve:spec_decode_num_accepted_tokens_per_pos_total",
                     (("position", "1"), *who))] == 4
     assert samples[("splitserve:spec_decode_step_seconds", (*who[:1], ("rows", "16.0"),
-                                                            who[1]))] == 0.02
+                                                            ("step", "plain"), who[1]))] == 0.02
     accepted = samples[("splitserve:spec_decode_accepted_per_step",
                         (("method", "suffix"), ("request_class", "repetitive"), *who))]
     assert accepted == pytest.approx(2.65)

@@ -1,7 +1,8 @@
-"""The step-cost model's context term (engine/spec/cost.py): a step's time is its rows' cost
-plus a cost per KV token its attention reads, fitted from the steps themselves, so a curve fed
-by long prompts does not price the drafts of short ones (on the CPU a 48-row step of code edits
-took 405 ms against 319 for stories: bench/results/cpu_spec_budget_trace/)."""
+"""The step-cost model (engine/spec/cost.py): a step's time is its rows' cost plus a cost per
+KV token its attention reads, fitted from the steps themselves, so a curve fed by long prompts
+does not price the drafts of short ones (on the CPU a 48-row step of code edits took 405 ms
+against 319 for stories: bench/results/cpu_spec_budget_trace/); plain and verify steps on
+curves of their own."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import random
 import pytest
 
 from engine.spec.budget import MIN_MEASURED_STEPS, StepBudget
-from engine.spec.cost import REFIT_EVERY, StepCostModel, context_slope
+from engine.spec.cost import COST_WINDOW, REFIT_EVERY, StepCostModel, context_slope
 from engine.spec.stats import AcceptanceStats
+from engine_api.spec_gain import Acceptance, StepCost, best_k
 
 PER_ROW_S = 0.008        # compute-bound rows, as SmolLM2 on the 2-core machine
 PER_KV_TOKEN_S = 4e-5    # the attention's part
+COST_WINDOW_STEPS = COST_WINDOW
 
 
 def _seconds(rows: int, kv: float, rng: random.Random, noise: float = 0.02) -> float:
@@ -106,3 +109,32 @@ def test_the_budget_prices_drafts_at_its_batchs_own_context() -> None:
     budget = StepBudget(cost, stats, 4)
     assert budget.cap_for({}, "suffix", "text", 16, 4, 16 * 60) == 0
     assert budget.cap_for({}, "suffix", "text", 16, 4, 16 * 420) == 1
+
+
+def test_plain_and_verify_steps_have_curves_of_their_own() -> None:
+    """A verify step of the same rows costs more than a plain one (the rejection sampler, no
+    overlap with the next launch): plain steps are priced by plain steps alone, so verify steps
+    of small batches do not make the plain steps of larger ones look dear."""
+    model = StepCostModel()
+    for _ in range(COST_WINDOW_STEPS):
+        model.record(16, 0.0065, verify=False)   # 16 sequences, plain
+        model.record(20, 0.0110, verify=True)    # 4 sequences x 5 rows, verifying
+        model.record(80, 0.0130, verify=True)
+        model.record(64, 0.0072, verify=False)
+    cost = model.cost()
+    assert cost.seconds_at(16) == pytest.approx(0.0065)
+    assert cost.seconds_at(20) == pytest.approx(0.0065 + 4 * (0.0072 - 0.0065) / 48)
+    assert cost.seconds_at(20, verify=True) == pytest.approx(0.0110)
+    # Never below a plain step of the same rows; unmeasured verify points: the plain curve.
+    assert cost.seconds_at(64, verify=True) == pytest.approx(0.0110 + 44 * 0.002 / 60)
+    assert StepCost.of([(16, 0.0065)]).seconds_at(16, verify=True) == pytest.approx(0.0065)
+
+
+def test_the_policy_weighs_verify_steps_against_plain_ones() -> None:
+    """Batch 16 at 30% acceptance of 1 draft: on one curve 32 rows cost what 16 plus a
+    little do, and the draft pays; priced as a verify step (10 ms against 6.5) it does not."""
+    acceptance = Acceptance(100.0, (100.0, 0.0, 0.0, 0.0), (30.0, 0.0, 0.0, 0.0))
+    one_curve = StepCost.of([(16, 0.0065), (32, 0.0070)])
+    assert best_k(one_curve, acceptance, 16, 4).k == 1
+    both = StepCost.of([(16, 0.0065), (32, 0.0070)], [(32, 0.0100)])
+    assert best_k(both, acceptance, 16, 4).k == 0
