@@ -468,16 +468,20 @@ class LLMEngine:
         pipeline's period, the earlier step's, counted only when both are pure decode steps.
         Timed against the step launched here instead, the first decode step after a batch's
         prompts carried the prompts' compute: on the H200, 64 rows read 18.7 ms against 7.2."""
-        if settled is None:
-            timed = out if self._inflight is None else None
-        elif self._inflight is not None and _decode_rows(out) is not None:
-            timed = settled
-        else:
-            timed = None
+        timed = self._timed_step(out, settled)
         rows = _decode_rows(timed) if timed is not None else None
         if timed is not None and rows is not None:
             kv = sum(s.num_computed_tokens + s.num_new_tokens for s in timed.scheduled)
             self.spec_cost.record(rows, seconds, kv, len(timed.scheduled), timed.has_drafts)
+
+    def _timed_step(self, out: SchedulerOutput,
+                    settled: SchedulerOutput | None) -> SchedulerOutput | None:
+        """The step a call's time measures (`_record_step_cost`), if any."""
+        if settled is None:
+            return out if self._inflight is None else None
+        if self._inflight is not None and _decode_rows(out) is not None:
+            return settled
+        return None
 
     def _finish_step(self, step: tuple[SchedulerOutput, PendingStep]) -> list[StepOutput]:
         out, pending = step

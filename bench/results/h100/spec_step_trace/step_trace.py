@@ -31,12 +31,7 @@ def propose(self: LLMEngine, reqs: Any) -> None:
 
 def record(self: LLMEngine, out: SchedulerOutput, settled: SchedulerOutput | None,
            seconds: float) -> None:
-    if settled is None:
-        timed = out if self._inflight is None else None
-    elif self._inflight is not None and _decode_rows(out) is not None:
-        timed = settled
-    else:
-        timed = None
+    timed = self._timed_step(out, settled)
     if timed is not None and _decode_rows(timed) is not None:
         first = timed.scheduled[0].request.request_id
         steps.append({
