@@ -6,11 +6,14 @@ each step's time as the engine's step-cost model records it; printed per workloa
 Then the context term: a fresh StepCostModel fed the code edits' steps and then the stories'
 (the probe's order), its fitted seconds per KV token, and per row bucket the stories' measured
 median against what the model predicts at the stories' context and what one curve over rows
-alone (the code edits' steps there) said."""
+alone (the code edits' steps there) said. An argument: a file to write the steps to (JSON)."""
 
 import collections
+import json
 import statistics
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -59,6 +62,8 @@ def main() -> None:
     torch.set_num_threads(1)  # as the worker under `splitserve up` on the CPU
     StepCostModel.record = record  # type: ignore[method-assign]
     runs = {cls: run(make, cls) for make, cls in ((story_prompt, "text"), (code_prompt, "code"))}
+    if len(sys.argv) > 1:  # the steps, for a later look
+        Path(sys.argv[1]).write_text(json.dumps(runs))
     tables = {cls: by_rows(steps) for cls, steps in runs.items()}
     for cls, table in tables.items():
         print(cls, [(r, n, round(s * 1e3, 1), round(per_seq)) for r, (n, s, _, per_seq)

@@ -125,8 +125,11 @@ def test_plain_and_verify_steps_have_curves_of_their_own() -> None:
     assert cost.seconds_at(16) == pytest.approx(0.0065)
     assert cost.seconds_at(20) == pytest.approx(0.0065 + 4 * (0.0072 - 0.0065) / 48)
     assert cost.seconds_at(20, verify=True) == pytest.approx(0.0110)
-    # Never below a plain step of the same rows; unmeasured verify points: the plain curve.
     assert cost.seconds_at(64, verify=True) == pytest.approx(0.0110 + 44 * 0.002 / 60)
+    # Its own curve, even where it is below the plain one (a sequence's rows share its KV).
+    cheap = StepCost.of([(16, 0.0065), (64, 0.0200)], [(20, 0.0110), (80, 0.0130)])
+    assert cheap.seconds_at(64, verify=True) == pytest.approx(0.0110 + 44 * 0.002 / 60)
+    # No verify step timed yet: the plain curve prices both.
     assert StepCost.of([(16, 0.0065)]).seconds_at(16, verify=True) == pytest.approx(0.0065)
 
 
