@@ -530,6 +530,7 @@ class LLMEngine:
                 by_method.setdefault(req.spec_method, []).append(req)
         budget = self.spec_budget
         step_k = None
+        pause_floor = None
         if budget is not None:
             running = self.scheduler.running
             batch = len(running)
@@ -541,9 +542,17 @@ class LLMEngine:
                     return req.num_speculative_tokens
                 return budget.cap_for(memo, req.spec_method, req.spec_class, batch,
                                       req.num_speculative_tokens, kv_tokens)
+
+            floors: dict[int, float | None] = {}  # this round's pause floor by drafts
+
+            def pause_floor(req: Request) -> float | None:
+                k = req.spec_step_k
+                if k not in floors:
+                    floors[k] = budget.pause_floor(batch, k, kv_tokens)
+                return floors[k]
         for method, ready in by_method.items():
             propose_all(ready, self.proposers[method],
-                        self.config.speculative.min_accepted_per_step, step_k)
+                        self.config.speculative.min_accepted_per_step, step_k, pause_floor)
         self.spec_shadow.propose(reqs, self.proposers)
 
     def _step_output(self, req: Request, toks: list[SampledToken]) -> StepOutput:

@@ -94,7 +94,8 @@ MAX_PAUSE_TOKENS = 64
 
 def propose_all(reqs: Sequence[Request], proposer: Proposer,
                 min_accepted_per_step: float,
-                step_k: Callable[[Request], int] | None = None) -> None:
+                step_k: Callable[[Request], int] | None = None,
+                pause_floor: Callable[[Request], float | None] | None = None) -> None:
     """Set each request's `spec_token_ids`, the drafts it verifies next step (maybe none), and
     when the proposer looks again (`spec_sync_in`, for async scheduling).
 
@@ -105,7 +106,9 @@ def propose_all(reqs: Sequence[Request], proposer: Proposer,
     average then restarts above the floor, so the next verify steps decide whether drafting goes
     on. The rest are asked in one batch; no drafts found: the next SPEC_PROBE_INTERVAL steps may
     overlap before the next look. `step_k(req)`: the worker's cap for this round (budget.py),
-    kept in `spec_step_k`; a request it gives no drafts is not asked either."""
+    kept in `spec_step_k`; a request it gives no drafts is not asked either. `pause_floor(req)`:
+    the floor measured for the request's batch (budget.py's `pause_floor`), in place of
+    `min_accepted_per_step` where it gives one (not with a floor of 0: pauses off)."""
     asked: list[Request] = []
     for req in reqs:
         if step_k is not None:
@@ -114,11 +117,15 @@ def propose_all(reqs: Sequence[Request], proposer: Proposer,
                 req.spec_token_ids = []
                 req.spec_sync_in = SPEC_PROBE_INTERVAL
                 continue
+        floor = min_accepted_per_step
+        if pause_floor is not None and floor > 0 and not req.spec_fixed:
+            measured = pause_floor(req)
+            floor = floor if measured is None else measured
         paused_for = req.spec_resume_at - req.num_tokens
-        resume_avg = RESUME_AVG_FACTOR * min_accepted_per_step
+        resume_avg = RESUME_AVG_FACTOR * floor
         if paused_for <= 0 and req.spec_accepted_avg > resume_avg:
             req.spec_pause_tokens = 0  # recovered since its restart: the next pause is short
-        if paused_for <= 0 and req.spec_accepted_avg < min_accepted_per_step:
+        if paused_for <= 0 and req.spec_accepted_avg < floor:
             paused_for = (SPEC_PROBE_INTERVAL if not req.spec_pause_tokens
                           else min(2 * req.spec_pause_tokens, MAX_PAUSE_TOKENS))
             req.spec_pause_tokens = paused_for

@@ -47,6 +47,29 @@ class StepBudget:
                 return request_k
         return min(cap, request_k)
 
+    def pause_floor(self, batch: int, k: int, kv_tokens: float = 0.0) -> float | None:
+        """Accepted drafts per verify step below which one request's `k` drafts cost its batch
+        of `batch` sequences (their contexts summing to `kv_tokens`) more time than they give
+        tokens; None until verify steps were measured. Its drafts add dt to the step of t
+        seconds; the batch, alike, emits batch * (1 + a) tokens a step; they pay while
+        a >= dt * batch * (1 + a) / t, that is a >= x / (1 - x) with x = dt * batch / t.
+        Where the step is weights-bound (a GPU's small batches) dt is small: on the H100 a
+        request in a batch of 16 pays from about 0.2 accepted drafts a step, and at 30%
+        acceptance (0.43 a step) no longer pauses, which the constant floor of 0.4 often did
+        (the policy at 0.80-0.89 of always drafting there). Where it is compute-bound (the CPU)
+        one draft row costs about what a sequence's row does, and a request must accept about
+        one draft a step."""
+        cost = self.cost.cost(kv_tokens)
+        if k <= 0 or not cost.verify_rows:
+            return None
+        rows = batch * (1 + k)
+        t = cost.seconds_at(rows, verify=True)
+        if t <= 0:
+            return None
+        without = cost.seconds_at(rows - k, verify=batch > 1)  # alone: a plain step
+        x = max(0.0, t - without) * batch / t
+        return x / (1.0 - x) if x < 1.0 else float(k)
+
     def _cap(self, key: tuple[str, str], batch: int, kv_tokens: float) -> tuple[int, bool]:
         """The key's cap this round, and whether one request of it explores."""
         rounds = self._rounds[key] = self._rounds.get(key, 0) + 1

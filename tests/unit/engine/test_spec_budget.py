@@ -5,6 +5,11 @@ measure (a draft model)."""
 
 from __future__ import annotations
 
+import pytest
+
+from engine import SamplingParams
+from engine.request import Request
+from engine.spec import SequenceProposer, propose_all
 from engine.spec.budget import EXPLORE_EVERY, MIN_MEASURED_STEPS, POSITION_EXPLORE_EVERY, StepBudget
 from engine.spec.cost import StepCostModel
 from engine.spec.stats import AcceptanceStats
@@ -70,3 +75,48 @@ def test_positions_above_a_lowered_cap_are_explored() -> None:
         for _ in range(8):
             stats.record(method, "text", 4, 4, allowed=4)
         assert budget.cap_for({}, method, "text", 2, 4) == 4  # 10 rows: still flat
+
+
+def _measured(plain: list[tuple[int, float]], verify: list[tuple[int, float]]) -> StepBudget:
+    cost = StepCostModel()
+    for rows, seconds in plain:
+        cost.record(rows, seconds)
+    for rows, seconds in verify:
+        cost.record(rows, seconds, verify=True)
+    return StepBudget(cost, AcceptanceStats(4), 4)
+
+
+def test_the_pause_floor_is_what_one_requests_drafts_cost_its_batch() -> None:
+    """Weights-bound verify steps (the H100's small batches: 6.4 ms at 5 rows, 8.1 at 80): a
+    request's 4 drafts add little to a batch of 16, so it keeps drafting at 0.3 accepted a step
+    (30% acceptance gives 0.43); alone it pays from verify / plain - 1. Compute-bound (the CPU:
+    3 ms a verify row) it must accept more than one draft a step. Unmeasured: None (the configured
+    floor)."""
+    gpu = _measured([(1, 0.00537), (16, 0.0064)], [(5, 0.00642), (80, 0.0081)])
+    x = 4 * (0.0081 - 0.00642) / 75 * 16 / 0.0081
+    assert gpu.pause_floor(16, 4) == pytest.approx(x / (1 - x)) and x / (1 - x) < 0.25
+    alone = gpu.pause_floor(1, 4)
+    assert alone == pytest.approx((0.00642 - 0.00537) / 0.00537, rel=1e-6)
+    cpu = _measured([(1, 0.057), (16, 0.16)], [(5, 0.099), (80, 0.33)])
+    x = 4 * (0.33 - 0.099) / 75 * 16 / 0.33
+    assert cpu.pause_floor(16, 4) == pytest.approx(x / (1 - x))
+    assert 1.0 < x / (1 - x) < 1.6
+    assert _measured([(1, 0.057)], []).pause_floor(16, 4) is None
+    assert gpu.pause_floor(16, 0) is None
+
+
+def test_requests_pause_by_the_measured_floor_where_the_budget_gives_one() -> None:
+    class _Some(SequenceProposer):
+        def propose(self, token_ids: list[int], k: int) -> list[int]:
+            return [0] * k
+
+    def paused(avg: float, floor: float | None, configured: float = 0.4) -> bool:
+        req = Request("r", [1, 2, 3], SamplingParams(max_tokens=100))
+        req.num_speculative_tokens = 4
+        req.spec_accepted_avg = avg
+        propose_all([req], _Some(), configured, lambda r: 4, lambda r: floor)
+        return not req.spec_token_ids
+
+    assert paused(0.3, None) and not paused(0.3, 0.05)   # weights-bound: keeps drafting
+    assert not paused(0.8, None) and paused(0.8, 1.1)    # compute-bound: pauses
+    assert not paused(0.0, 1.1, configured=0.0)           # a floor of 0: pauses off
