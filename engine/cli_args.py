@@ -278,8 +278,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=_default(SpeculativeConfig, "min_accepted_per_step"),
                    help="a request whose verify steps accept fewer drafts than this per step "
                         "(moving average) pauses drafting for a few steps; with the step "
-                        "budget, once verify steps are measured, the floor where its drafts "
-                        "stop paying for its batch replaces it; 0: never pauses")
+                        "budget, once verify steps are measured, the point where its drafts "
+                        "stop paying for its batch lowers it where that is lower; 0: never "
+                        "pauses")
 
 
 def engine_config_from_args(args: argparse.Namespace, role: str = "colocated") -> EngineConfig:

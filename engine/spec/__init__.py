@@ -107,8 +107,12 @@ def propose_all(reqs: Sequence[Request], proposer: Proposer,
     on. The rest are asked in one batch; no drafts found: the next SPEC_PROBE_INTERVAL steps may
     overlap before the next look. `step_k(req)`: the worker's cap for this round (budget.py),
     kept in `spec_step_k`; a request it gives no drafts is not asked either. `pause_floor(req)`:
-    the floor measured for the request's batch (budget.py's `pause_floor`), in place of
-    `min_accepted_per_step` where it gives one (not with a floor of 0: pauses off)."""
+    the floor measured for the request's batch (budget.py's `pause_floor`), which lowers
+    `min_accepted_per_step` where it is lower (a floor of 0: pauses off). It never raises it: a
+    pause is coarse (8-64 tokens, decided on a four-step average), and a measured floor above
+    0.4 (about one draft a step on the 2-core CPU) paused stories whose acceptance merely
+    varied, 0.90 of always drafting at 32 against 1.02 (bench/results/cpu_spec_policy_floor_7641f29/);
+    the step budget lowers a class's drafts where they do not pay on average."""
     asked: list[Request] = []
     for req in reqs:
         if step_k is not None:
@@ -120,7 +124,7 @@ def propose_all(reqs: Sequence[Request], proposer: Proposer,
         floor = min_accepted_per_step
         if pause_floor is not None and floor > 0 and not req.spec_fixed:
             measured = pause_floor(req)
-            floor = floor if measured is None else measured
+            floor = floor if measured is None else min(floor, measured)
         paused_for = req.spec_resume_at - req.num_tokens
         resume_avg = RESUME_AVG_FACTOR * floor
         if paused_for <= 0 and req.spec_accepted_avg > resume_avg:

@@ -57,8 +57,8 @@ class StepBudget:
         request in a batch of 16 pays from about 0.2 accepted drafts a step, and at 30%
         acceptance (0.43 a step) no longer pauses, which the constant floor of 0.4 often did
         (the policy at 0.80-0.89 of always drafting there). Where it is compute-bound (the CPU)
-        one draft row costs about what a sequence's row does, and a request must accept about
-        one draft a step."""
+        one draft row costs about what a sequence's row does, and it reads about one draft a
+        step; `propose_all` only lets it lower the configured floor."""
         cost = self.cost.cost(kv_tokens)
         if k <= 0 or not cost.verify_rows:
             return None
