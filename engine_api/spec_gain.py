@@ -120,16 +120,27 @@ class Choice:
                 if self.plain_tokens_per_s > 0 else 1.0)
 
 
+def step_seconds(cost: StepCost, batch: int, known: tuple[int, float, float] = (0, 0.0, 0.0),
+                 rows_per_seq: float = 1.0, verify: bool | None = None) -> float:
+    """The predicted step of a batch of `batch` sequences: `known` (sequences, tokens and rows
+    per step) decided, the others at `rows_per_seq` rows each. A verify step where `verify`
+    says so; by default where the others draft or the known ones verify."""
+    batch = max(1, batch)
+    alike = batch - min(known[0], batch - 1)
+    if verify is None:
+        verify = rows_per_seq > 1.0 or verifies(known)
+    return cost.seconds_at(known[2] + alike * rows_per_seq, verify)
+
+
 def required_rate(cost: StepCost, batch: int, min_gain: float = 1.0,
                   known: tuple[int, float, float] = (0, 0.0, 0.0)) -> tuple[Choice, float]:
     """Plain decoding's `Choice` for the batch (as `choices`), and the batch rate speculation
     must reach to be worth it: plain's plus (`min_gain` - 1) of what this request adds to it
     (of the whole batch's rate when nothing is known)."""
     batch = max(1, batch)
-    n_known, t_known, r_known = known
-    n_known = min(n_known, batch - 1)
-    alike = batch - n_known
-    plain_s = cost.seconds_at(r_known + alike, verifies(known))
+    n_known, t_known, _ = known
+    alike = batch - min(n_known, batch - 1)
+    plain_s = step_seconds(cost, batch, known)
     plain_rate = (t_known + alike) / plain_s if plain_s > 0 else 0.0
     without = rate_without(cost, batch, known)
     needed = plain_rate + (min_gain - 1.0) * max(0.0, plain_rate - without)
@@ -170,9 +181,8 @@ def choices(cost: StepCost, acceptance: Acceptance, batch: int, max_k: int,
     this request adds to the batch's rate (it has costs the model leaves out: the drafting
     itself, a lost async overlap); with nothing known, of the whole batch's."""
     batch = max(1, batch)
-    n_known, t_known, r_known = known
-    n_known = min(n_known, batch - 1)
-    alike = batch - n_known  # this request and the unknown ones
+    n_known, t_known, _ = known
+    alike = batch - min(n_known, batch - 1)  # this request and the unknown ones
     plain, needed = required_rate(cost, batch, min_gain, known)
     plain_rate, plain_s = plain.batch_tokens_per_s, plain.step_seconds
     if not cost or max_k <= 0:
@@ -180,7 +190,7 @@ def choices(cost: StepCost, acceptance: Acceptance, batch: int, max_k: int,
     out: list[Choice] = []
     for k in range(1, max_k + 1):
         tokens, rows = acceptance.tokens_and_rows(k)
-        step_s = cost.seconds_at(r_known + alike * rows, verify=True)
+        step_s = step_seconds(cost, batch, known, rows, verify=True)
         if step_s <= 0:
             continue
         if max_step_seconds > 0 and step_s > max_step_seconds >= plain_s:

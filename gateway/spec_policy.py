@@ -72,7 +72,7 @@ from engine_api.spec_gain import (
     choices,
     rate_without,
     required_rate,
-    verifies,
+    step_seconds,
 )
 from gateway.config import GatewayConfig
 from gateway.router import Worker
@@ -216,13 +216,11 @@ def _slo_cap(cost: StepCost, acceptance: Acceptance, batch: int, cap: int, slo_s
              known: tuple[int, float, float], k: int) -> int:
     """The most drafts in [k, cap] whose predicted step meets the SLO (`cap` without one, or
     where a plain step already misses it)."""
-    n, _, r_known = known
-    alike = batch - min(n, batch - 1)
-    if slo_s <= 0 or cost.seconds_at(r_known + alike, verifies(known)) > slo_s:
+    if slo_s <= 0 or step_seconds(cost, batch, known) > slo_s:
         return cap
     for send in range(cap, k, -1):
         _, rows = acceptance.tokens_and_rows(send)
-        if cost.seconds_at(r_known + alike * rows, verify=True) <= slo_s:
+        if step_seconds(cost, batch, known, rows, verify=True) <= slo_s:
             return send
     return k
 
@@ -313,10 +311,8 @@ class SpecPolicy:
                   and _LABELS.get(int(m)) not in SHADOWED_METHODS]
         pool = unmeasured or (losers if n % EXPLORE_EVERY == 0 else [])
         if pool:
-            batch = load + 1
-            plain_s = cost.seconds_at(known[2] + batch - known[0], verifies(known))
-            step_s = cost.seconds_at(known[2] + (batch - known[0]) * (1 + cap), verify=True)
-            if not slo_s or step_s <= slo_s or plain_s > slo_s:
+            step_s = step_seconds(cost, load + 1, known, 1 + cap, verify=True)
+            if not slo_s or step_s <= slo_s or step_seconds(cost, load + 1, known) > slo_s:
                 return SpecDecision(cap, load, pool[n % len(pool)], cls, "explore", 1.0, step_s,
                                     rows_per_step=1.0 + cap)
         self._incumbent[key] = best.label
@@ -341,7 +337,7 @@ class SpecPolicy:
               slo_s: float, incumbent: str) -> tuple[SpecDecision, list[Method], list[Method]]:
         """The best choice for a batch of `batch` with `known` decided in it; and the methods
         measured for the class, and those not."""
-        plain_s = cost.seconds_at(known[2] + batch - known[0], verifies(known))
+        plain_s = step_seconds(cost, batch, known)
         best = SpecDecision(0, load, request_class=cls, reason="measured", step_seconds=plain_s)
         unmeasured: list[Method] = []
         measured: list[Method] = []

@@ -173,7 +173,8 @@ def uniform_verify_rows(out: SchedulerOutput, q: int, graphs: CudaGraphRunner | 
     if not q or not out.has_drafts or any(s.num_new_tokens != 1 + len(s.draft_token_ids)
                                            for s in out.scheduled):
         return 0
-    if sum(s.num_new_tokens for s in out.scheduled) < min_fill * q * len(out.scheduled):
+    if min_fill > 0 and (sum(s.num_new_tokens for s in out.scheduled)
+                         < min_fill * q * len(out.scheduled)):
         return 0
     fits = ((graphs is None or graphs.can_run(len(out.scheduled)))
             and all(s.sample and s.num_computed_tokens + q <= max_model_len

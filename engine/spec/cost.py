@@ -147,7 +147,8 @@ class _Curve:
 
     def __init__(self) -> None:
         self.buckets: dict[int, _Bucket] = {}
-        self._base: list[tuple[float, float]] | None = None  # until the next step or refit
+        # The fitted points and the slope they were fitted with, until the next step.
+        self._base: tuple[float, list[tuple[float, float]]] | None = None
 
     def record(self, rows: int, kv_tokens: float, seconds: float) -> None:
         b = self.buckets.setdefault(round(2 * math.log2(rows)), _Bucket())
@@ -162,7 +163,7 @@ class _Curve:
         them slow (the machine busy, a shape's first use), could read dearer than the buckets
         above it: on a shared 2-core machine 2 and 3 rows read 119 and 151 ms against 94 ms for
         4 rows, and the policy judged one draft dearer than four."""
-        if self._base is None:
+        if self._base is None or self._base[0] != per_kv_token:
             rows: list[float] = []
             medians: list[float] = []
             weights: list[float] = []
@@ -173,11 +174,8 @@ class _Curve:
                     max(s - per_kv_token * k, (1.0 - MAX_CONTEXT_SHARE) * s)
                     for _, k, s in recent))
                 weights.append(min(b.count, MAX_WEIGHT))
-            self._base = list(zip(rows, monotone(medians, weights), strict=True))
-        return self._base
-
-    def forget_base(self) -> None:
-        self._base = None
+            self._base = per_kv_token, list(zip(rows, monotone(medians, weights), strict=True))
+        return self._base[1]
 
 
 class StepCostModel:
@@ -194,6 +192,9 @@ class StepCostModel:
         self.per_kv_token = 0.0  # seconds per KV token read (context_slope), 0 until measured
         # Recent steps' mean context per sequence (the gateway's request joins with about it).
         self.context_per_sequence = 0.0
+        # The curves at one batch's context, until the next step: the budget asks for them for
+        # each (method, class) and each pause floor every round, at the same context.
+        self._cost: tuple[tuple[float, float], StepCost] | None = None
 
     def record(self, rows: int, seconds: float, kv_tokens: float = 0.0, sequences: int = 0,
                verify: bool = False) -> None:
@@ -202,6 +203,7 @@ class StepCostModel:
         if rows <= 0 or seconds <= 0:
             return
         (self.verify if verify else self.plain).record(rows, max(0.0, kv_tokens), seconds)
+        self._cost = None
         self._recorded += 1
         if sequences > 0:
             per_seq = kv_tokens / sequences
@@ -209,12 +211,8 @@ class StepCostModel:
                                          self.context_per_sequence
                                          + CONTEXT_SMOOTHING * (per_seq - self.context_per_sequence))
         if self._recorded % REFIT_EVERY == 0:
-            slope = context_slope([list(b.steps) for curve in (self.plain, self.verify)
-                                   for b in curve.buckets.values()])
-            if slope != self.per_kv_token:
-                self.per_kv_token = slope
-                self.plain.forget_base()
-                self.verify.forget_base()
+            self.per_kv_token = context_slope([list(b.steps) for curve in (self.plain, self.verify)
+                                               for b in curve.buckets.values()])
 
     def points(self, kv_tokens: float = 0.0, verify: bool = False) -> list[tuple[float, float]]:
         """(rows, seconds) per bucket of plain (or verify) steps, for a batch whose contexts
@@ -225,7 +223,11 @@ class StepCostModel:
 
     def cost(self, kv_tokens: float = 0.0) -> StepCost:
         """Both curves, for a batch whose contexts sum to `kv_tokens`."""
-        return StepCost.of(self.points(kv_tokens), self.points(kv_tokens, verify=True))
+        key = (kv_tokens, self.per_kv_token)
+        if self._cost is None or self._cost[0] != key:
+            self._cost = key, StepCost.of(self.points(kv_tokens),
+                                          self.points(kv_tokens, verify=True))
+        return self._cost[1]
 
     def __len__(self) -> int:
         return len(self.plain.buckets) + len(self.verify.buckets)
