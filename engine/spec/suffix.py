@@ -13,6 +13,15 @@ Pure Python, run between steps on the engine thread: appending a token touches a
 `max_depth` nodes, a lookup walks at most `max_depth` suffixes of at most `max_depth` tokens.
 The shared tree holds the outputs of the last `max_cached_requests` finished requests, at most
 `max_cached_tokens` tokens in all: the oldest are taken out (their counts subtracted) first.
+
+Indexing is bounded per call (`max_index_tokens`): at depth 24 a token costs about 10 us on a
+GPU host, so a 640-token request's first proposal held every running sequence's step by
+6.5 ms (an 8K prompt would hold it by 80 ms), and so did each finished output entering the
+shared tree. A call first indexes the tokens that the requests already caught up produced
+since their last proposal (1 + k at most each), then the rest of its budget goes to the trees
+still catching up (a new request's prompt, in order) and to the shared tree's pending changes.
+A request drafts from what its tree holds meanwhile: a match against its earlier tokens is as
+valid in a prefix of its text.
 """
 
 from __future__ import annotations
@@ -42,22 +51,22 @@ class SuffixTree:
         self.root = _Node()
         self.num_nodes = 0
 
-    def add(self, tokens: Sequence[int], active: list[_Node] | None = None) -> list[_Node]:
+    def add(self, tokens: Sequence[int], active: list[_Node] | None = None,
+            delta: int = +1) -> list[_Node]:
         """Count every suffix window (up to `max_depth` tokens) that ends in `tokens`.
 
         `active`: what an earlier `add` of the same sequence's prefix returned (the nodes of
         the suffixes ending at its last token, shortest first), so that `tokens` continue that
-        sequence; returns the same for `tokens`' end. Each token touches one node per depth."""
+        sequence; returns the same for `tokens`' end. Each token touches one node per depth.
+        `delta` -1 takes the windows out again, in the same pieces (`remove`)."""
         nodes = [] if active is None else active
         for t in tokens:
-            nodes = self._feed(nodes, t, +1)
+            nodes = self._feed(nodes, t, delta)
         return nodes
 
     def remove(self, tokens: Sequence[int]) -> None:
         """Undo `add(tokens)` of a whole sequence (nodes whose count drops to zero go)."""
-        nodes: list[_Node] = []
-        for t in tokens:
-            nodes = self._feed(nodes, t, -1)
+        self.add(tokens, None, -1)
 
     def _feed(self, active: list[_Node], token: int, delta: int) -> list[_Node]:
         """The suffixes ending at `token`: the root's child, and each of `active` (the
@@ -122,74 +131,141 @@ class SuffixTree:
         return drafts, score
 
 
+# Tokens one call indexes at most (see the module's docstring): about 2.5 ms of a GPU host's
+# time at depth 24; a request's new tokens (1 + k a step) are indexed whatever is left.
+MAX_INDEX_TOKENS = 256
+
+
 @dataclass(slots=True)
 class _Tracked:
     tree: SuffixTree
     tokens: list[int]          # what the request's tree holds (its prompt and output so far)
     num_prompt_tokens: int
     active: list[_Node] = field(default_factory=list)  # the tree's nodes at the tokens' end
+    source: list[int] = field(default_factory=list)    # the request's tokens (its live list)
+
+
+@dataclass(slots=True)
+class _SharedChange:
+    """A finished output entering the shared tree (+1) or leaving it (-1), indexed in pieces."""
+    tokens: list[int]
+    delta: int
+    done: int = 0
+    active: list[_Node] = field(default_factory=list)
 
 
 class SuffixProposer:
     """Suffix decoding over each request's own tokens and the worker's recent outputs.
 
-    Stateful: a request's tree grows by the tokens since its last proposal; `release` (the
-    request finished or was aborted) moves its output into the shared tree."""
+    Stateful: a request's tree grows by the tokens since its last proposal (at most
+    `max_index_tokens` a call in all, see the module's docstring); `release` (the request
+    finished or was aborted) moves its output into the shared tree."""
 
     def __init__(self, max_depth: int = 24, max_spec_factor: float = 1.0,
                  min_token_prob: float = 0.1, max_cached_requests: int = 64,
-                 max_cached_tokens: int = 65536) -> None:
+                 max_cached_tokens: int = 65536,
+                 max_index_tokens: int = MAX_INDEX_TOKENS) -> None:
         if max_depth < 1:
             raise ValueError(f"max_depth must be >= 1, got {max_depth}")
+        if max_index_tokens < 1:
+            raise ValueError(f"max_index_tokens must be >= 1, got {max_index_tokens}")
         self.max_depth = max_depth
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
         self.max_cached_requests = max_cached_requests
         self.max_cached_tokens = max_cached_tokens
+        self.max_index_tokens = max_index_tokens
         self.shared = SuffixTree(max_depth)
         self._cached: deque[list[int]] = deque()
         self._cached_tokens = 0
+        self._shared_changes: deque[_SharedChange] = deque()
         self._tracked: dict[str, _Tracked] = {}
 
+    @property
+    def backlog(self) -> int:
+        """Tokens waiting to be indexed: the shared tree's pending changes (the requests'
+        own trees catch up as they are proposed for)."""
+        return sum(len(c.tokens) - c.done for c in self._shared_changes)
+
     def propose_batch(self, reqs: Sequence[Request]) -> list[list[int]]:
-        return [self.propose(req) for req in reqs]
+        tracked = [self._track(req) for req in reqs]
+        # A request caught up at its last proposal gained at most 1 + k tokens: those first,
+        # whatever the budget, so that one long new prompt does not hold the others' trees.
+        budget = self.max_index_tokens
+        behind: list[tuple[_Tracked, list[int]]] = []
+        for t, req in zip(tracked, reqs, strict=True):
+            tokens = req.all_token_ids
+            missing = len(tokens) - len(t.tokens)
+            if missing <= 1 + max(req.num_speculative_tokens, 1):
+                budget -= self._index(t, tokens, missing)
+            elif missing > 0:
+                behind.append((t, tokens))
+        for t, tokens in behind:
+            if budget <= 0:
+                break
+            budget -= self._index(t, tokens, budget)
+        self._apply_shared_changes(budget)
+        return [self._speculate(t, req) for t, req in zip(tracked, reqs, strict=True)]
 
     def propose(self, req: Request) -> list[int]:
-        k = draft_cap(req)
-        tokens = req.all_token_ids
+        return self.propose_batch([req])[0]
+
+    def _track(self, req: Request) -> _Tracked:
         tracked = self._tracked.get(req.request_id)
         if tracked is None:
             tracked = self._tracked[req.request_id] = _Tracked(
                 SuffixTree(self.max_depth), [], req.num_prompt_tokens)
+        tracked.source = req.all_token_ids
+        return tracked
+
+    @staticmethod
+    def _index(tracked: _Tracked, tokens: list[int], limit: int) -> int:
+        """Index up to `limit` of `tokens` past what `tracked`'s tree holds; how many."""
         old = len(tracked.tokens)
-        if len(tokens) > old:
-            new = tokens[old:]
+        new = tokens[old:old + limit]
+        if new:
             tracked.tokens.extend(new)
             tracked.active = tracked.tree.add(new, tracked.active)
+        return len(new)
+
+    def _speculate(self, tracked: _Tracked, req: Request) -> list[int]:
+        k = draft_cap(req)
         if k <= 0:
             return []
-        # The request's own tree holds the context itself: a match there must continue
-        # strictly before the end, which `match` ensures (the last window has no child yet
-        # unless the same string occurred earlier).
+        tokens = req.all_token_ids
+        # The request's own tree holds the context (or, catching up, a prefix of it): a match
+        # there must continue strictly before the end, which `match` ensures (the last window
+        # has no child yet unless the same string occurred earlier).
         own = tracked.tree.speculate(tokens, k, self.max_spec_factor, self.min_token_prob)
         shared = self.shared.speculate(tokens, k, self.max_spec_factor, self.min_token_prob)
         return own[0] if own[1] >= shared[1] else shared[0]
+
+    def _apply_shared_changes(self, budget: int) -> None:
+        """The shared tree's pending changes, oldest first, `budget` tokens at most."""
+        while budget > 0 and self._shared_changes:
+            change = self._shared_changes[0]
+            piece = change.tokens[change.done:change.done + budget]
+            change.active = self.shared.add(piece, change.active, change.delta)
+            change.done += len(piece)
+            budget -= len(piece)
+            if change.done >= len(change.tokens):
+                self._shared_changes.popleft()
 
     def release(self, request_id: str) -> None:
         tracked = self._tracked.pop(request_id, None)
         if tracked is None or self.max_cached_requests <= 0:
             return
-        output = tracked.tokens[tracked.num_prompt_tokens:][-self.max_cached_tokens:]
+        output = tracked.source[tracked.num_prompt_tokens:][-self.max_cached_tokens:]
         if not output:
             return
-        self.shared.add(output)
+        self._shared_changes.append(_SharedChange(output, +1))
         self._cached.append(output)
         self._cached_tokens += len(output)
         while (len(self._cached) > self.max_cached_requests
                or self._cached_tokens > self.max_cached_tokens):
             old = self._cached.popleft()
             self._cached_tokens -= len(old)
-            self.shared.remove(old)
+            self._shared_changes.append(_SharedChange(old, -1))
 
     def shutdown(self) -> None:
         self._tracked.clear()

@@ -109,6 +109,69 @@ def test_proposer_drafts_from_the_request_and_from_finished_outputs() -> None:
     assert len(p._tracked) == 0
 
 
+def _tree_of(tokens: list[int], depth: int = 8) -> SuffixTree:
+    tree = SuffixTree(depth)
+    tree.add(tokens)
+    return tree
+
+
+def _windows(tree: SuffixTree) -> dict[tuple[int, ...], int]:
+    """Every string the tree counts, with its count (two trees equal as counted windows)."""
+    out: dict[tuple[int, ...], int] = {}
+    todo: list[tuple[tuple[int, ...], Any]] = [((), tree.root)]
+    while todo:
+        path, node = todo.pop()
+        for t, child in node.children.items():
+            out[(*path, t)] = child.count
+            todo.append(((*path, t), child))
+    return out
+
+
+def test_a_long_prompt_is_indexed_a_budget_a_call_and_drafts_meanwhile() -> None:
+    prompt = [1, 2, 3, 4, 5, 6, 7] * 5 + [1, 2, 3]  # 38 tokens
+    p = SuffixProposer(max_depth=8, max_index_tokens=10)
+    req = _request("a", prompt, [])
+    # The first call indexes 10 tokens: the loop is already in them, so it drafts (from the
+    # 3-token match 1 2 3: 3 drafts).
+    assert p.propose(req) == [4, 5, 6]
+    assert len(p._tracked["a"].tokens) == 10
+    for calls in range(2, 5):
+        p.propose(req)
+        assert len(p._tracked["a"].tokens) == min(10 * calls, len(prompt))
+    assert _windows(p._tracked["a"].tree) == _windows(_tree_of(prompt))
+
+
+def test_caught_up_requests_index_their_new_tokens_before_a_long_prompt() -> None:
+    p = SuffixProposer(max_depth=8, max_index_tokens=6)
+    running = _request("run", [8, 9, 10], [])
+    p.propose(running)
+    for t in (11, 12):
+        running.append_output_token(t)
+    newcomer = _request("new", list(range(100, 140)), [])
+    p.propose_batch([newcomer, running])  # the newcomer listed first
+    assert p._tracked["run"].tokens == [8, 9, 10, 11, 12]
+    assert len(p._tracked["new"].tokens) == 4  # what the budget left
+
+
+def test_finished_outputs_enter_and_leave_the_shared_tree_in_pieces() -> None:
+    p = SuffixProposer(max_depth=4, max_cached_requests=1, max_index_tokens=5)
+    first = _request("a", [1], list(range(20, 32)))  # 12 output tokens
+    p.propose(first)
+    p.release("a")
+    assert p.backlog == 12
+    p.propose(_request("x", [99], []))
+    assert p.backlog == 12 - (5 - 1)  # the newcomer's 1 prompt token took its share first
+    while p.backlog:
+        p.propose(_request("x", [99], []))
+    assert _windows(p.shared) == _windows(_tree_of(list(range(20, 32)), 4))
+    second = _request("b", [1], [40, 41, 42])
+    p.propose(second)
+    p.release("b")  # one cached request at most: "a" leaves, in pieces too
+    while p.backlog:
+        p.propose(_request("x", [99], []))
+    assert _windows(p.shared) == _windows(_tree_of([40, 41, 42], 4))
+
+
 # ---- exactness in the engine (tiny float32 Llama on the CPU) --------------------------------
 
 PARAMS = [SamplingParams(temperature=0, max_tokens=LENGTHS[0], ignore_eos=True),
