@@ -35,6 +35,7 @@ from engine.spec.budget import StepBudget
 from engine.spec.cost import StepCostModel
 from engine.spec.shadow import ShadowDrafts
 from engine.spec.stats import AcceptanceStats
+from engine.spec.suffix import SuffixProposer
 from engine.step_outputs import StepOutputs
 from engine.structured import GrammarCompiler, RequestGrammar, StructuredOutputError
 from engine_api.errors import EngineInputError
@@ -129,6 +130,9 @@ class LLMEngine:
         # the per-step cap they give (budget.py); the worker reports them to the gateway.
         spec = config.speculative
         self.spec_cost = StepCostModel()
+        graphs = self.runner.verify_graphs
+        if graphs is not None and self.runner.verify_graph_min_fill <= 0:
+            self.spec_cost.verify_pad = (self.runner.verify_q_len, graphs.buckets[-1])
         self.spec_stats = AcceptanceStats(spec.num_speculative_tokens)
         self.spec_budget: StepBudget | None = (
             StepBudget(self.spec_cost, self.spec_stats, spec.num_speculative_tokens)
@@ -136,6 +140,7 @@ class LLMEngine:
         # Drafts nobody verifies, scored against what follows: acceptance for every cheap
         # proposer on a sample of the requests (engine/spec/shadow.py).
         self.spec_shadow = ShadowDrafts(self.spec_stats)
+        self._indexers = [p for p in self.proposers.values() if isinstance(p, SuffixProposer)]
         # What the services do with the KV besides requests: leases, pins, block I/O.
         self.kv_access = KvAccess(self.scheduler, self.runner)
         self.loras = LoRAAdmin(config, cfg, self.runner, self.scheduler, self.fingerprint)
@@ -468,11 +473,21 @@ class LLMEngine:
         pipeline's period, the earlier step's, counted only when both are pure decode steps.
         Timed against the step launched here instead, the first decode step after a batch's
         prompts carried the prompts' compute: on the H200, 64 rows read 18.7 ms against 7.2."""
+        indexing = sum(p.take_index_seconds() for p in self._indexers)
         timed = self._timed_step(out, settled)
         rows = _decode_rows(timed) if timed is not None else None
-        if timed is not None and rows is not None:
-            kv = sum(s.num_computed_tokens + s.num_new_tokens for s in timed.scheduled)
-            self.spec_cost.record(rows, seconds, kv, len(timed.scheduled), timed.has_drafts)
+        if timed is None or rows is None:
+            return
+        if timed is out:
+            # A step launched and finished here: the host's one-off indexing (a new request's
+            # text into its suffix tree) was serial to it, and is no cost of its rows. With
+            # async scheduling a plain step finished so was held back for drafts; nobody
+            # drafting, plain steps overlap the next launch: that is the step "off" costs.
+            if self.async_scheduling and not timed.has_drafts:
+                return
+            seconds -= indexing
+        kv = sum(s.num_computed_tokens + s.num_new_tokens for s in timed.scheduled)
+        self.spec_cost.record(rows, seconds, kv, len(timed.scheduled), timed.has_drafts)
 
     def _timed_step(self, out: SchedulerOutput,
                     settled: SchedulerOutput | None) -> SchedulerOutput | None:

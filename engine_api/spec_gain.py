@@ -63,22 +63,34 @@ class StepCost:
     seconds: tuple[float, ...]
     verify_rows: tuple[float, ...] = ()
     verify_seconds: tuple[float, ...] = ()
+    # A verify step of up to `verify_pad_max_seqs` sequences replays a verify CUDA graph that
+    # computes `verify_pad_rows` rows for every sequence, whatever it drafted (0: none).
+    verify_pad_rows: int = 0
+    verify_pad_max_seqs: int = 0
 
     @classmethod
     def of(cls, points: Sequence[tuple[float, float]],
-           verify_points: Sequence[tuple[float, float]] = ()) -> StepCost:
-        """From (rows, seconds) points in any order (rows <= 0 or seconds <= 0 dropped)."""
-        return cls(*_curve(points), *_curve(verify_points))
+           verify_points: Sequence[tuple[float, float]] = (),
+           verify_pad: tuple[int, int] = (0, 0)) -> StepCost:
+        """From (rows, seconds) points in any order (rows <= 0 or seconds <= 0 dropped);
+        `verify_pad`: (verify_pad_rows, verify_pad_max_seqs)."""
+        return cls(*_curve(points), *_curve(verify_points), *verify_pad)
 
     def __bool__(self) -> bool:
         return bool(self.rows)
 
-    def seconds_at(self, rows: float, verify: bool = False) -> float:
+    def seconds_at(self, rows: float, verify: bool = False, sequences: int = 0) -> float:
         """The step time at `rows` query rows (0.0 when nothing was measured); `verify`: of a
         verify step, from its own points where any were measured. Not bounded below by a
         plain step's: a verifying sequence's rows share one sequence's KV, and on the CPU
         verify steps of 130 rows took 390-430 ms where plain steps, extrapolated from 32 rows,
-        read 555 (bench/results/cpu_spec_budget_trace/)."""
+        read 555 (bench/results/cpu_spec_budget_trace/). `sequences` (> 0): the step's, so that
+        a verify step the verify graph runs is priced at the rows it computes; fewer drafts
+        than the graph's then cost the same (on the H100 a verify step of 64 sequences took
+        17.2-17.7 ms with 1 to 4 drafts each), and a policy that priced the drafts asked took
+        fewer for nothing."""
+        if verify and 0 < sequences <= self.verify_pad_max_seqs:
+            rows = max(rows, float(sequences * self.verify_pad_rows))
         if verify and self.verify_rows:
             return _interpolate(self.verify_rows, self.verify_seconds, rows)
         return _interpolate(self.rows, self.seconds, rows)
@@ -129,7 +141,7 @@ def step_seconds(cost: StepCost, batch: int, known: tuple[int, float, float] = (
     alike = batch - min(known[0], batch - 1)
     if verify is None:
         verify = rows_per_seq > 1.0 or verifies(known)
-    return cost.seconds_at(known[2] + alike * rows_per_seq, verify)
+    return cost.seconds_at(known[2] + alike * rows_per_seq, verify, batch)
 
 
 def required_rate(cost: StepCost, batch: int, min_gain: float = 1.0,
@@ -155,7 +167,7 @@ def rate_without(cost: StepCost, batch: int,
     n_known, t_known, r_known = known
     if min(n_known, max(1, batch) - 1) <= 0 or r_known <= 0:
         return 0.0
-    seconds = cost.seconds_at(r_known, verifies(known))
+    seconds = cost.seconds_at(r_known, verifies(known), n_known)
     return t_known / seconds if seconds > 0 else 0.0
 
 

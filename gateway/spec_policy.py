@@ -270,7 +270,8 @@ class SpecPolicy:
             method = methods[0] if methods else common_pb2.SPECULATIVE_METHOD_UNSPECIFIED
             return SpecDecision(cap, load, method, cls, "always", rows_per_step=1.0 + cap)
         cost = StepCost.of([(p.rows, p.seconds) for p in report.spec_step_cost if not p.verify],
-                           [(p.rows, p.seconds) for p in report.spec_step_cost if p.verify])
+                           [(p.rows, p.seconds) for p in report.spec_step_cost if p.verify],
+                           (report.spec_verify_pad_rows, report.spec_verify_pad_max_seqs))
         if config.speculative_policy == "threshold" or not cost or not methods:
             return self._threshold(load, methods, cls)
         return self._adaptive(worker.address, report, cost, load, cap, methods, cls)

@@ -32,6 +32,8 @@ def spec_report(engine: LLMEngine) -> dict[str, Any]:
             for m, c, a in stats.items() if m in SPEC_METHOD_ENUMS],
         "max_speculative_tokens": engine.config.speculative.num_speculative_tokens,
         "spec_step_budget": engine.spec_budget is not None,
+        "spec_verify_pad_rows": engine.spec_cost.verify_pad[0],
+        "spec_verify_pad_max_seqs": engine.spec_cost.verify_pad[1],
         "spec_num_drafts": stats.num_drafts,
         "spec_accepted_tokens_per_pos": list(stats.accepted_per_pos),
     }

@@ -63,10 +63,12 @@ class StepBudget:
         if k <= 0 or not cost.verify_rows:
             return None
         rows = batch * (1 + k)
-        t = cost.seconds_at(rows, verify=True)
+        t = cost.seconds_at(rows, True, batch)
         if t <= 0:
             return None
-        without = cost.seconds_at(rows - k, verify=batch > 1)  # alone: a plain step
+        # Alone, a plain step; else the same verify step, which a verify graph pads to the same
+        # rows (its drafts are free: no floor).
+        without = cost.seconds_at(rows - k, batch > 1, batch)
         x = max(0.0, t - without) * batch / t
         return x / (1.0 - x) if x < 1.0 else float(k)
 

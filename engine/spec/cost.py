@@ -194,7 +194,10 @@ class StepCostModel:
         self.context_per_sequence = 0.0
         # The curves at one batch's context, until the next step: the budget asks for them for
         # each (method, class) and each pause floor every round, at the same context.
-        self._cost: tuple[tuple[float, float], StepCost] | None = None
+        self._cost: tuple[tuple[float, float, tuple[int, int]], StepCost] | None = None
+        # (rows per sequence, sequences at most) of the verify steps a verify CUDA graph pads
+        # (StepCost.verify_pad_rows): set by the engine where the runner captured them.
+        self.verify_pad: tuple[int, int] = (0, 0)
 
     def record(self, rows: int, seconds: float, kv_tokens: float = 0.0, sequences: int = 0,
                verify: bool = False) -> None:
@@ -223,10 +226,10 @@ class StepCostModel:
 
     def cost(self, kv_tokens: float = 0.0) -> StepCost:
         """Both curves, for a batch whose contexts sum to `kv_tokens`."""
-        key = (kv_tokens, self.per_kv_token)
+        key = (kv_tokens, self.per_kv_token, self.verify_pad)
         if self._cost is None or self._cost[0] != key:
             self._cost = key, StepCost.of(self.points(kv_tokens),
-                                          self.points(kv_tokens, verify=True))
+                                          self.points(kv_tokens, verify=True), self.verify_pad)
         return self._cost[1]
 
     def __len__(self) -> int:

@@ -589,6 +589,8 @@ class LoadReport(_message.Message):
     SPEC_ACCEPTED_TOKENS_PER_POS_FIELD_NUMBER: _builtins.int
     KV_HANDLES_REFUSED_FIELD_NUMBER: _builtins.int
     SPEC_STEP_BUDGET_FIELD_NUMBER: _builtins.int
+    SPEC_VERIFY_PAD_ROWS_FIELD_NUMBER: _builtins.int
+    SPEC_VERIFY_PAD_MAX_SEQS_FIELD_NUMBER: _builtins.int
     num_running: _builtins.int
     num_waiting: _builtins.int
     kv_cache_usage: _builtins.float
@@ -639,6 +641,11 @@ class LoadReport(_message.Message):
     its batch as it is then, none included (engine/spec/budget.py): the gateway may leave
     speculation's "not now" to it.
     """
+    spec_verify_pad_rows: _builtins.int
+    """Verify steps of up to spec_verify_pad_max_seqs sequences replay a verify CUDA graph that
+    computes spec_verify_pad_rows rows for every sequence whatever it drafted (0: none).
+    """
+    spec_verify_pad_max_seqs: _builtins.int
     @_builtins.property
     def speculative_methods(self) -> _containers.RepeatedScalarFieldContainer[Global___SpeculativeMethod.ValueType]:
         """The proposers this worker can draft with (none: no speculative decoding); the first is
@@ -737,10 +744,12 @@ class LoadReport(_message.Message):
         spec_accepted_tokens_per_pos: _abc.Iterable[_builtins.int] | None = ...,
         kv_handles_refused: _builtins.int = ...,
         spec_step_budget: _builtins.bool = ...,
+        spec_verify_pad_rows: _builtins.int = ...,
+        spec_verify_pad_max_seqs: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "class_labels", b"class_labels", "fingerprint", b"fingerprint", "kv_cache_usage", b"kv_cache_usage", "kv_handles_refused", b"kv_handles_refused", "kv_tiers", b"kv_tiers", "kv_transports", b"kv_transports", "lora_adapters", b"lora_adapters", "lora_paths", b"lora_paths", "lora_roots", b"lora_roots", "lora_running", b"lora_running", "lora_waiting", b"lora_waiting", "max_loras", b"max_loras", "max_speculative_tokens", b"max_speculative_tokens", "num_blocks", b"num_blocks", "num_free_blocks", b"num_free_blocks", "num_leases", b"num_leases", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "spec_acceptance", b"spec_acceptance", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_accepted_tokens_per_pos", b"spec_accepted_tokens_per_pos", "spec_draft_tokens", b"spec_draft_tokens", "spec_num_drafts", b"spec_num_drafts", "spec_step_budget", b"spec_step_budget", "spec_step_cost", b"spec_step_cost", "speculative_methods", b"speculative_methods", "tier_hit_tokens", b"tier_hit_tokens", "tier_saved_blocks", b"tier_saved_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "class_labels", b"class_labels", "fingerprint", b"fingerprint", "kv_cache_usage", b"kv_cache_usage", "kv_handles_refused", b"kv_handles_refused", "kv_tiers", b"kv_tiers", "kv_transports", b"kv_transports", "lora_adapters", b"lora_adapters", "lora_paths", b"lora_paths", "lora_roots", b"lora_roots", "lora_running", b"lora_running", "lora_waiting", b"lora_waiting", "max_loras", b"max_loras", "max_speculative_tokens", b"max_speculative_tokens", "num_blocks", b"num_blocks", "num_free_blocks", b"num_free_blocks", "num_leases", b"num_leases", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "spec_acceptance", b"spec_acceptance", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_accepted_tokens_per_pos", b"spec_accepted_tokens_per_pos", "spec_draft_tokens", b"spec_draft_tokens", "spec_num_drafts", b"spec_num_drafts", "spec_step_budget", b"spec_step_budget", "spec_step_cost", b"spec_step_cost", "spec_verify_pad_max_seqs", b"spec_verify_pad_max_seqs", "spec_verify_pad_rows", b"spec_verify_pad_rows", "speculative_methods", b"speculative_methods", "tier_hit_tokens", b"tier_hit_tokens", "tier_saved_blocks", b"tier_saved_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -105,6 +105,20 @@ def test_the_pause_floor_is_what_one_requests_drafts_cost_its_batch() -> None:
     assert gpu.pause_floor(16, 0) is None
 
 
+def test_drafts_a_verify_graph_pads_cost_nothing_to_pause_for() -> None:
+    """Where the verify graph computes 1 + 4 rows for every sequence of the batch, a request
+    that stops drafting saves its batch nothing: no floor, while another sequence verifies. A
+    request alone turns its step into a plain one: its floor is as before."""
+    plain, verify = [(1, 0.00537), (16, 0.0064)], [(5, 0.00642), (80, 0.0081)]
+    padded = _measured(plain, verify)
+    padded.cost.verify_pad = (5, 64)
+    assert padded.pause_floor(16, 4) == 0.0 and padded.pause_floor(16, 2) == 0.0
+    assert padded.pause_floor(1, 4) == pytest.approx(_measured(plain, verify).pause_floor(1, 4))
+    assert padded.pause_floor(16, 4) != _measured(plain, verify).pause_floor(16, 4)
+    padded.cost.verify_pad = (5, 8)  # 16 sequences: past the graph's, eager
+    assert padded.pause_floor(16, 4) == pytest.approx(_measured(plain, verify).pause_floor(16, 4))
+
+
 def test_requests_pause_by_the_measured_floor_where_it_is_lower() -> None:
     """The measured floor lowers the configured one (0.4), never raises it: a pause is coarse,
     and on the CPU a floor of about one draft a step paused stories whose acceptance varied

@@ -66,15 +66,21 @@ def test_only_pure_decode_steps_are_timed_and_by_the_step_waited_for(
         else:  # launched and finished here
             timed = out
             assert not left_running and _decode_rows(out) == rows
+            # With async scheduling a plain step finished at once was held back for drafts: it
+            # is not what a batch that nobody drafts in costs.
+            assert verify or not async_scheduling
         # Its KV tokens: the timed step's sequences' contexts, this step's tokens included.
         assert sequences == len(timed.scheduled) and verify == timed.has_drafts
         assert kv_tokens == sum(s.num_computed_tokens + s.num_new_tokens for s in timed.scheduled)
-    # Every call that waited for a pure decode step while launching one was timed.
+    # Every call that waited for a pure decode step while launching one was timed, and every
+    # one that launched and finished a pure decode step (with async scheduling: a verify step).
     assert recorded == [i for i, (out, _, left_running) in enumerate(calls)
                         if _decode_rows(out) is not None and (
                             (i > 0 and calls[i - 1][2] and left_running
                              and _decode_rows(calls[i - 1][0]) is not None)
-                            or ((i == 0 or not calls[i - 1][2]) and not left_running))]
+                            or ((i == 0 or not calls[i - 1][2]) and not left_running
+                                and (out.has_drafts or not async_scheduling)))]
+    assert any(calls[i][1][3] for i in recorded), "no verify step was timed"
 
 
 def test_the_load_report_prices_steps_at_the_running_batchs_context(

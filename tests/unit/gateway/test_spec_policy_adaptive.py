@@ -38,8 +38,10 @@ def _acceptance(method: int, cls: str, numbers: tuple[list[float], list[float]],
 def _worker(running: int, acceptance: Sequence[common_pb2.SpecAcceptance],
             cost: Sequence[tuple[float, float]] = COST,
             methods: Sequence[int] = (NGRAM, SUFFIX),
-            verify_cost: Sequence[tuple[float, float]] = ()) -> Worker:
+            verify_cost: Sequence[tuple[float, float]] = (),
+            verify_pad: tuple[int, int] = (0, 0)) -> Worker:
     report = common_pb2.LoadReport(
+        spec_verify_pad_rows=verify_pad[0], spec_verify_pad_max_seqs=verify_pad[1],
         num_running=running, speculative_methods=methods,  # type: ignore[arg-type]
         max_speculative_tokens=4,
         spec_step_cost=[common_pb2.SpecStepCost(rows=r, seconds=s) for r, s in cost]
@@ -135,6 +137,22 @@ def test_verify_steps_are_priced_by_the_workers_verify_points() -> None:
     dear = [(5.0, 0.08), (80.0, 0.24)]
     decision = SpecPolicy(_config()).decide(_worker(0, MEASURED, verify_cost=dear), "repetitive")
     assert (decision.label, decision.reason) == ("off", "measured")
+
+
+def test_a_worker_whose_verify_graph_pads_the_drafts_is_priced_at_the_graphs_rows() -> None:
+    """Verify steps rising with their rows as measured eagerly; the worker says its verify graph
+    computes 5 rows for each of up to 64 sequences. At 20 sequences fewer drafts would read
+    cheaper; padded, every cap costs 100 rows, and the most drafts pay best."""
+    verify = [(5.0, 0.02), (40.0, 0.03), (100.0, 0.06), (320.0, 0.14)]
+    eager = SpecPolicy(_config()).decide(_worker(19, MEASURED, verify_cost=verify), "repetitive")
+    assert eager.label == "suffix" and 0 < eager.predicted_k < 4
+    padded = SpecPolicy(_config()).decide(
+        _worker(19, MEASURED, verify_cost=verify, verify_pad=(5, 64)), "repetitive")
+    assert (padded.label, padded.predicted_k) == ("suffix", 4)
+    # Past the graph's sequences the drafts asked are priced again.
+    big = SpecPolicy(_config()).decide(
+        _worker(19, MEASURED, verify_cost=verify, verify_pad=(5, 16)), "repetitive")
+    assert big.predicted_k == eager.predicted_k
 
 
 def test_request_classes() -> None:
