@@ -132,6 +132,7 @@ def calibrate_point(engine: CalibratedEngine, batch: int, drafts: int) -> int:
             engine.step()
             steps += 1
         engine.spec_cost = live_cost
+        live_cost.fit_context = False  # short contexts on an idle host: points, not the slope
         for _ in range(CALIBRATION_STEPS):
             engine.step()
             steps += 1
@@ -140,6 +141,7 @@ def calibrate_point(engine: CalibratedEngine, batch: int, drafts: int) -> int:
         while engine.has_step_in_flight:
             engine.step()
     finally:
+        live_cost.fit_context = True
         (engine.config, engine.proposers[method], engine.spec_budget, engine.spec_cost,
          sched.num_draft_tokens, sched.num_accepted_tokens, stats.num_drafts,
          stats.accepted_per_pos) = saved

@@ -11,9 +11,10 @@ for stories, and a curve last fed by code edits held stories' drafts at a cap to
 (bench/results/cpu_spec_budget_trace/). The curve is asked for at the batch's own context.
 
 Steps are grouped by rows in half-octave buckets (1, 1.4, 2, 2.8, 4, ...); each bucket keeps
-its last FIT_WINDOW steps. `per_kv_token` is fitted across buckets by least squares within each
-bucket (rows and KV tokens against seconds, about the bucket's means, so the rows' own slope
-is not taken for the context's), refitted every REFIT_EVERY steps, and kept at 0 until its
+its last FIT_WINDOW steps. `per_kv_token` is fitted by least squares within each shape of step
+(its rows and sequences: KV tokens against seconds, about the shape's means, so neither the
+rows' own slope nor a batch's last steps are taken for the context's; `_Bucket.by_shape`),
+refitted every REFIT_EVERY steps, and kept at 0 until its
 standard error says it is measured. A bucket's point is its last COST_WINDOW steps' mean rows
 and median seconds less their context's part, so the points follow the worker's own hardware,
 model and load mix within a few steps, and a step slowed once (a shape's first use: a CUDA
@@ -136,10 +137,28 @@ def _least_squares(devs: list[tuple[float, float, float]],
 class _Bucket:
     steps: deque[tuple[int, float, float]] = field(
         default_factory=lambda: deque(maxlen=FIT_WINDOW))  # (rows, kv_tokens, seconds)
+    # Each step's shape (rows, sequences) for the context fit; None: left out of it.
+    shapes: deque[tuple[int, int] | None] = field(
+        default_factory=lambda: deque(maxlen=FIT_WINDOW))
     count: int = 0  # steps ever recorded
 
     def recent(self) -> list[tuple[int, float, float]]:
         return list(islice(self.steps, max(0, len(self.steps) - COST_WINDOW), None))
+
+    def by_shape(self) -> list[list[tuple[int, float, float]]]:
+        """The steps by shape, for the context fit: within one shape only the contexts
+        differ. Across shapes a bucket mixed a batch's last steps (few sequences, long
+        contexts, the host busy with the requests that ended) with steady steps of as many
+        rows; and start-up calibration (short contexts, an idle host) with live steps of its
+        shape: on the H100 the slope read 1.6e-7 s per KV token where steady runs of 32 and 128
+        sequences each measured 4e-8 (Llama 8B's 128 KiB of KV a token at 3.35 TB/s is
+        3.9e-8), and the curve's rows term collapsed under it. Calibration steps are left out
+        (`StepCostModel.fit_context`)."""
+        groups: dict[tuple[int, int], list[tuple[int, float, float]]] = {}
+        for step, shape in zip(self.steps, self.shapes, strict=True):
+            if shape is not None:
+                groups.setdefault(shape, []).append(step)
+        return list(groups.values())
 
 
 class _Curve:
@@ -150,9 +169,11 @@ class _Curve:
         # The fitted points and the slope they were fitted with, until the next step.
         self._base: tuple[float, list[tuple[float, float]]] | None = None
 
-    def record(self, rows: int, kv_tokens: float, seconds: float) -> None:
+    def record(self, rows: int, kv_tokens: float, seconds: float,
+               shape: tuple[int, int] | None = None) -> None:
         b = self.buckets.setdefault(round(2 * math.log2(rows)), _Bucket())
         b.steps.append((rows, kv_tokens, seconds))
+        b.shapes.append(shape)
         b.count += 1
         self._base = None
 
@@ -198,6 +219,8 @@ class StepCostModel:
         # (rows per sequence, sequences at most) of the verify steps a verify CUDA graph pads
         # (StepCost.verify_pad_rows): set by the engine where the runner captured them.
         self.verify_pad: tuple[int, int] = (0, 0)
+        # Whether steps recorded now join the context fit (calibration's do not: _Bucket.by_shape).
+        self.fit_context = True
 
     def record(self, rows: int, seconds: float, kv_tokens: float = 0.0, sequences: int = 0,
                verify: bool = False) -> None:
@@ -205,7 +228,9 @@ class StepCostModel:
         to `kv_tokens` took `seconds`; `verify`: a sequence in it verified drafts."""
         if rows <= 0 or seconds <= 0:
             return
-        (self.verify if verify else self.plain).record(rows, max(0.0, kv_tokens), seconds)
+        shape = (rows, sequences) if self.fit_context else None
+        (self.verify if verify else self.plain).record(rows, max(0.0, kv_tokens), seconds,
+                                                       shape)
         self._cost = None
         self._recorded += 1
         if sequences > 0:
@@ -214,8 +239,9 @@ class StepCostModel:
                                          self.context_per_sequence
                                          + CONTEXT_SMOOTHING * (per_seq - self.context_per_sequence))
         if self._recorded % REFIT_EVERY == 0:
-            self.per_kv_token = context_slope([list(b.steps) for curve in (self.plain, self.verify)
-                                               for b in curve.buckets.values()])
+            self.per_kv_token = context_slope([g for curve in (self.plain, self.verify)
+                                               for b in curve.buckets.values()
+                                               for g in b.by_shape()])
 
     def points(self, kv_tokens: float = 0.0, verify: bool = False) -> list[tuple[float, float]]:
         """(rows, seconds) per bucket of plain (or verify) steps, for a batch whose contexts

@@ -93,6 +93,33 @@ def test_noise_without_a_context_effect_gives_no_slope_and_a_stall_does_not_make
     assert context_slope(steps) == pytest.approx(PER_KV_TOKEN_S, rel=0.3)
 
 
+def test_a_batchs_last_steps_and_calibration_do_not_make_a_slope() -> None:
+    """GPU-like steps (H100 traces, bench/results/h100/spec_step_trace/): steady runs of 32
+    sequences, 4e-8 s per KV token; the batches' last steps (29-31 sequences, the same rows
+    bucket, long contexts, 5 ms of the host's work for the requests that ended); start-up
+    calibration at short contexts on an idle host. The slope is fitted within each shape of
+    step, calibration left out: fitted over the whole bucket it read several times the truth."""
+    rng = random.Random(3)
+    model = StepCostModel()
+    model.fit_context = False  # calibration
+    for _ in range(8):
+        model.record(32, 0.0060 * (1 + rng.uniform(-0.01, 0.01)), 32 * 16, 32)
+    model.fit_context = True
+    gpu_s = 4e-8
+    for _ in range(3):  # three batches
+        for t in range(40):
+            kv = 32 * (512 + t)
+            model.record(32, (0.0048 + gpu_s * kv) * (1 + rng.uniform(-0.005, 0.005)), kv, 32)
+        for seqs in (31, 30, 29):  # the batch ends
+            model.record(seqs, 0.0048 + gpu_s * seqs * 640 + 0.005, seqs * 640, seqs)
+    assert model.per_kv_token == pytest.approx(gpu_s, rel=0.3)
+    bucket = next(b for b in model.plain.buckets.values() if len(b.steps) > 8)
+    assert context_slope([list(bucket.steps)]) > 2 * gpu_s  # one group: the old fit's
+    # The steady batch's step, at its context.
+    assert model.cost(32 * 540).seconds_at(32) == pytest.approx(0.0048 + gpu_s * 32 * 540,
+                                                                rel=0.05)
+
+
 def test_the_budget_prices_drafts_at_its_batchs_own_context() -> None:
     """Drafts add rows, not KV reads: where a batch's long contexts make every step dear, a
     draft accepted half the time pays; where its contexts are short, the same acceptance does
