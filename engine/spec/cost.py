@@ -71,66 +71,69 @@ def monotone(values: list[float], weights: list[float]) -> list[float]:
 
 
 def context_slope(groups: list[list[tuple[int, float, float]]]) -> float:
-    """Seconds per KV token from steps (rows, kv_tokens, seconds) grouped by rows: least
-    squares on the deviations from each group's means, with rows as a second regressor where
-    they vary within groups; outliers dropped once. 0.0 unless the slope is positive and at
-    least MIN_T standard errors."""
-    devs: list[tuple[float, float, float]] = []
-    dof = 0
+    """Seconds per KV token from steps (rows, kv_tokens, seconds), each group one shape of step
+    (`_Bucket.by_shape`): per group the least-squares slope of seconds on KV tokens about the
+    group's means, weighted by its spread of KV tokens. Their weighted mean (pooled least
+    squares), outliers (a collection, a stall) dropped once, must be at least MIN_T standard
+    errors, else 0.0; the estimate is the lower of it and the weighted median: alone, the mean
+    let one group whose steps differed in more than their context (the host busier at one end:
+    a probe's sweep beside live steps of its shape) carry the slope."""
+    centred: list[list[tuple[float, float]]] = []
     for g in groups:
         if len(g) < 2:
             continue
-        n = len(g)
-        mr = sum(r for r, _, _ in g) / n
-        mk = sum(k for _, k, _ in g) / n
-        ms = sum(s for _, _, s in g) / n
-        devs.extend((r - mr, k - mk, s - ms) for r, k, s in g)
-        dof += n - 1
-    fit = _least_squares(devs, dof)
-    if fit is None:
+        mk = sum(k for _, k, _ in g) / len(g)
+        ms = sum(s for _, _, s in g) / len(g)
+        devs = [(k - mk, s - ms) for _, k, s in g]
+        if any(dk for dk, _ in devs):
+            centred.append(devs)
+    pooled = _pooled_slope(centred)
+    if pooled is None:
         return 0.0
-    b_rows, slope, _ = fit
-    residuals = [ds - b_rows * dr - slope * dk for dr, dk, ds in devs]
+    residuals = [ds - pooled * dk for devs in centred for dk, ds in devs]
     mad = statistics.median(abs(e) for e in residuals)
     if mad > 0:
-        keep = [d for d, e in zip(devs, residuals, strict=True)
-                if abs(e) <= OUTLIER_SIGMAS * 1.4826 * mad]
-        fit = _least_squares(keep, dof - (len(devs) - len(keep)))
-        if fit is None:
+        limit = OUTLIER_SIGMAS * 1.4826 * mad
+        centred = [kept for kept in ([(dk, ds) for dk, ds in devs
+                                      if abs(ds - pooled * dk) <= limit] for devs in centred)
+                   if len(kept) >= 2 and any(dk for dk, _ in kept)]
+        pooled = _pooled_slope(centred)
+        if pooled is None:
             return 0.0
-        _, slope, _ = fit
-    se = fit[2]
-    return slope if slope > 0 and slope >= MIN_T * se else 0.0
+    slopes: list[tuple[float, float]] = []  # (slope, weight) per group
+    rss = 0.0
+    skk_all = 0.0
+    for devs in centred:
+        skk = sum(dk * dk for dk, _ in devs)
+        slopes.append((sum(dk * ds for dk, ds in devs) / skk, skk))
+        rss += sum((ds - pooled * dk) ** 2 for dk, ds in devs)
+        skk_all += skk
+    dof = sum(len(devs) - 1 for devs in centred) - 1
+    if dof <= 0:
+        return 0.0
+    se = math.sqrt(rss / dof / skk_all)
+    if pooled < MIN_T * se:
+        return 0.0
+    return max(0.0, min(pooled, _weighted_median(slopes)))
 
 
-def _least_squares(devs: list[tuple[float, float, float]],
-                   dof: int) -> tuple[float, float, float] | None:
-    """(rows coefficient, KV coefficient, the KV coefficient's standard error) of seconds on
-    the deviations; the rows term only where rows vary. None where the KV tokens do not vary,
-    or vary only with the rows (then the two cannot be told apart, and the curve over rows
-    keeps the time)."""
-    srr = sum(dr * dr for dr, _, _ in devs)
-    skk = sum(dk * dk for _, dk, _ in devs)
-    srk = sum(dr * dk for dr, dk, _ in devs)
-    srs = sum(dr * ds for dr, _, ds in devs)
-    sks = sum(dk * ds for _, dk, ds in devs)
-    sss = sum(ds * ds for _, _, ds in devs)
+def _pooled_slope(centred: list[list[tuple[float, float]]]) -> float | None:
+    skk = sum(dk * dk for devs in centred for dk, _ in devs)
     if skk <= 0:
         return None
-    det = srr * skk - srk * srk
-    if srr > 0:
-        if det <= 1e-6 * srr * skk:
-            return None
-        b_rows = (skk * srs - srk * sks) / det
-        slope = (srr * sks - srk * srs) / det
-        params, var_factor = 2, srr / det
-    else:
-        b_rows, slope, params, var_factor = 0.0, sks / skk, 1, 1.0 / skk
-    free = dof - params
-    if free <= 0:
-        return None
-    rss = max(0.0, sss - b_rows * srs - slope * sks)
-    return b_rows, slope, math.sqrt(rss / free * var_factor)
+    return sum(dk * ds for devs in centred for dk, ds in devs) / skk
+
+
+def _weighted_median(values: list[tuple[float, float]]) -> float:
+    """The value at half the total weight of (value, weight) pairs."""
+    ordered = sorted(values)
+    half = sum(w for _, w in ordered) / 2
+    seen = 0.0
+    for v, w in ordered:
+        seen += w
+        if seen >= half:
+            return v
+    return ordered[-1][0]
 
 
 @dataclass(slots=True)

@@ -20,7 +20,9 @@ exactly as often as forced whatever the batch and step shape. In order:
    engine counts them; the policy's prediction from the measured cost and acceptance
    (engine_api/spec_gain.py `best_k`, the gateway's rule and MIN_GAIN for b alike sequences);
    and `policy`: the cap as the gateway sends it (K when the predicted k is above 0, else 0; no
-   SLO), the worker's step budget and pausing picking each step's drafts.
+   SLO), the worker's step budget and pausing picking each step's drafts. Each mode runs
+   `--repeats` times (off first; then always and policy in turn, the prediction after the first
+   always-on run), and the run of median TPOT stands for it (`tpot_ms_runs`: all of them).
 
 TPOT is per request (first to last token), the median over the batch. Every run's tokens are
 checked against the chain (`follows_chain`). The JSON is rewritten after every batch, so a
@@ -78,6 +80,10 @@ class ProbeConfig:
     max_num_batched_tokens: int = 8192
     cpu_threads: int | None = None  # the engine's default (the usable CPUs)
     async_scheduling: bool | None = None  # the engine's default (on for CUDA)
+    # Runs of each mode per cell, interleaved (always, policy, always, ...): the median's TPOT.
+    # One run each left a cell to the machine: on a lent H100 two runs drafting alike differed
+    # by up to 20%.
+    repeats: int = 3
 
     def sweep_tokens(self, batch: int) -> int:
         """Output tokens a sweep request has room for: one per step while the batch's prompts
@@ -99,7 +105,8 @@ class ProbeConfig:
 # scheduling as a CUDA engine runs it. One CPU thread: the tiny model's matmuls are too small to
 # share, and on a busy machine threads that wait for each other made its steps ~9x slower.
 SMOKE = ProbeConfig(model="dummy:tiny", batches=(1, 2, 4), input_len=32, output_len=48,
-                    device="cpu", max_num_batched_tokens=32, cpu_threads=1, async_scheduling=True)
+                    device="cpu", max_num_batched_tokens=32, cpu_threads=1, async_scheduling=True,
+                    repeats=2)
 
 
 @contextlib.contextmanager
@@ -264,19 +271,26 @@ def measure_batch(engine: LLMEngine, chain: Chain, prompts: list[list[int]], cfg
                   ) -> dict[str, Any]:
     b = len(prompts)
     row: dict[str, Any] = {"batch": b, **sweep_cost(engine, chain, prompts, cfg)}
-    off = run_batch(engine, chain, prompts, cfg.output_len, 0, "probe_off", f"off{b}")
+    off = median_run([run_batch(engine, chain, prompts, cfg.output_len, 0, "probe_off",
+                                f"off{b}-{i}") for i in range(cfg.repeats)])
     row["off"] = off
     row["by_acceptance"] = []
     for rate in cfg.rates:
         cls = f"forced_{round(rate * 100)}_b{b}"
         drafter = ChainDrafter(chain, rate)
-        with spec_settings(engine, drafter, budget=False, min_accepted=0.0):
-            always = run_batch(engine, chain, prompts, cfg.output_len, cfg.k, cls, f"al{b}-{rate}")
-        pred = predict(engine, cls, b, cfg.k, b * (cfg.input_len + cfg.output_len / 2))
-        pred["cap_sent"] = cfg.k if pred["k"] else 0
-        with spec_settings(engine, drafter, budget=True, min_accepted=None):
-            policy = run_batch(engine, chain, prompts, cfg.output_len, pred["cap_sent"], cls,
-                               f"po{b}-{rate}")
+        runs: dict[str, list[dict[str, Any]]] = {"always": [], "policy": []}
+        pred: dict[str, Any] = {}
+        for i in range(cfg.repeats):
+            with spec_settings(engine, drafter, budget=False, min_accepted=0.0):
+                runs["always"].append(run_batch(engine, chain, prompts, cfg.output_len, cfg.k,
+                                                cls, f"al{b}-{rate}-{i}"))
+            if not pred:  # from the first always-on run's numbers, as the gateway would
+                pred = predict(engine, cls, b, cfg.k, b * (cfg.input_len + cfg.output_len / 2))
+                pred["cap_sent"] = cfg.k if pred["k"] else 0
+            with spec_settings(engine, drafter, budget=True, min_accepted=None):
+                runs["policy"].append(run_batch(engine, chain, prompts, cfg.output_len,
+                                                pred["cap_sent"], cls, f"po{b}-{rate}-{i}"))
+        always, policy = median_run(runs["always"]), median_run(runs["policy"])
         tpots = {"off": off["tpot_ms"], "always": always["tpot_ms"], "policy": policy["tpot_ms"]}
         fixed = [v for m, v in tpots.items() if m != "policy" and v]
         row["by_acceptance"].append({
@@ -285,6 +299,12 @@ def measure_batch(engine: LLMEngine, chain: Chain, prompts: list[list[int]], cfg
             "policy_vs_best_fixed": (round(min(fixed) / policy["tpot_ms"], 3)
                                      if policy["tpot_ms"] and fixed else None)})
     return row
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median TPOT (the lower middle of an even count), with every run's TPOT."""
+    ordered = sorted(runs, key=lambda r: r["tpot_ms"] or 0.0)
+    return {**ordered[(len(ordered) - 1) // 2], "tpot_ms_runs": [r["tpot_ms"] for r in runs]}
 
 
 def table_line(row: dict[str, Any]) -> dict[str, Any]:
@@ -395,11 +415,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["bfloat16", "float32"])
     p.add_argument("--device")
     p.add_argument("--gpu-memory-utilization", type=float)
+    p.add_argument("--repeats", type=int, help=f"runs of each mode per cell (default "
+                                               f"{default.repeats}; the median counts)")
     args = p.parse_args(argv)
     cfg = SMOKE if args.smoke else default
     given = {"model": args.model, "k": args.k, "input_len": args.input_len,
              "output_len": args.output_len, "dtype": args.dtype, "device": args.device,
-             "gpu_memory_utilization": args.gpu_memory_utilization,
+             "gpu_memory_utilization": args.gpu_memory_utilization, "repeats": args.repeats,
              "batches": _numbers(args.batches, int) if args.batches else None,
              "rates": _numbers(args.acceptance, float) if args.acceptance else None}
     cfg = dataclasses.replace(cfg, **{k: v for k, v in given.items() if v is not None})

@@ -56,6 +56,10 @@ def test_smoke_run_gives_the_table_at_the_forced_acceptance(
         for e in row["by_acceptance"]:
             always, policy, pred = e["always"], e["policy"], e["prediction"]
             assert always["follows_chain"] and policy["follows_chain"]
+            # Each mode's median run of its repeats stands for it.
+            for run in (always, policy):
+                assert len(run["tpot_ms_runs"]) == cfg.repeats
+                assert run["tpot_ms"] == sorted(run["tpot_ms_runs"])[(cfg.repeats - 1) // 2]
             assert always["draft_tokens"] > (cfg.k - 1) * always["verify_steps"] > 0
             assert 0 <= pred["k"] <= cfg.k and list(pred["per_k"]) == ks
             assert pred["cap_sent"] == (cfg.k if pred["k"] else 0)
