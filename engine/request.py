@@ -170,8 +170,10 @@ class Request:
         # the device; None: the drafts are deterministic).
         self.spec_draft_probs: object | None = None
         self.spec_sync_in = 0  # steps left to overlap before the proposer looks again
-        # Moving average of the drafts accepted per verify step (optimistic start).
+        # Moving averages of the drafts accepted per verify step, over about four steps and
+        # about twenty (engine/spec/__init__.py; optimistic start).
         self.spec_accepted_avg = float("inf")
+        self.spec_accepted_long_avg = float("inf")
         self.spec_resume_at = 0  # no drafts before the sequence has this many tokens
         self.spec_pause_tokens = 0  # the last pause's length while paused again and again
         self.num_draft_tokens = 0

@@ -494,7 +494,8 @@ def test_a_request_above_the_floor_is_not_paused_by_a_run_of_failures(
 
 
 def test_pauses_of_a_request_whose_drafts_keep_failing_grow() -> None:
-    """Always wrong: pauses of 8, 16, 32, 64, 64 tokens, each after two verify steps."""
+    """Always wrong: pauses of 8, 16, 32, 64, 64 tokens, each after four verify steps (the
+    long average falls below the floor again in four from its restart; the short one in two)."""
     from engine.spec import MAX_PAUSE_TOKENS, SPEC_PROBE_INTERVAL, propose_all, record_verify
 
     class _Wrong(SequenceProposer):
@@ -514,4 +515,4 @@ def test_pauses_of_a_request_whose_drafts_keep_failing_grow() -> None:
             pauses.append(req.spec_pause_tokens)
         req.append_output_token(7)
     assert pauses[:5] == [SPEC_PROBE_INTERVAL, 16, 32, MAX_PAUSE_TOKENS, MAX_PAUSE_TOKENS]
-    assert verifies <= 2 * len(pauses) + 1
+    assert verifies <= 4 * len(pauses) + 1
