@@ -1,0 +1,54 @@
+"""Replay a step trace (step_trace.py's steps.json, gzipped or not) through the step-cost model
+as the engine records it (verify steps, and plain steps that overlapped the next launch;
+start-up calibration left out of the context fit), and print: each change of the fitted
+seconds per KV token (step index, run), and at the end per shape of step (kind, rows,
+sequences; three steps or more) its own slope and weight (its spread of KV tokens). See
+README.md in this folder.
+
+    PYTHONPATH=. python3 bench/results/h100/spec_policy_1205/replay_slope.py TRACE
+"""
+
+import gzip
+import json
+import statistics
+import sys
+from typing import Any
+
+from engine.spec.cost import StepCostModel
+
+
+def load(path: str) -> list[dict[str, Any]]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        steps: list[dict[str, Any]] = json.load(f)
+    return steps
+
+
+def main() -> None:
+    model = StepCostModel()
+    last = None
+    for i, s in enumerate(load(sys.argv[1])):
+        verify = bool(s["drafts"] > 0 or s["padded"])
+        if not verify and not s["async"]:
+            continue  # a plain step held back for drafts: not recorded (llm_engine.py)
+        model.fit_context = not s["run"].startswith("_cal")
+        model.record(s["rows"], s["ms"] / 1e3, s["kv"], s["seqs"], verify)
+        if model.per_kv_token != last:
+            last = model.per_kv_token
+            print(f"step {i} ({s['run']}): {last:.3g} s per KV token")
+    for kind, curve in (("plain", model.plain), ("verify", model.verify)):
+        for _, bucket in sorted(curve.buckets.items()):
+            for group in bucket.by_shape():
+                kv = [k for _, k, _ in group]
+                spread = sum((k - statistics.mean(kv)) ** 2 for k in kv)
+                if len(group) < 3 or spread <= 0:
+                    continue
+                mean_s = statistics.mean(s for _, _, s in group)
+                slope = sum((k - statistics.mean(kv)) * (s - mean_s)
+                            for (_, k, s) in group) / spread
+                print(f"{kind} rows {group[0][0]}: {len(group)} steps, KV {min(kv):.0f}-"
+                      f"{max(kv):.0f}, slope {slope:.2e}, weight {spread:.1e}")
+
+
+if __name__ == "__main__":
+    main()
