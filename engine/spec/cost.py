@@ -11,10 +11,10 @@ for stories, and a curve last fed by code edits held stories' drafts at a cap to
 (bench/results/cpu_spec_budget_trace/). The curve is asked for at the batch's own context.
 
 Steps are grouped by rows in half-octave buckets (1, 1.4, 2, 2.8, 4, ...); each bucket keeps
-its last FIT_WINDOW steps. `per_kv_token` is fitted by least squares within each shape of step
-(its rows and sequences: KV tokens against seconds, about the shape's means, so neither the
-rows' own slope nor a batch's last steps are taken for the context's; `_Bucket.by_shape`),
-refitted every REFIT_EVERY steps, and kept at 0 until its
+its last FIT_WINDOW steps. `per_kv_token` (one per curve) is fitted by least squares within
+each shape of step (its rows and sequences: KV tokens against seconds, about the shape's means,
+so neither the rows' own slope nor a batch's last steps are taken for the context's;
+`_Bucket.by_shape`, `context_slope`), refitted every REFIT_EVERY steps, and kept at 0 until its
 standard error says it is measured. A bucket's point is its last COST_WINDOW steps' mean rows
 and median seconds less their context's part, so the points follow the worker's own hardware,
 model and load mix within a few steps, and a step slowed once (a shape's first use: a CUDA
@@ -74,12 +74,21 @@ def context_slope(groups: list[list[tuple[int, float, float]]]) -> float:
     """Seconds per KV token from steps (rows, kv_tokens, seconds), each group one shape of step
     (`_Bucket.by_shape`): per group the least-squares slope of seconds on KV tokens about the
     group's means, weighted by its spread of KV tokens. Their weighted mean (pooled least
-    squares), outliers (a collection, a stall) dropped once, must be at least MIN_T standard
-    errors, else 0.0; the estimate is the lower of it and the weighted median: alone, the mean
-    let one group whose steps differed in more than their context (the host busier at one end:
-    a probe's sweep beside live steps of its shape) carry the slope."""
+    squares) must be at least MIN_T standard errors, else 0.0; the estimate is the lower of it
+    and the weighted median: alone, the mean let one group whose steps differed in more than
+    their context (the host busier at one end: a probe's sweep beside live steps of its shape)
+    carry the slope. A group's outliers (a collection, a stall) go first, by its own spread of
+    times: trimmed about a first pooled fit instead, with one threshold for all groups, a noisy
+    group kept the steps that agreed with that fit, and an overestimate confirmed itself (on an
+    H100, 1.1e-6 s per KV token from steady 9.5 ms steps)."""
     centred: list[list[tuple[float, float]]] = []
     for g in groups:
+        times = [s for _, _, s in g]
+        if len(times) >= 3:
+            mid = statistics.median(times)
+            mad = statistics.median(abs(t - mid) for t in times)
+            if mad > 0:
+                g = [step for step in g if abs(step[2] - mid) <= OUTLIER_SIGMAS * 1.4826 * mad]
         if len(g) < 2:
             continue
         mk = sum(k for _, k, _ in g) / len(g)
@@ -90,16 +99,6 @@ def context_slope(groups: list[list[tuple[int, float, float]]]) -> float:
     pooled = _pooled_slope(centred)
     if pooled is None:
         return 0.0
-    residuals = [ds - pooled * dk for devs in centred for dk, ds in devs]
-    mad = statistics.median(abs(e) for e in residuals)
-    if mad > 0:
-        limit = OUTLIER_SIGMAS * 1.4826 * mad
-        centred = [kept for kept in ([(dk, ds) for dk, ds in devs
-                                      if abs(ds - pooled * dk) <= limit] for devs in centred)
-                   if len(kept) >= 2 and any(dk for dk, _ in kept)]
-        pooled = _pooled_slope(centred)
-        if pooled is None:
-            return 0.0
     slopes: list[tuple[float, float]] = []  # (slope, weight) per group
     rss = 0.0
     skk_all = 0.0
@@ -169,8 +168,14 @@ class _Curve:
 
     def __init__(self) -> None:
         self.buckets: dict[int, _Bucket] = {}
+        # Seconds per KV token read (context_slope over this kind's steps), 0 until measured.
+        self.per_kv_token = 0.0
         # The fitted points and the slope they were fitted with, until the next step.
         self._base: tuple[float, list[tuple[float, float]]] | None = None
+
+    def fit_context(self) -> None:
+        self.per_kv_token = context_slope([g for b in self.buckets.values()
+                                           for g in b.by_shape()])
 
     def record(self, rows: int, kv_tokens: float, seconds: float,
                shape: tuple[int, int] | None = None) -> None:
@@ -207,18 +212,21 @@ class StepCostModel:
     verify step also runs the rejection sampler and, its tokens needed on the host before the
     next step's drafts, does not overlap the next step's launch. On the H100 one curve for both
     read 12-15 ms for plain steps of 8-64 sequences that took 6.5-9.5 ms, and the policy drafted
-    where plain decoding was faster (bench/results/h100/spec_step_trace/)."""
+    where plain decoding was faster (bench/results/h100/spec_step_trace/). Each has its own
+    cost per KV token too: a verify step's grows with the drafting the host does between steps
+    (an n-gram lookup reads the whole context), which an overlapped plain step hides; one slope
+    for both read 1.2-1.8e-6 s per KV token from 16-sequence verify steps on an H100 and priced
+    plain steps at twice their time (bench/results/h100/spec_policy_1205/)."""
 
     def __init__(self) -> None:
         self.plain = _Curve()
         self.verify = _Curve()
         self._recorded = 0
-        self.per_kv_token = 0.0  # seconds per KV token read (context_slope), 0 until measured
         # Recent steps' mean context per sequence (the gateway's request joins with about it).
         self.context_per_sequence = 0.0
         # The curves at one batch's context, until the next step: the budget asks for them for
         # each (method, class) and each pause floor every round, at the same context.
-        self._cost: tuple[tuple[float, float, tuple[int, int]], StepCost] | None = None
+        self._cost: tuple[tuple[float, float, float, tuple[int, int]], StepCost] | None = None
         # (rows per sequence, sequences at most) of the verify steps a verify CUDA graph pads
         # (StepCost.verify_pad_rows): set by the engine where the runner captured them.
         self.verify_pad: tuple[int, int] = (0, 0)
@@ -242,20 +250,33 @@ class StepCostModel:
                                          self.context_per_sequence
                                          + CONTEXT_SMOOTHING * (per_seq - self.context_per_sequence))
         if self._recorded % REFIT_EVERY == 0:
-            self.per_kv_token = context_slope([g for curve in (self.plain, self.verify)
-                                               for b in curve.buckets.values()
-                                               for g in b.by_shape()])
+            self.plain.fit_context()
+            self.verify.fit_context()
+
+    @property
+    def per_kv_token(self) -> float:
+        """Plain steps' seconds per KV token (`verify_per_kv_token`: verify steps')."""
+        return self.plain.per_kv_token
+
+    @per_kv_token.setter
+    def per_kv_token(self, seconds: float) -> None:
+        """Both curves' (as if fitted so)."""
+        self.plain.per_kv_token = self.verify.per_kv_token = seconds
+
+    @property
+    def verify_per_kv_token(self) -> float:
+        return self.verify.per_kv_token
 
     def points(self, kv_tokens: float = 0.0, verify: bool = False) -> list[tuple[float, float]]:
         """(rows, seconds) per bucket of plain (or verify) steps, for a batch whose contexts
         sum to `kv_tokens`."""
-        extra = self.per_kv_token * max(0.0, kv_tokens)
         curve = self.verify if verify else self.plain
-        return [(r, s + extra) for r, s in curve.base(self.per_kv_token)]
+        extra = curve.per_kv_token * max(0.0, kv_tokens)
+        return [(r, s + extra) for r, s in curve.base(curve.per_kv_token)]
 
     def cost(self, kv_tokens: float = 0.0) -> StepCost:
         """Both curves, for a batch whose contexts sum to `kv_tokens`."""
-        key = (kv_tokens, self.per_kv_token, self.verify_pad)
+        key = (kv_tokens, self.plain.per_kv_token, self.verify.per_kv_token, self.verify_pad)
         if self._cost is None or self._cost[0] != key:
             self._cost = key, StepCost.of(self.points(kv_tokens),
                                           self.points(kv_tokens, verify=True), self.verify_pad)

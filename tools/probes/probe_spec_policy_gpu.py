@@ -252,7 +252,7 @@ def predict(engine: LLMEngine, cls: str, batch: int, max_k: int,
     per_k = {}
     for k in range(max_k + 1):
         tokens, rows = acceptance.tokens_and_rows(k)
-        step_s = cost.seconds_at(batch * rows, verify=k > 0)
+        step_s = cost.seconds_at(batch * rows, k > 0, batch)  # a verify graph's padding
         per_k[str(k)] = {"tokens_per_step": round(tokens, 3), "rows_per_seq": round(rows, 3),
                          "step_ms": round(step_s * 1e3, 3),
                          "tpot_ms": round(step_s / tokens * 1e3, 3),
@@ -381,6 +381,7 @@ def run(cfg: ProbeConfig, out: Path, command: str = "") -> dict[str, Any]:
         doc["cost_model_ms"] = _points_ms(engine)  # at no context
         doc["cost_model_verify_ms"] = _points_ms(engine, verify=True)
         doc["cost_model_s_per_kv_token"] = engine.spec_cost.per_kv_token
+        doc["cost_model_verify_s_per_kv_token"] = engine.spec_cost.verify_per_kv_token
         doc["complete"] = all("error" not in r for r in doc["rows"])
     except Exception as e:
         doc["error"] = f"{type(e).__name__}: {e}"

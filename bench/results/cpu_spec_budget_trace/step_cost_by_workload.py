@@ -75,7 +75,8 @@ def main() -> None:
         model.record(rows, seconds, kv, seqs, verify)
     for rows, _, _, seconds, _ in runs["code"]:
         rows_only.record(rows, seconds)
-    print("seconds per KV token", f"{model.per_kv_token:.3g}")
+    print("seconds per KV token (plain, verify steps)",
+          f"{model.per_kv_token:.3g} {model.verify_per_kv_token:.3g}")
     print("stories: rows, steps, measured ms, predicted at their context ms, one curve (code) ms")
     for r, (n, s, kv, _) in tables["text"].items():
         row = r + 4  # the bucket's middle

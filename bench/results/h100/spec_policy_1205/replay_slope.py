@@ -1,7 +1,7 @@
 """Replay a step trace (step_trace.py's steps.json, gzipped or not) through the step-cost model
 as the engine records it (verify steps, and plain steps that overlapped the next launch;
 start-up calibration left out of the context fit), and print: each change of the fitted
-seconds per KV token (step index, run), and at the end per shape of step (kind, rows,
+seconds per KV token of plain and of verify steps (step index, run), and at the end per shape of step (kind, rows,
 sequences; three steps or more) its own slope and weight (its spread of KV tokens). See
 README.md in this folder.
 
@@ -26,16 +26,18 @@ def load(path: str) -> list[dict[str, Any]]:
 
 def main() -> None:
     model = StepCostModel()
-    last = None
+    last: tuple[float, float] | None = None
     for i, s in enumerate(load(sys.argv[1])):
         verify = bool(s["drafts"] > 0 or s["padded"])
         if not verify and not s["async"]:
             continue  # a plain step held back for drafts: not recorded (llm_engine.py)
         model.fit_context = not s["run"].startswith("_cal")
         model.record(s["rows"], s["ms"] / 1e3, s["kv"], s["seqs"], verify)
-        if model.per_kv_token != last:
-            last = model.per_kv_token
-            print(f"step {i} ({s['run']}): {last:.3g} s per KV token")
+        slopes = (model.per_kv_token, model.verify_per_kv_token)
+        if slopes != last:
+            last = slopes
+            print(f"step {i} ({s['run']}): {slopes[0]:.3g} / {slopes[1]:.3g} s per KV token "
+                  "(plain / verify steps)")
     for kind, curve in (("plain", model.plain), ("verify", model.verify)):
         for _, bucket in sorted(curve.buckets.items()):
             for group in bucket.by_shape():
