@@ -94,14 +94,15 @@ MAX_PAUSE_TOKENS = 64
 # the floor. The four-step average alone is noisy where the floor is near the request's mean: at
 # 30% acceptance (0.43 drafts a step) and the H100's measured floor for one sequence (0.24) it
 # dipped below a quarter of the time, and once it did, two steps that accepted nothing (half
-# of all pairs) paused the request again, for longer each time: it drafted in 92 of 349 steps
-# and ran at 0.88 of always drafting (bench/results/h100/spec_policy_bf7b07a/). The long average
-# restarts at RESUME_LONG_AVG_FACTOR x the floor after a pause: left where it was, a run of bad
-# luck held it below the floor through the pauses (no verify steps to raise it), and the
-# request still drafted in only half its steps; restarted at 1.5 x, a request whose drafts are
-# never right verified in 12% of its steps (4 verify steps to fall below the floor again after
-# each pause). At 1.2 x: that request 6.5%, the one at 30% drafts in 72-90% of its steps
-# (tests/unit/engine/test_spec_budget.py).
+# of all pairs) paused the request again, for longer each time: it drafted 92 tokens where
+# always-on drafted 349, and ran at 0.88 of it (bench/results/h100/spec_policy_1205/
+# bf7b07a_repeats3.json, batch 1). The long average restarts at RESUME_LONG_AVG_FACTOR x the
+# floor after a pause: left where it was, a run of bad luck held it below the floor through the
+# pauses (no verify steps to raise it), and the request still drafted in only half its steps;
+# restarted at 1.5 x, a request whose drafts are never right verified in 12% of its steps (8
+# verify steps to fall below the floor again after each pause). At 1.2 x (4 steps): that
+# request 6.5%, the one at 30% drafts in 72-90% of its steps (tests/unit/engine/
+# test_spec_budget.py).
 SPEC_LONG_AVG_KEEP = 0.95
 RESUME_LONG_AVG_FACTOR = 1.2
 

@@ -216,7 +216,7 @@ class StepCostModel:
     cost per KV token too: a verify step's grows with the drafting the host does between steps
     (an n-gram lookup reads the whole context), which an overlapped plain step hides; one slope
     for both read 1.2-1.8e-6 s per KV token from 16-sequence verify steps on an H100 and priced
-    plain steps at twice their time (bench/results/h100/spec_policy_1205/)."""
+    plain steps at two to three times their time (bench/results/h100/spec_policy_1205/)."""
 
     def __init__(self) -> None:
         self.plain = _Curve()

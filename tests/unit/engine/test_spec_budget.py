@@ -153,9 +153,9 @@ def _drafting_share(rate: float, floor: float, tokens: int = 1500, then: float |
 def test_a_request_near_its_floor_keeps_drafting_one_that_fails_pauses() -> None:
     """The H100's floor for one sequence (0.24) against 30% acceptance (0.43 drafts a step): the
     four-step average alone paused it most of the time (it verified in about a quarter of its
-    steps; on the H100 in 92 of 349); with the long average it verifies in most. Drafts never
-    right: paused nearly always. Right 60% of the time, then never: as good as never after; the
-    other way round: drafting again, as good as always right."""
+    steps; on the H100 it drafted 92 tokens to always-on's 349); with the long average it
+    verifies in most. Drafts never right: paused nearly always. Right 60% of the time, then
+    never: as good as never after; the other way round: drafting again, as good as always."""
     shares = [_drafting_share(0.3, 0.24, seed=s) for s in range(6)]
     assert min(shares) > 0.65 and sum(shares) / len(shares) > 0.8, shares
     assert _drafting_share(0.0, 0.24) < 0.08
