@@ -437,6 +437,8 @@ class LLMEngine:
         if self.is_shut_down:
             raise RuntimeError("the engine was shut down")
         started = time.perf_counter()
+        for indexer in self._indexers:  # catch-up done between steps (a KV load's first
+            indexer.take_index_seconds()  # drafts) is no part of this step's time
         self.scheduler.expire_leases()
         out = self.scheduler.schedule()
         if out.kv_loads:

@@ -109,3 +109,33 @@ def test_the_load_report_prices_steps_at_the_running_batchs_context(
         assert [p.rows for p in reported if p.verify == verify] == [r for r, _ in points]
         assert [p.seconds for p in reported if p.verify == verify] == pytest.approx(
             [s + 1e-4 * kv for _, s in points])
+
+
+def test_suffix_indexing_between_steps_is_not_taken_off_the_next_step(
+        tiny_model_dirs: dict[str, Path]) -> None:
+    """A request's first drafts can be proposed between steps (a decode worker's KV load
+    finishing): the suffix tree's catch-up then is no part of the next step, whose time the
+    engine lowers only by the catch-up done within it. Here 10 s of it before a step: taken off
+    that step, its time would be negative and the step not recorded."""
+    from engine.spec.suffix import SuffixProposer
+
+    engine = tiny_llm(tiny_model_dirs["llama"], speculative_config=NGRAM,
+                      async_scheduling=False).engine
+    suffix = next(p for p in engine.proposers.values() if isinstance(p, SuffixProposer))
+    recorded: list[float] = []
+    record = engine.spec_cost.record
+
+    def spy(rows: int, seconds: float, *args: Any, **kwargs: Any) -> None:
+        recorded.append(seconds)
+        record(rows, seconds, *args, **kwargs)
+
+    engine.spec_cost.record = spy  # type: ignore[method-assign]
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", p, greedy(16))
+    while not recorded:  # until decode steps are timed
+        engine.step()
+    before = len(recorded)
+    suffix._index_seconds += 10.0  # as if indexed between steps
+    engine.step()
+    assert len(recorded) == before + 1 and 0 < recorded[-1] < 10.0
+
