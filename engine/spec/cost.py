@@ -173,7 +173,7 @@ class _Curve:
         # The fitted points and the slope they were fitted with, until the next step.
         self._base: tuple[float, list[tuple[float, float]]] | None = None
 
-    def fit_context(self) -> None:
+    def refit_slope(self) -> None:
         self.per_kv_token = context_slope([g for b in self.buckets.values()
                                            for g in b.by_shape()])
 
@@ -250,8 +250,8 @@ class StepCostModel:
                                          self.context_per_sequence
                                          + CONTEXT_SMOOTHING * (per_seq - self.context_per_sequence))
         if self._recorded % REFIT_EVERY == 0:
-            self.plain.fit_context()
-            self.verify.fit_context()
+            self.plain.refit_slope()
+            self.verify.refit_slope()
 
     @property
     def per_kv_token(self) -> float:

@@ -55,7 +55,7 @@ from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.spec import Proposer
 from engine_api.request_options import RequestOptions
-from engine_api.spec_gain import best_k
+from engine_api.spec_gain import best_k, step_seconds
 from tools.probes.forced_acceptance import Chain, ChainDrafter, make_chain_model
 
 METHOD = "ngram"         # the proposer slot the chain drafter takes
@@ -248,11 +248,11 @@ def predict(engine: LLMEngine, cls: str, batch: int, max_k: int,
     acceptance = engine.spec_stats.acceptance(METHOD, cls)
     if acceptance is None or not cost:
         return {"k": 0, "note": "nothing measured"}
-    plain_s = cost.seconds_at(batch)
+    plain_s = step_seconds(cost, batch)
     per_k = {}
     for k in range(max_k + 1):
         tokens, rows = acceptance.tokens_and_rows(k)
-        step_s = cost.seconds_at(batch * rows, k > 0, batch)  # a verify graph's padding
+        step_s = step_seconds(cost, batch, rows_per_seq=rows, verify=k > 0)  # as the policy
         per_k[str(k)] = {"tokens_per_step": round(tokens, 3), "rows_per_seq": round(rows, 3),
                          "step_ms": round(step_s * 1e3, 3),
                          "tpot_ms": round(step_s / tokens * 1e3, 3),
