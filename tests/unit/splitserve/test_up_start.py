@@ -15,6 +15,7 @@ import pytest
 
 from splitserve import up
 from splitserve.supervise import death_report, exit_reason, ports_in_use
+from tests.support.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -32,12 +33,16 @@ def test_an_unknown_flag_is_refused_by_up_itself(capsys: pytest.CaptureFixture[s
 
 
 def test_a_taken_port_is_named_and_nothing_starts(tmp_path: Path) -> None:
+    # The other services on free ports of their own: a default port (50062, say) can be an
+    # outgoing connection's ephemeral port at the time, and would be named too.
+    others = [flag for name in ("--grpc-port", "--prefill-port", "--decode-port")
+              for flag in (name, str(free_port()))]
     with socket.socket() as other:  # another server on the REST port
         other.bind(("127.0.0.1", 0))
         other.listen()
         port = other.getsockname()[1]
         assert ports_in_use("127.0.0.1", [port]) == [port]
-        out = _up("--port", str(port), "--log-dir", str(tmp_path))
+        out = _up("--port", str(port), *others, "--log-dir", str(tmp_path))
     assert out.returncode == 1
     assert f"port(s) {port} already in use" in out.stderr
     assert "ready" not in out.stdout
