@@ -14,10 +14,11 @@ Pure Python, run between steps on the engine thread: appending a token touches a
 The shared tree holds the outputs of the last `max_cached_requests` finished requests, at most
 `max_cached_tokens` tokens in all: the oldest are taken out (their counts subtracted) first.
 
-Indexing is bounded per call (`max_index_tokens`): at depth 24 a token costs about 10 us on a
-GPU host, so a 640-token request's first proposal held every running sequence's step by
-6.5 ms (an 8K prompt would hold it by 80 ms), and so did each finished output entering the
-shared tree. A call first indexes the tokens that the requests already caught up produced
+Indexing is bounded per call (`max_index_tokens`): at depth 24 a token costs about 10 us (640
+tokens in 6.45 ms on the 2-core CPU; the H100 traces show 6-7 ms of drafting in the steps where
+such a request was first proposed for), so a 640-token request's first proposal held every
+running sequence's step by that much (an 8K prompt, by extrapolation, by ~80 ms), and so did
+each finished output entering the shared tree. A call first indexes the tokens that the requests already caught up produced
 since their last proposal (1 + k at most each), then the rest of its budget goes to the trees
 still catching up (a new request's prompt, in order) and to the shared tree's pending changes.
 A request drafts from what its tree holds meanwhile: a match against its earlier tokens is as
@@ -132,8 +133,8 @@ class SuffixTree:
         return drafts, score
 
 
-# Tokens one call indexes at most (see the module's docstring): about 1.3 ms of a GPU host's
-# time at depth 24; a request's new tokens (1 + k a step) are indexed whatever is left.
+# Tokens one call indexes at most (see the module's docstring): about 1.3 ms at ~10 us a token
+# (an estimate); a request's new tokens (1 + k a step) are indexed whatever is left.
 MAX_INDEX_TOKENS = 128
 
 
