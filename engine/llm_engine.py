@@ -34,7 +34,7 @@ from engine.spec import Proposer, draft_cap, propose_all
 from engine.spec.budget import StepBudget
 from engine.spec.cost import StepCostModel
 from engine.spec.shadow import ShadowDrafts
-from engine.spec.stats import AcceptanceStats
+from engine.spec.stats import AcceptanceStats, DraftRounds
 from engine.spec.suffix import SuffixProposer
 from engine.step_outputs import StepOutputs
 from engine.structured import GrammarCompiler, RequestGrammar, StructuredOutputError
@@ -134,6 +134,7 @@ class LLMEngine:
         if graphs is not None and self.runner.verify_graph_min_fill <= 0:
             self.spec_cost.verify_pad = (self.runner.verify_q_len, graphs.buckets[-1])
         self.spec_stats = AcceptanceStats(spec.num_speculative_tokens)
+        self.spec_rounds = DraftRounds()  # the worker's own drafting decisions, counted
         self.spec_budget: StepBudget | None = (
             StepBudget(self.spec_cost, self.spec_stats, spec.num_speculative_tokens)
             if self.proposers and spec.step_budget else None)
@@ -569,7 +570,8 @@ class LLMEngine:
                 return floors[k]
         for method, ready in by_method.items():
             propose_all(ready, self.proposers[method],
-                        self.config.speculative.min_accepted_per_step, step_k, pause_floor)
+                        self.config.speculative.min_accepted_per_step, step_k, pause_floor,
+                        self.spec_rounds)
         self.spec_shadow.propose(reqs, self.proposers)
 
     def _step_output(self, req: Request, toks: list[SampledToken]) -> StepOutput:

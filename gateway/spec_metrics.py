@@ -1,6 +1,7 @@
 """Speculative decoding on the gateway's /metrics and spans: the policy's choices per decode
 worker (gateway/spec_policy.py), and what each worker reports of its trade (LoadReport):
-its step cost by query rows, its acceptance per proposer and request class, and vLLM's
+its step cost by query rows, its acceptance per proposer and request class, its own drafting
+decisions per round (the drafts its step budget allowed, the pauses it began), and vLLM's
 cumulative counters (`spec_decode_num_drafts`, `spec_decode_num_accepted_tokens_per_pos`).
 """
 
@@ -69,6 +70,17 @@ class SpecWorkerCollector:
             "splitserve:spec_decode_accepted_per_step",
             "Drafts accepted per step of a speculating request at the worker's cap (smoothed), "
             "by proposer and request class.", labels=(*_LABELS, "method", "request_class"))
+        rounds = CounterMetricFamily(
+            "splitserve:spec_decode_draft_rounds",
+            "Drafting rounds of speculating requests by the drafts the worker's step budget "
+            "allowed them (0: held at none; the gateway's cap where the budget did not lower "
+            "it), per proposer and request class.",
+            labels=(*_LABELS, "method", "request_class", "num_speculative_tokens"))
+        pauses = CounterMetricFamily(
+            "splitserve:spec_decode_pauses",
+            "Pauses from drafting the worker began for requests whose recent drafts were "
+            "accepted too rarely, per proposer and request class.",
+            labels=(*_LABELS, "method", "request_class"))
         for role, reports in samples.items():
             for worker, r in reports:
                 if not (r.max_speculative_tokens or r.spec_num_drafts):
@@ -84,7 +96,14 @@ class SpecWorkerCollector:
                                            ).tokens_and_rows(len(a.drafted))
                     accepted.add_metric([role, worker, _METHOD_NAMES.get(a.method, "other"),
                                          a.request_class or "none"], tokens - 1.0)
-        yield from (drafts, per_pos, cost, accepted)
+                for d in r.spec_draft_rounds:
+                    rounds.add_metric([role, worker, _METHOD_NAMES.get(d.method, "other"),
+                                       d.request_class or "none",
+                                       str(d.num_speculative_tokens)], float(d.rounds))
+                for q in r.spec_pauses:
+                    pauses.add_metric([role, worker, _METHOD_NAMES.get(q.method, "other"),
+                                       q.request_class or "none"], float(q.pauses))
+        yield from (drafts, per_pos, cost, accepted, rounds, pauses)
 
 
 class SpecMetrics:

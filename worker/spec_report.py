@@ -1,5 +1,6 @@
 """A decode worker's speculative decoding numbers for its LoadReport: the measured step cost,
-the smoothed acceptance per proposer and request class, and vLLM's cumulative counters
+the smoothed acceptance per proposer and request class, the worker's own drafting decisions
+(drafts allowed per round, pauses), and vLLM's cumulative counters
 (engine/spec/cost.py and stats.py measure them; the gateway's policy reads them)."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ def spec_report(engine: LLMEngine) -> dict[str, Any]:
     behind, never torn."""
     if not engine.proposers:
         return {}
-    stats = engine.spec_stats
+    stats, rounds = engine.spec_stats, engine.spec_rounds
     # The step cost at the running batch's context with one more sequence of the recent mean
     # context: the batch a request the gateway sends here joins.
     kv_tokens = (sum(r.num_tokens for r in list(engine.scheduler.running))
@@ -36,4 +37,12 @@ def spec_report(engine: LLMEngine) -> dict[str, Any]:
         "spec_verify_pad_max_seqs": engine.spec_cost.verify_pad[1],
         "spec_num_drafts": stats.num_drafts,
         "spec_accepted_tokens_per_pos": list(stats.accepted_per_pos),
+        "spec_draft_rounds": [
+            common_pb2.SpecDraftRounds(method=SPEC_METHOD_ENUMS[m], request_class=c,
+                                       num_speculative_tokens=k, rounds=n)
+            for (m, c, k), n in sorted(dict(rounds.allowed).items())
+            if m in SPEC_METHOD_ENUMS],
+        "spec_pauses": [
+            common_pb2.SpecPauses(method=SPEC_METHOD_ENUMS[m], request_class=c, pauses=n)
+            for (m, c), n in sorted(dict(rounds.pauses).items()) if m in SPEC_METHOD_ENUMS],
     }

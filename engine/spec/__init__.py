@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from engine.request import Request
+    from engine.spec.stats import DraftRounds
 
 
 def draft_cap(req: Request) -> int:
@@ -110,7 +111,8 @@ RESUME_LONG_AVG_FACTOR = 1.2
 def propose_all(reqs: Sequence[Request], proposer: Proposer,
                 min_accepted_per_step: float,
                 step_k: Callable[[Request], int] | None = None,
-                pause_floor: Callable[[Request], float | None] | None = None) -> None:
+                pause_floor: Callable[[Request], float | None] | None = None,
+                rounds: DraftRounds | None = None) -> None:
     """Set each request's `spec_token_ids`, the drafts it verifies next step (maybe none), and
     when the proposer looks again (`spec_sync_in`, for async scheduling).
 
@@ -127,7 +129,9 @@ def propose_all(reqs: Sequence[Request], proposer: Proposer,
     pause is coarse (8-64 tokens, decided on a four-step average), and a measured floor above
     0.4 (about one draft a step on the 2-core CPU) paused stories whose acceptance merely
     varied, 0.90 of always drafting at 32 against 1.02 (bench/results/cpu_spec_policy_floor_7641f29/);
-    the step budget lowers a class's drafts where they do not pay on average."""
+    the step budget lowers a class's drafts where they do not pay on average. `rounds`: where
+    the decisions are counted (the drafts each asked or held request was allowed, the pauses
+    begun)."""
     asked: list[Request] = []
     for req in reqs:
         if step_k is not None:
@@ -135,6 +139,8 @@ def propose_all(reqs: Sequence[Request], proposer: Proposer,
             if req.spec_step_k == 0:  # its steps may overlap until the next look
                 req.spec_token_ids = []
                 req.spec_sync_in = SPEC_PROBE_INTERVAL
+                if rounds is not None:
+                    rounds.count_round(req.spec_method, req.spec_class, 0)
                 continue
         floor = min_accepted_per_step
         if pause_floor is not None and floor > 0 and not req.spec_fixed:
@@ -152,11 +158,15 @@ def propose_all(reqs: Sequence[Request], proposer: Proposer,
             req.spec_accepted_avg = resume_avg
             req.spec_accepted_long_avg = RESUME_LONG_AVG_FACTOR * floor
             req.spec_resume_at = req.num_tokens + paused_for
+            if rounds is not None:
+                rounds.count_pause(req.spec_method, req.spec_class)
         if paused_for > 0:
             req.spec_token_ids = []
             req.spec_sync_in = paused_for
         else:
             asked.append(req)
+            if rounds is not None:
+                rounds.count_round(req.spec_method, req.spec_class, draft_cap(req))
     if not asked:
         return
     for req in asked:

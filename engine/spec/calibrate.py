@@ -23,7 +23,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.spec import Proposer, SequenceProposer
 from engine.spec.budget import StepBudget
 from engine.spec.cost import StepCostModel
-from engine.spec.stats import AcceptanceStats
+from engine.spec.stats import AcceptanceStats, DraftRounds
 from engine_api.request_options import RequestOptions
 from engine_api.sampling_params import SamplingParams
 
@@ -58,6 +58,7 @@ class CalibratedEngine(Protocol):
     proposers: dict[str, Proposer]
     spec_cost: StepCostModel
     spec_stats: AcceptanceStats
+    spec_rounds: DraftRounds
     spec_budget: StepBudget | None
 
     @property
@@ -107,8 +108,9 @@ def calibrate_point(engine: CalibratedEngine, batch: int, drafts: int) -> int:
     vocab = engine.model_config.vocab_size
     sched, stats, live_cost = engine.scheduler, engine.spec_stats, engine.spec_cost
     saved = (engine.config, engine.proposers[method], engine.spec_budget, live_cost,
-             sched.num_draft_tokens, sched.num_accepted_tokens, stats.num_drafts,
-             list(stats.accepted_per_pos))
+             engine.spec_rounds, sched.num_draft_tokens, sched.num_accepted_tokens,
+             stats.num_drafts, list(stats.accepted_per_pos))
+    engine.spec_rounds = DraftRounds()  # the synthetic requests' rounds: not counted
     # Drafts every step: no pause for failing drafts, no budget lowering them.
     engine.config = dataclasses.replace(
         engine.config, speculative=dataclasses.replace(spec, min_accepted_per_step=0.0))
@@ -143,8 +145,8 @@ def calibrate_point(engine: CalibratedEngine, batch: int, drafts: int) -> int:
     finally:
         live_cost.fit_context = True
         (engine.config, engine.proposers[method], engine.spec_budget, engine.spec_cost,
-         sched.num_draft_tokens, sched.num_accepted_tokens, stats.num_drafts,
-         stats.accepted_per_pos) = saved
+         engine.spec_rounds, sched.num_draft_tokens, sched.num_accepted_tokens,
+         stats.num_drafts, stats.accepted_per_pos) = saved
         stats.forget(CALIBRATION_CLASS)
     return steps
 

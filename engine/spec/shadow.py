@@ -24,6 +24,10 @@ is for a speculating request. A request keeps at most one proposal per method pe
 is made once it is scored. A proposal whose tokens never came (the request ended) is dropped:
 counting it short would bias the numbers.
 
+Suffix decoding indexes a new request's text over a few rounds (suffix.py): a shadow proposal
+waits until the request's tree holds all of it (asked again every round until then), since
+drafts from part of the text would read the method low.
+
 A draft model is not shadowed: running it for drafts nobody verifies costs a forward pass.
 """
 
@@ -33,6 +37,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine.spec.suffix import SuffixProposer
 from engine_api.spec_gain import SHADOWED_METHODS
 
 if TYPE_CHECKING:
@@ -118,7 +123,8 @@ class ShadowDrafts:
         for method, asked in by_method.items():
             drafts = _ask(proposers[method], asked)
             for (req, k), d in zip(asked, drafts, strict=True):
-                self._add(req, method, d, k)
+                if d is not None:  # None: not ready to measure yet (catching up)
+                    self._add(req, method, d, k)
 
     def _add(self, req: Request, method: str, drafts: Sequence[int], k: int) -> None:
         if not drafts:  # a step with no drafts
@@ -146,15 +152,19 @@ class ShadowDrafts:
         self._sampled.pop(request_id, None)
 
 
-def _ask(proposer: Proposer, asked: Sequence[tuple[Request, int]]) -> list[list[int]]:
-    """`proposer`'s drafts for each (request, k). A proposer drafts up to `draft_cap(req)`;
-    for this call the cap is k and the budget's round cap is lifted, then both restored (the
-    request's own drafts for its next step are not touched)."""
+def _ask(proposer: Proposer, asked: Sequence[tuple[Request, int]]) -> list[list[int] | None]:
+    """`proposer`'s drafts for each (request, k); None where suffix decoding has not caught
+    up with the request's text. A proposer drafts up to `draft_cap(req)`; for this call the
+    cap is k and the budget's round cap is lifted, then both restored (the request's own
+    drafts for its next step are not touched)."""
     saved = [(req.num_speculative_tokens, req.spec_step_k) for req, _ in asked]
     for req, k in asked:
         req.num_speculative_tokens, req.spec_step_k = k, -1
+    reqs = [req for req, _ in asked]
     try:
-        return proposer.propose_batch([req for req, _ in asked])
+        if isinstance(proposer, SuffixProposer):
+            return proposer.propose_caught_up(reqs)
+        return list(proposer.propose_batch(reqs))
     finally:
         for (req, _), (cap, step_k) in zip(asked, saved, strict=True):
             req.num_speculative_tokens, req.spec_step_k = cap, step_k

@@ -13,6 +13,11 @@ drafts there, so the budget (and the gateway) judged k = 4 no better than the ca
 and the cap never rose again. Each step's weight decays by ACCEPTANCE_DECAY per later step
 of the same (method, class): the numbers follow a workload that changes within a few hundred
 steps.
+
+`DraftRounds` counts what the worker itself decided in each drafting round (cumulative, for
+/metrics): the drafts its step budget allowed a request, and the pauses it began, per proposer
+and class. The gateway's cap is only where a request starts; these say where the worker went
+below it.
 """
 
 from __future__ import annotations
@@ -51,6 +56,24 @@ class _Decayed:
         scale = [self.steps / a if a > 0 else 0.0 for a in self.allowed]
         return Acceptance(self.steps, tuple(x * f for x, f in zip(self.drafted, scale, strict=True)),
                           tuple(x * f for x, f in zip(self.accepted, scale, strict=True)))
+
+
+@dataclass(slots=True)
+class DraftRounds:
+    """Cumulative per-round drafting decisions of the worker (engine/spec/__init__.py's
+    `propose_all`): request-rounds by (method, class, drafts allowed), 0 where the step budget
+    held the request at none; pauses begun by (method, class)."""
+
+    allowed: dict[tuple[str, str, int], int] = field(default_factory=dict)
+    pauses: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def count_round(self, method: str, request_class: str, allowed: int) -> None:
+        key = (method, request_class, allowed)
+        self.allowed[key] = self.allowed.get(key, 0) + 1
+
+    def count_pause(self, method: str, request_class: str) -> None:
+        key = (method, request_class)
+        self.pauses[key] = self.pauses.get(key, 0) + 1
 
 
 class AcceptanceStats:

@@ -203,16 +203,17 @@ class SuffixProposer:
         # A request caught up at its last proposal gained at most 1 + k tokens: those first,
         # whatever the budget, so that one long new prompt does not hold the others' trees.
         budget = self.max_index_tokens
-        behind: list[tuple[_Tracked, list[int]]] = []
-        for t, req in zip(tracked, reqs, strict=True):
+        behind: list[tuple[int, int, _Tracked, list[int]]] = []
+        for i, (t, req) in enumerate(zip(tracked, reqs, strict=True)):
             tokens = req.all_token_ids
             missing = len(tokens) - len(t.tokens)
             if missing <= 1 + max(req.num_speculative_tokens, 1):
                 budget -= self._index(t, tokens, missing)
             elif missing > 0:
-                behind.append((t, tokens))
+                behind.append((missing, i, t, tokens))
+        behind.sort(key=lambda b: b[:2])  # the nearest to caught up first: more of them draft
         started = time.perf_counter()
-        for t, tokens in behind:
+        for _, _, t, tokens in behind:
             if budget <= 0:
                 break
             budget -= self._index(t, tokens, budget)
@@ -222,6 +223,14 @@ class SuffixProposer:
 
     def propose(self, req: Request) -> list[int]:
         return self.propose_batch([req])[0]
+
+    def propose_caught_up(self, reqs: Sequence[Request]) -> list[list[int] | None]:
+        """As `propose_batch`, but None for a request whose tree does not yet hold all of its
+        tokens: drafts from part of a request's text are fewer than suffix decoding gives it,
+        so shadow proposals (shadow.py), which measure the method, wait until it caught up."""
+        drafts = self.propose_batch(reqs)
+        return [d if len(self._tracked[r.request_id].tokens) >= r.num_tokens else None
+                for r, d in zip(reqs, drafts, strict=True)]
 
     def _track(self, req: Request) -> _Tracked:
         tracked = self._tracked.get(req.request_id)

@@ -312,6 +312,10 @@ def test_adaptive_policy_reads_the_workers_measurements(
         chosen = {common_pb2.SpeculativeMethod.Value(
             "SPECULATIVE_METHOD_" + s.labels["method"].upper()) for s in decisions}
         assert {(m, "repetitive") for m in chosen} <= measured
+        # The worker's own rounds, counted by the drafts it allowed, for what the gateway chose.
+        drafted = {(d.method, d.request_class) for d in report.spec_draft_rounds if d.rounds}
+        assert {(m, "repetitive") for m in chosen} <= drafted
+        assert ("splitserve:spec_decode_draft_rounds_total", None) in by_name
     finally:
         loop_thread.run(gateway.stop(), 60)
 

@@ -14,8 +14,10 @@ of each policy (the mean over rounds), and the policy's ratio to the best of the
 `worst_policy_ratio_vs_best` is the least of those ratios. Since the modes of a round run back
 to back, each row also has the ratio round by round against that best mode (`paired`: the
 rounds' ratios, their mean and its standard error), which tells a loss from the machine's
-drift. Rows are written to `F.partial` as they finish. Also the policy gateway's decisions
-and the decode worker's measured step cost and acceptance at the end.
+drift. Per row and mode, what the decode worker did in that mode's runs (`worker_by_mode`:
+verify steps with drafts, drafts accepted, drafting rounds by the drafts its step budget
+allowed, pauses begun). Rows are written to `F.partial` as they finish. Also the policy
+gateway's decisions and the decode worker's measured step cost and acceptance at the end.
 
 Usage: PYTHONPATH=. python3 tools/probes/probe_spec_policy.py --out F [--concurrency 1,4,16,32]
        [--rounds 2] [--max-tokens 40]
@@ -164,6 +166,25 @@ async def _worker_numbers(decode_port: int, token: str) -> dict[str, Any]:
     }
 
 
+async def _worker_counters(decode_port: int, token: str) -> dict[str, float]:
+    """The decode worker's cumulative drafting counters, flat: verified drafts (`drafts`:
+    verify steps with drafts; `accepted`: drafts accepted), rounds by the drafts its step
+    budget allowed (`rounds/method/class/k`) and pauses begun (`pauses/method/class`)."""
+    async with grpc.aio.insecure_channel(f"{HOST}:{decode_port}") as ch:
+        r = await decode_pb2_grpc.DecodeStub(ch).GetLoad(
+            common_pb2.LoadRequest(), metadata=bearer_metadata(token), timeout=30)
+    names = {common_pb2.SPECULATIVE_METHOD_NGRAM: "ngram",
+             common_pb2.SPECULATIVE_METHOD_SUFFIX: "suffix"}
+    out = {"drafts": float(r.spec_num_drafts),
+           "accepted": float(sum(r.spec_accepted_tokens_per_pos))}
+    for d in r.spec_draft_rounds:
+        out[f"rounds/{names.get(d.method, d.method)}/{d.request_class}/"
+            f"{d.num_speculative_tokens}"] = float(d.rounds)
+    for q in r.spec_pauses:
+        out[f"pauses/{names.get(q.method, q.method)}/{q.request_class}"] = float(q.pauses)
+    return out
+
+
 def paired_ratio(runs: dict[str, list[float]], best_other: str) -> dict[str, Any]:
     """The policy's ratio to `best_other` round by round (both ran in the same round, back to
     back), their mean and the mean's standard error (0 with one round)."""
@@ -180,7 +201,11 @@ def _diff(after: dict[str, float], before: dict[str, float]) -> dict[str, float]
 
 
 async def measure(ports: dict[str, int], model: str, concurrency: list[int], rounds: int,
-                  max_tokens: int, partial: Path | None = None) -> list[dict[str, Any]]:
+                  max_tokens: int, worker: tuple[int, str],
+                  partial: Path | None = None) -> list[dict[str, Any]]:
+    """The table's rows; `worker`: the decode worker's port and token, whose drafting counters
+    are read around every mode's run (the modes of a round run one after another, so each
+    run's difference is its own)."""
     bases = {m: f"http://{HOST}:{p}" for m, p in ports.items()}
     # Warm-up, not recorded: every gateway and workload once (the policy learns here too).
     for make in WORKLOADS.values():
@@ -191,6 +216,7 @@ async def measure(ports: dict[str, int], model: str, concurrency: list[int], rou
         for c in concurrency:
             n = max(c, MIN_REQUESTS)
             runs: dict[str, list[float]] = {m: [] for m in MODES}
+            counters: dict[str, dict[str, float]] = {m: {} for m in MODES}
             decided_before = _decisions(ports["policy"])
             for r in range(rounds):
                 shift = (r + len(rows)) % len(MODES)  # each cell and round its own order
@@ -202,7 +228,11 @@ async def measure(ports: dict[str, int], model: str, concurrency: list[int], rou
                     # modes from round to round: some sets are easier to draft for.
                     prompt_set = (MODES.index(mode) + r) % len(MODES)
                     prompts = [make(1000 * prompt_set + 100 * r + i) for i in range(n)]
+                    before = await _worker_counters(*worker)
                     tokens, seconds = await run_cell(bases[mode], model, prompts, c, max_tokens)
+                    done = _diff(await _worker_counters(*worker), before)
+                    for key, count in done.items():
+                        counters[mode][key] = counters[mode].get(key, 0.0) + count
                     runs[mode].append(tokens / seconds)
                     print(f"{wl} c={c} round {r} {mode}: {tokens / seconds:.1f} tok/s",
                           flush=True)
@@ -212,6 +242,7 @@ async def measure(ports: dict[str, int], model: str, concurrency: list[int], rou
                          "runs_tok_s": {m: [round(x, 2) for x in v] for m, v in runs.items()},
                          "policy_ratio_vs_best": round(tok_s["policy"] / tok_s[best_mode], 3),
                          "paired": paired_ratio(runs, best_mode),
+                         "worker_by_mode": counters,
                          "policy_decisions": _diff(_decisions(ports["policy"]),
                                                    decided_before)})
             if partial is not None:
@@ -263,7 +294,7 @@ def main() -> int:
         started = time.time()
         load_before = os.getloadavg()
         rows = asyncio.run(measure(ports, model, concurrency, args.rounds, args.max_tokens,
-                                   Path(args.out + ".partial")))
+                                   (decode_port, token), Path(args.out + ".partial")))
         load_after = os.getloadavg()
         worker = asyncio.run(_worker_numbers(decode_port, token))
         result = {

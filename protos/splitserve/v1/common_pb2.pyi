@@ -591,6 +591,8 @@ class LoadReport(_message.Message):
     SPEC_STEP_BUDGET_FIELD_NUMBER: _builtins.int
     SPEC_VERIFY_PAD_ROWS_FIELD_NUMBER: _builtins.int
     SPEC_VERIFY_PAD_MAX_SEQS_FIELD_NUMBER: _builtins.int
+    SPEC_DRAFT_ROUNDS_FIELD_NUMBER: _builtins.int
+    SPEC_PAUSES_FIELD_NUMBER: _builtins.int
     num_running: _builtins.int
     num_waiting: _builtins.int
     kv_cache_usage: _builtins.float
@@ -708,6 +710,15 @@ class LoadReport(_message.Message):
 
     @_builtins.property
     def spec_accepted_tokens_per_pos(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def spec_draft_rounds(self) -> _containers.RepeatedCompositeFieldContainer[Global___SpecDraftRounds]:
+        """Cumulative: the worker's own drafting decisions per round (engine/spec/stats.py's
+        DraftRounds): request-rounds by the drafts its step budget allowed (0: held at none), and
+        the pauses it began (a request whose recent drafts failed).
+        """
+
+    @_builtins.property
+    def spec_pauses(self) -> _containers.RepeatedCompositeFieldContainer[Global___SpecPauses]: ...
     def __init__(
         self,
         *,
@@ -746,14 +757,70 @@ class LoadReport(_message.Message):
         spec_step_budget: _builtins.bool = ...,
         spec_verify_pad_rows: _builtins.int = ...,
         spec_verify_pad_max_seqs: _builtins.int = ...,
+        spec_draft_rounds: _abc.Iterable[Global___SpecDraftRounds] | None = ...,
+        spec_pauses: _abc.Iterable[Global___SpecPauses] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "class_labels", b"class_labels", "fingerprint", b"fingerprint", "kv_cache_usage", b"kv_cache_usage", "kv_handles_refused", b"kv_handles_refused", "kv_tiers", b"kv_tiers", "kv_transports", b"kv_transports", "lora_adapters", b"lora_adapters", "lora_paths", b"lora_paths", "lora_roots", b"lora_roots", "lora_running", b"lora_running", "lora_waiting", b"lora_waiting", "max_loras", b"max_loras", "max_speculative_tokens", b"max_speculative_tokens", "num_blocks", b"num_blocks", "num_free_blocks", b"num_free_blocks", "num_leases", b"num_leases", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "spec_acceptance", b"spec_acceptance", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_accepted_tokens_per_pos", b"spec_accepted_tokens_per_pos", "spec_draft_tokens", b"spec_draft_tokens", "spec_num_drafts", b"spec_num_drafts", "spec_step_budget", b"spec_step_budget", "spec_step_cost", b"spec_step_cost", "spec_verify_pad_max_seqs", b"spec_verify_pad_max_seqs", "spec_verify_pad_rows", b"spec_verify_pad_rows", "speculative_methods", b"speculative_methods", "tier_hit_tokens", b"tier_hit_tokens", "tier_saved_blocks", b"tier_saved_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "class_labels", b"class_labels", "fingerprint", b"fingerprint", "kv_cache_usage", b"kv_cache_usage", "kv_handles_refused", b"kv_handles_refused", "kv_tiers", b"kv_tiers", "kv_transports", b"kv_transports", "lora_adapters", b"lora_adapters", "lora_paths", b"lora_paths", "lora_roots", b"lora_roots", "lora_running", b"lora_running", "lora_waiting", b"lora_waiting", "max_loras", b"max_loras", "max_speculative_tokens", b"max_speculative_tokens", "num_blocks", b"num_blocks", "num_free_blocks", b"num_free_blocks", "num_leases", b"num_leases", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "role", b"role", "spec_acceptance", b"spec_acceptance", "spec_accepted_tokens", b"spec_accepted_tokens", "spec_accepted_tokens_per_pos", b"spec_accepted_tokens_per_pos", "spec_draft_rounds", b"spec_draft_rounds", "spec_draft_tokens", b"spec_draft_tokens", "spec_num_drafts", b"spec_num_drafts", "spec_pauses", b"spec_pauses", "spec_step_budget", b"spec_step_budget", "spec_step_cost", b"spec_step_cost", "spec_verify_pad_max_seqs", b"spec_verify_pad_max_seqs", "spec_verify_pad_rows", b"spec_verify_pad_rows", "speculative_methods", b"speculative_methods", "tier_hit_tokens", b"tier_hit_tokens", "tier_saved_blocks", b"tier_saved_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LoadReport: _TypeAlias = LoadReport  # noqa: Y015
+
+@_typing.final
+class SpecDraftRounds(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    METHOD_FIELD_NUMBER: _builtins.int
+    REQUEST_CLASS_FIELD_NUMBER: _builtins.int
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _builtins.int
+    ROUNDS_FIELD_NUMBER: _builtins.int
+    method: Global___SpeculativeMethod.ValueType
+    request_class: _builtins.str
+    num_speculative_tokens: _builtins.int
+    """drafts allowed that round"""
+    rounds: _builtins.int
+    def __init__(
+        self,
+        *,
+        method: Global___SpeculativeMethod.ValueType = ...,
+        request_class: _builtins.str = ...,
+        num_speculative_tokens: _builtins.int = ...,
+        rounds: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["method", b"method", "num_speculative_tokens", b"num_speculative_tokens", "request_class", b"request_class", "rounds", b"rounds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SpecDraftRounds: _TypeAlias = SpecDraftRounds  # noqa: Y015
+
+@_typing.final
+class SpecPauses(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    METHOD_FIELD_NUMBER: _builtins.int
+    REQUEST_CLASS_FIELD_NUMBER: _builtins.int
+    PAUSES_FIELD_NUMBER: _builtins.int
+    method: Global___SpeculativeMethod.ValueType
+    request_class: _builtins.str
+    pauses: _builtins.int
+    def __init__(
+        self,
+        *,
+        method: Global___SpeculativeMethod.ValueType = ...,
+        request_class: _builtins.str = ...,
+        pauses: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["method", b"method", "pauses", b"pauses", "request_class", b"request_class"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SpecPauses: _TypeAlias = SpecPauses  # noqa: Y015
 
 @_typing.final
 class SpecStepCost(_message.Message):

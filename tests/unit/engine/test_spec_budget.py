@@ -14,7 +14,7 @@ from engine.request import Request
 from engine.spec import SequenceProposer, propose_all, record_verify
 from engine.spec.budget import EXPLORE_EVERY, MIN_MEASURED_STEPS, POSITION_EXPLORE_EVERY, StepBudget
 from engine.spec.cost import StepCostModel
-from engine.spec.stats import AcceptanceStats
+from engine.spec.stats import AcceptanceStats, DraftRounds
 
 
 def _budget(accepted: int, method: str = "ngram") -> StepBudget:
@@ -182,3 +182,32 @@ def test_requests_pause_by_the_measured_floor_where_it_is_lower() -> None:
     # Compute-bound: a measured floor above the configured one does not raise it.
     assert not paused(0.8, 1.1) and paused(0.3, 1.1)
     assert not paused(0.0, 0.05, configured=0.0)          # a floor of 0: pauses off
+
+
+def test_the_workers_drafting_decisions_are_counted() -> None:
+    """Each round counts the drafts the budget allowed each request (0: held at none) by
+    method and class; a pause counts once when it begins, not in the rounds it lasts."""
+    class _Some(SequenceProposer):
+        def propose(self, token_ids: list[int], k: int) -> list[int]:
+            return [0] * k
+
+    def request(rid: str, request_class: str) -> Request:
+        req = Request(rid, [1, 2, 3], SamplingParams(max_tokens=100))
+        req.num_speculative_tokens, req.spec_method, req.spec_class = 4, "suffix", request_class
+        return req
+
+    rounds = DraftRounds()
+    code, text, held = request("a", "code"), request("b", "text"), request("c", "text")
+    caps = {"a": 4, "b": 2, "c": 0}
+    for _ in range(2):
+        propose_all([code, text, held], _Some(), 0.4, lambda r: caps[r.request_id], None,
+                    rounds)
+    assert rounds.allowed == {("suffix", "code", 4): 2, ("suffix", "text", 2): 2,
+                              ("suffix", "text", 0): 2}
+    assert rounds.pauses == {}
+    code.spec_accepted_avg = code.spec_accepted_long_avg = 0.0  # its drafts keep failing
+    propose_all([code], _Some(), 0.4, lambda r: 4, None, rounds)
+    assert not code.spec_token_ids and rounds.pauses == {("suffix", "code"): 1}
+    propose_all([code], _Some(), 0.4, lambda r: 4, None, rounds)  # still paused
+    assert rounds.pauses == {("suffix", "code"): 1}
+    assert rounds.allowed[("suffix", "code", 4)] == 2

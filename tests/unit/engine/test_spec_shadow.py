@@ -16,6 +16,7 @@ from engine.spec.budget import StepBudget
 from engine.spec.ngram import NgramProposer
 from engine.spec.shadow import ShadowDrafts, matched_prefix
 from engine.spec.stats import AcceptanceStats
+from engine.spec.suffix import SuffixProposer
 from engine_api.request_options import RequestOptions
 from tests.support.engine_driver import tiny_llm
 from tests.unit.engine.test_spec_decode import (
@@ -196,3 +197,24 @@ def test_sampling_is_bounded_and_skips_what_is_verified() -> None:
     shadow.release("v")
     shadow.propose([_req("y", loop)], proposers)
     assert shadow.num_sampled == 2 and len(shadow) == 2
+
+
+def test_suffix_shadows_wait_until_the_requests_text_is_indexed() -> None:
+    """A long prompt enters suffix decoding's tree over several rounds; a shadow proposal made
+    from part of it would count the method low, so none is made (or counted) until all of it
+    is in; then the request's own loop drafts."""
+    stats = AcceptanceStats(4)
+    shadow = ShadowDrafts(stats)
+    suffix = SuffixProposer(max_depth=8, max_index_tokens=16)
+    req = _req("a", [*range(200, 240), 1, 2, 3, 1, 2], method="ngram", cap=4)
+    req.spec_step_k = 0  # held at none: shadowed by suffix decoding (and n-gram lookup)
+    for _ in range(2):  # 16 and 32 of its 45 tokens indexed
+        shadow.propose([req], {"suffix": suffix})
+        assert len(shadow) == 0 and stats.acceptance("suffix", "text") is None
+    shadow.propose([req], {"suffix": suffix})  # all 45: its loop drafts 3 1 2 ...
+    assert len(shadow) == 1
+    for t in (3, 1, 2, 3):
+        req.append_output_token(t)
+    shadow.score(req)
+    acc = stats.acceptance("suffix", "text")
+    assert acc is not None and acc.steps == 1.0 and acc.accepted[0] > 0

@@ -153,6 +153,20 @@ def test_caught_up_requests_index_their_new_tokens_before_a_long_prompt() -> Non
     assert len(p._tracked["new"].tokens) == 4  # what the budget left
 
 
+def test_requests_behind_catch_up_nearest_first_and_say_when_they_have() -> None:
+    p = SuffixProposer(max_depth=8, max_index_tokens=10)
+    far, near = _request("far", list(range(100, 140)), []), _request("near", [1, 2] * 6, [])
+    # The nearer first, whatever the order: 10 of its 12 tokens; neither has caught up.
+    assert p.propose_caught_up([far, near]) == [None, None]
+    assert (len(p._tracked["near"].tokens), len(p._tracked["far"].tokens)) == (10, 0)
+    drafts = p.propose_caught_up([far, near])  # near's last 2, then 8 of far's
+    assert drafts[0] is None and drafts[1] is not None and drafts[1][:1] == [1]  # caught up
+    assert len(p._tracked["far"].tokens) == 8
+    for _ in range(3):
+        assert p.propose_caught_up([far]) == [None]
+    assert p.propose_caught_up([far]) == [[]]  # all 40 held (no loop in them: no drafts)
+
+
 def test_finished_outputs_enter_and_leave_the_shared_tree_in_pieces() -> None:
     p = SuffixProposer(max_depth=4, max_cached_requests=1, max_index_tokens=5)
     first = _request("a", [1], list(range(20, 32)))  # 12 output tokens
@@ -238,10 +252,12 @@ def test_calibration_measures_step_cost_and_leaves_no_counts(
     assert verify_rows[0] == 5 and max(verify_rows) == 4 * 5  # verifying (1 + 4 rows) 1 .. 4
     assert engine.spec_tokens == (0, 0) and engine.spec_stats.items() == []
     assert engine.spec_stats.num_drafts == 0 and not engine.scheduler.requests
+    assert engine.spec_rounds.allowed == {} and engine.spec_rounds.pauses == {}
     # Live steps are counted per method and class.
     run_steps(llm, PROMPTS[:1], [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)])
     measured = {(m, c): a for m, c, a in engine.spec_stats.items()}
     assert measured[("suffix", "")].steps > 0
+    assert sum(n for (m, _, _), n in engine.spec_rounds.allowed.items() if m == "suffix") > 0
     # The worker's other cheap proposer, measured on the same request by shadow drafts.
     assert set(measured) == {("suffix", ""), ("ngram", "")}
 

@@ -172,6 +172,10 @@ def test_metrics_show_the_decisions_and_the_workers_numbers() -> None:
     worker = _worker(0, MEASURED)
     worker.load.spec_num_drafts = 7
     worker.load.spec_accepted_tokens_per_pos.extend([6, 4, 1, 0])
+    worker.load.spec_draft_rounds.add(method=common_pb2.SPECULATIVE_METHOD_SUFFIX,
+                                      request_class="code", num_speculative_tokens=2, rounds=9)
+    worker.load.spec_pauses.add(method=common_pb2.SPECULATIVE_METHOD_NGRAM,
+                                request_class="text", pauses=3)
     metrics.observe_workers("decode", [worker])
     metrics.observe_spec_decision(ADDRESS, SpecPolicy(_config()).decide(worker, "repetitive"))
     # Every gateway series carries model_name (gateway/request_metrics.py); left out here.
@@ -188,6 +192,11 @@ def test_metrics_show_the_decisions_and_the_workers_numbers() -> None:
     accepted = samples[("splitserve:spec_decode_accepted_per_step",
                         (("method", "suffix"), ("request_class", "repetitive"), *who))]
     assert accepted == pytest.approx(2.65)
+    assert samples[("splitserve:spec_decode_draft_rounds_total", (
+        ("method", "suffix"), ("num_speculative_tokens", "2"), ("request_class", "code"),
+        *who))] == 9
+    assert samples[("splitserve:spec_decode_pauses_total", (
+        ("method", "ngram"), ("request_class", "text"), *who))] == 3
     assert samples[("splitserve:spec_decode_policy_decisions_total", (
         ("method", "suffix"), ("num_speculative_tokens", "4"), ("reason", "measured"),
         ("request_class", "repetitive"), ("worker", ADDRESS)))] == 1
