@@ -12,7 +12,8 @@ draft whose path is likelier (the sum of its steps' shares) wins.
 Pure Python, run between steps on the engine thread: appending a token touches at most
 `max_depth` nodes, a lookup walks at most `max_depth` suffixes of at most `max_depth` tokens.
 The shared tree holds the outputs of the last `max_cached_requests` finished requests, at most
-`max_cached_tokens` tokens in all: the oldest are taken out (their counts subtracted) first.
+`max_cached_tokens` tokens in all: the oldest are taken out (their counts subtracted) first;
+one taken out before it was all indexed leaves only what entered (`_evict`).
 
 Indexing is bounded per call (`max_index_tokens`): at depth 24 a token costs about 10 us (640
 tokens in 6.45 ms on the 2-core CPU; the H100 traces show 6-7 ms of drafting in the steps where
@@ -147,7 +148,7 @@ class _Tracked:
     source: list[int] = field(default_factory=list)    # the request's tokens (its live list)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # compared by identity: two outputs may be equal
 class _SharedChange:
     """A finished output entering the shared tree (+1) or leaving it (-1), indexed in pieces."""
     tokens: list[int]
@@ -178,7 +179,7 @@ class SuffixProposer:
         self.max_cached_tokens = max_cached_tokens
         self.max_index_tokens = max_index_tokens
         self.shared = SuffixTree(max_depth)
-        self._cached: deque[list[int]] = deque()
+        self._cached: deque[_SharedChange] = deque()  # the cached outputs' adds, oldest first
         self._cached_tokens = 0
         self._shared_changes: deque[_SharedChange] = deque()
         self._tracked: dict[str, _Tracked] = {}
@@ -280,14 +281,28 @@ class SuffixProposer:
         output = tracked.source[tracked.num_prompt_tokens:][-self.max_cached_tokens:]
         if not output:
             return
-        self._shared_changes.append(_SharedChange(output, +1))
-        self._cached.append(output)
+        added = _SharedChange(output, +1)
+        self._shared_changes.append(added)
+        self._cached.append(added)
         self._cached_tokens += len(output)
         while (len(self._cached) > self.max_cached_requests
                or self._cached_tokens > self.max_cached_tokens):
             old = self._cached.popleft()
-            self._cached_tokens -= len(old)
-            self._shared_changes.append(_SharedChange(old, -1))
+            self._cached_tokens -= len(old.tokens)
+            self._evict(old)
+
+    def _evict(self, added: _SharedChange) -> None:
+        """Take a cached output out of the shared tree: what of it was indexed leaves (in
+        pieces, as it entered); the rest never enters. Outputs can finish faster than a call's
+        budget indexes them (64 sequences that accept 2 drafts a step add ~190 tokens a step
+        to their own trees alone); then the oldest pending ones are dropped as they are
+        evicted, so the backlog stays within the cache's size instead of growing with every
+        request served."""
+        if added.done < len(added.tokens):
+            # Pending: the queue's head (the one in progress) or after it.
+            self._shared_changes.remove(added)
+        if added.done:
+            self._shared_changes.append(_SharedChange(added.tokens[:added.done], -1))
 
     def shutdown(self) -> None:
         self._tracked.clear()

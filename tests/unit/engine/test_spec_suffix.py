@@ -153,6 +153,38 @@ def test_caught_up_requests_index_their_new_tokens_before_a_long_prompt() -> Non
     assert len(p._tracked["new"].tokens) == 4  # what the budget left
 
 
+def test_outputs_evicted_before_they_were_indexed_never_enter_the_shared_tree() -> None:
+    """Requests can finish faster than a call's budget indexes their outputs: the backlog
+    stays within the cache (the oldest pending outputs dropped as they are evicted; of one
+    half indexed, the half leaves again) instead of growing with every request served."""
+    def finish(p: SuffixProposer, rid: str, output: list[int]) -> None:
+        req = _request(rid, [1], output)
+        p._track(req)  # known to the proposer, as a request it drafted for (nothing indexed)
+        p.release(rid)
+
+    p = SuffixProposer(max_depth=4, max_cached_requests=2, max_index_tokens=5)
+    outputs = [[10 * i + j for j in range(6)] for i in range(1, 11)]
+    for i, out in enumerate(outputs):
+        finish(p, f"r{i}", out)
+    assert p.backlog == 12  # the last two outputs' adds (old: 10 adds and 8 removals, 108)
+    while p.backlog:
+        p.propose(_request("x", [99], []))
+    expected = SuffixTree(4)
+    for out in outputs[-2:]:
+        expected.add(out)
+    assert _windows(p.shared) == _windows(expected)
+
+    p = SuffixProposer(max_depth=4, max_cached_requests=1, max_index_tokens=5)
+    finish(p, "a", list(range(20, 32)))
+    p.propose(_request("x", [99], []))  # 4 of a's 12 tokens in the tree
+    finish(p, "b", [40, 41, 42])  # a evicted half indexed, b before any of it
+    finish(p, "c", [50, 51, 52])
+    assert p.backlog == 4 + 3  # a's 4 leave, c's 3 enter
+    while p.backlog:
+        p.propose(_request("x", [99], []))
+    assert _windows(p.shared) == _windows(_tree_of([50, 51, 52], 4))
+
+
 def test_requests_behind_catch_up_nearest_first_and_say_when_they_have() -> None:
     p = SuffixProposer(max_depth=8, max_index_tokens=10)
     far, near = _request("far", list(range(100, 140)), []), _request("near", [1, 2] * 6, [])
