@@ -19,9 +19,10 @@ Indexing is bounded per call (`max_index_tokens`): at depth 24 a token costs abo
 tokens in 6.45 ms on the 2-core CPU; the H100 traces show 6-7 ms of drafting in the steps where
 such a request was first proposed for), so a 640-token request's first proposal held every
 running sequence's step by that much (an 8K prompt, by extrapolation, by ~80 ms), and so did
-each finished output entering the shared tree. A call first indexes the tokens that the requests already caught up produced
-since their last proposal (1 + k at most each), then the rest of its budget goes to the trees
-still catching up (a new request's prompt, in order) and to the shared tree's pending changes.
+each finished output entering the shared tree. A call first indexes the tokens that the
+requests already caught up produced since their last proposal (1 + k at most each), then the
+rest of its budget goes to the trees still catching up (a new request's prompt; the nearest to
+done first) and to the shared tree's pending changes.
 A request drafts from what its tree holds meanwhile: a match against its earlier tokens is as
 valid in a prefix of its text.
 """
